@@ -1,0 +1,175 @@
+"""Attention over the paged KV pool, behind one interface.
+
+A forward batch mixes sequences in prefill (many query tokens, possibly on top of a cached prefix) and in decode
+(one query token). ``plan`` runs once per forward and prepares what every layer reuses (block tables, masks);
+``forward`` runs per layer: it stores the new K/V in the pool, then attends.
+
+Backends: ``torch`` (CPU and CUDA, always available) and ``flashinfer`` (CUDA, imported lazily).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.engine.kv_cache import DeviceKVPool
+
+
+@dataclass
+class SeqSlice:
+    start: int            # first query token in the flattened batch
+    num_query: int        # tokens computed this step
+    kv_len: int           # tokens in the KV after this step (cached prefix + this step)
+    block_table: list[int]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor   # [T]
+    positions: torch.Tensor   # [T]
+    slots: torch.Tensor       # [T] flat KV slot of each token
+    seqs: list[SeqSlice]
+    sample_idx: torch.Tensor  # [S] flat indices whose logits are wanted
+
+    @classmethod
+    def build(cls, seqs: list[SeqSlice], token_ids: list[list[int]], block_size: int,
+              sample_idx: list[int], device: torch.device | str = "cpu") -> "ForwardBatch":
+        """Flatten per-sequence query tokens; positions and slots follow from each sequence's block table."""
+        positions, slots = [], []
+        for s in seqs:
+            pos = torch.arange(s.kv_len - s.num_query, s.kv_len)
+            table = torch.tensor(s.block_table, dtype=torch.long)
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        flat = [t for ids in token_ids for t in ids]
+        return cls(
+            input_ids=torch.tensor(flat, dtype=torch.long, device=device),
+            positions=torch.cat(positions).to(device),
+            slots=torch.cat(slots).to(device),
+            seqs=seqs,
+            sample_idx=torch.tensor(sample_idx, dtype=torch.long, device=device),
+        )
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch, kv: DeviceKVPool) -> None: ...
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: DeviceKVPool) -> torch.Tensor:
+        """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H, D]``."""
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device | str) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+
+
+class TorchAttention(AttentionBackend):
+    """SDPA. All decode rows go through one batched call over their gathered blocks; each prefill row gets
+    its own call (causal on fresh K/V when nothing is cached, an explicit offset mask over the pool otherwise)."""
+
+    name = "torch"
+
+    def plan(self, batch: ForwardBatch, kv: DeviceKVPool) -> None:
+        device = kv.k.device
+        bs = kv.layout.block_size
+        self._slots = batch.slots
+        decode = [s for s in batch.seqs if s.num_query == 1 and s.kv_len > 1]
+        self.prefill = [s for s in batch.seqs if not (s.num_query == 1 and s.kv_len > 1)]
+        self.decode_idx = torch.tensor([s.start for s in decode], dtype=torch.long, device=device)
+        if decode:
+            self.decode_tables = _pad_tables([s.block_table[:-(-s.kv_len // bs)] for s in decode], device)
+            width = self.decode_tables.shape[1] * bs
+            lens = torch.tensor([s.kv_len for s in decode], device=device)
+            self.decode_mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        self.prefill_plan = []
+        for s in self.prefill:
+            if s.kv_len == s.num_query:
+                self.prefill_plan.append((s, None, None))
+                continue
+            nblocks = -(-s.kv_len // bs)
+            table = torch.tensor([s.block_table[:nblocks]], dtype=torch.long, device=device)
+            q_pos = torch.arange(s.kv_len - s.num_query, s.kv_len, device=device)
+            mask = torch.arange(nblocks * bs, device=device)[None, :] <= q_pos[:, None]
+            self.prefill_plan.append((s, table, mask))
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: DeviceKVPool) -> torch.Tensor:
+        kv.write(layer, self._slots, k, v)
+        out = torch.empty_like(q)
+        if len(self.decode_idx):
+            kc, vc = kv.gather(layer, self.decode_tables)
+            qd = q.index_select(0, self.decode_idx).unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qd, kc.transpose(1, 2), vc.transpose(1, 2),
+                                               attn_mask=self.decode_mask, enable_gqa=True)
+            out.index_copy_(0, self.decode_idx, o.squeeze(2))
+        for s, table, mask in self.prefill_plan:
+            qs = q[s.start:s.start + s.num_query].transpose(0, 1).unsqueeze(0)
+            if table is None:
+                ks = k[s.start:s.start + s.num_query].transpose(0, 1).unsqueeze(0)
+                vs = v[s.start:s.start + s.num_query].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                kc, vc = kv.gather(layer, table)
+                o = F.scaled_dot_product_attention(qs, kc.transpose(1, 2), vc.transpose(1, 2),
+                                                   attn_mask=mask, enable_gqa=True)
+            out[s.start:s.start + s.num_query] = o.squeeze(0).transpose(0, 1)
+        return out
+
+
+
+class FlashInferAttention(AttentionBackend):
+    """FlashInfer's paged prefill/decode kernels (CUDA only). Needs ``pip install kvmesh[cuda]``."""
+
+    name = "flashinfer"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+        try:
+            import flashinfer  # noqa: PLC0415 - optional, CUDA-only dependency
+        except ImportError as e:
+            raise RuntimeError("attention backend 'flashinfer' needs the optional dependency: "
+                               "pip install 'kvmesh[cuda]' (CUDA only)") from e
+        if torch.device(device).type != "cuda":
+            raise RuntimeError("attention backend 'flashinfer' runs on CUDA only; use 'torch' on CPU")
+        self.flashinfer = flashinfer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    def plan(self, batch: ForwardBatch, kv: DeviceKVPool) -> None:
+        device = kv.k.device
+        bs = kv.layout.block_size
+        qo_indptr, kv_indptr, indices, last_len = [0], [0], [], []
+        for s in batch.seqs:
+            nblocks = -(-s.kv_len // bs)
+            qo_indptr.append(qo_indptr[-1] + s.num_query)
+            indices.extend(s.block_table[:nblocks])
+            kv_indptr.append(len(indices))
+            last_len.append(s.kv_len - (nblocks - 1) * bs)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.wrapper.plan(torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32),
+                          torch.tensor(indices, **i32), torch.tensor(last_len, **i32),
+                          self.num_heads, self.num_kv_heads, self.head_dim, bs, causal=True,
+                          q_data_type=kv.compute_dtype, kv_data_type=kv.dtype)
+        self._slots = batch.slots
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: DeviceKVPool) -> torch.Tensor:
+        kv.write(layer, self._slots, k, v)
+        return self.wrapper.run(q, (kv.k[layer], kv.v[layer]))
+
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device | str) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttention()
+    if name == "flashinfer":
+        return FlashInferAttention(num_heads, num_kv_heads, head_dim, torch.device(device))
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'flashinfer'")

@@ -1,0 +1,348 @@
+"""Block ownership: a free list, a radix tree of cached blocks per namespace, eviction, and the host tier.
+
+Invariants
+- A device block is either free, private to one sequence, or owned by exactly one tree ``Node``.
+- A node with ``ref_count > 0`` is in use by a running sequence: it is on the device and is never evicted.
+- Full blocks (``block_size`` tokens) are shared by reference. A *partial* node (fewer tokens, always a leaf) is
+  only ever copied into a new private block, so a sequence never writes into a shared block.
+- Nodes are removed leaf-first, so every node's ancestors are in the tree; without a host tier only leaves are
+  evicted, with one an inner node may spill to the host and stays matchable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence as Seq
+
+from kvmesh.engine.eviction import EvictionPolicy, LRU, now
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
+from kvmesh.engine.sequence import RetentionRange, Sequence
+from kvmesh.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockStored, EventSink, KVEvent
+from kvmesh.keys import BlockKey, chain_key
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...]
+    parent: "Node | None"
+    chain: int                      # the BlockKey of a full block; the namespace seed at a root
+    full: bool
+    block_id: int | None = None     # device block (L1)
+    host_slot: int | None = None    # host block (L2)
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    ref_count: int = 0
+    last_access: float = 0.0
+    hit_count: int = 0
+    priority: int = 0
+    priority_until: float = math.inf
+
+    @property
+    def key(self) -> BlockKey:
+        return BlockKey(self.chain)
+
+
+class PrefixMatch(NamedTuple):
+    nodes: list[Node]        # matched full blocks, in order (device or host resident)
+    partial: Node | None     # a block whose first ``partial_tokens`` tokens also match
+    partial_tokens: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.nodes) * self.block_size + self.partial_tokens
+
+
+def _common_prefix(a: tuple[int, ...], b: Seq[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class BlockManager:
+    def __init__(self, device: DeviceKVPool, host: HostKVPool | None = None,
+                 policy: EvictionPolicy | None = None, on_event: EventSink | None = None,
+                 enable_prefix_caching: bool = True) -> None:
+        self.device = device
+        self.host = host
+        self.block_size = device.layout.block_size
+        self.policy = policy or LRU()
+        self.on_event = on_event
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks: list[int] = list(range(device.num_blocks - 1, -1, -1))
+        self._roots: dict[int, Node] = {}
+        self._device_nodes: set[Node] = set()
+        self._host_nodes: set[Node] = set()
+        self.stats = {"evicted_device": 0, "spilled_host": 0, "loaded_host": 0, "evicted_host": 0}
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._device_nodes)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._host_nodes)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def match(self, seed: int, tokens: Seq[int], max_tokens: int | None = None) -> PrefixMatch:
+        """Longest cached prefix of ``tokens`` (at most ``max_tokens``), at any token boundary."""
+        bs = self.block_size
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        node = self._roots.get(seed)
+        nodes: list[Node] = []
+        if node is None or not self.enable_prefix_caching:
+            return PrefixMatch(nodes, None, 0, bs)
+        pos = 0
+        while pos + bs <= limit:
+            child = node.children.get(tuple(tokens[pos:pos + bs]))
+            if child is None:
+                break
+            nodes.append(child)
+            node, pos = child, pos + bs
+        best, best_len = None, 0
+        rest = tokens[pos:limit]
+        for child in node.children.values():
+            n = _common_prefix(child.tokens, rest)
+            if n > best_len and (child.block_id is not None or child.host_slot is not None):
+                best, best_len = child, n
+        return PrefixMatch(nodes, best, best_len, bs)
+
+    # ---- sequence lifecycle ----------------------------------------------------------------------------------
+    def allocate_prefix(self, seq: Sequence) -> bool:
+        """Attach the longest cached prefix to a new sequence (loading host blocks, copying a partial block).
+
+        Leaves at least one token to compute so the sequence gets logits. False when blocks are short.
+        """
+        tokens = seq.all_token_ids
+        m = self.match(seq.namespace_seed, tokens, max_tokens=len(tokens) - 1)
+        held = m.nodes + ([m.partial] if m.partial else [])
+        for node in held:
+            node.ref_count += 1
+        to_load = [n for n in held if n.block_id is None]
+        fresh = self._allocate(len(to_load) + (1 if m.partial else 0))
+        if fresh is None:
+            for node in held:
+                node.ref_count -= 1
+            return False
+        if to_load:
+            self._load_from_host(to_load, fresh[:len(to_load)])
+        t = now()
+        for node in m.nodes:
+            node.last_access = t
+            node.hit_count += 1
+        seq.nodes = list(m.nodes)
+        seq.block_table = [n.block_id for n in m.nodes]  # type: ignore[misc]
+        if m.partial:
+            private = fresh[-1]
+            self.device.copy_tokens(m.partial.block_id, private, self.block_size)  # type: ignore[arg-type]
+            m.partial.ref_count -= 1
+            m.partial.last_access = t
+            seq.block_table.append(private)
+        seq.num_computed_tokens = m.num_tokens
+        seq.num_cached_tokens = m.num_tokens
+        return True
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the sequence's block table to hold ``num_tokens`` tokens; False if the pool cannot."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need == 0:
+            return True
+        fresh = self._allocate(need)
+        if fresh is None:
+            return False
+        seq.block_table.extend(fresh)
+        return True
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly computed full blocks into the tree so other requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        n_full = seq.num_computed_tokens // bs
+        if len(seq.nodes) >= n_full:
+            return
+        tokens = seq.all_token_ids
+        parent = seq.nodes[-1] if seq.nodes else self._root(seq.namespace_seed)
+        stored: list[BlockKey] = []
+        parent_key = BlockKey(parent.chain) if parent.full else None
+        t = now()
+        for i in range(len(seq.nodes), n_full):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            node = parent.children.get(block_tokens)
+            if node is None:
+                node = Node(block_tokens, parent, chain_key(parent.chain, block_tokens), True,
+                            block_id=seq.block_table[i], last_access=t)
+                self._drop_partial_siblings(parent, block_tokens)
+                parent.children[block_tokens] = node
+                self._device_nodes.add(node)
+                stored.append(node.key)
+            elif node.block_id is None:  # only on the host: our fresh copy becomes the device copy
+                self._release_host(node)
+                node.block_id = seq.block_table[i]
+                self._device_nodes.add(node)
+                stored.append(node.key)
+            else:  # computed twice concurrently: share the cached block, free ours
+                self.free_blocks.append(seq.block_table[i])
+                seq.block_table[i] = node.block_id
+            self._apply_retention(node, seq.retention, i)
+            node.ref_count += 1
+            seq.nodes.append(node)
+            parent = node
+        if stored:
+            self._emit(BlockStored(tuple(stored), parent_key, bs, TIER_DEVICE))
+
+    def free(self, seq: Sequence) -> None:
+        """Release a finished or preempted sequence: shared blocks are unreferenced (and stay cached), the
+        computed tail of a partial block is kept as a partial node, everything else returns to the free list."""
+        self.cache_computed_blocks(seq)
+        t = now()
+        for node in seq.nodes:
+            node.ref_count -= 1
+            node.last_access = t
+        private = seq.block_table[len(seq.nodes):]
+        tail = seq.num_computed_tokens - len(seq.nodes) * self.block_size
+        if private and 0 < tail < self.block_size and self.enable_prefix_caching:
+            parent = seq.nodes[-1] if seq.nodes else self._root(seq.namespace_seed)
+            start = len(seq.nodes) * self.block_size
+            self._add_partial(parent, tuple(seq.all_token_ids[start:start + tail]), private[0], t)
+            private = private[1:]
+        self.free_blocks.extend(private)
+        seq.block_table, seq.nodes = [], []
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+    def _root(self, seed: int) -> Node:
+        root = self._roots.get(seed)
+        if root is None:
+            root = self._roots[seed] = Node((), None, seed, False)
+        return root
+
+    def _emit(self, event: KVEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _apply_retention(self, node: Node, ranges: tuple[RetentionRange, ...], index: int) -> None:
+        start, end = index * self.block_size, (index + 1) * self.block_size
+        for r in ranges:
+            if r.start < end and start < r.end and r.priority >= node.priority:
+                node.priority, node.priority_until = r.priority, now() + r.duration_s
+
+    def _add_partial(self, parent: Node, tokens: tuple[int, ...], block_id: int, t: float) -> None:
+        for sibling in parent.children.values():
+            if sibling.tokens[:len(tokens)] == tokens and sibling.block_id is not None:
+                self.free_blocks.append(block_id)  # a cached sibling already covers these tokens
+                return
+        node = Node(tokens, parent, 0, False, block_id=block_id, last_access=t)
+        parent.children[tokens] = node
+        self._device_nodes.add(node)
+
+    def _drop_partial_siblings(self, parent: Node, tokens: tuple[int, ...]) -> None:
+        dominated = [c for c in parent.children.values()
+                     if not c.full and c.ref_count == 0 and tokens[:len(c.tokens)] == c.tokens]
+        for child in dominated:
+            self._delete(child)
+
+    def _allocate(self, n: int) -> list[int] | None:
+        if n == 0:
+            return []
+        if len(self.free_blocks) < n:
+            self.evict(n - len(self.free_blocks))
+        if len(self.free_blocks) < n:
+            return None
+        return [self.free_blocks.pop() for _ in range(n)]
+
+    def evict(self, n: int) -> int:
+        """Free ``n`` device blocks from unreferenced cached nodes, in the policy's order."""
+        freed = 0
+        while freed < n:
+            t = now()
+            candidates = [x for x in self._device_nodes
+                          if x.ref_count == 0 and (self.host is not None or not x.children)]
+            if not candidates:
+                break
+            candidates.sort(key=lambda x: self.policy.sort_key(x, t))
+            progressed = False
+            for node in candidates:
+                if freed >= n:
+                    break
+                if self._evict_from_device(node):
+                    freed += 1
+                    progressed = True
+            if not progressed:
+                break
+        return freed
+
+    def _evict_from_device(self, node: Node) -> bool:
+        if node.full and self.host is not None and self._make_host_room():
+            (slot,) = self.host.store(self.device.read_blocks([node.block_id]))  # type: ignore[list-item]
+            self.free_blocks.append(node.block_id)  # type: ignore[arg-type]
+            node.block_id, node.host_slot = None, slot
+            self._device_nodes.discard(node)
+            self._host_nodes.add(node)
+            self.stats["spilled_host"] += 1
+            self.stats["evicted_device"] += 1
+            self._emit(BlockRemoved((node.key,), TIER_DEVICE))
+            self._emit(BlockStored((node.key,), self._parent_key(node), self.block_size, TIER_HOST))
+            return True
+        if node.children:
+            return False
+        self.stats["evicted_device"] += 1
+        self._delete(node)
+        return True
+
+    def _make_host_room(self) -> bool:
+        assert self.host is not None
+        if self.host.free_slots:
+            return True
+        t = now()
+        leaves = [x for x in self._host_nodes if not x.children]
+        if not leaves:
+            return False
+        victim = min(leaves, key=lambda x: self.policy.sort_key(x, t))
+        self.stats["evicted_host"] += 1
+        self._delete(victim)
+        return True
+
+    def _load_from_host(self, nodes: list[Node], blocks: list[int]) -> None:
+        assert self.host is not None
+        self.device.write_blocks(blocks, self.host.load([n.host_slot for n in nodes]))  # type: ignore[misc]
+        for node, block in zip(nodes, blocks):
+            self._release_host(node)
+            node.block_id = block
+            self._device_nodes.add(node)
+        self.stats["loaded_host"] += len(nodes)
+        for node in nodes:
+            self._emit(BlockRemoved((node.key,), TIER_HOST))
+            self._emit(BlockStored((node.key,), self._parent_key(node), self.block_size, TIER_DEVICE))
+
+    def _release_host(self, node: Node) -> None:
+        assert self.host is not None and node.host_slot is not None
+        self.host.release(node.host_slot)
+        node.host_slot = None
+        self._host_nodes.discard(node)
+
+    def _parent_key(self, node: Node) -> BlockKey | None:
+        return BlockKey(node.parent.chain) if node.parent is not None and node.parent.full else None
+
+    def _delete(self, node: Node) -> None:
+        assert not node.children and node.ref_count == 0 and node.parent is not None
+        del node.parent.children[node.tokens]
+        tier = TIER_DEVICE
+        if node.block_id is not None:
+            self.free_blocks.append(node.block_id)
+            node.block_id = None
+            self._device_nodes.discard(node)
+        if node.host_slot is not None:
+            self._release_host(node)
+            tier = TIER_HOST
+        if node.full:
+            self._emit(BlockRemoved((node.key,), tier))

@@ -1,0 +1,130 @@
+"""Paged KV storage: the device pool (L1) and the host pool (L2).
+
+Both pools hold whole blocks of shape ``[num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]`` in the storage
+dtype; the device pool is additionally addressable by *slot* (``block_id * block_size + offset``) so a forward pass
+writes each new token's K/V with one ``index_copy_`` per layer. Attention always computes in the model dtype: a
+narrower storage dtype (bf16, fp8 e4m3) is cast back on read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+}
+FP8_MAX = 448.0
+
+
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """A view that index ops accept: CPU kernels for index_copy/index_select skip float8, bytes are bytes."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def storage_dtype(name: str) -> torch.dtype:
+    try:
+        return STORAGE_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {name!r}; choose one of {sorted(STORAGE_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a block's bytes mean. Two parties exchange blocks only when their layouts are equal."""
+
+    model_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "fp32"
+    layout: str = "layer-major"  # [layer, k|v, token, head, dim]
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * torch.empty((), dtype=storage_dtype(self.dtype)).element_size()
+
+
+class DeviceKVPool:
+    """The engine's paged KV tensor. Owns the bytes only; which block belongs to whom is the BlockManager's job."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, compute_dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.compute_dtype = compute_dtype
+        self.dtype = storage_dtype(layout.dtype)
+        shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V ``[tokens, kv_heads, head_dim]`` at flat ``slots``."""
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        if self.dtype == torch.float8_e4m3fn:  # out-of-range values would become NaN, not saturate
+            k, v = k.clamp(-FP8_MAX, FP8_MAX), v.clamp(-FP8_MAX, FP8_MAX)
+        _movable(self.k[layer]).view(-1, heads, dim).index_copy_(0, slots, _movable(k.to(self.dtype)))
+        _movable(self.v[layer]).view(-1, heads, dim).index_copy_(0, slots, _movable(v.to(self.dtype)))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of each row's blocks, ``[batch, blocks * block_size, kv_heads, head_dim]`` in the compute dtype."""
+        batch, nblocks = block_tables.shape
+        shape = (batch, nblocks * self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        k = _movable(self.k[layer]).index_select(0, block_tables.reshape(-1)).view(self.dtype).view(shape)
+        v = _movable(self.v[layer]).index_select(0, block_tables.reshape(-1)).view(self.dtype).view(shape)
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Whole blocks as ``[n, num_layers, 2, block_size, kv_heads, head_dim]`` (storage dtype, a copy)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
+        k, v = _movable(self.k).index_select(1, idx), _movable(self.v).index_select(1, idx)
+        return torch.stack((k, v), dim=2).transpose(0, 1).contiguous().view(self.dtype)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of :meth:`read_blocks`."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
+        data = _movable(data.to(device=self.k.device, dtype=self.dtype)).transpose(0, 1)
+        _movable(self.k).index_copy_(1, idx, data[:, :, 0].contiguous())
+        _movable(self.v).index_copy_(1, idx, data[:, :, 1].contiguous())
+
+    def copy_tokens(self, src_block: int, dst_block: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` of a block (a partial prefix match is copied, never shared)."""
+        self.k[:, dst_block, :num_tokens] = self.k[:, src_block, :num_tokens]
+        self.v[:, dst_block, :num_tokens] = self.v[:, src_block, :num_tokens]
+
+
+class HostKVPool:
+    """L2: a bounded pool of whole blocks in host memory, indexed by slot."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        dtype = storage_dtype(layout.dtype)
+        self.data = torch.zeros((num_blocks, *layout.block_shape), dtype=dtype,
+                                pin_memory=torch.cuda.is_available())
+        self.free_slots = list(range(num_blocks - 1, -1, -1))
+
+    def store(self, blocks: torch.Tensor) -> list[int]:
+        slots = [self.free_slots.pop() for _ in range(blocks.shape[0])]
+        _movable(self.data).index_copy_(0, torch.tensor(slots, dtype=torch.long), _movable(blocks.to("cpu")))
+        return slots
+
+    def load(self, slots: list[int]) -> torch.Tensor:
+        return _movable(self.data).index_select(0, torch.tensor(slots, dtype=torch.long)).view(self.data.dtype)
+
+    def release(self, slot: int) -> None:
+        self.free_slots.append(slot)

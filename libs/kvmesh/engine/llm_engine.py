@@ -1,0 +1,233 @@
+"""The engine: model + paged KV + prefix cache + scheduler + sampling, stepped by its owner.
+
+Threading: an ``LLMEngine`` is not thread-safe. One owner (a CLI loop, or a service's single engine thread)
+calls ``add_request`` / ``abort`` / ``step``; services hand work to that owner through a queue.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.config import EngineConfig
+from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
+from kvmesh.engine.block_manager import BlockManager
+from kvmesh.engine.eviction import make_policy
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVLayout
+from kvmesh.engine.model import LlamaModel
+from kvmesh.engine.model_config import ModelConfig
+from kvmesh.engine.sampling import make_generator, sample
+from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.sequence import RetentionRange, SamplingParams, Sequence, Status
+from kvmesh.events import EventSink
+from kvmesh.keys import Namespace
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    logprobs: list[float] = field(default_factory=list)
+
+
+class _Tracked:
+    """Per-request text state owned by the engine: incremental detokenizer and stop-string matching."""
+
+    def __init__(self, seq: Sequence, detok) -> None:
+        self.seq = seq
+        self.detok = detok
+        self.text = ""
+        self.generator = make_generator(seq.params)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig | None = None,
+                 on_event: EventSink | None = None, seed: int = 0) -> None:
+        """Load ``cfg.model`` (default: the embedded SmolLM2), or build a random-weight model of
+        ``model_config`` with no tokenizer (tests, simulations)."""
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        if cfg.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(COMPUTE_DTYPES)}")
+        self.cfg = cfg
+        dtype = COMPUTE_DTYPES[cfg.dtype]
+        self.tokenizer = None
+        if model_config is None:
+            from kvmesh.engine.loader import load_weights, resolve_model  # noqa: PLC0415 - heavy imports
+            from kvmesh.engine.tokenizer import Tokenizer  # noqa: PLC0415
+
+            source = resolve_model(cfg.model)
+            self.model_config, self.fingerprint = source.config, source.fingerprint
+            self.model = LlamaModel(source.config, dtype, cfg.device)
+            self.model.load_hf_weights(load_weights(source, dtype))
+            self.tokenizer = Tokenizer.from_dir(source.hf_dir)
+        else:
+            self.model_config, self.fingerprint = model_config, f"random-{seed}-{hash_config(model_config)}"
+            self.model = LlamaModel(model_config, dtype, cfg.device)
+            self.model.init_random(seed)
+        mc = self.model_config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        self.layout = KVLayout(self.fingerprint, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
+                               cfg.kv_dtype)
+        num_blocks = cfg.num_blocks or max(8, cfg.kv_cache_mb * 2**20 // self.layout.block_nbytes)
+        self.kv = DeviceKVPool(self.layout, num_blocks, dtype, cfg.device)
+        host = None
+        if cfg.host_cache_mb > 0:
+            host = HostKVPool(self.layout, max(1, cfg.host_cache_mb * 2**20 // self.layout.block_nbytes))
+        self.blocks = BlockManager(self.kv, host, make_policy(cfg.eviction), on_event, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batched_tokens, cfg.max_num_seqs)
+        self.attn = make_backend(cfg.attention, mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.device)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
+        self._requests: dict[str, _Tracked] = {}
+        self._namespaces: dict[tuple[str, str], int] = {}
+        self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def namespace_seed(self, cache_salt: str = "", lora_id: str = "") -> int:
+        key = (cache_salt, lora_id)
+        if key not in self._namespaces:
+            tok_fp = self.tokenizer.fingerprint if self.tokenizer else ""
+            self._namespaces[key] = Namespace(self.fingerprint, tok_fp, lora_id, cache_salt).seed
+        return self._namespaces[key]
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str = "", retention: tuple[RetentionRange, ...] = ()) -> Sequence:
+        """Queue a request. Raises ValueError (nothing queued) when it can never run."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the model's context of {self.max_model_len} tokens")
+        if -(-total // self.cfg.block_size) > self.kv.num_blocks:
+            raise ValueError(f"request needs {total} tokens of KV but the pool holds "
+                             f"{self.kv.num_blocks * self.cfg.block_size}; raise kv_cache_mb")
+        seq = Sequence(request_id, list(prompt_token_ids), params, self.namespace_seed(cache_salt),
+                       retention)
+        detok = None
+        if self.tokenizer is not None:
+            from kvmesh.engine.tokenizer import IncrementalDetokenizer  # noqa: PLC0415
+
+            detok = IncrementalDetokenizer(self.tokenizer)
+        self._requests[request_id] = _Tracked(seq, detok)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None and tracked.seq.status is not Status.FINISHED:
+            self.scheduler.finish(tracked.seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping ------------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        slices, tokens, sample_idx, samplers = [], [], [], []
+        start = 0
+        for seq, n in scheduled:
+            begin = seq.num_computed_tokens
+            slices.append(SeqSlice(start, n, begin + n, seq.block_table))
+            tokens.append(seq.all_token_ids[begin:begin + n])
+            start += n
+            if begin + n == seq.num_tokens:
+                sample_idx.append(start - 1)
+                samplers.append(seq)
+        batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
+        logits = self.model(batch, self.kv, self.attn)
+        self.last_logits = ([s.request_id for s in samplers], logits)  # introspection for tests and tools
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.blocks.cache_computed_blocks(seq)
+        if not samplers:
+            return []
+        new_tokens = sample(logits, [s.params for s in samplers],
+                            [self._requests[s.request_id].generator for s in samplers])
+        now = time.monotonic()
+        return [self._append(seq, tok, now) for seq, tok in zip(samplers, new_tokens)]
+
+    def _append(self, seq: Sequence, token: int, now: float) -> StepOutput:
+        tracked = self._requests[seq.request_id]
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_token_ids.append(token)
+        delta = tracked.detok.push(token) if tracked.detok is not None else ""
+        reason = self._finish_reason(seq, token)
+        if seq.params.stop and delta:
+            text = tracked.text + delta
+            window = len(delta) + max(len(s) for s in seq.params.stop)
+            hits = [i for s in seq.params.stop if (i := text.find(s, max(0, len(text) - window))) >= 0]
+            if hits:
+                delta = text[len(tracked.text):min(hits)] if min(hits) >= len(tracked.text) else ""
+                text = text[:min(hits)]
+                reason = "stop"
+            tracked.text = text
+        else:
+            tracked.text += delta
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return StepOutput(seq.request_id, [token], delta, reason is not None, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- convenience -----------------------------------------------------------------------------------------
+    def completion(self, request_id: str) -> Completion:
+        """The result of a finished request (and forget it)."""
+        tracked = self._requests.pop(request_id)
+        seq = tracked.seq
+        ttft = (seq.first_token_time or seq.arrival) - seq.arrival
+        decode_s = time.monotonic() - (seq.first_token_time or time.monotonic())
+        n = len(seq.output_token_ids)
+        return Completion(request_id, seq.prompt_token_ids, list(seq.output_token_ids), tracked.text,
+                          seq.finish_reason, seq.num_cached_tokens, ttft,
+                          (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 cache_salt: str = "") -> list[Completion]:
+        """Run prompts to completion together (continuous batching) and return them in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p, cache_salt)
+        while any(self._requests[r].seq.status is not Status.FINISHED for r in ids):
+            self.step()
+        return [self.completion(r) for r in ids]
+
+
+def hash_config(cfg: ModelConfig) -> str:
+    import hashlib  # noqa: PLC0415
+
+    return hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]

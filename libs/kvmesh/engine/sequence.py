@@ -1,0 +1,90 @@
+"""A request inside the engine: its tokens, sampling parameters and KV bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.engine.block_manager import Node
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0          # 0 = greedy
+    top_k: int = 0                    # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()        # stop strings (matched on detokenized text by the caller that owns text)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class RetentionRange:
+    """TensorRT-LLM-style retention: blocks overlapping ``[start, end)`` tokens keep ``priority`` for
+    ``duration_s`` seconds (e.g. a system prompt outlives chat turns)."""
+
+    start: int
+    end: int
+    priority: int
+    duration_s: float = float("inf")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace_seed: int = 0
+    retention: tuple[RetentionRange, ...] = ()
+    arrival: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    nodes: list["Node"] = field(default_factory=list)  # cached blocks held, aligned with block_table's prefix
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0       # prompt tokens served from cache at admission
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_uncomputed > 1 or not self.output_token_ids

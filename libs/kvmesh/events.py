@@ -1,0 +1,36 @@
+"""KV events (vLLM's schema): what an engine or pool reports when blocks appear in or leave a tier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+from kvmesh.keys import BlockKey
+
+TIER_DEVICE = "device"
+TIER_HOST = "host"
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_keys: tuple[BlockKey, ...]
+    parent_key: BlockKey | None  # None when the first block starts the sequence
+    token_count: int             # tokens per block
+    tier: str
+    lora: str | None = None
+    extra_keys: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_keys: tuple[BlockKey, ...]
+    tier: str
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+EventSink = Callable[[KVEvent], None]

@@ -1,0 +1,52 @@
+"""Shared builders for engine unit tests: a tiny random Llama as both a transformers model and our engine."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.config import EngineConfig
+from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engine.model_config import ModelConfig
+
+
+def hf_tiny(cfg: ModelConfig, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = AutoConfig.for_model(**cfg.to_hf())
+    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return model
+
+
+def engine_from_hf(hf_model, cfg: ModelConfig, **engine_kwargs) -> LLMEngine:
+    settings = dict(num_blocks=64, block_size=4, max_batched_tokens=256)
+    settings.update(engine_kwargs)
+    engine = LLMEngine(EngineConfig(**settings), model_config=cfg)
+    engine.model.load_hf_weights(hf_model.state_dict())
+    return engine
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") -> tuple[torch.Tensor, int]:
+    """Logits of the first sampled position of ``prompt`` and the number of prompt tokens served from cache."""
+    from kvmesh.engine.sequence import SamplingParams
+
+    rid = f"logits-{len(engine._requests)}-{id(prompt)}"
+    seq = engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt)
+    while True:
+        engine.step()
+        ids, logits = engine.last_logits
+        if rid in ids:
+            row = logits[ids.index(rid)].clone()
+            break
+    engine.completion(rid)
+    return row, seq.num_cached_tokens

@@ -1,0 +1,132 @@
+"""The engine against Hugging Face transformers on a tiny random Llama, and its reuse/batching invariants."""
+
+import pytest
+import torch
+
+from kvmesh.engine.model_config import ModelConfig
+from kvmesh.engine.sequence import SamplingParams
+
+from .helpers import engine_from_hf, hf_greedy, hf_tiny, prompt_logits
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return ModelConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def hf(cfg):
+    return hf_tiny(cfg)
+
+
+def hf_last_logits(hf, prompt):
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, -1]
+
+
+def test_prefill_logits_match_transformers(hf, cfg):
+    engine = engine_from_hf(hf, cfg)
+    prompt = [5, 17, 33, 2, 99, 180, 7, 64, 12, 250, 3]
+    logits, _ = prompt_logits(engine, prompt)
+    assert torch.allclose(logits, hf_last_logits(hf, prompt), atol=1e-4)
+
+
+def test_greedy_tokens_match_transformers(hf, cfg):
+    engine = engine_from_hf(hf, cfg)
+    prompt = [11, 42, 7, 7, 130, 66, 201]
+    (out,) = engine.generate([prompt], GREEDY)
+    assert out.token_ids == hf_greedy(hf, prompt, 10)
+
+
+@pytest.mark.parametrize("shared", [8, 10, 13])  # block boundary (bs=4), mid-block, mid-block near the end
+def test_logits_after_prefix_reuse_equal_full_prefill(hf, cfg, shared):
+    first = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13, 14, 15, 16]
+    second = first[:shared] + [100, 101, 102, 103, 104]
+    cached = engine_from_hf(hf, cfg)
+    prompt_logits(cached, first)
+    reused, hit = prompt_logits(cached, second)
+    full, _ = prompt_logits(engine_from_hf(hf, cfg, enable_prefix_caching=False), second)
+    assert hit == shared
+    assert (reused - full).abs().max().item() <= 1e-4
+
+
+def test_batch_of_different_lengths_gives_each_its_solo_tokens(hf, cfg):
+    prompts = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [200, 3], list(range(60, 81))]
+    solo = [engine_from_hf(hf, cfg).generate([p], GREEDY)[0].token_ids for p in prompts]
+    together = engine_from_hf(hf, cfg).generate(prompts, GREEDY)
+    assert [c.token_ids for c in together] == solo
+
+
+def test_chunked_prefill_gives_the_same_tokens(hf, cfg):
+    prompt = list(range(30, 70))
+    whole = engine_from_hf(hf, cfg).generate([prompt], GREEDY)[0].token_ids
+    chunked = engine_from_hf(hf, cfg, max_batched_tokens=7).generate([prompt], GREEDY)[0].token_ids
+    assert chunked == whole
+
+
+def test_preemption_under_kv_pressure_keeps_outputs_correct(hf, cfg):
+    prompts = [[i, i + 1, i + 2, i + 3, i + 4, i + 5] for i in range(10, 90, 10)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo = [engine_from_hf(hf, cfg).generate([p], params)[0].token_ids for p in prompts]
+    tight = engine_from_hf(hf, cfg, num_blocks=14)
+    outs = tight.generate(prompts, params)
+    assert [c.token_ids for c in outs] == solo
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_second_request_reports_cached_tokens(hf, cfg):
+    engine = engine_from_hf(hf, cfg)
+    prompt = list(range(1, 14))
+    first = engine.generate([prompt], GREEDY)[0]
+    second = engine.generate([prompt + first.token_ids + [5, 6]], GREEDY)[0]
+    assert first.cached_tokens == 0
+    # the first turn's prompt and answer, except the last sampled token (its KV is never computed)
+    assert second.cached_tokens == len(prompt) + len(first.token_ids) - 1
+
+
+def test_different_cache_salt_never_shares_blocks(hf, cfg):
+    engine = engine_from_hf(hf, cfg)
+    prompt = list(range(1, 20))
+    engine.generate([prompt], GREEDY, cache_salt="tenant-a")
+    other = engine.generate([prompt], GREEDY, cache_salt="tenant-b")[0]
+    same = engine.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
+    assert other.cached_tokens == 0
+    assert same.cached_tokens == len(prompt) - 1
+
+
+def test_host_tier_round_trip_restores_evicted_blocks(hf, cfg):
+    engine = engine_from_hf(hf, cfg, num_blocks=12, host_cache_mb=1)
+    prompt = list(range(100, 121))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = engine.generate([prompt], params)[0]
+    for i in range(4):  # push the first prompt's blocks out of the device pool
+        engine.generate([[i + 1] * 20], params)
+    assert engine.blocks.stats["spilled_host"] > 0
+    again = engine.generate([prompt], params)[0]
+    assert engine.blocks.stats["loaded_host"] > 0
+    assert again.cached_tokens == 20
+    assert again.token_ids == first.token_ids
+
+
+def test_fp8_kv_storage_stays_close_to_fp32(hf, cfg):
+    prompt = list(range(20, 45))
+    ref, _ = prompt_logits(engine_from_hf(hf, cfg), prompt)
+    engine = engine_from_hf(hf, cfg, kv_dtype="fp8")
+    prompt_logits(engine, prompt[:-3])
+    fp8, hit = prompt_logits(engine, prompt)  # reads the cached prefix back from fp8 storage
+    assert hit > 0
+    assert engine.kv.k.dtype == torch.float8_e4m3fn
+    assert torch.nn.functional.cosine_similarity(fp8, ref, dim=0) > 0.97  # tiny random weights are harsh on 3 mantissa bits
+
+
+def test_bad_prompts_are_refused_with_a_reason(hf, cfg):
+    engine = engine_from_hf(hf, cfg)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("a", [1, 999], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("b", [], GREEDY)
+    with pytest.raises(ValueError, match="pool holds"):
+        engine.add_request("c", [1] * 300, GREEDY)
+    assert not engine.has_unfinished()
