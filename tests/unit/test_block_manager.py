@@ -1,0 +1,183 @@
+"""Radix prefix cache, eviction order per policy, events and the host tier, on the block manager alone."""
+
+import math
+
+import pytest
+
+from kvmesh.engine.block_manager import BlockManager
+from kvmesh.engine.eviction import LFU, LRU, SLRU, PriorityLRU, make_policy
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVLayout
+from kvmesh.engine.sequence import RetentionRange, SamplingParams, Sequence
+from kvmesh.events import BlockRemoved, BlockStored
+from kvmesh.keys import block_keys
+
+BS = 4
+LAYOUT = KVLayout("fp", num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS)
+
+
+def manager(num_blocks=8, policy=None, host_blocks=0, events=None):
+    host = HostKVPool(LAYOUT, host_blocks) if host_blocks else None
+    return BlockManager(DeviceKVPool(LAYOUT, num_blocks), host, policy or LRU(),
+                        events.append if events is not None else None)
+
+
+def run(bm, tokens, seed=1, retention=()):
+    """Admit a sequence, 'compute' all its tokens, and finish it (its blocks stay cached)."""
+    seq = Sequence("r", list(tokens), SamplingParams(), seed, retention)
+    assert bm.allocate_prefix(seq)
+    assert bm.ensure_slots(seq, len(tokens))
+    seq.num_computed_tokens = len(tokens)
+    bm.free(seq)
+    return seq
+
+
+def hit(bm, tokens, seed=1):
+    """A request that reuses ``tokens`` and adds nothing to the cache."""
+    seq = Sequence("h", list(tokens) + [0], SamplingParams(), seed)
+    assert bm.allocate_prefix(seq)
+    bm.free(seq)
+
+
+def cached_prefixes(bm, prompts, seed=1):
+    return [bm.match(seed, p).num_tokens for p in prompts]
+
+
+def test_match_stops_mid_block_at_the_first_different_token():
+    bm = manager()
+    run(bm, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert bm.match(1, [1, 2, 3, 4, 5, 6, 9, 9]).num_tokens == 6
+
+
+def test_a_partial_match_is_copied_into_a_private_block():
+    bm = manager()
+    run(bm, [1, 2, 3, 4, 5, 6, 7, 8])
+    seq = Sequence("s", [1, 2, 3, 4, 5, 6, 0, 0, 0], SamplingParams(), 1)
+    assert bm.allocate_prefix(seq)
+    shared = bm.match(1, [1, 2, 3, 4, 5, 6, 7, 8]).nodes
+    assert seq.block_table[0] == shared[0].block_id
+    assert seq.block_table[1] != shared[1].block_id
+    assert seq.num_computed_tokens == 6
+
+
+def test_the_trailing_partial_block_is_cached_for_reuse():
+    bm = manager()
+    run(bm, [1, 2, 3, 4, 5, 6])
+    assert bm.match(1, [1, 2, 3, 4, 5, 6, 7]).num_tokens == 6
+
+
+def test_a_referenced_block_is_never_evicted():
+    bm = manager(num_blocks=4)
+    seq = Sequence("s", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), 1)
+    bm.allocate_prefix(seq)
+    bm.ensure_slots(seq, 8)
+    seq.num_computed_tokens = 8
+    bm.cache_computed_blocks(seq)
+    assert bm.evict(4) == 0
+    assert bm.match(1, [1, 2, 3, 4, 5, 6, 7, 8, 0]).num_tokens == 8
+
+
+def test_lru_evicts_the_least_recently_used_prefix():
+    bm = manager(num_blocks=4, policy=LRU())
+    a, b = [1, 1, 1, 1], [2, 2, 2, 2]
+    run(bm, a)
+    run(bm, b)
+    hit(bm, a)  # touch a
+    bm.evict(1)
+    assert cached_prefixes(bm, [a + [9], b + [9]]) == [4, 0]
+
+
+def test_lfu_evicts_the_least_frequently_hit_prefix():
+    bm = manager(num_blocks=4, policy=LFU())
+    a, b = [1, 1, 1, 1], [2, 2, 2, 2]
+    run(bm, a)
+    for _ in range(3):
+        hit(bm, a)
+    run(bm, b)
+    hit(bm, b)  # b is the most recent, but hit less often
+    bm.evict(1)
+    assert cached_prefixes(bm, [a + [9], b + [9]]) == [4, 0]
+
+
+def test_slru_protects_blocks_hit_twice_over_newer_ones():
+    bm = manager(num_blocks=4, policy=SLRU())
+    a, b = [1, 1, 1, 1], [2, 2, 2, 2]
+    run(bm, a)
+    hit(bm, a)
+    hit(bm, a)  # hit twice: protected
+    run(bm, b)        # newer, but on probation
+    bm.evict(1)
+    assert cached_prefixes(bm, [a + [9], b + [9]]) == [4, 0]
+
+
+def test_priority_keeps_a_system_prompt_over_newer_chat_turns():
+    bm = manager(num_blocks=4, policy=PriorityLRU())
+    system, turn = [7, 7, 7, 7], [3, 3, 3, 3]
+    run(bm, system, retention=(RetentionRange(0, 4, priority=50),))
+    run(bm, turn)
+    bm.evict(1)
+    assert cached_prefixes(bm, [system + [9], turn + [9]]) == [4, 0]
+
+
+def test_priority_expires_after_its_duration():
+    policy = PriorityLRU()
+    bm = manager(num_blocks=4, policy=policy)
+    run(bm, [7, 7, 7, 7], retention=(RetentionRange(0, 4, priority=50, duration_s=0.0),))
+    node = bm.match(1, [7, 7, 7, 7, 0]).nodes[0]
+    assert policy.sort_key(node, math.inf)[0] == 0
+
+
+def test_unknown_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="lru"):
+        make_policy("fifo")
+
+
+def test_without_a_host_tier_only_leaves_are_evicted():
+    bm = manager(num_blocks=4)
+    run(bm, [1, 1, 1, 1, 2, 2, 2, 2])
+    bm.evict(1)
+    assert bm.match(1, [1, 1, 1, 1, 2, 2, 2, 2, 0]).num_tokens == 4  # the child went, the parent stayed
+
+
+def test_stored_events_carry_the_chained_block_keys():
+    events = []
+    bm = manager(events=events)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    run(bm, tokens)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored[0].block_keys == tuple(block_keys(1, tokens, BS))
+    assert stored[0].parent_key is None and stored[0].tier == "device"
+
+
+def test_eviction_to_host_reports_removed_from_device_and_stored_on_host():
+    events = []
+    bm = manager(num_blocks=4, host_blocks=4, events=events)
+    run(bm, [1, 2, 3, 4])
+    bm.evict(1)
+    assert isinstance(events[-2], BlockRemoved) and events[-2].tier == "device"
+    assert isinstance(events[-1], BlockStored) and events[-1].tier == "host"
+    assert bm.num_host_blocks == 1 and bm.num_cached_blocks == 0
+
+
+def test_host_blocks_load_back_with_their_bytes():
+    bm = manager(num_blocks=4, host_blocks=4)
+    seq = Sequence("s", [1, 2, 3, 4], SamplingParams(), 1)
+    bm.allocate_prefix(seq)
+    bm.ensure_slots(seq, 4)
+    bm.device.k[0, seq.block_table[0]] = 42.0
+    seq.num_computed_tokens = 4
+    bm.free(seq)
+    bm.evict(1)
+    bm.device.k.zero_()
+    again = Sequence("t", [1, 2, 3, 4, 5], SamplingParams(), 1)
+    assert bm.allocate_prefix(again)
+    assert again.num_computed_tokens == 4
+    assert bool((bm.device.k[0, again.block_table[0]] == 42.0).all())
+
+
+def test_full_host_tier_drops_its_least_valuable_leaf():
+    bm = manager(num_blocks=2, host_blocks=1)
+    run(bm, [1, 1, 1, 1])
+    run(bm, [2, 2, 2, 2])
+    bm.evict(2)
+    assert bm.num_host_blocks == 1
+    assert cached_prefixes(bm, [[1, 1, 1, 1, 0], [2, 2, 2, 2, 0]]) == [0, 4]
