@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-# HF architecture name -> config.json model_type. All three share the Llama block (RMSNorm, SwiGLU, RoPE, GQA).
+# HF architecture -> config.json model_type. All three share the Llama block (RMSNorm, SwiGLU, RoPE, GQA).
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -40,7 +40,7 @@ class ModelConfig:
         arch = archs[0] if archs else ""
         if arch not in MODEL_TYPES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(MODEL_TYPES)}")
-        # transformers 5 writes rope settings as `rope_parameters`, older versions as `rope_theta` + `rope_scaling`.
+        # transformers 5 writes `rope_parameters`; older versions `rope_theta` + `rope_scaling`.
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in (None, "default"):
@@ -48,7 +48,8 @@ class ModelConfig:
         if d.get("mlp_bias"):
             raise ValueError("unsupported mlp_bias=true")
         max_pos = int(d.get("max_position_embeddings", 2048))
-        window = d.get("sliding_window") if d.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        uses_window = d.get("use_sliding_window", arch == "MistralForCausalLM")  # Qwen2 has an on/off flag
+        window = d.get("sliding_window") if uses_window else None
         if window is not None and window < max_pos:
             raise ValueError(f"unsupported sliding-window attention (window {window} < context {max_pos})")
         eos = d.get("eos_token_id")
