@@ -1,0 +1,197 @@
+"""The event bus every kvmesh service uses: nats-py with decoding, trace headers and the durable KV events stream.
+
+Core NATS (``publish`` / ``subscribe``) carries what is only useful live: ``kv.ready`` and heartbeats.
+JetStream (``publish_event`` / ``durable_events_consumer``) carries ``kv.events``, which rebuild state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Awaitable, Callable
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from kvmesh.bus.codec import CodecError, KVEventBatch, Message, decode
+from kvmesh.bus.subjects import Subjects
+from kvmesh.bus.tracing import extract_trace_headers, inject_trace_headers
+
+log = logging.getLogger(__name__)
+_STREAM_NAME_IN_USE = 10058  # JetStream API error code
+
+Handler = Callable[[Message, dict[str, str]], Awaitable[None]]
+EventsHandler = Callable[[KVEventBatch, dict[str, str]], Awaitable[None]]
+
+
+class EventsConsumer:
+    """A running durable consumer of the KV events stream. ``stop()`` ends delivery but keeps the durable (and
+    its acked position) on the server, so the next consumer with the same name resumes where this one stopped."""
+
+    def __init__(self, name: str, sub: nats.js.JetStreamContext.PullSubscription, task: asyncio.Task[None]):
+        self.name = name
+        self._sub = sub
+        self._task = task
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        with contextlib.suppress(nats.errors.Error, ValueError):
+            await self._sub.unsubscribe()
+
+
+class Bus:
+    """One NATS connection. Reconnects forever (short wait) once connected; the first connect has a deadline."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self._consumers: list[EventsConsumer] = []
+
+    @classmethod
+    async def connect(cls, url: str | list[str], name: str, connect_timeout_s: float = 10.0,
+                      reconnect_wait_s: float = 0.5) -> Bus:
+        async def on_error(e: Exception) -> None:
+            log.warning("nats %s: %s", name, e)
+
+        async def on_disconnected() -> None:
+            if not nc.is_closed:  # nats-py also reports a deliberate close as a disconnect
+                log.warning("nats %s: disconnected, reconnecting", name)
+
+        async def on_reconnected() -> None:
+            log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+
+        async def on_closed() -> None:
+            log.info("nats %s: connection closed", name)
+
+        nc = Client()
+        connecting = nc.connect(
+            servers=url, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
+            reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]  # typed int, only slept on
+            connect_timeout=2, ping_interval=10, max_outstanding_pings=3,
+            error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, closed_cb=on_closed)
+        try:
+            # With infinite reconnects nats-py retries even the first connect forever, hence the deadline.
+            await asyncio.wait_for(connecting, connect_timeout_s)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise ConnectionError(f"cannot reach NATS at {url} within {connect_timeout_s}s") from None
+        log.info("nats %s: connected to %s", name, url)
+        return cls(nc)
+
+    # -- core NATS ---------------------------------------------------------------------------------------------
+
+    async def publish(self, subject: str, msg: Message | bytes, headers: dict[str, str] | None = None) -> None:
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        await self.nc.publish(subject, data, headers=inject_trace_headers(headers) or None)
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str | None = None) -> Subscription:
+        """Deliver every decodable message on ``subject`` to ``handler``, one at a time; a message that does
+        not decode, or a handler that raises, is logged and skipped. Active on the server when this returns."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                obj = decode(msg.data)
+            except CodecError as e:
+                log.warning("dropping undecodable message on %s: %s", msg.subject, e)
+                return
+            try:
+                await handler(obj, extract_trace_headers(msg))
+            except Exception:
+                log.exception("handler failed on %s", msg.subject)
+
+        sub = await self.nc.subscribe(subject, queue=queue or "", cb=on_msg)
+        await self.nc.flush()
+        return sub
+
+    # -- JetStream: the KV events stream ------------------------------------------------------------------------
+
+    async def ensure_events_stream(self, subjects: Subjects, max_age_s: float = 24 * 3600.0,
+                                   max_bytes: int = 1 << 30, replicas: int = 1) -> None:
+        """Create the stream that captures ``kv.events.>``, or update its limits; safe to call from every
+        service at start. File storage; the oldest events go first when a limit is hit."""
+        config = StreamConfig(name=subjects.events_stream, subjects=[subjects.kv_events_all],
+                              retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                              discard=DiscardPolicy.OLD, max_age=max_age_s, max_bytes=max_bytes,
+                              num_replicas=replicas)
+        try:
+            await self.js.stream_info(config.name)
+        except nats.js.errors.NotFoundError:
+            try:
+                await self.js.add_stream(config)
+                return
+            except nats.js.errors.BadRequestError as e:
+                if e.err_code != _STREAM_NAME_IN_USE:  # else another service created it meanwhile
+                    raise
+        await self.js.update_stream(config)
+
+    async def publish_event(self, subject: str, batch: KVEventBatch, headers: dict[str, str] | None = None,
+                            timeout_s: float = 5.0) -> int:
+        """Publish ``batch`` into the events stream; returns its stream sequence once the server has stored it."""
+        ack = await self.js.publish(subject, batch.encode(), timeout=timeout_s,
+                                    headers=inject_trace_headers(headers) or None)
+        return ack.seq
+
+    async def durable_events_consumer(self, subjects: Subjects, durable_name: str, handler: EventsHandler,
+                                      batch: int = 64, ack_wait_s: float = 30.0) -> EventsConsumer:
+        """Feed every event batch of the stream to ``handler`` in stream order, acking each after ``handler``
+        returns. A new ``durable_name`` starts at the stream's first message; an existing one resumes after its
+        last ack. Delivery is at least once (a crash between handling and ack redelivers), so handlers must be
+        idempotent. A handler that raises gets the batch again after a second (later batches may be handled
+        first: ``seq`` tells); a message that does not decode is logged and terminated (never redelivered)."""
+        sub = await self.js.pull_subscribe(
+            subjects.kv_events_all, durable=durable_name, stream=subjects.events_stream,
+            config=ConsumerConfig(ack_wait=ack_wait_s))
+        task = asyncio.create_task(self._consume(sub, handler, batch), name=f"events-consumer-{durable_name}")
+        consumer = EventsConsumer(durable_name, sub, task)
+        self._consumers.append(consumer)
+        return consumer
+
+    async def _consume(self, sub: nats.js.JetStreamContext.PullSubscription, handler: EventsHandler,
+                       batch: int) -> None:
+        while True:
+            try:
+                for msg in await sub.fetch(batch, timeout=5.0):
+                    await self._deliver(msg, handler)
+            except asyncio.TimeoutError:  # nothing new
+                continue
+            except nats.errors.ConnectionClosedError:
+                return
+            except nats.errors.Error as e:  # e.g. reconnecting; what was not acked comes back after ack_wait
+                log.warning("events consumer: %s; retrying", e)
+                await asyncio.sleep(0.5)
+
+    @staticmethod
+    async def _deliver(msg: Msg, handler: EventsHandler) -> None:
+        try:
+            obj = decode(msg.data)
+            if not isinstance(obj, KVEventBatch):
+                raise CodecError(f"expected a kv_event_batch, got {type(obj).TYPE}")
+        except CodecError as e:
+            log.warning("terminating undecodable event on %s: %s", msg.subject, e)
+            await msg.term()
+            return
+        try:
+            await handler(obj, extract_trace_headers(msg))
+        except Exception:
+            log.exception("events handler failed on %s seq %d; redelivering", obj.instance_id, obj.seq)
+            await msg.nak(delay=1.0)
+            return
+        await msg.ack()
+
+    async def close(self) -> None:
+        """Stop the consumers (durables stay on the server), flush pending acks and publishes, close."""
+        for consumer in self._consumers:
+            await consumer.stop()
+        self._consumers.clear()
+        if self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)
+        await self.nc.close()

