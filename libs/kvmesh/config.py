@@ -19,7 +19,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "fp32"               # compute dtype: fp32 | bf16 | fp16
     threads: int = 1                  # torch threads for this engine (0 = leave torch's default)
-    attention: str = "torch"          # torch | flashinfer
+    attention: str = "auto"           # auto | torch | native (CPU C kernel) | flashinfer (CUDA)
     block_size: int = 16
     kv_cache_mb: int = 512            # device KV pool size (ignored when num_blocks > 0)
     num_blocks: int = 0

@@ -14,7 +14,7 @@ def hf_tiny(cfg: ModelConfig, seed: int = 0):
 
     torch.manual_seed(seed)
     hf_cfg = AutoConfig.for_model(**cfg.to_hf())
-    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

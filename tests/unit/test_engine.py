@@ -21,63 +21,69 @@ def hf(cfg):
     return hf_tiny(cfg)
 
 
+@pytest.fixture(params=["torch", "native"])
+def make(request, hf, cfg):
+    """An engine on the shared tiny weights, once per attention backend."""
+    return lambda **kw: engine_from_hf(hf, cfg, attention=request.param, **kw)
+
+
 def hf_last_logits(hf, prompt):
     with torch.no_grad():
         return hf(torch.tensor([prompt])).logits[0, -1]
 
 
-def test_prefill_logits_match_transformers(hf, cfg):
-    engine = engine_from_hf(hf, cfg)
+def test_prefill_logits_match_transformers(hf, make):
+    engine = make()
     prompt = [5, 17, 33, 2, 99, 180, 7, 64, 12, 250, 3]
     logits, _ = prompt_logits(engine, prompt)
     assert torch.allclose(logits, hf_last_logits(hf, prompt), atol=1e-4)
 
 
-def test_greedy_tokens_match_transformers(hf, cfg):
-    engine = engine_from_hf(hf, cfg)
+def test_greedy_tokens_match_transformers(hf, make):
+    engine = make()
     prompt = [11, 42, 7, 7, 130, 66, 201]
     (out,) = engine.generate([prompt], GREEDY)
     assert out.token_ids == hf_greedy(hf, prompt, 10)
 
 
 @pytest.mark.parametrize("shared", [8, 10, 13])  # block boundary (bs=4), mid-block, mid-block near the end
-def test_logits_after_prefix_reuse_equal_full_prefill(hf, cfg, shared):
+def test_logits_after_prefix_reuse_equal_full_prefill(hf, make, shared):
     first = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13, 14, 15, 16]
     second = first[:shared] + [100, 101, 102, 103, 104]
-    cached = engine_from_hf(hf, cfg)
+    cached = make()
     prompt_logits(cached, first)
     reused, hit = prompt_logits(cached, second)
-    full, _ = prompt_logits(engine_from_hf(hf, cfg, enable_prefix_caching=False), second)
+    full, _ = prompt_logits(make(enable_prefix_caching=False), second)
     assert hit == shared
     assert (reused - full).abs().max().item() <= 1e-4
 
 
-def test_batch_of_different_lengths_gives_each_its_solo_tokens(hf, cfg):
+def test_batch_of_different_lengths_gives_each_its_solo_tokens(hf, make):
     prompts = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [200, 3], list(range(60, 81))]
-    solo = [engine_from_hf(hf, cfg).generate([p], GREEDY)[0].token_ids for p in prompts]
-    together = engine_from_hf(hf, cfg).generate(prompts, GREEDY)
+    solo = [make().generate([p], GREEDY)[0].token_ids for p in prompts]
+    together = make().generate(prompts, GREEDY)
     assert [c.token_ids for c in together] == solo
 
 
-def test_chunked_prefill_gives_the_same_tokens(hf, cfg):
+def test_chunked_prefill_gives_the_same_tokens(hf, make):
     prompt = list(range(30, 70))
-    whole = engine_from_hf(hf, cfg).generate([prompt], GREEDY)[0].token_ids
-    chunked = engine_from_hf(hf, cfg, max_batched_tokens=7).generate([prompt], GREEDY)[0].token_ids
+    whole = make().generate([prompt], GREEDY)[0].token_ids
+    chunked = make(max_batched_tokens=7).generate([prompt], GREEDY)[0].token_ids
     assert chunked == whole
 
 
-def test_preemption_under_kv_pressure_keeps_outputs_correct(hf, cfg):
+def test_preemption_under_kv_pressure_keeps_outputs_correct(hf, make):
     prompts = [[i, i + 1, i + 2, i + 3, i + 4, i + 5] for i in range(10, 90, 10)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    solo = [engine_from_hf(hf, cfg).generate([p], params)[0].token_ids for p in prompts]
-    tight = engine_from_hf(hf, cfg, num_blocks=14)
+    solo = [make().generate([p], params)[0].token_ids for p in prompts]
+    tight = make(num_blocks=14)
     outs = tight.generate(prompts, params)
     assert [c.token_ids for c in outs] == solo
     assert tight.scheduler.num_preemptions > 0
 
 
-def test_second_request_reports_cached_tokens(hf, cfg):
-    engine = engine_from_hf(hf, cfg)
+def test_second_request_reports_cached_tokens(hf, make):
+    engine = make()
     prompt = list(range(1, 14))
     first = engine.generate([prompt], GREEDY)[0]
     second = engine.generate([prompt + first.token_ids + [5, 6]], GREEDY)[0]
@@ -86,8 +92,8 @@ def test_second_request_reports_cached_tokens(hf, cfg):
     assert second.cached_tokens == len(prompt) + len(first.token_ids) - 1
 
 
-def test_different_cache_salt_never_shares_blocks(hf, cfg):
-    engine = engine_from_hf(hf, cfg)
+def test_different_cache_salt_never_shares_blocks(hf, make):
+    engine = make()
     prompt = list(range(1, 20))
     engine.generate([prompt], GREEDY, cache_salt="tenant-a")
     other = engine.generate([prompt], GREEDY, cache_salt="tenant-b")[0]
@@ -96,8 +102,8 @@ def test_different_cache_salt_never_shares_blocks(hf, cfg):
     assert same.cached_tokens == len(prompt) - 1
 
 
-def test_host_tier_round_trip_restores_evicted_blocks(hf, cfg):
-    engine = engine_from_hf(hf, cfg, num_blocks=12, host_cache_mb=1)
+def test_host_tier_round_trip_restores_evicted_blocks(hf, make):
+    engine = make(num_blocks=12, host_cache_mb=1)
     prompt = list(range(100, 121))
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     first = engine.generate([prompt], params)[0]
@@ -110,10 +116,10 @@ def test_host_tier_round_trip_restores_evicted_blocks(hf, cfg):
     assert again.token_ids == first.token_ids
 
 
-def test_fp8_kv_storage_stays_close_to_fp32(hf, cfg):
+def test_fp8_kv_storage_stays_close_to_fp32(hf, make):
     prompt = list(range(20, 45))
-    ref, _ = prompt_logits(engine_from_hf(hf, cfg), prompt)
-    engine = engine_from_hf(hf, cfg, kv_dtype="fp8")
+    ref, _ = prompt_logits(make(), prompt)
+    engine = make(kv_dtype="fp8")
     prompt_logits(engine, prompt[:-3])
     fp8, hit = prompt_logits(engine, prompt)  # reads the cached prefix back from fp8 storage
     assert hit > 0
@@ -121,8 +127,8 @@ def test_fp8_kv_storage_stays_close_to_fp32(hf, cfg):
     assert torch.nn.functional.cosine_similarity(fp8, ref, dim=0) > 0.97  # tiny random weights are harsh on 3 mantissa bits
 
 
-def test_bad_prompts_are_refused_with_a_reason(hf, cfg):
-    engine = engine_from_hf(hf, cfg)
+def test_bad_prompts_are_refused_with_a_reason(hf, make):
+    engine = make()
     with pytest.raises(ValueError, match="vocabulary"):
         engine.add_request("a", [1, 999], GREEDY)
     with pytest.raises(ValueError, match="empty"):

@@ -87,8 +87,9 @@ class TorchAttention(AttentionBackend):
         if decode:
             self.decode_tables = _pad_tables([s.block_table[:-(-s.kv_len // bs)] for s in decode], device)
             width = self.decode_tables.shape[1] * bs
-            lens = torch.tensor([s.kv_len for s in decode], device=device)
-            self.decode_mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            self.decode_lens = torch.tensor([s.kv_len for s in decode], device=device)
+            self.decode_mask = (torch.arange(width, device=device)[None, :]
+                                < self.decode_lens[:, None])[:, None, None, :]
         self.prefill_plan = []
         for s in self.prefill:
             if s.kv_len == s.num_query:
@@ -105,11 +106,7 @@ class TorchAttention(AttentionBackend):
         kv.write(layer, self._slots, k, v)
         out = torch.empty_like(q)
         if len(self.decode_idx):
-            kc, vc = kv.gather(layer, self.decode_tables)
-            qd = q.index_select(0, self.decode_idx).unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, kc.transpose(1, 2), vc.transpose(1, 2),
-                                               attn_mask=self.decode_mask, enable_gqa=True)
-            out.index_copy_(0, self.decode_idx, o.squeeze(2))
+            out.index_copy_(0, self.decode_idx, self._decode(layer, q.index_select(0, self.decode_idx), kv))
         for s, table, mask in self.prefill_plan:
             qs = q[s.start:s.start + s.num_query].transpose(0, 1).unsqueeze(0)
             if table is None:
@@ -122,6 +119,39 @@ class TorchAttention(AttentionBackend):
                                                    attn_mask=mask, enable_gqa=True)
             out[s.start:s.start + s.num_query] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(self, layer: int, q: torch.Tensor, kv: DeviceKVPool) -> torch.Tensor:
+        """One query token per row: q ``[B, H, D]`` -> ``[B, H, D]``."""
+        kc, vc = kv.gather(layer, self.decode_tables)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                           attn_mask=self.decode_mask, enable_gqa=True)
+        return o.squeeze(2)
+
+
+class NativeAttention(TorchAttention):
+    """CPU: decode rows through the C kernel that reads the paged pool in place (no gather copy, no GQA
+    expansion); prefill rows through SDPA as in ``torch``."""
+
+    name = "native"
+    MAX_HEAD_DIM, MAX_GROUP = 256, 16
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        from kvmesh.engine import native  # noqa: PLC0415
+
+        lib = native.load()
+        if lib is None:
+            raise RuntimeError("the native decode kernel could not be built (see the log); use 'torch'")
+        if head_dim > self.MAX_HEAD_DIM or num_heads // num_kv_heads > self.MAX_GROUP:
+            raise RuntimeError(f"native kernel supports head_dim <= {self.MAX_HEAD_DIM} and "
+                               f"<= {self.MAX_GROUP} query heads per KV head")
+        self.lib, self.kernel = lib, native.paged_decode
+        self.scale = head_dim ** -0.5
+
+    def _decode(self, layer: int, q: torch.Tensor, kv: DeviceKVPool) -> torch.Tensor:
+        if kv.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn) or q.dtype != torch.float32:
+            return super()._decode(layer, q, kv)
+        return self.kernel(self.lib, q.contiguous(), kv.k[layer], kv.v[layer], self.decode_tables,
+                           self.decode_lens, self.scale)
 
 
 
@@ -166,10 +196,26 @@ class FlashInferAttention(AttentionBackend):
         return self.wrapper.run(q, (kv.k[layer], kv.v[layer]))
 
 
+BACKENDS = ("auto", "torch", "native", "flashinfer")
+
+
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str) -> AttentionBackend:
+    """``auto``: flashinfer on CUDA when installed, the native kernel on CPU when it builds, else torch."""
+    on_cuda = torch.device(device).type == "cuda"
+    if name == "auto":
+        for candidate in (["flashinfer"] if on_cuda else ["native"]):
+            try:
+                return make_backend(candidate, num_heads, num_kv_heads, head_dim, device)
+            except RuntimeError:
+                pass
+        return TorchAttention()
     if name == "torch":
         return TorchAttention()
+    if name == "native":
+        if on_cuda:
+            raise RuntimeError("attention backend 'native' is CPU only; use 'flashinfer' or 'torch' on CUDA")
+        return NativeAttention(num_heads, num_kv_heads, head_dim)
     if name == "flashinfer":
         return FlashInferAttention(num_heads, num_kv_heads, head_dim, torch.device(device))
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'flashinfer'")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")

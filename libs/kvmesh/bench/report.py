@@ -1,0 +1,46 @@
+"""Writing benchmark results into docs/benchmarks.md: one section per benchmark, replaced on each run."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n\nEach section is written by the command it names; rerun that command to refresh it.\n"
+
+
+def machine() -> str:
+    import torch  # noqa: PLC0415
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_section(name: str, command: str, body: str, doc: Path = DOC) -> Path:
+    """Replace (or append) the section ``name`` of the benchmark doc."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = (f"<!-- bench:{name}:start -->\n## {name}\n\nCommand: `{command}`  \n"
+               f"Machine: {machine()}  \nRun: {stamp}\n\n{body.strip()}\n<!-- bench:{name}:end -->\n")
+    text = doc.read_text() if doc.exists() else HEADER
+    pattern = re.compile(rf"<!-- bench:{re.escape(name)}:start -->.*?<!-- bench:{re.escape(name)}:end -->\n",
+                         re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return doc

@@ -1,0 +1,50 @@
+"""The native decode kernel against torch SDPA on the same paged pool, for every storage dtype it reads."""
+
+import pytest
+import torch
+
+from kvmesh.engine.attention import ForwardBatch, NativeAttention, SeqSlice, TorchAttention, make_backend
+from kvmesh.engine.kv_cache import DeviceKVPool, KVLayout
+
+H, HKV, D, BS = 6, 2, 16, 4
+
+
+def pool_with_random_kv(dtype: str) -> DeviceKVPool:
+    pool = DeviceKVPool(KVLayout("fp", 1, HKV, D, BS, dtype), num_blocks=32)
+    g = torch.Generator().manual_seed(0)
+    for t in (pool.k, pool.v):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype) if t.dtype != torch.float8_e4m3fn
+                else torch.randn(t.shape, generator=g).to(torch.float8_e4m3fn))
+    return pool
+
+
+def decode_batch(lens: list[int]) -> ForwardBatch:
+    tables = [[(7 * i + j * 3) % 32 for j in range(-(-n // BS))] for i, n in enumerate(lens)]
+    seqs = [SeqSlice(i, 1, n, t) for i, (n, t) in enumerate(zip(lens, tables))]
+    return ForwardBatch.build(seqs, [[1]] * len(lens), BS, list(range(len(lens))))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
+def test_native_decode_matches_sdpa(dtype):
+    pool = pool_with_random_kv(dtype)
+    batch = decode_batch([1 + 1, 5, 16, 23])
+    q = torch.randn(4, H, D)
+    outs = []
+    for backend in (TorchAttention(), NativeAttention(H, HKV, D)):
+        backend.plan(batch, pool)
+        outs.append(backend._decode(0, q, pool))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_auto_picks_the_native_kernel_on_cpu():
+    assert make_backend("auto", H, HKV, D, "cpu").name == "native"
+
+
+def test_unknown_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="flashinfer"):
+        make_backend("xformers", H, HKV, D, "cpu")
+
+
+def test_flashinfer_on_cpu_says_it_needs_cuda():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        make_backend("flashinfer", H, HKV, D, "cpu")
