@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 BASE := $(VENV)/.base-installed
 DEV := $(VENV)/.dev-installed
 
-.PHONY: up test bench-engine clean-venv
+.PHONY: up test bench-engine proto clean-venv
 
 $(BASE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ test: $(DEV)
 
 bench-engine: $(DEV)
 	$(VENV)/bin/kvmesh bench engine
+
+proto: $(DEV)
+	$(PY) -m grpc_tools.protoc -I libs --python_out=libs --pyi_out=libs --grpc_python_out=libs libs/kvmesh/proto/v1/*.proto
 
 clean-venv:
 	rm -rf $(VENV)

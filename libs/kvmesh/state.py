@@ -1,0 +1,45 @@
+"""Where a running stack keeps everything it writes, and how other commands find it.
+
+Rule: ``--state-dir``, else ``$KVMESH_STATE_DIR``, else ``.kvmesh/`` in the working directory. ``kvmesh up`` writes
+``stack.json`` there (endpoints of the running stack); ``kvmesh chat`` and ``kvmesh trace`` read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+def state_dir(explicit: str | os.PathLike | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get("KVMESH_STATE_DIR")
+    return Path(env) if env else Path.cwd() / ".kvmesh"
+
+
+@dataclass
+class StackInfo:
+    router_grpc: str                  # host:port of the client gRPC API
+    router_http: str                  # http://host:port of the OpenAI-compatible API
+    nats_url: str
+    cluster: str
+    pids: dict[str, int] = field(default_factory=dict)
+
+    def write(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "stack.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def read(cls, directory: Path) -> "StackInfo":
+        path = directory / "stack.json"
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no running stack found: {path} does not exist (start one with `kvmesh up`, "
+                                    "or pass --state-dir / set KVMESH_STATE_DIR)") from None
