@@ -136,3 +136,39 @@ def test_bad_prompts_are_refused_with_a_reason(hf, make):
     with pytest.raises(ValueError, match="pool holds"):
         engine.add_request("c", [1] * 300, GREEDY)
     assert not engine.has_unfinished()
+
+
+def run_to_end(engine, rid):
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def test_kv_exported_by_one_engine_continues_in_another(make):
+    prompt = list(range(40, 63))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = make().generate([prompt], params)[0].token_ids
+    prefill = make()
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export_kv=True)
+    (first,) = run_to_end(prefill, "p")
+    exported = first.exported
+    assert exported.num_tokens == len(prompt) and len(exported.block_keys) == len(prompt) // 4
+    decode = make()
+    decode.add_request("d", prompt, params, imported=(exported.blocks, exported.num_tokens, first.new_token_ids[0]))
+    outs = run_to_end(decode, "d")
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert outs[0].cached_tokens == len(prompt)
+
+
+def test_imported_kv_on_top_of_a_locally_cached_prefix(make):
+    prompt = list(range(40, 63))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = make().generate([prompt], params)[0].token_ids
+    prefill = make()
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export_kv=True)
+    (first,) = run_to_end(prefill, "p")
+    decode = make()
+    decode.generate([prompt[:10]], SamplingParams(max_tokens=1))  # decode already holds 2 blocks + a tail
+    decode.add_request("d", prompt, params, imported=(first.exported.blocks, len(prompt), first.new_token_ids[0]))
+    assert [t for o in run_to_end(decode, "d") for t in o.new_token_ids] == expected

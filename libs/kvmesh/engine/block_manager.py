@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence as Seq
+from typing import TYPE_CHECKING, NamedTuple, Sequence as Seq
 
 from kvmesh.engine.eviction import EvictionPolicy, LRU, now
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
 from kvmesh.engine.sequence import RetentionRange, Sequence
 from kvmesh.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockStored, EventSink, KVEvent
 from kvmesh.keys import BlockKey, chain_key
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(eq=False)
@@ -151,6 +154,28 @@ class BlockManager:
         seq.num_computed_tokens = m.num_tokens
         seq.num_cached_tokens = m.num_tokens
         return True
+
+    def import_prefix(self, seq: Sequence, blocks: "torch.Tensor", num_tokens: int) -> bool:
+        """Attach KV computed elsewhere (``blocks`` covers the first ``num_tokens`` tokens, whole blocks in the
+        pool's storage layout). Blocks already cached here are shared; the rest are written. False (nothing
+        held) when the pool cannot make room."""
+        if not self.allocate_prefix(seq):
+            return False
+        first_new = len(seq.nodes)  # a partially copied block is private and simply overwritten
+        if not self.ensure_slots(seq, num_tokens):
+            self.free(seq)
+            return False
+        last = -(-num_tokens // self.block_size)
+        if last > first_new:
+            self.device.write_blocks(seq.block_table[first_new:last], blocks[first_new:last])
+        seq.num_computed_tokens = num_tokens
+        self.cache_computed_blocks(seq)
+        return True
+
+    def export_prefix(self, seq: Sequence) -> "torch.Tensor":
+        """The sequence's computed KV as whole blocks ``[n, *block_shape]`` (a copy)."""
+        n = -(-seq.num_computed_tokens // self.block_size)
+        return self.device.read_blocks(seq.block_table[:n])
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the sequence's block table to hold ``num_tokens`` tokens; False if the pool cannot."""

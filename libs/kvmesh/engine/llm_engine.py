@@ -22,9 +22,18 @@ from kvmesh.engine.sampling import make_generator, sample
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import RetentionRange, SamplingParams, Sequence, Status
 from kvmesh.events import EventSink
-from kvmesh.keys import Namespace
+from kvmesh.keys import Namespace, block_keys
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ExportedKV:
+    """A finished request's KV, read out for a decode instance (prefill role)."""
+
+    blocks: torch.Tensor           # [n, *layout.block_shape], storage dtype
+    num_tokens: int                # tokens whose KV the blocks hold
+    block_keys: list[int]          # keys of the full blocks
 
 
 @dataclass
@@ -34,6 +43,8 @@ class StepOutput:
     text_delta: str = ""
     finished: bool = False
     finish_reason: str | None = None
+    cached_tokens: int = 0
+    exported: ExportedKV | None = None
 
 
 @dataclass
@@ -52,11 +63,12 @@ class Completion:
 class _Tracked:
     """Per-request text state owned by the engine: incremental detokenizer and stop-string matching."""
 
-    def __init__(self, seq: Sequence, detok) -> None:
+    def __init__(self, seq: Sequence, detok, export_kv: bool = False) -> None:
         self.seq = seq
         self.detok = detok
         self.text = ""
         self.generator = make_generator(seq.params)
+        self.export_kv = export_kv
 
 
 class LLMEngine:
@@ -100,6 +112,7 @@ class LLMEngine:
         self._requests: dict[str, _Tracked] = {}
         self._namespaces: dict[tuple[str, str], int] = {}
         self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
+        self._pending: list[StepOutput] = []  # outputs produced outside a forward step (imported first tokens)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def namespace_seed(self, cache_salt: str = "", lora_id: str = "") -> int:
@@ -110,8 +123,15 @@ class LLMEngine:
         return self._namespaces[key]
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str = "", retention: tuple[RetentionRange, ...] = ()) -> Sequence:
-        """Queue a request. Raises ValueError (nothing queued) when it can never run."""
+                    cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
+                    imported: tuple[torch.Tensor, int, int] | None = None) -> Sequence:
+        """Queue a request. Raises ValueError (nothing queued) when it can never run.
+
+        ``export_kv``: when it finishes, its KV is read out into ``StepOutput.exported`` (prefill role).
+        ``imported``: ``(blocks, num_tokens, first_token)`` computed by a prefill instance; the request starts
+        decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        (``seq.num_cached_tokens`` then tells what was reused locally).
+        """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -133,7 +153,17 @@ class LLMEngine:
             from kvmesh.engine.tokenizer import IncrementalDetokenizer  # noqa: PLC0415
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = _Tracked(seq, detok)
+        self._requests[request_id] = _Tracked(seq, detok, export_kv)
+        if imported is not None:
+            blocks, num_tokens, first_token = imported
+            seq.output_token_ids.append(first_token)
+            if self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens):
+                seq.num_cached_tokens = num_tokens
+                self.scheduler.add_running(seq)
+                seq.output_token_ids.pop()
+                self._pending.append(self._append(seq, first_token, time.monotonic()))
+                return seq
+            seq.output_token_ids.pop()
         self.scheduler.add(seq)
         return seq
 
@@ -143,13 +173,14 @@ class LLMEngine:
             self.scheduler.finish(tracked.seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pending)
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        pending, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            return pending
         slices, tokens, sample_idx, samplers = [], [], [], []
         start = 0
         for seq, n in scheduled:
@@ -167,11 +198,11 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.blocks.cache_computed_blocks(seq)
         if not samplers:
-            return []
+            return pending
         new_tokens = sample(logits, [s.params for s in samplers],
                             [self._requests[s.request_id].generator for s in samplers])
         now = time.monotonic()
-        return [self._append(seq, tok, now) for seq, tok in zip(samplers, new_tokens)]
+        return pending + [self._append(seq, tok, now) for seq, tok in zip(samplers, new_tokens)]
 
     def _append(self, seq: Sequence, token: int, now: float) -> StepOutput:
         tracked = self._requests[seq.request_id]
@@ -191,9 +222,15 @@ class LLMEngine:
             tracked.text = text
         else:
             tracked.text += delta
+        exported = None
         if reason is not None:
+            if tracked.export_kv:
+                n = seq.num_computed_tokens
+                exported = ExportedKV(self.blocks.export_prefix(seq), n,
+                                      block_keys(seq.namespace_seed, seq.all_token_ids[:n], self.cfg.block_size))
             self.scheduler.finish(seq, reason)
-        return StepOutput(seq.request_id, [token], delta, reason is not None, reason)
+        return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
+                          exported)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -33,6 +33,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already attached (imported from a prefill instance)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def has_room(self) -> bool:
+        return len(self.running) < self.max_num_seqs
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
