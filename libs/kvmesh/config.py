@@ -44,9 +44,10 @@ def _coerce(value: str, typ: Any) -> Any:
 
 
 def load(cls: type[T], path: str | Path | None = None, env: dict[str, str] | None = None,
-         section: str | None = None, **overrides: Any) -> T:
-    """Build ``cls`` from defaults < TOML file (optionally one ``[section]``) < environment < ``overrides``."""
-    values: dict[str, Any] = {}
+         section: str | None = None, defaults: dict[str, Any] | None = None, **overrides: Any) -> T:
+    """Build ``cls`` from its field defaults < ``defaults`` < TOML file (optionally one ``[section]``) <
+    environment < ``overrides`` (None values in ``overrides`` are ignored)."""
+    values: dict[str, Any] = dict(defaults or {})
     if path is not None:
         data = tomllib.loads(Path(path).read_text())
         values.update(data.get(section, {}) if section else data)

@@ -67,7 +67,6 @@ class _Tracked:
         self.seq = seq
         self.detok = detok
         self.text = ""
-        self.generator = make_generator(seq.params)
         self.export_kv = export_kv
 
 
@@ -172,6 +171,13 @@ class LLMEngine:
         if tracked is not None and tracked.seq.status is not Status.FINISHED:
             self.scheduler.finish(tracked.seq, "abort")
 
+    def active_requests(self) -> list[str]:
+        return list(self._requests)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request whose outputs were consumed step by step (no ``completion`` call)."""
+        self._requests.pop(request_id, None)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
@@ -200,7 +206,7 @@ class LLMEngine:
         if not samplers:
             return pending
         new_tokens = sample(logits, [s.params for s in samplers],
-                            [self._requests[s.request_id].generator for s in samplers])
+                            [make_generator(s.params, len(s.output_token_ids)) for s in samplers])
         now = time.monotonic()
         return pending + [self._append(seq, tok, now) for seq, tok in zip(samplers, new_tokens)]
 

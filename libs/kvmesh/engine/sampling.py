@@ -7,11 +7,12 @@ import torch
 from kvmesh.engine.sequence import SamplingParams
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A private generator for a seeded request, so its samples do not depend on its batch neighbours."""
+def make_generator(params: SamplingParams, position: int) -> torch.Generator | None:
+    """A private generator for a seeded request's ``position``-th output token: its samples depend neither on
+    its batch neighbours nor on which instance (prefill or decode) draws that token."""
     if params.greedy or params.seed is None:
         return None
-    return torch.Generator().manual_seed(params.seed)
+    return torch.Generator().manual_seed((params.seed * 1_000_003 + position) % 2**63)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""An engine owned by one thread, driven from asyncio.
+
+Ownership: the engine thread is the only caller of ``LLMEngine``; coroutines send it commands through a queue
+and receive each request's outputs on an ``asyncio.Queue``. KV events raised during a step are handed to
+``on_events`` on the event loop after that step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from kvmesh.engine.llm_engine import LLMEngine, StepOutput
+from kvmesh.events import KVEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineLoad:
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    cached_blocks: int
+    host_blocks: int
+    waiting_tokens: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
+                 on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.on_events = on_events
+        self._events: list[KVEvent] = []
+        engine.blocks.on_event = self._events.append  # called on the engine thread only
+        self._commands: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop --------------------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread and await its result (exceptions propagate)."""
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                fut.set_exception(e)
+
+        self._commands.put(run)
+        return await asyncio.wrap_future(fut)
+
+    async def generate(self, request_id: str, prompt: list[int], params, **kwargs: Any) -> AsyncIterator[StepOutput]:
+        """Add a request and yield its outputs until it finishes. Leaving early aborts it."""
+        stream: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        try:
+            await self.call(lambda e: e.add_request(request_id, prompt, params, **kwargs))
+            while True:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self._streams.pop(request_id, None) is not None:
+                self._commands.put(lambda: self._abort(request_id))
+
+    def load(self) -> EngineLoad:
+        """A racy but safe snapshot (ints read from another thread) for heartbeats and routing."""
+        e = self.engine
+        sched = e.scheduler
+        waiting = list(sched.waiting)
+        return EngineLoad(len(sched.running), len(waiting), e.blocks.num_free_blocks, e.kv.num_blocks,
+                          e.blocks.num_cached_blocks, e.blocks.num_host_blocks,
+                          sum(s.num_tokens for s in waiting))
+
+    def close(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ---------------------------------------------------------------------------------------
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished()
+            try:
+                cmd = self._commands.get() if idle else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = _NOTHING
+            while cmd is not _NOTHING:  # run every command that arrived, then step once
+                if cmd is None:
+                    return
+                cmd()
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = _NOTHING
+            if self.engine.has_unfinished():
+                self._step()
+            self._flush_events()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the thread
+            log.exception("engine step failed")
+            for rid in self.engine.active_requests():
+                self._deliver(rid, e)
+                self.engine.abort(rid)
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+            if out.finished:
+                self.engine.release(out.request_id)
+
+    def _flush_events(self) -> None:
+        if not self._events:
+            return
+        events = self._events[:]
+        self._events.clear()
+        if self.on_events is not None:
+            self.loop.call_soon_threadsafe(self.on_events, events)
+
+    def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self.loop.call_soon_threadsafe(stream.put_nowait, item)
+
+
+_NOTHING = object()
