@@ -1,0 +1,40 @@
+"""``python -m services.cachesvc [--config FILE] [--port N] [--nats-url URL] [--cluster C]``"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from services.cachesvc.config import load_config
+from services.cachesvc.server import serve
+
+log = logging.getLogger("cachesvc")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.cachesvc", description=__doc__)
+    parser.add_argument("--config", help="TOML file; settings are read from its [cachesvc] table")
+    parser.add_argument("--port", type=int, help="gRPC port (0 = any free port)")
+    parser.add_argument("--nats-url", help="NATS server URL, e.g. nats://127.0.0.1:4222")
+    parser.add_argument("--cluster", help="cluster name: the kvmesh.<cluster>.* subjects")
+    args = parser.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=os.environ.get("KVMESH_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, port=args.port, nats_url=args.nats_url, cluster=args.cluster)
+    except (OSError, ValueError) as e:
+        log.error("bad settings: %s", e)
+        return 2
+    try:
+        asyncio.run(serve(cfg))
+    except (ConnectionError, OSError, RuntimeError) as e:
+        log.error("cannot serve: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

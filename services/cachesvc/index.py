@@ -1,0 +1,171 @@
+"""The global block index: which instance holds which block key in which tier, fed by KV event batches.
+
+Layout in memory: one dict ``block key -> holder bitmask``. A holder is an ``(instance_id, tier)`` pair
+interned to a small id; its bit is ``1 << id``. With up to 8 holders every mask is one of CPython's cached
+small ints, so a block costs little more than its dict slot and its key. Removing a whole instance scans the
+dict once (rare: ``AllBlocksCleared`` or an instance that stopped beating) instead of keeping a reverse index
+per holder.
+
+Not thread-safe: the owner (the cache server) calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple, Sequence
+
+from kvmesh.bus import KVEventBatch
+from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+log = logging.getLogger(__name__)
+
+
+class Holder(NamedTuple):
+    instance_id: str
+    tier: str
+
+
+class PrefixMatch(NamedTuple):
+    instance_id: str
+    tier: str
+    num_blocks: int
+
+
+def _bits(mask: int) -> list[int]:
+    """Holder ids set in ``mask``, lowest first."""
+    ids = []
+    while mask:
+        low = mask & -mask
+        ids.append(low.bit_length() - 1)
+        mask ^= low
+    return ids
+
+
+class BlockIndex:
+    def __init__(self) -> None:
+        self._masks: dict[int, int] = {}               # block key -> holder bitmask
+        self._ids: dict[Holder, int] = {}              # holder -> id
+        self._holders: list[Holder | None] = []        # id -> holder (None: free)
+        self._free: list[int] = []                     # released ids, reused lowest first
+        self._last_seq: dict[str, int] = {}            # instance -> seq of its last applied batch
+        self.events_applied = 0                        # KV events (not batches) applied
+        self.event_gaps = 0                            # batches that skipped seqs
+        self.duplicates = 0                            # batches ignored as already applied
+
+    def __len__(self) -> int:
+        """Distinct block keys held by anyone."""
+        return len(self._masks)
+
+    def instances(self) -> set[str]:
+        """Instances that hold blocks or whose events have been applied."""
+        return set(self._last_seq) | {h.instance_id for h in self._holders if h is not None}
+
+    # -- events ----------------------------------------------------------------------------------------------
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        """Apply one instance's batch in order; False when it is a duplicate (``seq`` not past the last one).
+
+        The first batch seen from an instance sets its baseline. A jump past ``last + 1`` means lost events:
+        it is counted in ``event_gaps`` and applied anyway (snapshot resync comes later)."""
+        inst = batch.instance_id
+        last = self._last_seq.get(inst)
+        if last is not None and batch.seq <= last:
+            self.duplicates += 1
+            return False
+        if last is not None and batch.seq > last + 1:
+            self.event_gaps += 1
+            log.warning("kv events of %s: gap after seq %d (got %d); %d batches lost",
+                        inst, last, batch.seq, batch.seq - last - 1)
+        self._last_seq[inst] = batch.seq
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._store(self._intern(Holder(inst, event.tier)), event.block_keys)
+            elif isinstance(event, BlockRemoved):
+                hid = self._ids.get(Holder(inst, event.tier))
+                if hid is not None:
+                    self._remove(hid, event.block_keys)
+            elif isinstance(event, AllBlocksCleared):
+                self._clear(inst)
+        self.events_applied += len(batch.events)
+        return True
+
+    def drop_instance(self, instance_id: str) -> int:
+        """Forget an instance that is gone: its blocks in every tier and its sequence number (a restarted
+        instance starts numbering again). Returns how many (key, tier) entries were removed."""
+        self._last_seq.pop(instance_id, None)
+        return self._clear(instance_id)
+
+    def _intern(self, holder: Holder) -> int:
+        hid = self._ids.get(holder)
+        if hid is None:
+            if self._free:
+                self._free.sort(reverse=True)
+                hid = self._free.pop()
+                self._holders[hid] = holder
+            else:
+                hid = len(self._holders)
+                self._holders.append(holder)
+            self._ids[holder] = hid
+        return hid
+
+    def _store(self, hid: int, keys: Sequence[int]) -> None:
+        bit, masks = 1 << hid, self._masks
+        for key in keys:
+            masks[key] = masks.get(key, 0) | bit
+
+    def _remove(self, hid: int, keys: Sequence[int]) -> None:
+        keep, masks = ~(1 << hid), self._masks
+        for key in keys:
+            mask = masks.get(key)
+            if mask is not None:
+                if mask & keep:
+                    masks[key] = mask & keep
+                else:
+                    del masks[key]
+
+    def _clear(self, instance_id: str) -> int:
+        """Remove every block of ``instance_id`` and release its holder ids."""
+        hids = [hid for holder, hid in self._ids.items() if holder.instance_id == instance_id]
+        if not hids:
+            return 0
+        bits = sum(1 << hid for hid in hids)
+        removed = 0
+        for key in [k for k, m in self._masks.items() if m & bits]:
+            mask = self._masks[key]
+            removed += (mask & bits).bit_count()
+            if mask & ~bits:
+                self._masks[key] = mask & ~bits
+            else:
+                del self._masks[key]
+        for hid in hids:
+            holder = self._holders[hid]
+            assert holder is not None
+            del self._ids[holder]
+            self._holders[hid] = None
+            self._free.append(hid)
+        return removed
+
+    # -- queries ---------------------------------------------------------------------------------------------
+
+    def match_prefix(self, keys: Sequence[int]) -> list[PrefixMatch]:
+        """For every holder of ``keys[0]``: how many leading keys it holds (its count stops at its first
+        missing key). Walks ``keys`` once with the set of holders still matching; stops when none is left."""
+        counts: dict[int, int] = {}
+        mask = self._masks.get(keys[0], 0) if keys else 0
+        position = 0
+        for position, key in enumerate(keys):
+            still = mask & self._masks.get(key, 0)
+            for hid in _bits(mask & ~still):
+                counts[hid] = position
+            mask = still
+            if not mask:
+                break
+        else:
+            for hid in _bits(mask):
+                counts[hid] = len(keys)
+        out = []
+        for hid, n in counts.items():
+            holder = self._holders[hid]
+            if n and holder is not None:
+                out.append(PrefixMatch(holder.instance_id, holder.tier, n))
+        return sorted(out, key=lambda m: (-m.num_blocks, m.instance_id, m.tier))

@@ -1,0 +1,30 @@
+"""CacheServiceConfig: defaults < [cachesvc] table of a TOML file < KVMESH_<FIELD> < explicit values."""
+
+import pytest
+
+from services.cachesvc.config import CacheServiceConfig, load_config
+
+
+def test_defaults():
+    cfg = load_config(env={})
+    assert cfg == CacheServiceConfig()
+    assert (cfg.cluster, cfg.host, cfg.port, cfg.durable_name, cfg.pool_capacity_mb, cfg.eviction,
+            cfg.instance_timeout_s) == ("local", "127.0.0.1", 50060, "cachesvc", 256, "lru", 5.0)
+
+
+def test_file_then_environment_then_flags(tmp_path):
+    path = tmp_path / "kvmesh.toml"
+    path.write_text('[cachesvc]\nport = 7000\ncluster = "file"\neviction = "slru"\n')
+    cfg = load_config(path, env={"KVMESH_PORT": "7001", "KVMESH_INSTANCE_TIMEOUT_S": "2.5"}, cluster="flag")
+    assert (cfg.port, cfg.cluster, cfg.eviction, cfg.instance_timeout_s) == (7001, "flag", "slru", 2.5)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"eviction": "mru"}, "unknown eviction policy 'mru'"),
+    ({"cluster": "a.b"}, "cluster name 'a.b' is invalid"),
+    ({"instance_timeout_s": 0}, "instance_timeout_s must be > 0"),
+    ({"durable_name": "a.b"}, "durable_name 'a.b' must be"),
+])
+def test_bad_settings_say_what_is_wrong(bad, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(env={}, **bad)

@@ -1,0 +1,155 @@
+"""BlockIndex: which (instance, tier) holds how many leading blocks, fed by KV event batches."""
+
+import tracemalloc
+
+from kvmesh.bus import KVEventBatch
+from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.keys import BlockKey
+from services.cachesvc.index import BlockIndex, PrefixMatch
+
+KEYS = [BlockKey(k) for k in (11, 22, 33, 44, 55)]
+
+
+def stored(keys, tier="device") -> BlockStored:
+    return BlockStored(block_keys=tuple(keys), parent_key=None, token_count=16, tier=tier)
+
+
+def removed(keys, tier="device") -> BlockRemoved:
+    return BlockRemoved(block_keys=tuple(keys), tier=tier)
+
+
+class Feed:
+    """Numbers each instance's batches 1, 2, 3, ..."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.index = index
+        self.seq: dict[str, int] = {}
+
+    def __call__(self, instance: str, *events: KVEvent) -> bool:
+        self.seq[instance] = self.seq.get(instance, 0) + 1
+        return self.index.apply(KVEventBatch(instance, self.seq[instance], 0.0, tuple(events)))
+
+
+def test_match_counts_leading_blocks_per_instance_and_tier():
+    index = BlockIndex()
+    feed = Feed(index)
+    feed("p0", stored(KEYS[:4], "device"), stored(KEYS[:2], "host"))
+    feed("d0", stored(KEYS, "host"))
+    assert index.match_prefix(KEYS) == [PrefixMatch("d0", "host", 5), PrefixMatch("p0", "device", 4),
+                                        PrefixMatch("p0", "host", 2)]
+
+
+def test_a_holder_stops_counting_at_its_first_missing_key():
+    index = BlockIndex()
+    Feed(index)("p0", stored([KEYS[0], KEYS[1], KEYS[3], KEYS[4]]))
+    assert index.match_prefix(KEYS) == [PrefixMatch("p0", "device", 2)]
+
+
+def test_holders_missing_the_first_key_do_not_match():
+    index = BlockIndex()
+    Feed(index)("p0", stored(KEYS[1:]))
+    assert index.match_prefix(KEYS) == []
+    assert index.match_prefix([]) == []
+
+
+def test_block_removed_takes_only_that_tier():
+    index = BlockIndex()
+    feed = Feed(index)
+    feed("p0", stored(KEYS, "device"), stored(KEYS, "host"))
+    feed("p0", removed([KEYS[2]], "device"))
+    assert index.match_prefix(KEYS) == [PrefixMatch("p0", "host", 5), PrefixMatch("p0", "device", 2)]
+
+
+def test_removing_unknown_blocks_or_tiers_is_harmless():
+    index = BlockIndex()
+    feed = Feed(index)
+    feed("p0", stored(KEYS[:2]))
+    feed("p0", removed([999], "device"), removed(KEYS, "disk"))
+    assert index.match_prefix(KEYS) == [PrefixMatch("p0", "device", 2)]
+
+
+def test_all_blocks_cleared_removes_every_tier_of_that_instance_only():
+    index = BlockIndex()
+    feed = Feed(index)
+    feed("p0", stored(KEYS, "device"), stored(KEYS, "host"))
+    feed("d0", stored(KEYS[:3]))
+    feed("p0", AllBlocksCleared())
+    assert index.match_prefix(KEYS) == [PrefixMatch("d0", "device", 3)]
+    feed("p0", stored(KEYS[:1], "host"))
+    assert PrefixMatch("p0", "host", 1) in index.match_prefix(KEYS)
+
+
+def test_last_holder_gone_removes_the_key():
+    index = BlockIndex()
+    feed = Feed(index)
+    feed("p0", stored(KEYS))
+    feed("p0", removed(KEYS[:2]))
+    assert len(index) == 3
+
+
+def test_duplicate_and_older_batches_are_ignored():
+    index = BlockIndex()
+    assert index.apply(KVEventBatch("p0", 1, 0.0, (stored(KEYS[:1]),)))
+    assert index.apply(KVEventBatch("p0", 2, 0.0, (stored(KEYS[1:2]),)))
+    assert not index.apply(KVEventBatch("p0", 2, 0.0, (removed(KEYS[1:2]),)))
+    assert not index.apply(KVEventBatch("p0", 1, 0.0, (AllBlocksCleared(),)))
+    assert index.match_prefix(KEYS) == [PrefixMatch("p0", "device", 2)]
+    assert (index.duplicates, index.event_gaps, index.events_applied) == (2, 0, 2)
+
+
+def test_a_gap_is_counted_and_the_batch_still_applied():
+    index = BlockIndex()
+    index.apply(KVEventBatch("p0", 1, 0.0, (stored(KEYS[:1]),)))
+    assert index.apply(KVEventBatch("p0", 5, 0.0, (stored(KEYS[1:3]),)))
+    assert index.event_gaps == 1
+    assert index.match_prefix(KEYS) == [PrefixMatch("p0", "device", 3)]
+
+
+def test_sequence_numbers_are_per_instance():
+    index = BlockIndex()
+    index.apply(KVEventBatch("p0", 7, 0.0, (stored(KEYS[:1]),)))
+    assert index.apply(KVEventBatch("d0", 1, 0.0, (stored(KEYS[:2]),)))
+    assert index.apply(KVEventBatch("d0", 2, 0.0, ()))
+    assert index.event_gaps == 0
+
+
+def test_drop_instance_forgets_its_blocks_and_its_sequence():
+    index = BlockIndex()
+    feed = Feed(index)
+    feed("p0", stored(KEYS, "device"), stored(KEYS[:2], "host"))
+    feed("p0", stored(KEYS[:1], "disk"))
+    feed("d0", stored(KEYS[:1]))
+    assert index.drop_instance("p0") == 8
+    assert index.match_prefix(KEYS) == [PrefixMatch("d0", "device", 1)]
+    assert index.instances() == {"d0"}
+    assert index.apply(KVEventBatch("p0", 1, 0.0, (stored(KEYS[:2]),)))  # a restarted p0 numbers from 1
+    assert PrefixMatch("p0", "device", 2) in index.match_prefix(KEYS)
+
+
+def test_holder_ids_are_reused_after_drop():
+    index = BlockIndex()
+    for round_ in range(50):
+        index.apply(KVEventBatch(f"i{round_}", 1, 0.0, (stored(KEYS[:1]),)))
+        index.drop_instance(f"i{round_}")
+    index.apply(KVEventBatch("last", 1, 0.0, (stored(KEYS[:1]),)))
+    assert index.match_prefix(KEYS) == [PrefixMatch("last", "device", 1)]
+    assert len(index._holders) == 1
+
+
+def test_bytes_per_block_at_100k_blocks():
+    n = 100_000
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    keys = [BlockKey((0x9E3779B97F4A7C15 * (i + 1)) % (1 << 64)) for i in range(n)]  # as decoded off the bus
+    index = BlockIndex()
+    for inst in ("p0", "p1", "d0"):
+        for start in range(0, n, 1000):
+            chunk = keys[start:start + 1000]
+            index.apply(KVEventBatch(inst, start // 1000 + 1, 0.0, (stored(chunk), stored(chunk, "host"))))
+    del keys  # the index now owns the key objects, and they count
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    per_block = (after - before) / n
+    print(f"\nBlockIndex: {per_block:.0f} bytes per block at {n} blocks, 6 holders each")
+    assert len(index) == n
+    assert per_block < 200
