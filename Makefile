@@ -23,7 +23,7 @@ $(DEV): $(BASE)
 	@touch $@
 
 up: $(BASE)
-	$(VENV)/bin/kvmesh generate --chat --prompt "What is a KV cache? Answer in two sentences." --max-tokens 64
+	$(VENV)/bin/kvmesh up
 
 test: $(DEV)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -71,6 +71,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args.rest)
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from kvmesh.launcher import Stack, StackOptions  # noqa: PLC0415
+    from kvmesh.state import state_dir  # noqa: PLC0415
+
+    directory = state_dir(args.state_dir)
+    opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, nats_url=args.nats_url,
+                        http_port=args.http_port, grpc_port=args.grpc_port, cluster=args.cluster, model=args.model,
+                        threads=args.threads, transfer_backend=args.transfer_backend)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(directory, opts)
+    print(f"starting kvmesh (state in {directory}) ...", flush=True)
+    try:
+        info = stack.start()
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return 1
+    print(f"kvmesh is up: {opts.prefill} prefill, {opts.decode} decode, {opts.both} both\n"
+          f"  OpenAI HTTP  {info.router_http}/v1\n  gRPC         {info.router_grpc}\n"
+          f"  NATS         {info.nats_url}\n  logs         {directory / 'logs'}\n"
+          "Try: kvmesh chat    (Ctrl-C here stops the stack)", flush=True)
+    while not stop.is_set():
+        dead = [s.name for s in stack.services if s.proc.poll() is not None]
+        if dead:
+            print(f"kvmesh up: {', '.join(dead)} exited; stopping (see {directory / 'logs'})", file=sys.stderr)
+            break
+        stop.wait(1.0)
+    print("stopping ...", flush=True)
+    stack.stop()
+    return 0 if stop.is_set() else 1
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvmesh import chat  # noqa: PLC0415
+
+    return chat.main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-centric disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +130,24 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    u = sub.add_parser("up", help="start the whole stack as local processes")
+    u.add_argument("--prefill", type=int, default=1)
+    u.add_argument("--decode", type=int, default=1)
+    u.add_argument("--both", type=int, default=0, help="instances that prefill and decode (no transfer)")
+    u.add_argument("--nats-url", help="use this NATS server instead of starting one")
+    u.add_argument("--http-port", type=int, default=8000)
+    u.add_argument("--grpc-port", type=int, default=50051)
+    u.add_argument("--cluster", default="local")
+    u.add_argument("--model", help="HF directory or .gguf file for every instance")
+    u.add_argument("--threads", type=int, default=1, help="torch threads per engine instance")
+    u.add_argument("--transfer-backend", default="tcp", choices=["tcp", "shm", "mooncake"])
+    u.add_argument("--state-dir", help="default: $KVMESH_STATE_DIR, else .kvmesh/")
+    u.set_defaults(func=cmd_up)
+
+    c = sub.add_parser("chat", help="interactive chat with a running stack", add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="benchmarks (engine, transfer)")
     b.add_argument("what", help="engine | transfer")

@@ -155,21 +155,34 @@ class BlockManager:
         seq.num_cached_tokens = m.num_tokens
         return True
 
-    def import_prefix(self, seq: Sequence, blocks: "torch.Tensor", num_tokens: int) -> bool:
-        """Attach KV computed elsewhere (``blocks`` covers the first ``num_tokens`` tokens, whole blocks in the
-        pool's storage layout). Blocks already cached here are shared; the rest are written. False (nothing
-        held) when the pool cannot make room."""
+    def import_prefix(self, seq: Sequence, blocks: "torch.Tensor", num_tokens: int, first_block: int = 0) -> bool:
+        """Attach KV computed elsewhere: ``blocks`` (whole blocks in the pool's storage layout) hold block
+        indices ``first_block ..`` of the sequence, up to its first ``num_tokens`` tokens; the blocks before
+        ``first_block`` must be cached here. Cached blocks are shared, the rest written. False (nothing held)
+        when the pool cannot make room or the blocks before ``first_block`` are no longer cached."""
         if not self.allocate_prefix(seq):
             return False
         first_new = len(seq.nodes)  # a partially copied block is private and simply overwritten
-        if not self.ensure_slots(seq, num_tokens):
+        if first_new < first_block or not self.ensure_slots(seq, num_tokens):
             self.free(seq)
             return False
         last = -(-num_tokens // self.block_size)
         if last > first_new:
-            self.device.write_blocks(seq.block_table[first_new:last], blocks[first_new:last])
+            self.device.write_blocks(seq.block_table[first_new:last],
+                                     blocks[first_new - first_block:last - first_block])
         seq.num_computed_tokens = num_tokens
         self.cache_computed_blocks(seq)
+        return True
+
+    def adopt(self, seed: int, tokens: list[int], blocks: "torch.Tensor", first_block: int) -> bool:
+        """Put fetched full blocks (indices ``first_block ..`` of ``tokens``) into the prefix cache, unreferenced."""
+        from kvmesh.engine.sequence import SamplingParams  # noqa: PLC0415
+
+        n = len(tokens) // self.block_size * self.block_size
+        seq = Sequence("adopt", list(tokens[:n]) + [0], SamplingParams(), seed)
+        if not self.import_prefix(seq, blocks, n, first_block):
+            return False
+        self.free(seq)
         return True
 
     def export_prefix(self, seq: Sequence) -> "torch.Tensor":

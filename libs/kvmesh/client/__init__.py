@@ -1,0 +1,23 @@
+"""The kvmesh client SDK: blocking ``KvmeshClient`` and asyncio ``AsyncKvmeshClient`` for the router's API.
+
+    with KvmeshClient.from_state_dir() as client:
+        for chunk in client.generate("The capital of France is", max_tokens=16):
+            print(chunk.text, end="", flush=True)
+        answer = client.complete(messages=[{"role": "user", "content": "Hi!"}])
+        print(answer.text, answer.usage, answer.ttft_s)
+"""
+
+from kvmesh.client.aio import AsyncGenerateStream, AsyncKvmeshClient
+from kvmesh.client.errors import (Cancelled, DeadlineExceeded, InvalidRequest, KvmeshError, Overloaded,
+                                  Unauthenticated, Unavailable)
+from kvmesh.client.requests import Message, RequestOptions
+from kvmesh.client.sync import GenerateStream, KvmeshClient
+from kvmesh.client.types import (Completion, CompletionBuilder, GenerateChunk, HealthInfo, InstanceInfo,
+                                 ModelInfo, Usage)
+
+__all__ = [
+    "AsyncGenerateStream", "AsyncKvmeshClient", "Cancelled", "Completion", "CompletionBuilder",
+    "DeadlineExceeded", "GenerateChunk", "GenerateStream", "HealthInfo", "InstanceInfo", "InvalidRequest",
+    "KvmeshClient", "KvmeshError", "Message", "ModelInfo", "Overloaded", "RequestOptions", "Unauthenticated",
+    "Unavailable", "Usage",
+]

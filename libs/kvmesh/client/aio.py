@@ -1,0 +1,140 @@
+"""The asyncio client: ``AsyncKvmeshClient`` over a grpc.aio channel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, Self, Unpack
+
+import grpc
+import grpc.aio
+
+from kvmesh.client.base import ClientBase
+from kvmesh.client.policy import CallPolicy, StartCall
+from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
+from kvmesh.client.types import (Completion, CompletionBuilder, GenerateChunk, HealthInfo, ModelInfo,
+                                 completion_from_chat, metadata_dict, models_from_pb)
+from kvmesh.proto.v1 import api_pb2, api_pb2_grpc
+
+
+class AsyncGenerateStream(AsyncIterator[GenerateChunk]):
+    """The chunks of one ``Generate`` call as an async iterator; same contract as the sync ``GenerateStream``.
+    Use ``async with`` (or ``aclose()``) to cancel a stream left before its end."""
+
+    def __init__(self, start: StartCall, policy: CallPolicy) -> None:
+        self._start = start
+        self._policy = policy
+        self._call: Any = None
+        self._cancelled = False
+        self._chunks = self._run()
+        self.trailing_metadata: dict[str, str] = {}
+
+    async def _run(self) -> AsyncGenerator[GenerateChunk, None]:
+        while not self._cancelled:
+            call = self._call = self._start(self._policy.attempt_timeout(), self._policy.metadata)
+            started = False
+            try:
+                async for chunk in call:
+                    started = True
+                    yield GenerateChunk.from_pb(chunk)
+                self.trailing_metadata = metadata_dict(await call.trailing_metadata())
+                return
+            except asyncio.CancelledError:
+                if self._cancelled:                     # our cancel(), not the task's
+                    return
+                raise
+            except grpc.RpcError as e:
+                if self._cancelled and e.code() is grpc.StatusCode.CANCELLED:
+                    return
+                delay = None if started else self._policy.retry_delay(e)
+                if delay is None:
+                    raise self._policy.error(e) from None
+            finally:
+                call.cancel()                           # no-op once the call has ended
+            await asyncio.sleep(delay)
+
+    async def __anext__(self) -> GenerateChunk:
+        return await self._chunks.__anext__()
+
+    def cancel(self) -> None:
+        """Stop the call; iteration then ends."""
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+        await self._chunks.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class AsyncKvmeshClient(ClientBase):
+    """Asyncio client of the ``kvmesh.v1.Kvmesh`` API; same methods, deadlines, retries and errors as
+    ``KvmeshClient``. Create it inside the event loop that uses it."""
+
+    def __init__(self, target: str, api_key: str | None = None, timeout_s: float | None = 60,
+                 retries: int = 3, backoff_s: float = 0.2) -> None:
+        super().__init__(target, api_key, timeout_s, retries, backoff_s)
+        self._channel = grpc.aio.insecure_channel(target, options=self._channel_options())
+        self._stub = api_pb2_grpc.KvmeshStub(self._channel)
+
+    def generate(self, prompt: str | Sequence[int] | None = None, *,
+                 messages: Sequence[Message] | None = None, timeout_s: float | None = None,
+                 **options: Unpack[RequestOptions]) -> AsyncGenerateStream:
+        """Stream one completion of ``prompt`` (text or token ids) or of chat ``messages``: ``async for``."""
+        policy = self._policy(timeout_s)
+        request = generate_request(prompt, messages, **options)
+        return AsyncGenerateStream(
+            lambda timeout, md: self._stub.Generate(request, timeout=timeout, metadata=md), policy)
+
+    async def complete(self, prompt: str | Sequence[int] | None = None, *,
+                       messages: Sequence[Message] | None = None, timeout_s: float | None = None,
+                       **options: Unpack[RequestOptions]) -> Completion:
+        builder = CompletionBuilder()
+        async with self.generate(prompt, messages=messages, timeout_s=timeout_s, **options) as stream:
+            async for chunk in stream:
+                builder.add(chunk)
+        return builder.build(stream.trailing_metadata)
+
+    async def chat(self, messages: Sequence[Message], *, timeout_s: float | None = None,
+                   **options: Unpack[RequestOptions]) -> Completion:
+        policy = self._policy(timeout_s)
+        request = chat_request(messages, **options)
+        start = time.perf_counter()
+        response, trailing = await self._unary(self._stub.Chat, request, policy)
+        return completion_from_chat(response, trailing, time.perf_counter() - start)
+
+    async def list_models(self, timeout_s: float | None = None) -> list[ModelInfo]:
+        response, _ = await self._unary(self._stub.ListModels, api_pb2.ListModelsRequest(),
+                                        self._policy(timeout_s))
+        return models_from_pb(response)
+
+    async def health(self, timeout_s: float | None = None) -> HealthInfo:
+        response, _ = await self._unary(self._stub.Health, api_pb2.HealthRequest(), self._policy(timeout_s))
+        return HealthInfo.from_pb(response)
+
+    async def _unary(self, rpc: Any, request: object, policy: CallPolicy) -> tuple[Any, dict[str, str]]:
+        while True:
+            try:
+                call = rpc(request, timeout=policy.attempt_timeout(), metadata=policy.metadata)
+                return await call, metadata_dict(await call.trailing_metadata())
+            except grpc.RpcError as e:
+                delay = policy.retry_delay(e)
+                if delay is None:
+                    raise policy.error(e) from None
+            await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

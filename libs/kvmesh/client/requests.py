@@ -1,0 +1,91 @@
+"""Building protocol requests from keyword arguments, with errors that say what to change."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TypedDict, Unpack
+
+from kvmesh.proto.v1 import api_pb2, common_pb2
+
+Message = Mapping[str, str]         # {"role": "user", "content": "..."}
+
+
+class SamplingOptions(TypedDict, total=False):
+    """Keyword arguments of ``sampling_params`` (defaults there)."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+
+
+class RequestOptions(SamplingOptions, total=False):
+    """Keyword arguments of ``generate``, ``complete`` and ``chat`` (defaults: ``sampling_params``, and "" for
+    the strings)."""
+
+    cache_salt: str
+    request_id: str
+    model: str
+
+
+def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                    ignore_eos: bool = False) -> common_pb2.SamplingParams:
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if isinstance(stop, str):
+        raise ValueError("stop must be a sequence of strings, e.g. stop=[\"\\n\"], not a single string")
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                     ignore_eos=ignore_eos)
+
+
+def chat_messages(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
+    if not messages:
+        raise ValueError("messages must hold at least one message")
+    out = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ValueError(f"messages[{i}] must have string 'role' and 'content', got {dict(m)!r}")
+        out.append(common_pb2.ChatMessage(role=role, content=content))
+    return out
+
+
+def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequence[Message] | None = None, *,
+                     cache_salt: str = "", request_id: str = "", model: str = "",
+                     **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
+    """A ``GenerateRequest`` for exactly one of ``prompt`` (text or token ids) and ``messages`` (chat)."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt (text or token ids) and messages")
+    req = api_pb2.GenerateRequest(request_id=request_id, model=model, cache_salt=cache_salt,
+                                  sampling=sampling_params(**sampling))
+    if messages is not None:
+        req.messages.messages.extend(chat_messages(messages))
+    elif isinstance(prompt, str):
+        req.text = prompt
+    else:
+        ids = list(prompt)  # type: ignore[arg-type]
+        if not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError("prompt token ids must be non-negative ints")
+        req.token_ids.SetInParent()         # an empty list is still a (token-id) prompt
+        req.token_ids.ids.extend(ids)
+    return req
+
+
+def chat_request(messages: Sequence[Message], *, cache_salt: str = "", request_id: str = "", model: str = "",
+                 **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
+    return api_pb2.ChatRequest(request_id=request_id, model=model, messages=chat_messages(messages),
+                               cache_salt=cache_salt, sampling=sampling_params(**sampling))

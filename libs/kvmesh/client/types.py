@@ -1,0 +1,138 @@
+"""What the client hands back: frozen dataclasses built from the protocol messages."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvmesh.proto.v1 import api_pb2, common_pb2
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int              # prompt tokens whose KV was reused instead of computed
+
+    @classmethod
+    def from_pb(cls, u: common_pb2.Usage) -> Usage:
+        return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str              # stop | length | abort; "" until finished
+    usage: Usage | None             # on the last chunk
+
+    @classmethod
+    def from_pb(cls, c: api_pb2.GenerateChunk) -> GenerateChunk:
+        return cls(c.request_id, tuple(c.token_ids), c.text, c.finished, c.finish_reason,
+                   Usage.from_pb(c.usage) if c.HasField("usage") else None)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole answer. ``ttft_s`` / ``itl_s`` are measured by the client: from the start of the call to the
+    first chunk with tokens, and between later chunks with tokens (None / empty for the unary ``chat``, which
+    has no stream). ``metadata`` is the server's trailing metadata; ``trace_id`` is its ``traceparent``'s."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage | None
+    request_id: str
+    trace_id: str = ""
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+class CompletionBuilder:
+    """Collects the chunks of one stream into a ``Completion``, timing them as they arrive. Create it just
+    before the call starts."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._last: float | None = None
+        self.ttft_s: float | None = None
+        self.itl_s: list[float] = []
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.request_id = ""
+        self.finish_reason = ""
+        self.usage: Usage | None = None
+
+    def add(self, chunk: GenerateChunk) -> None:
+        if chunk.token_ids:
+            now = time.perf_counter()
+            if self._last is None:
+                self.ttft_s = now - self._start
+            else:
+                self.itl_s.append(now - self._last)
+            self._last = now
+        self.text.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        self.request_id = self.request_id or chunk.request_id
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.usage = chunk.usage or self.usage
+
+    def build(self, trailing: Mapping[str, str]) -> Completion:
+        return Completion("".join(self.text), self.token_ids, self.finish_reason, self.usage,
+                          self.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
+                          self.ttft_s, self.itl_s, time.perf_counter() - self._start, dict(trailing))
+
+
+def completion_from_chat(r: api_pb2.ChatResponse, trailing: Mapping[str, str],
+                         latency_s: float) -> Completion:
+    usage = Usage.from_pb(r.usage) if r.HasField("usage") else None
+    return Completion(r.text, list(r.token_ids), r.finish_reason, usage,
+                      r.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
+                      latency_s=latency_s, metadata=dict(trailing))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    fingerprint: str
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    instance_id: str
+    role: str
+    grpc_address: str
+    age_s: float                    # since its last heartbeat
+    load: dict[str, float]
+
+
+@dataclass(frozen=True)
+class HealthInfo:
+    ok: bool                        # at least one instance can prefill and one can decode
+    instances: list[InstanceInfo]
+
+    @classmethod
+    def from_pb(cls, h: api_pb2.HealthResponse) -> HealthInfo:
+        return cls(h.ok, [InstanceInfo(i.instance_id, i.role, i.grpc_address, i.age_s, dict(i.load))
+                          for i in h.instances])
+
+
+def models_from_pb(r: api_pb2.ListModelsResponse) -> list[ModelInfo]:
+    return [ModelInfo(m.id, m.fingerprint, m.max_model_len) for m in r.models]
+
+
+def metadata_dict(metadata: object) -> dict[str, str]:
+    """gRPC metadata (key/value pairs, or None) as a dict of its text entries."""
+    return {k: v for k, v in (metadata or ()) if isinstance(v, str)}  # type: ignore[attr-defined]
+
+
+def trace_id(metadata: Mapping[str, str]) -> str:
+    """The trace id of a W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``) in ``metadata``, or ""."""
+    parts = metadata.get("traceparent", "").split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""

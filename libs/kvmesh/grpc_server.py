@@ -1,0 +1,41 @@
+"""A grpc.aio server with what every kvmesh service carries: health checking and reflection."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+class ServiceServer:
+    def __init__(self, service_names: list[str]) -> None:
+        self.server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                               ("grpc.so_reuseport", 0)])
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = service_names
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
+        self.port = 0
+
+    def bind(self, host: str, port: int) -> str:
+        """Reserve the port (add servicers after this, before ``start``)."""
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {host}:{port}")
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)

@@ -1,0 +1,145 @@
+"""The pushing end (prefill side): send a request's KV blocks to a decode instance's :class:`TransferServer`.
+
+Connections are pooled per address: a push takes an idle connection (or opens one), owns it exclusively until
+the reply, then returns it, so concurrent pushes are safe and each uses its own connection. A connection that
+failed mid-push is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import NamedTuple, Sequence
+
+import torch
+
+from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.transfer.backends import Backend, Staged, get_backend
+from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
+from kvmesh.transfer.wire import (MAGIC, PREFIX, Address, Reply, configure, parse_address, read_reply,
+                                  tensor_bytes)
+
+
+class TransferStats(NamedTuple):
+    nbytes: int
+    seconds: float  # push called -> receiver replied "verified"
+    gbps: float     # GB/s (1e9 bytes per second)
+
+
+class TransferClient:
+    def __init__(self, *, max_idle_per_address: int = 4, connect_timeout: float = 5.0,
+                 reply_timeout: float = 60.0) -> None:
+        self.max_idle_per_address = max_idle_per_address
+        self.connect_timeout = connect_timeout
+        self.reply_timeout = reply_timeout
+        self._idle: dict[Address, list[socket.socket]] = {}
+        self._backends: dict[str, Backend] = {}
+
+    async def push(self, address: str, transfer_id: str, layout: KVLayout, blocks: torch.Tensor,
+                   block_keys: Sequence[int], num_tokens: int) -> TransferStats:
+        """Send ``blocks`` (``[n, *layout.block_shape]``, storage dtype) and wait until the receiver verified
+        them. Raises TransferRejected with the receiver's reason, ConnectionError (or OSError/TimeoutError)
+        when it cannot be reached or the connection breaks."""
+        started = time.perf_counter()
+        addr = parse_address(address)
+        backend = self._backend(addr.backend)
+        payload = _payload(layout, blocks)
+        checksums = block_checksums(tensor_bytes(payload), layout.block_nbytes)
+        sock = await self._checkout(addr)
+        try:
+            staged = self._stage(backend, payload, sock.getsockname()[0])
+            try:
+                header = TransferHeader(transfer_id, backend.name, layout, tuple(block_keys), num_tokens,
+                                        checksums, staged.source)
+                reply = await self._exchange(sock, header, staged)
+            finally:
+                staged.release()
+        except BaseException:
+            sock.close()
+            raise
+        self._checkin(addr, sock)
+        if not reply.ok:
+            raise TransferRejected(reply.reason)
+        seconds = time.perf_counter() - started
+        return TransferStats(payload.numel(), seconds, payload.numel() / seconds / 1e9)
+
+    async def close(self) -> None:
+        for socks in self._idle.values():
+            for sock in socks:
+                sock.close()
+        self._idle.clear()
+
+    async def __aenter__(self) -> TransferClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _stage(self, backend: Backend, payload: torch.Tensor, local_host: str) -> Staged:
+        """Make the (already checksummed) payload reachable by the receiver. Tests override this to corrupt
+        bytes in flight."""
+        return backend.stage(payload, local_host)
+
+    async def _exchange(self, sock: socket.socket, header: TransferHeader, staged: Staged) -> Reply:
+        loop = asyncio.get_running_loop()
+        raw = encode_header(header)
+        await loop.sock_sendall(sock, PREFIX.pack(MAGIC, len(raw)) + raw)
+        if staged.inline is not None:
+            await loop.sock_sendall(sock, staged.inline)
+        async with asyncio.timeout(self.reply_timeout):
+            return await read_reply(sock)
+
+    def _backend(self, name: str) -> Backend:
+        if name not in self._backends:
+            self._backends[name] = get_backend(name)
+        return self._backends[name]
+
+    async def _checkout(self, addr: Address) -> socket.socket:
+        idle = self._idle.get(addr, [])
+        while idle:
+            sock = idle.pop()
+            if _alive(sock):
+                return sock
+            sock.close()
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
+        family, type_, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            configure(sock)
+            async with asyncio.timeout(self.connect_timeout):
+                await loop.sock_connect(sock, sockaddr)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _checkin(self, addr: Address, sock: socket.socket) -> None:
+        idle = self._idle.setdefault(addr, [])
+        if len(idle) < self.max_idle_per_address:
+            idle.append(sock)
+        else:
+            sock.close()
+
+
+def _payload(layout: KVLayout, blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` as one flat contiguous uint8 CPU tensor (a view when it already is contiguous on CPU)."""
+    want = storage_dtype(layout.dtype)
+    if blocks.dtype != want:
+        raise ValueError(f"blocks are {blocks.dtype}, layout {layout.dtype} stores {want}")
+    if blocks.dim() < 1 or tuple(blocks.shape[1:]) != layout.block_shape or blocks.shape[0] == 0:
+        raise ValueError(f"blocks shape {tuple(blocks.shape)} is not [n>0, *{layout.block_shape}]")
+    return blocks.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+
+
+def _alive(sock: socket.socket) -> bool:
+    """An idle pooled connection is reusable when the peer has neither closed it nor sent anything."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)  # EOF, or bytes nobody asked for: either way not reusable
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,143 @@
+"""The transfer header: what a pushed payload claims to be, and the checks a receiver runs on it.
+
+The header is JSON (it is small; the payload never is). 64-bit values (block keys, xxh3_64 checksums) travel as
+16-digit hex strings so any JSON reader keeps them exact. ``source`` is the backend's own descriptor of where the
+bytes are (empty for ``tcp``: they follow the header on the same connection).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import xxhash
+
+from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.transfer.errors import TransferRejected
+
+VERSION = 1
+MAX_HEADER_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TransferHeader:
+    transfer_id: str
+    backend: str
+    layout: KVLayout
+    block_keys: tuple[int, ...]
+    num_tokens: int
+    checksums: tuple[int, ...]  # xxh3_64 of each block's raw bytes, in order
+    source: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.checksums)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.layout.block_nbytes
+
+
+def block_checksums(payload: memoryview, block_nbytes: int) -> tuple[int, ...]:
+    """xxh3_64 of each ``block_nbytes`` slice of a flat byte view (one hash call per block, no copies)."""
+    return tuple(xxhash.xxh3_64_intdigest(payload[i:i + block_nbytes])
+                 for i in range(0, len(payload), block_nbytes))
+
+
+def corrupt_blocks(header: TransferHeader, payload: memoryview) -> list[int]:
+    """Indices of the blocks whose bytes do not hash to the header's checksum."""
+    actual = block_checksums(payload, header.layout.block_nbytes)
+    return [i for i, (a, b) in enumerate(zip(actual, header.checksums)) if a != b]
+
+
+def layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None:
+    """Every field that differs, as ``name got!=expected``; None when equal. Byte counts are not compared: they
+    prove nothing."""
+    diffs = [f"{f.name} {getattr(got, f.name)!r}!={getattr(expected, f.name)!r}"
+             for f in fields(KVLayout) if getattr(got, f.name) != getattr(expected, f.name)]
+    return ", ".join(diffs) or None
+
+
+def encode_header(header: TransferHeader) -> bytes:
+    doc = {
+        "v": VERSION,
+        "transfer_id": header.transfer_id,
+        "backend": header.backend,
+        "layout": asdict(header.layout),
+        "block_keys": [f"{k:016x}" for k in header.block_keys],
+        "num_tokens": header.num_tokens,
+        "checksums": [f"{c:016x}" for c in header.checksums],
+        "nbytes": header.nbytes,
+        "source": header.source,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_header(raw: bytes) -> TransferHeader:
+    """Parse and sanity-check a header; raises :class:`TransferRejected` saying what is wrong."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TransferRejected(f"malformed header: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise TransferRejected("malformed header: not a JSON object")
+    if doc.get("v") != VERSION:
+        raise TransferRejected(f"unsupported header version {doc.get('v')!r}; this receiver speaks {VERSION}")
+    try:
+        header = TransferHeader(
+            transfer_id=_typed(doc, "transfer_id", str),
+            backend=_typed(doc, "backend", str),
+            layout=_layout(_typed(doc, "layout", dict)),
+            block_keys=_hex64s(_typed(doc, "block_keys", list)),
+            num_tokens=_typed(doc, "num_tokens", int),
+            checksums=_hex64s(_typed(doc, "checksums", list)),
+            source=_typed(doc, "source", dict),
+        )
+    except (TypeError, ValueError) as e:
+        raise TransferRejected(f"malformed header: {e}") from None
+    _check_counts(header, _typed(doc, "nbytes", int))
+    return header
+
+
+def _check_counts(h: TransferHeader, nbytes: int) -> None:
+    if not h.transfer_id:
+        raise TransferRejected("malformed header: empty transfer_id")
+    if h.num_blocks == 0:
+        raise TransferRejected("malformed header: no blocks")
+    if nbytes != h.nbytes:
+        raise TransferRejected(f"malformed header: nbytes {nbytes} != {h.num_blocks} blocks x "
+                               f"{h.layout.block_nbytes} bytes")
+    if len(h.block_keys) > h.num_blocks:
+        raise TransferRejected(f"malformed header: {len(h.block_keys)} block keys for {h.num_blocks} blocks")
+    if not 0 < h.num_tokens <= h.num_blocks * h.layout.block_size:
+        raise TransferRejected(f"malformed header: num_tokens {h.num_tokens} does not fit {h.num_blocks} blocks "
+                               f"of {h.layout.block_size}")
+
+
+def _typed(doc: dict[str, Any], key: str, typ: type) -> Any:
+    value = doc.get(key)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise TypeError(f"field {key!r} must be {typ.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _hex64s(items: list[Any]) -> tuple[int, ...]:
+    if not all(isinstance(s, str) and len(s) == 16 for s in items):
+        raise ValueError("64-bit values must be 16-digit hex strings")
+    return tuple(int(s, 16) for s in items)
+
+
+def _layout(doc: dict[str, Any]) -> KVLayout:
+    names = {f.name: f.type for f in fields(KVLayout)}
+    if set(doc) != set(names):
+        raise ValueError(f"layout fields {sorted(doc)} != {sorted(names)}")
+    for name, value in doc.items():
+        want = int if names[name] in ("int", int) else str
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise TypeError(f"layout field {name!r} must be {want.__name__}")
+    layout = KVLayout(**doc)
+    storage_dtype(layout.dtype)  # ValueError on an unknown dtype
+    if min(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size) <= 0:
+        raise ValueError("layout dimensions must be positive")
+    return layout

@@ -1,0 +1,99 @@
+"""The Mooncake Transfer Engine as a backend (PyPI ``mooncake-transfer-engine-non-cuda``; its shared library
+needs Debian's ``libibverbs1`` even for TCP).
+
+One engine per process, started on first use with the P2P handshake (no metadata server) and the ``tcp``
+protocol. The sender registers its payload tensor and sends ``{session, addr}``; the receiver registers its
+result tensor and does a one-sided ``transfer_sync_read`` from the sender's memory (in a worker thread: it
+blocks). Imported lazily: the base install never needs mooncake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kvmesh.transfer.backends import Backend, Staged
+from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.header import TransferHeader
+
+_lock = threading.Lock()
+_engine: Any = None
+_session = ""
+_executor: ThreadPoolExecutor | None = None
+_registered: Counter[tuple[int, int]] = Counter()  # (addr, length) -> pushes using it; guarded by _lock
+
+
+def engine(host: str) -> tuple[Any, str]:
+    """The process's engine and its session name (``host:rpc_port``), started on first call."""
+    global _engine, _session
+    with _lock:
+        if _engine is None:
+            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO lines on stderr are noise here
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+            try:
+                from mooncake.engine import TransferEngine
+            except (ImportError, OSError) as e:
+                raise RuntimeError(
+                    "the mooncake transfer backend needs the PyPI package 'mooncake-transfer-engine-non-cuda' "
+                    f"and Debian's libibverbs1 (apt-get install libibverbs1): {e}") from e
+            te = TransferEngine()
+            rc = te.initialize(host, "P2PHANDSHAKE", "tcp", "")
+            if rc != 0:
+                raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, tcp) failed: rc={rc}")
+            _engine, _session = te, f"{host}:{te.get_rpc_port()}"
+        return _engine, _session
+
+
+def _reader() -> ThreadPoolExecutor:
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-read")
+        return _executor
+
+
+def _register(te: Any, addr: int, length: int) -> None:
+    with _lock:
+        if _registered[(addr, length)] == 0 and (rc := te.register_memory(addr, length)) != 0:
+            raise RuntimeError(f"Mooncake register_memory failed: rc={rc}")
+        _registered[(addr, length)] += 1
+
+
+def _unregister(te: Any, addr: int, length: int) -> None:
+    with _lock:
+        _registered[(addr, length)] -= 1
+        if _registered[(addr, length)] == 0:
+            del _registered[(addr, length)]
+            te.unregister_memory(addr)
+
+
+class MooncakeBackend(Backend):
+    name = "mooncake"
+
+    def stage(self, payload: torch.Tensor, local_host: str) -> Staged:
+        te, session = engine(local_host)
+        addr, n = payload.data_ptr(), payload.numel()
+        _register(te, addr, n)
+        return Staged(source={"session": session, "addr": addr}, release=lambda: _unregister(te, addr, n))
+
+    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor) -> None:
+        session, addr = header.source.get("session"), header.source.get("addr")
+        if not isinstance(session, str) or not isinstance(addr, int):
+            raise TransferRejected(f"mooncake source needs 'session' and 'addr': {header.source!r}")
+        te, _ = engine(sock.getsockname()[0])
+        local, n = into.data_ptr(), into.numel()
+        _register(te, local, n)
+        # A cancelled await must not free `into` while the engine still writes into it: the concurrent future's
+        # callback (which holds `into`) unregisters only once the read has really ended.
+        read = _reader().submit(te.transfer_sync_read, session, local, addr, n)
+        read.add_done_callback(lambda _, keep=into: _unregister(te, local, n))
+        rc = await asyncio.wrap_future(read)
+        if rc < 0:
+            raise TransferRejected(f"mooncake read of {n} bytes from {session} failed: rc={rc}")

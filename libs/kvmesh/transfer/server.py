@@ -1,0 +1,287 @@
+"""The receiving end (decode side): accept pushed transfers, verify them, hold them until taken.
+
+Every transfer is checked before anyone can take it: its layout must equal the expected layout in every field,
+every block must match its xxh3_64 checksum. A refused transfer is recorded as a rejection (``take`` raises
+:class:`TransferRejected`), never as data. Memory is bounded twice: verified transfers nobody takes are dropped
+after ``ttl`` seconds, and a transfer that would push the bytes held (in flight + waiting) past
+``max_buffered_bytes`` is refused before its payload is read.
+
+Concurrency: all state lives on the event loop that called :meth:`TransferServer.start`; one task per
+connection, each connection carrying one transfer at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.transfer.backends import Backend, TcpBackend, get_backend
+from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.header import (MAX_HEADER_BYTES, TransferHeader, corrupt_blocks, decode_header,
+                                    layout_mismatch)
+from kvmesh.transfer.wire import (MAGIC, PREFIX, Address, Reply, configure, drain, encode_reply, recv_bytes,
+                                  recv_into, tensor_bytes)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReceivedBlocks:
+    """A verified transfer. ``blocks`` is ``[n, *layout.block_shape]`` in the layout's storage dtype, ready for
+    ``DeviceKVPool.write_blocks``; ``block_keys`` are the keys of its full blocks (a partial last block has none).
+    """
+
+    transfer_id: str
+    layout: KVLayout
+    block_keys: tuple[int, ...]
+    num_tokens: int
+    blocks: torch.Tensor
+    nbytes: int
+    seconds: float  # header arrival -> verified
+
+
+@dataclass
+class _Slot:
+    """One transfer id: waited for, delivered, or refused."""
+
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: ReceivedBlocks | TransferRejected | None = None
+    nbytes: int = 0  # counted in the server's buffered bytes while held
+    expiry: asyncio.TimerHandle | None = None
+    waiters: int = 0
+
+
+class TransferServer:
+    def __init__(self, sock: socket.socket, expected_layout: KVLayout, backend: Backend, *, ttl: float,
+                 max_buffered_bytes: int, io_timeout: float) -> None:
+        self.expected_layout = expected_layout
+        self.ttl = ttl
+        self.max_buffered_bytes = max_buffered_bytes
+        self.io_timeout = io_timeout
+        self._sock = sock
+        self._backends: dict[str, Backend] = {"tcp": TcpBackend(), backend.name: backend}
+        host, port = sock.getsockname()[:2]
+        host = socket.gethostname() if host in ("0.0.0.0", "::") else host
+        self.address = str(Address(backend.name, host, port))
+        self._slots: dict[str, _Slot] = {}
+        self._in_flight: set[str] = set()
+        self._discarded: dict[str, asyncio.TimerHandle] = {}
+        self._buffered = 0
+        self._connections: set[asyncio.Task[None]] = set()
+        self._accepting = asyncio.create_task(self._accept())
+
+    @classmethod
+    async def start(cls, expected_layout: KVLayout, host: str = "127.0.0.1", port: int = 0,
+                    backend: str = "tcp", *, ttl: float = 60.0, max_buffered_bytes: int = 1 << 30,
+                    io_timeout: float = 30.0) -> TransferServer:
+        """Listen on ``host:port`` (0 = any free port). ``backend`` is what :attr:`address` advertises; plain
+        ``tcp`` is always accepted too. Raises RuntimeError when the backend cannot run here (mooncake)."""
+        chosen = get_backend(backend)
+        if backend == "mooncake":
+            from kvmesh.transfer.mooncake_backend import engine
+
+            engine(host)
+        sock = socket.create_server((host, port))
+        sock.setblocking(False)
+        return cls(sock, expected_layout, chosen, ttl=ttl, max_buffered_bytes=max_buffered_bytes,
+                   io_timeout=io_timeout)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held: transfers being received plus verified ones not yet taken."""
+        return self._buffered
+
+    async def take(self, transfer_id: str, timeout: float) -> ReceivedBlocks:
+        """Wait until ``transfer_id`` has arrived and been verified, and hand it over (once).
+        Raises asyncio.TimeoutError, or TransferRejected when it arrived but was refused."""
+        slot = self._slots.setdefault(transfer_id, _Slot())
+        slot.waiters += 1
+        try:
+            await asyncio.wait_for(slot.ready.wait(), timeout)
+        finally:
+            slot.waiters -= 1
+            if slot.outcome is None and slot.waiters == 0 and self._slots.get(transfer_id) is slot:
+                del self._slots[transfer_id]
+        outcome = slot.outcome
+        self._pop(transfer_id, slot)
+        if isinstance(outcome, TransferRejected):
+            raise TransferRejected(outcome.reason)
+        assert outcome is not None
+        return outcome
+
+    def discard(self, transfer_id: str) -> None:
+        """Drop ``transfer_id`` (the caller gave up on it): free its bytes if it arrived, refuse it if it
+        arrives within ``ttl``, and wake any ``take`` still waiting for it with a rejection."""
+        if slot := self._slots.get(transfer_id):
+            if slot.outcome is None:
+                slot.outcome = TransferRejected(f"transfer {transfer_id} was discarded by the receiver")
+                slot.ready.set()
+            self._pop(transfer_id, slot)
+        if old := self._discarded.pop(transfer_id, None):
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        self._discarded[transfer_id] = loop.call_later(self.ttl, self._discarded.pop, transfer_id, None)
+
+    async def close(self) -> None:
+        self._accepting.cancel()
+        self._sock.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(self._accepting, *self._connections, return_exceptions=True)
+        for transfer_id, slot in list(self._slots.items()):
+            if slot.outcome is None:
+                slot.outcome = TransferRejected("the transfer server closed")
+                slot.ready.set()
+            self._pop(transfer_id, slot)
+        for handle in self._discarded.values():
+            handle.cancel()
+        self._discarded.clear()
+
+    async def __aenter__(self) -> TransferServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- connections ------------------------------------------------------------------------------------------
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            configure(conn)
+            task = asyncio.create_task(self._serve(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        """One connection: header, payload, reply; repeat. A broken or stalled sender only loses its own
+        transfer in progress."""
+        loop = asyncio.get_running_loop()
+        try:
+            while (prefix := await self._first_bytes(sock, PREFIX.size)) is not None:
+                try:
+                    async with asyncio.timeout(self.io_timeout):
+                        header = await self._read_header(sock, prefix)
+                except TransferRejected as e:  # unparseable: the payload length is unknown, so close after replying
+                    log.warning("transfer refused: %s", e.reason)
+                    await loop.sock_sendall(sock, encode_reply(Reply(False, e.reason)))
+                    return
+                await self._receive(sock, header)
+        except (ConnectionError, TimeoutError, OSError) as e:
+            log.warning("transfer connection dropped: %s", e or type(e).__name__)
+        finally:
+            sock.close()
+
+    @staticmethod
+    async def _first_bytes(sock: socket.socket, n: int) -> bytearray | None:
+        """The next ``n`` bytes, or None when the peer closed cleanly between frames."""
+        buf = bytearray(n)
+        got = await asyncio.get_running_loop().sock_recv_into(sock, buf)
+        if got == 0:
+            return None
+        await recv_into(sock, memoryview(buf)[got:])
+        return buf
+
+    @staticmethod
+    async def _read_header(sock: socket.socket, prefix: bytearray) -> TransferHeader:
+        magic, length = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise TransferRejected(f"not a kvmesh transfer frame (magic {bytes(magic)!r})")
+        if length > MAX_HEADER_BYTES:
+            raise TransferRejected(f"header of {length} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+        return decode_header(bytes(await recv_bytes(sock, length)))
+
+    async def _receive(self, sock: socket.socket, header: TransferHeader) -> None:
+        tid, nbytes = header.transfer_id, header.nbytes
+        backend = self._backends.get(header.backend)
+        reason, record = self._refusal(header)
+        if reason is None and backend is not None:
+            reason = await self._fetch(sock, header, backend)
+        elif header.backend == "tcp":  # refused before reading: drop its inline payload to keep the stream in sync
+            async with asyncio.timeout(self.io_timeout):
+                await drain(sock, nbytes)
+        if reason is not None:
+            log.warning("transfer %s refused: %s", tid, reason)
+            if record:
+                self._settle(tid, TransferRejected(reason), 0)
+        await asyncio.get_running_loop().sock_sendall(sock, encode_reply(Reply(reason is None, reason or "")))
+
+    def _refusal(self, header: TransferHeader) -> tuple[str | None, bool]:
+        """Why ``header`` is refused before its payload is read (None: admitted), and whether to record it
+        as the transfer's outcome (not for duplicates, which must not overwrite the original)."""
+        tid = header.transfer_id
+        if header.backend not in self._backends:
+            return f"backend {header.backend!r} is not served here (this receiver takes {sorted(self._backends)})", True
+        if diff := layout_mismatch(self.expected_layout, header.layout):
+            return f"layout mismatch: {diff}", True
+        if tid in self._discarded:
+            return f"transfer {tid} was discarded by the receiver", False
+        if tid in self._in_flight:
+            return f"transfer {tid} is already being received", False
+        if (slot := self._slots.get(tid)) and isinstance(slot.outcome, ReceivedBlocks):
+            return f"transfer {tid} was already received and not yet taken", False
+        if self._buffered + header.nbytes > self.max_buffered_bytes:
+            return (f"over capacity: {header.nbytes} bytes would exceed the {self.max_buffered_bytes}-byte receive "
+                    f"buffer ({self._buffered} bytes held)"), True
+        return None, True
+
+    async def _fetch(self, sock: socket.socket, header: TransferHeader, backend: Backend) -> str | None:
+        """Receive and verify an admitted transfer; returns the refusal reason, or None once delivered."""
+        tid, nbytes = header.transfer_id, header.nbytes
+        self._in_flight.add(tid)
+        self._buffered += nbytes
+        delivered = False
+        started = time.perf_counter()
+        try:
+            into = torch.empty(nbytes, dtype=torch.uint8)
+            try:
+                async with asyncio.timeout(self.io_timeout):
+                    await backend.fetch(header, sock, into)
+            except TransferRejected as e:
+                return e.reason
+            if bad := corrupt_blocks(header, tensor_bytes(into)):
+                shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+                return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
+            layout = header.layout
+            blocks = into.view(storage_dtype(layout.dtype)).view(header.num_blocks, *layout.block_shape)
+            received = ReceivedBlocks(tid, layout, header.block_keys, header.num_tokens, blocks, nbytes,
+                                      time.perf_counter() - started)
+            self._settle(tid, received, nbytes)
+            delivered = True
+            return None
+        finally:
+            self._in_flight.discard(tid)
+            if not delivered:
+                self._buffered -= nbytes
+
+    # -- slots ------------------------------------------------------------------------------------------------
+
+    def _settle(self, tid: str, outcome: ReceivedBlocks | TransferRejected, nbytes: int) -> None:
+        """Make ``outcome`` what ``take(tid)`` returns (replacing an earlier rejection), for ``ttl`` seconds."""
+        slot = self._slots.setdefault(tid, _Slot())
+        if slot.expiry:
+            slot.expiry.cancel()
+        self._buffered -= slot.nbytes
+        slot.outcome, slot.nbytes = outcome, nbytes
+        slot.expiry = asyncio.get_running_loop().call_later(self.ttl, self._expire, tid, slot)
+        slot.ready.set()
+
+    def _expire(self, tid: str, slot: _Slot) -> None:
+        if isinstance(slot.outcome, ReceivedBlocks):
+            log.warning("transfer %s dropped: not taken within %g s", tid, self.ttl)
+        self._pop(tid, slot)
+
+    def _pop(self, tid: str, slot: _Slot) -> None:
+        if self._slots.get(tid) is slot:
+            del self._slots[tid]
+        if slot.expiry:
+            slot.expiry.cancel()
+        self._buffered -= slot.nbytes
+        slot.nbytes = 0

@@ -1,0 +1,103 @@
+"""Framing on the control connection, and the zero-copy socket helpers both ends use.
+
+Request: ``b"KVMT" | u32 header length (LE) | header JSON | payload`` (the payload only for backends that stream
+it inline, i.e. ``tcp``). Reply: ``u32 length | {"ok": bool, "reason": str}``. One request, one reply, in order;
+a connection carries any number of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from typing import NamedTuple
+
+import torch
+
+MAGIC = b"KVMT"
+PREFIX = struct.Struct("<4sI")
+REPLY_PREFIX = struct.Struct("<I")
+MAX_REPLY_BYTES = 64 << 10
+_DRAIN_CHUNK = 1 << 20
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection before a whole frame arrived."""
+
+
+class Reply(NamedTuple):
+    ok: bool
+    reason: str = ""
+
+
+class Address(NamedTuple):
+    backend: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.backend}://{self.host}:{self.port}"
+
+
+def parse_address(address: str) -> Address:
+    """``"<backend>://<host>:<port>"``, as :attr:`TransferServer.address` prints it."""
+    backend, sep, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"transfer address {address!r} is not '<backend>://<host>:<port>'")
+    return Address(backend, host.strip("[]"), int(port))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor as a flat writable memoryview, without copying (fp8/bf16 included:
+    viewed as uint8 first, since numpy knows neither)."""
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def encode_reply(reply: Reply) -> bytes:
+    body = json.dumps({"ok": reply.ok, "reason": reply.reason}).encode()
+    return REPLY_PREFIX.pack(len(body)) + body
+
+
+def decode_reply(body: bytes) -> Reply:
+    doc = json.loads(body)
+    return Reply(bool(doc["ok"]), str(doc.get("reason", "")))
+
+
+def configure(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``: the kernel copies straight into it, no intermediate bytes objects."""
+    loop = asyncio.get_running_loop()
+    while view:
+        n = await loop.sock_recv_into(sock, view)
+        if n == 0:
+            raise PeerClosed(f"peer closed the connection with {len(view)} bytes of the frame missing")
+        view = view[n:]
+
+
+async def recv_bytes(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    await recv_into(sock, memoryview(buf))
+    return buf
+
+
+async def drain(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes, so a refused inline payload leaves the connection usable."""
+    scratch = memoryview(bytearray(min(n, _DRAIN_CHUNK)))
+    while n > 0:
+        step = min(n, len(scratch))
+        await recv_into(sock, scratch[:step])
+        n -= step
+
+
+async def read_reply(sock: socket.socket) -> Reply:
+    (length,) = REPLY_PREFIX.unpack(await recv_bytes(sock, REPLY_PREFIX.size))
+    if length > MAX_REPLY_BYTES:
+        raise ConnectionError(f"reply of {length} bytes: the peer does not speak the kvmesh transfer protocol")
+    return decode_reply(bytes(await recv_bytes(sock, length)))

@@ -1,0 +1,35 @@
+"""Command line of an engine instance: ``python -m services.prefill`` / ``services.decode`` call ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from kvmesh import config
+from kvmesh.config import EngineConfig
+from kvmesh.worker.config import WorkerConfig
+from kvmesh.worker.runtime import serve
+
+
+def main(default_role: str, argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=f"kvmesh-{default_role}")
+    p.add_argument("--config", help="TOML file with [worker] and [engine] sections")
+    p.add_argument("--role", choices=["prefill", "decode", "both"])
+    p.add_argument("--instance-id")
+    p.add_argument("--cluster")
+    p.add_argument("--nats-url")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--cachesvc-address")
+    p.add_argument("--transfer-backend", choices=["tcp", "shm", "mooncake"])
+    p.add_argument("--model")
+    p.add_argument("--threads", type=int)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    wcfg = config.load(WorkerConfig, args.config, section="worker", defaults={"role": default_role},
+                       role=args.role, instance_id=args.instance_id, cluster=args.cluster, nats_url=args.nats_url,
+                       host=args.host, port=args.port, transfer_backend=args.transfer_backend,
+                       cachesvc_address=args.cachesvc_address)
+    ecfg = config.load(EngineConfig, args.config, section="engine", model=args.model, threads=args.threads)
+    asyncio.run(serve(wcfg, ecfg))

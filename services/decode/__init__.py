@@ -1,0 +1,1 @@
+"""The decode service: an engine instance in decode mode (see README.md)."""

@@ -1,0 +1,1 @@
+"""The prefill service: an engine instance in prefill mode (see README.md)."""

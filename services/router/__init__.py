@@ -1,0 +1,1 @@
+"""The router: client API, tokenization and block keys, instance registry, scheduling (see README.md)."""

@@ -1,0 +1,64 @@
+"""``python -m services.router``: the client API (gRPC + OpenAI HTTP) in front of the engine instances."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from kvmesh import config
+from kvmesh.grpc_server import ServiceServer
+from kvmesh.proto.v1 import api_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.core import Router
+from services.router.grpc_api import KvmeshServicer
+from services.router.http_api import OpenAIApi
+
+log = logging.getLogger("router")
+
+
+async def serve(cfg: RouterConfig) -> None:
+    router = Router(cfg)
+    await router.start()
+    grpc_server = ServiceServer(["kvmesh.v1.Kvmesh"])
+    api_pb2_grpc.add_KvmeshServicer_to_server(KvmeshServicer(router), grpc_server.server)
+    grpc_address = grpc_server.bind(cfg.host, cfg.grpc_port)
+    await grpc_server.start()
+    runner = web.AppRunner(OpenAIApi(router).app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.host, cfg.http_port).start()
+    await grpc_server.set_serving(True)
+    log.info("router serving gRPC on %s and HTTP on http://%s:%d", grpc_address, cfg.host, cfg.http_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await grpc_server.stop()
+    await runner.cleanup()
+    await router.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="kvmesh-router")
+    p.add_argument("--config", help="TOML file with a [router] section")
+    p.add_argument("--model")
+    p.add_argument("--cluster")
+    p.add_argument("--nats-url")
+    p.add_argument("--host")
+    p.add_argument("--grpc-port", type=int)
+    p.add_argument("--http-port", type=int)
+    p.add_argument("--cachesvc-address")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config.load(RouterConfig, args.config, section="router", model=args.model, cluster=args.cluster,
+                      nats_url=args.nats_url, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                      cachesvc_address=args.cachesvc_address)
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The mesh end to end: real processes, real nats-server, real gRPC, the real default model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from kvmesh.config import EngineConfig
+from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engine.sequence import SamplingParams
+
+from .conftest import start_stack
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Name three fruits.", "What is 2 + 2?", "Say hello in Spanish.",
+             "What color is the sky?", "Write one word about cats.", "Who wrote Hamlet?", "What is water made of?"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(threads=1))
+
+
+def expected_tokens(engine, question: str, n: int) -> list[int]:
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    return engine.generate([prompt], SamplingParams(max_tokens=n))[0].token_ids
+
+
+def post(stack, path: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}{path}", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.load(r), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e), dict(e.headers)
+
+
+def openai_client(stack, **kw):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.opts.http_port}/v1", api_key="unused", **kw)
+
+
+def test_greedy_output_through_the_mesh_equals_the_engine_alone(mesh, engine):
+    status, body, headers = post(mesh, "/v1/completions", {
+        "prompt": engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]),
+        "max_tokens": 16, "temperature": 0})
+    assert status == 200 and headers.get("x-request-id")
+    ids = engine.tokenizer.encode(body["choices"][0]["text"])
+    assert engine.tokenizer.decode(ids) == engine.tokenizer.decode(expected_tokens(engine, QUESTIONS[0], 16))
+
+
+def test_openai_client_chat_non_streaming_and_streaming(mesh, engine):
+    client = openai_client(mesh)
+    msgs = [{"role": "user", "content": QUESTIONS[6]}]
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == streamed
+    assert streamed == engine.tokenizer.decode(expected_tokens(engine, QUESTIONS[6], 12))
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+
+def test_eight_concurrent_streams_all_finish_correctly(mesh, engine):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{mesh.opts.http_port}/v1", api_key="unused")
+
+    async def one(q: str) -> str:
+        stream = await client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=10, temperature=0,
+                                                      messages=[{"role": "user", "content": q}], stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(q) for q in QUESTIONS))
+
+    texts = asyncio.run(all_of_them())
+    assert texts == [engine.tokenizer.decode(expected_tokens(engine, q, 10)) for q in QUESTIONS]
+
+
+def test_second_turn_reuses_the_first_turns_prompt_and_answer(mesh):
+    client = openai_client(mesh)
+    history = [{"role": "user", "content": "Tell me a fact about the moon."}]
+    first = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, max_tokens=20,
+                                           temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And one about the sun?"}]
+    second = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, max_tokens=8,
+                                            temperature=0)
+    covered = (first.usage.prompt_tokens + first.usage.completion_tokens) // 16 * 16
+    assert second.usage.prompt_tokens_details.cached_tokens >= covered
+
+
+def test_bad_input_gets_a_clear_400_and_the_service_keeps_serving(mesh):
+    status, body, headers = post(mesh, "/v1/chat/completions", {"messages": "hello", "max_tokens": 4})
+    assert status == 400 and "messages" in body["error"]["message"] and headers.get("x-request-id")
+    status, body, _ = post(mesh, "/v1/completions", {"prompt": [1, 10**9], "max_tokens": 4})
+    assert status == 400 and "token ids" in body["error"]["message"]
+    status, body, _ = post(mesh, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": -1})
+    assert status == 400 and "temperature" in body["error"]["message"]
+    status, body, _ = post(mesh, "/v1/chat/completions", {"model": "gpt-9", "messages": [], "max_tokens": 4})
+    assert status in (400, 404)
+    status, body, _ = post(mesh, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_decode_without_kv_ready_recomputes_and_still_answers_correctly(tmp_path_factory, engine):
+    stack = start_stack(tmp_path_factory, "nokvready",
+                        env={"KVMESH_FAULT_DROP_KV_READY": "1", "KVMESH_KV_TIMEOUT_S": "2"})
+    try:
+        status, body, _ = post(stack, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 10, "temperature": 0})
+        assert status == 200
+        assert body["choices"][0]["message"]["content"] == engine.tokenizer.decode(
+            expected_tokens(engine, QUESTIONS[2], 10))
+        assert "recomputing the prompt locally: kv.ready not received" in (stack.log_dir / "decode-0.log").read_text()
+    finally:
+        stack.stop()

@@ -1,0 +1,273 @@
+"""The transfer engine over real sockets on 127.0.0.1. Async bodies run under ``asyncio.run``."""
+
+import asyncio
+import importlib.util
+import os
+import socket
+from collections.abc import Coroutine
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.transfer import ReceivedBlocks, TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer.backends import Backend, Staged
+from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
+from kvmesh.transfer.wire import MAGIC, PREFIX, decode_reply, parse_address, tensor_bytes
+
+LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+LOCAL_BACKENDS = ("tcp", "shm")
+
+
+def run(coro: Coroutine[Any, Any, Any], timeout_s: float = 20.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+def make_blocks(layout: KVLayout, n: int = 3, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn((n, *layout.block_shape), generator=g) * 10
+    return values.to(storage_dtype(layout.dtype))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("kvmesh_")}
+
+
+async def round_trip(backend: str, layout: KVLayout) -> tuple[torch.Tensor, ReceivedBlocks]:
+    blocks = make_blocks(layout)
+    async with await TransferServer.start(layout, backend=backend) as server, TransferClient() as client:
+        await client.push(server.address, "req-1", layout, blocks, [11, 22, 33], 3 * layout.block_size)
+        return blocks, await server.take("req-1", timeout=5)
+
+
+class CorruptingClient(TransferClient):
+    """Flips one byte after the checksums were taken: what a bad wire or a bad buffer would do."""
+
+    def _stage(self, backend: Backend, payload: torch.Tensor, local_host: str) -> Staged:
+        bad = payload.clone()
+        bad[bad.numel() // 2] ^= 0xFF
+        return super()._stage(backend, bad, local_host)
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_fp32_blocks_round_trip_bit_exact(backend: str) -> None:
+    sent, got = run(round_trip(backend, LAYOUT))
+    assert same_bits(got.blocks, sent)
+    assert (got.transfer_id, got.layout, got.block_keys, got.num_tokens) == ("req-1", LAYOUT, (11, 22, 33), 12)
+    assert got.nbytes == sent.numel() * 4
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_fp8_blocks_round_trip_bit_exact(backend: str) -> None:
+    layout = replace(LAYOUT, dtype="fp8")
+    sent, got = run(round_trip(backend, layout))
+    assert got.blocks.dtype == torch.float8_e4m3fn
+    assert same_bits(got.blocks, sent)
+
+
+def test_received_blocks_load_into_a_device_pool() -> None:
+    from kvmesh.engine.kv_cache import DeviceKVPool
+
+    sent, got = run(round_trip("tcp", LAYOUT))
+    pool = DeviceKVPool(LAYOUT, num_blocks=8)
+    pool.write_blocks([5, 1, 6], got.blocks)
+    assert same_bits(pool.read_blocks([5, 1, 6]), sent)
+
+
+@pytest.mark.parametrize("other", [
+    replace(LAYOUT, dtype="fp16", head_dim=16),          # same bytes per block, other dtype
+    replace(LAYOUT, block_size=8, num_kv_heads=1),       # same bytes per block, other block size
+    replace(LAYOUT, model_fingerprint="other-model"),
+], ids=["dtype", "block_size", "model"])
+def test_layout_mismatch_is_rejected_and_never_taken(other: KVLayout) -> None:
+    assert other.block_nbytes == LAYOUT.block_nbytes
+
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
+            with pytest.raises(TransferRejected, match="layout mismatch"):
+                await client.push(server.address, "req-1", other, make_blocks(other), [], 4)
+            with pytest.raises(TransferRejected, match="layout mismatch"):
+                await server.take("req-1", timeout=1)
+            assert server.buffered_bytes == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
+def test_corrupted_bytes_are_rejected_and_never_taken(backend: str) -> None:
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT, backend=backend) as server, CorruptingClient() as client:
+            with pytest.raises(TransferRejected, match="checksum mismatch in 1 of 3 blocks"):
+                await client.push(server.address, "req-1", LAYOUT, make_blocks(LAYOUT), [1, 2, 3], 12)
+            with pytest.raises(TransferRejected, match="checksum mismatch"):
+                await server.take("req-1", timeout=1)
+            assert server.buffered_bytes == 0
+
+    run(scenario())
+
+
+def test_take_times_out_when_nothing_arrives() -> None:
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT) as server:
+            with pytest.raises(asyncio.TimeoutError):
+                await server.take("never-sent", timeout=0.05)
+
+    run(scenario())
+
+
+def test_eight_concurrent_pushes_arrive_intact() -> None:
+    async def scenario() -> None:
+        sent = {f"req-{i}": make_blocks(LAYOUT, n=1 + i, seed=i) for i in range(8)}
+        async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
+            await asyncio.gather(*(client.push(server.address, tid, LAYOUT, blocks, [], 4 * len(blocks))
+                                   for tid, blocks in sent.items()))
+            received = await asyncio.gather(*(server.take(tid, timeout=5) for tid in sent))
+        for got in received:
+            assert same_bits(got.blocks, sent[got.transfer_id])
+
+    run(scenario())
+
+
+def test_sender_dying_mid_payload_leaves_server_serving_the_next_transfer() -> None:
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
+            payload = tensor_bytes(make_blocks(LAYOUT).contiguous())
+            header = encode_header(TransferHeader("dies", "tcp", LAYOUT, (), 12,
+                                                  block_checksums(payload, LAYOUT.block_nbytes)))
+            addr = parse_address(server.address)
+            with socket.create_connection((addr.host, addr.port)) as dying:
+                dying.sendall(PREFIX.pack(MAGIC, len(header)) + header + payload[:len(payload) // 2])
+            blocks = make_blocks(LAYOUT, seed=1)
+            await client.push(server.address, "next", LAYOUT, blocks, [], 12)
+            assert same_bits((await server.take("next", timeout=5)).blocks, blocks)
+            with pytest.raises(asyncio.TimeoutError):
+                await server.take("dies", timeout=0.1)
+            assert server.buffered_bytes == 0
+
+    run(scenario())
+
+
+def test_malformed_header_gets_a_clear_rejection() -> None:
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT) as server:
+            addr = parse_address(server.address)
+            reader, writer = await asyncio.open_connection(addr.host, addr.port)
+            garbage = b'{"v": 1, "transfer_id": 5}'
+            writer.write(PREFIX.pack(MAGIC, len(garbage)) + garbage)
+            length = int.from_bytes(await reader.readexactly(4), "little")
+            reply = decode_reply(await reader.readexactly(length))
+            writer.close()
+            assert not reply.ok and "malformed header: field 'transfer_id' must be str" in reply.reason
+
+    run(scenario())
+
+
+def test_transfer_over_capacity_is_rejected_before_its_payload_is_read() -> None:
+    async def scenario() -> None:
+        cap = 2 * LAYOUT.block_nbytes
+        async with await TransferServer.start(LAYOUT, max_buffered_bytes=cap) as server, \
+                TransferClient() as client:
+            await client.push(server.address, "fits", LAYOUT, make_blocks(LAYOUT, n=2), [], 8)
+            with pytest.raises(TransferRejected, match="over capacity"):
+                await client.push(server.address, "too-much", LAYOUT, make_blocks(LAYOUT, n=1), [], 4)
+            await server.take("fits", timeout=1)
+            await client.push(server.address, "fits-now", LAYOUT, make_blocks(LAYOUT, n=1), [], 4)
+
+    run(scenario())
+
+
+def test_untaken_transfer_is_dropped_after_its_ttl() -> None:
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT, ttl=0.05) as server, TransferClient() as client:
+            await client.push(server.address, "orphan", LAYOUT, make_blocks(LAYOUT), [], 12)
+            assert server.buffered_bytes == 3 * LAYOUT.block_nbytes
+            await asyncio.sleep(0.15)
+            assert server.buffered_bytes == 0
+            with pytest.raises(asyncio.TimeoutError):
+                await server.take("orphan", timeout=0.05)
+
+    run(scenario())
+
+
+def test_discarded_transfer_is_refused_when_it_arrives_late() -> None:
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
+            server.discard("late")
+            with pytest.raises(TransferRejected, match="discarded by the receiver"):
+                await client.push(server.address, "late", LAYOUT, make_blocks(LAYOUT), [], 12)
+            assert server.buffered_bytes == 0
+
+    run(scenario())
+
+
+def test_duplicate_transfer_id_does_not_replace_the_first() -> None:
+    async def scenario() -> None:
+        first, second = make_blocks(LAYOUT, seed=1), make_blocks(LAYOUT, seed=2)
+        async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
+            await client.push(server.address, "req", LAYOUT, first, [], 12)
+            with pytest.raises(TransferRejected, match="already received"):
+                await client.push(server.address, "req", LAYOUT, second, [], 12)
+            assert same_bits((await server.take("req", timeout=1)).blocks, first)
+
+    run(scenario())
+
+
+def test_client_reconnects_after_the_server_restarts_on_the_same_port() -> None:
+    async def scenario() -> None:
+        async with TransferClient() as client:
+            server = await TransferServer.start(LAYOUT)
+            await client.push(server.address, "a", LAYOUT, make_blocks(LAYOUT), [], 12)
+            port = parse_address(server.address).port
+            await server.close()
+            async with await TransferServer.start(LAYOUT, port=port) as again:
+                await client.push(again.address, "b", LAYOUT, make_blocks(LAYOUT), [], 12)
+                await again.take("b", timeout=1)
+
+    run(scenario())
+
+
+def test_unreachable_receiver_raises_connection_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connection refused
+
+    async def scenario() -> None:
+        async with TransferClient() as client:
+            with pytest.raises(ConnectionError):
+                await client.push(f"tcp://127.0.0.1:{port}", "x", LAYOUT, make_blocks(LAYOUT), [], 12)
+
+    run(scenario())
+
+
+def test_shm_leaves_no_segment_behind() -> None:
+    before = shm_segments()
+
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT, backend="shm") as server:
+            async with TransferClient() as client:
+                await client.push(server.address, "ok", LAYOUT, make_blocks(LAYOUT), [], 12)
+                other = replace(LAYOUT, dtype="fp16", head_dim=16)
+                with pytest.raises(TransferRejected):  # refused before the receiver opened the segment
+                    await client.push(server.address, "bad-layout", other, make_blocks(other), [], 12)
+            async with CorruptingClient() as client:
+                with pytest.raises(TransferRejected):
+                    await client.push(server.address, "corrupt", LAYOUT, make_blocks(LAYOUT), [], 12)
+            await server.take("ok", timeout=1)
+
+    run(scenario())
+    assert shm_segments() == before
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                    reason="mooncake backend needs `pip install mooncake-transfer-engine-non-cuda` (+ libibverbs1)")
+@pytest.mark.parametrize("dtype", ["fp32", "fp8"])
+def test_mooncake_blocks_round_trip_bit_exact(dtype: str) -> None:
+    layout = replace(LAYOUT, dtype=dtype)
+    sent, got = run(round_trip("mooncake", layout))
+    assert same_bits(got.blocks, sent)

@@ -1,0 +1,141 @@
+"""The transfer header codec and the checks a receiver runs on it (no sockets)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.header import (TransferHeader, block_checksums, corrupt_blocks, decode_header,
+                                    encode_header, layout_mismatch)
+from kvmesh.transfer.wire import Address, parse_address, tensor_bytes
+
+LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+
+
+def header(**changes) -> TransferHeader:
+    h = TransferHeader("req-1", "tcp", LAYOUT, (2**64 - 1, 7), 7, (2**63 + 5, 11, 12), {})
+    return replace(h, **changes)
+
+
+def doc_of(h: TransferHeader) -> dict:
+    return json.loads(encode_header(h))
+
+
+def test_header_round_trips_through_json() -> None:
+    h = header(source={"segment": "kvmesh_x"})
+    assert decode_header(encode_header(h)) == h
+
+
+def test_64_bit_keys_and_checksums_travel_as_exact_hex_strings() -> None:
+    doc = doc_of(header())
+    assert doc["block_keys"][0] == "ffffffffffffffff"
+    assert decode_header(encode_header(header())).block_keys[0] == 2**64 - 1
+
+
+def test_header_states_payload_size_of_all_blocks() -> None:
+    assert doc_of(header())["nbytes"] == 3 * LAYOUT.block_nbytes
+
+
+def test_equal_layouts_have_no_mismatch() -> None:
+    assert layout_mismatch(LAYOUT, replace(LAYOUT)) is None
+
+
+def test_layout_mismatch_names_every_differing_field() -> None:
+    other = replace(LAYOUT, dtype="fp16", head_dim=16, tp_rank=1)
+    diff = layout_mismatch(LAYOUT, other)
+    assert diff is not None
+    assert "dtype 'fp16'!='fp32'" in diff and "head_dim 16!=8" in diff and "tp_rank 1!=0" in diff
+
+
+def test_equal_byte_counts_do_not_make_layouts_equal() -> None:
+    other = replace(LAYOUT, block_size=8, num_kv_heads=1)
+    assert other.block_nbytes == LAYOUT.block_nbytes
+    assert layout_mismatch(LAYOUT, other) is not None
+
+
+def test_checksums_cover_each_block_separately() -> None:
+    data = torch.arange(3 * 64, dtype=torch.uint8)
+    sums = block_checksums(tensor_bytes(data), 64)
+    assert len(sums) == 3 and len(set(sums)) == 3
+
+
+def test_flipped_byte_is_found_in_its_block() -> None:
+    data = torch.zeros(3 * LAYOUT.block_nbytes, dtype=torch.uint8)
+    h = header(checksums=block_checksums(tensor_bytes(data), LAYOUT.block_nbytes))
+    data[LAYOUT.block_nbytes + 5] ^= 1
+    assert corrupt_blocks(h, tensor_bytes(data)) == [1]
+
+
+def test_fp8_tensor_bytes_are_a_view_not_a_copy() -> None:
+    t = torch.zeros(4, dtype=torch.float8_e4m3fn)
+    view = tensor_bytes(t)
+    view[0] = 0x38  # 1.0 in e4m3
+    assert t[0].item() == 1.0
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_unparseable_header_is_rejected_as_malformed(raw: bytes) -> None:
+    with pytest.raises(TransferRejected, match="malformed header"):
+        decode_header(raw)
+
+
+def test_unknown_header_version_is_rejected() -> None:
+    doc = doc_of(header()) | {"v": 99}
+    with pytest.raises(TransferRejected, match="unsupported header version 99"):
+        decode_header(json.dumps(doc).encode())
+
+
+def test_missing_field_is_rejected_naming_it() -> None:
+    doc = doc_of(header())
+    del doc["num_tokens"]
+    with pytest.raises(TransferRejected, match="num_tokens"):
+        decode_header(json.dumps(doc).encode())
+
+
+def test_nbytes_disagreeing_with_layout_is_rejected() -> None:
+    doc = doc_of(header()) | {"nbytes": 5}
+    with pytest.raises(TransferRejected, match="nbytes 5"):
+        decode_header(json.dumps(doc).encode())
+
+
+def test_layout_with_unknown_dtype_is_rejected() -> None:
+    doc = doc_of(header())
+    doc["layout"]["dtype"] = "int4"
+    with pytest.raises(TransferRejected, match="int4"):
+        decode_header(json.dumps(doc).encode())
+
+
+def test_layout_with_extra_field_is_rejected() -> None:
+    doc = doc_of(header())
+    doc["layout"]["rope"] = "yarn"
+    with pytest.raises(TransferRejected, match="layout fields"):
+        decode_header(json.dumps(doc).encode())
+
+
+def test_more_block_keys_than_blocks_is_rejected() -> None:
+    with pytest.raises(TransferRejected, match="4 block keys for 3 blocks"):
+        decode_header(encode_header(header(block_keys=(1, 2, 3, 4))))
+
+
+def test_more_tokens_than_blocks_hold_is_rejected() -> None:
+    with pytest.raises(TransferRejected, match="num_tokens 13"):
+        decode_header(encode_header(header(num_tokens=13)))
+
+
+def test_bool_is_not_accepted_as_an_integer() -> None:
+    doc = doc_of(header()) | {"num_tokens": True}
+    with pytest.raises(TransferRejected, match="num_tokens"):
+        decode_header(json.dumps(doc).encode())
+
+
+def test_address_names_backend_host_and_port() -> None:
+    assert parse_address("shm://127.0.0.1:5000") == Address("shm", "127.0.0.1", 5000)
+    assert str(Address("tcp", "h", 1)) == "tcp://h:1"
+
+
+def test_address_without_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="<backend>://<host>:<port>"):
+        parse_address("127.0.0.1:5000")
