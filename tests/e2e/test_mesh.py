@@ -125,3 +125,33 @@ def test_decode_without_kv_ready_recomputes_and_still_answers_correctly(tmp_path
         assert "recomputing the prompt locally: kv.ready not received" in (stack.log_dir / "decode-0.log").read_text()
     finally:
         stack.stop()
+
+
+def test_grpc_sdk_streams_chats_and_reports_usage(mesh, engine):
+    from kvmesh.client import InvalidRequest, KvmeshClient
+
+    messages = [{"role": "user", "content": QUESTIONS[3]}]
+    want = engine.tokenizer.decode(expected_tokens(engine, QUESTIONS[3], 10))
+    with KvmeshClient(f"127.0.0.1:{mesh.opts.grpc_port}") as client:
+        streamed = client.complete(messages=messages, max_tokens=10)
+        chat = client.chat(messages, max_tokens=10)
+        assert streamed.text == chat.text == want
+        assert streamed.usage.completion_tokens == len(streamed.token_ids) and streamed.request_id
+        assert streamed.metadata.get("x-request-id") == streamed.request_id
+        assert client.health().ok and client.list_models()[0].id == "SmolLM2-135M-Instruct"
+        with pytest.raises(InvalidRequest, match="token ids"):
+            client.complete(prompt=[1, 10**9], max_tokens=2)
+
+
+def test_role_both_serves_without_disaggregation(tmp_path_factory, engine):
+    stack = start_stack(tmp_path_factory, "both", prefill=0, decode=0, both=1)
+    try:
+        body = {"messages": [{"role": "user", "content": QUESTIONS[4]}], "max_tokens": 10, "temperature": 0}
+        status, first, _ = post(stack, "/v1/chat/completions", body)
+        status2, again, _ = post(stack, "/v1/chat/completions", body)
+        assert status == status2 == 200
+        assert first["choices"][0]["message"]["content"] == engine.tokenizer.decode(
+            expected_tokens(engine, QUESTIONS[4], 10))
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    finally:
+        stack.stop()
