@@ -65,6 +65,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvmesh.bench import engine as bench  # noqa: PLC0415
     elif args.what == "transfer":
         from kvmesh.bench import transfer as bench  # noqa: PLC0415
+    elif args.what == "mesh":
+        from kvmesh.bench import mesh as bench  # noqa: PLC0415
     else:
         print(f"kvmesh bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2
@@ -149,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("bench", help="benchmarks (engine, transfer)")
-    b.add_argument("what", help="engine | transfer")
+    b = sub.add_parser("bench", help="benchmarks (engine, mesh, transfer)")
+    b.add_argument("what", help="engine | mesh | transfer")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     b.set_defaults(func=cmd_bench)
 

@@ -159,7 +159,7 @@ class Router:
         async for chunk, cached in stream:
             completion += len(chunk.token_ids)
             if chunk.finished:
-                chunk.usage = Usage(len(prompt), completion, cached)
+                chunk.usage = Usage(len(prompt), completion, await cached())
             yield chunk
 
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance):
@@ -167,10 +167,14 @@ class Router:
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, prefill_locally=True))
         cached = 0
+
+        async def cached_tokens() -> int:
+            return cached
+
         async for msg, first in _chunks(call, inst):
             if first:
                 cached = msg.cached_tokens
-            yield _chunk(msg), cached
+            yield _chunk(msg), cached_tokens
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance):
         self.registry.note_dispatch(prefill)
@@ -182,16 +186,20 @@ class Router:
                 worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
                                           decode_transfer_address=decode.beat.transfer_address)))
         prefill_call.add_done_callback(lambda f: _log_prefill_failure(f, work.request_id, prefill.id))
-        cached = 0
+        decode_cached, fallback = 0, False
+
+        async def cached_tokens() -> int:
+            """What prefill reused; after a decode fallback, what decode reused."""
+            if fallback:
+                return decode_cached
+            done, _ = await asyncio.wait([prefill_call], timeout=1.0)
+            return prefill_call.result().cached_tokens if done and not prefill_call.exception() else 0
+
         try:
             async for msg, first in _chunks(call, decode):
                 if first:
-                    cached = msg.cached_tokens
-                    if not msg.kv_fallback and not prefill_call.done():
-                        await asyncio.wait([prefill_call], timeout=1.0)
-                    if not msg.kv_fallback and prefill_call.done() and not prefill_call.exception():
-                        cached = prefill_call.result().cached_tokens
-                yield _chunk(msg), cached
+                    decode_cached, fallback = msg.cached_tokens, msg.kv_fallback
+                yield _chunk(msg), cached_tokens
         finally:
             if not prefill_call.done():
                 prefill_call.cancel()

@@ -118,7 +118,7 @@ def _measure(backend: str, sizes: tuple[int, ...], counts: list[int]) -> list[di
     rows = []
     try:
         for size, count in zip(sizes, counts):
-            address = parent.recv()
+            address = _reply(parent, proc)
             seconds = _send_raw(address, size, count) if backend == RAW else asyncio.run(
                 _push_all(address, size, count))
             parent.send("done")
@@ -129,6 +129,15 @@ def _measure(backend: str, sizes: tuple[int, ...], counts: list[int]) -> list[di
         if proc.is_alive():
             proc.terminate()
     return rows
+
+
+def _reply(conn: Connection, proc: mp.process.BaseProcess, timeout_s: float = 120.0) -> str:
+    """The receiver's next message; fails instead of hanging when the receiver died."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"benchmark receiver died or stalled (exit code {proc.exitcode})")
+    return conn.recv()
 
 
 def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm", "mooncake"),

@@ -183,7 +183,10 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        pending, self._pending = self._pending, []
+        if self._pending:  # deliver imported first tokens before spending a forward step
+            pending, self._pending = self._pending, []
+            return pending
+        pending: list[StepOutput] = []
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return pending

@@ -53,8 +53,9 @@ class Backend(ABC):
         """Sender side. ``payload`` is a flat contiguous uint8 CPU tensor that stays alive until release."""
 
     @abstractmethod
-    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor) -> None:
-        """Receiver side: fill ``into`` (flat uint8, ``header.nbytes``). Raises TransferRejected when the
+    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
+                    view: memoryview) -> None:
+        """Receiver side: fill ``into`` (flat uint8, ``header.nbytes``; ``view`` is its bytes). Raises TransferRejected when the
         source cannot be read (the connection stays usable), ConnectionError/TimeoutError when it broke."""
 
 
@@ -65,8 +66,9 @@ class TcpBackend(Backend):
     def stage(self, payload: torch.Tensor, local_host: str) -> Staged:
         return Staged(inline=tensor_bytes(payload))
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor) -> None:
-        await recv_into(sock, tensor_bytes(into))
+    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
+                    view: memoryview) -> None:
+        await recv_into(sock, view)
 
 
 class ShmBackend(Backend):
@@ -87,7 +89,8 @@ class ShmBackend(Backend):
             raise
         return Staged(source={"segment": shm.name}, release=lambda: _unlink(shm))
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor) -> None:
+    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
+                    view: memoryview) -> None:
         name = header.source.get("segment")
         if not isinstance(name, str) or not self.SEGMENT.fullmatch(name):
             raise TransferRejected(f"shm source names no valid segment: {header.source!r}")
@@ -97,7 +100,6 @@ class ShmBackend(Backend):
                 size = os.fstat(f.fileno()).st_size
                 if size < header.nbytes:
                     raise TransferRejected(f"shm segment {name} holds {size} bytes, header says {header.nbytes}")
-                view = tensor_bytes(into)
                 while view:  # a tmpfs read of the whole segment normally returns at once
                     view = view[f.readinto(view):]
         except FileNotFoundError:

@@ -17,7 +17,7 @@ import torch
 from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.transfer.backends import Backend, Staged, get_backend
 from kvmesh.transfer.errors import TransferRejected
-from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
+from kvmesh.transfer.header import TransferHeader, block_checksums, block_nbytes, encode_header
 from kvmesh.transfer.wire import (MAGIC, PREFIX, Address, Reply, configure, parse_address, read_reply,
                                   tensor_bytes)
 
@@ -46,7 +46,7 @@ class TransferClient:
         addr = parse_address(address)
         backend = self._backend(addr.backend)
         payload = _payload(layout, blocks)
-        checksums = block_checksums(tensor_bytes(payload), layout.block_nbytes)
+        checksums = block_checksums(tensor_bytes(payload), block_nbytes(layout))
         sock = await self._checkout(addr)
         try:
             staged = self._stage(backend, payload, sock.getsockname()[0])

@@ -8,7 +8,8 @@ bytes are (empty for ``tcp``: they follow the header on the same connection).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Any
 
 import xxhash
@@ -36,7 +37,18 @@ class TransferHeader:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.layout.block_nbytes
+        return self.num_blocks * block_nbytes(self.layout)
+
+
+@lru_cache(maxsize=64)
+def block_nbytes(layout: KVLayout) -> int:
+    """``layout.block_nbytes``, memoised: it allocates a tensor each call, and a push asks several times."""
+    return layout.block_nbytes
+
+
+@lru_cache(maxsize=64)
+def _layout_doc(layout: KVLayout) -> dict[str, Any]:
+    return {f.name: getattr(layout, f.name) for f in fields(KVLayout)}
 
 
 def block_checksums(payload: memoryview, block_nbytes: int) -> tuple[int, ...]:
@@ -47,7 +59,7 @@ def block_checksums(payload: memoryview, block_nbytes: int) -> tuple[int, ...]:
 
 def corrupt_blocks(header: TransferHeader, payload: memoryview) -> list[int]:
     """Indices of the blocks whose bytes do not hash to the header's checksum."""
-    actual = block_checksums(payload, header.layout.block_nbytes)
+    actual = block_checksums(payload, block_nbytes(header.layout))
     return [i for i, (a, b) in enumerate(zip(actual, header.checksums)) if a != b]
 
 
@@ -64,7 +76,7 @@ def encode_header(header: TransferHeader) -> bytes:
         "v": VERSION,
         "transfer_id": header.transfer_id,
         "backend": header.backend,
-        "layout": asdict(header.layout),
+        "layout": _layout_doc(header.layout),
         "block_keys": [f"{k:016x}" for k in header.block_keys],
         "num_tokens": header.num_tokens,
         "checksums": [f"{c:016x}" for c in header.checksums],
@@ -107,7 +119,7 @@ def _check_counts(h: TransferHeader, nbytes: int) -> None:
         raise TransferRejected("malformed header: no blocks")
     if nbytes != h.nbytes:
         raise TransferRejected(f"malformed header: nbytes {nbytes} != {h.num_blocks} blocks x "
-                               f"{h.layout.block_nbytes} bytes")
+                               f"{block_nbytes(h.layout)} bytes")
     if len(h.block_keys) > h.num_blocks:
         raise TransferRejected(f"malformed header: {len(h.block_keys)} block keys for {h.num_blocks} blocks")
     if not 0 < h.num_tokens <= h.num_blocks * h.layout.block_size:
@@ -129,6 +141,16 @@ def _hex64s(items: list[Any]) -> tuple[int, ...]:
 
 
 def _layout(doc: dict[str, Any]) -> KVLayout:
+    if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in doc.values()):
+        raise TypeError("layout fields must be integers and strings")
+    return _checked_layout(tuple(sorted(doc.items())))
+
+
+@lru_cache(maxsize=64)
+def _checked_layout(items: tuple[tuple[str, Any], ...]) -> KVLayout:
+    """The layout named by ``items`` after checking names, types and values (memoised: every header of a
+    connection names the same one)."""
+    doc = dict(items)
     names = {f.name: f.type for f in fields(KVLayout)}
     if set(doc) != set(names):
         raise ValueError(f"layout fields {sorted(doc)} != {sorted(names)}")

@@ -83,7 +83,8 @@ class MooncakeBackend(Backend):
         _register(te, addr, n)
         return Staged(source={"session": session, "addr": addr}, release=lambda: _unregister(te, addr, n))
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor) -> None:
+    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
+                    view: memoryview) -> None:
         session, addr = header.source.get("session"), header.source.get("addr")
         if not isinstance(session, str) or not isinstance(addr, int):
             raise TransferRejected(f"mooncake source needs 'session' and 'addr': {header.source!r}")

@@ -26,7 +26,7 @@ from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import (MAX_HEADER_BYTES, TransferHeader, corrupt_blocks, decode_header,
                                     layout_mismatch)
 from kvmesh.transfer.wire import (MAGIC, PREFIX, Address, Reply, configure, drain, encode_reply, recv_bytes,
-                                  recv_into, tensor_bytes)
+                                  recv_into)
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class TransferServer:
         slot = self._slots.setdefault(transfer_id, _Slot())
         slot.waiters += 1
         try:
-            await asyncio.wait_for(slot.ready.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await slot.ready.wait()
         finally:
             slot.waiters -= 1
             if slot.outcome is None and slot.waiters == 0 and self._slots.get(transfer_id) is slot:
@@ -241,12 +242,13 @@ class TransferServer:
         started = time.perf_counter()
         try:
             into = torch.empty(nbytes, dtype=torch.uint8)
+            view = memoryview(into.numpy())
             try:
                 async with asyncio.timeout(self.io_timeout):
-                    await backend.fetch(header, sock, into)
+                    await backend.fetch(header, sock, into, view)
             except TransferRejected as e:
                 return e.reason
-            if bad := corrupt_blocks(header, tensor_bytes(into)):
+            if bad := corrupt_blocks(header, view):
                 shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
                 return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
             layout = header.layout

@@ -52,6 +52,8 @@ def parse_address(address: str) -> Address:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor as a flat writable memoryview, without copying (fp8/bf16 included:
     viewed as uint8 first, since numpy knows neither)."""
+    if t.dtype == torch.uint8 and t.dim() == 1:
+        return memoryview(t.numpy())
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 

@@ -1,0 +1,102 @@
+"""Mesh overhead: TTFT through the whole stack vs the engine alone, same short prompts, same run.
+
+    kvmesh bench mesh [--requests N] [--max-tokens N] [--no-write]
+
+The stack is 1 prefill + 1 decode (each 1 thread) + router + cachesvc + nats-server on this machine; TTFT is
+measured at an HTTP client streaming from the router (SSE), one request at a time. The engine alone runs in this
+process with 1 thread, prefix caching on in both (the chat template's system prompt is shared by all prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from kvmesh.bench.report import markdown_table, write_section
+from kvmesh.bus.nats_server import free_port
+from kvmesh.config import EngineConfig
+from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engine.sequence import SamplingParams
+from kvmesh.launcher import Stack, StackOptions
+
+TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
+          "deserts", "bees", "clocks", "whales", "maps", "salt", "kites", "coral", "lamps", "ferns"]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Give me one short fact about {TOPICS[i % len(TOPICS)]} (#{i})." for i in range(n)]
+
+
+def stream_ttft(port: int, question: str, max_tokens: int) -> tuple[float, float]:
+    """(TTFT, total) seconds of one streamed chat completion, at the client."""
+    body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: ") and b'"content": "' in line and b'"content": ""' not in line:
+                ttft = ttft or time.perf_counter() - t0
+    return (ttft or time.perf_counter() - t0), time.perf_counter() - t0
+
+
+def engine_ttft(engine: LLMEngine, question: str, max_tokens: int) -> float:
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    t0 = time.perf_counter()
+    engine.add_request("b", ids, SamplingParams(max_tokens=max_tokens))
+    ttft = None
+    while engine.has_unfinished():
+        if engine.step() and ttft is None:
+            ttft = time.perf_counter() - t0
+    engine.completion("b")
+    return ttft or 0.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
+
+
+def run(requests: int = 20, max_tokens: int = 8) -> dict:
+    qs = prompts(requests)
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = Stack(Path(tmp), StackOptions(http_port=free_port(), grpc_port=free_port(), cluster="bench"))
+        stack.start(timeout_s=240)
+        try:
+            stream_ttft(stack.opts.http_port, "warm up", 2)
+            mesh = [stream_ttft(stack.opts.http_port, q, max_tokens)[0] for q in qs]
+        finally:
+            stack.stop()
+    engine = LLMEngine(EngineConfig(threads=1))
+    engine_ttft(engine, "warm up", 2)
+    alone = [engine_ttft(engine, q, max_tokens) for q in qs]
+    return {"mesh": mesh, "engine": alone}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvmesh bench mesh")
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    res = run(args.requests, args.max_tokens)
+    rows = []
+    for name, xs in (("engine alone (in process)", res["engine"]), ("mesh (router → prefill → decode)", res["mesh"])):
+        rows.append({"path": name, "TTFT p50 ms": f"{pct(xs, 50) * 1000:.1f}", "TTFT p90 ms": f"{pct(xs, 90) * 1000:.1f}",
+                     "TTFT p99 ms": f"{pct(xs, 99) * 1000:.1f}"})
+    over = pct(res["mesh"], 50) - pct(res["engine"], 50)
+    rows.append({"path": "mesh overhead at p50", "TTFT p50 ms": f"+{over * 1000:.1f} "
+                 f"({over / pct(res['engine'], 50) * 100:.0f}%)"})
+    body = (f"{args.requests} short chat prompts (~45 tokens with the template), one at a time, greedy, "
+            f"{args.max_tokens} output tokens; default model, 1 thread per engine.\n\n"
+            + markdown_table(rows, ["path", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"]))
+    print(body)
+    if not args.no_write:
+        print(f"\nwritten to {write_section('Mesh overhead', 'kvmesh bench mesh', body)}")
+    return 0
