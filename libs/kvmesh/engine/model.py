@@ -1,6 +1,6 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) that reads and writes the paged KV pool.
 
-Weights use Hugging Face names on load and are fused for speed (q|k|v in one matmul, gate|up in another).
+Weights use Hugging Face names on load.
 Logits are computed only for the positions the caller samples from.
 """
 
@@ -27,24 +27,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Parameter:
+    t = torch.empty(*shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    return nn.Parameter(t, requires_grad=False)
+
+
 class DecoderLayer(nn.Module):
+    """Weights kept as separate matrices: on CPU, fusing q|k|v or gate|up into one matmul measured slower."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = nn.Parameter(torch.empty(q + 2 * kv, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.qkv_bias = (nn.Parameter(torch.zeros(q + 2 * kv, dtype=dtype), requires_grad=False)
-                         if cfg.attention_bias else None)
-        self.o = nn.Parameter(torch.empty(cfg.hidden_size, q, dtype=dtype), requires_grad=False)
+        hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q, self.k, self.v = _param(q, hidden, dtype=dtype), _param(kv, hidden, dtype=dtype), \
+            _param(kv, hidden, dtype=dtype)
+        bias = cfg.attention_bias
+        self.q_bias, self.k_bias, self.v_bias = ((_param(q, dtype=dtype, fill=0), _param(kv, dtype=dtype, fill=0),
+                                                  _param(kv, dtype=dtype, fill=0)) if bias else (None, None, None))
+        self.o = _param(hidden, q, dtype=dtype)
         # Llama's attention_bias also biases o_proj; Qwen2 biases q/k/v only.
-        self.o_bias = (nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
-                       if cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM" else None)
-        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype),
-                                    requires_grad=False)
-        self.down = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size, dtype=dtype),
-                                 requires_grad=False)
-        self.ln_attn = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.ln_mlp = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.split = (q, kv, kv)
+        self.o_bias = (_param(hidden, dtype=dtype, fill=0)
+                       if bias and cfg.architecture != "Qwen2ForCausalLM" else None)
+        self.gate = _param(cfg.intermediate_size, hidden, dtype=dtype)
+        self.up = _param(cfg.intermediate_size, hidden, dtype=dtype)
+        self.down = _param(hidden, cfg.intermediate_size, dtype=dtype)
+        self.ln_attn = _param(hidden, dtype=dtype, fill=1)
+        self.ln_mlp = _param(hidden, dtype=dtype, fill=1)
 
 
 class LlamaModel(nn.Module):
@@ -52,11 +59,10 @@ class LlamaModel(nn.Module):
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = (self.embed if cfg.tie_word_embeddings else
-                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, fill=1)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.to(device)
         self.cos, self.sin = _rope_tables(cfg, cfg.max_position_embeddings, device)
 
@@ -75,14 +81,12 @@ class LlamaModel(nn.Module):
                 self.lm_head.copy_(take("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                layer.qkv.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                if layer.qkv_bias is not None:
-                    layer.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                layer.o.copy_(take(p + "self_attn.o_proj.weight"))
-                if layer.o_bias is not None:
-                    layer.o_bias.copy_(take(p + "self_attn.o_proj.bias"))
-                layer.gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-                layer.down.copy_(take(p + "mlp.down_proj.weight"))
+                for n in "qkvo":
+                    getattr(layer, n).copy_(take(p + f"self_attn.{n}_proj.weight"))
+                    if getattr(layer, f"{n}_bias") is not None:
+                        getattr(layer, f"{n}_bias").copy_(take(p + f"self_attn.{n}_proj.bias"))
+                for n in ("gate", "up", "down"):
+                    getattr(layer, n).copy_(take(p + f"mlp.{n}_proj.weight"))
                 layer.ln_attn.copy_(take(p + "input_layernorm.weight"))
                 layer.ln_mlp.copy_(take(p + "post_attention_layernorm.weight"))
 
@@ -109,17 +113,14 @@ class LlamaModel(nn.Module):
         T = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split(layer.split, dim=-1)
-            q = q.view(T, cfg.num_heads, cfg.head_dim)
-            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            q = F.linear(x, layer.q, layer.q_bias).view(T, cfg.num_heads, cfg.head_dim)
+            k = F.linear(x, layer.k, layer.k_bias).view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = F.linear(x, layer.v, layer.v_bias).view(T, cfg.num_kv_heads, cfg.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             o = attn.forward(i, q, k, v, kv)
             h = h + F.linear(o.reshape(T, -1), layer.o, layer.o_bias)
             x = self._rms(h, layer.ln_mlp)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
         h = self._rms(h.index_select(0, batch.sample_idx), self.norm)
         return F.linear(h, self.lm_head).float()

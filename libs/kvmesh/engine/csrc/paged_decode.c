@@ -23,55 +23,100 @@ void kvmesh_init_fp8_table(void) {
     }
 }
 
-static inline void load_f32(const float *src, float *dst, int64_t n) { memcpy(dst, src, n * sizeof(float)); }
+/* Each loader returns a pointer to D fp32 values: the row itself for fp32, else `buf` filled by conversion. */
+static inline const float *load_f32(const float *src, float *buf, int64_t n) { (void)buf; (void)n; return src; }
 
-static inline void load_bf16(const uint16_t *src, float *dst, int64_t n) {
+static inline const float *load_bf16(const uint16_t *src, float *buf, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(&dst[i], &bits, sizeof(float));
+        memcpy(&buf[i], &bits, sizeof(float));
     }
+    return buf;
 }
 
-static inline void load_fp8(const uint8_t *src, float *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = fp8_e4m3_table[src[i]];
+static inline const float *load_fp8(const uint8_t *src, float *buf, int64_t n) {
+    for (int64_t i = 0; i < n; i++) buf[i] = fp8_e4m3_table[src[i]];
+    return buf;
 }
 
+/* Tokens are visited block by block: row r of block `table[j]` sits at ((block * bs + r) * Hkv + h) * D. */
 #define DEFINE_DECODE(NAME, T, LOAD)                                                                         \
     void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables, const int64_t *lens,         \
               float *out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t maxb,          \
               float scale, float *scratch) {                                                               \
-        const int64_t G = H / Hkv, max_len = maxb * bs;                                                    \
-        float row[256], acc[16 * 256];                                                                      \
+        const int64_t G = H / Hkv, max_len = maxb * bs, row_stride = Hkv * D;                              \
+        float buf[4 * 256], acc[16 * 256], qs[16 * 256], denom[16];                                            \
         for (int64_t b = 0; b < B; b++) {                                                                  \
-            const int64_t len = lens[b];                                                                   \
+            const int64_t len = lens[b], nblocks = (len + bs - 1) / bs;                                    \
             const int64_t *table = tables + b * maxb;                                                      \
             for (int64_t h = 0; h < Hkv; h++) {                                                            \
-                const float *qh = q + (b * H + h * G) * D;                                                 \
-                for (int64_t t = 0; t < len; t++) {                                                        \
-                    const int64_t off = ((table[t / bs] * bs + t % bs) * Hkv + h) * D;                     \
-                    LOAD(kc + off, row, D);                                                                \
-                    for (int64_t g = 0; g < G; g++) {                                                      \
-                        const float *qg = qh + g * D;                                                      \
-                        float s = 0.0f;                                                                    \
-                        _Pragma("omp simd reduction(+ : s)") for (int64_t d = 0; d < D; d++) s += qg[d] * row[d]; \
-                        scratch[g * max_len + t] = s * scale;                                              \
+                for (int64_t i = 0; i < G * D; i++) qs[i] = q[(b * H + h * G) * D + i] * scale;            \
+                int64_t t = 0;                                                                             \
+                for (int64_t j = 0; j < nblocks; j++) {                                                    \
+                    const T *kb = kc + (table[j] * bs * Hkv + h) * D;                                      \
+                    const int64_t rows = len - t < bs ? len - t : bs;                                      \
+                    int64_t r = 0;                                                                         \
+                    for (; r + 4 <= rows; r += 4, t += 4) { /* four rows at once: independent FMA chains */  \
+                        const float *k0 = LOAD(kb + r * row_stride, buf, D);                               \
+                        const float *k1 = LOAD(kb + (r + 1) * row_stride, buf + 256, D);                   \
+                        const float *k2 = LOAD(kb + (r + 2) * row_stride, buf + 512, D);                   \
+                        const float *k3 = LOAD(kb + (r + 3) * row_stride, buf + 768, D);                   \
+                        for (int64_t g = 0; g < G; g++) {                                                  \
+                            const float *qg = qs + g * D;                                                  \
+                            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                              \
+                            _Pragma("omp simd reduction(+ : s0, s1, s2, s3)") for (int64_t d = 0; d < D; d++) { \
+                                s0 += qg[d] * k0[d]; s1 += qg[d] * k1[d];                                  \
+                                s2 += qg[d] * k2[d]; s3 += qg[d] * k3[d];                                  \
+                            }                                                                              \
+                            float *sg = scratch + g * max_len + t;                                         \
+                            sg[0] = s0; sg[1] = s1; sg[2] = s2; sg[3] = s3;                                \
+                        }                                                                                  \
+                    }                                                                                      \
+                    for (; r < rows; r++, t++) {                                                           \
+                        const float *k = LOAD(kb + r * row_stride, buf, D);                                \
+                        for (int64_t g = 0; g < G; g++) {                                                  \
+                            const float *qg = qs + g * D;                                                  \
+                            float s = 0.0f;                                                                \
+                            _Pragma("omp simd reduction(+ : s)") for (int64_t d = 0; d < D; d++) s += qg[d] * k[d]; \
+                            scratch[g * max_len + t] = s;                                                  \
+                        }                                                                                  \
                     }                                                                                      \
                 }                                                                                          \
-                float denom[16];                                                                            \
                 for (int64_t g = 0; g < G; g++) {                                                          \
                     float *sg = scratch + g * max_len, m = -INFINITY, sum = 0.0f;                          \
-                    for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;                           \
-                    for (int64_t t = 0; t < len; t++) { sg[t] = expf(sg[t] - m); sum += sg[t]; }          \
+                    for (int64_t i = 0; i < len; i++) m = sg[i] > m ? sg[i] : m;                           \
+                    _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < len; i++) {             \
+                        sg[i] = expf(sg[i] - m);                                                           \
+                        sum += sg[i];                                                                      \
+                    }                                                                                      \
                     denom[g] = sum;                                                                        \
                 }                                                                                          \
                 memset(acc, 0, sizeof(float) * G * D);                                                     \
-                for (int64_t t = 0; t < len; t++) {                                                        \
-                    const int64_t off = ((table[t / bs] * bs + t % bs) * Hkv + h) * D;                     \
-                    LOAD(vc + off, row, D);                                                                \
-                    for (int64_t g = 0; g < G; g++) {                                                      \
-                        const float p = scratch[g * max_len + t];                                          \
-                        float *ag = acc + g * D;                                                           \
-                        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) ag[d] += p * row[d];           \
+                t = 0;                                                                                     \
+                for (int64_t j = 0; j < nblocks; j++) {                                                    \
+                    const T *vb = vc + (table[j] * bs * Hkv + h) * D;                                      \
+                    const int64_t rows = len - t < bs ? len - t : bs;                                      \
+                    int64_t r = 0;                                                                         \
+                    for (; r + 4 <= rows; r += 4, t += 4) { /* four rows per pass over the accumulators */   \
+                        const float *v0 = LOAD(vb + r * row_stride, buf, D);                               \
+                        const float *v1 = LOAD(vb + (r + 1) * row_stride, buf + 256, D);                   \
+                        const float *v2 = LOAD(vb + (r + 2) * row_stride, buf + 512, D);                   \
+                        const float *v3 = LOAD(vb + (r + 3) * row_stride, buf + 768, D);                   \
+                        for (int64_t g = 0; g < G; g++) {                                                  \
+                            const float *p = scratch + g * max_len + t;                                    \
+                            const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];                        \
+                            float *ag = acc + g * D;                                                       \
+                            _Pragma("omp simd") for (int64_t d = 0; d < D; d++)                            \
+                                ag[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];                \
+                        }                                                                                  \
+                    }                                                                                      \
+                    for (; r < rows; r++, t++) {                                                           \
+                        const float *v = LOAD(vb + r * row_stride, buf, D);                                \
+                        for (int64_t g = 0; g < G; g++) {                                                  \
+                            const float p = scratch[g * max_len + t];                                      \
+                            float *ag = acc + g * D;                                                       \
+                            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) ag[d] += p * v[d];         \
+                        }                                                                                  \
                     }                                                                                      \
                 }                                                                                          \
                 for (int64_t g = 0; g < G; g++) {                                                          \
