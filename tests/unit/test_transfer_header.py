@@ -136,6 +136,10 @@ def test_address_names_backend_host_and_port() -> None:
     assert str(Address("tcp", "h", 1)) == "tcp://h:1"
 
 
+def test_ipv6_address_survives_a_round_trip() -> None:
+    assert parse_address(str(Address("tcp", "::1", 7))) == Address("tcp", "::1", 7)
+
+
 def test_address_without_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="<backend>://<host>:<port>"):
         parse_address("127.0.0.1:5000")

@@ -1,10 +1,10 @@
-"""Transfer benchmark: GB/s of one push (header, payload, verify, reply) per backend and payload size, against raw
-Python sockets measured in the same run.
+"""Transfer benchmark: GB/s of one push (header, payload, verify, reply) per backend and payload size, against
+raw Python sockets measured in the same run.
 
-    kvmesh bench transfer [--backends tcp,shm,mooncake] [--repeats N] [--quick] [--no-write]
+    kvmesh bench transfer [--backends tcp,shm,mooncake] [--repeats N] [--rounds 3] [--quick] [--no-write]
 
-Sender and receiver are separate processes (in one process they would share the GIL). Each push is one block of
-the given size, sent after the previous one was verified; the baseline does the same exchange with blocking
+Sender and receiver are separate processes (in one process they would share the GIL). Each push is one block
+of the given size, sent after the previous one was verified; the baseline does the same exchange with blocking
 ``sendall`` / ``recv_into`` into a preallocated buffer and a one-byte ack, the ceiling Python reaches here.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import multiprocessing as mp
 import socket
+import statistics
 import struct
 import time
 from multiprocessing.connection import Connection
@@ -39,13 +39,13 @@ def auto_repeats(size: int) -> int:
     return max(8, min(400, (256 << 20) // size))
 
 
-# -- receivers (child processes) ----------------------------------------------------------------------------------
+# -- receivers (child processes) -----------------------------------------------------------------------------
 
 def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: list[int]) -> None:
     torch.set_num_threads(1)
 
     async def serve() -> None:
-        for size, count in zip(sizes, counts):
+        for size, count in zip(sizes, counts, strict=True):
             async with await TransferServer.start(layout_for(size), backend=backend) as server:
                 conn.send(server.address)
                 for i in range(count):
@@ -56,7 +56,7 @@ def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: l
 
 
 def _raw_receiver(conn: Connection, sizes: list[int], counts: list[int]) -> None:
-    for size, count in zip(sizes, counts):
+    for size, count in zip(sizes, counts, strict=True):
         with socket.create_server(("127.0.0.1", 0)) as listener:
             conn.send(f"raw://127.0.0.1:{listener.getsockname()[1]}")
             peer, _ = listener.accept()
@@ -78,7 +78,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-# -- senders (this process) ---------------------------------------------------------------------------------------
+# -- senders (this process) ----------------------------------------------------------------------------------
 
 async def _push_all(address: str, size: int, count: int) -> float:
     layout = layout_for(size)
@@ -117,7 +117,7 @@ def _measure(backend: str, sizes: tuple[int, ...], counts: list[int]) -> list[di
     proc.start()
     rows = []
     try:
-        for size, count in zip(sizes, counts):
+        for size, count in zip(sizes, counts, strict=True):
             address = _reply(parent, proc)
             seconds = _send_raw(address, size, count) if backend == RAW else asyncio.run(
                 _push_all(address, size, count))
@@ -140,21 +140,35 @@ def _reply(conn: Connection, proc: mp.process.BaseProcess, timeout_s: float = 12
     return conn.recv()
 
 
+def _mooncake_loads() -> bool:
+    from kvmesh.transfer.mooncake_backend import engine_class
+
+    try:
+        engine_class()
+    except RuntimeError:
+        return False
+    return True
+
+
 def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm", "mooncake"),
-        repeats: int | None = None) -> list[dict]:
-    """One row per (backend, size): ``backend, size, pushes, seconds, gbps, vs_raw``; the raw-socket baseline
-    comes first. ``repeats`` pushes per size (None: enough for ~256 MiB, 8..400). Backends that cannot be
-    imported here (mooncake) are skipped."""
+        repeats: int | None = None, rounds: int = 3) -> list[dict]:
+    """One row per (backend, size): ``backend, size, pushes, gbps, gbps_min, gbps_max, vs_raw``, the
+    raw-socket baseline first. Each round measures every backend once (interleaved, so load drifts hit all
+    alike); ``gbps`` is the median over rounds. ``repeats`` pushes per size and round (None: ~256 MiB worth,
+    8..400). Backends that cannot be imported here (mooncake) are skipped."""
     torch.set_num_threads(1)
     counts = [1 + (repeats or auto_repeats(s)) for s in sizes]
-    usable = [b for b in backends if b != "mooncake" or importlib.util.find_spec("mooncake") is not None]
-    rows = _measure(RAW, sizes, counts)
-    raw = {r["size"]: r["gbps"] for r in rows}
-    for backend in usable:
-        rows += _measure(backend, sizes, counts)
-    for r in rows:
-        r["vs_raw"] = r["gbps"] / raw[r["size"]]
-    return rows
+    usable = [RAW] + [b for b in backends if b != "mooncake" or _mooncake_loads()]
+    samples: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for backend in usable:
+            for r in _measure(backend, sizes, counts):
+                samples.setdefault((backend, r["size"]), []).append(r["gbps"])
+    raw = {size: statistics.median(samples[RAW, size]) for size in sizes}
+    return [{"backend": b, "size": size, "pushes": count - 1, "gbps": statistics.median(samples[b, size]),
+             "gbps_min": min(samples[b, size]), "gbps_max": max(samples[b, size]),
+             "vs_raw": statistics.median(samples[b, size]) / raw[size]}
+            for b in usable for size, count in zip(sizes, counts, strict=True)]
 
 
 def _size_name(n: int) -> str:
@@ -166,20 +180,25 @@ def table(rows: list[dict]) -> str:
     cells: dict[str, dict[str, str]] = {}
     for r in rows:
         cells.setdefault(r["backend"], {"backend": r["backend"]})[_size_name(r["size"])] = (
-            f"{r['gbps']:.2f} GB/s ({r['vs_raw']:.2f}x)")
+            f"{r['gbps']:.2f} GB/s ({r['vs_raw']:.2f}x)")  # median of the rounds
     return markdown_table(list(cells.values()), ["backend", *map(_size_name, sizes)])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh bench transfer")
-    p.add_argument("--backends", default="tcp,shm,mooncake", help="comma-separated (mooncake skipped if absent)")
+    p.add_argument("--backends", default="tcp,shm,mooncake",
+                   help="comma-separated (mooncake is skipped where it is not installed)")
     p.add_argument("--repeats", type=int, default=None, help="pushes per size (default: ~256 MiB worth)")
-    p.add_argument("--quick", action="store_true", help="8 pushes per size (a smoke run)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
+    p.add_argument("--quick", action="store_true", help="one round of 8 pushes per size (a smoke run)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = p.parse_args(argv)
-    rows = run(backends=tuple(args.backends.split(",")), repeats=8 if args.quick else args.repeats)
+    rounds = 1 if args.quick else args.rounds
+    rows = run(backends=tuple(args.backends.split(",")), repeats=8 if args.quick else args.repeats,
+               rounds=rounds)
     body = ("GB/s of one verified push (one block per push, sequential, sender and receiver in separate "
-            "processes on loopback); in brackets the ratio to raw Python sockets in the same run.\n\n" + table(rows))
+            f"processes on loopback), median of {rounds} interleaved rounds; in brackets the ratio to raw "
+            "Python sockets in the same run.\n\n" + table(rows))
     print(body)
     if not args.no_write and not args.quick:
         print(f"\nwritten to {write_section('Transfer', 'kvmesh bench transfer', body)}")

@@ -4,12 +4,13 @@ The control connection (header, reply) is always TCP; a backend decides only whe
 
 | backend | sender | receiver |
 |---|---|---|
-| ``tcp`` | streams the bytes after the header | ``recv_into`` straight into the result tensor |
-| ``shm`` | copies them into a POSIX shared-memory segment, sends its name | reads the segment into the result, unlinks it |
-| ``mooncake`` | registers its tensor with the Mooncake Transfer Engine | one-sided read from the sender's memory |
+| ``tcp`` | streams the bytes after the header | ``recv_into`` straight into the result |
+| ``shm`` | copies them into a shared-memory segment it reuses, sends its name | reads the segment |
+| ``mooncake`` | registers its tensor with the Mooncake Transfer Engine | one-sided read from the sender |
 
-Ownership: the sender owns whatever it staged and releases it after the reply, whatever the outcome; a receiver
-that consumed a shm segment unlinks it early. So no segment outlives a push, failed or not.
+Ownership: the sender owns whatever it staged. After the reply the receiver is done with it, so ``release``
+may reuse it; after a broken push the receiver may still be reading, so ``abandon`` never reuses it (shm
+unlinks the segment, mooncake keeps the memory registered a while longer).
 """
 
 from __future__ import annotations
@@ -34,17 +35,25 @@ from kvmesh.transfer.wire import recv_into, tensor_bytes
 BACKENDS = ("tcp", "shm", "mooncake")
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class Staged:
     """A payload made reachable by the receiver: ``source`` goes into the header, ``inline`` bytes (if any)
-    follow it on the control connection, ``release`` frees what staging took."""
+    follow it on the control connection. Exactly one of ``release`` (a reply came) or ``abandon`` (the push
+    broke; defaults to ``release``) is called."""
 
     source: dict[str, Any] = field(default_factory=dict)
     inline: memoryview | None = None
-    release: Callable[[], None] = lambda: None
+    release: Callable[[], None] = _nothing
+    abandon: Callable[[], None] | None = None
 
 
 class Backend(ABC):
+    """One instance per client or server; the sender side is used from one event loop only."""
+
     name: ClassVar[str]
     inline: ClassVar[bool] = False  # does the payload follow the header on the control connection?
 
@@ -55,8 +64,12 @@ class Backend(ABC):
     @abstractmethod
     async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
                     view: memoryview) -> None:
-        """Receiver side: fill ``into`` (flat uint8, ``header.nbytes``; ``view`` is its bytes). Raises TransferRejected when the
-        source cannot be read (the connection stays usable), ConnectionError/TimeoutError when it broke."""
+        """Receiver side: fill ``into`` (flat uint8, ``header.nbytes``; ``view`` is its bytes). Raises
+        TransferRejected when the source cannot be read (the connection stays usable), ConnectionError or
+        TimeoutError when it broke."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends keep nothing
+        """Free what the sender side keeps between pushes."""
 
 
 class TcpBackend(Backend):
@@ -72,55 +85,76 @@ class TcpBackend(Backend):
 
 
 class ShmBackend(Backend):
-    """Same host only (Linux ``/dev/shm``). The receiver reads the segment as a file, so it never registers it
-    with multiprocessing's resource tracker; the sender's tracker still unlinks it if the sender dies."""
+    """Same host only (Linux ``/dev/shm``). Fresh tmpfs pages cost a page fault each, so the sender keeps
+    the segments it filled before and reuses them (at most ``max_idle_segments`` / ``max_idle_bytes`` idle;
+    all unlinked by :meth:`close`, and by multiprocessing's resource tracker if the sender dies). The receiver
+    reads a segment as a file, never registering or unlinking it."""
 
     name = "shm"
     SEGMENT = re.compile(r"kvmesh_[0-9a-f]{32}")
     ROOT = "/dev/shm"
 
+    def __init__(self, max_idle_segments: int = 4, max_idle_bytes: int = 256 << 20) -> None:
+        self.max_idle_segments = max_idle_segments
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: list[SharedMemory] = []
+
     def stage(self, payload: torch.Tensor, local_host: str) -> Staged:
         n = payload.numel()
-        shm = SharedMemory(name=f"kvmesh_{uuid.uuid4().hex}", create=True, size=n)
+        shm = self._checkout(n)
         try:
+            assert shm.buf is not None
             shm.buf[:n] = tensor_bytes(payload)
         except BaseException:
             _unlink(shm)
             raise
-        return Staged(source={"segment": shm.name}, release=lambda: _unlink(shm))
+        return Staged(source={"segment": shm.name}, release=lambda: self._checkin(shm),
+                      abandon=lambda: _unlink(shm))
 
     async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
                     view: memoryview) -> None:
         name = header.source.get("segment")
         if not isinstance(name, str) or not self.SEGMENT.fullmatch(name):
             raise TransferRejected(f"shm source names no valid segment: {header.source!r}")
-        path = os.path.join(self.ROOT, name)
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(os.path.join(self.ROOT, name), "rb", buffering=0) as f:  # noqa: ASYNC230 (tmpfs: a memcpy)
                 size = os.fstat(f.fileno()).st_size
                 if size < header.nbytes:
-                    raise TransferRejected(f"shm segment {name} holds {size} bytes, header says {header.nbytes}")
+                    raise TransferRejected(f"shm segment {name} holds {size} bytes, not {header.nbytes}")
                 while view:  # a tmpfs read of the whole segment normally returns at once
-                    view = view[f.readinto(view):]
+                    if not (got := f.readinto(view)):
+                        raise TransferRejected(f"shm segment {name} shrank while being read")
+                    view = view[got:]
         except FileNotFoundError:
-            raise TransferRejected(f"shm segment {name} not found: shm needs sender and receiver on one host")
-        finally:
-            _unlink_path(path)
+            raise TransferRejected(f"shm segment {name} not found: shm needs both ends on one host") from None
+
+    def close(self) -> None:
+        while self._idle:
+            _unlink(self._idle.pop())
+
+    def _checkout(self, n: int) -> SharedMemory:
+        fits = [shm for shm in self._idle if shm.size >= n]
+        if fits:
+            best = min(fits, key=lambda shm: shm.size)
+            self._idle.remove(best)
+            return best
+        size = max(64 << 10, 1 << (n - 1).bit_length())  # powers of two, so varying sizes still reuse
+        return SharedMemory(name=f"kvmesh_{uuid.uuid4().hex}", create=True, size=size)
+
+    def _checkin(self, shm: SharedMemory) -> None:
+        idle_bytes = sum(s.size for s in self._idle) + shm.size
+        if len(self._idle) < self.max_idle_segments and idle_bytes <= self.max_idle_bytes:
+            self._idle.append(shm)
+        else:
+            _unlink(shm)
 
 
 def _unlink(shm: SharedMemory) -> None:
     shm.close()
     try:
         shm.unlink()
-    except FileNotFoundError:  # the receiver consumed it; balance our resource-tracker registration
+    except FileNotFoundError:  # someone else removed it; still balance our resource-tracker registration
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-
-
-def _unlink_path(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def get_backend(name: str) -> Backend:

@@ -1,8 +1,9 @@
 """The pushing end (prefill side): send a request's KV blocks to a decode instance's :class:`TransferServer`.
 
 Connections are pooled per address: a push takes an idle connection (or opens one), owns it exclusively until
-the reply, then returns it, so concurrent pushes are safe and each uses its own connection. A connection that
-failed mid-push is closed, never reused.
+the reply, then returns it, so concurrent pushes are safe and each uses its own connection (at most
+``max_connections_per_address`` at once; further pushes wait). A connection that failed mid-push is closed,
+never reused.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -29,43 +31,51 @@ class TransferStats(NamedTuple):
 
 
 class TransferClient:
-    def __init__(self, *, max_idle_per_address: int = 4, connect_timeout: float = 5.0,
-                 reply_timeout: float = 60.0) -> None:
+    def __init__(self, *, max_connections_per_address: int = 8, max_idle_per_address: int = 4,
+                 connect_timeout: float = 5.0, reply_timeout: float = 60.0) -> None:
+        self.max_connections_per_address = max_connections_per_address
         self.max_idle_per_address = max_idle_per_address
         self.connect_timeout = connect_timeout
         self.reply_timeout = reply_timeout
         self._idle: dict[Address, list[socket.socket]] = {}
+        self._slots: dict[Address, asyncio.Semaphore] = {}  # bounds the pushes in flight per address
         self._backends: dict[str, Backend] = {}
 
     async def push(self, address: str, transfer_id: str, layout: KVLayout, blocks: torch.Tensor,
                    block_keys: Sequence[int], num_tokens: int) -> TransferStats:
         """Send ``blocks`` (``[n, *layout.block_shape]``, storage dtype) and wait until the receiver verified
-        them. Raises TransferRejected with the receiver's reason, ConnectionError (or OSError/TimeoutError)
-        when it cannot be reached or the connection breaks."""
+        them. ``block_keys`` are the keys of the full blocks, in order. Raises TransferRejected with the
+        receiver's reason; ConnectionError (or OSError/TimeoutError) when it cannot be reached or the
+        connection breaks."""
         started = time.perf_counter()
         addr = parse_address(address)
         backend = self._backend(addr.backend)
         payload = _payload(layout, blocks)
+        _check_request(transfer_id, layout, blocks.shape[0], block_keys, num_tokens)
         checksums = block_checksums(tensor_bytes(payload), block_nbytes(layout))
-        sock = await self._checkout(addr)
-        try:
-            staged = self._stage(backend, payload, sock.getsockname()[0])
+        async with self._slots.setdefault(addr, asyncio.Semaphore(self.max_connections_per_address)):
+            sock = await self._checkout(addr)
+            staged: Staged | None = None
             try:
+                staged = self._stage(backend, payload, sock.getsockname()[0])
                 header = TransferHeader(transfer_id, backend.name, layout, tuple(block_keys), num_tokens,
                                         checksums, staged.source)
                 reply = await self._exchange(sock, header, staged)
-            finally:
-                staged.release()
-        except BaseException:
-            sock.close()
-            raise
-        self._checkin(addr, sock)
+            except BaseException:
+                sock.close()
+                if staged is not None:
+                    (staged.abandon or staged.release)()
+                raise
+            staged.release()
+            self._checkin(addr, sock)
         if not reply.ok:
             raise TransferRejected(reply.reason)
         seconds = time.perf_counter() - started
         return TransferStats(payload.numel(), seconds, payload.numel() / seconds / 1e9)
 
     async def close(self) -> None:
+        for backend in self._backends.values():
+            backend.close()
         for socks in self._idle.values():
             for sock in socks:
                 sock.close()
@@ -132,6 +142,16 @@ def _payload(layout: KVLayout, blocks: torch.Tensor) -> torch.Tensor:
     if blocks.dim() < 1 or tuple(blocks.shape[1:]) != layout.block_shape or blocks.shape[0] == 0:
         raise ValueError(f"blocks shape {tuple(blocks.shape)} is not [n>0, *{layout.block_shape}]")
     return blocks.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+
+
+def _check_request(transfer_id: str, layout: KVLayout, n: int, block_keys: Sequence[int],
+                   num_tokens: int) -> None:
+    if not transfer_id:
+        raise ValueError("transfer_id must not be empty")
+    if len(block_keys) > n:
+        raise ValueError(f"{len(block_keys)} block keys for {n} blocks (keys name full blocks only)")
+    if not 0 < num_tokens <= n * layout.block_size:
+        raise ValueError(f"num_tokens {num_tokens} does not fit {n} blocks of {layout.block_size} tokens")
 
 
 def _alive(sock: socket.socket) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class TransferRejected(Exception):
-    """The receiver refused a transfer (layout mismatch, checksum mismatch, over capacity, malformed header...).
+    """The receiver refused a transfer (layout or checksum mismatch, over capacity, malformed header...).
     ``reason`` is the receiver's own words; the blocks were never handed to anyone as data."""
 
     def __init__(self, reason: str) -> None:

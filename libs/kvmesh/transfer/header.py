@@ -1,8 +1,8 @@
 """The transfer header: what a pushed payload claims to be, and the checks a receiver runs on it.
 
-The header is JSON (it is small; the payload never is). 64-bit values (block keys, xxh3_64 checksums) travel as
-16-digit hex strings so any JSON reader keeps them exact. ``source`` is the backend's own descriptor of where the
-bytes are (empty for ``tcp``: they follow the header on the same connection).
+The header is JSON (it is small; the payload never is). 64-bit values (block keys, xxh3_64 checksums) travel
+as 16-digit hex strings so any JSON reader keeps them exact. ``source`` is the backend's own descriptor of
+where the bytes are (empty for ``tcp``: they follow the header on the same connection).
 """
 
 from __future__ import annotations
@@ -51,21 +51,20 @@ def _layout_doc(layout: KVLayout) -> dict[str, Any]:
     return {f.name: getattr(layout, f.name) for f in fields(KVLayout)}
 
 
-def block_checksums(payload: memoryview, block_nbytes: int) -> tuple[int, ...]:
-    """xxh3_64 of each ``block_nbytes`` slice of a flat byte view (one hash call per block, no copies)."""
-    return tuple(xxhash.xxh3_64_intdigest(payload[i:i + block_nbytes])
-                 for i in range(0, len(payload), block_nbytes))
+def block_checksums(payload: memoryview, stride: int) -> tuple[int, ...]:
+    """xxh3_64 of each ``stride``-byte block of a flat byte view (one hash call per block, no copies)."""
+    return tuple(xxhash.xxh3_64_intdigest(payload[i:i + stride]) for i in range(0, len(payload), stride))
 
 
 def corrupt_blocks(header: TransferHeader, payload: memoryview) -> list[int]:
     """Indices of the blocks whose bytes do not hash to the header's checksum."""
     actual = block_checksums(payload, block_nbytes(header.layout))
-    return [i for i, (a, b) in enumerate(zip(actual, header.checksums)) if a != b]
+    return [i for i, (a, b) in enumerate(zip(actual, header.checksums, strict=True)) if a != b]
 
 
 def layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None:
-    """Every field that differs, as ``name got!=expected``; None when equal. Byte counts are not compared: they
-    prove nothing."""
+    """Every field that differs, as ``name got!=expected``; None when equal. Byte counts are not compared:
+    they prove nothing."""
     diffs = [f"{f.name} {getattr(got, f.name)!r}!={getattr(expected, f.name)!r}"
              for f in fields(KVLayout) if getattr(got, f.name) != getattr(expected, f.name)]
     return ", ".join(diffs) or None
@@ -123,8 +122,8 @@ def _check_counts(h: TransferHeader, nbytes: int) -> None:
     if len(h.block_keys) > h.num_blocks:
         raise TransferRejected(f"malformed header: {len(h.block_keys)} block keys for {h.num_blocks} blocks")
     if not 0 < h.num_tokens <= h.num_blocks * h.layout.block_size:
-        raise TransferRejected(f"malformed header: num_tokens {h.num_tokens} does not fit {h.num_blocks} blocks "
-                               f"of {h.layout.block_size}")
+        raise TransferRejected(f"malformed header: num_tokens {h.num_tokens} does not fit {h.num_blocks} "
+                               f"blocks of {h.layout.block_size}")
 
 
 def _typed(doc: dict[str, Any], key: str, typ: type) -> Any:

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import TransferHeader
 
+ABANDON_LINGER_S = 60.0
 _lock = threading.Lock()
 _engine: Any = None
 _session = ""
@@ -30,23 +31,29 @@ _executor: ThreadPoolExecutor | None = None
 _registered: Counter[tuple[int, int]] = Counter()  # (addr, length) -> pushes using it; guarded by _lock
 
 
+def engine_class() -> Any:
+    """Mooncake's ``TransferEngine`` class; RuntimeError saying what to install when it cannot load."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read at import; its INFO lines on stderr are noise here
+    try:
+        from mooncake.engine import TransferEngine
+    except (ImportError, OSError) as e:
+        raise RuntimeError(
+            "the mooncake transfer backend needs the PyPI package 'mooncake-transfer-engine-non-cuda' and "
+            f"Debian's libibverbs1 (apt-get install libibverbs1): {e}") from e
+    return TransferEngine
+
+
 def engine(host: str) -> tuple[Any, str]:
     """The process's engine and its session name (``host:rpc_port``), started on first call."""
     global _engine, _session
     with _lock:
         if _engine is None:
-            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO lines on stderr are noise here
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
-            try:
-                from mooncake.engine import TransferEngine
-            except (ImportError, OSError) as e:
-                raise RuntimeError(
-                    "the mooncake transfer backend needs the PyPI package 'mooncake-transfer-engine-non-cuda' "
-                    f"and Debian's libibverbs1 (apt-get install libibverbs1): {e}") from e
-            te = TransferEngine()
+            te = engine_class()()
             rc = te.initialize(host, "P2PHANDSHAKE", "tcp", "")
             if rc != 0:
-                raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, tcp) failed: rc={rc}")
+                raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, tcp) "
+                                   f"failed: rc={rc}")
             _engine, _session = te, f"{host}:{te.get_rpc_port()}"
         return _engine, _session
 
@@ -81,7 +88,14 @@ class MooncakeBackend(Backend):
         te, session = engine(local_host)
         addr, n = payload.data_ptr(), payload.numel()
         _register(te, addr, n)
-        return Staged(source={"session": session, "addr": addr}, release=lambda: _unregister(te, addr, n))
+
+        def release(keep: torch.Tensor = payload) -> None:  # holds the payload alive until released
+            _unregister(te, addr, n)
+
+        def abandon() -> None:  # the receiver may still be reading: keep the memory registered (and alive)
+            asyncio.get_running_loop().call_later(ABANDON_LINGER_S, release)
+
+        return Staged(source={"session": session, "addr": addr}, release=release, abandon=abandon)
 
     async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
                     view: memoryview) -> None:
@@ -91,10 +105,14 @@ class MooncakeBackend(Backend):
         te, _ = engine(sock.getsockname()[0])
         local, n = into.data_ptr(), into.numel()
         _register(te, local, n)
-        # A cancelled await must not free `into` while the engine still writes into it: the concurrent future's
-        # callback (which holds `into`) unregisters only once the read has really ended.
+
+        # A cancelled await must not free `into` while the engine still writes into it: the concurrent
+        # future's callback (which holds `into`) unregisters only once the read has really ended.
+        def done(_: Future[int], keep: torch.Tensor = into) -> None:
+            _unregister(te, local, n)
+
         read = _reader().submit(te.transfer_sync_read, session, local, addr, n)
-        read.add_done_callback(lambda _, keep=into: _unregister(te, local, n))
+        read.add_done_callback(done)
         rc = await asyncio.wrap_future(read)
         if rc < 0:
             raise TransferRejected(f"mooncake read of {n} bytes from {session} failed: rc={rc}")

@@ -1,9 +1,9 @@
 """The receiving end (decode side): accept pushed transfers, verify them, hold them until taken.
 
-Every transfer is checked before anyone can take it: its layout must equal the expected layout in every field,
-every block must match its xxh3_64 checksum. A refused transfer is recorded as a rejection (``take`` raises
-:class:`TransferRejected`), never as data. Memory is bounded twice: verified transfers nobody takes are dropped
-after ``ttl`` seconds, and a transfer that would push the bytes held (in flight + waiting) past
+Every transfer is checked before anyone can take it: its layout must equal the expected layout in every
+field, every block must match its xxh3_64 checksum. A refused transfer is recorded as a rejection (``take``
+raises :class:`TransferRejected`), never as data. Memory is bounded twice: verified transfers nobody takes are
+dropped after ``ttl`` seconds, and a transfer that would push the bytes held (in flight + waiting) past
 ``max_buffered_bytes`` is refused before its payload is read.
 
 Concurrency: all state lives on the event loop that called :meth:`TransferServer.start`; one task per
@@ -31,11 +31,11 @@ from kvmesh.transfer.wire import (MAGIC, PREFIX, Address, Reply, configure, drai
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq would compare tensors
 class ReceivedBlocks:
-    """A verified transfer. ``blocks`` is ``[n, *layout.block_shape]`` in the layout's storage dtype, ready for
-    ``DeviceKVPool.write_blocks``; ``block_keys`` are the keys of its full blocks (a partial last block has none).
-    """
+    """A verified transfer. ``blocks`` is ``[n, *layout.block_shape]`` in the layout's storage dtype, ready
+    for ``DeviceKVPool.write_blocks``; ``block_keys`` are the keys of its full blocks (a partial last block
+    has none)."""
 
     transfer_id: str
     layout: KVLayout
@@ -150,7 +150,7 @@ class TransferServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- connections ------------------------------------------------------------------------------------------
+    # -- connections -----------------------------------------------------------------------------------------
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
@@ -170,13 +170,15 @@ class TransferServer:
                 try:
                     async with asyncio.timeout(self.io_timeout):
                         header = await self._read_header(sock, prefix)
-                except TransferRejected as e:  # unparseable: the payload length is unknown, so close after replying
+                except TransferRejected as e:  # unparseable: payload length unknown, so reply and close
                     log.warning("transfer refused: %s", e.reason)
                     await loop.sock_sendall(sock, encode_reply(Reply(False, e.reason)))
                     return
                 await self._receive(sock, header)
         except (ConnectionError, TimeoutError, OSError) as e:
             log.warning("transfer connection dropped: %s", e or type(e).__name__)
+        except Exception:  # a bug must cost one connection, not the server
+            log.exception("transfer connection failed")
         finally:
             sock.close()
 
@@ -205,7 +207,7 @@ class TransferServer:
         reason, record = self._refusal(header)
         if reason is None and backend is not None:
             reason = await self._fetch(sock, header, backend)
-        elif header.backend == "tcp":  # refused before reading: drop its inline payload to keep the stream in sync
+        elif header.backend == "tcp":  # refused unread: drop the inline payload to keep the stream in sync
             async with asyncio.timeout(self.io_timeout):
                 await drain(sock, nbytes)
         if reason is not None:
@@ -218,19 +220,19 @@ class TransferServer:
         """Why ``header`` is refused before its payload is read (None: admitted), and whether to record it
         as the transfer's outcome (not for duplicates, which must not overwrite the original)."""
         tid = header.transfer_id
-        if header.backend not in self._backends:
-            return f"backend {header.backend!r} is not served here (this receiver takes {sorted(self._backends)})", True
-        if diff := layout_mismatch(self.expected_layout, header.layout):
-            return f"layout mismatch: {diff}", True
         if tid in self._discarded:
             return f"transfer {tid} was discarded by the receiver", False
         if tid in self._in_flight:
             return f"transfer {tid} is already being received", False
         if (slot := self._slots.get(tid)) and isinstance(slot.outcome, ReceivedBlocks):
             return f"transfer {tid} was already received and not yet taken", False
+        if header.backend not in self._backends:
+            return f"backend {header.backend!r} is not served here (it takes {sorted(self._backends)})", True
+        if diff := layout_mismatch(self.expected_layout, header.layout):
+            return f"layout mismatch: {diff}", True
         if self._buffered + header.nbytes > self.max_buffered_bytes:
-            return (f"over capacity: {header.nbytes} bytes would exceed the {self.max_buffered_bytes}-byte receive "
-                    f"buffer ({self._buffered} bytes held)"), True
+            return (f"over capacity: {header.nbytes} bytes would exceed the {self.max_buffered_bytes}-byte "
+                    f"receive buffer ({self._buffered} bytes held)"), True
         return None, True
 
     async def _fetch(self, sock: socket.socket, header: TransferHeader, backend: Backend) -> str | None:
@@ -242,7 +244,7 @@ class TransferServer:
         started = time.perf_counter()
         try:
             into = torch.empty(nbytes, dtype=torch.uint8)
-            view = memoryview(into.numpy())
+            view = into.numpy().data
             try:
                 async with asyncio.timeout(self.io_timeout):
                     await backend.fetch(header, sock, into, view)
@@ -263,10 +265,10 @@ class TransferServer:
             if not delivered:
                 self._buffered -= nbytes
 
-    # -- slots ------------------------------------------------------------------------------------------------
+    # -- slots -----------------------------------------------------------------------------------------------
 
     def _settle(self, tid: str, outcome: ReceivedBlocks | TransferRejected, nbytes: int) -> None:
-        """Make ``outcome`` what ``take(tid)`` returns (replacing an earlier rejection), for ``ttl`` seconds."""
+        """Make ``outcome`` what ``take(tid)`` returns (replacing a rejection) for ``ttl`` seconds."""
         slot = self._slots.setdefault(tid, _Slot())
         if slot.expiry:
             slot.expiry.cancel()

@@ -1,8 +1,8 @@
 """Framing on the control connection, and the zero-copy socket helpers both ends use.
 
-Request: ``b"KVMT" | u32 header length (LE) | header JSON | payload`` (the payload only for backends that stream
-it inline, i.e. ``tcp``). Reply: ``u32 length | {"ok": bool, "reason": str}``. One request, one reply, in order;
-a connection carries any number of them.
+Request: ``b"KVMT" | u32 header length (LE) | header JSON | payload`` (the payload only for backends that
+stream it inline, i.e. ``tcp``). Reply: ``u32 length | {"ok": bool, "reason": str}``. One request, one reply,
+in order; a connection carries any number of them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class Address(NamedTuple):
     port: int
 
     def __str__(self) -> str:
-        return f"{self.backend}://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
+        return f"{self.backend}://{host}:{self.port}"
 
 
 def parse_address(address: str) -> Address:
@@ -50,11 +51,11 @@ def parse_address(address: str) -> Address:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor as a flat writable memoryview, without copying (fp8/bf16 included:
-    viewed as uint8 first, since numpy knows neither)."""
+    """The raw bytes of a contiguous CPU tensor as a flat writable memoryview, without copying (fp8 and bf16
+    included: viewed as uint8 first, since numpy knows neither)."""
     if t.dtype == torch.uint8 and t.dim() == 1:
-        return memoryview(t.numpy())
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+        return t.numpy().data
+    return t.view(torch.uint8).reshape(-1).numpy().data
 
 
 def encode_reply(reply: Reply) -> bytes:
@@ -101,5 +102,5 @@ async def drain(sock: socket.socket, n: int) -> None:
 async def read_reply(sock: socket.socket) -> Reply:
     (length,) = REPLY_PREFIX.unpack(await recv_bytes(sock, REPLY_PREFIX.size))
     if length > MAX_REPLY_BYTES:
-        raise ConnectionError(f"reply of {length} bytes: the peer does not speak the kvmesh transfer protocol")
+        raise ConnectionError(f"reply of {length} bytes: the peer is no kvmesh transfer server")
     return decode_reply(bytes(await recv_bytes(sock, length)))
