@@ -1,0 +1,116 @@
+"""Routing policies. Each picks one candidate for a request and says why (its scores).
+
+``cache_aware`` is Mooncake's rule: estimated TTFT = queue time + prefill time of the tokens not cached locally +
+fetch time of the blocks that another tier (the pool) holds beyond the local prefix; the minimum wins. A hot-spot
+guard (SGLang's) balances first when the load spread is both absolutely and relatively too large.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvmesh.routing.cost import CostModel
+
+
+@dataclass
+class Candidate:
+    id: str
+    queued_tokens: int = 0       # prompt tokens waiting or being prefilled there
+    running: int = 0             # sequences running there
+    local_blocks: int = 0        # leading prompt blocks cached on this instance (any of its tiers)
+    free_blocks: int = 0         # KV headroom (decode choice)
+
+    @property
+    def load(self) -> int:
+        return self.queued_tokens
+
+
+@dataclass
+class Decision:
+    chosen: Candidate | None     # None: rejected by admission control
+    scores: dict[str, float] = field(default_factory=dict)  # candidate id → estimated TTFT s (or load)
+    reason: str = ""
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
+               pool_blocks: int = 0) -> Decision: ...
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
+        ordered = sorted(candidates, key=lambda c: c.id)
+        return Decision(ordered[next(self._next) % len(ordered)], reason="round robin")
+
+
+class RandomChoice:
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
+        return Decision(self._rng.choice(sorted(candidates, key=lambda c: c.id)), reason="random")
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
+        best = min(candidates, key=lambda c: (c.queued_tokens, c.running, c.id))
+        return Decision(best, {c.id: float(c.queued_tokens) for c in candidates}, "least queued tokens")
+
+
+class CacheAware:
+    name = "cache_aware"
+
+    def __init__(self, cost: CostModel | None = None, use_pool: bool = True, slo_ttft_s: float = 0.0,
+                 imbalance_abs_tokens: int = 4096, imbalance_rel: float = 4.0) -> None:
+        self.cost = cost or CostModel()
+        self.use_pool = use_pool
+        self.slo_ttft_s = slo_ttft_s          # 0 = no admission control
+        self.imbalance_abs_tokens = imbalance_abs_tokens
+        self.imbalance_rel = imbalance_rel
+
+    def estimate(self, c: Candidate, prompt_tokens: int, block_size: int, pool_blocks: int) -> float:
+        local = min(c.local_blocks * block_size, prompt_tokens - 1)
+        fetched = max(0, pool_blocks - c.local_blocks) if self.use_pool else 0
+        hit = min(prompt_tokens - 1, local + fetched * block_size)
+        return (self.cost.prefill_s(c.queued_tokens) + self.cost.prefill_s(prompt_tokens - hit)
+                + self.cost.fetch_s(fetched))
+
+    def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
+        scores = {c.id: self.estimate(c, prompt_tokens, block_size, pool_blocks) for c in candidates}
+        loads = [c.queued_tokens for c in candidates]
+        if max(loads) - min(loads) > self.imbalance_abs_tokens and max(loads) > self.imbalance_rel * max(1, min(loads)):
+            best = min(candidates, key=lambda c: (c.queued_tokens, scores[c.id], c.id))
+            return self._admit(best, scores, "load imbalance: balancing first")
+        best = min(candidates, key=lambda c: (scores[c.id], c.queued_tokens, c.id))
+        return self._admit(best, scores, "lowest estimated TTFT")
+
+    def _admit(self, best: Candidate, scores: dict[str, float], reason: str) -> Decision:
+        if self.slo_ttft_s and scores[best.id] > self.slo_ttft_s:
+            return Decision(None, scores, f"no instance meets the TTFT SLO of {self.slo_ttft_s:g}s "
+                                          f"(best estimate {scores[best.id]:.2f}s)")
+        return Decision(best, scores, reason)
+
+
+POLICIES = {p.name: p for p in (RoundRobin, RandomChoice, LeastLoaded, CacheAware)}
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return cls(**kwargs) if cls is CacheAware else cls()
