@@ -115,6 +115,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return chat.main(args.rest)
 
 
+def cmd_sim(args: argparse.Namespace) -> int:
+    from kvmesh import sim  # noqa: PLC0415
+
+    return sim.main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-centric disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chat", help="interactive chat with a running stack", add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("sim", help="replay a Mooncake trace on simulated instances with the real policies",
+                       add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(func=cmd_sim)
 
     b = sub.add_parser("bench", help="benchmarks (engine, mesh, transfer)")
     b.add_argument("what", help="engine | mesh | transfer")
