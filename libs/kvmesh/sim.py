@@ -132,6 +132,24 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
     }
 
 
+def _write(args: argparse.Namespace, results: list[dict]) -> None:
+    from kvmesh.bench.report import markdown_table, write_section  # noqa: PLC0415
+
+    rows = [{"policy": r["policy"], "block hit rate": f"{r['hit_rate'] * 100:.1f}%",
+             "TTFT mean s": f"{r['ttft_mean_s']:.1f}", "TTFT p90 s": f"{r['ttft_p90_s']:.1f}",
+             "SLO attainment": f"{r['slo_attainment'] * 100:.1f}%"} for r in results]
+    r0 = results[0]
+    body = (f"{r0['requests']} requests of `{args.trace.split('/')[-1]}` on {args.instances} simulated prefill "
+            f"instances, {args.capacity_blocks} blocks (512 tokens) of local cache each, global pool "
+            f"{args.pool_blocks or args.capacity_blocks * args.instances} blocks; prefill {r0['prefill_tok_per_s']:.0f} "
+            f"tok/s per instance, arrivals stretched x{r0['time_scale']:.1f} so the cluster would be exactly busy "
+            f"without reuse; SLO: TTFT <= {r0['slo_ttft_s']:.1f} s (5x the mean cold prefill).\n\n"
+            + markdown_table(rows, ["policy", "block hit rate", "TTFT mean s", "TTFT p90 s", "SLO attainment"]))
+    cmd = (f"kvmesh sim --trace {args.trace} --instances {args.instances} --policy {args.policy} "
+           f"--capacity-blocks {args.capacity_blocks} --write")
+    write_section(f"Routing simulator, {args.instances} instances", cmd, body)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
@@ -147,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                    "without reuse")
     p.add_argument("--slo-ttft-s", type=float, help="default: 5 × the mean cold prefill time")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--write", action="store_true", help="also write the table into docs/benchmarks.md")
     args = p.parse_args(argv)
     try:
         trace = load_trace(args.trace, args.max_requests)
@@ -160,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = SIM_POLICIES if args.policy == "all" else (args.policy,)
     results = [simulate(trace, args.instances, pol, args.capacity_blocks, args.pool_blocks, cost, scale,
                         args.slo_ttft_s, args.eviction) for pol in policies]
+    if args.write:
+        _write(args, results)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
     else:
