@@ -167,8 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     b.set_defaults(func=cmd_bench)
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:  # commands with their own parser get every argument as is
+        return PASSTHROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
+    if len(argv) >= 2 and argv[0] == "bench":
+        return cmd_bench(argparse.Namespace(what=argv[1], rest=argv[2:]))
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim}
 
 
 if __name__ == "__main__":
