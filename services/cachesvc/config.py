@@ -19,10 +19,22 @@ class CacheServiceConfig:
     host: str = "127.0.0.1"           # gRPC listen address
     port: int = 50060                 # gRPC port (0 = any free port)
     durable_name: str = "cachesvc"    # JetStream consumer; one per cachesvc replica
-    pool_capacity_mb: int = 256       # DRAM tier size
-    eviction: str = "lru"             # lru | lfu | slru | priority
+    pool_capacity_mb: int = 256       # DRAM tier size (0 = no DRAM tier)
+    eviction: str = "lru"             # lru | lfu | slru | priority (every tier)
     instance_timeout_s: float = 5.0   # drop an instance's blocks after this long without a heartbeat
     max_message_mb: int = 64          # largest gRPC request/response (PutBlocks/GetBlocks data)
+    disk_dir: str = ""                # disk tier directory ("" = no disk tier); survives restarts
+    disk_capacity_mb: int = 10240     # bytes of segment files at most
+    disk_segment_mb: int = 64         # one segment file; eviction drops whole segments
+    max_lease_s: float = 300.0        # longest lease a reader may ask for
+    snapshot_timeout_s: float = 5.0   # wait this long for an instance's snapshot before applying events as they are
+    external: str = ""                # "" or "mooncake": an external store as the last tier
+    external_capacity_mb: int = 4096  # what cachesvc keeps in the external store at most
+    mooncake_master: str = "127.0.0.1:50051"                     # mooncake_master RPC address
+    mooncake_metadata_url: str = "http://127.0.0.1:8080/metadata"  # the master's HTTP metadata server
+    mooncake_host: str = "127.0.0.1"  # this process's address as other store nodes reach it
+    mooncake_segment_mb: int = 256    # memory this process lends to the store (>= 16)
+    mooncake_replicas: int = 1        # copies the store keeps of each block
 
     def __post_init__(self) -> None:
         Subjects(self.cluster)  # ValueError on a bad cluster name
@@ -33,6 +45,17 @@ class CacheServiceConfig:
             raise ValueError("pool_capacity_mb must be >= 0 and max_message_mb >= 1")
         if self.instance_timeout_s <= 0:
             raise ValueError(f"instance_timeout_s must be > 0, got {self.instance_timeout_s}")
+        if self.disk_dir and not 0 < self.disk_segment_mb <= self.disk_capacity_mb:
+            raise ValueError(f"disk_segment_mb ({self.disk_segment_mb}) must be in [1, disk_capacity_mb "
+                             f"({self.disk_capacity_mb})]")
+        if self.max_lease_s <= 0 or self.snapshot_timeout_s <= 0:
+            raise ValueError("max_lease_s and snapshot_timeout_s must be > 0")
+        if self.external not in ("", "mooncake"):
+            raise ValueError(f"external {self.external!r} is not supported: use '' or 'mooncake'")
+        if self.external and (self.external_capacity_mb < 1 or self.mooncake_segment_mb < 16
+                              or self.mooncake_replicas < 1):
+            raise ValueError("with external = 'mooncake', external_capacity_mb and mooncake_replicas must be >= 1 "
+                             "and mooncake_segment_mb >= 16")
         if not self.durable_name or any(c in self.durable_name for c in ".*> \t"):
             raise ValueError(f"durable_name {self.durable_name!r} must be non-empty, "
                              "without '.', '*', '>' or spaces")

@@ -11,8 +11,10 @@ Not thread-safe: the owner (the cache server) calls it from its event loop only.
 
 from __future__ import annotations
 
+import enum
 import logging
-from typing import NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from kvmesh.bus import KVEventBatch
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -29,6 +31,14 @@ class PrefixMatch(NamedTuple):
     instance_id: str
     tier: str
     num_blocks: int
+
+
+class Order(enum.Enum):
+    """Where a batch falls in its instance's sequence."""
+
+    NEXT = "next"    # seq == last + 1, or 1 from an instance not known yet
+    STALE = "stale"  # seq <= last: a redelivery, or the instance restarted and numbers from 1 again
+    GAP = "gap"      # batches are missing (from an unknown instance: seq > 1, its beginning is not in the stream)
 
 
 def _bits(mask: int) -> list[int]:
@@ -62,32 +72,44 @@ class BlockIndex:
 
     # -- events ----------------------------------------------------------------------------------------------
 
-    def apply(self, batch: KVEventBatch) -> bool:
-        """Apply one instance's batch in order; False when it is a duplicate (``seq`` not past the last one).
+    def order(self, batch: KVEventBatch) -> Order:
+        last = self._last_seq.get(batch.instance_id, 0)
+        return Order.NEXT if batch.seq == last + 1 else Order.STALE if batch.seq <= last else Order.GAP
 
-        The first batch seen from an instance sets its baseline. A jump past ``last + 1`` means lost events:
-        it is counted in ``event_gaps`` and applied anyway (snapshot resync comes later)."""
-        inst = batch.instance_id
-        last = self._last_seq.get(inst)
-        if last is not None and batch.seq <= last:
+    def apply(self, batch: KVEventBatch) -> bool:
+        """Apply one instance's batch; False when it is stale (``seq`` not past the last one). A gap is
+        counted in ``event_gaps`` and applied anyway: the caller resyncs from a snapshot when it can."""
+        order = self.order(batch)
+        if order is Order.STALE:
             self.duplicates += 1
             return False
-        if last is not None and batch.seq > last + 1:
+        if order is Order.GAP:
             self.event_gaps += 1
-            log.warning("kv events of %s: gap after seq %d (got %d); %d batches lost",
-                        inst, last, batch.seq, batch.seq - last - 1)
-        self._last_seq[inst] = batch.seq
+            log.warning("kv events of %s: gap after seq %d (got %d)", batch.instance_id,
+                        self._last_seq.get(batch.instance_id, 0), batch.seq)
+        self._last_seq[batch.instance_id] = batch.seq
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._store(self._intern(Holder(inst, event.tier)), event.block_keys)
+                self._store(self._intern(Holder(batch.instance_id, event.tier)), event.block_keys)
             elif isinstance(event, BlockRemoved):
-                hid = self._ids.get(Holder(inst, event.tier))
+                hid = self._ids.get(Holder(batch.instance_id, event.tier))
                 if hid is not None:
                     self._remove(hid, event.block_keys)
             elif isinstance(event, AllBlocksCleared):
-                self._clear(inst)
+                self._clear(batch.instance_id)
         self.events_applied += len(batch.events)
         return True
+
+    def replace_instance(self, instance_id: str, seq: int, blocks: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Make ``instance_id`` hold exactly ``blocks`` (tier, keys), as of its batch ``seq`` (a snapshot)."""
+        self._clear(instance_id)
+        for tier, keys in blocks:
+            self._store(self._intern(Holder(instance_id, tier)), keys)
+        self._last_seq[instance_id] = seq
+
+    def forget_seq(self, instance_id: str) -> None:
+        """Take the instance's next batch as its first (it restarted and numbers from 1 again)."""
+        self._last_seq.pop(instance_id, None)
 
     def drop_instance(self, instance_id: str) -> int:
         """Forget an instance that is gone: its blocks in every tier and its sequence number (a restarted

@@ -1,109 +1,111 @@
-"""The pool's own DRAM tier (L3): whole KV blocks by block key, each with its layout and xxh3_64 checksum.
+"""The pool: its tiers in order (DRAM, disk, an external store; each optional) behind one put / get, and the
+leases that protect what readers fetch.
 
-A key may be stored under several layouts (block keys do not cover dtype or TP rank, so two TP ranks write the
-same key with different bytes); ``get`` only ever returns blocks whose layout equals the requested one.
-Bounded by bytes; over capacity, the eviction strategy's smallest sort key goes first (ties: the block stored
-last, so the tail of a chain goes before its head). Not thread-safe: the owner calls it from its event loop.
+- A put verifies every checksum, then stores the blocks no tier holds yet (under that layout) in the first tier
+  that takes them. What a tier evicts to make room spills to the next tier (best effort: a spill that finds no
+  room is dropped, the pool is a cache).
+- A get returns the leading run of keys held under the reader's layout, from whichever tier holds each block,
+  reading adjacent disk blocks at once. A hit below the first tier is copied up into it (promotion); the lower
+  copy stays, so a hot block ends up replicated in DRAM and on disk.
+- A reader with another layout is refused (``LayoutMismatch`` names the fields that differ).
+- ``lease_s`` on a get (or ``lease``) pins the whole present leading run, not only what fits in one reply;
+  eviction in every tier skips pinned keys until the lease is released or expires.
+
+Not thread-safe, except ``leading`` (dict membership tests only; see ``store.py``): one storage thread owns it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
-
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.eviction import now as monotonic
 from kvmesh.engine.kv_cache import KVLayout
 
+from services.cachesvc.config import CacheServiceConfig
+from services.cachesvc.disk import DiskTier
+from services.cachesvc.dram import DramTier
+from services.cachesvc.store import (
+    Evicted,
+    LayoutMismatch,
+    Leases,
+    PoolFull,
+    PutResult,
+    Retention,
+    StoredBlock,
+    StoreUnavailable,
+    Tier,
+    check_layout,
+    layout_diff,
+)
 
-class LayoutMismatch(ValueError):
-    """The requested layout differs from the stored one (a precondition, not a malformed request)."""
-
-
-class PoolFull(ValueError):
-    """A put larger than the whole pool."""
-
-
-class StoredBlock(NamedTuple):
-    key: int
-    checksum: int
-    data: bytes
-
-
-class PutResult(NamedTuple):
-    stored: int
-    skipped: int
-
-
-@dataclass(slots=True)
-class _Entry:
-    """One stored block; the attribute names are what the eviction strategies read."""
-
-    data: bytes
-    checksum: int
-    order: int               # insertion counter: tie-break, later first
-    last_access: float
-    hit_count: int = 0
-    priority: int = 0
-    priority_until: float = 0.0
+log = logging.getLogger(__name__)
 
 
-def check_layout(layout: KVLayout) -> int:
-    """The block size in bytes of a well-formed ``layout``, else a ValueError naming the bad field."""
-    for name in ("model_fingerprint", "dtype", "layout"):
-        if not getattr(layout, name):
-            raise ValueError(f"layout.{name} is required")
-    for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
-        if getattr(layout, name) < 1:
-            raise ValueError(f"layout.{name} must be >= 1, got {getattr(layout, name)}")
-    if not 0 <= layout.tp_rank < layout.tp_size:
-        raise ValueError(f"layout.tp_rank must be in [0, tp_size={layout.tp_size}), got {layout.tp_rank}")
-    return layout.block_nbytes  # ValueError on an unknown dtype
+class GetResult(NamedTuple):
+    blocks: list[StoredBlock]
+    tiers: list[str]         # where each block came from
+    lease_id: int            # 0: no lease
+    leased: int              # keys the lease pins
 
 
-def layout_diff(stored: KVLayout, requested: KVLayout) -> str:
-    """``"dtype: stored 'fp16', requested 'fp32'; ..."`` for every field that differs."""
-    pairs = [(f.name, getattr(stored, f.name), getattr(requested, f.name))
-             for f in dataclasses.fields(stored)]
-    return "; ".join(f"{name}: stored {a!r}, requested {b!r}" for name, a, b in pairs if a != b)
+class Pool:
+    def __init__(self, tiers: Sequence[Tier], leases: Leases) -> None:
+        self.tiers = list(tiers)
+        self.leases = leases
 
+    @classmethod
+    def from_config(cls, cfg: CacheServiceConfig, clock: Callable[[], float] = monotonic) -> Pool:
+        """The tiers ``cfg`` turns on (blocking: scans the disk tier, connects to the external store)."""
+        policy = make_policy(cfg.eviction)
+        leases = Leases(clock)
+        tiers: list[Tier] = []
+        if cfg.pool_capacity_mb > 0:
+            tiers.append(DramTier(cfg.pool_capacity_mb << 20, policy, leases.pinned, clock))
+        if cfg.disk_dir:
+            tiers.append(DiskTier(Path(cfg.disk_dir), cfg.disk_capacity_mb << 20, cfg.disk_segment_mb << 20,
+                                  policy, leases.pinned, clock))
+        if cfg.external == "mooncake":
+            from services.cachesvc.mooncake import MooncakeSettings, MooncakeTier
 
-class BlockPool:
-    def __init__(self, capacity_bytes: int, policy: str = "lru",
-                 clock: Callable[[], float] = monotonic) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.policy = make_policy(policy)
-        self.clock = clock
-        self.used_bytes = 0
-        self.evicted = 0
-        self._blocks: dict[int, dict[KVLayout, _Entry]] = {}  # key -> layout -> block
-        self._count = 0
-        self._order = 0
+            settings = MooncakeSettings(cfg.mooncake_master, cfg.mooncake_metadata_url, cfg.mooncake_host,
+                                        cfg.mooncake_segment_mb << 20, cfg.external_capacity_mb << 20,
+                                        cfg.mooncake_replicas)
+            tiers.append(MooncakeTier(settings, f"kvmesh/{cfg.cluster}", policy, leases.pinned, clock))
+        return cls(tiers, leases)
 
-    def __len__(self) -> int:
-        """Stored blocks (a key stored under two layouts counts twice)."""
-        return self._count
+    def tier(self, name: str) -> Tier | None:
+        return next((t for t in self.tiers if t.name == name), None)
 
-    def __contains__(self, key: int) -> bool:
-        return key in self._blocks
+    # -- queries (any thread) --------------------------------------------------------------------------------
 
-    def leading(self, keys: Sequence[int]) -> int:
-        """How many leading ``keys`` are stored, under any layout."""
-        n = 0
+    def leading(self, keys: Sequence[int]) -> list[tuple[str, int]]:
+        """Per tier: the leading run of ``keys`` (any layout) that this tier together with the faster ones
+        holds; so the last tier's count is what a get can return at best, and the first tier's what comes from
+        it alone. Tiers with 0 are left out."""
+        counts = [0] * len(self.tiers)
+        slowest = 0
         for key in keys:
-            if key not in self._blocks:
+            fastest = next((i for i, t in enumerate(self.tiers) if t.has(key)), None)
+            if fastest is None:
                 break
-            n += 1
-        return n
+            slowest = max(slowest, fastest)
+            for i in range(slowest, len(counts)):
+                counts[i] += 1
+        return [(t.name, n) for t, n in zip(self.tiers, counts) if n]
 
-    def put(self, layout: KVLayout, keys: Sequence[int], checksums: Sequence[int],
-            data: bytes | memoryview) -> PutResult:
+    # -- storage thread --------------------------------------------------------------------------------------
+
+    def put(self, layout: KVLayout, keys: Sequence[int], checksums: Sequence[int], data: bytes | memoryview,
+            priority: int = 0, priority_s: float = 0.0) -> PutResult:
         """Store the blocks of ``data`` (back to back, in ``keys`` order) after verifying every checksum; keys
-        already stored under ``layout`` are skipped. All or nothing: any bad block rejects the whole put."""
+        already held under ``layout`` are skipped. All or nothing: any bad block rejects the whole put.
+        ``priority`` (the ``priority`` eviction policy) holds for ``priority_s`` seconds (0: forever)."""
         nbytes = check_layout(layout)
         if len(checksums) != len(keys):
             raise ValueError(f"checksums has {len(checksums)} entries for {len(keys)} block_keys")
@@ -111,69 +113,101 @@ class BlockPool:
         if len(view) != len(keys) * nbytes:
             raise ValueError(f"data has {len(view)} bytes, but {len(keys)} blocks of this layout take "
                              f"{len(keys)} x {nbytes} = {len(keys) * nbytes} bytes")
-        blocks = [view[i * nbytes:(i + 1) * nbytes] for i in range(len(keys))]
-        for i, (key, checksum, block) in enumerate(zip(keys, checksums, blocks)):
-            actual = xxhash.xxh3_64_intdigest(block)
-            if actual != checksum:
-                raise ValueError(f"block {i} (key {key:#018x}) fails its checksum: sent {checksum:#018x}, "
+        blocks = [StoredBlock(k, c, view[i * nbytes:(i + 1) * nbytes]) for i, (k, c) in enumerate(zip(keys, checksums))]
+        for i, b in enumerate(blocks):
+            actual = xxhash.xxh3_64_intdigest(b.data)
+            if actual != b.checksum:
+                raise ValueError(f"block {i} (key {b.key:#018x}) fails its checksum: sent {b.checksum:#018x}, "
                                  f"its bytes hash to {actual:#018x}; nothing was stored")
-        new: dict[int, tuple[int, memoryview]] = {}
-        for key, checksum, block in zip(keys, checksums, blocks):
-            if key not in new and layout not in self._blocks.get(key, {}):
-                new[key] = (checksum, block)
-        need = len(new) * nbytes
-        if need > self.capacity_bytes:
-            raise PoolFull(f"the new blocks take {need} bytes but the pool holds at most "
-                           f"{self.capacity_bytes}; put fewer blocks per call")
-        self._evict(self.used_bytes + need - self.capacity_bytes)
-        t = self.clock()
-        for key, (checksum, block) in new.items():
-            self._order += 1
-            self._blocks.setdefault(key, {})[layout] = _Entry(bytes(block), checksum, self._order, t)
-        self._count += len(new)
-        self.used_bytes += need
+        if not self.tiers:
+            raise PoolFull("the pool has no tier: set pool_capacity_mb, disk_dir or external")
+        new = {b.key: b for b in blocks if not any(t.holds(b.key, layout) for t in self.tiers)}
+        if new:
+            self.leases.reap()
+            until = self.leases.clock() + priority_s if priority_s > 0 else float("inf")
+            self._store(0, layout, list(new.values()), Retention(priority, until))
         return PutResult(stored=len(new), skipped=len(keys) - len(new))
 
-    def get(self, layout: KVLayout, keys: Sequence[int], max_bytes: int | None = None) -> list[StoredBlock]:
-        """The leading run of ``keys`` stored under ``layout``, cut to ``max_bytes`` (each block returned is a
-        hit for the eviction strategy). When the first key is stored only under other layouts, LayoutMismatch
-        names the fields that differ."""
+    def get(self, layout: KVLayout, keys: Sequence[int], max_bytes: int | None = None,
+            lease_s: float = 0.0) -> GetResult:
+        """The leading run of ``keys`` held under ``layout``, cut to ``max_bytes``; with ``lease_s`` > 0 the
+        whole run is leased first. LayoutMismatch when the first key is held only under other layouts."""
         nbytes = check_layout(layout)
-        limit = len(keys) if max_bytes is None else min(len(keys), max_bytes // nbytes)
-        entries: list[tuple[int, _Entry]] = []
-        for key in keys[:limit]:
-            by_layout = self._blocks.get(key)
-            if by_layout is None:
+        run: list[tuple[int, int]] = []  # (key, index of the fastest tier holding it)
+        for key in keys:
+            where = next((i for i, t in enumerate(self.tiers) if t.holds(key, layout)), None)
+            if where is None:
+                if not run:
+                    self._refuse_other_layouts(key, layout)
                 break
-            entry = by_layout.get(layout)
-            if entry is None:
-                if not entries:
-                    stored = next(iter(by_layout))
-                    raise LayoutMismatch(f"block {key:#018x} is stored with another layout "
-                                         f"({layout_diff(stored, layout)}); a reader must match it")
+            run.append((key, where))
+        lease_id = self.leases.grant([k for k, _ in run], lease_s) if lease_s > 0 and run else 0
+        limit = len(run) if max_bytes is None else min(len(run), max_bytes // nbytes)
+        blocks: list[StoredBlock] = []
+        names: list[str] = []
+        for where, group in itertools.groupby(run[:limit], key=lambda item: item[1]):
+            wanted = [k for k, _ in group]
+            got = self.tiers[where].read(layout, wanted)
+            blocks += got
+            names += [self.tiers[where].name] * len(got)
+            if len(got) < len(wanted):
                 break
-            entries.append((key, entry))
-        t = self.clock()
-        for _, entry in entries:
-            entry.last_access = t
-            entry.hit_count += 1
-        return [StoredBlock(key, e.checksum, e.data) for key, e in entries]
+        self._promote(layout, [b for b, name in zip(blocks, names) if name != self.tiers[0].name])
+        return GetResult(blocks, names, lease_id, len(run) if lease_id else 0)
 
-    def _evict(self, nbytes: int) -> None:
-        """Free at least ``nbytes`` by evicting in the strategy's order."""
-        if nbytes <= 0:
+    def lease(self, keys: Sequence[int], lease_s: float) -> tuple[int, int]:
+        """Pin the leading run of ``keys`` the pool holds (any layout): ``(lease id, keys pinned)``."""
+        run = list(itertools.takewhile(lambda k: any(t.has(k) for t in self.tiers), keys))
+        return (self.leases.grant(run, lease_s), len(run)) if run else (0, 0)
+
+    def drain(self) -> int:
+        """Spill the DRAM tier to the next one (a graceful stop); returns the blocks that went."""
+        if len(self.tiers) < 2 or not isinstance(self.tiers[0], DramTier):
+            return 0
+        before = sum(len(t) for t in self.tiers[1:])
+        self._spill(1, self.tiers[0].drain())
+        return sum(len(t) for t in self.tiers[1:]) - before
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
+
+    def _store(self, start: int, layout: KVLayout, blocks: list[StoredBlock], retention: Retention) -> None:
+        """Put ``blocks`` into the first tier from ``start`` on that takes them; spill what it evicts."""
+        refused: PoolFull | None = None
+        for i in range(start, len(self.tiers)):
+            try:
+                evicted = self.tiers[i].put(layout, blocks, retention)
+            except PoolFull as e:
+                refused = e
+                continue
+            self._spill(i + 1, evicted)
             return
-        t = self.clock()
-        heap = [(self.policy.sort_key(e, t), -e.order, key, layout)
-                for key, by_layout in self._blocks.items() for layout, e in by_layout.items()]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < nbytes and heap:
-            _, _, key, layout = heapq.heappop(heap)
-            by_layout = self._blocks[key]
-            freed += len(by_layout.pop(layout).data)
-            if not by_layout:
-                del self._blocks[key]
-            self._count -= 1
-            self.evicted += 1
-        self.used_bytes -= freed
+        raise refused or PoolFull("no tier below can take the blocks")
+
+    def _spill(self, start: int, evicted: list[Evicted]) -> None:
+        if start >= len(self.tiers):
+            return
+        for layout, group in itertools.groupby(evicted, key=lambda e: e.layout):
+            blocks = [e.block for e in group if not any(t.holds(e.block.key, layout) for t in self.tiers[start:])]
+            if blocks:
+                try:
+                    self._store(start, layout, blocks, Retention())
+                except (PoolFull, StoreUnavailable) as e:
+                    log.debug("dropped %d evicted blocks: %s", len(blocks), e)
+
+    def _promote(self, layout: KVLayout, blocks: list[StoredBlock]) -> None:
+        todo = [b for b in blocks if not self.tiers[0].holds(b.key, layout)]
+        if not todo:
+            return
+        try:
+            self._spill(1, self.tiers[0].put(layout, todo, Retention()))
+        except (PoolFull, StoreUnavailable) as e:
+            log.debug("no promotion of %d blocks: %s", len(todo), e)
+
+    def _refuse_other_layouts(self, key: int, layout: KVLayout) -> None:
+        for t in self.tiers:
+            stored = next(iter(t.layouts(key)), None)
+            if stored is not None:
+                raise LayoutMismatch(f"block {key:#018x} is stored with another layout "
+                                     f"({layout_diff(stored, layout)}); a reader must match it")

@@ -1,7 +1,9 @@
 """The cache service process: gRPC ``CacheService`` + health + reflection, fed by the KV events stream.
 
-One asyncio loop owns everything: the index and the pool are touched only from it (gRPC handlers, the events
-consumer, the heartbeat subscriber and the reaper all run on it), so they need no locks.
+Two owners. The event loop owns the index, the resync and liveness (gRPC handlers, the events consumer, the
+heartbeat subscriber and the reaper all run on it). One storage thread owns the pool (its tiers and leases), so
+disk and network I/O never block the loop; handlers hand pool work to it and await. ``MatchPrefix`` reads the
+pool's membership from the loop (see ``store.py``). Neither needs locks.
 """
 
 from __future__ import annotations
@@ -12,24 +14,30 @@ import functools
 import logging
 import signal
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 import nats.js.errors
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, Message, Subjects
+from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.index import BlockIndex
-from services.cachesvc.pool import BlockPool, LayoutMismatch, PoolFull
+from services.cachesvc.pool import Pool
+from services.cachesvc.resync import Resync
+from services.cachesvc.store import LayoutMismatch, PoolFull, StoreUnavailable
 
 log = logging.getLogger("cachesvc")
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name  # kvmesh.v1.CacheService
-POOL_INSTANCE, POOL_TIER = "pool", "dram"
+POOL_INSTANCE = "pool"
 _MESSAGE_OVERHEAD = 64 << 10  # room for keys and checksums next to the data of a GetBlocks reply
 
 R = TypeVar("R")
@@ -59,6 +67,8 @@ def _statuses(method: Handler[R]) -> Handler[R]:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except PoolFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except StoreUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         raise AssertionError("unreachable: abort raises")
@@ -66,65 +76,147 @@ def _statuses(method: Handler[R]) -> Handler[R]:
     return wrapper
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_get_reply(head: cache_pb2.GetBlocksResponse, data: Sequence[bytes | memoryview]) -> bytes:
+    """A serialized GetBlocksResponse: ``head`` (every field but ``data``) followed by field 3, written straight
+    from the blocks' buffers. One copy of the bytes instead of three (join, message, serialize); protobuf
+    readers accept fields in any order."""
+    size = sum(len(d) for d in data)
+    return b"".join([head.SerializeToString(), b"\x1a", _varint(size), *data])
+
+
+def _serialize(reply: Any) -> bytes:
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
+def add_cache_service(servicer: CacheService, server: grpc.aio.Server) -> None:
+    """Like the generated ``add_CacheServiceServicer_to_server``, but a handler may return its reply already
+    serialized (GetBlocks does)."""
+    service = cache_pb2.DESCRIPTOR.services_by_name["CacheService"]
+    handlers = {m.name: grpc.unary_unary_rpc_method_handler(
+        getattr(servicer, m.name), request_deserializer=GetMessageClass(m.input_type).FromString,
+        response_serializer=_serialize) for m in service.methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _lease_s(value: float, max_lease_s: float, required: bool) -> float:
+    low = "(0" if required else "[0"
+    if not (0 < value if required else 0 <= value) or value > max_lease_s:
+        raise ValueError(f"lease_s must be in {low}, {max_lease_s}] seconds (max_lease_s), got {value}")
+    return value
+
+
 class CacheService(cache_pb2_grpc.CacheServiceServicer):
-    def __init__(self, index: BlockIndex, pool: BlockPool, max_reply_bytes: int) -> None:
-        self.index = index
-        self.pool = pool
-        self.max_reply_bytes = max_reply_bytes
+    def __init__(self, server: CacheServer) -> None:
+        self.server = server
+        self.cfg = server.cfg
+        self.max_reply_bytes = (server.cfg.max_message_mb << 20) - _MESSAGE_OVERHEAD
+
+    @property
+    def pool(self) -> Pool:
+        assert self.server.pool is not None, "the pool is opened before gRPC starts"
+        return self.server.pool
+
+    async def _storage(self, fn: Callable[..., R], *args: Any) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self.server.storage, fn, *args)
 
     @_statuses
     async def MatchPrefix(self, request: cache_pb2.MatchPrefixRequest,
                           context: grpc.aio.ServicerContext) -> cache_pb2.MatchPrefixResponse:
         keys = list(request.block_keys)
         matches = [cache_pb2.TierMatch(instance_id=m.instance_id, tier=m.tier, num_blocks=m.num_blocks)
-                   for m in self.index.match_prefix(keys)]
-        in_pool = self.pool.leading(keys)
-        if in_pool:
-            matches.append(cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=POOL_TIER, num_blocks=in_pool))
+                   for m in self.server.index.match_prefix(keys)]
+        matches += [cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=tier, num_blocks=n)
+                    for tier, n in self.pool.leading(keys)]
         return cache_pb2.MatchPrefixResponse(matches=matches)
 
     @_statuses
     async def PutBlocks(self, request: cache_pb2.PutBlocksRequest,
                         context: grpc.aio.ServicerContext) -> cache_pb2.PutBlocksResponse:
-        result = self.pool.put(_request_layout(request), request.block_keys, request.checksums, request.data)
+        if request.priority_duration_s < 0:
+            raise ValueError(f"priority_duration_s must be >= 0 (0 = forever), got {request.priority_duration_s}")
+        result = await self._storage(self.pool.put, _request_layout(request), request.block_keys,
+                                     request.checksums, request.data, request.priority,
+                                     request.priority_duration_s)
         return cache_pb2.PutBlocksResponse(stored=result.stored, skipped=result.skipped)
 
     @_statuses
     async def GetBlocks(self, request: cache_pb2.GetBlocksRequest,
-                        context: grpc.aio.ServicerContext) -> cache_pb2.GetBlocksResponse:
-        blocks = self.pool.get(_request_layout(request), request.block_keys, max_bytes=self.max_reply_bytes)
-        return cache_pb2.GetBlocksResponse(block_keys=[b.key for b in blocks],
-                                           checksums=[b.checksum for b in blocks],
-                                           data=b"".join(b.data for b in blocks))
+                        context: grpc.aio.ServicerContext) -> bytes:
+        layout = _request_layout(request)
+        lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=False)
+
+        def get() -> bytes:  # on the storage thread: the bytes are copied there too
+            got = self.pool.get(layout, request.block_keys, self.max_reply_bytes, lease_s)
+            head = cache_pb2.GetBlocksResponse(
+                block_keys=[b.key for b in got.blocks], checksums=[b.checksum for b in got.blocks],
+                tiers=got.tiers, lease_id=got.lease_id, leased_blocks=got.leased)
+            return encode_get_reply(head, [b.data for b in got.blocks])
+
+        return await self._storage(get)
+
+    @_statuses
+    async def LeaseBlocks(self, request: cache_pb2.LeaseBlocksRequest,
+                          context: grpc.aio.ServicerContext) -> cache_pb2.LeaseBlocksResponse:
+        lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=True)
+        lease_id, n = await self._storage(self.pool.lease, list(request.block_keys), lease_s)
+        return cache_pb2.LeaseBlocksResponse(lease_id=lease_id, num_blocks=n)
+
+    @_statuses
+    async def ReleaseLease(self, request: cache_pb2.ReleaseLeaseRequest,
+                           context: grpc.aio.ServicerContext) -> cache_pb2.ReleaseLeaseResponse:
+        released = await self._storage(self.pool.leases.release, request.lease_id)
+        return cache_pb2.ReleaseLeaseResponse(released=released)
 
     @_statuses
     async def Stats(self, request: cache_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> cache_pb2.StatsResponse:
+        def tiers() -> tuple[list[cache_pb2.TierStats], int, int]:
+            leases = self.pool.leases
+            return ([cache_pb2.TierStats(tier=t.name, blocks=len(t), bytes=t.used_bytes,
+                                         capacity_bytes=t.capacity_bytes, evicted=t.evicted)
+                     for t in self.pool.tiers], len(leases), leases.pinned_keys)
+
+        tier_stats, leases, leased = await self._storage(tiers)
+        dram = next((t for t in tier_stats if t.tier == "dram"), cache_pb2.TierStats())
+        index, resync = self.server.index, self.server.resync
         return cache_pb2.StatsResponse(
-            indexed_blocks=len(self.index), instances=len(self.index.instances()),
-            pool_blocks=len(self.pool), pool_bytes=self.pool.used_bytes,
-            pool_capacity_bytes=self.pool.capacity_bytes, events_applied=self.index.events_applied,
-            event_gaps=self.index.event_gaps)
+            indexed_blocks=len(index), instances=len(index.instances()), pool_blocks=dram.blocks,
+            pool_bytes=dram.bytes, pool_capacity_bytes=dram.capacity_bytes, events_applied=index.events_applied,
+            event_gaps=resync.gaps, tiers=tier_stats, leases=leases, leased_blocks=leased,
+            snapshots_requested=resync.requested, snapshots_applied=resync.applied,
+            caught_up=self.server.caught_up)
 
 
 class CacheServer:
-    """gRPC server + NATS side. ``start()`` returns once the events consumer is attached (health SERVING)."""
+    """gRPC server + NATS side. ``start()`` returns once the pool is open (the disk tier scanned) and the
+    events stream replayed up to where it stood at start (health SERVING)."""
 
     def __init__(self, cfg: CacheServiceConfig) -> None:
         self.cfg = cfg
         self.subjects = Subjects(cfg.cluster)
         self.index = BlockIndex()
-        self.pool = BlockPool(cfg.pool_capacity_mb << 20, cfg.eviction)
+        self.resync = Resync(self.index, self._fetch_snapshot)
+        self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
+        self.pool: Pool | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.bus: Bus | None = None
+        self.caught_up = False
         self._last_seen: dict[str, float] = {}  # instance -> monotonic time of its last heartbeat
         self._reaper: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
         self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message),
                                              ("grpc.max_send_message_length", max_message)])
-        cache_pb2_grpc.add_CacheServiceServicer_to_server(
-            CacheService(self.index, self.pool, max_message - _MESSAGE_OVERHEAD), self.grpc)
+        add_cache_service(CacheService(self), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), self.grpc)
@@ -134,11 +226,14 @@ class CacheServer:
         return f"{self.cfg.host}:{self.port}"
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.pool = await loop.run_in_executor(self.storage, Pool.from_config, self.cfg)
+        log.info("pool tiers: %s", ", ".join(f"{t.name} ({len(t)} blocks)" for t in self.pool.tiers) or "none")
         self.port = self.grpc.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
-        log.info("gRPC on %s (NOT_SERVING until the events consumer is attached)", self.address)
+        log.info("gRPC on %s (NOT_SERVING until the events stream is replayed)", self.address)
 
         self.bus = await Bus.connect(self.cfg.nats_url, f"cachesvc-{self.cfg.durable_name}")
         await self.bus.ensure_events_stream(self.subjects)
@@ -149,10 +244,21 @@ class CacheServer:
             await self.bus.js.delete_consumer(self.subjects.events_stream, self.cfg.durable_name)
         await self.bus.durable_events_consumer(self.subjects, self.cfg.durable_name, self._on_events)
         self._reaper = asyncio.create_task(self._reap(), name="cachesvc-reaper")
+        await self._replayed()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving cluster %r: stream %s, durable %r", self.cfg.cluster, self.subjects.events_stream,
-                 self.cfg.durable_name)
+        log.info("serving cluster %r: stream %s, durable %r, %d blocks indexed", self.cfg.cluster,
+                 self.subjects.events_stream, self.cfg.durable_name, len(self.index))
+
+    async def _replayed(self) -> None:
+        """Return once the consumer has handled (and acked) everything the stream held when it was created."""
+        assert self.bus is not None
+        while True:
+            info = await self.bus.js.consumer_info(self.subjects.events_stream, self.cfg.durable_name)
+            if not info.num_pending and not info.num_ack_pending:
+                self.caught_up = True
+                return
+            await asyncio.sleep(0.05)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
@@ -161,22 +267,34 @@ class CacheServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.grpc.stop(grace_s)
+        await self.resync.close()
         if self.bus is not None:
             await self.bus.close()
+        if self.pool is not None:
+            pool = self.pool
+            spilled = await asyncio.get_running_loop().run_in_executor(self.storage, pool.drain)
+            await asyncio.get_running_loop().run_in_executor(self.storage, pool.close)
+            if spilled:
+                log.info("spilled %d DRAM blocks to the %s tier", spilled, pool.tiers[1].name)
+        self.storage.shutdown()
         log.info("stopped")
+
+    async def _fetch_snapshot(self, instance_id: str) -> Snapshot | None:
+        assert self.bus is not None
+        return await request_snapshot(self.bus, self.subjects, instance_id, self.cfg.snapshot_timeout_s)
 
     async def _on_events(self, batch: KVEventBatch, headers: dict[str, str]) -> None:
         self._last_seen.setdefault(batch.instance_id, time.monotonic())  # no beat yet: count from now
-        if self.index.apply(batch):
-            log.debug("applied %s seq %d (%d events)", batch.instance_id, batch.seq, len(batch.events))
+        self.resync.on_batch(batch)
 
     async def _on_heartbeat(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, Heartbeat):
             self._last_seen[msg.instance_id] = time.monotonic()
 
     async def _reap(self) -> None:
-        """Drop the blocks of every instance silent for longer than ``instance_timeout_s``."""
+        """Drop the blocks of every instance silent for longer than ``instance_timeout_s``; end expired leases."""
         timeout = self.cfg.instance_timeout_s
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
             now = time.monotonic()
@@ -187,6 +305,8 @@ class CacheServer:
                         dropped = self.index.drop_instance(inst)
                         log.warning("instance %s: no heartbeat for %.1fs; dropped its %d indexed blocks",
                                     inst, now - seen, dropped)
+            if self.pool is not None:
+                await loop.run_in_executor(self.storage, self.pool.leases.reap)
 
 
 async def serve(cfg: CacheServiceConfig) -> None:

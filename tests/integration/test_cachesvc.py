@@ -22,12 +22,12 @@ import pytest
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, NatsServer, Subjects
 from kvmesh.bus.nats_server import free_port
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.keys import BlockKey
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.server import SERVICE_NAME, CacheServer
 
@@ -104,12 +104,13 @@ class InProcess:
 class Subprocess:
     """``python -m services.cachesvc`` with its log in ``log_path``."""
 
-    def __init__(self, nats_url: str, cluster: str, log_path: Path, port: int) -> None:
+    def __init__(self, nats_url: str, cluster: str, log_path: Path, port: int, **settings: str) -> None:
         self.args = [sys.executable, "-m", "services.cachesvc", "--port", str(port), "--nats-url", nats_url,
                      "--cluster", cluster]
         pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         self.env = {**os.environ, "PYTHONPATH": pythonpath,
-                    "KVMESH_DURABLE_NAME": f"cachesvc-{cluster}", "KVMESH_INSTANCE_TIMEOUT_S": "60"}
+                    "KVMESH_DURABLE_NAME": f"cachesvc-{cluster}", "KVMESH_INSTANCE_TIMEOUT_S": "60",
+                    **{f"KVMESH_{k.upper()}": v for k, v in settings.items()}}
         self.address = f"127.0.0.1:{port}"
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -145,6 +146,16 @@ class Subprocess:
 @pytest.fixture
 def cachesvc_process(nats_server: NatsServer, cluster: str, tmp_path: Path) -> Iterator[Subprocess]:
     proc = Subprocess(nats_server.url, cluster, tmp_path / "cachesvc.log", free_port())
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        proc.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def cachesvc_with_disk(nats_server: NatsServer, cluster: str, tmp_path: Path) -> Iterator[Subprocess]:
+    """cachesvc with a 1 MiB DRAM tier and a disk tier in ``tmp_path / "pool"``."""
+    proc = Subprocess(nats_server.url, cluster, tmp_path / "cachesvc.log", free_port(), pool_capacity_mb="1",
+                      disk_dir=str(tmp_path / "pool"), disk_capacity_mb="64", disk_segment_mb="1")
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.stop(signal.SIGKILL)
@@ -314,5 +325,138 @@ def test_an_instance_that_stops_beating_is_dropped(nats_server, cluster):
             assert await only_alive()
             beating.cancel()
             await bus.close()
+
+    run(body())
+
+
+# -- restarts, disk tier, leases -----------------------------------------------------------------------------
+
+BIG = common_pb2.BlockLayout(model_fingerprint="big", num_layers=4, num_kv_heads=8, head_dim=128, block_size=16,
+                             dtype="fp32", layout="layer-major", tp_rank=0, tp_size=1)
+BIG_BYTES = 4 * 2 * 16 * 8 * 128 * 4  # 512 KiB: two fit in a 1 MiB DRAM tier
+
+
+def big_put(keys: list[int]) -> cache_pb2.PutBlocksRequest:
+    chunks = [os.urandom(BIG_BYTES) for _ in keys]
+    return cache_pb2.PutBlocksRequest(layout=BIG, block_keys=keys, checksums=[xxhash.xxh3_64_intdigest(c)
+                                                                                for c in chunks],
+                                      data=b"".join(chunks))
+
+
+def test_a_restart_mid_run_rebuilds_the_index_and_loses_no_disk_block(nats_server, cluster, cachesvc_with_disk):
+    """Events keep flowing while cachesvc is killed and started again: the index ends up exact, and every
+    block that was on disk is still served, byte for byte."""
+    subjects = Subjects(cluster)
+    chain = [BlockKey(1000 + i) for i in range(40)]
+    on_disk = big_put(KEYS)                       # 3 MiB: more than DRAM holds, so it goes to disk
+    in_dram = big_put([BlockKey(7), BlockKey(8)])  # lost on SIGKILL, by design
+
+    async def produce() -> None:
+        bus = await Bus.connect(nats_server.url, "producer")
+        await bus.ensure_events_stream(subjects)
+        for i, key in enumerate(chain, 1):
+            events = [stored([key])] + ([stored(chain[:i], "host")] if i % 10 == 0 else [])
+            await bus.publish_event(subjects.kv_events("p0"), KVEventBatch("p0", i, 0.0, tuple(events)))
+            await asyncio.sleep(0.05)
+        await bus.close()
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, cachesvc_with_disk.start)
+        async with grpc.aio.insecure_channel(cachesvc_with_disk.address) as channel:
+            stub = cache_pb2_grpc.CacheServiceStub(channel)
+            assert (await stub.PutBlocks(on_disk)).stored == 6
+            assert (await stub.PutBlocks(in_dram)).stored == 2
+        producing = asyncio.create_task(produce())
+        await asyncio.sleep(0.6)
+        await loop.run_in_executor(None, cachesvc_with_disk.stop, signal.SIGKILL)
+        await loop.run_in_executor(None, cachesvc_with_disk.start)
+        await producing
+        async with grpc.aio.insecure_channel(cachesvc_with_disk.address) as channel:
+            stub = cache_pb2_grpc.CacheServiceStub(channel)
+
+            async def indexed() -> bool:
+                reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=chain))
+                return matches(reply) == {("p0", "device", 40), ("p0", "host", 40)}
+
+            await until(indexed)
+            stats = await stub.Stats(cache_pb2.StatsRequest())
+            assert (stats.indexed_blocks, stats.events_applied, stats.event_gaps) == (40, 44, 0)
+            assert stats.caught_up
+            reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))
+            assert matches(reply) == {("pool", "disk", 6)}
+            got = await stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=BIG, block_keys=KEYS))
+            assert (list(got.block_keys), got.data) == (KEYS, on_disk.data)
+            assert list(got.tiers) == ["disk"] * 6
+
+    run(body(), timeout_s=90)
+
+
+def test_a_graceful_stop_spills_dram_to_disk(nats_server, cluster, cachesvc_with_disk):
+    cachesvc_with_disk.start()
+    put = big_put(KEYS[:2])
+    with grpc.insecure_channel(cachesvc_with_disk.address) as channel:
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        stub.PutBlocks(put, timeout=10)
+        assert matches(stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS), timeout=5)) == {
+            ("pool", "dram", 2), ("pool", "disk", 2)}
+    assert cachesvc_with_disk.stop(signal.SIGTERM) == 0
+    cachesvc_with_disk.start()
+    with grpc.insecure_channel(cachesvc_with_disk.address) as channel:
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        got = stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=BIG, block_keys=KEYS), timeout=10)
+        assert (list(got.block_keys), got.data, list(got.tiers)) == (KEYS[:2], put.data, ["disk", "disk"])
+
+
+def test_a_leased_block_survives_eviction_pressure(nats_server, cluster):
+    async def body() -> None:
+        async with InProcess(nats_server.url, cluster, pool_capacity_mb=1) as stub:
+            await stub.PutBlocks(big_put(KEYS[:1]))
+            got = await stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=BIG, block_keys=KEYS[:1], lease_s=30))
+            assert (got.leased_blocks, got.lease_id > 0) == (1, True)
+            for key in range(100, 110):                    # DRAM holds two blocks: one is leased
+                await stub.PutBlocks(big_put([BlockKey(key)]))
+            reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS[:1]))
+            assert matches(reply) == {("pool", "dram", 1)}
+            stats = await stub.Stats(cache_pb2.StatsRequest())
+            assert (stats.leases, stats.leased_blocks, stats.tiers[0].evicted) == (1, 1, 9)
+
+            released = await stub.ReleaseLease(cache_pb2.ReleaseLeaseRequest(lease_id=got.lease_id))
+            assert released.released
+            for key in range(200, 202):
+                await stub.PutBlocks(big_put([BlockKey(key)]))
+            reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS[:1]))
+            assert matches(reply) == set()
+
+    run(body())
+
+
+def test_puts_when_everything_is_leased_are_refused_with_a_reason(nats_server, cluster):
+    async def body() -> None:
+        async with InProcess(nats_server.url, cluster, pool_capacity_mb=1) as stub:
+            await stub.PutBlocks(big_put(KEYS[:2]))
+            lease = await stub.LeaseBlocks(cache_pb2.LeaseBlocksRequest(block_keys=KEYS, lease_s=30))
+            assert lease.num_blocks == 2
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.PutBlocks(big_put(KEYS[2:3]))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "not leased; retry when leases end" in (e.value.details() or "")
+
+    run(body())
+
+
+@pytest.mark.parametrize("request_, message", [
+    (cache_pb2.GetBlocksRequest(layout=LAYOUT, block_keys=KEYS, lease_s=-1), "lease_s must be in [0, 300.0]"),
+    (cache_pb2.GetBlocksRequest(layout=LAYOUT, block_keys=KEYS, lease_s=301), "lease_s must be in [0, 300.0]"),
+    (cache_pb2.LeaseBlocksRequest(block_keys=KEYS), "lease_s must be in (0, 300.0]"),
+])
+def test_bad_lease_requests_say_what_to_fix(nats_server, cluster, request_, message):
+    async def body() -> None:
+        async with InProcess(nats_server.url, cluster) as stub:
+            call = stub.GetBlocks if isinstance(request_, cache_pb2.GetBlocksRequest) else stub.LeaseBlocks
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call(request_)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in (e.value.details() or "")
 
     run(body())

@@ -12,6 +12,12 @@ def test_defaults():
             cfg.instance_timeout_s) == ("local", "127.0.0.1", 50060, "cachesvc", 256, "lru", 5.0)
 
 
+def test_the_disk_tier_is_off_until_it_has_a_directory():
+    cfg = load_config(env={"KVMESH_DISK_DIR": "/var/lib/kvmesh/pool", "KVMESH_DISK_CAPACITY_MB": "2048"})
+    assert (cfg.disk_dir, cfg.disk_capacity_mb, cfg.disk_segment_mb) == ("/var/lib/kvmesh/pool", 2048, 64)
+    assert CacheServiceConfig().disk_dir == ""
+
+
 def test_file_then_environment_then_flags(tmp_path):
     path = tmp_path / "kvmesh.toml"
     path.write_text('[cachesvc]\nport = 7000\ncluster = "file"\neviction = "slru"\n')
@@ -24,6 +30,11 @@ def test_file_then_environment_then_flags(tmp_path):
     ({"cluster": "a.b"}, "cluster name 'a.b' is invalid"),
     ({"instance_timeout_s": 0}, "instance_timeout_s must be > 0"),
     ({"durable_name": "a.b"}, "durable_name 'a.b' must be"),
+    ({"disk_dir": "/tmp/x", "disk_capacity_mb": 10, "disk_segment_mb": 64},
+     r"disk_segment_mb \(64\) must be in \[1, disk_capacity_mb \(10\)\]"),
+    ({"max_lease_s": 0}, "max_lease_s and snapshot_timeout_s must be > 0"),
+    ({"external": "redis"}, "external 'redis' is not supported"),
+    ({"external": "mooncake", "mooncake_segment_mb": 8}, "mooncake_segment_mb >= 16"),
 ])
 def test_bad_settings_say_what_is_wrong(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -5,7 +5,8 @@ import tracemalloc
 from kvmesh.bus import KVEventBatch
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.keys import BlockKey
-from services.cachesvc.index import BlockIndex, PrefixMatch
+
+from services.cachesvc.index import BlockIndex, Order, PrefixMatch
 
 KEYS = [BlockKey(k) for k in (11, 22, 33, 44, 55)]
 
@@ -107,10 +108,38 @@ def test_a_gap_is_counted_and_the_batch_still_applied():
 
 def test_sequence_numbers_are_per_instance():
     index = BlockIndex()
-    index.apply(KVEventBatch("p0", 7, 0.0, (stored(KEYS[:1]),)))
+    index.apply(KVEventBatch("p0", 1, 0.0, (stored(KEYS[:1]),)))
+    index.apply(KVEventBatch("p0", 2, 0.0, ()))
     assert index.apply(KVEventBatch("d0", 1, 0.0, (stored(KEYS[:2]),)))
     assert index.apply(KVEventBatch("d0", 2, 0.0, ()))
     assert index.event_gaps == 0
+
+
+def test_an_unknown_instance_starting_past_seq_1_is_a_gap():
+    """Its beginning is not in the stream (aged out, or the index dropped it): only a snapshot can tell."""
+    index = BlockIndex()
+    batch = KVEventBatch("p0", 7, 0.0, (stored(KEYS[:1]),))
+    assert index.order(batch) is Order.GAP
+    assert index.order(KVEventBatch("p0", 1, 0.0, ())) is Order.NEXT
+
+
+def test_order_tells_next_stale_and_gap():
+    index = BlockIndex()
+    index.apply(KVEventBatch("p0", 1, 0.0, ()))
+    index.apply(KVEventBatch("p0", 2, 0.0, ()))
+    assert [index.order(KVEventBatch("p0", seq, 0.0, ())) for seq in (1, 2, 3, 4)] == [
+        Order.STALE, Order.STALE, Order.NEXT, Order.GAP]
+
+
+def test_replace_instance_installs_a_snapshot_and_its_seq():
+    index = BlockIndex()
+    feed = Feed(index)
+    feed("p0", stored(KEYS, "device"), stored(KEYS, "host"))
+    feed("d0", stored(KEYS[:1]))
+    index.replace_instance("p0", 9, [("device", KEYS[:2]), ("disk", KEYS[:3])])
+    assert index.match_prefix(KEYS) == [PrefixMatch("p0", "disk", 3), PrefixMatch("p0", "device", 2),
+                                        PrefixMatch("d0", "device", 1)]
+    assert index.order(KVEventBatch("p0", 10, 0.0, ())) is Order.NEXT
 
 
 def test_drop_instance_forgets_its_blocks_and_its_sequence():

@@ -30,16 +30,20 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys", "checksums", "data")
+    __slots__ = ("layout", "block_keys", "checksums", "data", "priority", "priority_duration_s")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_DURATION_S_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    priority: int
+    priority_duration_s: float
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ..., priority_duration_s: _Optional[float] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("stored", "skipped")
@@ -50,29 +54,65 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys")
+    __slots__ = ("layout", "block_keys", "lease_s")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
-    __slots__ = ("block_keys", "checksums", "data")
+    __slots__ = ("block_keys", "checksums", "data", "tiers", "lease_id", "leased_blocks")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    lease_id: int
+    leased_blocks: int
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., lease_id: _Optional[int] = ..., leased_blocks: _Optional[int] = ...) -> None: ...
+
+class LeaseBlocksRequest(_message.Message):
+    __slots__ = ("block_keys", "lease_s")
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    lease_s: float
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class LeaseBlocksResponse(_message.Message):
+    __slots__ = ("lease_id", "num_blocks")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    num_blocks: int
+    def __init__(self, lease_id: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps")
+    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up")
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +120,12 @@ class StatsResponse(_message.Message):
     POOL_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     EVENT_GAPS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     indexed_blocks: int
     instances: int
     pool_blocks: int
@@ -87,4 +133,24 @@ class StatsResponse(_message.Message):
     pool_capacity_bytes: int
     events_applied: int
     event_gaps: int
-    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    leases: int
+    leased_blocks: int
+    snapshots_requested: int
+    snapshots_applied: int
+    caught_up: bool
+    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "evicted")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    blocks: int
+    bytes: int
+    capacity_bytes: int
+    evicted: int
+    def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...

@@ -50,6 +50,16 @@ class CacheServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GetBlocksRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GetBlocksResponse.FromString,
                 _registered_method=True)
+        self.LeaseBlocks = channel.unary_unary(
+                '/kvmesh.v1.CacheService/LeaseBlocks',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.LeaseBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.LeaseBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/kvmesh.v1.CacheService/ReleaseLease',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvmesh.v1.CacheService/Stats',
                 request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
@@ -80,6 +90,19 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseBlocks(self, request, context):
+        """Pin the leading run of block_keys the pool holds, so eviction spares it until released or expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -103,6 +126,16 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.GetBlocks,
                     request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GetBlocksRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GetBlocksResponse.SerializeToString,
+            ),
+            'LeaseBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseBlocks,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.LeaseBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.LeaseBlocksResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -192,6 +225,60 @@ class CacheService:
             '/kvmesh.v1.CacheService/GetBlocks',
             kvmesh_dot_proto_dot_v1_dot_cache__pb2.GetBlocksRequest.SerializeToString,
             kvmesh_dot_proto_dot_v1_dot_cache__pb2.GetBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.CacheService/LeaseBlocks',
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.LeaseBlocksRequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.LeaseBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.CacheService/ReleaseLease',
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.ReleaseLeaseRequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,87 @@
+"""Snapshot-on-gap: keeps the index exact when an instance's event batches skip or repeat sequence numbers.
+
+A batch that is not the instance's next one (a gap: events were lost; or a stale seq: a redelivery, or the
+instance restarted and numbers from 1 again, which only a snapshot tells apart) starts a resync: cachesvc asks
+the instance for a snapshot (``kvmesh.bus.snapshot``) and holds back that instance's batches meanwhile. Then:
+
+- snapshot received: the instance's blocks are replaced with it, and the held batches after its ``seq`` are
+  applied;
+- no snapshot (the instance is gone, or does not answer snapshots): the held batches are applied as they are.
+  A held batch with seq 1 is taken as a restart (numbering starts again), a gap is counted and applied anyway.
+
+Runs on the event loop, like the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from kvmesh.bus import KVEventBatch
+from kvmesh.bus.snapshot import Snapshot
+
+from services.cachesvc.index import BlockIndex, Order
+
+log = logging.getLogger(__name__)
+
+Fetch = Callable[[str], Awaitable[Snapshot | None]]
+
+
+class Resync:
+    def __init__(self, index: BlockIndex, fetch: Fetch) -> None:
+        self.index = index
+        self.fetch = fetch
+        self.gaps = 0         # gaps detected
+        self.stale = 0        # stale batches detected
+        self.applied = 0      # snapshots applied
+        self.failed = 0       # resyncs that got no snapshot
+        self._held: dict[str, list[KVEventBatch]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def requested(self) -> int:
+        return self.gaps + self.stale
+
+    def on_batch(self, batch: KVEventBatch) -> None:
+        inst = batch.instance_id
+        if inst in self._held:
+            self._held[inst].append(batch)
+            return
+        order = self.index.order(batch)
+        if order is Order.NEXT:
+            self.index.apply(batch)
+            return
+        if order is Order.GAP:
+            self.gaps += 1
+        else:
+            self.stale += 1
+        log.info("kv events of %s: %s batch seq %d; asking for a snapshot", inst, order.value, batch.seq)
+        self._held[inst] = [batch]
+        task = asyncio.create_task(self._resync(inst), name=f"resync-{inst}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resync(self, inst: str) -> None:
+        try:
+            snapshot = await self.fetch(inst)
+        except Exception:
+            log.exception("snapshot request to %s failed", inst)
+            snapshot = None
+        held = self._held.pop(inst)
+        if snapshot is not None:
+            self.index.replace_instance(inst, snapshot.seq, snapshot.blocks.items())
+            self.applied += 1
+            log.info("applied the snapshot of %s at seq %d (%d blocks)", inst, snapshot.seq,
+                     sum(map(len, snapshot.blocks.values())))
+        else:
+            self.failed += 1
+        for batch in held:
+            if snapshot is None and batch.seq == 1:
+                self.index.forget_seq(inst)
+            self.index.apply(batch)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

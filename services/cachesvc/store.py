@@ -1,0 +1,182 @@
+"""The storage interface every pool tier implements (DRAM, disk, an external store), the types they share, and
+leases.
+
+A tier stores whole blocks by ``(block key, layout)``: block keys do not cover dtype or TP rank, so two TP ranks
+write the same key with different bytes, and a reader only ever gets blocks whose layout equals its own. Every
+block keeps its xxh3_64 checksum; a tier verifies it before handing bytes out.
+
+Threading: tiers and leases are owned by the pool's storage thread. ``Tier.has`` is the exception: it is one
+dict membership test (atomic under the GIL), so ``MatchPrefix`` calls it from the event loop without waiting
+behind disk or network I/O; the answer may be a moment stale, which an advisory prefix count tolerates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, Protocol
+
+from kvmesh.engine.eviction import EvictionPolicy
+from kvmesh.engine.kv_cache import KVLayout
+
+
+class LayoutMismatch(ValueError):
+    """The requested layout differs from the stored one (a precondition, not a malformed request)."""
+
+
+class PoolFull(ValueError):
+    """No room: the blocks are larger than the tier, or what would have to go is leased."""
+
+
+class StoreUnavailable(RuntimeError):
+    """An external store failed (not the caller's fault; retry later)."""
+
+
+class StoredBlock(NamedTuple):
+    key: int
+    checksum: int
+    data: bytes | memoryview
+
+
+class Evicted(NamedTuple):
+    """A block a tier let go of, with what the next tier needs to keep it."""
+
+    layout: KVLayout
+    block: StoredBlock
+
+
+class PutResult(NamedTuple):
+    stored: int
+    skipped: int
+
+
+class Retention(NamedTuple):
+    """Retention priority of a put (the ``priority`` eviction policy): higher outlives lower until ``until``
+    (monotonic seconds; ``inf`` = forever)."""
+
+    priority: int = 0
+    until: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class Usage:
+    """Per stored block: what the eviction strategies read (see ``kvmesh.engine.eviction.Evictable``)."""
+
+    order: int               # insertion counter: tie-break, later first (so a chain's tail goes first)
+    last_access: float
+    hit_count: int = 0
+    priority: int = 0
+    priority_until: float = 0.0
+
+    def hit(self, now: float) -> None:
+        self.last_access = now
+        self.hit_count += 1
+
+
+class Tier(Protocol):
+    """One storage tier of the pool. ``put`` receives blocks already verified and not yet held under
+    ``layout``; ``read`` returns the leading run of ``keys`` it holds under ``layout``, verified."""
+
+    name: str                # "dram" | "disk" | "external": the tier MatchPrefix and Stats report
+    capacity_bytes: int      # 0 when the tier does not know (an external store manages its own)
+    used_bytes: int
+    evicted: int
+
+    def __len__(self) -> int: ...
+    def has(self, key: int) -> bool: ...                        # under any layout; safe from any thread
+    def layouts(self, key: int) -> Iterable[KVLayout]: ...
+    def holds(self, key: int, layout: KVLayout) -> bool: ...
+    def put(self, layout: KVLayout, blocks: Sequence[StoredBlock], retention: Retention) -> list[Evicted]: ...
+    def read(self, layout: KVLayout, keys: Sequence[int]) -> list[StoredBlock]: ...
+    def close(self) -> None: ...
+
+
+def check_layout(layout: KVLayout) -> int:
+    """The block size in bytes of a well-formed ``layout``, else a ValueError naming the bad field."""
+    for name in ("model_fingerprint", "dtype", "layout"):
+        if not getattr(layout, name):
+            raise ValueError(f"layout.{name} is required")
+    for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
+        if getattr(layout, name) < 1:
+            raise ValueError(f"layout.{name} must be >= 1, got {getattr(layout, name)}")
+    if not 0 <= layout.tp_rank < layout.tp_size:
+        raise ValueError(f"layout.tp_rank must be in [0, tp_size={layout.tp_size}), got {layout.tp_rank}")
+    return layout.block_nbytes  # ValueError on an unknown dtype
+
+
+def layout_diff(stored: KVLayout, requested: KVLayout) -> str:
+    """``"dtype: stored 'fp16', requested 'fp32'; ..."`` for every field that differs."""
+    pairs = [(f.name, getattr(stored, f.name), getattr(requested, f.name))
+             for f in dataclasses.fields(stored)]
+    return "; ".join(f"{name}: stored {a!r}, requested {b!r}" for name, a, b in pairs if a != b)
+
+
+def pick_victims(entries: Iterable[tuple[int, KVLayout, Usage, int]], policy: EvictionPolicy,
+                 pinned: Callable[[int], bool], nbytes: int, now: float, tier: str) -> list[tuple[int, KVLayout]]:
+    """Which ``(key, layout)`` of ``entries`` (key, layout, usage, size) to evict, in the strategy's order
+    (smallest sort key first; ties: the one stored last), to free at least ``nbytes`` without touching a leased
+    key. PoolFull when even every unleased block would not be enough."""
+    if nbytes <= 0:
+        return []
+    heap = [(policy.sort_key(usage, now), -usage.order, key, layout, size)
+            for key, layout, usage, size in entries if not pinned(key)]
+    free = sum(item[-1] for item in heap)
+    if free < nbytes:
+        raise PoolFull(f"the {tier} tier needs {nbytes} more bytes but only {free} are not leased; "
+                       "retry when leases end")
+    heapq.heapify(heap)
+    victims = []
+    while nbytes > 0:
+        *_, key, layout, size = heapq.heappop(heap)
+        victims.append((key, layout))
+        nbytes -= size
+    return victims
+
+
+class Leases:
+    """Readers pin block keys (every layout, every tier) for a while; eviction skips pinned keys. A lease ends
+    when released or when it expires; expired ones are reclaimed by ``reap`` (the pool calls it before every
+    eviction pass, the server once a second)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._leases: dict[int, tuple[float, tuple[int, ...]]] = {}  # id -> (deadline, keys)
+        self._pins: Counter[int] = Counter()                          # key -> leases holding it
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    @property
+    def pinned_keys(self) -> int:
+        return len(self._pins)
+
+    def pinned(self, key: int) -> bool:
+        return key in self._pins
+
+    def grant(self, keys: Sequence[int], ttl_s: float) -> int:
+        lease_id = next(self._ids)
+        self._leases[lease_id] = (self.clock() + ttl_s, tuple(keys))
+        self._pins.update(keys)
+        return lease_id
+
+    def release(self, lease_id: int) -> bool:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._pins.subtract(lease[1])
+        for key in lease[1]:
+            if self._pins[key] <= 0:
+                del self._pins[key]
+        return True
+
+    def reap(self) -> int:
+        """Release every expired lease; returns how many."""
+        now = self.clock()
+        expired = [lease_id for lease_id, (deadline, _) in self._leases.items() if deadline <= now]
+        for lease_id in expired:
+            self.release(lease_id)
+        return len(expired)
