@@ -181,3 +181,12 @@ def test_full_host_tier_drops_its_least_valuable_leaf():
     bm.evict(2)
     assert bm.num_host_blocks == 1
     assert cached_prefixes(bm, [[1, 1, 1, 1, 0], [2, 2, 2, 2, 0]]) == [0, 4]
+
+
+def test_held_blocks_lists_every_full_block_with_its_tier():
+    bm = manager(num_blocks=4, host_blocks=4)
+    run(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])  # two full blocks and a partial one
+    bm.evict(1)
+    held = bm.held_blocks()
+    assert sorted(t for _, t in held) == ["device", "host"]
+    assert {k for k, _ in held} == set(block_keys(1, [1, 2, 3, 4, 5, 6, 7, 8], BS))

@@ -94,6 +94,11 @@ class BlockManager:
     def num_host_blocks(self) -> int:
         return len(self._host_nodes)
 
+    def held_blocks(self) -> list[tuple[BlockKey, str]]:
+        """Every full cached block and its tier (what a KV-event snapshot reports)."""
+        return ([(n.key, TIER_DEVICE) for n in self._device_nodes if n.full]
+                + [(n.key, TIER_HOST) for n in self._host_nodes])
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
