@@ -67,6 +67,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvmesh.bench import transfer as bench  # noqa: PLC0415
     elif args.what == "mesh":
         from kvmesh.bench import mesh as bench  # noqa: PLC0415
+    elif args.what == "serve":
+        from kvmesh.bench import serve as bench  # noqa: PLC0415
+    elif args.what == "ablation":
+        from kvmesh.bench import ablation as bench  # noqa: PLC0415
+    elif args.what == "tracing":
+        from kvmesh.bench import tracing as bench  # noqa: PLC0415
     else:
         print(f"kvmesh bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2
@@ -121,6 +127,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return sim.main(args.rest)
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from kvmesh import trace_cli  # noqa: PLC0415
+
+    return trace_cli.main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-centric disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(func=cmd_sim)
 
-    b = sub.add_parser("bench", help="benchmarks (engine, mesh, transfer)")
-    b.add_argument("what", help="engine | mesh | transfer")
+    t = sub.add_parser("trace", help="a request's TTFT waterfall (or the slowest requests) from the span file",
+                       add_help=False)
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    t.set_defaults(func=cmd_trace)
+
+    b = sub.add_parser("bench", help="benchmarks (engine, mesh, transfer, serve, ablation, tracing)")
+    b.add_argument("what", help="engine | mesh | transfer | serve | ablation | tracing")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     b.set_defaults(func=cmd_bench)
 
@@ -176,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim}
+PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim, "trace": cmd_trace}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """``kvmesh up``: the whole stack as local processes — nats-server, cachesvc, engine instances, router.
 
-Everything the stack writes (logs, NATS data, stack.json) goes to the state directory. Each service runs in its
-own session, so Ctrl-C / SIGTERM reaches the launcher alone and it stops the services in order: router, engines,
-cachesvc, then NATS.
+Everything the stack writes (logs, NATS data, stack.json, the span file traces.jsonl) goes to the state directory.
+Each service runs in its own session, so Ctrl-C / SIGTERM reaches the launcher alone and it stops the services in
+order: router, engines, cachesvc, then NATS.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.bus import NatsServer
 from kvmesh.bus.nats_server import free_port
 from kvmesh.state import StackInfo
+from kvmesh.telemetry.spans import trace_file
 
 HOST = "127.0.0.1"
 
@@ -40,6 +41,7 @@ class StackOptions:
     model: str | None = None
     threads: int = 1
     transfer_backend: str = "tcp"
+    pool: bool = True  # engines write back to and fetch from cachesvc's pool (False: the router still asks it)
     env: dict[str, str] = field(default_factory=dict)  # extra KVMESH_* settings for every service
 
 
@@ -71,6 +73,7 @@ class Stack:
             cache_port = o.cachesvc_port or free_port()
             self._spawn("cachesvc", ["services.cachesvc", "--port", str(cache_port), *common], cache_port)
             model = ["--model", o.model] if o.model else []
+            pool = ["--cachesvc-address", f"{HOST}:{cache_port}"] if o.pool else []
             for role, count in (("prefill", o.prefill), ("decode", o.decode), ("both", o.both)):
                 for i in range(count):
                     port = free_port()
@@ -78,7 +81,7 @@ class Stack:
                     self._spawn(f"{role}-{i}", [module, "--role", role, "--instance-id", f"{role}-{i}",
                                                 "--port", str(port), "--threads", str(o.threads),
                                                 "--transfer-backend", o.transfer_backend,
-                                                "--cachesvc-address", f"{HOST}:{cache_port}", *model, *common], port)
+                                                *pool, *model, *common], port)
             self._spawn("router", ["services.router", "--grpc-port", str(o.grpc_port), "--http-port",
                                    str(o.http_port), "--cachesvc-address", f"{HOST}:{cache_port}", *model,
                                    *common], o.grpc_port)
@@ -95,7 +98,10 @@ class Stack:
     def _spawn(self, name: str, args: list[str], port: int) -> None:
         log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads),
-               "KVMESH_STATE_DIR": str(self.state_dir), **self.opts.env}
+               "KVMESH_STATE_DIR": str(self.state_dir),
+               # spans of every service go to one file that `kvmesh trace` reads (unless the caller chose one)
+               "KVMESH_TRACE_FILE": os.environ.get("KVMESH_TRACE_FILE", str(trace_file(self.state_dir))),
+               **self.opts.env}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)

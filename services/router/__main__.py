@@ -12,6 +12,8 @@ from aiohttp import web
 from kvmesh import config
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.proto.v1 import api_pb2_grpc
+from kvmesh.telemetry import tracing
+from kvmesh.telemetry.config import TelemetryConfig
 from services.router.config import RouterConfig
 from services.router.core import Router
 from services.router.grpc_api import KvmeshServicer
@@ -20,7 +22,8 @@ from services.router.http_api import OpenAIApi
 log = logging.getLogger("router")
 
 
-async def serve(cfg: RouterConfig) -> None:
+async def serve(cfg: RouterConfig, telemetry_cfg: TelemetryConfig | None = None) -> None:
+    tracing.setup("router", "router", telemetry_cfg)
     router = Router(cfg)
     await router.start()
     grpc_server = ServiceServer(["kvmesh.v1.Kvmesh"])
@@ -31,7 +34,8 @@ async def serve(cfg: RouterConfig) -> None:
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.http_port).start()
     await grpc_server.set_serving(True)
-    log.info("router serving gRPC on %s and HTTP on http://%s:%d", grpc_address, cfg.host, cfg.http_port)
+    log.info("router serving gRPC on %s and HTTP on http://%s:%d (metrics on http://%s:%d/metrics)", grpc_address,
+             cfg.host, cfg.http_port, cfg.host, cfg.http_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -40,11 +44,12 @@ async def serve(cfg: RouterConfig) -> None:
     await grpc_server.stop()
     await runner.cleanup()
     await router.stop()
+    tracing.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kvmesh-router")
-    p.add_argument("--config", help="TOML file with a [router] section")
+    p.add_argument("--config", help="TOML file with a [router] (and optionally [telemetry]) section")
     p.add_argument("--model")
     p.add_argument("--cluster")
     p.add_argument("--nats-url")
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.load(RouterConfig, args.config, section="router", model=args.model, cluster=args.cluster,
                       nats_url=args.nats_url, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                       cachesvc_address=args.cachesvc_address)
-    asyncio.run(serve(cfg))
+    asyncio.run(serve(cfg, config.load(TelemetryConfig, args.config, section="telemetry")))
 
 
 if __name__ == "__main__":

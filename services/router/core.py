@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from kvmesh.bus import Bus, Heartbeat, Subjects
 from kvmesh.convert import sampling_to_proto
@@ -22,9 +23,11 @@ from kvmesh.engine.sequence import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.keys import Namespace, block_keys
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.telemetry import tracing
 from services.router.config import RouterConfig
 from services.router.policy import prefix_then_load
 from services.router.registry import Instance, Registry
+from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
 
 log = logging.getLogger(__name__)
 POOL = "pool"  # MatchPrefix's instance id for the cache service's own tiers
@@ -64,6 +67,7 @@ class Router:
         self.cfg = cfg
         self.subjects = Subjects(cfg.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.metrics = RouterMetrics()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -72,6 +76,7 @@ class Router:
         self.max_model_len = self.source.config.max_position_embeddings
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
+        self.metrics.watch(self.registry)
         self.bus = await Bus.connect(self.cfg.nats_url, name="router")
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         self.cache = (cache_pb2_grpc.CacheServiceStub(self._channel(self.cfg.cachesvc_address))
@@ -124,68 +129,124 @@ class Router:
                                           f"exceeds the context of {self.max_model_len} tokens")
 
     # ---- routing ---------------------------------------------------------------------------------------------
-    async def matched_blocks(self, keys: list[int]) -> dict[str, int]:
-        """Per instance, the longest run of leading blocks it holds in any tier."""
+    async def matched_blocks(self, keys: list[int], parent: Span | None = None,
+                             attrs: dict | None = None) -> dict[str, int]:
+        """Per instance, the longest run of leading blocks it holds in any tier. Traced as the client span
+        ``cachesvc.match_prefix`` under ``parent``, whose context the call carries to cachesvc."""
         if self.cache is None or not keys:
             return {}
+        span = tracing.start("cachesvc.match_prefix", parent, SpanKind.CLIENT,
+                             {**(attrs or {}), "kvmesh.blocks": len(keys)})
         try:
             resp = await self.cache.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=keys),
-                                                timeout=self.cfg.match_timeout_s)
+                                                timeout=self.cfg.match_timeout_s,
+                                                metadata=tracing.grpc_metadata(span))
         except grpc.aio.AioRpcError as e:
             log.warning("MatchPrefix failed (%s); routing by load only", e.code().name)
+            self.metrics.match_errors.inc()
+            span.set_status(StatusCode.ERROR, f"MatchPrefix failed: {e.code().name}; routing by load only")
+            span.end()
             return {}
         best: dict[str, int] = {}
         for m in resp.matches:
             best[m.instance_id] = max(best.get(m.instance_id, 0), m.num_blocks)
+        if span.is_recording():
+            span.set_attribute("kvmesh.matched", [f"{k}={v}" for k, v in sorted(best.items())])
+        span.end()
         return best
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       cache_salt: str = "") -> AsyncIterator[Chunk]:
-        seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, "", cache_salt).seed
-        matched = await self.matched_blocks(block_keys(seed, prompt, self.cfg.block_size))
-        prefills, decodes = self.registry.alive("prefill"), self.registry.alive("decode")
-        work = worker_pb2.WorkRequest(request_id=request_id, prompt_token_ids=prompt,
-                                      sampling=sampling_to_proto(params), cache_salt=cache_salt,
-                                      pool_blocks=matched.get(POOL, 0))
-        if prefills and decodes:
-            stream = self._disaggregated(work, prefix_then_load(prefills, matched),
-                                         prefix_then_load(decodes, matched))
-        elif both := self.registry.alive("both"):
-            stream = self._local(work, prefix_then_load(both, matched))
-        else:
-            raise RequestError("unavailable", "no engine instances are up (need a prefill and a decode "
-                                              "instance, or one with role both)")
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 cache_salt: str = "", trace: RequestTrace | None = None) -> AsyncIterator[Chunk]:
+        """Route and run one request, yielding its chunks. ``trace``: the request's root span and TTFT clock,
+        which the API layer owns (without one, the request is traced here, TTFT ending at the first chunk)."""
+        if trace is not None:
+            return self._generate(request_id, prompt, params, cache_salt, trace)
+        return self._traced_here(request_id, prompt, params, cache_salt)
+
+    async def _traced_here(self, request_id: str, prompt: list[int], params: SamplingParams,
+                           cache_salt: str) -> AsyncIterator[Chunk]:
+        rt = RequestTrace(self.metrics, request_id, "internal")
+        try:
+            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt):
+                rt.first_token_sent()
+                yield chunk
+        except RequestError as e:
+            rt.finish(e.kind, e.message)
+            raise
+        finally:
+            rt.finish()
+
+    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str,
+                        rt: RequestTrace) -> AsyncIterator[Chunk]:
+        route = rt.child("router.route")
+        try:
+            seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, "", cache_salt).seed
+            keys = block_keys(seed, prompt, self.cfg.block_size)
+            matched = await self.matched_blocks(keys, route, rt.attrs)
+            prefills, decodes = self.registry.alive("prefill"), self.registry.alive("decode")
+            work = worker_pb2.WorkRequest(request_id=request_id, prompt_token_ids=prompt,
+                                          sampling=sampling_to_proto(params), cache_salt=cache_salt,
+                                          pool_blocks=matched.get(POOL, 0))
+            route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
+            if prefills and decodes:
+                prefill, decode = prefix_then_load(prefills, matched), prefix_then_load(decodes, {})
+                if route.is_recording():
+                    route.set_attributes({**route_attributes("prefill", prefills, matched, prefill),
+                                          **route_attributes("decode", decodes, {}, decode)})
+                stream = self._disaggregated(work, prefill, decode, rt)
+            elif both := self.registry.alive("both"):
+                inst = prefix_then_load(both, matched)
+                if route.is_recording():
+                    route.set_attributes(route_attributes("both", both, matched, inst))
+                stream = self._local(work, inst, rt)
+            else:
+                route.set_status(StatusCode.ERROR, "no engine instances are up")
+                raise RequestError("unavailable", "no engine instances are up (need a prefill and a decode "
+                                                  "instance, or one with role both)")
+        finally:
+            route.end()
         completion = 0
         async for chunk, cached in stream:
+            rt.chunk_arrived()
             completion += len(chunk.token_ids)
             if chunk.finished:
                 chunk.usage = Usage(len(prompt), completion, await cached())
+                rt.usage(len(prompt), completion, chunk.usage.cached_tokens)
             yield chunk
 
-    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance):
+    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace):
         self.registry.note_dispatch(inst)
+        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, prefill_locally=True))
+            worker_pb2.DecodeRequest(work=work, prefill_locally=True), metadata=tracing.grpc_metadata(dispatch))
         cached = 0
 
         async def cached_tokens() -> int:
             return cached
 
-        async for msg, first in _chunks(call, inst):
-            if first:
-                cached = msg.cached_tokens
-            yield _chunk(msg), cached_tokens
+        try:
+            async for msg, first in _chunks(call, inst):
+                if first:
+                    cached = msg.cached_tokens
+                yield _chunk(msg), cached_tokens
+        finally:
+            dispatch.end()
 
-    async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance):
+    async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
+                             rt: RequestTrace):
         self.registry.note_dispatch(prefill)
         self.registry.note_dispatch(decode)
+        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
+                                                                   "kvmesh.decode_instance": decode.id})
+        md = tracing.grpc_metadata(dispatch)
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s))
+            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s), metadata=md)
         prefill_call = asyncio.ensure_future(
             worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
                 worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
-                                          decode_transfer_address=decode.beat.transfer_address)))
-        prefill_call.add_done_callback(lambda f: _log_prefill_failure(f, work.request_id, prefill.id))
+                                          decode_transfer_address=decode.beat.transfer_address), metadata=md))
+        prefill_call.add_done_callback(
+            lambda f: _log_prefill_failure(f, work.request_id, prefill.id, rt.trace_id))
         decode_cached, fallback = 0, False
 
         async def cached_tokens() -> int:
@@ -199,8 +260,11 @@ class Router:
             async for msg, first in _chunks(call, decode):
                 if first:
                     decode_cached, fallback = msg.cached_tokens, msg.kv_fallback
+                    if fallback:
+                        rt.fallback(msg.fallback_reason)
                 yield _chunk(msg), cached_tokens
         finally:
+            dispatch.end()
             if not prefill_call.done():
                 prefill_call.cancel()
 
@@ -225,9 +289,10 @@ def _chunk(msg: worker_pb2.DecodeChunk) -> Chunk:
     return Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason)
 
 
-def _log_prefill_failure(fut: asyncio.Future, request_id: str, instance: str) -> None:
+def _log_prefill_failure(fut: asyncio.Future, request_id: str, instance: str, trace_id: str) -> None:
     if not fut.cancelled() and fut.exception() is not None:
-        log.warning("request %s: prefill on %s failed: %s", request_id, instance, fut.exception())
+        log.warning("request %s (trace %s): prefill on %s failed: %s", request_id, trace_id, instance,
+                    fut.exception())
 
 
 def _model_name(source: str | None, hf_dir: Path) -> str:

@@ -1,7 +1,9 @@
-"""The client gRPC API (``kvmesh.v1.Kvmesh``) over ``Router``."""
+"""The client gRPC API (``kvmesh.v1.Kvmesh``) over ``Router``. Every call's trailing metadata carries
+``x-request-id`` and ``traceparent``; a ``traceparent`` in the call's metadata is honoured."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -9,6 +11,7 @@ import grpc
 from kvmesh.convert import sampling_from_proto
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 from services.router.core import RequestError, Router, new_request_id
+from services.router.telemetry import RequestTrace
 
 STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
           "unavailable": grpc.StatusCode.UNAVAILABLE, "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -29,19 +32,34 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key "
                                 "(send metadata 'authorization: Bearer <key>')")
 
-    async def _prepare(self, request, context, *, text=None, token_ids=None, messages=None):
-        await self._authorize(context)
+    async def _prepare(self, request, context, api: str, *, text=None, token_ids=None, messages=None):
+        """The request id, prompt, sampling and trace of a call (aborts the call when it is not acceptable)."""
         rid = request.request_id or new_request_id()
-        context.set_trailing_metadata((("x-request-id", rid),))
+        rt = RequestTrace(self.router.metrics, rid, api, dict(context.invocation_metadata() or ()))
+        context.set_trailing_metadata(tuple(rt.headers(rid).items()))
         try:
-            params = sampling_from_proto(request.sampling)
-            prompt = self.router.prompt_ids(text=text, token_ids=token_ids, messages=messages)
-            self.router.check(request.model, prompt, params)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+            await self._authorize(context)
+        except BaseException:
+            rt.finish("unauthenticated", "missing or wrong API key")
+            raise
+        try:
+            with rt.segment("router.tokenize") as span:
+                try:
+                    params = sampling_from_proto(request.sampling)
+                except ValueError as e:
+                    raise RequestError("invalid", f"sampling: {e}") from None
+                prompt = self.router.prompt_ids(text=text, token_ids=token_ids, messages=messages)
+                self.router.check(request.model, prompt, params)
+                span.set_attribute("kvmesh.tokens.prompt", len(prompt))
         except RequestError as e:
+            rt.finish(e.kind, e.message)
             await context.abort(STATUS[e.kind], e.message)
-        return rid, prompt, params
+        rt.describe(request.model or self.router.model_id, request.cache_salt, len(prompt))
+        return rid, prompt, params, rt
+
+    async def _abort(self, context, rt: RequestTrace, e: RequestError) -> None:
+        rt.finish(e.kind, e.message)
+        await context.abort(STATUS[e.kind], e.message)
 
     async def Generate(self, request: api_pb2.GenerateRequest, context):
         which = request.WhichOneof("prompt")
@@ -49,28 +67,40 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             {"token_ids": list(request.token_ids.ids)} if which == "token_ids" else \
             {"messages": [{"role": m.role, "content": m.content} for m in request.messages.messages]} \
             if which == "messages" else {}
-        rid, prompt, params = await self._prepare(request, context, **kwargs)
+        rid, prompt, params, rt = await self._prepare(request, context, "grpc.generate", **kwargs)
         try:
-            async for c in self.router.generate(rid, prompt, params, request.cache_salt):
+            async for c in self.router.generate(rid, prompt, params, request.cache_salt, trace=rt):
                 msg = api_pb2.GenerateChunk(request_id=rid, token_ids=c.token_ids, text=c.text,
                                             finished=c.finished, finish_reason=c.finish_reason)
                 if c.usage:
                     msg.usage.CopyFrom(common_pb2.Usage(**vars(c.usage)))
                 yield msg
+                rt.first_token_sent()  # resumed once the message was handed to the transport
         except RequestError as e:
-            await context.abort(STATUS[e.kind], e.message)
+            await self._abort(context, rt, e)
+        except asyncio.CancelledError:
+            rt.finish("cancelled", "the client went away")
+            raise
+        finally:
+            rt.finish()
 
     async def Chat(self, request: api_pb2.ChatRequest, context):
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        rid, prompt, params = await self._prepare(request, context, messages=messages)
+        rid, prompt, params, rt = await self._prepare(request, context, "grpc.chat", messages=messages)
         text, ids, reason, usage = [], [], "", None
         try:
-            async for c in self.router.generate(rid, prompt, params, request.cache_salt):
+            async for c in self.router.generate(rid, prompt, params, request.cache_salt, trace=rt):
+                rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                 text.append(c.text)
                 ids += c.token_ids
                 reason, usage = c.finish_reason or reason, c.usage or usage
         except RequestError as e:
-            await context.abort(STATUS[e.kind], e.message)
+            await self._abort(context, rt, e)
+        except asyncio.CancelledError:
+            rt.finish("cancelled", "the client went away")
+            raise
+        finally:
+            rt.finish()
         resp = api_pb2.ChatResponse(request_id=rid, text="".join(text), token_ids=ids, finish_reason=reason)
         if usage:
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))

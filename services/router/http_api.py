@@ -1,11 +1,13 @@
 """OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/models, SSE streaming.
 
 Accepts the sampling extensions vLLM does (top_k, seed, ignore_eos, stop_token_ids), so tools written for vLLM
-drive kvmesh unchanged. Every response carries ``x-request-id``.
+drive kvmesh unchanged. Every response carries ``x-request-id`` and ``traceparent`` (the request's span; a
+``traceparent`` the caller sent is honoured, so its trace continues here). ``GET /metrics``: Prometheus.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -14,6 +16,7 @@ from aiohttp import web
 
 from kvmesh.engine.sequence import SamplingParams
 from services.router.core import Chunk, RequestError, Router, new_request_id
+from services.router.telemetry import RequestTrace
 
 HTTP_STATUS = {"invalid": 400, "unauthenticated": 401, "not_found": 404, "overloaded": 429, "unavailable": 503,
                "internal": 500}
@@ -22,9 +25,10 @@ ERROR_TYPE = {"invalid": "invalid_request_error", "unauthenticated": "authentica
               "internal": "internal_error"}
 
 
-def error_response(kind: str, message: str, request_id: str, param: str | None = None) -> web.Response:
+def error_response(kind: str, message: str, request_id: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": ERROR_TYPE[kind], "param": param, "code": HTTP_STATUS[kind]}}
-    return web.json_response(body, status=HTTP_STATUS[kind], headers={"x-request-id": request_id})
+    return web.json_response(body, status=HTTP_STATUS[kind], headers=headers or {"x-request-id": request_id})
 
 
 def _int(body: dict, name: str, default: int | None) -> int | None:
@@ -68,7 +72,8 @@ class OpenAIApi:
         self.router = router
         self.app = web.Application(client_max_size=64 * 2**20)
         self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
-                             web.get("/v1/models", self.models), web.get("/health", self.health)])
+                             web.get("/v1/models", self.models), web.get("/health", self.health),
+                             web.get("/metrics", self.metrics)])
 
     def _authorized(self, request: web.Request) -> bool:
         key = self.router.cfg.api_key
@@ -92,28 +97,42 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         rid = request.headers.get("x-request-id") or new_request_id()
-        if not self._authorized(request):
-            return error_response("unauthenticated", "missing or wrong API key (Authorization: Bearer <key>)", rid)
+        rt = RequestTrace(self.router.metrics, rid, "http.chat" if chat else "http.completions", request.headers)
         try:
-            body = await self._body(request)
-            params = sampling_from_body(body)
-            if chat:
-                messages = body.get("messages")
-                if not isinstance(messages, list):
-                    raise RequestError("invalid", "messages must be a list of {role, content} objects")
-                prompt = self.router.prompt_ids(messages=messages)
-            else:
-                prompt = self._completion_prompt(body.get("prompt"))
-            model = body.get("model") or ""
-            self.router.check(model, prompt, params)
-            stream = self.router.generate(rid, prompt, params, str(body.get("cache_salt") or body.get("user") or ""))
+            if not self._authorized(request):
+                raise RequestError("unauthenticated", "missing or wrong API key (Authorization: Bearer <key>)")
+            with rt.segment("router.tokenize") as span:
+                body = await self._body(request)
+                params = sampling_from_body(body)
+                if chat:
+                    messages = body.get("messages")
+                    if not isinstance(messages, list):
+                        raise RequestError("invalid", "messages must be a list of {role, content} objects")
+                    prompt = self.router.prompt_ids(messages=messages)
+                else:
+                    prompt = self._completion_prompt(body.get("prompt"))
+                model = body.get("model") or ""
+                self.router.check(model, prompt, params)
+                span.set_attribute("kvmesh.tokens.prompt", len(prompt))
+            tenant = str(body.get("cache_salt") or body.get("user") or "")
+            rt.describe(model or self.router.model_id, tenant, len(prompt))
+            stream = self.router.generate(rid, prompt, params, tenant, trace=rt)
             kind = "chat.completion" if chat else "text_completion"
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return await self._sse(request, rid, kind, stream, include_usage)
-            return await self._whole(rid, kind, stream)
+                return await self._sse(request, rid, kind, stream, include_usage, rt)
+            return await self._whole(rid, kind, stream, rt)
         except RequestError as e:
-            return error_response(e.kind, e.message, rid)
+            rt.finish(e.kind, e.message)
+            return error_response(e.kind, e.message, rid, headers=rt.headers(rid))
+        except (asyncio.CancelledError, ConnectionResetError):
+            rt.finish("cancelled", "the client went away")
+            raise
+        except Exception as e:
+            rt.finish("internal", str(e))
+            raise
+        finally:
+            rt.finish()
 
     def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
@@ -139,9 +158,10 @@ class OpenAIApi:
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
-    async def _whole(self, rid: str, kind: str, stream) -> web.Response:
+    async def _whole(self, rid: str, kind: str, stream, rt: RequestTrace) -> web.Response:
         text, last = [], None
         async for c in stream:
+            rt.first_token_sent()  # not streaming: TTFT ends when the first token is in hand
             text.append(c.text)
             last = c
         assert last is not None
@@ -149,16 +169,16 @@ class OpenAIApi:
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if kind == "chat.completion"
                   else {"index": 0, "text": content, "logprobs": None})
         choice["finish_reason"] = last.finish_reason or "stop"
-        return web.json_response(self._envelope(rid, kind, [choice], self._usage(last)),
-                                 headers={"x-request-id": rid})
+        return web.json_response(self._envelope(rid, kind, [choice], self._usage(last)), headers=rt.headers(rid))
 
-    async def _sse(self, request: web.Request, rid: str, kind: str, stream, include_usage: bool) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, rid: str, kind: str, stream, include_usage: bool,
+                   rt: RequestTrace) -> web.StreamResponse:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         # pull the first chunk before answering, so an error still becomes a proper HTTP status
         it = stream.__aiter__()
         first = await it.__anext__()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "x-request-id": rid})
+                                           **rt.headers(rid)})
         await resp.prepare(request)
 
         async def send(obj: dict | str) -> None:
@@ -174,16 +194,22 @@ class OpenAIApi:
                          else {"text": c.text, "logprobs": None})
                 await send(self._envelope(rid, chunk_kind, [{"index": 0, **delta,
                                                              "finish_reason": c.finish_reason or None}]))
+                rt.first_token_sent()
                 if c.finished:
                     if include_usage:
                         await send(self._envelope(rid, chunk_kind, [], self._usage(c)))
                     break
                 c = await it.__anext__()
         except RequestError as e:
+            rt.finish(e.kind, e.message)
             await send({"error": {"message": e.message, "type": ERROR_TYPE[e.kind], "code": HTTP_STATUS[e.kind]}})
         await send("[DONE]")
         await resp.write_eof()
         return resp
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.router.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def models(self, request: web.Request) -> web.Response:
         r = self.router

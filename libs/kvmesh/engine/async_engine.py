@@ -11,11 +11,13 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
+from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.events import KVEvent
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,21 @@ class EngineLoad:
     waiting_tokens: int
 
 
+@dataclass
+class RequestTiming:
+    """Where one request's time went inside the engine (``time.monotonic()`` readings; 0 = did not happen).
+
+    Filled on the engine thread; read it on the event loop only after the request's first output arrived (the
+    output's delivery orders the writes before the read)."""
+
+    submitted: float = 0.0     # the coroutine handed add_request to the engine thread
+    started: float = 0.0       # the engine thread began add_request (the wait before it: the step in flight)
+    added: float = 0.0         # add_request returned (an imported prefix is in the paged cache by then)
+    scheduled: float = 0.0     # the forward step that first admitted it began (stays 0 when imported)
+    first_output: float = 0.0  # its first output left the engine thread
+    preemptions: int = 0       # times it was preempted before its first output
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
@@ -42,6 +59,9 @@ class AsyncEngine:
         engine.blocks.on_event = self._events.append  # called on the engine thread only
         self._commands: queue.Queue[Callable[[], Any] | None] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        # engine thread only: timed requests not yet admitted by the scheduler / without a first output yet
+        self._unscheduled: dict[str, tuple[Sequence, RequestTiming]] = {}
+        self._timed: dict[str, tuple[Sequence, RequestTiming]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -59,12 +79,18 @@ class AsyncEngine:
         self._commands.put(run)
         return await asyncio.wrap_future(fut)
 
-    async def generate(self, request_id: str, prompt: list[int], params, **kwargs: Any) -> AsyncIterator[StepOutput]:
-        """Add a request and yield its outputs until it finishes. Leaving early aborts it."""
+    async def generate(self, request_id: str, prompt: list[int], params, timing: RequestTiming | None = None,
+                       **kwargs: Any) -> AsyncIterator[StepOutput]:
+        """Add a request and yield its outputs until it finishes. Leaving early aborts it. ``timing``, when
+        given, is filled in as the request passes through the engine (see ``RequestTiming``)."""
         stream: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt, params, **kwargs))
+            if timing is None:
+                await self.call(lambda e: e.add_request(request_id, prompt, params, **kwargs))
+            else:
+                timing.submitted = time.monotonic()
+                await self.call(lambda e: self._add_timed(request_id, prompt, params, timing, kwargs))
             while True:
                 out = await stream.get()
                 if isinstance(out, BaseException):
@@ -91,7 +117,18 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------------------------------------------
     def _abort(self, request_id: str) -> None:
+        self._unscheduled.pop(request_id, None)
+        self._timed.pop(request_id, None)
         self.engine.abort(request_id)
+
+    def _add_timed(self, request_id: str, prompt: list[int], params, timing: RequestTiming,
+                   kwargs: dict[str, Any]) -> None:
+        timing.started = time.monotonic()
+        seq = self.engine.add_request(request_id, prompt, params, **kwargs)
+        timing.added = time.monotonic()
+        self._timed[request_id] = (seq, timing)
+        if seq.status is Status.WAITING:
+            self._unscheduled[request_id] = (seq, timing)
 
     def _run(self) -> None:
         while True:
@@ -113,14 +150,25 @@ class AsyncEngine:
             self._flush_events()
 
     def _step(self) -> None:
+        began = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the thread
             log.exception("engine step failed")
             for rid in self.engine.active_requests():
                 self._deliver(rid, e)
-                self.engine.abort(rid)
+                self._abort(rid)
             return
+        if self._unscheduled:
+            for rid, (seq, timing) in list(self._unscheduled.items()):
+                if seq.status is not Status.WAITING:
+                    timing.scheduled = began
+                    del self._unscheduled[rid]
+        if self._timed:
+            now = time.monotonic()
+            for out in outputs:
+                if (entry := self._timed.pop(out.request_id, None)) is not None:
+                    entry[1].first_output, entry[1].preemptions = now, entry[0].num_preemptions
         for out in outputs:
             self._deliver(out.request_id, out)
             if out.finished:

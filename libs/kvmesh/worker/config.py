@@ -21,6 +21,7 @@ class WorkerConfig:
     pool_fetch_min_blocks: int = 1     # fetch from the pool when it holds this many more leading blocks than us
     kv_timeout_s: float = 10.0         # decode: wait this long for kv.ready, then recompute the prompt locally
     heartbeat_s: float = 1.0
+    metrics_port: int = 0              # Prometheus /metrics (0 = a free one; the log names it)
     fault_drop_kv_ready: bool = False  # fault injection (tests): prefill pushes KV but never announces it
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ import logging
 
 from kvmesh import config
 from kvmesh.config import EngineConfig
+from kvmesh.telemetry.config import TelemetryConfig
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.runtime import serve
 
@@ -25,11 +26,13 @@ def main(default_role: str, argv: list[str] | None = None) -> None:
     p.add_argument("--transfer-backend", choices=["tcp", "shm", "mooncake"])
     p.add_argument("--model")
     p.add_argument("--threads", type=int)
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = a free one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     wcfg = config.load(WorkerConfig, args.config, section="worker", defaults={"role": default_role},
                        role=args.role, instance_id=args.instance_id, cluster=args.cluster, nats_url=args.nats_url,
                        host=args.host, port=args.port, transfer_backend=args.transfer_backend,
-                       cachesvc_address=args.cachesvc_address)
+                       cachesvc_address=args.cachesvc_address, metrics_port=args.metrics_port)
     ecfg = config.load(EngineConfig, args.config, section="engine", model=args.model, threads=args.threads)
-    asyncio.run(serve(wcfg, ecfg))
+    tcfg = config.load(TelemetryConfig, args.config, section="telemetry")
+    asyncio.run(serve(wcfg, ecfg, tcfg))

@@ -19,6 +19,7 @@ from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 2**20
+Metadata = tuple[tuple[str, str], ...]
 
 
 def _as_bytes(blocks: torch.Tensor) -> memoryview:
@@ -38,8 +39,9 @@ class PoolClient:
         self._written: OrderedDict[int, None] = OrderedDict()  # keys this instance already stored
         self._remember = remember
 
-    async def write_back(self, keys: list[int], blocks: torch.Tensor) -> int:
-        """Store the blocks the pool does not have from us yet; returns how many were sent."""
+    async def write_back(self, keys: list[int], blocks: torch.Tensor, metadata: Metadata = ()) -> int:
+        """Store the blocks the pool does not have from us yet; returns how many were sent. ``metadata``: gRPC
+        call metadata (the trace context)."""
         todo = [i for i, k in enumerate(keys) if k not in self._written]
         per_call = max(1, MAX_MESSAGE_BYTES // 2 // self.block_nbytes)
         for start in range(0, len(todo), per_call):
@@ -48,16 +50,18 @@ class PoolClient:
             sums = [xxhash.xxh3_64_intdigest(data[i * self.block_nbytes:(i + 1) * self.block_nbytes])
                     for i in range(len(idx))]
             await self.stub.PutBlocks(cache_pb2.PutBlocksRequest(
-                layout=self.proto_layout, block_keys=[keys[i] for i in idx], checksums=sums, data=bytes(data)))
+                layout=self.proto_layout, block_keys=[keys[i] for i in idx], checksums=sums, data=bytes(data)),
+                metadata=metadata)
             for i in idx:
                 self._written[keys[i]] = None
         while len(self._written) > self._remember:
             self._written.popitem(last=False)
         return len(todo)
 
-    async def fetch(self, keys: list[int]) -> torch.Tensor | None:
+    async def fetch(self, keys: list[int], metadata: Metadata = ()) -> torch.Tensor | None:
         """The leading run of ``keys`` the pool holds in our layout, verified, as ``[n, *block_shape]``."""
-        resp = await self.stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys))
+        resp = await self.stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys),
+                                         metadata=metadata)
         n = len(resp.block_keys)
         if n == 0:
             return None

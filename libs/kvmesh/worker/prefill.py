@@ -1,5 +1,8 @@
 """The Prefill RPC: compute the prompt's KV (reusing the local prefix cache), sample the first token, push the
-KV to the decode instance through the transfer engine, then announce it on ``kv.ready.<decode>``."""
+KV to the decode instance through the transfer engine, then announce it on ``kv.ready.<decode>``.
+
+Traced as ``prefill.request`` (a child of the router's span, from the call's metadata) with ``prefill.fetch``,
+``prefill.queue``, ``prefill.compute`` and ``kv.push`` under it; ``kv.ready`` carries its context to decode."""
 
 from __future__ import annotations
 
@@ -8,10 +11,13 @@ import logging
 import time
 
 import grpc
+from opentelemetry.trace import SpanKind, StatusCode
 
 from kvmesh.bus import KVReady
 from kvmesh.convert import layout_to_dict, sampling_from_proto
+from kvmesh.engine.async_engine import RequestTiming
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
 
 log = logging.getLogger(__name__)
@@ -23,44 +29,81 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self.transfer = TransferClient()
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        work = request.work
+        attrs = self.w.span_attributes(work.request_id, work.cache_salt)
+        span = tracing.start("prefill.request", tracing.from_grpc(context), SpanKind.SERVER,
+                             {**attrs, "kvmesh.decode_instance": request.decode_instance,
+                              "kvmesh.tokens.prompt": len(work.prompt_token_ids)})
+        outcome = "error"
+        try:
+            resp = await self._prefill(request, context, span, attrs)
+            outcome = "ok"
+            return resp
+        except BaseException as e:
+            span.set_status(StatusCode.ERROR, str(e) or type(e).__name__)
+            raise
+        finally:
+            span.end()
+            self.w.metrics.requests.labels("prefill", outcome).inc()
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span,
+                       attrs: dict) -> worker_pb2.PrefillResponse:
         work, w = request.work, self.w
+        t0 = time.monotonic()
         if not request.decode_instance or not request.decode_transfer_address:
+            w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "decode_instance and decode_transfer_address are required")
         try:
             params = dataclasses.replace(sampling_from_proto(work.sampling), max_tokens=1, ignore_eos=True,
                                          stop=(), stop_token_ids=())
         except ValueError as e:
+            w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
-        t0 = time.monotonic()
-        await w.warm_from_pool(list(work.prompt_token_ids), work.cache_salt, work.pool_blocks)
-        final = None
+        prompt = list(work.prompt_token_ids)
+        await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs)
+        final, timing = None, RequestTiming()
         try:
-            async for out in w.engine.generate(work.request_id, list(work.prompt_token_ids), params,
+            async for out in w.engine.generate(work.request_id, prompt, params, timing=timing,
                                                cache_salt=work.cache_salt, export_kv=True):
                 final = out
         except ValueError as e:
+            w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         compute_s = time.monotonic() - t0
         assert final is not None and final.exported is not None
+        w.metrics.ttft.observe(timing.first_output - t0)
+        w.metrics.prefix.observe(len(prompt), final.cached_tokens)
+        w.record_engine_spans(span, timing, attrs, len(prompt), final.cached_tokens)
         kv = final.exported
         first_token = final.new_token_ids[0]
         transfer_id = f"{work.request_id}@{w.instance_id}"
         ready = KVReady(request_id=work.request_id, decode_instance=request.decode_instance,
                         transfer_id=transfer_id, block_keys=tuple(kv.block_keys), num_tokens=kv.num_tokens,
                         first_token=first_token, layout=layout_to_dict(w.layout), prefill_instance=w.instance_id)
+        push = tracing.start("kv.push", span, SpanKind.CLIENT,
+                             {**attrs, "kvmesh.decode_instance": request.decode_instance,
+                              "kvmesh.transfer_backend": w.cfg.transfer_backend,
+                              "kvmesh.blocks": int(kv.blocks.shape[0]), "kvmesh.tokens": kv.num_tokens})
         try:
             stats = await self.transfer.push(request.decode_transfer_address, transfer_id, w.layout, kv.blocks,
                                              kv.block_keys, kv.num_tokens)
         except Exception as e:  # noqa: BLE001 - any push failure is reported to decode, which recomputes
-            log.warning("request %s: KV push to %s failed: %s", work.request_id, request.decode_instance, e)
-            await w.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}"))
+            log.warning("request %s (trace %s): KV push to %s failed: %s", work.request_id, tracing.trace_id(span),
+                        request.decode_instance, e)
+            push.set_status(StatusCode.ERROR, f"KV push failed: {e}")
+            push.end()
+            await w.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}"), span)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"KV push to {request.decode_instance} failed: {e}")
+        push.set_attributes({"kvmesh.bytes": stats.nbytes, "kvmesh.gbps": round(stats.gbps, 3)})
+        push.end()
+        w.metrics.transfer_bytes.labels("push").inc(stats.nbytes)
         if w.cfg.fault_drop_kv_ready:
             log.warning("request %s: fault injection: kv.ready dropped", work.request_id)
+            span.add_event("kv.ready dropped (fault injection)")
         else:
-            await w.announce(ready)
+            await w.announce(ready, span)
         return worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
                                           num_blocks=int(kv.blocks.shape[0]), transfer_bytes=stats.nbytes,
                                           transfer_s=stats.seconds, transfer_id=transfer_id, compute_s=compute_s)

@@ -7,12 +7,16 @@ import asyncio
 import dataclasses
 import logging
 import time
+from pathlib import Path
+from typing import Any
 
 import grpc
+from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Subjects
+from kvmesh.bus.tracing import trace_context
 from kvmesh.config import EngineConfig
-from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.events import AllBlocksCleared, KVEvent
 from kvmesh.grpc_server import ServiceServer
@@ -21,6 +25,10 @@ from kvmesh.transfer import TransferServer
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.decode import DecodeServicer
 from kvmesh.keys import block_keys
+from kvmesh.telemetry import tracing
+from kvmesh.telemetry.config import TelemetryConfig
+from kvmesh.telemetry.metrics import MetricsServer
+from kvmesh.worker.metrics import WorkerMetrics
 from kvmesh.worker.pool_client import PoolClient
 from kvmesh.worker.prefill import PrefillServicer
 
@@ -33,6 +41,9 @@ class Worker:
         self.engine_cfg = engine_cfg
         self.subjects = Subjects(cfg.cluster)
         self.instance_id = cfg.instance_id
+        self.model_name = model_name(engine_cfg.model)
+        self.metrics = WorkerMetrics()
+        self.metrics_server: MetricsServer | None = None
         self.metrics_fallbacks = 0
         self._event_seq = 0
         self._event_queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
@@ -52,6 +63,7 @@ class Worker:
         self.layout = llm.layout
         self.fingerprint = llm.fingerprint
         self.engine = AsyncEngine(llm, loop, on_events=self._event_queue.put_nowait)
+        self.metrics.watch(self.engine)
         names = [n for n, on in (("kvmesh.v1.Prefill", self.serves_prefill),
                                  ("kvmesh.v1.Decode", self.serves_decode)) if on]
         self.grpc = ServiceServer(names)
@@ -75,52 +87,115 @@ class Worker:
             worker_pb2_grpc.add_PrefillServicer_to_server(self.prefill, self.grpc.server)
         await self.grpc.start()
         self._tasks = [asyncio.create_task(self._publish_events()), asyncio.create_task(self._heartbeat())]
+        self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.host, self.cfg.metrics_port)
         await self.grpc.set_serving(True)
-        log.info("%s serving gRPC on %s (transfer %s)", self.instance_id, self.grpc_address,
-                 self.transfer_address or "-")
+        log.info("%s serving gRPC on %s (transfer %s), metrics on %s", self.instance_id, self.grpc_address,
+                 self.transfer_address or "-", self.metrics_server.url)
 
     @property
     def transfer_address(self) -> str:
         return self.transfer_server.address if self.transfer_server is not None else ""
 
-    async def warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int) -> int:
+    def span_attributes(self, request_id: str, cache_salt: str) -> dict[str, Any]:
+        return {tracing.REQUEST_ID: request_id, tracing.MODEL: self.model_name, tracing.TENANT: cache_salt,
+                "kvmesh.instance": self.instance_id}
+
+    async def warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int,
+                             parent: Span | None = None, attrs: dict[str, Any] | None = None) -> int:
         """Before computing a prompt: when the pool holds a longer prefix than our cache (by at least
-        ``pool_fetch_min_blocks``), fetch the difference into our cache. Returns the blocks fetched."""
+        ``pool_fetch_min_blocks``), fetch the difference into our cache. Returns the blocks fetched.
+        Traced as ``prefill.fetch`` under ``parent``."""
         if self.pool is None or pool_blocks == 0:
             return 0
+        span = tracing.start("prefill.fetch", parent, attributes={**(attrs or {}), "kvmesh.tier": "pool",
+                                                                 "kvmesh.pool_blocks": pool_blocks})
+        try:
+            n = await self._warm_from_pool(prompt, cache_salt, pool_blocks, span)
+        except BaseException as e:
+            span.set_status(StatusCode.ERROR, str(e))
+            raise
+        finally:
+            span.end()
+        return n
+
+    async def _warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int, span: Span) -> int:
         llm = self.engine.engine
         seed = llm.namespace_seed(cache_salt)
         bs = self.layout.block_size
         usable = min(pool_blocks, (len(prompt) - 1) // bs)  # the last token is always computed
         local = await self.engine.call(lambda e: len(e.blocks.match(seed, prompt, len(prompt) - 1).nodes))
+        span.set_attribute("kvmesh.local_blocks", local)
         if usable - local < self.cfg.pool_fetch_min_blocks:
+            span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": "local cache suffices"})
             return 0
         keys = block_keys(seed, prompt[:usable * bs], bs)[local:]
         try:
-            blocks = await self.pool.fetch(keys)
+            blocks = await self.pool.fetch(keys, tracing.grpc_metadata(span))
         except (grpc.aio.AioRpcError, ValueError) as e:
             log.warning("pool fetch failed, computing instead: %s", e)
+            span.set_status(StatusCode.ERROR, f"pool fetch failed: {e}")
             return 0
         if blocks is None:
+            span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": "pool had none"})
             return 0
         n = blocks.shape[0]
+        nbytes = n * self.layout.block_nbytes
+        self.metrics.transfer_bytes.labels("pool_fetch").inc(nbytes)
         ok = await self.engine.call(lambda e: e.blocks.adopt(seed, prompt[:(local + n) * bs], blocks, local))
+        span.set_attributes({"kvmesh.blocks": n if ok else 0, "kvmesh.bytes": nbytes,
+                             "kvmesh.outcome": "adopted" if ok else "no room"})
         return n if ok else 0
 
-    async def write_back(self, keys: list[int], blocks) -> None:
+    async def write_back(self, keys: list[int], blocks, parent: Span | None = None,
+                         attrs: dict[str, Any] | None = None) -> None:
         """Store a finished request's full blocks in the pool (decode), so any instance can reuse them."""
         if self.pool is None or not keys:
             return
+        span = tracing.start("pool.write_back", parent, SpanKind.CLIENT,
+                             {**(attrs or {}), tracing.SEGMENT: False, "kvmesh.tier": "pool",
+                              "kvmesh.blocks": len(keys)})
         try:
-            await self.pool.write_back(keys, blocks[:len(keys)])
+            sent = await self.pool.write_back(keys, blocks[:len(keys)], tracing.grpc_metadata(span))
+            self.metrics.transfer_bytes.labels("pool_write").inc(sent * self.layout.block_nbytes)
+            span.set_attributes({"kvmesh.blocks_sent": sent, "kvmesh.bytes": sent * self.layout.block_nbytes})
         except grpc.aio.AioRpcError as e:
             log.warning("write-back of %d blocks failed: %s", len(keys), e.details())
+            span.set_status(StatusCode.ERROR, f"write-back failed: {e.details()}")
+        finally:
+            span.end()
 
-    async def announce(self, ready: KVReady) -> None:
-        await self.bus.publish(self.subjects.kv_ready(ready.decode_instance), ready)
+    def record_engine_spans(self, parent: Span, timing: RequestTiming, attrs: dict[str, Any], prompt_tokens: int,
+                            cached_tokens: int) -> None:
+        """``prefill.queue`` (handed to the engine → first scheduled) and ``prefill.compute`` (→ first token out
+        of the engine) of a request the engine computed, from the timestamps the engine thread took."""
+        if not parent.is_recording() or not timing.scheduled:
+            return
+        off = time.time_ns() - time.monotonic_ns()
+        ns = lambda t: off + int(t * 1e9)  # noqa: E731
+        tracing.record("prefill.queue", parent, ns(timing.submitted), ns(timing.scheduled),
+                       {**attrs, "kvmesh.engine_wait_ms": round((timing.started - timing.submitted) * 1e3, 3)})
+        tracing.record("prefill.compute", parent, ns(timing.scheduled), ns(timing.first_output),
+                       {**attrs, "kvmesh.tokens.prompt": prompt_tokens, "kvmesh.tokens.reused": cached_tokens,
+                        "kvmesh.tokens.computed": prompt_tokens - cached_tokens,
+                        "kvmesh.preemptions": timing.preemptions})
+
+    async def announce(self, ready: KVReady, parent: Span | None = None) -> None:
+        """Publish ``kv.ready`` with ``parent``'s trace context and the send time (decode's ``kv.ready`` span)."""
+        headers = tracing.inject(parent, {tracing.SENT_HEADER: str(time.time_ns())})
+        await self.bus.publish(self.subjects.kv_ready(ready.decode_instance), ready, headers)
 
     async def _on_kv_ready(self, msg: KVReady, headers: dict[str, str]) -> None:
-        self.decode.board.post(msg)
+        received = time.time_ns()
+        try:
+            sent = int(headers.get(tracing.SENT_HEADER, received))
+        except ValueError:
+            sent = received
+        tracing.record("kv.ready", trace_context(headers), min(sent, received), received,
+                       {tracing.REQUEST_ID: msg.request_id, tracing.MODEL: self.model_name,
+                        "kvmesh.instance": self.instance_id,
+                        "kvmesh.prefill_instance": msg.prefill_instance, "kvmesh.ok": msg.ok,
+                        "kvmesh.blocks": len(msg.block_keys)}, SpanKind.CONSUMER)
+        self.decode.board.post(msg, received)
 
     async def _publish_events(self) -> None:
         subject = self.subjects.kv_events(self.instance_id)
@@ -149,6 +224,8 @@ class Worker:
 
     async def stop(self) -> None:
         await self.grpc.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         for t in self._tasks:
             t.cancel()
         if self.serves_prefill:
@@ -161,12 +238,20 @@ class Worker:
         self.engine.close()
 
 
-async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig) -> None:
+def model_name(source: str | None) -> str:
+    """The model as spans name it: the file or folder name of its source (the router's default id)."""
+    if source is None:
+        return "SmolLM2-135M-Instruct"
+    return Path(source).stem if Path(source).is_file() else Path(source).name
+
+
+async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig, telemetry_cfg: TelemetryConfig | None = None) -> None:
     """Run until SIGTERM/SIGINT."""
     import signal  # noqa: PLC0415
 
     worker = Worker(cfg, engine_cfg)
     await worker.start()
+    tracing.setup(cfg.role, worker.instance_id, telemetry_cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -174,3 +259,4 @@ async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig) -> None:
     await stop.wait()
     log.info("%s stopping", worker.instance_id)
     await worker.stop()
+    tracing.shutdown()

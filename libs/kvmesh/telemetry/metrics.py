@@ -1,0 +1,113 @@
+"""Prometheus pieces every service uses: one registry per service, its HTTP endpoint, latency buckets, and a
+collector that reads an engine's queues, KV tiers and eviction counters at scrape time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+def new_registry() -> CollectorRegistry:
+    """A service's registry (not the global one, so tests can build services twice in one process)."""
+    disable_created_metrics()  # no *_created series: they double the exposition and nobody graphs them
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    return registry
+
+
+class MetricsServer:
+    """``GET /metrics`` of one registry on its own port (a thread of prometheus-client's)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server, self._thread = start_http_server(port, host, registry)
+        self.host = host
+        self.port = self._server.server_port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class HitRatio:
+    """Prompt tokens and the part of them served from a cache, as two counters and their ratio."""
+
+    def __init__(self, prefix: str, registry: CollectorRegistry, what: str) -> None:
+        from prometheus_client import Counter, Gauge  # noqa: PLC0415
+
+        self.prompt = Counter(f"{prefix}_prompt_tokens", f"Prompt tokens of requests {what}",
+                              registry=registry)
+        self.hit = Counter(f"{prefix}_prefix_hit_tokens", f"Prompt tokens served from a KV cache {what}",
+                           registry=registry)
+        self._prompt = self._hit = 0
+        Gauge(f"{prefix}_prefix_hit_ratio", f"Prefix hit ratio in tokens {what} (hit / prompt tokens)",
+              registry=registry).set_function(lambda: self._hit / self._prompt if self._prompt else 0.0)
+
+    def observe(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.prompt.inc(prompt_tokens)
+        self.hit.inc(hit_tokens)
+        self._prompt += prompt_tokens
+        self._hit += hit_tokens
+
+
+class EngineCollector(Collector):
+    """Queue depth, KV occupancy per tier, evictions and preemptions of an engine, read when scraped (racy
+    reads of ints and lists owned by the engine thread: a snapshot, never a lock on the hot path)."""
+
+    def __init__(self, async_engine: Any, prefix: str = "kvmesh_worker") -> None:
+        self.engine = async_engine
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Any]:
+        p, e = self.prefix, self.engine.engine
+        for _ in range(3):
+            try:
+                load = self.engine.load()
+                break
+            except RuntimeError:  # a queue changed while we copied it; look again
+                continue
+        else:
+            return
+        q = GaugeMetricFamily(f"{p}_queue_depth", "Sequences in the engine by state", labels=["state"])
+        q.add_metric(["running"], load.running)
+        q.add_metric(["waiting"], load.waiting)
+        yield q
+        yield GaugeMetricFamily(f"{p}_waiting_tokens", "Tokens of the sequences waiting to be scheduled",
+                                value=load.waiting_tokens)
+        host_capacity = e.blocks.host.num_blocks if e.blocks.host is not None else 0
+        blocks = GaugeMetricFamily(f"{p}_kv_blocks", "KV blocks per tier and state", labels=["tier", "state"])
+        blocks.add_metric(["device", "capacity"], load.total_blocks)
+        blocks.add_metric(["device", "used"], load.total_blocks - load.free_blocks)
+        blocks.add_metric(["device", "cached"], load.cached_blocks)
+        blocks.add_metric(["host", "capacity"], host_capacity)
+        blocks.add_metric(["host", "used"], load.host_blocks)
+        yield blocks
+        occ = GaugeMetricFamily(f"{p}_kv_occupancy_ratio", "Used share of each KV tier", labels=["tier"])
+        occ.add_metric(["device"], (load.total_blocks - load.free_blocks) / max(1, load.total_blocks))
+        occ.add_metric(["host"], load.host_blocks / host_capacity if host_capacity else 0.0)
+        yield occ
+        stats = dict(e.blocks.stats)
+        ev = CounterMetricFamily(f"{p}_kv_evictions", "KV blocks evicted from a tier", labels=["tier"])
+        ev.add_metric(["device"], stats.get("evicted_device", 0))
+        ev.add_metric(["host"], stats.get("evicted_host", 0))
+        yield ev
+        moves = CounterMetricFamily(f"{p}_kv_host_moves", "KV blocks moved between device and host tiers",
+                                    labels=["direction"])
+        moves.add_metric(["spill"], stats.get("spilled_host", 0))
+        moves.add_metric(["load"], stats.get("loaded_host", 0))
+        yield moves
+        yield CounterMetricFamily(f"{p}_preemptions", "Sequences preempted for lack of KV blocks",
+                                  value=e.scheduler.num_preemptions)

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one engine instance (``kvmesh_worker_*``), served on its own ``metrics_port``."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, EngineCollector, HitRatio, new_registry
+
+P = "kvmesh_worker"
+FALLBACK_REASONS = ("timeout", "prefill_failed", "blocks_missing", "rejected", "mismatch", "other")
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = new_registry()
+        self.ttft = Histogram(f"{P}_ttft_seconds", "Prefill: request received to first token sampled. "
+                              "Decode: request received to first token sent (includes waiting for prefill)",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(f"{P}_itl_seconds", "Time between consecutive tokens sent (decode)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.prefix = HitRatio(P, r, "computed by this instance")
+        self.transfer_bytes = Counter(f"{P}_kv_transfer_bytes", "KV bytes moved: pushed to decode, received "
+                                      "from prefill, fetched from or written back to the pool",
+                                      ["direction"], registry=r)
+        self.requests = Counter(f"{P}_requests", "Requests handled, by RPC and outcome", ["rpc", "outcome"],
+                                registry=r)
+        self.rejections = Counter(f"{P}_rejections", "Requests refused (invalid input, no room)", ["reason"],
+                                  registry=r)
+        self.fallbacks = Counter(f"{P}_kv_fallbacks", "Decode recomputed the prompt instead of using the "
+                                 "pushed KV", ["reason"], registry=r)
+        for direction in ("push", "receive", "pool_fetch", "pool_write"):
+            self.transfer_bytes.labels(direction)  # exported from the start, at 0
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason)
+
+    def watch(self, async_engine) -> None:
+        self.registry.register(EngineCollector(async_engine, P))
+
+
+def fallback_reason(message: str) -> str:
+    """A small, fixed label for a fallback message (the message itself goes to the log and the trace)."""
+    m = message.lower()
+    if "not received within" in m:
+        return "timeout"
+    if m.startswith("prefill"):
+        return "prefill_failed"
+    if "did not" in m:
+        return "blocks_missing"
+    if "rejected" in m:
+        return "rejected"
+    if "does not match" in m:
+        return "mismatch"
+    return "other"

@@ -1,0 +1,187 @@
+"""The router's request telemetry: the root span of each request (``router.request``), its TTFT clock, and the
+router's Prometheus metrics (``kvmesh_router_*``, served at ``GET /metrics`` on the HTTP port).
+
+TTFT is measured here, from the moment the API handler has the request to the moment the first token is sent
+(streaming) or is in hand (non-streaming and unary calls). The root span records it as the ``first_token``
+event and ``kvmesh.ttft_ms``; the spans under it (this service's, and prefill's and decode's through the trace
+context on every call) are the segments that make it up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.trace import Span, SpanKind, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvmesh.telemetry import tracing
+from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, HitRatio, new_registry
+from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT
+
+if TYPE_CHECKING:
+    from services.router.registry import Registry
+
+P = "kvmesh_router"
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = new_registry()
+        self.ttft = Histogram(f"{P}_ttft_seconds", "Request received to first token sent",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(f"{P}_itl_seconds", "Time between consecutive chunks arriving from decode",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.requests = Counter(f"{P}_requests", "Finished requests by API and outcome", ["api", "outcome"],
+                                registry=r)
+        self.rejections = Counter(f"{P}_rejections", "Requests answered with an error, by kind", ["reason"],
+                                  registry=r)
+        self.in_flight = Gauge(f"{P}_in_flight", "Requests being served (the router's queue depth)",
+                               registry=r)
+        self.prefix = HitRatio(P, r, "served through this router (cached_tokens of the usage)")
+        self.fallbacks = Counter(f"{P}_kv_fallbacks", "Requests whose decode instance recomputed the prompt "
+                                 "because pushed KV did not arrive or verify", registry=r)
+        self.match_errors = Counter(f"{P}_match_prefix_errors",
+                                    "MatchPrefix calls that failed (routed by load)", registry=r)
+        for reason in ("invalid", "unauthenticated", "not_found", "overloaded", "unavailable", "internal"):
+            self.rejections.labels(reason)
+
+    def watch(self, registry: "Registry") -> None:
+        self.registry.register(_InstancesCollector(registry))
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _InstancesCollector(Collector):
+    """Live engine instances per role (scraped on the event loop that owns the registry)."""
+
+    def __init__(self, registry: "Registry") -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(f"{P}_instances", "Live engine instances (heartbeating) per role",
+                              labels=["role"])
+        roles = [i.beat.role for i in self.registry.alive()]
+        for role in ("prefill", "decode", "both"):
+            g.add_metric([role], roles.count(role))
+        yield g
+
+
+class RequestTrace:
+    """One request at the router: its root span (a child of the caller's ``traceparent`` when there is one),
+    the attributes every span of it carries, its TTFT, and its metrics. Not thread-safe: one event loop."""
+
+    def __init__(self, metrics: RouterMetrics | None, request_id: str, api: str,
+                 headers: Mapping[str, str] | None = None) -> None:
+        self.metrics = metrics
+        self.api = api
+        self.t0 = time.monotonic()
+        self.attrs: dict[str, Any] = {tracing.REQUEST_ID: request_id}
+        self.root = tracing.start(ROOT, tracing.extract(headers), SpanKind.SERVER,
+                                  {**self.attrs, "kvmesh.api": api})
+        self.ttft_s: float | None = None
+        self._last = 0.0
+        self._respond: Span | None = None
+        self._done = False
+        if metrics is not None:
+            metrics.in_flight.inc()
+
+    @property
+    def traceparent(self) -> str:
+        return tracing.traceparent(self.root)
+
+    @property
+    def trace_id(self) -> str:
+        return tracing.trace_id(self.root)
+
+    def headers(self, request_id: str) -> dict[str, str]:
+        """What every response carries: the request id and the trace context (the root span)."""
+        tp = self.traceparent
+        return {"x-request-id": request_id, **({"traceparent": tp} if tp else {})}
+
+    def describe(self, model: str, tenant: str, prompt_tokens: int) -> None:
+        self.attrs.update({tracing.MODEL: model, tracing.TENANT: tenant})
+        self.root.set_attributes({tracing.MODEL: model, tracing.TENANT: tenant,
+                                  "kvmesh.tokens.prompt": prompt_tokens})
+
+    def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attrs: Any) -> Span:
+        return tracing.start(name, self.root, kind, {**self.attrs, **attrs})
+
+    @contextmanager
+    def segment(self, name: str) -> Iterator[Span]:
+        """A child span around a block of synchronous-or-awaiting code (never around a ``yield``)."""
+        span = self.child(name)
+        try:
+            yield span
+        except BaseException as e:
+            span.set_status(StatusCode.ERROR, getattr(e, "message", None) or str(e) or type(e).__name__)
+            raise
+        finally:
+            span.end()
+
+    def chunk_arrived(self) -> None:
+        """A chunk came from the engine instance: the first opens ``router.respond``; the rest are ITLs."""
+        now = time.monotonic()
+        if self._respond is None and self.ttft_s is None:
+            self._respond = self.child("router.respond")
+        elif self._last and self.metrics is not None:
+            self.metrics.itl.observe(now - self._last)
+        self._last = now
+
+    def first_token_sent(self) -> None:
+        """The first token left for the client (or, not streaming, is in hand): TTFT ends here."""
+        if self.ttft_s is not None:
+            return
+        now_ns = time.time_ns()
+        self.ttft_s = time.monotonic() - self.t0
+        if self._respond is not None:
+            self._respond.end(now_ns)
+            self._respond = None
+        self.root.add_event(FIRST_TOKEN, timestamp=now_ns)
+        self.root.set_attribute("kvmesh.ttft_ms", round(self.ttft_s * 1e3, 3))
+        if self.metrics is not None:
+            self.metrics.ttft.observe(self.ttft_s)
+
+    def fallback(self, reason: str) -> None:
+        self.root.add_event("kv_fallback", {"kvmesh.reason": reason})
+        if self.metrics is not None:
+            self.metrics.fallbacks.inc()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.root.set_attributes({"kvmesh.tokens.completion": completion_tokens,
+                                  "kvmesh.tokens.cached": cached_tokens})
+        if self.metrics is not None:
+            self.metrics.prefix.observe(prompt_tokens, cached_tokens)
+
+    def finish(self, error_kind: str = "", message: str = "") -> None:
+        """End the request (idempotent): ``error_kind`` is a RequestError kind, ``cancelled`` (the client went
+        away), or '' for success."""
+        if self._done:
+            return
+        self._done = True
+        if self._respond is not None:
+            self._respond.end()
+        if error_kind:
+            self.root.set_status(StatusCode.ERROR, f"{error_kind}: {message}")
+            self.root.set_attribute("kvmesh.error", error_kind)
+        self.root.end()
+        if self.metrics is not None:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(self.api, error_kind or "ok").inc()
+            if error_kind and error_kind != "cancelled":
+                self.metrics.rejections.labels(error_kind).inc()
+
+
+def route_attributes(role: str, candidates: list, matched: Mapping[str, int], chosen) -> dict[str, Any]:
+    """``router.route`` attributes for one choice: the candidates, their scores (the policy's sort key:
+    leading blocks cached there, queue depth, waiting tokens) and the one chosen."""
+    return {f"kvmesh.route.{role}.candidates": [c.id for c in candidates],
+            f"kvmesh.route.{role}.scores": [f"cached_blocks={matched.get(c.id, 0)} queue={c.queue_depth:g} "
+                                            f"waiting_tokens={c.beat.load.get('waiting_tokens', 0):g}"
+                                            for c in candidates],
+            f"kvmesh.route.{role}.choice": chosen.id}

@@ -1,0 +1,167 @@
+"""Tracing and metrics through the real mesh: one request is one trace across router, prefill and decode whose
+TTFT segments add up; every service's /metrics moves; ``kvmesh trace`` renders the request."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from kvmesh.telemetry.spans import find, read_spans, trace_file
+from kvmesh.telemetry.waterfall import waterfall
+
+pytestmark = pytest.mark.slow
+
+CALLER_TRACE, CALLER_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+
+
+def stream_chat(stack, question: str, max_tokens: int = 8, headers: dict | None = None) -> tuple[float, dict]:
+    """(TTFT at the client in seconds, response headers) of one streamed chat completion."""
+    body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "user": "tenant-a"}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    t0 = time.perf_counter()
+    ttft = None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        got = dict(r.headers)
+        for line in r:
+            if ttft is None and b'"content": "' in line and b'"content": ""' not in line:
+                ttft = time.perf_counter() - t0
+    assert ttft is not None
+    return ttft, got
+
+
+def spans_of(stack, request_id: str, timeout_s: float = 10.0):
+    """The request's root span and spans, once all of them (decode.generate ends last) reached the file."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        root, tree = find(read_spans(trace_file(stack.state_dir)), request_id) \
+            if trace_file(stack.state_dir).exists() else (None, [])
+        if root is not None and {"decode.generate", "router.request"} <= {s.name for s in tree}:
+            return root, tree
+        if time.monotonic() > deadline:
+            pytest.fail(f"spans of {request_id} incomplete: {sorted(s.name for s in tree)}")
+        time.sleep(0.2)
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def worker_metrics_url(stack, name: str) -> str:
+    m = re.search(r"metrics on (http://\S+/metrics)", (stack.log_dir / f"{name}.log").read_text())
+    assert m, f"{name} did not log its metrics endpoint"
+    return m.group(1)
+
+
+def test_one_request_is_one_trace_across_the_mesh_and_its_segments_add_up_to_the_ttft(mesh):
+    rid = f"trace-{uuid.uuid4().hex[:12]}"
+    client_ttft, headers = stream_chat(mesh, "What is the capital of France?", headers={"x-request-id": rid})
+    assert headers["x-request-id"] == rid
+    root, tree = spans_of(mesh, rid)
+    assert headers["traceparent"].split("-")[1] == root.trace_id
+
+    assert {s.trace_id for s in tree} == {root.trace_id}
+    assert {"router", "prefill", "decode"} <= {s.service for s in tree}
+    names = {s.name for s in tree}
+    assert {"router.tokenize", "router.route", "cachesvc.match_prefix", "router.dispatch", "prefill.request",
+            "prefill.queue", "prefill.compute", "kv.push", "kv.ready", "decode.request", "decode.load",
+            "decode.first_token", "decode.generate", "router.respond"} <= names
+    ids = {s.span_id for s in tree}
+    assert root.parent_id is None and all(s.parent_id in ids for s in tree if s is not root)
+    by_name = {s.name: s for s in tree}
+    assert by_name["prefill.request"].parent_id == by_name["decode.request"].parent_id \
+        == by_name["router.dispatch"].span_id
+    assert by_name["kv.ready"].parent_id == by_name["prefill.request"].span_id  # publish → receive
+    assert by_name["cachesvc.match_prefix"].parent_id == by_name["router.route"].span_id
+    for s in tree:
+        if s.name != "kv.ready":  # kv.ready carries the request id only (the event has no tenant)
+            assert s.attributes["kvmesh.request_id"] == rid, s.name
+    assert by_name["prefill.compute"].attributes["kvmesh.tenant"] == "tenant-a"
+    itl_count = by_name["decode.generate"].attributes["kvmesh.itl.count"]
+    assert itl_count == root.attributes["kvmesh.tokens.completion"] - 1
+
+    wf = waterfall(root, tree)
+    measured_ms = root.attributes["kvmesh.ttft_ms"]
+    assert wf.ttft_ns is not None and abs(wf.attributed_ns / 1e6 - measured_ms) <= 0.05 * measured_ms
+    assert wf.unattributed_ns == 0
+    overhead = next((g.ttft_ns for g in wf.segments if g.name == "router.request"), 0)
+    assert overhead < 0.05 * wf.ttft_ns  # the router's own unnamed time is small: the rest is named spans
+    assert wf.dominant.name == "prefill.compute"
+    assert 0.8 * client_ttft <= wf.ttft_ns / 1e9 <= client_ttft * 1.05
+
+
+def test_a_callers_traceparent_is_continued_and_returned(mesh):
+    rid = f"caller-{uuid.uuid4().hex[:12]}"
+    _, headers = stream_chat(mesh, "Name three fruits.", 4,
+                             {"x-request-id": rid, "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+    assert headers["traceparent"].split("-")[1] == CALLER_TRACE
+    root, tree = spans_of(mesh, rid)
+    assert root.trace_id == CALLER_TRACE and root.parent_id == CALLER_SPAN
+    assert {s.trace_id for s in tree} == {CALLER_TRACE}
+
+
+def test_grpc_responses_carry_request_id_and_traceparent(mesh):
+    from kvmesh.client import KvmeshClient
+
+    with KvmeshClient(f"127.0.0.1:{mesh.opts.grpc_port}") as client:
+        done = client.complete(messages=[{"role": "user", "content": "Say hello."}], max_tokens=4)
+    assert done.metadata["x-request-id"] == done.request_id
+    root, _ = spans_of(mesh, done.request_id)
+    assert done.metadata["traceparent"].split("-")[1] == root.trace_id
+    assert root.attributes["kvmesh.api"] == "grpc.generate" and root.attributes["kvmesh.ttft_ms"] > 0
+
+
+def test_every_services_metrics_move_after_a_request(mesh):
+    stream_chat(mesh, "What color is the sky?", 6)
+    router = scrape(f"http://127.0.0.1:{mesh.opts.http_port}/metrics")
+    assert router["kvmesh_router_ttft_seconds_count"] > 0 and router["kvmesh_router_itl_seconds_count"] > 0
+    assert router["kvmesh_router_prompt_tokens_total"] > 0 and "kvmesh_router_prefix_hit_ratio" in router
+    assert router['kvmesh_router_instances{role="prefill"}'] == 1 and "kvmesh_router_in_flight" in router
+    assert 'kvmesh_router_rejections_total{reason="overloaded"}' in router
+    assert "kvmesh_router_kv_fallbacks_total" in router
+
+    prefill = scrape(worker_metrics_url(mesh, "prefill-0"))
+    assert prefill["kvmesh_worker_ttft_seconds_count"] > 0
+    assert prefill['kvmesh_worker_kv_transfer_bytes_total{direction="push"}'] > 0
+    assert prefill["kvmesh_worker_prompt_tokens_total"] > 0 and prefill["kvmesh_worker_prefix_hit_ratio"] > 0
+    assert prefill['kvmesh_worker_kv_occupancy_ratio{tier="device"}'] > 0
+    assert 'kvmesh_worker_queue_depth{state="waiting"}' in prefill
+    assert 'kvmesh_worker_kv_evictions_total{tier="device"}' in prefill
+
+    decode = scrape(worker_metrics_url(mesh, "decode-0"))
+    assert decode["kvmesh_worker_itl_seconds_count"] > 0 and decode["kvmesh_worker_ttft_seconds_count"] > 0
+    assert decode['kvmesh_worker_kv_transfer_bytes_total{direction="receive"}'] > 0
+    assert decode['kvmesh_worker_kv_transfer_bytes_total{direction="pool_write"}'] > 0
+    assert decode['kvmesh_worker_kv_occupancy_ratio{tier="device"}'] > 0
+    assert 'kvmesh_worker_kv_fallbacks_total{reason="timeout"}' in decode
+
+
+def test_kvmesh_trace_prints_the_waterfall_and_renders_a_timeline(mesh, tmp_path):
+    rid = f"cli-{uuid.uuid4().hex[:12]}"
+    stream_chat(mesh, "Who wrote Hamlet?", 4, {"x-request-id": rid})
+    html, png = tmp_path / "t.html", tmp_path / "t.png"
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "trace", rid, "--state-dir",
+                          str(mesh.state_dir), "--html", str(html), "--png", str(png)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"request {rid}" in out.stdout and "◀ dominant" in out.stdout and "prefill.compute" in out.stdout
+    assert "sum of segments" in out.stdout
+    assert html.read_text().count("<svg") == 1 and png.read_bytes()[:4] == b"\x89PNG"
+    slow = subprocess.run([sys.executable, "-m", "kvmesh.cli", "trace", "--slowest", "3", "--state-dir",
+                           str(mesh.state_dir)], capture_output=True, text=True, timeout=60)
+    assert slow.returncode == 0 and len(slow.stdout.splitlines()) >= 2
