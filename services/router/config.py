@@ -19,4 +19,8 @@ class RouterConfig:
     instance_timeout_s: float = 3.0      # an instance that has not beaten for this long is dropped
     kv_timeout_s: float = 10.0           # passed to decode: wait for kv.ready this long, then recompute
     match_timeout_s: float = 0.5         # MatchPrefix deadline; past it, route by load alone
+    policy: str = "cache_aware"          # round_robin | random | least_loaded | cache_aware (per request:
+                                         # HTTP header / gRPC metadata x-kvmesh-policy)
+    slo_ttft_s: float = 0.0              # admission: reject (429) when no instance's estimated TTFT meets it; 0 = off
+    prefill_tok_per_s: float = 240.0     # cost model: one instance's prefill speed (measured here: SmolLM2, 1 thread)
     api_key: str = ""                    # when set, requests must carry it (Bearer / x-api-key / gRPC metadata)

@@ -25,7 +25,8 @@ from kvmesh.keys import Namespace, block_keys
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from services.router.config import RouterConfig
-from services.router.policy import prefix_then_load
+from kvmesh.routing import CostModel
+from services.router.policy import Policies, choose_decode
 from services.router.registry import Instance, Registry
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
 
@@ -68,6 +69,7 @@ class Router:
         self.subjects = Subjects(cfg.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.metrics = RouterMetrics()
+        self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -155,19 +157,41 @@ class Router:
         span.end()
         return best
 
+    def check_policy(self, name: str | None) -> None:
+        try:
+            self.policies.get(name)
+        except ValueError as e:
+            raise RequestError("invalid", str(e)) from None
+
+    def _choose(self, policy: str | None, role: str, instances: list[Instance], matched: dict[str, int],
+                prompt: list[int], route: Span) -> Instance:
+        inst, decision = self.policies.choose(policy, instances, matched, len(prompt), self.cfg.block_size,
+                                              matched.get(POOL, 0))
+        if route.is_recording():
+            route.set_attributes({**route_attributes(role, instances, matched, inst or instances[0]),
+                                  f"kvmesh.route.{role}.policy": policy or self.policies.default,
+                                  f"kvmesh.route.{role}.estimates": [f"{k}={v:.3f}" for k, v in decision.scores.items()],
+                                  f"kvmesh.route.{role}.reason": decision.reason})
+        if inst is None:
+            raise RequestError("overloaded", decision.reason)
+        return inst
+
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 cache_salt: str = "", trace: RequestTrace | None = None) -> AsyncIterator[Chunk]:
+                 cache_salt: str = "", trace: RequestTrace | None = None,
+                 policy: str | None = None) -> AsyncIterator[Chunk]:
         """Route and run one request, yielding its chunks. ``trace``: the request's root span and TTFT clock,
-        which the API layer owns (without one, the request is traced here, TTFT ending at the first chunk)."""
+        which the API layer owns (without one, the request is traced here, TTFT ending at the first chunk).
+        ``policy``: a per-request routing policy (else the configured one)."""
+        self.check_policy(policy)
         if trace is not None:
-            return self._generate(request_id, prompt, params, cache_salt, trace)
-        return self._traced_here(request_id, prompt, params, cache_salt)
+            return self._generate(request_id, prompt, params, cache_salt, trace, policy)
+        return self._traced_here(request_id, prompt, params, cache_salt, policy)
 
     async def _traced_here(self, request_id: str, prompt: list[int], params: SamplingParams,
-                           cache_salt: str) -> AsyncIterator[Chunk]:
+                           cache_salt: str, policy: str | None) -> AsyncIterator[Chunk]:
         rt = RequestTrace(self.metrics, request_id, "internal")
         try:
-            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt):
+            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt, policy):
                 rt.first_token_sent()
                 yield chunk
         except RequestError as e:
@@ -177,7 +201,7 @@ class Router:
             rt.finish()
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str,
-                        rt: RequestTrace) -> AsyncIterator[Chunk]:
+                        rt: RequestTrace, policy: str | None = None) -> AsyncIterator[Chunk]:
         route = rt.child("router.route")
         try:
             seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, "", cache_salt).seed
@@ -188,16 +212,15 @@ class Router:
                                           sampling=sampling_to_proto(params), cache_salt=cache_salt,
                                           pool_blocks=matched.get(POOL, 0))
             route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
+            both = self.registry.alive("both") if not (prefills and decodes) else []
             if prefills and decodes:
-                prefill, decode = prefix_then_load(prefills, matched), prefix_then_load(decodes, {})
+                prefill = self._choose(policy, "prefill", prefills, matched, prompt, route)
+                decode = choose_decode(decodes)
                 if route.is_recording():
-                    route.set_attributes({**route_attributes("prefill", prefills, matched, prefill),
-                                          **route_attributes("decode", decodes, {}, decode)})
+                    route.set_attributes(route_attributes("decode", decodes, {}, decode))
                 stream = self._disaggregated(work, prefill, decode, rt)
-            elif both := self.registry.alive("both"):
-                inst = prefix_then_load(both, matched)
-                if route.is_recording():
-                    route.set_attributes(route_attributes("both", both, matched, inst))
+            elif both:
+                inst = self._choose(policy, "both", both, matched, prompt, route)
                 stream = self._local(work, inst, rt)
             else:
                 route.set_status(StatusCode.ERROR, "no engine instances are up")
@@ -215,7 +238,7 @@ class Router:
             yield chunk
 
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace):
-        self.registry.note_dispatch(inst)
+        self.registry.note_dispatch(inst, len(work.prompt_token_ids))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, prefill_locally=True), metadata=tracing.grpc_metadata(dispatch))
@@ -234,7 +257,7 @@ class Router:
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
                              rt: RequestTrace):
-        self.registry.note_dispatch(prefill)
+        self.registry.note_dispatch(prefill, len(work.prompt_token_ids))
         self.registry.note_dispatch(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
                                                                    "kvmesh.decode_instance": decode.id})

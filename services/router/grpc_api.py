@@ -69,7 +69,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             if which == "messages" else {}
         rid, prompt, params, rt = await self._prepare(request, context, "grpc.generate", **kwargs)
         try:
-            async for c in self.router.generate(rid, prompt, params, request.cache_salt, trace=rt):
+            async for c in self.router.generate(rid, prompt, params, request.cache_salt, trace=rt,
+                                                policy=_policy(context)):
                 msg = api_pb2.GenerateChunk(request_id=rid, token_ids=c.token_ids, text=c.text,
                                             finished=c.finished, finish_reason=c.finish_reason)
                 if c.usage:
@@ -89,7 +90,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         rid, prompt, params, rt = await self._prepare(request, context, "grpc.chat", messages=messages)
         text, ids, reason, usage = [], [], "", None
         try:
-            async for c in self.router.generate(rid, prompt, params, request.cache_salt, trace=rt):
+            async for c in self.router.generate(rid, prompt, params, request.cache_salt, trace=rt,
+                                                policy=_policy(context)):
                 rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                 text.append(c.text)
                 ids += c.token_ids
@@ -121,3 +123,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             api_pb2.Instance(instance_id=i.id, role=i.beat.role, grpc_address=i.beat.grpc_address,
                              age_s=now - i.last_seen, load={k: float(v) for k, v in i.beat.load.items()})
             for i in instances])
+
+
+def _policy(context) -> str | None:
+    """A per-request routing policy from the ``x-kvmesh-policy`` metadata key."""
+    return dict(context.invocation_metadata() or ()).get("x-kvmesh-policy")

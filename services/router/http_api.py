@@ -116,7 +116,8 @@ class OpenAIApi:
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
             tenant = str(body.get("cache_salt") or body.get("user") or "")
             rt.describe(model or self.router.model_id, tenant, len(prompt))
-            stream = self.router.generate(rid, prompt, params, tenant, trace=rt)
+            stream = self.router.generate(rid, prompt, params, tenant, trace=rt,
+                                          policy=request.headers.get("x-kvmesh-policy") or body.get("kvmesh_policy"))
             kind = "chat.completion" if chat else "text_completion"
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -1,10 +1,45 @@
-"""Which instance serves a request. First policy: the longest cached prefix, then the least loaded."""
+"""The router's side of scheduling: live instances become ``kvmesh.routing`` candidates, the configured (or
+per-request) policy picks the prefill instance, and decode goes to the least loaded instance with KV headroom
+(the pushed KV makes decode's own cache irrelevant to the choice)."""
 
 from __future__ import annotations
 
+from kvmesh.routing import POLICIES, CacheAware, Candidate, CostModel, Decision, Policy, make_policy
 from services.router.registry import Instance
 
 
-def prefix_then_load(candidates: list[Instance], matched_blocks: dict[str, int]) -> Instance:
-    return min(candidates, key=lambda i: (-matched_blocks.get(i.id, 0), i.queue_depth,
-                                          i.beat.load.get("waiting_tokens", 0), i.id))
+def to_candidates(instances: list[Instance], matched: dict[str, int]) -> list[Candidate]:
+    return [Candidate(i.id, queued_tokens=int(i.beat.load.get("waiting_tokens", 0)),
+                      running=int(i.beat.load.get("running", 0)), local_blocks=matched.get(i.id, 0),
+                      free_blocks=int(i.beat.load.get("free_blocks", 0)))
+            for i in instances]
+
+
+def choose_decode(instances: list[Instance]) -> Instance:
+    return min(instances, key=lambda i: (i.queue_depth, -i.beat.load.get("free_blocks", 0), i.id))
+
+
+class Policies:
+    """One instance of each policy (round robin keeps state), built from the router's settings."""
+
+    def __init__(self, default: str, cost: CostModel, slo_ttft_s: float) -> None:
+        if default not in POLICIES:
+            raise ValueError(f"unknown routing policy {default!r}; choose one of {sorted(POLICIES)}")
+        self.default = default
+        self._policies: dict[str, Policy] = {
+            name: CacheAware(cost, slo_ttft_s=slo_ttft_s) if name == "cache_aware" else make_policy(name)
+            for name in POLICIES}
+
+    def get(self, name: str | None) -> Policy:
+        """The named policy (a request's override) or the default; ValueError names the known ones."""
+        if not name:
+            return self._policies[self.default]
+        if name not in self._policies:
+            raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(self._policies)}")
+        return self._policies[name]
+
+    def choose(self, name: str | None, instances: list[Instance], matched: dict[str, int], prompt_tokens: int,
+               block_size: int, pool_blocks: int) -> tuple[Instance | None, Decision]:
+        decision = self.get(name).choose(to_candidates(instances, matched), prompt_tokens, block_size, pool_blocks)
+        chosen = next((i for i in instances if decision.chosen and i.id == decision.chosen.id), None)
+        return chosen, decision

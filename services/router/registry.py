@@ -53,6 +53,7 @@ class Registry:
             del self._instances[iid]
         return [i for i in self._instances.values() if not roles or i.beat.role in roles]
 
-    def note_dispatch(self, inst: Instance) -> None:
+    def note_dispatch(self, inst: Instance, prompt_tokens: int = 0) -> None:
         """Count a request we just sent, so concurrent decisions before its next heartbeat see it."""
         inst.beat.load["waiting"] = inst.beat.load.get("waiting", 0) + 1
+        inst.beat.load["waiting_tokens"] = inst.beat.load.get("waiting_tokens", 0) + prompt_tokens

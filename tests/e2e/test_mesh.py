@@ -155,3 +155,45 @@ def test_role_both_serves_without_disaggregation(tmp_path_factory, engine):
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
     finally:
         stack.stop()
+
+
+def test_a_request_can_pick_its_routing_policy(mesh):
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
+    for policy, status in (("round_robin", 200), ("least_loaded", 200), ("fastest", 400)):
+        req = urllib.request.Request(f"http://127.0.0.1:{mesh.opts.http_port}/v1/completions", data=body,
+                                     headers={"content-type": "application/json", "x-kvmesh-policy": policy})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                got = r.status
+        except urllib.error.HTTPError as e:
+            got = e.code
+            assert "cache_aware" in json.load(e)["error"]["message"]
+        assert got == status
+
+
+def test_an_unreachable_ttft_slo_is_refused_at_once_with_429(tmp_path_factory):
+    stack = start_stack(tmp_path_factory, "slo", env={"KVMESH_SLO_TTFT_S": "0.001"})
+    try:
+        status, body, _ = post(stack, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4})
+        assert status == 429 and "SLO" in body["error"]["message"]
+    finally:
+        stack.stop()
+
+
+def test_an_engine_answers_a_snapshot_request_with_the_blocks_it_holds(mesh):
+    from kvmesh.bus import Bus, Subjects
+    from kvmesh.bus.snapshot import request_snapshot
+    from kvmesh.state import StackInfo
+
+    info = StackInfo.read(mesh.state_dir)
+
+    async def ask():
+        bus = await Bus.connect(info.nats_url, name="snapshot-test")
+        try:
+            return await request_snapshot(bus, Subjects(info.cluster), "decode-0", timeout_s=10)
+        finally:
+            await bus.close()
+
+    snap = asyncio.run(ask())
+    assert snap is not None and snap.seq >= 1 and snap.blocks.get("device")

@@ -3,7 +3,8 @@
 import time
 
 from kvmesh.bus import Heartbeat
-from services.router.policy import prefix_then_load
+from kvmesh.routing import CostModel
+from services.router.policy import Policies, choose_decode
 from services.router.registry import Registry
 
 
@@ -32,15 +33,36 @@ def test_dispatches_count_until_the_next_heartbeat():
     reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
     reg.observe(beat("d0"))
     reg.observe(beat("d1"))
-    first = prefix_then_load(reg.alive("decode"), {})
+    first = choose_decode(reg.alive("decode"))
     reg.note_dispatch(first)
-    second = prefix_then_load(reg.alive("decode"), {})
+    second = choose_decode(reg.alive("decode"))
     assert {first.id, second.id} == {"d0", "d1"}
 
 
-def test_longest_prefix_wins_then_the_least_loaded():
+def policies(slo: float = 0.0) -> Policies:
+    return Policies("cache_aware", CostModel(prefill_tok_per_s=1000, prefill_overhead_s=0), slo)
+
+
+def test_cache_aware_takes_the_longest_prefix_unless_its_queue_outweighs_it():
     reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
-    reg.observe(beat("p0", role="prefill", waiting=3))
+    reg.observe(beat("p0", role="prefill"))
     reg.observe(beat("p1", role="prefill"))
-    assert prefix_then_load(reg.alive("prefill"), {"p0": 4}).id == "p0"
-    assert prefix_then_load(reg.alive("prefill"), {}).id == "p1"
+    prefills = reg.alive("prefill")
+    assert policies().choose(None, prefills, {"p0": 40}, 1000, 16, 0)[0].id == "p0"
+    reg.note_dispatch(prefills[0], prompt_tokens=5000)  # p0 is now busy for ~5 s
+    assert policies().choose(None, reg.alive("prefill"), {"p0": 40}, 1000, 16, 0)[0].id == "p1"
+
+
+def test_admission_control_rejects_when_the_slo_is_out_of_reach():
+    reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
+    reg.observe(beat("p0", role="prefill"))
+    chosen, decision = policies(slo=0.1).choose(None, reg.alive("prefill"), {}, 1000, 16, 0)
+    assert chosen is None and "SLO" in decision.reason
+
+
+def test_a_request_may_name_its_policy_and_an_unknown_one_is_refused():
+    import pytest
+
+    assert policies().get("round_robin").name == "round_robin"
+    with pytest.raises(ValueError, match="least_loaded"):
+        policies().get("fastest")

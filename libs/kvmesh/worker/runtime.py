@@ -14,20 +14,21 @@ import grpc
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Subjects
+from kvmesh.bus.snapshot import answer_snapshots
 from kvmesh.bus.tracing import trace_context
 from kvmesh.config import EngineConfig
 from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.events import AllBlocksCleared, KVEvent
 from kvmesh.grpc_server import ServiceServer
-from kvmesh.proto.v1 import worker_pb2_grpc
-from kvmesh.transfer import TransferServer
-from kvmesh.worker.config import WorkerConfig
-from kvmesh.worker.decode import DecodeServicer
 from kvmesh.keys import block_keys
+from kvmesh.proto.v1 import worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.config import TelemetryConfig
 from kvmesh.telemetry.metrics import MetricsServer
+from kvmesh.transfer import TransferServer
+from kvmesh.worker.config import WorkerConfig
+from kvmesh.worker.decode import DecodeServicer
 from kvmesh.worker.metrics import WorkerMetrics
 from kvmesh.worker.pool_client import PoolClient
 from kvmesh.worker.prefill import PrefillServicer
@@ -73,6 +74,7 @@ class Worker:
         self.bus = await Bus.connect(self.cfg.nats_url, name=self.instance_id)
         await self.bus.ensure_events_stream(self.subjects)
         self._event_queue.put_nowait([AllBlocksCleared()])  # a fresh instance holds nothing, whatever it held
+        await answer_snapshots(self.bus, self.subjects, self.instance_id, self._snapshot)
         self.pool = PoolClient(self.cfg.cachesvc_address, self.layout) if self.cfg.cachesvc_address else None
         self.transfer_server = None
         if self.serves_decode:
@@ -178,6 +180,11 @@ class Worker:
                        {**attrs, "kvmesh.tokens.prompt": prompt_tokens, "kvmesh.tokens.reused": cached_tokens,
                         "kvmesh.tokens.computed": prompt_tokens - cached_tokens,
                         "kvmesh.preemptions": timing.preemptions})
+
+    async def _snapshot(self) -> tuple[int, list[tuple[int, str]]]:
+        """What cachesvc asks for after a gap in our events: the sequence number first, then the blocks."""
+        seq = self._event_seq
+        return seq, await self.engine.call(lambda e: e.blocks.held_blocks())
 
     async def announce(self, ready: KVReady, parent: Span | None = None) -> None:
         """Publish ``kv.ready`` with ``parent``'s trace context and the send time (decode's ``kv.ready`` span)."""
