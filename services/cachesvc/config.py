@@ -18,6 +18,7 @@ class CacheServiceConfig:
     cluster: str = "local"            # subjects kvmesh.<cluster>.* and stream KVMESH_<cluster>_KV_EVENTS
     host: str = "127.0.0.1"           # gRPC listen address
     port: int = 50060                 # gRPC port (0 = any free port)
+    metrics_port: int = 0             # Prometheus /metrics (0 = any free port, named in the log)
     durable_name: str = "cachesvc"    # JetStream consumer; one per cachesvc replica
     pool_capacity_mb: int = 256       # DRAM tier size (0 = no DRAM tier)
     eviction: str = "lru"             # lru | lfu | slru | priority (every tier)

@@ -23,13 +23,17 @@ import nats.js.errors
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import SpanKind, StatusCode
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, Message, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from kvmesh.telemetry import tracing
+from kvmesh.telemetry.metrics import MetricsServer
 
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.index import BlockIndex
+from services.cachesvc.metrics import CacheMetrics
 from services.cachesvc.pool import Pool
 from services.cachesvc.resync import Resync
 from services.cachesvc.store import LayoutMismatch, PoolFull, StoreUnavailable
@@ -57,20 +61,33 @@ def _request_layout(request: Any) -> KVLayout:
 
 
 def _statuses(method: Handler[R]) -> Handler[R]:
-    """Bad input becomes a gRPC status whose message says what to fix; the server keeps serving."""
+    """Bad input becomes a gRPC status whose message says what to fix; the server keeps serving. Each call is
+    counted and timed, and traced as ``cachesvc.<rpc>`` under the caller's span (W3C context in metadata)."""
+    rpc = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        metrics: CacheMetrics = self.server.metrics
+        span = tracing.start(f"cachesvc.{rpc}", tracing.from_grpc(context), SpanKind.SERVER,
+                             tracing.request_attributes(context))
+        t0, outcome = time.perf_counter(), "ok"
         try:
             return await method(self, request, context)
         except LayoutMismatch as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            outcome, code, msg = "layout_mismatch", grpc.StatusCode.FAILED_PRECONDITION, str(e)
         except PoolFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            outcome, code, msg = "full", grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except StoreUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            outcome, code, msg = "unavailable", grpc.StatusCode.UNAVAILABLE, str(e)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            outcome, code, msg = "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        finally:
+            metrics.requests.labels(rpc, outcome).inc()
+            metrics.latency.labels(rpc).observe(time.perf_counter() - t0)
+            if outcome != "ok":
+                span.set_status(StatusCode.ERROR, outcome)
+            span.end()
+        await context.abort(code, msg)
         raise AssertionError("unreachable: abort raises")
 
     return wrapper
@@ -146,6 +163,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         result = await self._storage(self.pool.put, _request_layout(request), request.block_keys,
                                      request.checksums, request.data, request.priority,
                                      request.priority_duration_s)
+        self.server.metrics.bytes.labels("put").inc(len(request.data))
         return cache_pb2.PutBlocksResponse(stored=result.stored, skipped=result.skipped)
 
     @_statuses
@@ -161,7 +179,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 tiers=got.tiers, lease_id=got.lease_id, leased_blocks=got.leased)
             return encode_get_reply(head, [b.data for b in got.blocks])
 
-        return await self._storage(get)
+        reply = await self._storage(get)
+        self.server.metrics.bytes.labels("get").inc(len(reply))
+        return reply
 
     @_statuses
     async def LeaseBlocks(self, request: cache_pb2.LeaseBlocksRequest,
@@ -208,6 +228,8 @@ class CacheServer:
         self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
         self.pool: Pool | None = None
         self.health = health.aio.HealthServicer()
+        self.metrics = CacheMetrics(self)
+        self.metrics_server: MetricsServer | None = None
         self.port = 0
         self.bus: Bus | None = None
         self.caught_up = False
@@ -233,7 +255,9 @@ class CacheServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
-        log.info("gRPC on %s (NOT_SERVING until the events stream is replayed)", self.address)
+        self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.host, self.cfg.metrics_port)
+        log.info("gRPC on %s (NOT_SERVING until the events stream is replayed); metrics on %s", self.address,
+                 self.metrics_server.url)
 
         self.bus = await Bus.connect(self.cfg.nats_url, f"cachesvc-{self.cfg.durable_name}")
         await self.bus.ensure_events_stream(self.subjects)
@@ -267,6 +291,8 @@ class CacheServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.grpc.stop(grace_s)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         await self.resync.close()
         if self.bus is not None:
             await self.bus.close()

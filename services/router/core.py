@@ -142,7 +142,7 @@ class Router:
         try:
             resp = await self.cache.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=keys),
                                                 timeout=self.cfg.match_timeout_s,
-                                                metadata=tracing.grpc_metadata(span))
+                                                metadata=tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
         except grpc.aio.AioRpcError as e:
             log.warning("MatchPrefix failed (%s); routing by load only", e.code().name)
             self.metrics.match_errors.inc()
@@ -322,3 +322,4 @@ def _model_name(source: str | None, hf_dir: Path) -> str:
     if source is None:
         return "SmolLM2-135M-Instruct"
     return Path(source).stem if Path(source).is_file() else Path(source).name
+

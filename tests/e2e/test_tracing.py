@@ -88,6 +88,7 @@ def test_one_request_is_one_trace_across_the_mesh_and_its_segments_add_up_to_the
         == by_name["router.dispatch"].span_id
     assert by_name["kv.ready"].parent_id == by_name["prefill.request"].span_id  # publish → receive
     assert by_name["cachesvc.match_prefix"].parent_id == by_name["router.route"].span_id
+    assert by_name["cachesvc.MatchPrefix"].parent_id == by_name["cachesvc.match_prefix"].span_id
     for s in tree:
         if s.name != "kv.ready":  # kv.ready carries the request id only (the event has no tenant)
             assert s.attributes["kvmesh.request_id"] == rid, s.name
@@ -149,6 +150,12 @@ def test_every_services_metrics_move_after_a_request(mesh):
     assert decode['kvmesh_worker_kv_transfer_bytes_total{direction="pool_write"}'] > 0
     assert decode['kvmesh_worker_kv_occupancy_ratio{tier="device"}'] > 0
     assert 'kvmesh_worker_kv_fallbacks_total{reason="timeout"}' in decode
+
+    cache = scrape(worker_metrics_url(mesh, "cachesvc"))
+    assert cache['kvmesh_cachesvc_requests_total{outcome="ok",rpc="MatchPrefix"}'] > 0
+    assert cache["kvmesh_cachesvc_indexed_blocks"] > 0 and cache["kvmesh_cachesvc_instances"] == 2
+    assert cache['kvmesh_cachesvc_pool_blocks{tier="dram"}'] > 0
+    assert cache['kvmesh_cachesvc_block_bytes_total{direction="put"}'] > 0
 
 
 def test_kvmesh_trace_prints_the_waterfall_and_renders_a_timeline(mesh, tmp_path):

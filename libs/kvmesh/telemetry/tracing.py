@@ -161,6 +161,22 @@ def grpc_metadata(parent: Parent) -> tuple[tuple[str, str], ...]:
     return tuple(inject(parent).items())
 
 
+# a request's id, model and tenant travel as gRPC metadata so downstream services can label their spans
+REQUEST_METADATA = {"kvmesh.request_id": "x-request-id", "kvmesh.model": "x-kvmesh-model",
+                    "kvmesh.tenant": "x-kvmesh-tenant"}
+
+
+def request_metadata(attrs: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying a request's id, model and tenant (from span attributes)."""
+    return tuple((key, str(attrs[name])) for name, key in REQUEST_METADATA.items() if attrs and name in attrs)
+
+
+def request_attributes(context: Any) -> dict[str, str]:
+    """The inverse of ``request_metadata`` on the serving side (a ``grpc.aio.ServicerContext``)."""
+    md = dict(context.invocation_metadata() or ())
+    return {name: md[key] for name, key in REQUEST_METADATA.items() if key in md}
+
+
 def from_grpc(context: Any) -> Context | None:
     """The remote parent sent in a gRPC call's metadata (a ``grpc.aio.ServicerContext``)."""
     md = context.invocation_metadata() or ()

@@ -112,7 +112,7 @@ class Worker:
         span = tracing.start("prefill.fetch", parent, attributes={**(attrs or {}), "kvmesh.tier": "pool",
                                                                  "kvmesh.pool_blocks": pool_blocks})
         try:
-            n = await self._warm_from_pool(prompt, cache_salt, pool_blocks, span)
+            n = await self._warm_from_pool(prompt, cache_salt, pool_blocks, span, attrs)
         except BaseException as e:
             span.set_status(StatusCode.ERROR, str(e))
             raise
@@ -120,7 +120,8 @@ class Worker:
             span.end()
         return n
 
-    async def _warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int, span: Span) -> int:
+    async def _warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int, span: Span,
+                              attrs: dict[str, Any] | None = None) -> int:
         llm = self.engine.engine
         seed = llm.namespace_seed(cache_salt)
         bs = self.layout.block_size
@@ -132,7 +133,7 @@ class Worker:
             return 0
         keys = block_keys(seed, prompt[:usable * bs], bs)[local:]
         try:
-            blocks = await self.pool.fetch(keys, tracing.grpc_metadata(span))
+            blocks = await self.pool.fetch(keys, tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
         except (grpc.aio.AioRpcError, ValueError) as e:
             log.warning("pool fetch failed, computing instead: %s", e)
             span.set_status(StatusCode.ERROR, f"pool fetch failed: {e}")
@@ -157,7 +158,8 @@ class Worker:
                              {**(attrs or {}), tracing.SEGMENT: False, "kvmesh.tier": "pool",
                               "kvmesh.blocks": len(keys)})
         try:
-            sent = await self.pool.write_back(keys, blocks[:len(keys)], tracing.grpc_metadata(span))
+            sent = await self.pool.write_back(keys, blocks[:len(keys)],
+                                              tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
             self.metrics.transfer_bytes.labels("pool_write").inc(sent * self.layout.block_nbytes)
             span.set_attributes({"kvmesh.blocks_sent": sent, "kvmesh.bytes": sent * self.layout.block_nbytes})
         except grpc.aio.AioRpcError as e:

@@ -1,0 +1,59 @@
+"""cachesvc's Prometheus metrics: RPC outcomes and latency, the index, each pool tier's occupancy and
+evictions, bytes in and out, leases, event gaps and snapshots. Tier and index figures are read at scrape time
+(racy reads of sizes owned by the storage thread; a scrape never blocks storage)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from kvmesh.telemetry.metrics import new_registry
+
+if TYPE_CHECKING:
+    from services.cachesvc.server import CacheServer
+
+P = "kvmesh_cachesvc"
+
+
+class _StateCollector:
+    def __init__(self, server: "CacheServer") -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.server
+        yield GaugeMetricFamily(f"{P}_indexed_blocks", "Block keys in the global index", value=len(s.index))
+        yield GaugeMetricFamily(f"{P}_instances", "Engine instances with indexed blocks",
+                                value=len(s.index.instances()))
+        yield GaugeMetricFamily(f"{P}_event_gaps", "Gaps seen in instances' KV event sequences",
+                                value=s.resync.gaps)
+        yield GaugeMetricFamily(f"{P}_snapshots_applied", "Instance snapshots applied after a gap",
+                                value=s.resync.applied)
+        blocks = GaugeMetricFamily(f"{P}_pool_blocks", "Blocks held per pool tier", labels=["tier"])
+        used = GaugeMetricFamily(f"{P}_pool_bytes", "Bytes held per pool tier", labels=["tier"])
+        occupancy = GaugeMetricFamily(f"{P}_pool_occupancy_ratio", "Used / capacity per pool tier",
+                                      labels=["tier"])
+        evicted = GaugeMetricFamily(f"{P}_pool_evictions", "Blocks evicted per pool tier since start",
+                                    labels=["tier"])
+        leased = GaugeMetricFamily(f"{P}_leased_blocks", "Blocks pinned by live leases")
+        if s.pool is not None:
+            for t in s.pool.tiers:
+                blocks.add_metric([t.name], len(t))
+                used.add_metric([t.name], t.used_bytes)
+                occupancy.add_metric([t.name], t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0)
+                evicted.add_metric([t.name], t.evicted)
+            leased.add_metric([], s.pool.leases.pinned_keys)
+        yield from (blocks, used, occupancy, evicted, leased)
+
+
+class CacheMetrics:
+    def __init__(self, server: "CacheServer") -> None:
+        self.registry = new_registry()
+        self.requests = Counter(f"{P}_requests", "RPCs by method and outcome", ["rpc", "outcome"],
+                                registry=self.registry)
+        self.latency = Histogram(f"{P}_rpc_seconds", "RPC handling time", ["rpc"], registry=self.registry,
+                                 buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3))
+        self.bytes = Counter(f"{P}_block_bytes", "Block bytes stored (put) and served (get)", ["direction"],
+                             registry=self.registry)
+        self.registry.register(_StateCollector(server))
