@@ -238,7 +238,7 @@ class Router:
             yield chunk
 
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace):
-        self.registry.note_dispatch(inst, len(work.prompt_token_ids))
+        done = self.registry.dispatched(inst, len(work.prompt_token_ids))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, prefill_locally=True), metadata=tracing.grpc_metadata(dispatch))
@@ -253,12 +253,13 @@ class Router:
                     cached = msg.cached_tokens
                 yield _chunk(msg), cached_tokens
         finally:
+            done()
             dispatch.end()
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
                              rt: RequestTrace):
-        self.registry.note_dispatch(prefill, len(work.prompt_token_ids))
-        self.registry.note_dispatch(decode)
+        prefill_done = self.registry.dispatched(prefill, len(work.prompt_token_ids))
+        decode_done = self.registry.dispatched(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
                                                                    "kvmesh.decode_instance": decode.id})
         md = tracing.grpc_metadata(dispatch)
@@ -270,6 +271,7 @@ class Router:
                                           decode_transfer_address=decode.beat.transfer_address), metadata=md))
         prefill_call.add_done_callback(
             lambda f: _log_prefill_failure(f, work.request_id, prefill.id, rt.trace_id))
+        prefill_call.add_done_callback(lambda _: prefill_done())
         decode_cached, fallback = 0, False
 
         async def cached_tokens() -> int:
@@ -287,6 +289,7 @@ class Router:
                         rt.fallback(msg.fallback_reason)
                 yield _chunk(msg), cached_tokens
         finally:
+            decode_done()
             dispatch.end()
             if not prefill_call.done():
                 prefill_call.cancel()

@@ -9,8 +9,8 @@ from services.router.registry import Instance
 
 
 def to_candidates(instances: list[Instance], matched: dict[str, int]) -> list[Candidate]:
-    return [Candidate(i.id, queued_tokens=int(i.beat.load.get("waiting_tokens", 0)),
-                      running=int(i.beat.load.get("running", 0)), local_blocks=matched.get(i.id, 0),
+    return [Candidate(i.id, queued_tokens=int(i.waiting_tokens), running=int(i.queue_depth),
+                      local_blocks=matched.get(i.id, 0),
                       free_blocks=int(i.beat.load.get("free_blocks", 0)))
             for i in instances]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from kvmesh.bus import Heartbeat
 
@@ -15,6 +16,8 @@ log = logging.getLogger(__name__)
 class Instance:
     beat: Heartbeat
     last_seen: float
+    inflight: int = 0            # requests this router sent there and has not seen finish
+    inflight_tokens: int = 0     # their prompt tokens (prefill work not yet done, as far as we know)
 
     @property
     def id(self) -> str:
@@ -22,8 +25,14 @@ class Instance:
 
     @property
     def queue_depth(self) -> float:
+        """The larger of what the instance last reported and what we know we sent it: a heartbeat sent before
+        our request reached its engine must not make a busy instance look idle."""
         load = self.beat.load
-        return load.get("running", 0) + load.get("waiting", 0)
+        return max(load.get("running", 0) + load.get("waiting", 0), self.inflight)
+
+    @property
+    def waiting_tokens(self) -> float:
+        return max(self.beat.load.get("waiting_tokens", 0), self.inflight_tokens)
 
 
 class Registry:
@@ -33,6 +42,7 @@ class Registry:
         self.fingerprint = fingerprint
         self._instances: dict[str, Instance] = {}
         self._refused: set[str] = set()
+        self._gone: dict[str, Instance] = {}
 
     def observe(self, beat: Heartbeat) -> None:
         if beat.block_size != self.block_size or beat.model != self.fingerprint:
@@ -44,7 +54,9 @@ class Registry:
             return
         if beat.instance_id not in self._instances:
             log.info("instance %s (%s) joined at %s", beat.instance_id, beat.role, beat.grpc_address)
-        self._instances[beat.instance_id] = Instance(beat, time.monotonic())
+        old = self._instances.get(beat.instance_id)
+        self._instances[beat.instance_id] = Instance(beat, time.monotonic(), old.inflight if old else 0,
+                                                     old.inflight_tokens if old else 0)
 
     def alive(self, *roles: str) -> list[Instance]:
         now = time.monotonic()
@@ -53,7 +65,24 @@ class Registry:
             del self._instances[iid]
         return [i for i in self._instances.values() if not roles or i.beat.role in roles]
 
-    def note_dispatch(self, inst: Instance, prompt_tokens: int = 0) -> None:
-        """Count a request we just sent, so concurrent decisions before its next heartbeat see it."""
-        inst.beat.load["waiting"] = inst.beat.load.get("waiting", 0) + 1
-        inst.beat.load["waiting_tokens"] = inst.beat.load.get("waiting_tokens", 0) + prompt_tokens
+    def dispatched(self, inst: Instance, prompt_tokens: int = 0) -> Callable[[], None]:
+        """Count a request we are sending to ``inst`` until the returned ``done`` is called (once)."""
+        iid = inst.id
+        self._live(iid).inflight += 1
+        self._live(iid).inflight_tokens += prompt_tokens
+        called = False
+
+        def done() -> None:
+            nonlocal called
+            if not called:
+                called = True
+                cur = self._live(iid)
+                cur.inflight = max(0, cur.inflight - 1)
+                cur.inflight_tokens = max(0, cur.inflight_tokens - prompt_tokens)
+        return done
+
+    def _live(self, iid: str) -> Instance:
+        """The current record of an instance (heartbeats replace records); a dropped one gets a scratch record."""
+        return self._instances.get(iid) or self._gone.setdefault(iid, Instance(Heartbeat(
+            instance_id=iid, role="decode", grpc_address="", transfer_address="", ts=0.0, load={}, model="",
+            block_size=0), 0.0))

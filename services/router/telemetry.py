@@ -182,6 +182,6 @@ def route_attributes(role: str, candidates: list, matched: Mapping[str, int], ch
     leading blocks cached there, queue depth, waiting tokens) and the one chosen."""
     return {f"kvmesh.route.{role}.candidates": [c.id for c in candidates],
             f"kvmesh.route.{role}.scores": [f"cached_blocks={matched.get(c.id, 0)} queue={c.queue_depth:g} "
-                                            f"waiting_tokens={c.beat.load.get('waiting_tokens', 0):g}"
+                                            f"waiting_tokens={c.waiting_tokens:g}"
                                             for c in candidates],
             f"kvmesh.route.{role}.choice": chosen.id}

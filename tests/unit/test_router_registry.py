@@ -34,9 +34,13 @@ def test_dispatches_count_until_the_next_heartbeat():
     reg.observe(beat("d0"))
     reg.observe(beat("d1"))
     first = choose_decode(reg.alive("decode"))
-    reg.note_dispatch(first)
+    done = reg.dispatched(first)
+    reg.observe(beat(first.id))  # a heartbeat sent before our request reached its engine: still idle there
     second = choose_decode(reg.alive("decode"))
     assert {first.id, second.id} == {"d0", "d1"}
+    done()
+    done()  # idempotent
+    assert all(i.inflight == 0 for i in reg.alive())
 
 
 def policies(slo: float = 0.0) -> Policies:
@@ -49,7 +53,7 @@ def test_cache_aware_takes_the_longest_prefix_unless_its_queue_outweighs_it():
     reg.observe(beat("p1", role="prefill"))
     prefills = reg.alive("prefill")
     assert policies().choose(None, prefills, {"p0": 40}, 1000, 16, 0)[0].id == "p0"
-    reg.note_dispatch(prefills[0], prompt_tokens=5000)  # p0 is now busy for ~5 s
+    reg.dispatched(prefills[0], prompt_tokens=5000)  # p0 is now busy for ~5 s
     assert policies().choose(None, reg.alive("prefill"), {"p0": 40}, 1000, 16, 0)[0].id == "p1"
 
 
