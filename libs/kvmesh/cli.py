@@ -71,6 +71,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvmesh.bench import serve as bench  # noqa: PLC0415
     elif args.what == "ablation":
         from kvmesh.bench import ablation as bench  # noqa: PLC0415
+    elif args.what == "routing":
+        from kvmesh.bench import routing as bench  # noqa: PLC0415
     elif args.what == "tracing":
         from kvmesh.bench import tracing as bench  # noqa: PLC0415
     else:
