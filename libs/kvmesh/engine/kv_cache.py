@@ -56,7 +56,7 @@ class KVLayout:
         n = 1
         for d in self.block_shape:
             n *= d
-        return n * torch.empty((), dtype=storage_dtype(self.dtype)).element_size()
+        return n * storage_dtype(self.dtype).itemsize
 
 
 class DeviceKVPool:
