@@ -19,6 +19,7 @@ class RouterConfig:
     instance_timeout_s: float = 3.0      # an instance that has not beaten for this long is dropped
     kv_timeout_s: float = 10.0           # passed to decode: wait for kv.ready this long, then recompute
     match_timeout_s: float = 0.5         # MatchPrefix deadline; past it, route by load alone
+    request_timeout_s: float = 600.0     # deadline of the Prefill and Decode calls of one request
     policy: str = "cache_aware"          # round_robin | random | least_loaded | cache_aware (per request:
                                          # HTTP header / gRPC metadata x-kvmesh-policy)
     slo_ttft_s: float = 0.0              # admission: reject (429) when no instance's estimated TTFT meets it; 0 = off

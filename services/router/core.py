@@ -241,7 +241,8 @@ class Router:
         done = self.registry.dispatched(inst, len(work.prompt_token_ids))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, prefill_locally=True), metadata=tracing.grpc_metadata(dispatch))
+            worker_pb2.DecodeRequest(work=work, prefill_locally=True), metadata=tracing.grpc_metadata(dispatch),
+            timeout=self.cfg.request_timeout_s)
         cached = 0
 
         async def cached_tokens() -> int:
@@ -264,11 +265,13 @@ class Router:
                                                                    "kvmesh.decode_instance": decode.id})
         md = tracing.grpc_metadata(dispatch)
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s), metadata=md)
+            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s), metadata=md,
+            timeout=self.cfg.request_timeout_s)
         prefill_call = asyncio.ensure_future(
             worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
                 worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
-                                          decode_transfer_address=decode.beat.transfer_address), metadata=md))
+                                          decode_transfer_address=decode.beat.transfer_address), metadata=md,
+                timeout=self.cfg.request_timeout_s))
         prefill_call.add_done_callback(
             lambda f: _log_prefill_failure(f, work.request_id, prefill.id, rt.trace_id))
         prefill_call.add_done_callback(lambda _: prefill_done())

@@ -6,6 +6,7 @@ import json
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -90,5 +91,22 @@ def test_a_dead_prefill_costs_latency_not_the_answer(tmp_path_factory):
         # until missed heartbeats drop it, the router may still pick the dead prefill: decode recomputes
         got = chat(stack, "Say hello in French.")
         assert got["choices"][0]["message"]["content"] == expected
+    finally:
+        stack.stop()
+
+
+def test_every_request_has_a_deadline(tmp_path_factory):
+    stack = start_stack(tmp_path_factory, "deadline", env={"KVMESH_REQUEST_TIMEOUT_S": "1.5"})
+    try:
+        body = json.dumps({"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        t0 = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=60)
+        assert err.value.code == 503 and "DEADLINE_EXCEEDED" in json.load(err.value)["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        assert chat(stack, "Hi", max_tokens=2)["choices"][0]["message"]["content"]  # still serving
     finally:
         stack.stop()
