@@ -11,11 +11,11 @@ from collections import OrderedDict
 
 import grpc
 import torch
-import xxhash
 
 from kvmesh.convert import layout_to_proto
 from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
+from kvmesh.transfer.header import block_checksums
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -47,8 +47,7 @@ class PoolClient:
         for start in range(0, len(todo), per_call):
             idx = todo[start:start + per_call]
             data = _as_bytes(blocks[idx])
-            sums = [xxhash.xxh3_64_intdigest(data[i * self.block_nbytes:(i + 1) * self.block_nbytes])
-                    for i in range(len(idx))]
+            sums = block_checksums(data, self.block_nbytes)
             await self.stub.PutBlocks(cache_pb2.PutBlocksRequest(
                 layout=self.proto_layout, block_keys=[keys[i] for i in idx], checksums=sums, data=bytes(data)),
                 metadata=metadata)
@@ -67,10 +66,10 @@ class PoolClient:
             return None
         if list(resp.block_keys) != keys[:n] or len(resp.data) != n * self.block_nbytes:
             raise ValueError("the pool answered with blocks that were not asked for")
-        view = memoryview(resp.data)
-        for i in range(n):
-            if xxhash.xxh3_64_intdigest(view[i * self.block_nbytes:(i + 1) * self.block_nbytes]) != resp.checksums[i]:
-                raise ValueError(f"pool block {i} fails its checksum; not used")
+        sums = block_checksums(memoryview(resp.data), self.block_nbytes)
+        bad = [i for i, (got, sent) in enumerate(zip(sums, resp.checksums)) if got != sent]
+        if bad:
+            raise ValueError(f"pool blocks {bad} fail their checksums; not used")
         raw = torch.frombuffer(bytearray(resp.data), dtype=torch.uint8)
         return raw.view(storage_dtype(self.layout.dtype)).view(n, *self.layout.block_shape)
 
