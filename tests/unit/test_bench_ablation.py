@@ -74,3 +74,35 @@ def test_the_table_reports_tokens_saved_failures_and_correctness():
     body = ablation.report(results, ablation.configs(), SLO(), args)
     assert "| B | local prefix cache | 0 | 0.0 | 1/1 |" in body
     assert "| cold start | B | 1/2 | 1 / 0 |" in body and "60 / 100 (60%)" in body
+
+
+def test_bytes_loaded_per_tier_come_from_the_engines_metrics():
+    import http.server
+    import threading
+
+    pages = ['kvmesh_worker_kv_block_bytes 1000.0\n'
+             'kvmesh_worker_kv_host_moves_total{direction="load"} 3.0\n'
+             'kvmesh_worker_kv_host_moves_total{direction="spill"} 9.0\n'
+             'kvmesh_worker_kv_transfer_bytes_total{direction="pool_fetch"} 500.0\n'
+             'kvmesh_worker_kv_transfer_bytes_total{direction="push"} 70.0\n'
+             'kvmesh_worker_kv_transfer_bytes_total{direction="receive"} 70.0\n',
+             'kvmesh_worker_kv_block_bytes 10.0\nkvmesh_worker_kv_host_moves_total{direction="load"} 2.0\n']
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = pages[int(self.path.strip("/").split("/")[0])].encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_port}"
+        got = ablation.loaded_bytes([f"{base}/0/metrics", f"{base}/1/metrics", "http://127.0.0.1:1/metrics"])
+    finally:
+        srv.shutdown()
+    assert got == {"host": 3 * 1000 + 2 * 10, "pool": 500.0, "pd": 70.0}  # the dead engine counts nothing

@@ -22,8 +22,10 @@ Scenarios, in this order on each fresh stack (after one unmeasured warm-up reque
   is killed with SIGKILL. Failures and timeouts are counted; every request has a client timeout.
 
 Correctness: greedy outputs of every configuration are compared with A's, request by request (failure excluded).
-"Prefill tokens saved" is the sum of ``usage.prompt_tokens_details.cached_tokens``. Bytes loaded per tier are not
-visible from outside the engines; the pool's bytes held (cachesvc ``Stats``) are reported instead.
+"Prefill tokens saved" is the sum of ``usage.prompt_tokens_details.cached_tokens``. Bytes loaded per tier come
+from the engines' Prometheus metrics, scraped before and after each scenario: host → device (host-tier blocks
+loaded × block bytes), pool → engine (``kv_transfer_bytes{direction="pool_fetch"}``) and prefill → decode (the KV
+pushes); the pool's bytes held at the end (cachesvc ``Stats``) are reported too.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import re
+import urllib.request
+
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.bench import workloads as wl
 from kvmesh.bench.report import markdown_table, write_section
@@ -116,12 +122,53 @@ def pool_bytes(stack: Stack) -> int | None:
         return None
 
 
+TIERS = ("host", "pool", "pd")  # host → device, pool → engine, prefill → decode
+
+
+def metrics_urls(stack: Stack) -> list[str]:
+    """Each engine's /metrics URL, from the line its log starts with (``metrics on http://...``)."""
+    urls = []
+    for s in stack.services:
+        if s.name.split("-")[0] in ("prefill", "decode", "both"):
+            m = re.search(r"metrics on (http://\S+)", s.log_path.read_text(errors="replace"))
+            if m:
+                urls.append(m.group(1).rstrip("/,") + ("" if m.group(1).endswith("/metrics") else "/metrics"))
+    return urls
+
+
+def loaded_bytes(urls: list[str]) -> dict[str, float]:
+    """Bytes loaded so far per tier, summed over the engines (a dead engine counts nothing)."""
+    out = dict.fromkeys(TIERS, 0.0)
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        block_bytes, host_loads = 0.0, 0.0
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name == "kvmesh_worker_kv_block_bytes":
+                    block_bytes = smp.value
+                elif smp.name == "kvmesh_worker_kv_host_moves_total" and smp.labels.get("direction") == "load":
+                    host_loads = smp.value
+                elif smp.name == "kvmesh_worker_kv_transfer_bytes_total":
+                    direction = smp.labels.get("direction")
+                    if direction == "pool_fetch":
+                        out["pool"] += smp.value
+                    elif direction == "push":
+                        out["pd"] += smp.value
+        out["host"] += host_loads * block_bytes
+    return out
+
+
 @dataclass
 class ScenarioResult:
     config: str
     scenario: str
     run: RunResult
     pool_bytes: int | None
+    loaded: dict[str, float] = field(default_factory=dict)  # bytes loaded per tier during the scenario
     killed_at_s: float | None = None
     startup_s: float = 0.0
     load_avg: float = 0.0          # the machine's 1-minute load average when the stack started
@@ -142,13 +189,17 @@ def run_config(cfg: Config, work: dict[str, wl.Workload], opts: RunOptions, devi
     try:
         warm = wl.low_reuse(1, 20, 4, seed=12345)
         asyncio.run(run_workload(url, warm, opts, progress=False))
+        urls = metrics_urls(stack)
         for name, workload in work.items():
             killed: list[float] = []
             on_record = None
             if name == "failure":
                 on_record = _killer(stack, cfg, kill_after, killed)
+            before = loaded_bytes(urls)
             run = asyncio.run(run_workload(url, workload, opts, f"[{cfg.name}] {name}", on_record=on_record))
+            after = loaded_bytes(urls)
             out.append(ScenarioResult(cfg.name, name, run, pool_bytes(stack) if cfg.pool else None,
+                                      {t: max(0.0, after[t] - before[t]) for t in TIERS},
                                       killed[0] if killed else None, startup, load))
     finally:
         stack.stop()
@@ -205,6 +256,8 @@ def rows(results: list[ScenarioResult], slo: SLO) -> list[dict]:
                 "goodput req/s": f"{s['goodput_req_s']:.2f} ({s['slo_met']}/{s['requests']})",
                 "prefill tokens saved": f"{saved} / {s['prompt_tokens']}" + (
                     "" if not s["prompt_tokens"] else f" ({saved / s['prompt_tokens'] * 100:.0f}%)"),
+                "MB loaded host / pool / PD": "-" if n or not r.loaded else " / ".join(
+                    f"{r.loaded[t] / 2**20:.1f}" for t in TIERS),
                 "pool MB held": "-" if r.pool_bytes is None else f"{r.pool_bytes / 2**20:.1f}",
                 "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"], "cached_tokens": saved,
                 "summary": s,
@@ -213,7 +266,7 @@ def rows(results: list[ScenarioResult], slo: SLO) -> list[dict]:
 
 
 COLUMNS = ["scenario", "config", "ok", "failed / timed out", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms",
-           "goodput req/s", "prefill tokens saved", "pool MB held"]
+           "goodput req/s", "prefill tokens saved", "MB loaded host / pool / PD", "pool MB held"]
 
 
 def report(results: list[ScenarioResult], cfgs: dict[str, Config], slo: SLO, args: argparse.Namespace) -> str:
@@ -231,10 +284,11 @@ def report(results: list[ScenarioResult], cfgs: dict[str, Config], slo: SLO, arg
              "host tier. Default model, fp32, 1 torch thread per engine (E: 2, so D and E both use 2 cores). "
              f"SLO: TTFT ≤ {slo.ttft_s:g} s and mean ITL ≤ {slo.itl_s:g} s.")
     notes = (f"Failure: the decode process (E: the only engine) got SIGKILL after {args.kill_after} answers "
-             f"({'; '.join(kills) or 'never reached'}); the router does not retry yet, so what was in flight or "
-             "sent later failed fast or timed out. Bytes loaded per tier are not exported by the engines (no "
-             "metrics yet), so the table shows tokens saved across all tiers together and the pool's bytes held "
-             "at the end of each scenario. Load avg: the machine's 1-minute load average when the configuration's "
+             f"({'; '.join(kills) or 'never reached'}); the router retries a request on another instance when its "
+             "instance is unreachable before the first token, but these stacks have a single decode, so what was "
+             "in flight or sent later failed fast or timed out. MB loaded per tier, summed over the engines for the "
+             "whole scenario (a multi-phase scenario shows it on its first row): host → device tier loads, pool → "
+             "engine fetches, prefill → decode KV pushes (D only). Load avg: the machine's 1-minute load average when the configuration's "
              "stack started (2 cores; other jobs share the machine): latencies move with it, tokens saved and "
              "outputs do not.")
     return "\n\n".join([intro, markdown_table(correctness, ["config", "meaning", "stack up s", "load avg",
@@ -297,7 +351,7 @@ def write_outputs(out: Path, results: list[ScenarioResult], slo: SLO, body: str)
     out.mkdir(parents=True, exist_ok=True)
     table = rows(results, slo)
     data = {"rows": [{k: v for k, v in row.items() if k != "order"} for row in table],
-            "runs": [{"config": r.config, "scenario": r.scenario, "pool_bytes": r.pool_bytes,
+            "runs": [{"config": r.config, "scenario": r.scenario, "pool_bytes": r.pool_bytes, "loaded_bytes": r.loaded,
                       "killed_at_s": r.killed_at_s, "startup_s": r.startup_s, "load_avg": r.load_avg,
                       "records": [asdict(x) for x in r.run.records]} for r in results]}
     (out / "results.json").write_text(json.dumps(_json_safe(data), indent=1))

@@ -95,6 +95,8 @@ class EngineCollector(Collector):
         blocks.add_metric(["host", "capacity"], host_capacity)
         blocks.add_metric(["host", "used"], load.host_blocks)
         yield blocks
+        yield GaugeMetricFamily(f"{p}_kv_block_bytes", "Bytes of one KV block (every layer, K and V) as stored: "
+                                "blocks moved times this is bytes moved", value=e.layout.block_nbytes)
         occ = GaugeMetricFamily(f"{p}_kv_occupancy_ratio", "Used share of each KV tier", labels=["tier"])
         occ.add_metric(["device"], (load.total_blocks - load.free_blocks) / max(1, load.total_blocks))
         occ.add_metric(["host"], load.host_blocks / host_capacity if host_capacity else 0.0)
