@@ -23,6 +23,8 @@ class WorkerConfig:
     heartbeat_s: float = 1.0
     metrics_port: int = 0              # Prometheus /metrics (0 = a free one; the log names it)
     fault_drop_kv_ready: bool = False  # fault injection (tests): prefill pushes KV but never announces it
+    fault_corrupt_pushes: int = 0      # fault injection (tests): the first N KV pushes get a byte flipped on the wire
+    fault_stall_pushes: int = 0        # fault injection (tests): the first N: kv.ready goes out, the blocks stall
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -19,6 +19,7 @@ from kvmesh.engine.async_engine import RequestTiming
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
+from kvmesh.worker.faults import FaultyTransferClient, Stalls
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,9 @@ log = logging.getLogger(__name__)
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, worker) -> None:
         self.w = worker
-        self.transfer = TransferClient()
+        cfg = worker.cfg
+        self.transfer = FaultyTransferClient(cfg.fault_corrupt_pushes) if cfg.fault_corrupt_pushes else TransferClient()
+        self.stalls = Stalls(cfg.fault_stall_pushes)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         work = request.work
@@ -85,6 +88,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                              {**attrs, "kvmesh.decode_instance": request.decode_instance,
                               "kvmesh.transfer_backend": w.cfg.transfer_backend,
                               "kvmesh.blocks": int(kv.blocks.shape[0]), "kvmesh.tokens": kv.num_tokens})
+        if self.stalls.take():
+            log.warning("request %s: fault injection: kv.ready announced, the KV push stalls", work.request_id)
+            await w.announce(ready, span)
+            await self.stalls.stall()
         try:
             stats = await self.transfer.push(request.decode_transfer_address, transfer_id, w.layout, kv.blocks,
                                              kv.block_keys, kv.num_tokens)
@@ -94,8 +101,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             push.set_status(StatusCode.ERROR, f"KV push failed: {e}")
             push.end()
             await w.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}"), span)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"KV push to {request.decode_instance} failed: {e}")
+            # ABORTED, not UNAVAILABLE: decode was told and recomputes, so the router must not retry elsewhere
+            await context.abort(grpc.StatusCode.ABORTED, f"KV push to {request.decode_instance} failed: {e}")
         push.set_attributes({"kvmesh.bytes": stats.nbytes, "kvmesh.gbps": round(stats.gbps, 3)})
         push.end()
         w.metrics.transfer_bytes.labels("push").inc(stats.nbytes)
