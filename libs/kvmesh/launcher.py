@@ -20,8 +20,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh import config, tls
 from kvmesh.bus import NatsServer
 from kvmesh.bus.nats_server import free_port
+from kvmesh.tls import TLSConfig
 from kvmesh.state import StackInfo
 from kvmesh.telemetry.spans import trace_file
 
@@ -71,7 +73,8 @@ class Stack:
         common = ["--nats-url", nats_url, "--cluster", o.cluster]
         try:
             cache_port = o.cachesvc_port or free_port()
-            self._spawn("cachesvc", ["services.cachesvc", "--port", str(cache_port), *common], cache_port)
+            self._spawn("cachesvc", ["services.cachesvc", "--port", str(cache_port), "--transfer-backend",
+                                     o.transfer_backend, *common], cache_port)
             model = ["--model", o.model] if o.model else []
             pool = ["--cachesvc-address", f"{HOST}:{cache_port}"] if o.pool else []
             for role, count in (("prefill", o.prefill), ("decode", o.decode), ("both", o.both)):
@@ -109,12 +112,13 @@ class Stack:
 
     def _wait_ready(self, deadline: float) -> None:
         pending = list(self.services)
+        tls_cfg = config.load(TLSConfig, env={**os.environ, **self.opts.env})  # what the services were given
         while pending:
             for s in list(pending):
                 if s.proc.poll() is not None:
                     raise RuntimeError(f"{s.name} exited with code {s.proc.returncode}; last log lines:\n"
                                        + _tail(s.log_path))
-                if _serving(s.grpc_address):
+                if _serving(s.grpc_address, tls_cfg):
                     pending.remove(s)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy in time: {', '.join(s.name for s in pending)}; see {self.log_dir}")
@@ -149,9 +153,9 @@ class Stack:
         self.stop()
 
 
-def _serving(address: str) -> bool:
+def _serving(address: str, tls_cfg: TLSConfig | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with tls.channel(address, cfg=tls_cfg) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
         return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:

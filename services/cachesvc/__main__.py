@@ -1,4 +1,5 @@
-"""``python -m services.cachesvc [--config FILE] [--port N] [--nats-url URL] [--cluster C]``"""
+"""``python -m services.cachesvc [--config FILE] [--port N] [--nats-url URL] [--cluster C]
+[--transfer-backend tcp|shm|mooncake] [--transfer-port N]``"""
 
 from __future__ import annotations
 
@@ -20,11 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, help="gRPC port (0 = any free port)")
     parser.add_argument("--nats-url", help="NATS server URL, e.g. nats://127.0.0.1:4222")
     parser.add_argument("--cluster", help="cluster name: the kvmesh.<cluster>.* subjects")
+    parser.add_argument("--transfer-backend", help="the transfer endpoint's backend: tcp, shm or mooncake")
+    parser.add_argument("--transfer-port", type=int, help="the transfer endpoint's port (0 = any free port)")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=os.environ.get("KVMESH_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, port=args.port, nats_url=args.nats_url, cluster=args.cluster)
+        cfg = load_config(args.config, port=args.port, nats_url=args.nats_url, cluster=args.cluster,
+                          transfer_backend=args.transfer_backend, transfer_port=args.transfer_port)
     except (OSError, ValueError) as e:
         log.error("bad settings: %s", e)
         return 2

@@ -10,6 +10,7 @@ from typing import Any
 from kvmesh import config
 from kvmesh.bus import Subjects
 from kvmesh.engine.eviction import make_policy
+from kvmesh.transfer.backends import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class CacheServiceConfig:
     mooncake_host: str = "127.0.0.1"  # this process's address as other store nodes reach it
     mooncake_segment_mb: int = 256    # memory this process lends to the store (>= 16)
     mooncake_replicas: int = 1        # copies the store keeps of each block
+    transfer_backend: str = "tcp"     # tcp | shm | mooncake: the transfer endpoint engines push blocks to
+    transfer_port: int = 0            # its port (0 = any free port; Stats names it)
+    transfer_timeout_s: float = 10.0  # a GetBlocks push, or PutBlocks' wait for its pushed blocks, at most
+    transfer_buffer_mb: int = 1024    # pushed blocks held at once before their PutBlocks takes them
+    max_transfer_mb: int = 256        # the most one GetBlocks pushes (the rest is for the next call)
 
     def __post_init__(self) -> None:
         Subjects(self.cluster)  # ValueError on a bad cluster name
@@ -57,6 +63,12 @@ class CacheServiceConfig:
                               or self.mooncake_replicas < 1):
             raise ValueError("with external = 'mooncake', external_capacity_mb and mooncake_replicas must be >= 1 "
                              "and mooncake_segment_mb >= 16")
+        if self.transfer_backend not in BACKENDS:
+            raise ValueError(f"transfer_backend {self.transfer_backend!r} is not one of {', '.join(BACKENDS)}")
+        if not 0 <= self.transfer_port < 65536:
+            raise ValueError(f"transfer_port must be in [0, 65535], got {self.transfer_port}")
+        if self.transfer_timeout_s <= 0 or self.transfer_buffer_mb < 1 or self.max_transfer_mb < 1:
+            raise ValueError("transfer_timeout_s must be > 0, transfer_buffer_mb and max_transfer_mb >= 1")
         if not self.durable_name or any(c in self.durable_name for c in ".*> \t"):
             raise ValueError(f"durable_name {self.durable_name!r} must be non-empty, "
                              "without '.', '*', '>' or spaces")

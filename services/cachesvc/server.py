@@ -1,4 +1,10 @@
-"""The cache service process: gRPC ``CacheService`` + health + reflection, fed by the KV events stream.
+"""The cache service process: gRPC ``CacheService`` + health + reflection, fed by the KV events stream, and a
+transfer endpoint (``kvmesh.transfer``) through which block bytes move.
+
+Block bytes travel beside the RPCs, not in them: a writer pushes its blocks to cachesvc's transfer endpoint
+(``Stats.transfer_address``), then calls ``PutBlocks`` with the keys, checksums and the transfer id; a reader
+names its own transfer endpoint in ``GetBlocks``, cachesvc leases the hit blocks, pushes them there, releases
+the lease and answers with keys and checksums. Inline ``data`` still works for clients that name no transfer.
 
 Two owners. The event loop owns the index, the resync and liveness (gRPC handlers, the events consumer, the
 heartbeat subscriber and the reaper all run on it). One storage thread owns the pool (its tiers and leases), so
@@ -20,23 +26,29 @@ from typing import Any, TypeVar
 
 import grpc
 import nats.js.errors
+import torch
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind, StatusCode
+
+from kvmesh import tls
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, Message, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
-from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
+from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer.header import layout_mismatch
+from kvmesh.transfer.wire import parse_address, tensor_bytes
 
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.index import BlockIndex
 from services.cachesvc.metrics import CacheMetrics
-from services.cachesvc.pool import Pool
+from services.cachesvc.pool import GetResult, Pool
 from services.cachesvc.resync import Resync
-from services.cachesvc.store import LayoutMismatch, PoolFull, StoreUnavailable
+from services.cachesvc.store import LayoutMismatch, PoolFull, StoredBlock, StoreUnavailable
 
 log = logging.getLogger("cachesvc")
 
@@ -46,6 +58,10 @@ _MESSAGE_OVERHEAD = 64 << 10  # room for keys and checksums next to the data of 
 
 R = TypeVar("R")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+
+
+class TransferFailed(RuntimeError):
+    """Block bytes did not move: a push that failed or timed out, or pushed blocks that never arrived."""
 
 
 def layout_from_proto(msg: common_pb2.BlockLayout) -> KVLayout:
@@ -75,6 +91,10 @@ def _statuses(method: Handler[R]) -> Handler[R]:
             return await method(self, request, context)
         except LayoutMismatch as e:
             outcome, code, msg = "layout_mismatch", grpc.StatusCode.FAILED_PRECONDITION, str(e)
+        except TransferRejected as e:
+            outcome, code, msg = "transfer_rejected", grpc.StatusCode.FAILED_PRECONDITION, e.reason
+        except TransferFailed as e:
+            outcome, code, msg = "transfer_failed", grpc.StatusCode.UNAVAILABLE, str(e)
         except PoolFull as e:
             outcome, code, msg = "full", grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except StoreUnavailable as e:
@@ -124,6 +144,16 @@ def add_cache_service(servicer: CacheService, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
+def _as_blocks(layout: KVLayout, blocks: list[StoredBlock]) -> torch.Tensor:
+    """``blocks`` back to back in one fresh buffer, as ``[n, *layout.block_shape]`` in the storage dtype."""
+    nbytes = layout.block_nbytes
+    buf = torch.empty(len(blocks) * nbytes, dtype=torch.uint8)
+    view = tensor_bytes(buf)
+    for i, b in enumerate(blocks):
+        view[i * nbytes:(i + 1) * nbytes] = b.data
+    return buf.view(storage_dtype(layout.dtype)).view(len(blocks), *layout.block_shape)
+
+
 def _lease_s(value: float, max_lease_s: float, required: bool) -> float:
     low = "(0" if required else "[0"
     if not (0 < value if required else 0 <= value) or value > max_lease_s:
@@ -160,17 +190,45 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                         context: grpc.aio.ServicerContext) -> cache_pb2.PutBlocksResponse:
         if request.priority_duration_s < 0:
             raise ValueError(f"priority_duration_s must be >= 0 (0 = forever), got {request.priority_duration_s}")
-        result = await self._storage(self.pool.put, _request_layout(request), request.block_keys,
-                                     request.checksums, request.data, request.priority,
-                                     request.priority_duration_s)
-        self.server.metrics.bytes.labels("put").inc(len(request.data))
+        layout = _request_layout(request)
+        data: bytes | memoryview = request.data
+        if request.transfer_id:
+            if request.data:
+                raise ValueError("set either data (inline blocks) or transfer_id (pushed blocks), not both")
+            data = await self._take_pushed(request.transfer_id, layout, list(request.block_keys))
+        result = await self._storage(self.pool.put, layout, request.block_keys, request.checksums, data,
+                                     request.priority, request.priority_duration_s)
+        self.server.metrics.bytes.labels("put").inc(len(data))
         return cache_pb2.PutBlocksResponse(stored=result.stored, skipped=result.skipped)
+
+    async def _take_pushed(self, transfer_id: str, layout: KVLayout, keys: list[int]) -> memoryview:
+        """The bytes pushed under ``transfer_id``, once they match the request's layout and keys (the transfer
+        server verified them against the push's checksums; the pool checks them against the request's)."""
+        transfer = self.server.transfer
+        timeout = self.cfg.transfer_timeout_s
+        try:
+            got = await transfer.take(transfer_id, timeout)
+        except TimeoutError:
+            transfer.discard(transfer_id)
+            raise TransferFailed(f"transfer {transfer_id} did not arrive within {timeout:g}s (transfer_timeout_s): "
+                                 f"push the blocks to {transfer.address} before calling PutBlocks") from None
+        except TransferRejected as e:
+            raise TransferRejected(f"transfer {transfer_id} was refused on arrival: {e.reason}") from None
+        if got.layout != layout:
+            raise LayoutMismatch(f"transfer {transfer_id} carried another layout than PutBlocks names "
+                                 f"({layout_mismatch(layout, got.layout)}); push and put with the same layout")
+        if list(got.block_keys) != keys or got.blocks.shape[0] != len(keys):
+            raise ValueError(f"transfer {transfer_id} carried {got.blocks.shape[0]} blocks with other keys than the "
+                             f"{len(keys)} block_keys of PutBlocks; push exactly the blocks you put")
+        return tensor_bytes(got.blocks)
 
     @_statuses
     async def GetBlocks(self, request: cache_pb2.GetBlocksRequest,
-                        context: grpc.aio.ServicerContext) -> bytes:
+                        context: grpc.aio.ServicerContext) -> bytes | cache_pb2.GetBlocksResponse:
         layout = _request_layout(request)
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=False)
+        if request.transfer_address or request.transfer_id:
+            return await self._push_blocks(request, layout, lease_s)
 
         def get() -> bytes:  # on the storage thread: the bytes are copied there too
             got = self.pool.get(layout, request.block_keys, self.max_reply_bytes, lease_s)
@@ -182,6 +240,50 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         reply = await self._storage(get)
         self.server.metrics.bytes.labels("get").inc(len(reply))
         return reply
+
+    async def _push_blocks(self, request: cache_pb2.GetBlocksRequest, layout: KVLayout,
+                           lease_s: float) -> cache_pb2.GetBlocksResponse:
+        """GetBlocks through the transfer engine: lease the hit run (the caller's lease, else one for the push
+        alone), copy it into one buffer, push it to the reader, release, answer without data."""
+        if not request.transfer_address or not request.transfer_id:
+            raise ValueError("transfer_address and transfer_id go together: name the reader's transfer endpoint "
+                             "and a fresh id it takes the blocks by (or neither, for inline data)")
+        parse_address(request.transfer_address)  # ValueError saying what a transfer address looks like
+        timeout = self.cfg.transfer_timeout_s
+
+        def get() -> tuple[GetResult, torch.Tensor | None]:  # on the storage thread: the copy too
+            got = self.pool.get(layout, request.block_keys, self.cfg.max_transfer_mb << 20,
+                                lease_s or 2 * timeout)
+            return got, _as_blocks(layout, got.blocks) if got.blocks else None
+
+        got, blocks = await self._storage(get)
+        try:
+            if blocks is not None:
+                await self._push(request.transfer_address, request.transfer_id, layout, blocks,
+                                 [b.key for b in got.blocks])
+        finally:
+            if got.lease_id and not lease_s:
+                await self._storage(self.pool.leases.release, got.lease_id)
+        self.server.metrics.bytes.labels("get").inc(0 if blocks is None else blocks.numel() * blocks.element_size())
+        keep = bool(lease_s and got.lease_id)
+        return cache_pb2.GetBlocksResponse(
+            block_keys=[b.key for b in got.blocks], checksums=[b.checksum for b in got.blocks], tiers=got.tiers,
+            lease_id=got.lease_id if keep else 0, leased_blocks=got.leased if keep else 0)
+
+    async def _push(self, address: str, transfer_id: str, layout: KVLayout, blocks: torch.Tensor,
+                    keys: list[int]) -> None:
+        timeout = self.cfg.transfer_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await self.server.transfer_client.push(address, transfer_id, layout, blocks, keys,
+                                                       len(keys) * layout.block_size)
+        except TransferRejected as e:
+            raise TransferRejected(f"{address} refused the push of {len(keys)} blocks: {e.reason}") from None
+        except TimeoutError:
+            raise TransferFailed(f"the push of {len(keys)} blocks to {address} took over {timeout:g}s "
+                                 "(transfer_timeout_s)") from None
+        except OSError as e:  # ConnectionError included
+            raise TransferFailed(f"the push of {len(keys)} blocks to {address} failed: {e}") from None
 
     @_statuses
     async def LeaseBlocks(self, request: cache_pb2.LeaseBlocksRequest,
@@ -213,7 +315,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             pool_bytes=dram.bytes, pool_capacity_bytes=dram.capacity_bytes, events_applied=index.events_applied,
             event_gaps=resync.gaps, tiers=tier_stats, leases=leases, leased_blocks=leased,
             snapshots_requested=resync.requested, snapshots_applied=resync.applied,
-            caught_up=self.server.caught_up)
+            caught_up=self.server.caught_up, transfer_address=self.server.transfer.address)
 
 
 class CacheServer:
@@ -232,6 +334,9 @@ class CacheServer:
         self.metrics_server: MetricsServer | None = None
         self.port = 0
         self.bus: Bus | None = None
+        self._transfer: TransferServer | None = None
+        self.transfer_client = TransferClient(connect_timeout=min(5.0, cfg.transfer_timeout_s),
+                                              reply_timeout=cfg.transfer_timeout_s)
         self.caught_up = False
         self._last_seen: dict[str, float] = {}  # instance -> monotonic time of its last heartbeat
         self._reaper: asyncio.Task[None] | None = None
@@ -247,17 +352,25 @@ class CacheServer:
     def address(self) -> str:
         return f"{self.cfg.host}:{self.port}"
 
+    @property
+    def transfer(self) -> TransferServer:
+        assert self._transfer is not None, "the transfer endpoint starts before gRPC"
+        return self._transfer
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.pool = await loop.run_in_executor(self.storage, Pool.from_config, self.cfg)
         log.info("pool tiers: %s", ", ".join(f"{t.name} ({len(t)} blocks)" for t in self.pool.tiers) or "none")
-        self.port = self.grpc.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self._transfer = await TransferServer.start(
+            None, self.cfg.host, self.cfg.transfer_port, self.cfg.transfer_backend,
+            ttl=max(30.0, 3 * self.cfg.transfer_timeout_s), max_buffered_bytes=self.cfg.transfer_buffer_mb << 20)
+        self.port = tls.add_port(self.grpc, f"{self.cfg.host}:{self.cfg.port}")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
         self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.host, self.cfg.metrics_port)
-        log.info("gRPC on %s (NOT_SERVING until the events stream is replayed); metrics on %s", self.address,
-                 self.metrics_server.url)
+        log.info("gRPC on %s (NOT_SERVING until the events stream is replayed); transfer on %s; metrics on %s",
+                 self.address, self.transfer.address, self.metrics_server.url)
 
         self.bus = await Bus.connect(self.cfg.nats_url, f"cachesvc-{self.cfg.durable_name}")
         await self.bus.ensure_events_stream(self.subjects)
@@ -291,6 +404,9 @@ class CacheServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.grpc.stop(grace_s)
+        await self.transfer_client.close()
+        if self._transfer is not None:
+            await self._transfer.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         await self.resync.close()

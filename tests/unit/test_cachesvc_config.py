@@ -35,6 +35,9 @@ def test_file_then_environment_then_flags(tmp_path):
     ({"max_lease_s": 0}, "max_lease_s and snapshot_timeout_s must be > 0"),
     ({"external": "redis"}, "external 'redis' is not supported"),
     ({"external": "mooncake", "mooncake_segment_mb": 8}, "mooncake_segment_mb >= 16"),
+    ({"transfer_backend": "rdma"}, "transfer_backend 'rdma' is not one of tcp, shm, mooncake"),
+    ({"transfer_port": 70000}, r"transfer_port must be in \[0, 65535\]"),
+    ({"transfer_timeout_s": 0}, "transfer_timeout_s must be > 0"),
 ])
 def test_bad_settings_say_what_is_wrong(bad, message):
     with pytest.raises(ValueError, match=message):

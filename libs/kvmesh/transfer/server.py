@@ -1,8 +1,10 @@
 """The receiving end (decode side): accept pushed transfers, verify them, hold them until taken.
 
 Every transfer is checked before anyone can take it: its layout must equal the expected layout in every
-field, every block must match its xxh3_64 checksum. A refused transfer is recorded as a rejection (``take``
-raises :class:`TransferRejected`), never as data. Memory is bounded twice: verified transfers nobody takes are
+field, every block must match its xxh3_64 checksum. (A server started with ``expected_layout=None`` takes any
+well-formed layout and leaves that check to the taker, who reads ``ReceivedBlocks.layout``: cachesvc, which
+stores every layout.) A refused transfer is recorded as a rejection (``take`` raises
+:class:`TransferRejected`), never as data. Memory is bounded twice: verified transfers nobody takes are
 dropped after ``ttl`` seconds, and a transfer that would push the bytes held (in flight + waiting) past
 ``max_buffered_bytes`` is refused before its payload is read.
 
@@ -58,7 +60,7 @@ class _Slot:
 
 
 class TransferServer:
-    def __init__(self, sock: socket.socket, expected_layout: KVLayout, backend: Backend, *, ttl: float,
+    def __init__(self, sock: socket.socket, expected_layout: KVLayout | None, backend: Backend, *, ttl: float,
                  max_buffered_bytes: int, io_timeout: float) -> None:
         self.expected_layout = expected_layout
         self.ttl = ttl
@@ -77,11 +79,12 @@ class TransferServer:
         self._accepting = asyncio.create_task(self._accept())
 
     @classmethod
-    async def start(cls, expected_layout: KVLayout, host: str = "127.0.0.1", port: int = 0,
+    async def start(cls, expected_layout: KVLayout | None, host: str = "127.0.0.1", port: int = 0,
                     backend: str = "tcp", *, ttl: float = 60.0, max_buffered_bytes: int = 1 << 30,
                     io_timeout: float = 30.0) -> TransferServer:
         """Listen on ``host:port`` (0 = any free port). ``backend`` is what :attr:`address` advertises; plain
-        ``tcp`` is always accepted too. Raises RuntimeError when the backend cannot run here (mooncake)."""
+        ``tcp`` is always accepted too. ``expected_layout`` None: accept any layout (the taker checks it).
+        Raises RuntimeError when the backend cannot run here (mooncake)."""
         chosen = get_backend(backend)
         if backend == "mooncake":
             from kvmesh.transfer.mooncake_backend import engine
@@ -228,7 +231,7 @@ class TransferServer:
             return f"transfer {tid} was already received and not yet taken", False
         if header.backend not in self._backends:
             return f"backend {header.backend!r} is not served here (it takes {sorted(self._backends)})", True
-        if diff := layout_mismatch(self.expected_layout, header.layout):
+        if self.expected_layout is not None and (diff := layout_mismatch(self.expected_layout, header.layout)):
             return f"layout mismatch: {diff}", True
         if self._buffered + header.nbytes > self.max_buffered_bytes:
             return (f"over capacity: {header.nbytes} bytes would exceed the {self.max_buffered_bytes}-byte "

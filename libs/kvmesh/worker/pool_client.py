@@ -1,41 +1,55 @@
 """An engine instance's client of the cache service's block pool: write back finished blocks, fetch hits.
 
 Every block travels with the instance's layout descriptor and an xxh3_64 checksum; fetched blocks are verified
-before the engine sees them.
+against the checksums the pool stored before the engine sees them.
+
+With a ``receiver`` (the instance's :class:`TransferServer`) the bytes move through the transfer engine, beside
+the RPCs: a write-back pushes the blocks to cachesvc's transfer endpoint, then ``PutBlocks`` names the transfer;
+a fetch names our endpoint in ``GetBlocks`` and takes what cachesvc pushed there. Without one they travel inline
+in the gRPC messages (tools, the benchmark's baseline). Every failure is a :class:`PoolError`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 from collections import OrderedDict
 
 import grpc
 import torch
 
+from kvmesh import tls
 from kvmesh.convert import layout_to_proto
 from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
+from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import block_checksums
+from kvmesh.transfer.wire import tensor_bytes
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 2**20
 Metadata = tuple[tuple[str, str], ...]
 
 
-def _as_bytes(blocks: torch.Tensor) -> memoryview:
-    flat = blocks.contiguous().view(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+class PoolError(Exception):
+    """A pool call or its transfer failed: fetch callers compute instead, write-back callers skip."""
 
 
 class PoolClient:
-    def __init__(self, address: str, layout: KVLayout, remember: int = 200_000) -> None:
+    def __init__(self, address: str, layout: KVLayout, receiver: TransferServer | None = None,
+                 remember: int = 200_000, timeout_s: float = 30.0) -> None:
         self.layout = layout
         self.proto_layout = layout_to_proto(layout)
         self.block_nbytes = layout.block_nbytes
+        self.receiver = receiver
+        self.timeout_s = timeout_s
+        self.transfer = TransferClient(reply_timeout=timeout_s) if receiver is not None else None
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = grpc.aio.insecure_channel(address, options=opts)
+        self.channel = tls.aio_channel(address, opts)
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
+        self._pool_transfer = ""  # cachesvc's transfer endpoint, asked once (again after a failed push)
         self._written: OrderedDict[int, None] = OrderedDict()  # keys this instance already stored
         self._remember = remember
 
@@ -46,11 +60,15 @@ class PoolClient:
         per_call = max(1, MAX_MESSAGE_BYTES // 2 // self.block_nbytes)
         for start in range(0, len(todo), per_call):
             idx = todo[start:start + per_call]
-            data = _as_bytes(blocks[idx])
-            sums = block_checksums(data, self.block_nbytes)
-            await self.stub.PutBlocks(cache_pb2.PutBlocksRequest(
-                layout=self.proto_layout, block_keys=[keys[i] for i in idx], checksums=sums, data=bytes(data)),
-                metadata=metadata)
+            chunk = blocks[idx].cpu().contiguous()
+            sums = block_checksums(tensor_bytes(chunk), self.block_nbytes)
+            request = cache_pb2.PutBlocksRequest(layout=self.proto_layout, block_keys=[keys[i] for i in idx],
+                                                 checksums=sums)
+            if self.transfer is None:
+                request.data = bytes(tensor_bytes(chunk))
+            else:
+                request.transfer_id = await self._push(chunk, list(request.block_keys), metadata)
+            await self._call(self.stub.PutBlocks, request, metadata)
             for i in idx:
                 self._written[keys[i]] = None
         while len(self._written) > self._remember:
@@ -59,19 +77,80 @@ class PoolClient:
 
     async def fetch(self, keys: list[int], metadata: Metadata = ()) -> torch.Tensor | None:
         """The leading run of ``keys`` the pool holds in our layout, verified, as ``[n, *block_shape]``."""
-        resp = await self.stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys),
-                                         metadata=metadata)
-        n = len(resp.block_keys)
-        if n == 0:
-            return None
-        if list(resp.block_keys) != keys[:n] or len(resp.data) != n * self.block_nbytes:
-            raise ValueError("the pool answered with blocks that were not asked for")
-        sums = block_checksums(memoryview(resp.data), self.block_nbytes)
-        bad = [i for i, (got, sent) in enumerate(zip(sums, resp.checksums)) if got != sent]
+        request = cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys)
+        receiver = self.receiver
+        if receiver is not None:
+            request.transfer_address = receiver.address
+            request.transfer_id = f"pool-get-{uuid.uuid4().hex}"
+        try:
+            resp = await self._call(self.stub.GetBlocks, request, metadata)
+            n = len(resp.block_keys)
+            if n == 0:
+                return None
+            if list(resp.block_keys) != keys[:n]:
+                raise PoolError("the pool answered with blocks that were not asked for")
+            if receiver is None:
+                blocks = self._inline(resp, n)
+            else:
+                blocks = await self._received(receiver, request.transfer_id, n)
+        except BaseException:
+            if receiver is not None:
+                receiver.discard(request.transfer_id)  # a push still under way is refused and freed
+            raise
+        bad = [i for i, (got, stored) in enumerate(zip(block_checksums(tensor_bytes(blocks), self.block_nbytes),
+                                                       resp.checksums)) if got != stored]
         if bad:
-            raise ValueError(f"pool blocks {bad} fail their checksums; not used")
-        raw = torch.frombuffer(bytearray(resp.data), dtype=torch.uint8)
-        return raw.view(storage_dtype(self.layout.dtype)).view(n, *self.layout.block_shape)
+            raise PoolError(f"pool blocks {bad} fail their checksums; not used")
+        return blocks
 
     async def close(self) -> None:
+        if self.transfer is not None:
+            await self.transfer.close()
         await self.channel.close()
+
+    async def _call(self, method, request, metadata: Metadata):
+        try:
+            return await method(request, metadata=metadata, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise PoolError(f"{type(request).__name__[:-7]}: {e.code().name}: {e.details()}") from None
+
+    async def _push(self, blocks: torch.Tensor, keys: list[int], metadata: Metadata) -> str:
+        """Push ``blocks`` to cachesvc's transfer endpoint; returns the transfer id PutBlocks names."""
+        assert self.transfer is not None
+        if not self._pool_transfer:
+            stats = await self._call(self.stub.Stats, cache_pb2.StatsRequest(), metadata)
+            if not stats.transfer_address:
+                raise PoolError("cachesvc names no transfer endpoint (Stats.transfer_address): it predates the "
+                                "transfer data path; upgrade it")
+            self._pool_transfer = stats.transfer_address
+        transfer_id = f"pool-put-{uuid.uuid4().hex}"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.transfer.push(self._pool_transfer, transfer_id, self.layout, blocks, keys,
+                                         len(keys) * self.layout.block_size)
+        except TransferRejected as e:
+            raise PoolError(f"cachesvc refused the pushed blocks: {e.reason}") from None
+        except OSError as e:  # ConnectionError and TimeoutError included
+            address, self._pool_transfer = self._pool_transfer, ""  # it may have moved: ask again next time
+            raise PoolError(f"pushing {len(keys)} blocks to cachesvc at {address} failed: "
+                            f"{e or type(e).__name__}") from None
+        return transfer_id
+
+    async def _received(self, receiver: TransferServer, transfer_id: str, n: int) -> torch.Tensor:
+        """What cachesvc pushed under ``transfer_id`` (it answered after we verified it: no real wait)."""
+        try:
+            got = await receiver.take(transfer_id, self.timeout_s)
+        except TimeoutError:
+            raise PoolError(f"the pool's push {transfer_id} did not arrive within {self.timeout_s:g}s") from None
+        except TransferRejected as e:
+            raise PoolError(f"the pool's push was refused: {e.reason}") from None
+        if got.layout != self.layout or got.blocks.shape[0] != n:
+            raise PoolError(f"the pool pushed {got.blocks.shape[0]} blocks in another layout or number than the "
+                            f"{n} it answered with")
+        return got.blocks
+
+    def _inline(self, resp: cache_pb2.GetBlocksResponse, n: int) -> torch.Tensor:
+        if len(resp.data) != n * self.block_nbytes:
+            raise PoolError(f"the pool answered {len(resp.data)} bytes for {n} blocks of {self.block_nbytes}")
+        raw = torch.frombuffer(bytearray(resp.data), dtype=torch.uint8)
+        return raw.view(storage_dtype(self.layout.dtype)).view(n, *self.layout.block_shape)

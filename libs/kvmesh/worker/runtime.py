@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Subjects
@@ -30,7 +29,7 @@ from kvmesh.transfer import TransferServer
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.decode import DecodeServicer
 from kvmesh.worker.metrics import WorkerMetrics
-from kvmesh.worker.pool_client import PoolClient
+from kvmesh.worker.pool_client import PoolClient, PoolError
 from kvmesh.worker.prefill import PrefillServicer
 
 log = logging.getLogger(__name__)
@@ -75,12 +74,15 @@ class Worker:
         await self.bus.ensure_events_stream(self.subjects)
         self._event_queue.put_nowait([AllBlocksCleared()])  # a fresh instance holds nothing, whatever it held
         await answer_snapshots(self.bus, self.subjects, self.instance_id, self._snapshot)
-        self.pool = PoolClient(self.cfg.cachesvc_address, self.layout) if self.cfg.cachesvc_address else None
         self.transfer_server = None
-        if self.serves_decode:
+        if self.serves_decode or self.cfg.cachesvc_address:  # decode intake, and pool fetches land here too
             self.transfer_server = await TransferServer.start(self.layout, host=self.cfg.host,
                                                               port=self.cfg.transfer_port,
                                                               backend=self.cfg.transfer_backend)
+        self.pool = None
+        if self.cfg.cachesvc_address:
+            self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server)
+        if self.serves_decode:
             self.decode = DecodeServicer(self, self.transfer_server)
             worker_pb2_grpc.add_DecodeServicer_to_server(self.decode, self.grpc.server)
             await self.bus.subscribe(self.subjects.kv_ready(self.instance_id), self._on_kv_ready)
@@ -134,7 +136,7 @@ class Worker:
         keys = block_keys(seed, prompt[:usable * bs], bs)[local:]
         try:
             blocks = await self.pool.fetch(keys, tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
-        except (grpc.aio.AioRpcError, ValueError) as e:
+        except PoolError as e:
             log.warning("pool fetch failed, computing instead: %s", e)
             span.set_status(StatusCode.ERROR, f"pool fetch failed: {e}")
             return 0
@@ -162,9 +164,9 @@ class Worker:
                                               tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
             self.metrics.transfer_bytes.labels("pool_write").inc(sent * self.layout.block_nbytes)
             span.set_attributes({"kvmesh.blocks_sent": sent, "kvmesh.bytes": sent * self.layout.block_nbytes})
-        except grpc.aio.AioRpcError as e:
-            log.warning("write-back of %d blocks failed: %s", len(keys), e.details())
-            span.set_status(StatusCode.ERROR, f"write-back failed: {e.details()}")
+        except PoolError as e:
+            log.warning("write-back of %d blocks skipped: %s", len(keys), e)
+            span.set_status(StatusCode.ERROR, f"write-back failed: {e}")
         finally:
             span.end()
 

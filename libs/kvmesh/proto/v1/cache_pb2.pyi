@@ -30,20 +30,22 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys", "checksums", "data", "priority", "priority_duration_s")
+    __slots__ = ("layout", "block_keys", "checksums", "data", "priority", "priority_duration_s", "transfer_id")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     priority: int
     priority_duration_s: float
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ..., priority_duration_s: _Optional[float] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ..., priority_duration_s: _Optional[float] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("stored", "skipped")
@@ -54,14 +56,18 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys", "lease_s")
+    __slots__ = ("layout", "block_keys", "lease_s", "transfer_address", "transfer_id")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    transfer_address: str
+    transfer_id: str
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("block_keys", "checksums", "data", "tiers", "lease_id", "leased_blocks")
@@ -112,7 +118,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up")
+    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up", "transfer_address")
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +132,7 @@ class StatsResponse(_message.Message):
     SNAPSHOTS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     indexed_blocks: int
     instances: int
     pool_blocks: int
@@ -139,7 +146,8 @@ class StatsResponse(_message.Message):
     snapshots_requested: int
     snapshots_applied: int
     caught_up: bool
-    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ...) -> None: ...
+    transfer_address: str
+    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ..., transfer_address: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "evicted")

@@ -79,7 +79,9 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutBlocks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Block bytes move through the transfer engine (transfer_id / transfer_address); inline `data` is kept for tools
+        and tests. The engines use the transfer engine only.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

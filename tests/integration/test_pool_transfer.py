@@ -1,0 +1,267 @@
+"""The pool's data path: block bytes move between engines and a real cachesvc through the transfer engine
+(tcp, shm), never inside the gRPC messages. Async bodies run under ``asyncio.run`` (no pytest-asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Coroutine
+from dataclasses import replace
+from typing import Any, Self
+
+import grpc
+import pytest
+import torch
+from kvmesh.bus.nats_server import free_port
+from kvmesh.convert import layout_to_proto
+from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
+from kvmesh.transfer import TransferClient, TransferServer
+from kvmesh.transfer.backends import Backend, Staged
+from kvmesh.transfer.header import block_checksums
+from kvmesh.transfer.wire import tensor_bytes
+from kvmesh.worker.pool_client import PoolClient, PoolError
+
+from services.cachesvc.config import CacheServiceConfig
+from services.cachesvc.server import CacheServer
+
+LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+KEYS = [0x1000 + i for i in range(6)]
+BACKENDS = ("tcp", "shm")
+
+
+def run(coro: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+def make_blocks(n: int, layout: KVLayout = LAYOUT, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn((n, *layout.block_shape), generator=g) * 10).to(storage_dtype(layout.dtype))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+class CorruptingClient(TransferClient):
+    """Flips one byte after the checksums were taken: what a bad wire or a bad buffer would do."""
+
+    def _stage(self, backend: Backend, payload: torch.Tensor, local_host: str) -> Staged:
+        bad = payload.clone()
+        bad[bad.numel() // 2] ^= 0xFF
+        return super()._stage(backend, bad, local_host)
+
+
+class Recorder(grpc.aio.UnaryUnaryClientInterceptor):
+    """Every (rpc, request, response) a channel carried."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, Any]] = []
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        call = await continuation(details, request)
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        self.calls.append((method.rsplit("/", 1)[-1], request, await call))
+        return call
+
+    def of(self, rpc: str) -> list[tuple[Any, Any]]:
+        return [(req, resp) for name, req, resp in self.calls if name == rpc]
+
+
+def recorded(pool: PoolClient, address: str) -> Recorder:
+    """Route ``pool``'s RPCs through a recording channel."""
+    recorder = Recorder()
+    pool.channel = grpc.aio.insecure_channel(address, interceptors=[recorder])
+    pool.stub = cache_pb2_grpc.CacheServiceStub(pool.channel)
+    return recorder
+
+
+class Mesh:
+    """A real cachesvc (in this event loop) and engine-side ends: a receiver per instance, a raw stub."""
+
+    def __init__(self, nats_url: str, backend: str = "tcp", **settings: Any) -> None:
+        cluster = f"t{uuid.uuid4().hex[:10]}"
+        self.backend = backend
+        self.server = CacheServer(CacheServiceConfig(
+            nats_url=nats_url, cluster=cluster, port=0, durable_name=f"cachesvc-{cluster}",
+            instance_timeout_s=60.0, transfer_backend=backend, **settings))
+        self.closers: list[Any] = []
+
+    async def __aenter__(self) -> Self:
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(self.server.address)
+        self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
+        return self
+
+    async def instance(self, layout: KVLayout = LAYOUT) -> PoolClient:
+        """An engine instance's pool client with its own transfer endpoint."""
+        receiver = await TransferServer.start(layout, backend=self.backend)
+        pool = PoolClient(self.server.address, layout, receiver, timeout_s=10.0)
+        self.closers += [pool.close, receiver.close]
+        return pool
+
+    async def stats(self) -> cache_pb2.StatsResponse:
+        return await self.stub.Stats(cache_pb2.StatsRequest())
+
+    async def __aexit__(self, *exc: object) -> None:
+        for close in reversed(self.closers):
+            await close()
+        await self.channel.close()
+        await self.server.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_back_and_fetch_move_the_bytes_through_the_transfer_engine(nats_server, backend):
+    async def body() -> None:
+        async with Mesh(nats_server.url, backend) as mesh:
+            writer, reader = await mesh.instance(), await mesh.instance()
+            writes, reads = recorded(writer, mesh.server.address), recorded(reader, mesh.server.address)
+            blocks = make_blocks(len(KEYS))
+            assert await writer.write_back(KEYS, blocks) == len(KEYS)
+            fetched = await reader.fetch(KEYS[:4] + [0xDEAD])
+            assert fetched is not None and same_bits(fetched, blocks[:4])
+            assert (await mesh.stats()).transfer_address.startswith(f"{backend}://")
+            (put, put_reply), = writes.of("PutBlocks")
+            assert put.transfer_id and len(put.data) == 0 and put_reply.stored == len(KEYS)
+            (get, get_reply), = reads.of("GetBlocks")
+            assert get.transfer_address == reader.receiver.address and get.transfer_id
+            assert list(get_reply.block_keys) == KEYS[:4] and len(get_reply.data) == 0
+            assert reader.receiver.buffered_bytes == 0 and mesh.server.transfer.buffered_bytes == 0
+
+    run(body())
+
+
+def test_a_corrupted_write_back_is_refused_and_nothing_is_stored(nats_server):
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            writer = await mesh.instance()
+            writer.transfer = CorruptingClient()
+            with pytest.raises(PoolError, match="cachesvc refused the pushed blocks: checksum mismatch in 1 of 3"):
+                await writer.write_back(KEYS[:3], make_blocks(3))
+            assert (await mesh.stats()).pool_blocks == 0
+            writer.transfer = TransferClient()
+            assert await writer.write_back(KEYS[:3], make_blocks(3)) == 3  # nothing was marked written
+
+    run(body())
+
+
+def test_a_corrupted_fetch_push_is_refused_the_fetch_fails_and_the_lease_ends(nats_server):
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            writer, reader = await mesh.instance(), await mesh.instance()
+            await writer.write_back(KEYS, make_blocks(len(KEYS)))
+            mesh.server.transfer_client = CorruptingClient()
+            with pytest.raises(PoolError, match="FAILED_PRECONDITION: .* refused the push of 6 blocks: "
+                                                "checksum mismatch"):
+                await reader.fetch(KEYS)
+            stats = await mesh.stats()
+            assert (stats.leases, stats.leased_blocks) == (0, 0)
+            assert reader.receiver.buffered_bytes == 0
+
+    run(body())
+
+
+def test_a_fetch_to_an_unreachable_endpoint_is_unavailable_and_releases_its_lease(nats_server):
+    async def body() -> None:
+        async with Mesh(nats_server.url, transfer_timeout_s=2.0) as mesh:
+            await (await mesh.instance()).write_back(KEYS[:2], make_blocks(2))
+            request = cache_pb2.GetBlocksRequest(layout=layout_to_proto(LAYOUT), block_keys=KEYS[:2],
+                                                 transfer_address=f"tcp://127.0.0.1:{free_port()}",
+                                                 transfer_id="t-1")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await mesh.stub.GetBlocks(request)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "the push of 2 blocks to tcp://127.0.0.1:" in err.value.details()
+            assert (await mesh.stats()).leases == 0
+
+    run(body())
+
+
+def test_a_caller_lease_outlives_the_push(nats_server):
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            pool = await mesh.instance()
+            await pool.write_back(KEYS[:2], make_blocks(2))
+            request = cache_pb2.GetBlocksRequest(layout=layout_to_proto(LAYOUT), block_keys=KEYS[:2], lease_s=30,
+                                                 transfer_address=pool.receiver.address, transfer_id="t-2")
+            reply = await mesh.stub.GetBlocks(request)
+            assert reply.lease_id and reply.leased_blocks == 2 and not reply.data
+            assert (await pool.receiver.take("t-2", 1)).block_keys == tuple(KEYS[:2])
+            assert (await mesh.stats()).leases == 1
+
+    run(body())
+
+
+def test_a_put_whose_transfer_never_came_is_unavailable(nats_server):
+    async def body() -> None:
+        async with Mesh(nats_server.url, transfer_timeout_s=0.3) as mesh:
+            blocks = make_blocks(2)
+            request = cache_pb2.PutBlocksRequest(layout=layout_to_proto(LAYOUT), block_keys=KEYS[:2],
+                                                 checksums=block_checksums(tensor_bytes(blocks), LAYOUT.block_nbytes),
+                                                 transfer_id="never-pushed")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await mesh.stub.PutBlocks(request)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "transfer never-pushed did not arrive within 0.3s" in err.value.details()
+
+    run(body())
+
+
+def test_cachesvc_takes_pushes_of_any_layout_and_refuses_a_put_naming_another(nats_server):
+    other = replace(LAYOUT, model_fingerprint="other-model", dtype="fp16")
+
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh, TransferClient() as client:
+            address = (await mesh.stats()).transfer_address
+            blocks = make_blocks(2, other)
+            sums = block_checksums(tensor_bytes(blocks), other.block_nbytes)
+            for tid, named in (("t-ok", other), ("t-bad", LAYOUT)):
+                await client.push(address, tid, other, blocks, KEYS[:2], 2 * other.block_size)
+                request = cache_pb2.PutBlocksRequest(layout=layout_to_proto(named), block_keys=KEYS[:2],
+                                                     checksums=sums, transfer_id=tid)
+                if named == other:
+                    assert (await mesh.stub.PutBlocks(request)).stored == 2
+                    continue
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await mesh.stub.PutBlocks(request)
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "transfer t-bad carried another layout than PutBlocks names" in err.value.details()
+                assert "dtype 'fp16'!='fp32'" in err.value.details()
+
+    run(body())
+
+
+@pytest.mark.parametrize(("request_", "message"), [
+    (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="tcp://127.0.0.1:1"),
+     "transfer_address and transfer_id go together"),
+    (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="127.0.0.1:1", transfer_id="t"),
+     "is not '<backend>://<host>:<port>'"),
+    (cache_pb2.PutBlocksRequest(block_keys=KEYS[:1], checksums=[1], data=b"x", transfer_id="t"),
+     "set either data (inline blocks) or transfer_id (pushed blocks), not both"),
+])
+def test_bad_transfer_requests_say_what_to_fix(nats_server, request_, message):
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            request_.layout.CopyFrom(layout_to_proto(LAYOUT))
+            rpc = mesh.stub.GetBlocks if isinstance(request_, cache_pb2.GetBlocksRequest) else mesh.stub.PutBlocks
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await rpc(request_)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in err.value.details()
+
+    run(body())
+
+
+def test_the_inline_path_still_works_for_a_client_without_a_receiver(nats_server):
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            pool = PoolClient(mesh.server.address, LAYOUT)
+            mesh.closers.append(pool.close)
+            calls = recorded(pool, mesh.server.address)
+            blocks = make_blocks(3)
+            await pool.write_back(KEYS[:3], blocks)
+            fetched = await pool.fetch(KEYS[:3])
+            assert fetched is not None and same_bits(fetched, blocks)
+            assert len(calls.of("PutBlocks")[0][0].data) == len(calls.of("GetBlocks")[0][1].data) == blocks.numel() * 4
+
+    run(body())
