@@ -6,6 +6,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh import tls
+
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -23,7 +25,7 @@ class ServiceServer:
 
     def bind(self, host: str, port: int) -> str:
         """Reserve the port (add servicers after this, before ``start``)."""
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = tls.add_port(self.server, f"{host}:{port}")  # TLS when this process has a certificate
         if self.port == 0:
             raise OSError(f"cannot bind gRPC to {host}:{port}")
         return f"{host}:{self.port}"

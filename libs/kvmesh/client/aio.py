@@ -15,6 +15,7 @@ from kvmesh.client.policy import CallPolicy, StartCall
 from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
 from kvmesh.client.types import (Completion, CompletionBuilder, GenerateChunk, HealthInfo, ModelInfo,
                                  completion_from_chat, metadata_dict, models_from_pb)
+from kvmesh import tls
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc
 
 
@@ -81,7 +82,7 @@ class AsyncKvmeshClient(ClientBase):
     def __init__(self, target: str, api_key: str | None = None, timeout_s: float | None = 60,
                  retries: int = 3, backoff_s: float = 0.2) -> None:
         super().__init__(target, api_key, timeout_s, retries, backoff_s)
-        self._channel = grpc.aio.insecure_channel(target, options=self._channel_options())
+        self._channel = tls.aio_channel(target, self._channel_options())  # TLS when KVMESH_TLS_CA is set
         self._stub = api_pb2_grpc.KvmeshStub(self._channel)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
