@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from kvmesh.routing import POLICIES
 
 
 @dataclass(frozen=True)
@@ -24,4 +27,74 @@ class RouterConfig:
                                          # HTTP header / gRPC metadata x-kvmesh-policy)
     slo_ttft_s: float = 0.0              # admission: reject (429) when no instance's estimated TTFT meets it; 0 = off
     prefill_tok_per_s: float = 240.0     # cost model: one instance's prefill speed (measured here: SmolLM2, 1 thread)
-    api_key: str = ""                    # when set, requests must carry it (Bearer / x-api-key / gRPC metadata)
+    api_key: str = ""                    # a key without a tenant (Bearer / x-api-key); "" = none
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; env: "key1:tenantA,key2:tenantB"
+    api_keys_file: str = ""              # more key:tenant pairs, one per line (e.g. a mounted secret)
+    max_body_bytes: int = 4 * 2**20      # larger HTTP bodies / gRPC requests are refused (413)
+    max_concurrent_requests: int = 256   # requests in flight at once; more are refused at once (429)
+    max_requests_per_tenant: int = 0     # requests in flight per tenant (0 = only the global cap)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_keys, str):  # from the environment
+            object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys, "api_keys"))
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid router settings: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every setting that is out of range, each with what to set instead."""
+        out = []
+        if self.policy not in POLICIES:
+            out.append(f"policy {self.policy!r} is unknown; choose one of {sorted(POLICIES)}")
+        for name in ("grpc_port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                out.append(f"{name} must be in [0, 65535] (0 = a free port), not {getattr(self, name)}")
+        for name in ("instance_timeout_s", "kv_timeout_s", "match_timeout_s", "request_timeout_s",
+                     "prefill_tok_per_s"):
+            if not getattr(self, name) > 0:
+                out.append(f"{name} must be > 0, not {getattr(self, name)}")
+        if not self.slo_ttft_s >= 0:
+            out.append(f"slo_ttft_s must be >= 0 (0 = no admission control), not {self.slo_ttft_s}")
+        for name in ("block_size", "max_body_bytes", "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.max_requests_per_tenant < 0:
+            out.append(f"max_requests_per_tenant must be >= 0 (0 = off), not {self.max_requests_per_tenant}")
+        if urlparse(self.nats_url).scheme not in ("nats", "tls", "ws", "wss"):
+            out.append(f"nats_url must look like nats://host:port, not {self.nats_url!r}")
+        if self.cachesvc_address and ":" not in self.cachesvc_address:
+            out.append(f"cachesvc_address must be host:port (or \"\" for none), "
+                       f"not {self.cachesvc_address!r}")
+        if not isinstance(self.api_keys, dict):
+            out.append("api_keys must be a table of key = tenant (or \"key:tenant,...\" in the environment)")
+        else:
+            for key, tenant in self.api_keys.items():
+                out += _key_problems(key, tenant, "api_keys")
+        return out
+
+
+def parse_api_keys(text: str, where: str) -> dict[str, str]:
+    """``key:tenant`` pairs separated by commas or newlines (blank lines and ``#`` comments skipped)."""
+    keys: dict[str, str] = {}
+    lines = [line.split("#", 1)[0] for line in text.splitlines()]
+    for n, entry in enumerate((e.strip() for line in lines for e in line.split(",")), 1):
+        if not entry:
+            continue
+        key, sep, tenant = entry.partition(":")
+        key, tenant = key.strip(), tenant.strip()
+        if not sep or not key or not tenant:
+            raise ValueError(f"{where}: entry {n} ({entry[:8]}...) must be key:tenant")
+        if key in keys and keys[key] != tenant:
+            raise ValueError(f"{where}: key {key[:4]}... is given to two tenants ({keys[key]!r}, {tenant!r})")
+        keys[key] = tenant
+    return keys
+
+
+def _key_problems(key: object, tenant: object, where: str) -> list[str]:
+    if not isinstance(key, str) or not isinstance(tenant, str) or not key.strip() or not tenant.strip():
+        return [f"{where}: every key and tenant must be a non-empty string"]
+    if any(c in tenant for c in ":,\x00"):
+        return [f"{where}: tenant {tenant!r} may not contain ':', ',' or NUL"]
+    if not key.isprintable() or " " in key:
+        return [f"{where}: key {key[:4]}... must be printable, without spaces"]
+    return []

@@ -16,13 +16,14 @@ from typing import AsyncIterator
 import grpc
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from kvmesh.bus import Bus, Heartbeat, Subjects
+from kvmesh.bus import Bus, Heartbeat, KVReady, Subjects
 from kvmesh.convert import sampling_to_proto
 from kvmesh.engine.loader import resolve_model
 from kvmesh.engine.sequence import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.keys import Namespace, block_keys
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh import tls
 from kvmesh.telemetry import tracing
 from services.router.config import RouterConfig
 from kvmesh.routing import CostModel
@@ -32,15 +33,19 @@ from services.router.telemetry import RequestTrace, RouterMetrics, route_attribu
 
 log = logging.getLogger(__name__)
 POOL = "pool"  # MatchPrefix's instance id for the cache service's own tiers
+RETRIES = 2    # re-dispatches of a request whose instance was unreachable before its first token
 
 
 class RequestError(Exception):
-    """``kind``: invalid | not_found | unavailable | overloaded | internal."""
+    """``kind``: invalid | unauthenticated | not_found | unavailable | overloaded | internal. ``instance``: the
+    engine instance that failed; ``retryable``: it could not be reached, so another one may serve the request."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, instance: str = "", retryable: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.instance = instance
+        self.retryable = retryable
 
 
 @dataclass
@@ -95,40 +100,71 @@ class Router:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 * 2**20)])
+            self._channels[address] = tls.aio_channel(address, [("grpc.max_receive_message_length", 64 * 2**20)])
         return self._channels[address]
 
     # ---- prompts ---------------------------------------------------------------------------------------------
     def prompt_ids(self, *, text: str | None = None, token_ids: list[int] | None = None,
                    messages: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids; RequestError('invalid') names the field to fix."""
         if messages is not None:
-            for m in messages:
-                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") \
-                        or not isinstance(m.get("content"), str):
-                    raise RequestError("invalid", "each message needs a role (system|user|assistant|tool) "
-                                                  "and a string content")
-            if not messages:
-                raise RequestError("invalid", "messages is empty")
-            return self.tokenizer.apply_chat_template(messages)
+            if not isinstance(messages, list) or not messages:
+                raise RequestError("invalid", "messages must be a non-empty list of {role, content} objects")
+            chat = []
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                    raise RequestError("invalid", f"messages[{i}] needs a role: system, user, assistant or tool")
+                content = m.get("content")
+                if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                                     and isinstance(p.get("text"), str) for p in content):
+                    content = "".join(p["text"] for p in content)  # OpenAI's text content parts
+                if not isinstance(content, str):
+                    raise RequestError("invalid", f"messages[{i}].content must be a string (or a list of "
+                                                  "{type: text, text} parts)")
+                chat.append({"role": m["role"], "content": content})
+            if not any(m["content"].strip() for m in chat):
+                raise RequestError("invalid", f"messages[{len(chat) - 1}].content is blank: every message is "
+                                              "empty or whitespace; give the model some text")
+            return self.tokenizer.apply_chat_template(chat)
         if token_ids is not None:
             vocab = self.source.config.vocab_size
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
                 raise RequestError("invalid", f"prompt token ids must be integers in [0, {vocab})")
             return list(token_ids)
         if text is not None:
+            if not text.strip():
+                raise RequestError("invalid", "the prompt is blank (empty or whitespace): give the model some text")
             return self.tokenizer.encode(text)
         raise RequestError("invalid", "a prompt is required (text, token ids or messages)")
 
     def check(self, model: str, prompt: list[int], params: SamplingParams) -> None:
+        """Refuse what the engines cannot serve, before anything is routed (RequestError says what to change)."""
+        if not isinstance(model, str):
+            raise RequestError("invalid", "model must be a string")
         if model and model != self.model_id:
             raise RequestError("not_found", f"model {model!r} is not served here; this router serves "
                                             f"{self.model_id!r}")
         if not prompt:
             raise RequestError("invalid", "the prompt is empty")
-        if len(prompt) + params.max_tokens > self.max_model_len:
+        ctx, vocab = self.max_model_len, self.source.config.vocab_size
+        if len(prompt) >= ctx:
+            raise RequestError("invalid", f"the prompt has {len(prompt)} tokens, but the context of this model is "
+                                          f"{ctx} tokens (prompt + max_tokens): shorten the prompt")
+        if len(prompt) + params.max_tokens > ctx:
             raise RequestError("invalid", f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
-                                          f"exceeds the context of {self.max_model_len} tokens")
+                                          f"exceeds the context of {ctx} tokens: set max_tokens to at most "
+                                          f"{ctx - len(prompt)}")
+        if not 0 <= params.temperature < float("inf"):
+            raise RequestError("invalid", f"temperature must be a finite number >= 0, not {params.temperature}")
+        if params.top_k > vocab:
+            raise RequestError("invalid", f"top_k ({params.top_k}) exceeds the vocabulary ({vocab} tokens); "
+                                          "0 turns top-k off")
+        if params.seed is not None and not 0 <= params.seed < 2**64:
+            raise RequestError("invalid", "seed must be an integer in [0, 2^64)")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError("invalid", f"stop_token_ids must be token ids in [0, {vocab})")
+        if any(not s for s in params.stop):
+            raise RequestError("invalid", "stop strings must not be empty")
 
     # ---- routing ---------------------------------------------------------------------------------------------
     async def matched_blocks(self, keys: list[int], parent: Span | None = None,
@@ -202,40 +238,68 @@ class Router:
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str,
                         rt: RequestTrace, policy: str | None = None) -> AsyncIterator[Chunk]:
-        route = rt.child("router.route")
-        try:
-            seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, "", cache_salt).seed
-            keys = block_keys(seed, prompt, self.cfg.block_size)
-            matched = await self.matched_blocks(keys, route, rt.attrs)
-            prefills, decodes = self.registry.alive("prefill"), self.registry.alive("decode")
-            work = worker_pb2.WorkRequest(request_id=request_id, prompt_token_ids=prompt,
-                                          sampling=sampling_to_proto(params), cache_salt=cache_salt,
-                                          pool_blocks=matched.get(POOL, 0))
-            route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
-            both = self.registry.alive("both") if not (prefills and decodes) else []
-            if prefills and decodes:
-                prefill = self._choose(policy, "prefill", prefills, matched, prompt, route)
-                decode = choose_decode(decodes)
-                if route.is_recording():
-                    route.set_attributes(route_attributes("decode", decodes, {}, decode))
-                stream = self._disaggregated(work, prefill, decode, rt)
-            elif both:
-                inst = self._choose(policy, "both", both, matched, prompt, route)
-                stream = self._local(work, inst, rt)
-            else:
-                route.set_status(StatusCode.ERROR, "no engine instances are up")
-                raise RequestError("unavailable", "no engine instances are up (need a prefill and a decode "
-                                                  "instance, or one with role both)")
-        finally:
-            route.end()
-        completion = 0
-        async for chunk, cached in stream:
-            rt.chunk_arrived()
-            completion += len(chunk.token_ids)
-            if chunk.finished:
-                chunk.usage = Usage(len(prompt), completion, await cached())
-                rt.usage(len(prompt), completion, chunk.usage.cached_tokens)
-            yield chunk
+        """Route, dispatch and stream. An instance found unreachable before the first token costs a retry on
+        another one (at most ``RETRIES``), never the request; after the first token, the error goes out."""
+        seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, "", cache_salt).seed
+        keys = block_keys(seed, prompt, self.cfg.block_size)
+        matched: dict[str, int] | None = None
+        avoid: set[str] = set()
+        failure: RequestError | None = None
+        for attempt in range(RETRIES + 1):
+            route = rt.child("router.route", **({"kvmesh.retry": attempt} if attempt else {}))
+            try:
+                if matched is None:
+                    matched = await self.matched_blocks(keys, route, rt.attrs)
+                route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
+                work = worker_pb2.WorkRequest(
+                    request_id=request_id if attempt == 0 else f"{request_id}.retry{attempt}",
+                    prompt_token_ids=prompt, sampling=sampling_to_proto(params), cache_salt=cache_salt,
+                    pool_blocks=matched.get(POOL, 0))
+                stream = self._route(work, matched, rt, policy, route, avoid)
+                if stream is None:
+                    if failure is not None:  # nowhere else to go: the error of the last attempt stands
+                        raise failure
+                    route.set_status(StatusCode.ERROR, "no engine instances are up")
+                    raise RequestError("unavailable", "no engine instances are up (need a prefill and a decode "
+                                                      "instance, or one with role both)")
+            finally:
+                route.end()
+            completion, started = 0, False
+            try:
+                async for chunk, cached in stream:
+                    started = True
+                    rt.chunk_arrived()
+                    completion += len(chunk.token_ids)
+                    if chunk.finished:
+                        chunk.usage = Usage(len(prompt), completion, await cached())
+                        rt.usage(len(prompt), completion, chunk.usage.cached_tokens)
+                    yield chunk
+                return
+            except RequestError as e:
+                if started or not e.retryable or attempt == RETRIES:
+                    raise
+                failure = e
+                avoid.add(e.instance)
+                log.warning("request %s (trace %s): %s; retrying on another instance", request_id, rt.trace_id,
+                            e.message)
+                rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
+
+    def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
+               policy: str | None, route: Span, avoid: set[str]):
+        """The chosen instances' chunk stream, or None when no live instance (outside ``avoid``) can serve."""
+        prompt = list(work.prompt_token_ids)
+        prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
+        decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
+        if prefills and decodes:
+            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route)
+            decode = choose_decode(decodes)
+            if route.is_recording():
+                route.set_attributes(route_attributes("decode", decodes, {}, decode))
+            return self._disaggregated(work, prefill, decode, rt, policy, matched)
+        both = [i for i in self.registry.alive("both") if i.id not in avoid]
+        if both:
+            return self._local(work, self._choose(policy, "both", both, matched, prompt, route), rt)
+        return None
 
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace):
         done = self.registry.dispatched(inst, len(work.prompt_token_ids))
@@ -258,8 +322,7 @@ class Router:
             dispatch.end()
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
-                             rt: RequestTrace):
-        prefill_done = self.registry.dispatched(prefill, len(work.prompt_token_ids))
+                             rt: RequestTrace, policy: str | None, matched: dict[str, int]):
         decode_done = self.registry.dispatched(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
                                                                    "kvmesh.decode_instance": decode.id})
@@ -267,14 +330,8 @@ class Router:
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s), metadata=md,
             timeout=self.cfg.request_timeout_s)
-        prefill_call = asyncio.ensure_future(
-            worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
-                worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
-                                          decode_transfer_address=decode.beat.transfer_address), metadata=md,
-                timeout=self.cfg.request_timeout_s))
-        prefill_call.add_done_callback(
-            lambda f: _log_prefill_failure(f, work.request_id, prefill.id, rt.trace_id))
-        prefill_call.add_done_callback(lambda _: prefill_done())
+        prefill_call = asyncio.ensure_future(self._prefill(work, prefill, decode, md, rt, policy, matched))
+        prefill_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are logged inside
         decode_cached, fallback = 0, False
 
         async def cached_tokens() -> int:
@@ -297,6 +354,54 @@ class Router:
             if not prefill_call.done():
                 prefill_call.cancel()
 
+    async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md,
+                       rt: RequestTrace, policy: str | None, matched: dict[str, int]) -> worker_pb2.PrefillResponse:
+        """The request's Prefill call, while decode waits for its ``kv.ready``. An unreachable prefill instance
+        is replaced by another one; when none is left (or prefill failed otherwise), decode is told at once
+        (``kv.ready`` with ok=False) and recomputes the prompt instead of waiting out ``kv_timeout_s``."""
+        tried: set[str] = set()
+        while True:
+            tried.add(prefill.id)
+            done = self.registry.dispatched(prefill, len(work.prompt_token_ids))
+            try:
+                return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
+                    worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
+                                              decode_transfer_address=decode.beat.transfer_address),
+                    metadata=md, timeout=self.cfg.request_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                why = f"prefill on {prefill.id} failed: {e.code().name}: {e.details()}"
+                log.warning("request %s (trace %s): %s", work.request_id, rt.trace_id, why)
+                if e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED):
+                    raise  # ABORTED: prefill computed but could not push, and told decode itself
+                nxt = self._another_prefill(tried, policy, matched, work) \
+                    if e.code() == grpc.StatusCode.UNAVAILABLE else None
+                if nxt is None:
+                    await self._tell_decode(work, decode, prefill, why)
+                    raise
+                rt.retry("prefill", prefill.id, why)
+                prefill = nxt
+            finally:
+                done()
+
+    def _another_prefill(self, tried: set[str], policy: str | None, matched: dict[str, int],
+                         work: worker_pb2.WorkRequest) -> Instance | None:
+        others = [i for i in self.registry.alive("prefill") if i.id not in tried]
+        if not others:
+            return None
+        inst, _ = self.policies.choose(policy, others, matched, len(work.prompt_token_ids), self.cfg.block_size,
+                                       matched.get(POOL, 0))
+        return inst or min(others, key=lambda i: (i.queue_depth, i.id))  # an SLO miss beats a recompute
+
+    async def _tell_decode(self, work: worker_pb2.WorkRequest, decode: Instance, prefill: Instance,
+                           error: str) -> None:
+        ready = KVReady(request_id=work.request_id, decode_instance=decode.id, transfer_id="", block_keys=(),
+                        num_tokens=0, first_token=0, layout={}, prefill_instance=prefill.id, ok=False,
+                        error=error)
+        try:
+            await self.bus.publish(self.subjects.kv_ready(decode.id), ready)
+        except Exception as e:  # noqa: BLE001 - decode still falls back after kv_timeout_s
+            log.warning("could not tell %s that request %s's prefill failed: %s", decode.id, work.request_id, e)
+
 
 async def _chunks(call, inst: Instance):
     first = True
@@ -309,19 +414,14 @@ async def _chunks(call, inst: Instance):
             raise RequestError("invalid", e.details() or "invalid request") from None
         if e.code() == grpc.StatusCode.CANCELLED:
             raise
-        raise RequestError("unavailable", f"instance {inst.id} failed: {e.code().name}: {e.details()}") from None
+        raise RequestError("unavailable", f"instance {inst.id} failed: {e.code().name}: {e.details()}",
+                           inst.id, retryable=e.code() == grpc.StatusCode.UNAVAILABLE) from None
     finally:
         call.cancel()
 
 
 def _chunk(msg: worker_pb2.DecodeChunk) -> Chunk:
     return Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason)
-
-
-def _log_prefill_failure(fut: asyncio.Future, request_id: str, instance: str, trace_id: str) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("request %s (trace %s): prefill on %s failed: %s", request_id, trace_id, instance,
-                    fut.exception())
 
 
 def _model_name(source: str | None, hf_dir: Path) -> str:

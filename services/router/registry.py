@@ -81,6 +81,11 @@ class Registry:
                 cur.inflight_tokens = max(0, cur.inflight_tokens - prompt_tokens)
         return done
 
+    def role_of(self, iid: str) -> str:
+        """The role ``iid`` beats with (decode when it is no longer known: only decode streams are retried)."""
+        inst = self._instances.get(iid)
+        return inst.beat.role if inst else "decode"
+
     def _live(self, iid: str) -> Instance:
         """The current record of an instance (heartbeats replace records); a dropped one gets a scratch record."""
         return self._instances.get(iid) or self._gone.setdefault(iid, Instance(Heartbeat(

@@ -47,6 +47,8 @@ class RouterMetrics:
                                  "because pushed KV did not arrive or verify", registry=r)
         self.match_errors = Counter(f"{P}_match_prefix_errors",
                                     "MatchPrefix calls that failed (routed by load)", registry=r)
+        self.retries = Counter(f"{P}_retries", "Calls re-sent to another instance after one was unreachable, "
+                               "by the role of the instance that failed", ["role"], registry=r)
         for reason in ("invalid", "unauthenticated", "not_found", "overloaded", "unavailable", "internal"):
             self.rejections.labels(reason)
 
@@ -151,6 +153,12 @@ class RequestTrace:
         self.root.add_event("kv_fallback", {"kvmesh.reason": reason})
         if self.metrics is not None:
             self.metrics.fallbacks.inc()
+
+    def retry(self, role: str, instance: str, reason: str) -> None:
+        """``instance`` (a ``role``) could not serve the request before its first token; it goes elsewhere."""
+        self.root.add_event("retry", {"kvmesh.role": role, "kvmesh.instance": instance, "kvmesh.reason": reason})
+        if self.metrics is not None:
+            self.metrics.retries.labels(role).inc()
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         self.root.set_attributes({"kvmesh.tokens.completion": completion_tokens,

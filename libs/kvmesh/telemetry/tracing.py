@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import quote, unquote
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -162,19 +163,22 @@ def grpc_metadata(parent: Parent) -> tuple[tuple[str, str], ...]:
 
 
 # a request's id, model and tenant travel as gRPC metadata so downstream services can label their spans
+_SAFE = "".join(c for c in map(chr, range(0x20, 0x7F)) if c != "%")
 REQUEST_METADATA = {"kvmesh.request_id": "x-request-id", "kvmesh.model": "x-kvmesh-model",
                     "kvmesh.tenant": "x-kvmesh-tenant"}
 
 
 def request_metadata(attrs: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying a request's id, model and tenant (from span attributes)."""
-    return tuple((key, str(attrs[name])) for name, key in REQUEST_METADATA.items() if attrs and name in attrs)
+    """gRPC metadata carrying a request's id, model and tenant (from span attributes), percent-encoded: a
+    metadata value must be printable ASCII, and a tenant's cache salt need not be."""
+    return tuple((key, quote(str(attrs[name]), safe=_SAFE)) for name, key in REQUEST_METADATA.items()
+                 if attrs and name in attrs)
 
 
 def request_attributes(context: Any) -> dict[str, str]:
     """The inverse of ``request_metadata`` on the serving side (a ``grpc.aio.ServicerContext``)."""
     md = dict(context.invocation_metadata() or ())
-    return {name: md[key] for name, key in REQUEST_METADATA.items() if key in md}
+    return {name: unquote(md[key]) for name, key in REQUEST_METADATA.items() if key in md}
 
 
 def from_grpc(context: Any) -> Context | None:

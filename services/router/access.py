@@ -1,0 +1,123 @@
+"""Who may call the router and how many calls it takes at once: API keys → tenants, the tenant's cache salt,
+and the in-flight caps (global and per tenant) that refuse at once with 429 instead of queueing.
+
+A tenant's salt is ``tenant NUL cache_salt``; a request's own ``cache_salt`` may not contain NUL, so no
+request can name another tenant's namespace, and a request without a tenant keeps its plain ``cache_salt``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from services.router.config import RouterConfig, parse_api_keys
+from services.router.core import RequestError
+
+RETRY_AFTER_S = 1
+
+
+class Tenants:
+    """The API keys the router accepts and the tenant of each (``""``: the tenant-less ``api_key``)."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self._keys = [(k.encode(), t) for k, t in keys.items()]
+
+    @classmethod
+    def from_config(cls, cfg: RouterConfig) -> Tenants:
+        """``api_key`` (no tenant), ``api_keys`` and the pairs in ``api_keys_file``; ValueError says what to
+        fix."""
+        keys = dict(cfg.api_keys)
+        if cfg.api_keys_file:
+            try:
+                text = Path(cfg.api_keys_file).read_text()
+            except OSError as e:
+                raise ValueError(f"api_keys_file: cannot read {cfg.api_keys_file}: {e.strerror}") from None
+            for key, tenant in parse_api_keys(text, f"api_keys_file {cfg.api_keys_file}").items():
+                if keys.get(key, tenant) != tenant:
+                    raise ValueError(f"api_keys_file: key {key[:4]}... is given to two tenants")
+                keys[key] = tenant
+        if cfg.api_key:
+            if cfg.api_key in keys:
+                raise ValueError("api_key is also in api_keys: give each key one tenant (or none)")
+            keys[cfg.api_key] = ""
+        return cls(keys)
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def tenant(self, given: str) -> str | None:
+        """The tenant of key ``given`` (``""`` when keys are off or for the tenant-less key); None: refuse."""
+        if not self._keys:
+            return ""
+        raw = given.strip().encode("utf-8", "replace")
+        found = None
+        for key, tenant in self._keys:  # compare with every key in constant time: no timing hint at a prefix
+            if hmac.compare_digest(key, raw):
+                found = tenant
+        return found
+
+    def authenticate(self, headers: Mapping[str, str]) -> str:
+        """The caller's tenant from ``authorization: Bearer <key>`` or ``x-api-key``; 401 when keys are on and
+        none of them is given."""
+        given = headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
+        tenant = self.tenant(given)
+        if tenant is None:
+            raise RequestError("unauthenticated", "missing or wrong API key: send 'Authorization: Bearer "
+                                                  "<key>' or 'x-api-key: <key>' (HTTP header or gRPC "
+                                                  "metadata)")
+        return tenant
+
+
+def _bearer(value: str) -> str:
+    scheme, _, token = value.strip().partition(" ")
+    return token if scheme.lower() == "bearer" else value
+
+
+def cache_salt(tenant: str, requested: str) -> str:
+    """The salt that enters the request's block keys: the tenant's namespace, within it the request's own."""
+    if "\x00" in requested:
+        raise RequestError("invalid", "cache_salt may not contain NUL characters")
+    return f"{tenant}\x00{requested}" if tenant else requested
+
+
+class Admission:
+    """Caps on requests in flight, checked on arrival: over a cap the request is refused at once (429 /
+    RESOURCE_EXHAUSTED with a retry hint) rather than queued. One event loop; not thread-safe."""
+
+    def __init__(self, max_total: int, max_per_tenant: int = 0) -> None:
+        self.max_total = max_total
+        self.max_per_tenant = max_per_tenant
+        self.total = 0
+        self.per_tenant: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, cfg: RouterConfig) -> Admission:
+        return cls(cfg.max_concurrent_requests, cfg.max_requests_per_tenant)
+
+    def enter(self, tenant: str) -> Callable[[], None]:
+        """Count one request in; returns the (idempotent) call that counts it out."""
+        if self.total >= self.max_total:
+            raise RequestError("overloaded", f"the router is at its limit of {self.max_total} requests in "
+                                             f"flight; retry after {RETRY_AFTER_S} s")
+        held = self.per_tenant.get(tenant, 0)
+        if self.max_per_tenant and held >= self.max_per_tenant:
+            raise RequestError("overloaded", f"tenant {tenant or '(none)'} is at its limit of "
+                                             f"{self.max_per_tenant} requests in flight; retry after "
+                                             f"{RETRY_AFTER_S} s")
+        self.total += 1
+        self.per_tenant[tenant] = held + 1
+        done = False
+
+        def leave() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            self.total -= 1
+            self.per_tenant[tenant] -= 1
+            if not self.per_tenant[tenant]:
+                del self.per_tenant[tenant]
+
+        return leave

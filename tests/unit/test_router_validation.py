@@ -1,0 +1,204 @@
+"""The router's settings, API keys → tenants, cache salts, in-flight caps and HTTP sampling fields: each bad
+value is refused with a message that says what to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh import config
+from services.router.access import Admission, Tenants, cache_salt
+from services.router.config import RouterConfig, parse_api_keys
+from services.router.core import RequestError
+from services.router.http_api import sampling_from_body
+
+
+# ---- RouterConfig ------------------------------------------------------------------------------------------
+
+def test_defaults_are_valid():
+    cfg = RouterConfig()
+    assert cfg.problems() == [] and cfg.max_concurrent_requests == 256 and cfg.api_keys == {}
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("policy", "fastest", "cache_aware"),
+    ("grpc_port", 70000, "[0, 65535]"),
+    ("http_port", -1, "[0, 65535]"),
+    ("kv_timeout_s", 0, "kv_timeout_s must be > 0"),
+    ("request_timeout_s", -5.0, "request_timeout_s must be > 0"),
+    ("match_timeout_s", float("nan"), "match_timeout_s must be > 0"),
+    ("instance_timeout_s", 0.0, "instance_timeout_s"),
+    ("prefill_tok_per_s", 0, "prefill_tok_per_s"),
+    ("slo_ttft_s", -1, "slo_ttft_s must be >= 0"),
+    ("block_size", 0, "block_size must be >= 1"),
+    ("max_body_bytes", 0, "max_body_bytes must be >= 1"),
+    ("max_concurrent_requests", 0, "max_concurrent_requests must be >= 1"),
+    ("max_requests_per_tenant", -1, "max_requests_per_tenant must be >= 0"),
+    ("nats_url", "localhost:4222", "nats://"),
+    ("cachesvc_address", "localhost", "host:port"),
+    ("api_keys", {"k1": "a:b"}, "may not contain"),
+    ("api_keys", {"k1": ""}, "non-empty"),
+    ("api_keys", {"key with space": "a"}, "without spaces"),
+])
+def test_bad_setting_is_refused_naming_it(field, value, words):
+    with pytest.raises(ValueError, match="invalid router settings") as e:
+        RouterConfig(**{field: value})
+    assert words in str(e.value)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ValueError) as e:
+        RouterConfig(policy="x", http_port=-1, kv_timeout_s=0)
+    assert all(w in str(e.value) for w in ("policy", "http_port", "kv_timeout_s"))
+
+
+def test_api_keys_come_from_the_environment_as_key_tenant_pairs():
+    env = {"KVMESH_API_KEYS": "sk-a:alice, sk-b:bob", "KVMESH_MAX_BODY_BYTES": "1024"}
+    cfg = config.load(RouterConfig, env=env)
+    assert cfg.api_keys == {"sk-a": "alice", "sk-b": "bob"} and cfg.max_body_bytes == 1024
+
+
+def test_api_keys_come_from_a_toml_table(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text('[router]\nmax_requests_per_tenant = 4\n[router.api_keys]\n"sk-a" = "alice"\n')
+    cfg = config.load(RouterConfig, path, env={}, section="router")
+    assert cfg.api_keys == {"sk-a": "alice"} and cfg.max_requests_per_tenant == 4
+
+
+@pytest.mark.parametrize("text,words", [
+    ("sk-a", "must be key:tenant"),
+    ("sk-a:", "must be key:tenant"),
+    (":alice", "must be key:tenant"),
+    ("sk-a:alice,sk-a:bob", "two tenants"),
+])
+def test_malformed_api_keys_are_refused(text, words):
+    with pytest.raises(ValueError, match=words):
+        parse_api_keys(text, "api_keys")
+
+
+def test_api_keys_text_allows_lines_comments_and_repeats():
+    text = "# team keys\nsk-a:alice\n\nsk-b:bob  # second\nsk-a:alice\n"
+    assert parse_api_keys(text, "f") == {"sk-a": "alice", "sk-b": "bob"}
+
+
+def test_a_malformed_entry_does_not_echo_the_whole_key():
+    with pytest.raises(ValueError) as e:
+        parse_api_keys("sk-very-secret-key-1234", "api_keys")
+    assert "sk-very-secret-key-1234" not in str(e.value)
+
+
+# ---- Tenants -----------------------------------------------------------------------------------------------
+
+def test_without_keys_everyone_is_the_anonymous_tenant():
+    tenants = Tenants.from_config(RouterConfig())
+    assert not tenants.required and tenants.authenticate({}) == ""
+
+
+def test_keys_map_to_tenants_from_settings_file_and_the_tenantless_key(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("sk-c:carol\n")
+    cfg = RouterConfig(api_keys={"sk-a": "alice"}, api_keys_file=str(path), api_key="sk-old")
+    tenants = Tenants.from_config(cfg)
+    assert tenants.authenticate({"authorization": "Bearer sk-a"}) == "alice"
+    assert tenants.authenticate({"x-api-key": "sk-c"}) == "carol"
+    assert tenants.authenticate({"authorization": "bearer sk-old"}) == ""
+    assert tenants.authenticate({"authorization": "sk-a"}) == "alice"  # a bare key, as before
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer nope"}, {"authorization": "Basic sk-a"},
+                                     {"x-api-key": "sk-"}, {"authorization": "Bearer sk-\u00e9"}])
+def test_a_missing_or_wrong_key_is_unauthenticated(headers):
+    tenants = Tenants.from_config(RouterConfig(api_keys={"sk-a": "alice"}))
+    with pytest.raises(RequestError) as e:
+        tenants.authenticate(headers)
+    assert e.value.kind == "unauthenticated" and "Bearer <key>" in e.value.message
+
+
+def test_an_unreadable_keys_file_stops_the_router_with_its_path(tmp_path):
+    with pytest.raises(ValueError, match="api_keys_file: cannot read .*missing"):
+        Tenants.from_config(RouterConfig(api_keys_file=str(tmp_path / "missing")))
+
+
+def test_a_key_given_two_tenants_across_sources_is_refused(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("sk-a:mallory\n")
+    with pytest.raises(ValueError, match="two tenants"):
+        Tenants.from_config(RouterConfig(api_keys={"sk-a": "alice"}, api_keys_file=str(path)))
+    with pytest.raises(ValueError, match="one tenant"):
+        Tenants.from_config(RouterConfig(api_keys={"sk-a": "alice"}, api_key="sk-a"))
+
+
+# ---- cache salts -------------------------------------------------------------------------------------------
+
+def test_a_tenant_salt_is_its_own_namespace():
+    assert cache_salt("alice", "") != cache_salt("bob", "") != cache_salt("", "")
+    assert cache_salt("alice", "conv-1") != cache_salt("alice", "conv-2")
+    assert cache_salt("", "conv-1") == "conv-1"  # without keys, a request's salt is what it always was
+
+
+def test_no_request_can_name_another_tenants_salt():
+    with pytest.raises(RequestError, match="NUL"):
+        cache_salt("", "alice\x00")
+    assert cache_salt("al", "ice") != cache_salt("alice", "")
+
+
+# ---- Admission ---------------------------------------------------------------------------------------------
+
+def test_admission_refuses_over_the_global_cap_and_frees_on_leave():
+    gate = Admission(max_total=2)
+    first, second = gate.enter("a"), gate.enter("b")
+    with pytest.raises(RequestError) as e:
+        gate.enter("c")
+    assert e.value.kind == "overloaded" and "2 requests in flight" in e.value.message
+    first()
+    first()  # idempotent
+    gate.enter("c")
+    assert gate.total == 2
+    second()
+    assert gate.per_tenant == {"c": 1}
+
+
+def test_admission_per_tenant_cap_leaves_room_for_others():
+    gate = Admission(max_total=10, max_per_tenant=1)
+    gate.enter("alice")
+    with pytest.raises(RequestError, match="tenant alice is at its limit of 1"):
+        gate.enter("alice")
+    gate.enter("bob")
+    assert gate.total == 2
+
+
+# ---- HTTP sampling fields ----------------------------------------------------------------------------------
+
+def test_sampling_defaults_and_vllm_extensions():
+    p = sampling_from_body({"top_k": -1, "seed": 7, "stop": "\n", "stop_token_ids": [2], "ignore_eos": True})
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (64, 1.0, 0, 1.0, 7)
+    assert p.stop == ("\n",) and p.stop_token_ids == (2,) and p.ignore_eos
+
+
+def test_null_fields_mean_their_defaults():
+    p = sampling_from_body({"max_tokens": None, "temperature": None, "n": None, "top_p": None, "seed": None})
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed) == (64, 1.0, 1.0, None)
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert sampling_from_body({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_completion_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_tokens": True}, "max_tokens must be an integer, not a boolean"),
+    ({"temperature": -0.1}, "temperature must be >= 0"),
+    ({"temperature": [1]}, "temperature must be a number, not a list"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.01}, "top_p must be in (0, 1]"),
+    ({"top_k": -7}, "top_k must be >= 0"),
+    ({"seed": "7"}, "seed must be an integer"),
+    ({"stop_token_ids": [True]}, "stop_token_ids must be a list of integers"),
+    ({"stop": {"a": 1}}, "stop must be a string or a list of strings"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+    ({"n": 3}, "only n=1"),
+])
+def test_bad_sampling_field_is_named(body, words):
+    with pytest.raises(RequestError) as e:
+        sampling_from_body(body)
+    assert e.value.kind == "invalid" and words in e.value.message
