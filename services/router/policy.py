@@ -1,6 +1,8 @@
 """The router's side of scheduling: live instances become ``kvmesh.routing`` candidates, the configured (or
 per-request) policy picks the prefill instance, and decode goes to the least loaded instance with KV headroom
-(the pushed KV makes decode's own cache irrelevant to the choice)."""
+(the pushed KV makes decode's own cache irrelevant to the choice). Each candidate carries the cost model its
+instance measured and reports in its heartbeat (``CostModel.from_load``); one that reports none is priced with
+the configured one."""
 
 from __future__ import annotations
 
@@ -8,10 +10,14 @@ from kvmesh.routing import POLICIES, CacheAware, Candidate, CostModel, Decision,
 from services.router.registry import Instance
 
 
-def to_candidates(instances: list[Instance], matched: dict[str, int]) -> list[Candidate]:
+def to_candidates(instances: list[Instance], matched: dict[str, int],
+                  cost: CostModel | None = None) -> list[Candidate]:
+    """``cost``: the configured model, which an instance's measured speed and block size override."""
+    cost = cost or CostModel()
     return [Candidate(i.id, queued_tokens=int(i.waiting_tokens), running=int(i.queue_depth),
                       local_blocks=matched.get(i.id, 0),
-                      free_blocks=int(i.beat.load.get("free_blocks", 0)))
+                      free_blocks=int(i.beat.load.get("free_blocks", 0)),
+                      cost=CostModel.from_load(i.beat.load, cost))
             for i in instances]
 
 
@@ -26,6 +32,7 @@ class Policies:
         if default not in POLICIES:
             raise ValueError(f"unknown routing policy {default!r}; choose one of {sorted(POLICIES)}")
         self.default = default
+        self.cost = cost
         self._policies: dict[str, Policy] = {
             name: CacheAware(cost, slo_ttft_s=slo_ttft_s) if name == "cache_aware" else make_policy(name)
             for name in POLICIES}
@@ -40,6 +47,7 @@ class Policies:
 
     def choose(self, name: str | None, instances: list[Instance], matched: dict[str, int], prompt_tokens: int,
                block_size: int, pool_blocks: int) -> tuple[Instance | None, Decision]:
-        decision = self.get(name).choose(to_candidates(instances, matched), prompt_tokens, block_size, pool_blocks)
+        candidates = to_candidates(instances, matched, self.cost)
+        decision = self.get(name).choose(candidates, prompt_tokens, block_size, pool_blocks)
         chosen = next((i for i in instances if decision.chosen and i.id == decision.chosen.id), None)
         return chosen, decision

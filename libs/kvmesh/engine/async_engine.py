@@ -2,7 +2,8 @@
 
 Ownership: the engine thread is the only caller of ``LLMEngine``; coroutines send it commands through a queue
 and receive each request's outputs on an ``asyncio.Queue``. KV events raised during a step are handed to
-``on_events`` on the event loop after that step.
+``on_events`` on the event loop after that step. Every forward step's tokens and wall time feed ``speed``, the
+instance's measured prefill speed (heartbeats report it; the router prices this instance with it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.events import KVEvent
+from kvmesh.routing.cost import SpeedEstimator
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class AsyncEngine:
         # engine thread only: timed requests not yet admitted by the scheduler / without a first output yet
         self._unscheduled: dict[str, tuple[Sequence, RequestTiming]] = {}
         self._timed: dict[str, tuple[Sequence, RequestTiming]] = {}
+        self.speed = SpeedEstimator()  # fed on the engine thread, read by heartbeats
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -159,6 +162,7 @@ class AsyncEngine:
                 self._deliver(rid, e)
                 self._abort(rid)
             return
+        self.speed.observe(self.engine.step_tokens, time.monotonic() - began)
         if self._unscheduled:
             for rid, (seq, timing) in list(self._unscheduled.items()):
                 if seq.status is not Status.WAITING:

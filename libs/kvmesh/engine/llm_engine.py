@@ -112,6 +112,7 @@ class LLMEngine:
         self._namespaces: dict[tuple[str, str], int] = {}
         self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
         self._pending: list[StepOutput] = []  # outputs produced outside a forward step (imported first tokens)
+        self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
 
     # ---- requests ------------------------------------------------------------------------------------------
     def namespace_seed(self, cache_salt: str = "", lora_id: str = "") -> int:
@@ -183,6 +184,7 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        self.step_tokens = 0
         if self._pending:  # deliver imported first tokens before spending a forward step
             pending, self._pending = self._pending, []
             return pending
@@ -200,6 +202,7 @@ class LLMEngine:
             if begin + n == seq.num_tokens:
                 sample_idx.append(start - 1)
                 samplers.append(seq)
+        self.step_tokens = start
         batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
         logits = self.model(batch, self.kv, self.attn)
         self.last_logits = ([s.request_id for s in samplers], logits)  # introspection for tests and tools

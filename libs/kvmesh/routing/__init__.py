@@ -1,8 +1,8 @@
 """Scheduling decisions shared by the router service and the simulator: policies, cost model, admission."""
 
-from kvmesh.routing.cost import CostModel
+from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
 from kvmesh.routing.policy import (POLICIES, Candidate, CacheAware, Decision, LeastLoaded, Policy, RandomChoice,
                                    RoundRobin, make_policy)
 
 __all__ = ["CostModel", "POLICIES", "Candidate", "CacheAware", "Decision", "LeastLoaded", "Policy",
-           "RandomChoice", "RoundRobin", "make_policy"]
+           "RandomChoice", "RoundRobin", "SpeedEstimator", "SpeedFit", "make_policy"]

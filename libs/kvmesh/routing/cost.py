@@ -1,10 +1,22 @@
-"""How long a prefill takes, from the engine's measured speed: a linear model in computed tokens, plus the time
-to fetch blocks from the pool. Mooncake's estimated TTFT is built from these."""
+"""How long a prefill takes, from the engine's measured speed: a linear model in computed tokens, plus the
+time to fetch blocks from the pool. Mooncake's estimated TTFT is built from these.
+
+Each engine instance fits its own line (``SpeedEstimator``, fed by every forward step) and reports it in its
+heartbeat ``load`` (``prefill_tok_per_s``, ``prefill_overhead_s``, ``kv_block_bytes``); the router turns that
+into the instance's ``CostModel`` (``CostModel.from_load``). A key that is missing or not a sane number keeps
+the router's configured value, so old engines and new routers (and the reverse) work together.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import threading
 import time
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -13,12 +25,26 @@ class CostModel:
     prefill_overhead_s: float = 0.03   # per prefill (first-token sampling, scheduling)
     fetch_gbps: float = 1.0            # pool → instance, per the transfer benchmark
     block_bytes: int = 737_280         # SmolLM2-135M fp32, 16-token blocks
+    calibrated: bool = False           # the speed was measured on the instance itself, not configured
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_overhead_s + max(0, tokens) / self.prefill_tok_per_s if tokens > 0 else 0.0
 
     def fetch_s(self, blocks: int) -> float:
         return blocks * self.block_bytes / (self.fetch_gbps * 1e9)
+
+    @classmethod
+    def from_load(cls, load: Mapping[str, Any], default: CostModel) -> CostModel | None:
+        """An instance's model from its heartbeat ``load``: ``default`` with what the instance measured in
+        place of the configured values; None when it reports nothing usable (an old engine)."""
+        fields: dict[str, Any] = {}
+        if (speed := _number(load, "prefill_tok_per_s")) is not None and speed > 0:
+            fields.update(prefill_tok_per_s=speed, calibrated=True)
+            if (overhead := _number(load, "prefill_overhead_s")) is not None:
+                fields["prefill_overhead_s"] = overhead
+        if (nbytes := _number(load, "kv_block_bytes")) is not None and nbytes >= 1:
+            fields["block_bytes"] = int(nbytes)
+        return dataclasses.replace(default, **fields) if fields else None
 
     @classmethod
     def calibrate(cls, engine, sizes: tuple[int, int] = (64, 512), fetch_gbps: float = 1.0) -> "CostModel":
@@ -34,4 +60,123 @@ class CostModel:
             times.append(time.perf_counter() - t0)
         slope = (times[1] - times[0]) / (sizes[1] - sizes[0])
         overhead = max(0.0, times[0] - slope * sizes[0])
-        return cls(1.0 / max(slope, 1e-9), overhead, fetch_gbps, engine.layout.block_nbytes)
+        return cls(1.0 / max(slope, 1e-9), overhead, fetch_gbps, engine.layout.block_nbytes, calibrated=True)
+
+
+def _number(load: Mapping[str, Any], key: str) -> float | None:
+    """``load[key]`` when it is a finite number >= 0 (heartbeats come from other processes)."""
+    x = load.get(key)
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0:
+        return float(x)
+    return None
+
+
+class SpeedFit(NamedTuple):
+    overhead_s: float      # per forward step
+    tok_per_s: float       # per computed token beyond that
+    samples: int           # steps the fit kept (outliers left out)
+
+
+class SpeedEstimator:
+    """A weighted least-squares fit of ``step time = overhead + tokens / speed`` over an engine's recent
+    forward steps (the last ``window``).
+
+    - Weights halve every ``half_life`` steps, so the fit follows a machine that slows down or speeds up.
+    - Outliers (a GC pause, a stolen CPU): a step more than ``outlier``× off the typical step, relative to the
+      line, is left out and the line refitted (twice). The typical step is the weighted median, so a lasting
+      change takes over once it holds half the weight, about ``half_life`` steps.
+    - Overhead and speed are only told apart when the steps pin the speed down (the slope's standard error is
+      under ``slope_error`` of it). Otherwise the last such line is kept, and its miss split between overhead
+      and speed by which one dominates these steps: tiny prompts refit the overhead, long ones the speed.
+    - The first ``warmup_steps`` steps pay one-off costs (lazy init, kernel compilation) and are skipped.
+
+    ``observe`` (the engine thread, once per step) only records; ``fit`` (heartbeats, any thread) solves.
+    """
+
+    def __init__(self, prior: CostModel | None = None, window: int = 128, half_life: float = 32.0,
+                 outlier: float = 3.0, slope_error: float = 0.2, warmup_steps: int = 1) -> None:
+        prior = prior or CostModel()
+        self._line = (prior.prefill_overhead_s, 1.0 / prior.prefill_tok_per_s)  # the last identified line
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.outlier = outlier
+        self.slope_error = slope_error
+        self._skip = warmup_steps
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One forward step that computed ``tokens`` tokens in ``seconds``."""
+        if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        with self._lock:
+            self._steps.append((tokens, seconds))
+
+    def fit(self) -> SpeedFit | None:
+        """The current line; None before the first measured step."""
+        with self._lock:
+            steps = list(self._steps)
+        if not steps:
+            return None
+        weights = [self.decay ** age for age in range(len(steps) - 1, -1, -1)]
+        kept = list(range(len(steps)))
+        (overhead, slope), identified = self._solve(steps, weights, kept)
+        for _ in range(2):
+            ratios = [t / (overhead + slope * n) for n, t in steps]
+            typical = _weighted_median(ratios, weights)
+            kept = [i for i, r in enumerate(ratios) if typical / self.outlier <= r <= typical * self.outlier]
+            (overhead, slope), identified = self._solve(steps, weights, kept)
+        if identified:
+            self._line = (overhead, slope)
+        return SpeedFit(overhead, 1.0 / slope, len(kept))
+
+    def report(self) -> dict[str, float]:
+        """The heartbeat ``load`` keys (none before the first measured step: the router keeps its default)."""
+        fit = self.fit()
+        if fit is None:
+            return {}
+        return {"prefill_tok_per_s": round(fit.tok_per_s, 3), "prefill_overhead_s": round(fit.overhead_s, 6)}
+
+    def _solve(self, steps: list[tuple[int, float]], weights: list[float],
+               kept: list[int]) -> tuple[tuple[float, float], bool]:
+        """(overhead, seconds per token) of the kept steps, and whether the steps alone determined both."""
+        w = w2 = sn = st = snn = snt = stt = 0.0
+        for i in kept:
+            (n, t), wi = steps[i], weights[i]
+            w, w2, sn, st = w + wi, w2 + wi * wi, sn + wi * n, st + wi * t
+            snn, snt, stt = snn + wi * n * n, snt + wi * n * t, stt + wi * t * t
+        mean_n, mean_t = sn / w, st / w
+        var_n, var_t = max(0.0, snn / w - mean_n ** 2), max(0.0, stt / w - mean_t ** 2)
+        cov = snt / w - mean_n * mean_t
+        if len(kept) >= 3 and var_n > 0 and cov > 0:
+            residual = max(0.0, var_t - cov * cov / var_n)
+            slope_var = residual / (var_n * max(1.0, w * w / w2 - 2))  # the slope's squared standard error
+            identified = slope_var <= (self.slope_error * cov / var_n) ** 2
+        else:
+            identified = False
+        if identified:
+            slope = cov / var_n
+            overhead = mean_t - slope * mean_n
+            if overhead < 0:
+                overhead, slope = 0.0, snt / snn
+            return (overhead, slope), True
+        a, s = self._line
+        predicted = a + s * mean_n
+        token_part = (s * mean_n) ** 4 / ((s * mean_n) ** 4 + a ** 4)  # ~1 where tokens dominate, else ~0
+        overhead = a + (1 - token_part) * (mean_t - predicted)
+        slope = s + token_part * (mean_t - predicted) / mean_n
+        if overhead < 0 or slope <= 0:  # the miss is larger than the part it was given: scale the whole line
+            overhead, slope = a * mean_t / predicted, s * mean_t / predicted
+        return (overhead, slope), False
+
+
+def _weighted_median(values: list[float], weights: list[float]) -> float:
+    pairs = sorted(zip(values, weights))
+    half, acc = sum(weights) / 2, 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= half:
+            return v
+    return pairs[-1][0]

@@ -3,6 +3,10 @@
 ``cache_aware`` is Mooncake's rule: estimated TTFT = queue time + prefill time of the tokens not cached locally +
 fetch time of the blocks that another tier (the pool) holds beyond the local prefix; the minimum wins. A hot-spot
 guard (SGLang's) balances first when the load spread is both absolutely and relatively too large.
+
+Each term is priced with the candidate's own cost model (its measured prefill speed and KV block size) when it
+has one, else the policy's configured one, so a slow instance pays for its queue and its misses at its own
+speed; the reason of a choice names the speed each candidate was priced at.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class Candidate:
     running: int = 0             # sequences running there
     local_blocks: int = 0        # leading prompt blocks cached on this instance (any of its tiers)
     free_blocks: int = 0         # KV headroom (decode choice)
+    cost: CostModel | None = None  # this instance's calibrated cost model (None: the policy's configured one)
 
     @property
     def load(self) -> int:
@@ -83,26 +88,35 @@ class CacheAware:
         self.imbalance_rel = imbalance_rel
 
     def estimate(self, c: Candidate, prompt_tokens: int, block_size: int, pool_blocks: int) -> float:
+        cost = c.cost or self.cost
         local = min(c.local_blocks * block_size, prompt_tokens - 1)
         fetched = max(0, pool_blocks - c.local_blocks) if self.use_pool else 0
         hit = min(prompt_tokens - 1, local + fetched * block_size)
-        return (self.cost.prefill_s(c.queued_tokens) + self.cost.prefill_s(prompt_tokens - hit)
-                + self.cost.fetch_s(fetched))
+        return cost.prefill_s(c.queued_tokens) + cost.prefill_s(prompt_tokens - hit) + cost.fetch_s(fetched)
 
     def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
         scores = {c.id: self.estimate(c, prompt_tokens, block_size, pool_blocks) for c in candidates}
         loads = [c.queued_tokens for c in candidates]
         if max(loads) - min(loads) > self.imbalance_abs_tokens and max(loads) > self.imbalance_rel * max(1, min(loads)):
             best = min(candidates, key=lambda c: (c.queued_tokens, scores[c.id], c.id))
-            return self._admit(best, scores, "load imbalance: balancing first")
+            return self._admit(best, candidates, scores, "load imbalance: balancing first")
         best = min(candidates, key=lambda c: (scores[c.id], c.queued_tokens, c.id))
-        return self._admit(best, scores, "lowest estimated TTFT")
+        return self._admit(best, candidates, scores, "lowest estimated TTFT")
 
-    def _admit(self, best: Candidate, scores: dict[str, float], reason: str) -> Decision:
-        if self.slo_ttft_s and scores[best.id] > self.slo_ttft_s:
+    def _admit(self, best: Candidate, candidates: list[Candidate], scores: dict[str, float],
+               reason: str) -> Decision:
+        if self.slo_ttft_s and scores[best.id] > self.slo_ttft_s:  # clients read this one: no instance names
             return Decision(None, scores, f"no instance meets the TTFT SLO of {self.slo_ttft_s:g}s "
                                           f"(best estimate {scores[best.id]:.2f}s)")
-        return Decision(best, scores, reason)
+        return Decision(best, scores, f"{reason}; {self.speeds(candidates)}")
+
+    def speeds(self, candidates: list[Candidate]) -> str:
+        """The prefill speed each candidate was priced at: measured on the instance, or the configured one."""
+        parts = []
+        for c in sorted(candidates, key=lambda c: c.id):
+            cost = c.cost or self.cost
+            parts.append(f"{c.id}={cost.prefill_tok_per_s:.0f}{'' if cost.calibrated else ' (configured)'}")
+        return "prefill tok/s: " + ", ".join(parts)
 
 
 POLICIES = {p.name: p for p in (RoundRobin, RandomChoice, LeastLoaded, CacheAware)}

@@ -224,6 +224,8 @@ class Worker:
         while True:
             load = dataclasses.asdict(self.engine.load())
             load["kv_fallbacks"] = self.metrics_fallbacks
+            load["kv_block_bytes"] = self.layout.block_nbytes
+            load.update(self.engine.speed.report())  # prefill_tok_per_s, prefill_overhead_s once measured
             beat = Heartbeat(instance_id=self.instance_id, role=self.cfg.role, grpc_address=self.grpc_address,
                              transfer_address=self.transfer_address, ts=time.time(), load=load,
                              model=self.fingerprint, block_size=self.layout.block_size)

@@ -1,0 +1,56 @@
+"""An engine instance measures its own prefill speed as it serves and reports it in its heartbeat; the router
+prices that instance with it. A real router, prefill and decode instance (tiny random model), nats-server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvmesh.routing import CostModel
+from tests.integration.test_router_bad_input import HI, TinyMesh, tiny_model_dir
+
+SPEED_KEYS = ("prefill_tok_per_s", "prefill_overhead_s")
+
+
+@pytest.fixture(scope="module")
+def mesh(nats_server, tmp_path_factory) -> Iterator[TinyMesh]:
+    with TinyMesh(nats_server.url, tiny_model_dir(tmp_path_factory.mktemp("model"))) as m:
+        yield m
+
+
+def beat_load(mesh: TinyMesh, iid: str) -> dict[str, float]:
+    return next(i.beat.load for i in mesh.router.registry.alive() if i.id == iid)
+
+
+def wait_for_speed(mesh: TinyMesh, iid: str, timeout_s: float = 10) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while not all(k in (load := beat_load(mesh, iid)) for k in SPEED_KEYS):
+        assert time.monotonic() < deadline, f"{iid} never reported a prefill speed: {load}"
+        time.sleep(0.1)
+    return load
+
+
+def test_the_heartbeat_carries_the_measured_speed_once_the_instance_has_served(mesh):
+    prefill = next(w for w in mesh.workers if w.cfg.role == "prefill")
+    before = beat_load(mesh, "prefill-0")
+    assert before["kv_block_bytes"] == prefill.layout.block_nbytes
+    assert not any(k in before for k in SPEED_KEYS)  # nothing measured yet: the router keeps its default
+
+    for _ in range(2):  # the instance's first forward step is its warm-up and is not counted
+        status, body, _ = mesh.post("/v1/chat/completions", {"messages": HI, "max_tokens": 3})
+        assert status == 200, body
+
+    load = wait_for_speed(mesh, "prefill-0")
+    fit = prefill.engine.speed.fit()
+    assert fit is not None and fit.samples >= 1
+    assert load["prefill_tok_per_s"] > 0 and load["prefill_overhead_s"] >= 0
+    assert load["prefill_tok_per_s"] == pytest.approx(fit.tok_per_s, rel=0.5)  # a later step may move it
+
+    cost = CostModel.from_load(load, CostModel())
+    assert cost.calibrated and cost.prefill_tok_per_s == load["prefill_tok_per_s"]
+    prefills = mesh.router.registry.alive("prefill")
+    chosen, decision = mesh.router.policies.choose("cache_aware", prefills, {}, 100, mesh.cfg.block_size, 0)
+    assert chosen.id == "prefill-0" and "configured" not in decision.reason
+    assert f"prefill-0={load['prefill_tok_per_s']:.0f}" in decision.reason

@@ -1,0 +1,137 @@
+"""The cost model calibrated on each engine's measured speed: the estimator's fit, what a heartbeat carries,
+and cache_aware pricing each candidate at its own speed."""
+
+import random
+
+import pytest
+
+from kvmesh.bus import Heartbeat
+from kvmesh.routing import CacheAware, Candidate, CostModel, SpeedEstimator
+from services.router.policy import Policies, to_candidates
+from services.router.registry import Registry
+
+CONFIGURED = CostModel(prefill_tok_per_s=240.0, prefill_overhead_s=0.03, fetch_gbps=10.0, block_bytes=10**6)
+
+
+def feed(est: SpeedEstimator, steps: int, overhead: float, tok_per_s: float, sizes: tuple[int, int],
+         noise: float = 0.05, seed: int = 0, outlier_every: int = 0, outlier_x: float = 1.0) -> None:
+    rng = random.Random(seed)
+    for i in range(steps):
+        n = rng.randint(*sizes)
+        t = (overhead + n / tok_per_s) * rng.uniform(1 - noise, 1 + noise)
+        est.observe(n, t * (outlier_x if outlier_every and i % outlier_every == 0 else 1.0))
+
+
+def close(actual: float, expected: float, rel: float = 0.05) -> bool:
+    return actual == pytest.approx(expected, rel=rel)
+
+
+def test_the_fit_converges_on_a_noisy_linear_series():
+    est = SpeedEstimator()
+    feed(est, 300, overhead=0.02, tok_per_s=500, sizes=(8, 512))
+    fit = est.fit()
+    assert close(fit.tok_per_s, 500) and fit.overhead_s == pytest.approx(0.02, abs=0.005)
+
+
+def test_nothing_is_reported_before_a_step_was_measured_and_the_warmup_step_is_skipped():
+    est = SpeedEstimator()
+    assert est.report() == {}
+    est.observe(100, 50.0)  # the first step: lazy init, kernel compilation
+    est.observe(0, 0.01)    # no forward ran
+    assert est.fit() is None and est.report() == {}
+    est.observe(100, 0.22)
+    assert set(est.report()) == {"prefill_tok_per_s", "prefill_overhead_s"}
+
+
+@pytest.mark.parametrize("outlier_x", [30.0, 1 / 30])
+def test_sporadic_outliers_are_left_out(outlier_x):
+    est = SpeedEstimator()
+    feed(est, 300, overhead=0.02, tok_per_s=500, sizes=(8, 512), outlier_every=5, outlier_x=outlier_x)
+    fit = est.fit()
+    assert close(fit.tok_per_s, 500) and fit.overhead_s == pytest.approx(0.02, abs=0.005)
+    assert fit.samples < 128 * 0.85  # a fifth of the window was dropped
+
+
+def test_a_lasting_slowdown_takes_over():
+    est = SpeedEstimator()
+    feed(est, 200, overhead=0.02, tok_per_s=500, sizes=(8, 512))
+    feed(est, 150, overhead=0.08, tok_per_s=125, sizes=(8, 512), seed=1)  # 4x slower: past the outlier bound
+    assert close(est.fit().tok_per_s, 125, rel=0.1)
+
+
+def test_tiny_steps_refit_the_overhead_and_keep_the_speed():
+    est = SpeedEstimator()
+    feed(est, 200, overhead=0.02, tok_per_s=500, sizes=(8, 512))
+    est.fit()
+    feed(est, 200, overhead=0.05, tok_per_s=500, sizes=(1, 1), seed=1)  # one-token steps: the overhead shows
+    fit = est.fit()
+    assert close(fit.tok_per_s, 500, rel=0.1) and fit.overhead_s == pytest.approx(0.05, abs=0.005)
+
+
+def test_one_long_step_sets_the_speed_not_the_overhead():
+    est = SpeedEstimator(CONFIGURED, warmup_steps=0)
+    est.observe(1000, 0.03 + 1000 / 600)
+    fit = est.fit()
+    assert close(fit.tok_per_s, 600, rel=0.02) and fit.overhead_s == pytest.approx(0.03, abs=0.005)
+
+
+def test_from_load_overrides_what_the_instance_measured_and_keeps_the_rest():
+    measured = CostModel.from_load({"prefill_tok_per_s": 900.0, "prefill_overhead_s": 0.0,
+                                    "kv_block_bytes": 4096, "running": 0}, CONFIGURED)
+    assert measured == CostModel(900.0, 0.0, CONFIGURED.fetch_gbps, 4096, calibrated=True)
+    assert CostModel.from_load({"running": 0, "waiting": 1}, CONFIGURED) is None  # an old engine
+    block_only = CostModel.from_load({"kv_block_bytes": 4096}, CONFIGURED)
+    assert block_only == CostModel(240.0, 0.03, CONFIGURED.fetch_gbps, 4096, calibrated=False)
+
+
+@pytest.mark.parametrize("bad", [0, -5.0, float("nan"), float("inf"), "fast", None, True])
+def test_from_load_ignores_a_speed_that_is_not_a_positive_number(bad):
+    assert CostModel.from_load({"prefill_tok_per_s": bad}, CONFIGURED) is None
+
+
+def measured(tok_per_s: float) -> CostModel | None:
+    return CostModel.from_load({"prefill_tok_per_s": tok_per_s}, CONFIGURED)
+
+
+def test_cache_aware_prefers_the_fast_instance_when_hits_are_equal():
+    slow = Candidate("slow", local_blocks=10, cost=measured(200.0))
+    fast = Candidate("fast", local_blocks=10, cost=measured(800.0))
+    d = CacheAware(CONFIGURED).choose([slow, fast], prompt_tokens=1000, block_size=16)
+    assert d.chosen.id == "fast" and d.scores["slow"] > d.scores["fast"]
+    assert "fast=800" in d.reason and "slow=200" in d.reason
+
+
+def test_cache_aware_takes_the_longer_prefix_when_the_speed_gap_does_not_outweigh_it():
+    a = Candidate("a", local_blocks=50, cost=measured(400.0))
+    b = Candidate("b", local_blocks=0, cost=measured(500.0))
+    d = CacheAware(CONFIGURED).choose([a, b], prompt_tokens=1000, block_size=16)
+    assert d.chosen.id == "a"  # 200 tokens at 400 tok/s beat 1000 at 500 tok/s
+
+
+def test_the_queue_is_priced_at_the_instance_s_own_speed():
+    slow = Candidate("slow", queued_tokens=1000, cost=measured(100.0))
+    fast = Candidate("fast", queued_tokens=1000, cost=measured(1000.0))
+    d = CacheAware(CONFIGURED).choose([slow, fast], prompt_tokens=100, block_size=16)
+    assert d.scores["slow"] == pytest.approx(0.03 + 10.0 + 0.03 + 1.0)
+    assert d.scores["fast"] == pytest.approx(0.03 + 1.0 + 0.03 + 0.1)
+
+
+def test_the_reason_marks_a_candidate_priced_at_the_configured_speed():
+    d = CacheAware(CONFIGURED).choose([Candidate("old")], prompt_tokens=100, block_size=16)
+    assert d.reason.endswith("prefill tok/s: old=240 (configured)")
+
+
+def beat(iid: str, **load: float) -> Heartbeat:
+    return Heartbeat(instance_id=iid, role="prefill", grpc_address="127.0.0.1:1", transfer_address="", ts=0.0,
+                     load={"running": 0, "waiting": 0, "free_blocks": 100, **load}, model="fp", block_size=16)
+
+
+def test_the_router_prices_each_instance_from_its_heartbeat_and_an_old_one_at_the_configured_speed():
+    reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
+    reg.observe(beat("measured", prefill_tok_per_s=2000.0, prefill_overhead_s=0.01, kv_block_bytes=2048))
+    reg.observe(beat("old"))
+    cands = {c.id: c for c in to_candidates(reg.alive(), {}, CONFIGURED)}
+    assert cands["measured"].cost == CostModel(2000.0, 0.01, CONFIGURED.fetch_gbps, 2048, calibrated=True)
+    assert cands["old"].cost is None
+    chosen, decision = Policies("cache_aware", CONFIGURED, 0.0).choose(None, reg.alive(), {}, 500, 16, 0)
+    assert chosen.id == "measured" and "old=240 (configured)" in decision.reason
