@@ -9,7 +9,10 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
+
+from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 
 from .conftest import start_stack
 
@@ -20,11 +23,11 @@ def service(stack, name: str):
     return next(s for s in stack.services if s.name == name)
 
 
-def chat(stack, content: str, max_tokens: int = 8, timeout: float = 120) -> dict:
+def chat(stack, content: str, max_tokens: int = 8, timeout: float = 120, headers: dict | None = None) -> dict:
     body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                        "temperature": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
 
@@ -91,6 +94,88 @@ def test_a_dead_prefill_costs_latency_not_the_answer(tmp_path_factory):
         # until missed heartbeats drop it, the router may still pick the dead prefill: decode recomputes
         got = chat(stack, "Say hello in French.")
         assert got["choices"][0]["message"]["content"] == expected
+    finally:
+        stack.stop()
+
+
+def router_metric(stack, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.opts.http_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
+    # a long instance timeout keeps the dead instances in the router's registry, so it really tries them
+    stack = start_stack(tmp_path_factory, "retry", prefill=2, decode=2, env={"KVMESH_INSTANCE_TIMEOUT_S": "60"})
+    try:
+        # killed before any request: both decodes look alike, so the router's tie-break (by id) picks decode-0
+        for name in ("prefill-0", "decode-0"):
+            service(stack, name).proc.send_signal(signal.SIGKILL)
+        time.sleep(0.5)
+        rr = {"x-kvmesh-policy": "round_robin"}  # alternates prefills: some attempt picks the dead one
+        t0 = time.monotonic()
+        answers = [chat(stack, "Say hello in French.", headers=rr)["choices"][0]["message"]["content"]
+                   for _ in range(2)]
+        assert answers[0] and answers == [answers[0]] * 2
+        assert time.monotonic() - t0 < 30  # retried at once, not after a kv_timeout_s (10 s) wait per request
+        assert router_metric(stack, 'kvmesh_router_retries_total{role="decode"}') >= 1
+        assert router_metric(stack, 'kvmesh_router_retries_total{role="prefill"}') >= 1
+        assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 0  # KV came from the live prefill
+    finally:
+        stack.stop()
+
+
+def cache_stats(stack):
+    with grpc.insecure_channel(service(stack, "cachesvc").grpc_address) as ch:
+        return cache_pb2_grpc.CacheServiceStub(ch).Stats(cache_pb2.StatsRequest(), timeout=10)
+
+
+def test_a_nats_restart_costs_no_request(tmp_path_factory):
+    stack = start_stack(tmp_path_factory, "natsrestart", env={"KVMESH_KV_TIMEOUT_S": "3"})
+    try:
+        chat(stack, "Name three rivers.")
+        before = cache_stats(stack).events_applied
+        stack.nats.stop()
+        t0 = time.monotonic()  # during the outage a request ends (served or refused), it never hangs
+        try:
+            assert chat(stack, "What is 3 + 3?", timeout=60)["choices"][0]["message"]["content"]
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and json.load(e)["error"]["message"]
+        assert time.monotonic() - t0 < 30
+        stack.nats.start()  # same port, same JetStream store
+        deadline = time.monotonic() + 30
+        while True:  # the services reconnect and beat again; the router sees both instances
+            try:
+                answer = chat(stack, "Name three mountains.")
+                break
+            except urllib.error.HTTPError:
+                assert time.monotonic() < deadline, "the stack did not recover from the NATS restart"
+                time.sleep(0.5)
+        assert answer["choices"][0]["message"]["content"]
+        deadline = time.monotonic() + 15
+        while cache_stats(stack).events_applied <= before:  # cachesvc's JetStream consumer resumed
+            assert time.monotonic() < deadline, "cachesvc applies no kv.events after the NATS restart"
+            time.sleep(0.5)
+        again = chat(stack, "Name three mountains.")  # kv.ready flows again: no fallback, a prefix hit
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") <= 1  # at most the outage's request
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize("fault,reason", [("KVMESH_FAULT_CORRUPT_PUSHES", "checksum mismatch"),
+                                          ("KVMESH_FAULT_STALL_PUSHES", "its blocks did not")])
+def test_bad_or_stalled_kv_is_recomputed_never_consumed(tmp_path_factory, fault, reason):
+    stack = start_stack(tmp_path_factory, fault.split("_")[-2].lower(), env={fault: "1", "KVMESH_KV_TIMEOUT_S": "3"})
+    try:
+        q = "Write one sentence about the sea."
+        t0 = time.monotonic()
+        faulty = chat(stack, q, max_tokens=12)  # its push is corrupted / stalls: decode recomputes
+        assert time.monotonic() - t0 < 30  # after the 3 s deadline at most, not the stall's 60 s
+        clean = chat(stack, q, max_tokens=12)  # this push is fine: decode uses the pushed KV
+        assert faulty["choices"][0]["message"]["content"] == clean["choices"][0]["message"]["content"]
+        assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 1
+        assert reason in service(stack, "decode-0").log_path.read_text()
     finally:
         stack.stop()
 
