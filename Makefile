@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 BASE := $(VENV)/.base-installed
 DEV := $(VENV)/.dev-installed
 
-.PHONY: up test bench-engine proto clean-venv
+.PHONY: up test bench-engine proto clean-venv image compose-test
 
 $(BASE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,3 +37,18 @@ proto: $(DEV)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Containers (docs/deploy.md). `make image`: kvmesh/<service>:$(TAG) for the five services, on the base
+# docker/prepare.sh picks (python:3.11-slim, else a local debootstrap image). Without buildx, the legacy builder.
+TAG ?= latest
+image:
+	@base=$$(docker/prepare.sh) && \
+	{ docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0; } && \
+	for t in nats cachesvc prefill decode router; do \
+	  docker build -q --network host --build-arg BASE=$$base -f docker/Dockerfile --target $$t \
+	    -t kvmesh/$$t:$(TAG) . || exit 1; \
+	done
+
+# The containers stage: images built and the compose stack run on the host network (tests/docker).
+compose-test: $(DEV)
+	$(PY) -m pytest -q -m docker tests/docker $(PYTEST_ARGS)

@@ -73,6 +73,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvmesh.bench import ablation as bench  # noqa: PLC0415
     elif args.what == "routing":
         from kvmesh.bench import routing as bench  # noqa: PLC0415
+    elif args.what == "load":
+        from kvmesh.bench import load as bench  # noqa: PLC0415
     elif args.what == "tracing":
         from kvmesh.bench import tracing as bench  # noqa: PLC0415
     else:
@@ -135,6 +137,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return trace_cli.main(args.rest)
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from kvmesh import settings_cli  # noqa: PLC0415
+
+    return settings_cli.main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-centric disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_trace)
 
-    b = sub.add_parser("bench", help="benchmarks (engine, mesh, transfer, serve, ablation, tracing)")
-    b.add_argument("what", help="engine | mesh | transfer | serve | ablation | tracing")
+    cf = sub.add_parser("config", help="kvmesh config show: the effective settings of every service",
+                        add_help=False)
+    cf.add_argument("rest", nargs=argparse.REMAINDER)
+    cf.set_defaults(func=cmd_config)
+
+    b = sub.add_parser("bench", help="benchmarks (engine, mesh, transfer, serve, ablation, tracing, routing, load)")
+    b.add_argument("what", help="engine | mesh | transfer | serve | ablation | tracing | routing | load")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     b.set_defaults(func=cmd_bench)
 
@@ -195,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim, "trace": cmd_trace}
+PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim, "trace": cmd_trace, "config": cmd_config}
 
 
 if __name__ == "__main__":

@@ -31,16 +31,80 @@ class EngineConfig:
     max_num_seqs: int = 64            # running sequences at once
     max_model_len: int = 0            # 0 = the model's max_position_embeddings
 
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid engine settings: " + "; ".join(problems))
 
-def _coerce(value: str, typ: Any) -> Any:
+    def problems(self) -> list[str]:
+        """Every setting that is out of range, each with what to set instead."""
+        from kvmesh.engine.eviction import POLICIES  # noqa: PLC0415 - a leaf module, no torch
+
+        out = []
+        choices = {"dtype": COMPUTE_DTYPES, "kv_dtype": KV_DTYPES, "attention": ATTENTION,
+                   "eviction": POLICIES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                out.append(f"{name} {getattr(self, name)!r} is unknown; choose one of {sorted(allowed)}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            out.append(f"device must be cpu, cuda or cuda:<index>, not {self.device!r}")
+        for name in ("block_size", "max_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, not {getattr(self, name)}")
+        for name in ("threads", "num_blocks", "host_cache_mb", "max_model_len"):
+            if getattr(self, name) < 0:
+                out.append(f"{name} must be >= 0 (0 = {ZERO_MEANS[name]}), not {getattr(self, name)}")
+        if self.num_blocks == 0 and self.kv_cache_mb < 1:
+            out.append(f"kv_cache_mb must be >= 1 (or set num_blocks), not {self.kv_cache_mb}")
+        return out
+
+
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+ATTENTION = ("auto", "torch", "native", "flashinfer")
+ZERO_MEANS = {"threads": "torch's default", "num_blocks": "size from kv_cache_mb",
+              "host_cache_mb": "no host tier", "max_model_len": "the model's"}
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def coerce(key: str, value: str, typ: Any) -> Any:
+    """``value``, text from the environment variable (or flag) ``key``, as the field type ``typ``; a
+    ValueError that names ``key`` and what it expects otherwise."""
+    typ, text = str(typ), value.strip().lower()
+    if "bool" in typ:
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise ValueError(f"{key}={value!r}: expected a boolean (true/false, 1/0, yes/no, on/off)")
+    try:
+        if "int" in typ:
+            return int(text)
+        if "float" in typ:
+            return float(text)
+    except ValueError:
+        what = "an integer" if "int" in typ else "a number"
+        raise ValueError(f"{key}={value!r}: expected {what}") from None
+    return None if value == "" and "None" in typ else value
+
+
+def _check_file_value(where: str, name: str, value: Any, typ: Any) -> Any:
+    """A TOML value of the field's type (an int is a fine float), else a ValueError that says where it is."""
     typ = str(typ)
     if "bool" in typ:
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    if "int" in typ:
-        return int(value)
-    if "float" in typ:
-        return float(value)
-    return None if value == "" and "None" in typ else value
+        ok, what = isinstance(value, bool), "a boolean"
+    elif "int" in typ:
+        ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif "float" in typ:
+        ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    elif typ.startswith("str"):
+        ok, what = isinstance(value, str), "a string"
+    else:  # e.g. a table; the class checks it
+        ok, what = True, ""
+    if not ok:
+        raise ValueError(f"{where}: {name} = {value!r}: expected {what}")
+    return value
 
 
 def load(cls: type[T], path: str | Path | None = None, env: dict[str, str] | None = None,
@@ -48,18 +112,24 @@ def load(cls: type[T], path: str | Path | None = None, env: dict[str, str] | Non
     """Build ``cls`` from its field defaults < ``defaults`` < TOML file (optionally one ``[section]``) <
     environment < ``overrides`` (None values in ``overrides`` are ignored)."""
     values: dict[str, Any] = dict(defaults or {})
+    types = {f.name: f.type for f in fields(cls)}  # type: ignore[arg-type]
     if path is not None:
+        where = f"{path}" + (f" [{section}]" if section else "")
         data = tomllib.loads(Path(path).read_text())
-        values.update(data.get(section, {}) if section else data)
+        table = data.get(section, {}) if section else data
+        unknown = sorted(set(table) - set(types))
+        if unknown:
+            raise ValueError(f"{where}: unknown settings {unknown}; {cls.__name__} has {sorted(types)}")
+        values.update({k: _check_file_value(where, k, v, types[k]) for k, v in table.items()})
     env = os.environ if env is None else env
-    for f in fields(cls):  # type: ignore[arg-type]
-        key = f"KVMESH_{f.name.upper()}"
-        if key in env:
-            values[f.name] = _coerce(env[key], f.type)
+    for name, typ in types.items():
+        key = f"KVMESH_{name.upper()}"
+        if key in env and (env[key] != "" or "str" in str(typ)):  # an empty number or flag means unset
+            values[name] = coerce(key, env[key], typ)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = set(values) - {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - set(types))
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} settings: {sorted(unknown)}")
+        raise ValueError(f"unknown {cls.__name__} settings: {unknown}")
     return cls(**values)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from typing import Awaitable, Callable
 
 import nats.errors
@@ -27,6 +28,12 @@ _STREAM_NAME_IN_USE = 10058  # JetStream API error code
 
 Handler = Callable[[Message, dict[str, str]], Awaitable[None]]
 EventsHandler = Callable[[KVEventBatch, dict[str, str]], Awaitable[None]]
+
+
+def redact(url: str | list[str]) -> str:
+    """``url`` without its password (``nats://user:***@host:4222``), fit for logs and errors."""
+    urls = [url] if isinstance(url, str) else url
+    return ", ".join(re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", u) for u in urls)
 
 
 class EventsConsumer:
@@ -65,7 +72,8 @@ class Bus:
                 log.warning("nats %s: disconnected, reconnecting", name)
 
         async def on_reconnected() -> None:
-            log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+            u = nc.connected_url
+            log.info("nats %s: reconnected to %s", name, f"{u.hostname}:{u.port}" if u else "?")
 
         async def on_closed() -> None:
             log.info("nats %s: connection closed", name)
@@ -82,8 +90,8 @@ class Bus:
         except asyncio.TimeoutError:
             with contextlib.suppress(Exception):
                 await nc.close()
-            raise ConnectionError(f"cannot reach NATS at {url} within {connect_timeout_s}s") from None
-        log.info("nats %s: connected to %s", name, url)
+            raise ConnectionError(f"cannot reach NATS at {redact(url)} within {connect_timeout_s}s") from None
+        log.info("nats %s: connected to %s", name, redact(url))
         return cls(nc)
 
     # -- core NATS ---------------------------------------------------------------------------------------------

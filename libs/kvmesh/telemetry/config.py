@@ -15,4 +15,6 @@ class TelemetryConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
-            raise ValueError("trace_sample_ratio must be in [0, 1]")
+            raise ValueError(f"trace_sample_ratio must be in [0, 1], not {self.trace_sample_ratio}")
+        if self.trace_flush_ms < 1:
+            raise ValueError(f"trace_flush_ms must be >= 1, not {self.trace_flush_ms}")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 ROLES = ("prefill", "decode", "both")
+TRANSFER_BACKENDS = ("tcp", "shm", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -27,5 +29,36 @@ class WorkerConfig:
     fault_stall_pushes: int = 0        # fault injection (tests): the first N: kv.ready goes out, the blocks stall
 
     def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid worker settings: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every setting that is out of range, each with what to set instead."""
+        from kvmesh.bus.subjects import Subjects, token  # noqa: PLC0415
+
+        out = []
         if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
+            out.append(f"role must be one of {ROLES}, not {self.role!r}")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            out.append(f"transfer_backend must be one of {TRANSFER_BACKENDS}, not {self.transfer_backend!r}")
+        try:
+            Subjects(self.cluster)
+            if self.instance_id:
+                token(self.instance_id, "instance_id")
+        except ValueError as e:
+            out.append(str(e))
+        for name in ("port", "transfer_port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                out.append(f"{name} must be in [0, 65535] (0 = a free port), not {getattr(self, name)}")
+        if urlparse(self.nats_url).scheme not in ("nats", "tls", "ws", "wss"):
+            out.append(f"nats_url must look like nats://host:port, not {self.nats_url!r}")
+        if self.cachesvc_address and ":" not in self.cachesvc_address:
+            out.append(f"cachesvc_address must be host:port (\"\" = none), not {self.cachesvc_address!r}")
+        for name in ("kv_timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                out.append(f"{name} must be > 0, not {getattr(self, name)}")
+        for name in ("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes"):
+            if getattr(self, name) < 0:
+                out.append(f"{name} must be >= 0, not {getattr(self, name)}")
+        return out

@@ -1,0 +1,238 @@
+"""Static checks of the deployable stack (compose.yaml, compose.hostnet.yaml, docker/): what would otherwise
+only fail on `docker-compose up`. The stack itself is run by tests/docker/."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import subprocess
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+from kvmesh import settings_cli
+from kvmesh.bus.nats_server import find_nats_server
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILES = ("compose.yaml", "compose.hostnet.yaml")
+KVMESH_MODULES = {"services.router": "router", "services.prefill": "prefill", "services.decode": "decode",
+                  "services.cachesvc": "cachesvc"}
+OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
+SECRET_VARS = {"NATS_ROUTER_PASSWORD", "NATS_WORKER_PASSWORD", "NATS_CACHESVC_PASSWORD", "KVMESH_API_KEY"}
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((ROOT / name).read_text())
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}``, ``${VAR:?error}``; required variables come from ``env``."""
+    def one(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if name in env:
+            return env[name]
+        if op in (":-", "-"):
+            return arg
+        if op in (":?", "?"):
+            raise KeyError(name)
+        return ""
+    return _VAR.sub(one, value)
+
+
+def merged_services() -> dict[str, dict]:
+    """compose.yaml with compose.hostnet.yaml applied, as docker-compose merges them (maps by key, lists
+    appended, scalars replaced)."""
+    base, over = load("compose.yaml")["services"], load("compose.hostnet.yaml")["services"]
+    out = {}
+    for name in {**base, **over}:
+        merged = dict(base.get(name, {}))
+        for key, value in over.get(name, {}).items():
+            old = merged.get(key)
+            merged[key] = ({**old, **value} if isinstance(value, dict) and isinstance(old, dict)
+                           else old + value if isinstance(value, list) and key == "ports" else value)
+        out[name] = merged
+    return out
+
+
+def variants() -> list[tuple[str, dict[str, dict]]]:
+    return [("compose.yaml", load("compose.yaml")["services"]), ("+ compose.hostnet.yaml", merged_services())]
+
+
+def kvmesh_services(services: dict[str, dict]) -> dict[str, dict]:
+    """The services built from docker/Dockerfile that `up` starts (none parked in a profile)."""
+    return {n: s for n, s in services.items() if "build" in s and not s.get("profiles")}
+
+
+def dockerfile_stages(path: Path) -> dict[str, str]:
+    """stage name -> its text (from its FROM line to the next)."""
+    stages, name, lines = {}, None, []
+    for line in path.read_text().splitlines():
+        m = re.match(r"FROM\s+\S+\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if m:
+            if name:
+                stages[name] = "\n".join(lines)
+            name, lines = m.group(1), []
+        lines.append(line)
+    if name:
+        stages[name] = "\n".join(lines)
+    return stages
+
+
+class _Parsed(Exception):
+    pass
+
+
+def parse_service_command(module: str, args: list[str]) -> argparse.Namespace:
+    """Run the service's own argument parser on ``args`` (and nothing after it): SystemExit on a bad flag."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, argv=None, namespace=None):
+        raise _Parsed(original(self, argv, namespace))
+
+    main = importlib.import_module(f"{module}.__main__").main
+    if module in ("services.prefill", "services.decode"):
+        from kvmesh.worker.main import main as worker_main  # noqa: PLC0415
+
+        def main(argv):
+            return worker_main(module.rsplit(".", 1)[1], argv)
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop):
+        try:
+            main(args)
+        except _Parsed as parsed:
+            return parsed.args[0]
+    raise AssertionError(f"{module} did not parse its arguments")
+
+
+def flags_of(ns: argparse.Namespace) -> dict[str, str]:
+    return {k: str(v) for k, v in vars(ns).items() if v is not None and k != "config"}
+
+
+def test_every_built_service_has_its_dockerfile_context_and_target():
+    for name, svc in kvmesh_services(load("compose.yaml")["services"]).items():
+        build = svc["build"]
+        context = ROOT / build["context"]
+        dockerfile = context / build["dockerfile"]
+        assert context.is_dir() and dockerfile.is_file(), f"{name}: {dockerfile} missing"
+        assert build["target"] in dockerfile_stages(dockerfile), f"{name}: no stage {build['target']}"
+        assert svc["image"].startswith("kvmesh/"), f"{name}: tag its image kvmesh/<service>"
+
+
+def test_every_file_the_dockerfile_copies_exists_and_is_in_the_context():
+    text = (ROOT / "docker/Dockerfile").read_text()
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    included = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    for m in re.finditer(r"^COPY\s+(?!--from)(?:--\S+\s+)*(.+?)\s+\S+$", text, re.MULTILINE):
+        for src in m.group(1).split():
+            assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+            assert src.split("/")[0].rstrip("/") in included, f"COPY {src}: excluded by .dockerignore"
+
+
+def test_images_run_as_a_non_root_user_with_a_healthcheck():
+    runtime = dockerfile_stages(ROOT / "docker/Dockerfile")["runtime"]
+    user = re.search(r"^USER\s+(\S+)", runtime, re.MULTILINE)
+    assert user and user.group(1) not in ("root", "0")
+    assert re.search(r"^HEALTHCHECK .*\n?.*healthcheck\.py", runtime, re.MULTILINE)
+    stages = dockerfile_stages(ROOT / "docker/Dockerfile")
+    for svc in kvmesh_services(load("compose.yaml")["services"]).values():
+        target = svc["build"]["target"]
+        assert stages[target].splitlines()[0].split()[1] == "runtime", f"{target} must build on the runtime stage"
+
+
+@pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
+def test_each_container_command_is_a_real_kvmesh_command_line(variant, services):
+    stages = dockerfile_stages(ROOT / "docker/Dockerfile")
+    for name, svc in kvmesh_services(services).items():
+        cmd = svc["command"]
+        stage_cmd = re.search(r"^CMD\s+(\[.*\])", stages[svc["build"]["target"]], re.MULTILINE)
+        assert stage_cmd, f"{name}: its Dockerfile target has no CMD"
+        for argv in (cmd, yaml.safe_load(stage_cmd.group(1))):
+            if argv[0] == "nats-server":
+                continue  # checked against the real binary below
+            assert argv[:2] == ["python", "-m"] and argv[2] in KVMESH_MODULES, f"{name}: {argv}"
+            parse_service_command(argv[2], [interpolate(a, {}) for a in argv[3:]])
+
+
+def test_the_nats_command_and_config_are_accepted_by_nats_server():
+    try:
+        binary = find_nats_server()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    env = {v: "x" for v in SECRET_VARS}
+    for _, services in variants():
+        argv = [interpolate(a, {}) for a in services["nats"]["command"]]
+        assert argv[:3] == ["nats-server", "-c", "/etc/kvmesh/nats.conf"]
+        out = subprocess.run([str(binary), "-c", str(ROOT / "docker/nats.conf"), *argv[3:], "-t"], env=env,
+                             capture_output=True, text=True, timeout=30)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0 and "is valid" in text and "not defined" not in text, text
+    assert "COPY docker/nats.conf /etc/kvmesh/nats.conf" in (ROOT / "docker/Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
+def test_every_environment_key_is_a_known_setting_and_its_value_is_valid(variant, services):
+    secrets = {v: "s3cret" for v in SECRET_VARS}
+    for name, svc in kvmesh_services(services).items():
+        argv = svc["command"]
+        env = {k: interpolate(str(v), secrets) for k, v in svc.get("environment", {}).items()}
+        if argv[0] == "nats-server":
+            # an unquoted $NAME in nats.conf is a variable (quoted ones, like "$JS.API.>", are subjects)
+            refs = set(re.findall(r":\s*\$([A-Z_]+)", (ROOT / "docker/nats.conf").read_text()))
+            assert set(env) == refs, f"nats: environment {sorted(env)} vs nats.conf's {sorted(refs)}"
+            continue
+        service = KVMESH_MODULES[argv[2]]
+        unknown = {k for k in env if k not in settings_cli.env_keys(service) and k not in OTEL_ENV}
+        assert not unknown, f"{variant} {name}: {sorted(unknown)} are not settings of {service}"
+        if env.get("KVMESH_HOST") == "auto":  # the entrypoint puts the container's address there
+            env["KVMESH_HOST"] = "10.0.0.2"
+        ns = parse_service_command(argv[2], argv[3:])
+        settings_cli.load_service(service, None, env, flags_of(ns))  # raises on a bad value
+
+
+def test_only_the_router_publishes_ports():
+    for name, svc in load("compose.yaml")["services"].items():
+        if name == "router" or not svc.get("ports"):
+            continue
+        assert svc.get("profiles") == ["observability"], f"{name} publishes ports"
+        for port in svc["ports"]:
+            assert str(port).startswith("127.0.0.1:"), f"{name}: {port} must stay on the host's loopback"
+    running = {n: s for n, s in merged_services().items() if not s.get("profiles")}
+    assert "router" not in running and "router-host" in running
+    for name, svc in running.items():
+        assert not svc.get("ports") and svc["network_mode"] == "host", name
+
+
+def test_secrets_come_from_the_environment_never_from_the_files():
+    for file in COMPOSE_FILES:
+        for name, svc in load(file)["services"].items():
+            for key, value in svc.get("environment", {}).items():
+                value = str(value)
+                if "://" in value and "@" in value:  # credentials in a URL
+                    password = value.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+                    assert re.fullmatch(r"\$\{NATS_[A-Z]+_PASSWORD(:\?[^}]*)?\}", password), (file, name, key)
+                if key in SECRET_VARS:
+                    ref = _VAR.fullmatch(value)
+                    assert ref and ref.group(1) == key, (file, name, key)
+    conf = (ROOT / "docker/nats.conf").read_text()
+    assert re.findall(r"password:\s*(\S+)", conf) == ["$NATS_ROUTER_PASSWORD", "$NATS_WORKER_PASSWORD",
+                                                       "$NATS_CACHESVC_PASSWORD"]
+
+
+@pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
+def test_services_start_in_order_of_health(variant, services):
+    running = kvmesh_services(services)
+    for name, svc in running.items():
+        for dep, cond in svc.get("depends_on", {}).items():
+            assert dep in running and cond == {"condition": "service_healthy"}, f"{name} -> {dep}"
+    router = running.get("router") or running["router-host"]
+    assert set(router["depends_on"]) == {"nats", "cachesvc", "prefill", "decode"}
+    assert "container_name" not in services["prefill"] and "container_name" not in services["decode"]
+
+
+def test_prometheus_scrapes_every_kvmesh_service():
+    scraped = {n for job in load("deploy/prometheus.yml")["scrape_configs"] for sd in job["dns_sd_configs"]
+               for n in sd["names"]}
+    assert scraped == set(kvmesh_services(load("compose.yaml")["services"])) - {"nats"}
