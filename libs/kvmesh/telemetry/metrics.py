@@ -113,3 +113,11 @@ class EngineCollector(Collector):
         yield moves
         yield CounterMetricFamily(f"{p}_preemptions", "Sequences preempted for lack of KV blocks",
                                   value=e.scheduler.num_preemptions)
+        speed = getattr(self.engine, "speed", None)
+        measured = speed.report() if speed is not None else {}
+        if measured:  # what this instance beats to the router's cost model
+            yield GaugeMetricFamily(f"{p}_prefill_tokens_per_second", "Measured prefill speed (fit of step time = "
+                                    "overhead + tokens / speed over recent forward steps)",
+                                    value=measured["prefill_tok_per_s"])
+            yield GaugeMetricFamily(f"{p}_prefill_overhead_seconds", "Measured fixed cost of one forward step",
+                                    value=measured["prefill_overhead_s"])
