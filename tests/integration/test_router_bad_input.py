@@ -58,7 +58,8 @@ class TinyMesh:
         self.cluster = f"t{uuid.uuid4().hex[:10]}"
         self.cachesvc = cachesvc
         self.cfg = RouterConfig(model=str(model_dir), cluster=self.cluster, nats_url=nats_url,  # type: ignore
-                                cachesvc_address="", grpc_port=0, http_port=0, **router)
+                                cachesvc_address="", grpc_port=0, http_port=0,
+                                **{"instance_timeout_s": 30.0, **router})  # a busy CI box must not drop them
         self.engine_cfg = EngineConfig(model=str(model_dir), attention="torch", num_blocks=512,
                                        max_batched_tokens=512)
         self.worker_cfg = WorkerConfig(cluster=self.cluster, nats_url=nats_url)
