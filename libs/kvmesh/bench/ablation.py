@@ -288,9 +288,12 @@ def report(results: list[ScenarioResult], cfgs: dict[str, Config], slo: SLO, arg
              "instance is unreachable before the first token, but these stacks have a single decode, so what was "
              "in flight or sent later failed fast or timed out. MB loaded per tier, summed over the engines for the "
              "whole scenario (a multi-phase scenario shows it on its first row): host → device tier loads, pool → "
-             "engine fetches, prefill → decode KV pushes (D only). Load avg: the machine's 1-minute load average when the configuration's "
-             "stack started (2 cores; other jobs share the machine): latencies move with it, tokens saved and "
-             "outputs do not.")
+             "engine fetches, prefill → decode KV pushes (A–D; E has no PD split). "
+             + ("The pool served nothing in this run: an engine fetches from it only what its own tiers lack, and "
+                "the host tier (C–E) held every block evicted from the device. "
+                if not any(r.loaded.get("pool") for r in results) else "")
+             + "Load avg: the machine's 1-minute load average when the configuration's stack started (2 cores; "
+             "other jobs share the machine): latencies move with it, tokens saved and outputs do not.")
     return "\n\n".join([intro, markdown_table(correctness, ["config", "meaning", "stack up s", "load avg",
                                                                "outputs identical to A"]),
                         markdown_table(table, COLUMNS), notes])
