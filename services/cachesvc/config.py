@@ -35,8 +35,9 @@ class CacheServiceConfig:
     mooncake_master: str = "127.0.0.1:50051"                     # mooncake_master RPC address
     mooncake_metadata_url: str = "http://127.0.0.1:8080/metadata"  # the master's HTTP metadata server
     mooncake_host: str = "127.0.0.1"  # this process's address as other store nodes reach it
-    mooncake_segment_mb: int = 256    # memory this process lends to the store (>= 16)
+    mooncake_segment_mb: int = 256    # memory lent to the store (0 or >= 16); blocks in it go with cachesvc
     mooncake_replicas: int = 1        # copies the store keeps of each block
+    mooncake_manifest_s: float = 5.0  # write the external tier's index to the store at most this often
     transfer_backend: str = "tcp"     # tcp | shm | mooncake: the transfer endpoint engines push blocks to
     transfer_port: int = 0            # its port (0 = any free port; Stats names it)
     transfer_timeout_s: float = 10.0  # a GetBlocks push, or PutBlocks' wait for its pushed blocks, at most
@@ -59,10 +60,12 @@ class CacheServiceConfig:
             raise ValueError("max_lease_s and snapshot_timeout_s must be > 0")
         if self.external not in ("", "mooncake"):
             raise ValueError(f"external {self.external!r} is not supported: use '' or 'mooncake'")
-        if self.external and (self.external_capacity_mb < 1 or self.mooncake_segment_mb < 16
-                              or self.mooncake_replicas < 1):
+        if self.external and (self.external_capacity_mb < 1 or 0 < self.mooncake_segment_mb < 16
+                              or self.mooncake_segment_mb < 0 or self.mooncake_replicas < 1):
             raise ValueError("with external = 'mooncake', external_capacity_mb and mooncake_replicas must be >= 1 "
-                             "and mooncake_segment_mb >= 16")
+                             "and mooncake_segment_mb 0 (lend none) or >= 16")
+        if self.mooncake_manifest_s <= 0:
+            raise ValueError(f"mooncake_manifest_s must be > 0 seconds, got {self.mooncake_manifest_s}")
         if self.transfer_backend not in BACKENDS:
             raise ValueError(f"transfer_backend {self.transfer_backend!r} is not one of {', '.join(BACKENDS)}")
         if not 0 <= self.transfer_port < 65536:

@@ -20,7 +20,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import xxhash
 from kvmesh.engine.eviction import make_policy
@@ -45,6 +45,13 @@ from services.cachesvc.store import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Flushes(Protocol):
+    """A tier that writes its state on a timer; ``flush`` returns at once when nothing is due."""
+
+    def flush(self, force: bool = False) -> None: ...
 
 
 class GetResult(NamedTuple):
@@ -75,7 +82,7 @@ class Pool:
 
             settings = MooncakeSettings(cfg.mooncake_master, cfg.mooncake_metadata_url, cfg.mooncake_host,
                                         cfg.mooncake_segment_mb << 20, cfg.external_capacity_mb << 20,
-                                        cfg.mooncake_replicas)
+                                        cfg.mooncake_replicas, cfg.mooncake_manifest_s, cfg.durable_name)
             tiers.append(MooncakeTier(settings, f"kvmesh/{cfg.cluster}", policy, leases.pinned, clock))
         return cls(tiers, leases)
 
@@ -167,6 +174,14 @@ class Pool:
         before = sum(len(t) for t in self.tiers[1:])
         self._spill(1, self.tiers[0].drain())
         return sum(len(t) for t in self.tiers[1:]) - before
+
+    def maintain(self) -> None:
+        """Periodic work (the server calls it once a second): end expired leases, let tiers write what they
+        persist on a timer (the external tier's manifest)."""
+        self.leases.reap()
+        for t in self.tiers:
+            if isinstance(t, Flushes):
+                t.flush()
 
     def close(self) -> None:
         for t in self.tiers:

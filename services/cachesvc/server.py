@@ -434,7 +434,8 @@ class CacheServer:
             self._last_seen[msg.instance_id] = time.monotonic()
 
     async def _reap(self) -> None:
-        """Drop the blocks of every instance silent for longer than ``instance_timeout_s``; end expired leases."""
+        """Drop the blocks of every instance silent for longer than ``instance_timeout_s``; end expired leases and
+        write the external tier's manifest when it is due (``Pool.maintain``)."""
         timeout = self.cfg.instance_timeout_s
         loop = asyncio.get_running_loop()
         while True:
@@ -448,7 +449,7 @@ class CacheServer:
                         log.warning("instance %s: no heartbeat for %.1fs; dropped its %d indexed blocks",
                                     inst, now - seen, dropped)
             if self.pool is not None:
-                await loop.run_in_executor(self.storage, self.pool.leases.reap)
+                await loop.run_in_executor(self.storage, self.pool.maintain)
 
 
 async def serve(cfg: CacheServiceConfig) -> None:

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import xxhash
 
 store = pytest.importorskip(
     "mooncake.store", reason="Mooncake Store is not installed here: pip install 'kvmesh[mooncake]' "
@@ -19,7 +22,11 @@ store = pytest.importorskip(
 from kvmesh.bus.nats_server import free_port
 from kvmesh.proto.v1 import cache_pb2
 
-from tests.integration.test_cachesvc import BIG, KEYS, InProcess, big_put, matches, run
+from services.cachesvc.config import CacheServiceConfig
+from services.cachesvc.disk import encode_layout
+from services.cachesvc.pool import Pool
+from services.cachesvc.server import layout_from_proto
+from tests.integration.test_cachesvc import BIG, BIG_BYTES, KEYS, InProcess, big_put, matches, run
 
 
 class Master:
@@ -125,3 +132,127 @@ def test_keys_lost_by_a_restarted_master_are_misses_not_errors(nats_server, clus
             assert ("pool", "external", 2) not in matches(reply)
 
     run(body(), timeout_s=90)
+
+
+class StoreNode:
+    """``mooncake_client`` from the wheel: a store node lending memory, so blocks live outside cachesvc's own
+    process (cachesvc lends none with ``mooncake_segment_mb = 0``) and outlive its restarts."""
+
+    def __init__(self, m: Master, log_path: Path) -> None:
+        binary = Path(store.__file__).parent / "mooncake_client"
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(binary), "-host=127.0.0.1", f"-port={free_port()}", "-global_segment_size=128MB",
+                 f"-master_server_address={m.address}", f"-metadata_server={m.metadata_url}"],
+                stdout=log, stderr=log, env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+        client = raw_client(m)
+        deadline = time.monotonic() + 15
+        while client.put("probe", b"x") != 0:  # fails until the node's memory is mounted
+            assert self.proc.poll() is None, f"mooncake_client exited:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"mooncake_client did not join:\n{log_path.read_text()}"
+            time.sleep(0.2)
+        client.remove("probe")
+        client.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def raw_client(m: Master) -> Any:
+    """A store client of the test itself, lending no memory."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    client = store.MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", m.metadata_url, 0, 16 << 20, "tcp", "", m.address) == 0
+    return client
+
+
+@pytest.fixture
+def node(master: Master, tmp_path: Path) -> Iterator[StoreNode]:
+    n = StoreNode(master, tmp_path / "mooncake_client.log")
+    yield n
+    n.stop()
+
+
+def open_pool(m: Master, cluster: str, **more: object) -> Pool:
+    cfg = CacheServiceConfig(cluster=cluster, durable_name=f"cachesvc-{cluster}",
+                             **settings(m, pool_capacity_mb=0, mooncake_segment_mb=0, **more))
+    return Pool.from_config(cfg)
+
+
+def object_name(cluster: str, key: int) -> str:
+    return f"kvmesh/{cluster}/{xxhash.xxh3_64_hexdigest(encode_layout(layout_from_proto(BIG)))}/{key:016x}"
+
+
+def test_a_restarted_cachesvc_serves_the_blocks_it_had_put_in_mooncake(nats_server, cluster, master, node):
+    lends_none = settings(master, pool_capacity_mb=0, mooncake_segment_mb=0)
+    put = big_put(KEYS[:4])
+
+    async def before() -> None:
+        async with InProcess(nats_server.url, cluster, **lends_none) as stub:
+            assert (await stub.PutBlocks(put)).stored == 4
+
+    async def after() -> None:
+        async with InProcess(nats_server.url, cluster, **lends_none) as stub:
+            reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))
+            assert matches(reply) == {("pool", "external", 4)}
+            got = await stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=BIG, block_keys=KEYS))
+            assert (list(got.block_keys), got.data, list(got.tiers)) == (KEYS[:4], put.data, ["external"] * 4)
+            stats = await stub.Stats(cache_pb2.StatsRequest())
+            assert [(t.tier, t.blocks, t.bytes) for t in stats.tiers] == [("external", 4, 4 * BIG_BYTES)]
+            assert (await stub.PutBlocks(put)).skipped == 4
+
+    run(before(), timeout_s=60)
+    run(after(), timeout_s=60)
+
+
+def test_the_manifest_is_written_on_a_timer_so_a_crashed_cachesvc_loses_at_most_one_interval(
+        cluster, master, node):
+    first = open_pool(master, cluster, mooncake_manifest_s=0.2)
+    put = big_put(KEYS[:3])
+    first.put(layout_from_proto(BIG), put.block_keys, put.checksums, put.data)
+    first.maintain()                                    # too soon: nothing written yet
+    assert len(open_pool(master, cluster).tiers[0]) == 0
+    time.sleep(0.3)
+    first.maintain()
+    second = open_pool(master, cluster)                 # the first one never closed, as after a SIGKILL
+    got = second.get(layout_from_proto(BIG), KEYS)
+    assert ([b.key for b in got.blocks], b"".join(bytes(b.data) for b in got.blocks)) == (KEYS[:3], put.data)
+    second.close()
+    first.close()
+
+
+def test_entries_whose_objects_left_the_store_are_dropped_on_restart(cluster, master, node):
+    first = open_pool(master, cluster)
+    put = big_put(KEYS[:4])
+    first.put(layout_from_proto(BIG), put.block_keys, put.checksums, put.data)
+    client = raw_client(master)
+    assert client.batch_remove([object_name(cluster, k) for k in KEYS[2:4]], True) == [0, 0]
+    client.close()
+    first.close()                                       # its manifest still lists all four
+    second = open_pool(master, cluster)
+    tier = second.tiers[0]
+    assert ([k for k in KEYS if tier.has(k)], len(tier), tier.used_bytes) == (KEYS[:2], 2, 2 * BIG_BYTES)
+    assert second.leading(KEYS) == [("external", 2)]
+    second.close()
+
+
+def test_a_garbage_manifest_starts_the_tier_empty_with_a_warning(cluster, master, node, caplog):
+    first = open_pool(master, cluster)
+    put = big_put(KEYS[:2])
+    first.put(layout_from_proto(BIG), put.block_keys, put.checksums, put.data)
+    first.close()
+    client = raw_client(master)
+    assert client.upsert(f"kvmesh/{cluster}/manifest/cachesvc-{cluster}", b"\x00not a manifest") == 0
+    client.close()
+    with caplog.at_level(logging.WARNING, logger="services.cachesvc.mooncake"):
+        second = open_pool(master, cluster)
+    assert len(second.tiers[0]) == 0
+    assert "manifest" in caplog.text and "unreadable" in caplog.text and "starting empty" in caplog.text
+    assert second.put(layout_from_proto(BIG), put.block_keys, put.checksums, put.data).stored == 2
+    second.close()

@@ -34,7 +34,8 @@ def test_file_then_environment_then_flags(tmp_path):
      r"disk_segment_mb \(64\) must be in \[1, disk_capacity_mb \(10\)\]"),
     ({"max_lease_s": 0}, "max_lease_s and snapshot_timeout_s must be > 0"),
     ({"external": "redis"}, "external 'redis' is not supported"),
-    ({"external": "mooncake", "mooncake_segment_mb": 8}, "mooncake_segment_mb >= 16"),
+    ({"external": "mooncake", "mooncake_segment_mb": 8}, r"mooncake_segment_mb 0 \(lend none\) or >= 16"),
+    ({"mooncake_manifest_s": 0}, "mooncake_manifest_s must be > 0 seconds, got 0"),
     ({"transfer_backend": "rdma"}, "transfer_backend 'rdma' is not one of tcp, shm, mooncake"),
     ({"transfer_port": 70000}, r"transfer_port must be in \[0, 65535\]"),
     ({"transfer_timeout_s": 0}, "transfer_timeout_s must be > 0"),
@@ -42,3 +43,10 @@ def test_file_then_environment_then_flags(tmp_path):
 def test_bad_settings_say_what_is_wrong(bad, message):
     with pytest.raises(ValueError, match=message):
         load_config(env={}, **bad)
+
+
+def test_mooncake_may_lend_no_memory_so_its_blocks_outlive_cachesvc():
+    cfg = load_config(env={"KVMESH_EXTERNAL": "mooncake", "KVMESH_MOONCAKE_SEGMENT_MB": "0",
+                           "KVMESH_MOONCAKE_MANIFEST_S": "2.5"})
+    assert (cfg.mooncake_segment_mb, cfg.mooncake_manifest_s) == (0, 2.5)
+    assert CacheServiceConfig().mooncake_manifest_s == 5.0
