@@ -1,10 +1,15 @@
 """Fixtures shared by integration tests: real processes on 127.0.0.1."""
 
+import asyncio
+import contextlib
 from collections.abc import Iterator
 
+import nats
 import pytest
 
 from kvmesh.bus.nats_server import NatsServer
+
+_server: list[NatsServer] = []  # the session's server, once a test asked for it
 
 
 @pytest.fixture(scope="session")
@@ -12,4 +17,26 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     """One real nats-server (JetStream on) for the whole session; give each test its own cluster name
     (``kvmesh.bus.Subjects(<unique>)``) so subjects and streams do not collide."""
     with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+        _server.append(server)
         yield server
+        _server.clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_streams_after_module() -> Iterator[None]:
+    """Every events stream reserves its byte limit (1 GiB) of the server's JetStream storage, which is a share of
+    the free disk: delete a module's streams when it ends, so a long session does not run out of reservations."""
+    yield
+    if _server and _server[0].running:
+        asyncio.run(_delete_streams(_server[0].url))
+
+
+async def _delete_streams(url: str) -> None:
+    with contextlib.suppress(Exception):
+        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+        try:
+            js = nc.jetstream()
+            for info in await js.streams_info():
+                await js.delete_stream(info.config.name)
+        finally:
+            await nc.close()
