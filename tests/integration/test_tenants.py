@@ -27,9 +27,14 @@ def mesh(nats_server, model_dir) -> Iterator[TinyMesh]:  # noqa: F811
 
 
 def fresh_prompt() -> str:
-    """~120 tokens of the byte tokenizer that no earlier request started with (7 full blocks and more); a raw
-    completion prompt, so no chat template puts a shared head in front of it."""
+    """~120 tokens of the byte tokenizer (7 full blocks and more) that no earlier request shares more than a
+    few leading tokens with; a raw completion prompt, so no chat template puts a shared head in front of it."""
     return f"{uuid.uuid4().hex} " + "the quick brown fox jumps over the lazy dog " * 2
+
+
+# The prefix cache reuses KV at any token boundary, so a namespace's own earlier prompts may share the first
+# character or two of the uuid (1/16 per byte); a hit on a foreign prefix would be >= 96 tokens.
+NO_HIT = 8  # "no hit": fewer cached tokens than this
 
 
 def chat(mesh: TinyMesh, key: str | None, content: str, **extra) -> tuple[int, dict]:
@@ -82,7 +87,7 @@ def test_grpc_without_a_valid_key_is_unauthenticated(mesh):
 
 def test_the_same_tenant_hits_its_own_prefix(mesh):
     prompt = fresh_prompt()
-    assert cached(mesh, "sk-alice", prompt) == 0
+    assert cached(mesh, "sk-alice", prompt) < NO_HIT
     assert cached(mesh, "sk-alice", prompt) >= 96
 
 
@@ -90,8 +95,8 @@ def test_another_tenant_never_hits_a_foreign_prefix(mesh):
     prompt = fresh_prompt()
     cached(mesh, "sk-alice", prompt)
     assert cached(mesh, "sk-alice", prompt) > 0
-    assert cached(mesh, "sk-bob", prompt) == 0
-    assert cached(mesh, LEGACY, prompt) == 0  # the tenant-less key is its own namespace too
+    assert cached(mesh, "sk-bob", prompt) < NO_HIT
+    assert cached(mesh, LEGACY, prompt) < NO_HIT  # the tenant-less key is its own namespace too
     assert cached(mesh, "sk-bob", prompt) > 0  # bob now has his own copy
 
 
@@ -99,16 +104,16 @@ def test_a_request_cannot_choose_another_tenants_salt(mesh):
     prompt = fresh_prompt()
     cached(mesh, "sk-alice", prompt)
     for salt in ("alice", "sk-alice", ""):
-        assert cached(mesh, "sk-bob", prompt, cache_salt=salt) == 0
-        assert cached(mesh, LEGACY, prompt, cache_salt=salt) == 0
+        assert cached(mesh, "sk-bob", prompt, cache_salt=salt) < NO_HIT
+        assert cached(mesh, LEGACY, prompt, cache_salt=salt) < NO_HIT
     status, body = complete(mesh, LEGACY, prompt, cache_salt="alice\x00")
     assert status == 400 and "NUL" in body["error"]["message"]
 
 
 def test_cache_salt_still_isolates_within_a_tenant(mesh):
     prompt = fresh_prompt()
-    assert cached(mesh, "sk-alice", prompt, cache_salt="conv-1") == 0
-    assert cached(mesh, "sk-alice", prompt, cache_salt="conv-2") == 0
+    assert cached(mesh, "sk-alice", prompt, cache_salt="conv-1") < NO_HIT
+    assert cached(mesh, "sk-alice", prompt, cache_salt="conv-2") < NO_HIT
     assert cached(mesh, "sk-alice", prompt, user="conv-1") > 0  # `user` is the salt when no cache_salt
 
 
@@ -116,9 +121,9 @@ def test_grpc_and_http_share_a_tenants_namespace(mesh):
     prompt = fresh_prompt()
     with KvmeshClient(mesh.grpc_target, api_key="sk-alice") as alice, \
             KvmeshClient(mesh.grpc_target, api_key="sk-bob") as bob:
-        assert alice.complete(prompt, max_tokens=2).usage.cached_tokens == 0
+        assert alice.complete(prompt, max_tokens=2).usage.cached_tokens < NO_HIT
         assert alice.complete(prompt, max_tokens=2).usage.cached_tokens >= 96
-        assert bob.complete(prompt, max_tokens=2, cache_salt="alice").usage.cached_tokens == 0
+        assert bob.complete(prompt, max_tokens=2, cache_salt="alice").usage.cached_tokens < NO_HIT
     assert cached(mesh, "sk-alice", prompt) > 0
 
 
