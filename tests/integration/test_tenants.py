@@ -28,7 +28,8 @@ def mesh(nats_server, model_dir) -> Iterator[TinyMesh]:  # noqa: F811
 
 def fresh_prompt() -> str:
     """~120 tokens of the byte tokenizer (7 full blocks and more) that no earlier request shares more than a
-    few leading tokens with; a raw completion prompt, so no chat template puts a shared head in front of it."""
+    few leading tokens with; a raw completion prompt, so no chat template puts a shared head in front of
+    it."""
     return f"{uuid.uuid4().hex} " + "the quick brown fox jumps over the lazy dog " * 2
 
 
