@@ -106,7 +106,9 @@ def router_metric(stack, name: str) -> float:
 
 def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
     # a long instance timeout keeps the dead instances in the router's registry, so it really tries them
-    stack = start_stack(tmp_path_factory, "retry", prefill=2, decode=2, env={"KVMESH_INSTANCE_TIMEOUT_S": "60"})
+    # and a long kv_timeout_s makes any wait for KV that never comes show in the time
+    stack = start_stack(tmp_path_factory, "retry", prefill=2, decode=2,
+                        env={"KVMESH_INSTANCE_TIMEOUT_S": "60", "KVMESH_KV_TIMEOUT_S": "30"})
     try:
         # killed before any request: both decodes look alike, so the router's tie-break (by id) picks decode-0
         for name in ("prefill-0", "decode-0"):
@@ -117,7 +119,7 @@ def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
         answers = [chat(stack, "Say hello in French.", headers=rr)["choices"][0]["message"]["content"]
                    for _ in range(2)]
         assert answers[0] and answers == [answers[0]] * 2
-        assert time.monotonic() - t0 < 30  # retried at once, not after a kv_timeout_s (10 s) wait per request
+        assert time.monotonic() - t0 < 25  # retried at once, never after a kv_timeout_s (30 s) wait
         assert router_metric(stack, 'kvmesh_router_retries_total{role="decode"}') >= 1
         assert router_metric(stack, 'kvmesh_router_retries_total{role="prefill"}') >= 1
         assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 0  # KV came from the live prefill

@@ -74,10 +74,14 @@ class AsyncEngine:
         fut: Future = Future()
 
         def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # the caller went away before the engine got to it: nothing to run, no one to answer
             try:
-                fut.set_result(fn(self.engine))
+                result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
                 fut.set_exception(e)
+            else:
+                fut.set_result(result)
 
         self._commands.put(run)
         return await asyncio.wrap_future(fut)
@@ -143,7 +147,10 @@ class AsyncEngine:
             while cmd is not _NOTHING:  # run every command that arrived, then step once
                 if cmd is None:
                     return
-                cmd()
+                try:
+                    cmd()
+                except Exception:  # noqa: BLE001 - one bad command must never stop the engine thread
+                    log.exception("engine command failed")
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
