@@ -109,10 +109,12 @@ class Pool:
     # -- storage thread --------------------------------------------------------------------------------------
 
     def put(self, layout: KVLayout, keys: Sequence[int], checksums: Sequence[int], data: bytes | memoryview,
-            priority: int = 0, priority_s: float = 0.0) -> PutResult:
+            priority: int = 0, priority_s: float = 0.0, verified: bool = False) -> PutResult:
         """Store the blocks of ``data`` (back to back, in ``keys`` order) after verifying every checksum; keys
         already held under ``layout`` are skipped. All or nothing: any bad block rejects the whole put.
-        ``priority`` (the ``priority`` eviction policy) holds for ``priority_s`` seconds (0: forever)."""
+        ``priority`` (the ``priority`` eviction policy) holds for ``priority_s`` seconds (0: forever).
+        ``verified``: the bytes were already checked against ``checksums`` (a transfer the transfer engine
+        verified), so they are not hashed again."""
         nbytes = check_layout(layout)
         if len(checksums) != len(keys):
             raise ValueError(f"checksums has {len(checksums)} entries for {len(keys)} block_keys")
@@ -121,7 +123,7 @@ class Pool:
             raise ValueError(f"data has {len(view)} bytes, but {len(keys)} blocks of this layout take "
                              f"{len(keys)} x {nbytes} = {len(keys) * nbytes} bytes")
         blocks = [StoredBlock(k, c, view[i * nbytes:(i + 1) * nbytes]) for i, (k, c) in enumerate(zip(keys, checksums))]
-        for i, b in enumerate(blocks):
+        for i, b in enumerate(() if verified else blocks):
             actual = xxhash.xxh3_64_intdigest(b.data)
             if actual != b.checksum:
                 raise ValueError(f"block {i} (key {b.key:#018x}) fails its checksum: sent {b.checksum:#018x}, "

@@ -195,15 +195,17 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if request.transfer_id:
             if request.data:
                 raise ValueError("set either data (inline blocks) or transfer_id (pushed blocks), not both")
-            data = await self._take_pushed(request.transfer_id, layout, list(request.block_keys))
+            data = await self._take_pushed(request.transfer_id, layout, list(request.block_keys),
+                                           list(request.checksums))
         result = await self._storage(self.pool.put, layout, request.block_keys, request.checksums, data,
-                                     request.priority, request.priority_duration_s)
+                                     request.priority, request.priority_duration_s, bool(request.transfer_id))
         self.server.metrics.bytes.labels("put").inc(len(data))
         return cache_pb2.PutBlocksResponse(stored=result.stored, skipped=result.skipped)
 
-    async def _take_pushed(self, transfer_id: str, layout: KVLayout, keys: list[int]) -> memoryview:
-        """The bytes pushed under ``transfer_id``, once they match the request's layout and keys (the transfer
-        server verified them against the push's checksums; the pool checks them against the request's)."""
+    async def _take_pushed(self, transfer_id: str, layout: KVLayout, keys: list[int],
+                           checksums: list[int]) -> memoryview:
+        """The bytes pushed under ``transfer_id``, once they match the request's layout, keys and checksums
+        (the transfer server verified the bytes against the checksums pushed with them: no hashing again)."""
         transfer = self.server.transfer
         timeout = self.cfg.transfer_timeout_s
         try:
@@ -220,6 +222,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if list(got.block_keys) != keys or got.blocks.shape[0] != len(keys):
             raise ValueError(f"transfer {transfer_id} carried {got.blocks.shape[0]} blocks with other keys than the "
                              f"{len(keys)} block_keys of PutBlocks; push exactly the blocks you put")
+        bad = [i for i, (pushed, put) in enumerate(zip(got.checksums, checksums, strict=True))
+               if pushed != put]
+        if bad:
+            raise ValueError(f"blocks {bad} of transfer {transfer_id} fail their checksums: the bytes pushed "
+                             "are not the blocks PutBlocks names; nothing was stored")
         return tensor_bytes(got.blocks)
 
     @_statuses
@@ -260,7 +267,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         try:
             if blocks is not None:
                 await self._push(request.transfer_address, request.transfer_id, layout, blocks,
-                                 [b.key for b in got.blocks])
+                                 [b.key for b in got.blocks], [b.checksum for b in got.blocks])
         finally:
             if got.lease_id and not lease_s:
                 await self._storage(self.pool.leases.release, got.lease_id)
@@ -271,12 +278,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             lease_id=got.lease_id if keep else 0, leased_blocks=got.leased if keep else 0)
 
     async def _push(self, address: str, transfer_id: str, layout: KVLayout, blocks: torch.Tensor,
-                    keys: list[int]) -> None:
+                    keys: list[int], checksums: list[int]) -> None:
+        """Push ``blocks`` with the checksums stored with them: the reader verifies the bytes against those,
+        so a block damaged in storage or on the way is caught there, and nothing is hashed here."""
         timeout = self.cfg.transfer_timeout_s
         try:
             async with asyncio.timeout(timeout):
                 await self.server.transfer_client.push(address, transfer_id, layout, blocks, keys,
-                                                       len(keys) * layout.block_size)
+                                                       len(keys) * layout.block_size, checksums)
         except TransferRejected as e:
             raise TransferRejected(f"{address} refused the push of {len(keys)} blocks: {e.reason}") from None
         except TimeoutError:

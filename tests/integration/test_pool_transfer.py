@@ -24,6 +24,7 @@ from kvmesh.worker.pool_client import PoolClient, PoolError
 
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.server import CacheServer
+from services.cachesvc.store import StoredBlock
 
 LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 KEYS = [0x1000 + i for i in range(6)]
@@ -157,6 +158,23 @@ def test_a_corrupted_fetch_push_is_refused_the_fetch_fails_and_the_lease_ends(na
             stats = await mesh.stats()
             assert (stats.leases, stats.leased_blocks) == (0, 0)
             assert reader.receiver.buffered_bytes == 0
+
+    run(body())
+
+
+def test_a_block_damaged_in_the_pool_is_caught_by_the_reader_against_its_stored_checksum(nats_server):
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            writer, reader = await mesh.instance(), await mesh.instance()
+            await writer.write_back(KEYS, make_blocks(len(KEYS)))
+            dram = mesh.server.pool.tier("dram")
+            entry = dram._blocks[KEYS[1]][LAYOUT]
+            damaged = bytearray(entry.block.data)
+            damaged[7] ^= 0x01
+            entry.block = StoredBlock(entry.block.key, entry.block.checksum, bytes(damaged))
+            # cachesvc pushes the checksums stored with the blocks: the reader's check covers the storage too
+            with pytest.raises(PoolError, match="checksum mismatch in 1 of 6 blocks"):
+                await reader.fetch(KEYS)
 
     run(body())
 

@@ -42,24 +42,30 @@ class TransferClient:
         self._backends: dict[str, Backend] = {}
 
     async def push(self, address: str, transfer_id: str, layout: KVLayout, blocks: torch.Tensor,
-                   block_keys: Sequence[int], num_tokens: int) -> TransferStats:
+                   block_keys: Sequence[int], num_tokens: int,
+                   checksums: Sequence[int] | None = None) -> TransferStats:
         """Send ``blocks`` (``[n, *layout.block_shape]``, storage dtype) and wait until the receiver verified
-        them. ``block_keys`` are the keys of the full blocks, in order. Raises TransferRejected with the
-        receiver's reason; ConnectionError (or OSError/TimeoutError) when it cannot be reached or the
-        connection breaks."""
+        them. ``block_keys`` are the keys of the full blocks, in order. ``checksums``: the blocks' xxh3_64
+        when the caller has them already (e.g. stored with the blocks): the receiver verifies the bytes
+        against them and they are not computed again here. Raises TransferRejected with the receiver's
+        reason; ConnectionError (or OSError/TimeoutError) when it cannot be reached or the connection
+        breaks."""
         started = time.perf_counter()
         addr = parse_address(address)
         backend = self._backend(addr.backend)
         payload = _payload(layout, blocks)
         _check_request(transfer_id, layout, blocks.shape[0], block_keys, num_tokens)
-        checksums = block_checksums(tensor_bytes(payload), block_nbytes(layout))
+        if checksums is None:
+            checksums = block_checksums(tensor_bytes(payload), block_nbytes(layout))
+        elif len(checksums) != blocks.shape[0]:
+            raise ValueError(f"{len(checksums)} checksums for {blocks.shape[0]} blocks")
         async with self._slots.setdefault(addr, asyncio.Semaphore(self.max_connections_per_address)):
             sock = await self._checkout(addr)
             staged: Staged | None = None
             try:
                 staged = self._stage(backend, payload, sock.getsockname()[0])
                 header = TransferHeader(transfer_id, backend.name, layout, tuple(block_keys), num_tokens,
-                                        checksums, staged.source)
+                                        tuple(checksums), staged.source)
                 reply = await self._exchange(sock, header, staged)
             except BaseException:
                 sock.close()

@@ -46,6 +46,7 @@ class ReceivedBlocks:
     blocks: torch.Tensor
     nbytes: int
     seconds: float  # header arrival -> verified
+    checksums: tuple[int, ...] = ()  # each block's xxh3_64, which its bytes were verified against
 
 
 @dataclass
@@ -259,7 +260,7 @@ class TransferServer:
             layout = header.layout
             blocks = into.view(storage_dtype(layout.dtype)).view(header.num_blocks, *layout.block_shape)
             received = ReceivedBlocks(tid, layout, header.block_keys, header.num_tokens, blocks, nbytes,
-                                      time.perf_counter() - started)
+                                      time.perf_counter() - started, header.checksums)
             self._settle(tid, received, nbytes)
             delivered = True
             return None

@@ -67,7 +67,7 @@ class PoolClient:
             if self.transfer is None:
                 request.data = bytes(tensor_bytes(chunk))
             else:
-                request.transfer_id = await self._push(chunk, list(request.block_keys), metadata)
+                request.transfer_id = await self._push(chunk, list(request.block_keys), sums, metadata)
             await self._call(self.stub.PutBlocks, request, metadata)
             for i in idx:
                 self._written[keys[i]] = None
@@ -91,14 +91,14 @@ class PoolClient:
                 raise PoolError("the pool answered with blocks that were not asked for")
             if receiver is None:
                 blocks = self._inline(resp, n)
-            else:
-                blocks = await self._received(receiver, request.transfer_id, n)
+                sums = block_checksums(tensor_bytes(blocks), self.block_nbytes)
+            else:  # the receiver verified the bytes against the checksums pushed with them
+                blocks, sums = await self._received(receiver, request.transfer_id, n)
         except BaseException:
             if receiver is not None:
                 receiver.discard(request.transfer_id)  # a push still under way is refused and freed
             raise
-        bad = [i for i, (got, stored) in enumerate(zip(block_checksums(tensor_bytes(blocks), self.block_nbytes),
-                                                       resp.checksums)) if got != stored]
+        bad = [i for i, (got, stored) in enumerate(zip(sums, resp.checksums)) if got != stored]
         if bad:
             raise PoolError(f"pool blocks {bad} fail their checksums; not used")
         return blocks
@@ -114,7 +114,8 @@ class PoolClient:
         except grpc.aio.AioRpcError as e:
             raise PoolError(f"{type(request).__name__[:-7]}: {e.code().name}: {e.details()}") from None
 
-    async def _push(self, blocks: torch.Tensor, keys: list[int], metadata: Metadata) -> str:
+    async def _push(self, blocks: torch.Tensor, keys: list[int], checksums: list[int],
+                    metadata: Metadata) -> str:
         """Push ``blocks`` to cachesvc's transfer endpoint; returns the transfer id PutBlocks names."""
         assert self.transfer is not None
         if not self._pool_transfer:
@@ -127,7 +128,7 @@ class PoolClient:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.transfer.push(self._pool_transfer, transfer_id, self.layout, blocks, keys,
-                                         len(keys) * self.layout.block_size)
+                                         len(keys) * self.layout.block_size, checksums)
         except TransferRejected as e:
             raise PoolError(f"cachesvc refused the pushed blocks: {e.reason}") from None
         except OSError as e:  # ConnectionError and TimeoutError included
@@ -136,8 +137,10 @@ class PoolClient:
                             f"{e or type(e).__name__}") from None
         return transfer_id
 
-    async def _received(self, receiver: TransferServer, transfer_id: str, n: int) -> torch.Tensor:
-        """What cachesvc pushed under ``transfer_id`` (it answered after we verified it: no real wait)."""
+    async def _received(self, receiver: TransferServer, transfer_id: str,
+                        n: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """What cachesvc pushed under ``transfer_id`` and the checksums its bytes were verified against (it
+        answered after we verified it: no real wait)."""
         try:
             got = await receiver.take(transfer_id, self.timeout_s)
         except TimeoutError:
@@ -147,7 +150,7 @@ class PoolClient:
         if got.layout != self.layout or got.blocks.shape[0] != n:
             raise PoolError(f"the pool pushed {got.blocks.shape[0]} blocks in another layout or number than the "
                             f"{n} it answered with")
-        return got.blocks
+        return got.blocks, got.checksums
 
     def _inline(self, resp: cache_pb2.GetBlocksResponse, n: int) -> torch.Tensor:
         if len(resp.data) != n * self.block_nbytes:
