@@ -130,9 +130,9 @@ def metrics_urls(stack: Stack) -> list[str]:
     urls = []
     for s in stack.services:
         if s.name.split("-")[0] in ("prefill", "decode", "both"):
-            m = re.search(r"metrics on (http://\S+)", s.log_path.read_text(errors="replace"))
+            m = re.search(r"metrics on (http://\S+/metrics)", s.log_path.read_text(errors="replace"))
             if m:
-                urls.append(m.group(1).rstrip("/,") + ("" if m.group(1).endswith("/metrics") else "/metrics"))
+                urls.append(m.group(1))
     return urls
 
 
