@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 BASE := $(VENV)/.base-installed
 DEV := $(VENV)/.dev-installed
 
-.PHONY: up test bench-engine proto clean-venv image compose-test
+.PHONY: up test lint bench-engine proto clean-venv image compose-test
 
 $(BASE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,10 @@ $(DEV): $(BASE)
 up: $(BASE)
 	$(VENV)/bin/kvmesh up
 
-test: $(DEV)
+lint: $(DEV)
+	$(VENV)/bin/ruff check libs services tests
+
+test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench-engine: $(DEV)

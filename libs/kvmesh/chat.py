@@ -14,8 +14,14 @@ from collections.abc import Callable
 from typing import TextIO
 
 from kvmesh import state
-from kvmesh.client import (Completion, CompletionBuilder, DeadlineExceeded, KvmeshClient, KvmeshError,
-                           Unavailable)
+from kvmesh.client import (
+    Completion,
+    CompletionBuilder,
+    DeadlineExceeded,
+    KvmeshClient,
+    KvmeshError,
+    Unavailable,
+)
 
 HELP = "kvmesh chat: /reset clears the conversation, /quit exits, Ctrl-C stops a reply"
 NOT_RUNNING = "start a stack with `kvmesh up` (or pass --target / --state-dir)"

@@ -15,8 +15,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_engine(args: argparse.Namespace):
-    from kvmesh import config  # noqa: PLC0415 - keep `kvmesh --help` fast
-    from kvmesh.engine.llm_engine import LLMEngine  # noqa: PLC0415
+    from kvmesh import config
+    from kvmesh.engine.llm_engine import LLMEngine
 
     cfg = config.load(config.EngineConfig, args.config, section="engine", model=args.model,
                       threads=args.threads, kv_dtype=args.kv_dtype)
@@ -24,7 +24,7 @@ def _build_engine(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvmesh.engine.sequence import SamplingParams  # noqa: PLC0415
+    from kvmesh.engine.sequence import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -62,21 +62,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
-        from kvmesh.bench import engine as bench  # noqa: PLC0415
+        from kvmesh.bench import engine as bench
     elif args.what == "transfer":
-        from kvmesh.bench import transfer as bench  # noqa: PLC0415
+        from kvmesh.bench import transfer as bench
     elif args.what == "mesh":
-        from kvmesh.bench import mesh as bench  # noqa: PLC0415
+        from kvmesh.bench import mesh as bench
     elif args.what == "serve":
-        from kvmesh.bench import serve as bench  # noqa: PLC0415
+        from kvmesh.bench import serve as bench
     elif args.what == "ablation":
-        from kvmesh.bench import ablation as bench  # noqa: PLC0415
+        from kvmesh.bench import ablation as bench
     elif args.what == "routing":
-        from kvmesh.bench import routing as bench  # noqa: PLC0415
+        from kvmesh.bench import routing as bench
     elif args.what == "load":
-        from kvmesh.bench import load as bench  # noqa: PLC0415
+        from kvmesh.bench import load as bench
     elif args.what == "tracing":
-        from kvmesh.bench import tracing as bench  # noqa: PLC0415
+        from kvmesh.bench import tracing as bench
     else:
         print(f"kvmesh bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2
@@ -84,11 +84,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    import signal  # noqa: PLC0415
-    import threading  # noqa: PLC0415
+    import signal
+    import threading
 
-    from kvmesh.launcher import Stack, StackOptions  # noqa: PLC0415
-    from kvmesh.state import state_dir  # noqa: PLC0415
+    from kvmesh.launcher import Stack, StackOptions
+    from kvmesh.state import state_dir
 
     directory = state_dir(args.state_dir)
     opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, nats_url=args.nats_url,
@@ -120,25 +120,25 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from kvmesh import chat  # noqa: PLC0415
+    from kvmesh import chat
 
     return chat.main(args.rest)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from kvmesh import sim  # noqa: PLC0415
+    from kvmesh import sim
 
     return sim.main(args.rest)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from kvmesh import trace_cli  # noqa: PLC0415
+    from kvmesh import trace_cli
 
     return trace_cli.main(args.rest)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from kvmesh import settings_cli  # noqa: PLC0415
+    from kvmesh import settings_cli
 
     return settings_cli.main(args.rest)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
 
 from kvmesh.keys import BlockKey
 
@@ -32,5 +32,5 @@ class AllBlocksCleared:
     pass
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 EventSink = Callable[[KVEvent], None]

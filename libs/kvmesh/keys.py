@@ -8,8 +8,9 @@ processes and machines (xxh3 over little-endian int32 token bytes, never Python'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType, Sequence
+from typing import NewType
 
 import numpy as np
 import xxhash

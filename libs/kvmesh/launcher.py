@@ -16,6 +16,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,9 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh import config, tls
 from kvmesh.bus import NatsServer
 from kvmesh.bus.nats_server import free_port
-from kvmesh.tls import TLSConfig
 from kvmesh.state import StackInfo
 from kvmesh.telemetry.spans import trace_file
+from kvmesh.tls import TLSConfig
 
 HOST = "127.0.0.1"
 
@@ -145,7 +146,7 @@ class Stack:
             self.nats.stop()
         (self.state_dir / "stack.json").unlink(missing_ok=True)
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Self:
         self.start()
         return self
 

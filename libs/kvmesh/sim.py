@@ -133,7 +133,7 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
 
 
 def _write(args: argparse.Namespace, results: list[dict]) -> None:
-    from kvmesh.bench.report import markdown_table, write_section  # noqa: PLC0415
+    from kvmesh.bench.report import markdown_table, write_section
 
     rows = [{"policy": r["policy"], "block hit rate": f"{r['hit_rate'] * 100:.1f}%",
              "TTFT mean s": f"{r['ttft_mean_s']:.1f}", "TTFT p90 s": f"{r['ttft_p90_s']:.1f}",

@@ -36,7 +36,7 @@ class StackInfo:
         return path
 
     @classmethod
-    def read(cls, directory: Path) -> "StackInfo":
+    def read(cls, directory: Path) -> StackInfo:
         path = directory / "stack.json"
         try:
             return cls(**json.loads(path.read_text()))

@@ -9,9 +9,9 @@ Unset, gRPC is plaintext, as on a single host where everything binds 127.0.0.1.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import grpc
 

@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         log.error("bad settings: %s", e)
         return 2
-    from kvmesh import config  # noqa: PLC0415
-    from kvmesh.telemetry import tracing  # noqa: PLC0415
-    from kvmesh.telemetry.config import TelemetryConfig  # noqa: PLC0415
+    from kvmesh import config
+    from kvmesh.telemetry import tracing
+    from kvmesh.telemetry.config import TelemetryConfig
 
     tracing.setup("cachesvc", cfg.durable_name, config.load(TelemetryConfig, args.config, section="telemetry"))
     try:

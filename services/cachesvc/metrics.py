@@ -4,12 +4,12 @@ evictions, bytes in and out, leases, event gaps and snapshots. Tier and index fi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
-
-from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from kvmesh.telemetry.metrics import new_registry
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
     from services.cachesvc.server import CacheServer
@@ -18,7 +18,7 @@ P = "kvmesh_cachesvc"
 
 
 class _StateCollector:
-    def __init__(self, server: "CacheServer") -> None:
+    def __init__(self, server: CacheServer) -> None:
         self.server = server
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -48,7 +48,7 @@ class _StateCollector:
 
 
 class CacheMetrics:
-    def __init__(self, server: "CacheServer") -> None:
+    def __init__(self, server: CacheServer) -> None:
         self.registry = new_registry()
         self.requests = Counter(f"{P}_requests", "RPCs by method and outcome", ["rpc", "outcome"],
                                 registry=self.registry)

@@ -30,8 +30,6 @@ import torch
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.trace import SpanKind, StatusCode
-
 from kvmesh import tls
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, Message, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
@@ -42,6 +40,7 @@ from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import layout_mismatch
 from kvmesh.transfer.wire import parse_address, tensor_bytes
+from opentelemetry.trace import SpanKind, StatusCode
 
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.index import BlockIndex

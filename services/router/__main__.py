@@ -8,11 +8,11 @@ import logging
 import signal
 
 from aiohttp import web
-
 from kvmesh import config
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.config import TelemetryConfig
+
 from services.router.access import Admission, Tenants
 from services.router.config import RouterConfig
 from services.router.core import Router

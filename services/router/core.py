@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
 import grpc
-from opentelemetry.trace import Span, SpanKind, StatusCode
-
+from kvmesh import tls
 from kvmesh.bus import Bus, Heartbeat, KVReady, Subjects
 from kvmesh.convert import sampling_to_proto
 from kvmesh.engine.loader import resolve_model
@@ -23,10 +22,11 @@ from kvmesh.engine.sequence import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.keys import Namespace, block_keys
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvmesh import tls
-from kvmesh.telemetry import tracing
-from services.router.config import RouterConfig
 from kvmesh.routing import CostModel
+from kvmesh.telemetry import tracing
+from opentelemetry.trace import Span, SpanKind, StatusCode
+
+from services.router.config import RouterConfig
 from services.router.policy import Policies, choose_decode
 from services.router.registry import Instance, Registry
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes

@@ -7,6 +7,7 @@ the configured one."""
 from __future__ import annotations
 
 from kvmesh.routing import POLICIES, CacheAware, Candidate, CostModel, Decision, Policy, make_policy
+
 from services.router.registry import Instance
 
 

@@ -14,14 +14,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.telemetry import tracing
+from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, HitRatio, new_registry
+from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from kvmesh.telemetry import tracing
-from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, HitRatio, new_registry
-from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT
 
 if TYPE_CHECKING:
     from services.router.registry import Registry
@@ -52,7 +51,7 @@ class RouterMetrics:
         for reason in ("invalid", "unauthenticated", "not_found", "overloaded", "unavailable", "internal"):
             self.rejections.labels(reason)
 
-    def watch(self, registry: "Registry") -> None:
+    def watch(self, registry: Registry) -> None:
         self.registry.register(_InstancesCollector(registry))
 
     def exposition(self) -> tuple[bytes, str]:
@@ -62,7 +61,7 @@ class RouterMetrics:
 class _InstancesCollector(Collector):
     """Live engine instances per role (scraped on the event loop that owns the registry)."""
 
-    def __init__(self, registry: "Registry") -> None:
+    def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
     def collect(self) -> Iterator[GaugeMetricFamily]:

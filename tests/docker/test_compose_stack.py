@@ -30,7 +30,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _docker_sdk():
-    import docker  # noqa: PLC0415
+    import docker
 
     if not hasattr(docker, "from_env"):  # the repository's docker/ folder, not the SDK
         pytest.fail("the docker Python SDK is not installed: pip install 'docker>=7' (the dev extra has it)")
@@ -54,7 +54,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
                            else "starting dockerd needs root"))
         log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
         started = subprocess.Popen([dockerd, "--bridge=none", "--iptables=false", "--ip6tables=false"],
-                                   stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+                                   stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115 - dockerd keeps it
+                                   start_new_session=True)
         client = _wait_for_engine(docker, started, log)
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
@@ -139,7 +140,7 @@ class Stack:
 def stack(engine) -> Iterator[Stack]:
     s = Stack()
     base = subprocess.run([str(ROOT / "docker/prepare.sh")], capture_output=True, text=True, env=s.env,
-                          timeout=900)
+                          timeout=900, check=False)
     assert base.returncode == 0, f"docker/prepare.sh failed:\n{base.stderr[-3000:]}"
     s.env["KVMESH_BASE_IMAGE"] = base.stdout.strip()
     t0 = time.monotonic()
@@ -153,7 +154,7 @@ def stack(engine) -> Iterator[Stack]:
         yield s
     except BaseException:
         print(subprocess.run(["docker-compose", "-p", s.project, *FILES, "logs", "--tail", "40"], cwd=ROOT,
-                             env=s.env, capture_output=True, text=True).stdout[-8000:])
+                             env=s.env, capture_output=True, text=True, check=False).stdout[-8000:])
         raise
     finally:
         s.compose("down", "-v", "--remove-orphans", "--timeout", "20")

@@ -40,7 +40,7 @@ def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     assert 'store_dir: "/data/jetstream"' in conf
     (store / "nats.conf").write_text(conf.replace("/data/jetstream", str(store / "jetstream")))
     env = {**os.environ, **{f"NATS_{user.upper()}_PASSWORD": pw for user, pw in PASSWORDS.items()}}
-    log = open(store / "nats.log", "wb")
+    log = open(store / "nats.log", "wb")  # noqa: SIM115 - the server writes to it for the whole module
     proc = subprocess.Popen([str(binary), "-c", str(store / "nats.conf"), "-a", "127.0.0.1", "-p", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10

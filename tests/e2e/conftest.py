@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvmesh.bus.nats_server import free_port
 from kvmesh.launcher import Stack, StackOptions
 

@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
 from kvmesh.engine.loader import ModelSource, default_model_path, load_weights, resolve_model
 from kvmesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
 

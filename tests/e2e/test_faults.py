@@ -11,7 +11,6 @@ import urllib.request
 
 import grpc
 import pytest
-
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 
 from .conftest import start_stack

@@ -3,11 +3,9 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
 from kvmesh.config import EngineConfig
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.loader import resolve_model

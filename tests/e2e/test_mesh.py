@@ -8,7 +8,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from kvmesh.config import EngineConfig
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.sequence import SamplingParams

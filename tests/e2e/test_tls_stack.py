@@ -9,10 +9,10 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from kvmesh import tls
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc
 from kvmesh.tls import TLSConfig
+
 from tests.certs import make_certs, tls_env
 
 from .conftest import start_stack

@@ -6,7 +6,6 @@ from collections.abc import Iterator
 
 import nats
 import pytest
-
 from kvmesh.bus.nats_server import NatsServer
 
 _server: list[NatsServer] = []  # the session's server, once a test asked for it

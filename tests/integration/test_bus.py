@@ -7,12 +7,11 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from nats.js.api import StorageType
-
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Message, NatsServer, Subjects
 from kvmesh.bus.nats_server import free_port
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.keys import BlockKey
+from nats.js.api import StorageType
 
 TRACE = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "kvmesh=1"}
 

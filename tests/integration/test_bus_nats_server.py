@@ -1,7 +1,6 @@
 import socket
 
 import pytest
-
 from kvmesh.bus.nats_server import NatsServer
 
 

@@ -8,9 +8,15 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-
-from kvmesh.client import (AsyncKvmeshClient, DeadlineExceeded, GenerateChunk, InvalidRequest, KvmeshClient,
-                           Overloaded, Unavailable)
+from kvmesh.client import (
+    AsyncKvmeshClient,
+    DeadlineExceeded,
+    GenerateChunk,
+    InvalidRequest,
+    KvmeshClient,
+    Overloaded,
+    Unavailable,
+)
 
 from .test_client_fake import TRACE_ID, FakeKvmesh, serve
 
@@ -85,9 +91,8 @@ def test_retries_unavailable_before_first_chunk_then_succeeds(client, fake):
 
 def test_gives_up_after_the_retry_budget(target, fake):
     fake.fail_before_first = [UNAVAILABLE] * 5
-    with KvmeshClient(target, retries=2, backoff_s=0.01) as c:
-        with pytest.raises(Unavailable, match="scripted failure"):
-            c.complete("Hi")
+    with KvmeshClient(target, retries=2, backoff_s=0.01) as c, pytest.raises(Unavailable, match="scripted failure"):
+        c.complete("Hi")
     assert len(fake.requests) == 3
 
 
@@ -95,8 +100,7 @@ def test_no_retry_after_the_first_chunk(client, fake):
     fake.fail_after_first = UNAVAILABLE
     received: list[GenerateChunk] = []
     with pytest.raises(Unavailable):
-        for chunk in client.generate("Hi"):
-            received.append(chunk)
+        received.extend(client.generate("Hi"))  # keeps what arrived before the failure
     assert [c.text for c in received] == ["Hello"] and len(fake.requests) == 1
 
 

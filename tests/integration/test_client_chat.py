@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-
 from kvmesh import chat
 from kvmesh.client import KvmeshClient
 from kvmesh.state import StackInfo

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
-
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -7,8 +7,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from kvmesh.routing import CostModel
+
 from tests.integration.test_router_bad_input import HI, TinyMesh, tiny_model_dir
 
 SPEED_KEYS = ("prefill_tok_per_s", "prefill_overhead_s")

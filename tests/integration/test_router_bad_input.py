@@ -14,11 +14,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Self
 
 import grpc
 import pytest
 from aiohttp import web
-
 from kvmesh.config import EngineConfig
 from kvmesh.engine.loader import save_hf_dir
 from kvmesh.engine.model_config import ModelConfig
@@ -27,6 +27,7 @@ from kvmesh.grpc_server import ServiceServer
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.runtime import Worker
+
 from services.router.access import Admission, Tenants
 from services.router.config import RouterConfig
 from services.router.core import Router
@@ -66,7 +67,7 @@ class TinyMesh:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def __enter__(self) -> TinyMesh:
+    def __enter__(self) -> Self:
         self.thread.start()
         self.call(self._start(), timeout=120)
         return self
@@ -172,7 +173,7 @@ def still_serves(mesh: TinyMesh) -> None:
 
 
 def assert_http_error(mesh: TinyMesh, resp: tuple[int, dict, dict], status: int, *words: str) -> None:
-    code, body, headers = resp
+    code, body, _headers = resp
     assert code == status, body
     error = body["error"]
     assert error["code"] == status and error["type"] and error["message"]

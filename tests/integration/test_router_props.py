@@ -14,7 +14,6 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
 from kvmesh.proto.v1 import api_pb2, common_pb2
 
 from .test_router_bad_input import CHAT, COMPLETIONS, TinyMesh, model_dir, still_serves  # noqa: F401

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-
 from kvmesh.client import AsyncKvmeshClient, KvmeshClient, KvmeshError, Overloaded, Unauthenticated
 from kvmesh.proto.v1 import api_pb2, common_pb2
 
@@ -130,15 +129,15 @@ def test_grpc_and_http_share_a_tenants_namespace(mesh):
 
 def test_a_tenant_over_its_cap_is_refused_while_others_are_served(mesh):
     async def hold_and_probe() -> tuple[KvmeshError | None, int]:
-        async with AsyncKvmeshClient(mesh.grpc_target, api_key="sk-alice", retries=0) as alice:
-            async with alice.generate("Hi", max_tokens=400, ignore_eos=True) as held:
-                await held.__anext__()  # alice's one request is in flight
-                refused = None
-                try:
-                    await alice.complete("Hi", max_tokens=1)
-                except KvmeshError as e:
-                    refused = e
-                bob_status, _ = await asyncio.to_thread(chat, mesh, "sk-bob", "Hi")
+        async with AsyncKvmeshClient(mesh.grpc_target, api_key="sk-alice", retries=0) as alice, \
+                alice.generate("Hi", max_tokens=400, ignore_eos=True) as held:
+            await held.__anext__()  # alice's one request is in flight
+            refused = None
+            try:
+                await alice.complete("Hi", max_tokens=1)
+            except KvmeshError as e:
+                refused = e
+            bob_status, _ = await asyncio.to_thread(chat, mesh, "sk-bob", "Hi")
         return refused, bob_status
 
     old = mesh.admission.max_per_tenant

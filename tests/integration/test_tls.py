@@ -8,10 +8,10 @@ import asyncio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from kvmesh import tls
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.tls import TLSConfig
+
 from tests.certs import make_certs
 
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from opentelemetry import trace
-
 from kvmesh.bus import Bus, KVReady, Subjects
 from kvmesh.bus.tracing import trace_context
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.jsonl import JsonlSpanExporter
 from kvmesh.telemetry.spans import read_spans
+from opentelemetry import trace
 
 
 def test_a_publish_under_a_span_parents_the_receivers_span(nats_server, tmp_path):

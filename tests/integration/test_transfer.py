@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.transfer import ReceivedBlocks, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.backends import Backend, Staged

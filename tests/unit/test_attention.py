@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from kvmesh.engine.attention import ForwardBatch, NativeAttention, SeqSlice, TorchAttention, make_backend
 from kvmesh.engine.kv_cache import DeviceKVPool, KVLayout
 

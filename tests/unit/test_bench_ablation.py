@@ -80,16 +80,16 @@ def test_bytes_loaded_per_tier_come_from_the_engines_metrics():
     import http.server
     import threading
 
-    pages = ['kvmesh_worker_kv_block_bytes 1000.0\n'
+    pages = [('kvmesh_worker_kv_block_bytes 1000.0\n'
              'kvmesh_worker_kv_host_moves_total{direction="load"} 3.0\n'
              'kvmesh_worker_kv_host_moves_total{direction="spill"} 9.0\n'
              'kvmesh_worker_kv_transfer_bytes_total{direction="pool_fetch"} 500.0\n'
              'kvmesh_worker_kv_transfer_bytes_total{direction="push"} 70.0\n'
-             'kvmesh_worker_kv_transfer_bytes_total{direction="receive"} 70.0\n',
+             'kvmesh_worker_kv_transfer_bytes_total{direction="receive"} 70.0\n'),
              'kvmesh_worker_kv_block_bytes 10.0\nkvmesh_worker_kv_host_moves_total{direction="load"} 2.0\n']
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             body = pages[int(self.path.strip("/").split("/")[0])].encode()
             self.send_response(200)
             self.end_headers()

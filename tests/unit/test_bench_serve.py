@@ -3,6 +3,7 @@ writes."""
 
 import asyncio
 import json
+from typing import Self
 
 import pytest
 from aiohttp import web
@@ -26,7 +27,7 @@ class FakeServer:
         self.runner = web.AppRunner(app, shutdown_timeout=0.1)
         self.url = ""
 
-    async def __aenter__(self) -> "FakeServer":
+    async def __aenter__(self) -> Self:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()

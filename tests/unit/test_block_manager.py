@@ -3,7 +3,6 @@
 import math
 
 import pytest
-
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.eviction import LFU, LRU, SLRU, PriorityLRU, make_policy
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVLayout

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from kvmesh.bus.codec import VERSION, CodecError, Heartbeat, KVEventBatch, KVReady, decode
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.keys import BlockKey
@@ -20,10 +19,10 @@ def make_batch() -> KVEventBatch:
 
 
 def make_ready(**over) -> KVReady:
-    fields = dict(request_id="req-1", decode_instance="decode-0", transfer_id="t-9",
-                  block_keys=(BlockKey(3), MAX_KEY), num_tokens=37, first_token=128001,
-                  layout={"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "fp16", "block_size": 16},
-                  prefill_instance="prefill-0")
+    fields = {"request_id": "req-1", "decode_instance": "decode-0", "transfer_id": "t-9",
+                  "block_keys": (BlockKey(3), MAX_KEY), "num_tokens": 37, "first_token": 128001,
+                  "layout": {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "fp16", "block_size": 16},
+                  "prefill_instance": "prefill-0"}
     return KVReady(**{**fields, **over})
 
 

@@ -1,7 +1,6 @@
 import sys
 
 import pytest
-
 from kvmesh.bus.nats_server import NatsServer, find_nats_server
 
 

@@ -1,5 +1,4 @@
 import pytest
-
 from kvmesh.bus.subjects import Subjects
 
 

@@ -6,9 +6,16 @@ import time
 
 import grpc
 import pytest
-
-from kvmesh.client import (Cancelled, DeadlineExceeded, InvalidRequest, KvmeshClient, KvmeshError, Overloaded,
-                           Unauthenticated, Unavailable)
+from kvmesh.client import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidRequest,
+    KvmeshClient,
+    KvmeshError,
+    Overloaded,
+    Unauthenticated,
+    Unavailable,
+)
 from kvmesh.client.errors import from_rpc_error
 from kvmesh.client.policy import CallPolicy
 from kvmesh.client.requests import chat_request, generate_request

@@ -95,7 +95,7 @@ def parse_service_command(module: str, args: list[str]) -> argparse.Namespace:
 
     main = importlib.import_module(f"{module}.__main__").main
     if module in ("services.prefill", "services.decode"):
-        from kvmesh.worker.main import main as worker_main  # noqa: PLC0415
+        from kvmesh.worker.main import main as worker_main
 
         def main(argv):
             return worker_main(module.rsplit(".", 1)[1], argv)
@@ -166,7 +166,7 @@ def test_the_nats_command_and_config_are_accepted_by_nats_server():
         argv = [interpolate(a, {}) for a in services["nats"]["command"]]
         assert argv[:3] == ["nats-server", "-c", "/etc/kvmesh/nats.conf"]
         out = subprocess.run([str(binary), "-c", str(ROOT / "docker/nats.conf"), *argv[3:], "-t"], env=env,
-                             capture_output=True, text=True, timeout=30)
+                             capture_output=True, text=True, timeout=30, check=False)
         text = out.stdout + out.stderr
         assert out.returncode == 0 and "is valid" in text and "not defined" not in text, text
     assert "COPY docker/nats.conf /etc/kvmesh/nats.conf" in (ROOT / "docker/Dockerfile").read_text()

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.sequence import SamplingParams
 

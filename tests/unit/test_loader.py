@@ -7,8 +7,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
 from kvmesh.engine import loader
 from kvmesh.engine.loader import (
     ModelSource,
@@ -19,7 +17,7 @@ from kvmesh.engine.loader import (
 )
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.tokenizer import Tokenizer, save_byte_tokenizer
-
+from transformers import AutoConfig, AutoModelForCausalLM
 
 SMOLLM2_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

@@ -4,6 +4,7 @@ import time
 
 from kvmesh.bus import Heartbeat
 from kvmesh.routing import CostModel
+
 from services.router.policy import Policies, choose_decode
 from services.router.registry import Registry
 

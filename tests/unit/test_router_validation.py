@@ -4,13 +4,12 @@ value is refused with a message that says what to fix."""
 from __future__ import annotations
 
 import pytest
-
 from kvmesh import config
+
 from services.router.access import Admission, Tenants, cache_salt
 from services.router.config import RouterConfig, parse_api_keys
 from services.router.core import RequestError
 from services.router.http_api import sampling_from_body
-
 
 # ---- RouterConfig ------------------------------------------------------------------------------------------
 

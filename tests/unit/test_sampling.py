@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from kvmesh.engine.sampling import filter_logits, make_generator, sample
 from kvmesh.engine.sequence import SamplingParams
 
@@ -33,7 +32,7 @@ def test_top_k_one_is_greedy():
     assert SamplingParams(temperature=0.8, top_k=1).greedy
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)])
+@pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}])
 def test_invalid_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from kvmesh.bench.trace import TraceRequest, load_trace, synthesize_prompt
 from kvmesh.sim import BlockCache, simulate
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import ClassVar
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind
-
 from kvmesh.bus.tracing import extract_trace_headers, inject_trace_headers, trace_context
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.jsonl import JsonlSpanExporter
 from kvmesh.telemetry.spans import read_spans
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -103,7 +103,7 @@ def test_nats_headers_carry_the_current_span_and_keep_what_the_caller_set(provid
 
 def test_delivered_headers_are_a_copy_of_what_was_sent():
     class Msg:
-        headers = {"traceparent": TP, "x": "y"}
+        headers: ClassVar[dict[str, str]] = {"traceparent": TP, "x": "y"}
 
     got = extract_trace_headers(Msg())
     assert got == Msg.headers and got is not Msg.headers

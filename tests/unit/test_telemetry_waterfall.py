@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kvmesh.telemetry import render
 from kvmesh.telemetry.spans import SpanRecord, find, read_spans, subtree
 from kvmesh.telemetry.waterfall import waterfall

@@ -3,10 +3,9 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import processors
-
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer, save_byte_tokenizer
+from tokenizers import processors
 
 MULTIBYTE = "naïve 你好, 世界 😀👍🏽 done"
 

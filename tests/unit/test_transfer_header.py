@@ -5,11 +5,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.transfer.errors import TransferRejected
-from kvmesh.transfer.header import (TransferHeader, block_checksums, corrupt_blocks, decode_header,
-                                    encode_header, layout_mismatch)
+from kvmesh.transfer.header import (
+    TransferHeader,
+    block_checksums,
+    corrupt_blocks,
+    decode_header,
+    encode_header,
+    layout_mismatch,
+)
 from kvmesh.transfer.wire import Address, parse_address, tensor_bytes
 
 LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)

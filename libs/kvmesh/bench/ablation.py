@@ -34,14 +34,13 @@ import argparse
 import asyncio
 import math
 import os
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import re
-import urllib.request
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -112,7 +111,7 @@ def scenarios(max_tokens: int = 16, doc_words: int = 150, seed: int = 0) -> dict
 
 def pool_bytes(stack: Stack) -> int | None:
     """Bytes the cachesvc pool holds (its ``Stats``), None when it does not answer."""
-    from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc  # noqa: PLC0415
+    from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 
     address = next(s.grpc_address for s in stack.services if s.name == "cachesvc")
     try:
@@ -345,11 +344,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_outputs(out: Path, results: list[ScenarioResult], slo: SLO, body: str) -> None:
-    import json  # noqa: PLC0415
-    from dataclasses import asdict  # noqa: PLC0415
+    import json
+    from dataclasses import asdict
 
-    from kvmesh.bench import plots  # noqa: PLC0415
-    from kvmesh.bench.serve import _json_safe  # noqa: PLC0415
+    from kvmesh.bench import plots
+    from kvmesh.bench.serve import _json_safe
 
     out.mkdir(parents=True, exist_ok=True)
     table = rows(results, slo)

@@ -84,7 +84,7 @@ class Ours:
 
 class HF:
     def __init__(self) -> None:
-        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+        from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(resolve_model(None).hf_dir, dtype=torch.float32).eval()
 
@@ -116,8 +116,8 @@ def run(threads: int = 1, quick: bool = False) -> dict:
     for n in ((128, 512) if quick else (128, 512, 2048)):
         prompt = _tokens(n, n)
         ours.prefill(prompt), hf.prefill(prompt)  # warm-up
-        t_ours = _median_time(lambda: ours.prefill(prompt), repeats)
-        t_hf = _median_time(lambda: hf.prefill(prompt), repeats)
+        t_ours = _median_time(lambda p=prompt: ours.prefill(p), repeats)
+        t_hf = _median_time(lambda p=prompt: hf.prefill(p), repeats)
         prefill_rows.append({"tokens": n, "kvmesh tok/s": f"{n / t_ours:.0f}", "transformers tok/s": f"{n / t_hf:.0f}",
                              "ratio": f"{t_hf / t_ours:.2f}x"})
     decode_rows = []
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     res = run(args.threads, args.quick)
     body = "\n\n".join([
-        f"Default model (SmolLM2-135M-Instruct, fp32 weights and KV), {args.threads} thread(s). Ratio > 1 means "
-        "kvmesh is faster than transformers (same weights, same process, same thread budget).",
+        (f"Default model (SmolLM2-135M-Instruct, fp32 weights and KV), {args.threads} thread(s). Ratio > 1 means "
+        "kvmesh is faster than transformers (same weights, same process, same thread budget)."),
         "Prefill (one prompt, logits for the last position only):\n\n" +
         markdown_table(res["prefill"], ["tokens", "kvmesh tok/s", "transformers tok/s", "ratio"]),
         "Decode, context 512 tokens per sequence:\n\n" +

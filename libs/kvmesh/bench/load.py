@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import aiohttp
 
@@ -73,7 +74,7 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> MemorySampler:
+    def __enter__(self) -> Self:
         self.sample()
         self.first = dict(self.last)
         self._thread.start()

@@ -13,10 +13,10 @@ from kvmesh.bench.stats import RequestRecord
 
 def _pyplot():
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError:
         print("plots skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return None

@@ -13,7 +13,7 @@ HEADER = "# Benchmarks\n\nEach section is written by the command it names; rerun
 
 
 def machine() -> str:
-    import torch  # noqa: PLC0415
+    import torch
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -34,12 +34,12 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 def write_section(name: str, command: str, body: str, doc: Path = DOC) -> Path:
     """Replace (or append) the section ``name`` of the benchmark doc."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     section = (f"<!-- bench:{name}:start -->\n## {name}\n\nCommand: `{command}`  \n"
                f"Machine: {machine()}  \nRun: {stamp}\n\n{body.strip()}\n<!-- bench:{name}:end -->\n")
     text = doc.read_text() if doc.exists() else HEADER
     pattern = re.compile(rf"<!-- bench:{re.escape(name)}:start -->.*?<!-- bench:{re.escape(name)}:end -->\n",
-                         re.S)
+                         re.DOTALL)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)

@@ -93,14 +93,14 @@ def run(requests: int = 120, max_tokens: int = 4, pause_s: float = 0.25,
             on.stop()
             off.stop()
     return {**ttft, "spans_per_request": per_request, "bytes_per_request": bytes_per_request,
-            "cpu_us_per_request": span_cpu_us(int(round(per_request)))}
+            "cpu_us_per_request": span_cpu_us(round(per_request))}
 
 
 def span_cpu_us(spans_per_request: int, rounds: int = 300) -> float:
     """CPU microseconds the SDK + JSONL exporter spend on one request's spans (created, attributed, ended,
     serialised and written), measured in this process."""
-    from kvmesh.telemetry import tracing  # noqa: PLC0415
-    from kvmesh.telemetry.jsonl import JsonlSpanExporter  # noqa: PLC0415
+    from kvmesh.telemetry import tracing
+    from kvmesh.telemetry.jsonl import JsonlSpanExporter
 
     with tempfile.TemporaryDirectory() as tmp:
         exporter = JsonlSpanExporter(Path(tmp) / "t.jsonl")

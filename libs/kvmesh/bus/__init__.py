@@ -6,6 +6,22 @@ from kvmesh.bus.nats_server import NatsServer, find_nats_server
 from kvmesh.bus.subjects import Subjects
 from kvmesh.bus.tracing import extract_trace_headers, inject_trace_headers
 
-__all__ = ["Bus", "EventsConsumer", "EventsHandler", "Handler", "ROLES", "VERSION", "CodecError", "Heartbeat",
-           "KVEventBatch", "KVReady", "Message", "decode", "NatsServer", "find_nats_server", "Subjects",
-           "extract_trace_headers", "inject_trace_headers"]
+__all__ = [
+           "ROLES",
+           "VERSION",
+           "Bus",
+           "CodecError",
+           "EventsConsumer",
+           "EventsHandler",
+           "Handler",
+           "Heartbeat",
+           "KVEventBatch",
+           "KVReady",
+           "Message",
+           "NatsServer",
+           "Subjects",
+           "decode",
+           "extract_trace_headers",
+           "find_nats_server",
+           "inject_trace_headers",
+]

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import nats.errors
 import nats.js.errors
@@ -87,7 +87,7 @@ class Bus:
         try:
             # With infinite reconnects nats-py retries even the first connect forever, hence the deadline.
             await asyncio.wait_for(connecting, connect_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(Exception):
                 await nc.close()
             raise ConnectionError(f"cannot reach NATS at {redact(url)} within {connect_timeout_s}s") from None
@@ -168,7 +168,7 @@ class Bus:
             try:
                 for msg in await sub.fetch(batch, timeout=5.0):
                     await self._deliver(msg, handler)
-            except asyncio.TimeoutError:  # nothing new
+            except TimeoutError:  # nothing new
                 continue
             except nats.errors.ConnectionClosedError:
                 return

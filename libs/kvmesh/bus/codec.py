@@ -8,8 +8,9 @@ Block keys travel as JSON integers: exact for all 64 bits in Python (never throu
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, TypeVar, Union
+from typing import Any, ClassVar, TypeVar
 
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.keys import BlockKey
@@ -194,8 +195,8 @@ class Heartbeat:
                    block_size=_get(d, "block_size", int))
 
 
-Message = Union[KVEventBatch, KVReady, Heartbeat]
-_TYPES: dict[str, type[KVEventBatch] | type[KVReady] | type[Heartbeat]] = {
+Message = KVEventBatch | KVReady | Heartbeat
+_TYPES: dict[str, type[KVEventBatch | KVReady | Heartbeat]] = {
     t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat)}
 
 

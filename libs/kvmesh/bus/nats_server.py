@@ -12,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Self
 
 
 def find_nats_server() -> Path:
@@ -67,7 +67,7 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         cmd = [str(find_nats_server()), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir),
                "-n", self.name]
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server writes to it until stop()
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             self._wait_ready()
@@ -122,13 +122,13 @@ class NatsServer:
     async def astop(self) -> None:
         await asyncio.to_thread(self.stop)
 
-    def __enter__(self) -> NatsServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
 
-    async def __aenter__(self) -> NatsServer:
+    async def __aenter__(self) -> Self:
         return await self.astart()
 
     async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,

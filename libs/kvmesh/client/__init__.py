@@ -8,12 +8,26 @@
 """
 
 from kvmesh.client.aio import AsyncGenerateStream, AsyncKvmeshClient
-from kvmesh.client.errors import (Cancelled, DeadlineExceeded, InvalidRequest, KvmeshError, Overloaded,
-                                  Unauthenticated, Unavailable)
+from kvmesh.client.errors import (
+                                  Cancelled,
+                                  DeadlineExceeded,
+                                  InvalidRequest,
+                                  KvmeshError,
+                                  Overloaded,
+                                  Unauthenticated,
+                                  Unavailable,
+)
 from kvmesh.client.requests import Message, RequestOptions
 from kvmesh.client.sync import GenerateStream, KvmeshClient
-from kvmesh.client.types import (Completion, CompletionBuilder, GenerateChunk, HealthInfo, InstanceInfo,
-                                 ModelInfo, Usage)
+from kvmesh.client.types import (
+                                  Completion,
+                                  CompletionBuilder,
+                                  GenerateChunk,
+                                  HealthInfo,
+                                  InstanceInfo,
+                                  ModelInfo,
+                                  Usage,
+)
 
 __all__ = [
     "AsyncGenerateStream", "AsyncKvmeshClient", "Cancelled", "Completion", "CompletionBuilder",

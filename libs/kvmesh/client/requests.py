@@ -46,7 +46,8 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
     if seed is not None and seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     if isinstance(stop, str):
-        raise ValueError("stop must be a sequence of strings, e.g. stop=[\"\\n\"], not a single string")
+        raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
+            "stop must be a sequence of strings, e.g. stop=[\"\\n\"], not a single string")
     return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                      seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                      ignore_eos=ignore_eos)
@@ -59,7 +60,8 @@ def chat_messages(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not isinstance(content, str):
-            raise ValueError(f"messages[{i}] must have string 'role' and 'content', got {dict(m)!r}")
+            raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
+                f"messages[{i}] must have string 'role' and 'content', got {dict(m)!r}")
         out.append(common_pb2.ChatMessage(role=role, content=content))
     return out
 

@@ -8,12 +8,20 @@ from typing import Any, Self, TypeVar, Unpack
 
 import grpc
 
+from kvmesh import tls
 from kvmesh.client.base import ClientBase
 from kvmesh.client.policy import CallPolicy, StartCall
 from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
-from kvmesh.client.types import (Completion, CompletionBuilder, GenerateChunk, HealthInfo, ModelInfo,
-                                 completion_from_chat, metadata_dict, models_from_pb)
-from kvmesh import tls
+from kvmesh.client.types import (
+    Completion,
+    CompletionBuilder,
+    GenerateChunk,
+    HealthInfo,
+    ModelInfo,
+    completion_from_chat,
+    metadata_dict,
+    models_from_pb,
+)
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc
 
 R = TypeVar("R")

@@ -13,9 +13,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.sequence import Sequence, Status
@@ -149,7 +150,7 @@ class AsyncEngine:
                     return
                 try:
                     cmd()
-                except Exception:  # noqa: BLE001 - one bad command must never stop the engine thread
+                except Exception:
                     log.exception("engine command failed")
                 try:
                     cmd = self._commands.get_nowait()
@@ -163,7 +164,7 @@ class AsyncEngine:
         began = time.monotonic()
         try:
             outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the thread
+        except Exception as e:
             log.exception("engine step failed")
             for rid in self.engine.active_requests():
                 self._deliver(rid, e)

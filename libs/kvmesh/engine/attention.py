@@ -36,7 +36,7 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, seqs: list[SeqSlice], token_ids: list[list[int]], block_size: int,
-              sample_idx: list[int], device: torch.device | str = "cpu") -> "ForwardBatch":
+              sample_idx: list[int], device: torch.device | str = "cpu") -> ForwardBatch:
         """Flatten per-sequence query tokens; positions and slots follow from each sequence's block table."""
         positions, slots = [], []
         for s in seqs:
@@ -136,7 +136,7 @@ class NativeAttention(TorchAttention):
     MAX_HEAD_DIM, MAX_GROUP = 256, 16
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        from kvmesh.engine import native  # noqa: PLC0415
+        from kvmesh.engine import native
 
         lib = native.load()
         if lib is None:
@@ -162,7 +162,7 @@ class FlashInferAttention(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
         try:
-            import flashinfer  # noqa: PLC0415 - optional, CUDA-only dependency
+            import flashinfer
         except ImportError as e:
             raise RuntimeError("attention backend 'flashinfer' needs the optional dependency: "
                                "pip install 'kvmesh[cuda]' (CUDA only)") from e
@@ -183,7 +183,7 @@ class FlashInferAttention(AttentionBackend):
             indices.extend(s.block_table[:nblocks])
             kv_indptr.append(len(indices))
             last_len.append(s.kv_len - (nblocks - 1) * bs)
-        i32 = dict(dtype=torch.int32, device=device)
+        i32 = {"dtype": torch.int32, "device": device}
         self.wrapper.plan(torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32),
                           torch.tensor(indices, **i32), torch.tensor(last_len, **i32),
                           self.num_heads, self.num_kv_heads, self.head_dim, bs, causal=True,

@@ -12,10 +12,11 @@ Invariants
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Sequence as Seq
+from typing import TYPE_CHECKING, NamedTuple
 
-from kvmesh.engine.eviction import EvictionPolicy, LRU, now
+from kvmesh.engine.eviction import LRU, EvictionPolicy, now
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
 from kvmesh.engine.sequence import RetentionRange, Sequence
 from kvmesh.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockStored, EventSink, KVEvent
@@ -28,12 +29,12 @@ if TYPE_CHECKING:
 @dataclass(eq=False)
 class Node:
     tokens: tuple[int, ...]
-    parent: "Node | None"
+    parent: Node | None
     chain: int                      # the BlockKey of a full block; the namespace seed at a root
     full: bool
     block_id: int | None = None     # device block (L1)
     host_slot: int | None = None    # host block (L2)
-    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     ref_count: int = 0
     last_access: float = 0.0
     hit_count: int = 0
@@ -160,7 +161,7 @@ class BlockManager:
         seq.num_cached_tokens = m.num_tokens
         return True
 
-    def import_prefix(self, seq: Sequence, blocks: "torch.Tensor", num_tokens: int, first_block: int = 0) -> bool:
+    def import_prefix(self, seq: Sequence, blocks: torch.Tensor, num_tokens: int, first_block: int = 0) -> bool:
         """Attach KV computed elsewhere: ``blocks`` (whole blocks in the pool's storage layout) hold block
         indices ``first_block ..`` of the sequence, up to its first ``num_tokens`` tokens; the blocks before
         ``first_block`` must be cached here. Cached blocks are shared, the rest written. False (nothing held)
@@ -179,9 +180,9 @@ class BlockManager:
         self.cache_computed_blocks(seq)
         return True
 
-    def adopt(self, seed: int, tokens: list[int], blocks: "torch.Tensor", first_block: int) -> bool:
+    def adopt(self, seed: int, tokens: list[int], blocks: torch.Tensor, first_block: int) -> bool:
         """Put fetched full blocks (indices ``first_block ..`` of ``tokens``) into the prefix cache, unreferenced."""
-        from kvmesh.engine.sequence import SamplingParams  # noqa: PLC0415
+        from kvmesh.engine.sequence import SamplingParams
 
         n = len(tokens) // self.block_size * self.block_size
         seq = Sequence("adopt", list(tokens[:n]) + [0], SamplingParams(), seed)
@@ -190,7 +191,7 @@ class BlockManager:
         self.free(seq)
         return True
 
-    def export_prefix(self, seq: Sequence) -> "torch.Tensor":
+    def export_prefix(self, seq: Sequence) -> torch.Tensor:
         """The sequence's computed KV as whole blocks ``[n, *block_shape]`` (a copy)."""
         n = -(-seq.num_computed_tokens // self.block_size)
         return self.device.read_blocks(seq.block_table[:n])

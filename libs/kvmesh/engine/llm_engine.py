@@ -83,8 +83,8 @@ class LLMEngine:
         dtype = COMPUTE_DTYPES[cfg.dtype]
         self.tokenizer = None
         if model_config is None:
-            from kvmesh.engine.loader import load_weights, resolve_model  # noqa: PLC0415 - heavy imports
-            from kvmesh.engine.tokenizer import Tokenizer  # noqa: PLC0415
+            from kvmesh.engine.loader import load_weights, resolve_model
+            from kvmesh.engine.tokenizer import Tokenizer
 
             source = resolve_model(cfg.model)
             self.model_config, self.fingerprint = source.config, source.fingerprint
@@ -150,7 +150,7 @@ class LLMEngine:
                        retention)
         detok = None
         if self.tokenizer is not None:
-            from kvmesh.engine.tokenizer import IncrementalDetokenizer  # noqa: PLC0415
+            from kvmesh.engine.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
         self._requests[request_id] = _Tracked(seq, detok, export_kv)
@@ -277,6 +277,6 @@ class LLMEngine:
 
 
 def hash_config(cfg: ModelConfig) -> str:
-    import hashlib  # noqa: PLC0415
+    import hashlib
 
     return hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]

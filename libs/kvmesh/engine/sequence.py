@@ -67,7 +67,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     block_table: list[int] = field(default_factory=list)
-    nodes: list["Node"] = field(default_factory=list)  # cached blocks held, aligned with block_table's prefix
+    nodes: list[Node] = field(default_factory=list)  # cached blocks held, aligned with block_table's prefix
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0       # prompt tokens served from cache at admission
     first_token_time: float | None = None

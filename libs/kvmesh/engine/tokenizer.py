@@ -114,7 +114,8 @@ def save_byte_tokenizer(out_dir: str | Path, chat_template: str = CHATML_TEMPLAT
     Ids: 0 <|endoftext|>, 1 <|im_start|> (bos), 2 <|im_end|> (eos), then one token per byte that can occur
     in UTF-8 text (0xC0, 0xC1 and 0xF5-0xFF never do), 246 ids in all.
     """
-    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -1,8 +1,29 @@
 """Scheduling decisions shared by the router service and the simulator: policies, cost model, admission."""
 
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
-from kvmesh.routing.policy import (POLICIES, Candidate, CacheAware, Decision, LeastLoaded, Policy, RandomChoice,
-                                   RoundRobin, make_policy)
+from kvmesh.routing.policy import (
+                                   POLICIES,
+                                   CacheAware,
+                                   Candidate,
+                                   Decision,
+                                   LeastLoaded,
+                                   Policy,
+                                   RandomChoice,
+                                   RoundRobin,
+                                   make_policy,
+)
 
-__all__ = ["CostModel", "POLICIES", "Candidate", "CacheAware", "Decision", "LeastLoaded", "Policy",
-           "RandomChoice", "RoundRobin", "SpeedEstimator", "SpeedFit", "make_policy"]
+__all__ = [
+                                   "POLICIES",
+                                   "CacheAware",
+                                   "Candidate",
+                                   "CostModel",
+                                   "Decision",
+                                   "LeastLoaded",
+                                   "Policy",
+                                   "RandomChoice",
+                                   "RoundRobin",
+                                   "SpeedEstimator",
+                                   "SpeedFit",
+                                   "make_policy",
+]

@@ -47,9 +47,9 @@ class CostModel:
         return dataclasses.replace(default, **fields) if fields else None
 
     @classmethod
-    def calibrate(cls, engine, sizes: tuple[int, int] = (64, 512), fetch_gbps: float = 1.0) -> "CostModel":
+    def calibrate(cls, engine, sizes: tuple[int, int] = (64, 512), fetch_gbps: float = 1.0) -> CostModel:
         """Fit the prefill line on ``engine`` (an LLMEngine) with two cold prompts."""
-        from kvmesh.engine.sequence import SamplingParams  # noqa: PLC0415
+        from kvmesh.engine.sequence import SamplingParams
 
         times = []
         for n in sizes:

@@ -46,7 +46,7 @@ class HitRatio:
     """Prompt tokens and the part of them served from a cache, as two counters and their ratio."""
 
     def __init__(self, prefix: str, registry: CollectorRegistry, what: str) -> None:
-        from prometheus_client import Counter, Gauge  # noqa: PLC0415
+        from prometheus_client import Counter, Gauge
 
         self.prompt = Counter(f"{prefix}_prompt_tokens", f"Prompt tokens of requests {what}",
                               registry=registry)

@@ -90,7 +90,7 @@ def header(wf: Waterfall) -> list[str]:
         lines.append(f"trace {sc.trace_id if sc else '?'}: no router span, so no TTFT; its spans:")
         return lines
     a = root.attributes
-    when = dt.datetime.fromtimestamp(root.start_ns / 1e9, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    when = dt.datetime.fromtimestamp(root.start_ns / 1e9, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     lines.append(f"request {root.request_id}  trace {root.trace_id}  {when}")
     lines.append(f"model {a.get('kvmesh.model', '?')}  tenant {a.get('kvmesh.tenant') or '-'}  "
                  f"api {a.get('kvmesh.api', '?')}  prompt {a.get('kvmesh.tokens.prompt', '?')} tokens "
@@ -187,12 +187,12 @@ def _tree_order(spans: list[SpanRecord]) -> list[SpanRecord]:
 # ---- the slowest requests ----------------------------------------------------------------------------------
 
 def slowest(wfs: list[Waterfall]) -> str:
-    rows = [f"  {'TTFT ms':>9}  {'dominant segment':<34} {'share':>6}  {'when (UTC)':<19}  "
-            f"{'request id':<32}  trace id"]
+    rows = [(f"  {'TTFT ms':>9}  {'dominant segment':<34} {'share':>6}  {'when (UTC)':<19}  "
+            f"{'request id':<32}  trace id")]
     for wf in wfs:
         dom, root = wf.dominant, wf.root
         assert root is not None and wf.ttft_ns is not None
-        when = dt.datetime.fromtimestamp(root.start_ns / 1e9, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        when = dt.datetime.fromtimestamp(root.start_ns / 1e9, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
         rows.append(f"  {ms(wf.ttft_ns):>9}  {dom.label if dom else '-':<34} "
                     f"{f'{dom.share * 100:.0f}%' if dom else '':>6}  {when:<19}  {root.request_id:<32}  "
                     f"{root.trace_id}")
@@ -239,8 +239,8 @@ def html_page(wf: Waterfall) -> str:
     crit = {}
     for a, b, s in wf.pieces:
         crit.setdefault(s.span_id, []).append((a, b))
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           'font-family="monospace" font-size="12">']
+    svg = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           'font-family="monospace" font-size="12">')]
     for i in range(5):
         t = t0 + (t1 - t0) * i / 4
         svg.append(f'<line x1="{x(t):.1f}" y1="{TOP - 14}" x2="{x(t):.1f}" y2="{height - 24}" stroke="#ddd"/>'
@@ -296,7 +296,7 @@ td,th{{padding:3px 10px;text-align:left;font-size:13px}} tr.dom td{{font-weight:
 
 def png(wf: Waterfall, path: str | Path) -> Path:
     try:
-        from PIL import Image, ImageDraw, ImageFont  # noqa: PLC0415
+        from PIL import Image, ImageDraw, ImageFont
     except ImportError as e:
         raise RuntimeError("--png needs Pillow (pip install pillow); --html needs nothing") from e
     spans, depth, t0, t1, x = _layout(wf)

@@ -50,7 +50,7 @@ def setup(service: str, instance: str = "", cfg: TelemetryConfig | None = None) 
         return False
     exporters: list[tuple[Any, float | None]] = []
     if cfg.trace_file:
-        from kvmesh.telemetry.jsonl import JsonlSpanExporter  # noqa: PLC0415
+        from kvmesh.telemetry.jsonl import JsonlSpanExporter
 
         exporters.append((JsonlSpanExporter(cfg.trace_file), float(cfg.trace_flush_ms)))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
@@ -68,10 +68,10 @@ def setup(service: str, instance: str = "", cfg: TelemetryConfig | None = None) 
 def make_provider(service: str, instance: str, sample_ratio: float,
                   exporters: Iterable[tuple[Any, float | None]]) -> Any:
     """A tracer provider (not installed globally) exporting through ``(exporter, flush_ms)`` pairs."""
-    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415 - the SDK only where spans are recorded
-    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased  # noqa: PLC0415
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     resource = Resource.create({"service.name": service, "service.namespace": "kvmesh",
                                 "service.instance.id": instance or service})
@@ -85,9 +85,9 @@ def _otlp_exporter() -> Any:
     protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
     if protocol.startswith("http"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     return OTLPSpanExporter()
 
 

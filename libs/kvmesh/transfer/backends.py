@@ -68,7 +68,7 @@ class Backend(ABC):
         TransferRejected when the source cannot be read (the connection stays usable), ConnectionError or
         TimeoutError when it broke."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook, most backends keep nothing
+    def close(self) -> None:
         """Free what the sender side keeps between pushes."""
 
 

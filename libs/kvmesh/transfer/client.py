@@ -12,7 +12,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import torch
 
@@ -20,8 +20,16 @@ from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.transfer.backends import Backend, Staged, get_backend
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import TransferHeader, block_checksums, block_nbytes, encode_header
-from kvmesh.transfer.wire import (MAGIC, PREFIX, Address, Reply, configure, parse_address, read_reply,
-                                  tensor_bytes)
+from kvmesh.transfer.wire import (
+    MAGIC,
+    PREFIX,
+    Address,
+    Reply,
+    configure,
+    parse_address,
+    read_reply,
+    tensor_bytes,
+)
 
 
 class TransferStats(NamedTuple):
@@ -87,7 +95,7 @@ class TransferClient:
                 sock.close()
         self._idle.clear()
 
-    async def __aenter__(self) -> TransferClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

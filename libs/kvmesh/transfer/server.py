@@ -19,16 +19,31 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 
 from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.transfer.backends import Backend, TcpBackend, get_backend
 from kvmesh.transfer.errors import TransferRejected
-from kvmesh.transfer.header import (MAX_HEADER_BYTES, TransferHeader, corrupt_blocks, decode_header,
-                                    layout_mismatch)
-from kvmesh.transfer.wire import (MAGIC, PREFIX, Address, Reply, configure, drain, encode_reply, recv_bytes,
-                                  recv_into)
+from kvmesh.transfer.header import (
+    MAX_HEADER_BYTES,
+    TransferHeader,
+    corrupt_blocks,
+    decode_header,
+    layout_mismatch,
+)
+from kvmesh.transfer.wire import (
+    MAGIC,
+    PREFIX,
+    Address,
+    Reply,
+    configure,
+    drain,
+    encode_reply,
+    recv_bytes,
+    recv_into,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +163,7 @@ class TransferServer:
             handle.cancel()
         self._discarded.clear()
 
-    async def __aenter__(self) -> TransferServer:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

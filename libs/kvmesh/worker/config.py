@@ -35,7 +35,7 @@ class WorkerConfig:
 
     def problems(self) -> list[str]:
         """Every setting that is out of range, each with what to set instead."""
-        from kvmesh.bus.subjects import Subjects, token  # noqa: PLC0415
+        from kvmesh.bus.subjects import Subjects, token
 
         out = []
         if self.role not in ROLES:

@@ -173,7 +173,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         deadline = time.monotonic() + timeout_s
         try:
             ready, received_ns = await self.board.wait(request_id, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None, f"kv.ready not received within {timeout_s:g}s", 0, {}
         if not ready.ok:
             return None, f"prefill {ready.prefill_instance}: {ready.error}", received_ns, {}
@@ -181,7 +181,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         t = time.monotonic()
         try:
             got = await self.transfer.take(ready.transfer_id, max(0.1, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.transfer.discard(ready.transfer_id)
             return None, "kv.ready arrived but its blocks did not", received_ns, {}
         except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute

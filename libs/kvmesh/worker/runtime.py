@@ -177,7 +177,7 @@ class Worker:
         if not parent.is_recording() or not timing.scheduled:
             return
         off = time.time_ns() - time.monotonic_ns()
-        ns = lambda t: off + int(t * 1e9)  # noqa: E731
+        ns = lambda t: off + int(t * 1e9)
         tracing.record("prefill.queue", parent, ns(timing.submitted), ns(timing.scheduled),
                        {**attrs, "kvmesh.engine_wait_ms": round((timing.started - timing.submitted) * 1e3, 3)})
         tracing.record("prefill.compute", parent, ns(timing.scheduled), ns(timing.first_output),
@@ -216,7 +216,7 @@ class Worker:
             batch = KVEventBatch(self.instance_id, self._event_seq, time.time(), tuple(events))
             try:
                 await self.bus.publish_event(subject, batch)
-            except Exception:  # noqa: BLE001 - the cache index resyncs on the gap; serving goes on
+            except Exception:
                 log.exception("publishing KV events batch %d failed", self._event_seq)
 
     async def _heartbeat(self) -> None:
@@ -231,7 +231,7 @@ class Worker:
                              model=self.fingerprint, block_size=self.layout.block_size)
             try:
                 await self.bus.publish(subject, beat)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("heartbeat failed")
             await asyncio.sleep(self.cfg.heartbeat_s)
 
@@ -260,7 +260,7 @@ def model_name(source: str | None) -> str:
 
 async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig, telemetry_cfg: TelemetryConfig | None = None) -> None:
     """Run until SIGTERM/SIGINT."""
-    import signal  # noqa: PLC0415
+    import signal
 
     worker = Worker(cfg, engine_cfg)
     await worker.start()
