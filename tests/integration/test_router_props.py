@@ -2,7 +2,11 @@
 status (gRPC) carrying a message, within a deadline, and goes on serving. Arbitrary JSON, arbitrary values for
 every field of the OpenAI schema, arbitrary bytes, and arbitrary proto field values, against a real router
 in front of real prefill and decode instances and the cache service (tiny model, real nats-server, real
-ports)."""
+ports).
+
+The examples stay random (a fixed seed would only ever test the same 40). A failure is reproducible from its
+log: Hypothesis prints the falsifying example and an ``@reproduce_failure(...)`` line (print_blob); add that
+decorator to the test to replay exactly that example."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from kvmesh.proto.v1 import api_pb2, common_pb2
 
 from .test_router_bad_input import CHAT, COMPLETIONS, TinyMesh, model_dir, still_serves  # noqa: F401
 
-PROPS = settings(max_examples=40, deadline=None, database=None,
+PROPS = settings(max_examples=40, deadline=None, database=None, print_blob=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CLIENT_ERRORS = {"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "OUT_OF_RANGE", "FAILED_PRECONDITION",
                  "UNAUTHENTICATED"}
