@@ -47,6 +47,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if not args.json:
                 print(out.text_delta, end="", flush=True)
     result = engine.completion("cli")
+    if result.error is not None:  # the engine aborted it (e.g. the model's logits went nan)
+        print(f"\nkvmesh generate: {result.error}", file=sys.stderr)
+        return 2 if result.error.client_fault else 1
     if args.json:
         print(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "prompt_token_ids": result.prompt_token_ids,

@@ -9,6 +9,8 @@ from kvmesh.engine.sequence import SamplingParams
 from kvmesh.proto.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 64
+# the smallest positive float32: a legal top_p below it must not round to 0, which the wire reads as "off" (1.0)
+F32_TINY = 1.401298464324817e-45
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -27,7 +29,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
-                                    top_p=s.top_p, stop_token_ids=list(s.stop_token_ids), stop=list(s.stop),
+                                    top_p=max(s.top_p, F32_TINY), stop_token_ids=list(s.stop_token_ids), stop=list(s.stop),
                                     ignore_eos=s.ignore_eos)
     if s.seed is not None:
         msg.seed = s.seed

@@ -276,6 +276,8 @@ class Router:
                     yield chunk
                 return
             except RequestError as e:
+                if e.kind == "internal":
+                    log.error("request %s (trace %s): %s", request_id, rt.trace_id, e.message)
                 if started or not e.retryable or attempt == RETRIES:
                     raise
                 failure = e
@@ -313,7 +315,7 @@ class Router:
             return cached
 
         try:
-            async for msg, first in _chunks(call, inst):
+            async for msg, first in _chunks(call, inst, work.request_id):
                 if first:
                     cached = msg.cached_tokens
                 yield _chunk(msg), cached_tokens
@@ -342,7 +344,7 @@ class Router:
             return prefill_call.result().cached_tokens if done and not prefill_call.exception() else 0
 
         try:
-            async for msg, first in _chunks(call, decode):
+            async for msg, first in _chunks(call, decode, work.request_id):
                 if first:
                     decode_cached, fallback = msg.cached_tokens, msg.kv_fallback
                     if fallback:
@@ -403,7 +405,10 @@ class Router:
             log.warning("could not tell %s that request %s's prefill failed: %s", decode.id, work.request_id, e)
 
 
-async def _chunks(call, inst: Instance):
+async def _chunks(call, inst: Instance, request_id: str):
+    """The call's messages (and whether each is the first); its failure as a ``RequestError``: INVALID_ARGUMENT
+    is the request's fault, INTERNAL the instance's (a 500 naming the request, never retried: the request may
+    be what breaks it), anything else makes the instance unavailable for it."""
     first = True
     try:
         async for msg in call:
@@ -414,6 +419,11 @@ async def _chunks(call, inst: Instance):
             raise RequestError("invalid", e.details() or "invalid request") from None
         if e.code() == grpc.StatusCode.CANCELLED:
             raise
+        if e.code() == grpc.StatusCode.INTERNAL:
+            details = e.details() or "no details"
+            if request_id not in details:
+                details = f"request {request_id}: {details}"
+            raise RequestError("internal", f"internal error on instance {inst.id}: {details}", inst.id) from None
         raise RequestError("unavailable", f"instance {inst.id} failed: {e.code().name}: {e.details()}",
                            inst.id, retryable=e.code() == grpc.StatusCode.UNAVAILABLE) from None
     finally:

@@ -48,6 +48,7 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
     if isinstance(stop, str):
         raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
             "stop must be a sequence of strings, e.g. stop=[\"\\n\"], not a single string")
+    top_p = max(top_p, 1.401298464324817e-45)  # a float32 on the wire: a tiny top_p must not become 0 ("off")
     return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                      seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                      ignore_eos=ignore_eos)

@@ -4,6 +4,9 @@ Ownership: the engine thread is the only caller of ``LLMEngine``; coroutines sen
 and receive each request's outputs on an ``asyncio.Queue``. KV events raised during a step are handed to
 ``on_events`` on the event loop after that step. Every forward step's tokens and wall time feed ``speed``, the
 instance's measured prefill speed (heartbeats report it; the router prices this instance with it).
+
+Errors: a request that failed inside a step (``StepOutput.error``) gets that ``SequenceError`` raised from its
+``generate``; the rest of the batch carries on. A step that failed as a whole fails every active request.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.events import KVEvent
@@ -164,10 +168,10 @@ class AsyncEngine:
         began = time.monotonic()
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except Exception as e:  # not one sequence's fault (those come back as outputs with an error): fail all
             log.exception("engine step failed")
             for rid in self.engine.active_requests():
-                self._deliver(rid, e)
+                self._deliver(rid, SequenceError(rid, f"the engine step failed: {type(e).__name__}: {e}"))
                 self._abort(rid)
             return
         self.speed.observe(self.engine.step_tokens, time.monotonic() - began)
@@ -182,7 +186,7 @@ class AsyncEngine:
                 if (entry := self._timed.pop(out.request_id, None)) is not None:
                     entry[1].first_output, entry[1].preemptions = now, entry[0].num_preemptions
         for out in outputs:
-            self._deliver(out.request_id, out)
+            self._deliver(out.request_id, out if out.error is None else out.error)
             if out.finished:
                 self.engine.release(out.request_id)
 

@@ -2,10 +2,15 @@
 
 Threading: an ``LLMEngine`` is not thread-safe. One owner (a CLI loop, or a service's single engine thread)
 calls ``add_request`` / ``abort`` / ``step``; services hand work to that owner through a queue.
+
+Fault isolation: an exception while sampling, stop-checking, detokenizing or exporting one sequence aborts that
+sequence only (its ``StepOutput`` is finished with ``finish_reason="error"`` and ``error`` set); a failed
+forward pass fails that step's sequences the same way. Either way the engine serves the next step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -14,16 +19,18 @@ import torch
 from kvmesh.config import EngineConfig
 from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
+from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVLayout
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.model_config import ModelConfig
-from kvmesh.engine.sampling import make_generator, sample
+from kvmesh.engine.sampling import RowFault, make_generator, sample
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import RetentionRange, SamplingParams, Sequence, Status
 from kvmesh.events import EventSink
 from kvmesh.keys import Namespace, block_keys
 
+log = logging.getLogger(__name__)
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -45,6 +52,7 @@ class StepOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
     exported: ExportedKV | None = None
+    error: SequenceError | None = None  # the request failed (finished, finish_reason "error"); others did not
 
 
 @dataclass
@@ -58,6 +66,7 @@ class Completion:
     ttft_s: float
     decode_tokens_per_s: float
     logprobs: list[float] = field(default_factory=list)
+    error: SequenceError | None = None
 
 
 class _Tracked:
@@ -68,6 +77,7 @@ class _Tracked:
         self.detok = detok
         self.text = ""
         self.export_kv = export_kv
+        self.error: SequenceError | None = None
 
 
 class LLMEngine:
@@ -113,6 +123,9 @@ class LLMEngine:
         self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
         self._pending: list[StepOutput] = []  # outputs produced outside a forward step (imported first tokens)
         self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
+        # TEST HOOK, never set in production: request ids whose logits are overwritten with nan right after the
+        # forward pass, so tests can show that a model going nan fails that request alone
+        self.test_nan_logits: set[str] = set()
 
     # ---- requests ------------------------------------------------------------------------------------------
     def namespace_seed(self, cache_salt: str = "", lora_id: str = "") -> int:
@@ -161,7 +174,7 @@ class LLMEngine:
                 seq.num_cached_tokens = num_tokens
                 self.scheduler.add_running(seq)
                 seq.output_token_ids.pop()
-                self._pending.append(self._append(seq, first_token, time.monotonic()))
+                self._pending.append(self._emit(seq, first_token, time.monotonic()))
                 return seq
             seq.output_token_ids.pop()
         self.scheduler.add(seq)
@@ -203,8 +216,17 @@ class LLMEngine:
                 sample_idx.append(start - 1)
                 samplers.append(seq)
         self.step_tokens = start
-        batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
-        logits = self.model(batch, self.kv, self.attn)
+        try:
+            batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
+            logits = self.model(batch, self.kv, self.attn)
+        except Exception as e:  # this step's sequences fail; the engine serves the next step
+            log.exception("forward pass failed for %d sequences", len(scheduled))
+            return [self._fail(seq, SequenceError(seq.request_id, f"the forward pass failed: "
+                                                                   f"{type(e).__name__}: {e}"))
+                    for seq, _ in scheduled]
+        if self.test_nan_logits and (rows := [i for i, s in enumerate(samplers)
+                                              if s.request_id in self.test_nan_logits]):
+            logits = logits.index_fill(0, torch.tensor(rows, device=logits.device), float("nan"))
         self.last_logits = ([s.request_id for s in samplers], logits)  # introspection for tests and tools
         for seq, n in scheduled:
             seq.num_computed_tokens += n
@@ -214,7 +236,30 @@ class LLMEngine:
         new_tokens = sample(logits, [s.params for s in samplers],
                             [make_generator(s.params, len(s.output_token_ids)) for s in samplers])
         now = time.monotonic()
-        return pending + [self._append(seq, tok, now) for seq, tok in zip(samplers, new_tokens)]
+        return pending + [self._fail(seq, SequenceError(seq.request_id, tok.message, tok.client_fault))
+                          if isinstance(tok, RowFault) else self._emit(seq, tok, now)
+                          for seq, tok in zip(samplers, new_tokens)]
+
+    def _emit(self, seq: Sequence, token: int, now: float) -> StepOutput:
+        """``_append``, with a failure (stop check, detokenizer, KV export) aborting this sequence only."""
+        try:
+            return self._append(seq, token, now)
+        except Exception as e:  # reported to this request's caller
+            log.exception("request %s failed after sampling token %d", seq.request_id, token)
+            return self._fail(seq, SequenceError(seq.request_id, f"{type(e).__name__}: {e}"))
+
+    def _fail(self, seq: Sequence, error: SequenceError) -> StepOutput:
+        """Abort ``seq`` (its blocks go back) and say why in its last output."""
+        tracked = self._requests.get(seq.request_id)
+        if tracked is not None:
+            tracked.error = error
+        if seq.status is not Status.FINISHED:
+            try:
+                self.scheduler.finish(seq, "error")
+            except Exception:  # it still fails with its own error
+                log.exception("request %s: could not release its blocks", seq.request_id)
+                seq.status, seq.finish_reason = Status.FINISHED, "error"
+        return StepOutput(seq.request_id, [], "", True, "error", seq.num_cached_tokens, error=error)
 
     def _append(self, seq: Sequence, token: int, now: float) -> StepOutput:
         tracked = self._requests[seq.request_id]
@@ -262,7 +307,7 @@ class LLMEngine:
         n = len(seq.output_token_ids)
         return Completion(request_id, seq.prompt_token_ids, list(seq.output_token_ids), tracked.text,
                           seq.finish_reason, seq.num_cached_tokens, ttft,
-                          (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0)
+                          (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, error=tracked.error)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  cache_salt: str = "") -> list[Completion]:

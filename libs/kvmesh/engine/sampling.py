@@ -1,41 +1,119 @@
-"""Per-request sampling: greedy rows in one argmax, sampled rows with temperature, top-k, top-p and a seed."""
+"""Per-request sampling: greedy rows in one argmax, sampled rows with temperature, top-k, top-p and a seed.
+
+Numerically safe for every legal value: a temperature below ``MIN_TEMPERATURE`` (or 0) is greedy; logits are
+shifted so their maximum is 0 before dividing by the temperature, so no temperature can overflow them, and a
+huge (even infinite) temperature is simply near-uniform; top-p always keeps the most likely token, so a top_p
+too small for anything else to survive is the argmax. Logits that are not finite (a broken model) fail that
+row only, as does a parameter validation should have refused: ``sample`` reports a ``RowFault`` for the row
+and the rest of the batch is sampled as if it were alone."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from kvmesh.engine.sequence import SamplingParams
 
+F32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass(frozen=True)
+class RowFault:
+    """Why one row could not be sampled. ``client_fault``: its parameters are to blame, not the model."""
+
+    message: str
+    client_fault: bool
+
 
 def make_generator(params: SamplingParams, position: int) -> torch.Generator | None:
     """A private generator for a seeded request's ``position``-th output token: its samples depend neither on
-    its batch neighbours nor on which instance (prefill or decode) draws that token."""
+    its batch neighbours nor on which instance (prefill or decode) draws that token. Any integer seed works
+    (it is reduced modulo 2^63). Seeded rows are drawn on the CPU, so the device does not matter either."""
     if params.greedy or params.seed is None:
         return None
     return torch.Generator().manual_seed((params.seed * 1_000_003 + position) % 2**63)
 
 
+def param_problem(p: SamplingParams) -> str | None:
+    """What is wrong with ``p`` for sampling (a value that should never have got past validation), or None."""
+    if not p.temperature >= 0:  # also nan
+        return f"temperature must be a number >= 0, not {p.temperature}"
+    if not 0 < p.top_p <= 1:
+        return f"top_p must be in (0, 1], not {p.top_p}"
+    if p.top_k < 0:
+        return f"top_k must be >= 0, not {p.top_k}"
+    return None
+
+
+def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus) on rows of logits ``[R, vocab]``, one params per row, on
+    whole tensors. Filtered-out tokens are -inf; each row's best token is 0 and always kept."""
+    x = logits.float()
+    x = x - x.amax(dim=-1, keepdim=True)  # every value <= 0: dividing by a tiny temperature cannot overflow
+    temps = torch.tensor([min(max(p.temperature, 1e-30), F32_MAX) for p in params], dtype=x.dtype,
+                         device=x.device)
+    x = x / temps[:, None]
+    vocab = x.shape[-1]
+    if all(not 0 < p.top_k < vocab and p.top_p >= 1.0 for p in params):
+        return x
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=x.device)
+    kth = sorted_x.gather(-1, (k - 1)[:, None])
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))  # ties with the k-th best stay
+    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=x.device)
+    probs = sorted_x.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= top_p[:, None]  # keep the smallest set reaching top_p...
+    drop[:, 0] = False  # ...and never less than the best token
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) on one row of logits."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+    """``filter_rows`` on one row of logits."""
+    return filter_rows(logits[None], [params])[0]
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams],
+          generators: list[torch.Generator | None]) -> list[int]:
+    """One sampled token per row: unseeded rows in one multinomial, seeded rows each from its own generator."""
+    probs = filter_rows(logits, params).softmax(-1)
+    out = [0] * len(params)
+    free = [i for i, g in enumerate(generators) if g is None]
+    if free:
+        for i, tok in zip(free, torch.multinomial(probs[free], 1).squeeze(1).tolist()):
+            out[i] = tok
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = int(torch.multinomial(probs[i].cpu(), 1, generator=g).item())
+    return out
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[B, vocab]``."""
-    out = logits.argmax(dim=-1).tolist()
-    for row, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        probs = filter_logits(logits[row], p).softmax(-1)
-        out[row] = int(torch.multinomial(probs, 1, generator=g).item())
+           generators: list[torch.Generator | None]) -> list[int | RowFault]:
+    """One token per row of ``logits`` ``[B, vocab]``, or the row's ``RowFault``; no row fails another."""
+    out: list[int | RowFault] = [0] * len(params)
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    best = logits.argmax(dim=-1).tolist()
+    rows = []
+    for row, p in enumerate(params):
+        if not finite[row]:
+            out[row] = RowFault("the model's logits are not finite (nan or inf)", client_fault=False)
+        elif (why := param_problem(p)) is not None:
+            out[row] = RowFault(why, client_fault=True)
+        elif p.greedy:
+            out[row] = best[row]
+        else:
+            rows.append(row)
+    if not rows:
+        return out
+    try:
+        for row, tok in zip(rows, _draw(logits[rows], [params[r] for r in rows], [generators[r] for r in rows])):
+            out[row] = tok
+    except Exception:  # noqa: BLE001 - find the row at fault: sample each one alone
+        for row in rows:
+            try:
+                out[row] = _draw(logits[[row]], [params[row]], [generators[row]])[0]
+            except Exception as e:  # noqa: BLE001 - reported for this row only
+                out[row] = RowFault(f"sampling failed: {type(e).__name__}: {e}", client_fault=False)
     return out

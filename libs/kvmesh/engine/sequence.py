@@ -11,10 +11,13 @@ if TYPE_CHECKING:
     from kvmesh.engine.block_manager import Node
 
 
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (vLLM's _SAMPLING_EPS): 1/T would swamp any logit gap
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 0.0          # 0 = greedy
+    temperature: float = 0.0          # 0 (or below MIN_TEMPERATURE) = greedy
     top_k: int = 0                    # 0 = off
     top_p: float = 1.0
     seed: int | None = None
@@ -25,7 +28,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also nan
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
@@ -34,7 +37,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True)

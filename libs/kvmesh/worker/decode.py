@@ -21,6 +21,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from kvmesh.bus import KVReady
 from kvmesh.convert import sampling_from_proto
 from kvmesh.engine.async_engine import RequestTiming
+from kvmesh.engine.errors import SequenceError
 from kvmesh.keys import block_keys
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
@@ -59,6 +60,14 @@ class KVReadyBoard:
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._waiting.pop(request_id, None)
+
+
+async def abort_failed(context: grpc.aio.ServicerContext, e: SequenceError, span: Span) -> None:
+    """End the call of a request that failed inside the engine: INVALID_ARGUMENT when the request is at
+    fault, INTERNAL (logged, with its trace) when we are; the details name the request."""
+    if not e.client_fault:
+        log.error("%s (trace %s)", e, tracing.trace_id(span))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if e.client_fault else grpc.StatusCode.INTERNAL, str(e))
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
@@ -143,6 +152,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SequenceError as e:  # this request failed inside the engine; the rest of its batch did not
+            await abort_failed(context, e, span)
         finally:
             if gen is not None:
                 gen.set_attributes(tracing.itl_attributes(itls))

@@ -16,9 +16,11 @@ from opentelemetry.trace import SpanKind, StatusCode
 from kvmesh.bus import KVReady
 from kvmesh.convert import layout_to_dict, sampling_from_proto
 from kvmesh.engine.async_engine import RequestTiming
+from kvmesh.engine.errors import SequenceError
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
+from kvmesh.worker.decode import abort_failed
 from kvmesh.worker.faults import FaultyTransferClient, Stalls
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SequenceError as e:  # this request failed inside the engine; the rest of its batch did not
+            await abort_failed(context, e, span)
         compute_s = time.monotonic() - t0
         assert final is not None and final.exported is not None
         w.metrics.ttft.observe(timing.first_output - t0)
