@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -37,10 +36,11 @@ from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
+from kvmesh.telemetry.rpc import traced_rpc
 from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import layout_mismatch
 from kvmesh.transfer.wire import parse_address, tensor_bytes
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import Span
 
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.index import BlockIndex
@@ -52,11 +52,10 @@ from services.cachesvc.store import LayoutMismatch, PoolFull, StoredBlock, Store
 log = logging.getLogger("cachesvc")
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name  # kvmesh.v1.CacheService
+R = TypeVar("R")
 POOL_INSTANCE = "pool"
 _MESSAGE_OVERHEAD = 64 << 10  # room for keys and checksums next to the data of a GetBlocks reply
 
-R = TypeVar("R")
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
 
 
 class TransferFailed(RuntimeError):
@@ -75,41 +74,20 @@ def _request_layout(request: Any) -> KVLayout:
     return layout_from_proto(request.layout)
 
 
-def _statuses(method: Handler[R]) -> Handler[R]:
-    """Bad input becomes a gRPC status whose message says what to fix; the server keeps serving. Each call is
-    counted and timed, and traced as ``cachesvc.<rpc>`` under the caller's span (W3C context in metadata)."""
-    rpc = method.__name__
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
-        metrics: CacheMetrics = self.server.metrics
-        span = tracing.start(f"cachesvc.{rpc}", tracing.from_grpc(context), SpanKind.SERVER,
-                             tracing.request_attributes(context))
-        t0, outcome = time.perf_counter(), "ok"
-        try:
-            return await method(self, request, context)
-        except LayoutMismatch as e:
-            outcome, code, msg = "layout_mismatch", grpc.StatusCode.FAILED_PRECONDITION, str(e)
-        except TransferRejected as e:
-            outcome, code, msg = "transfer_rejected", grpc.StatusCode.FAILED_PRECONDITION, e.reason
-        except TransferFailed as e:
-            outcome, code, msg = "transfer_failed", grpc.StatusCode.UNAVAILABLE, str(e)
-        except PoolFull as e:
-            outcome, code, msg = "full", grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-        except StoreUnavailable as e:
-            outcome, code, msg = "unavailable", grpc.StatusCode.UNAVAILABLE, str(e)
-        except ValueError as e:
-            outcome, code, msg = "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e)
-        finally:
-            metrics.requests.labels(rpc, outcome).inc()
-            metrics.latency.labels(rpc).observe(time.perf_counter() - t0)
-            if outcome != "ok":
-                span.set_status(StatusCode.ERROR, outcome)
-            span.end()
-        await context.abort(code, msg)
-        raise AssertionError("unreachable: abort raises")
-
-    return wrapper
+# What a caller (or a peer) got wrong: each ends the call with a status whose message says what to fix, and the
+# server keeps serving. Listed most specific first.
+CALL_ERRORS = {
+    LayoutMismatch: ("layout_mismatch", grpc.StatusCode.FAILED_PRECONDITION),
+    TransferRejected: ("transfer_rejected", grpc.StatusCode.FAILED_PRECONDITION),
+    TransferFailed: ("transfer_failed", grpc.StatusCode.UNAVAILABLE),
+    PoolFull: ("full", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    StoreUnavailable: ("unavailable", grpc.StatusCode.UNAVAILABLE),
+    ValueError: ("invalid", grpc.StatusCode.INVALID_ARGUMENT),
+}
+# Each call counted and timed, and traced as ``cachesvc.<rpc>`` under the caller's span (W3C context in metadata).
+_statuses = traced_rpc(lambda rpc: f"cachesvc.{rpc}", metrics=lambda self: self.server.metrics,
+                       attributes=lambda self, request, context: tracing.request_attributes(context),
+                       errors=CALL_ERRORS)
 
 
 def _varint(n: int) -> bytes:
@@ -176,7 +154,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     @_statuses
     async def MatchPrefix(self, request: cache_pb2.MatchPrefixRequest,
-                          context: grpc.aio.ServicerContext) -> cache_pb2.MatchPrefixResponse:
+                          context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.MatchPrefixResponse:
         keys = list(request.block_keys)
         matches = [cache_pb2.TierMatch(instance_id=m.instance_id, tier=m.tier, num_blocks=m.num_blocks)
                    for m in self.server.index.match_prefix(keys)]
@@ -186,7 +164,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     @_statuses
     async def PutBlocks(self, request: cache_pb2.PutBlocksRequest,
-                        context: grpc.aio.ServicerContext) -> cache_pb2.PutBlocksResponse:
+                        context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.PutBlocksResponse:
         if request.priority_duration_s < 0:
             raise ValueError(f"priority_duration_s must be >= 0 (0 = forever), got {request.priority_duration_s}")
         layout = _request_layout(request)
@@ -230,7 +208,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     @_statuses
     async def GetBlocks(self, request: cache_pb2.GetBlocksRequest,
-                        context: grpc.aio.ServicerContext) -> bytes | cache_pb2.GetBlocksResponse:
+                        context: grpc.aio.ServicerContext, _span: Span) -> bytes | cache_pb2.GetBlocksResponse:
         layout = _request_layout(request)
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=False)
         if request.transfer_address or request.transfer_id:
@@ -295,20 +273,20 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     @_statuses
     async def LeaseBlocks(self, request: cache_pb2.LeaseBlocksRequest,
-                          context: grpc.aio.ServicerContext) -> cache_pb2.LeaseBlocksResponse:
+                          context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.LeaseBlocksResponse:
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=True)
         lease_id, n = await self._storage(self.pool.lease, list(request.block_keys), lease_s)
         return cache_pb2.LeaseBlocksResponse(lease_id=lease_id, num_blocks=n)
 
     @_statuses
     async def ReleaseLease(self, request: cache_pb2.ReleaseLeaseRequest,
-                           context: grpc.aio.ServicerContext) -> cache_pb2.ReleaseLeaseResponse:
+                           context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.ReleaseLeaseResponse:
         released = await self._storage(self.pool.leases.release, request.lease_id)
         return cache_pb2.ReleaseLeaseResponse(released=released)
 
     @_statuses
     async def Stats(self, request: cache_pb2.StatsRequest,
-                    context: grpc.aio.ServicerContext) -> cache_pb2.StatsResponse:
+                    context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.StatsResponse:
         def tiers() -> tuple[list[cache_pb2.TierStats], int, int]:
             leases = self.pool.leases
             return ([cache_pb2.TierStats(tier=t.name, blocks=len(t), bytes=t.used_bytes,

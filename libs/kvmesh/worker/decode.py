@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from opentelemetry.trace import Span, SpanKind, StatusCode
+from opentelemetry.trace import Span
 
 from kvmesh.bus import KVReady
 from kvmesh.convert import sampling_from_proto
@@ -25,6 +26,7 @@ from kvmesh.engine.errors import SequenceError
 from kvmesh.keys import block_keys
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
+from kvmesh.telemetry.rpc import traced_rpc
 from kvmesh.transfer import TransferServer
 from kvmesh.worker.metrics import fallback_reason
 
@@ -77,27 +79,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self.board = KVReadyBoard()
         self._background: set[asyncio.Task] = set()
 
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
-        work = request.work
-        attrs = self.w.span_attributes(work.request_id, work.cache_salt)
-        span = tracing.start("decode.request", tracing.from_grpc(context), SpanKind.SERVER,
-                             {**attrs, tracing.SEGMENT: False, "kvmesh.prefill_locally": request.prefill_locally,
-                              "kvmesh.tokens.prompt": len(work.prompt_token_ids)})
-        outcome = "error"
-        try:
-            async for chunk in self._decode(request, context, span, attrs):
-                yield chunk
-            outcome = "ok"
-        except BaseException as e:
-            span.set_status(StatusCode.ERROR, str(e) or type(e).__name__)
-            raise
-        finally:
-            span.end()
-            self.w.metrics.requests.labels("decode", outcome).inc()
-
-    async def _decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span,
-                      attrs: dict[str, Any]):
+    @traced_rpc("decode.request", rpc="decode", metrics=lambda self: self.w.metrics,
+                attributes=lambda self, request, context: {
+                    **self.w.span_attributes(request.work.request_id, request.work.cache_salt),
+                    tracing.SEGMENT: False, "kvmesh.prefill_locally": request.prefill_locally,
+                    "kvmesh.tokens.prompt": len(request.work.prompt_token_ids)})
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
+                     span: Span) -> AsyncIterator[worker_pb2.DecodeChunk]:
         work, w = request.work, self.w
+        attrs = w.span_attributes(work.request_id, work.cache_salt)
         t0, t0_ns = time.monotonic(), time.time_ns()
         try:
             params = sampling_from_proto(work.sampling)

@@ -1,16 +1,74 @@
-"""Fault injection for the fault tests (``fault_*`` worker settings): what a broken network or a stuck peer does
-to a KV push, produced on purpose so the tests can show decode never consumes it and never waits forever."""
+"""How prefill hands a request's KV to decode (push the blocks, then announce them on ``kv.ready``), and a
+faulty variant for the fault tests (``fault_*`` worker settings): what a broken network or a stuck peer does to
+a hand-off, produced on purpose so the tests can show decode never consumes it and never waits forever.
+
+``make_handoff`` picks one at start-up; the servicer has no fault branches."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 
 import torch
+from opentelemetry.trace import Span
 
+from kvmesh.bus import KVReady
+from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.transfer import TransferClient
 from kvmesh.transfer.backends import Backend, Staged
+from kvmesh.transfer.client import TransferStats
+
+log = logging.getLogger(__name__)
 
 STALL_S = 60.0  # longer than any kv_timeout_s a test uses: the push is as good as lost
+Announce = Callable[[KVReady, Span | None], Awaitable[None]]
+
+
+class Handoff:
+    """Push a request's blocks to decode's transfer endpoint; announce them (``kv.ready``) once they landed."""
+
+    def __init__(self, announce: Announce, transfer: TransferClient | None = None) -> None:
+        self._announce = announce
+        self.transfer = transfer or TransferClient()
+
+    async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: torch.Tensor,
+                   span: Span) -> TransferStats:
+        return await self.transfer.push(address, ready.transfer_id, layout, blocks, list(ready.block_keys),
+                                        ready.num_tokens)
+
+    async def announce(self, ready: KVReady, span: Span | None) -> None:
+        await self._announce(ready, span)
+
+    async def close(self) -> None:
+        await self.transfer.close()
+
+
+class FaultyHandoff(Handoff):
+    """The first ``corrupt`` pushes get a byte flipped on the wire; the first ``stall`` pushes announce their
+    ``kv.ready`` and then stall; with ``drop_ready`` no successful push is ever announced."""
+
+    def __init__(self, announce: Announce, corrupt: int = 0, stall: int = 0, drop_ready: bool = False) -> None:
+        super().__init__(announce, FaultyTransferClient(corrupt))
+        self.stalls = stall
+        self.drop_ready = drop_ready
+
+    async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: torch.Tensor,
+                   span: Span) -> TransferStats:
+        if self.stalls > 0:
+            self.stalls -= 1
+            log.warning("request %s: fault injection: kv.ready announced, the KV push stalls", ready.request_id)
+            await self._announce(ready, span)
+            await asyncio.sleep(STALL_S)
+        return await super().push(ready, address, layout, blocks, span)
+
+    async def announce(self, ready: KVReady, span: Span | None) -> None:
+        if self.drop_ready and ready.ok:
+            log.warning("request %s: fault injection: kv.ready dropped", ready.request_id)
+            if span is not None:
+                span.add_event("kv.ready dropped (fault injection)")
+            return
+        await super().announce(ready, span)
 
 
 class FaultyTransferClient(TransferClient):
@@ -29,18 +87,11 @@ class FaultyTransferClient(TransferClient):
         return super()._stage(backend, payload, local_host)
 
 
-class Stalls:
-    """The first ``n`` pushes stall for ``STALL_S`` after their ``kv.ready`` went out."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def take(self) -> bool:
-        if self.n <= 0:
-            return False
-        self.n -= 1
-        return True
-
-    @staticmethod
-    async def stall() -> None:
-        await asyncio.sleep(STALL_S)
+def make_handoff(cfg: object, announce: Announce) -> Handoff:
+    """The hand-off a worker with settings ``cfg`` uses: faulty only when one of its ``fault_*`` settings asks."""
+    corrupt, stall = getattr(cfg, "fault_corrupt_pushes", 0), getattr(cfg, "fault_stall_pushes", 0)
+    drop = getattr(cfg, "fault_drop_kv_ready", False)
+    if corrupt or stall or drop:
+        log.warning("fault injection on: corrupt %d pushes, stall %d, drop kv.ready %s", corrupt, stall, drop)
+        return FaultyHandoff(announce, corrupt, stall, drop)
+    return Handoff(announce)

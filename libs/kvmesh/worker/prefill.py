@@ -11,7 +11,7 @@ import logging
 import time
 
 import grpc
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from kvmesh.bus import KVReady
 from kvmesh.convert import layout_to_dict, sampling_from_proto
@@ -19,9 +19,9 @@ from kvmesh.engine.async_engine import RequestTiming
 from kvmesh.engine.errors import SequenceError
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
-from kvmesh.transfer import TransferClient
+from kvmesh.telemetry.rpc import traced_rpc
 from kvmesh.worker.decode import abort_failed
-from kvmesh.worker.faults import FaultyTransferClient, Stalls
+from kvmesh.worker.faults import make_handoff
 
 log = logging.getLogger(__name__)
 
@@ -29,31 +29,17 @@ log = logging.getLogger(__name__)
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, worker) -> None:
         self.w = worker
-        cfg = worker.cfg
-        self.transfer = FaultyTransferClient(cfg.fault_corrupt_pushes) if cfg.fault_corrupt_pushes else TransferClient()
-        self.stalls = Stalls(cfg.fault_stall_pushes)
+        self.handoff = make_handoff(worker.cfg, worker.announce)  # faulty only when a fault_* setting asks
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        work = request.work
-        attrs = self.w.span_attributes(work.request_id, work.cache_salt)
-        span = tracing.start("prefill.request", tracing.from_grpc(context), SpanKind.SERVER,
-                             {**attrs, "kvmesh.decode_instance": request.decode_instance,
-                              "kvmesh.tokens.prompt": len(work.prompt_token_ids)})
-        outcome = "error"
-        try:
-            resp = await self._prefill(request, context, span, attrs)
-            outcome = "ok"
-            return resp
-        except BaseException as e:
-            span.set_status(StatusCode.ERROR, str(e) or type(e).__name__)
-            raise
-        finally:
-            span.end()
-            self.w.metrics.requests.labels("prefill", outcome).inc()
-
-    async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span,
-                       attrs: dict) -> worker_pb2.PrefillResponse:
+    @traced_rpc("prefill.request", rpc="prefill", metrics=lambda self: self.w.metrics,
+                attributes=lambda self, request, context: {
+                    **self.w.span_attributes(request.work.request_id, request.work.cache_salt),
+                    "kvmesh.decode_instance": request.decode_instance,
+                    "kvmesh.tokens.prompt": len(request.work.prompt_token_ids)})
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
+                      span: Span) -> worker_pb2.PrefillResponse:
         work, w = request.work, self.w
+        attrs = w.span_attributes(work.request_id, work.cache_salt)
         t0 = time.monotonic()
         if not request.decode_instance or not request.decode_transfer_address:
             w.metrics.rejections.labels("invalid").inc()
@@ -92,32 +78,23 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                              {**attrs, "kvmesh.decode_instance": request.decode_instance,
                               "kvmesh.transfer_backend": w.cfg.transfer_backend,
                               "kvmesh.blocks": int(kv.blocks.shape[0]), "kvmesh.tokens": kv.num_tokens})
-        if self.stalls.take():
-            log.warning("request %s: fault injection: kv.ready announced, the KV push stalls", work.request_id)
-            await w.announce(ready, span)
-            await self.stalls.stall()
         try:
-            stats = await self.transfer.push(request.decode_transfer_address, transfer_id, w.layout, kv.blocks,
-                                             kv.block_keys, kv.num_tokens)
+            stats = await self.handoff.push(ready, request.decode_transfer_address, w.layout, kv.blocks, span)
         except Exception as e:  # noqa: BLE001 - any push failure is reported to decode, which recomputes
             log.warning("request %s (trace %s): KV push to %s failed: %s", work.request_id, tracing.trace_id(span),
                         request.decode_instance, e)
             push.set_status(StatusCode.ERROR, f"KV push failed: {e}")
             push.end()
-            await w.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}"), span)
+            await self.handoff.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}"), span)
             # ABORTED, not UNAVAILABLE: decode was told and recomputes, so the router must not retry elsewhere
             await context.abort(grpc.StatusCode.ABORTED, f"KV push to {request.decode_instance} failed: {e}")
         push.set_attributes({"kvmesh.bytes": stats.nbytes, "kvmesh.gbps": round(stats.gbps, 3)})
         push.end()
         w.metrics.transfer_bytes.labels("push").inc(stats.nbytes)
-        if w.cfg.fault_drop_kv_ready:
-            log.warning("request %s: fault injection: kv.ready dropped", work.request_id)
-            span.add_event("kv.ready dropped (fault injection)")
-        else:
-            await w.announce(ready, span)
+        await self.handoff.announce(ready, span)
         return worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
                                           num_blocks=int(kv.blocks.shape[0]), transfer_bytes=stats.nbytes,
                                           transfer_s=stats.seconds, transfer_id=transfer_id, compute_s=compute_s)
 
     async def close(self) -> None:
-        await self.transfer.close()
+        await self.handoff.close()
