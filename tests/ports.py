@@ -24,3 +24,13 @@ def taken_port(host: str = "127.0.0.1") -> Iterator[int]:
     """A port in use while the block runs: bound and listening here, to test that a server given it fails."""
     with socket.create_server((host, 0)) as s:
         yield s.getsockname()[1]
+
+
+def guess_free_port(host: str = "127.0.0.1") -> int:
+    """Only for an external program that cannot bind port 0 and report what it bound (mooncake_master, whose
+    ``-rpc_port=0`` means 50051; the compose stack on the host network): a port free a moment ago, which another
+    process can take before the program binds it. Callers must detect that bind failure and retry with another
+    guess."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
