@@ -143,7 +143,9 @@ def test_a_nats_restart_costs_no_request(tmp_path_factory):
         except urllib.error.HTTPError as e:
             assert e.code == 503 and json.load(e)["error"]["message"]
         assert time.monotonic() - t0 < 30
-        stack.nats.start()  # same port, same JetStream store
+        # same port, same JetStream store: the port NATS bound at first (free a moment ago) is bound again, so
+        # NatsServer.start retries that bind for a few seconds rather than fail on a brief holder
+        stack.nats.start()
         deadline = time.monotonic() + 30
         while True:  # the services reconnect and beat again; the router sees both instances
             try:
