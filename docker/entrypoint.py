@@ -5,11 +5,13 @@ service command (so the service is PID 1 and gets the signals).
   secrets).
 - ``KVMESH_HOST=auto``: this container's own address. Engines advertise the address they bind, so on a bridge
   network each replica binds its own address, not 0.0.0.0.
-- An engine on port 0 gets a free port picked here, so the healthcheck knows it; one without an instance id
-  gets ``<role>-<hostname>-<port>``: replicas on a bridge network share the port, replicas on the host network
-  the hostname, so the default ``<role>-<port>`` could collide.
-- ``HEALTHCHECK_ADDRESS`` (``grpc://host:port`` or ``nats://host:port``) tells docker/healthcheck.py what to
-  ask.
+- An engine on port 0 binds any free port itself and writes it to its ready file (``KVMESH_READY_FILE``, set
+  here to /tmp/kvmesh-ready.json unless given), which the healthcheck reads: no port is picked here, since
+  another process on the host network could take it before the engine binds it. One without an instance id
+  gets ``<role>-<hostname>-<port>`` (port 0: a random suffix instead): replicas on a bridge network share the
+  port, replicas on the host network the hostname, so the default ``<role>-<port>`` could collide.
+- ``HEALTHCHECK_ADDRESS`` (``grpc://host:port``, ``nats://host:port`` or ``ready:///path/to/ready.json``) tells
+  docker/healthcheck.py what to ask.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import uuid
 from pathlib import Path
 
+READY_FILE = "/tmp/kvmesh-ready.json"
 SERVICES = {"services.router": "router", "services.prefill": "prefill", "services.decode": "decode",
             "services.cachesvc": "cachesvc"}
 
@@ -61,12 +65,6 @@ def own_address() -> str:
         raise
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def prepare_service(service: str, argv: list[str], env: dict[str, str]) -> str:
     """Resolve the container-specific settings of ``service`` into ``env``; returns its health address."""
     from kvmesh import settings_cli  # noqa: PLC0415 - only for kvmesh services
@@ -78,18 +76,18 @@ def prepare_service(service: str, argv: list[str], env: dict[str, str]) -> str:
     try:
         if service in ("prefill", "decode"):
             cfg = settings_cli.load_service(service, path, env, given)["worker"]
-            port = cfg.port
-            if port == 0 and "port" not in given:
-                port = free_port(cfg.host)
-                env["KVMESH_PORT"] = str(port)
+            suffix = cfg.port or uuid.uuid4().hex[:8]  # port 0: the engine picks it as it binds, after us
             if not cfg.instance_id:
-                env["KVMESH_INSTANCE_ID"] = f"{cfg.role}-{socket.gethostname()}-{port}"
+                env["KVMESH_INSTANCE_ID"] = f"{cfg.role}-{socket.gethostname()}-{suffix}"
         loaded = settings_cli.load_service(service, path, env, given)
     except (OSError, ValueError) as e:
         fail(f"bad settings for {service}: {e}")
         raise
     cfg = loaded[settings_cli.SERVICE_SECTIONS[service][0]]
     port = cfg.grpc_port if service == "router" else cfg.port
+    if port == 0:  # bound as the service starts: the healthcheck reads it from the service's ready file
+        env.setdefault("KVMESH_READY_FILE", READY_FILE)
+        return f"ready://{env['KVMESH_READY_FILE']}"
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
     return f"grpc://{host}:{port}"
 

@@ -44,11 +44,27 @@ def check_nats(host: str, port: int) -> str | None:
     return None
 
 
+def ready_grpc_address(path: str) -> str:
+    """The gRPC address a service wrote to its ready file once serving (kvmesh.ready), through loopback."""
+    import json  # noqa: PLC0415
+
+    try:
+        address = json.loads(Path(path).read_text())["endpoints"]["grpc"]
+    except FileNotFoundError:
+        raise RuntimeError(f"not ready yet: {path} does not exist") from None
+    host, _, port = address.rpartition(":")
+    return f"127.0.0.1:{port}" if host in ("0.0.0.0", "", "[::]") else address
+
+
 def main() -> int:
     try:
         url = urlsplit(target())
-        problem = (check_nats(url.hostname or "127.0.0.1", url.port or 4222) if url.scheme == "nats"
-                   else check_grpc(url.netloc))
+        if url.scheme == "nats":
+            problem = check_nats(url.hostname or "127.0.0.1", url.port or 4222)
+        elif url.scheme == "ready":
+            problem = check_grpc(ready_grpc_address(url.path))
+        else:
+            problem = check_grpc(url.netloc)
     except (OSError, RuntimeError, ValueError) as e:
         problem = str(e)
     if problem:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -169,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--decode", type=int, default=1)
     u.add_argument("--both", type=int, default=0, help="instances that prefill and decode (no transfer)")
     u.add_argument("--nats-url", help="use this NATS server instead of starting one")
-    u.add_argument("--http-port", type=int, default=8000)
-    u.add_argument("--grpc-port", type=int, default=50051)
+    u.add_argument("--http-port", type=int, default=os.environ.get("KVMESH_HTTP_PORT", "8000"),
+                   help="router HTTP port (default: $KVMESH_HTTP_PORT, else 8000; 0 = any free port)")
+    u.add_argument("--grpc-port", type=int, default=os.environ.get("KVMESH_GRPC_PORT", "50051"),
+                   help="router gRPC port (default: $KVMESH_GRPC_PORT, else 50051; 0 = any free port)")
     u.add_argument("--cluster", default="local")
     u.add_argument("--model", help="HF directory or .gguf file for every instance")
     u.add_argument("--threads", type=int, default=1, help="torch threads per engine instance")

@@ -7,6 +7,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh import tls
+from kvmesh.ready import binding
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -23,11 +24,13 @@ class ServiceServer:
                                             self.server)
         self.port = 0
 
-    def bind(self, host: str, port: int) -> str:
-        """Reserve the port (add servicers after this, before ``start``)."""
-        self.port = tls.add_port(self.server, f"{host}:{port}")  # TLS when this process has a certificate
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {host}:{port}")
+    def bind(self, host: str, port: int, setting: str = "--port / KVMESH_PORT") -> str:
+        """Reserve the port (0 = any free one) and return ``host:port`` as bound (add servicers after this,
+        before ``start``). A port that cannot be bound raises ``PortInUse`` naming ``setting``."""
+        with binding("gRPC", host, port, setting):
+            self.port = tls.add_port(self.server, f"{host}:{port}")  # TLS when this process has a certificate
+            if self.port == 0:
+                raise OSError(f"cannot bind gRPC to {host}:{port}")
         return f"{host}:{self.port}"
 
     async def start(self) -> None:

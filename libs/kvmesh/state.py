@@ -26,6 +26,7 @@ class StackInfo:
     nats_url: str
     cluster: str
     pids: dict[str, int] = field(default_factory=dict)
+    endpoints: dict[str, dict[str, str]] = field(default_factory=dict)  # per service: what it bound (ready file)
 
     def write(self, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)

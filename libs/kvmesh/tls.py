@@ -66,7 +66,10 @@ def server_credentials(cfg: TLSConfig | None = None) -> grpc.ServerCredentials |
 def add_port(server: grpc.Server | grpc.aio.Server, address: str, cfg: TLSConfig | None = None) -> int:
     """Bind ``address`` on ``server``, with TLS when this process has a certificate. Returns the port (0: failed)."""
     creds = server_credentials(cfg)
-    return server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    try:
+        return server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:  # newer grpcio raises "Failed to bind to address ..." instead of returning 0
+        return 0
 
 
 def channel_credentials(cfg: TLSConfig | None = None) -> grpc.ChannelCredentials | None:

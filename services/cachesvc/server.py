@@ -34,6 +34,7 @@ from kvmesh.bus import Bus, Heartbeat, KVEventBatch, Message, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from kvmesh.ready import binding, report_ready
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
@@ -328,7 +329,8 @@ class CacheServer:
         self._reaper: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
         self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message),
-                                             ("grpc.max_send_message_length", max_message)])
+                                             ("grpc.max_send_message_length", max_message),
+                                             ("grpc.so_reuseport", 0)])  # a port in use fails, not shared
         add_cache_service(CacheService(self), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -339,22 +341,35 @@ class CacheServer:
         return f"{self.cfg.host}:{self.port}"
 
     @property
+    def endpoints(self) -> dict[str, str]:
+        """What this server bound (its ready file and ready line)."""
+        return {"grpc": self.address, "transfer": self.transfer.address,
+                "metrics": self.metrics_server.url if self.metrics_server else ""}
+
+    @property
     def transfer(self) -> TransferServer:
         assert self._transfer is not None, "the transfer endpoint starts before gRPC"
         return self._transfer
 
     async def start(self) -> None:
+        """Ports given as 0 are any free ones (read back: ``address``, ``endpoints``); a fixed port that cannot be
+        bound raises ``PortInUse`` naming the setting to change, before the pool is opened."""
+        cfg = self.cfg
+        with binding("gRPC", cfg.host, cfg.port, "--port / KVMESH_PORT"):
+            self.port = tls.add_port(self.grpc, f"{cfg.host}:{cfg.port}")
+            if self.port == 0:
+                raise OSError(f"cannot bind gRPC to {cfg.host}:{cfg.port}")
         loop = asyncio.get_running_loop()
-        self.pool = await loop.run_in_executor(self.storage, Pool.from_config, self.cfg)
+        self.pool = await loop.run_in_executor(self.storage, Pool.from_config, cfg)
         log.info("pool tiers: %s", ", ".join(f"{t.name} ({len(t)} blocks)" for t in self.pool.tiers) or "none")
-        self._transfer = await TransferServer.start(
-            None, self.cfg.host, self.cfg.transfer_port, self.cfg.transfer_backend,
-            ttl=max(30.0, 3 * self.cfg.transfer_timeout_s), max_buffered_bytes=self.cfg.transfer_buffer_mb << 20)
-        self.port = tls.add_port(self.grpc, f"{self.cfg.host}:{self.cfg.port}")
+        with binding("transfer", cfg.host, cfg.transfer_port, "--transfer-port / KVMESH_TRANSFER_PORT"):
+            self._transfer = await TransferServer.start(
+                None, cfg.host, cfg.transfer_port, cfg.transfer_backend,
+                ttl=max(30.0, 3 * cfg.transfer_timeout_s), max_buffered_bytes=cfg.transfer_buffer_mb << 20)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
-        self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.host, self.cfg.metrics_port)
+        self.metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
         log.info("gRPC on %s (NOT_SERVING until the events stream is replayed); transfer on %s; metrics on %s",
                  self.address, self.transfer.address, self.metrics_server.url)
 
@@ -438,8 +453,9 @@ class CacheServer:
                 await loop.run_in_executor(self.storage, self.pool.maintain)
 
 
-async def serve(cfg: CacheServiceConfig) -> None:
-    """Run until SIGTERM or SIGINT, then shut down cleanly."""
+async def serve(cfg: CacheServiceConfig, ready_file: str | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then shut down cleanly. Once serving, report the bound endpoints
+    (``kvmesh.ready``: the ready line, and ``ready_file`` / ``$KVMESH_READY_FILE`` when set)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -447,6 +463,7 @@ async def serve(cfg: CacheServiceConfig) -> None:
     server = CacheServer(cfg)
     try:
         await server.start()
+        report_ready("cachesvc", server.endpoints, ready_file)
         await stop.wait()
         log.info("signal received, shutting down")
     finally:

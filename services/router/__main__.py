@@ -6,10 +6,13 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
+import sys
 
 from aiohttp import web
 from kvmesh import config
 from kvmesh.grpc_server import ServiceServer
+from kvmesh.ready import EXIT_BIND, READY_FILE_ENV, PortInUse, binding, report_failure, report_ready
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.config import TelemetryConfig
 
@@ -22,22 +25,29 @@ from services.router.http_api import OpenAIApi
 log = logging.getLogger("router")
 
 
-async def serve(cfg: RouterConfig, telemetry_cfg: TelemetryConfig | None = None) -> None:
+async def serve(cfg: RouterConfig, telemetry_cfg: TelemetryConfig | None = None,
+                ready_file: str | None = None) -> None:
     tenants, admission = Tenants.from_config(cfg), Admission.from_config(cfg)  # one set of caps for both APIs
     tracing.setup("router", "router", telemetry_cfg)
+    # Both ports are bound first, so a port in use fails at once (PortInUse names the setting to change).
+    grpc_server = ServiceServer(["kvmesh.v1.Kvmesh"])
+    grpc_address = grpc_server.bind(cfg.host, cfg.grpc_port, "--grpc-port / KVMESH_GRPC_PORT")
+    with binding("HTTP", cfg.host, cfg.http_port, "--http-port / KVMESH_HTTP_PORT"):
+        http_sock = socket.create_server((cfg.host, cfg.http_port),
+                                         family=socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    http = f"http://{cfg.host}:{http_sock.getsockname()[1]}"  # the port bound (0: any free one)
     router = Router(cfg)
     await router.start()
-    grpc_server = ServiceServer(["kvmesh.v1.Kvmesh"])
     add_to_server(KvmeshServicer(router, tenants, admission), grpc_server.server, cfg.max_body_bytes)
-    grpc_address = grpc_server.bind(cfg.host, cfg.grpc_port)
     await grpc_server.start()
     runner = web.AppRunner(OpenAIApi(router, tenants, admission).app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, cfg.host, cfg.http_port).start()
+    await web.SockSite(runner, http_sock).start()
     await grpc_server.set_serving(True)
-    log.info("router serving gRPC on %s and HTTP on http://%s:%d (metrics on http://%s:%d/metrics); "
-             "API keys %s, at most %d requests in flight", grpc_address, cfg.host, cfg.http_port, cfg.host,
-             cfg.http_port, "required" if tenants.required else "off", cfg.max_concurrent_requests)
+    log.info("router serving gRPC on %s and HTTP on %s (metrics on %s/metrics); API keys %s, at most %d "
+             "requests in flight", grpc_address, http, http, "required" if tenants.required else "off",
+             cfg.max_concurrent_requests)
+    report_ready("router", {"grpc": grpc_address, "http": http, "metrics": f"{http}/metrics"}, ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -56,9 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cluster")
     p.add_argument("--nats-url")
     p.add_argument("--host")
-    p.add_argument("--grpc-port", type=int)
-    p.add_argument("--http-port", type=int)
+    p.add_argument("--grpc-port", type=int, help="client gRPC API port (0 = any free port)")
+    p.add_argument("--http-port", type=int, help="OpenAI HTTP API and /metrics port (0 = any free port)")
     p.add_argument("--cachesvc-address")
+    p.add_argument("--ready-file", help=f"once serving, write the bound endpoints here as JSON "
+                                        f"(default: ${READY_FILE_ENV})")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -68,7 +80,11 @@ def main(argv: list[str] | None = None) -> None:
         Tenants.from_config(cfg)  # an unreadable or malformed api_keys_file stops here, with what to fix
     except ValueError as e:
         p.error(str(e))
-    asyncio.run(serve(cfg, config.load(TelemetryConfig, args.config, section="telemetry")))
+    try:
+        asyncio.run(serve(cfg, config.load(TelemetryConfig, args.config, section="telemetry"), args.ready_file))
+    except PortInUse as e:  # a fixed port someone else holds: say which setting to change, no traceback
+        report_failure("router", str(e), args.ready_file)
+        sys.exit(EXIT_BIND)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -19,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvmesh.bus.nats_server import free_port
+
+from tests.ports import guess_free_port
 
 pytestmark = pytest.mark.docker
 
@@ -27,6 +29,16 @@ ROOT = Path(__file__).resolve().parents[2]
 FILES = ["-f", "compose.yaml", "-f", "compose.hostnet.yaml"]
 BUILD_TIMEOUT_S = 1200
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# The compose stack runs on the host network with ports passed in the environment: they cannot be 0, since the
+# router's and cachesvc's ports must be known to the other containers before they start. So they are guesses that
+# another process can take first; a service that finds its port taken says so (kvmesh.ready's "port N is in use",
+# nats-server's "address already in use") and exits, and the bring-up retries on new guesses.
+PORT_TRIES = 3
+PORT_TAKEN = re.compile(r"port \d+ is in use|address already in use")
+
+
+class PortTaken(Exception):
+    """A container could not bind one of the guessed ports."""
 
 
 def _docker_sdk():
@@ -86,16 +98,24 @@ class Stack:
 
     def __init__(self) -> None:
         self.project = f"kvmeshtest{uuid.uuid4().hex[:8]}"
-        self.http_port = free_port()
         self.api_key = "sk-" + uuid.uuid4().hex
         self.env = {
             **os.environ,
             "NATS_ROUTER_PASSWORD": uuid.uuid4().hex, "NATS_WORKER_PASSWORD": uuid.uuid4().hex,
             "NATS_CACHESVC_PASSWORD": uuid.uuid4().hex, "KVMESH_API_KEY": self.api_key,
-            "KVMESH_NATS_PORT": str(free_port()), "KVMESH_CACHESVC_PORT": str(free_port()),
-            "KVMESH_HTTP_PORT": str(self.http_port), "KVMESH_GRPC_PORT": str(free_port()),
             "KVMESH_CLUSTER": "dockertest",
         }
+        self.guess_ports()
+
+    def guess_ports(self) -> None:
+        """New guesses for the host ports (see PORT_TAKEN)."""
+        self.http_port = guess_free_port()
+        self.env.update({"KVMESH_NATS_PORT": str(guess_free_port()), "KVMESH_CACHESVC_PORT": str(guess_free_port()),
+                         "KVMESH_HTTP_PORT": str(self.http_port), "KVMESH_GRPC_PORT": str(guess_free_port())})
+
+    def logs(self, tail: int = 40) -> str:
+        return subprocess.run(["docker-compose", "-p", self.project, *FILES, "logs", "--tail", str(tail)], cwd=ROOT,
+                              env=self.env, capture_output=True, text=True, check=False).stdout
 
     def compose(self, *args: str, timeout_s: float = 600) -> str:
         out = subprocess.run(["docker-compose", "-p", self.project, *FILES, *args], cwd=ROOT, env=self.env,
@@ -130,8 +150,14 @@ class Stack:
             return 0, {}
 
     def wait_healthy(self, timeout_s: float) -> None:
+        """Until the router answers /health; raises PortTaken as soon as a container says its port is taken."""
         deadline = time.monotonic() + timeout_s
+        checked = time.monotonic()
         while (status := self.health())[0] != 200:
+            if time.monotonic() - checked > 5:
+                checked = time.monotonic()
+                if PORT_TAKEN.search(self.logs(tail=20)):
+                    raise PortTaken
             assert time.monotonic() < deadline, f"router not healthy within {timeout_s:g}s: {status}"
             time.sleep(1)
 
@@ -148,13 +174,21 @@ def stack(engine) -> Iterator[Stack]:
     print(f"\nimages built on {s.env['KVMESH_BASE_IMAGE']} in {time.monotonic() - t0:.0f} s")
     try:
         t0 = time.monotonic()
-        s.compose("up", "-d", "--no-build")
-        s.wait_healthy(240)
+        for attempt in range(PORT_TRIES):
+            s.compose("up", "-d", "--no-build")
+            try:
+                s.wait_healthy(240)
+                break
+            except PortTaken:
+                if attempt == PORT_TRIES - 1:
+                    raise AssertionError(f"a guessed port was taken {PORT_TRIES} times:\n{s.logs()}") from None
+                print(f"a guessed port was taken: retrying on other ports\n{s.logs(tail=5)}")
+                s.compose("down", "-v", "--remove-orphans", "--timeout", "20")
+                s.guess_ports()
         print(f"stack healthy in {time.monotonic() - t0:.0f} s")
         yield s
     except BaseException:
-        print(subprocess.run(["docker-compose", "-p", s.project, *FILES, "logs", "--tail", "40"], cwd=ROOT,
-                             env=s.env, capture_output=True, text=True, check=False).stdout[-8000:])
+        print(s.logs()[-8000:])
         raise
     finally:
         s.compose("down", "-v", "--remove-orphans", "--timeout", "20")

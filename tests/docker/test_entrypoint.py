@@ -30,12 +30,21 @@ def test_a_missing_secret_file_stops_with_what_to_fix(capsys):
     assert "NATS_WORKER_PASSWORD_FILE='/run/secrets/none': cannot read the secret file" in capsys.readouterr().err
 
 
-def test_an_engine_gets_its_address_a_port_and_a_unique_instance_id():
+def test_an_engine_on_port_0_is_checked_through_its_ready_file_and_gets_a_unique_instance_id():
     env = {"KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": "0"}
     address = entrypoint.prepare_service("decode", ["--role", "decode"], env)
-    port = int(env["KVMESH_PORT"])
-    assert port > 0 and address == f"grpc://127.0.0.1:{port}"
-    assert env["KVMESH_INSTANCE_ID"].startswith("decode-") and env["KVMESH_INSTANCE_ID"].endswith(f"-{port}")
+    assert env["KVMESH_PORT"] == "0"  # no port picked here: the engine binds one and reports it
+    assert address == "ready:///tmp/kvmesh-ready.json" and env["KVMESH_READY_FILE"] == "/tmp/kvmesh-ready.json"
+    assert env["KVMESH_INSTANCE_ID"].startswith("decode-")
+    other = {"KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": "0"}
+    entrypoint.prepare_service("decode", ["--role", "decode"], other)
+    assert other["KVMESH_INSTANCE_ID"] != env["KVMESH_INSTANCE_ID"]
+
+
+def test_an_engine_on_a_fixed_port_is_checked_there():
+    env = {"KVMESH_HOST": "0.0.0.0", "KVMESH_PORT": "50123"}
+    assert entrypoint.prepare_service("prefill", [], env) == "grpc://127.0.0.1:50123"
+    assert env["KVMESH_INSTANCE_ID"].endswith("-50123")
 
 
 def test_the_router_is_checked_on_its_grpc_port_through_loopback():
@@ -51,3 +60,14 @@ def test_a_bad_setting_stops_the_container_before_the_service_starts():
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2
     assert "bad settings for cachesvc: KVMESH_POOL_CAPACITY_MB='lots': expected an integer" in out.stderr
+
+
+def test_the_healthcheck_reads_the_grpc_address_from_a_ready_file(tmp_path):
+    hc_spec = importlib.util.spec_from_file_location("kvmesh_healthcheck", ENTRYPOINT.parent / "healthcheck.py")
+    healthcheck = importlib.util.module_from_spec(hc_spec)
+    hc_spec.loader.exec_module(healthcheck)
+    ready = tmp_path / "ready.json"
+    with pytest.raises(RuntimeError, match="not ready yet"):
+        healthcheck.ready_grpc_address(str(ready))
+    ready.write_text('{"service": "decode-x", "pid": 1, "endpoints": {"grpc": "0.0.0.0:41234"}}')
+    assert healthcheck.ready_grpc_address(str(ready)) == "127.0.0.1:41234"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Subjects, find_nats_server
-from kvmesh.bus.nats_server import free_port
+from kvmesh.bus.nats_server import read_ports_file
 from kvmesh.bus.snapshot import answer_snapshots, request_snapshot
 from kvmesh.events import AllBlocksCleared
 
@@ -35,14 +35,16 @@ def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         binary = find_nats_server()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    store, port = tmp_path_factory.mktemp("nats-conf"), free_port()
+    store = tmp_path_factory.mktemp("nats-conf")
     conf = CONF.read_text()
     assert 'store_dir: "/data/jetstream"' in conf
     (store / "nats.conf").write_text(conf.replace("/data/jetstream", str(store / "jetstream")))
     env = {**os.environ, **{f"NATS_{user.upper()}_PASSWORD": pw for user, pw in PASSWORDS.items()}}
     log = open(store / "nats.log", "wb")  # noqa: SIM115 - the server writes to it for the whole module
-    proc = subprocess.Popen([str(binary), "-c", str(store / "nats.conf"), "-a", "127.0.0.1", "-p", str(port)],
+    proc = subprocess.Popen([str(binary), "-c", str(store / "nats.conf"), "-a", "127.0.0.1", "-p", "-1",
+                             "--ports_file_dir", str(store)],  # any free port, read back: no port picked first
                             env=env, stdout=log, stderr=subprocess.STDOUT)
+    port = read_ports_file(store, proc)
     deadline = time.monotonic() + 10
     while not (store / "nats.log").read_text(errors="replace").count("Server is ready"):
         assert proc.poll() is None and time.monotonic() < deadline, (store / "nats.log").read_text()

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.bus.nats_server import free_port
 from kvmesh.launcher import Stack, StackOptions
 
 
 def start_stack(tmp_path_factory, name: str, **kw) -> Stack:
-    opts = StackOptions(http_port=free_port(), grpc_port=free_port(), cluster=name, **kw)
+    opts = StackOptions(http_port=0, grpc_port=0, cluster=name, **kw)
     stack = Stack(tmp_path_factory.mktemp(name), opts)
     stack.start(timeout_s=240)
     return stack

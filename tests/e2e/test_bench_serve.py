@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_tiny_multi_turn_run_measures_every_request_and_sees_the_conversation_reused(mesh, tmp_path):
-    url = f"http://127.0.0.1:{mesh.opts.http_port}"
+    url = f"http://127.0.0.1:{mesh.http_port}"
     argv = ["--target", f"kvmesh={url}", "--workload", "multi-turn", "--conversations", "2", "--turns", "2",
             "--max-tokens", "4", "--concurrency", "2", "--timeout", "120", "--max-duration", "240",
             "--out", str(tmp_path), "--quiet"]

@@ -25,7 +25,7 @@ def service(stack, name: str):
 def chat(stack, content: str, max_tokens: int = 8, timeout: float = 120, headers: dict | None = None) -> dict:
     body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                        "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/chat/completions", data=body,
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
@@ -34,7 +34,7 @@ def chat(stack, content: str, max_tokens: int = 8, timeout: float = 120, headers
 def stream_events(stack, content: str, max_tokens: int, events: list, started: threading.Event) -> None:
     body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/chat/completions", data=body,
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -98,7 +98,7 @@ def test_a_dead_prefill_costs_latency_not_the_answer(tmp_path_factory):
 
 
 def router_metric(stack, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.opts.http_port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=10) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
@@ -143,7 +143,9 @@ def test_a_nats_restart_costs_no_request(tmp_path_factory):
         except urllib.error.HTTPError as e:
             assert e.code == 503 and json.load(e)["error"]["message"]
         assert time.monotonic() - t0 < 30
-        stack.nats.start()  # same port, same JetStream store
+        # same port, same JetStream store: the port NATS bound at first (free a moment ago) is bound again, so
+        # NatsServer.start retries that bind for a few seconds rather than fail on a brief holder
+        stack.nats.start()
         deadline = time.monotonic() + 30
         while True:  # the services reconnect and beat again; the router sees both instances
             try:
@@ -186,7 +188,7 @@ def test_every_request_has_a_deadline(tmp_path_factory):
     try:
         body = json.dumps({"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True,
                            "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/completions", data=body,
+        req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/completions", data=body,
                                      headers={"content-type": "application/json"})
         t0 = time.monotonic()
         with pytest.raises(urllib.error.HTTPError) as err:

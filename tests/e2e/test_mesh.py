@@ -31,7 +31,7 @@ def expected_tokens(engine, question: str, n: int) -> list[int]:
 
 
 def post(stack, path: str, body: dict) -> tuple[int, dict, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}{path}", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -43,7 +43,7 @@ def post(stack, path: str, body: dict) -> tuple[int, dict, dict]:
 def openai_client(stack, **kw):
     import openai
 
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.opts.http_port}/v1", api_key="unused", **kw)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="unused", **kw)
 
 
 def test_greedy_output_through_the_mesh_equals_the_engine_alone(mesh, engine):
@@ -72,7 +72,7 @@ def test_openai_client_chat_non_streaming_and_streaming(mesh, engine):
 def test_eight_concurrent_streams_all_finish_correctly(mesh, engine):
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{mesh.opts.http_port}/v1", api_key="unused")
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="unused")
 
     async def one(q: str) -> str:
         stream = await client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=10, temperature=0,
@@ -131,7 +131,7 @@ def test_grpc_sdk_streams_chats_and_reports_usage(mesh, engine):
 
     messages = [{"role": "user", "content": QUESTIONS[3]}]
     want = engine.tokenizer.decode(expected_tokens(engine, QUESTIONS[3], 10))
-    with KvmeshClient(f"127.0.0.1:{mesh.opts.grpc_port}") as client:
+    with KvmeshClient(f"127.0.0.1:{mesh.grpc_port}") as client:
         streamed = client.complete(messages=messages, max_tokens=10)
         chat = client.chat(messages, max_tokens=10)
         assert streamed.text == chat.text == want
@@ -159,7 +159,7 @@ def test_role_both_serves_without_disaggregation(tmp_path_factory, engine):
 def test_a_request_can_pick_its_routing_policy(mesh):
     body = json.dumps({"prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
     for policy, status in (("round_robin", 200), ("least_loaded", 200), ("fastest", 400)):
-        req = urllib.request.Request(f"http://127.0.0.1:{mesh.opts.http_port}/v1/completions", data=body,
+        req = urllib.request.Request(f"http://127.0.0.1:{mesh.http_port}/v1/completions", data=body,
                                      headers={"content-type": "application/json", "x-kvmesh-policy": policy})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:

@@ -42,7 +42,7 @@ def first_token(stack, tenant: str | None, text: str) -> tuple[float, dict]:
     if tenant:
         headers["authorization"] = f"Bearer {KEYS[tenant]}"
     body = json.dumps({"prompt": text, "max_tokens": 1, "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/completions", data=body,
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/completions", data=body,
                                  headers=headers)
     start = time.perf_counter()
     with urllib.request.urlopen(req, timeout=120) as r:

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def chat(stack, content: str) -> dict:
     body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 8,
                        "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/chat/completions", data=body,
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)
@@ -38,7 +38,7 @@ def test_a_tls_mesh_serves_and_refuses_plaintext_peers(tmp_path_factory):
         assert second["choices"][0]["message"] == first["choices"][0]["message"]
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         member = TLSConfig(tls_cert=certs["cert"], tls_key=certs["key"], tls_ca=certs["ca"])
-        with tls.channel(f"127.0.0.1:{stack.opts.grpc_port}", cfg=member) as ch:
+        with tls.channel(f"127.0.0.1:{stack.grpc_port}", cfg=member) as ch:
             info = api_pb2_grpc.KvmeshStub(ch).ListModels(api_pb2.ListModelsRequest(), timeout=10)
             assert info.models
         for s in stack.services:

@@ -4,7 +4,6 @@ TTFT segments add up; every service's /metrics moves; ``kvmesh trace`` renders t
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ def stream_chat(stack, question: str, max_tokens: int = 8, headers: dict | None 
     """(TTFT at the client in seconds, response headers) of one streamed chat completion."""
     body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True, "user": "tenant-a"}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{stack.opts.http_port}/v1/chat/completions", data=body,
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json", **(headers or {})})
     t0 = time.perf_counter()
     ttft = None
@@ -62,9 +61,9 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def worker_metrics_url(stack, name: str) -> str:
-    m = re.search(r"metrics on (http://\S+/metrics)", (stack.log_dir / f"{name}.log").read_text())
-    assert m, f"{name} did not log its metrics endpoint"
-    return m.group(1)
+    url = stack.service(name).endpoints.get("metrics")  # from its ready file: the port it bound
+    assert url, f"{name} did not report its metrics endpoint"
+    return url
 
 
 def test_one_request_is_one_trace_across_the_mesh_and_its_segments_add_up_to_the_ttft(mesh):
@@ -118,7 +117,7 @@ def test_a_callers_traceparent_is_continued_and_returned(mesh):
 def test_grpc_responses_carry_request_id_and_traceparent(mesh):
     from kvmesh.client import KvmeshClient
 
-    with KvmeshClient(f"127.0.0.1:{mesh.opts.grpc_port}") as client:
+    with KvmeshClient(f"127.0.0.1:{mesh.grpc_port}") as client:
         done = client.complete(messages=[{"role": "user", "content": "Say hello."}], max_tokens=4)
     assert done.metadata["x-request-id"] == done.request_id
     root, _ = spans_of(mesh, done.request_id)
@@ -129,7 +128,7 @@ def test_grpc_responses_carry_request_id_and_traceparent(mesh):
 def test_every_services_metrics_move_after_a_request(mesh):
     stream_chat(mesh, "What color is the sky?", 6)
     stream_chat(mesh, "What color is the sky?", 6)  # the second reuses the first's prefix, whatever ran before
-    router = scrape(f"http://127.0.0.1:{mesh.opts.http_port}/metrics")
+    router = scrape(f"http://127.0.0.1:{mesh.http_port}/metrics")
     assert router["kvmesh_router_ttft_seconds_count"] > 0 and router["kvmesh_router_itl_seconds_count"] > 0
     assert router["kvmesh_router_prompt_tokens_total"] > 0 and "kvmesh_router_prefix_hit_ratio" in router
     assert router['kvmesh_router_instances{role="prefill"}'] == 1 and "kvmesh_router_in_flight" in router

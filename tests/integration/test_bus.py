@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Message, NatsServer, Subjects
-from kvmesh.bus.nats_server import free_port
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.keys import BlockKey
 from nats.js.api import StorageType
+
+from tests.ports import refusing_port
 
 TRACE = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "kvmesh=1"}
 
@@ -217,13 +218,14 @@ def test_ensure_events_stream_is_idempotent_and_applies_new_limits(nats_server, 
 
 
 def test_connect_gives_up_at_its_deadline():
-    async def body() -> None:
+    async def body(port: int) -> None:
         start = time.monotonic()
         with pytest.raises(ConnectionError, match="cannot reach NATS"):
-            await Bus.connect(f"nats://127.0.0.1:{free_port()}", "test", connect_timeout_s=1.0)
+            await Bus.connect(f"nats://127.0.0.1:{port}", "test", connect_timeout_s=1.0)
         assert time.monotonic() - start < 3.0
 
-    run(body())
+    with refusing_port() as port:
+        run(body(port))
 
 
 def test_the_bus_reconnects_and_the_stream_survives_a_server_restart(tmp_path, subjects):

@@ -23,10 +23,10 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvmesh.bus import Bus, Heartbeat, KVEventBatch, NatsServer, Subjects
-from kvmesh.bus.nats_server import free_port
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.keys import BlockKey
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from kvmesh.ready import wait_ready
 
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.server import SERVICE_NAME, CacheServer
@@ -102,22 +102,27 @@ class InProcess:
 
 
 class Subprocess:
-    """``python -m services.cachesvc`` with its log in ``log_path``."""
+    """``python -m services.cachesvc`` with its log in ``log_path``, on the port it binds (0: any free one, read
+    back from its ready file at each start into ``address``)."""
 
-    def __init__(self, nats_url: str, cluster: str, log_path: Path, port: int, **settings: str) -> None:
+    def __init__(self, nats_url: str, cluster: str, log_path: Path, port: int = 0, **settings: str) -> None:
+        self.ready_path = log_path.with_suffix(".ready.json")
         self.args = [sys.executable, "-m", "services.cachesvc", "--port", str(port), "--nats-url", nats_url,
-                     "--cluster", cluster]
+                     "--cluster", cluster, "--ready-file", str(self.ready_path)]
         pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         self.env = {**os.environ, "PYTHONPATH": pythonpath,
                     "KVMESH_DURABLE_NAME": f"cachesvc-{cluster}", "KVMESH_INSTANCE_TIMEOUT_S": "60",
                     **{f"KVMESH_{k.upper()}": v for k, v in settings.items()}}
-        self.address = f"127.0.0.1:{port}"
+        self.address = ""
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
+        self.ready_path.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=log, stderr=log)
+        self.endpoints = wait_ready(self.ready_path, self.proc, "cachesvc", self.log_path, timeout_s).endpoints
+        self.address = self.endpoints["grpc"]
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + timeout_s
@@ -145,7 +150,7 @@ class Subprocess:
 
 @pytest.fixture
 def cachesvc_process(nats_server: NatsServer, cluster: str, tmp_path: Path) -> Iterator[Subprocess]:
-    proc = Subprocess(nats_server.url, cluster, tmp_path / "cachesvc.log", free_port())
+    proc = Subprocess(nats_server.url, cluster, tmp_path / "cachesvc.log")
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.stop(signal.SIGKILL)
@@ -154,7 +159,7 @@ def cachesvc_process(nats_server: NatsServer, cluster: str, tmp_path: Path) -> I
 @pytest.fixture
 def cachesvc_with_disk(nats_server: NatsServer, cluster: str, tmp_path: Path) -> Iterator[Subprocess]:
     """cachesvc with a 1 MiB DRAM tier and a disk tier in ``tmp_path / "pool"``."""
-    proc = Subprocess(nats_server.url, cluster, tmp_path / "cachesvc.log", free_port(), pool_capacity_mb="1",
+    proc = Subprocess(nats_server.url, cluster, tmp_path / "cachesvc.log", pool_capacity_mb="1",
                       disk_dir=str(tmp_path / "pool"), disk_capacity_mb="64", disk_segment_mb="1")
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:

@@ -20,7 +20,6 @@ store = pytest.importorskip(
     "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1",
     exc_type=ImportError)  # installed without Debian's libibverbs1 it fails to load: skip, do not error
 
-from kvmesh.bus.nats_server import free_port
 from kvmesh.proto.v1 import cache_pb2
 
 from services.cachesvc.config import CacheServiceConfig
@@ -28,13 +27,19 @@ from services.cachesvc.disk import encode_layout
 from services.cachesvc.pool import Pool
 from services.cachesvc.server import layout_from_proto
 from tests.integration.test_cachesvc import BIG, BIG_BYTES, KEYS, InProcess, big_put, matches, run
+from tests.ports import guess_free_port
+
+START_TRIES = 5  # mooncake binaries cannot bind port 0: guessed ports, retried when one is taken
 
 
 class Master:
-    """``mooncake_master`` from the wheel: every listener it lets us choose bound to 127.0.0.1."""
+    """``mooncake_master`` from the wheel: every listener it lets us choose bound to 127.0.0.1.
+
+    It cannot bind port 0 (``-rpc_port=0`` means 50051) nor report a port, so its ports are guesses: a guess
+    another process took makes it exit at start, and ``start()`` tries again with new guesses."""
 
     def __init__(self, log_path: Path) -> None:
-        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.rpc_port = self.http_port = self.metrics_port = 0
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -47,6 +52,12 @@ class Master:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
     def start(self) -> None:
+        for attempt in range(START_TRIES):
+            self.rpc_port, self.http_port, self.metrics_port = (guess_free_port() for _ in range(3))
+            if self._start_once(last=attempt == START_TRIES - 1):
+                return
+
+    def _start_once(self, last: bool) -> bool:
         binary = Path(store.__file__).parent / "mooncake_master"
         args = [str(binary), "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc_port}", "-rpc_thread_num=2",
                 "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
@@ -57,10 +68,13 @@ class Master:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log)
         deadline = time.monotonic() + 15
         while "metadata server started" not in self.log_path.read_text(errors="replace"):
+            if self.proc.poll() is not None and not last:  # most likely a guessed port was taken: guess again
+                return False
             assert self.proc.poll() is None, f"mooncake_master exited:\n{self.log_path.read_text()}"
             assert time.monotonic() < deadline, f"mooncake_master did not start:\n{self.log_path.read_text()}"
             time.sleep(0.1)
         time.sleep(0.5)
+        return self.proc.poll() is None or last  # not: a listener bound after the metadata server failed
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -141,19 +155,27 @@ class StoreNode:
 
     def __init__(self, m: Master, log_path: Path) -> None:
         binary = Path(store.__file__).parent / "mooncake_client"
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [str(binary), "-host=127.0.0.1", f"-port={free_port()}", "-global_segment_size=128MB",
-                 f"-master_server_address={m.address}", f"-metadata_server={m.metadata_url}"],
-                stdout=log, stderr=log, env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
         client = raw_client(m)
+        for attempt in range(START_TRIES):  # its port is a guess too (see Master): a taken one, guess again
+            with open(log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [str(binary), "-host=127.0.0.1", f"-port={guess_free_port()}", "-global_segment_size=128MB",
+                     f"-master_server_address={m.address}", f"-metadata_server={m.metadata_url}"],
+                    stdout=log, stderr=log, env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+            if self._joined(client, log_path, last=attempt == START_TRIES - 1):
+                break
+        client.remove("probe")
+        client.close()
+
+    def _joined(self, client: Any, log_path: Path, last: bool) -> bool:
         deadline = time.monotonic() + 15
         while client.put("probe", b"x") != 0:  # fails until the node's memory is mounted
+            if self.proc.poll() is not None and not last:
+                return False
             assert self.proc.poll() is None, f"mooncake_client exited:\n{log_path.read_text()}"
             assert time.monotonic() < deadline, f"mooncake_client did not join:\n{log_path.read_text()}"
             time.sleep(0.2)
-        client.remove("probe")
-        client.close()
+        return True
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -12,7 +12,6 @@ from typing import Any, Self
 import grpc
 import pytest
 import torch
-from kvmesh.bus.nats_server import free_port
 from kvmesh.convert import layout_to_proto
 from kvmesh.engine.kv_cache import KVLayout, storage_dtype
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
@@ -25,6 +24,7 @@ from kvmesh.worker.pool_client import PoolClient, PoolError
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.server import CacheServer
 from services.cachesvc.store import StoredBlock
+from tests.ports import refusing_port
 
 LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 KEYS = [0x1000 + i for i in range(6)]
@@ -184,7 +184,7 @@ def test_a_fetch_to_an_unreachable_endpoint_is_unavailable_and_releases_its_leas
         async with Mesh(nats_server.url, transfer_timeout_s=2.0) as mesh:
             await (await mesh.instance()).write_back(KEYS[:2], make_blocks(2))
             request = cache_pb2.GetBlocksRequest(layout=layout_to_proto(LAYOUT), block_keys=KEYS[:2],
-                                                 transfer_address=f"tcp://127.0.0.1:{free_port()}",
+                                                 transfer_address=f"tcp://127.0.0.1:{port}",
                                                  transfer_id="t-1")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await mesh.stub.GetBlocks(request)
@@ -192,7 +192,8 @@ def test_a_fetch_to_an_unreachable_endpoint_is_unavailable_and_releases_its_leas
             assert "the push of 2 blocks to tcp://127.0.0.1:" in err.value.details()
             assert (await mesh.stats()).leases == 0
 
-    run(body())
+    with refusing_port() as port:
+        run(body())
 
 
 def test_a_caller_lease_outlives_the_push(nats_server):

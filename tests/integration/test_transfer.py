@@ -15,6 +15,8 @@ from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
 from kvmesh.transfer.wire import MAGIC, PREFIX, Reply, decode_reply, parse_address, tensor_bytes
 
+from tests.ports import refusing_port
+
 LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 LOCAL_BACKENDS = ("tcp", "shm")
 
@@ -245,6 +247,17 @@ def test_duplicate_transfer_id_does_not_replace_the_first() -> None:
     run(scenario())
 
 
+async def restart_on(port: int) -> TransferServer:
+    """A server on the port a closed one bound. Free a moment ago, it can still be taken (by another process or
+    a socket in the kernel's hands): retry the bind a few times for a short while."""
+    for _ in range(20):
+        try:
+            return await TransferServer.start(LAYOUT, port=port)
+        except OSError:
+            await asyncio.sleep(0.1)
+    return await TransferServer.start(LAYOUT, port=port)
+
+
 def test_client_reconnects_after_the_server_restarts_on_the_same_port() -> None:
     async def scenario() -> None:
         async with TransferClient() as client:
@@ -252,7 +265,7 @@ def test_client_reconnects_after_the_server_restarts_on_the_same_port() -> None:
             await client.push(server.address, "a", LAYOUT, make_blocks(LAYOUT), [], 12)
             port = parse_address(server.address).port
             await server.close()
-            async with await TransferServer.start(LAYOUT, port=port) as again:
+            async with await restart_on(port) as again:
                 await client.push(again.address, "b", LAYOUT, make_blocks(LAYOUT), [], 12)
                 await again.take("b", timeout=1)
 
@@ -260,16 +273,13 @@ def test_client_reconnects_after_the_server_restarts_on_the_same_port() -> None:
 
 
 def test_unreachable_receiver_raises_connection_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # bound, never listening: connection refused
-
-    async def scenario() -> None:
+    async def scenario(port: int) -> None:
         async with TransferClient() as client:
             with pytest.raises(ConnectionError):
                 await client.push(f"tcp://127.0.0.1:{port}", "x", LAYOUT, make_blocks(LAYOUT), [], 12)
 
-    run(scenario())
+    with refusing_port() as port:  # held for the whole test: no other process can start listening there
+        run(scenario(port))
 
 
 def test_shm_leaves_no_segment_behind() -> None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from kvmesh.bench import ablation
 from kvmesh.bench.serve import RunResult
 from kvmesh.bench.stats import SLO, RequestRecord
-from kvmesh.launcher import Stack, StackOptions
+from kvmesh.launcher import Service, Stack, StackOptions
 
 
 def test_configurations_turn_the_tiers_on_one_by_one():
@@ -24,13 +24,24 @@ def test_configurations_turn_the_tiers_on_one_by_one():
 
 def test_without_the_pool_engines_get_no_cachesvc_address_but_the_router_does(tmp_path, monkeypatch):
     spawned: dict[str, list[str]] = {}
-    monkeypatch.setattr(Stack, "_spawn", lambda self, name, args, port: spawned.__setitem__(name, args))
-    monkeypatch.setattr(Stack, "_wait_ready", lambda self, deadline: None)
+
+    def spawn(self: Stack, name: str, args: list[str]) -> Service:  # "ready" at once, on made-up ports
+        spawned[name] = args
+        endpoints = {"grpc": "127.0.0.1:4321"} if name == "cachesvc" else {"grpc": "127.0.0.1:1",
+                                                                          "http": "http://127.0.0.1:2"}
+        self.services.append(Service(name, SimpleNamespace(pid=1), tmp_path / "log", tmp_path / "ready",
+                                     endpoints))
+        return self.services[-1]
+
+    monkeypatch.setattr(Stack, "_spawn", spawn)
+    monkeypatch.setattr(Stack, "_wait_ready", lambda self, services, deadline: None)
+    monkeypatch.setattr(Stack, "_wait_instances", lambda self, deadline: None)
     for pool in (True, False):
         Stack(tmp_path, StackOptions(nats_url="nats://127.0.0.1:1", pool=pool)).start()
         assert ("--cachesvc-address" in spawned["prefill-0"]) is pool
         assert ("--cachesvc-address" in spawned["decode-0"]) is pool
-        assert "--cachesvc-address" in spawned["router"]
+        router = spawned["router"]
+        assert router[router.index("--cachesvc-address") + 1] == "127.0.0.1:4321"  # the address it bound
 
 
 def test_every_scenario_is_small_and_the_switch_returns_to_x():

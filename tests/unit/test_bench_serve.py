@@ -168,9 +168,10 @@ def test_the_command_writes_json_markdown_plots_and_a_side_by_side_table(tmp_pat
 
 
 def test_an_unreachable_target_is_a_clear_error(capsys):
-    from kvmesh.bus.nats_server import free_port
+    from tests.ports import refusing_port
 
-    assert serve.main(["--target", f"http://127.0.0.1:{free_port()}", "--quiet", "--out", "/tmp/unused"]) == 1
+    with refusing_port() as port:
+        assert serve.main(["--target", f"http://127.0.0.1:{port}", "--quiet", "--out", "/tmp/unused"]) == 1
     assert "cannot reach" in capsys.readouterr().err
 
 

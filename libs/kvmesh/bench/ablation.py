@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import math
 import os
-import re
 import sys
 import tempfile
 import time
@@ -49,7 +48,6 @@ from kvmesh.bench import workloads as wl
 from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.bench.serve import RunOptions, RunResult, run_workload
 from kvmesh.bench.stats import SLO, RequestRecord, ms
-from kvmesh.bus.nats_server import free_port
 from kvmesh.launcher import Stack, StackOptions
 
 SCENARIOS = ("cold start", "stable hot set", "hot-set switch", "low reuse", "failure")
@@ -69,7 +67,7 @@ class Config:
     def stack_options(self, device_blocks: int) -> StackOptions:
         env = {"KVMESH_NUM_BLOCKS": str(device_blocks), **self.env}
         return StackOptions(prefill=self.prefill, decode=self.decode, both=self.both, pool=self.pool,
-                            threads=self.threads, http_port=free_port(), grpc_port=free_port(),
+                            threads=self.threads, http_port=0, grpc_port=0,
                             cluster=f"ablation{self.name.lower()}", env=env)
 
     @property
@@ -125,14 +123,9 @@ TIERS = ("host", "pool", "pd")  # host → device, pool → engine, prefill → 
 
 
 def metrics_urls(stack: Stack) -> list[str]:
-    """Each engine's /metrics URL, from the line its log starts with (``metrics on http://...``)."""
-    urls = []
-    for s in stack.services:
-        if s.name.split("-")[0] in ("prefill", "decode", "both"):
-            m = re.search(r"metrics on (http://\S+/metrics)", s.log_path.read_text(errors="replace"))
-            if m:
-                urls.append(m.group(1))
-    return urls
+    """Each engine's /metrics URL, as it reported it in its ready file (the port it bound)."""
+    return [s.endpoints["metrics"] for s in stack.services
+            if s.name.split("-")[0] in ("prefill", "decode", "both") and s.endpoints.get("metrics")]
 
 
 def loaded_bytes(urls: list[str]) -> dict[str, float]:
@@ -182,7 +175,7 @@ def run_config(cfg: Config, work: dict[str, wl.Workload], opts: RunOptions, devi
     stack.start(timeout_s=300)
     startup = time.monotonic() - t0
     print(f"[{cfg.name}] up in {startup:.0f} s", file=sys.stderr, flush=True)
-    target = stack.opts.http_port
+    target = stack.http_port
     url = f"http://127.0.0.1:{target}"
     out: list[ScenarioResult] = []
     try:

@@ -47,10 +47,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.bus import Bus, KVEventBatch, NatsServer, Subjects
-from kvmesh.bus.nats_server import free_port
 from kvmesh.events import BlockStored
 from kvmesh.keys import BlockKey
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
+from kvmesh.ready import wait_ready
 
 REPO = Path(__file__).resolve().parents[3]
 CHAIN = 64
@@ -67,18 +67,19 @@ def pct(values: list[float], q: float) -> float:
 
 @contextmanager
 def cachesvc(nats_url: str, cluster: str, log_path: Path, **settings: object) -> Iterator[str]:
-    """``python -m services.cachesvc`` until the block ends; yields its address once SERVING."""
-    port = free_port()
+    """``python -m services.cachesvc`` on any free port until the block ends; yields the address it bound
+    (from its ready file) once SERVING."""
+    ready_path = log_path.with_suffix(".ready.json")
+    ready_path.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "KVMESH_DURABLE_NAME": f"bench-{cluster}", "KVMESH_INSTANCE_TIMEOUT_S": "3600",
            **{f"KVMESH_{k.upper()}": str(v) for k, v in settings.items()}}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cachesvc", "--port", str(port), "--nats-url",
-                                 nats_url, "--cluster", cluster], cwd=REPO, env=env, stdout=log, stderr=log)
-    address = f"127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "services.cachesvc", "--port", "0", "--nats-url",
+                                 nats_url, "--cluster", cluster, "--ready-file", str(ready_path)],
+                                cwd=REPO, env=env, stdout=log, stderr=log)
     try:
-        wait_serving(address, proc, log_path)
-        yield address
+        yield wait_ready(ready_path, proc, "cachesvc", log_path, timeout_s=600).endpoints["grpc"]
     finally:
         proc.terminate()
         try:
@@ -86,23 +87,6 @@ def cachesvc(nats_url: str, cluster: str, log_path: Path, **settings: object) ->
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def wait_serving(address: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        check = health_pb2_grpc.HealthStub(channel).Check
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"cachesvc exited:\n{log_path.read_text()[-3000:]}")
-            try:
-                if check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cachesvc not SERVING within {timeout_s}s")
-            time.sleep(0.05)
 
 
 # -- 1. the index ----------------------------------------------------------------------------------------------

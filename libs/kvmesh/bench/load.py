@@ -26,7 +26,6 @@ import aiohttp
 from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.bench.serve import stream_request
 from kvmesh.bench.stats import RequestRecord, percentile
-from kvmesh.bus.nats_server import free_port
 from kvmesh.launcher import Stack, StackOptions
 
 PROMPTS = ("Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is the sun?",
@@ -169,11 +168,11 @@ def run(clients: int = 64, duration_s: float = 60.0, max_concurrent: int = 32, m
     load, then check the stack still answers."""
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(state_dir or Path(tmp), StackOptions(
-            http_port=free_port(), grpc_port=free_port(), cluster="load",
+            http_port=0, grpc_port=0, cluster="load",
             env={"KVMESH_MAX_CONCURRENT_REQUESTS": str(max_concurrent)}))
         stack.start(timeout_s=300)
         try:
-            url = f"http://127.0.0.1:{stack.opts.http_port}"
+            url = f"http://127.0.0.1:{stack.http_port}"
             refs = asyncio.run(references(url, max_tokens))
             solo = asyncio.run(run_phase(url, 1, baseline_s or min(duration_s, 20.0), max_tokens, refs))
             with MemorySampler({s.name: s.proc.pid for s in stack.services}) as mem:

@@ -18,7 +18,6 @@ import urllib.request
 from pathlib import Path
 
 from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bus.nats_server import free_port
 from kvmesh.config import EngineConfig
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.sequence import SamplingParams
@@ -66,11 +65,11 @@ def pct(xs: list[float], q: float) -> float:
 def run(requests: int = 20, max_tokens: int = 8) -> dict:
     qs = prompts(requests)
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(Path(tmp), StackOptions(http_port=free_port(), grpc_port=free_port(), cluster="bench"))
+        stack = Stack(Path(tmp), StackOptions(http_port=0, grpc_port=0, cluster="bench"))
         stack.start(timeout_s=240)
         try:
-            stream_ttft(stack.opts.http_port, "warm up", 2)
-            mesh = [stream_ttft(stack.opts.http_port, q, max_tokens)[0] for q in qs]
+            stream_ttft(stack.http_port, "warm up", 2)
+            mesh = [stream_ttft(stack.http_port, q, max_tokens)[0] for q in qs]
         finally:
             stack.stop()
     engine = LLMEngine(EngineConfig(threads=1))

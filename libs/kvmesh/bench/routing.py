@@ -15,7 +15,6 @@ from kvmesh.bench import workloads as wl
 from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.bench.serve import RunOptions, run_workload
 from kvmesh.bench.stats import SLO
-from kvmesh.bus.nats_server import free_port
 from kvmesh.launcher import Stack, StackOptions
 
 POLICIES = ("round_robin", "cache_aware")
@@ -23,12 +22,12 @@ POLICIES = ("round_robin", "cache_aware")
 
 def run_policy(policy: str, workload: wl.Workload, concurrency: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(Path(tmp), StackOptions(prefill=2, decode=2, http_port=free_port(), grpc_port=free_port(),
+        stack = Stack(Path(tmp), StackOptions(prefill=2, decode=2, http_port=0, grpc_port=0,
                                               cluster=f"routing-{policy.replace('_', '-')}",
                                               env={"KVMESH_POLICY": policy}))
         stack.start(timeout_s=300)
         try:
-            result = asyncio.run(run_workload(f"http://127.0.0.1:{stack.opts.http_port}", workload,
+            result = asyncio.run(run_workload(f"http://127.0.0.1:{stack.http_port}", workload,
                                               RunOptions(concurrency=concurrency), label=policy, progress=False))
         finally:
             stack.stop()

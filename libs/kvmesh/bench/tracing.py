@@ -29,7 +29,6 @@ from pathlib import Path
 
 from kvmesh.bench.mesh import pct
 from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bus.nats_server import free_port
 from kvmesh.launcher import Stack, StackOptions
 from kvmesh.telemetry.spans import read_spans, roots, trace_file
 
@@ -44,7 +43,7 @@ def question(i: int) -> str:
 
 def _stack(directory: Path, name: str, tracing: bool) -> Stack:
     env = {} if tracing else {"KVMESH_TRACING": "0"}
-    opts = StackOptions(http_port=free_port(), grpc_port=free_port(), cluster=name, env=env)
+    opts = StackOptions(http_port=0, grpc_port=0, cluster=name, env=env)
     return Stack(directory / name, opts)
 
 
@@ -74,14 +73,14 @@ def run(requests: int = 120, max_tokens: int = 4, pause_s: float = 0.25,
             off.start(timeout_s=300)
             for stack in (on, off):
                 for q in ("warm up", "warm up again"):
-                    stream_ttft(stack.opts.http_port, q, 2)
+                    stream_ttft(stack.http_port, q, 2)
             ttft: dict[str, list[float]] = {"on": [], "off": [], "sampled_out": []}
             arms = [("on", on, 0, True), ("off", off, 0, True), ("sampled_out", on, 5000, False)]
             for i in range(requests):
                 for key, stack, shift, sampled in arms[i % 3:] + arms[:i % 3]:
                     time.sleep(pause_s)  # the previous request's write-back and KV events settle first
                     q = question(i + shift)
-                    ttft[key].append(stream_ttft(stack.opts.http_port, q, max_tokens, sampled))
+                    ttft[key].append(stream_ttft(stack.http_port, q, max_tokens, sampled))
             time.sleep(1.0)  # the last spans reach the file
             path = trace_file(on.state_dir)
             spans = read_spans(path)

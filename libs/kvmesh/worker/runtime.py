@@ -22,6 +22,7 @@ from kvmesh.events import AllBlocksCleared, KVEvent
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.keys import block_keys
 from kvmesh.proto.v1 import worker_pb2_grpc
+from kvmesh.ready import binding, report_ready
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.config import TelemetryConfig
 from kvmesh.telemetry.metrics import MetricsServer
@@ -67,7 +68,7 @@ class Worker:
         names = [n for n, on in (("kvmesh.v1.Prefill", self.serves_prefill),
                                  ("kvmesh.v1.Decode", self.serves_decode)) if on]
         self.grpc = ServiceServer(names)
-        self.grpc_address = self.grpc.bind(self.cfg.host, self.cfg.port)
+        self.grpc_address = self.grpc.bind(self.cfg.host, self.cfg.port)  # 0: any free port, read back
         if not self.instance_id:
             self.instance_id = f"{self.cfg.role}-{self.grpc.port}"
         self.bus = await Bus.connect(self.cfg.nats_url, name=self.instance_id)
@@ -76,9 +77,11 @@ class Worker:
         await answer_snapshots(self.bus, self.subjects, self.instance_id, self._snapshot)
         self.transfer_server = None
         if self.serves_decode or self.cfg.cachesvc_address:  # decode intake, and pool fetches land here too
-            self.transfer_server = await TransferServer.start(self.layout, host=self.cfg.host,
-                                                              port=self.cfg.transfer_port,
-                                                              backend=self.cfg.transfer_backend)
+            with binding("transfer", self.cfg.host, self.cfg.transfer_port,
+                         "--transfer-port / KVMESH_TRANSFER_PORT"):
+                self.transfer_server = await TransferServer.start(self.layout, host=self.cfg.host,
+                                                                  port=self.cfg.transfer_port,
+                                                                  backend=self.cfg.transfer_backend)
         self.pool = None
         if self.cfg.cachesvc_address:
             self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server)
@@ -95,6 +98,14 @@ class Worker:
         await self.grpc.set_serving(True)
         log.info("%s serving gRPC on %s (transfer %s), metrics on %s", self.instance_id, self.grpc_address,
                  self.transfer_address or "-", self.metrics_server.url)
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        """What this instance bound (its ready file and ready line)."""
+        out = {"grpc": self.grpc_address, "metrics": self.metrics_server.url if self.metrics_server else ""}
+        if self.transfer_address:
+            out["transfer"] = self.transfer_address
+        return out
 
     @property
     def transfer_address(self) -> str:
@@ -258,13 +269,16 @@ def model_name(source: str | None) -> str:
     return Path(source).stem if Path(source).is_file() else Path(source).name
 
 
-async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig, telemetry_cfg: TelemetryConfig | None = None) -> None:
-    """Run until SIGTERM/SIGINT."""
+async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig, telemetry_cfg: TelemetryConfig | None = None,
+                ready_file: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT. Once serving, report the bound endpoints (``kvmesh.ready``: the ready line,
+    and ``ready_file`` / ``$KVMESH_READY_FILE`` when set)."""
     import signal
 
     worker = Worker(cfg, engine_cfg)
     await worker.start()
     tracing.setup(cfg.role, worker.instance_id, telemetry_cfg)
+    report_ready(worker.instance_id, worker.endpoints, ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
