@@ -2,6 +2,7 @@
 writes."""
 
 import asyncio
+import io
 import json
 from typing import Self
 
@@ -10,7 +11,7 @@ from aiohttp import web
 from kvmesh.bench import serve
 from kvmesh.bench import workloads as wl
 from kvmesh.bench.serve import RunOptions, run_workload
-from kvmesh.bench.stats import SLO
+from kvmesh.bench.stats import SLO, RequestRecord
 
 GAP_S = 0.03
 
@@ -179,3 +180,34 @@ def test_goodput_of_a_run_uses_the_slo():
     result, _ = run(one_phase(chat("a", cid="a"), chat("b", cid="b")))
     assert result.summary(SLO(ttft_s=10, itl_s=10))["slo_met"] == 2
     assert result.summary(SLO(ttft_s=0.001, itl_s=10))["slo_met"] == 0
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _records() -> list[RequestRecord]:
+    return [RequestRecord("c/0", ttft_s=0.1), RequestRecord("c/1", ttft_s=0.3), RequestRecord("c/2", error="boom")]
+
+
+def test_progress_on_a_terminal_shows_done_errors_and_ttft_p50(monkeypatch):
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    bar = serve.Progress(3, "run", enabled=True)
+    for rec in _records():
+        bar.update(rec)
+    bar.close()
+    out = term.getvalue()
+    assert "run" in out and "3/3" in out and "errors 1 TTFT p50 200 ms" in out
+
+
+@pytest.mark.parametrize("enabled, stderr", [(False, _Terminal), (True, io.StringIO)])
+def test_progress_is_silent_when_quiet_or_stderr_is_not_a_terminal(monkeypatch, enabled, stderr):
+    out = stderr()
+    monkeypatch.setattr("sys.stderr", out)
+    bar = serve.Progress(3, "run", enabled=enabled)
+    for rec in _records():
+        bar.update(rec)
+    bar.close()
+    assert out.getvalue() == ""

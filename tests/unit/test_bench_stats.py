@@ -25,6 +25,29 @@ def test_percentile_ignores_input_order_and_handles_one_and_no_values():
     assert math.isnan(percentile([], 50))
 
 
+def test_percentile_is_numpys_linear_method_and_the_old_mesh_definition():
+    import statistics
+
+    import numpy as np
+    from kvmesh.bench.stats import PERCENTILE_METHOD
+
+    xs = [0.31, 0.02, 0.77, 0.5, 0.18, 0.9, 0.45]
+    assert PERCENTILE_METHOD == "linear"
+    for q in (1, 25, 50, 90, 99):
+        assert percentile(xs, q) == pytest.approx(np.percentile(xs, q, method="linear"))
+        assert percentile(xs, q) == pytest.approx(statistics.quantiles(xs, n=100, method="inclusive")[q - 1])
+
+
+def test_percentile_takes_any_iterable_and_returns_a_plain_float():
+    p = percentile((x for x in [4.0, 1.0, 3.0, 2.0]), 50)
+    assert p == 2.5 and type(p) is float
+
+
+def test_quantiles_of_no_values_are_nan_with_count_zero():
+    q = quantiles([])
+    assert q["count"] == 0 and all(math.isnan(q[k]) for k in ("p50", "p90", "p99", "mean", "max"))
+
+
 def test_percentile_outside_0_to_100_is_refused():
     with pytest.raises(ValueError, match="percentile"):
         percentile([1, 2], 101)

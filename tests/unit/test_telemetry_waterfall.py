@@ -146,9 +146,26 @@ def test_html_and_png_timelines_are_written(tmp_path):
     wf = waterfall(spans[0], spans)
     page = render.html_page(wf)
     assert page.startswith("<!doctype html>") and "<svg" in page and "prefill.compute" in page
-    pytest.importorskip("PIL")
+    pytest.importorskip("matplotlib")
     path = render.png(wf, tmp_path / "t.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_timeline_of_a_request_without_a_first_token_is_written_too(tmp_path):
+    pytest.importorskip("matplotlib")
+    spans = [s for s in mesh_request() if s.service != "router"]  # no router span: no TTFT
+    path = render.png(waterfall(None, spans), tmp_path / "t.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_without_matplotlib_says_which_extra_to_install(tmp_path, monkeypatch):
+    import sys
+
+    spans = mesh_request()
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an absent package looks like to import
+    with pytest.raises(RuntimeError, match=r"kvmesh\[plots\]"):
+        render.png(waterfall(spans[0], spans), tmp_path / "t.png")
+    assert not (tmp_path / "t.png").exists()
 
 
 def test_trace_command_prints_the_waterfall_of_a_request(tmp_path, capsys):

@@ -46,6 +46,7 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.report import markdown_table, write_section
+from kvmesh.bench.stats import percentile
 from kvmesh.bus import Bus, KVEventBatch, NatsServer, Subjects
 from kvmesh.events import BlockStored
 from kvmesh.keys import BlockKey
@@ -58,11 +59,6 @@ FETCH_PATHS = (("inline gRPC (baseline)", None), ("transfer engine, tcp", "tcp")
 FETCH_COLUMNS = ["path", "median", "best", "bytes", "vs recompute", "vs inline gRPC"]
 INSTANCES = 4
 SMOLLM2_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # layers x (k, v) x block_size x kv heads x head dim x fp32
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 @contextmanager
@@ -135,7 +131,7 @@ def timed(calls: list[Callable[[], object]]) -> tuple[float, float]:
         t = time.perf_counter()
         call()
         lat.append(time.perf_counter() - t)
-    return pct(lat, 0.5), pct(lat, 0.99)
+    return percentile(lat, 50), percentile(lat, 99)
 
 
 def latency_row(what: str, p50_p99: tuple[float, float], digits: int = 0) -> dict:

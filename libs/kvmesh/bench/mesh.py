@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 from kvmesh.bench.report import markdown_table, write_section
+from kvmesh.bench.stats import percentile, quantiles
 from kvmesh.config import EngineConfig
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.sequence import SamplingParams
@@ -58,10 +58,6 @@ def engine_ttft(engine: LLMEngine, question: str, max_tokens: int) -> float:
     return ttft or 0.0
 
 
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
-
-
 def run(requests: int = 20, max_tokens: int = 8) -> dict:
     qs = prompts(requests)
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,11 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args.requests, args.max_tokens)
     rows = []
     for name, xs in (("engine alone (in process)", res["engine"]), ("mesh (router → prefill → decode)", res["mesh"])):
-        rows.append({"path": name, "TTFT p50 ms": f"{pct(xs, 50) * 1000:.1f}", "TTFT p90 ms": f"{pct(xs, 90) * 1000:.1f}",
-                     "TTFT p99 ms": f"{pct(xs, 99) * 1000:.1f}"})
-    over = pct(res["mesh"], 50) - pct(res["engine"], 50)
+        q = quantiles(xs)
+        rows.append({"path": name, **{f"TTFT {p} ms": f"{q[p] * 1000:.1f}" for p in ("p50", "p90", "p99")}})
+    over = percentile(res["mesh"], 50) - percentile(res["engine"], 50)
     rows.append({"path": "mesh overhead at p50", "TTFT p50 ms": f"+{over * 1000:.1f} "
-                 f"({over / pct(res['engine'], 50) * 100:.0f}%)"})
+                 f"({over / percentile(res['engine'], 50) * 100:.0f}%)"})
     body = (f"{args.requests} short chat prompts (~45 tokens with the template), one at a time, greedy, "
             f"{args.max_tokens} output tokens; default model, 1 thread per engine.\n\n"
             + markdown_table(rows, ["path", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"]))

@@ -18,7 +18,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plots skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        print("plots skipped: matplotlib is not installed (pip install 'kvmesh[plots]')", file=sys.stderr)
         return None
     return plt
 

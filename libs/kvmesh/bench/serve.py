@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+from tqdm import tqdm
 
 from kvmesh.bench import workloads as wl
 from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.stats import SLO, RequestRecord, ms, summarize
+from kvmesh.bench.stats import SLO, RequestRecord, ms, percentile, summarize
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 
@@ -160,39 +161,27 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict, r
 # -- a workload ------------------------------------------------------------------------------------------------
 
 class Progress:
-    """One line on stderr: a bar, done/total, errors, TTFT p50 so far. Redrawn in place on a terminal, else
-    printed at every 10%."""
+    """A tqdm bar on stderr: done/total, rate, errors and TTFT p50 so far. Off when not ``enabled``
+    (``--quiet``) and when stderr is not a terminal."""
 
     def __init__(self, total: int, label: str, enabled: bool = True) -> None:
-        self.total, self.label, self.enabled = max(1, total), label, enabled
-        self.done = self.errors = 0
+        self.bar = tqdm(total=total, desc=label, unit="req", file=sys.stderr, dynamic_ncols=True,
+                        disable=None if enabled else True)  # None: tqdm's "off unless a TTY"
+        self.errors = 0
         self.ttfts: list[float] = []
-        self.tty = sys.stderr.isatty()
-        self._last_decile = -1
 
     def update(self, rec: RequestRecord) -> None:
-        self.done += 1
+        if self.bar.disable:
+            return
         self.errors += not rec.ok
         if rec.ttft_s is not None:
             self.ttfts.append(rec.ttft_s)
-        if not self.enabled:
-            return
-        from kvmesh.bench.stats import percentile
-
-        width = 30
-        filled = width * self.done // self.total
-        p50 = percentile(self.ttfts, 50) if self.ttfts else math.nan
-        line = (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                f"errors {self.errors} TTFT p50 {ms(p50)} ms")
-        if self.tty:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        elif self.done * 10 // self.total != self._last_decile:
-            self._last_decile = self.done * 10 // self.total
-            print(line, file=sys.stderr, flush=True)
+        self.bar.set_postfix_str(f"errors {self.errors} TTFT p50 {ms(percentile(self.ttfts, 50))} ms",
+                                 refresh=False)
+        self.bar.update()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr, flush=True)
+        self.bar.close()
 
 
 async def _model_id(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> str:

@@ -17,7 +17,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 QUANTILES = (50, 90, 99)
+# Every percentile kvmesh reports (bench tables, serve summaries, the progress bar): numpy's default, linear
+# interpolation between the closest ranks (Hyndman & Fan type 7, the same as statistics.quantiles' "inclusive").
+PERCENTILE_METHOD = "linear"
 
 
 @dataclass
@@ -60,18 +65,13 @@ class SLO:
         return tpot is None or tpot <= self.itl_s
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between closest ranks (numpy's default);
-    NaN for no values."""
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (0..100) of ``values``: ``numpy.percentile`` with ``PERCENTILE_METHOD``; NaN for no
+    values."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile must be within [0, 100], not {q}")
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    xs = np.fromiter(values, dtype=float)
+    return float(np.percentile(xs, q, method=PERCENTILE_METHOD)) if xs.size else math.nan
 
 
 def quantiles(values: Iterable[float], qs: Sequence[float] = QUANTILES) -> dict[str, float]:

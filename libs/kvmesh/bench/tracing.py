@@ -27,8 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvmesh.bench.mesh import pct
 from kvmesh.bench.report import markdown_table, write_section
+from kvmesh.bench.stats import percentile
 from kvmesh.launcher import Stack, StackOptions
 from kvmesh.telemetry.spans import read_spans, roots, trace_file
 
@@ -137,16 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     res = run(args.requests, args.max_tokens, args.pause_ms / 1000, args.keep_spans)
     on, off, out = res["on"], res["off"], res["sampled_out"]
-    base = pct(off, 50)
+    base = percentile(off, 50)
     arms = (("off: untraced stack (no SDK)", off), ("sampled out: traced stack, flag 00", out),
             ("on: traced stack, JSONL span file", on))
-    rows = [{"arm": name, "TTFT p50 ms": f"{pct(xs, 50) * 1000:.1f}",
-             "TTFT p90 ms": f"{pct(xs, 90) * 1000:.1f}", "TTFT mean ms": f"{statistics.fmean(xs) * 1000:.1f}"}
+    rows = [{"arm": name, "TTFT p50 ms": f"{percentile(xs, 50) * 1000:.1f}",
+             "TTFT p90 ms": f"{percentile(xs, 90) * 1000:.1f}",
+             "TTFT mean ms": f"{statistics.fmean(xs) * 1000:.1f}"}
             for name, xs in arms]
     verdicts = []
     for name, other, other_name in (("on − off", off, "off"), ("on − sampled out", out, "sampled out")):
         med, mean, half = _paired(on, other)
-        p50 = pct(on, 50) - pct(other, 50)
+        p50 = percentile(on, 50) - percentile(other, 50)
         rows.append({"arm": name, "TTFT p50 ms": f"{p50 * 1000:+.1f} ({p50 / base * 100:+.1f}%)",
                      "TTFT p90 ms": f"median paired {med * 1000:+.1f} ({med / base * 100:+.1f}%)",
                      "TTFT mean ms": f"{mean * 1000:+.1f} ± {half * 1000:.1f} (95% CI, paired)"})

@@ -295,55 +295,58 @@ td,th{{padding:3px 10px;text-align:left;font-size:13px}} tr.dom td{{font-weight:
 
 
 def png(wf: Waterfall, path: str | Path) -> Path:
+    """The HTML view's timeline as a PNG, drawn with matplotlib (the ``plots`` extra): a bar per span in tree
+    order, coloured by service (pale: the whole span; solid: the time it holds on the way to the first token), a
+    dashed line at the first token, the time axis in ms zoomed on TTFT."""
     try:
-        from PIL import Image, ImageDraw, ImageFont
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
     except ImportError as e:
-        raise RuntimeError("--png needs Pillow (pip install pillow); --html needs nothing") from e
-    spans, depth, t0, t1, x = _layout(wf)
-    head = [line.replace("→", "->") for line in header(wf) + _dominant_line(wf)]
-    top = TOP + 16 * len(head)
-    height = top + ROW * len(spans) + 40
-    width = LABEL_W + CHART_W + 70
-    img = Image.new("RGB", (width, height), "white")
-    d = ImageDraw.Draw(img)
-    try:
-        font = ImageFont.load_default(size=12)
-    except TypeError:  # Pillow < 10.1
-        font = ImageFont.load_default()
-    for i, line in enumerate(head):
-        d.text((8, 8 + 16 * i), line, fill="#222", font=font)
+        raise RuntimeError("--png needs matplotlib: pip install 'kvmesh[plots]' (--html needs nothing)") from e
+    spans, depth, t0, t1, _ = _layout(wf)
     crit: dict[str, list[tuple[int, int]]] = {}
     for a, b, s in wf.pieces:
         crit.setdefault(s.span_id, []).append((a, b))
-    for i in range(5):
-        t = t0 + (t1 - t0) * i / 4
-        d.line([(x(t), top - 10), (x(t), height - 30)], fill="#dddddd")
-        d.text((x(t) + 2, top - 24), f"{ms(t - t0)} ms", fill="#666", font=font)
+
+    def at(t: int) -> float:  # ms since the request came in, clipped to the axis
+        return (min(max(t, t0), t1) - t0) / 1e6
+
+    head = header(wf) + _dominant_line(wf)
+    fig = Figure(figsize=(13, 1.6 + 0.3 * len(spans) + 0.2 * len(head)), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     for i, s in enumerate(spans):
-        y = top + i * ROW
         color = _color(s)
-        d.text((4 + 12 * depth[s.span_id], y + 4), s.name, fill="#222", font=font)
-        x0, x1 = x(s.start_ns), max(x(s.start_ns) + 2, x(s.end_ns))
         if s.start_ns < t1:
-            d.rectangle([x0, y + 3, x1, y + ROW - 5], fill=_tint(color), outline=color)
+            ax.barh(i, max(at(s.end_ns) - at(s.start_ns), 1e-3), left=at(s.start_ns), height=0.7,
+                    color=color, alpha=0.35, edgecolor=color)
         for a, b in crit.get(s.span_id, ()):
-            d.rectangle([x(a), y + 3, max(x(a) + 2, x(b)), y + ROW - 5], fill=color)
-        label = (">" if s.end_ns > t1 else "") + ms(s.duration_ns)
-        d.text((min(x1 + 4, width - 60), y + 4), label, fill="#333", font=font)
+            ax.barh(i, at(b) - at(a), left=at(a), height=0.7, color=color)
+        ax.annotate(("▸ " if s.end_ns > t1 else "") + ms(s.duration_ns), (at(s.end_ns), i),
+                    xytext=(4, 0), textcoords="offset points", va="center", fontsize=8, color="#333")
+    handles = [Patch(color=c, label=n) for n, c in SERVICE_COLORS.items() if any(s.service == n for s in spans)]
     if wf.ttft_ns:
-        tx = x(t0 + wf.ttft_ns)
-        d.line([(tx, top - 10), (tx, height - 30)], fill="#e15759", width=2)
-        d.text((tx + 3, height - 26), f"first token ({ms(wf.ttft_ns)} ms)", fill="#e15759", font=font)
+        handles.append(ax.axvline(wf.ttft_ns / 1e6, color="#e15759", linestyle="--", linewidth=2,
+                                  label=f"first token ({ms(wf.ttft_ns)} ms)"))
+    names = ["  " * depth[s.span_id] + s.name for s in spans]
+    ax.set_yticks(range(len(spans)), names, fontfamily="monospace", fontsize=9, ha="left")
+    # left-aligned, so the indent shows the tree: pad by the longest name (monospace, ~0.6 em a character)
+    ax.tick_params(axis="y", pad=8 + 0.62 * 9 * max(map(len, names), default=0))
+    ax.set_ylim(len(spans) - 0.5, -0.5)  # the root on top, as in the tree
+    ax.set_xlim(0, (t1 - t0) / 1e6)
+    ax.set_xlabel("ms since the router received the request")
+    ax.set_ylabel("span")
+    ax.grid(axis="x", color="#ddd")
+    ax.set_axisbelow(True)
+    ax.set_title("\n".join(head), loc="left", fontsize=9, fontfamily="monospace")
+    if handles:
+        ax.legend(handles=handles, loc="lower right", fontsize=8)
     path = Path(path)
-    img.save(path)
+    fig.savefig(path, format="png", dpi=100)
     return path
 
 
 def _dominant_line(wf: Waterfall) -> list[str]:
     dom = wf.dominant
     return [f"dominant: {dom.label}, {ms(dom.ttft_ns)} ms = {dom.share * 100:.0f}% of TTFT"] if dom else []
-
-
-def _tint(hex_color: str, amount: float = 0.65) -> tuple[int, int, int]:
-    r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
-    return tuple(int(c + (255 - c) * amount) for c in (r, g, b))  # type: ignore[return-value]
