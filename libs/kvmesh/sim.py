@@ -39,7 +39,8 @@ class BlockCache:
         priority: int = 0
         priority_until: float = 0.0
         prev_access: float = -math.inf
-        fanout: int = 0
+        fanout: int = 0         # cached children
+        extended: bool = False  # has had a child (not a request's tail)
         next_use: float = math.inf
 
     def __init__(self, capacity: int, eviction: str = "lru") -> None:
@@ -68,6 +69,7 @@ class BlockCache:
             new = e is None
             if (new or parent_new) and parent is not None:  # a new child, or its parent came back
                 items[parent].fanout += 1
+                items[parent].extended = True
             if e is None:
                 e = items[i] = BlockCache.Entry(self.clock, n, parent)
             else:

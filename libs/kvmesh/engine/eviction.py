@@ -13,6 +13,7 @@ tail first (``kvmesh sim``, cachesvc).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
@@ -23,7 +24,8 @@ class Evictable(Protocol):
     priority: int          # retention priority: higher outlives lower (0 = default)
     priority_until: float  # monotonic deadline after which ``priority`` no longer applies (inf = forever)
     # Optional (read with defaults): depth (blocks before it in its chain), fanout (cached children),
-    # prev_access (the access before ``last_access``; -inf when none), next_use (the simulator only).
+    # prev_access (the access before ``last_access``; -inf when none), extended (it has had a child: not a
+    # request's tail), next_use (the simulator only).
 
 
 class EvictionPolicy(Protocol):
@@ -97,7 +99,32 @@ class Belady(Policy):
         return (-item.next_use, -_depth(item))  # type: ignore[attr-defined]
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, Belady)}
+class TailFirst(Policy):
+    """Predicted expiry, learned online: a block is kept for ``f`` × the cache's eviction age (how long blocks
+    have recently lived between their last access and eviction, an online average in the cache's own time
+    unit), counted from its last access; the block whose time is up first goes. ``f`` is 0 for a chain's tail
+    that was never extended or hit (a request's last block, almost never reused under prefix semantics), 1 for
+    any other block, and ``1 + sqrt(hits)`` once it has been hit: reuse earns a longer stay but, unlike SLRU's
+    protected segment, never a permanent one. Keys are fixed when a block is touched, so a heap ranks them."""
+
+    name = "tailfirst"
+
+    def __init__(self, smoothing: float = 0.01) -> None:
+        self.smoothing = smoothing
+        self.eviction_age = 0.0
+
+    def sort_key(self, item: Evictable, now: float) -> tuple:
+        if item.hit_count:
+            stay = 1.0 + math.sqrt(item.hit_count)
+        else:
+            stay = 1.0 if getattr(item, "extended", True) else 0.0
+        return (item.last_access + stay * self.eviction_age, -_depth(item))
+
+    def on_evict(self, item: Evictable, now: float) -> None:
+        self.eviction_age += self.smoothing * (now - item.last_access - self.eviction_age)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, TailFirst, Belady)}
 
 
 def make_policy(name: str, online: bool = True) -> Policy:
