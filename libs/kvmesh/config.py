@@ -25,7 +25,7 @@ class EngineConfig:
     num_blocks: int = 0
     kv_dtype: str = "fp32"            # fp32 | bf16 | fp16 | fp8 (storage; attention computes in `dtype`)
     host_cache_mb: int = 0            # L2 host tier (0 = off)
-    eviction: str = "lru"             # lru | lfu | slru | priority
+    eviction: str = "lru"             # lru | lfu | slru | priority | the others in kvmesh.engine.eviction
     enable_prefix_caching: bool = True
     max_batched_tokens: int = 1024    # token budget of one forward step (chunked prefill)
     max_num_seqs: int = 64            # running sequences at once
@@ -38,11 +38,14 @@ class EngineConfig:
 
     def problems(self) -> list[str]:
         """Every setting that is out of range, each with what to set instead."""
-        from kvmesh.engine.eviction import POLICIES
+        from kvmesh.engine.eviction import make_policy
 
         out = []
-        choices = {"dtype": COMPUTE_DTYPES, "kv_dtype": KV_DTYPES, "attention": ATTENTION,
-                   "eviction": POLICIES}
+        try:
+            make_policy(self.eviction)  # an unknown name, or one that needs the future (belady)
+        except ValueError as e:
+            out.append(str(e))
+        choices = {"dtype": COMPUTE_DTYPES, "kv_dtype": KV_DTYPES, "attention": ATTENTION}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 out.append(f"{name} {getattr(self, name)!r} is unknown; choose one of {sorted(allowed)}")

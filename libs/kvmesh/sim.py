@@ -11,33 +11,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvmesh.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+from kvmesh.engine.eviction import POLICIES
 from kvmesh.engine.eviction import make_policy as make_eviction
+from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.routing import CacheAware, Candidate, CostModel, make_policy
 
 SIM_POLICIES = ("random", "round_robin", "least_loaded", "cache_aware_local", "cache_aware")
 
 
 class BlockCache:
-    """A bounded set of block ids. LRU is exact (ordered dict); other strategies evict in batches of 1% by their
-    sort key, so the simulator uses the same strategy classes as the engine."""
+    """A bounded set of block ids, evicted by the same strategy classes as the engine, exactly (one block at a
+    time, through :class:`EvictionQueue`). Any block may go, as in Mooncake's simulator; the strategies rank a
+    chain's tail first themselves. The clock counts block accesses, so LRU is exact."""
 
-    @dataclass
+    @dataclass(slots=True, eq=False)
     class Entry:
         last_access: float
+        depth: int
+        parent: int | None
         hit_count: int = 0
         priority: int = 0
         priority_until: float = 0.0
+        prev_access: float = -math.inf
+        fanout: int = 0         # cached children
+        extended: bool = False  # has had a child (not a request's tail)
+        next_use: float = math.inf
 
     def __init__(self, capacity: int, eviction: str = "lru") -> None:
         self.capacity = capacity
-        self.strategy = make_eviction(eviction)
-        self.items: OrderedDict[int, BlockCache.Entry] = OrderedDict()
+        self.strategy = make_eviction(eviction, online=False)
+        self.items: dict[int, BlockCache.Entry] = {}
+        self.queue: EvictionQueue[int] = EvictionQueue(self.strategy, self.items.__getitem__)
         self.clock = 0.0
 
     def prefix(self, ids: tuple[int, ...]) -> int:
@@ -48,26 +58,54 @@ class BlockCache:
             n += 1
         return n
 
-    def touch(self, ids: tuple[int, ...], hits: int) -> None:
-        """Insert ``ids`` (the first ``hits`` were cache hits) as most recently used."""
+    def touch(self, ids: tuple[int, ...], hits: int, next_uses: tuple[float, ...] | None = None) -> None:
+        """Insert ``ids`` (the first ``hits`` were cache hits) as most recently used; ``next_uses``: when each is
+        used next (what ``belady`` reads)."""
+        policy, items = self.strategy, self.items
+        parent, parent_new = None, False
         for n, i in enumerate(ids):
             self.clock += 1
-            e = self.items.pop(i, None) or BlockCache.Entry(self.clock)
-            e.last_access = self.clock
-            e.hit_count += n < hits
-            self.items[i] = e
-        if len(self.items) > self.capacity:
-            self._evict(len(self.items) - self.capacity)
+            e = items.get(i)
+            new = e is None
+            if (new or parent_new) and parent is not None:  # a new child, or its parent came back
+                items[parent].fanout += 1
+                items[parent].extended = True
+            if e is None:
+                e = items[i] = BlockCache.Entry(self.clock, n, parent)
+            else:
+                if n < hits:
+                    policy.on_hit(e, self.clock)
+                    e.hit_count += 1
+                e.prev_access, e.last_access = e.last_access, self.clock
+            if next_uses is not None:
+                e.next_use = next_uses[n]
+            parent, parent_new = i, new
+        for i in ids:
+            self.queue.push(i, self.clock)
+        while len(items) > self.capacity:
+            self._evict_one()
 
-    def _evict(self, n: int) -> None:
-        if self.strategy.name == "lru":
-            for _ in range(n):
-                self.items.popitem(last=False)
-            return
-        n = max(n, self.capacity // 100)
-        victims = sorted(self.items.items(), key=lambda kv: self.strategy.sort_key(kv[1], self.clock))[:n]
-        for key, _ in victims:
-            del self.items[key]
+    def _evict_one(self) -> None:
+        victim = self.queue.pop(self.clock)
+        assert victim is not None
+        e = self.items.pop(victim)
+        self.strategy.on_evict(e, self.clock)
+        parent = self.items.get(e.parent) if e.parent is not None else None
+        if parent is not None:
+            parent.fanout = max(0, parent.fanout - 1)
+            self.queue.push(e.parent, self.clock)  # type: ignore[arg-type]
+
+
+def next_uses(trace: list[TraceRequest]) -> list[tuple[float, ...]]:
+    """Per request, per block: the index of the next request that holds the block (``inf``: none)."""
+    out: list[tuple[float, ...]] = [()] * len(trace)
+    seen: dict[int, float] = {}
+    for n in range(len(trace) - 1, -1, -1):
+        ids = trace[n].hash_ids
+        out[n] = tuple(seen.get(i, math.inf) for i in ids)
+        for i in ids:
+            seen[i] = n
+    return out
 
 
 @dataclass
@@ -92,8 +130,11 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
     use_pool = policy == "cache_aware"
     pool = BlockCache(pool_blocks if pool_blocks is not None else capacity_blocks * instances, eviction)
     chooser = CacheAware(cost, use_pool=use_pool) if policy.startswith("cache_aware") else make_policy(policy)
+    future = next_uses(trace) if pool.strategy.offline else None
     ttfts, served_blocks, total_blocks, computed_tokens = [], 0, 0, 0
-    for r in trace:
+    half = len(trace) // 2
+    held_served = held_total = 0
+    for n, r in enumerate(trace):
         t = r.arrival_s * scale
         cands = []
         for inst in insts:
@@ -113,17 +154,23 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
         start = max(t, inst.free_at)
         inst.free_at = start + compute
         ttfts.append(inst.free_at - t)
-        inst.cache.touch(r.hash_ids, local)
+        nexts = future[n] if future is not None else None
+        inst.cache.touch(r.hash_ids, local, nexts)
         if use_pool:
-            pool.touch(r.hash_ids, pool_prefix)
+            pool.touch(r.hash_ids, pool_prefix, nexts)
         served_blocks += min(hit_blocks, len(r.hash_ids))
         total_blocks += len(r.hash_ids)
+        if n >= half:
+            held_served += min(hit_blocks, len(r.hash_ids))
+            held_total += len(r.hash_ids)
         computed_tokens += r.input_length - hit_tokens
     ttfts_sorted = sorted(ttfts)
     slo = slo_ttft_s if slo_ttft_s is not None else 5 * statistics.mean(cost.prefill_s(r.input_length) for r in trace)
     return {
         "policy": policy, "instances": instances, "requests": len(trace), "capacity_blocks": capacity_blocks,
-        "hit_rate": served_blocks / total_blocks if total_blocks else 0.0,
+        "eviction": eviction, "hit_rate": served_blocks / total_blocks if total_blocks else 0.0,
+        "hit_rate_first_half": (served_blocks - held_served) / max(1, total_blocks - held_total),
+        "hit_rate_second_half": held_served / max(1, held_total),
         "ttft_mean_s": statistics.mean(ttfts), "ttft_p50_s": ttfts_sorted[len(ttfts) // 2],
         "ttft_p90_s": ttfts_sorted[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
         "slo_ttft_s": slo, "slo_attainment": sum(x <= slo for x in ttfts) / len(ttfts),
@@ -157,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="cache_aware", choices=SIM_POLICIES + ("all",))
     p.add_argument("--capacity-blocks", type=int, default=6000, help="local cache per instance, 512-token blocks")
     p.add_argument("--pool-blocks", type=int, help="global pool capacity (default: instances × capacity)")
-    p.add_argument("--eviction", default="lru", choices=["lru", "lfu", "slru", "priority"])
+    p.add_argument("--eviction", default="lru", choices=sorted(POLICIES),
+                   help="eviction strategy of every cache (belady: the offline optimum, for reference)")
     p.add_argument("--max-requests", type=int)
     p.add_argument("--prefill-tok-s", type=float, default=CostModel().prefill_tok_per_s,
                    help="calibrated prefill speed of one instance (default: the engine measured here)")

@@ -22,7 +22,7 @@ class CacheServiceConfig:
     metrics_port: int = 0             # Prometheus /metrics (0 = any free port, named in the log)
     durable_name: str = "cachesvc"    # JetStream consumer; one per cachesvc replica
     pool_capacity_mb: int = 256       # DRAM tier size (0 = no DRAM tier)
-    eviction: str = "lru"             # lru | lfu | slru | priority (every tier)
+    eviction: str = "lru"             # lru | lfu | slru | priority | ... (every tier; not belady)
     instance_timeout_s: float = 5.0   # drop an instance's blocks after this long without a heartbeat
     max_message_mb: int = 64          # largest gRPC request/response (PutBlocks/GetBlocks data)
     disk_dir: str = ""                # disk tier directory ("" = no disk tier); survives restarts

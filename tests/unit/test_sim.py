@@ -65,3 +65,17 @@ def test_sim_cli_prints_json(tmp_path, capsys):
     assert main(["--trace", str(path), "--instances", "2", "--policy", "least_loaded", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"hit_rate", "ttft_mean_s", "ttft_p90_s", "slo_attainment"} <= set(out)
+
+
+def test_sim_cli_runs_every_eviction_it_lists(tmp_path, capsys):
+    from kvmesh.engine.eviction import POLICIES
+    from kvmesh.sim import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"timestamp": r.arrival_s * 1000, "input_length": r.input_length,
+                                          "output_length": 5, "hash_ids": list(r.hash_ids)})
+                              for r in shared_prefix_trace(40)))
+    for name in POLICIES:
+        assert main(["--trace", str(path), "--instances", "1", "--policy", "round_robin", "--capacity-blocks",
+                     "8", "--pool-blocks", "0", "--eviction", name, "--json"]) == 0
+        assert 0 <= json.loads(capsys.readouterr().out)["hit_rate"] <= 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvmesh.engine.eviction import LRU, EvictionPolicy, now
+from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
 from kvmesh.engine.sequence import RetentionRange, Sequence
 from kvmesh.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockStored, EventSink, KVEvent
@@ -40,6 +41,8 @@ class Node:
     hit_count: int = 0
     priority: int = 0
     priority_until: float = math.inf
+    depth: int = 0                  # full blocks before it in its chain
+    extended: bool = False          # has had a child (not a request's tail)
 
     @property
     def key(self) -> BlockKey:
@@ -74,6 +77,7 @@ class BlockManager:
         self.host = host
         self.block_size = device.layout.block_size
         self.policy = policy or LRU()
+        self._queue: EvictionQueue[Node] = EvictionQueue(self.policy)  # device nodes that may be evictable
         self.on_event = on_event
         self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks: list[int] = list(range(device.num_blocks - 1, -1, -1))
@@ -141,12 +145,13 @@ class BlockManager:
         fresh = self._allocate(len(to_load) + (1 if m.partial else 0))
         if fresh is None:
             for node in held:
-                node.ref_count -= 1
+                self._unref(node)
             return False
         if to_load:
             self._load_from_host(to_load, fresh[:len(to_load)])
         t = now()
         for node in m.nodes:
+            self.policy.on_hit(node, t)
             node.last_access = t
             node.hit_count += 1
         seq.nodes = list(m.nodes)
@@ -154,8 +159,8 @@ class BlockManager:
         if m.partial:
             private = fresh[-1]
             self.device.copy_tokens(m.partial.block_id, private, self.block_size)  # type: ignore[arg-type]
-            m.partial.ref_count -= 1
             m.partial.last_access = t
+            self._unref(m.partial)
             seq.block_table.append(private)
         seq.num_computed_tokens = m.num_tokens
         seq.num_cached_tokens = m.num_tokens
@@ -225,9 +230,10 @@ class BlockManager:
             node = parent.children.get(block_tokens)
             if node is None:
                 node = Node(block_tokens, parent, chain_key(parent.chain, block_tokens), True,
-                            block_id=seq.block_table[i], last_access=t)
+                            block_id=seq.block_table[i], last_access=t, depth=i)
                 self._drop_partial_siblings(parent, block_tokens)
                 parent.children[block_tokens] = node
+                parent.extended = True
                 self._device_nodes.add(node)
                 stored.append(node.key)
             elif node.block_id is None:  # only on the host: our fresh copy becomes the device copy
@@ -251,8 +257,8 @@ class BlockManager:
         self.cache_computed_blocks(seq)
         t = now()
         for node in seq.nodes:
-            node.ref_count -= 1
             node.last_access = t
+            self._unref(node)
         private = seq.block_table[len(seq.nodes):]
         tail = seq.num_computed_tokens - len(seq.nodes) * self.block_size
         if private and 0 < tail < self.block_size and self.enable_prefix_caching:
@@ -288,6 +294,7 @@ class BlockManager:
         node = Node(tokens, parent, 0, False, block_id=block_id, last_access=t)
         parent.children[tokens] = node
         self._device_nodes.add(node)
+        self._queue.push(node, t)
 
     def _drop_partial_siblings(self, parent: Node, tokens: tuple[int, ...]) -> None:
         dominated = [c for c in parent.children.values()
@@ -305,25 +312,28 @@ class BlockManager:
         return [self.free_blocks.pop() for _ in range(n)]
 
     def evict(self, n: int) -> int:
-        """Free ``n`` device blocks from unreferenced cached nodes, in the policy's order."""
+        """Free ``n`` device blocks from unreferenced cached nodes, in the policy's order (O(log n) each: the
+        queue holds the nodes that were evictable when last touched; one that no longer is leaves it until its
+        last reader or last child goes, which pushes it again)."""
         freed = 0
+        t = now()
         while freed < n:
-            t = now()
-            candidates = [x for x in self._device_nodes
-                          if x.ref_count == 0 and (self.host is not None or not x.children)]
-            if not candidates:
+            node = self._queue.pop(t, self._evictable)
+            if node is None:
                 break
-            candidates.sort(key=lambda x: self.policy.sort_key(x, t))
-            progressed = False
-            for node in candidates:
-                if freed >= n:
-                    break
-                if self._evict_from_device(node):
-                    freed += 1
-                    progressed = True
-            if not progressed:
-                break
+            self.policy.on_evict(node, t)
+            if self._evict_from_device(node):
+                freed += 1
         return freed
+
+    def _evictable(self, node: Node) -> bool:
+        return (node.block_id is not None and node.ref_count == 0
+                and (self.host is not None or not node.children))
+
+    def _unref(self, node: Node) -> None:
+        node.ref_count -= 1
+        if node.ref_count == 0 and node.block_id is not None:
+            self._queue.push(node, node.last_access)
 
     def _evict_from_device(self, node: Node) -> bool:
         if node.full and self.host is not None and self._make_host_room():
@@ -380,6 +390,10 @@ class BlockManager:
     def _delete(self, node: Node) -> None:
         assert not node.children and node.ref_count == 0 and node.parent is not None
         del node.parent.children[node.tokens]
+        self._queue.discard(node)
+        parent = node.parent
+        if not parent.children and parent.ref_count == 0 and parent.block_id is not None:
+            self._queue.push(parent, parent.last_access)  # a leaf now: evictable without a host tier
         tier = TIER_DEVICE
         if node.block_id is not None:
             self.free_blocks.append(node.block_id)

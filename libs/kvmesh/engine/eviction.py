@@ -1,11 +1,19 @@
 """Eviction strategies: each is one method returning a sort key; the smallest key is evicted first.
 
 Adding a policy is adding a small class (SGLang's ``get_priority`` idea). The objects being ranked only need the
-attributes of :class:`Evictable`.
+attributes of :class:`Evictable`; a cache that cannot see one (cachesvc does not know a block's depth) leaves its
+default. Learned strategies also hear of every hit and eviction (``on_hit`` / ``on_evict``, no-ops elsewhere);
+that feedback is all they train on, so they need no knowledge of the future. ``belady`` is the exception: it
+reads ``next_use``, which only the simulator knows, and live caches refuse it (:func:`make_policy`).
+
+Prefix semantics: a block is only useful while its whole chain in front of it is cached, so every strategy ranks
+a chain's tail before its head on ties, and the caches only evict leaves (the engine's radix tree) or take the
+tail first (``kvmesh sim``, cachesvc).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
@@ -15,29 +23,55 @@ class Evictable(Protocol):
     hit_count: int
     priority: int          # retention priority: higher outlives lower (0 = default)
     priority_until: float  # monotonic deadline after which ``priority`` no longer applies (inf = forever)
+    # Optional (read with defaults): depth (blocks before it in its chain), fanout (cached children),
+    # prev_access (the access before ``last_access``; -inf when none), extended (it has had a child: not a
+    # request's tail), next_use (the simulator only).
 
 
 class EvictionPolicy(Protocol):
     name: str
 
     def sort_key(self, item: Evictable, now: float) -> tuple: ...
+    def on_hit(self, item: Evictable, now: float) -> None: ...
+    def on_evict(self, item: Evictable, now: float) -> None: ...
 
 
-class LRU:
+class Policy:
+    """Base of the strategies here: no feedback, online."""
+
+    name = ""
+    offline = False    # needs the future (``next_use``): the simulator only
+    dynamic = False    # keys drift as the strategy learns: a queue re-ranks an item before evicting it
+
+    def sort_key(self, item: Evictable, now: float) -> tuple:
+        raise NotImplementedError
+
+    def on_hit(self, item: Evictable, now: float) -> None:
+        """``item`` is about to be hit (called before its ``last_access`` / ``hit_count`` change)."""
+
+    def on_evict(self, item: Evictable, now: float) -> None:
+        """``item`` is leaving the cache."""
+
+
+def _depth(item: Evictable) -> int:
+    return getattr(item, "depth", 0)
+
+
+class LRU(Policy):
     name = "lru"
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         return (item.last_access,)
 
 
-class LFU:
+class LFU(Policy):
     name = "lfu"
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         return (item.hit_count, item.last_access)
 
 
-class SLRU:
+class SLRU(Policy):
     """Segmented LRU: blocks hit at least twice sit in the protected segment and go after all probation ones."""
 
     name = "slru"
@@ -46,7 +80,7 @@ class SLRU:
         return (item.hit_count >= 2, item.last_access)
 
 
-class PriorityLRU:
+class PriorityLRU(Policy):
     """TensorRT-LLM-style retention priority: a higher priority outlives lower ones until its duration ends."""
 
     name = "priority"
@@ -56,14 +90,60 @@ class PriorityLRU:
         return (priority, item.last_access)
 
 
-POLICIES: dict[str, type] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU)}
+class Belady(Policy):
+    """The offline optimum (Belady's MIN): evict the block used again farthest in the future, a chain's tail
+    before its head on ties. Needs ``next_use`` (``inf`` = never), which only ``kvmesh sim`` can fill in."""
+
+    name = "belady"
+    offline = True
+
+    def sort_key(self, item: Evictable, now: float) -> tuple:
+        return (-item.next_use, -_depth(item))  # type: ignore[attr-defined]
 
 
-def make_policy(name: str) -> EvictionPolicy:
+class TailFirst(Policy):
+    """Predicted expiry, learned online: a block is kept for ``f`` × the cache's eviction age (how long blocks
+    have recently lived between their last access and eviction, an online average in the cache's own time
+    unit), counted from its last access; the block whose time is up first goes. ``f`` is 0 for a chain's tail
+    that was never extended or hit (a request's last block, almost never reused under prefix semantics), 1 for
+    any other block, and ``1 + sqrt(hits)`` once it has been hit: reuse earns a longer stay but, unlike SLRU's
+    protected segment, never a permanent one. Keys are fixed when a block is touched, so a heap ranks them."""
+
+    name = "tailfirst"
+
+    def __init__(self, smoothing: float = 0.01) -> None:
+        self.smoothing = smoothing
+        self.eviction_age = 0.0
+
+    def sort_key(self, item: Evictable, now: float) -> tuple:
+        if item.hit_count:
+            stay = 1.0 + math.sqrt(item.hit_count)
+        else:
+            stay = 1.0 if getattr(item, "extended", True) else 0.0
+        return (item.last_access + stay * self.eviction_age, -_depth(item))
+
+    def on_evict(self, item: Evictable, now: float) -> None:
+        self.eviction_age += self.smoothing * (now - item.last_access - self.eviction_age)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, TailFirst, Belady)}
+
+
+def make_policy(name: str, online: bool = True) -> Policy:
+    """A fresh strategy object (learned ones keep state: one object per cache, shared by its tiers).
+    ``online``: refuse a strategy that needs the future."""
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    if online and cls.offline:
+        raise ValueError(f"eviction {name!r} needs the future (when each block is used next) and is for "
+                         f"`kvmesh sim` only; choose one of {sorted(n for n, p in POLICIES.items() if not p.offline)}")
+    return cls()
+
+
+def online_policies() -> list[str]:
+    return sorted(n for n, p in POLICIES.items() if not p.offline)
 
 
 def now() -> float:

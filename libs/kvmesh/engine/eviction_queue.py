@@ -1,0 +1,72 @@
+"""An eviction queue: the cached items ranked by a strategy's sort key, in a binary heap with lazy invalidation.
+
+``push`` (re)ranks an item after it changed (O(log n)); ``discard`` forgets it (O(1): its heap entries go stale
+and are dropped when they surface); ``pop`` takes the lowest-ranked item that ``eligible`` accepts (O(log n)
+amortised). Items ``eligible`` turns down leave the queue, so the caller pushes them again once they can go
+(the engine: when a block's last reader or last child leaves). A ``dynamic`` strategy's keys drift between
+pushes; ``pop`` re-ranks the top item before taking it, so what goes is ranked by the strategy as it is now.
+
+Not thread-safe: one owner (the engine thread, the pool's storage thread, the simulator).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+from kvmesh.engine.eviction import Evictable, EvictionPolicy
+
+T = TypeVar("T", bound=Hashable)
+
+
+class EvictionQueue(Generic[T]):
+    def __init__(self, policy: EvictionPolicy, state: Callable[[T], Evictable] | None = None) -> None:
+        """``state`` maps an item to what the strategy ranks (default: the item itself)."""
+        self.policy = policy
+        self.state = state or (lambda item: item)  # type: ignore[assignment, return-value]
+        self.dynamic = getattr(policy, "dynamic", False)
+        self._heap: list[tuple[tuple, int, T]] = []
+        self._live: dict[T, int] = {}   # item -> the sequence number of its current heap entry
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, item: T) -> bool:
+        return item in self._live
+
+    def push(self, item: T, now: float) -> None:
+        # Later pushes go first on equal keys (-seq): a chain's blocks are pushed head to tail, so its tail goes
+        # before its head.
+        seq = -next(self._seq)
+        self._live[item] = seq
+        heapq.heappush(self._heap, (self.policy.sort_key(self.state(item), now), seq, item))
+        if len(self._heap) > 2 * len(self._live) + 1024:
+            self._compact()
+
+    def discard(self, item: T) -> None:
+        self._live.pop(item, None)
+
+    def pop(self, now: float, eligible: Callable[[T], bool] | None = None) -> T | None:
+        heap, live = self._heap, self._live
+        while heap:
+            key, seq, item = heap[0]
+            if live.get(item) != seq:
+                heapq.heappop(heap)
+                continue
+            if self.dynamic:
+                fresh = self.policy.sort_key(self.state(item), now)
+                if fresh > key:  # ranks higher now: put it back where it belongs and look again
+                    heapq.heapreplace(heap, (fresh, seq, item))
+                    continue
+            heapq.heappop(heap)
+            del live[item]
+            if eligible is None or eligible(item):
+                return item
+        return None
+
+    def _compact(self) -> None:
+        self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+        heapq.heapify(self._heap)

@@ -1,0 +1,124 @@
+"""Eviction strategies' orderings, the eviction queue, and the simulator's Belady against a brute-force optimum."""
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import pytest
+from kvmesh.bench.trace import TraceRequest
+from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, TailFirst, make_policy
+from kvmesh.engine.eviction_queue import EvictionQueue
+from kvmesh.sim import BlockCache, next_uses
+
+
+@dataclass(eq=False)
+class B:
+    last_access: float
+    hit_count: int = 0
+    priority: int = 0
+    priority_until: float = 0.0
+    depth: int = 0
+    extended: bool = True
+    next_use: float = math.inf
+
+
+def order(policy, blocks, now=100.0):
+    q = EvictionQueue(policy)
+    for b in blocks:
+        q.push(b, now)
+    return [q.pop(now) for _ in blocks]
+
+
+def test_lru_evicts_the_least_recent_first():
+    a, b, c = B(3), B(1), B(2)
+    assert order(LRU(), [a, b, c]) == [b, c, a]
+
+
+def test_lfu_evicts_the_least_hit_first():
+    a, b = B(1, hit_count=3), B(2, hit_count=0)
+    assert order(LFU(), [a, b]) == [b, a]
+
+
+def test_slru_protects_blocks_hit_twice():
+    a, b = B(1, hit_count=2), B(2, hit_count=1)
+    assert order(SLRU(), [a, b]) == [b, a]
+
+
+def test_tailfirst_evicts_an_unextended_tail_before_older_blocks():
+    p = TailFirst()
+    p.eviction_age = 10.0
+    tail, old_mid = B(5, extended=False), B(1)
+    assert order(p, [old_mid, tail]) == [tail, old_mid]
+
+
+def test_tailfirst_hits_buy_a_longer_but_bounded_stay():
+    p = TailFirst()
+    p.eviction_age = 10.0
+    hit, fresh, ancient_hit = B(5, hit_count=1), B(5), B(-100, hit_count=4)
+    assert order(p, [hit, fresh, ancient_hit]) == [ancient_hit, fresh, hit]
+
+
+def test_tailfirst_learns_the_eviction_age_online():
+    p = TailFirst(smoothing=0.5)
+    p.on_evict(B(0), 8.0)
+    assert p.eviction_age == 4.0
+
+
+def test_belady_evicts_the_farthest_next_use_and_the_deeper_block_on_ties():
+    near, far, head, tail = B(0, next_use=3), B(0, next_use=9), B(0, next_use=5), B(0, depth=2, next_use=5)
+    assert order(Belady(), [near, far, head, tail]) == [far, tail, head, near]
+
+
+def test_belady_is_refused_outside_the_simulator():
+    with pytest.raises(ValueError, match="needs the future"):
+        make_policy("belady")
+    from kvmesh.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kvmesh sim"):
+        EngineConfig(eviction="belady")
+
+
+def test_queue_skips_ineligible_items_and_forgets_discarded_ones():
+    a, b, c = B(1), B(2), B(3)
+    q = EvictionQueue(LRU())
+    for x in (a, b, c):
+        q.push(x, 0)
+    q.discard(a)
+    assert q.pop(0, eligible=lambda x: x is not b) is c and len(q) == 0
+
+
+def _replay(trace, cache):
+    hits = total = 0
+    future = next_uses(trace)
+    for n, r in enumerate(trace):
+        h = cache.prefix(r.hash_ids)
+        hits, total = hits + h, total + len(r.hash_ids)
+        cache.touch(r.hash_ids, h, future[n])
+    return hits
+
+
+def _brute_force(trace, capacity):
+    """Best total hits over every choice of what to keep after each request (prefix hits)."""
+    best = {frozenset(): 0}
+    for r in trace:
+        nxt = {}
+        for kept, score in best.items():
+            h = 0
+            for i in r.hash_ids:
+                if i not in kept:
+                    break
+                h += 1
+            pool = sorted(kept | set(r.hash_ids))
+            for k in range(min(capacity, len(pool)) + 1):
+                for keep in itertools.combinations(pool, k):
+                    s = frozenset(keep)
+                    nxt[s] = max(nxt.get(s, -1), score + h)
+        best = nxt
+    return max(best.values())
+
+
+def test_simulator_belady_matches_the_brute_force_optimum_on_a_tiny_trace():
+    ids = [(0, 1, 2), (0, 3), (0, 1, 4), (0, 3, 5), (0, 1, 2), (0, 3, 5), (0, 1, 4)]
+    trace = [TraceRequest(n, 512 * len(x), 1, x) for n, x in enumerate(ids)]
+    for capacity in (2, 3, 4):
+        assert _replay(trace, BlockCache(capacity, "belady")) == _brute_force(trace, capacity)
