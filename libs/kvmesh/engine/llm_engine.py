@@ -12,17 +12,19 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.events import EventSink
+from kvmesh.contracts.keys import Namespace, block_keys
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.eviction import make_policy
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVLayout
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.sampling import make_generator, sample
 from kvmesh.engine.scheduler import Scheduler
-from kvmesh.engine.sequence import RetentionRange, SamplingParams, Sequence, Status
-from kvmesh.events import EventSink
-from kvmesh.keys import Namespace, block_keys
+from kvmesh.engine.sequence import RetentionRange, Sequence, Status
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

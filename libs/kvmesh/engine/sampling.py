@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.engine.sequence import SamplingParams
+from kvmesh.contracts.sampling import SamplingParams
 
 
 def make_generator(params: SamplingParams, position: int) -> torch.Generator | None:

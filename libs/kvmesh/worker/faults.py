@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from kvmesh.transfer import TransferClient
 from kvmesh.transfer.backends import Backend, Staged
 
@@ -20,12 +18,12 @@ class FaultyTransferClient(TransferClient):
         super().__init__()
         self.corrupt = corrupt
 
-    def _stage(self, backend: Backend, payload: torch.Tensor, local_host: str) -> Staged:
+    def _stage(self, backend: Backend, payload: memoryview, local_host: str) -> Staged:
         if self.corrupt > 0:
             self.corrupt -= 1
-            payload = payload.clone()
-            raw = payload.view(-1).view(torch.uint8)
-            raw[raw.numel() // 2] ^= 0x5A
+            raw = bytearray(payload)
+            raw[len(raw) // 2] ^= 0x5A
+            payload = memoryview(raw)
         return super()._stage(backend, payload, local_host)
 
 

@@ -13,9 +13,10 @@ import time
 import grpc
 from opentelemetry.trace import SpanKind, StatusCode
 
-from kvmesh.bus import KVReady
-from kvmesh.convert import layout_to_dict, sampling_from_proto
+from kvmesh.contracts.messages import KVReady
+from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engine.async_engine import RequestTiming
+from kvmesh.engine.kv_cache import block_bytes
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
@@ -83,7 +84,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         transfer_id = f"{work.request_id}@{w.instance_id}"
         ready = KVReady(request_id=work.request_id, decode_instance=request.decode_instance,
                         transfer_id=transfer_id, block_keys=tuple(kv.block_keys), num_tokens=kv.num_tokens,
-                        first_token=first_token, layout=layout_to_dict(w.layout), prefill_instance=w.instance_id)
+                        first_token=first_token, layout=w.layout, prefill_instance=w.instance_id)
         push = tracing.start("kv.push", span, SpanKind.CLIENT,
                              {**attrs, "kvmesh.decode_instance": request.decode_instance,
                               "kvmesh.transfer_backend": w.cfg.transfer_backend,
@@ -93,8 +94,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             await w.announce(ready, span)
             await self.stalls.stall()
         try:
-            stats = await self.transfer.push(request.decode_transfer_address, transfer_id, w.layout, kv.blocks,
-                                             kv.block_keys, kv.num_tokens)
+            stats = await self.transfer.push(request.decode_transfer_address, transfer_id, w.layout,
+                                             block_bytes(kv.blocks), kv.block_keys, kv.num_tokens)
         except Exception as e:  # noqa: BLE001 - any push failure is reported to decode, which recomputes
             log.warning("request %s (trace %s): KV push to %s failed: %s", work.request_id, tracing.trace_id(span),
                         request.decode_instance, e)
