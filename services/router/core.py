@@ -19,8 +19,8 @@ from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady
 from kvmesh.contracts.sampling import SamplingParams, sampling_to_proto
-from kvmesh.engine.loader import resolve_model
-from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.model_source.resolve import resolve_model
+from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
 from kvmesh.telemetry import tracing
