@@ -95,7 +95,7 @@ class Router:
             await ch.close()
 
     async def _on_heartbeat(self, beat: Heartbeat, headers: dict[str, str]) -> None:
-        if beat.role in ("prefill", "decode", "both"):
+        if beat.role.is_engine:
             self.registry.observe(beat)
 
     def _channel(self, address: str) -> grpc.aio.Channel:

@@ -17,6 +17,7 @@ from kvmesh.bus.snapshot import answer_snapshots
 from kvmesh.bus.tracing import trace_context
 from kvmesh.config import EngineConfig
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
+from kvmesh.contracts.ids import Role
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady
 from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
@@ -52,11 +53,11 @@ class Worker:
 
     @property
     def serves_prefill(self) -> bool:
-        return self.cfg.role in ("prefill", "both")
+        return self.cfg.role in (Role.PREFILL, Role.BOTH)
 
     @property
     def serves_decode(self) -> bool:
-        return self.cfg.role in ("decode", "both")
+        return self.cfg.role in (Role.DECODE, Role.BOTH)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
