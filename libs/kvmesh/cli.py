@@ -25,7 +25,7 @@ def _build_engine(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvmesh.engine.sequence import SamplingParams
+    from kvmesh.contracts.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

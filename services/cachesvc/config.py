@@ -9,8 +9,8 @@ from typing import Any
 
 from kvmesh import config
 from kvmesh.bus import Subjects
+from kvmesh.contracts.ids import TransferBackend, choices
 from kvmesh.engine.eviction import make_policy
-from kvmesh.transfer.backends import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,9 @@ class CacheServiceConfig:
                              "and mooncake_segment_mb 0 (lend none) or >= 16")
         if self.mooncake_manifest_s <= 0:
             raise ValueError(f"mooncake_manifest_s must be > 0 seconds, got {self.mooncake_manifest_s}")
-        if self.transfer_backend not in BACKENDS:
-            raise ValueError(f"transfer_backend {self.transfer_backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.transfer_backend not in choices(TransferBackend):
+            raise ValueError(f"transfer_backend {self.transfer_backend!r} is not one of "
+                             f"{', '.join(choices(TransferBackend))}")
         if not 0 <= self.transfer_port < 65536:
             raise ValueError(f"transfer_port must be in [0, 65535], got {self.transfer_port}")
         if self.transfer_timeout_s <= 0 or self.transfer_buffer_mb < 1 or self.max_transfer_mb < 1:

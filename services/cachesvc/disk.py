@@ -18,8 +18,6 @@ Small segments make this closer to per-block eviction; large ones make reads and
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import struct
@@ -28,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import EvictionPolicy
-from kvmesh.engine.kv_cache import KVLayout
 
 from services.cachesvc.store import Evicted, PoolFull, Retention, StoredBlock, Usage
 
@@ -55,10 +53,6 @@ class _Segment:
     size: int = 0
     records: list[tuple[int, KVLayout]] = field(default_factory=list)
     fd: int = -1             # read fd (append fd for the active segment)
-
-
-def encode_layout(layout: KVLayout) -> bytes:
-    return json.dumps(dataclasses.asdict(layout), sort_keys=True, separators=(",", ":")).encode()
 
 
 def encode_record(layout_bytes: bytes, block: StoredBlock) -> bytes:
@@ -108,7 +102,7 @@ class DiskTier:
     # -- writing ---------------------------------------------------------------------------------------------
 
     def put(self, layout: KVLayout, blocks: Sequence[StoredBlock], retention: Retention) -> list[Evicted]:
-        layout_bytes = encode_layout(layout)
+        layout_bytes = layout.to_json()
         records = [encode_record(layout_bytes, b) for b in blocks]
         need = sum(map(len, records))
         if need > self.capacity_bytes:
@@ -297,7 +291,7 @@ class DiskTier:
                 key, layout, record = last
                 if xxhash.xxh3_64_intdigest(os.pread(f.fileno(), record.length, record.offset)) != record.checksum:
                     self._forget(key, layout)
-                    offset = record.offset - HEADER.size - len(encode_layout(layout))
+                    offset = record.offset - HEADER.size - len(layout.to_json())
         if offset < size:
             log.warning("disk tier: %s has a torn or corrupt tail at byte %d of %d; truncated",
                         seg.path.name, offset, size)
@@ -308,7 +302,7 @@ class DiskTier:
         layout = self._layouts.get(layout_bytes)
         if layout is None:
             try:
-                layout = KVLayout(**json.loads(layout_bytes))
+                layout = KVLayout.from_json(layout_bytes)
             except (ValueError, TypeError):
                 return None
             self._layouts[layout_bytes] = layout

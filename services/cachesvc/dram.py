@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import EvictionPolicy
-from kvmesh.engine.kv_cache import KVLayout
 
 from services.cachesvc.store import Evicted, PoolFull, Retention, StoredBlock, Usage, pick_victims
 

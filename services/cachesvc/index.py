@@ -16,8 +16,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from kvmesh.bus import KVEventBatch
-from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.contracts.messages import KVEventBatch
 
 log = logging.getLogger(__name__)
 

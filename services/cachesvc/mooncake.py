@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import EvictionPolicy
-from kvmesh.engine.kv_cache import KVLayout
 
-from services.cachesvc.disk import encode_layout
 from services.cachesvc.store import (
     Evicted,
     PoolFull,
@@ -149,7 +148,7 @@ class MooncakeTier:
     def _name(self, layout: KVLayout, key: int) -> str:
         layout_id = self._layout_ids.get(layout)
         if layout_id is None:
-            layout_id = self._layout_ids[layout] = xxhash.xxh3_64_hexdigest(encode_layout(layout))
+            layout_id = self._layout_ids[layout] = xxhash.xxh3_64_hexdigest(layout.to_json())
         return f"{self.namespace}/{layout_id}/{key:016x}"
 
     def put(self, layout: KVLayout, blocks: Sequence[StoredBlock], retention: Retention) -> list[Evicted]:
@@ -233,7 +232,7 @@ class MooncakeTier:
         generation = self._generation + 1
         names = [f"{self.manifest}/{generation}/{i}" for i in range(len(chunks))]
         header = json.dumps({"version": MANIFEST_VERSION, "generation": generation, "entries": len(entries),
-                             "layouts": [json.loads(encode_layout(layout)) for layout in layouts],
+                             "layouts": [layout.to_dict() for layout in layouts],
                              "chunks": [xxhash.xxh3_64_intdigest(c) for c in chunks]}).encode()
         rc = self.store.upsert_batch(names, chunks, self.pin) if chunks else 0
         if rc == 0:
@@ -279,7 +278,7 @@ class MooncakeTier:
         head = json.loads(header)
         if head.get("version") != MANIFEST_VERSION:
             raise ValueError(f"version {head.get('version')!r}, expected {MANIFEST_VERSION}")
-        layouts = [KVLayout(**fields) for fields in head["layouts"]]
+        layouts = [KVLayout.from_dict(fields) for fields in head["layouts"]]
         generation = int(head["generation"])
         names = [f"{self.manifest}/{generation}/{i}" for i in range(len(head["chunks"]))]
         chunks = self.store.get_batch(names) if names else []

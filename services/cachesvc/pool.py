@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import xxhash
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.eviction import now as monotonic
-from kvmesh.engine.kv_cache import KVLayout
 
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.disk import DiskTier

@@ -18,8 +18,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from kvmesh.bus import KVEventBatch
 from kvmesh.bus.snapshot import Snapshot
+from kvmesh.contracts.messages import KVEventBatch
 
 from services.cachesvc.index import BlockIndex, Order
 

@@ -25,22 +25,22 @@ from typing import Any, TypeVar
 
 import grpc
 import nats.js.errors
-import torch
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvmesh import tls
-from kvmesh.bus import Bus, Heartbeat, KVEventBatch, Message, Subjects
+from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
-from kvmesh.engine.kv_cache import KVLayout, storage_dtype
-from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.layout import KVLayout, layout_mismatch
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch, Message
+from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
 from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
-from kvmesh.transfer.header import layout_mismatch
-from kvmesh.transfer.wire import parse_address, tensor_bytes
+from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
 from services.cachesvc.config import CacheServiceConfig
@@ -63,16 +63,10 @@ class TransferFailed(RuntimeError):
     """Block bytes did not move: a push that failed or timed out, or pushed blocks that never arrived."""
 
 
-def layout_from_proto(msg: common_pb2.BlockLayout) -> KVLayout:
-    return KVLayout(model_fingerprint=msg.model_fingerprint, num_layers=msg.num_layers,
-                    num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, block_size=msg.block_size,
-                    dtype=msg.dtype, layout=msg.layout, tp_rank=msg.tp_rank, tp_size=msg.tp_size)
-
-
 def _request_layout(request: Any) -> KVLayout:
     if not request.HasField("layout"):
         raise ValueError("layout is required: set the BlockLayout the blocks were written with")
-    return layout_from_proto(request.layout)
+    return KVLayout.from_proto(request.layout)
 
 
 # What a caller (or a peer) got wrong: each ends the call with a status whose message says what to fix, and the
@@ -122,14 +116,13 @@ def add_cache_service(servicer: CacheService, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def _as_blocks(layout: KVLayout, blocks: list[StoredBlock]) -> torch.Tensor:
-    """``blocks`` back to back in one fresh buffer, as ``[n, *layout.block_shape]`` in the storage dtype."""
+def _joined(layout: KVLayout, blocks: list[StoredBlock]) -> memoryview:
+    """``blocks`` back to back in one fresh buffer (what a push sends)."""
     nbytes = layout.block_nbytes
-    buf = torch.empty(len(blocks) * nbytes, dtype=torch.uint8)
-    view = tensor_bytes(buf)
+    view = memoryview(bytearray(len(blocks) * nbytes))
     for i, b in enumerate(blocks):
         view[i * nbytes:(i + 1) * nbytes] = b.data
-    return buf.view(storage_dtype(layout.dtype)).view(len(blocks), *layout.block_shape)
+    return view
 
 
 def _lease_s(value: float, max_lease_s: float, required: bool) -> float:
@@ -180,7 +173,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.server.metrics.bytes.labels("put").inc(len(data))
         return cache_pb2.PutBlocksResponse(stored=result.stored, skipped=result.skipped)
 
-    async def _take_pushed(self, transfer_id: str, layout: KVLayout, keys: list[int],
+    async def _take_pushed(self, transfer_id: str, layout: KVLayout, keys: list[BlockKey],
                            checksums: list[int]) -> memoryview:
         """The bytes pushed under ``transfer_id``, once they match the request's layout, keys and checksums
         (the transfer server verified the bytes against the checksums pushed with them: no hashing again)."""
@@ -197,15 +190,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if got.layout != layout:
             raise LayoutMismatch(f"transfer {transfer_id} carried another layout than PutBlocks names "
                                  f"({layout_mismatch(layout, got.layout)}); push and put with the same layout")
-        if list(got.block_keys) != keys or got.blocks.shape[0] != len(keys):
-            raise ValueError(f"transfer {transfer_id} carried {got.blocks.shape[0]} blocks with other keys than the "
+        if list(got.block_keys) != keys or got.num_blocks != len(keys):
+            raise ValueError(f"transfer {transfer_id} carried {got.num_blocks} blocks with other keys than the "
                              f"{len(keys)} block_keys of PutBlocks; push exactly the blocks you put")
         bad = [i for i, (pushed, put) in enumerate(zip(got.checksums, checksums, strict=True))
                if pushed != put]
         if bad:
             raise ValueError(f"blocks {bad} of transfer {transfer_id} fail their checksums: the bytes pushed "
                              "are not the blocks PutBlocks names; nothing was stored")
-        return tensor_bytes(got.blocks)
+        return got.data
 
     @_statuses
     async def GetBlocks(self, request: cache_pb2.GetBlocksRequest,
@@ -236,10 +229,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         parse_address(request.transfer_address)  # ValueError saying what a transfer address looks like
         timeout = self.cfg.transfer_timeout_s
 
-        def get() -> tuple[GetResult, torch.Tensor | None]:  # on the storage thread: the copy too
+        def get() -> tuple[GetResult, memoryview | None]:  # on the storage thread: the copy too
             got = self.pool.get(layout, request.block_keys, self.cfg.max_transfer_mb << 20,
                                 lease_s or 2 * timeout)
-            return got, _as_blocks(layout, got.blocks) if got.blocks else None
+            return got, _joined(layout, got.blocks) if got.blocks else None
 
         got, blocks = await self._storage(get)
         try:
@@ -249,14 +242,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         finally:
             if got.lease_id and not lease_s:
                 await self._storage(self.pool.leases.release, got.lease_id)
-        self.server.metrics.bytes.labels("get").inc(0 if blocks is None else blocks.numel() * blocks.element_size())
+        self.server.metrics.bytes.labels("get").inc(0 if blocks is None else len(blocks))
         keep = bool(lease_s and got.lease_id)
         return cache_pb2.GetBlocksResponse(
             block_keys=[b.key for b in got.blocks], checksums=[b.checksum for b in got.blocks], tiers=got.tiers,
             lease_id=got.lease_id if keep else 0, leased_blocks=got.leased if keep else 0)
 
-    async def _push(self, address: str, transfer_id: str, layout: KVLayout, blocks: torch.Tensor,
-                    keys: list[int], checksums: list[int]) -> None:
+    async def _push(self, address: str, transfer_id: str, layout: KVLayout, blocks: memoryview,
+                    keys: list[BlockKey], checksums: list[int]) -> None:
         """Push ``blocks`` with the checksums stored with them: the reader verifies the bytes against those,
         so a block damaged in storage or on the way is caught there, and nothing is hashed here."""
         timeout = self.cfg.transfer_timeout_s

@@ -19,8 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import EvictionPolicy
-from kvmesh.engine.kv_cache import KVLayout
 
 
 class LayoutMismatch(ValueError):
@@ -96,15 +96,7 @@ class Tier(Protocol):
 
 def check_layout(layout: KVLayout) -> int:
     """The block size in bytes of a well-formed ``layout``, else a ValueError naming the bad field."""
-    for name in ("model_fingerprint", "dtype", "layout"):
-        if not getattr(layout, name):
-            raise ValueError(f"layout.{name} is required")
-    for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
-        if getattr(layout, name) < 1:
-            raise ValueError(f"layout.{name} must be >= 1, got {getattr(layout, name)}")
-    if not 0 <= layout.tp_rank < layout.tp_size:
-        raise ValueError(f"layout.tp_rank must be in [0, tp_size={layout.tp_size}), got {layout.tp_rank}")
-    return layout.block_nbytes  # ValueError on an unknown dtype
+    return layout.check().block_nbytes
 
 
 def layout_diff(stored: KVLayout, requested: KVLayout) -> str:

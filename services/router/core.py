@@ -15,12 +15,12 @@ from pathlib import Path
 
 import grpc
 from kvmesh import tls
-from kvmesh.bus import Bus, Heartbeat, KVReady, Subjects
-from kvmesh.convert import sampling_to_proto
-from kvmesh.engine.loader import resolve_model
-from kvmesh.engine.sequence import SamplingParams
-from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.keys import Namespace, block_keys
+from kvmesh.bus import Bus, Subjects
+from kvmesh.contracts.keys import Namespace, block_keys
+from kvmesh.contracts.messages import Heartbeat, KVReady
+from kvmesh.contracts.sampling import SamplingParams, sampling_to_proto
+from kvmesh.model_source.resolve import resolve_model
+from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
 from kvmesh.telemetry import tracing
@@ -95,7 +95,7 @@ class Router:
             await ch.close()
 
     async def _on_heartbeat(self, beat: Heartbeat, headers: dict[str, str]) -> None:
-        if beat.role in ("prefill", "decode", "both"):
+        if beat.role.is_engine:
             self.registry.observe(beat)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -397,7 +397,7 @@ class Router:
     async def _tell_decode(self, work: worker_pb2.WorkRequest, decode: Instance, prefill: Instance,
                            error: str) -> None:
         ready = KVReady(request_id=work.request_id, decode_instance=decode.id, transfer_id="", block_keys=(),
-                        num_tokens=0, first_token=0, layout={}, prefill_instance=prefill.id, ok=False,
+                        num_tokens=0, first_token=0, layout=None, prefill_instance=prefill.id, ok=False,
                         error=error)
         try:
             await self.bus.publish(self.subjects.kv_ready(decode.id), ready)

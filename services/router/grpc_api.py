@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from kvmesh.convert import sampling_from_proto
+from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 
 from services.router.access import RETRY_AFTER_S, Admission, Tenants, cache_salt

@@ -15,8 +15,7 @@ import time
 from typing import Any
 
 from aiohttp import web
-from kvmesh.convert import DEFAULT_MAX_TOKENS
-from kvmesh.engine.sequence import SamplingParams
+from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 from services.router.access import RETRY_AFTER_S, Admission, Tenants, cache_salt
 from services.router.core import Chunk, RequestError, Router, new_request_id

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.bus import Heartbeat
+from kvmesh.contracts.messages import Heartbeat
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.contracts.ids import Role
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, HitRatio, new_registry
 from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT
@@ -68,7 +69,7 @@ class _InstancesCollector(Collector):
         g = GaugeMetricFamily(f"{P}_instances", "Live engine instances (heartbeating) per role",
                               labels=["role"])
         roles = [i.beat.role for i in self.registry.alive()]
-        for role in ("prefill", "decode", "both"):
+        for role in Role.engines():
             g.add_metric([role], roles.count(role))
         yield g
 

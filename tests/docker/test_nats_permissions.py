@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Subjects, find_nats_server
+from kvmesh.bus import Bus, Subjects, find_nats_server
 from kvmesh.bus.nats_server import read_ports_file
 from kvmesh.bus.snapshot import answer_snapshots, request_snapshot
-from kvmesh.events import AllBlocksCleared
+from kvmesh.contracts.events import AllBlocksCleared
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady
 
 CONF = Path(__file__).resolve().parents[2] / "docker" / "nats.conf"
 PASSWORDS = {"router": "r-" + uuid.uuid4().hex, "worker": "w-" + uuid.uuid4().hex,
@@ -88,7 +89,7 @@ def test_each_service_user_can_do_what_its_service_does(port):
         assert (await asyncio.wait_for(beats_router.get(), 5)).instance_id == "decode-0"
         assert (await asyncio.wait_for(beats_cache.get(), 5)).instance_id == "decode-0"
         msg = KVReady(request_id="r1", decode_instance="decode-0", transfer_id="t1", block_keys=(),
-                      num_tokens=3, first_token=1, layout={}, prefill_instance="prefill-0")
+                      num_tokens=3, first_token=1, layout=None, prefill_instance="prefill-0")
         await prefill.publish(subjects.kv_ready("decode-0"), msg)
         assert (await asyncio.wait_for(ready.get(), 5)).request_id == "r1"
         batch = KVEventBatch(instance_id="prefill-0", seq=1, ts=1.0, events=(AllBlocksCleared(),))

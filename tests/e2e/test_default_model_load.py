@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvmesh.engine.loader import ModelSource, default_model_path, load_weights, resolve_model
-from kvmesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvmesh.engine.loader import load_weights, resolve_model
+from kvmesh.model_source.resolve import ModelSource, default_model_path
+from kvmesh.model_source.tokenizer import IncrementalDetokenizer, Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow

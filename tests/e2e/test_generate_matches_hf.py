@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.loader import resolve_model
-from kvmesh.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
 

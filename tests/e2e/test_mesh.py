@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.engine.sequence import SamplingParams
 
 from .conftest import start_stack
 

@@ -7,9 +7,11 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Message, NatsServer, Subjects
-from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.keys import BlockKey
+from kvmesh.bus import Bus, NatsServer, Subjects
+from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady, Message
 from nats.js.api import StorageType
 
 from tests.ports import refusing_port
@@ -56,7 +58,7 @@ class Inbox:
 def test_every_message_type_round_trips_with_headers(nats_server, subjects):
     msgs: list[Message] = [
         KVReady(request_id="r1", decode_instance="d0", transfer_id="t1", block_keys=(BlockKey(2**64 - 1),),
-                num_tokens=20, first_token=7, layout={"dtype": "fp16", "block_size": 16}, prefill_instance="p0"),
+                num_tokens=20, first_token=7, layout=KVLayout("m", 2, 2, 8, 16, "fp16"), prefill_instance="p0"),
         Heartbeat(instance_id="d0", role="decode", grpc_address="127.0.0.1:1", transfer_address="127.0.0.1:2",
                   ts=1.5, load={"running": 1, "free_blocks": 10}, model="m", block_size=16),
         KVEventBatch(instance_id="p0", seq=3, ts=2.0, events=(AllBlocksCleared(),)),

@@ -22,9 +22,10 @@ import pytest
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from kvmesh.bus import Bus, Heartbeat, KVEventBatch, NatsServer, Subjects
-from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.keys import BlockKey
+from kvmesh.bus import Bus, NatsServer, Subjects
+from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from kvmesh.ready import wait_ready
 

@@ -20,12 +20,11 @@ store = pytest.importorskip(
     "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1",
     exc_type=ImportError)  # installed without Debian's libibverbs1 it fails to load: skip, do not error
 
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.proto.v1 import cache_pb2
 
 from services.cachesvc.config import CacheServiceConfig
-from services.cachesvc.disk import encode_layout
 from services.cachesvc.pool import Pool
-from services.cachesvc.server import layout_from_proto
 from tests.integration.test_cachesvc import BIG, BIG_BYTES, KEYS, InProcess, big_put, matches, run
 from tests.ports import guess_free_port
 
@@ -209,7 +208,7 @@ def open_pool(m: Master, cluster: str, **more: object) -> Pool:
 
 
 def object_name(cluster: str, key: int) -> str:
-    return f"kvmesh/{cluster}/{xxhash.xxh3_64_hexdigest(encode_layout(layout_from_proto(BIG)))}/{key:016x}"
+    return f"kvmesh/{cluster}/{xxhash.xxh3_64_hexdigest(KVLayout.from_proto(BIG).to_json())}/{key:016x}"
 
 
 def test_a_restarted_cachesvc_serves_the_blocks_it_had_put_in_mooncake(nats_server, cluster, master, node):
@@ -238,13 +237,13 @@ def test_the_manifest_is_written_on_a_timer_so_a_crashed_cachesvc_loses_at_most_
         cluster, master, node):
     first = open_pool(master, cluster, mooncake_manifest_s=0.2)
     put = big_put(KEYS[:3])
-    first.put(layout_from_proto(BIG), put.block_keys, put.checksums, put.data)
+    first.put(KVLayout.from_proto(BIG), put.block_keys, put.checksums, put.data)
     first.maintain()                                    # too soon: nothing written yet
     assert len(open_pool(master, cluster).tiers[0]) == 0
     time.sleep(0.3)
     first.maintain()
     second = open_pool(master, cluster)                 # the first one never closed, as after a SIGKILL
-    got = second.get(layout_from_proto(BIG), KEYS)
+    got = second.get(KVLayout.from_proto(BIG), KEYS)
     assert ([b.key for b in got.blocks], b"".join(bytes(b.data) for b in got.blocks)) == (KEYS[:3], put.data)
     second.close()
     first.close()
@@ -253,7 +252,7 @@ def test_the_manifest_is_written_on_a_timer_so_a_crashed_cachesvc_loses_at_most_
 def test_entries_whose_objects_left_the_store_are_dropped_on_restart(cluster, master, node):
     first = open_pool(master, cluster)
     put = big_put(KEYS[:4])
-    first.put(layout_from_proto(BIG), put.block_keys, put.checksums, put.data)
+    first.put(KVLayout.from_proto(BIG), put.block_keys, put.checksums, put.data)
     client = raw_client(master)
     assert client.batch_remove([object_name(cluster, k) for k in KEYS[2:4]], True) == [0, 0]
     client.close()
@@ -268,7 +267,7 @@ def test_entries_whose_objects_left_the_store_are_dropped_on_restart(cluster, ma
 def test_a_garbage_manifest_starts_the_tier_empty_with_a_warning(cluster, master, node, caplog):
     first = open_pool(master, cluster)
     put = big_put(KEYS[:2])
-    first.put(layout_from_proto(BIG), put.block_keys, put.checksums, put.data)
+    first.put(KVLayout.from_proto(BIG), put.block_keys, put.checksums, put.data)
     first.close()
     client = raw_client(master)
     assert client.upsert(f"kvmesh/{cluster}/manifest/cachesvc-{cluster}", b"\x00not a manifest") == 0
@@ -277,5 +276,5 @@ def test_a_garbage_manifest_starts_the_tier_empty_with_a_warning(cluster, master
         second = open_pool(master, cluster)
     assert len(second.tiers[0]) == 0
     assert "manifest" in caplog.text and "unreadable" in caplog.text and "starting empty" in caplog.text
-    assert second.put(layout_from_proto(BIG), put.block_keys, put.checksums, put.data).stored == 2
+    assert second.put(KVLayout.from_proto(BIG), put.block_keys, put.checksums, put.data).stored == 2
     second.close()

@@ -7,10 +7,11 @@ import time
 import uuid
 
 import pytest
-from kvmesh.bus import Bus, KVEventBatch, Subjects
+from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
-from kvmesh.events import AllBlocksCleared, BlockStored, KVEvent
-from kvmesh.keys import BlockKey
+from kvmesh.contracts.events import AllBlocksCleared, BlockStored, KVEvent
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.messages import KVEventBatch
 from kvmesh.proto.v1 import cache_pb2
 
 from tests.integration.test_cachesvc import InProcess, matches, run, until

@@ -12,13 +12,12 @@ from typing import Any, Self
 import grpc
 import pytest
 import torch
-from kvmesh.convert import layout_to_proto
-from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.engine.kv_cache import block_bytes, storage_dtype
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.transfer import TransferClient, TransferServer
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.header import block_checksums
-from kvmesh.transfer.wire import tensor_bytes
 from kvmesh.worker.pool_client import PoolClient, PoolError
 
 from services.cachesvc.config import CacheServiceConfig
@@ -47,10 +46,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class CorruptingClient(TransferClient):
     """Flips one byte after the checksums were taken: what a bad wire or a bad buffer would do."""
 
-    def _stage(self, backend: Backend, payload: torch.Tensor, local_host: str) -> Staged:
-        bad = payload.clone()
-        bad[bad.numel() // 2] ^= 0xFF
-        return super()._stage(backend, bad, local_host)
+    def _stage(self, backend: Backend, payload: memoryview, local_host: str) -> Staged:
+        bad = bytearray(payload)
+        bad[len(bad) // 2] ^= 0xFF
+        return super()._stage(backend, memoryview(bad), local_host)
 
 
 class Recorder(grpc.aio.UnaryUnaryClientInterceptor):
@@ -183,7 +182,7 @@ def test_a_fetch_to_an_unreachable_endpoint_is_unavailable_and_releases_its_leas
     async def body() -> None:
         async with Mesh(nats_server.url, transfer_timeout_s=2.0) as mesh:
             await (await mesh.instance()).write_back(KEYS[:2], make_blocks(2))
-            request = cache_pb2.GetBlocksRequest(layout=layout_to_proto(LAYOUT), block_keys=KEYS[:2],
+            request = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2],
                                                  transfer_address=f"tcp://127.0.0.1:{port}",
                                                  transfer_id="t-1")
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -201,7 +200,7 @@ def test_a_caller_lease_outlives_the_push(nats_server):
         async with Mesh(nats_server.url) as mesh:
             pool = await mesh.instance()
             await pool.write_back(KEYS[:2], make_blocks(2))
-            request = cache_pb2.GetBlocksRequest(layout=layout_to_proto(LAYOUT), block_keys=KEYS[:2], lease_s=30,
+            request = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2], lease_s=30,
                                                  transfer_address=pool.receiver.address, transfer_id="t-2")
             reply = await mesh.stub.GetBlocks(request)
             assert reply.lease_id and reply.leased_blocks == 2 and not reply.data
@@ -215,8 +214,8 @@ def test_a_put_whose_transfer_never_came_is_unavailable(nats_server):
     async def body() -> None:
         async with Mesh(nats_server.url, transfer_timeout_s=0.3) as mesh:
             blocks = make_blocks(2)
-            request = cache_pb2.PutBlocksRequest(layout=layout_to_proto(LAYOUT), block_keys=KEYS[:2],
-                                                 checksums=block_checksums(tensor_bytes(blocks), LAYOUT.block_nbytes),
+            request = cache_pb2.PutBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2],
+                                                 checksums=block_checksums(block_bytes(blocks), LAYOUT.block_nbytes),
                                                  transfer_id="never-pushed")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await mesh.stub.PutBlocks(request)
@@ -233,10 +232,10 @@ def test_cachesvc_takes_pushes_of_any_layout_and_refuses_a_put_naming_another(na
         async with Mesh(nats_server.url) as mesh, TransferClient() as client:
             address = (await mesh.stats()).transfer_address
             blocks = make_blocks(2, other)
-            sums = block_checksums(tensor_bytes(blocks), other.block_nbytes)
+            sums = block_checksums(block_bytes(blocks), other.block_nbytes)
             for tid, named in (("t-ok", other), ("t-bad", LAYOUT)):
-                await client.push(address, tid, other, blocks, KEYS[:2], 2 * other.block_size)
-                request = cache_pb2.PutBlocksRequest(layout=layout_to_proto(named), block_keys=KEYS[:2],
+                await client.push(address, tid, other, block_bytes(blocks), KEYS[:2], 2 * other.block_size)
+                request = cache_pb2.PutBlocksRequest(layout=named.to_proto(), block_keys=KEYS[:2],
                                                      checksums=sums, transfer_id=tid)
                 if named == other:
                     assert (await mesh.stub.PutBlocks(request)).stored == 2
@@ -261,7 +260,7 @@ def test_cachesvc_takes_pushes_of_any_layout_and_refuses_a_put_naming_another(na
 def test_bad_transfer_requests_say_what_to_fix(nats_server, request_, message):
     async def body() -> None:
         async with Mesh(nats_server.url) as mesh:
-            request_.layout.CopyFrom(layout_to_proto(LAYOUT))
+            request_.layout.CopyFrom(LAYOUT.to_proto())
             rpc = mesh.stub.GetBlocks if isinstance(request_, cache_pb2.GetBlocksRequest) else mesh.stub.PutBlocks
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await rpc(request_)

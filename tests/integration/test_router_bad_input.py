@@ -21,9 +21,9 @@ import pytest
 from aiohttp import web
 from kvmesh.config import EngineConfig
 from kvmesh.engine.loader import save_hf_dir
-from kvmesh.engine.model_config import ModelConfig
-from kvmesh.engine.tokenizer import save_byte_tokenizer
 from kvmesh.grpc_server import ServiceServer
+from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.tokenizer import save_byte_tokenizer
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.runtime import Worker

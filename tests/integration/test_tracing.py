@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from kvmesh.bus import Bus, KVReady, Subjects
+from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.tracing import trace_context
+from kvmesh.contracts.messages import KVReady
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.jsonl import JsonlSpanExporter
 from kvmesh.telemetry.spans import read_spans
@@ -20,7 +21,7 @@ def test_a_publish_under_a_span_parents_the_receivers_span(nats_server, tmp_path
     tracer = provider.get_tracer("test")
     subjects = Subjects(f"t{uuid.uuid4().hex[:10]}")
     ready = KVReady(request_id="r1", decode_instance="d0", transfer_id="t", block_keys=(), num_tokens=3,
-                    first_token=1, layout={}, prefill_instance="p0")
+                    first_token=1, layout=None, prefill_instance="p0")
 
     async def body() -> None:
         bus = await Bus.connect(nats_server.url, "test")

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes, storage_dtype
 from kvmesh.transfer import ReceivedBlocks, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
-from kvmesh.transfer.wire import MAGIC, PREFIX, Reply, decode_reply, parse_address, tensor_bytes
+from kvmesh.transfer.wire import MAGIC, PREFIX, Reply, decode_reply, parse_address
 
 from tests.ports import refusing_port
 
@@ -39,6 +40,16 @@ def make_blocks(layout: KVLayout, n: int = 3, seed: int = 0) -> torch.Tensor:
     return values.to(storage_dtype(layout.dtype))
 
 
+def wire_bytes(layout: KVLayout, n: int = 3, seed: int = 0) -> memoryview:
+    """What the engine hands the transfer client: the blocks' bytes, a view of the tensor."""
+    return block_bytes(make_blocks(layout, n, seed))
+
+
+def tensor(got: ReceivedBlocks) -> torch.Tensor:
+    """What the engine makes of received bytes: ``[n, *block_shape]`` in the storage dtype."""
+    return blocks_from_bytes(got.layout, got.data)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -50,23 +61,23 @@ def shm_segments() -> set[str]:
 async def round_trip(backend: str, layout: KVLayout) -> tuple[torch.Tensor, ReceivedBlocks]:
     blocks = make_blocks(layout)
     async with await TransferServer.start(layout, backend=backend) as server, TransferClient() as client:
-        await client.push(server.address, "req-1", layout, blocks, [11, 22, 33], 3 * layout.block_size)
+        await client.push(server.address, "req-1", layout, block_bytes(blocks), [11, 22, 33], 3 * layout.block_size)
         return blocks, await server.take("req-1", timeout=5)
 
 
 class CorruptingClient(TransferClient):
     """Flips one byte after the checksums were taken: what a bad wire or a bad buffer would do."""
 
-    def _stage(self, backend: Backend, payload: torch.Tensor, local_host: str) -> Staged:
-        bad = payload.clone()
-        bad[bad.numel() // 2] ^= 0xFF
-        return super()._stage(backend, bad, local_host)
+    def _stage(self, backend: Backend, payload: memoryview, local_host: str) -> Staged:
+        bad = bytearray(payload)
+        bad[len(bad) // 2] ^= 0xFF
+        return super()._stage(backend, memoryview(bad), local_host)
 
 
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_fp32_blocks_round_trip_bit_exact(backend: str) -> None:
     sent, got = run(round_trip(backend, LAYOUT))
-    assert same_bits(got.blocks, sent)
+    assert same_bits(tensor(got), sent)
     assert (got.transfer_id, got.layout, got.num_tokens) == ("req-1", LAYOUT, 12)
     assert got.block_keys == (11, 22, 33)
     assert got.nbytes == sent.numel() * 4
@@ -76,8 +87,8 @@ def test_fp32_blocks_round_trip_bit_exact(backend: str) -> None:
 def test_fp8_blocks_round_trip_bit_exact(backend: str) -> None:
     layout = replace(LAYOUT, dtype="fp8")
     sent, got = run(round_trip(backend, layout))
-    assert got.blocks.dtype == torch.float8_e4m3fn
-    assert same_bits(got.blocks, sent)
+    assert tensor(got).dtype == torch.float8_e4m3fn
+    assert same_bits(tensor(got), sent)
 
 
 def test_received_blocks_load_into_a_device_pool() -> None:
@@ -85,7 +96,7 @@ def test_received_blocks_load_into_a_device_pool() -> None:
 
     sent, got = run(round_trip("tcp", LAYOUT))
     pool = DeviceKVPool(LAYOUT, num_blocks=8)
-    pool.write_blocks([5, 1, 6], got.blocks)
+    pool.write_blocks([5, 1, 6], tensor(got))
     assert same_bits(pool.read_blocks([5, 1, 6]), sent)
 
 
@@ -100,7 +111,7 @@ def test_layout_mismatch_is_rejected_and_never_taken(other: KVLayout) -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
             with pytest.raises(TransferRejected, match="layout mismatch"):
-                await client.push(server.address, "req-1", other, make_blocks(other), [], 4)
+                await client.push(server.address, "req-1", other, wire_bytes(other), [], 4)
             with pytest.raises(TransferRejected, match="layout mismatch"):
                 await server.take("req-1", timeout=1)
             assert server.buffered_bytes == 0
@@ -114,7 +125,7 @@ def test_corrupted_bytes_are_rejected_and_never_taken(backend: str) -> None:
         async with await TransferServer.start(LAYOUT, backend=backend) as server, \
                 CorruptingClient() as client:
             with pytest.raises(TransferRejected, match="checksum mismatch in 1 of 3 blocks"):
-                await client.push(server.address, "req-1", LAYOUT, make_blocks(LAYOUT), [1, 2, 3], 12)
+                await client.push(server.address, "req-1", LAYOUT, wire_bytes(LAYOUT), [1, 2, 3], 12)
             with pytest.raises(TransferRejected, match="checksum mismatch"):
                 await server.take("req-1", timeout=1)
             assert server.buffered_bytes == 0
@@ -135,11 +146,12 @@ def test_eight_concurrent_pushes_arrive_intact() -> None:
     async def scenario() -> None:
         sent = {f"req-{i}": make_blocks(LAYOUT, n=1 + i, seed=i) for i in range(8)}
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
-            await asyncio.gather(*(client.push(server.address, tid, LAYOUT, blocks, [], 4 * len(blocks))
+            await asyncio.gather(*(client.push(server.address, tid, LAYOUT, block_bytes(blocks), [],
+                                               4 * len(blocks))
                                    for tid, blocks in sent.items()))
             received = await asyncio.gather(*(server.take(tid, timeout=5) for tid in sent))
         for got in received:
-            assert same_bits(got.blocks, sent[got.transfer_id])
+            assert same_bits(tensor(got), sent[got.transfer_id])
 
     run(scenario())
 
@@ -147,15 +159,15 @@ def test_eight_concurrent_pushes_arrive_intact() -> None:
 def test_sender_dying_mid_payload_leaves_server_serving_the_next_transfer() -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
-            payload = tensor_bytes(make_blocks(LAYOUT).contiguous())
+            payload = wire_bytes(LAYOUT)
             header = encode_header(TransferHeader("dies", "tcp", LAYOUT, (), 12,
                                                   block_checksums(payload, LAYOUT.block_nbytes)))
             addr = parse_address(server.address)
             with socket.create_connection((addr.host, addr.port)) as dying:
                 dying.sendall(PREFIX.pack(MAGIC, len(header)) + header + payload[:len(payload) // 2])
             blocks = make_blocks(LAYOUT, seed=1)
-            await client.push(server.address, "next", LAYOUT, blocks, [], 12)
-            assert same_bits((await server.take("next", timeout=5)).blocks, blocks)
+            await client.push(server.address, "next", LAYOUT, block_bytes(blocks), [], 12)
+            assert same_bits(tensor(await server.take("next", timeout=5)), blocks)
             with pytest.raises(asyncio.TimeoutError):
                 await server.take("dies", timeout=0.1)
             await eventually(lambda: server.buffered_bytes == 0)
@@ -166,7 +178,7 @@ def test_sender_dying_mid_payload_leaves_server_serving_the_next_transfer() -> N
 def test_stalled_sender_is_dropped_after_the_io_timeout() -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT, io_timeout=0.5) as server, TransferClient() as client:
-            payload = tensor_bytes(make_blocks(LAYOUT).contiguous())
+            payload = wire_bytes(LAYOUT)
             header = encode_header(TransferHeader("stalls", "tcp", LAYOUT, (), 12,
                                                   block_checksums(payload, LAYOUT.block_nbytes)))
             addr = parse_address(server.address)
@@ -174,7 +186,7 @@ def test_stalled_sender_is_dropped_after_the_io_timeout() -> None:
                 stalled.sendall(PREFIX.pack(MAGIC, len(header)) + header + payload[:100])
                 await eventually(lambda: server.buffered_bytes == len(payload))  # admitted, then stalls
                 await eventually(lambda: server.buffered_bytes == 0)  # dropped after io_timeout
-                await client.push(server.address, "next", LAYOUT, make_blocks(LAYOUT), [], 12)
+                await client.push(server.address, "next", LAYOUT, wire_bytes(LAYOUT), [], 12)
                 await server.take("next", timeout=1)
 
     run(scenario())
@@ -200,11 +212,11 @@ def test_transfer_over_capacity_is_rejected_before_its_payload_is_read() -> None
         cap = 2 * LAYOUT.block_nbytes
         async with await TransferServer.start(LAYOUT, max_buffered_bytes=cap) as server, \
                 TransferClient() as client:
-            await client.push(server.address, "fits", LAYOUT, make_blocks(LAYOUT, n=2), [], 8)
+            await client.push(server.address, "fits", LAYOUT, wire_bytes(LAYOUT, n=2), [], 8)
             with pytest.raises(TransferRejected, match="over capacity"):
-                await client.push(server.address, "too-much", LAYOUT, make_blocks(LAYOUT, n=1), [], 4)
+                await client.push(server.address, "too-much", LAYOUT, wire_bytes(LAYOUT, n=1), [], 4)
             await server.take("fits", timeout=1)
-            await client.push(server.address, "fits-now", LAYOUT, make_blocks(LAYOUT, n=1), [], 4)
+            await client.push(server.address, "fits-now", LAYOUT, wire_bytes(LAYOUT, n=1), [], 4)
 
     run(scenario())
 
@@ -212,7 +224,7 @@ def test_transfer_over_capacity_is_rejected_before_its_payload_is_read() -> None
 def test_untaken_transfer_is_dropped_after_its_ttl() -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT, ttl=0.3) as server, TransferClient() as client:
-            await client.push(server.address, "orphan", LAYOUT, make_blocks(LAYOUT), [], 12)
+            await client.push(server.address, "orphan", LAYOUT, wire_bytes(LAYOUT), [], 12)
             assert server.buffered_bytes == 3 * LAYOUT.block_nbytes
             await eventually(lambda: server.buffered_bytes == 0)
             with pytest.raises(asyncio.TimeoutError):
@@ -226,7 +238,7 @@ def test_discarded_transfer_is_refused_when_it_arrives_late() -> None:
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
             server.discard("late")
             with pytest.raises(TransferRejected, match="discarded by the receiver"):
-                await client.push(server.address, "late", LAYOUT, make_blocks(LAYOUT), [], 12)
+                await client.push(server.address, "late", LAYOUT, wire_bytes(LAYOUT), [], 12)
             assert server.buffered_bytes == 0
 
     run(scenario())
@@ -236,13 +248,13 @@ def test_duplicate_transfer_id_does_not_replace_the_first() -> None:
     async def scenario() -> None:
         first, second = make_blocks(LAYOUT, seed=1), make_blocks(LAYOUT, seed=2)
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
-            await client.push(server.address, "req", LAYOUT, first, [], 12)
+            await client.push(server.address, "req", LAYOUT, block_bytes(first), [], 12)
             with pytest.raises(TransferRejected, match="already received"):
-                await client.push(server.address, "req", LAYOUT, second, [], 12)
+                await client.push(server.address, "req", LAYOUT, block_bytes(second), [], 12)
             other = replace(LAYOUT, dtype="fp16", head_dim=16)
             with pytest.raises(TransferRejected, match="already received"):
-                await client.push(server.address, "req", other, make_blocks(other), [], 12)
-            assert same_bits((await server.take("req", timeout=1)).blocks, first)
+                await client.push(server.address, "req", other, wire_bytes(other), [], 12)
+            assert same_bits(tensor(await server.take("req", timeout=1)), first)
 
     run(scenario())
 
@@ -262,11 +274,11 @@ def test_client_reconnects_after_the_server_restarts_on_the_same_port() -> None:
     async def scenario() -> None:
         async with TransferClient() as client:
             server = await TransferServer.start(LAYOUT)
-            await client.push(server.address, "a", LAYOUT, make_blocks(LAYOUT), [], 12)
+            await client.push(server.address, "a", LAYOUT, wire_bytes(LAYOUT), [], 12)
             port = parse_address(server.address).port
             await server.close()
             async with await restart_on(port) as again:
-                await client.push(again.address, "b", LAYOUT, make_blocks(LAYOUT), [], 12)
+                await client.push(again.address, "b", LAYOUT, wire_bytes(LAYOUT), [], 12)
                 await again.take("b", timeout=1)
 
     run(scenario())
@@ -276,7 +288,7 @@ def test_unreachable_receiver_raises_connection_error() -> None:
     async def scenario(port: int) -> None:
         async with TransferClient() as client:
             with pytest.raises(ConnectionError):
-                await client.push(f"tcp://127.0.0.1:{port}", "x", LAYOUT, make_blocks(LAYOUT), [], 12)
+                await client.push(f"tcp://127.0.0.1:{port}", "x", LAYOUT, wire_bytes(LAYOUT), [], 12)
 
     with refusing_port() as port:  # held for the whole test: no other process can start listening there
         run(scenario(port))
@@ -289,14 +301,14 @@ def test_shm_leaves_no_segment_behind() -> None:
         async with await TransferServer.start(LAYOUT, backend="shm") as server:
             async with TransferClient() as client:
                 for i in range(3):
-                    await client.push(server.address, f"ok-{i}", LAYOUT, make_blocks(LAYOUT), [], 12)
+                    await client.push(server.address, f"ok-{i}", LAYOUT, wire_bytes(LAYOUT), [], 12)
                 other = replace(LAYOUT, dtype="fp16", head_dim=16)
                 with pytest.raises(TransferRejected):
-                    await client.push(server.address, "bad-layout", other, make_blocks(other), [], 12)
+                    await client.push(server.address, "bad-layout", other, wire_bytes(other), [], 12)
                 assert len(shm_segments() - before) == 1  # one staging segment, reused
             async with CorruptingClient() as client:
                 with pytest.raises(TransferRejected):
-                    await client.push(server.address, "corrupt", LAYOUT, make_blocks(LAYOUT), [], 12)
+                    await client.push(server.address, "corrupt", LAYOUT, wire_bytes(LAYOUT), [], 12)
             await server.take("ok-0", timeout=1)
 
     run(scenario())
@@ -314,7 +326,7 @@ def test_shm_push_that_breaks_midway_unlinks_its_segment() -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT, backend="shm") as server, BreakingClient() as client:
             with pytest.raises(ConnectionResetError):
-                await client.push(server.address, "breaks", LAYOUT, make_blocks(LAYOUT), [], 12)
+                await client.push(server.address, "breaks", LAYOUT, wire_bytes(LAYOUT), [], 12)
             assert shm_segments() == before  # not kept for reuse: the receiver might still be reading it
 
     run(scenario())
@@ -324,7 +336,7 @@ def test_more_tokens_than_the_blocks_hold_is_refused_before_sending() -> None:
     async def scenario() -> None:
         async with TransferClient() as client:
             with pytest.raises(ValueError, match="num_tokens 13"):
-                await client.push("tcp://127.0.0.1:1", "x", LAYOUT, make_blocks(LAYOUT), [], 13)
+                await client.push("tcp://127.0.0.1:1", "x", LAYOUT, wire_bytes(LAYOUT), [], 13)
 
     run(scenario())
 
@@ -345,5 +357,5 @@ def mooncake_missing() -> str | None:
 def test_mooncake_blocks_round_trip_bit_exact(dtype: str) -> None:
     layout = replace(LAYOUT, dtype=dtype)
     sent, got = run(round_trip("mooncake", layout))
-    assert same_bits(got.blocks, sent)
+    assert same_bits(tensor(got), sent)
 

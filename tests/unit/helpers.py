@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from kvmesh.config import EngineConfig
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.engine.model_config import ModelConfig
+from kvmesh.model_source.config import ModelConfig
 
 
 def hf_tiny(cfg: ModelConfig, seed: int = 0):
@@ -37,7 +37,7 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") -> tuple[torch.Tensor, int]:
     """Logits of the first sampled position of ``prompt`` and the number of prompt tokens served from cache."""
-    from kvmesh.engine.sequence import SamplingParams
+    from kvmesh.contracts.sampling import SamplingParams
 
     rid = f"logits-{len(engine._requests)}-{id(prompt)}"
     seq = engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt)

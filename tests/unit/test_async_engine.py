@@ -7,9 +7,9 @@ import asyncio
 import threading
 
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.engine.sequence import SamplingParams
 
 
 def test_a_cancelled_caller_and_a_failing_command_leave_the_engine_thread_serving(tiny_config):

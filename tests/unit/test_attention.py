@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.attention import ForwardBatch, NativeAttention, SeqSlice, TorchAttention, make_backend
-from kvmesh.engine.kv_cache import DeviceKVPool, KVLayout
+from kvmesh.engine.kv_cache import DeviceKVPool
 
 H, HKV, D, BS = 6, 2, 16, 4
 

@@ -3,12 +3,14 @@
 import math
 
 import pytest
+from kvmesh.contracts.events import BlockRemoved, BlockStored
+from kvmesh.contracts.keys import block_keys
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.eviction import LFU, LRU, SLRU, PriorityLRU, make_policy
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVLayout
-from kvmesh.engine.sequence import RetentionRange, SamplingParams, Sequence
-from kvmesh.events import BlockRemoved, BlockStored
-from kvmesh.keys import block_keys
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
+from kvmesh.engine.sequence import RetentionRange, Sequence
 
 BS = 4
 LAYOUT = KVLayout("fp", num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS)

@@ -1,9 +1,10 @@
 import json
 
 import pytest
-from kvmesh.bus.codec import VERSION, CodecError, Heartbeat, KVEventBatch, KVReady, decode
-from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.keys import BlockKey
+from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.contracts.ids import BlockKey, Role
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.messages import VERSION, CodecError, Heartbeat, KVEventBatch, KVReady, decode
 
 MAX_KEY = BlockKey(2**64 - 1)
 
@@ -21,7 +22,7 @@ def make_batch() -> KVEventBatch:
 def make_ready(**over) -> KVReady:
     fields = {"request_id": "req-1", "decode_instance": "decode-0", "transfer_id": "t-9",
                   "block_keys": (BlockKey(3), MAX_KEY), "num_tokens": 37, "first_token": 128001,
-                  "layout": {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "fp16", "block_size": 16},
+                  "layout": KVLayout("m", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="fp16"),
                   "prefill_instance": "prefill-0"}
     return KVReady(**{**fields, **over})
 
@@ -111,3 +112,28 @@ def test_heartbeat_role_must_be_known():
     with pytest.raises(ValueError, match="role 'router'"):
         Heartbeat(instance_id="r", role="router", grpc_address="", transfer_address="", ts=0.0, load={},
                   model="m", block_size=16)
+
+
+def test_a_ready_layout_travels_as_its_json_form():
+    body = json.loads(make_ready().encode())
+    assert body["layout"] == make_ready().layout.to_dict()
+
+
+def test_a_ready_with_a_bad_layout_is_rejected_naming_the_field():
+    body = json.loads(make_ready().encode())
+    body["layout"]["dtype"] = "int3"
+    with pytest.raises(CodecError, match="field 'layout': unknown KV dtype 'int3'"):
+        decode(json.dumps(body).encode())
+
+
+def test_a_failed_ready_carries_no_layout():
+    failed = make_ready(ok=False, error="push failed", layout=None)
+    assert json.loads(failed.encode())["layout"] == {}
+    assert KVReady.decode(failed.encode()) == failed
+
+
+def test_heartbeat_role_is_a_role_and_travels_as_its_string():
+    beat = make_heartbeat()
+    assert beat.role is Role.DECODE
+    assert json.loads(beat.encode())["role"] == "decode"
+    assert Heartbeat.decode(beat.encode()).role is Role.DECODE

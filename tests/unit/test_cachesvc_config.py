@@ -26,7 +26,7 @@ def test_file_then_environment_then_flags(tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"eviction": "mru"}, "unknown eviction policy 'mru'"),
+    ({"eviction": "mru"}, "eviction 'mru' is unknown"),
     ({"cluster": "a.b"}, "cluster name 'a.b' is invalid"),
     ({"instance_timeout_s": 0}, "instance_timeout_s must be > 0"),
     ({"durable_name": "a.b"}, "durable_name 'a.b' must be"),

@@ -7,16 +7,16 @@ import os
 from pathlib import Path
 
 import xxhash
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import make_policy
-from kvmesh.engine.kv_cache import KVLayout
 
 from services.cachesvc import disk as disk_module
-from services.cachesvc.disk import DiskTier, encode_layout, encode_record
+from services.cachesvc.disk import DiskTier, encode_record
 from services.cachesvc.store import Leases, Retention, StoredBlock
 
 LAYOUT = KVLayout("m", num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype="fp32")
 FP16 = KVLayout("m", num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype="fp16")
-RECORD = len(encode_record(encode_layout(LAYOUT), StoredBlock(0, 0, bytes(LAYOUT.block_nbytes))))
+RECORD = len(encode_record(LAYOUT.to_json(), StoredBlock(0, 0, bytes(LAYOUT.block_nbytes))))
 
 
 def block(key: int, layout: KVLayout = LAYOUT) -> StoredBlock:
@@ -66,7 +66,7 @@ def test_a_torn_last_record_is_ignored_and_cut_off(tmp_path):
     (segment,) = tmp_path.glob("seg-*.kvb")
     good_size = segment.stat().st_size
     with open(segment, "ab") as f:      # a crash halfway through the next record
-        f.write(encode_record(encode_layout(LAYOUT), block(9))[:RECORD // 2])
+        f.write(encode_record(LAYOUT.to_json(), block(9))[:RECORD // 2])
     again = tier(tmp_path)
     assert read(again, [0, 1, 2, 9]) == blocks
     assert segment.stat().st_size == good_size

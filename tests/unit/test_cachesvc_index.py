@@ -2,9 +2,9 @@
 
 import tracemalloc
 
-from kvmesh.bus import KVEventBatch
-from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvmesh.keys import BlockKey
+from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.messages import KVEventBatch
 
 from services.cachesvc.index import BlockIndex, Order, PrefixMatch
 

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import make_policy
-from kvmesh.engine.kv_cache import KVLayout
 
-from services.cachesvc.disk import DiskTier, encode_layout, encode_record
+from services.cachesvc.disk import DiskTier, encode_record
 from services.cachesvc.dram import DramTier
 from services.cachesvc.pool import Pool
 from services.cachesvc.store import LayoutMismatch, Leases, PoolFull, StoredBlock, Tier
 
 LAYOUT = KVLayout("m", num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype="fp32")  # 64 bytes
 NB = LAYOUT.block_nbytes
-RECORD = len(encode_record(encode_layout(LAYOUT), StoredBlock(0, 0, bytes(NB))))  # one block on disk
+RECORD = len(encode_record(LAYOUT.to_json(), StoredBlock(0, 0, bytes(NB))))  # one block on disk
 
 
 def blocks(*keys: int, layout: KVLayout = LAYOUT) -> tuple[list[int], list[int], bytes]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.bus import KVEventBatch
 from kvmesh.bus.snapshot import Snapshot
-from kvmesh.events import AllBlocksCleared, BlockStored, KVEvent
-from kvmesh.keys import BlockKey
+from kvmesh.contracts.events import AllBlocksCleared, BlockStored, KVEvent
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.messages import KVEventBatch
 
 from services.cachesvc.index import BlockIndex, PrefixMatch
 from services.cachesvc.resync import Resync

@@ -4,7 +4,7 @@ and cache_aware pricing each candidate at its own speed."""
 import random
 
 import pytest
-from kvmesh.bus import Heartbeat
+from kvmesh.contracts.messages import Heartbeat
 from kvmesh.routing import CacheAware, Candidate, CostModel, SpeedEstimator
 
 from services.router.policy import Policies, to_candidates

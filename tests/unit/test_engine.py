@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from kvmesh.engine.model_config import ModelConfig
-from kvmesh.engine.sequence import SamplingParams
+from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.model_source.config import ModelConfig
 
 from .helpers import engine_from_hf, hf_greedy, hf_tiny, prompt_logits
 

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.engine.sequence import SamplingParams
 
 GOOD = [([5, 17, 33, 2, 99], SamplingParams(max_tokens=8, ignore_eos=True)),
         ([40, 41, 42, 43, 44, 45, 46, 47, 48], SamplingParams(max_tokens=8, temperature=0.8, seed=7,

@@ -1,4 +1,4 @@
-from kvmesh.keys import Namespace, block_keys, chain_key
+from kvmesh.contracts.keys import Namespace, block_keys, chain_key
 
 
 def test_keys_are_stable_across_processes():

@@ -8,15 +8,10 @@ import numpy as np
 import pytest
 import torch
 from kvmesh.engine import loader
-from kvmesh.engine.loader import (
-    ModelSource,
-    default_model_path,
-    load_weights,
-    resolve_model,
-    save_hf_dir,
-)
-from kvmesh.engine.model_config import ModelConfig
-from kvmesh.engine.tokenizer import Tokenizer, save_byte_tokenizer
+from kvmesh.engine.loader import load_weights, resolve_model, save_hf_dir
+from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.resolve import ModelSource, default_model_path
+from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 SMOLLM2_CONFIG = {
@@ -287,3 +282,21 @@ def test_model_source_is_a_frozen_handle(tiny_hf_dir: Path) -> None:
     with pytest.raises(AttributeError):
         src.fingerprint = "x"  # type: ignore[misc]
     assert isinstance(src, ModelSource)
+
+
+def test_a_torch_free_resolve_converts_a_gguf_in_a_child_to_what_the_engine_resolves(tiny_gguf, tmp_path) -> None:
+    from kvmesh.model_source import resolve
+
+    routed = resolve.resolve_model(tiny_gguf[0], cache_dir=tmp_path / "router-cache")  # python -m engine.loader
+    engine = resolve_model(tiny_gguf[0], cache_dir=tmp_path / "engine-cache")        # in this process
+    assert (routed.fingerprint, routed.config) == (engine.fingerprint, engine.config)
+    assert Tokenizer.from_dir(routed.hf_dir).fingerprint == Tokenizer.from_dir(engine.hf_dir).fingerprint
+    assert resolve.resolve_model(tiny_gguf[0], cache_dir=tmp_path / "engine-cache") == engine  # cached: no child
+
+
+def test_a_failed_conversion_in_a_child_says_why(tmp_path) -> None:
+    from kvmesh.model_source import resolve
+
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(RuntimeError, match="converting .*bad.gguf failed"):
+        resolve.resolve_model(tmp_path / "bad.gguf", cache_dir=tmp_path / "cache")

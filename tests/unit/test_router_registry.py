@@ -2,7 +2,7 @@
 
 import time
 
-from kvmesh.bus import Heartbeat
+from kvmesh.contracts.messages import Heartbeat
 from kvmesh.routing import CostModel
 
 from services.router.policy import Policies, choose_decode

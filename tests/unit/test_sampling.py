@@ -1,7 +1,7 @@
 import pytest
 import torch
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.sampling import filter_logits, make_generator, sample
-from kvmesh.engine.sequence import SamplingParams
 
 
 def test_greedy_takes_the_argmax():

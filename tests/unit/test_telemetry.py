@@ -134,9 +134,9 @@ def test_monotonic_readings_map_to_wall_clock_nanoseconds():
 
 def test_engine_timing_orders_submit_start_add_schedule_and_first_output(tiny_config):
     from kvmesh.config import EngineConfig
+    from kvmesh.contracts.sampling import SamplingParams
     from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
     from kvmesh.engine.llm_engine import LLMEngine
-    from kvmesh.engine.sequence import SamplingParams
 
     async def run() -> RequestTiming:
         engine = AsyncEngine(LLMEngine(EngineConfig(num_blocks=32, block_size=4), model_config=tiny_config),

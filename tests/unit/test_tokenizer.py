@@ -3,8 +3,8 @@ import json
 from pathlib import Path
 
 import pytest
-from kvmesh.engine.model_config import ModelConfig
-from kvmesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer, save_byte_tokenizer
+from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.tokenizer import IncrementalDetokenizer, Tokenizer, save_byte_tokenizer
 from tokenizers import processors
 
 MULTIBYTE = "naïve 你好, 世界 😀👍🏽 done"
@@ -100,3 +100,25 @@ def test_detokenizer_text_skips_special_tokens(tok: Tokenizer) -> None:
     for i in [*tok.encode("a"), 2, *tok.encode("b")]:
         detok.push(i)
     assert detok.text == "ab"
+
+
+def test_ids_text_and_chat_template_match_transformers_fast_tokenizer(tok_dir: Path, tok: Tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": MULTIBYTE}]
+    rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages) == list(hf.encode(rendered, add_special_tokens=False))
+    assert tok.encode(MULTIBYTE) == list(hf.encode(MULTIBYTE))
+    ids = [1, *tok.encode(MULTIBYTE), 2]
+    assert [tok.decode(ids, skip) for skip in (True, False)] == [hf.decode(ids, skip_special_tokens=s)
+                                                                 for s in (True, False)]
+    assert (tok.vocab_size, tok.eos_token_ids) == (len(hf), (hf.eos_token_id,))
+
+
+def test_a_tokenizer_without_a_chat_template_says_to_send_a_plain_prompt(tok_dir: Path) -> None:
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_dir(tok_dir).apply_chat_template([{"role": "user", "content": "hi"}])

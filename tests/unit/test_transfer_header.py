@@ -4,8 +4,7 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
-from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import (
     TransferHeader,
@@ -13,9 +12,8 @@ from kvmesh.transfer.header import (
     corrupt_blocks,
     decode_header,
     encode_header,
-    layout_mismatch,
 )
-from kvmesh.transfer.wire import Address, parse_address, tensor_bytes
+from kvmesh.transfer.wire import Address, flat_bytes, parse_address
 
 LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 
@@ -62,23 +60,25 @@ def test_equal_byte_counts_do_not_make_layouts_equal() -> None:
 
 
 def test_checksums_cover_each_block_separately() -> None:
-    data = torch.arange(3 * 64, dtype=torch.uint8)
-    sums = block_checksums(tensor_bytes(data), 64)
+    data = bytes(range(3 * 64))
+    sums = block_checksums(memoryview(data), 64)
     assert len(sums) == 3 and len(set(sums)) == 3
 
 
 def test_flipped_byte_is_found_in_its_block() -> None:
-    data = torch.zeros(3 * LAYOUT.block_nbytes, dtype=torch.uint8)
-    h = header(checksums=block_checksums(tensor_bytes(data), LAYOUT.block_nbytes))
+    data = bytearray(3 * LAYOUT.block_nbytes)
+    h = header(checksums=block_checksums(memoryview(data), LAYOUT.block_nbytes))
     data[LAYOUT.block_nbytes + 5] ^= 1
-    assert corrupt_blocks(h, tensor_bytes(data)) == [1]
+    assert corrupt_blocks(h, memoryview(data)) == [1]
 
 
-def test_fp8_tensor_bytes_are_a_view_not_a_copy() -> None:
-    t = torch.zeros(4, dtype=torch.float8_e4m3fn)
-    view = tensor_bytes(t)
-    view[0] = 0x38  # 1.0 in e4m3
-    assert t[0].item() == 1.0
+def test_flat_bytes_views_a_typed_buffer_without_copying() -> None:
+    import array
+
+    words = array.array("I", [0, 0])
+    view = flat_bytes(memoryview(words))
+    view[4] = 1
+    assert (len(view), words[1]) == (8, 1)
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])

@@ -47,9 +47,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.bench.stats import percentile
-from kvmesh.bus import Bus, KVEventBatch, NatsServer, Subjects
-from kvmesh.events import BlockStored
-from kvmesh.keys import BlockKey
+from kvmesh.bus import Bus, NatsServer, Subjects
+from kvmesh.contracts.events import BlockStored
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.messages import KVEventBatch
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import wait_ready
 
@@ -206,8 +207,8 @@ def drop_cache(paths: list[Path]) -> None:
 
 
 def bench_disk(disk_mb: int, work: Path, reps: int) -> list[dict]:
+    from kvmesh.contracts.layout import KVLayout
     from kvmesh.engine.eviction import make_policy
-    from kvmesh.engine.kv_cache import KVLayout
     from services.cachesvc.disk import DiskTier
     from services.cachesvc.store import Leases, Retention, StoredBlock
 
@@ -270,8 +271,8 @@ def bench_disk(disk_mb: int, work: Path, reps: int) -> list[dict]:
 
 def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
     from kvmesh.config import EngineConfig
+    from kvmesh.contracts.sampling import SamplingParams
     from kvmesh.engine.llm_engine import LLMEngine
-    from kvmesh.engine.sequence import SamplingParams
     from kvmesh.transfer import TransferServer
     from kvmesh.worker.pool_client import PoolClient
 

@@ -16,9 +16,9 @@ import torch
 
 from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.loader import resolve_model
-from kvmesh.engine.sequence import SamplingParams
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -19,8 +19,8 @@ from pathlib import Path
 from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.bench.stats import percentile, quantiles
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.engine.sequence import SamplingParams
 from kvmesh.launcher import Stack, StackOptions
 
 TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",

@@ -22,7 +22,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.engine.kv_cache import block_bytes
 from kvmesh.transfer import TransferClient, TransferServer
 
 SIZES = (64 << 10, 1 << 20, 16 << 20)
@@ -82,7 +83,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 async def _push_all(address: str, size: int, count: int) -> float:
     layout = layout_for(size)
-    blocks = torch.randn((1, *layout.block_shape))
+    blocks = block_bytes(torch.randn((1, *layout.block_shape)))
     async with TransferClient() as client:
         await client.push(address, "t0", layout, blocks, [1], layout.block_size)  # connect, warm up
         started = time.perf_counter()

@@ -19,9 +19,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from kvmesh.bus.codec import CodecError, KVEventBatch, Message, decode
 from kvmesh.bus.subjects import Subjects
 from kvmesh.bus.tracing import extract_trace_headers, inject_trace_headers
+from kvmesh.contracts.messages import CodecError, KVEventBatch, Message, decode
 
 log = logging.getLogger(__name__)
 _STREAM_NAME_IN_USE = 10058  # JetStream API error code

@@ -21,10 +21,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.contracts.events import KVEvent
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.sequence import Sequence, Status
-from kvmesh.events import KVEvent
 from kvmesh.routing.cost import SpeedEstimator
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,13 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvmesh.contracts.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockStored, EventSink, KVEvent
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.keys import chain_key
 from kvmesh.engine.eviction import LRU, EvictionPolicy, now
 from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
 from kvmesh.engine.sequence import RetentionRange, Sequence
-from kvmesh.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockStored, EventSink, KVEvent
-from kvmesh.keys import BlockKey, chain_key
 
 if TYPE_CHECKING:
     import torch
@@ -187,7 +188,7 @@ class BlockManager:
 
     def adopt(self, seed: int, tokens: list[int], blocks: torch.Tensor, first_block: int) -> bool:
         """Put fetched full blocks (indices ``first_block ..`` of ``tokens``) into the prefix cache, unreferenced."""
-        from kvmesh.engine.sequence import SamplingParams
+        from kvmesh.contracts.sampling import SamplingParams
 
         n = len(tokens) // self.block_size * self.block_size
         seq = Sequence("adopt", list(tokens[:n]) + [0], SamplingParams(), seed)

@@ -135,7 +135,8 @@ def make_policy(name: str, online: bool = True) -> Policy:
     try:
         cls = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+        choices = online_policies() if online else sorted(POLICIES)
+        raise ValueError(f"eviction {name!r} is unknown; choose one of {choices}") from None
     if online and cls.offline:
         raise ValueError(f"eviction {name!r} needs the future (when each block is used next) and is for "
                          f"`kvmesh sim` only; choose one of {sorted(n for n, p in POLICIES.items() if not p.offline)}")

@@ -8,9 +8,9 @@ narrower storage dtype (bf16, fp8 e4m3) is cast back on read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from kvmesh.contracts.layout import KVLayout
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -27,36 +27,26 @@ def _movable(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_dtype(name: str) -> torch.dtype:
+    """The torch dtype a layout's storage dtype name stands for (the name and its item size are contracts)."""
     try:
         return STORAGE_DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown KV dtype {name!r}; choose one of {sorted(STORAGE_DTYPES)}") from None
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """What a block's bytes mean. Two parties exchange blocks only when their layouts are equal."""
+def block_bytes(blocks: torch.Tensor) -> memoryview:
+    """The raw bytes of blocks as a flat memoryview (what the transfer library and the pool client send):
+    a zero-copy view of a contiguous CPU tensor, else of a contiguous CPU copy. fp8 and bf16 included: viewed
+    as uint8 first, since numpy knows neither."""
+    flat = blocks.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+    return flat.numpy().data
 
-    model_fingerprint: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str = "fp32"
-    layout: str = "layer-major"  # [layer, k|v, token, head, dim]
-    tp_rank: int = 0
-    tp_size: int = 1
 
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def block_nbytes(self) -> int:
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n * storage_dtype(self.dtype).itemsize
+def blocks_from_bytes(layout: KVLayout, data: memoryview | bytearray) -> torch.Tensor:
+    """``[n, *layout.block_shape]`` in the layout's storage dtype over the bytes of a writable buffer (what
+    the transfer library received), without copying."""
+    raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return raw.view(storage_dtype(layout.dtype)).view(-1, *layout.block_shape)
 
 
 class DeviceKVPool:

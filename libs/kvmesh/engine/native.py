@@ -45,7 +45,7 @@ def _build(out: Path) -> None:
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    from kvmesh.engine.loader import default_cache_dir
+    from kvmesh.model_source.resolve import default_cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()
     path = default_cache_dir() / "native" / f"paged_decode-{digest[:16]}.so"

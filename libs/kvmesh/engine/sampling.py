@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.sequence import SamplingParams
+from kvmesh.contracts.sampling import SamplingParams
 
 F32_MAX = torch.finfo(torch.float32).max
 

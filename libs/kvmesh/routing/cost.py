@@ -49,7 +49,7 @@ class CostModel:
     @classmethod
     def calibrate(cls, engine, sizes: tuple[int, int] = (64, 512), fetch_gbps: float = 1.0) -> CostModel:
         """Fit the prefill line on ``engine`` (an LLMEngine) with two cold prompts."""
-        from kvmesh.engine.sequence import SamplingParams
+        from kvmesh.contracts.sampling import SamplingParams
 
         times = []
         for n in sizes:

@@ -6,7 +6,10 @@ The control connection (header, reply) is always TCP; a backend decides only whe
 |---|---|---|
 | ``tcp`` | streams the bytes after the header | ``recv_into`` straight into the result |
 | ``shm`` | copies them into a shared-memory segment it reuses, sends its name | reads the segment |
-| ``mooncake`` | registers its tensor with the Mooncake Transfer Engine | one-sided read from the sender |
+| ``mooncake`` | registers its buffer with the Mooncake Transfer Engine | one-sided read from the sender |
+
+Payloads are plain byte buffers (memoryviews): the library never needs to know what the bytes hold, so
+cachesvc moves blocks without a model framework; the engine hands over zero-copy views of its tensors.
 
 Ownership: the sender owns whatever it staged. After the reply the receiver is done with it, so ``release``
 may reuse it; after a broken push the receiver may still be reading, so ``abandon`` never reuses it (shm
@@ -26,13 +29,10 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, ClassVar
 
-import torch
-
+from kvmesh.contracts.ids import TransferBackend, choices
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import TransferHeader
-from kvmesh.transfer.wire import recv_into, tensor_bytes
-
-BACKENDS = ("tcp", "shm", "mooncake")
+from kvmesh.transfer.wire import recv_into
 
 
 def _nothing() -> None:
@@ -54,33 +54,30 @@ class Staged:
 class Backend(ABC):
     """One instance per client or server; the sender side is used from one event loop only."""
 
-    name: ClassVar[str]
+    name: ClassVar[TransferBackend]
     inline: ClassVar[bool] = False  # does the payload follow the header on the control connection?
 
     @abstractmethod
-    def stage(self, payload: torch.Tensor, local_host: str) -> Staged:
-        """Sender side. ``payload`` is a flat contiguous uint8 CPU tensor that stays alive until release."""
+    def stage(self, payload: memoryview, local_host: str) -> Staged:
+        """Sender side. ``payload`` is a flat byte view whose buffer stays alive until release."""
 
     @abstractmethod
-    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
-                    view: memoryview) -> None:
-        """Receiver side: fill ``into`` (flat uint8, ``header.nbytes``; ``view`` is its bytes). Raises
-        TransferRejected when the source cannot be read (the connection stays usable), ConnectionError or
-        TimeoutError when it broke."""
+    async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
+        """Receiver side: fill ``view`` (flat, writable, ``header.nbytes``). Raises TransferRejected when the
+        source cannot be read (the connection stays usable), ConnectionError or TimeoutError when it broke."""
 
     def close(self) -> None:
         """Free what the sender side keeps between pushes."""
 
 
 class TcpBackend(Backend):
-    name = "tcp"
+    name = TransferBackend.TCP
     inline = True
 
-    def stage(self, payload: torch.Tensor, local_host: str) -> Staged:
-        return Staged(inline=tensor_bytes(payload))
+    def stage(self, payload: memoryview, local_host: str) -> Staged:
+        return Staged(inline=payload)
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
-                    view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
         await recv_into(sock, view)
 
 
@@ -90,7 +87,7 @@ class ShmBackend(Backend):
     all unlinked by :meth:`close`, and by multiprocessing's resource tracker if the sender dies). The receiver
     reads a segment as a file, never registering or unlinking it."""
 
-    name = "shm"
+    name = TransferBackend.SHM
     SEGMENT = re.compile(r"kvmesh_[0-9a-f]{32}")
     ROOT = "/dev/shm"
 
@@ -99,20 +96,19 @@ class ShmBackend(Backend):
         self.max_idle_bytes = max_idle_bytes
         self._idle: list[SharedMemory] = []
 
-    def stage(self, payload: torch.Tensor, local_host: str) -> Staged:
-        n = payload.numel()
+    def stage(self, payload: memoryview, local_host: str) -> Staged:
+        n = len(payload)
         shm = self._checkout(n)
         try:
             assert shm.buf is not None
-            shm.buf[:n] = tensor_bytes(payload)
+            shm.buf[:n] = payload
         except BaseException:
             _unlink(shm)
             raise
         return Staged(source={"segment": shm.name}, release=lambda: self._checkin(shm),
                       abandon=lambda: _unlink(shm))
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
-                    view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
         name = header.source.get("segment")
         if not isinstance(name, str) or not self.SEGMENT.fullmatch(name):
             raise TransferRejected(f"shm source names no valid segment: {header.source!r}")
@@ -157,14 +153,14 @@ def _unlink(shm: SharedMemory) -> None:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: TransferBackend | str) -> Backend:
     """A backend by name; ``mooncake`` is imported only when asked for."""
-    if name == "tcp":
+    if name == TransferBackend.TCP:
         return TcpBackend()
-    if name == "shm":
+    if name == TransferBackend.SHM:
         return ShmBackend()
-    if name == "mooncake":
+    if name == TransferBackend.MOONCAKE:
         from kvmesh.transfer.mooncake_backend import MooncakeBackend
 
         return MooncakeBackend()
-    raise ValueError(f"unknown transfer backend {name!r}; choose one of {BACKENDS}")
+    raise ValueError(f"unknown transfer backend {name!r}; choose one of {choices(TransferBackend)}")

@@ -14,21 +14,20 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple, Self
 
-import torch
-
-from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.contracts.ids import BlockKey, TransferId
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.transfer.backends import Backend, Staged, get_backend
 from kvmesh.transfer.errors import TransferRejected
-from kvmesh.transfer.header import TransferHeader, block_checksums, block_nbytes, encode_header
+from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
 from kvmesh.transfer.wire import (
     MAGIC,
     PREFIX,
     Address,
     Reply,
     configure,
+    flat_bytes,
     parse_address,
     read_reply,
-    tensor_bytes,
 )
 
 
@@ -49,11 +48,12 @@ class TransferClient:
         self._slots: dict[Address, asyncio.Semaphore] = {}  # bounds the pushes in flight per address
         self._backends: dict[str, Backend] = {}
 
-    async def push(self, address: str, transfer_id: str, layout: KVLayout, blocks: torch.Tensor,
-                   block_keys: Sequence[int], num_tokens: int,
+    async def push(self, address: str, transfer_id: TransferId | str, layout: KVLayout,
+                   payload: bytes | bytearray | memoryview, block_keys: Sequence[BlockKey], num_tokens: int,
                    checksums: Sequence[int] | None = None) -> TransferStats:
-        """Send ``blocks`` (``[n, *layout.block_shape]``, storage dtype) and wait until the receiver verified
-        them. ``block_keys`` are the keys of the full blocks, in order. ``checksums``: the blocks' xxh3_64
+        """Send the bytes of ``n`` whole blocks in ``layout`` (``payload``: any C-contiguous buffer of
+        ``n * layout.block_nbytes`` bytes; the engine passes ``kv_cache.block_bytes(tensor)``, a zero-copy
+        view) and wait until the receiver verified them. ``block_keys`` are the keys of the full blocks, in order. ``checksums``: the blocks' xxh3_64
         when the caller has them already (e.g. stored with the blocks): the receiver verifies the bytes
         against them and they are not computed again here. Raises TransferRejected with the receiver's
         reason; ConnectionError (or OSError/TimeoutError) when it cannot be reached or the connection
@@ -61,18 +61,19 @@ class TransferClient:
         started = time.perf_counter()
         addr = parse_address(address)
         backend = self._backend(addr.backend)
-        payload = _payload(layout, blocks)
-        _check_request(transfer_id, layout, blocks.shape[0], block_keys, num_tokens)
+        payload = flat_bytes(payload)
+        n = _num_blocks(layout, payload)
+        _check_request(transfer_id, layout, n, block_keys, num_tokens)
         if checksums is None:
-            checksums = block_checksums(tensor_bytes(payload), block_nbytes(layout))
-        elif len(checksums) != blocks.shape[0]:
-            raise ValueError(f"{len(checksums)} checksums for {blocks.shape[0]} blocks")
+            checksums = block_checksums(payload, layout.block_nbytes)
+        elif len(checksums) != n:
+            raise ValueError(f"{len(checksums)} checksums for {n} blocks")
         async with self._slots.setdefault(addr, asyncio.Semaphore(self.max_connections_per_address)):
             sock = await self._checkout(addr)
             staged: Staged | None = None
             try:
                 staged = self._stage(backend, payload, sock.getsockname()[0])
-                header = TransferHeader(transfer_id, backend.name, layout, tuple(block_keys), num_tokens,
+                header = TransferHeader(TransferId(transfer_id), backend.name, layout, tuple(block_keys), num_tokens,
                                         tuple(checksums), staged.source)
                 reply = await self._exchange(sock, header, staged)
             except BaseException:
@@ -85,7 +86,7 @@ class TransferClient:
         if not reply.ok:
             raise TransferRejected(reply.reason)
         seconds = time.perf_counter() - started
-        return TransferStats(payload.numel(), seconds, payload.numel() / seconds / 1e9)
+        return TransferStats(len(payload), seconds, len(payload) / seconds / 1e9)
 
     async def close(self) -> None:
         for backend in self._backends.values():
@@ -101,7 +102,7 @@ class TransferClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _stage(self, backend: Backend, payload: torch.Tensor, local_host: str) -> Staged:
+    def _stage(self, backend: Backend, payload: memoryview, local_host: str) -> Staged:
         """Make the (already checksummed) payload reachable by the receiver. Tests override this to corrupt
         bytes in flight."""
         return backend.stage(payload, local_host)
@@ -148,17 +149,16 @@ class TransferClient:
             sock.close()
 
 
-def _payload(layout: KVLayout, blocks: torch.Tensor) -> torch.Tensor:
-    """``blocks`` as one flat contiguous uint8 CPU tensor (a view when it already is contiguous on CPU)."""
-    want = storage_dtype(layout.dtype)
-    if blocks.dtype != want:
-        raise ValueError(f"blocks are {blocks.dtype}, layout {layout.dtype} stores {want}")
-    if blocks.dim() < 1 or tuple(blocks.shape[1:]) != layout.block_shape or blocks.shape[0] == 0:
-        raise ValueError(f"blocks shape {tuple(blocks.shape)} is not [n>0, *{layout.block_shape}]")
-    return blocks.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+def _num_blocks(layout: KVLayout, payload: memoryview) -> int:
+    """How many whole blocks ``payload`` holds; ValueError when none, or when it ends inside one."""
+    n, rest = divmod(len(payload), layout.block_nbytes)
+    if n == 0 or rest:
+        raise ValueError(f"a payload of {len(payload)} bytes is not n>0 whole blocks of {layout.block_nbytes} "
+                         f"bytes ({layout.block_shape} x {layout.dtype})")
+    return n
 
 
-def _check_request(transfer_id: str, layout: KVLayout, n: int, block_keys: Sequence[int],
+def _check_request(transfer_id: str, layout: KVLayout, n: int, block_keys: Sequence[BlockKey],
                    num_tokens: int) -> None:
     if not transfer_id:
         raise ValueError("transfer_id must not be empty")

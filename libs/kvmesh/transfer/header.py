@@ -8,13 +8,13 @@ where the bytes are (empty for ``tcp``: they follow the header on the same conne
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
-from functools import lru_cache
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
-from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.contracts.ids import BlockKey, TransferId
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.transfer.errors import TransferRejected
 
 VERSION = 1
@@ -23,10 +23,10 @@ MAX_HEADER_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class TransferHeader:
-    transfer_id: str
-    backend: str
+    transfer_id: TransferId
+    backend: str  # a TransferBackend's value; checked by the receiver, which may not serve it
     layout: KVLayout
-    block_keys: tuple[int, ...]
+    block_keys: tuple[BlockKey, ...]
     num_tokens: int
     checksums: tuple[int, ...]  # xxh3_64 of each block's raw bytes, in order
     source: dict[str, Any] = field(default_factory=dict)
@@ -37,18 +37,7 @@ class TransferHeader:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * block_nbytes(self.layout)
-
-
-@lru_cache(maxsize=64)
-def block_nbytes(layout: KVLayout) -> int:
-    """``layout.block_nbytes``, memoised: it allocates a tensor each call, and a push asks several times."""
-    return layout.block_nbytes
-
-
-@lru_cache(maxsize=64)
-def _layout_doc(layout: KVLayout) -> dict[str, Any]:
-    return {f.name: getattr(layout, f.name) for f in fields(KVLayout)}
+        return self.num_blocks * self.layout.block_nbytes
 
 
 def block_checksums(payload: memoryview, stride: int) -> tuple[int, ...]:
@@ -58,16 +47,8 @@ def block_checksums(payload: memoryview, stride: int) -> tuple[int, ...]:
 
 def corrupt_blocks(header: TransferHeader, payload: memoryview) -> list[int]:
     """Indices of the blocks whose bytes do not hash to the header's checksum."""
-    actual = block_checksums(payload, block_nbytes(header.layout))
+    actual = block_checksums(payload, header.layout.block_nbytes)
     return [i for i, (a, b) in enumerate(zip(actual, header.checksums, strict=True)) if a != b]
-
-
-def layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None:
-    """Every field that differs, as ``name got!=expected``; None when equal. Byte counts are not compared:
-    they prove nothing."""
-    diffs = [f"{f.name} {getattr(got, f.name)!r}!={getattr(expected, f.name)!r}"
-             for f in fields(KVLayout) if getattr(got, f.name) != getattr(expected, f.name)]
-    return ", ".join(diffs) or None
 
 
 def encode_header(header: TransferHeader) -> bytes:
@@ -75,7 +56,7 @@ def encode_header(header: TransferHeader) -> bytes:
         "v": VERSION,
         "transfer_id": header.transfer_id,
         "backend": header.backend,
-        "layout": _layout_doc(header.layout),
+        "layout": header.layout.to_dict(),
         "block_keys": [f"{k:016x}" for k in header.block_keys],
         "num_tokens": header.num_tokens,
         "checksums": [f"{c:016x}" for c in header.checksums],
@@ -97,10 +78,10 @@ def decode_header(raw: bytes) -> TransferHeader:
         raise TransferRejected(f"unsupported header version {doc.get('v')!r}; this receiver speaks {VERSION}")
     try:
         header = TransferHeader(
-            transfer_id=_typed(doc, "transfer_id", str),
+            transfer_id=TransferId(_typed(doc, "transfer_id", str)),
             backend=_typed(doc, "backend", str),
-            layout=_layout(_typed(doc, "layout", dict)),
-            block_keys=_hex64s(_typed(doc, "block_keys", list)),
+            layout=KVLayout.from_dict(_typed(doc, "layout", dict)),
+            block_keys=tuple(map(BlockKey, _hex64s(_typed(doc, "block_keys", list)))),
             num_tokens=_typed(doc, "num_tokens", int),
             checksums=_hex64s(_typed(doc, "checksums", list)),
             source=_typed(doc, "source", dict),
@@ -118,7 +99,7 @@ def _check_counts(h: TransferHeader, nbytes: int) -> None:
         raise TransferRejected("malformed header: no blocks")
     if nbytes != h.nbytes:
         raise TransferRejected(f"malformed header: nbytes {nbytes} != {h.num_blocks} blocks x "
-                               f"{block_nbytes(h.layout)} bytes")
+                               f"{h.layout.block_nbytes} bytes")
     if len(h.block_keys) > h.num_blocks:
         raise TransferRejected(f"malformed header: {len(h.block_keys)} block keys for {h.num_blocks} blocks")
     if not 0 < h.num_tokens <= h.num_blocks * h.layout.block_size:
@@ -137,28 +118,3 @@ def _hex64s(items: list[Any]) -> tuple[int, ...]:
     if not all(isinstance(s, str) and len(s) == 16 for s in items):
         raise ValueError("64-bit values must be 16-digit hex strings")
     return tuple(int(s, 16) for s in items)
-
-
-def _layout(doc: dict[str, Any]) -> KVLayout:
-    if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in doc.values()):
-        raise TypeError("layout fields must be integers and strings")
-    return _checked_layout(tuple(sorted(doc.items())))
-
-
-@lru_cache(maxsize=64)
-def _checked_layout(items: tuple[tuple[str, Any], ...]) -> KVLayout:
-    """The layout named by ``items`` after checking names, types and values (memoised: every header of a
-    connection names the same one)."""
-    doc = dict(items)
-    names = {f.name: f.type for f in fields(KVLayout)}
-    if set(doc) != set(names):
-        raise ValueError(f"layout fields {sorted(doc)} != {sorted(names)}")
-    for name, value in doc.items():
-        want = int if names[name] in ("int", int) else str
-        if not isinstance(value, want) or isinstance(value, bool):
-            raise TypeError(f"layout field {name!r} must be {want.__name__}")
-    layout = KVLayout(**doc)
-    storage_dtype(layout.dtype)  # ValueError on an unknown dtype
-    if min(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size) <= 0:
-        raise ValueError("layout dimensions must be positive")
-    return layout

@@ -2,8 +2,8 @@
 needs Debian's ``libibverbs1`` even for TCP).
 
 One engine per process, started on first use with the P2P handshake (no metadata server) and the ``tcp``
-protocol. The sender registers its payload tensor and sends ``{session, addr}``; the receiver registers its
-result tensor and does a one-sided ``transfer_sync_read`` from the sender's memory (in a worker thread: it
+protocol. The sender registers its payload buffer and sends ``{session, addr}``; the receiver registers its
+result buffer and does a one-sided ``transfer_sync_read`` from the sender's memory (in a worker thread: it
 blocks). Imported lazily: the base install never needs mooncake.
 """
 
@@ -17,8 +17,9 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
+import numpy as np
 
+from kvmesh.contracts.ids import TransferBackend
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import TransferHeader
@@ -81,15 +82,22 @@ def _unregister(te: Any, addr: int, length: int) -> None:
             te.unregister_memory(addr)
 
 
-class MooncakeBackend(Backend):
-    name = "mooncake"
+def _address(view: memoryview) -> tuple[np.ndarray, int]:
+    """A numpy array over ``view`` (holding its buffer alive) and the address of its first byte."""
+    array = np.frombuffer(view, dtype=np.uint8)
+    return array, array.ctypes.data
 
-    def stage(self, payload: torch.Tensor, local_host: str) -> Staged:
+
+class MooncakeBackend(Backend):
+    name = TransferBackend.MOONCAKE
+
+    def stage(self, payload: memoryview, local_host: str) -> Staged:
         te, session = engine(local_host)
-        addr, n = payload.data_ptr(), payload.numel()
+        held, addr = _address(payload)
+        n = len(payload)
         _register(te, addr, n)
 
-        def release(keep: torch.Tensor = payload) -> None:  # holds the payload alive until released
+        def release(keep: np.ndarray = held) -> None:  # holds the payload alive until released
             _unregister(te, addr, n)
 
         def abandon() -> None:  # the receiver may still be reading: keep the memory registered (and alive)
@@ -97,18 +105,18 @@ class MooncakeBackend(Backend):
 
         return Staged(source={"session": session, "addr": addr}, release=release, abandon=abandon)
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, into: torch.Tensor,
-                    view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
         session, addr = header.source.get("session"), header.source.get("addr")
         if not isinstance(session, str) or not isinstance(addr, int):
             raise TransferRejected(f"mooncake source needs 'session' and 'addr': {header.source!r}")
         te, _ = engine(sock.getsockname()[0])
-        local, n = into.data_ptr(), into.numel()
+        into, local = _address(view)
+        n = len(view)
         _register(te, local, n)
 
         # A cancelled await must not free `into` while the engine still writes into it: the concurrent
         # future's callback (which holds `into`) unregisters only once the read has really ended.
-        def done(_: Future[int], keep: torch.Tensor = into) -> None:
+        def done(_: Future[int], keep: np.ndarray = into) -> None:
             _unregister(te, local, n)
 
         read = _reader().submit(te.transfer_sync_read, session, local, addr, n)

@@ -21,18 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Self
 
-import torch
+import numpy as np
 
-from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.contracts.ids import BlockKey, TransferBackend, TransferId
+from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.transfer.backends import Backend, TcpBackend, get_backend
 from kvmesh.transfer.errors import TransferRejected
-from kvmesh.transfer.header import (
-    MAX_HEADER_BYTES,
-    TransferHeader,
-    corrupt_blocks,
-    decode_header,
-    layout_mismatch,
-)
+from kvmesh.transfer.header import MAX_HEADER_BYTES, TransferHeader, corrupt_blocks, decode_header
 from kvmesh.transfer.wire import (
     MAGIC,
     PREFIX,
@@ -48,20 +43,24 @@ from kvmesh.transfer.wire import (
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, eq=False)  # eq would compare tensors
+@dataclass(frozen=True, eq=False)  # eq would compare buffers
 class ReceivedBlocks:
-    """A verified transfer. ``blocks`` is ``[n, *layout.block_shape]`` in the layout's storage dtype, ready
-    for ``DeviceKVPool.write_blocks``; ``block_keys`` are the keys of its full blocks (a partial last block
-    has none)."""
+    """A verified transfer. ``data`` holds its ``num_blocks`` blocks back to back (flat, writable, owned by
+    the taker; the engine views it as a tensor with ``kv_cache.blocks_from_bytes``); ``block_keys`` are the
+    keys of its full blocks (a partial last block has none)."""
 
-    transfer_id: str
+    transfer_id: TransferId
     layout: KVLayout
-    block_keys: tuple[int, ...]
+    block_keys: tuple[BlockKey, ...]
     num_tokens: int
-    blocks: torch.Tensor
+    data: memoryview
     nbytes: int
     seconds: float  # header arrival -> verified
     checksums: tuple[int, ...] = ()  # each block's xxh3_64, which its bytes were verified against
+
+    @property
+    def num_blocks(self) -> int:
+        return self.nbytes // self.layout.block_nbytes
 
 
 @dataclass
@@ -83,7 +82,7 @@ class TransferServer:
         self.max_buffered_bytes = max_buffered_bytes
         self.io_timeout = io_timeout
         self._sock = sock
-        self._backends: dict[str, Backend] = {"tcp": TcpBackend(), backend.name: backend}
+        self._backends: dict[str, Backend] = {TransferBackend.TCP: TcpBackend(), backend.name: backend}
         host, port = sock.getsockname()[:2]
         host = socket.gethostname() if host in ("0.0.0.0", "::") else host
         self.address = str(Address(backend.name, host, port))
@@ -96,13 +95,13 @@ class TransferServer:
 
     @classmethod
     async def start(cls, expected_layout: KVLayout | None, host: str = "127.0.0.1", port: int = 0,
-                    backend: str = "tcp", *, ttl: float = 60.0, max_buffered_bytes: int = 1 << 30,
+                    backend: TransferBackend | str = TransferBackend.TCP, *, ttl: float = 60.0, max_buffered_bytes: int = 1 << 30,
                     io_timeout: float = 30.0) -> TransferServer:
         """Listen on ``host:port`` (0 = any free port). ``backend`` is what :attr:`address` advertises; plain
         ``tcp`` is always accepted too. ``expected_layout`` None: accept any layout (the taker checks it).
         Raises RuntimeError when the backend cannot run here (mooncake)."""
         chosen = get_backend(backend)
-        if backend == "mooncake":
+        if backend == TransferBackend.MOONCAKE:
             from kvmesh.transfer.mooncake_backend import engine
 
             engine(host)
@@ -116,7 +115,7 @@ class TransferServer:
         """Bytes held: transfers being received plus verified ones not yet taken."""
         return self._buffered
 
-    async def take(self, transfer_id: str, timeout: float) -> ReceivedBlocks:
+    async def take(self, transfer_id: TransferId | str, timeout: float) -> ReceivedBlocks:
         """Wait until ``transfer_id`` has arrived and been verified, and hand it over (once).
         Raises asyncio.TimeoutError, or TransferRejected when it arrived but was refused."""
         slot = self._slots.setdefault(transfer_id, _Slot())
@@ -226,7 +225,7 @@ class TransferServer:
         reason, record = self._refusal(header)
         if reason is None and backend is not None:
             reason = await self._fetch(sock, header, backend)
-        elif header.backend == "tcp":  # refused unread: drop the inline payload to keep the stream in sync
+        elif header.backend == TransferBackend.TCP:  # refused unread: drop the inline payload to keep the stream in sync
             async with asyncio.timeout(self.io_timeout):
                 await drain(sock, nbytes)
         if reason is not None:
@@ -262,19 +261,16 @@ class TransferServer:
         delivered = False
         started = time.perf_counter()
         try:
-            into = torch.empty(nbytes, dtype=torch.uint8)
-            view = into.numpy().data
+            view = np.empty(nbytes, dtype=np.uint8).data  # not zeroed: every byte is about to be written
             try:
                 async with asyncio.timeout(self.io_timeout):
-                    await backend.fetch(header, sock, into, view)
+                    await backend.fetch(header, sock, view)
             except TransferRejected as e:
                 return e.reason
             if bad := corrupt_blocks(header, view):
                 shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
                 return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
-            layout = header.layout
-            blocks = into.view(storage_dtype(layout.dtype)).view(header.num_blocks, *layout.block_shape)
-            received = ReceivedBlocks(tid, layout, header.block_keys, header.num_tokens, blocks, nbytes,
+            received = ReceivedBlocks(tid, header.layout, header.block_keys, header.num_tokens, view, nbytes,
                                       time.perf_counter() - started, header.checksums)
             self._settle(tid, received, nbytes)
             delivered = True

@@ -13,7 +13,7 @@ import socket
 import struct
 from typing import NamedTuple
 
-import torch
+from kvmesh.contracts.ids import TransferBackend
 
 MAGIC = b"KVMT"
 PREFIX = struct.Struct("<4sI")
@@ -32,7 +32,7 @@ class Reply(NamedTuple):
 
 
 class Address(NamedTuple):
-    backend: str
+    backend: TransferBackend | str
     host: str
     port: int
 
@@ -50,12 +50,12 @@ def parse_address(address: str) -> Address:
     return Address(backend, host.strip("[]"), int(port))
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor as a flat writable memoryview, without copying (fp8 and bf16
-    included: viewed as uint8 first, since numpy knows neither)."""
-    if t.dtype == torch.uint8 and t.dim() == 1:
-        return t.numpy().data
-    return t.view(torch.uint8).reshape(-1).numpy().data
+def flat_bytes(payload: bytes | bytearray | memoryview) -> memoryview:
+    """Any C-contiguous buffer (bytes, a memoryview, a numpy array) as a flat byte view, without copying."""
+    view = memoryview(payload)
+    if not view.c_contiguous:
+        raise ValueError("the payload must be one C-contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def encode_reply(reply: Reply) -> bytes:

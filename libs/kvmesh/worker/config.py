@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-ROLES = ("prefill", "decode", "both")
-TRANSFER_BACKENDS = ("tcp", "shm", "mooncake")
+from kvmesh.contracts.ids import Role, TransferBackend, choices
+
+ROLES = tuple(r.value for r in Role.engines())
+TRANSFER_BACKENDS = choices(TransferBackend)
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ from typing import Any
 import grpc
 from opentelemetry.trace import Span
 
-from kvmesh.bus import KVReady
-from kvmesh.convert import sampling_from_proto
+from kvmesh.contracts.keys import block_keys
+from kvmesh.contracts.messages import KVReady
+from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engine.async_engine import RequestTiming
 from kvmesh.engine.errors import SequenceError
-from kvmesh.keys import block_keys
+from kvmesh.engine.kv_cache import blocks_from_bytes
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
@@ -192,7 +193,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         expected = block_keys(seed, prompt[:got.num_tokens], self.w.layout.block_size)
         if got.num_tokens != len(prompt) or list(got.block_keys) != expected:
             return None, "pushed KV does not match this prompt (block keys differ)", received_ns, {}
-        return (got.blocks, got.num_tokens, ready.first_token), "", received_ns, {
-            "kvmesh.blocks": int(got.blocks.shape[0]), "kvmesh.bytes": got.nbytes,
+        return (blocks_from_bytes(got.layout, got.data), got.num_tokens, ready.first_token), "", received_ns, {
+            "kvmesh.blocks": got.num_blocks, "kvmesh.bytes": got.nbytes,
             "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
             "kvmesh.receive_ms": round(got.seconds * 1e3, 3), "kvmesh.prefill_instance": ready.prefill_instance}

@@ -10,11 +10,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-import torch
 from opentelemetry.trace import Span
 
-from kvmesh.bus import KVReady
-from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.messages import KVReady
 from kvmesh.transfer import TransferClient
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.client import TransferStats
@@ -32,8 +31,9 @@ class Handoff:
         self._announce = announce
         self.transfer = transfer or TransferClient()
 
-    async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: torch.Tensor,
+    async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: memoryview,
                    span: Span) -> TransferStats:
+        """``blocks``: the bytes of whole blocks in ``layout`` (``kv_cache.block_bytes`` of the engine's)."""
         return await self.transfer.push(address, ready.transfer_id, layout, blocks, list(ready.block_keys),
                                         ready.num_tokens)
 
@@ -53,7 +53,7 @@ class FaultyHandoff(Handoff):
         self.stalls = stall
         self.drop_ready = drop_ready
 
-    async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: torch.Tensor,
+    async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: memoryview,
                    span: Span) -> TransferStats:
         if self.stalls > 0:
             self.stalls -= 1
@@ -78,12 +78,12 @@ class FaultyTransferClient(TransferClient):
         super().__init__()
         self.corrupt = corrupt
 
-    def _stage(self, backend: Backend, payload: torch.Tensor, local_host: str) -> Staged:
+    def _stage(self, backend: Backend, payload: memoryview, local_host: str) -> Staged:
         if self.corrupt > 0:
             self.corrupt -= 1
-            payload = payload.clone()
-            raw = payload.view(-1).view(torch.uint8)
-            raw[raw.numel() // 2] ^= 0x5A
+            raw = bytearray(payload)
+            raw[len(raw) // 2] ^= 0x5A
+            payload = memoryview(raw)
         return super()._stage(backend, payload, local_host)
 
 

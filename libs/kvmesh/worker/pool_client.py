@@ -20,12 +20,12 @@ import grpc
 import torch
 
 from kvmesh import tls
-from kvmesh.convert import layout_to_proto
-from kvmesh.engine.kv_cache import KVLayout, storage_dtype
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import block_checksums
-from kvmesh.transfer.wire import tensor_bytes
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -40,7 +40,7 @@ class PoolClient:
     def __init__(self, address: str, layout: KVLayout, receiver: TransferServer | None = None,
                  remember: int = 200_000, timeout_s: float = 30.0) -> None:
         self.layout = layout
-        self.proto_layout = layout_to_proto(layout)
+        self.proto_layout = layout.to_proto()
         self.block_nbytes = layout.block_nbytes
         self.receiver = receiver
         self.timeout_s = timeout_s
@@ -53,19 +53,19 @@ class PoolClient:
         self._written: OrderedDict[int, None] = OrderedDict()  # keys this instance already stored
         self._remember = remember
 
-    async def write_back(self, keys: list[int], blocks: torch.Tensor, metadata: Metadata = ()) -> int:
+    async def write_back(self, keys: list[BlockKey], blocks: torch.Tensor, metadata: Metadata = ()) -> int:
         """Store the blocks the pool does not have from us yet; returns how many were sent. ``metadata``: gRPC
         call metadata (the trace context)."""
         todo = [i for i, k in enumerate(keys) if k not in self._written]
         per_call = max(1, MAX_MESSAGE_BYTES // 2 // self.block_nbytes)
         for start in range(0, len(todo), per_call):
             idx = todo[start:start + per_call]
-            chunk = blocks[idx].cpu().contiguous()
-            sums = block_checksums(tensor_bytes(chunk), self.block_nbytes)
+            chunk = block_bytes(blocks[idx])
+            sums = block_checksums(chunk, self.block_nbytes)
             request = cache_pb2.PutBlocksRequest(layout=self.proto_layout, block_keys=[keys[i] for i in idx],
                                                  checksums=sums)
             if self.transfer is None:
-                request.data = bytes(tensor_bytes(chunk))
+                request.data = bytes(chunk)
             else:
                 request.transfer_id = await self._push(chunk, list(request.block_keys), sums, metadata)
             await self._call(self.stub.PutBlocks, request, metadata)
@@ -75,7 +75,7 @@ class PoolClient:
             self._written.popitem(last=False)
         return len(todo)
 
-    async def fetch(self, keys: list[int], metadata: Metadata = ()) -> torch.Tensor | None:
+    async def fetch(self, keys: list[BlockKey], metadata: Metadata = ()) -> torch.Tensor | None:
         """The leading run of ``keys`` the pool holds in our layout, verified, as ``[n, *block_shape]``."""
         request = cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys)
         receiver = self.receiver
@@ -91,7 +91,7 @@ class PoolClient:
                 raise PoolError("the pool answered with blocks that were not asked for")
             if receiver is None:
                 blocks = self._inline(resp, n)
-                sums = block_checksums(tensor_bytes(blocks), self.block_nbytes)
+                sums = block_checksums(block_bytes(blocks), self.block_nbytes)
             else:  # the receiver verified the bytes against the checksums pushed with them
                 blocks, sums = await self._received(receiver, request.transfer_id, n)
         except BaseException:
@@ -114,7 +114,7 @@ class PoolClient:
         except grpc.aio.AioRpcError as e:
             raise PoolError(f"{type(request).__name__[:-7]}: {e.code().name}: {e.details()}") from None
 
-    async def _push(self, blocks: torch.Tensor, keys: list[int], checksums: list[int],
+    async def _push(self, blocks: memoryview, keys: list[BlockKey], checksums: list[int],
                     metadata: Metadata) -> str:
         """Push ``blocks`` to cachesvc's transfer endpoint; returns the transfer id PutBlocks names."""
         assert self.transfer is not None
@@ -147,13 +147,12 @@ class PoolClient:
             raise PoolError(f"the pool's push {transfer_id} did not arrive within {self.timeout_s:g}s") from None
         except TransferRejected as e:
             raise PoolError(f"the pool's push was refused: {e.reason}") from None
-        if got.layout != self.layout or got.blocks.shape[0] != n:
-            raise PoolError(f"the pool pushed {got.blocks.shape[0]} blocks in another layout or number than the "
+        if got.layout != self.layout or got.num_blocks != n:
+            raise PoolError(f"the pool pushed {got.num_blocks} blocks in another layout or number than the "
                             f"{n} it answered with")
-        return got.blocks, got.checksums
+        return blocks_from_bytes(self.layout, got.data), got.checksums
 
     def _inline(self, resp: cache_pb2.GetBlocksResponse, n: int) -> torch.Tensor:
         if len(resp.data) != n * self.block_nbytes:
             raise PoolError(f"the pool answered {len(resp.data)} bytes for {n} blocks of {self.block_nbytes}")
-        raw = torch.frombuffer(bytearray(resp.data), dtype=torch.uint8)
-        return raw.view(storage_dtype(self.layout.dtype)).view(n, *self.layout.block_shape)
+        return blocks_from_bytes(self.layout, bytearray(resp.data))

@@ -13,10 +13,11 @@ import time
 import grpc
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from kvmesh.bus import KVReady
-from kvmesh.convert import layout_to_dict, sampling_from_proto
+from kvmesh.contracts.messages import KVReady
+from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engine.async_engine import RequestTiming
 from kvmesh.engine.errors import SequenceError
+from kvmesh.engine.kv_cache import block_bytes
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
@@ -73,13 +74,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         transfer_id = f"{work.request_id}@{w.instance_id}"
         ready = KVReady(request_id=work.request_id, decode_instance=request.decode_instance,
                         transfer_id=transfer_id, block_keys=tuple(kv.block_keys), num_tokens=kv.num_tokens,
-                        first_token=first_token, layout=layout_to_dict(w.layout), prefill_instance=w.instance_id)
+                        first_token=first_token, layout=w.layout, prefill_instance=w.instance_id)
         push = tracing.start("kv.push", span, SpanKind.CLIENT,
                              {**attrs, "kvmesh.decode_instance": request.decode_instance,
                               "kvmesh.transfer_backend": w.cfg.transfer_backend,
                               "kvmesh.blocks": int(kv.blocks.shape[0]), "kvmesh.tokens": kv.num_tokens})
         try:
-            stats = await self.handoff.push(ready, request.decode_transfer_address, w.layout, kv.blocks, span)
+            stats = await self.handoff.push(ready, request.decode_transfer_address, w.layout,
+                                            block_bytes(kv.blocks), span)
         except Exception as e:  # noqa: BLE001 - any push failure is reported to decode, which recomputes
             log.warning("request %s (trace %s): KV push to %s failed: %s", work.request_id, tracing.trace_id(span),
                         request.decode_instance, e)

@@ -12,15 +12,17 @@ from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from kvmesh.bus import Bus, Heartbeat, KVEventBatch, KVReady, Subjects
+from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
 from kvmesh.bus.tracing import trace_context
 from kvmesh.config import EngineConfig
+from kvmesh.contracts.events import AllBlocksCleared, KVEvent
+from kvmesh.contracts.ids import Role
+from kvmesh.contracts.keys import block_keys
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady
 from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.events import AllBlocksCleared, KVEvent
 from kvmesh.grpc_server import ServiceServer
-from kvmesh.keys import block_keys
 from kvmesh.proto.v1 import worker_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.telemetry import tracing
@@ -52,11 +54,11 @@ class Worker:
 
     @property
     def serves_prefill(self) -> bool:
-        return self.cfg.role in ("prefill", "both")
+        return self.cfg.role in (Role.PREFILL, Role.BOTH)
 
     @property
     def serves_decode(self) -> bool:
-        return self.cfg.role in ("decode", "both")
+        return self.cfg.role in (Role.DECODE, Role.BOTH)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

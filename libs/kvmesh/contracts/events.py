@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvmesh.keys import BlockKey
+from kvmesh.contracts.ids import BlockKey
 
 TIER_DEVICE = "device"
 TIER_HOST = "host"

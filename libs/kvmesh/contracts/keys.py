@@ -8,18 +8,14 @@ processes and machines (xxh3 over little-endian int32 token bytes, never Python'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NewType
 
-import numpy as np
 import xxhash
 
-BlockKey = NewType("BlockKey", int)
-"""Hash of one full block *and its whole prefix* inside a namespace."""
-
-NamespaceSeed = NewType("NamespaceSeed", int)
-"""``key_{-1}``: what must be equal for two requests to share any block."""
+from kvmesh.contracts.ids import BlockKey, NamespaceSeed
 
 
 @dataclass(frozen=True)
@@ -37,22 +33,28 @@ class Namespace:
         return NamespaceSeed(xxhash.xxh3_64_intdigest("\x1f".join(parts).encode()))
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    return np.asarray(tokens, dtype="<i4").tobytes()
+def _int32s(tokens: Iterable[int]) -> array:
+    """Token ids as little-endian int32 (OverflowError for an id that does not fit); numpy arrays work too."""
+    data = array("i", tokens)
+    if data.itemsize != 4:  # pragma: no cover - C int is 32 bits on every platform kvmesh runs on
+        raise RuntimeError(f"C int is {data.itemsize} bytes here; block keys hash int32 tokens")
+    if sys.byteorder == "big":  # pragma: no cover
+        data.byteswap()
+    return data
 
 
-def chain_key(parent: int, tokens: Sequence[int] | np.ndarray) -> BlockKey:
+def chain_key(parent: int, tokens: Iterable[int]) -> BlockKey:
     """The key of one block whose prefix has key ``parent`` (or the namespace seed for block 0)."""
-    return BlockKey(xxhash.xxh3_64_intdigest(_token_bytes(tokens), seed=parent))
+    return BlockKey(xxhash.xxh3_64_intdigest(_int32s(tokens).tobytes(), seed=parent))
 
 
-def block_keys(seed: int, tokens: Sequence[int] | np.ndarray, block_size: int) -> list[BlockKey]:
+def block_keys(seed: int, tokens: Iterable[int], block_size: int) -> list[BlockKey]:
     """Keys of every *full* block of ``tokens``; a trailing partial block has no key."""
-    data = np.asarray(tokens, dtype="<i4")
-    n_full = len(data) // block_size
+    data = memoryview(_int32s(tokens)).cast("B")
+    stride = 4 * block_size
     keys: list[BlockKey] = []
     parent = seed
-    for i in range(n_full):
-        parent = chain_key(parent, data[i * block_size:(i + 1) * block_size])
-        keys.append(parent)
+    for start in range(0, len(data) - stride + 1, stride):
+        parent = xxhash.xxh3_64_intdigest(data[start:start + stride], seed=parent)
+        keys.append(BlockKey(parent))
     return keys

@@ -1,4 +1,4 @@
-"""Wire format of bus messages: versioned JSON, one frozen dataclass per message type.
+"""Bus messages (``kv.events`` batches, ``kv.ready``, heartbeats) and their wire format: versioned JSON, one frozen dataclass per message type.
 
 Every message is a JSON object with ``"v"`` (format version) and ``"type"``. A reader rejects an unknown version
 or type with ``CodecError`` and ignores fields it does not know, so a writer may add fields without a version bump.
@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvmesh.keys import BlockKey
+from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices
+from kvmesh.contracts.layout import KVLayout
 
 VERSION = 1
-ROLES = ("prefill", "decode", "both", "cachesvc")
 _KEY_LIMIT = 1 << 64
 
 
@@ -51,6 +51,13 @@ def _strs(values: Iterable[Any], name: str) -> tuple[str, ...]:
     if not all(isinstance(v, str) for v in out):
         raise CodecError(f"field {name!r} must hold only strings")
     return out
+
+
+def _layout(d: dict[str, Any]) -> KVLayout | None:
+    try:
+        return KVLayout.from_dict(d) if d else None
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"field 'layout': {e}") from None
 
 
 # -- KV events inside a batch ----------------------------------------------------------------------------------
@@ -100,7 +107,7 @@ class KVEventBatch:
     """One instance's KV events, numbered: ``seq`` grows by one per batch, so a gap means lost events."""
 
     TYPE: ClassVar[str] = "kv_event_batch"
-    instance_id: str
+    instance_id: InstanceId
     seq: int
     ts: float
     events: tuple[KVEvent, ...]
@@ -115,7 +122,7 @@ class KVEventBatch:
 
     @classmethod
     def _from_json(cls, d: dict[str, Any]) -> KVEventBatch:
-        return cls(instance_id=_get(d, "instance_id", str), seq=_get(d, "seq", int),
+        return cls(instance_id=InstanceId(_get(d, "instance_id", str)), seq=_get(d, "seq", int),
                    ts=float(_get(d, "ts", int, float)),
                    events=tuple(_event_from_json(e) for e in _get(d, "events", list)))
 
@@ -125,14 +132,14 @@ class KVReady:
     """Prefill pushed a request's KV to ``decode_instance`` (or failed: ``ok=False``, so decode falls back)."""
 
     TYPE: ClassVar[str] = "kv_ready"
-    request_id: str
-    decode_instance: str
-    transfer_id: str
+    request_id: RequestId
+    decode_instance: InstanceId
+    transfer_id: TransferId
     block_keys: tuple[BlockKey, ...]
     num_tokens: int
     first_token: int
-    layout: dict[str, Any]
-    prefill_instance: str
+    layout: KVLayout | None  # None only where no KV moved (a failure, or the router's own notice)
+    prefill_instance: InstanceId
     ok: bool = True
     error: str = ""
 
@@ -140,7 +147,8 @@ class KVReady:
         return _dump(self.TYPE, {"request_id": self.request_id, "decode_instance": self.decode_instance,
                                  "transfer_id": self.transfer_id, "block_keys": _keys(self.block_keys),
                                  "num_tokens": self.num_tokens, "first_token": self.first_token,
-                                 "layout": self.layout, "prefill_instance": self.prefill_instance,
+                                 "layout": {} if self.layout is None else self.layout.to_dict(),
+                                 "prefill_instance": self.prefill_instance,
                                  "ok": self.ok, "error": self.error})
 
     @classmethod
@@ -149,11 +157,13 @@ class KVReady:
 
     @classmethod
     def _from_json(cls, d: dict[str, Any]) -> KVReady:
-        return cls(request_id=_get(d, "request_id", str), decode_instance=_get(d, "decode_instance", str),
-                   transfer_id=_get(d, "transfer_id", str),
+        return cls(request_id=RequestId(_get(d, "request_id", str)),
+                   decode_instance=InstanceId(_get(d, "decode_instance", str)),
+                   transfer_id=TransferId(_get(d, "transfer_id", str)),
                    block_keys=tuple(_keys(_get(d, "block_keys", list))),
                    num_tokens=_get(d, "num_tokens", int), first_token=_get(d, "first_token", int),
-                   layout=_get(d, "layout", dict), prefill_instance=_get(d, "prefill_instance", str),
+                   layout=_layout(_get(d, "layout", dict)),
+                   prefill_instance=InstanceId(_get(d, "prefill_instance", str)),
                    ok=_get(d, "ok", bool) if "ok" in d else True,
                    error=_get(d, "error", str) if "error" in d else "")
 
@@ -164,8 +174,8 @@ class Heartbeat:
     total_blocks, queued_prefill_tokens, ...)."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    instance_id: str
-    role: str
+    instance_id: InstanceId
+    role: Role
     grpc_address: str
     transfer_address: str
     ts: float
@@ -174,8 +184,10 @@ class Heartbeat:
     block_size: int
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise CodecError(f"heartbeat role {self.role!r} is not one of {ROLES}")
+        try:
+            object.__setattr__(self, "role", Role(self.role))  # a plain string from config is accepted
+        except ValueError:
+            raise CodecError(f"heartbeat role {self.role!r} is not one of {choices(Role)}") from None
 
     def encode(self) -> bytes:
         return _dump(self.TYPE, {"instance_id": self.instance_id, "role": self.role,
@@ -189,7 +201,7 @@ class Heartbeat:
 
     @classmethod
     def _from_json(cls, d: dict[str, Any]) -> Heartbeat:
-        return cls(instance_id=_get(d, "instance_id", str), role=_get(d, "role", str),
+        return cls(instance_id=InstanceId(_get(d, "instance_id", str)), role=_get(d, "role", str),
                    grpc_address=_get(d, "grpc_address", str), transfer_address=_get(d, "transfer_address", str),
                    ts=float(_get(d, "ts", int, float)), load=_get(d, "load", dict), model=_get(d, "model", str),
                    block_size=_get(d, "block_size", int))

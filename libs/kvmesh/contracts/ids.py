@@ -1,0 +1,55 @@
+"""Distinct types for distinct identifiers, so a block key is never passed where a request id belongs.
+
+``Role`` and ``TransferBackend`` are ``StrEnum``s: they compare equal to, format as and serialise to the same
+strings that configuration files, environment variables and JSON messages carry.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NewType
+
+BlockKey = NewType("BlockKey", int)
+"""Hash of one full block *and its whole prefix* inside a namespace (an unsigned 64-bit integer)."""
+
+NamespaceSeed = NewType("NamespaceSeed", int)
+"""``key_{-1}``: what must be equal for two requests to share any block."""
+
+RequestId = NewType("RequestId", str)
+"""One client request, end to end (router, prefill, decode, traces)."""
+
+InstanceId = NewType("InstanceId", str)
+"""One engine instance (or the cache service) in the cluster: the last token of its bus subjects."""
+
+TransferId = NewType("TransferId", str)
+"""One push of blocks from a sender to a transfer server."""
+
+
+class Role(enum.StrEnum):
+    """What an instance does: its heartbeat says so, and the router routes by it."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"          # one process that prefills and decodes (no PD hop)
+    CACHESVC = "cachesvc"
+
+    @property
+    def is_engine(self) -> bool:
+        return self is not Role.CACHESVC
+
+    @classmethod
+    def engines(cls) -> tuple[Role, ...]:
+        return tuple(r for r in cls if r.is_engine)
+
+
+class TransferBackend(enum.StrEnum):
+    """How a pushed payload's bytes travel (the control connection is always TCP)."""
+
+    TCP = "tcp"            # inline after the header
+    SHM = "shm"            # a shared-memory segment, same host only
+    MOONCAKE = "mooncake"  # Mooncake Transfer Engine, one-sided read
+
+
+def choices(enum_type: type[enum.StrEnum]) -> tuple[str, ...]:
+    """The values of an enum, e.g. for an error message or an argparse ``choices``."""
+    return tuple(m.value for m in enum_type)

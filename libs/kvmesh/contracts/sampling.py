@@ -1,0 +1,61 @@
+"""Sampling parameters of one request, and their protocol codec (the router builds them, engines obey them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.proto.v1 import common_pb2
+
+DEFAULT_MAX_TOKENS = 64
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (vLLM's _SAMPLING_EPS): 1/T would swamp any logit gap
+# the smallest positive float32: a legal top_p below it must not round to 0, which the wire reads as "off" (1.0)
+F32_TINY = 1.401298464324817e-45
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0          # 0 (or below MIN_TEMPERATURE) = greedy
+    top_k: int = 0                    # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()        # stop strings (matched on detokenized text by the caller that owns text)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if not self.temperature >= 0:  # also nan
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError with a message naming the bad field."""
+    return SamplingParams(
+        max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p or 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        stop=tuple(p.stop),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
+                                    top_p=max(s.top_p, F32_TINY), stop_token_ids=list(s.stop_token_ids), stop=list(s.stop),
+                                    ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg

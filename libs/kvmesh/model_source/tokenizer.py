@@ -1,0 +1,216 @@
+"""Text <-> token ids for one model directory, and streaming detokenization.
+
+Built on the ``tokenizers`` library (``tokenizer.json``) and jinja2 (the chat template), not on transformers,
+whose tokenizer classes import torch: the router tokenizes every request and must stay light.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as RawTokenizer
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """A model directory's fast tokenizer (``tokenizer.json``), its special tokens and chat template
+    (``tokenizer_config.json`` or ``chat_template.jinja``), read offline. Encodes, decodes and renders
+    chat templates as transformers' ``PreTrainedTokenizerFast`` does."""
+
+    def __init__(self, raw: RawTokenizer, fingerprint: str, config: dict[str, Any] | None = None,
+                 chat_template: str | None = None, extra_eos: tuple[int, ...] = ()) -> None:
+        self._tok = raw
+        self.fingerprint = fingerprint  # sha256 of tokenizer.json: part of every block key's namespace
+        config = config or {}
+        self.special_tokens = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES
+                               if _token_text(config.get(name)) is not None}
+        self.chat_template = chat_template
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        eos = self.special_tokens.get("eos_token")
+        eos_id = raw.token_to_id(eos) if eos is not None else None
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*([eos_id] if eos_id is not None else []),
+                                                                    *extra_eos]))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        data = (path / "tokenizer.json").read_bytes()
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return cls(RawTokenizer.from_str(data.decode()), hashlib.sha256(data).hexdigest(), config,
+                   _chat_template(path, config), _eos_ids_in(path))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added (special) tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens (e.g. BOS) only where the model's tokenizer adds them."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The model's chat template rendered and tokenized (the template writes its own special tokens)."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json chat_template or "
+                             "chat_template.jinja): send a plain prompt instead of messages")
+        text = _compile(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict with its ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja beside the tokenizer, else tokenizer_config.json's
+    (a string, or a list of named templates of which ``default`` is the one)."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' ``tojson``: jinja's own escapes HTML characters, which a prompt must not see."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+_ENV.filters["tojson"] = _tojson
+_ENV.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compile(template: str) -> Any:
+    """Chat templates come from model repositories: untrusted code, hence the sandbox (transformers' setup)."""
+    if template not in _TEMPLATES:
+        _TEMPLATES[template] = _ENV.from_string(template)
+    return _TEMPLATES[template]
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' ``clean_up_tokenization``, for tokenizers whose config asks for it."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+def _eos_ids_in(path: Path) -> tuple[int, ...]:
+    """EOS ids the model declares next to its tokenizer (generation_config.json, config.json)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        if (path / name).exists():
+            eos = json.loads((path / name).read_text()).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return tuple(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, never splitting a multi-byte character.
+
+    vLLM's method: decode the window [prefix_offset:] and emit what it adds beyond the already-emitted
+    window [prefix_offset:read_offset]; text that ends in U+FFFD is an incomplete byte sequence and is held.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return self._text
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly completed text (possibly empty)."""
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of a stream: emit whatever is held back, even an incomplete character (as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        window = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        if len(window) <= len(prefix) or (window.endswith("\ufffd") and not final):
+            return ""
+        delta = window[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._text += delta
+        return delta
+
+
+def save_byte_tokenizer(out_dir: str | Path, chat_template: str = CHATML_TEMPLATE) -> Path:
+    """Write a tiny byte-level tokenizer (no merges, ChatML specials) that fits ModelConfig.tiny()'s vocab.
+
+    Ids: 0 <|endoftext|>, 1 <|im_start|> (bos), 2 <|im_end|> (eos), then one token per byte that can occur
+    in UTF-8 text (0xC0, 0xC1 and 0xF5-0xFF never do), 246 ids in all.
+    """
+    from tokenizers import decoders, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    to_char = _bytes_to_unicode()
+    utf8_bytes = [b for b in range(0xF5) if b not in (0xC0, 0xC1)]
+    vocab = {tok: i for i, tok in enumerate(specials + [to_char[b] for b in utf8_bytes])}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(specials)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": specials[1],
+        "eos_token": specials[2],
+        "pad_token": specials[2],
+        "unk_token": specials[0],
+        "chat_template": chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what byte-level BPE vocabularies are written in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
