@@ -42,6 +42,7 @@ class BlockCache:
         fanout: int = 0         # cached children
         extended: bool = False  # has had a child (not a request's tail)
         next_use: float = math.inf
+        key: int | None = None  # the block id (what a strategy's ghost list of evicted blocks remembers)
 
     def __init__(self, capacity: int, eviction: str = "lru") -> None:
         self.capacity = capacity
@@ -71,7 +72,7 @@ class BlockCache:
                 items[parent].fanout += 1
                 items[parent].extended = True
             if e is None:
-                e = items[i] = BlockCache.Entry(self.clock, n, parent)
+                e = items[i] = BlockCache.Entry(self.clock, n, parent, key=i)
             else:
                 if n < hits:
                     policy.on_hit(e, self.clock)

@@ -127,6 +127,20 @@ def test_priority_expires_after_its_duration():
     assert policy.sort_key(node, math.inf)[0] == 0
 
 
+def test_ghost_keeps_a_block_that_came_back_after_eviction_over_a_newer_one():
+    policy = make_policy("ghost")
+    policy.eviction_age = 1e6         # as if blocks had lived long: the stays, not recency, decide
+    bm = manager(num_blocks=3, policy=policy)
+    a, x, b = [1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]
+    run(bm, a)
+    run(bm, x)
+    bm.evict(1)                       # a goes; the ghost remembers its key
+    run(bm, a)                        # a returns (a miss): known
+    run(bm, b)                        # b is newer than a, but never seen before
+    bm.evict(2)                       # LRU would take x and a
+    assert cached_prefixes(bm, [a + [9], x + [9], b + [9]]) == [4, 0, 0]
+
+
 def test_unknown_policy_is_refused_by_name():
     with pytest.raises(ValueError, match="lru"):
         make_policy("fifo")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 from kvmesh.bench.trace import TraceRequest
-from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, TailFirst, make_policy
+from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, Ghost, TailFirst, make_policy
 from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.sim import BlockCache, next_uses
 
@@ -20,6 +20,7 @@ class B:
     depth: int = 0
     extended: bool = True
     next_use: float = math.inf
+    key: int | None = None
 
 
 def order(policy, blocks, now=100.0):
@@ -115,6 +116,37 @@ def _brute_force(trace, capacity):
                     nxt[s] = max(nxt.get(s, -1), score + h)
         best = nxt
     return max(best.values())
+
+
+def test_ghost_puts_new_blocks_on_probation_behind_reused_ones():
+    p = Ghost()
+    p.eviction_age = 10.0
+    # A block never reused stays 0.1 x the eviction age (its tail: 0), a reused one (1 + r) x.
+    tail, new, old_hit = B(5, extended=False, key=1), B(5, key=2), B(1, hit_count=1, key=3)
+    assert order(p, [old_hit, new, tail]) == [tail, new, old_hit]
+
+
+def test_ghost_remembers_evicted_blocks_and_promotes_them_when_they_return():
+    p = Ghost(smoothing=0.0)
+    p.eviction_age = 10.0
+    p.on_evict(B(0, hit_count=1, key=7), 20.0)   # used twice before it went
+    assert p.ghost[7] == 2
+    back, stranger = B(5, key=7), B(8, key=8)     # both just re-inserted, neither hit in this life
+    assert order(p, [back, stranger]) == [stranger, back]
+    assert p.sort_key(back, 5)[0] == 5 + 3 * 10.0
+    p.on_evict(B(0, key=7), 30.0)                # counts accumulate over lives
+    assert p.ghost[7] == 3
+
+
+def test_ghost_list_is_bounded_fifo_and_keyless_blocks_rank_on_hits():
+    p = Ghost(ghost_blocks=2)
+    for k in (1, 2, 3):
+        p.on_evict(B(0, key=k), 1.0)
+    assert list(p.ghost) == [2, 3]
+    p.on_evict(B(0), 1.0)                        # no key (cachesvc): nothing to remember
+    assert list(p.ghost) == [2, 3]
+    p.eviction_age = 10.0
+    assert order(p, [B(1, hit_count=1), B(5)])[0].hit_count == 0
 
 
 def test_simulator_belady_matches_the_brute_force_optimum_on_a_tiny_trace():
