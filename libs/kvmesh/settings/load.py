@@ -405,7 +405,11 @@ def reference() -> str:
             lines.append(f"| `{cls.env_name(field)}` | `{field}` | `{flag_name(name, field)}` | "
                          f"`{_shown_default(info.default)}` | {meaning.replace('|', '/')} |")
         lines.append("")
-    lines += ["Not settings (never read by a service): "
+    lines += ["## Renamed variables", "",
+              "The flat names read before the sections had their own stop a service with their replacement:", "",
+              "| old | now |", "|---|---|"]
+    lines += [f"| `{old}` | {', '.join(f'`{n}`' for n in new)} |" for old, new in sorted(RENAMED.items())]
+    lines += ["", "Not settings (never read by a service): "
               + ", ".join(f"`{n}`" for n in sorted(NOT_SETTINGS))
               + " (compose interpolation, CI); `<VARIABLE>_FILE` of any variable above (docker secrets, read by",
               "docker/entrypoint.py).", ""]
