@@ -282,3 +282,10 @@ def test_the_configuration_doc_is_generated_from_the_models():
         for field in cls.model_fields:
             assert f"`{cls.env_name(field)}`" in text
     assert DOC.read_text() == text, "docs/configuration.md is stale: python -m kvmesh.settings reference > it"
+
+
+def test_only_the_given_environment_is_read(monkeypatch):
+    monkeypatch.setenv("KVMESH_ENGINE_BLOCK_SIZE", "64")
+    assert settings.load(["engine"], env={}).engine.block_size == 16
+    assert settings.EngineSettings().block_size == 16  # a section built directly: defaults and arguments only
+    assert settings.load(["engine"]).engine.block_size == 64  # env=None: os.environ

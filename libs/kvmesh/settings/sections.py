@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvmesh.contracts.ids import Role, TransferBackend, choices
 from kvmesh.engine.eviction import online_policies
@@ -53,6 +53,14 @@ class Section(BaseSettings):
 
     model_config = SettingsConfigDict(frozen=True, extra="forbid", case_sensitive=False)
     name: ClassVar[str] = ""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   **others: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only the values given: the file and the environment are read by :func:`kvmesh.settings.load`, which
+        checks every ``KVMESH_*`` name and keeps each value's source (a section built directly is its defaults
+        plus its arguments, whatever the environment holds)."""
+        return (init_settings,)
 
     @classmethod
     def env_prefix(cls) -> str:
