@@ -10,6 +10,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvmesh.settings.sections import ATTENTION, COMPUTE_DTYPES, KV_DTYPES
+from kvmesh.settings.sections import ENGINE_ZERO_MEANS as ZERO_MEANS
+
 T = TypeVar("T")
 
 
@@ -60,13 +63,6 @@ class EngineConfig:
         if self.num_blocks == 0 and self.kv_cache_mb < 1:
             out.append(f"kv_cache_mb must be >= 1 (or set num_blocks), not {self.kv_cache_mb}")
         return out
-
-
-COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
-KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
-ATTENTION = ("auto", "torch", "native", "flashinfer")
-ZERO_MEANS = {"threads": "torch's default", "num_blocks": "size from kv_cache_mb",
-              "host_cache_mb": "no host tier", "max_model_len": "the model's"}
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from kvmesh.routing import POLICIES
+from kvmesh.settings.sections import key_problems as _key_problems
+from kvmesh.settings.sections import parse_api_keys
+
+__all__ = ["RouterConfig", "parse_api_keys"]
 
 
 @dataclass(frozen=True)
@@ -71,30 +75,3 @@ class RouterConfig:
             for key, tenant in self.api_keys.items():
                 out += _key_problems(key, tenant, "api_keys")
         return out
-
-
-def parse_api_keys(text: str, where: str) -> dict[str, str]:
-    """``key:tenant`` pairs separated by commas or newlines (blank lines and ``#`` comments skipped)."""
-    keys: dict[str, str] = {}
-    lines = [line.split("#", 1)[0] for line in text.splitlines()]
-    for n, entry in enumerate((e.strip() for line in lines for e in line.split(",")), 1):
-        if not entry:
-            continue
-        key, sep, tenant = entry.partition(":")
-        key, tenant = key.strip(), tenant.strip()
-        if not sep or not key or not tenant:
-            raise ValueError(f"{where}: entry {n} ({entry[:8]}...) must be key:tenant")
-        if key in keys and keys[key] != tenant:
-            raise ValueError(f"{where}: key {key[:4]}... is given to two tenants ({keys[key]!r}, {tenant!r})")
-        keys[key] = tenant
-    return keys
-
-
-def _key_problems(key: object, tenant: object, where: str) -> list[str]:
-    if not isinstance(key, str) or not isinstance(tenant, str) or not key.strip() or not tenant.strip():
-        return [f"{where}: every key and tenant must be a non-empty string"]
-    if any(c in tenant for c in ":,\x00"):
-        return [f"{where}: tenant {tenant!r} may not contain ':', ',' or NUL"]
-    if not key.isprintable() or " " in key:
-        return [f"{where}: key {key[:4]}... must be printable, without spaces"]
-    return []

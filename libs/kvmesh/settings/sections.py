@@ -1,0 +1,426 @@
+"""The settings sections: one pydantic-settings model per service plus ``shared``, each field's one home.
+
+A field's environment variable is ``KVMESH_<SECTION>_<FIELD>`` (``KVMESH_ENGINE_EVICTION``,
+``KVMESH_CACHESVC_EVICTION``), except in ``shared``, whose fields every process reads: ``KVMESH_<FIELD>``
+(``KVMESH_CLUSTER``, ``KVMESH_NATS_URL``, ``KVMESH_TLS_CERT``). No two fields share a variable (a test checks).
+Each section's ``problems()`` lists every value out of range, each with what to set instead; constructing a section
+with any raises (:func:`kvmesh.settings.load` names where each bad value came from).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, NamedTuple
+from urllib.parse import urlparse
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvmesh.contracts.ids import Role, TransferBackend, choices
+from kvmesh.engine.eviction import online_policies
+from kvmesh.routing import POLICIES
+
+ROLES = tuple(r.value for r in Role.engines())
+TRANSFER_BACKENDS = choices(TransferBackend)
+EVICTIONS = tuple(online_policies())
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+ATTENTION = ("auto", "torch", "native", "flashinfer")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+EXTERNAL_STORES = ("", "mooncake")
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+class Problem(NamedTuple):
+    field: str
+    message: str
+
+
+def setting(default: Any, description: str, *, choices: tuple[str, ...] = (), secret: bool = False) -> Any:
+    """A field: its default, the one line the README, ``--help`` and ``config show`` print, and optionally the
+    values it may take (flags get them as argparse ``choices``) or that it is a secret (masked when shown)."""
+    extra: dict[str, Any] = {}
+    if choices:
+        extra["choices"] = tuple(choices)
+    if secret:
+        extra["secret"] = True
+    return Field(default=default, description=description, json_schema_extra=extra or None)
+
+
+class Section(BaseSettings):
+    """Base of every section. ``name`` is its TOML table and the middle of its variables' names."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid", case_sensitive=False)
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   **others: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only the values given: the file and the environment are read by :func:`kvmesh.settings.load`, which
+        checks every ``KVMESH_*`` name and keeps each value's source (a section built directly is its defaults
+        plus its arguments, whatever the environment holds)."""
+        return (init_settings,)
+
+    @classmethod
+    def env_prefix(cls) -> str:
+        return str(cls.model_config.get("env_prefix", ""))
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        return f"{cls.env_prefix()}{field}".upper()
+
+    @classmethod
+    def choices_of(cls, field: str) -> tuple[str, ...]:
+        extra = cls.model_fields[field].json_schema_extra
+        return tuple(extra.get("choices", ())) if isinstance(extra, dict) else ()
+
+    @classmethod
+    def is_secret(cls, field: str) -> bool:
+        extra = cls.model_fields[field].json_schema_extra
+        return isinstance(extra, dict) and bool(extra.get("secret"))
+
+    def problems(self) -> list[Problem]:
+        """Every setting that is out of range, each with what to set instead (a section adds its own rules)."""
+        out = []
+        for name in type(self).model_fields:
+            allowed = self.choices_of(name)
+            if allowed and getattr(self, name) not in allowed:
+                out.append(Problem(name, f"{name} {getattr(self, name)!r} is not one of {list(allowed)}"))
+        return out
+
+    @model_validator(mode="after")
+    def _no_problems(self) -> Section:
+        found = self.problems()
+        if found:
+            raise PydanticCustomError("settings_problems", "invalid {section} settings: {text}",
+                                      {"section": self.name, "text": "; ".join(p.message for p in found),
+                                       "problems": found})
+        return self
+
+    # helpers for the rules
+    def _min(self, names: tuple[str, ...], low: float, note: dict[str, str] | None = None) -> list[Problem]:
+        out = []
+        for n in names:
+            if getattr(self, n) < low:
+                why = f" (0 = {note[n]})" if note and n in note else ""
+                out.append(Problem(n, f"{n} must be >= {low}{why}, not {getattr(self, n)}"))
+        return out
+
+    def _positive(self, names: tuple[str, ...]) -> list[Problem]:
+        return [Problem(n, f"{n} must be > 0, not {getattr(self, n)}") for n in names if not getattr(self, n) > 0]
+
+    def _ports(self, names: tuple[str, ...]) -> list[Problem]:
+        return [Problem(n, f"{n} must be in [0, 65535] (0 = a free port), not {getattr(self, n)}")
+                for n in names if not 0 <= getattr(self, n) <= 65535]
+
+    def _address(self, name: str, none: str) -> list[Problem]:
+        value = getattr(self, name)
+        if value and ":" not in value:
+            return [Problem(name, f"{name} must be host:port (\"\" = {none}), not {value!r}")]
+        return []
+
+
+class SharedSettings(Section):
+    """What every process reads: the cluster it belongs to, the NATS server, TLS, where it writes."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_")
+    name: ClassVar[str] = "shared"
+
+    cluster: str = setting("local", "subjects kvmesh.<cluster>.* and the stream KVMESH_<cluster>_KV_EVENTS; "
+                                    "letters, digits, '_', '-'")
+    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server; credentials go in it "
+                            "(nats://user:password@host:4222)", secret=True)
+    tls_cert: str = setting("", "PEM certificate (chain) this process presents; set, its gRPC servers use TLS")
+    tls_key: str = setting("", "its PEM private key (goes with tls_cert)")
+    tls_ca: str = setting("", "PEM CA bundle: clients verify servers with it, servers then require client "
+                              "certificates it signed (mutual TLS)")
+    tls_server_name: str = setting("", "name expected in servers' certificates when it is not the host dialled")
+    state_dir: str = setting("", "where a stack writes logs, ready files and stack.json (\"\" = ./.kvmesh)")
+    cache_dir: str = setting("", "converted model weights and compiled kernels (\"\" = ~/.cache/kvmesh)")
+    ready_file: str = setting("", "write the bound endpoints here as JSON once serving (\"\" = none)")
+    log_level: str = setting("INFO", "log level", choices=LOG_LEVELS)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    def problems(self) -> list[Problem]:
+        from kvmesh.bus.subjects import Subjects
+
+        out = super().problems()
+        try:
+            Subjects(self.cluster)
+        except ValueError as e:
+            out.append(Problem("cluster", str(e)))
+        if urlparse(self.nats_url).scheme not in NATS_SCHEMES:
+            out.append(Problem("nats_url", f"nats_url must look like nats://host:port, not {self.nats_url!r}"))
+        if bool(self.tls_cert) != bool(self.tls_key):
+            out.append(Problem("tls_cert" if self.tls_cert else "tls_key",
+                               "tls_cert and tls_key go together: set both (KVMESH_TLS_CERT, KVMESH_TLS_KEY) "
+                               "or neither"))
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                out.append(Problem(name, f"{name} {path!r} is not a readable file"))
+        return out
+
+    @property
+    def tls_server(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def tls_client(self) -> bool:
+        return bool(self.tls_ca)
+
+
+ENGINE_ZERO_MEANS = {"threads": "torch's default", "num_blocks": "size from kv_cache_mb",
+                     "host_cache_mb": "no host tier", "max_model_len": "the model's"}
+
+
+class EngineSettings(Section):
+    """One model engine (every prefill and decode instance, ``kvmesh generate``)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_ENGINE_")
+    name: ClassVar[str] = "engine"
+
+    model: str | None = setting(None, "HF Llama/Qwen2/Mistral directory or .gguf file (\"\" = the embedded "
+                                      "SmolLM2-135M-Instruct)")
+    device: str = setting("cpu", "cpu, cuda or cuda:<index>")
+    dtype: str = setting("fp32", "compute dtype", choices=COMPUTE_DTYPES)
+    threads: int = setting(1, "torch threads for this engine (0 = torch's default); keep engines x threads "
+                              "<= cores")
+    attention: str = setting("auto", "attention backend (auto: flashinfer on CUDA, the native C kernel on CPU)",
+                             choices=ATTENTION)
+    block_size: int = setting(16, "tokens per KV block (the router's block_size must match)")
+    kv_cache_mb: int = setting(512, "device KV pool size (ignored when num_blocks > 0)")
+    num_blocks: int = setting(0, "device KV pool size in blocks (0 = size from kv_cache_mb)")
+    kv_dtype: str = setting("fp32", "KV storage dtype (attention computes in dtype)", choices=KV_DTYPES)
+    host_cache_mb: int = setting(0, "L2 host tier: evicted device blocks spill here (0 = off)")
+    eviction: str = setting("lru", "eviction strategy of the engine's tiers (belady is for kvmesh sim only)",
+                            choices=EVICTIONS)
+    enable_prefix_caching: bool = setting(True, "radix-tree prefix reuse at any token boundary")
+    max_batched_tokens: int = setting(1024, "token budget of one forward step (chunked prefill)")
+    max_num_seqs: int = setting(64, "running sequences at once")
+    max_model_len: int = setting(0, "context limit (0 = the model's max_position_embeddings)")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_is_embedded(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    def problems(self) -> list[Problem]:
+        out = super().problems()
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            out.append(Problem("device", f"device must be cpu, cuda or cuda:<index>, not {self.device!r}"))
+        out += self._min(("block_size", "max_batched_tokens", "max_num_seqs"), 1)
+        out += self._min(("threads", "num_blocks", "host_cache_mb", "max_model_len"), 0, ENGINE_ZERO_MEANS)
+        if self.num_blocks == 0 and self.kv_cache_mb < 1:
+            out.append(Problem("kv_cache_mb", f"kv_cache_mb must be >= 1 (or set num_blocks), not "
+                                              f"{self.kv_cache_mb}"))
+        return out
+
+
+class InstanceSettings(Section):
+    """One engine instance's place in the mesh (prefill, decode or both): what it binds, whom it talks to."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_INSTANCE_")
+    name: ClassVar[str] = "instance"
+
+    role: str = setting("both", "prefill, decode or both (prefills and decodes, no transfer); the entry "
+                                "point's by default", choices=ROLES)
+    id: str = setting("", "instance id: its name in subjects, heartbeats and traces (\"\" = <role>-<port>)")
+    host: str = setting("127.0.0.1", "address bound and advertised in heartbeats (other services dial it)")
+    port: int = setting(0, "gRPC port (0 = a free one, reported in the ready line / file)")
+    transfer_backend: str = setting("tcp", "KV transfer to decode", choices=TRANSFER_BACKENDS)
+    transfer_port: int = setting(0, "decode's transfer endpoint (0 = a free one)")
+    cachesvc_address: str = setting("", "cachesvc host:port for pool write-back and fetch (\"\" = none)")
+    pool_fetch_min_blocks: int = setting(1, "fetch from the pool when it holds this many more leading blocks "
+                                            "than the local cache")
+    kv_timeout_s: float = setting(10.0, "decode waits this long for kv.ready, then recomputes the prompt itself")
+    heartbeat_s: float = setting(1.0, "heartbeat period")
+    metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the ready line / file)")
+    fault_drop_kv_ready: bool = setting(False, "fault injection (tests): prefill pushes KV but never announces it")
+    fault_corrupt_pushes: int = setting(0, "fault injection (tests): the first N KV pushes get a byte flipped")
+    fault_stall_pushes: int = setting(0, "fault injection (tests): the first N pushes stall after kv.ready")
+
+    def problems(self) -> list[Problem]:
+        from kvmesh.bus.subjects import token
+
+        out = super().problems()
+        try:
+            if self.id:
+                token(self.id, "id")
+        except ValueError as e:
+            out.append(Problem("id", str(e)))
+        out += self._ports(("port", "transfer_port", "metrics_port"))
+        out += self._address("cachesvc_address", "none")
+        out += self._positive(("kv_timeout_s", "heartbeat_s"))
+        out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes"), 0)
+        return out
+
+
+class RouterSettings(Section):
+    """The router: client API, tokenization, scheduling, admission, API keys."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_ROUTER_")
+    name: ClassVar[str] = "router"
+
+    model: str | None = setting(None, "the engines' model (tokenizer, fingerprint; \"\" = the embedded one)")
+    model_name: str = setting("", "id served in /v1/models (\"\" = the model's file or folder name)")
+    host: str = setting("127.0.0.1", "listen address")
+    grpc_port: int = setting(50051, "kvmesh.v1 gRPC API port (0 = a free one)")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP, /health, /metrics port (0 = a free one)")
+    cachesvc_address: str = setting("127.0.0.1:50060", "cachesvc for MatchPrefix (\"\" = route by load only)")
+    block_size: int = setting(16, "must equal the engines' (instances with another are ignored)")
+    instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
+    kv_timeout_s: float = setting(10.0, "passed to decode: wait for kv.ready this long, then recompute")
+    match_timeout_s: float = setting(0.5, "MatchPrefix deadline; past it, route by load alone")
+    request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
+    policy: str = setting("cache_aware", "routing policy (per request: header / metadata x-kvmesh-policy)",
+                          choices=tuple(sorted(POLICIES)))
+    slo_ttft_s: float = setting(0.0, "admission: reject (429) when no instance's estimated TTFT meets it "
+                                     "(0 = off)")
+    prefill_tok_per_s: float = setting(240.0, "cost model: one instance's prefill speed")
+    api_key: str = setting("", "a key without a tenant (Bearer / x-api-key; \"\" = none)", secret=True)
+    api_keys: Annotated[dict[str, str], NoDecode] = setting(
+        {}, "key -> tenant (TOML table; env and flag: \"key1:tenantA,key2:tenantB\")", secret=True)
+    api_keys_file: str = setting("", "more key:tenant pairs, one per line (e.g. a mounted secret)")
+    max_body_bytes: int = setting(4 * 2**20, "larger HTTP bodies / gRPC requests are refused (413)")
+    max_concurrent_requests: int = setting(256, "requests in flight at once; more are refused at once (429)")
+    max_requests_per_tenant: int = setting(0, "requests in flight per tenant (0 = only the global cap)")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_is_embedded(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _parse_keys(cls, value: Any) -> Any:
+        return parse_api_keys(value, "api_keys") if isinstance(value, str) else value
+
+    def problems(self) -> list[Problem]:
+        out = super().problems()
+        out += self._ports(("grpc_port", "http_port"))
+        out += self._positive(("instance_timeout_s", "kv_timeout_s", "match_timeout_s", "request_timeout_s",
+                               "prefill_tok_per_s"))
+        if not self.slo_ttft_s >= 0:
+            out.append(Problem("slo_ttft_s", f"slo_ttft_s must be >= 0 (0 = no admission control), "
+                                             f"not {self.slo_ttft_s}"))
+        out += self._min(("block_size", "max_body_bytes", "max_concurrent_requests"), 1)
+        out += self._min(("max_requests_per_tenant",), 0, {"max_requests_per_tenant": "off"})
+        out += self._address("cachesvc_address", "none")
+        for key, tenant in self.api_keys.items():
+            out += [Problem("api_keys", m) for m in key_problems(key, tenant, "api_keys")]
+        return out
+
+
+def parse_api_keys(text: str, where: str) -> dict[str, str]:
+    """``key:tenant`` pairs separated by commas or newlines (blank lines and ``#`` comments skipped)."""
+    keys: dict[str, str] = {}
+    lines = [line.split("#", 1)[0] for line in text.splitlines()]
+    for n, entry in enumerate((e.strip() for line in lines for e in line.split(",")), 1):
+        if not entry:
+            continue
+        key, sep, tenant = entry.partition(":")
+        key, tenant = key.strip(), tenant.strip()
+        if not sep or not key or not tenant:
+            raise ValueError(f"{where}: entry {n} ({entry[:8]}...) must be key:tenant")
+        if key in keys and keys[key] != tenant:
+            raise ValueError(f"{where}: key {key[:4]}... is given to two tenants ({keys[key]!r}, {tenant!r})")
+        keys[key] = tenant
+    return keys
+
+
+def key_problems(key: object, tenant: object, where: str) -> list[str]:
+    if not isinstance(key, str) or not isinstance(tenant, str) or not key.strip() or not tenant.strip():
+        return [f"{where}: every key and tenant must be a non-empty string"]
+    if any(c in tenant for c in ":,\x00"):
+        return [f"{where}: tenant {tenant!r} may not contain ':', ',' or NUL"]
+    if not key.isprintable() or " " in key:
+        return [f"{where}: key {key[:4]}... must be printable, without spaces"]
+    return []
+
+
+class CacheServiceSettings(Section):
+    """The cache service: the global block index, the pool's tiers, leases, its transfer endpoint."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_CACHESVC_")
+    name: ClassVar[str] = "cachesvc"
+
+    host: str = setting("127.0.0.1", "gRPC listen address")
+    port: int = setting(50060, "gRPC port (0 = a free one)")
+    metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the log)")
+    durable_name: str = setting("cachesvc", "its JetStream consumer; one per cachesvc replica")
+    pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
+    pool_eviction: str = setting("lru", "eviction strategy of every pool tier", choices=EVICTIONS)
+    instance_timeout_s: float = setting(5.0, "drop an instance's blocks after this long without a heartbeat")
+    max_message_mb: int = setting(64, "largest gRPC request/response (PutBlocks/GetBlocks data)")
+    disk_dir: str = setting("", "disk tier directory (\"\" = no disk tier); survives restarts")
+    disk_capacity_mb: int = setting(10240, "bytes of segment files at most")
+    disk_segment_mb: int = setting(64, "one segment file; eviction drops whole segments")
+    max_lease_s: float = setting(300.0, "longest lease a reader may ask for")
+    snapshot_timeout_s: float = setting(5.0, "wait this long for an instance's snapshot after a gap in its "
+                                             "events")
+    external: str = setting("", "an external store as the last tier (\"\" = none)", choices=EXTERNAL_STORES)
+    external_capacity_mb: int = setting(4096, "what cachesvc keeps in the external store at most")
+    mooncake_master: str = setting("127.0.0.1:50051", "mooncake_master RPC address")
+    mooncake_metadata_url: str = setting("http://127.0.0.1:8080/metadata", "the master's HTTP metadata server")
+    mooncake_host: str = setting("127.0.0.1", "this process's address as other store nodes reach it")
+    mooncake_segment_mb: int = setting(256, "memory lent to the store (0 or >= 16); blocks in it go with "
+                                            "cachesvc")
+    mooncake_replicas: int = setting(1, "copies the store keeps of each block")
+    mooncake_manifest_s: float = setting(5.0, "write the external tier's index to the store at most this often")
+    transfer_backend: str = setting("tcp", "the transfer endpoint engines push blocks to",
+                                    choices=TRANSFER_BACKENDS)
+    transfer_port: int = setting(0, "its port (0 = a free one; Stats names it)")
+    transfer_timeout_s: float = setting(10.0, "a GetBlocks push, or PutBlocks' wait for its pushed blocks, "
+                                              "at most")
+    transfer_buffer_mb: int = setting(1024, "pushed blocks held at once before their PutBlocks takes them")
+    max_transfer_mb: int = setting(256, "the most one GetBlocks pushes (the rest is for the next call)")
+
+    def problems(self) -> list[Problem]:
+        out = super().problems()
+        out += self._ports(("port", "metrics_port", "transfer_port"))
+        out += self._min(("pool_capacity_mb",), 0, {"pool_capacity_mb": "no DRAM tier"})
+        out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
+        out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",
+                               "transfer_timeout_s"))
+        if self.disk_dir and not 0 < self.disk_segment_mb <= self.disk_capacity_mb:
+            out.append(Problem("disk_segment_mb", f"disk_segment_mb ({self.disk_segment_mb}) must be in "
+                                                  f"[1, disk_capacity_mb ({self.disk_capacity_mb})]"))
+        if self.external:
+            out += self._min(("external_capacity_mb", "mooncake_replicas"), 1)
+            if self.mooncake_segment_mb < 0 or 0 < self.mooncake_segment_mb < 16:
+                out.append(Problem("mooncake_segment_mb", "mooncake_segment_mb must be 0 (lend none) or >= 16, "
+                                                          f"not {self.mooncake_segment_mb}"))
+        if not self.durable_name or any(c in self.durable_name for c in ".*> \t"):
+            out.append(Problem("durable_name", f"durable_name {self.durable_name!r} must be non-empty, "
+                                               "without '.', '*', '>' or spaces"))
+        return out
+
+
+class TelemetrySettings(Section):
+    """Tracing of every process; the OTLP exporter reads the standard OTEL_EXPORTER_OTLP_* variables."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_TELEMETRY_")
+    name: ClassVar[str] = "telemetry"
+
+    tracing: bool = setting(True, "off: no tracing SDK (no-op spans; trace context still passes through)")
+    trace_file: str = setting("", "JSONL span file (\"\" = none); kvmesh up: <state dir>/traces.jsonl")
+    trace_sample_ratio: float = setting(1.0, "share of new traces recorded (a caller's sampled flag wins)")
+    trace_flush_ms: int = setting(200, "the JSONL exporter writes its batch at least this often")
+
+    def problems(self) -> list[Problem]:
+        out = super().problems()
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            out.append(Problem("trace_sample_ratio", f"trace_sample_ratio must be in [0, 1], "
+                                                     f"not {self.trace_sample_ratio}"))
+        out += self._min(("trace_flush_ms",), 1)
+        return out
+
+
+SECTIONS: dict[str, type[Section]] = {cls.name: cls for cls in (
+    SharedSettings, EngineSettings, InstanceSettings, RouterSettings, CacheServiceSettings, TelemetrySettings)}
