@@ -27,10 +27,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.stats import percentile
-from kvmesh.launcher import Stack, StackOptions
 from kvmesh.telemetry.spans import read_spans, roots, trace_file
+
+from app.bench.report import markdown_table, write_section
+from app.bench.stats import percentile
+from app.launcher import Stack, StackOptions
 
 TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
           "deserts", "bees", "clocks", "whales", "maps", "salt", "kites", "coral", "lamps", "ferns"]
