@@ -80,7 +80,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "load":
         from app.bench import load as bench
     elif args.what == "tracing":
-        from app.bench import tracing as bench
+        from app.bench import tracing_cost as bench
     else:
         print(f"kvmesh bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import asyncio
 import time
 from typing import Any
 
-from kvmesh.bus.tracing import trace_context
+from kvmesh.bus.trace_headers import trace_context
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import KVReady
 from kvmesh.engine.kv_cache import blocks_from_bytes

@@ -24,7 +24,7 @@ from kvmesh.engine.loader import save_hf_dir
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance.config import WorkerConfig
 from kvmesh.instance.host import EngineHost
-from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.model_source.tokenizer import save_byte_tokenizer
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 

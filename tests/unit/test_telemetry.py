@@ -7,7 +7,7 @@ import json
 from typing import ClassVar
 
 import pytest
-from kvmesh.bus.tracing import extract_trace_headers, inject_trace_headers, trace_context
+from kvmesh.bus.trace_headers import extract_trace_headers, inject_trace_headers, trace_context
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.jsonl import JsonlSpanExporter
 from kvmesh.telemetry.spans import read_spans
