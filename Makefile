@@ -27,7 +27,7 @@ up: $(BASE)
 	$(VENV)/bin/kvmesh up
 
 lint: $(DEV)
-	$(VENV)/bin/ruff check libs services tests
+	$(VENV)/bin/ruff check libs services app tests
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -67,7 +67,7 @@ def own_address() -> str:
 
 def prepare_service(service: str, argv: list[str], env: dict[str, str]) -> str:
     """Resolve the container-specific settings of ``service`` into ``env``; returns its health address."""
-    from kvmesh import settings_cli  # noqa: PLC0415 - only for kvmesh services
+    from app import config_show  # noqa: PLC0415 - only for kvmesh services
 
     given = flags(argv)
     if env.get("KVMESH_HOST") == "auto" and "host" not in given:
@@ -75,15 +75,15 @@ def prepare_service(service: str, argv: list[str], env: dict[str, str]) -> str:
     path = given.get("config")
     try:
         if service in ("prefill", "decode"):
-            cfg = settings_cli.load_service(service, path, env, given)["worker"]
+            cfg = config_show.load_service(service, path, env, given)["worker"]
             suffix = cfg.port or uuid.uuid4().hex[:8]  # port 0: the engine picks it as it binds, after us
             if not cfg.instance_id:
                 env["KVMESH_INSTANCE_ID"] = f"{cfg.role}-{socket.gethostname()}-{suffix}"
-        loaded = settings_cli.load_service(service, path, env, given)
+        loaded = config_show.load_service(service, path, env, given)
     except (OSError, ValueError) as e:
         fail(f"bad settings for {service}: {e}")
         raise
-    cfg = loaded[settings_cli.SERVICE_SECTIONS[service][0]]
+    cfg = loaded[config_show.SERVICE_SECTIONS[service][0]]
     port = cfg.grpc_port if service == "router" else cfg.port
     if port == 0:  # bound as the service starts: the healthcheck reads it from the service's ready file
         env.setdefault("KVMESH_READY_FILE", READY_FILE)

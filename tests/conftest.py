@@ -10,6 +10,6 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def tiny_config():
-    from kvmesh.model_source.config import ModelConfig
+    from kvmesh.model_source.hf_config import ModelConfig
 
     return ModelConfig.tiny()

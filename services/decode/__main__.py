@@ -1,6 +1,13 @@
-"""`python -m services.decode`: run an engine instance with role `decode` (or `--role both`)."""
+"""`python -m services.decode`: an engine instance serving the Decode RPC (role `decode`)."""
 
-from kvmesh.worker.main import main
+from kvmesh.instance import cli
+
+from services.decode.servicer import ROLE
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main("decode", [ROLE], argv)
+
 
 if __name__ == "__main__":
-    main("decode")
+    main()

@@ -1,6 +1,13 @@
-"""`python -m services.prefill`: run an engine instance with role `prefill` (or `--role both`)."""
+"""`python -m services.prefill`: an engine instance serving the Prefill RPC (role `prefill`)."""
 
-from kvmesh.worker.main import main
+from kvmesh.instance import cli
+
+from services.prefill.servicer import ROLE
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main("prefill", [ROLE], argv)
+
 
 if __name__ == "__main__":
-    main("prefill")
+    main()

@@ -27,8 +27,8 @@ from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.router.config import RouterConfig
-from services.router.policy import Policies, choose_decode
 from services.router.registry import Instance, Registry
+from services.router.scheduling import Policies, choose_decode
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.launcher import Stack, StackOptions
+
+from app.launcher import Stack, StackOptions
 
 
 def start_stack(tmp_path_factory, name: str, **kw) -> Stack:

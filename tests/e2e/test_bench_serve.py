@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvmesh.bench import serve
+
+from app.bench import serve
 
 pytestmark = pytest.mark.slow
 

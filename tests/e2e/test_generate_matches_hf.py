@@ -78,7 +78,7 @@ def test_fp8_kv_greedy_output_stays_close_to_fp32(engine):
 
 
 def test_cli_generate_json_reports_the_acceptance_fields(engine):
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--chat", "--prompt", CHAT_PROMPTS[0],
+    out = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--chat", "--prompt", CHAT_PROMPTS[0],
                           "--max-tokens", "24", "--ignore-eos", "--json"],
                          capture_output=True, text=True, timeout=300, check=True)
     result = json.loads(out.stdout)

@@ -5,7 +5,8 @@ memory stays bounded, and the stack serves normally afterwards. (The figures: `k
 from __future__ import annotations
 
 import pytest
-from kvmesh.bench import load
+
+from app.bench import load
 
 pytestmark = pytest.mark.slow
 

@@ -161,13 +161,13 @@ def test_kvmesh_trace_prints_the_waterfall_and_renders_a_timeline(mesh, tmp_path
     rid = f"cli-{uuid.uuid4().hex[:12]}"
     stream_chat(mesh, "Who wrote Hamlet?", 4, {"x-request-id": rid})
     html, png = tmp_path / "t.html", tmp_path / "t.png"
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "trace", rid, "--state-dir",
+    out = subprocess.run([sys.executable, "-m", "app.cli", "trace", rid, "--state-dir",
                           str(mesh.state_dir), "--html", str(html), "--png", str(png)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert f"request {rid}" in out.stdout and "◀ dominant" in out.stdout and "prefill.compute" in out.stdout
     assert "sum of segments" in out.stdout
     assert html.read_text().count("<svg") == 1 and png.read_bytes()[:4] == b"\x89PNG"
-    slow = subprocess.run([sys.executable, "-m", "kvmesh.cli", "trace", "--slowest", "3", "--state-dir",
+    slow = subprocess.run([sys.executable, "-m", "app.cli", "trace", "--slowest", "3", "--state-dir",
                            str(mesh.state_dir)], capture_output=True, text=True, timeout=60, check=False)
     assert slow.returncode == 0 and len(slow.stdout.splitlines()) >= 2

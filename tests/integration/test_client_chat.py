@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from kvmesh import chat
 from kvmesh.client import KvmeshClient
 from kvmesh.state import StackInfo
+
+from app import chat
 
 from .test_client_fake import FakeKvmesh, serve
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.kv_cache import block_bytes, storage_dtype
+from kvmesh.instance.pool_client import PoolClient, PoolError
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.transfer import TransferClient, TransferServer
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.header import block_checksums
-from kvmesh.worker.pool_client import PoolClient, PoolError
 
 from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.server import CacheServer

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.bus import NatsServer
-from kvmesh.launcher import Stack, StackOptions
 from kvmesh.ready import EXIT_BIND, ServiceFailed, wait_ready
 from kvmesh.state import StackInfo
 
+from app.launcher import Stack, StackOptions
 from tests.ports import taken_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,12 +22,14 @@ from aiohttp import web
 from kvmesh.config import EngineConfig
 from kvmesh.engine.loader import save_hf_dir
 from kvmesh.grpc_server import ServiceServer
-from kvmesh.model_source.config import ModelConfig
+from kvmesh.instance.config import WorkerConfig
+from kvmesh.instance.host import EngineHost
+from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.model_source.tokenizer import save_byte_tokenizer
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
-from kvmesh.worker.config import WorkerConfig
-from kvmesh.worker.runtime import Worker
 
+from services.decode.servicer import ROLE as DECODE
+from services.prefill.servicer import ROLE as PREFILL
 from services.router.access import Admission, Tenants
 from services.router.config import RouterConfig
 from services.router.core import Router
@@ -51,7 +53,7 @@ def tiny_model_dir(root: Path) -> Path:
 
 
 class TinyMesh:
-    """nats-server (the caller's) + a prefill and a decode ``Worker`` (+ with ``cachesvc``, the cache service
+    """nats-server (the caller's) + a prefill and a decode ``EngineHost`` (+ with ``cachesvc``, the cache service
     and its pool) + the router's gRPC and HTTP APIs, all in one event loop on a background thread, on free
     loopback ports."""
 
@@ -91,8 +93,8 @@ class TinyMesh:
             await self.cache.start()
             self.cfg = replace(self.cfg, cachesvc_address=self.cache.address)
             self.worker_cfg = replace(self.worker_cfg, cachesvc_address=self.cache.address)
-        self.workers = [Worker(replace(self.worker_cfg, role=role, instance_id=f"{role}-0"), self.engine_cfg)
-                        for role in ("prefill", "decode")]
+        self.workers = [EngineHost(replace(self.worker_cfg, role=role, instance_id=f"{role}-0"), self.engine_cfg,
+                                   [plugin]) for role, plugin in (("prefill", PREFILL), ("decode", DECODE))]
         for w in self.workers:
             await w.start()
         self.router = Router(self.cfg)

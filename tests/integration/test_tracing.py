@@ -7,7 +7,7 @@ import asyncio
 import uuid
 
 from kvmesh.bus import Bus, Subjects
-from kvmesh.bus.tracing import trace_context
+from kvmesh.bus.trace_headers import trace_context
 from kvmesh.contracts.messages import KVReady
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.jsonl import JsonlSpanExporter

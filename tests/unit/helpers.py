@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from kvmesh.config import EngineConfig
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.hf_config import ModelConfig
 
 
 def hf_tiny(cfg: ModelConfig, seed: int = 0):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvmesh.bench import ablation
-from kvmesh.bench.serve import RunResult
-from kvmesh.bench.stats import SLO, RequestRecord
-from kvmesh.launcher import Service, Stack, StackOptions
+from app.bench import ablation
+from app.bench.serve import RunResult
+from app.bench.stats import SLO, RequestRecord
+from app.launcher import Service, Stack, StackOptions
 
 
 def test_configurations_turn_the_tiers_on_one_by_one():

@@ -8,10 +8,11 @@ from typing import Self
 
 import pytest
 from aiohttp import web
-from kvmesh.bench import serve
-from kvmesh.bench import workloads as wl
-from kvmesh.bench.serve import RunOptions, run_workload
-from kvmesh.bench.stats import SLO, RequestRecord
+
+from app.bench import serve
+from app.bench import workloads as wl
+from app.bench.serve import RunOptions, run_workload
+from app.bench.stats import SLO, RequestRecord
 
 GAP_S = 0.03
 

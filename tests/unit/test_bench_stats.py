@@ -3,7 +3,8 @@
 import math
 
 import pytest
-from kvmesh.bench.stats import SLO, RequestRecord, cached_ratio, goodput, percentile, quantiles, summarize
+
+from app.bench.stats import SLO, RequestRecord, cached_ratio, goodput, percentile, quantiles, summarize
 
 
 def rec(key="c/0", ttft=0.1, e2e=1.0, tokens=10, itl=(), **kw) -> RequestRecord:
@@ -29,7 +30,8 @@ def test_percentile_is_numpys_linear_method_and_the_old_mesh_definition():
     import statistics
 
     import numpy as np
-    from kvmesh.bench.stats import PERCENTILE_METHOD
+
+    from app.bench.stats import PERCENTILE_METHOD
 
     xs = [0.31, 0.02, 0.77, 0.5, 0.18, 0.9, 0.45]
     assert PERCENTILE_METHOD == "linear"

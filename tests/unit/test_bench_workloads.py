@@ -3,7 +3,8 @@
 import json
 
 import pytest
-from kvmesh.bench import workloads as wl
+
+from app.bench import workloads as wl
 
 
 def test_the_same_seed_gives_the_same_workload_and_another_seed_another():

@@ -17,8 +17,8 @@ from kvmesh.client import (
     Unavailable,
 )
 from kvmesh.client.errors import from_rpc_error
-from kvmesh.client.policy import CallPolicy
 from kvmesh.client.requests import chat_request, generate_request
+from kvmesh.client.retry_policy import CallPolicy
 from kvmesh.client.types import CompletionBuilder, GenerateChunk, Usage, trace_id
 
 

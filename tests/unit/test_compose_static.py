@@ -12,8 +12,9 @@ from unittest import mock
 
 import pytest
 import yaml
-from kvmesh import settings_cli
 from kvmesh.bus.nats_server import find_nats_server
+
+from app import config_show
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = ("compose.yaml", "compose.hostnet.yaml")
@@ -94,11 +95,6 @@ def parse_service_command(module: str, args: list[str]) -> argparse.Namespace:
         raise _Parsed(original(self, argv, namespace))
 
     main = importlib.import_module(f"{module}.__main__").main
-    if module in ("services.prefill", "services.decode"):
-        from kvmesh.worker.main import main as worker_main
-
-        def main(argv):
-            return worker_main(module.rsplit(".", 1)[1], argv)
     with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop):
         try:
             main(args)
@@ -184,12 +180,12 @@ def test_every_environment_key_is_a_known_setting_and_its_value_is_valid(variant
             assert set(env) == refs, f"nats: environment {sorted(env)} vs nats.conf's {sorted(refs)}"
             continue
         service = KVMESH_MODULES[argv[2]]
-        unknown = {k for k in env if k not in settings_cli.env_keys(service) and k not in OTEL_ENV}
+        unknown = {k for k in env if k not in config_show.env_keys(service) and k not in OTEL_ENV}
         assert not unknown, f"{variant} {name}: {sorted(unknown)} are not settings of {service}"
         if env.get("KVMESH_HOST") == "auto":  # the entrypoint puts the container's address there
             env["KVMESH_HOST"] = "10.0.0.2"
         ns = parse_service_command(argv[2], argv[3:])
-        settings_cli.load_service(service, None, env, flags_of(ns))  # raises on a bad value
+        config_show.load_service(service, None, env, flags_of(ns))  # raises on a bad value
 
 
 def test_only_the_router_publishes_ports():

@@ -7,8 +7,8 @@ import pytest
 from kvmesh.contracts.messages import Heartbeat
 from kvmesh.routing import CacheAware, Candidate, CostModel, SpeedEstimator
 
-from services.router.policy import Policies, to_candidates
 from services.router.registry import Registry
+from services.router.scheduling import Policies, to_candidates
 
 CONFIGURED = CostModel(prefill_tok_per_s=240.0, prefill_overhead_s=0.03, fetch_gbps=10.0, block_bytes=10**6)
 

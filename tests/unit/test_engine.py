@@ -3,7 +3,7 @@
 import pytest
 import torch
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.hf_config import ModelConfig
 
 from .helpers import engine_from_hf, hf_greedy, hf_tiny, prompt_logits
 

@@ -5,10 +5,11 @@ import math
 from dataclasses import dataclass
 
 import pytest
-from kvmesh.bench.trace import TraceRequest
 from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, Ghost, TailFirst, make_policy
 from kvmesh.engine.eviction_queue import EvictionQueue
-from kvmesh.sim import BlockCache, next_uses
+
+from app.bench.trace import TraceRequest
+from app.sim import BlockCache, next_uses
 
 
 @dataclass(eq=False)

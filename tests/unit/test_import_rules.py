@@ -30,6 +30,7 @@ def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "libs", root / "libs", ignore=ignore)
     shutil.copytree(ROOT / "services", root / "services", ignore=ignore)
+    shutil.copytree(ROOT / "app", root / "app", ignore=ignore)
     shutil.copyfile(ROOT / "pyproject.toml", root / "pyproject.toml")
     return root
 
@@ -44,9 +45,15 @@ def test_every_import_linter_contract_is_kept() -> None:
     ("services/router/_leak.py", "from kvmesh.engine import kv_cache\n", "router and cachesvc load no torch"),
     ("services/cachesvc/_leak.py", "def f():\n    import torch\n", "router and cachesvc load no torch"),
     ("services/router/_leak.py", "import services.cachesvc.store\n", "services never import each other"),
+    ("services/prefill/_leak.py", "from services.decode import intake\n", "services never import each other"),
     ("libs/kvmesh/transfer/_leak.py", "from services.cachesvc import store\n", "libraries never import services"),
+    ("libs/kvmesh/instance/_leak.py", "def f():\n    from services.prefill import servicer\n",
+     "libraries never import services"),
+    ("libs/kvmesh/client/_leak.py", "from app import launcher\n", "libraries never import services or the application"),
+    ("services/decode/_leak.py", "import app\n", "services never import the application"),
     ("libs/kvmesh/contracts/_leak.py", "import numpy\n", "contracts import only"),
-], ids=["router-via-engine", "cachesvc-lazy-torch", "service-to-service", "library-to-service", "contracts-numpy"])
+], ids=["router-via-engine", "cachesvc-lazy-torch", "service-to-service", "prefill-to-decode", "library-to-service",
+        "instance-host-to-servicer", "library-to-app", "service-to-app", "contracts-numpy"])
 def test_a_forbidden_import_breaks_its_contract(tree_copy: Path, module: str, source: str, contract: str) -> None:
     leak = tree_copy / module
     leak.write_text(source)

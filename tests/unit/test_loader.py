@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvmesh.engine import loader
 from kvmesh.engine.loader import load_weights, resolve_model, save_hf_dir
-from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.model_source.resolve import ModelSource, default_model_path
 from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM

@@ -5,8 +5,8 @@ import time
 from kvmesh.contracts.messages import Heartbeat
 from kvmesh.routing import CostModel
 
-from services.router.policy import Policies, choose_decode
 from services.router.registry import Registry
+from services.router.scheduling import Policies, choose_decode
 
 
 def beat(iid: str, role: str = "decode", model: str = "fp", block_size: int = 16, waiting: int = 0) -> Heartbeat:

@@ -7,11 +7,13 @@ import re
 from pathlib import Path
 
 import pytest
-from kvmesh import config, settings_cli
-from kvmesh.cli import main as kvmesh_main
+from kvmesh import config
 from kvmesh.config import EngineConfig
+from kvmesh.instance.config import WorkerConfig
 from kvmesh.telemetry.config import TelemetryConfig
-from kvmesh.worker.config import WorkerConfig
+
+from app import config_show
+from app.cli import main as kvmesh_main
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -100,16 +102,17 @@ def test_config_show_rejects_a_bad_value_with_its_message(monkeypatch, capsys):
 
 
 def test_load_service_applies_flags_like_the_service_does():
-    loaded = settings_cli.load_service("decode", None, {"KVMESH_PORT": "1"}, {"port": "2", "threads": "3"})
+    loaded = config_show.load_service("decode", None, {"KVMESH_PORT": "1"}, {"port": "2", "threads": "3"})
     assert (loaded["worker"].role, loaded["worker"].port, loaded["engine"].threads) == ("decode", 2, 3)
     with pytest.raises(ValueError, match="--port='x': expected an integer"):
-        settings_cli.load_service("cachesvc", None, {}, {"port": "x"})
+        config_show.load_service("cachesvc", None, {}, {"port": "x"})
 
 
 def test_every_setting_is_documented_in_the_readme():
     text = README.read_text()
-    for section in settings_cli.SECTIONS:
+    for section in config_show.SECTIONS:
         assert f"**`[{section}]`**" in text, f"README has no **`[{section}]`** table"
         block = re.split(r"\n\*\*`\[|\n## ", text.split(f"**`[{section}]`**", 1)[1], maxsplit=1)[0]
-        missing = [n for n in settings_cli.field_names(section) if f"`{n}`" not in block]
+        missing = [n for n in config_show.field_names(section) if f"`{n}`" not in block]
         assert not missing, f"README's [{section}] table lacks {missing}"
+

@@ -4,8 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
-from kvmesh.bench.trace import TraceRequest, load_trace, synthesize_prompt
-from kvmesh.sim import BlockCache, simulate
+
+from app.bench.trace import TraceRequest, load_trace, synthesize_prompt
+from app.sim import BlockCache, simulate
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 
@@ -56,7 +57,7 @@ def test_conversation_trace_cross_checks():
 
 
 def test_sim_cli_prints_json(tmp_path, capsys):
-    from kvmesh.sim import main
+    from app.sim import main
 
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps({"timestamp": r.arrival_s * 1000, "input_length": r.input_length,
@@ -69,7 +70,8 @@ def test_sim_cli_prints_json(tmp_path, capsys):
 
 def test_sim_cli_runs_every_eviction_it_lists(tmp_path, capsys):
     from kvmesh.engine.eviction import POLICIES
-    from kvmesh.sim import main
+
+    from app.sim import main
 
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps({"timestamp": r.arrival_s * 1000, "input_length": r.input_length,

@@ -7,7 +7,7 @@ import json
 from typing import ClassVar
 
 import pytest
-from kvmesh.bus.tracing import extract_trace_headers, inject_trace_headers, trace_context
+from kvmesh.bus.trace_headers import extract_trace_headers, inject_trace_headers, trace_context
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.jsonl import JsonlSpanExporter
 from kvmesh.telemetry.spans import read_spans
@@ -161,8 +161,8 @@ def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_c
     from kvmesh.config import EngineConfig
     from kvmesh.engine.async_engine import AsyncEngine
     from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.instance.metrics import WorkerMetrics, fallback_reason
     from kvmesh.telemetry.metrics import MetricsServer
-    from kvmesh.worker.metrics import WorkerMetrics, fallback_reason
 
     async def run() -> str:
         engine = AsyncEngine(LLMEngine(EngineConfig(num_blocks=32, block_size=4), model_config=tiny_config),

@@ -169,7 +169,7 @@ def test_png_without_matplotlib_says_which_extra_to_install(tmp_path, monkeypatc
 
 
 def test_trace_command_prints_the_waterfall_of_a_request(tmp_path, capsys):
-    from kvmesh import trace_cli
+    from app import trace_cli
 
     write(tmp_path / "traces.jsonl", mesh_request("req-1"))
     assert trace_cli.main(["req-1", "--state-dir", str(tmp_path), "--html", str(tmp_path / "t.html")]) == 0

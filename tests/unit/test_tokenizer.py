@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.model_source.tokenizer import IncrementalDetokenizer, Tokenizer, save_byte_tokenizer
 from tokenizers import processors
 

@@ -4,7 +4,7 @@ codec are contracts (``kvmesh.contracts.messages``)."""
 from kvmesh.bus.bus import Bus, EventsConsumer, EventsHandler, Handler
 from kvmesh.bus.nats_server import NatsServer, find_nats_server
 from kvmesh.bus.subjects import Subjects
-from kvmesh.bus.tracing import extract_trace_headers, inject_trace_headers
+from kvmesh.bus.trace_headers import extract_trace_headers, inject_trace_headers
 
 __all__ = [
            "Bus",

@@ -20,7 +20,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from kvmesh.bus.subjects import Subjects
-from kvmesh.bus.tracing import extract_trace_headers, inject_trace_headers
+from kvmesh.bus.trace_headers import extract_trace_headers, inject_trace_headers
 from kvmesh.contracts.messages import CodecError, KVEventBatch, Message, decode
 
 log = logging.getLogger(__name__)

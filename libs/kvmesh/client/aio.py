@@ -12,8 +12,8 @@ import grpc.aio
 
 from kvmesh import tls
 from kvmesh.client.base import ClientBase
-from kvmesh.client.policy import CallPolicy, StartCall
 from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
+from kvmesh.client.retry_policy import CallPolicy, StartCall
 from kvmesh.client.types import (
     Completion,
     CompletionBuilder,

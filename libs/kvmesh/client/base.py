@@ -6,7 +6,7 @@ import os
 from typing import Any, Self
 
 from kvmesh import state
-from kvmesh.client.policy import CallPolicy
+from kvmesh.client.retry_policy import CallPolicy
 
 
 class ClientBase:

@@ -10,8 +10,8 @@ import grpc
 
 from kvmesh import tls
 from kvmesh.client.base import ClientBase
-from kvmesh.client.policy import CallPolicy, StartCall
 from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
+from kvmesh.client.retry_policy import CallPolicy, StartCall
 from kvmesh.client.types import (
     Completion,
     CompletionBuilder,

@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from kvmesh.model_source import resolve
-from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.model_source.resolve import ModelSource
 
 TOKENIZER_FILES = (

@@ -12,7 +12,7 @@ from torch import nn
 
 from kvmesh.engine.attention import AttentionBackend, ForwardBatch
 from kvmesh.engine.kv_cache import DeviceKVPool
-from kvmesh.model_source.config import ModelConfig
+from kvmesh.model_source.hf_config import ModelConfig
 
 
 def _rope_tables(cfg: ModelConfig, max_pos: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Scheduling decisions shared by the router service and the simulator: policies, cost model, admission."""
 
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
-from kvmesh.routing.policy import (
+from kvmesh.routing.policies import (
                                    POLICIES,
                                    CacheAware,
                                    Candidate,

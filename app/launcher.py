@@ -25,6 +25,9 @@ from kvmesh.ready import poll_ready
 from kvmesh.state import StackInfo
 from kvmesh.telemetry.spans import trace_file
 
+# what `python -m` runs for each engine role; `both` is composed in the application layer (app/both.py)
+ENGINE_MODULES = {"prefill": "services.prefill", "decode": "services.decode", "both": "app.both"}
+
 
 @dataclass
 class StackOptions:
@@ -112,7 +115,7 @@ class Stack:
             pool = ["--cachesvc-address", cache_address] if o.pool else []
             for role, count in (("prefill", o.prefill), ("decode", o.decode), ("both", o.both)):
                 for i in range(count):
-                    module = "services.prefill" if role == "prefill" else "services.decode"
+                    module = ENGINE_MODULES[role]
                     self._spawn(f"{role}-{i}", [module, "--role", role, "--instance-id", f"{role}-{i}",
                                                 "--port", "0", "--threads", str(o.threads),
                                                 "--transfer-backend", o.transfer_backend,

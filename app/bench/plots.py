@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvmesh.bench.stats import RequestRecord
+from app.bench.stats import RequestRecord
 
 
 def _pyplot():

@@ -13,12 +13,12 @@ import statistics
 import time
 
 import torch
-
-from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.loader import resolve_model
+
+from app.bench.report import markdown_table, write_section
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -11,26 +11,27 @@ import logging
 import time
 
 import grpc
-from opentelemetry.trace import Span, SpanKind, StatusCode
-
 from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engine.async_engine import RequestTiming
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.kv_cache import block_bytes
+from kvmesh.instance.errors import abort_failed
+from kvmesh.instance.host import Attached, EngineHost, RolePlugin
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
-from kvmesh.worker.decode import abort_failed
-from kvmesh.worker.faults import make_handoff
+from opentelemetry.trace import Span, SpanKind, StatusCode
+
+from services.prefill.handoff import announcer, make_handoff
 
 log = logging.getLogger(__name__)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
-    def __init__(self, worker) -> None:
-        self.w = worker
-        self.handoff = make_handoff(worker.cfg, worker.announce)  # faulty only when a fault_* setting asks
+    def __init__(self, host: EngineHost) -> None:
+        self.w = host
+        self.handoff = make_handoff(host.cfg, announcer(host))  # faulty only when a fault_* setting asks
 
     @traced_rpc("prefill.request", rpc="prefill", metrics=lambda self: self.w.metrics,
                 attributes=lambda self, request, context: {
@@ -100,3 +101,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def close(self) -> None:
         await self.handoff.close()
+
+
+async def _attach(host: EngineHost) -> Attached:
+    servicer = PrefillServicer(host)
+    worker_pb2_grpc.add_PrefillServicer_to_server(servicer, host.grpc.server)
+    return servicer
+
+
+# The prefill role, for an engine host (``python -m services.prefill``; ``app.both`` with decode's).
+ROLE = RolePlugin("kvmesh.v1.Prefill", _attach)

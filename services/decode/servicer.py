@@ -17,67 +17,27 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from opentelemetry.trace import Span
-
-from kvmesh.contracts.keys import block_keys
-from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engine.async_engine import RequestTiming
 from kvmesh.engine.errors import SequenceError
-from kvmesh.engine.kv_cache import blocks_from_bytes
+from kvmesh.instance.errors import abort_failed
+from kvmesh.instance.host import Attached, EngineHost, RolePlugin
+from kvmesh.instance.metrics import fallback_reason
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
-from kvmesh.transfer import TransferServer
-from kvmesh.worker.metrics import fallback_reason
+from opentelemetry.trace import Span
+
+from services.decode.intake import KVIntake
+from services.decode.write_back import write_back
 
 log = logging.getLogger(__name__)
-EARLY_TTL_S = 60.0
-
-
-class KVReadyBoard:
-    """Matches ``kv.ready`` announcements with the Decode calls waiting for them (either may come first).
-    Each announcement travels with the time it was received (epoch ns)."""
-
-    def __init__(self) -> None:
-        self._waiting: dict[str, asyncio.Future[tuple[KVReady, int]]] = {}
-        self._early: dict[str, tuple[float, KVReady, int]] = {}
-
-    def post(self, ready: KVReady, received_ns: int | None = None) -> None:
-        received_ns = time.time_ns() if received_ns is None else received_ns
-        fut = self._waiting.pop(ready.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result((ready, received_ns))
-            return
-        now = time.monotonic()
-        self._early = {k: v for k, v in self._early.items() if now - v[0] < EARLY_TTL_S}
-        self._early[ready.request_id] = (now, ready, received_ns)
-
-    async def wait(self, request_id: str, timeout_s: float) -> tuple[KVReady, int]:
-        early = self._early.pop(request_id, None)
-        if early is not None:
-            return early[1], early[2]
-        fut: asyncio.Future[tuple[KVReady, int]] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = fut
-        try:
-            return await asyncio.wait_for(fut, timeout_s)
-        finally:
-            self._waiting.pop(request_id, None)
-
-
-async def abort_failed(context: grpc.aio.ServicerContext, e: SequenceError, span: Span) -> None:
-    """End the call of a request that failed inside the engine: INVALID_ARGUMENT when the request is at
-    fault, INTERNAL (logged, with its trace) when we are; the details name the request."""
-    if not e.client_fault:
-        log.error("%s (trace %s)", e, tracing.trace_id(span))
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if e.client_fault else grpc.StatusCode.INTERNAL, str(e))
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
-    def __init__(self, worker, transfer: TransferServer | None) -> None:
-        self.w = worker
-        self.transfer = transfer
-        self.board = KVReadyBoard()
+    def __init__(self, host: EngineHost) -> None:
+        self.w = host
+        self.intake = KVIntake(host)
         self._background: set[asyncio.Task] = set()
 
     @traced_rpc("decode.request", rpc="decode", metrics=lambda self: self.w.metrics,
@@ -100,7 +60,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         if request.prefill_locally:
             await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs)
         else:
-            imported, fallback, received_ns, load_attrs = await self._receive(
+            imported, fallback, received_ns, load_attrs = await self.intake.receive(
                 work.request_id, prompt, work.cache_salt, request.kv_timeout_s or w.cfg.kv_timeout_s)
             if fallback:
                 log.warning("request %s (trace %s): recomputing the prompt locally: %s", work.request_id,
@@ -119,8 +79,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 chunk = worker_pb2.DecodeChunk(token_ids=out.new_token_ids, text=out.text_delta,
                                                finished=out.finished, finish_reason=out.finish_reason or "")
                 if out.exported is not None:  # the conversation so far, for the next turn on any instance
-                    task = asyncio.create_task(w.write_back(out.exported.block_keys, out.exported.blocks, span,
-                                                            attrs))
+                    task = asyncio.create_task(write_back(w, out.exported.block_keys, out.exported.blocks, span,
+                                                          attrs))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
                 now = time.monotonic()
@@ -168,32 +128,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         start = timing.first_output if timing.scheduled else timing.added
         tracing.start("decode.first_token", span, attributes=attrs, start_ns=off + int(start * 1e9)).end()
 
-    async def _receive(self, request_id: str, prompt: list[int], cache_salt: str,
-                       timeout_s: float) -> tuple[tuple | None, str, int, dict[str, Any]]:
-        """The pushed KV as ``(blocks, num_tokens, first_token)`` or why it cannot be used, when ``kv.ready``
-        was received (epoch ns, 0 = never), and what ``decode.load`` reports about the intake."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            ready, received_ns = await self.board.wait(request_id, timeout_s)
-        except TimeoutError:
-            return None, f"kv.ready not received within {timeout_s:g}s", 0, {}
-        if not ready.ok:
-            return None, f"prefill {ready.prefill_instance}: {ready.error}", received_ns, {}
-        assert self.transfer is not None
-        t = time.monotonic()
-        try:
-            got = await self.transfer.take(ready.transfer_id, max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            self.transfer.discard(ready.transfer_id)
-            return None, "kv.ready arrived but its blocks did not", received_ns, {}
-        except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute
-            return None, f"pushed KV rejected: {e}", received_ns, {}
-        self.w.metrics.transfer_bytes.labels("receive").inc(got.nbytes)
-        seed = self.w.engine.engine.namespace_seed(cache_salt)
-        expected = block_keys(seed, prompt[:got.num_tokens], self.w.layout.block_size)
-        if got.num_tokens != len(prompt) or list(got.block_keys) != expected:
-            return None, "pushed KV does not match this prompt (block keys differ)", received_ns, {}
-        return (blocks_from_bytes(got.layout, got.data), got.num_tokens, ready.first_token), "", received_ns, {
-            "kvmesh.blocks": got.num_blocks, "kvmesh.bytes": got.nbytes,
-            "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
-            "kvmesh.receive_ms": round(got.seconds * 1e3, 3), "kvmesh.prefill_instance": ready.prefill_instance}
+    async def close(self) -> None:
+        pass  # write-backs still in flight end with the process, as before
+
+
+async def _attach(host: EngineHost) -> Attached:
+    servicer = DecodeServicer(host)
+    worker_pb2_grpc.add_DecodeServicer_to_server(servicer, host.grpc.server)
+    await host.bus.subscribe(host.subjects.kv_ready(host.instance_id), servicer.intake.on_kv_ready)
+    return servicer
+
+
+# The decode role, for an engine host (``python -m services.decode``; ``app.both`` with prefill's).
+ROLE = RolePlugin("kvmesh.v1.Decode", _attach, receives_kv=True)

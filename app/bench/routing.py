@@ -11,11 +11,11 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from kvmesh.bench import workloads as wl
-from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.serve import RunOptions, run_workload
-from kvmesh.bench.stats import SLO
-from kvmesh.launcher import Stack, StackOptions
+from app.bench import workloads as wl
+from app.bench.report import markdown_table, write_section
+from app.bench.serve import RunOptions, run_workload
+from app.bench.stats import SLO
+from app.launcher import Stack, StackOptions
 
 POLICIES = ("round_robin", "cache_aware")
 

@@ -23,10 +23,10 @@ from typing import Self
 
 import aiohttp
 
-from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.serve import stream_request
-from kvmesh.bench.stats import RequestRecord, percentile
-from kvmesh.launcher import Stack, StackOptions
+from app.bench.report import markdown_table, write_section
+from app.bench.serve import stream_request
+from app.bench.stats import RequestRecord, percentile
+from app.launcher import Stack, StackOptions
 
 PROMPTS = ("Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is the sun?",
            "Count to five.", "Name an ocean.", "What do cats eat?")

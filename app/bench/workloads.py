@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.bench.trace import load_trace, synthesize_prompt
+from app.bench.trace import load_trace, synthesize_prompt
 
 WORKLOADS = ("multi-turn", "shared-system", "rag", "low-reuse", "hot-switch", "trace")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -16,15 +15,22 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvmesh import config
+from kvmesh.config import EngineConfig
+from kvmesh.instance.config import WorkerConfig
+from kvmesh.telemetry.config import TelemetryConfig
+from kvmesh.tls import TLSConfig
 
-# section -> (module, class); the section is also the TOML table the class is read from.
-SECTIONS: dict[str, tuple[str, str]] = {
-    "engine": ("kvmesh.config", "EngineConfig"),
-    "worker": ("kvmesh.worker.config", "WorkerConfig"),
-    "router": ("services.router.config", "RouterConfig"),
-    "cachesvc": ("services.cachesvc.config", "CacheServiceConfig"),
-    "telemetry": ("kvmesh.telemetry.config", "TelemetryConfig"),
-    "tls": ("kvmesh.tls", "TLSConfig"),  # read from the environment only (every process, every gRPC hop)
+from services.cachesvc.config import CacheServiceConfig
+from services.router.config import RouterConfig
+
+# section -> its settings class; the section is also the TOML table the class is read from.
+SECTIONS: dict[str, type] = {
+    "engine": EngineConfig,
+    "worker": WorkerConfig,
+    "router": RouterConfig,
+    "cachesvc": CacheServiceConfig,
+    "telemetry": TelemetryConfig,
+    "tls": TLSConfig,  # read from the environment only (every process, every gRPC hop)
 }
 # the sections each deployable service reads, its own first
 SERVICE_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -40,8 +46,7 @@ MASK = "***"
 
 
 def settings_class(section: str) -> type:
-    module, name = SECTIONS[section]
-    return getattr(importlib.import_module(module), name)
+    return SECTIONS[section]
 
 
 def field_names(section: str) -> list[str]:

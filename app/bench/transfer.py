@@ -20,11 +20,11 @@ import time
 from multiprocessing.connection import Connection
 
 import torch
-
-from kvmesh.bench.report import markdown_table, write_section
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.kv_cache import block_bytes
 from kvmesh.transfer import TransferClient, TransferServer
+
+from app.bench.report import markdown_table, write_section
 
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 RAW = "raw socket"

@@ -1,9 +1,9 @@
 """Eviction figures for docs/benchmarks.md: hit rate per strategy × capacity (with Belady), a synthetic agentic
 trace the strategies were not designed on, and the cost per access of the eviction queue at 1M cached blocks.
 
-    python -m kvmesh.bench.eviction table --trace T [--capacities 1000,6000,20000]
-    python -m kvmesh.bench.eviction synth --out agentic.jsonl   # fixed seed
-    python -m kvmesh.bench.eviction cost [--blocks 1000000]
+    python -m app.bench.eviction table --trace T [--capacities 1000,6000,20000]
+    python -m app.bench.eviction synth --out agentic.jsonl   # fixed seed
+    python -m app.bench.eviction cost [--blocks 1000000]
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import random
 import time
 from dataclasses import dataclass
 
-from kvmesh.bench.trace import load_trace
 from kvmesh.engine.eviction import POLICIES, make_policy
 from kvmesh.engine.eviction_queue import EvictionQueue
-from kvmesh.sim import simulate
+
+from app.bench.trace import load_trace
+from app.sim import simulate
 
 
 def table(trace_path: str, capacities: list[int], max_requests: int | None = None) -> str:
@@ -101,7 +102,7 @@ def cost(blocks: int = 1_000_000, accesses: int = 200_000, policy: str = "tailfi
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmesh.bench.eviction")
+    p = argparse.ArgumentParser(prog="python -m app.bench.eviction")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("table")
     t.add_argument("--trace", required=True)

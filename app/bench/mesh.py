@@ -16,12 +16,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.stats import percentile, quantiles
 from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.launcher import Stack, StackOptions
+
+from app.bench.report import markdown_table, write_section
+from app.bench.stats import percentile, quantiles
+from app.launcher import Stack, StackOptions
 
 TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
           "deserts", "bees", "clocks", "whales", "maps", "salt", "kites", "coral", "lamps", "ferns"]

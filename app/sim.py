@@ -16,11 +16,12 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from kvmesh.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 from kvmesh.engine.eviction import POLICIES
 from kvmesh.engine.eviction import make_policy as make_eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.routing import CacheAware, Candidate, CostModel, make_policy
+
+from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 
 SIM_POLICIES = ("random", "round_robin", "least_loaded", "cache_aware_local", "cache_aware")
 
@@ -181,7 +182,7 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
 
 
 def _write(args: argparse.Namespace, results: list[dict]) -> None:
-    from kvmesh.bench.report import markdown_table, write_section
+    from app.bench.report import markdown_table, write_section
 
     rows = [{"policy": r["policy"], "block hit rate": f"{r['hit_rate'] * 100:.1f}%",
              "TTFT mean s": f"{r['ttft_mean_s']:.1f}", "TTFT p90 s": f"{r['ttft_p90_s']:.1f}",

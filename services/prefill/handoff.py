@@ -8,20 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
-
-from opentelemetry.trace import Span
 
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.messages import KVReady
+from kvmesh.instance.host import EngineHost
+from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.client import TransferStats
+from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
 STALL_S = 60.0  # longer than any kv_timeout_s a test uses: the push is as good as lost
 Announce = Callable[[KVReady, Span | None], Awaitable[None]]
+
+
+def announcer(host: EngineHost) -> Announce:
+    """Publish ``kv.ready`` on the host's bus, with the parent span's trace context and the send time (decode's
+    ``kv.ready`` span)."""
+    async def announce(ready: KVReady, parent: Span | None = None) -> None:
+        headers = tracing.inject(parent, {tracing.SENT_HEADER: str(time.time_ns())})
+        await host.bus.publish(host.subjects.kv_ready(ready.decode_instance), ready, headers)
+    return announce
 
 
 class Handoff:

@@ -1,6 +1,6 @@
 """cachesvc benchmark: the index at scale, the disk tier's read bandwidth, and a pool fetch against recompute.
 
-    python -m kvmesh.bench.cachesvc [--blocks N] [--disk-mb N] [--reps N] [--quick] [--no-write]
+    python -m app.bench.cachesvc [--blocks N] [--disk-mb N] [--reps N] [--quick] [--no-write]
 
 1. **Index.** ``--blocks`` (1M) block keys, in 64-block chains spread over 4 instances (device tier; the first
    half of each chain also in another instance's host tier), published into JetStream and replayed by a real
@@ -44,15 +44,15 @@ from pathlib import Path
 import grpc
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.stats import percentile
 from kvmesh.bus import Bus, NatsServer, Subjects
 from kvmesh.contracts.events import BlockStored
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.messages import KVEventBatch
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import wait_ready
+
+from app.bench.report import markdown_table, write_section
+from app.bench.stats import percentile
 
 REPO = Path(__file__).resolve().parents[3]
 CHAIN = 64
@@ -209,6 +209,7 @@ def drop_cache(paths: list[Path]) -> None:
 def bench_disk(disk_mb: int, work: Path, reps: int) -> list[dict]:
     from kvmesh.contracts.layout import KVLayout
     from kvmesh.engine.eviction import make_policy
+
     from services.cachesvc.disk import DiskTier
     from services.cachesvc.store import Leases, Retention, StoredBlock
 
@@ -273,8 +274,8 @@ def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
     from kvmesh.config import EngineConfig
     from kvmesh.contracts.sampling import SamplingParams
     from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.instance.pool_client import PoolClient
     from kvmesh.transfer import TransferServer
-    from kvmesh.worker.pool_client import PoolClient
 
     llm = LLMEngine(EngineConfig(threads=1))
     rng = random.Random(2)
@@ -359,7 +360,7 @@ def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvmesh.bench.cachesvc", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m app.bench.cachesvc", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="block keys in the index")
     parser.add_argument("--disk-mb", type=int, default=1024, help="data written to and read from the disk tier")
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             "paths alternate within each repetition.\n\n"
             + "\n".join(f"- {n}" for n in notes) + "\n")
     if not args.no_write:
-        path = write_section("cachesvc", "python -m kvmesh.bench.cachesvc" + (" --quick" if args.quick else ""),
+        path = write_section("cachesvc", "python -m app.bench.cachesvc" + (" --quick" if args.quick else ""),
                              body)
         print(f"wrote {path}")
     return 0

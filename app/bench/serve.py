@@ -29,9 +29,9 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from kvmesh.bench import workloads as wl
-from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.stats import SLO, RequestRecord, ms, percentile, summarize
+from app.bench import workloads as wl
+from app.bench.report import markdown_table, write_section
+from app.bench.stats import SLO, RequestRecord, ms, percentile, summarize
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 
@@ -299,7 +299,7 @@ def write_outputs(out: Path, results: list[RunResult], slo: SLO, settings: dict,
     (out / "results.json").write_text(json.dumps(_json_safe(data), indent=1))
     md = summary_markdown(results, slo, settings, note)
     (out / "summary.md").write_text(md + "\n")
-    from kvmesh.bench import plots
+    from app.bench import plots
 
     pngs = plots.plot_runs(out, {r.label: r.records for r in results})
     return {"json": out / "results.json", "markdown": out / "summary.md", "png": pngs}

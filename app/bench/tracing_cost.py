@@ -27,10 +27,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.stats import percentile
-from kvmesh.launcher import Stack, StackOptions
 from kvmesh.telemetry.spans import read_spans, roots, trace_file
+
+from app.bench.report import markdown_table, write_section
+from app.bench.stats import percentile
+from app.launcher import Stack, StackOptions
 
 TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
           "deserts", "bees", "clocks", "whales", "maps", "salt", "kites", "coral", "lamps", "ferns"]
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     f"{mean * 1000:+.1f} ms on average, outside the noise"))
     cpu_ms = res["cpu_us_per_request"] / 1000
     body = (f"{args.requests} short chat prompts (~45 tokens with the template), each sent to three arms in "
-            f"rotating order (see `libs/kvmesh/bench/tracing.py`), one request at a time, greedy, "
+            f"rotating order (see `app/bench/tracing_cost.py`), one request at a time, greedy, "
             f"{args.max_tokens} output tokens, {args.pause_ms:g} ms idle before each; default model, "
             "1 prefill + 1 decode per stack, 1 thread per engine, both stacks on this machine.\n\n"
             + markdown_table(rows, ["arm", "TTFT p50 ms", "TTFT p90 ms", "TTFT mean ms"])

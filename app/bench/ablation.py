@@ -44,11 +44,11 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.bench import workloads as wl
-from kvmesh.bench.report import markdown_table, write_section
-from kvmesh.bench.serve import RunOptions, RunResult, run_workload
-from kvmesh.bench.stats import SLO, RequestRecord, ms
-from kvmesh.launcher import Stack, StackOptions
+from app.bench import workloads as wl
+from app.bench.report import markdown_table, write_section
+from app.bench.serve import RunOptions, RunResult, run_workload
+from app.bench.stats import SLO, RequestRecord, ms
+from app.launcher import Stack, StackOptions
 
 SCENARIOS = ("cold start", "stable hot set", "hot-set switch", "low reuse", "failure")
 
@@ -340,8 +340,8 @@ def write_outputs(out: Path, results: list[ScenarioResult], slo: SLO, body: str)
     import json
     from dataclasses import asdict
 
-    from kvmesh.bench import plots
-    from kvmesh.bench.serve import _json_safe
+    from app.bench import plots
+    from app.bench.serve import _json_safe
 
     out.mkdir(parents=True, exist_ok=True)
     table = rows(results, slo)

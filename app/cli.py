@@ -66,21 +66,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
-        from kvmesh.bench import engine as bench
+        from app.bench import engine as bench
     elif args.what == "transfer":
-        from kvmesh.bench import transfer as bench
+        from app.bench import transfer as bench
     elif args.what == "mesh":
-        from kvmesh.bench import mesh as bench
+        from app.bench import mesh as bench
     elif args.what == "serve":
-        from kvmesh.bench import serve as bench
+        from app.bench import serve as bench
     elif args.what == "ablation":
-        from kvmesh.bench import ablation as bench
+        from app.bench import ablation as bench
     elif args.what == "routing":
-        from kvmesh.bench import routing as bench
+        from app.bench import routing as bench
     elif args.what == "load":
-        from kvmesh.bench import load as bench
+        from app.bench import load as bench
     elif args.what == "tracing":
-        from kvmesh.bench import tracing as bench
+        from app.bench import tracing_cost as bench
     else:
         print(f"kvmesh bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2
@@ -91,8 +91,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from kvmesh.launcher import Stack, StackOptions
     from kvmesh.state import state_dir
+
+    from app.launcher import Stack, StackOptions
 
     directory = state_dir(args.state_dir)
     opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, nats_url=args.nats_url,
@@ -124,27 +125,27 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from kvmesh import chat
+    from app import chat
 
     return chat.main(args.rest)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from kvmesh import sim
+    from app import sim
 
     return sim.main(args.rest)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from kvmesh import trace_cli
+    from app import trace_cli
 
     return trace_cli.main(args.rest)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from kvmesh import settings_cli
+    from app import config_show
 
-    return settings_cli.main(args.rest)
+    return config_show.main(args.rest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,9 @@
-"""One engine instance as a service: the engine thread, gRPC (Prefill and/or Decode), the transfer engine,
-KV events on the bus (JetStream), ``kv.ready`` and heartbeats."""
+"""Hosting one engine instance: the engine thread, the gRPC server, the transfer engine, KV events on the bus
+(JetStream), snapshots, heartbeats, metrics, the pool client and warm-from-pool.
+
+The host serves no RPC of its own: each service's entry point hands it the roles it serves (``RolePlugin``: the
+gRPC service's name, whether it receives pushed KV, and how to attach its servicer once the host is up). So this
+library knows no service; ``services/prefill``, ``services/decode`` and ``app/both.py`` compose it."""
 
 from __future__ import annotations
 
@@ -7,40 +11,57 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from opentelemetry.trace import Span, SpanKind, StatusCode
+from opentelemetry.trace import Span, StatusCode
 
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
-from kvmesh.bus.tracing import trace_context
 from kvmesh.config import EngineConfig
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
-from kvmesh.contracts.ids import Role
 from kvmesh.contracts.keys import block_keys
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch
 from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.grpc_server import ServiceServer
-from kvmesh.proto.v1 import worker_pb2_grpc
+from kvmesh.instance.config import WorkerConfig
+from kvmesh.instance.metrics import WorkerMetrics
+from kvmesh.instance.pool_client import PoolClient, PoolError
 from kvmesh.ready import binding, report_ready
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.config import TelemetryConfig
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.transfer import TransferServer
-from kvmesh.worker.config import WorkerConfig
-from kvmesh.worker.decode import DecodeServicer
-from kvmesh.worker.metrics import WorkerMetrics
-from kvmesh.worker.pool_client import PoolClient, PoolError
-from kvmesh.worker.prefill import PrefillServicer
 
 log = logging.getLogger(__name__)
 
 
-class Worker:
-    def __init__(self, cfg: WorkerConfig, engine_cfg: EngineConfig) -> None:
+class Attached(Protocol):
+    """A role's servicer once attached to a host: the host closes it as it stops."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RolePlugin:
+    """What a service hands the host for one role it serves. ``attach`` runs once the engine, the bus, the
+    transfer server and the pool client are up, before gRPC starts: it adds its servicer to ``host.grpc.server``
+    and subscribes to what it needs on ``host.bus``."""
+    grpc_service: str                                  # e.g. "kvmesh.v1.Prefill" (health and reflection)
+    attach: Callable[[EngineHost], Awaitable[Attached]]
+    receives_kv: bool = False                          # needs a transfer-engine server for pushed KV (decode)
+
+
+class EngineHost:
+    def __init__(self, cfg: WorkerConfig, engine_cfg: EngineConfig, roles: Sequence[RolePlugin]) -> None:
+        if not roles:
+            raise ValueError("an engine host serves at least one role")
         self.cfg = cfg
+        self.roles = tuple(roles)
+        self.attached: list[Attached] = []
         self.engine_cfg = engine_cfg
         self.subjects = Subjects(cfg.cluster)
         self.instance_id = cfg.instance_id
@@ -52,14 +73,6 @@ class Worker:
         self._event_queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
-    @property
-    def serves_prefill(self) -> bool:
-        return self.cfg.role in (Role.PREFILL, Role.BOTH)
-
-    @property
-    def serves_decode(self) -> bool:
-        return self.cfg.role in (Role.DECODE, Role.BOTH)
-
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         llm = await loop.run_in_executor(None, LLMEngine, self.engine_cfg)
@@ -67,9 +80,7 @@ class Worker:
         self.fingerprint = llm.fingerprint
         self.engine = AsyncEngine(llm, loop, on_events=self._event_queue.put_nowait)
         self.metrics.watch(self.engine)
-        names = [n for n, on in (("kvmesh.v1.Prefill", self.serves_prefill),
-                                 ("kvmesh.v1.Decode", self.serves_decode)) if on]
-        self.grpc = ServiceServer(names)
+        self.grpc = ServiceServer([r.grpc_service for r in self.roles])
         self.grpc_address = self.grpc.bind(self.cfg.host, self.cfg.port)  # 0: any free port, read back
         if not self.instance_id:
             self.instance_id = f"{self.cfg.role}-{self.grpc.port}"
@@ -78,7 +89,8 @@ class Worker:
         self._event_queue.put_nowait([AllBlocksCleared()])  # a fresh instance holds nothing, whatever it held
         await answer_snapshots(self.bus, self.subjects, self.instance_id, self._snapshot)
         self.transfer_server = None
-        if self.serves_decode or self.cfg.cachesvc_address:  # decode intake, and pool fetches land here too
+        # KV intake (decode), and pool fetches land here too
+        if any(r.receives_kv for r in self.roles) or self.cfg.cachesvc_address:
             with binding("transfer", self.cfg.host, self.cfg.transfer_port,
                          "--transfer-port / KVMESH_TRANSFER_PORT"):
                 self.transfer_server = await TransferServer.start(self.layout, host=self.cfg.host,
@@ -87,13 +99,8 @@ class Worker:
         self.pool = None
         if self.cfg.cachesvc_address:
             self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server)
-        if self.serves_decode:
-            self.decode = DecodeServicer(self, self.transfer_server)
-            worker_pb2_grpc.add_DecodeServicer_to_server(self.decode, self.grpc.server)
-            await self.bus.subscribe(self.subjects.kv_ready(self.instance_id), self._on_kv_ready)
-        if self.serves_prefill:
-            self.prefill = PrefillServicer(self)
-            worker_pb2_grpc.add_PrefillServicer_to_server(self.prefill, self.grpc.server)
+        for role in self.roles:
+            self.attached.append(await role.attach(self))
         await self.grpc.start()
         self._tasks = [asyncio.create_task(self._publish_events()), asyncio.create_task(self._heartbeat())]
         self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.host, self.cfg.metrics_port)
@@ -164,25 +171,6 @@ class Worker:
                              "kvmesh.outcome": "adopted" if ok else "no room"})
         return n if ok else 0
 
-    async def write_back(self, keys: list[int], blocks, parent: Span | None = None,
-                         attrs: dict[str, Any] | None = None) -> None:
-        """Store a finished request's full blocks in the pool (decode), so any instance can reuse them."""
-        if self.pool is None or not keys:
-            return
-        span = tracing.start("pool.write_back", parent, SpanKind.CLIENT,
-                             {**(attrs or {}), tracing.SEGMENT: False, "kvmesh.tier": "pool",
-                              "kvmesh.blocks": len(keys)})
-        try:
-            sent = await self.pool.write_back(keys, blocks[:len(keys)],
-                                              tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
-            self.metrics.transfer_bytes.labels("pool_write").inc(sent * self.layout.block_nbytes)
-            span.set_attributes({"kvmesh.blocks_sent": sent, "kvmesh.bytes": sent * self.layout.block_nbytes})
-        except PoolError as e:
-            log.warning("write-back of %d blocks skipped: %s", len(keys), e)
-            span.set_status(StatusCode.ERROR, f"write-back failed: {e}")
-        finally:
-            span.end()
-
     def record_engine_spans(self, parent: Span, timing: RequestTiming, attrs: dict[str, Any], prompt_tokens: int,
                             cached_tokens: int) -> None:
         """``prefill.queue`` (handed to the engine → first scheduled) and ``prefill.compute`` (→ first token out
@@ -202,24 +190,6 @@ class Worker:
         """What cachesvc asks for after a gap in our events: the sequence number first, then the blocks."""
         seq = self._event_seq
         return seq, await self.engine.call(lambda e: e.blocks.held_blocks())
-
-    async def announce(self, ready: KVReady, parent: Span | None = None) -> None:
-        """Publish ``kv.ready`` with ``parent``'s trace context and the send time (decode's ``kv.ready`` span)."""
-        headers = tracing.inject(parent, {tracing.SENT_HEADER: str(time.time_ns())})
-        await self.bus.publish(self.subjects.kv_ready(ready.decode_instance), ready, headers)
-
-    async def _on_kv_ready(self, msg: KVReady, headers: dict[str, str]) -> None:
-        received = time.time_ns()
-        try:
-            sent = int(headers.get(tracing.SENT_HEADER, received))
-        except ValueError:
-            sent = received
-        tracing.record("kv.ready", trace_context(headers), min(sent, received), received,
-                       {tracing.REQUEST_ID: msg.request_id, tracing.MODEL: self.model_name,
-                        "kvmesh.instance": self.instance_id,
-                        "kvmesh.prefill_instance": msg.prefill_instance, "kvmesh.ok": msg.ok,
-                        "kvmesh.blocks": len(msg.block_keys)}, SpanKind.CONSUMER)
-        self.decode.board.post(msg, received)
 
     async def _publish_events(self) -> None:
         subject = self.subjects.kv_events(self.instance_id)
@@ -254,8 +224,8 @@ class Worker:
             self.metrics_server.close()
         for t in self._tasks:
             t.cancel()
-        if self.serves_prefill:
-            await self.prefill.close()
+        for attached in self.attached:
+            await attached.close()
         if self.transfer_server is not None:
             await self.transfer_server.close()
         if self.pool is not None:
@@ -271,21 +241,21 @@ def model_name(source: str | None) -> str:
     return Path(source).stem if Path(source).is_file() else Path(source).name
 
 
-async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig, telemetry_cfg: TelemetryConfig | None = None,
-                ready_file: str | None = None) -> None:
+async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig, roles: Sequence[RolePlugin],
+                telemetry_cfg: TelemetryConfig | None = None, ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT. Once serving, report the bound endpoints (``kvmesh.ready``: the ready line,
     and ``ready_file`` / ``$KVMESH_READY_FILE`` when set)."""
     import signal
 
-    worker = Worker(cfg, engine_cfg)
-    await worker.start()
-    tracing.setup(cfg.role, worker.instance_id, telemetry_cfg)
-    report_ready(worker.instance_id, worker.endpoints, ready_file)
+    host = EngineHost(cfg, engine_cfg, roles)
+    await host.start()
+    tracing.setup(cfg.role, host.instance_id, telemetry_cfg)
+    report_ready(host.instance_id, host.endpoints, ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("%s stopping", worker.instance_id)
-    await worker.stop()
+    log.info("%s stopping", host.instance_id)
+    await host.stop()
     tracing.shutdown()

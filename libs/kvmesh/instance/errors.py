@@ -1,0 +1,21 @@
+"""How a servicer of an engine instance ends the call of a request that failed inside the engine."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from opentelemetry.trace import Span
+
+from kvmesh.engine.errors import SequenceError
+from kvmesh.telemetry import tracing
+
+log = logging.getLogger(__name__)
+
+
+async def abort_failed(context: grpc.aio.ServicerContext, e: SequenceError, span: Span) -> None:
+    """End the call of a request that failed inside the engine: INVALID_ARGUMENT when the request is at
+    fault, INTERNAL (logged, with its trace) when we are; the details name the request."""
+    if not e.client_fault:
+        log.error("%s (trace %s)", e, tracing.trace_id(span))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if e.client_fault else grpc.StatusCode.INTERNAL, str(e))

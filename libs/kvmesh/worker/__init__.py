@@ -1,1 +1,0 @@
-"""The engine-instance runtime shared by the prefill and decode services (and role ``both``)."""

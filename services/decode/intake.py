@@ -1,0 +1,102 @@
+"""KV intake of a decode instance: the ``kv.ready`` board (announcements matched with the Decode calls waiting
+for them), and taking a request's pushed KV from the transfer server, verified against this prompt's block keys.
+
+Anything that cannot be used is a reason to recompute, never a consumed block: the caller falls back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from kvmesh.bus.trace_headers import trace_context
+from kvmesh.contracts.keys import block_keys
+from kvmesh.contracts.messages import KVReady
+from kvmesh.engine.kv_cache import blocks_from_bytes
+from kvmesh.instance.host import EngineHost
+from kvmesh.telemetry import tracing
+from opentelemetry.trace import SpanKind
+
+EARLY_TTL_S = 60.0
+
+
+class KVReadyBoard:
+    """Matches ``kv.ready`` announcements with the Decode calls waiting for them (either may come first).
+    Each announcement travels with the time it was received (epoch ns)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, asyncio.Future[tuple[KVReady, int]]] = {}
+        self._early: dict[str, tuple[float, KVReady, int]] = {}
+
+    def post(self, ready: KVReady, received_ns: int | None = None) -> None:
+        received_ns = time.time_ns() if received_ns is None else received_ns
+        fut = self._waiting.pop(ready.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result((ready, received_ns))
+            return
+        now = time.monotonic()
+        self._early = {k: v for k, v in self._early.items() if now - v[0] < EARLY_TTL_S}
+        self._early[ready.request_id] = (now, ready, received_ns)
+
+    async def wait(self, request_id: str, timeout_s: float) -> tuple[KVReady, int]:
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            return early[1], early[2]
+        fut: asyncio.Future[tuple[KVReady, int]] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = fut
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._waiting.pop(request_id, None)
+
+
+class KVIntake:
+    """The ``kv.ready`` subscription of one decode instance and the receive of what it announces."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.w = host
+        self.board = KVReadyBoard()
+
+    async def on_kv_ready(self, msg: KVReady, headers: dict[str, str]) -> None:
+        received = time.time_ns()
+        try:
+            sent = int(headers.get(tracing.SENT_HEADER, received))
+        except ValueError:
+            sent = received
+        tracing.record("kv.ready", trace_context(headers), min(sent, received), received,
+                       {tracing.REQUEST_ID: msg.request_id, tracing.MODEL: self.w.model_name,
+                        "kvmesh.instance": self.w.instance_id,
+                        "kvmesh.prefill_instance": msg.prefill_instance, "kvmesh.ok": msg.ok,
+                        "kvmesh.blocks": len(msg.block_keys)}, SpanKind.CONSUMER)
+        self.board.post(msg, received)
+
+    async def receive(self, request_id: str, prompt: list[int], cache_salt: str,
+                       timeout_s: float) -> tuple[tuple | None, str, int, dict[str, Any]]:
+        """The pushed KV as ``(blocks, num_tokens, first_token)`` or why it cannot be used, when ``kv.ready``
+        was received (epoch ns, 0 = never), and what ``decode.load`` reports about the intake."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            ready, received_ns = await self.board.wait(request_id, timeout_s)
+        except TimeoutError:
+            return None, f"kv.ready not received within {timeout_s:g}s", 0, {}
+        if not ready.ok:
+            return None, f"prefill {ready.prefill_instance}: {ready.error}", received_ns, {}
+        transfer = self.w.transfer_server
+        assert transfer is not None  # RolePlugin(receives_kv=True): the host started one
+        t = time.monotonic()
+        try:
+            got = await transfer.take(ready.transfer_id, max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            transfer.discard(ready.transfer_id)
+            return None, "kv.ready arrived but its blocks did not", received_ns, {}
+        except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute
+            return None, f"pushed KV rejected: {e}", received_ns, {}
+        self.w.metrics.transfer_bytes.labels("receive").inc(got.nbytes)
+        seed = self.w.engine.engine.namespace_seed(cache_salt)
+        expected = block_keys(seed, prompt[:got.num_tokens], self.w.layout.block_size)
+        if got.num_tokens != len(prompt) or list(got.block_keys) != expected:
+            return None, "pushed KV does not match this prompt (block keys differ)", received_ns, {}
+        return (blocks_from_bytes(got.layout, got.data), got.num_tokens, ready.first_token), "", received_ns, {
+            "kvmesh.blocks": got.num_blocks, "kvmesh.bytes": got.nbytes,
+            "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
+            "kvmesh.receive_ms": round(got.seconds * 1e3, 3), "kvmesh.prefill_instance": ready.prefill_instance}
