@@ -1,6 +1,7 @@
 """Engine benchmark: kvmesh's engine side by side with Hugging Face transformers, same weights, same thread.
 
     kvmesh bench engine [--threads 1] [--quick] [--no-write]
+    kvmesh bench engine --serving [...]   (concurrent streams through AsyncEngine: app.bench.engine_serving)
 
 Prefill tokens/s at 128/512/2048 tokens; decode ms/step at batch 1/8/32 with a 512-token context; TTFT of a
 1024-token prompt with 896 tokens cached vs cold. Ratios are against transformers measured in the same run.
@@ -137,6 +138,10 @@ def run(threads: int = 1, quick: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and "--serving" in argv:
+        from app.bench import engine_serving
+
+        return engine_serving.main([a for a in argv if a != "--serving"])
     p = argparse.ArgumentParser(prog="kvmesh bench engine")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")

@@ -3,7 +3,8 @@
 Ownership: the engine thread is the only caller of ``LLMEngine``; coroutines send it commands through a queue
 and receive each request's outputs on an ``asyncio.Queue``. KV events raised during a step are handed to
 ``on_events`` on the event loop after that step. Every forward step's tokens and wall time feed ``speed``, the
-instance's measured prefill speed (heartbeats report it; the router prices this instance with it).
+instance's measured prefill speed (heartbeats report it; the router prices this instance with it), and the
+same fit sizes the scheduler's prefill chunks while streams decode (``scheduler.chunk_budget``).
 
 Errors: a request that failed inside a step (``StepOutput.error``) gets that ``SequenceError`` raised from its
 ``generate``; the rest of the batch carries on. A step that failed as a whole fails every active request.
@@ -24,6 +25,7 @@ from typing import Any
 from kvmesh.contracts.events import KVEvent
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
+from kvmesh.engine.scheduler import chunk_budget
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.routing.cost import SpeedEstimator
 
@@ -70,6 +72,8 @@ class AsyncEngine:
         self._unscheduled: dict[str, tuple[Sequence, RequestTiming]] = {}
         self._timed: dict[str, tuple[Sequence, RequestTiming]] = {}
         self.speed = SpeedEstimator()  # fed on the engine thread, read by heartbeats
+        self._fit = self.speed.fit()
+        self._steps = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -175,6 +179,7 @@ class AsyncEngine:
                 self._abort(rid)
             return
         self.speed.observe(self.engine.step_tokens, time.monotonic() - began)
+        self._size_chunks()
         if self._unscheduled:
             for rid, (seq, timing) in list(self._unscheduled.items()):
                 if seq.status is not Status.WAITING:
@@ -189,6 +194,15 @@ class AsyncEngine:
             self._deliver(out.request_id, out if out.error is None else out.error)
             if out.finished:
                 self.engine.release(out.request_id)
+
+    def _size_chunks(self) -> None:
+        """Cap prefill chunks mixed into decode steps by the measured step cost (refitted every 8 steps)."""
+        self._steps += 1
+        if self._steps % 8 == 1:
+            self._fit = self.speed.fit()
+        if self._fit is not None:
+            sched = self.engine.scheduler
+            sched.chunk_tokens = chunk_budget(self._fit.overhead_s, self._fit.tok_per_s, len(sched.running))
 
     def _flush_events(self) -> None:
         if not self._events:

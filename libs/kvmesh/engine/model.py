@@ -33,25 +33,48 @@ def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Par
 
 
 class DecoderLayer(nn.Module):
-    """Weights kept as separate matrices: on CPU, fusing q|k|v or gate|up into one matmul measured slower."""
+    """q|k|v and gate|up each in one fused matrix. On CPU (fp32, oneDNN available) every matrix is also kept
+    pre-packed in oneDNN's blocked layout: a decode step of 8-16 rows then streams each weight once instead
+    of MKL repacking it per call (measured: batch 8 1.5x faster, batch 1 level). Fused matrices measured faster
+    than separate ones once packed (fewer calls)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q, self.k, self.v = _param(q, hidden, dtype=dtype), _param(kv, hidden, dtype=dtype), \
-            _param(kv, hidden, dtype=dtype)
-        bias = cfg.attention_bias
-        self.q_bias, self.k_bias, self.v_bias = ((_param(q, dtype=dtype, fill=0), _param(kv, dtype=dtype, fill=0),
-                                                  _param(kv, dtype=dtype, fill=0)) if bias else (None, None, None))
+        self.qkv = _param(q + 2 * kv, hidden, dtype=dtype)
+        self.qkv_bias = _param(q + 2 * kv, dtype=dtype, fill=0) if cfg.attention_bias else None
         self.o = _param(hidden, q, dtype=dtype)
         # Llama's attention_bias also biases o_proj; Qwen2 biases q/k/v only.
         self.o_bias = (_param(hidden, dtype=dtype, fill=0)
-                       if bias and cfg.architecture != "Qwen2ForCausalLM" else None)
-        self.gate = _param(cfg.intermediate_size, hidden, dtype=dtype)
-        self.up = _param(cfg.intermediate_size, hidden, dtype=dtype)
+                       if cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM" else None)
+        self.gate_up = _param(2 * cfg.intermediate_size, hidden, dtype=dtype)
         self.down = _param(hidden, cfg.intermediate_size, dtype=dtype)
         self.ln_attn = _param(hidden, dtype=dtype, fill=1)
         self.ln_mlp = _param(hidden, dtype=dtype, fill=1)
+        self.splits = (q, kv, kv)
+        self.packed: dict[str, torch.Tensor] = {}
+
+
+def _can_pack(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` reordered into oneDNN's blocked layout, or None where that is unavailable."""
+    if not _can_pack(w):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w)
+    except (RuntimeError, AttributeError):  # a torch built without it: the dense matmul serves
+        return None
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, packed: dict[str, torch.Tensor], name: str,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    p = packed.get(name)
+    if p is None:
+        return F.linear(x, w, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, p, bias, "none", [], "")
 
 
 class LlamaModel(nn.Module):
@@ -65,6 +88,7 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.to(device)
         self.cos, self.sin = _rope_tables(cfg, cfg.max_position_embeddings, device)
+        self.packed: dict[str, torch.Tensor] = {}
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -81,14 +105,17 @@ class LlamaModel(nn.Module):
                 self.lm_head.copy_(take("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                for n in "qkvo":
-                    getattr(layer, n).copy_(take(p + f"self_attn.{n}_proj.weight"))
-                    if getattr(layer, f"{n}_bias") is not None:
-                        getattr(layer, f"{n}_bias").copy_(take(p + f"self_attn.{n}_proj.bias"))
-                for n in ("gate", "up", "down"):
-                    getattr(layer, n).copy_(take(p + f"mlp.{n}_proj.weight"))
+                layer.qkv.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                layer.o.copy_(take(p + "self_attn.o_proj.weight"))
+                if layer.o_bias is not None:
+                    layer.o_bias.copy_(take(p + "self_attn.o_proj.bias"))
+                layer.gate_up.copy_(torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]))
+                layer.down.copy_(take(p + "mlp.down_proj.weight"))
                 layer.ln_attn.copy_(take(p + "input_layernorm.weight"))
                 layer.ln_mlp.copy_(take(p + "post_attention_layernorm.weight"))
+        self.pack()
 
     def init_random(self, seed: int = 0) -> None:
         """Small random weights for tests and simulations."""
@@ -97,6 +124,14 @@ class LlamaModel(nn.Module):
             for p in self.parameters():
                 if p.dim() > 1:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        self.pack()
+
+    def pack(self) -> None:
+        """(Re)build the oneDNN-packed copies of the matrices from the dense ones (after any weight change)."""
+        for layer in self.layers:
+            layer.packed = {n: p for n in ("qkv", "o", "gate_up", "down")
+                            if (p := _pack(getattr(layer, n))) is not None}
+        self.packed = {"lm_head": p} if (p := _pack(self.lm_head)) is not None else {}
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -111,16 +146,19 @@ class LlamaModel(nn.Module):
         cos = self.cos.index_select(0, batch.positions)[:, None, :]
         sin = self.sin.index_select(0, batch.positions)[:, None, :]
         T = h.shape[0]
+        inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
-            q = F.linear(x, layer.q, layer.q_bias).view(T, cfg.num_heads, cfg.head_dim)
-            k = F.linear(x, layer.k, layer.k_bias).view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = F.linear(x, layer.v, layer.v_bias).view(T, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = _linear(x, layer.qkv, layer.packed, "qkv", layer.qkv_bias).split(layer.splits, dim=-1)
+            q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             o = attn.forward(i, q, k, v, kv)
-            h = h + F.linear(o.reshape(T, -1), layer.o, layer.o_bias)
+            h = h + _linear(o.reshape(T, -1), layer.o, layer.packed, "o", layer.o_bias)
             x = self._rms(h, layer.ln_mlp)
-            h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+            gu = _linear(x, layer.gate_up, layer.packed, "gate_up")
+            h = h + _linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down, layer.packed, "down")
         h = self._rms(h.index_select(0, batch.sample_idx), self.norm)
-        return F.linear(h, self.lm_head).float()
+        return _linear(h, self.lm_head, self.packed, "lm_head").float()

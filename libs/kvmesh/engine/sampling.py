@@ -93,7 +93,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int | RowFault]:
     """One token per row of ``logits`` ``[B, vocab]``, or the row's ``RowFault``; no row fails another."""
     out: list[int | RowFault] = [0] * len(params)
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # one reduction: a nan/inf makes its row's sum so
+    if not all(finite):  # ...and so can an overflowing sum of finite logits: check those rows exactly
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
     best = logits.argmax(dim=-1).tolist()
     rows = []
     for row, p in enumerate(params):

@@ -1,9 +1,12 @@
 """Which sequences run in the next forward step, and how many tokens each computes.
 
 One rule covers prefill, chunked prefill, decode and recompute: a sequence computes
-``min(uncomputed tokens, remaining budget)`` tokens and samples when it has none left. Running sequences go first
-(decode rows cost one token each), then waiting ones are admitted while the token budget, the sequence cap and
-the KV pool allow. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
+``min(uncomputed tokens, remaining budget)`` tokens and samples when it has none left. Sarathi-style, every step
+first takes all running decode rows (one token each), then fills what is left of the token budget with prefill
+chunks: running prefills first, then waiting sequences admitted while the budget, the sequence cap and the KV pool
+allow. While decode rows run, the prefill part is further capped at ``chunk_tokens`` (set by the owner from the
+measured step cost, see ``chunk_budget``), so a new prompt delays the running streams by a bounded amount instead
+of a whole prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
 the prefix cache, so recomputing it later is mostly a cache hit.
 """
 
@@ -15,10 +18,18 @@ from typing import NamedTuple
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.sequence import Sequence, Status
 
+MIN_CHUNK = 16  # prefill tokens a step always grants a waiting prompt, however slow the machine
+
 
 class Scheduled(NamedTuple):
     seq: Sequence
     num_tokens: int
+
+
+def chunk_budget(overhead_s: float, tok_per_s: float, decode_rows: int, stall: float = 1.0) -> int:
+    """Prefill tokens a mixed step may carry so that it costs at most ``1 + stall`` times a decode-only step,
+    by the fitted line ``step = overhead + tokens / speed``: ``stall * (overhead * speed + decode_rows)``."""
+    return max(MIN_CHUNK, int(stall * (overhead_s * tok_per_s + decode_rows)))
 
 
 class Scheduler:
@@ -29,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.chunk_tokens: int | None = None  # prefill cap while decode rows run (None: the whole budget)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -47,16 +59,25 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         budget = self.max_batched_tokens
         batch: list[Scheduled] = []
-        for seq in list(self.running):
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decoding:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+            if seq.status is Status.RUNNING and self._reserve(seq, 1):  # not preempted earlier in this loop
+                batch.append(Scheduled(seq, 1))
+                budget -= 1
+        if batch and self.chunk_tokens is not None:
+            budget = min(budget, self.chunk_tokens)
+        for seq in prefilling:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
                 continue
             n = min(seq.num_uncomputed, budget)
-            if not self._reserve(seq, n):
-                continue
-            batch.append(Scheduled(seq, n))
-            budget -= n
+            if self._reserve(seq, n):
+                batch.append(Scheduled(seq, n))
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             first_admission = seq.num_preemptions == 0
