@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -86,11 +87,31 @@ def test_eight_concurrent_streams_all_finish_correctly(mesh, engine):
     assert texts == [engine.tokenizer.decode(expected_tokens(engine, q, 10)) for q in QUESTIONS]
 
 
+def pool_bytes_written(stack) -> float:
+    """What decode has written back to the pool so far (its Prometheus counter)."""
+    with urllib.request.urlopen(stack.service("decode-0").endpoints["metrics"], timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith('kvmesh_worker_kv_transfer_bytes_total{direction="pool_write"}'):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for_write_back(stack, before: float, within_s: float = 60.0) -> None:
+    """Decode writes a finished conversation's blocks back after the answer went out: a next turn that arrives
+    first finds only what prefill computed itself. Wait for the write-back instead of racing it."""
+    deadline = time.monotonic() + within_s
+    while pool_bytes_written(stack) <= before:
+        assert time.monotonic() < deadline, "decode did not write the first turn back to the pool in time"
+        time.sleep(0.1)
+
+
 def test_second_turn_reuses_the_first_turns_prompt_and_answer(mesh):
     client = openai_client(mesh)
     history = [{"role": "user", "content": "Tell me a fact about the moon."}]
+    written = pool_bytes_written(mesh)
     first = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, max_tokens=20,
                                            temperature=0)
+    wait_for_write_back(mesh, written)
     history += [{"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "And one about the sun?"}]
     second = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, max_tokens=8,
