@@ -33,6 +33,9 @@ class EngineConfig:
     max_batched_tokens: int = 1024    # token budget of one forward step (chunked prefill)
     max_num_seqs: int = 64            # running sequences at once
     max_model_len: int = 0            # 0 = the model's max_position_embeddings
+    lora_adapters: str = ""           # LoRA adapters loaded at start: "NAME=PATH,NAME=PATH" (PEFT directories)
+    max_loras: int = 4                # adapters resident (and distinct in one step) at once; LRU swapped
+    max_lora_rank: int = 64           # adapters of a higher rank are refused at load time
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -62,6 +65,23 @@ class EngineConfig:
                 out.append(f"{name} must be >= 0 (0 = {ZERO_MEANS[name]}), not {getattr(self, name)}")
         if self.num_blocks == 0 and self.kv_cache_mb < 1:
             out.append(f"kv_cache_mb must be >= 1 (or set num_blocks), not {self.kv_cache_mb}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, not {getattr(self, name)}")
+        try:
+            self.lora_adapter_paths()
+        except ValueError as e:
+            out.append(str(e))
+        return out
+
+    def lora_adapter_paths(self) -> list[tuple[str, str]]:
+        """``lora_adapters`` parsed: ``[(name, path)]``; ValueError naming the entry that is not NAME=PATH."""
+        out = []
+        for entry in filter(None, (e.strip() for e in self.lora_adapters.split(","))):
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_adapters entry {entry!r} is not NAME=PATH")
+            out.append((name.strip(), path.strip()))
         return out
 
 

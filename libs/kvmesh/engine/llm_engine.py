@@ -26,6 +26,7 @@ from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
+from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.sampling import RowFault, make_generator, sample
 from kvmesh.engine.scheduler import Scheduler
@@ -118,6 +119,10 @@ class LLMEngine:
             host = HostKVPool(self.layout, max(1, cfg.host_cache_mb * 2**20 // self.layout.block_nbytes))
         self.blocks = BlockManager(self.kv, host, make_policy(cfg.eviction), on_event, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_batched_tokens, cfg.max_num_seqs)
+        self.scheduler.max_loras = cfg.max_loras
+        self.loras = LoRAManager(mc, cfg.max_loras, cfg.max_lora_rank, dtype, cfg.device)
+        for name, path in cfg.lora_adapter_paths():
+            self.loras.load(name, path)
         self.attn = make_backend(cfg.attention, mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self._requests: dict[str, _Tracked] = {}
@@ -137,10 +142,38 @@ class LLMEngine:
             self._namespaces[key] = Namespace(self.fingerprint, tok_fp, lora_id, cache_salt).seed
         return self._namespaces[key]
 
+    # ---- LoRA adapters -------------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> LoRASpec:
+        """Register adapter ``name`` from a PEFT directory (replacing one of that name: requests in flight
+        keep the weights they started with; new ones get the new weights and new block keys). ValueError
+        naming what to fix; the engine keeps serving either way."""
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> LoRASpec:
+        """Forget adapter ``name`` (KeyError if unknown); requests in flight under it finish on its weights."""
+        return self.loras.unload(name)
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """``(name, generation)`` of every adapter this engine serves."""
+        return self.loras.listing()
+
+    def lora_spec(self, name: str) -> LoRASpec | None:
+        """The adapter ``name`` (None for "", the base model); ValueError naming those served if unknown."""
+        if not name:
+            return None
+        spec = self.loras.registered.get(name)
+        if spec is None:
+            served = sorted(self.loras.registered) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r}; this engine serves {served}")
+        return spec
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
-                    imported: tuple[torch.Tensor, int, int] | None = None) -> Sequence:
+                    imported: tuple[torch.Tensor, int, int] | None = None, lora: str = "") -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
+
+        ``lora``: the name of a loaded adapter to run it under ("" = the base model); its KV is keyed by the
+        adapter's ``name@generation``, so it never shares blocks with the base model or another adapter.
 
         ``export_kv``: when it finishes, its KV is read out into ``StepOutput.exported`` (prefill role).
         ``imported``: ``(blocks, num_tokens, first_token)`` computed by a prefill instance; the request starts
@@ -161,8 +194,9 @@ class LLMEngine:
         if -(-total // self.cfg.block_size) > self.kv.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV but the pool holds "
                              f"{self.kv.num_blocks * self.cfg.block_size}; raise kv_cache_mb")
-        seq = Sequence(request_id, list(prompt_token_ids), params, self.namespace_seed(cache_salt),
-                       retention)
+        spec = self.lora_spec(lora)
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec)
         detok = None
         if self.tokenizer is not None:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
@@ -207,9 +241,17 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return pending
+        if any(seq.lora is not None for seq, _ in scheduled):  # each adapter's rows one contiguous group
+            scheduled = sorted(scheduled, key=lambda s: s.seq.lora_name)
         slices, tokens, sample_idx, samplers = [], [], [], []
+        groups: list[tuple[LoRASpec, int, int]] = []
         start = 0
         for seq, n in scheduled:
+            if seq.lora is not None:
+                if groups and groups[-1][0] is seq.lora:
+                    groups[-1] = (seq.lora, groups[-1][1], start + n)
+                else:
+                    groups.append((seq.lora, start, start + n))
             begin = seq.num_computed_tokens
             slices.append(SeqSlice(start, n, begin + n, seq.block_table))
             tokens.append(seq.all_token_ids[begin:begin + n])
@@ -220,7 +262,9 @@ class LLMEngine:
         self.step_tokens = start
         try:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
-            logits = self.model(batch, self.kv, self.attn)
+            lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])
+                    if groups else None)
+            logits = self.model(batch, self.kv, self.attn, lora)
         except Exception as e:  # this step's sequences fail; the engine serves the next step
             log.exception("forward pass failed for %d sequences", len(scheduled))
             return [self._fail(seq, SequenceError(seq.request_id, f"the forward pass failed: "
@@ -312,12 +356,14 @@ class LLMEngine:
                           (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, error=tracked.error)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 cache_salt: str = "") -> list[Completion]:
-        """Run prompts to completion together (continuous batching) and return them in order."""
+                 cache_salt: str = "", lora: str | list[str] = "") -> list[Completion]:
+        """Run prompts to completion together (continuous batching) and return them in order; ``lora``: one
+        adapter name for all, or one per prompt ("" = the base model)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        llist = lora if isinstance(lora, list) else [lora] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p, cache_salt)
+        for rid, prompt, p, name in zip(ids, prompts, plist, llist):
+            self.add_request(rid, prompt, p, cache_salt, lora=name)
         while any(self._requests[r].seq.status is not Status.FINISHED for r in ids):
             self.step()
         return [self.completion(r) for r in ids]

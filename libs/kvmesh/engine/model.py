@@ -12,6 +12,7 @@ from torch import nn
 
 from kvmesh.engine.attention import AttentionBackend, ForwardBatch
 from kvmesh.engine.kv_cache import DeviceKVPool
+from kvmesh.engine.lora import LoRABatch
 from kvmesh.model_source.hf_config import ModelConfig
 
 
@@ -138,8 +139,10 @@ class LlamaModel(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend) -> torch.Tensor:
-        """Logits ``[len(batch.sample_idx), vocab]`` (float32)."""
+    def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        """Logits ``[len(batch.sample_idx), vocab]`` (float32). ``lora``: each adapter's low-rank term, added
+        to its rows' projections next to the base matmul."""
         cfg = self.cfg
         attn.plan(batch, kv)
         h = self.embed.index_select(0, batch.input_ids)
@@ -149,16 +152,29 @@ class LlamaModel(nn.Module):
         inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
-            q, k, v = _linear(x, layer.qkv, layer.packed, "qkv", layer.qkv_bias).split(layer.splits, dim=-1)
+            qkv = _linear(x, layer.qkv, layer.packed, "qkv", layer.qkv_bias)
+            if lora is not None:
+                lora.add(qkv, x, i, "qkv")
+            q, k, v = qkv.split(layer.splits, dim=-1)
             q = q.reshape(T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             o = attn.forward(i, q, k, v, kv)
-            h = h + _linear(o.reshape(T, -1), layer.o, layer.packed, "o", layer.o_bias)
+            o = o.reshape(T, -1)
+            out = _linear(o, layer.o, layer.packed, "o", layer.o_bias)
+            if lora is not None:
+                lora.add(out, o, i, "o")
+            h = h + out
             x = self._rms(h, layer.ln_mlp)
             gu = _linear(x, layer.gate_up, layer.packed, "gate_up")
-            h = h + _linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down, layer.packed, "down")
+            if lora is not None:
+                lora.add(gu, x, i, "gate_up")
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            down = _linear(act, layer.down, layer.packed, "down")
+            if lora is not None:
+                lora.add(down, act, i, "down")
+            h = h + down
         h = self._rms(h.index_select(0, batch.sample_idx), self.norm)
         return _linear(h, self.lm_head, self.packed, "lm_head").float()

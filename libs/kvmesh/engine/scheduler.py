@@ -41,6 +41,18 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.chunk_tokens: int | None = None  # prefill cap while decode rows run (None: the whole budget)
+        self.max_loras = 0  # distinct LoRA adapters one step may run (0: no cap); the base model is free
+        self._starved: set[str] = set()  # adapters whose decode rows waited last step: they go first now
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[str]) -> bool:
+        """Whether ``seq``'s adapter may join a step already running ``adapters`` (and note it if so)."""
+        name = seq.lora_name
+        if not name or name in adapters:
+            return True
+        if self.max_loras and len(adapters) >= self.max_loras:
+            return False
+        adapters.add(name)
+        return True
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,20 +71,28 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         budget = self.max_batched_tokens
         batch: list[Scheduled] = []
+        adapters: set[str] = set()
         decoding = [s for s in self.running if s.num_uncomputed == 1]
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        if self._starved:
+            decoding.sort(key=lambda s: s.lora_name not in self._starved)
+        starved: set[str] = set()
         for seq in decoding:
             if budget == 0:
                 break
+            if not self._adapter_fits(seq, adapters):
+                starved.add(seq.lora_name)
+                continue
             if seq.status is Status.RUNNING and self._reserve(seq, 1):  # not preempted earlier in this loop
                 batch.append(Scheduled(seq, 1))
                 budget -= 1
+        self._starved = starved
         if batch and self.chunk_tokens is not None:
             budget = min(budget, self.chunk_tokens)
         for seq in prefilling:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:
+            if seq.status is not Status.RUNNING or not self._adapter_fits(seq, adapters):
                 continue
             n = min(seq.num_uncomputed, budget)
             if self._reserve(seq, n):
@@ -80,6 +100,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq, adapters):
+                break
             first_admission = seq.num_preemptions == 0
             cached = seq.num_cached_tokens
             if not self.blocks.allocate_prefix(seq):

@@ -11,6 +11,7 @@ from kvmesh.contracts.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvmesh.engine.block_manager import Node
+    from kvmesh.engine.lora import LoRASpec
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Sequence:
     namespace_seed: int = 0
     retention: tuple[RetentionRange, ...] = ()
     arrival: float = field(default_factory=time.monotonic)
+    lora: LoRASpec | None = None      # the adapter it runs under (kept even if the name is unloaded meanwhile)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -48,6 +50,10 @@ class Sequence:
     num_cached_tokens: int = 0       # prompt tokens served from cache at admission
     first_token_time: float | None = None
     num_preemptions: int = 0
+
+    @property
+    def lora_name(self) -> str:
+        return self.lora.name if self.lora is not None else ""
 
     @property
     def all_token_ids(self) -> list[int]:

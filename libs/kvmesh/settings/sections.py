@@ -204,6 +204,9 @@ class EngineSettings(Section):
     max_batched_tokens: int = setting(1024, "token budget of one forward step (chunked prefill)")
     max_num_seqs: int = setting(64, "running sequences at once")
     max_model_len: int = setting(0, "context limit (0 = the model's max_position_embeddings)")
+    lora_adapters: str = setting("", "LoRA adapters loaded at start: NAME=PATH,... (PEFT directories)")
+    max_loras: int = setting(4, "LoRA adapters resident at once (LRU swapped beyond)")
+    max_lora_rank: int = setting(64, "highest LoRA rank accepted at load time")
 
     @field_validator("model", mode="before")
     @classmethod
