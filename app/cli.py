@@ -8,6 +8,21 @@ import os
 import sys
 
 
+def lora_env(entries: list[str]) -> dict[str, str]:
+    """``--lora NAME=PATH`` flags as the engines' ``lora_adapters`` setting (absolute paths)."""
+    from pathlib import Path
+
+    pairs = []
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path or "," in entry:
+            raise ValueError(f"--lora {entry!r}: expected NAME=PATH (a PEFT adapter directory, no commas)")
+        pairs.append(f"{name}={Path(path).expanduser().resolve()}")
+    if not pairs:
+        return {}
+    value = ",".join(pairs)
+    return {"KVMESH_LORA_ADAPTERS": value, "KVMESH_ENGINE_LORA_ADAPTERS": value}
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, help="torch threads for the engine (default 1)")
@@ -96,9 +111,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     from app.launcher import Stack, StackOptions
 
     directory = state_dir(args.state_dir)
+    try:
+        lora_env(args.lora)
+    except ValueError as e:
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return 2
     opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, nats_url=args.nats_url,
                         http_port=args.http_port, grpc_port=args.grpc_port, cluster=args.cluster, model=args.model,
-                        threads=args.threads, transfer_backend=args.transfer_backend)
+                        threads=args.threads, transfer_backend=args.transfer_backend,
+                        env=lora_env(args.lora))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -179,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--model", help="HF directory or .gguf file for every instance")
     u.add_argument("--threads", type=int, default=1, help="torch threads per engine instance")
     u.add_argument("--transfer-backend", default="tcp", choices=["tcp", "shm", "mooncake"])
+    u.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter (PEFT directory) every engine instance loads at start (repeatable); "
+                        "requests pick it with model=NAME")
     u.add_argument("--state-dir", help="default: $KVMESH_STATE_DIR, else .kvmesh/")
     u.set_defaults(func=cmd_up)
 

@@ -71,7 +71,7 @@ class KVIntake:
         self.board.post(msg, received)
 
     async def receive(self, request_id: str, prompt: list[int], cache_salt: str,
-                       timeout_s: float) -> tuple[tuple | None, str, int, dict[str, Any]]:
+                       timeout_s: float, lora: str = "") -> tuple[tuple | None, str, int, dict[str, Any]]:
         """The pushed KV as ``(blocks, num_tokens, first_token)`` or why it cannot be used, when ``kv.ready``
         was received (epoch ns, 0 = never), and what ``decode.load`` reports about the intake."""
         deadline = time.monotonic() + timeout_s
@@ -92,7 +92,10 @@ class KVIntake:
         except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute
             return None, f"pushed KV rejected: {e}", received_ns, {}
         self.w.metrics.transfer_bytes.labels("receive").inc(got.nbytes)
-        seed = self.w.engine.engine.namespace_seed(cache_salt)
+        try:  # the adapter's name@generation: KV pushed under another generation never matches
+            seed = self.w.engine.engine.request_seed(cache_salt, lora)
+        except ValueError as e:
+            return None, str(e), received_ns, {}
         expected = block_keys(seed, prompt[:got.num_tokens], self.w.layout.block_size)
         if got.num_tokens != len(prompt) or list(got.block_keys) != expected:
             return None, "pushed KV does not match this prompt (block keys differ)", received_ns, {}

@@ -58,10 +58,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         prompt = list(work.prompt_token_ids)
         imported, fallback, received_ns, load_attrs = None, "", 0, {}
         if request.prefill_locally:
-            await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs)
+            await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
         else:
             imported, fallback, received_ns, load_attrs = await self.intake.receive(
-                work.request_id, prompt, work.cache_salt, request.kv_timeout_s or w.cfg.kv_timeout_s)
+                work.request_id, prompt, work.cache_salt, request.kv_timeout_s or w.cfg.kv_timeout_s,
+                work.lora_name)
             if fallback:
                 log.warning("request %s (trace %s): recomputing the prompt locally: %s", work.request_id,
                             tracing.trace_id(span), fallback)
@@ -74,7 +75,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         gen: Span | None = None
         try:
             async for out in w.engine.generate(work.request_id, prompt, params, timing=timing,
-                                               cache_salt=work.cache_salt, imported=imported,
+                                               cache_salt=work.cache_salt, lora=work.lora_name, imported=imported,
                                                export_kv=w.pool is not None):
                 chunk = worker_pb2.DecodeChunk(token_ids=out.new_token_ids, text=out.text_delta,
                                                finished=out.finished, finish_reason=out.finish_reason or "")

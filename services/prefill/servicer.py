@@ -54,11 +54,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         prompt = list(work.prompt_token_ids)
-        await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs)
+        await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
         final, timing = None, RequestTiming()
         try:
             async for out in w.engine.generate(work.request_id, prompt, params, timing=timing,
-                                               cache_salt=work.cache_salt, export_kv=True):
+                                               cache_salt=work.cache_salt, lora=work.lora_name, export_kv=True):
                 final = out
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()

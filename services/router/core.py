@@ -27,6 +27,7 @@ from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.router.config import RouterConfig
+from services.router.loras import Adapters, LoRAError
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, choose_decode
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
@@ -75,6 +76,7 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.metrics = RouterMetrics()
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
+        self.loras = Adapters(lambda: self.registry, self._channel)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -137,13 +139,19 @@ class Router:
             return self.tokenizer.encode(text)
         raise RequestError("invalid", "a prompt is required (text, token ids or messages)")
 
-    def check(self, model: str, prompt: list[int], params: SamplingParams) -> None:
-        """Refuse what the engines cannot serve, before anything is routed (RequestError says what to change)."""
+    def check(self, model: str, prompt: list[int], params: SamplingParams) -> str:
+        """Refuse what the engines cannot serve, before anything is routed (RequestError says what to change).
+        Returns the LoRA adapter ``model`` names ("" for the base model)."""
         if not isinstance(model, str):
             raise RequestError("invalid", "model must be a string")
+        lora = ""
         if model and model != self.model_id:
-            raise RequestError("not_found", f"model {model!r} is not served here; this router serves "
-                                            f"{self.model_id!r}")
+            served = self.loras.served()
+            if model not in served:
+                names = ", ".join(repr(n) for n in served) or "none"
+                raise RequestError("not_found", f"model {model!r} is not served here; this router serves "
+                                                f"{self.model_id!r} and the LoRA adapters {names}")
+            lora = model
         if not prompt:
             raise RequestError("invalid", "the prompt is empty")
         ctx, vocab = self.max_model_len, self.source.config.vocab_size
@@ -165,6 +173,7 @@ class Router:
             raise RequestError("invalid", f"stop_token_ids must be token ids in [0, {vocab})")
         if any(not s for s in params.stop):
             raise RequestError("invalid", "stop strings must not be empty")
+        return lora
 
     # ---- routing ---------------------------------------------------------------------------------------------
     async def matched_blocks(self, keys: list[int], parent: Span | None = None,
@@ -200,9 +209,10 @@ class Router:
             raise RequestError("invalid", str(e)) from None
 
     def _choose(self, policy: str | None, role: str, instances: list[Instance], matched: dict[str, int],
-                prompt: list[int], route: Span) -> Instance:
+                prompt: list[int], route: Span, lora: str = "") -> Instance:
+        missing = {i.id for i in instances if not self.loras.holds(i, lora)}
         inst, decision = self.policies.choose(policy, instances, matched, len(prompt), self.cfg.block_size,
-                                              matched.get(POOL, 0))
+                                              matched.get(POOL, 0), missing)
         if route.is_recording():
             route.set_attributes({**route_attributes(role, instances, matched, inst or instances[0]),
                                   f"kvmesh.route.{role}.policy": policy or self.policies.default,
@@ -214,20 +224,21 @@ class Router:
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                  cache_salt: str = "", trace: RequestTrace | None = None,
-                 policy: str | None = None) -> AsyncIterator[Chunk]:
+                 policy: str | None = None, lora: str = "") -> AsyncIterator[Chunk]:
         """Route and run one request, yielding its chunks. ``trace``: the request's root span and TTFT clock,
         which the API layer owns (without one, the request is traced here, TTFT ending at the first chunk).
-        ``policy``: a per-request routing policy (else the configured one)."""
+        ``policy``: a per-request routing policy (else the configured one). ``lora``: the adapter to run under
+        ("" = the base model)."""
         self.check_policy(policy)
         if trace is not None:
-            return self._generate(request_id, prompt, params, cache_salt, trace, policy)
-        return self._traced_here(request_id, prompt, params, cache_salt, policy)
+            return self._generate(request_id, prompt, params, cache_salt, trace, policy, lora)
+        return self._traced_here(request_id, prompt, params, cache_salt, policy, lora)
 
     async def _traced_here(self, request_id: str, prompt: list[int], params: SamplingParams,
-                           cache_salt: str, policy: str | None) -> AsyncIterator[Chunk]:
+                           cache_salt: str, policy: str | None, lora: str = "") -> AsyncIterator[Chunk]:
         rt = RequestTrace(self.metrics, request_id, "internal")
         try:
-            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt, policy):
+            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt, policy, lora):
                 rt.first_token_sent()
                 yield chunk
         except RequestError as e:
@@ -237,10 +248,14 @@ class Router:
             rt.finish()
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str,
-                        rt: RequestTrace, policy: str | None = None) -> AsyncIterator[Chunk]:
+                        rt: RequestTrace, policy: str | None = None, lora: str = "") -> AsyncIterator[Chunk]:
         """Route, dispatch and stream. An instance found unreachable before the first token costs a retry on
         another one (at most ``RETRIES``), never the request; after the first token, the error goes out."""
-        seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, "", cache_salt).seed
+        try:  # the engines' namespace for this adapter: name@generation (the generation the instances hold)
+            lora_id = self.loras.lora_id(lora) if lora else ""
+        except LoRAError as e:
+            raise RequestError(e.kind, e.message) from None
+        seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, lora_id, cache_salt).seed
         keys = block_keys(seed, prompt, self.cfg.block_size)
         matched: dict[str, int] | None = None
         avoid: set[str] = set()
@@ -254,7 +269,7 @@ class Router:
                 work = worker_pb2.WorkRequest(
                     request_id=request_id if attempt == 0 else f"{request_id}.retry{attempt}",
                     prompt_token_ids=prompt, sampling=sampling_to_proto(params), cache_salt=cache_salt,
-                    pool_blocks=matched.get(POOL, 0))
+                    pool_blocks=matched.get(POOL, 0), lora_name=lora)
                 stream = self._route(work, matched, rt, policy, route, avoid)
                 if stream is None:
                     if failure is not None:  # nowhere else to go: the error of the last attempt stands
@@ -292,18 +307,30 @@ class Router:
         prompt = list(work.prompt_token_ids)
         prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
+        lora = work.lora_name
         if prefills and decodes:
-            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route)
-            decode = choose_decode(decodes)
+            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora)
+            holders = [i for i in decodes if self.loras.holds(i, lora)]
+            decode = choose_decode(holders or decodes)
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
             return self._disaggregated(work, prefill, decode, rt, policy, matched)
         both = [i for i in self.registry.alive("both") if i.id not in avoid]
         if both:
-            return self._local(work, self._choose(policy, "both", both, matched, prompt, route), rt)
+            return self._local(work, self._choose(policy, "both", both, matched, prompt, route, lora), rt)
         return None
 
+    async def _ensure_lora(self, work: worker_pb2.WorkRequest, *instances: Instance) -> None:
+        """The request's adapter on each chosen instance (loaded there when missing: priced in routing)."""
+        for inst in instances:
+            if work.lora_name:
+                try:
+                    await self.loras.ensure(inst, work.lora_name)
+                except LoRAError as e:
+                    raise RequestError(e.kind, e.message, inst.id, retryable=e.kind == "unavailable") from None
+
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace):
+        await self._ensure_lora(work, inst)
         done = self.registry.dispatched(inst, len(work.prompt_token_ids))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
@@ -325,6 +352,7 @@ class Router:
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
                              rt: RequestTrace, policy: str | None, matched: dict[str, int]):
+        await self._ensure_lora(work, decode, prefill)
         decode_done = self.registry.dispatched(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
                                                                    "kvmesh.decode_instance": decode.id})
@@ -364,6 +392,7 @@ class Router:
         tried: set[str] = set()
         while True:
             tried.add(prefill.id)
+            await self._ensure_lora(work, prefill)  # a replacement prefill may lack the adapter
             done = self.registry.dispatched(prefill, len(work.prompt_token_ids))
             try:
                 return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
@@ -390,8 +419,9 @@ class Router:
         others = [i for i in self.registry.alive("prefill") if i.id not in tried]
         if not others:
             return None
+        missing = {i.id for i in others if not self.loras.holds(i, work.lora_name)}
         inst, _ = self.policies.choose(policy, others, matched, len(work.prompt_token_ids), self.cfg.block_size,
-                                       matched.get(POOL, 0))
+                                       matched.get(POOL, 0), missing)
         return inst or min(others, key=lambda i: (i.queue_depth, i.id))  # an SLO miss beats a recompute
 
     async def _tell_decode(self, work: worker_pb2.WorkRequest, decode: Instance, prefill: Instance,

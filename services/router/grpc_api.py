@@ -66,7 +66,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
                 except ValueError as e:
                     raise RequestError("invalid", f"sampling: {e}") from None
                 prompt = self.router.prompt_ids(text=text, token_ids=token_ids, messages=messages)
-                self.router.check(request.model, prompt, params)
+                lora = self.router.check(request.model, prompt, params)
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
             salt = cache_salt(tenant, request.cache_salt)
         except RequestError as e:
@@ -74,7 +74,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
                 leave()
             await self._abort(context, rt, rid, e)
         rt.describe(request.model or self.router.model_id, tenant or request.cache_salt, len(prompt))
-        return rid, prompt, params, salt, rt, leave
+        return rid, prompt, params, salt, rt, leave, lora
 
     async def _abort(self, context, rt: RequestTrace, rid: str, e: RequestError) -> None:
         rt.finish(e.kind, e.message)
@@ -89,10 +89,11 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             {"token_ids": list(request.token_ids.ids)} if which == "token_ids" else \
             {"messages": [{"role": m.role, "content": m.content} for m in request.messages.messages]} \
             if which == "messages" else {}
-        rid, prompt, params, salt, rt, leave = await self._prepare(request, context, "grpc.generate",
-                                                                   **kwargs)
+        rid, prompt, params, salt, rt, leave, lora = await self._prepare(request, context, "grpc.generate",
+                                                                         **kwargs)
         try:
-            async for c in self.router.generate(rid, prompt, params, salt, trace=rt, policy=_policy(context)):
+            async for c in self.router.generate(rid, prompt, params, salt, trace=rt, policy=_policy(context),
+                                                lora=lora):
                 msg = api_pb2.GenerateChunk(request_id=rid, token_ids=c.token_ids, text=c.text,
                                             finished=c.finished, finish_reason=c.finish_reason)
                 if c.usage:
@@ -111,11 +112,12 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
     async def Chat(self, request: api_pb2.ChatRequest, context):
         messages = [] if isinstance(request, BadRequest) else \
             [{"role": m.role, "content": m.content} for m in request.messages]
-        rid, prompt, params, salt, rt, leave = await self._prepare(request, context, "grpc.chat",
-                                                                   messages=messages)
+        rid, prompt, params, salt, rt, leave, lora = await self._prepare(request, context, "grpc.chat",
+                                                                         messages=messages)
         text, ids, reason, usage = [], [], "", None
         try:
-            async for c in self.router.generate(rid, prompt, params, salt, trace=rt, policy=_policy(context)):
+            async for c in self.router.generate(rid, prompt, params, salt, trace=rt, policy=_policy(context),
+                                                lora=lora):
                 rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                 text.append(c.text)
                 ids += c.token_ids
@@ -140,7 +142,9 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             await context.abort(STATUS[e.kind], e.message)
         r = self.router
         return api_pb2.ListModelsResponse(models=[api_pb2.Model(id=r.model_id, fingerprint=r.source.fingerprint,
-                                                                max_model_len=r.max_model_len)])
+                                                                max_model_len=r.max_model_len)] + [
+            api_pb2.Model(id=name, fingerprint=r.source.fingerprint, max_model_len=r.max_model_len,
+                          parent=r.model_id) for name in r.loras.served()])
 
     async def Health(self, request, context):
         now = time.monotonic()

@@ -19,6 +19,7 @@ from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 from services.router.access import RETRY_AFTER_S, Admission, Tenants, cache_salt
 from services.router.core import Chunk, RequestError, Router, new_request_id
+from services.router.loras import LoRAError
 from services.router.telemetry import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
             raise
         message = (f"no route for {request.method} {request.path}; this API serves "
                    "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
-                   "GET /metrics"
+                   "GET /metrics, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter"
                    if e.status in (404, 405) else e.text or e.reason)
         kept = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
         return web.json_response(error_body(e.status, "invalid_request_error", message), status=e.status,
@@ -159,7 +160,9 @@ class OpenAIApi:
         self.app = web.Application(client_max_size=router.cfg.max_body_bytes, middlewares=[json_errors])
         self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
-                             web.get("/metrics", self.metrics)])
+                             web.get("/metrics", self.metrics),
+                             web.post("/v1/load_lora_adapter", self.load_lora),
+                             web.post("/v1/unload_lora_adapter", self.unload_lora)])
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -210,7 +213,7 @@ class OpenAIApi:
                 else:
                     prompt = self._completion_prompt(body.get("prompt"))
                 model = _str(body, "model")
-                self.router.check(model, prompt, params)
+                lora = self.router.check(model, prompt, params)
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
             requested = _str(body, "cache_salt") or _str(body, "user")
             salt = cache_salt(tenant, requested)
@@ -221,7 +224,7 @@ class OpenAIApi:
                                               "{\"include_usage\": true}")
             streaming, include_usage = _bool(body, "stream"), _bool(stream_opts, "include_usage")
             rt.describe(model or self.router.model_id, tenant or requested, len(prompt))
-            stream = self.router.generate(rid, prompt, params, salt, trace=rt, policy=policy or None)
+            stream = self.router.generate(rid, prompt, params, salt, trace=rt, policy=policy or None, lora=lora)
             kind = "chat.completion" if chat else "text_completion"
             if streaming:
                 return await self._sse(request, rid, kind, stream, include_usage, rt)
@@ -332,9 +335,37 @@ class OpenAIApi:
         except RequestError as e:
             return error_response(e.kind, e.message, new_request_id())
         r = self.router
-        return web.json_response({"object": "list", "data": [
-            {"id": r.model_id, "object": "model", "created": 0, "owned_by": "kvmesh",
-             "max_model_len": r.max_model_len}]})
+        base = {"id": r.model_id, "object": "model", "created": 0, "owned_by": "kvmesh", "root": r.model_id,
+                "parent": None, "max_model_len": r.max_model_len}
+        loras = [{**base, "id": name, "root": path, "parent": r.model_id}
+                 for name, (_, path) in r.loras.served().items()]
+        return web.json_response({"object": "list", "data": [base, *loras]})
+
+    async def _lora_call(self, request: web.Request, load: bool) -> web.Response:
+        """vLLM's runtime LoRA API: 200 with a plain-text "Success: ..." or an OpenAI JSON error."""
+        rid = new_request_id()
+        try:
+            self.tenants.authenticate(request.headers)
+            body = await self._body(request)
+            name = _str(body, "lora_name")
+            if not name:
+                raise RequestError("invalid", "lora_name is required")
+            if load:
+                path = _str(body, "lora_path")
+                if not path:
+                    raise RequestError("invalid", "lora_path is required: a PEFT adapter directory")
+                await self.router.loras.load(name, path, inplace=_bool(body, "load_inplace"))
+                return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+            await self.router.loras.unload(name)
+            return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+        except (RequestError, LoRAError) as e:
+            return error_response(e.kind, e.message, rid)
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        return await self._lora_call(request, load=True)
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        return await self._lora_call(request, load=False)
 
     async def health(self, request: web.Request) -> web.Response:
         roles = {i.beat.role for i in self.router.registry.alive()}

@@ -12,13 +12,15 @@ from services.router.registry import Instance
 
 
 def to_candidates(instances: list[Instance], matched: dict[str, int],
-                  cost: CostModel | None = None) -> list[Candidate]:
-    """``cost``: the configured model, which an instance's measured speed and block size override."""
+                  cost: CostModel | None = None, lora_missing: frozenset[str] | set[str] = frozenset()
+                  ) -> list[Candidate]:
+    """``cost``: the configured model, which an instance's measured speed and block size override.
+    ``lora_missing``: instances that lack the request's LoRA adapter (they would load it first)."""
     cost = cost or CostModel()
     return [Candidate(i.id, queued_tokens=int(i.waiting_tokens), running=int(i.queue_depth),
                       local_blocks=matched.get(i.id, 0),
                       free_blocks=int(i.beat.load.get("free_blocks", 0)),
-                      cost=CostModel.from_load(i.beat.load, cost))
+                      cost=CostModel.from_load(i.beat.load, cost), lora_missing=i.id in lora_missing)
             for i in instances]
 
 
@@ -47,8 +49,14 @@ class Policies:
         return self._policies[name]
 
     def choose(self, name: str | None, instances: list[Instance], matched: dict[str, int], prompt_tokens: int,
-               block_size: int, pool_blocks: int) -> tuple[Instance | None, Decision]:
-        candidates = to_candidates(instances, matched, self.cost)
-        decision = self.get(name).choose(candidates, prompt_tokens, block_size, pool_blocks)
+               block_size: int, pool_blocks: int, lora_missing: frozenset[str] | set[str] = frozenset()
+               ) -> tuple[Instance | None, Decision]:
+        """``lora_missing``: instances lacking the request's adapter. The cache-aware policy prices loading it
+        there (``CostModel.lora_load_s``); the others choose among the instances that hold it, if any do."""
+        policy = self.get(name)
+        if lora_missing and not isinstance(policy, CacheAware) and len(lora_missing) < len(instances):
+            instances = [i for i in instances if i.id not in lora_missing]
+        candidates = to_candidates(instances, matched, self.cost, lora_missing)
+        decision = policy.choose(candidates, prompt_tokens, block_size, pool_blocks)
         chosen = next((i for i in instances if decision.chosen and i.id == decision.chosen.id), None)
         return chosen, decision

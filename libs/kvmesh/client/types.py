@@ -101,6 +101,7 @@ class ModelInfo:
     id: str
     fingerprint: str
     max_model_len: int
+    parent: str = ""  # a LoRA adapter: the base model it runs on
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class HealthInfo:
 
 
 def models_from_pb(r: api_pb2.ListModelsResponse) -> list[ModelInfo]:
-    return [ModelInfo(m.id, m.fingerprint, m.max_model_len) for m in r.models]
+    return [ModelInfo(m.id, m.fingerprint, m.max_model_len, m.parent) for m in r.models]
 
 
 def metadata_dict(metadata: object) -> dict[str, str]:

@@ -182,6 +182,8 @@ class Heartbeat:
     load: dict[str, float]
     model: str
     block_size: int
+    # the LoRA adapters it serves: (name, generation, path); a request's block keys use name@generation
+    loras: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -193,7 +195,7 @@ class Heartbeat:
         return _dump(self.TYPE, {"instance_id": self.instance_id, "role": self.role,
                                  "grpc_address": self.grpc_address, "transfer_address": self.transfer_address,
                                  "ts": self.ts, "load": self.load, "model": self.model,
-                                 "block_size": self.block_size})
+                                 "block_size": self.block_size, "loras": [list(a) for a in self.loras]})
 
     @classmethod
     def decode(cls, data: bytes) -> Heartbeat:
@@ -204,7 +206,15 @@ class Heartbeat:
         return cls(instance_id=InstanceId(_get(d, "instance_id", str)), role=_get(d, "role", str),
                    grpc_address=_get(d, "grpc_address", str), transfer_address=_get(d, "transfer_address", str),
                    ts=float(_get(d, "ts", int, float)), load=_get(d, "load", dict), model=_get(d, "model", str),
-                   block_size=_get(d, "block_size", int))
+                   block_size=_get(d, "block_size", int), loras=_loras(d.get("loras", [])))
+
+
+def _loras(value: Any) -> tuple[tuple[str, str, str], ...]:
+    """A heartbeat's adapters: a list of [name, generation, path] (absent in older engines' beats)."""
+    if not isinstance(value, list) or not all(isinstance(a, list) and len(a) == 3
+                                              and all(isinstance(x, str) for x in a) for a in value):
+        raise CodecError(f"heartbeat loras must be a list of [name, generation, path], not {value!r}")
+    return tuple((a[0], a[1], a[2]) for a in value)
 
 
 Message = KVEventBatch | KVReady | Heartbeat

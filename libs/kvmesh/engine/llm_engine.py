@@ -153,6 +153,11 @@ class LLMEngine:
         """Forget adapter ``name`` (KeyError if unknown); requests in flight under it finish on its weights."""
         return self.loras.unload(name)
 
+    def request_seed(self, cache_salt: str = "", lora: str = "") -> int:
+        """The namespace seed of a request's block keys: its salt and its adapter's ``name@generation``."""
+        spec = self.lora_spec(lora)
+        return self.namespace_seed(cache_salt, spec.lora_id if spec else "")
+
     def lora_adapters(self) -> list[tuple[str, str]]:
         """``(name, generation)`` of every adapter this engine serves."""
         return self.loras.listing()
@@ -194,7 +199,7 @@ class LLMEngine:
         if -(-total // self.cfg.block_size) > self.kv.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV but the pool holds "
                              f"{self.kv.num_blocks * self.cfg.block_size}; raise kv_cache_mb")
-        spec = self.lora_spec(lora)
+        spec = self.lora_spec(lora)  # ValueError naming the adapters served
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec)
         detok = None

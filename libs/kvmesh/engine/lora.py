@@ -213,9 +213,15 @@ class LoRAManager:
 
     def load(self, name: str, path: str) -> LoRASpec:
         """Register (or replace) ``name``; validation errors leave the previous registration untouched."""
-        spec = read_adapter(name, path, self.cfg, self.max_rank)
-        self.registered[name] = spec
-        self.resident.pop(name, None)  # other weights under the name: made resident afresh on next use
+        return self.register(read_adapter(name, path, self.cfg, self.max_rank))
+
+    def read(self, name: str, path: str) -> LoRASpec:
+        """``read_adapter`` against this engine's model and max rank (thread-safe: touches no state)."""
+        return read_adapter(name, path, self.cfg, self.max_rank)
+
+    def register(self, spec: LoRASpec) -> LoRASpec:
+        self.registered[spec.name] = spec
+        self.resident.pop(spec.name, None)  # other weights under the name: made resident afresh on next use
         return spec
 
     def unload(self, name: str) -> LoRASpec:

@@ -27,9 +27,11 @@ from kvmesh.contracts.messages import Heartbeat, KVEventBatch
 from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.grpc_server import ServiceServer
+from kvmesh.instance import adapters
 from kvmesh.instance.config import WorkerConfig
 from kvmesh.instance.metrics import WorkerMetrics
 from kvmesh.instance.pool_client import PoolClient, PoolError
+from kvmesh.proto.v1 import worker_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.config import TelemetryConfig
@@ -72,6 +74,7 @@ class EngineHost:
         self._event_seq = 0
         self._event_queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        self.lora_load_s: float | None = None  # the last LoRA adapter load, measured (heartbeat: lora_load_s)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -80,7 +83,8 @@ class EngineHost:
         self.fingerprint = llm.fingerprint
         self.engine = AsyncEngine(llm, loop, on_events=self._event_queue.put_nowait)
         self.metrics.watch(self.engine)
-        self.grpc = ServiceServer([r.grpc_service for r in self.roles])
+        self.grpc = ServiceServer([r.grpc_service for r in self.roles] + [adapters.SERVICE])
+        worker_pb2_grpc.add_AdaptersServicer_to_server(adapters.AdaptersServicer(self), self.grpc.server)
         self.grpc_address = self.grpc.bind(self.cfg.host, self.cfg.port)  # 0: any free port, read back
         if not self.instance_id:
             self.instance_id = f"{self.cfg.role}-{self.grpc.port}"
@@ -125,7 +129,8 @@ class EngineHost:
                 "kvmesh.instance": self.instance_id}
 
     async def warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int,
-                             parent: Span | None = None, attrs: dict[str, Any] | None = None) -> int:
+                             parent: Span | None = None, attrs: dict[str, Any] | None = None,
+                             lora: str = "") -> int:
         """Before computing a prompt: when the pool holds a longer prefix than our cache (by at least
         ``pool_fetch_min_blocks``), fetch the difference into our cache. Returns the blocks fetched.
         Traced as ``prefill.fetch`` under ``parent``."""
@@ -134,7 +139,7 @@ class EngineHost:
         span = tracing.start("prefill.fetch", parent, attributes={**(attrs or {}), "kvmesh.tier": "pool",
                                                                  "kvmesh.pool_blocks": pool_blocks})
         try:
-            n = await self._warm_from_pool(prompt, cache_salt, pool_blocks, span, attrs)
+            n = await self._warm_from_pool(prompt, cache_salt, pool_blocks, span, attrs, lora)
         except BaseException as e:
             span.set_status(StatusCode.ERROR, str(e))
             raise
@@ -143,9 +148,13 @@ class EngineHost:
         return n
 
     async def _warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int, span: Span,
-                              attrs: dict[str, Any] | None = None) -> int:
+                              attrs: dict[str, Any] | None = None, lora: str = "") -> int:
         llm = self.engine.engine
-        seed = llm.namespace_seed(cache_salt)
+        try:
+            seed = llm.request_seed(cache_salt, lora)
+        except ValueError as e:  # an adapter this instance does not serve: the engine refuses the request
+            span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": str(e)})
+            return 0
         bs = self.layout.block_size
         usable = min(pool_blocks, (len(prompt) - 1) // bs)  # the last token is always computed
         local = await self.engine.call(lambda e: len(e.blocks.match(seed, prompt, len(prompt) - 1).nodes))
@@ -208,10 +217,14 @@ class EngineHost:
             load = dataclasses.asdict(self.engine.load())
             load["kv_fallbacks"] = self.metrics_fallbacks
             load["kv_block_bytes"] = self.layout.block_nbytes
+            if self.lora_load_s is not None:
+                load["lora_load_s"] = self.lora_load_s
             load.update(self.engine.speed.report())  # prefill_tok_per_s, prefill_overhead_s once measured
             beat = Heartbeat(instance_id=self.instance_id, role=self.cfg.role, grpc_address=self.grpc_address,
                              transfer_address=self.transfer_address, ts=time.time(), load=load,
-                             model=self.fingerprint, block_size=self.layout.block_size)
+                             model=self.fingerprint, block_size=self.layout.block_size,
+                             loras=tuple((s.name, s.generation, s.path)
+                                         for s in list(self.engine.engine.loras.registered.values())))
             try:
                 await self.bus.publish(subject, beat)
             except Exception:

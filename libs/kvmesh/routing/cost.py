@@ -26,6 +26,7 @@ class CostModel:
     fetch_gbps: float = 1.0            # pool → instance, per the transfer benchmark
     block_bytes: int = 737_280         # SmolLM2-135M fp32, 16-token blocks
     calibrated: bool = False           # the speed was measured on the instance itself, not configured
+    lora_load_s: float = 0.25          # loading a LoRA adapter where it is missing (read + validate + register)
 
     def prefill_s(self, tokens: int) -> float:
         return self.prefill_overhead_s + max(0, tokens) / self.prefill_tok_per_s if tokens > 0 else 0.0
@@ -44,6 +45,8 @@ class CostModel:
                 fields["prefill_overhead_s"] = overhead
         if (nbytes := _number(load, "kv_block_bytes")) is not None and nbytes >= 1:
             fields["block_bytes"] = int(nbytes)
+        if (lora_s := _number(load, "lora_load_s")) is not None and lora_s >= 0:
+            fields["lora_load_s"] = lora_s
         return dataclasses.replace(default, **fields) if fields else None
 
     @classmethod

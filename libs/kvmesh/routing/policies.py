@@ -27,6 +27,7 @@ class Candidate:
     local_blocks: int = 0        # leading prompt blocks cached on this instance (any of its tiers)
     free_blocks: int = 0         # KV headroom (decode choice)
     cost: CostModel | None = None  # this instance's calibrated cost model (None: the policy's configured one)
+    lora_missing: bool = False   # it lacks the request's LoRA adapter: it would load it before prefilling
 
     @property
     def load(self) -> int:
@@ -92,7 +93,8 @@ class CacheAware:
         local = min(c.local_blocks * block_size, prompt_tokens - 1)
         fetched = max(0, pool_blocks - c.local_blocks) if self.use_pool else 0
         hit = min(prompt_tokens - 1, local + fetched * block_size)
-        return cost.prefill_s(c.queued_tokens) + cost.prefill_s(prompt_tokens - hit) + cost.fetch_s(fetched)
+        return (cost.prefill_s(c.queued_tokens) + cost.prefill_s(prompt_tokens - hit) + cost.fetch_s(fetched)
+                + (cost.lora_load_s if c.lora_missing else 0.0))
 
     def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
         scores = {c.id: self.estimate(c, prompt_tokens, block_size, pool_blocks) for c in candidates}

@@ -25,6 +25,176 @@ if _version_not_supported:
     )
 
 
+class AdaptersStub:
+    """Every engine instance (prefill, decode, both): LoRA adapters loaded and unloaded at run time (vLLM's
+    /v1/load_lora_adapter semantics). A bad adapter is refused with INVALID_ARGUMENT naming what to fix; an
+    unknown name on unload is NOT_FOUND. Requests in flight under an unloaded or replaced adapter finish on the
+    weights they started with.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadLoRA = channel.unary_unary(
+                '/kvmesh.v1.Adapters/LoadLoRA',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/kvmesh.v1.Adapters/UnloadLoRA',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+        self.ListLoRA = channel.unary_unary(
+                '/kvmesh.v1.Adapters/ListLoRA',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.ListLoRARequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+
+
+class AdaptersServicer:
+    """Every engine instance (prefill, decode, both): LoRA adapters loaded and unloaded at run time (vLLM's
+    /v1/load_lora_adapter semantics). A bad adapter is refused with INVALID_ARGUMENT naming what to fix; an
+    unknown name on unload is NOT_FOUND. Requests in flight under an unloaded or replaced adapter finish on the
+    weights they started with.
+    """
+
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdaptersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'ListLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRA,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.ListLoRARequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvmesh.v1.Adapters', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvmesh.v1.Adapters', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Adapters:
+    """Every engine instance (prefill, decode, both): LoRA adapters loaded and unloaded at run time (vLLM's
+    /v1/load_lora_adapter semantics). A bad adapter is refused with INVALID_ARGUMENT naming what to fix; an
+    unknown name on unload is NOT_FOUND. Requests in flight under an unloaded or replaced adapter finish on the
+    weights they started with.
+    """
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Adapters/LoadLoRA',
+            kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Adapters/UnloadLoRA',
+            kvmesh_dot_proto_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Adapters/ListLoRA',
+            kvmesh_dot_proto_dot_v1_dot_worker__pb2.ListLoRARequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PrefillStub:
     """An engine in prefill mode: compute the prompt's KV (reusing what is cached), sample the first token,
     push the KV to the decode instance, then announce it on kv.ready.<decode_instance>.
