@@ -198,7 +198,7 @@ class LoRABatch:
             ab = w.layers[layer].get(site)
             if ab is not None:
                 a, b = ab
-                y[rows] += (x[rows] @ a.t()) @ b.t()
+                y[rows].addmm_(x[rows] @ a.t(), b.t())  # in place on the group's rows: no extra copy
 
 
 class LoRAManager:
