@@ -96,6 +96,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from app.bench import load as bench
     elif args.what == "tracing":
         from app.bench import tracing_cost as bench
+    elif args.what == "lora":
+        from app.bench import lora as bench
     else:
         print(f"kvmesh bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     cf.set_defaults(func=cmd_config)
 
     b = sub.add_parser("bench", help="benchmarks (engine, mesh, transfer, serve, ablation, tracing, routing, load)")
-    b.add_argument("what", help="engine | mesh | transfer | serve | ablation | tracing | routing | load")
+    b.add_argument("what", help="engine | mesh | transfer | serve | ablation | tracing | routing | load | lora")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     b.set_defaults(func=cmd_bench)
 

@@ -200,3 +200,18 @@ def test_lora_adapters_setting_loads_at_start(hf, cfg, adapters):
     assert [n for n, _ in engine.lora_adapters()] == ["attn", "mlp"]
     with pytest.raises(ValueError, match="not NAME=PATH"):
         engine_from_hf(hf, cfg, lora_adapters="oops")
+
+
+def test_kvmesh_up_lora_flags_become_the_engines_setting(tmp_path):
+    from app.cli import lora_env
+
+    env = lora_env([f"sql={tmp_path}/a", "chat=rel/b"])
+    assert env["KVMESH_LORA_ADAPTERS"].split(",")[0] == f"sql={tmp_path}/a"
+    assert env["KVMESH_LORA_ADAPTERS"].split(",")[1].startswith("chat=/")  # made absolute for every instance
+    from kvmesh.config import EngineConfig
+
+    assert [n for n, _ in EngineConfig(lora_adapters=env["KVMESH_LORA_ADAPTERS"]).lora_adapter_paths()] == \
+        ["sql", "chat"]
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        lora_env(["nopath"])
+    assert lora_env([]) == {}
