@@ -75,3 +75,26 @@ def test_grpc_constraints_are_checked_too():
     with pytest.raises(RequestError, match="keyword 'not'"):
         check_structured(StructuredOutput("json_schema", '{"not": {"type": "string"}}'), "sampling.json_schema")
     check_structured(SamplingParams(structured=StructuredOutput("json_object")).structured, "sampling.json_object")
+
+
+@pytest.mark.parametrize("kw,want", [
+    ({"json_schema": SCHEMA}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}},
+     StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+    ({"regex": "[a-z]+"}, StructuredOutput("regex", "[a-z]+")),
+    ({"choice": ["yes", "no"]}, StructuredOutput.choice(["yes", "no"])),
+    ({"grammar": 'root ::= "a"'}, StructuredOutput("grammar", 'root ::= "a"')),
+])
+def test_sdk_arguments_set_the_oneof(kw, want):
+    from kvmesh.client.requests import chat_request, generate_request
+
+    assert sampling_from_proto(generate_request("hi", **kw).sampling).structured == want
+    assert sampling_from_proto(chat_request([{"role": "user", "content": "hi"}], **kw).sampling).structured == want
+
+
+def test_sdk_refuses_two_constraints():
+    from kvmesh.client.requests import generate_request
+
+    with pytest.raises(ValueError, match="at most one structured-output argument, not regex, choice"):
+        generate_request("hi", regex="a", choice=["b"])
