@@ -147,3 +147,26 @@ def test_no_tokenizer_no_structured_output(tiny_config):
     e = LLMEngine(EngineConfig(num_blocks=16, block_size=4, attention="torch"), model_config=tiny_config)
     with pytest.raises(ValueError, match="tokenizer"):
         e.add_request("r", [1, 2], constrained(StructuredOutput("regex", "a"), max_tokens=4))
+
+
+def test_async_engine_compiles_off_the_engine_thread(engine):
+    """A service's request: the grammar is compiled in an executor, then added; a bad one never reaches the
+    engine thread (GrammarError, a ValueError: INVALID_ARGUMENT)."""
+    import asyncio
+
+    from kvmesh.engine.async_engine import AsyncEngine
+
+    async def main():
+        ae = AsyncEngine(engine, asyncio.get_running_loop())
+        try:
+            outs = [o async for o in ae.generate("a", [1, 2, 3], constrained(StructuredOutput.choice(["on", "off"])))]
+            with pytest.raises(GrammarError, match="parenthesis"):
+                async for _ in ae.generate("b", [1, 2], constrained(StructuredOutput("regex", "(x"))):
+                    pass
+        finally:
+            ae.close()
+        return outs
+
+    outs = asyncio.run(main())
+    assert engine.tokenizer.decode([t for o in outs for t in o.new_token_ids]) in ("on", "off")
+    assert outs[-1].finish_reason == "stop"

@@ -11,6 +11,7 @@ forward pass fails that step's sequences the same way. Either way the engine ser
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from kvmesh.engine.sequence import RetentionRange, Sequence, Status
 from kvmesh.model_source.config import ModelConfig
 
 log = logging.getLogger(__name__)
+_GRAMMARS_LOCK = threading.Lock()
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -141,13 +143,17 @@ class LLMEngine:
 
     @property
     def grammars(self):
-        """The structured-output compiler and cache (xgrammar is loaded on first use)."""
+        """The structured-output compiler and cache (xgrammar is loaded on first use). Thread-safe, like
+        ``grammars.compile``: a service compiles a request's grammar off the engine thread before adding it."""
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer; this engine has none")
-            from kvmesh.engine.grammar import Grammars
+            with _GRAMMARS_LOCK:
+                if self._grammars is None:
+                    from kvmesh.engine.grammar import Grammars
 
-            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+                    self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                              sorted(self.eos_token_ids))
         return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
