@@ -165,6 +165,10 @@ class Router:
             raise RequestError("invalid", f"stop_token_ids must be token ids in [0, {vocab})")
         if any(not s for s in params.stop):
             raise RequestError("invalid", "stop strings must not be empty")
+        if params.structured is not None:  # gRPC's sampling oneof (HTTP's fields were checked as parsed)
+            from services.router.structured import check_structured
+
+            check_structured(params.structured, f"sampling.{params.structured.kind}")
 
     # ---- routing ---------------------------------------------------------------------------------------------
     async def matched_blocks(self, keys: list[int], parent: Span | None = None,

@@ -102,6 +102,8 @@ class AsyncEngine:
         stream: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         try:
+            if getattr(params, "structured", None) is not None:  # a cold schema compiles here, not in the batch
+                await self.loop.run_in_executor(None, lambda: self.engine.grammars.compile(params.structured))
             if timing is None:
                 await self.call(lambda e: e.add_request(request_id, prompt, params, **kwargs))
             else:

@@ -11,6 +11,7 @@ forward pass fails that step's sequences the same way. Either way the engine ser
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from kvmesh.engine.sequence import RetentionRange, Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
 
 log = logging.getLogger(__name__)
+_GRAMMARS_LOCK = threading.Lock()
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -80,6 +82,7 @@ class _Tracked:
         self.text = ""
         self.export_kv = export_kv
         self.error: SequenceError | None = None
+        self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
 
 
 class LLMEngine:
@@ -121,6 +124,7 @@ class LLMEngine:
         self.attn = make_backend(cfg.attention, mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self._requests: dict[str, _Tracked] = {}
+        self._grammars = None  # engine/grammar.Grammars, built at the first constrained request
         self._namespaces: dict[tuple[str, str], int] = {}
         self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
         self._pending: list[StepOutput] = []  # outputs produced outside a forward step (imported first tokens)
@@ -136,6 +140,21 @@ class LLMEngine:
             tok_fp = self.tokenizer.fingerprint if self.tokenizer else ""
             self._namespaces[key] = Namespace(self.fingerprint, tok_fp, lora_id, cache_salt).seed
         return self._namespaces[key]
+
+    @property
+    def grammars(self):
+        """The structured-output compiler and cache (xgrammar is loaded on first use). Thread-safe, like
+        ``grammars.compile``: a service compiles a request's grammar off the engine thread before adding it."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer; this engine has none")
+            with _GRAMMARS_LOCK:
+                if self._grammars is None:
+                    from kvmesh.engine.grammar import Grammars
+
+                    self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                              sorted(self.eos_token_ids))
+        return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
@@ -161,6 +180,7 @@ class LLMEngine:
         if -(-total // self.cfg.block_size) > self.kv.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV but the pool holds "
                              f"{self.kv.num_blocks * self.cfg.block_size}; raise kv_cache_mb")
+        grammar = self.grammars.start(params.structured) if params.structured is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, self.namespace_seed(cache_salt),
                        retention)
         detok = None
@@ -168,7 +188,8 @@ class LLMEngine:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = _Tracked(seq, detok, export_kv)
+        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv)
+        tracked.grammar = grammar
         if imported is not None:
             blocks, num_tokens, first_token = imported
             seq.output_token_ids.append(first_token)
@@ -235,8 +256,10 @@ class LLMEngine:
             self.blocks.cache_computed_blocks(seq)
         if not samplers:
             return pending
+        grammars = [self._requests[s.request_id].grammar for s in samplers]
+        mask = self._grammars.mask(grammars) if self._grammars is not None else None
         new_tokens = sample(logits, [s.params for s in samplers],
-                            [make_generator(s.params, len(s.output_token_ids)) for s in samplers])
+                            [make_generator(s.params, len(s.output_token_ids)) for s in samplers], mask)
         now = time.monotonic()
         return pending + [self._fail(seq, SequenceError(seq.request_id, tok.message, tok.client_fault))
                           if isinstance(tok, RowFault) else self._emit(seq, tok, now)
@@ -268,8 +291,12 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_token_ids.append(token)
+        if tracked.grammar is not None:
+            tracked.grammar.accept(token)
         delta = tracked.detok.push(token) if tracked.detok is not None else ""
         reason = self._finish_reason(seq, token)
+        if tracked.grammar is not None and tracked.grammar.terminated:
+            reason = "stop"  # the object (string, choice) is complete
         if seq.params.stop and delta:
             text = tracked.text + delta
             window = len(delta) + max(len(s) for s in seq.params.stop)
