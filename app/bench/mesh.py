@@ -16,9 +16,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.settings import EngineSettings
 
 from app.bench.report import markdown_table, write_section
 from app.bench.stats import percentile, quantiles
@@ -62,14 +62,14 @@ def engine_ttft(engine: LLMEngine, question: str, max_tokens: int) -> float:
 def run(requests: int = 20, max_tokens: int = 8) -> dict:
     qs = prompts(requests)
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(Path(tmp), StackOptions(http_port=0, grpc_port=0, cluster="bench"))
+        stack = Stack(Path(tmp), StackOptions.local("bench"))
         stack.start(timeout_s=240)
         try:
             stream_ttft(stack.http_port, "warm up", 2)
             mesh = [stream_ttft(stack.http_port, q, max_tokens)[0] for q in qs]
         finally:
             stack.stop()
-    engine = LLMEngine(EngineConfig(threads=1))
+    engine = LLMEngine(EngineSettings(threads=1))
     engine_ttft(engine, "warm up", 2)
     alone = [engine_ttft(engine, q, max_tokens) for q in qs]
     return {"mesh": mesh, "engine": alone}

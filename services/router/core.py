@@ -23,10 +23,10 @@ from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
+from kvmesh.settings import RouterSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from services.router.config import RouterConfig
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, choose_decode
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
@@ -69,9 +69,10 @@ def new_request_id() -> str:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterSettings, shared: SharedSettings | None = None) -> None:
         self.cfg = cfg
-        self.subjects = Subjects(cfg.cluster)
+        self.shared = shared or SharedSettings()
+        self.subjects = Subjects(self.shared.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.metrics = RouterMetrics()
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
@@ -84,7 +85,7 @@ class Router:
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
         self.metrics.watch(self.registry)
-        self.bus = await Bus.connect(self.cfg.nats_url, name="router")
+        self.bus = await Bus.connect(self.shared.nats_url, name="router")
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         self.cache = (cache_pb2_grpc.CacheServiceStub(self._channel(self.cfg.cachesvc_address))
                       if self.cfg.cachesvc_address else None)
@@ -334,7 +335,7 @@ class Router:
                                                                    "kvmesh.decode_instance": decode.id})
         md = tracing.grpc_metadata(dispatch)
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s), metadata=md,
+            worker_pb2.DecodeRequest(work=work), metadata=md,
             timeout=self.cfg.request_timeout_s)
         prefill_call = asyncio.ensure_future(self._prefill(work, prefill, decode, md, rt, policy, matched))
         prefill_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are logged inside

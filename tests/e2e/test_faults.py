@@ -86,7 +86,7 @@ def test_killing_the_cache_service_degrades_routing_to_load(tmp_path_factory):
 
 
 def test_a_dead_prefill_costs_latency_not_the_answer(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "killprefill", env={"KVMESH_KV_TIMEOUT_S": "2"})
+    stack = start_stack(tmp_path_factory, "killprefill", env={"KVMESH_INSTANCE_KV_TIMEOUT_S": "2"})
     try:
         expected = chat(stack, "Say hello in French.")["choices"][0]["message"]["content"]
         service(stack, "prefill-0").proc.send_signal(signal.SIGKILL)
@@ -107,7 +107,7 @@ def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
     # a long instance timeout keeps the dead instances in the router's registry, so it really tries them
     # and a long kv_timeout_s makes any wait for KV that never comes show in the time
     stack = start_stack(tmp_path_factory, "retry", prefill=2, decode=2,
-                        env={"KVMESH_INSTANCE_TIMEOUT_S": "60", "KVMESH_KV_TIMEOUT_S": "30"})
+                        env={"KVMESH_INSTANCE_TIMEOUT_S": "60", "KVMESH_INSTANCE_KV_TIMEOUT_S": "30"})
     try:
         # killed before any request: both decodes look alike, so the router's tie-break (by id) picks decode-0
         for name in ("prefill-0", "decode-0"):
@@ -132,7 +132,7 @@ def cache_stats(stack):
 
 
 def test_a_nats_restart_costs_no_request(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "natsrestart", env={"KVMESH_KV_TIMEOUT_S": "3"})
+    stack = start_stack(tmp_path_factory, "natsrestart", env={"KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
     try:
         chat(stack, "Name three rivers.")
         before = cache_stats(stack).events_applied
@@ -166,10 +166,10 @@ def test_a_nats_restart_costs_no_request(tmp_path_factory):
         stack.stop()
 
 
-@pytest.mark.parametrize("fault,reason", [("KVMESH_FAULT_CORRUPT_PUSHES", "checksum mismatch"),
-                                          ("KVMESH_FAULT_STALL_PUSHES", "its blocks did not")])
+@pytest.mark.parametrize("fault,reason", [("KVMESH_INSTANCE_FAULT_CORRUPT_PUSHES", "checksum mismatch"),
+                                          ("KVMESH_INSTANCE_FAULT_STALL_PUSHES", "its blocks did not")])
 def test_bad_or_stalled_kv_is_recomputed_never_consumed(tmp_path_factory, fault, reason):
-    stack = start_stack(tmp_path_factory, fault.split("_")[-2].lower(), env={fault: "1", "KVMESH_KV_TIMEOUT_S": "3"})
+    stack = start_stack(tmp_path_factory, fault.split("_")[-2].lower(), env={fault: "1", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
     try:
         q = "Write one sentence about the sea."
         t0 = time.monotonic()
@@ -184,7 +184,7 @@ def test_bad_or_stalled_kv_is_recomputed_never_consumed(tmp_path_factory, fault,
 
 
 def test_every_request_has_a_deadline(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "deadline", env={"KVMESH_REQUEST_TIMEOUT_S": "1.5"})
+    stack = start_stack(tmp_path_factory, "deadline", env={"KVMESH_ROUTER_REQUEST_TIMEOUT_S": "1.5"})
     try:
         body = json.dumps({"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True,
                            "temperature": 0}).encode()

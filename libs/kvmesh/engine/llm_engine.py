@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
@@ -32,6 +31,7 @@ from kvmesh.engine.sampling import RowFault, make_generator, sample
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import RetentionRange, Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
+from kvmesh.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 _GRAMMARS_LOCK = threading.Lock()
@@ -86,7 +86,7 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, model_config: ModelConfig | None = None,
+    def __init__(self, cfg: EngineSettings, model_config: ModelConfig | None = None,
                  on_event: EventSink | None = None, seed: int = 0) -> None:
         """Load ``cfg.model`` (default: the embedded SmolLM2), or build a random-weight model of
         ``model_config`` with no tokenizer (tests, simulations)."""

@@ -86,7 +86,8 @@ class Section(BaseSettings):
         for name in type(self).model_fields:
             allowed = self.choices_of(name)
             if allowed and getattr(self, name) not in allowed:
-                out.append(Problem(name, f"{name} {getattr(self, name)!r} is not one of {list(allowed)}"))
+                why = " (it needs the future: kvmesh sim only)" if getattr(self, name) == "belady" else ""
+                out.append(Problem(name, f"{name} {getattr(self, name)!r} is not one of {list(allowed)}{why}"))
         return out
 
     @model_validator(mode="after")
@@ -275,7 +276,6 @@ class RouterSettings(Section):
     cachesvc_address: str = setting("127.0.0.1:50060", "cachesvc for MatchPrefix (\"\" = route by load only)")
     block_size: int = setting(16, "must equal the engines' (instances with another are ignored)")
     instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
-    kv_timeout_s: float = setting(10.0, "passed to decode: wait for kv.ready this long, then recompute")
     match_timeout_s: float = setting(0.5, "MatchPrefix deadline; past it, route by load alone")
     request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
     policy: str = setting("cache_aware", "routing policy (per request: header / metadata x-kvmesh-policy)",
@@ -304,7 +304,7 @@ class RouterSettings(Section):
     def problems(self) -> list[Problem]:
         out = super().problems()
         out += self._ports(("grpc_port", "http_port"))
-        out += self._positive(("instance_timeout_s", "kv_timeout_s", "match_timeout_s", "request_timeout_s",
+        out += self._positive(("instance_timeout_s", "match_timeout_s", "request_timeout_s",
                                "prefill_tok_per_s"))
         if not self.slo_ttft_s >= 0:
             out.append(Problem("slo_ttft_s", f"slo_ttft_s must be >= 0 (0 = no admission control), "

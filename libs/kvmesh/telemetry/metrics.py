@@ -29,7 +29,7 @@ class MetricsServer:
     """``GET /metrics`` of one registry on its own port (a thread of prometheus-client's)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 setting: str = "--metrics-port / KVMESH_METRICS_PORT") -> None:
+                 setting: str = "--metrics-port / KVMESH_INSTANCE_METRICS_PORT") -> None:
         from kvmesh.ready import binding
 
         with binding("metrics", host, port, setting):  # port 0: any free port, read back below
