@@ -15,9 +15,9 @@ import json
 import statistics
 import time
 
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.settings import EngineSettings
 
 from app.bench.report import markdown_table, write_section
 
@@ -70,7 +70,7 @@ def itl(engine: LLMEngine, batch: int, steps: int, structured: StructuredOutput 
 
 
 def run(threads: int, steps: int) -> dict:
-    engine = LLMEngine(EngineConfig(threads=threads, kv_cache_mb=512))
+    engine = LLMEngine(EngineSettings(threads=threads, kv_cache_mb=512))
     t0 = time.perf_counter()
     grammars = engine.grammars
     init_s = time.perf_counter() - t0

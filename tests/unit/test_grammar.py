@@ -11,11 +11,11 @@ import re
 import jsonschema
 import pytest
 import torch
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 from kvmesh.engine.grammar import GrammarError, pack_bitmask, unpack_bitmask
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
+from kvmesh.settings import EngineSettings
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -31,7 +31,7 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture
 def engine(tiny_config, tokenizer):
-    e = LLMEngine(EngineConfig(num_blocks=128, block_size=4, max_batched_tokens=256, attention="torch"),
+    e = LLMEngine(EngineSettings(num_blocks=128, block_size=4, max_batched_tokens=256, attention="torch"),
                   model_config=tiny_config)
     e.tokenizer, e.eos_token_ids = tokenizer, set(tokenizer.eos_token_ids)  # a random model, a real vocabulary
     return e
@@ -144,7 +144,7 @@ def test_bad_spec_is_refused_before_queueing(engine, spec, words):
 
 
 def test_no_tokenizer_no_structured_output(tiny_config):
-    e = LLMEngine(EngineConfig(num_blocks=16, block_size=4, attention="torch"), model_config=tiny_config)
+    e = LLMEngine(EngineSettings(num_blocks=16, block_size=4, attention="torch"), model_config=tiny_config)
     with pytest.raises(ValueError, match="tokenizer"):
         e.add_request("r", [1, 2], constrained(StructuredOutput("regex", "a"), max_tokens=4))
 
