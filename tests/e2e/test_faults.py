@@ -107,7 +107,7 @@ def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
     # a long instance timeout keeps the dead instances in the router's registry, so it really tries them
     # and a long kv_timeout_s makes any wait for KV that never comes show in the time
     stack = start_stack(tmp_path_factory, "retry", prefill=2, decode=2,
-                        env={"KVMESH_INSTANCE_TIMEOUT_S": "60", "KVMESH_INSTANCE_KV_TIMEOUT_S": "30"})
+                        env={"KVMESH_ROUTER_INSTANCE_TIMEOUT_S": "60", "KVMESH_INSTANCE_KV_TIMEOUT_S": "30"})
     try:
         # killed before any request: both decodes look alike, so the router's tie-break (by id) picks decode-0
         for name in ("prefill-0", "decode-0"):
