@@ -329,10 +329,12 @@ class Router:
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
                                                                    "kvmesh.decode_instance": decode.id})
         md = tracing.grpc_metadata(dispatch)
+        held = self._decode_holds(work, decode, matched)  # decode pins them; prefill pushes only the rest
+        dispatch.set_attribute("kvmesh.decode_cached_blocks", held)
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s), metadata=md,
-            timeout=self.cfg.request_timeout_s)
-        prefill_call = asyncio.ensure_future(self._prefill(work, prefill, decode, md, rt, policy, matched))
+            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s, cached_blocks=held),
+            metadata=md, timeout=self.cfg.request_timeout_s)
+        prefill_call = asyncio.ensure_future(self._prefill(work, prefill, decode, md, rt, policy, matched, held))
         prefill_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are logged inside
         decode_cached, fallback = 0, False
 
@@ -356,8 +358,14 @@ class Router:
             if not prefill_call.done():
                 prefill_call.cancel()
 
+    def _decode_holds(self, work: worker_pb2.WorkRequest, decode: Instance, matched: dict[str, int]) -> int:
+        """The leading full blocks of the prompt the decode instance holds (MatchPrefix), at most the blocks
+        before the one holding the last prompt token (so a push always carries at least one block)."""
+        return min(matched.get(decode.id, 0), (len(work.prompt_token_ids) - 1) // self.cfg.block_size)
+
     async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md,
-                       rt: RequestTrace, policy: str | None, matched: dict[str, int]) -> worker_pb2.PrefillResponse:
+                       rt: RequestTrace, policy: str | None, matched: dict[str, int],
+                       held: int = 0) -> worker_pb2.PrefillResponse:
         """The request's Prefill call, while decode waits for its ``kv.ready``. An unreachable prefill instance
         is replaced by another one; when none is left (or prefill failed otherwise), decode is told at once
         (``kv.ready`` with ok=False) and recomputes the prompt instead of waiting out ``kv_timeout_s``."""
@@ -368,7 +376,8 @@ class Router:
             try:
                 return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
                     worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
-                                              decode_transfer_address=decode.beat.transfer_address),
+                                              decode_transfer_address=decode.beat.transfer_address,
+                                              decode_cached_blocks=held),
                     metadata=md, timeout=self.cfg.request_timeout_s)
             except grpc.aio.AioRpcError as e:
                 why = f"prefill on {prefill.id} failed: {e.code().name}: {e.details()}"
