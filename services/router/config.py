@@ -29,6 +29,8 @@ class RouterConfig:
     request_timeout_s: float = 600.0     # deadline of the Prefill and Decode calls of one request
     policy: str = "cache_aware"          # round_robin | random | least_loaded | cache_aware (per request:
                                          # HTTP header / gRPC metadata x-kvmesh-policy)
+    disaggregate: str = "auto"           # always | never | auto (cost model: skip the hop when decode holds
+                                         # most of the prompt); per request: header x-kvmesh-disaggregate
     slo_ttft_s: float = 0.0              # admission: reject (429) when no instance's estimated TTFT meets it; 0 = off
     prefill_tok_per_s: float = 240.0     # cost model: one instance's prefill speed (measured here: SmolLM2, 1 thread)
     api_key: str = ""                    # a key without a tenant (Bearer / x-api-key); "" = none
@@ -57,6 +59,8 @@ class RouterConfig:
                      "prefill_tok_per_s"):
             if not getattr(self, name) > 0:
                 out.append(f"{name} must be > 0, not {getattr(self, name)}")
+        if self.disaggregate not in ("auto", "always", "never"):
+            out.append(f"disaggregate must be auto, always or never, not {self.disaggregate!r}")
         if not self.slo_ttft_s >= 0:
             out.append(f"slo_ttft_s must be >= 0 (0 = no admission control), not {self.slo_ttft_s}")
         for name in ("block_size", "max_body_bytes", "max_concurrent_requests"):

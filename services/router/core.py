@@ -23,6 +23,7 @@ from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
+from kvmesh.routing.cost import DISAGGREGATE_MODES, disaggregation
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
@@ -214,20 +215,24 @@ class Router:
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                  cache_salt: str = "", trace: RequestTrace | None = None,
-                 policy: str | None = None) -> AsyncIterator[Chunk]:
+                 policy: str | None = None, disaggregate: str | None = None) -> AsyncIterator[Chunk]:
         """Route and run one request, yielding its chunks. ``trace``: the request's root span and TTFT clock,
         which the API layer owns (without one, the request is traced here, TTFT ending at the first chunk).
-        ``policy``: a per-request routing policy (else the configured one)."""
+        ``policy``: a per-request routing policy (else the configured one). ``disaggregate``: always | never |
+        auto, per request (HTTP header / gRPC metadata ``x-kvmesh-disaggregate``; else the configured one)."""
         self.check_policy(policy)
+        if disaggregate is not None and disaggregate not in DISAGGREGATE_MODES:
+            raise RequestError("invalid", f"x-kvmesh-disaggregate must be one of {', '.join(DISAGGREGATE_MODES)}, "
+                                          f"not {disaggregate!r}")
         if trace is not None:
-            return self._generate(request_id, prompt, params, cache_salt, trace, policy)
-        return self._traced_here(request_id, prompt, params, cache_salt, policy)
+            return self._generate(request_id, prompt, params, cache_salt, trace, policy, disaggregate)
+        return self._traced_here(request_id, prompt, params, cache_salt, policy, disaggregate)
 
     async def _traced_here(self, request_id: str, prompt: list[int], params: SamplingParams,
-                           cache_salt: str, policy: str | None) -> AsyncIterator[Chunk]:
+                           cache_salt: str, policy: str | None, disaggregate: str | None) -> AsyncIterator[Chunk]:
         rt = RequestTrace(self.metrics, request_id, "internal")
         try:
-            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt, policy):
+            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt, policy, disaggregate):
                 rt.first_token_sent()
                 yield chunk
         except RequestError as e:
@@ -237,7 +242,8 @@ class Router:
             rt.finish()
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str,
-                        rt: RequestTrace, policy: str | None = None) -> AsyncIterator[Chunk]:
+                        rt: RequestTrace, policy: str | None = None,
+                        disaggregate: str | None = None) -> AsyncIterator[Chunk]:
         """Route, dispatch and stream. An instance found unreachable before the first token costs a retry on
         another one (at most ``RETRIES``), never the request; after the first token, the error goes out."""
         seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, "", cache_salt).seed
@@ -255,7 +261,7 @@ class Router:
                     request_id=request_id if attempt == 0 else f"{request_id}.retry{attempt}",
                     prompt_token_ids=prompt, sampling=sampling_to_proto(params), cache_salt=cache_salt,
                     pool_blocks=matched.get(POOL, 0))
-                stream = self._route(work, matched, rt, policy, route, avoid)
+                stream = self._route(work, matched, rt, policy, route, avoid, disaggregate or self.cfg.disaggregate)
                 if stream is None:
                     if failure is not None:  # nowhere else to go: the error of the last attempt stands
                         raise failure
@@ -287,8 +293,10 @@ class Router:
                 rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
-               policy: str | None, route: Span, avoid: set[str]):
-        """The chosen instances' chunk stream, or None when no live instance (outside ``avoid``) can serve."""
+               policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto"):
+        """The chosen instances' chunk stream, or None when no live instance (outside ``avoid``) can serve.
+        With prefill and decode instances, the cost model decides whether the hop pays (``disaggregation``):
+        when decode already holds about as much of the prompt as prefill, decode computes the rest itself."""
         prompt = list(work.prompt_token_ids)
         prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
@@ -297,18 +305,27 @@ class Router:
             decode = choose_decode(decodes)
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
+            cost = self.policies.cost
+            d = disaggregation(disaggregate, len(prompt), self.cfg.block_size, matched.get(prefill.id, 0),
+                               matched.get(decode.id, 0), CostModel.from_load(prefill.beat.load, cost) or cost,
+                               CostModel.from_load(decode.beat.load, cost) or cost, int(decode.queue_depth))
+            route.set_attributes({"kvmesh.route.path": "pd" if d.disaggregate else "local",
+                                  "kvmesh.route.reason": d.reason})
+            if not d.disaggregate:
+                return self._local(work, decode, rt, d.reason)
             return self._disaggregated(work, prefill, decode, rt, policy, matched)
         both = [i for i in self.registry.alive("both") if i.id not in avoid]
         if both:
+            route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
             return self._local(work, self._choose(policy, "both", both, matched, prompt, route), rt)
         return None
 
-    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace):
+    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = ""):
         done = self.registry.dispatched(inst, len(work.prompt_token_ids))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, prefill_locally=True), metadata=tracing.grpc_metadata(dispatch),
-            timeout=self.cfg.request_timeout_s)
+            worker_pb2.DecodeRequest(work=work, prefill_locally=True, route_reason=reason),
+            metadata=tracing.grpc_metadata(dispatch), timeout=self.cfg.request_timeout_s)
         cached = 0
 
         async def cached_tokens() -> int:
