@@ -305,15 +305,23 @@ class Router:
             decode = choose_decode(decodes)
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
-            cost = self.policies.cost
+            # one line prices both computes: the same model on the same kind of machine, and a decode
+            # instance's own fit comes from one-token steps, which pin down no prompt speed. The streams decode
+            # runs: what this router has in flight there (a heartbeat lags: in a chat it still reports the
+            # previous turn decoding)
+            speed = CostModel.from_load(prefill.beat.load, self.policies.cost) or self.policies.cost
             d = disaggregation(disaggregate, len(prompt), self.cfg.block_size, matched.get(prefill.id, 0),
-                               matched.get(decode.id, 0), CostModel.from_load(prefill.beat.load, cost) or cost,
-                               CostModel.from_load(decode.beat.load, cost) or cost, int(decode.queue_depth))
+                               matched.get(decode.id, 0), speed, speed, decode.inflight)
             route.set_attributes({"kvmesh.route.path": "pd" if d.disaggregate else "local",
-                                  "kvmesh.route.reason": d.reason})
+                                  "kvmesh.route.reason": d.reason,
+                                  "kvmesh.route.pd_ms": round(d.pd_s * 1e3, 1),
+                                  "kvmesh.route.local_ms": round(d.local_s * 1e3, 1)})
             if not d.disaggregate:
                 return self._local(work, decode, rt, d.reason)
-            return self._disaggregated(work, prefill, decode, rt, policy, matched)
+            # decode's deadline for kv.ready: the configured wait past the estimated prefill + push (twice
+            # over): a long cold prompt must not time out while prefill is still computing it
+            kv_timeout = self.cfg.kv_timeout_s + 2 * d.pd_s
+            return self._disaggregated(work, prefill, decode, rt, policy, matched, kv_timeout)
         both = [i for i in self.registry.alive("both") if i.id not in avoid]
         if both:
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
@@ -341,7 +349,8 @@ class Router:
             dispatch.end()
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
-                             rt: RequestTrace, policy: str | None, matched: dict[str, int]):
+                             rt: RequestTrace, policy: str | None, matched: dict[str, int],
+                             kv_timeout_s: float = 0.0):
         decode_done = self.registry.dispatched(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
                                                                    "kvmesh.decode_instance": decode.id})
@@ -349,7 +358,8 @@ class Router:
         held = self._decode_holds(work, decode, matched)  # decode pins them; prefill pushes only the rest
         dispatch.set_attribute("kvmesh.decode_cached_blocks", held)
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s, cached_blocks=held),
+            worker_pb2.DecodeRequest(work=work, kv_timeout_s=kv_timeout_s or self.cfg.kv_timeout_s,
+                                     cached_blocks=held),
             metadata=md, timeout=self.cfg.request_timeout_s)
         prefill_call = asyncio.ensure_future(self._prefill(work, prefill, decode, md, rt, policy, matched, held))
         prefill_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are logged inside

@@ -84,16 +84,19 @@ def disaggregation(mode: str, prompt_tokens: int, block_size: int, prefill_hit_b
     local estimate counts once per running stream plus the request itself. Decode computes locally only when it
     holds at least half the prompt: a long cold prefill on decode stalls every stream that joins later too,
     which a one-request estimate does not see, and keeping those off decode is what PD is for. ``mode``
-    ``always`` / ``never`` forces PD / local (experiments)."""
-    if mode == "always":
-        return Disaggregation(True, "pd: forced (disaggregate=always)")
-    if mode == "never":
-        return Disaggregation(False, "local: forced (disaggregate=never)")
+    ``always`` / ``never`` forces PD / local (experiments).
+
+    ``decode`` prices decode's own compute: give it the prefill instance's measured line when decode has none
+    of its own for prompts (its steps are one token each, which pins down no speed)."""
     covered = lambda blocks: min(blocks * block_size, prompt_tokens - 1)  # the last token is always computed
     pd_s = (prefill.prefill_s(prompt_tokens - covered(prefill_hit_blocks))
             + decode.fetch_s(-(-prompt_tokens // block_size) - decode_hit_blocks) + hop_s)
     lacks = prompt_tokens - covered(decode_hit_blocks)
     local_s = decode.prefill_s(lacks) * (1 + max(0, decode_running))
+    if mode == "always":
+        return Disaggregation(True, "pd: forced (disaggregate=always)", pd_s, local_s)
+    if mode == "never":
+        return Disaggregation(False, "local: forced (disaggregate=never)", pd_s, local_s)
     if decode_hit_blocks * block_size * 2 < prompt_tokens:
         return Disaggregation(True, f"pd: decode holds {decode_hit_blocks} of {-(-prompt_tokens // block_size)} "
                                     f"blocks (less than half the prompt)", pd_s, local_s)
