@@ -1,6 +1,7 @@
 """Mesh overhead: TTFT through the whole stack vs the engine alone, same short prompts, same run.
 
     kvmesh bench mesh [--requests N] [--max-tokens N] [--no-write]
+    kvmesh bench mesh --pd [--turns N] [--no-write]   (PD vs role both: app/bench/pd.py)
 
 The stack is 1 prefill + 1 decode (each 1 thread) + router + cachesvc + nats-server on this machine; TTFT is
 measured at an HTTP client streaming from the router (SSE), one request at a time. The engine alone runs in this
@@ -80,7 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--pd", action="store_true", help="PD (auto and forced) vs role both: a cold 1,500-token "
+                   "prompt and a multi-turn chat, bytes pushed per turn")
+    p.add_argument("--turns", type=int, default=10)
     args = p.parse_args(argv)
+    if args.pd:
+        from app.bench import pd
+
+        body = ("Token-id prompts, greedy, ignore_eos, 16 output tokens; default model (SmolLM2-135M fp32), 1 "
+                "thread per engine; TTFT at an HTTP client streaming from the router. Chat: 95 tokens, then "
+                "+107 per turn (a stand-in of the reply's length plus the next question). `pd auto`: the router's "
+                "cost model picks PD or decode-computes-the-rest per request; `pd always`: header "
+                "`x-kvmesh-disaggregate: always`.\n\n" + pd.report(pd.run(turns=args.turns)))
+        print(body)
+        if not args.no_write:
+            print(f"\nwritten to {write_section('PD vs role both', 'kvmesh bench mesh --pd', body)}")
+        return 0
     res = run(args.requests, args.max_tokens)
     rows = []
     for name, xs in (("engine alone (in process)", res["engine"]), ("mesh (router → prefill → decode)", res["mesh"])):

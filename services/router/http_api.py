@@ -223,7 +223,8 @@ class OpenAIApi:
                                               "{\"include_usage\": true}")
             streaming, include_usage = _bool(body, "stream"), _bool(stream_opts, "include_usage")
             rt.describe(model or self.router.model_id, tenant or requested, len(prompt))
-            stream = self.router.generate(rid, prompt, params, salt, trace=rt, policy=policy or None)
+            stream = self.router.generate(rid, prompt, params, salt, trace=rt, policy=policy or None,
+                                          disaggregate=request.headers.get("x-kvmesh-disaggregate") or None)
             kind = "chat.completion" if chat else "text_completion"
             if streaming:
                 return await self._sse(request, rid, kind, stream, include_usage, rt)

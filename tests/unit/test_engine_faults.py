@@ -117,10 +117,10 @@ def test_a_failed_kv_export_fails_that_request_alone(make):
     engine = make()
     export = engine.blocks.export_prefix
 
-    def broken(seq):
+    def broken(seq, *args, **kwargs):
         if seq.request_id == "hostile":
             raise OSError("export failed")
-        return export(seq)
+        return export(seq, *args, **kwargs)
 
     engine.blocks.export_prefix = broken
     engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export_kv=True)

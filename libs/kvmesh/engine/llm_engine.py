@@ -42,9 +42,10 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 class ExportedKV:
     """A finished request's KV, read out for a decode instance (prefill role)."""
 
-    blocks: torch.Tensor           # [n, *layout.block_shape], storage dtype
-    num_tokens: int                # tokens whose KV the blocks hold
-    block_keys: list[int]          # keys of the full blocks
+    blocks: torch.Tensor           # [n, *layout.block_shape], storage dtype: blocks first_block.. of the request
+    num_tokens: int                # tokens of the request whose KV is computed (from its start)
+    block_keys: list[int]          # keys of all its full blocks, from the first
+    first_block: int = 0           # the request's blocks before this one were not read out (the receiver has them)
 
 
 @dataclass
@@ -76,11 +77,12 @@ class Completion:
 class _Tracked:
     """Per-request text state owned by the engine: incremental detokenizer and stop-string matching."""
 
-    def __init__(self, seq: Sequence, detok, export_kv: bool = False) -> None:
+    def __init__(self, seq: Sequence, detok, export_kv: bool = False, export_from: int = 0) -> None:
         self.seq = seq
         self.detok = detok
         self.text = ""
         self.export_kv = export_kv
+        self.export_from = export_from
         self.error: SequenceError | None = None
         self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
 
@@ -158,12 +160,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
-                    imported: tuple[torch.Tensor, int, int] | None = None) -> Sequence:
+                    imported: tuple[torch.Tensor, int, int] | tuple[torch.Tensor, int, int, int] | None = None,
+                    export_from: int = 0) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``export_kv``: when it finishes, its KV is read out into ``StepOutput.exported`` (prefill role).
-        ``imported``: ``(blocks, num_tokens, first_token)`` computed by a prefill instance; the request starts
-        decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        ``export_from``: read out only the blocks from this index on (the receiver holds the ones before).
+        ``imported``: ``(blocks, num_tokens, first_token[, first_block])`` computed by a prefill instance
+        (``blocks`` hold the prompt's blocks from ``first_block`` on; the ones before must be cached here, e.g.
+        pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         """
         if request_id in self._requests:
@@ -188,12 +193,13 @@ class LLMEngine:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv)
+        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv, export_from)
         tracked.grammar = grammar
         if imported is not None:
-            blocks, num_tokens, first_token = imported
+            blocks, num_tokens, first_token = imported[:3]
+            first_block = imported[3] if len(imported) > 3 else 0
             seq.output_token_ids.append(first_token)
-            if self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens):
+            if self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens, first_block):
                 seq.num_cached_tokens = num_tokens
                 self.scheduler.add_running(seq)
                 seq.output_token_ids.pop()
@@ -312,8 +318,10 @@ class LLMEngine:
         if reason is not None:
             if tracked.export_kv:
                 n = seq.num_computed_tokens
-                exported = ExportedKV(self.blocks.export_prefix(seq), n,
-                                      block_keys(seq.namespace_seed, seq.all_token_ids[:n], self.cfg.block_size))
+                first = min(tracked.export_from, max(0, -(-n // self.cfg.block_size) - 1))
+                exported = ExportedKV(self.blocks.export_prefix(seq, first), n,
+                                      block_keys(seq.namespace_seed, seq.all_token_ids[:n], self.cfg.block_size),
+                                      first)
             self.scheduler.finish(seq, reason)
         return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
                           exported)

@@ -280,6 +280,9 @@ class RouterSettings(Section):
     request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
     policy: str = setting("cache_aware", "routing policy (per request: header / metadata x-kvmesh-policy)",
                           choices=tuple(sorted(POLICIES)))
+    disaggregate: str = setting("auto", "prefill on a prefill instance and push the KV (always), let decode prefill "
+                                        "itself (never), or let the cost model choose (auto; per request: header / "
+                                        "metadata x-kvmesh-disaggregate)", choices=("auto", "always", "never"))
     slo_ttft_s: float = setting(0.0, "admission: reject (429) when no instance's estimated TTFT meets it "
                                      "(0 = off)")
     prefill_tok_per_s: float = setting(240.0, "cost model: one instance's prefill speed")

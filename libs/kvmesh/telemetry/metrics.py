@@ -98,6 +98,13 @@ class EngineCollector(Collector):
         blocks.add_metric(["device", "cached"], load.cached_blocks)
         blocks.add_metric(["host", "capacity"], host_capacity)
         blocks.add_metric(["host", "used"], load.host_blocks)
+        try:  # a racy read of the tree: a set or dict that changed while counted is skipped this scrape
+            counts = e.blocks.counts()
+        except RuntimeError:
+            counts = None
+        if counts is not None:
+            blocks.add_metric(["device", "referenced"], counts["referenced"])  # by sequences or leases
+            blocks.add_metric(["device", "pinned"], counts["pinned"])  # by leases (decode: a delta push)
         yield blocks
         yield GaugeMetricFamily(f"{p}_kv_block_bytes", "Bytes of one KV block (every layer, K and V) as stored: "
                                 "blocks moved times this is bytes moved", value=e.layout.block_nbytes)
