@@ -208,6 +208,20 @@ def worker_blocks(stack, name: str, state: str) -> float:
                and 'tier="device"' in line)
 
 
+def cachesvc_metric(stack, name: str) -> float:
+    with urllib.request.urlopen(service(stack, "cachesvc").endpoints["metrics"], timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def eventually(condition, within_s: float = 20.0) -> None:
+    """Wait for ``condition`` (something that happens after a response went out) rather than sleep a guess."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.1)
+
+
 def completion(stack, prompt: list[int], max_tokens: int = 6, headers: dict | None = None) -> list[str]:
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/completions", data=body,
@@ -216,27 +230,28 @@ def completion(stack, prompt: list[int], max_tokens: int = 6, headers: dict | No
         return json.load(r)["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("fault", ["KVMESH_FAULT_CORRUPT_PUSHES", "KVMESH_FAULT_STALL_PUSHES"])
+@pytest.mark.parametrize("fault", ["KVMESH_INSTANCE_FAULT_CORRUPT_PUSHES", "KVMESH_INSTANCE_FAULT_STALL_PUSHES"])
 def test_a_bad_delta_push_is_recomputed_and_leaks_no_pinned_block(tmp_path_factory, fault):
     """The second push is a delta (decode holds the first turn): corrupted or stalled, decode recomputes with
     the pinned prefix, the tokens equal a clean run's, and afterwards no block is pinned or referenced."""
     stack = start_stack(tmp_path_factory, "delta-" + fault.split("_")[-2].lower(),
-                        env={fault: "2", "KVMESH_KV_TIMEOUT_S": "3"})
+                        env={fault: "2", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
     always = {"x-kvmesh-disaggregate": "always"}
     try:
         turn1 = [(i * 7919) % 30000 + 100 for i in range(70)]
         turn2 = turn1 + [(i * 104729) % 30000 + 100 for i in range(40)]
         completion(stack, turn1, headers=always)  # push 1 (faulty): recomputed; decode now holds turn 1
-        time.sleep(1.0)  # kv.events reach cachesvc, so MatchPrefix sees decode's blocks
+        # kv.events reach cachesvc, so MatchPrefix sees decode's blocks: both engines are in its index
+        eventually(lambda: cachesvc_metric(stack, "kvmesh_cachesvc_instances") >= 2)
         t0 = time.monotonic()
         faulty = completion(stack, turn2, headers=always)  # push 2: a delta, and faulty: recomputed
         assert time.monotonic() - t0 < 30  # the 3 s deadline, not the stall's 60 s
         clean = completion(stack, turn2, headers=always)  # a clean delta push
         assert faulty == clean
         assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 2
-        time.sleep(0.5)
-        assert worker_blocks(stack, "decode-0", "pinned") == 0
-        assert worker_blocks(stack, "decode-0", "referenced") == 0
-        assert worker_blocks(stack, "prefill-0", "referenced") == 0
+        # released as each call ends (just after its last chunk): a leak never gets to 0
+        eventually(lambda: worker_blocks(stack, "decode-0", "pinned") == 0)
+        eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
+        eventually(lambda: worker_blocks(stack, "prefill-0", "referenced") == 0)
     finally:
         stack.stop()
