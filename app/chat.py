@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"), help="default: $KVMESH_API_KEY")
+    p.add_argument("--api-key", default=os.environ.get("KVMESH_ROUTER_API_KEY"),
+                   help="default: $KVMESH_ROUTER_API_KEY (the router's key without a tenant)")
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.temperature < 0:
         p.error("--max-tokens must be >= 1 and --temperature >= 0")

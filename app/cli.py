@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
 def lora_env(entries: list[str]) -> dict[str, str]:
-    """``--lora NAME=PATH`` flags as the engines' ``lora_adapters`` setting (absolute paths)."""
+    """``--lora NAME=PATH`` flags as the engines' ``lora_adapters`` setting (absolute paths), as the variable
+    ``KVMESH_ENGINE_LORA_ADAPTERS`` every engine instance of the stack reads."""
     from pathlib import Path
 
     pairs = []
@@ -20,23 +20,23 @@ def lora_env(entries: list[str]) -> dict[str, str]:
         pairs.append(f"{name}={Path(path).expanduser().resolve()}")
     if not pairs:
         return {}
-    value = ",".join(pairs)
-    return {"KVMESH_LORA_ADAPTERS": value, "KVMESH_ENGINE_LORA_ADAPTERS": value}
+    return {"KVMESH_ENGINE_LORA_ADAPTERS": ",".join(pairs)}
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", type=int, help="torch threads for the engine (default 1)")
-    p.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16", "fp8"], help="KV storage dtype")
-    p.add_argument("--config", help="TOML file with engine settings (see README)")
+    """``kvmesh generate`` reads [shared] and [engine]: --config and the flags generated from their fields."""
+    from kvmesh import settings
+
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with an [engine] table (docs/configuration.md)")
+    settings.add_flags(p, ["engine"])
 
 
 def _build_engine(args: argparse.Namespace):
-    from kvmesh import config
+    from kvmesh import settings
     from kvmesh.engine.llm_engine import LLMEngine
 
-    cfg = config.load(config.EngineConfig, args.config, section="engine", model=args.model,
-                      threads=args.threads, kv_dtype=args.kv_dtype)
-    return LLMEngine(cfg)
+    cfg = settings.load(["engine"], path=args.config, overrides=settings.flag_overrides(args))
+    return LLMEngine(cfg.engine)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -49,7 +49,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvmesh generate: {e}", file=sys.stderr)
         return 2
-    engine = _build_engine(args)
+    try:
+        engine = _build_engine(args)
+    except (ValueError, OSError) as e:  # a SettingsError names the variable, flag or file key
+        print(f"kvmesh generate: {e}", file=sys.stderr)
+        return 2
     tok = engine.tokenizer
     prompt_ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
                   else tok.encode(args.prompt))
@@ -108,24 +112,27 @@ def cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from kvmesh import settings
     from kvmesh.state import state_dir
 
     from app.launcher import Stack, StackOptions
 
     directory = state_dir(args.state_dir)
     try:
-        lora_env(args.lora)
+        lora = lora_env(args.lora)
     except ValueError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
-    opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, nats_url=args.nats_url,
-                        http_port=args.http_port, grpc_port=args.grpc_port, cluster=args.cluster, model=args.model,
-                        threads=args.threads, transfer_backend=args.transfer_backend,
-                        env=lora_env(args.lora))
+    opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, config=args.config,
+                        settings=settings.flag_overrides(args, prefixed=True), env=lora)
+    try:
+        stack = Stack(directory, opts)
+    except (ValueError, OSError) as e:  # a bad or unknown setting: named, before anything starts
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stack = Stack(directory, opts)
     print(f"starting kvmesh (state in {directory}) ...", flush=True)
     try:
         info = stack.start()
@@ -189,23 +196,24 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    u = sub.add_parser("up", help="start the whole stack as local processes")
+    from kvmesh import settings
+    from kvmesh.settings import SECTIONS
+
+    from app.launcher import LAUNCHER_SET
+
+    u = sub.add_parser("up", help="start the whole stack as local processes",
+                       description="Settings flags are --<section>-<field> ([shared]: --<field>); an unset "
+                                   "--nats-url starts a NATS server; the router's model defaults to the "
+                                   "engines' (--engine-model). Every setting: docs/configuration.md.")
     u.add_argument("--prefill", type=int, default=1)
     u.add_argument("--decode", type=int, default=1)
     u.add_argument("--both", type=int, default=0, help="instances that prefill and decode (no transfer)")
-    u.add_argument("--nats-url", help="use this NATS server instead of starting one")
-    u.add_argument("--http-port", type=int, default=os.environ.get("KVMESH_HTTP_PORT", "8000"),
-                   help="router HTTP port (default: $KVMESH_HTTP_PORT, else 8000; 0 = any free port)")
-    u.add_argument("--grpc-port", type=int, default=os.environ.get("KVMESH_GRPC_PORT", "50051"),
-                   help="router gRPC port (default: $KVMESH_GRPC_PORT, else 50051; 0 = any free port)")
-    u.add_argument("--cluster", default="local")
-    u.add_argument("--model", help="HF directory or .gguf file for every instance")
-    u.add_argument("--threads", type=int, default=1, help="torch threads per engine instance")
-    u.add_argument("--transfer-backend", default="tcp", choices=["tcp", "shm", "mooncake"])
     u.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                   help="a LoRA adapter (PEFT directory) every engine instance loads at start (repeatable); "
-                        "requests pick it with model=NAME")
+                   help="a LoRA adapter (PEFT directory) every engine instance loads at start (repeatable; "
+                        "sets engine.lora_adapters); requests pick it with model=NAME")
     u.add_argument("--state-dir", help="default: $KVMESH_STATE_DIR, else .kvmesh/")
+    u.add_argument("--config", metavar="FILE.toml", help="TOML file, one [section] table per section")
+    settings.add_flags(u, list(SECTIONS), prefixed=True, skip=LAUNCHER_SET)
     u.set_defaults(func=cmd_up)
 
     c = sub.add_parser("chat", help="interactive chat with a running stack", add_help=False)

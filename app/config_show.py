@@ -1,116 +1,51 @@
-"""``kvmesh config show``: the effective settings of each service (defaults < TOML file < ``KVMESH_*``
-environment < flags), with where each value came from, secrets masked. A bad value fails here, at start, with
-the message the service itself would give."""
+"""``kvmesh config show``: the effective settings of every section (defaults < TOML file < ``KVMESH_*``
+environment < flags), with where each value came from, secrets masked. ``--json`` prints
+``{section: {field: {"value": ..., "source": ..., "env": "KVMESH_..."}}}`` (:func:`kvmesh.settings.show`); the
+text view is the same data as TOML. A bad value, an unknown or renamed variable fails here, at start, with the
+message the service itself would give."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import tomllib
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-from kvmesh import config
-from kvmesh.config import EngineConfig
-from kvmesh.instance.config import WorkerConfig
-from kvmesh.telemetry.config import TelemetryConfig
-from kvmesh.tls import TLSConfig
+from kvmesh import settings
 
-from services.cachesvc.config import CacheServiceConfig
-from services.router.config import RouterConfig
-
-# section -> its settings class; the section is also the TOML table the class is read from.
-SECTIONS: dict[str, type] = {
-    "engine": EngineConfig,
-    "worker": WorkerConfig,
-    "router": RouterConfig,
-    "cachesvc": CacheServiceConfig,
-    "telemetry": TelemetryConfig,
-    "tls": TLSConfig,  # read from the environment only (every process, every gRPC hop)
-}
-# the sections each deployable service reads, its own first
+# The sections each entry point reads besides [shared], its own first (each entry point's SECTIONS).
 SERVICE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "router": ("router", "telemetry", "tls"),
-    "prefill": ("worker", "engine", "telemetry", "tls"),
-    "decode": ("worker", "engine", "telemetry", "tls"),
-    "cachesvc": ("cachesvc", "telemetry", "tls"),
+    "router": ("router", "telemetry"),
+    "prefill": ("instance", "engine", "telemetry"),
+    "decode": ("instance", "engine", "telemetry"),
+    "both": ("instance", "engine", "telemetry"),
+    "cachesvc": ("cachesvc", "telemetry"),
 }
-# variables read outside the settings classes (see the README)
-PROCESS_ENV = ("KVMESH_STATE_DIR", "KVMESH_CACHE_DIR", "KVMESH_LOG_LEVEL")
-SECRET_FIELDS = ("api_key", "api_keys")
-MASK = "***"
 
 
-def settings_class(section: str) -> type:
-    return SECTIONS[section]
+def service_defaults(service: str) -> dict[str, dict[str, Any]]:
+    """What the entry point of ``service`` sets before the file and the environment (an engine's role)."""
+    return {"instance": {"role": service}} if service in ("prefill", "decode", "both") else {}
 
 
-def field_names(section: str) -> list[str]:
-    return [f.name for f in dataclasses.fields(settings_class(section))]
-
-
-def env_keys(service: str) -> set[str]:
-    """Every ``KVMESH_*`` variable ``service`` reads."""
-    keys = {f"KVMESH_{n.upper()}" for s in SERVICE_SECTIONS[service] for n in field_names(s)}
-    return keys | set(PROCESS_ENV)
-
-
-def load_section(section: str, path: str | Path | None = None, env: dict[str, str] | None = None,
-                 overrides: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None) -> Any:
-    cls = settings_class(section)
-    known = {f.name for f in dataclasses.fields(cls)}
-    return config.load(cls, path, env, section=section, defaults=defaults,
-                       **{k: v for k, v in (overrides or {}).items() if k in known})
-
-
-def load_service(service: str, path: str | Path | None = None, env: dict[str, str] | None = None,
-                 flags: dict[str, str] | None = None) -> dict[str, Any]:
-    """The settings objects ``service`` builds at start from ``path``, ``env`` and its command-line ``flags``
-    (``{"grpc_port": "8001"}``: a flag's name is its field's)."""
+def load_service(service: str, argv: list[str], env: Mapping[str, str]) -> settings.Settings:
+    """The settings ``service`` builds at start from ``env`` and its command line ``argv`` (``--config`` and its
+    generated flags; other arguments are ignored). A :class:`kvmesh.settings.SettingsError` (a ValueError)
+    names what is wrong."""
     if service not in SERVICE_SECTIONS:
         raise ValueError(f"unknown service {service!r}; choose one of {sorted(SERVICE_SECTIONS)}")
-    out = {}
-    for section in SERVICE_SECTIONS[service]:
-        typed = _typed_flags(section, flags or {})
-        defaults = {"role": service} if section == "worker" else None
-        out[section] = load_section(section, path, env, typed, defaults)
-    return out
-
-
-def _typed_flags(section: str, flags: dict[str, str]) -> dict[str, Any]:
-    """Command-line strings converted like environment values (the services' argparse types)."""
-    types = {f.name: f.type for f in dataclasses.fields(settings_class(section))}
-    out = {}
-    for name, value in flags.items():
-        if name in types:
-            out[name] = config.coerce(f"--{name.replace('_', '-')}", value, types[name])
-    return out
-
-
-def sources(section: str, path: str | Path | None, env: dict[str, str]) -> dict[str, str]:
-    """Where each field's effective value comes from: ``default``, ``file``, or ``env KVMESH_<FIELD>``."""
-    table = tomllib.loads(Path(path).read_text()).get(section, {}) if path else {}
-    out = {}
-    for name in field_names(section):
-        key = f"KVMESH_{name.upper()}"
-        out[name] = f"env {key}" if key in env else "file" if name in table else "default"
-    return out
-
-
-def masked(name: str, value: Any) -> Any:
-    """``value`` safe to print: secrets as ``***``, a password in a URL (``nats://user:pw@host``) likewise."""
-    if name in SECRET_FIELDS and value:
-        return {MASK: f"{len(value)} keys"} if isinstance(value, dict) else MASK
-    if isinstance(value, str) and "://" in value and "@" in value:
-        parts = urlsplit(value)
-        if parts.password:
-            netloc = f"{parts.username}:{MASK}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-            return urlunsplit(parts._replace(netloc=netloc))
-    return value
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--config")
+    settings.add_flags(parser, SERVICE_SECTIONS[service])
+    try:
+        args, _ = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    return settings.load(SERVICE_SECTIONS[service], path=args.config, env=env,
+                         overrides=settings.flag_overrides(args), defaults=service_defaults(service))
 
 
 def _toml_value(value: Any) -> str:
@@ -121,22 +56,15 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value)
 
 
-def show(sections: list[str], path: str | None, env: dict[str, str], as_json: bool,
-         role: str | None = None) -> str:
-    """The settings of ``sections`` as TOML with each value's source (or JSON); ``role``: an engine's
-    default role (prefill / decode)."""
-    loaded = {s: load_section(s, path, env, defaults={"role": role} if role and s == "worker" else None)
-              for s in sections}
-    if as_json:
-        return json.dumps({s: {k: masked(k, v) for k, v in dataclasses.asdict(cfg).items()}
-                           for s, cfg in loaded.items()}, indent=2)
+def text(shown: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """``show``'s data as TOML, each value's source (and its variable) as a comment."""
     lines = []
-    for s, cfg in loaded.items():
-        src = sources(s, path, env)
-        lines.append(f"[{s}]")
-        width = max(len(n) for n in src)
-        for name, value in dataclasses.asdict(cfg).items():
-            lines.append(f"{name:<{width}} = {_toml_value(masked(name, value)):<24} # {src[name]}")
+    for section, fields in shown.items():
+        lines.append(f"[{section}]")
+        width = max(len(n) for n in fields)
+        for name, item in fields.items():
+            where = {"env": f"env {item['env']}"}.get(item["source"], item["source"])
+            lines.append(f"{name:<{width}} = {_toml_value(item['value']):<24} # {where}")
         lines.append("")
     return "\n".join(lines).rstrip("\n")
 
@@ -145,22 +73,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh config", description=__doc__)
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("show", help="print the effective settings")
-    s.add_argument("--service", default="all",
-                   choices=["all", *SECTIONS, *(k for k in SERVICE_SECTIONS if k not in SECTIONS)],
-                   help="a settings section, a service (prefill/decode: worker, engine, telemetry), or all")
-    s.add_argument("--config", help="TOML file, one table per section ([router], [worker], [engine], ...)")
-    s.add_argument("--json", action="store_true", help="one JSON object: section -> settings")
+    s.add_argument("--service", default="all", choices=["all", *settings.SECTIONS, *SERVICE_SECTIONS],
+                   help="all sections (default), one section, or the sections one service reads "
+                        "(its defaults applied: an engine's role)")
+    s.add_argument("--config", help="TOML file, one [section] table per section (docs/configuration.md)")
+    s.add_argument("--json", action="store_true",
+                   help='one JSON object: {section: {field: {"value", "source", "env"}}}')
     args = p.parse_args(argv)
-    if args.service == "all":
-        sections = list(SECTIONS)
-    elif args.service in SECTIONS:
-        sections = [args.service]
-    else:
-        sections = list(SERVICE_SECTIONS[args.service])
-    role = args.service if args.service in ("prefill", "decode") else None
     try:
-        print(show(sections, args.config, dict(os.environ), args.json, role))
-    except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError) as e:
+        shown = settings.show(args.config, dict(os.environ), defaults=service_defaults(args.service))
+    except (settings.SettingsError, OSError, tomllib.TOMLDecodeError) as e:
         print(f"kvmesh config: {e}", file=sys.stderr)
         return 2
+    if args.service in SERVICE_SECTIONS:
+        shown = {k: v for k, v in shown.items() if k in ("shared", *SERVICE_SECTIONS[args.service])}
+    elif args.service != "all":
+        shown = {args.service: shown[args.service]}
+    print(json.dumps(shown, indent=2) if args.json else text(shown))
     return 0

@@ -1,5 +1,11 @@
 """``kvmesh up``: the whole stack as local processes — nats-server, cachesvc, engine instances, router.
 
+Settings: the launcher loads every section as a service would (``--config`` file < environment < flags, plus
+the launcher's own defaults: cachesvc on any free port, spans to <state dir>/traces.jsonl), so a bad or unknown
+setting stops ``kvmesh up`` before anything starts, and hands each child the values it did not inherit from the
+environment as ``KVMESH_<SECTION>_<FIELD>`` variables, along with what only the launcher knows (the NATS URL, the
+cachesvc address, each engine's id, its ready file).
+
 Everything the stack writes (logs, NATS data, stack.json, ready files, the span file traces.jsonl) goes to the state
 directory. Services bind the ports given (0 = any free one) and report the ports bound in their ready files;
 stack.json holds those actual addresses.
@@ -18,8 +24,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
+from kvmesh import settings
 from kvmesh.bus import NatsServer
 from kvmesh.ready import poll_ready
 from kvmesh.state import StackInfo
@@ -29,21 +36,40 @@ from kvmesh.telemetry.spans import trace_file
 ENGINE_MODULES = {"prefill": "services.prefill", "decode": "services.decode", "both": "app.both"}
 
 
+# what the launcher sets itself for each child: not flags of `kvmesh up`
+LAUNCHER_SET = ("shared.state_dir", "shared.ready_file", "instance.role", "instance.id", "instance.cachesvc_address",
+                "router.cachesvc_address")
+
+
 @dataclass
 class StackOptions:
+    """The stack's shape (how many of each engine, whether engines use the pool) and its settings: ``settings``
+    as flags give them (``{"router": {"http_port": 0}, "shared": {"cluster": "t"}}``), ``config`` a TOML file,
+    ``env`` extra ``KVMESH_*`` variables (checked like the environment). The router's ports default to 8000 and
+    50051 (``router.http_port`` / ``grpc_port`` 0 = any free one, read back from Stack / stack.json); an unset
+    ``nats_url`` (its default) starts a NATS server in the state directory."""
     prefill: int = 1
     decode: int = 1
     both: int = 0
-    nats_url: str | None = None
-    http_port: int = 8000   # router ports; 0 = any free port (tests, benchmarks): read back from Stack / stack.json
-    grpc_port: int = 50051
-    cachesvc_port: int = 0
-    cluster: str = "local"
-    model: str | None = None
-    threads: int = 1
-    transfer_backend: str = "tcp"
     pool: bool = True  # engines write back to and fetch from cachesvc's pool (False: the router still asks it)
-    env: dict[str, str] = field(default_factory=dict)  # extra KVMESH_* settings for every service
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    config: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def local(cls, cluster: str, **kw: Any) -> StackOptions:
+        """Tests and benchmarks: router ports any free ones, its own cluster name; ``settings`` merge in."""
+        extra = kw.pop("settings", {})
+        merged: dict[str, dict[str, Any]] = {"router": {"http_port": 0, "grpc_port": 0}, "shared": {"cluster": cluster}}
+        for section, values in extra.items():
+            merged.setdefault(section, {}).update(values)
+        return cls(settings=merged, **kw)
+
+    def load(self, state_dir: Path) -> settings.Settings:
+        """Every section as the stack's services will see it (SettingsError: what is wrong, and where)."""
+        return settings.load(None, path=self.config, env={**os.environ, **self.env}, overrides=self.settings,
+                             defaults={"cachesvc": {"port": 0},
+                                       "telemetry": {"trace_file": str(trace_file(state_dir))}})
 
 
 @dataclass
@@ -53,6 +79,7 @@ class Service:
     log_path: Path
     ready_path: Path
     endpoints: dict[str, str] = field(default_factory=dict)  # what it bound, from its ready file
+    env: dict[str, str] = field(default_factory=dict)  # the KVMESH_* variables it was started with
 
     @property
     def grpc_address(self) -> str:
@@ -71,6 +98,8 @@ class Stack:
         self.nats: NatsServer | None = None
         self.log_dir = state_dir / "logs"
         self.ready_dir = state_dir / "ready"
+        self.cfg = opts.load(state_dir)  # a bad setting stops here, before anything starts
+        self.child_env = _passed_on(self.cfg)
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -97,56 +126,51 @@ class Stack:
         """Start everything and return once the router sees every engine. A service that cannot start (e.g. a
         fixed port in use) raises ServiceFailed (a RuntimeError) with its message; TimeoutError past
         ``timeout_s``."""
-        o = self.opts
+        o, cfg = self.opts, self.cfg
         deadline = time.monotonic() + timeout_s
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ready_dir.mkdir(parents=True, exist_ok=True)
         try:
-            nats_url = o.nats_url
-            if nats_url is None:
+            nats_url = cfg.shared.nats_url
+            if cfg.sources["shared"]["nats_url"].kind == "default":
                 self.nats = NatsServer(self.state_dir / "nats").start()  # any free port, read back
                 nats_url = self.nats.url
-            common = ["--nats-url", nats_url, "--cluster", o.cluster]
-            cache = self._spawn("cachesvc", ["services.cachesvc", "--port", str(o.cachesvc_port),
-                                             "--transfer-backend", o.transfer_backend, *common])
+            self.child_env["KVMESH_NATS_URL"] = nats_url
+            cache = self._spawn("cachesvc", "services.cachesvc", {})
             self._wait_ready([cache], deadline)  # the engines and the router need its actual address
-            cache_address = cache.grpc_address
-            model = ["--model", o.model] if o.model else []
-            pool = ["--cachesvc-address", cache_address] if o.pool else []
+            pool = {"KVMESH_INSTANCE_CACHESVC_ADDRESS": cache.grpc_address if o.pool else ""}
             for role, count in (("prefill", o.prefill), ("decode", o.decode), ("both", o.both)):
                 for i in range(count):
-                    module = ENGINE_MODULES[role]
-                    self._spawn(f"{role}-{i}", [module, "--role", role, "--instance-id", f"{role}-{i}",
-                                                "--port", "0", "--threads", str(o.threads),
-                                                "--transfer-backend", o.transfer_backend,
-                                                *pool, *model, *common])
-            self._spawn("router", ["services.router", "--grpc-port", str(o.grpc_port), "--http-port",
-                                   str(o.http_port), "--cachesvc-address", cache_address, *model, *common])
+                    self._spawn(f"{role}-{i}", ENGINE_MODULES[role],
+                                {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": f"{role}-{i}", **pool})
+            router = {"KVMESH_ROUTER_CACHESVC_ADDRESS": cache.grpc_address}
+            if cfg.sources["router"]["model"].kind == "default" and cfg.engine.model:
+                router["KVMESH_ROUTER_MODEL"] = cfg.engine.model  # the engines' model, unless told otherwise
+            self._spawn("router", "services.router", router)
             self._wait_ready(self.services, deadline)
             self._wait_instances(deadline)
         except BaseException:
             self.stop()
             raise
         info = StackInfo(router_grpc=self.router_grpc, router_http=self.router_http, nats_url=nats_url,
-                         cluster=o.cluster, pids={s.name: s.proc.pid for s in self.services},
+                         cluster=cfg.shared.cluster, pids={s.name: s.proc.pid for s in self.services},
                          endpoints={s.name: s.endpoints for s in self.services})
         info.write(self.state_dir)
         return info
 
-    def _spawn(self, name: str, args: list[str]) -> Service:
+    def _spawn(self, name: str, module: str, env: dict[str, str]) -> Service:
         log_path = self.log_dir / f"{name}.log"
         ready_path = self.ready_dir / f"{name}.json"
         ready_path.unlink(missing_ok=True)  # one from an earlier run is not this process's
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads),
-               "KVMESH_STATE_DIR": str(self.state_dir),
-               # spans of every service go to one file that `kvmesh trace` reads (unless the caller chose one)
-               "KVMESH_TRACE_FILE": os.environ.get("KVMESH_TRACE_FILE", str(trace_file(self.state_dir))),
-               **self.opts.env}
+        env = {**os.environ, **self.opts.env, "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": str(self.cfg.engine.threads or os.cpu_count() or 1),
+               **self.child_env, "KVMESH_STATE_DIR": str(self.state_dir), "KVMESH_READY_FILE": str(ready_path),
+               **env}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", *args, "--ready-file", str(ready_path)], stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
-        service = Service(name, proc, log_path, ready_path)
+            proc = subprocess.Popen([sys.executable, "-m", module], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        service = Service(name, proc, log_path, ready_path,
+                          env={k: v for k, v in env.items() if k.startswith("KVMESH_")})
         self.services.append(service)
         return service
 
@@ -202,3 +226,17 @@ def _router_instances(http_url: str) -> int:
         return int(json.load(e).get("instances", 0))
     except (OSError, ValueError, KeyError):
         return 0
+
+
+def _passed_on(cfg: settings.Settings) -> dict[str, str]:
+    """The variables that give each child the launcher's view of the settings: every value that is not the
+    field's default and did not come from the environment (which the children inherit)."""
+    out = {}
+    for name, section in cfg.sections.items():
+        cls = type(section)
+        for f, info in cls.model_fields.items():
+            value = getattr(section, f)
+            if cfg.sources[name][f].kind != "env" and (value != info.default
+                                                       or cfg.sources[name][f].kind in ("file", "flag")):
+                out[cls.env_name(f)] = settings.env_value(value)
+    return out

@@ -3,8 +3,11 @@ service command (so the service is PID 1 and gets the signals).
 
 - ``<NAME>_FILE`` for ``KVMESH_*`` and ``NATS_*`` variables: ``<NAME>`` is read from that file (docker
   secrets).
-- ``KVMESH_HOST=auto``: this container's own address. Engines advertise the address they bind, so on a bridge
-  network each replica binds its own address, not 0.0.0.0.
+- ``KVMESH_<SECTION>_HOST=auto`` (``KVMESH_INSTANCE_HOST``, ``KVMESH_ROUTER_HOST``, ``KVMESH_CACHESVC_HOST``):
+  this container's own address. Engines advertise the address they bind, so on a bridge network each replica
+  binds its own address, not 0.0.0.0.
+- The service's settings are loaded as it will load them (app/config_show.load_service): an unknown or renamed
+  ``KVMESH_*`` variable or a bad value stops the container here, exit 2.
 - An engine on port 0 binds any free port itself and writes it to its ready file (``KVMESH_READY_FILE``, set
   here to /tmp/kvmesh-ready.json unless given), which the healthcheck reads: no port is picked here, since
   another process on the host network could take it before the engine binds it. One without an instance id
@@ -42,26 +45,11 @@ def read_secret_files(env: dict[str, str]) -> None:
         del env[key]
 
 
-def flags(argv: list[str]) -> dict[str, str]:
-    """``--some-flag value`` / ``--some-flag=value`` pairs as ``{"some_flag": "value"}``."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--"):
-            name, eq, value = arg[2:].partition("=")
-            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value, i = argv[i + 1], i + 1
-            out[name.replace("-", "_")] = value
-        i += 1
-    return out
-
-
-def own_address() -> str:
+def own_address(name: str) -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError as e:
-        fail(f"KVMESH_HOST=auto: cannot resolve this container's hostname ({e}); set KVMESH_HOST explicitly")
+        fail(f"{name}=auto: cannot resolve this container's hostname ({e}); set {name} explicitly")
         raise
 
 
@@ -69,25 +57,26 @@ def prepare_service(service: str, argv: list[str], env: dict[str, str]) -> str:
     """Resolve the container-specific settings of ``service`` into ``env``; returns its health address."""
     from app import config_show  # noqa: PLC0415 - only for kvmesh services
 
-    given = flags(argv)
-    if env.get("KVMESH_HOST") == "auto" and "host" not in given:
-        env["KVMESH_HOST"] = own_address()
-    path = given.get("config")
+    own = config_show.SERVICE_SECTIONS[service][0]  # router, instance or cachesvc
+    host_var = f"KVMESH_{own.upper()}_HOST"
+    if env.get(host_var) == "auto" and "--host" not in argv:
+        env[host_var] = own_address(host_var)
     try:
-        if service in ("prefill", "decode"):
-            cfg = config_show.load_service(service, path, env, given)["worker"]
-            suffix = cfg.port or uuid.uuid4().hex[:8]  # port 0: the engine picks it as it binds, after us
-            if not cfg.instance_id:
-                env["KVMESH_INSTANCE_ID"] = f"{cfg.role}-{socket.gethostname()}-{suffix}"
-        loaded = config_show.load_service(service, path, env, given)
+        loaded = config_show.load_service(service, argv, env)
+        if own == "instance" and not loaded.instance.id:
+            suffix = loaded.instance.port or uuid.uuid4().hex[:8]  # port 0: the engine picks it as it binds
+            env["KVMESH_INSTANCE_ID"] = f"{loaded.instance.role}-{socket.gethostname()}-{suffix}"
+            loaded = config_show.load_service(service, argv, env)
     except (OSError, ValueError) as e:
         fail(f"bad settings for {service}: {e}")
         raise
-    cfg = loaded[config_show.SERVICE_SECTIONS[service][0]]
+    cfg = loaded[own]
     port = cfg.grpc_port if service == "router" else cfg.port
     if port == 0:  # bound as the service starts: the healthcheck reads it from the service's ready file
-        env.setdefault("KVMESH_READY_FILE", READY_FILE)
-        return f"ready://{env['KVMESH_READY_FILE']}"
+        ready = loaded.shared.ready_file
+        if not ready:
+            env["KVMESH_READY_FILE"] = ready = READY_FILE
+        return f"ready://{ready}"
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
     return f"grpc://{host}:{port}"
 

@@ -65,10 +65,10 @@ class Config:
     env: dict[str, str] = field(default_factory=dict)
 
     def stack_options(self, device_blocks: int) -> StackOptions:
-        env = {"KVMESH_NUM_BLOCKS": str(device_blocks), **self.env}
-        return StackOptions(prefill=self.prefill, decode=self.decode, both=self.both, pool=self.pool,
-                            threads=self.threads, http_port=0, grpc_port=0,
-                            cluster=f"ablation{self.name.lower()}", env=env)
+        env = {"KVMESH_ENGINE_NUM_BLOCKS": str(device_blocks), **self.env}
+        return StackOptions.local(f"ablation{self.name.lower()}", prefill=self.prefill, decode=self.decode,
+                                  both=self.both, pool=self.pool, env=env,
+                                  settings={"engine": {"threads": self.threads}})
 
     @property
     def victim(self) -> str:
@@ -77,9 +77,9 @@ class Config:
 
 
 def configs(host_cache_mb: int = 64) -> dict[str, Config]:
-    host = {"KVMESH_HOST_CACHE_MB": str(host_cache_mb)}
+    host = {"KVMESH_ENGINE_HOST_CACHE_MB": str(host_cache_mb)}
     return {c.name: c for c in (
-        Config("A", "no reuse (prefix cache off, no pool)", env={"KVMESH_ENABLE_PREFIX_CACHING": "0"}),
+        Config("A", "no reuse (prefix cache off, no pool)", env={"KVMESH_ENGINE_ENABLE_PREFIX_CACHING": "0"}),
         Config("B", "local prefix cache"),
         Config("C", "local + host tier", env=host),
         Config("D", "local + host + pool, PD on (1 prefill + 1 decode)", pool=True, env=host),

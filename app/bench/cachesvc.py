@@ -11,7 +11,7 @@
    then read back chain by chain (checksums verified), against plain sequential ``readinto`` of the same segment
    files in the same run; warm (page cache) and cold (``posix_fadvise(DONTNEED)`` before each pass).
 3. **Fetch vs recompute** of a 1024-token prefix: the engine's prefill of 1024 tokens
-   (``LLMEngine(EngineConfig(threads=1))``, real SmolLM2), against fetching the same 64 blocks from a running
+   (``LLMEngine(EngineSettings(threads=1))``, real SmolLM2), against fetching the same 64 blocks from a running
    cachesvc (DRAM tier; then disk tier, warm and cold) plus loading them into the engine's paged KV
    (``PoolClient.fetch`` + ``BlockManager.adopt``), three ways, interleaved: the engines' path (cachesvc pushes
    the blocks through the transfer engine to the reader's ``TransferServer``, tcp and shm) and the old inline
@@ -69,8 +69,8 @@ def cachesvc(nats_url: str, cluster: str, log_path: Path, **settings: object) ->
     ready_path = log_path.with_suffix(".ready.json")
     ready_path.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "KVMESH_DURABLE_NAME": f"bench-{cluster}", "KVMESH_INSTANCE_TIMEOUT_S": "3600",
-           **{f"KVMESH_{k.upper()}": str(v) for k, v in settings.items()}}
+           "KVMESH_CACHESVC_DURABLE_NAME": f"bench-{cluster}", "KVMESH_CACHESVC_INSTANCE_TIMEOUT_S": "3600",
+           **{f"KVMESH_CACHESVC_{k.upper()}": str(v) for k, v in settings.items()}}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "services.cachesvc", "--port", "0", "--nats-url",
                                  nats_url, "--cluster", cluster, "--ready-file", str(ready_path)],
@@ -271,13 +271,13 @@ def bench_disk(disk_mb: int, work: Path, reps: int) -> list[dict]:
 # -- 3. fetch vs recompute ---------------------------------------------------------------------------------------
 
 def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
-    from kvmesh.config import EngineConfig
     from kvmesh.contracts.sampling import SamplingParams
     from kvmesh.engine.llm_engine import LLMEngine
     from kvmesh.instance.pool_client import PoolClient
+    from kvmesh.settings import EngineSettings
     from kvmesh.transfer import TransferServer
 
-    llm = LLMEngine(EngineConfig(threads=1))
+    llm = LLMEngine(EngineSettings(threads=1))
     rng = random.Random(2)
     vocab = llm.model_config.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(1024)] for _ in range(reps + 1)]

@@ -14,10 +14,10 @@ import statistics
 import time
 
 import torch
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.loader import resolve_model
+from kvmesh.settings import EngineSettings
 
 from app.bench.report import markdown_table, write_section
 
@@ -38,7 +38,7 @@ def _median_time(fn, repeats: int) -> float:
 
 class Ours:
     def __init__(self, threads: int) -> None:
-        self.engine = LLMEngine(EngineConfig(threads=threads, max_batched_tokens=4096, kv_cache_mb=1024,
+        self.engine = LLMEngine(EngineSettings(threads=threads, max_batched_tokens=4096, kv_cache_mb=1024,
                                              max_num_seqs=64))
         self.n = 0
 

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 import torch
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.settings import EngineSettings
 
 from app.bench.report import markdown_table, write_section
 
@@ -46,7 +46,7 @@ def _itls(runs: list[list[float]]) -> np.ndarray:
 
 class Bench:
     def __init__(self, threads: int) -> None:
-        self.engine = LLMEngine(EngineConfig(threads=threads, max_num_seqs=64))
+        self.engine = LLMEngine(EngineSettings(threads=threads, max_num_seqs=64))
         self.n = 0
 
     def _rid(self) -> str:

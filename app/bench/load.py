@@ -167,9 +167,8 @@ def run(clients: int = 64, duration_s: float = 60.0, max_concurrent: int = 32, m
     """Start a stack (1 prefill + 1 decode, the real model), take the references, run the solo baseline and the
     load, then check the stack still answers."""
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(state_dir or Path(tmp), StackOptions(
-            http_port=0, grpc_port=0, cluster="load",
-            env={"KVMESH_MAX_CONCURRENT_REQUESTS": str(max_concurrent)}))
+        stack = Stack(state_dir or Path(tmp), StackOptions.local(
+            "load", env={"KVMESH_ROUTER_MAX_CONCURRENT_REQUESTS": str(max_concurrent)}))
         stack.start(timeout_s=300)
         try:
             url = f"http://127.0.0.1:{stack.http_port}"

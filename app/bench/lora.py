@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.lora import module_shapes
+from kvmesh.settings import EngineSettings
 
 from app.bench.report import markdown_table, write_section
 
@@ -78,7 +78,7 @@ def decode_speed(engine: LLMEngine, loras: list[str], tokens: int, tag: str) -> 
 
 
 def run(threads: int, rank: int, targets: tuple[str, ...], rounds: int, tokens: int) -> dict:
-    engine = LLMEngine(EngineConfig(threads=threads, max_num_seqs=64, max_loras=4, enable_prefix_caching=False))
+    engine = LLMEngine(EngineSettings(threads=threads, max_num_seqs=64, max_loras=4, enable_prefix_caching=False))
     names = ["a0", "a1", "a2", "a3"]
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(names):

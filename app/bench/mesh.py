@@ -1,6 +1,7 @@
 """Mesh overhead: TTFT through the whole stack vs the engine alone, same short prompts, same run.
 
     kvmesh bench mesh [--requests N] [--max-tokens N] [--no-write]
+    kvmesh bench mesh --pd [--turns N] [--no-write]   (PD vs role both: app/bench/pd.py)
 
 The stack is 1 prefill + 1 decode (each 1 thread) + router + cachesvc + nats-server on this machine; TTFT is
 measured at an HTTP client streaming from the router (SSE), one request at a time. The engine alone runs in this
@@ -16,9 +17,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.settings import EngineSettings
 
 from app.bench.report import markdown_table, write_section
 from app.bench.stats import percentile, quantiles
@@ -62,14 +63,14 @@ def engine_ttft(engine: LLMEngine, question: str, max_tokens: int) -> float:
 def run(requests: int = 20, max_tokens: int = 8) -> dict:
     qs = prompts(requests)
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(Path(tmp), StackOptions(http_port=0, grpc_port=0, cluster="bench"))
+        stack = Stack(Path(tmp), StackOptions.local("bench"))
         stack.start(timeout_s=240)
         try:
             stream_ttft(stack.http_port, "warm up", 2)
             mesh = [stream_ttft(stack.http_port, q, max_tokens)[0] for q in qs]
         finally:
             stack.stop()
-    engine = LLMEngine(EngineConfig(threads=1))
+    engine = LLMEngine(EngineSettings(threads=1))
     engine_ttft(engine, "warm up", 2)
     alone = [engine_ttft(engine, q, max_tokens) for q in qs]
     return {"mesh": mesh, "engine": alone}
@@ -80,7 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--pd", action="store_true", help="PD (auto and forced) vs role both: a cold 1,500-token "
+                   "prompt and a multi-turn chat, bytes pushed per turn")
+    p.add_argument("--turns", type=int, default=10)
     args = p.parse_args(argv)
+    if args.pd:
+        from app.bench import pd
+
+        body = ("Token-id prompts, greedy, ignore_eos, 16 output tokens; default model (SmolLM2-135M fp32), 1 "
+                "thread per engine; TTFT at an HTTP client streaming from the router. Chat: 95 tokens, then "
+                "+107 per turn (a stand-in of the reply's length plus the next question). `pd auto`: the router's "
+                "cost model picks PD or decode-computes-the-rest per request; `pd always`: header "
+                "`x-kvmesh-disaggregate: always`.\n\n" + pd.report(pd.run(turns=args.turns)))
+        print(body)
+        if not args.no_write:
+            print(f"\nwritten to {write_section('PD vs role both', 'kvmesh bench mesh --pd', body)}")
+        return 0
     res = run(args.requests, args.max_tokens)
     rows = []
     for name, xs in (("engine alone (in process)", res["engine"]), ("mesh (router → prefill → decode)", res["mesh"])):

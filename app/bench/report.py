@@ -8,7 +8,7 @@ import platform
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"  # app/bench/report.py -> the repo root
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"  # <repo>/app/bench/report.py
 HEADER = "# Benchmarks\n\nEach section is written by the command it names; rerun that command to refresh it.\n"
 
 

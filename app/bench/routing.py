@@ -22,9 +22,8 @@ POLICIES = ("round_robin", "cache_aware")
 
 def run_policy(policy: str, workload: wl.Workload, concurrency: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(Path(tmp), StackOptions(prefill=2, decode=2, http_port=0, grpc_port=0,
-                                              cluster=f"routing-{policy.replace('_', '-')}",
-                                              env={"KVMESH_POLICY": policy}))
+        stack = Stack(Path(tmp), StackOptions.local(f"routing-{policy.replace('_', '-')}", prefill=2, decode=2,
+                                                    env={"KVMESH_ROUTER_POLICY": policy}))
         stack.start(timeout_s=300)
         try:
             result = asyncio.run(run_workload(f"http://127.0.0.1:{stack.http_port}", workload,

@@ -3,7 +3,7 @@
     kvmesh bench tracing [--requests N] [--max-tokens N] [--pause-ms MS] [--keep-spans FILE] [--no-write]
 
 Two identical stacks run side by side (1 prefill + 1 decode each, 1 thread per engine): one traces every
-request to its JSONL span file (what `kvmesh up` does), the other has tracing off (``KVMESH_TRACING=0``: no
+request to its JSONL span file (what `kvmesh up` does), the other has tracing off (``KVMESH_TELEMETRY_TRACING=0``: no
 SDK; trace context still passes through). Three arms per prompt, one request at a time, their order rotating:
 
 - **on**: the traced stack, the request sampled (its ``traceparent`` flag 01);
@@ -43,8 +43,8 @@ def question(i: int) -> str:
 
 
 def _stack(directory: Path, name: str, tracing: bool) -> Stack:
-    env = {} if tracing else {"KVMESH_TRACING": "0"}
-    opts = StackOptions(http_port=0, grpc_port=0, cluster=name, env=env)
+    env = {} if tracing else {"KVMESH_TELEMETRY_TRACING": "0"}
+    opts = StackOptions.local(name, env=env)
     return Stack(directory / name, opts)
 
 

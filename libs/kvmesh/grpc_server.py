@@ -24,7 +24,7 @@ class ServiceServer:
                                             self.server)
         self.port = 0
 
-    def bind(self, host: str, port: int, setting: str = "--port / KVMESH_PORT") -> str:
+    def bind(self, host: str, port: int, setting: str = "--port / KVMESH_INSTANCE_PORT") -> str:
         """Reserve the port (0 = any free one) and return ``host:port`` as bound (add servicers after this,
         before ``start``). A port that cannot be bound raises ``PortInUse`` naming ``setting``."""
         with binding("gRPC", host, port, setting):

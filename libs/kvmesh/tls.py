@@ -1,6 +1,6 @@
 """Optional TLS for every gRPC hop (client → router → cachesvc / prefill / decode, engines → the pool).
 
-One TLS setting set per process, from ``KVMESH_TLS_CERT`` / ``KVMESH_TLS_KEY`` /
+One TLS setting set per process, the ``[shared]`` section's ``KVMESH_TLS_CERT`` / ``KVMESH_TLS_KEY`` /
 ``KVMESH_TLS_CA``: with a certificate and key, servers listen with TLS; with a CA, clients verify servers against
 it, and servers also require client certificates it signed (mutual TLS: only holders of a mesh certificate get in).
 Unset, gRPC is plaintext, as on a single host where everything binds 127.0.0.1.
@@ -10,60 +10,47 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from kvmesh import config
+from kvmesh.settings import SharedSettings, load
 
 Options = Sequence[tuple[str, object]]
+_configured: SharedSettings | None = None
 
 
-@dataclass(frozen=True)
-class TLSConfig:
-    tls_cert: str = ""   # PEM certificate (chain) this process presents, as a server and as a client
-    tls_key: str = ""    # its PEM private key
-    tls_ca: str = ""     # PEM CA bundle: clients verify servers with it; servers then require client certificates
-    tls_server_name: str = ""  # name to expect in servers' certificates when it is not the host dialled
+def configure(shared: SharedSettings) -> None:
+    """This process's TLS: an entry point hands over the ``[shared]`` section it loaded (``KVMESH_TLS_*``)."""
+    global _configured
+    _configured = shared
 
-    def __post_init__(self) -> None:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert and tls_key go together: set both (KVMESH_TLS_CERT, KVMESH_TLS_KEY) or neither")
-        for name in ("tls_cert", "tls_key", "tls_ca"):
-            path = getattr(self, name)
-            if path and not Path(path).is_file():
-                raise ValueError(f"{name} {path!r} is not a readable file")
 
-    @property
-    def server(self) -> bool:
-        return bool(self.tls_cert)
-
-    @property
-    def client(self) -> bool:
-        return bool(self.tls_ca)
+def settings() -> SharedSettings:
+    """This process's TLS settings: what its entry point configured, else (a client program, a test) the
+    ``KVMESH_TLS_*`` of the environment, read once."""
+    return _configured or _from_env()
 
 
 @functools.cache
-def settings() -> TLSConfig:
-    """This process's TLS settings (the environment, read once)."""
-    return config.load(TLSConfig)
+def _from_env() -> SharedSettings:
+    return load([], check_env=False).shared
 
 
 def _read(path: str) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
-def server_credentials(cfg: TLSConfig | None = None) -> grpc.ServerCredentials | None:
+def server_credentials(cfg: SharedSettings | None = None) -> grpc.ServerCredentials | None:
     cfg = cfg or settings()
-    if not cfg.server:
+    if not cfg.tls_server:
         return None
     ca = _read(cfg.tls_ca)
     return grpc.ssl_server_credentials([(_read(cfg.tls_key), _read(cfg.tls_cert))], root_certificates=ca,
                                        require_client_auth=ca is not None)
 
 
-def add_port(server: grpc.Server | grpc.aio.Server, address: str, cfg: TLSConfig | None = None) -> int:
+def add_port(server: grpc.Server | grpc.aio.Server, address: str, cfg: SharedSettings | None = None) -> int:
     """Bind ``address`` on ``server``, with TLS when this process has a certificate. Returns the port (0: failed)."""
     creds = server_credentials(cfg)
     try:
@@ -72,22 +59,22 @@ def add_port(server: grpc.Server | grpc.aio.Server, address: str, cfg: TLSConfig
         return 0
 
 
-def channel_credentials(cfg: TLSConfig | None = None) -> grpc.ChannelCredentials | None:
+def channel_credentials(cfg: SharedSettings | None = None) -> grpc.ChannelCredentials | None:
     cfg = cfg or settings()
-    if not cfg.client:
+    if not cfg.tls_client:
         return None
     return grpc.ssl_channel_credentials(root_certificates=_read(cfg.tls_ca), private_key=_read(cfg.tls_key),
                                         certificate_chain=_read(cfg.tls_cert))
 
 
-def _options(options: Options, cfg: TLSConfig) -> list[tuple[str, object]]:
+def _options(options: Options, cfg: SharedSettings) -> list[tuple[str, object]]:
     out = list(options)
-    if cfg.client and cfg.tls_server_name:
+    if cfg.tls_client and cfg.tls_server_name:
         out.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
     return out
 
 
-def aio_channel(address: str, options: Options = (), cfg: TLSConfig | None = None) -> grpc.aio.Channel:
+def aio_channel(address: str, options: Options = (), cfg: SharedSettings | None = None) -> grpc.aio.Channel:
     """An asyncio channel to another kvmesh service, TLS when this process has a CA."""
     cfg = cfg or settings()
     creds = channel_credentials(cfg)
@@ -95,7 +82,7 @@ def aio_channel(address: str, options: Options = (), cfg: TLSConfig | None = Non
     return grpc.aio.secure_channel(address, creds, opts) if creds else grpc.aio.insecure_channel(address, opts)
 
 
-def channel(address: str, options: Options = (), cfg: TLSConfig | None = None) -> grpc.Channel:
+def channel(address: str, options: Options = (), cfg: SharedSettings | None = None) -> grpc.Channel:
     """A blocking channel to another kvmesh service, TLS when this process has a CA."""
     cfg = cfg or settings()
     creds = channel_credentials(cfg)

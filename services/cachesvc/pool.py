@@ -26,8 +26,8 @@ import xxhash
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.eviction import now as monotonic
+from kvmesh.settings import CacheServiceSettings
 
-from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.disk import DiskTier
 from services.cachesvc.dram import DramTier
 from services.cachesvc.store import (
@@ -67,9 +67,11 @@ class Pool:
         self.leases = leases
 
     @classmethod
-    def from_config(cls, cfg: CacheServiceConfig, clock: Callable[[], float] = monotonic) -> Pool:
-        """The tiers ``cfg`` turns on (blocking: scans the disk tier, connects to the external store)."""
-        policy = make_policy(cfg.eviction)
+    def from_config(cls, cfg: CacheServiceSettings, clock: Callable[[], float] = monotonic,
+                    cluster: str = "local") -> Pool:
+        """The tiers ``cfg`` turns on (blocking: scans the disk tier, connects to the external store); the external
+        store's objects are named under ``kvmesh/<cluster>``."""
+        policy = make_policy(cfg.pool_eviction)
         leases = Leases(clock)
         tiers: list[Tier] = []
         if cfg.pool_capacity_mb > 0:
@@ -83,7 +85,7 @@ class Pool:
             settings = MooncakeSettings(cfg.mooncake_master, cfg.mooncake_metadata_url, cfg.mooncake_host,
                                         cfg.mooncake_segment_mb << 20, cfg.external_capacity_mb << 20,
                                         cfg.mooncake_replicas, cfg.mooncake_manifest_s, cfg.durable_name)
-            tiers.append(MooncakeTier(settings, f"kvmesh/{cfg.cluster}", policy, leases.pinned, clock))
+            tiers.append(MooncakeTier(settings, f"kvmesh/{cluster}", policy, leases.pinned, clock))
         return cls(tiers, leases)
 
     def tier(self, name: str) -> Tier | None:

@@ -36,6 +36,7 @@ from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch, Message
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
+from kvmesh.settings import CacheServiceSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
@@ -43,7 +44,6 @@ from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
-from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.index import BlockIndex
 from services.cachesvc.metrics import CacheMetrics
 from services.cachesvc.pool import GetResult, Pool
@@ -302,9 +302,10 @@ class CacheServer:
     """gRPC server + NATS side. ``start()`` returns once the pool is open (the disk tier scanned) and the
     events stream replayed up to where it stood at start (health SERVING)."""
 
-    def __init__(self, cfg: CacheServiceConfig) -> None:
+    def __init__(self, cfg: CacheServiceSettings, shared: SharedSettings | None = None) -> None:
         self.cfg = cfg
-        self.subjects = Subjects(cfg.cluster)
+        self.shared = shared or SharedSettings()
+        self.subjects = Subjects(self.shared.cluster)
         self.index = BlockIndex()
         self.resync = Resync(self.index, self._fetch_snapshot)
         self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
@@ -348,14 +349,15 @@ class CacheServer:
         """Ports given as 0 are any free ones (read back: ``address``, ``endpoints``); a fixed port that cannot be
         bound raises ``PortInUse`` naming the setting to change, before the pool is opened."""
         cfg = self.cfg
-        with binding("gRPC", cfg.host, cfg.port, "--port / KVMESH_PORT"):
+        with binding("gRPC", cfg.host, cfg.port, "--port / KVMESH_CACHESVC_PORT"):
             self.port = tls.add_port(self.grpc, f"{cfg.host}:{cfg.port}")
             if self.port == 0:
                 raise OSError(f"cannot bind gRPC to {cfg.host}:{cfg.port}")
         loop = asyncio.get_running_loop()
-        self.pool = await loop.run_in_executor(self.storage, Pool.from_config, cfg)
+        self.pool = await loop.run_in_executor(self.storage, Pool.from_config, cfg, time.monotonic,
+                                               self.shared.cluster)
         log.info("pool tiers: %s", ", ".join(f"{t.name} ({len(t)} blocks)" for t in self.pool.tiers) or "none")
-        with binding("transfer", cfg.host, cfg.transfer_port, "--transfer-port / KVMESH_TRANSFER_PORT"):
+        with binding("transfer", cfg.host, cfg.transfer_port, "--transfer-port / KVMESH_CACHESVC_TRANSFER_PORT"):
             self._transfer = await TransferServer.start(
                 None, cfg.host, cfg.transfer_port, cfg.transfer_backend,
                 ttl=max(30.0, 3 * cfg.transfer_timeout_s), max_buffered_bytes=cfg.transfer_buffer_mb << 20)
@@ -366,7 +368,7 @@ class CacheServer:
         log.info("gRPC on %s (NOT_SERVING until the events stream is replayed); transfer on %s; metrics on %s",
                  self.address, self.transfer.address, self.metrics_server.url)
 
-        self.bus = await Bus.connect(self.cfg.nats_url, f"cachesvc-{self.cfg.durable_name}")
+        self.bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.cfg.durable_name}")
         await self.bus.ensure_events_stream(self.subjects)
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         # The index lives in memory only, so a (re)started cachesvc replays the whole stream: reset the
@@ -378,7 +380,7 @@ class CacheServer:
         await self._replayed()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving cluster %r: stream %s, durable %r, %d blocks indexed", self.cfg.cluster,
+        log.info("serving cluster %r: stream %s, durable %r, %d blocks indexed", self.shared.cluster,
                  self.subjects.events_stream, self.cfg.durable_name, len(self.index))
 
     async def _replayed(self) -> None:
@@ -446,17 +448,18 @@ class CacheServer:
                 await loop.run_in_executor(self.storage, self.pool.maintain)
 
 
-async def serve(cfg: CacheServiceConfig, ready_file: str | None = None) -> None:
+async def serve(cfg: CacheServiceSettings, shared: SharedSettings | None = None) -> None:
     """Run until SIGTERM or SIGINT, then shut down cleanly. Once serving, report the bound endpoints
-    (``kvmesh.ready``: the ready line, and ``ready_file`` / ``$KVMESH_READY_FILE`` when set)."""
+    (``kvmesh.ready``: the ready line, and ``shared.ready_file`` when set)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = CacheServer(cfg)
+    shared = shared or SharedSettings()
+    server = CacheServer(cfg, shared)
     try:
         await server.start()
-        report_ready("cachesvc", server.endpoints, ready_file)
+        report_ready("cachesvc", server.endpoints, shared.ready_file)
         await stop.wait()
         log.info("signal received, shutting down")
     finally:

@@ -71,9 +71,12 @@ class KVIntake:
         self.board.post(msg, received)
 
     async def receive(self, request_id: str, prompt: list[int], cache_salt: str,
-                       timeout_s: float, lora: str = "") -> tuple[tuple | None, str, int, dict[str, Any]]:
-        """The pushed KV as ``(blocks, num_tokens, first_token)`` or why it cannot be used, when ``kv.ready``
-        was received (epoch ns, 0 = never), and what ``decode.load`` reports about the intake."""
+                       timeout_s: float, pinned: int = 0, lora: str = "") -> tuple[tuple | None, str, int, dict[str, Any]]:
+        """The pushed KV as ``(blocks, num_tokens, first_token, first_block)`` or why it cannot be used, when
+        ``kv.ready`` was received (epoch ns, 0 = never), and what ``decode.load`` reports about the intake.
+        ``pinned``: the leading blocks of the prompt this instance holds for the request; a push that starts
+        past them (a delta) is usable only when they cover the gap. ``lora``: the adapter the request runs under
+        (its ``name@generation`` keys the blocks)."""
         deadline = time.monotonic() + timeout_s
         try:
             ready, received_ns = await self.board.wait(request_id, timeout_s)
@@ -96,10 +99,16 @@ class KVIntake:
             seed = self.w.engine.engine.request_seed(cache_salt, lora)
         except ValueError as e:
             return None, str(e), received_ns, {}
-        expected = block_keys(seed, prompt[:got.num_tokens], self.w.layout.block_size)
-        if got.num_tokens != len(prompt) or list(got.block_keys) != expected:
+        bs, first = self.w.layout.block_size, ready.first_block
+        num_tokens = first * bs + got.num_tokens
+        expected = block_keys(seed, prompt[:num_tokens], bs)[first:]
+        if num_tokens != len(prompt) or list(got.block_keys) != expected:
             return None, "pushed KV does not match this prompt (block keys differ)", received_ns, {}
-        return (blocks_from_bytes(got.layout, got.data), got.num_tokens, ready.first_token), "", received_ns, {
-            "kvmesh.blocks": got.num_blocks, "kvmesh.bytes": got.nbytes,
+        if pinned < first:
+            return None, (f"the push starts at block {first} but only {pinned} leading blocks are held here "
+                          "(evicted before the request arrived)"), received_ns, {}
+        imported = (blocks_from_bytes(got.layout, got.data), num_tokens, ready.first_token, first)
+        return imported, "", received_ns, {
+            "kvmesh.blocks": got.num_blocks, "kvmesh.bytes": got.nbytes, "kvmesh.first_block": first,
             "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
             "kvmesh.receive_ms": round(got.seconds * 1e3, 3), "kvmesh.prefill_instance": ready.prefill_instance}

@@ -57,19 +57,45 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         prompt = list(work.prompt_token_ids)
         imported, fallback, received_ns, load_attrs = None, "", 0, {}
-        if request.prefill_locally:
-            await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
-        else:
-            imported, fallback, received_ns, load_attrs = await self.intake.receive(
-                work.request_id, prompt, work.cache_salt, request.kv_timeout_s or w.cfg.kv_timeout_s,
-                work.lora_name)
-            if fallback:
-                log.warning("request %s (trace %s): recomputing the prompt locally: %s", work.request_id,
-                            tracing.trace_id(span), fallback)
-                w.metrics_fallbacks += 1
-                w.metrics.fallbacks.labels(fallback_reason(fallback)).inc()
-                tracing.record("decode.kv_fallback", span, t0_ns, time.time_ns(),
-                               {**attrs, "kvmesh.reason": fallback})
+        lease, pinned = work.request_id, 0
+        try:
+            if request.prefill_locally:
+                if request.route_reason:
+                    span.set_attribute("kvmesh.route.reason", request.route_reason)
+                await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
+            else:
+                if request.cached_blocks:  # prefill pushes only past these: hold them until imported
+                    n, salt, lora = request.cached_blocks, work.cache_salt, work.lora_name
+                    try:  # under the adapter's name@generation (an unknown adapter pins nothing)
+                        pinned = await w.engine.call(
+                            lambda e: e.blocks.pin(lease, e.request_seed(salt, lora), prompt, n))
+                    except ValueError:
+                        pinned = 0
+                    span.set_attributes({"kvmesh.cached_blocks": n, "kvmesh.pinned_blocks": pinned})
+                imported, fallback, received_ns, load_attrs = await self.intake.receive(
+                    work.request_id, prompt, work.cache_salt,
+                    request.kv_timeout_s or w.cfg.kv_timeout_s + 2 * request.expected_prefill_s, pinned,
+                    work.lora_name)
+            async for chunk in self._stream(request, context, span, attrs, prompt, params, imported, fallback,
+                                            received_ns, load_attrs, t0, t0_ns):
+                yield chunk
+        finally:
+            if pinned:  # after add_request (commands run in order): the sequence holds its own references
+                w.engine.submit(lambda e: e.blocks.unpin(lease))
+
+    async def _stream(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span,
+                      attrs: dict[str, Any], prompt: list[int], params: Any, imported: tuple | None, fallback: str,
+                      received_ns: int, load_attrs: dict[str, Any], t0: float,
+                      t0_ns: int) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        """The engine's outputs as chunks, once the KV is here (or the fallback decided)."""
+        work, w = request.work, self.w
+        if fallback:
+            log.warning("request %s (trace %s): recomputing the prompt locally: %s", work.request_id,
+                        tracing.trace_id(span), fallback)
+            w.metrics_fallbacks += 1
+            w.metrics.fallbacks.labels(fallback_reason(fallback)).inc()
+            tracing.record("decode.kv_fallback", span, t0_ns, time.time_ns(),
+                           {**attrs, "kvmesh.reason": fallback})
         timing = RequestTiming()
         first, last, itls = True, 0.0, []
         gen: Span | None = None

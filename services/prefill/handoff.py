@@ -44,9 +44,10 @@ class Handoff:
 
     async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: memoryview,
                    span: Span) -> TransferStats:
-        """``blocks``: the bytes of whole blocks in ``layout`` (``kv_cache.block_bytes`` of the engine's)."""
+        """``blocks``: the bytes of whole blocks in ``layout`` (``kv_cache.block_bytes`` of the engine's): the
+        request's blocks from ``ready.first_block`` on, so the transfer covers the tokens from there."""
         return await self.transfer.push(address, ready.transfer_id, layout, blocks, list(ready.block_keys),
-                                        ready.num_tokens)
+                                        ready.num_tokens - ready.first_block * layout.block_size)
 
     async def announce(self, ready: KVReady, span: Span | None) -> None:
         await self._announce(ready, span)

@@ -54,11 +54,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         prompt = list(work.prompt_token_ids)
+        # decode holds (and pinned) the leading blocks the router saw there: push only the rest. At most the
+        # blocks before the last token's, so at least one block moves and decode computes nothing
+        skip = min(request.decode_cached_blocks, (len(prompt) - 1) // w.layout.block_size)
         await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
         final, timing = None, RequestTiming()
         try:
             async for out in w.engine.generate(work.request_id, prompt, params, timing=timing,
-                                               cache_salt=work.cache_salt, lora=work.lora_name, export_kv=True):
+                                               cache_salt=work.cache_salt, lora=work.lora_name, export_kv=True,
+                                               export_from=skip):
                 final = out
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
@@ -74,12 +78,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         first_token = final.new_token_ids[0]
         transfer_id = f"{work.request_id}@{w.instance_id}"
         ready = KVReady(request_id=work.request_id, decode_instance=request.decode_instance,
-                        transfer_id=transfer_id, block_keys=tuple(kv.block_keys), num_tokens=kv.num_tokens,
-                        first_token=first_token, layout=w.layout, prefill_instance=w.instance_id)
+                        transfer_id=transfer_id, block_keys=tuple(kv.block_keys[kv.first_block:]),
+                        num_tokens=kv.num_tokens, first_token=first_token, layout=w.layout,
+                        prefill_instance=w.instance_id, first_block=kv.first_block)
         push = tracing.start("kv.push", span, SpanKind.CLIENT,
                              {**attrs, "kvmesh.decode_instance": request.decode_instance,
                               "kvmesh.transfer_backend": w.cfg.transfer_backend,
-                              "kvmesh.blocks": int(kv.blocks.shape[0]), "kvmesh.tokens": kv.num_tokens})
+                              "kvmesh.blocks": int(kv.blocks.shape[0]), "kvmesh.tokens": kv.num_tokens,
+                              "kvmesh.first_block": kv.first_block,
+                              "kvmesh.decode_cached_blocks": request.decode_cached_blocks})
         try:
             stats = await self.handoff.push(ready, request.decode_transfer_address, w.layout,
                                             block_bytes(kv.blocks), span)

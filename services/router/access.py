@@ -11,7 +11,8 @@ import hmac
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from services.router.config import RouterConfig, parse_api_keys
+from kvmesh.settings import RouterSettings, parse_api_keys
+
 from services.router.core import RequestError
 
 RETRY_AFTER_S = 1
@@ -24,7 +25,7 @@ class Tenants:
         self._keys = [(k.encode(), t) for k, t in keys.items()]
 
     @classmethod
-    def from_config(cls, cfg: RouterConfig) -> Tenants:
+    def from_config(cls, cfg: RouterSettings) -> Tenants:
         """``api_key`` (no tenant), ``api_keys`` and the pairs in ``api_keys_file``; ValueError says what to
         fix."""
         keys = dict(cfg.api_keys)
@@ -93,7 +94,7 @@ class Admission:
         self.per_tenant: dict[str, int] = {}
 
     @classmethod
-    def from_config(cls, cfg: RouterConfig) -> Admission:
+    def from_config(cls, cfg: RouterSettings) -> Admission:
         return cls(cfg.max_concurrent_requests, cfg.max_requests_per_tenant)
 
     def enter(self, tenant: str) -> Callable[[], None]:

@@ -23,10 +23,11 @@ from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
+from kvmesh.routing.cost import DISAGGREGATE_MODES, disaggregation
+from kvmesh.settings import RouterSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from services.router.config import RouterConfig
 from services.router.loras import Adapters, LoRAError
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, choose_decode
@@ -70,9 +71,10 @@ def new_request_id() -> str:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterSettings, shared: SharedSettings | None = None) -> None:
         self.cfg = cfg
-        self.subjects = Subjects(cfg.cluster)
+        self.shared = shared or SharedSettings()
+        self.subjects = Subjects(self.shared.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.metrics = RouterMetrics()
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
@@ -86,7 +88,7 @@ class Router:
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
         self.metrics.watch(self.registry)
-        self.bus = await Bus.connect(self.cfg.nats_url, name="router")
+        self.bus = await Bus.connect(self.shared.nats_url, name="router")
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         self.cache = (cache_pb2_grpc.CacheServiceStub(self._channel(self.cfg.cachesvc_address))
                       if self.cfg.cachesvc_address else None)
@@ -173,6 +175,10 @@ class Router:
             raise RequestError("invalid", f"stop_token_ids must be token ids in [0, {vocab})")
         if any(not s for s in params.stop):
             raise RequestError("invalid", "stop strings must not be empty")
+        if params.structured is not None:  # gRPC's sampling oneof (HTTP's fields were checked as parsed)
+            from services.router.structured import check_structured
+
+            check_structured(params.structured, f"sampling.{params.structured.kind}")
         return lora
 
     # ---- routing ---------------------------------------------------------------------------------------------
@@ -224,21 +230,28 @@ class Router:
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                  cache_salt: str = "", trace: RequestTrace | None = None,
-                 policy: str | None = None, lora: str = "") -> AsyncIterator[Chunk]:
+                 policy: str | None = None, lora: str = "",
+                 disaggregate: str | None = None) -> AsyncIterator[Chunk]:
         """Route and run one request, yielding its chunks. ``trace``: the request's root span and TTFT clock,
         which the API layer owns (without one, the request is traced here, TTFT ending at the first chunk).
         ``policy``: a per-request routing policy (else the configured one). ``lora``: the adapter to run under
-        ("" = the base model)."""
+        ("" = the base model). ``disaggregate``: always | never | auto, per request (HTTP header / gRPC metadata
+        ``x-kvmesh-disaggregate``; else the configured one)."""
         self.check_policy(policy)
+        if disaggregate is not None and disaggregate not in DISAGGREGATE_MODES:
+            raise RequestError("invalid", f"x-kvmesh-disaggregate must be one of {', '.join(DISAGGREGATE_MODES)}, "
+                                          f"not {disaggregate!r}")
         if trace is not None:
-            return self._generate(request_id, prompt, params, cache_salt, trace, policy, lora)
-        return self._traced_here(request_id, prompt, params, cache_salt, policy, lora)
+            return self._generate(request_id, prompt, params, cache_salt, trace, policy, lora, disaggregate)
+        return self._traced_here(request_id, prompt, params, cache_salt, policy, lora, disaggregate)
 
     async def _traced_here(self, request_id: str, prompt: list[int], params: SamplingParams,
-                           cache_salt: str, policy: str | None, lora: str = "") -> AsyncIterator[Chunk]:
+                           cache_salt: str, policy: str | None, lora: str = "",
+                           disaggregate: str | None = None) -> AsyncIterator[Chunk]:
         rt = RequestTrace(self.metrics, request_id, "internal")
         try:
-            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt, policy, lora):
+            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt, policy, lora,
+                                              disaggregate):
                 rt.first_token_sent()
                 yield chunk
         except RequestError as e:
@@ -248,7 +261,8 @@ class Router:
             rt.finish()
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str,
-                        rt: RequestTrace, policy: str | None = None, lora: str = "") -> AsyncIterator[Chunk]:
+                        rt: RequestTrace, policy: str | None = None, lora: str = "",
+                        disaggregate: str | None = None) -> AsyncIterator[Chunk]:
         """Route, dispatch and stream. An instance found unreachable before the first token costs a retry on
         another one (at most ``RETRIES``), never the request; after the first token, the error goes out."""
         try:  # the engines' namespace for this adapter: name@generation (the generation the instances hold)
@@ -270,7 +284,7 @@ class Router:
                     request_id=request_id if attempt == 0 else f"{request_id}.retry{attempt}",
                     prompt_token_ids=prompt, sampling=sampling_to_proto(params), cache_salt=cache_salt,
                     pool_blocks=matched.get(POOL, 0), lora_name=lora)
-                stream = self._route(work, matched, rt, policy, route, avoid)
+                stream = self._route(work, matched, rt, policy, route, avoid, disaggregate or self.cfg.disaggregate)
                 if stream is None:
                     if failure is not None:  # nowhere else to go: the error of the last attempt stands
                         raise failure
@@ -302,8 +316,10 @@ class Router:
                 rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
-               policy: str | None, route: Span, avoid: set[str]):
-        """The chosen instances' chunk stream, or None when no live instance (outside ``avoid``) can serve."""
+               policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto"):
+        """The chosen instances' chunk stream, or None when no live instance (outside ``avoid``) can serve.
+        With prefill and decode instances, the cost model decides whether the hop pays (``disaggregation``):
+        when decode already holds about as much of the prompt as prefill, decode computes the rest itself."""
         prompt = list(work.prompt_token_ids)
         prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
@@ -314,9 +330,25 @@ class Router:
             decode = choose_decode(holders or decodes)
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
-            return self._disaggregated(work, prefill, decode, rt, policy, matched)
+            # one line prices both computes: the same model on the same kind of machine, and a decode
+            # instance's own fit comes from one-token steps, which pin down no prompt speed. The streams decode
+            # runs: what this router has in flight there (a heartbeat lags: in a chat it still reports the
+            # previous turn decoding)
+            speed = CostModel.from_load(prefill.beat.load, self.policies.cost) or self.policies.cost
+            d = disaggregation(disaggregate, len(prompt), self.cfg.block_size, matched.get(prefill.id, 0),
+                               matched.get(decode.id, 0), speed, speed, decode.inflight)
+            route.set_attributes({"kvmesh.route.path": "pd" if d.disaggregate else "local",
+                                  "kvmesh.route.reason": d.reason,
+                                  "kvmesh.route.pd_ms": round(d.pd_s * 1e3, 1),
+                                  "kvmesh.route.local_ms": round(d.local_s * 1e3, 1)})
+            if not d.disaggregate:
+                return self._local(work, decode, rt, d.reason)
+            # decode waits for kv.ready its own kv_timeout_s past this estimate of prefill + push: a long cold
+            # prompt must not time out while prefill is still computing it
+            return self._disaggregated(work, prefill, decode, rt, policy, matched, d.pd_s)
         both = [i for i in self.registry.alive("both") if i.id not in avoid]
         if both:
+            route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
             return self._local(work, self._choose(policy, "both", both, matched, prompt, route, lora), rt)
         return None
 
@@ -329,13 +361,13 @@ class Router:
                 except LoRAError as e:
                     raise RequestError(e.kind, e.message, inst.id, retryable=e.kind == "unavailable") from None
 
-    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace):
+    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = ""):
         await self._ensure_lora(work, inst)
         done = self.registry.dispatched(inst, len(work.prompt_token_ids))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, prefill_locally=True), metadata=tracing.grpc_metadata(dispatch),
-            timeout=self.cfg.request_timeout_s)
+            worker_pb2.DecodeRequest(work=work, prefill_locally=True, route_reason=reason),
+            metadata=tracing.grpc_metadata(dispatch), timeout=self.cfg.request_timeout_s)
         cached = 0
 
         async def cached_tokens() -> int:
@@ -351,16 +383,19 @@ class Router:
             dispatch.end()
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
-                             rt: RequestTrace, policy: str | None, matched: dict[str, int]):
+                             rt: RequestTrace, policy: str | None, matched: dict[str, int],
+                             expected_prefill_s: float = 0.0):
         await self._ensure_lora(work, decode, prefill)
         decode_done = self.registry.dispatched(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
                                                                    "kvmesh.decode_instance": decode.id})
         md = tracing.grpc_metadata(dispatch)
+        held = self._decode_holds(work, decode, matched)  # decode pins them; prefill pushes only the rest
+        dispatch.set_attribute("kvmesh.decode_cached_blocks", held)
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, kv_timeout_s=self.cfg.kv_timeout_s), metadata=md,
-            timeout=self.cfg.request_timeout_s)
-        prefill_call = asyncio.ensure_future(self._prefill(work, prefill, decode, md, rt, policy, matched))
+            worker_pb2.DecodeRequest(work=work, expected_prefill_s=expected_prefill_s, cached_blocks=held),
+            metadata=md, timeout=self.cfg.request_timeout_s)
+        prefill_call = asyncio.ensure_future(self._prefill(work, prefill, decode, md, rt, policy, matched, held))
         prefill_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are logged inside
         decode_cached, fallback = 0, False
 
@@ -384,8 +419,14 @@ class Router:
             if not prefill_call.done():
                 prefill_call.cancel()
 
+    def _decode_holds(self, work: worker_pb2.WorkRequest, decode: Instance, matched: dict[str, int]) -> int:
+        """The leading full blocks of the prompt the decode instance holds (MatchPrefix), at most the blocks
+        before the one holding the last prompt token (so a push always carries at least one block)."""
+        return min(matched.get(decode.id, 0), (len(work.prompt_token_ids) - 1) // self.cfg.block_size)
+
     async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md,
-                       rt: RequestTrace, policy: str | None, matched: dict[str, int]) -> worker_pb2.PrefillResponse:
+                       rt: RequestTrace, policy: str | None, matched: dict[str, int],
+                       held: int = 0) -> worker_pb2.PrefillResponse:
         """The request's Prefill call, while decode waits for its ``kv.ready``. An unreachable prefill instance
         is replaced by another one; when none is left (or prefill failed otherwise), decode is told at once
         (``kv.ready`` with ok=False) and recomputes the prompt instead of waiting out ``kv_timeout_s``."""
@@ -397,7 +438,8 @@ class Router:
             try:
                 return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
                     worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
-                                              decode_transfer_address=decode.beat.transfer_address),
+                                              decode_transfer_address=decode.beat.transfer_address,
+                                              decode_cached_blocks=held),
                     metadata=md, timeout=self.cfg.request_timeout_s)
             except grpc.aio.AioRpcError as e:
                 why = f"prefill on {prefill.id} failed: {e.code().name}: {e.details()}"

@@ -93,7 +93,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
                                                                          **kwargs)
         try:
             async for c in self.router.generate(rid, prompt, params, salt, trace=rt, policy=_policy(context),
-                                                lora=lora):
+                                                lora=lora, disaggregate=_disaggregate(context)):
                 msg = api_pb2.GenerateChunk(request_id=rid, token_ids=c.token_ids, text=c.text,
                                             finished=c.finished, finish_reason=c.finish_reason)
                 if c.usage:
@@ -117,7 +117,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         text, ids, reason, usage = [], [], "", None
         try:
             async for c in self.router.generate(rid, prompt, params, salt, trace=rt, policy=_policy(context),
-                                                lora=lora):
+                                                lora=lora, disaggregate=_disaggregate(context)):
                 rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                 text.append(c.text)
                 ids += c.token_ids
@@ -189,6 +189,11 @@ def _parser(message: type[Message], max_bytes: int) -> Callable[[bytes], Message
             return BadRequest("invalid", f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}")
 
     return parse
+
+
+def _disaggregate(context) -> str | None:
+    """A per-request PD choice (always | never | auto) from the ``x-kvmesh-disaggregate`` metadata key."""
+    return dict(context.invocation_metadata() or ()).get("x-kvmesh-disaggregate")
 
 
 def _policy(context) -> str | None:

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/models, SSE streaming.
 
 Accepts the sampling extensions vLLM does (top_k, seed, ignore_eos, stop_token_ids), so tools written for vLLM
-drive kvmesh unchanged. Every response carries ``x-request-id`` and ``traceparent`` (the request's span; a
+drive kvmesh unchanged; structured output (``response_format``, vLLM's ``guided_*`` / ``structured_outputs``):
+services/router/structured.py. Every response carries ``x-request-id`` and ``traceparent`` (the request's span; a
 ``traceparent`` the caller sent is honoured, so its trace continues here). ``GET /metrics``: Prometheus.
 Every error, ours or aiohttp's (unknown path, body too large), is OpenAI's JSON error shape.
 """
@@ -20,6 +21,7 @@ from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from services.router.access import RETRY_AFTER_S, Admission, Tenants, cache_salt
 from services.router.core import Chunk, RequestError, Router, new_request_id
 from services.router.loras import LoRAError
+from services.router.structured import structured_from_body
 from services.router.telemetry import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,7 @@ def sampling_from_body(body: dict) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
                               top_k=max(0, top_k), top_p=_num(body, "top_p", 1.0),
                               seed=_int(body, "seed", None), stop=tuple(stop), stop_token_ids=tuple(stop_ids),
-                              ignore_eos=_bool(body, "ignore_eos"))
+                              ignore_eos=_bool(body, "ignore_eos"), structured=structured_from_body(body))
     except ValueError as e:
         raise RequestError("invalid", str(e)) from None
 
@@ -224,7 +226,8 @@ class OpenAIApi:
                                               "{\"include_usage\": true}")
             streaming, include_usage = _bool(body, "stream"), _bool(stream_opts, "include_usage")
             rt.describe(model or self.router.model_id, tenant or requested, len(prompt))
-            stream = self.router.generate(rid, prompt, params, salt, trace=rt, policy=policy or None, lora=lora)
+            stream = self.router.generate(rid, prompt, params, salt, trace=rt, policy=policy or None, lora=lora,
+                                          disaggregate=request.headers.get("x-kvmesh-disaggregate") or None)
             kind = "chat.completion" if chat else "text_completion"
             if streaming:
                 return await self._sse(request, rid, kind, stream, include_usage, rt)

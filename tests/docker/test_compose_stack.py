@@ -102,7 +102,7 @@ class Stack:
         self.env = {
             **os.environ,
             "NATS_ROUTER_PASSWORD": uuid.uuid4().hex, "NATS_WORKER_PASSWORD": uuid.uuid4().hex,
-            "NATS_CACHESVC_PASSWORD": uuid.uuid4().hex, "KVMESH_API_KEY": self.api_key,
+            "NATS_CACHESVC_PASSWORD": uuid.uuid4().hex, "KVMESH_ROUTER_API_KEY": self.api_key,
             "KVMESH_CLUSTER": "dockertest",
         }
         self.guess_ports()
@@ -111,7 +111,8 @@ class Stack:
         """New guesses for the host ports (see PORT_TAKEN)."""
         self.http_port = guess_free_port()
         self.env.update({"KVMESH_NATS_PORT": str(guess_free_port()), "KVMESH_CACHESVC_PORT": str(guess_free_port()),
-                         "KVMESH_HTTP_PORT": str(self.http_port), "KVMESH_GRPC_PORT": str(guess_free_port())})
+                         "KVMESH_ROUTER_HTTP_PORT": str(self.http_port),
+                         "KVMESH_ROUTER_GRPC_PORT": str(guess_free_port())})
 
     def logs(self, tail: int = 40) -> str:
         return subprocess.run(["docker-compose", "-p", self.project, *FILES, "logs", "--tail", str(tail)], cwd=ROOT,

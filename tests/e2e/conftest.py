@@ -8,7 +8,7 @@ from app.launcher import Stack, StackOptions
 
 
 def start_stack(tmp_path_factory, name: str, **kw) -> Stack:
-    opts = StackOptions(http_port=0, grpc_port=0, cluster=name, **kw)
+    opts = StackOptions.local(name, **kw)
     stack = Stack(tmp_path_factory.mktemp(name), opts)
     stack.start(timeout_s=240)
     return stack

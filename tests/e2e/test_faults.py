@@ -86,7 +86,7 @@ def test_killing_the_cache_service_degrades_routing_to_load(tmp_path_factory):
 
 
 def test_a_dead_prefill_costs_latency_not_the_answer(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "killprefill", env={"KVMESH_KV_TIMEOUT_S": "2"})
+    stack = start_stack(tmp_path_factory, "killprefill", env={"KVMESH_INSTANCE_KV_TIMEOUT_S": "2"})
     try:
         expected = chat(stack, "Say hello in French.")["choices"][0]["message"]["content"]
         service(stack, "prefill-0").proc.send_signal(signal.SIGKILL)
@@ -107,7 +107,7 @@ def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
     # a long instance timeout keeps the dead instances in the router's registry, so it really tries them
     # and a long kv_timeout_s makes any wait for KV that never comes show in the time
     stack = start_stack(tmp_path_factory, "retry", prefill=2, decode=2,
-                        env={"KVMESH_INSTANCE_TIMEOUT_S": "60", "KVMESH_KV_TIMEOUT_S": "30"})
+                        env={"KVMESH_ROUTER_INSTANCE_TIMEOUT_S": "60", "KVMESH_INSTANCE_KV_TIMEOUT_S": "30"})
     try:
         # killed before any request: both decodes look alike, so the router's tie-break (by id) picks decode-0
         for name in ("prefill-0", "decode-0"):
@@ -132,7 +132,7 @@ def cache_stats(stack):
 
 
 def test_a_nats_restart_costs_no_request(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "natsrestart", env={"KVMESH_KV_TIMEOUT_S": "3"})
+    stack = start_stack(tmp_path_factory, "natsrestart", env={"KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
     try:
         chat(stack, "Name three rivers.")
         before = cache_stats(stack).events_applied
@@ -166,10 +166,10 @@ def test_a_nats_restart_costs_no_request(tmp_path_factory):
         stack.stop()
 
 
-@pytest.mark.parametrize("fault,reason", [("KVMESH_FAULT_CORRUPT_PUSHES", "checksum mismatch"),
-                                          ("KVMESH_FAULT_STALL_PUSHES", "its blocks did not")])
+@pytest.mark.parametrize("fault,reason", [("KVMESH_INSTANCE_FAULT_CORRUPT_PUSHES", "checksum mismatch"),
+                                          ("KVMESH_INSTANCE_FAULT_STALL_PUSHES", "its blocks did not")])
 def test_bad_or_stalled_kv_is_recomputed_never_consumed(tmp_path_factory, fault, reason):
-    stack = start_stack(tmp_path_factory, fault.split("_")[-2].lower(), env={fault: "1", "KVMESH_KV_TIMEOUT_S": "3"})
+    stack = start_stack(tmp_path_factory, fault.split("_")[-2].lower(), env={fault: "1", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
     try:
         q = "Write one sentence about the sea."
         t0 = time.monotonic()
@@ -184,7 +184,7 @@ def test_bad_or_stalled_kv_is_recomputed_never_consumed(tmp_path_factory, fault,
 
 
 def test_every_request_has_a_deadline(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "deadline", env={"KVMESH_REQUEST_TIMEOUT_S": "1.5"})
+    stack = start_stack(tmp_path_factory, "deadline", env={"KVMESH_ROUTER_REQUEST_TIMEOUT_S": "1.5"})
     try:
         body = json.dumps({"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True,
                            "temperature": 0}).encode()
@@ -196,5 +196,62 @@ def test_every_request_has_a_deadline(tmp_path_factory):
         assert err.value.code == 503 and "DEADLINE_EXCEEDED" in json.load(err.value)["error"]["message"]
         assert time.monotonic() - t0 < 10
         assert chat(stack, "Hi", max_tokens=2)["choices"][0]["message"]["content"]  # still serving
+    finally:
+        stack.stop()
+
+
+def worker_blocks(stack, name: str, state: str) -> float:
+    with urllib.request.urlopen(service(stack, name).endpoints["metrics"] + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvmesh_worker_kv_blocks{") and f'state="{state}"' in line
+               and 'tier="device"' in line)
+
+
+def cachesvc_metric(stack, name: str) -> float:
+    with urllib.request.urlopen(service(stack, "cachesvc").endpoints["metrics"], timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def eventually(condition, within_s: float = 20.0) -> None:
+    """Wait for ``condition`` (something that happens after a response went out) rather than sleep a guess."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.1)
+
+
+def completion(stack, prompt: list[int], max_tokens: int = 6, headers: dict | None = None) -> list[str]:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/completions", data=body,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("fault", ["KVMESH_INSTANCE_FAULT_CORRUPT_PUSHES", "KVMESH_INSTANCE_FAULT_STALL_PUSHES"])
+def test_a_bad_delta_push_is_recomputed_and_leaks_no_pinned_block(tmp_path_factory, fault):
+    """The second push is a delta (decode holds the first turn): corrupted or stalled, decode recomputes with
+    the pinned prefix, the tokens equal a clean run's, and afterwards no block is pinned or referenced."""
+    stack = start_stack(tmp_path_factory, "delta-" + fault.split("_")[-2].lower(),
+                        env={fault: "2", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
+    always = {"x-kvmesh-disaggregate": "always"}
+    try:
+        turn1 = [(i * 7919) % 30000 + 100 for i in range(70)]
+        turn2 = turn1 + [(i * 104729) % 30000 + 100 for i in range(40)]
+        completion(stack, turn1, headers=always)  # push 1 (faulty): recomputed; decode now holds turn 1
+        # kv.events reach cachesvc, so MatchPrefix sees decode's blocks: both engines are in its index
+        eventually(lambda: cachesvc_metric(stack, "kvmesh_cachesvc_instances") >= 2)
+        t0 = time.monotonic()
+        faulty = completion(stack, turn2, headers=always)  # push 2: a delta, and faulty: recomputed
+        assert time.monotonic() - t0 < 30  # the 3 s deadline, not the stall's 60 s
+        clean = completion(stack, turn2, headers=always)  # a clean delta push
+        assert faulty == clean
+        assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 2
+        # released as each call ends (just after its last chunk): a leak never gets to 0
+        eventually(lambda: worker_blocks(stack, "decode-0", "pinned") == 0)
+        eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
+        eventually(lambda: worker_blocks(stack, "prefill-0", "referenced") == 0)
     finally:
         stack.stop()

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 import torch
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.loader import resolve_model
+from kvmesh.settings import EngineSettings
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ GREEDY_24 = SamplingParams(max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(threads=1))
+    return LLMEngine(EngineSettings(threads=1))
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +62,12 @@ def test_greedy_tokens_equal_transformers_for_chat_and_raw_prompts(engine, hf_mo
 def test_a_batch_gives_each_prompt_its_solo_tokens(engine):
     ps = prompts(engine)
     solo = [engine.generate([p], GREEDY_24)[0].token_ids for p in ps]
-    fresh = LLMEngine(EngineConfig(threads=1))
+    fresh = LLMEngine(EngineSettings(threads=1))
     assert [c.token_ids for c in fresh.generate(ps, GREEDY_24)] == solo
 
 
 def test_fp8_kv_greedy_output_stays_close_to_fp32(engine):
-    fp8 = LLMEngine(EngineConfig(threads=1, kv_dtype="fp8"))
+    fp8 = LLMEngine(EngineSettings(threads=1, kv_dtype="fp8"))
     agree = total = 0
     for prompt in prompts(engine):
         ref = engine.generate([prompt], GREEDY_24)[0].token_ids

@@ -9,9 +9,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.settings import EngineSettings
 
 from .conftest import start_stack
 
@@ -23,7 +23,7 @@ QUESTIONS = ["What is the capital of France?", "Name three fruits.", "What is 2 
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(threads=1))
+    return LLMEngine(EngineSettings(threads=1))
 
 
 def expected_tokens(engine, question: str, n: int) -> list[int]:
@@ -135,7 +135,7 @@ def test_bad_input_gets_a_clear_400_and_the_service_keeps_serving(mesh):
 
 def test_decode_without_kv_ready_recomputes_and_still_answers_correctly(tmp_path_factory, engine):
     stack = start_stack(tmp_path_factory, "nokvready",
-                        env={"KVMESH_FAULT_DROP_KV_READY": "1", "KVMESH_KV_TIMEOUT_S": "2"})
+                        env={"KVMESH_INSTANCE_FAULT_DROP_KV_READY": "1", "KVMESH_INSTANCE_KV_TIMEOUT_S": "2"})
     try:
         status, body, _ = post(stack, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 10, "temperature": 0})
@@ -192,7 +192,7 @@ def test_a_request_can_pick_its_routing_policy(mesh):
 
 
 def test_an_unreachable_ttft_slo_is_refused_at_once_with_429(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "slo", env={"KVMESH_SLO_TTFT_S": "0.001"})
+    stack = start_stack(tmp_path_factory, "slo", env={"KVMESH_ROUTER_SLO_TTFT_S": "0.001"})
     try:
         status, body, _ = post(stack, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4})

@@ -24,7 +24,7 @@ COLORS = ["red", "green", "blue", "amber", "violet", "grey", "white", "black"]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    env = {"KVMESH_API_KEYS": ",".join(f"{key}:{tenant}" for tenant, key in KEYS.items())}
+    env = {"KVMESH_ROUTER_API_KEYS": ",".join(f"{key}:{tenant}" for tenant, key in KEYS.items())}
     stack = start_stack(tmp_path_factory, "tenants", env=env)
     yield stack
     stack.stop()

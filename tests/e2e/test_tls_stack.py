@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh import tls
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc
-from kvmesh.tls import TLSConfig
+from kvmesh.settings import SharedSettings
 
 from tests.certs import make_certs, tls_env
 
@@ -37,7 +37,7 @@ def test_a_tls_mesh_serves_and_refuses_plaintext_peers(tmp_path_factory):
         second = chat(stack, "Name a planet.")
         assert second["choices"][0]["message"] == first["choices"][0]["message"]
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        member = TLSConfig(tls_cert=certs["cert"], tls_key=certs["key"], tls_ca=certs["ca"])
+        member = SharedSettings(tls_cert=certs["cert"], tls_key=certs["key"], tls_ca=certs["ca"])
         with tls.channel(f"127.0.0.1:{stack.grpc_port}", cfg=member) as ch:
             info = api_pb2_grpc.KvmeshStub(ch).ListModels(api_pb2.ListModelsRequest(), timeout=10)
             assert info.models

@@ -28,8 +28,8 @@ from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from kvmesh.ready import wait_ready
+from kvmesh.settings import CacheServiceSettings, SharedSettings
 
-from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.server import SERVICE_NAME, CacheServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,8 +89,8 @@ class InProcess:
 
     def __init__(self, nats_url: str, cluster: str, **settings: Any) -> None:
         settings.setdefault("instance_timeout_s", 60.0)
-        self.server = CacheServer(CacheServiceConfig(nats_url=nats_url, cluster=cluster, port=0,
-                                                     durable_name=f"cachesvc-{cluster}", **settings))
+        self.server = CacheServer(CacheServiceSettings(port=0, durable_name=f"cachesvc-{cluster}", **settings),
+                                  SharedSettings(nats_url=nats_url, cluster=cluster))
 
     async def __aenter__(self) -> cache_pb2_grpc.CacheServiceStub:
         await self.server.start()
@@ -112,8 +112,8 @@ class Subprocess:
                      "--cluster", cluster, "--ready-file", str(self.ready_path)]
         pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         self.env = {**os.environ, "PYTHONPATH": pythonpath,
-                    "KVMESH_DURABLE_NAME": f"cachesvc-{cluster}", "KVMESH_INSTANCE_TIMEOUT_S": "60",
-                    **{f"KVMESH_{k.upper()}": v for k, v in settings.items()}}
+                    "KVMESH_CACHESVC_DURABLE_NAME": f"cachesvc-{cluster}", "KVMESH_CACHESVC_INSTANCE_TIMEOUT_S": "60",
+                    **{f"KVMESH_CACHESVC_{k.upper()}": v for k, v in settings.items()}}
         self.address = ""
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None

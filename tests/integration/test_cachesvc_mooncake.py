@@ -22,8 +22,8 @@ store = pytest.importorskip(
 
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.proto.v1 import cache_pb2
+from kvmesh.settings import CacheServiceSettings
 
-from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.pool import Pool
 from tests.integration.test_cachesvc import BIG, BIG_BYTES, KEYS, InProcess, big_put, matches, run
 from tests.ports import guess_free_port
@@ -202,9 +202,9 @@ def node(master: Master, tmp_path: Path) -> Iterator[StoreNode]:
 
 
 def open_pool(m: Master, cluster: str, **more: object) -> Pool:
-    cfg = CacheServiceConfig(cluster=cluster, durable_name=f"cachesvc-{cluster}",
+    cfg = CacheServiceSettings(durable_name=f"cachesvc-{cluster}",
                              **settings(m, pool_capacity_mb=0, mooncake_segment_mb=0, **more))
-    return Pool.from_config(cfg)
+    return Pool.from_config(cfg, cluster=cluster)
 
 
 def object_name(cluster: str, key: int) -> str:

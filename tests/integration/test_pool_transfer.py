@@ -16,11 +16,11 @@ from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.kv_cache import block_bytes, storage_dtype
 from kvmesh.instance.pool_client import PoolClient, PoolError
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
+from kvmesh.settings import CacheServiceSettings, SharedSettings
 from kvmesh.transfer import TransferClient, TransferServer
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.header import block_checksums
 
-from services.cachesvc.config import CacheServiceConfig
 from services.cachesvc.server import CacheServer
 from services.cachesvc.store import StoredBlock
 from tests.ports import refusing_port
@@ -82,9 +82,9 @@ class Mesh:
     def __init__(self, nats_url: str, backend: str = "tcp", **settings: Any) -> None:
         cluster = f"t{uuid.uuid4().hex[:10]}"
         self.backend = backend
-        self.server = CacheServer(CacheServiceConfig(
-            nats_url=nats_url, cluster=cluster, port=0, durable_name=f"cachesvc-{cluster}",
-            instance_timeout_s=60.0, transfer_backend=backend, **settings))
+        self.server = CacheServer(CacheServiceSettings(
+            port=0, durable_name=f"cachesvc-{cluster}", instance_timeout_s=60.0, transfer_backend=backend,
+            **settings), SharedSettings(nats_url=nats_url, cluster=cluster))
         self.closers: list[Any] = []
 
     async def __aenter__(self) -> Self:

@@ -74,7 +74,7 @@ def test_cachesvc_on_a_taken_port_fails_fast_naming_the_setting(nats_server: Nat
             assert proc.wait(20) == EXIT_BIND
         finally:
             stop(proc)
-    message = f"gRPC port {port} is in use on 127.0.0.1: set --port / KVMESH_PORT (0 = any free port)"
+    message = f"gRPC port {port} is in use on 127.0.0.1: set --port / KVMESH_CACHESVC_PORT (0 = any free port)"
     assert str(failed.value) == f"cachesvc: {message}"
     assert message in log.read_text() and "Traceback" not in log.read_text()
 
@@ -93,7 +93,8 @@ def test_the_router_on_a_taken_port_fails_fast_naming_the_setting(which: str, tm
             assert proc.wait(20) == EXIT_BIND
         finally:
             stop(proc)
-    setting = "--http-port / KVMESH_HTTP_PORT" if which == "http" else "--grpc-port / KVMESH_GRPC_PORT"
+    setting = "--http-port / KVMESH_ROUTER_HTTP_PORT" if which == "http" else \
+        "--grpc-port / KVMESH_ROUTER_GRPC_PORT"
     what = "HTTP" if which == "http" else "gRPC"
     assert str(failed.value) == f"router: {what} port {port} is in use on 127.0.0.1: set {setting} " \
                                 "(0 = any free port)"
@@ -101,15 +102,15 @@ def test_the_router_on_a_taken_port_fails_fast_naming_the_setting(which: str, tm
 
 
 def test_a_stack_on_port_0_writes_the_addresses_its_services_bound(tmp_path: Path) -> None:
-    stack = Stack(tmp_path, StackOptions(prefill=0, decode=0, http_port=0, grpc_port=0, cluster="ports"))
+    stack = Stack(tmp_path, StackOptions.local("ports", prefill=0, decode=0))
     info = stack.start(timeout_s=120)  # NATS, cachesvc and the router: each on a port it chose
     try:
         assert StackInfo.read(tmp_path) == info
         assert info.router_http == stack.router_http and stack.http_port > 0
         assert info.router_grpc == stack.router_grpc == info.endpoints["router"]["grpc"] and serving(info.router_grpc)
         assert serving(info.endpoints["cachesvc"]["grpc"])
-        router_args = stack.service("router").proc.args
-        assert info.endpoints["cachesvc"]["grpc"] in router_args  # cachesvc's actual address, passed on
+        router_env = stack.service("router").env  # cachesvc's actual address, passed on with the new names
+        assert router_env["KVMESH_ROUTER_CACHESVC_ADDRESS"] == info.endpoints["cachesvc"]["grpc"]
         assert info.nats_url == stack.nats.url and stack.nats.port > 0
     finally:
         stack.stop()
@@ -117,8 +118,9 @@ def test_a_stack_on_port_0_writes_the_addresses_its_services_bound(tmp_path: Pat
 
 def test_a_stack_whose_router_port_is_taken_says_which_setting_to_change(tmp_path: Path) -> None:
     with taken_port() as port:
-        stack = Stack(tmp_path, StackOptions(prefill=0, decode=0, http_port=0, grpc_port=port, cluster="ports"))
+        stack = Stack(tmp_path, StackOptions.local(
+            "ports", prefill=0, decode=0, settings={"router": {"grpc_port": port}}))
         with pytest.raises(ServiceFailed, match=f"^router: gRPC port {port} is in use on 127.0.0.1: set "
-                                                "--grpc-port / KVMESH_GRPC_PORT \\(0 = any free port\\)$"):
+                                                "--grpc-port / KVMESH_ROUTER_GRPC_PORT \\(0 = any free port\\)$"):
             stack.start(timeout_s=120)
     assert not (tmp_path / "stack.json").exists() and all(s.proc.poll() is not None for s in stack.services)

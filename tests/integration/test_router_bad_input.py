@@ -12,26 +12,23 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Self
 
 import grpc
 import pytest
 from aiohttp import web
-from kvmesh.config import EngineConfig
 from kvmesh.engine.loader import save_hf_dir
 from kvmesh.grpc_server import ServiceServer
-from kvmesh.instance.config import WorkerConfig
 from kvmesh.instance.host import EngineHost
 from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.model_source.tokenizer import save_byte_tokenizer
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
+from kvmesh.settings import EngineSettings, InstanceSettings, RouterSettings, SharedSettings
 
 from services.decode.servicer import ROLE as DECODE
 from services.prefill.servicer import ROLE as PREFILL
 from services.router.access import Admission, Tenants
-from services.router.config import RouterConfig
 from services.router.core import Router
 from services.router.grpc_api import KvmeshServicer, add_to_server
 from services.router.http_api import OpenAIApi
@@ -60,12 +57,12 @@ class TinyMesh:
     def __init__(self, nats_url: str, model_dir: Path, cachesvc: bool = False, **router: object) -> None:
         self.cluster = f"t{uuid.uuid4().hex[:10]}"
         self.cachesvc = cachesvc
-        self.cfg = RouterConfig(model=str(model_dir), cluster=self.cluster, nats_url=nats_url,  # type: ignore
-                                cachesvc_address="", grpc_port=0, http_port=0,
-                                **{"instance_timeout_s": 30.0, **router})  # a busy CI box must not drop them
-        self.engine_cfg = EngineConfig(model=str(model_dir), attention="torch", num_blocks=512,
+        self.shared = SharedSettings(cluster=self.cluster, nats_url=nats_url)
+        self.cfg = RouterSettings(model=str(model_dir), cachesvc_address="", grpc_port=0, http_port=0,  # type: ignore
+                                  **{"instance_timeout_s": 30.0, **router})  # a busy CI box must not drop them
+        self.engine_cfg = EngineSettings(model=str(model_dir), attention="torch", num_blocks=512,
                                        max_batched_tokens=512)
-        self.worker_cfg = WorkerConfig(cluster=self.cluster, nats_url=nats_url)
+        self.worker_cfg = InstanceSettings()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -85,19 +82,21 @@ class TinyMesh:
     async def _start(self) -> None:
         self.cache = None
         if self.cachesvc:
-            from services.cachesvc.config import CacheServiceConfig
+            from kvmesh.settings import CacheServiceSettings
+
             from services.cachesvc.server import CacheServer
 
-            self.cache = CacheServer(CacheServiceConfig(nats_url=self.cfg.nats_url, cluster=self.cluster,
-                                                        port=0, durable_name=f"cachesvc-{self.cluster}"))
+            self.cache = CacheServer(CacheServiceSettings(port=0, durable_name=f"cachesvc-{self.cluster}"),
+                                     self.shared)
             await self.cache.start()
-            self.cfg = replace(self.cfg, cachesvc_address=self.cache.address)
-            self.worker_cfg = replace(self.worker_cfg, cachesvc_address=self.cache.address)
-        self.workers = [EngineHost(replace(self.worker_cfg, role=role, instance_id=f"{role}-0"), self.engine_cfg,
-                                   [plugin]) for role, plugin in (("prefill", PREFILL), ("decode", DECODE))]
+            self.cfg = self.cfg.model_copy(update={"cachesvc_address": self.cache.address})
+            self.worker_cfg = self.worker_cfg.model_copy(update={"cachesvc_address": self.cache.address})
+        self.workers = [EngineHost(self.worker_cfg.model_copy(update={"role": role, "id": f"{role}-0"}),
+                                   self.engine_cfg, [plugin], self.shared)
+                        for role, plugin in (("prefill", PREFILL), ("decode", DECODE))]
         for w in self.workers:
             await w.start()
-        self.router = Router(self.cfg)
+        self.router = Router(self.cfg, self.shared)
         await self.router.start()
         self.tenants, self.admission = Tenants.from_config(self.cfg), Admission.from_config(self.cfg)
         self.grpc = ServiceServer(["kvmesh.v1.Kvmesh"])

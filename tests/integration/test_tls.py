@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh import tls
 from kvmesh.grpc_server import ServiceServer
-from kvmesh.tls import TLSConfig
+from kvmesh.settings import SharedSettings
 
 from tests.certs import make_certs
 
@@ -30,7 +30,7 @@ async def _check(address: str, channel: grpc.aio.Channel) -> bool:
 
 
 def test_only_mesh_members_reach_a_tls_server(certs):
-    member = TLSConfig(tls_cert=certs["cert"], tls_key=certs["key"], tls_ca=certs["ca"])
+    member = SharedSettings(tls_cert=certs["cert"], tls_key=certs["key"], tls_ca=certs["ca"])
 
     async def main() -> dict[str, bool]:
         server = ServiceServer(["kvmesh.test"])
@@ -42,9 +42,9 @@ def test_only_mesh_members_reach_a_tls_server(certs):
             return {
                 "member": await _check(address, tls.aio_channel(address, cfg=member)),
                 "plaintext": await _check(address, grpc.aio.insecure_channel(address)),
-                "no client certificate": await _check(address, tls.aio_channel(address, cfg=TLSConfig(
+                "no client certificate": await _check(address, tls.aio_channel(address, cfg=SharedSettings(
                     tls_ca=certs["ca"]))),
-                "trusts another CA": await _check(address, tls.aio_channel(address, cfg=TLSConfig(
+                "trusts another CA": await _check(address, tls.aio_channel(address, cfg=SharedSettings(
                     tls_cert=certs["cert"], tls_key=certs["key"], tls_ca=certs["other_ca"]))),
             }
         finally:
@@ -56,6 +56,6 @@ def test_only_mesh_members_reach_a_tls_server(certs):
 
 def test_half_a_tls_setting_is_refused_with_what_to_fix(certs, tmp_path):
     with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
-        TLSConfig(tls_cert=certs["cert"])
+        SharedSettings(tls_cert=certs["cert"])
     with pytest.raises(ValueError, match="is not a readable file"):
-        TLSConfig(tls_ca=str(tmp_path / "missing.pem"))
+        SharedSettings(tls_ca=str(tmp_path / "missing.pem"))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from kvmesh.config import EngineConfig
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.model_source.hf_config import ModelConfig
+from kvmesh.settings import EngineSettings
 
 
 def hf_tiny(cfg: ModelConfig, seed: int = 0):
@@ -24,7 +24,7 @@ def hf_tiny(cfg: ModelConfig, seed: int = 0):
 def engine_from_hf(hf_model, cfg: ModelConfig, **engine_kwargs) -> LLMEngine:
     settings = {"num_blocks": 64, "block_size": 4, "max_batched_tokens": 256}
     settings.update(engine_kwargs)
-    engine = LLMEngine(EngineConfig(**settings), model_config=cfg)
+    engine = LLMEngine(EngineSettings(**settings), model_config=cfg)
     engine.model.load_hf_weights(hf_model.state_dict())
     return engine
 

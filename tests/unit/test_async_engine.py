@@ -6,15 +6,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.settings import EngineSettings
 
 
 def test_a_cancelled_caller_and_a_failing_command_leave_the_engine_thread_serving(tiny_config):
     async def run() -> tuple[list[int], bool]:
-        engine = AsyncEngine(LLMEngine(EngineConfig(num_blocks=32, block_size=4), model_config=tiny_config),
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=32, block_size=4), model_config=tiny_config),
                              asyncio.get_running_loop())
         try:
             gate = threading.Event()

@@ -13,20 +13,20 @@ from app.launcher import Service, Stack, StackOptions
 def test_configurations_turn_the_tiers_on_one_by_one():
     c = ablation.configs(host_cache_mb=32)
     a, b, cc, d, e = (c[k].stack_options(device_blocks=40) for k in "ABCDE")
-    assert a.env["KVMESH_ENABLE_PREFIX_CACHING"] == "0" and not a.pool
-    assert "KVMESH_ENABLE_PREFIX_CACHING" not in b.env and "KVMESH_HOST_CACHE_MB" not in b.env and not b.pool
-    assert cc.env["KVMESH_HOST_CACHE_MB"] == "32" and not cc.pool
+    assert a.env["KVMESH_ENGINE_ENABLE_PREFIX_CACHING"] == "0" and not a.pool
+    assert "KVMESH_ENGINE_ENABLE_PREFIX_CACHING" not in b.env and "KVMESH_ENGINE_HOST_CACHE_MB" not in b.env and not b.pool
+    assert cc.env["KVMESH_ENGINE_HOST_CACHE_MB"] == "32" and not cc.pool
     assert d.pool and (d.prefill, d.decode, d.both) == (1, 1, 0)
     assert e.pool and (e.prefill, e.decode, e.both) == (0, 0, 1) and e.env == d.env
-    assert all(o.env["KVMESH_NUM_BLOCKS"] == "40" for o in (a, b, cc, d, e))
+    assert all(o.env["KVMESH_ENGINE_NUM_BLOCKS"] == "40" for o in (a, b, cc, d, e))
     assert (c["D"].victim, c["E"].victim) == ("decode-0", "both-0")
 
 
 def test_without_the_pool_engines_get_no_cachesvc_address_but_the_router_does(tmp_path, monkeypatch):
-    spawned: dict[str, list[str]] = {}
+    spawned: dict[str, dict[str, str]] = {}
 
-    def spawn(self: Stack, name: str, args: list[str]) -> Service:  # "ready" at once, on made-up ports
-        spawned[name] = args
+    def spawn(self: Stack, name: str, module: str, env: dict[str, str]) -> Service:  # "ready" at once
+        spawned[name] = {**self.child_env, **env}
         endpoints = {"grpc": "127.0.0.1:4321"} if name == "cachesvc" else {"grpc": "127.0.0.1:1",
                                                                           "http": "http://127.0.0.1:2"}
         self.services.append(Service(name, SimpleNamespace(pid=1), tmp_path / "log", tmp_path / "ready",
@@ -37,11 +37,11 @@ def test_without_the_pool_engines_get_no_cachesvc_address_but_the_router_does(tm
     monkeypatch.setattr(Stack, "_wait_ready", lambda self, services, deadline: None)
     monkeypatch.setattr(Stack, "_wait_instances", lambda self, deadline: None)
     for pool in (True, False):
-        Stack(tmp_path, StackOptions(nats_url="nats://127.0.0.1:1", pool=pool)).start()
-        assert ("--cachesvc-address" in spawned["prefill-0"]) is pool
-        assert ("--cachesvc-address" in spawned["decode-0"]) is pool
-        router = spawned["router"]
-        assert router[router.index("--cachesvc-address") + 1] == "127.0.0.1:4321"  # the address it bound
+        Stack(tmp_path, StackOptions(settings={"shared": {"nats_url": "nats://127.0.0.1:1"}}, pool=pool)).start()
+        for engine in ("prefill-0", "decode-0"):
+            assert spawned[engine]["KVMESH_INSTANCE_CACHESVC_ADDRESS"] == ("127.0.0.1:4321" if pool else "")
+        assert spawned["router"]["KVMESH_ROUTER_CACHESVC_ADDRESS"] == "127.0.0.1:4321"  # the address it bound
+        assert spawned["router"]["KVMESH_NATS_URL"] == "nats://127.0.0.1:1"
 
 
 def test_every_scenario_is_small_and_the_switch_returns_to_x():

@@ -137,3 +137,11 @@ def test_heartbeat_role_is_a_role_and_travels_as_its_string():
     assert beat.role is Role.DECODE
     assert json.loads(beat.encode())["role"] == "decode"
     assert Heartbeat.decode(beat.encode()).role is Role.DECODE
+
+
+def test_kv_ready_carries_where_a_delta_push_starts():
+    from kvmesh.contracts.messages import KVReady
+
+    ready = KVReady("r", "decode-0", "r@prefill-0", (11, 12), 40, 5, None, "prefill-0", first_block=3)
+    assert KVReady.decode(ready.encode()).first_block == 3
+    assert KVReady.decode(KVReady("r", "d", "t", (), 1, 0, None, "p").encode()).first_block == 0

@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import yaml
+from kvmesh import settings
 from kvmesh.bus.nats_server import find_nats_server
 
 from app import config_show
@@ -22,7 +23,7 @@ KVMESH_MODULES = {"services.router": "router", "services.prefill": "prefill", "s
                   "services.cachesvc": "cachesvc"}
 OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
-SECRET_VARS = {"NATS_ROUTER_PASSWORD", "NATS_WORKER_PASSWORD", "NATS_CACHESVC_PASSWORD", "KVMESH_API_KEY"}
+SECRET_VARS = {"NATS_ROUTER_PASSWORD", "NATS_WORKER_PASSWORD", "NATS_CACHESVC_PASSWORD", "KVMESH_ROUTER_API_KEY"}
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -103,10 +104,6 @@ def parse_service_command(module: str, args: list[str]) -> argparse.Namespace:
     raise AssertionError(f"{module} did not parse its arguments")
 
 
-def flags_of(ns: argparse.Namespace) -> dict[str, str]:
-    return {k: str(v) for k, v in vars(ns).items() if v is not None and k != "config"}
-
-
 def test_every_built_service_has_its_dockerfile_context_and_target():
     for name, svc in kvmesh_services(load("compose.yaml")["services"]).items():
         build = svc["build"]
@@ -180,12 +177,33 @@ def test_every_environment_key_is_a_known_setting_and_its_value_is_valid(variant
             assert set(env) == refs, f"nats: environment {sorted(env)} vs nats.conf's {sorted(refs)}"
             continue
         service = KVMESH_MODULES[argv[2]]
-        unknown = {k for k in env if k not in config_show.env_keys(service) and k not in OTEL_ENV}
+        reads = {"shared", *config_show.SERVICE_SECTIONS[service]}
+        known = settings.env_names()
+        unknown = {k for k in env if k not in OTEL_ENV and known.get(k, ("",))[0] not in reads}
         assert not unknown, f"{variant} {name}: {sorted(unknown)} are not settings of {service}"
-        if env.get("KVMESH_HOST") == "auto":  # the entrypoint puts the container's address there
-            env["KVMESH_HOST"] = "10.0.0.2"
-        ns = parse_service_command(argv[2], argv[3:])
-        config_show.load_service(service, None, env, flags_of(ns))  # raises on a bad value
+        host = f"KVMESH_{config_show.SERVICE_SECTIONS[service][0].upper()}_HOST"
+        if env.get(host) == "auto":  # the entrypoint puts the container's address there
+            env[host] = "10.0.0.2"
+        parse_service_command(argv[2], argv[3:])  # its own parser accepts the command line
+        config_show.load_service(service, argv[3:], env)  # raises on a bad value or an unknown variable
+
+
+def _kvmesh_names(text: str) -> set[str]:
+    return set(re.findall(r"\bKVMESH_[A-Z0-9_]*[A-Z0-9]\b", text))
+
+
+@pytest.mark.parametrize("file", [*COMPOSE_FILES, "deploy/example.env", "deploy/prometheus.yml",
+                                  "docker/entrypoint.py", "docs/deploy.md"])
+def test_every_kvmesh_name_in_the_deploy_files_is_a_setting_or_a_documented_non_setting(file):
+    """Environment keys, ${...} interpolations and comments alike: an old flat name would stop a service."""
+    known = settings.env_names()
+    secret_files = {n for n in _kvmesh_names((ROOT / file).read_text())
+                    if n.endswith("_FILE") and n[:-len("_FILE")] in known}
+    names = _kvmesh_names((ROOT / file).read_text()) - secret_files
+    bad = sorted(n for n in names if n not in known and n not in settings.NOT_SETTINGS)
+    assert not bad, f"{file}: {bad} are neither settings (docs/configuration.md) nor in settings.NOT_SETTINGS"
+    documented = (ROOT / "docs/configuration.md").read_text()
+    assert all(f"`{n}`" in documented for n in names), "every name is in the generated reference"
 
 
 def test_only_the_router_publishes_ports():

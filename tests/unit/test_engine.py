@@ -171,3 +171,45 @@ def test_imported_kv_on_top_of_a_locally_cached_prefix(make):
     decode.generate([prompt[:10]], SamplingParams(max_tokens=1))  # decode already holds 2 blocks + a tail
     decode.add_request("d", prompt, params, imported=(first.exported.blocks, len(prompt), first.new_token_ids[0]))
     assert [t for o in run_to_end(decode, "d") for t in o.new_token_ids] == expected
+
+
+def test_delta_push_only_the_blocks_decode_lacks(make):
+    """Decode holds (and pins) the prompt's first blocks; prefill exports only the rest; greedy tokens equal."""
+    prompt = list(range(40, 63))  # 23 tokens: 5 full blocks of 4 and a tail
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = make().generate([prompt], params)[0].token_ids
+    decode = make()
+    decode.generate([prompt[:13]], SamplingParams(max_tokens=1))  # 3 full blocks cached
+    before = decode.blocks.counts()
+    seed = decode.namespace_seed()
+    assert decode.blocks.pin("d", seed, prompt, 5) == 3
+    assert decode.blocks.counts()["pinned"] == 3
+    decode.blocks.evict(100)  # everything evictable goes, the pinned blocks stay
+    assert len(decode.blocks.match(seed, prompt).nodes) == 3
+    prefill = make()
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export_kv=True, export_from=3)
+    (first,) = run_to_end(prefill, "p")
+    kv = first.exported
+    assert kv.first_block == 3 and kv.blocks.shape[0] == 6 - 3 and kv.num_tokens == len(prompt)
+    decode.add_request("d", prompt, params, imported=(kv.blocks, kv.num_tokens, first.new_token_ids[0], 3))
+    decode.blocks.unpin("d")
+    outs = run_to_end(decode, "d")
+    assert outs[0].cached_tokens == len(prompt)
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    after = decode.blocks.counts()
+    assert after["pinned"] == after["leases"] == after["referenced"] == 0
+    assert after["free"] + after["cached"] == before["free"] + before["cached"]  # every block accounted for
+
+
+def test_delta_import_after_the_pinned_prefix_was_lost_recomputes(make):
+    prompt = list(range(40, 63))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = make().generate([prompt], params)[0].token_ids
+    prefill = make()
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export_kv=True, export_from=3)
+    (first,) = run_to_end(prefill, "p")
+    decode = make()  # holds nothing: the import cannot attach, the request is computed here instead
+    decode.add_request("d", prompt, params, imported=(first.exported.blocks, len(prompt), first.new_token_ids[0], 3))
+    outs = run_to_end(decode, "d")
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert decode.blocks.counts()["referenced"] == 0

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.settings import EngineSettings
 
 GOOD = [([5, 17, 33, 2, 99], SamplingParams(max_tokens=8, ignore_eos=True)),
         ([40, 41, 42, 43, 44, 45, 46, 47, 48], SamplingParams(max_tokens=8, temperature=0.8, seed=7,
@@ -25,7 +25,7 @@ TINY_T = 1.401298464324817e-45  # what Hypothesis found: 1 / T overflowed and th
 
 @pytest.fixture
 def make(tiny_config):
-    return lambda: LLMEngine(EngineConfig(num_blocks=64, block_size=4, max_batched_tokens=256,
+    return lambda: LLMEngine(EngineSettings(num_blocks=64, block_size=4, max_batched_tokens=256,
                                           attention="torch"), model_config=tiny_config)
 
 
@@ -117,10 +117,10 @@ def test_a_failed_kv_export_fails_that_request_alone(make):
     engine = make()
     export = engine.blocks.export_prefix
 
-    def broken(seq):
+    def broken(seq, *args, **kwargs):
         if seq.request_id == "hostile":
             raise OSError("export failed")
-        return export(seq)
+        return export(seq, *args, **kwargs)
 
     engine.blocks.export_prefix = broken
     engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export_kv=True)

@@ -74,10 +74,10 @@ def test_belady_evicts_the_farthest_next_use_and_the_deeper_block_on_ties():
 def test_belady_is_refused_outside_the_simulator():
     with pytest.raises(ValueError, match="needs the future"):
         make_policy("belady")
-    from kvmesh.config import EngineConfig
+    from kvmesh.settings import EngineSettings
 
     with pytest.raises(ValueError, match="kvmesh sim"):
-        EngineConfig(eviction="belady")
+        EngineSettings(eviction="belady")
 
 
 def test_queue_skips_ineligible_items_and_forgets_discarded_ones():

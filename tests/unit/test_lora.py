@@ -206,12 +206,13 @@ def test_kvmesh_up_lora_flags_become_the_engines_setting(tmp_path):
     from app.cli import lora_env
 
     env = lora_env([f"sql={tmp_path}/a", "chat=rel/b"])
-    assert env["KVMESH_LORA_ADAPTERS"].split(",")[0] == f"sql={tmp_path}/a"
-    assert env["KVMESH_LORA_ADAPTERS"].split(",")[1].startswith("chat=/")  # made absolute for every instance
-    from kvmesh.config import EngineConfig
+    assert list(env) == ["KVMESH_ENGINE_LORA_ADAPTERS"]  # the [engine] section's variable, nothing flat
+    value = env["KVMESH_ENGINE_LORA_ADAPTERS"]
+    assert value.split(",")[0] == f"sql={tmp_path}/a"
+    assert value.split(",")[1].startswith("chat=/")  # made absolute for every instance
+    from kvmesh.settings import EngineSettings
 
-    assert [n for n, _ in EngineConfig(lora_adapters=env["KVMESH_LORA_ADAPTERS"]).lora_adapter_paths()] == \
-        ["sql", "chat"]
+    assert [n for n, _ in EngineSettings(lora_adapters=value).lora_adapter_paths()] == ["sql", "chat"]
     with pytest.raises(ValueError, match="NAME=PATH"):
         lora_env(["nopath"])
     assert lora_env([]) == {}

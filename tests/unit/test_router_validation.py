@@ -4,17 +4,17 @@ value is refused with a message that says what to fix."""
 from __future__ import annotations
 
 import pytest
-from kvmesh import config
+from kvmesh import settings
+from kvmesh.settings import RouterSettings, parse_api_keys
 
 from services.router.access import Admission, Tenants, cache_salt
-from services.router.config import RouterConfig, parse_api_keys
 from services.router.core import RequestError
 from services.router.http_api import sampling_from_body
 
-# ---- RouterConfig ------------------------------------------------------------------------------------------
+# ---- RouterSettings ----------------------------------------------------------------------------------------
 
 def test_defaults_are_valid():
-    cfg = RouterConfig()
+    cfg = RouterSettings()
     assert cfg.problems() == [] and cfg.max_concurrent_requests == 256 and cfg.api_keys == {}
 
 
@@ -22,7 +22,6 @@ def test_defaults_are_valid():
     ("policy", "fastest", "cache_aware"),
     ("grpc_port", 70000, "[0, 65535]"),
     ("http_port", -1, "[0, 65535]"),
-    ("kv_timeout_s", 0, "kv_timeout_s must be > 0"),
     ("request_timeout_s", -5.0, "request_timeout_s must be > 0"),
     ("match_timeout_s", float("nan"), "match_timeout_s must be > 0"),
     ("instance_timeout_s", 0.0, "instance_timeout_s"),
@@ -32,7 +31,6 @@ def test_defaults_are_valid():
     ("max_body_bytes", 0, "max_body_bytes must be >= 1"),
     ("max_concurrent_requests", 0, "max_concurrent_requests must be >= 1"),
     ("max_requests_per_tenant", -1, "max_requests_per_tenant must be >= 0"),
-    ("nats_url", "localhost:4222", "nats://"),
     ("cachesvc_address", "localhost", "host:port"),
     ("api_keys", {"k1": "a:b"}, "may not contain"),
     ("api_keys", {"k1": ""}, "non-empty"),
@@ -40,26 +38,26 @@ def test_defaults_are_valid():
 ])
 def test_bad_setting_is_refused_naming_it(field, value, words):
     with pytest.raises(ValueError, match="invalid router settings") as e:
-        RouterConfig(**{field: value})
+        RouterSettings(**{field: value})
     assert words in str(e.value)
 
 
 def test_every_problem_is_listed_at_once():
     with pytest.raises(ValueError) as e:
-        RouterConfig(policy="x", http_port=-1, kv_timeout_s=0)
-    assert all(w in str(e.value) for w in ("policy", "http_port", "kv_timeout_s"))
+        RouterSettings(policy="x", http_port=-1, match_timeout_s=0)
+    assert all(w in str(e.value) for w in ("policy", "http_port", "match_timeout_s"))
 
 
 def test_api_keys_come_from_the_environment_as_key_tenant_pairs():
-    env = {"KVMESH_API_KEYS": "sk-a:alice, sk-b:bob", "KVMESH_MAX_BODY_BYTES": "1024"}
-    cfg = config.load(RouterConfig, env=env)
+    env = {"KVMESH_ROUTER_API_KEYS": "sk-a:alice, sk-b:bob", "KVMESH_ROUTER_MAX_BODY_BYTES": "1024"}
+    cfg = settings.load(["router"], env=env).router
     assert cfg.api_keys == {"sk-a": "alice", "sk-b": "bob"} and cfg.max_body_bytes == 1024
 
 
 def test_api_keys_come_from_a_toml_table(tmp_path):
     path = tmp_path / "router.toml"
     path.write_text('[router]\nmax_requests_per_tenant = 4\n[router.api_keys]\n"sk-a" = "alice"\n')
-    cfg = config.load(RouterConfig, path, env={}, section="router")
+    cfg = settings.load(["router"], path=path, env={}).router
     assert cfg.api_keys == {"sk-a": "alice"} and cfg.max_requests_per_tenant == 4
 
 
@@ -88,14 +86,14 @@ def test_a_malformed_entry_does_not_echo_the_whole_key():
 # ---- Tenants -----------------------------------------------------------------------------------------------
 
 def test_without_keys_everyone_is_the_anonymous_tenant():
-    tenants = Tenants.from_config(RouterConfig())
+    tenants = Tenants.from_config(RouterSettings())
     assert not tenants.required and tenants.authenticate({}) == ""
 
 
 def test_keys_map_to_tenants_from_settings_file_and_the_tenantless_key(tmp_path):
     path = tmp_path / "keys"
     path.write_text("sk-c:carol\n")
-    cfg = RouterConfig(api_keys={"sk-a": "alice"}, api_keys_file=str(path), api_key="sk-old")
+    cfg = RouterSettings(api_keys={"sk-a": "alice"}, api_keys_file=str(path), api_key="sk-old")
     tenants = Tenants.from_config(cfg)
     assert tenants.authenticate({"authorization": "Bearer sk-a"}) == "alice"
     assert tenants.authenticate({"x-api-key": "sk-c"}) == "carol"
@@ -106,7 +104,7 @@ def test_keys_map_to_tenants_from_settings_file_and_the_tenantless_key(tmp_path)
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer nope"}, {"authorization": "Basic sk-a"},
                                      {"x-api-key": "sk-"}, {"authorization": "Bearer sk-\u00e9"}])
 def test_a_missing_or_wrong_key_is_unauthenticated(headers):
-    tenants = Tenants.from_config(RouterConfig(api_keys={"sk-a": "alice"}))
+    tenants = Tenants.from_config(RouterSettings(api_keys={"sk-a": "alice"}))
     with pytest.raises(RequestError) as e:
         tenants.authenticate(headers)
     assert e.value.kind == "unauthenticated" and "Bearer <key>" in e.value.message
@@ -114,16 +112,16 @@ def test_a_missing_or_wrong_key_is_unauthenticated(headers):
 
 def test_an_unreadable_keys_file_stops_the_router_with_its_path(tmp_path):
     with pytest.raises(ValueError, match="api_keys_file: cannot read .*missing"):
-        Tenants.from_config(RouterConfig(api_keys_file=str(tmp_path / "missing")))
+        Tenants.from_config(RouterSettings(api_keys_file=str(tmp_path / "missing")))
 
 
 def test_a_key_given_two_tenants_across_sources_is_refused(tmp_path):
     path = tmp_path / "keys"
     path.write_text("sk-a:mallory\n")
     with pytest.raises(ValueError, match="two tenants"):
-        Tenants.from_config(RouterConfig(api_keys={"sk-a": "alice"}, api_keys_file=str(path)))
+        Tenants.from_config(RouterSettings(api_keys={"sk-a": "alice"}, api_keys_file=str(path)))
     with pytest.raises(ValueError, match="one tenant"):
-        Tenants.from_config(RouterConfig(api_keys={"sk-a": "alice"}, api_key="sk-a"))
+        Tenants.from_config(RouterSettings(api_keys={"sk-a": "alice"}, api_key="sk-a"))
 
 
 # ---- cache salts -------------------------------------------------------------------------------------------

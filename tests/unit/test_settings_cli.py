@@ -1,118 +1,164 @@
-"""Typed settings: file + environment loading with clear errors, validation at start, `kvmesh config show`."""
+"""The settings wired to the entry points: generated flags, an unknown or renamed variable stopping a service at
+start (exit 2, no traceback), `kvmesh config show`, what `kvmesh up` hands its children, the README's pointer."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from kvmesh import config
-from kvmesh.config import EngineConfig
-from kvmesh.instance.config import WorkerConfig
-from kvmesh.telemetry.config import TelemetryConfig
+from kvmesh import settings
+from kvmesh.settings import SettingsError
 
 from app import config_show
 from app.cli import main as kvmesh_main
+from app.launcher import Stack, StackOptions
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-@pytest.mark.parametrize("key,value,expected", [
-    ("KVMESH_BLOCK_SIZE", "abc", "KVMESH_BLOCK_SIZE='abc': expected an integer"),
-    ("KVMESH_ENABLE_PREFIX_CACHING", "ture", "KVMESH_ENABLE_PREFIX_CACHING='ture': expected a boolean"),
-])
-def test_a_bad_environment_value_names_the_variable_and_what_it_expects(key, value, expected):
-    with pytest.raises(ValueError, match=re.escape(expected)):
-        config.load(EngineConfig, env={key: value})
+ROOT = Path(__file__).resolve().parents[2]
+ENTRY_POINTS = ["services.router", "services.cachesvc", "services.prefill", "services.decode", "app.both"]
 
 
-def test_environment_values_are_typed_and_empty_numbers_mean_unset():
-    cfg = config.load(EngineConfig, env={"KVMESH_BLOCK_SIZE": " 32 ", "KVMESH_ENABLE_PREFIX_CACHING": "off",
-                                         "KVMESH_THREADS": "", "KVMESH_MODEL": ""})
-    assert (cfg.block_size, cfg.enable_prefix_caching, cfg.threads, cfg.model) == (32, False, 1, None)
-    assert config.load(TelemetryConfig, env={"KVMESH_TRACE_SAMPLE_RATIO": "0.25"}).trace_sample_ratio == 0.25
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    return {**env, **extra}
 
 
-def test_a_file_value_of_the_wrong_type_says_where_it_is(tmp_path):
-    path = tmp_path / "kvmesh.toml"
-    path.write_text('[engine]\nblock_size = "16"\n')
-    expected = f"{path} [engine]: block_size = '16': expected an integer"
-    with pytest.raises(ValueError, match=re.escape(expected)):
-        config.load(EngineConfig, path, env={}, section="engine")
+def _run(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
 
 
-def test_an_unknown_file_setting_is_named_with_the_known_ones(tmp_path):
-    path = tmp_path / "kvmesh.toml"
-    path.write_text("[worker]\nports = 1\n")
-    with pytest.raises(ValueError, match=r"unknown settings \['ports'\]; WorkerConfig has \[.*'port'"):
-        config.load(WorkerConfig, path, env={}, section="worker")
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_an_old_variable_stops_every_entry_point_naming_its_replacement(module):
+    out = _run(["-m", module], _clean_env(KVMESH_TRACE_FILE="/tmp/x.jsonl"))
+    assert out.returncode == 2, out.stderr
+    assert "KVMESH_TRACE_FILE is no longer read: set KVMESH_TELEMETRY_TRACE_FILE (telemetry)" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("cls,changes,message", [
-    (EngineConfig, {"dtype": "fp64"}, "dtype 'fp64' is unknown; choose one of"),
-    (EngineConfig, {"eviction": "mru"}, "eviction 'mru' is unknown"),
-    (EngineConfig, {"device": "tpu"}, "device must be cpu, cuda or cuda:<index>"),
-    (EngineConfig, {"block_size": 0}, "block_size must be >= 1"),
-    (EngineConfig, {"kv_cache_mb": 0}, "kv_cache_mb must be >= 1 (or set num_blocks)"),
-    (WorkerConfig, {"transfer_backend": "rdma"}, "transfer_backend must be one of"),
-    (WorkerConfig, {"port": 70000}, "port must be in [0, 65535]"),
-    (WorkerConfig, {"nats_url": "127.0.0.1:4222"}, "nats_url must look like nats://host:port"),
-    (WorkerConfig, {"cluster": "a.b"}, "cluster name 'a.b' is invalid"),
-    (WorkerConfig, {"instance_id": "p 1"}, "instance_id 'p 1' is not a valid NATS subject token"),
-    (WorkerConfig, {"heartbeat_s": 0.0}, "heartbeat_s must be > 0"),
-    (TelemetryConfig, {"trace_flush_ms": 0}, "trace_flush_ms must be >= 1"),
-])
-def test_an_out_of_range_setting_fails_at_start_with_what_to_set(cls, changes, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        cls(**changes)
+def test_a_bad_flag_value_stops_with_where_it_came_from():
+    out = _run(["-m", "services.cachesvc", "--pool-eviction", "mru"], _clean_env())
+    assert out.returncode == 2 and "invalid choice: 'mru'" in out.stderr and "Traceback" not in out.stderr
+    out = _run(["-m", "services.router"], _clean_env(KVMESH_ROUTER_SLO_TTFT_S="-1"))
+    assert out.returncode == 2 and "slo_ttft_s must be >= 0" in out.stderr
+    assert "KVMESH_ROUTER_SLO_TTFT_S" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_every_problem_is_reported_at_once():
-    with pytest.raises(ValueError, match="block_size must be >= 1.*max_num_seqs must be >= 1"):
-        EngineConfig(block_size=0, max_num_seqs=0)
+def test_an_engine_asked_for_another_role_names_the_entry_point():
+    out = _run(["-m", "services.prefill", "--role", "decode"], _clean_env())
+    assert out.returncode == 2 and "python -m services.decode" in out.stderr
+
+
+@pytest.mark.parametrize("module,sections", [("services.router", ("router", "telemetry")),
+                                             ("services.cachesvc", ("cachesvc", "telemetry")),
+                                             ("services.decode", ("instance", "engine", "telemetry"))])
+def test_each_entry_point_has_a_flag_for_every_field_it_reads(module, sections):
+    out = _run(["-m", module, "--help"], _clean_env())
+    assert out.returncode == 0, out.stderr
+    for section in ("shared", *sections):
+        for field in settings.SECTIONS[section].model_fields:
+            assert settings.flag_name(section, field) in out.stdout, (module, section, field)
+
+
+def test_config_show_json_has_every_section_and_no_variable_in_two():
+    out = _run(["-m", "app", "config", "show", "--json"], _clean_env(KVMESH_INSTANCE_PORT="50061"))
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert set(shown) == set(settings.SECTIONS)
+    names = [item["env"] for fields in shown.values() for item in fields.values()]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    for section, fields in shown.items():
+        for field, item in fields.items():
+            assert set(item) == {"value", "source", "env"}
+            assert item["env"] == settings.SECTIONS[section].env_name(field)
+    assert shown["instance"]["port"] == {"value": 50061, "source": "env", "env": "KVMESH_INSTANCE_PORT"}
 
 
 def test_config_show_prints_each_value_with_its_source(tmp_path, monkeypatch, capsys):
     path = tmp_path / "kvmesh.toml"
-    path.write_text("[worker]\nheartbeat_s = 2.5\n")
-    monkeypatch.setenv("KVMESH_PORT", "50061")
+    path.write_text("[instance]\nheartbeat_s = 2.5\n")
+    monkeypatch.setenv("KVMESH_INSTANCE_PORT", "50061")
     assert kvmesh_main(["config", "show", "--service", "prefill", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert re.search(r'^role +=  ?"prefill" +# default$', out, re.MULTILINE), out
-    assert re.search(r"^port += 50061 +# env KVMESH_PORT$", out, re.MULTILINE)
+    assert re.search(r"^port += 50061 +# env KVMESH_INSTANCE_PORT$", out, re.MULTILINE)
     assert re.search(r"^heartbeat_s += 2.5 +# file$", out, re.MULTILINE)
-    assert "[engine]" in out and "[telemetry]" in out and "[router]" not in out
+    assert "[shared]" in out and "[engine]" in out and "[telemetry]" in out and "[router]" not in out
 
 
 def test_config_show_masks_secrets(monkeypatch, capsys):
     monkeypatch.setenv("KVMESH_NATS_URL", "nats://router:hunter2@nats:4222")
-    monkeypatch.setenv("KVMESH_API_KEY", "sk-secret")
+    monkeypatch.setenv("KVMESH_ROUTER_API_KEY", "sk-secret")
     assert kvmesh_main(["config", "show", "--service", "router", "--json"]) == 0
     out = capsys.readouterr().out
     assert "hunter2" not in out and "sk-secret" not in out
-    router = json.loads(out)["router"]
-    assert router["nats_url"] == "nats://router:***@nats:4222" and router["api_key"] == "***"
+    shown = json.loads(out)
+    assert shown["shared"]["nats_url"]["value"] == "nats://router:***@nats:4222"
+    assert shown["router"]["api_key"]["value"] == "***"
 
 
-def test_config_show_rejects_a_bad_value_with_its_message(monkeypatch, capsys):
-    monkeypatch.setenv("KVMESH_HEARTBEAT_S", "soon")
-    assert kvmesh_main(["config", "show", "--service", "worker"]) == 2
-    assert "kvmesh config: KVMESH_HEARTBEAT_S='soon': expected a number" in capsys.readouterr().err
+def test_config_show_rejects_a_bad_value_or_an_old_name(monkeypatch, capsys):
+    monkeypatch.setenv("KVMESH_INSTANCE_HEARTBEAT_S", "soon")
+    assert kvmesh_main(["config", "show", "--service", "instance"]) == 2
+    assert "KVMESH_INSTANCE_HEARTBEAT_S='soon'" in capsys.readouterr().err
+    monkeypatch.delenv("KVMESH_INSTANCE_HEARTBEAT_S")
+    monkeypatch.setenv("KVMESH_PORT", "1")
+    assert kvmesh_main(["config", "show"]) == 2
+    err = capsys.readouterr().err
+    assert "KVMESH_PORT is no longer read" in err and "KVMESH_INSTANCE_PORT" in err
 
 
 def test_load_service_applies_flags_like_the_service_does():
-    loaded = config_show.load_service("decode", None, {"KVMESH_PORT": "1"}, {"port": "2", "threads": "3"})
-    assert (loaded["worker"].role, loaded["worker"].port, loaded["engine"].threads) == ("decode", 2, 3)
-    with pytest.raises(ValueError, match="--port='x': expected an integer"):
-        config_show.load_service("cachesvc", None, {}, {"port": "x"})
+    loaded = config_show.load_service("decode", ["--port", "2", "--threads", "3"], {"KVMESH_INSTANCE_PORT": "1"})
+    assert (loaded.instance.role, loaded.instance.port, loaded.engine.threads) == ("decode", 2, 3)
+    assert loaded.sources["instance"]["port"].kind == "flag"
+    with pytest.raises(ValueError, match="--port"):
+        config_show.load_service("cachesvc", ["--port", "x"], {})
 
 
-def test_every_setting_is_documented_in_the_readme():
-    text = README.read_text()
-    for section in config_show.SECTIONS:
-        assert f"**`[{section}]`**" in text, f"README has no **`[{section}]`** table"
-        block = re.split(r"\n\*\*`\[|\n## ", text.split(f"**`[{section}]`**", 1)[1], maxsplit=1)[0]
-        missing = [n for n in config_show.field_names(section) if f"`{n}`" not in block]
-        assert not missing, f"README's [{section}] table lacks {missing}"
+def test_kvmesh_up_hands_its_children_the_new_names(tmp_path, monkeypatch):
+    for k in [k for k in os.environ if k.startswith("KVMESH_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("KVMESH_ROUTER_POLICY", "round_robin")  # inherited as it is
+    opts = StackOptions.local("t", settings={"engine": {"threads": 2, "model": "/m"}},
+                              env={"KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
+    stack = Stack(tmp_path, opts)
+    env = stack.child_env
+    assert env["KVMESH_TELEMETRY_TRACE_FILE"] == str(tmp_path / "traces.jsonl")
+    assert env["KVMESH_ENGINE_THREADS"] == "2" and env["KVMESH_CLUSTER"] == "t"
+    assert env["KVMESH_ROUTER_HTTP_PORT"] == "0" and env["KVMESH_CACHESVC_PORT"] == "0"
+    assert "KVMESH_ROUTER_POLICY" not in env and "KVMESH_INSTANCE_KV_TIMEOUT_S" not in env  # from the env
+    assert all(k in settings.env_names() for k in env), sorted(set(env) - set(settings.env_names()))
 
+
+def test_kvmesh_up_stops_on_a_bad_setting_before_starting_anything(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVMESH_HTTP_PORT", "8001")
+    with pytest.raises(SettingsError, match="KVMESH_ROUTER_HTTP_PORT"):
+        Stack(tmp_path, StackOptions())
+    assert kvmesh_main(["up", "--state-dir", str(tmp_path)]) == 2
+    assert "KVMESH_HTTP_PORT is no longer read" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_kvmesh_up_flags_are_the_settings_prefixed_by_section(capsys):
+    with pytest.raises(SystemExit):
+        kvmesh_main(["up", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--router-http-port", "--engine-model", "--instance-transfer-backend", "--cachesvc-pool-eviction",
+                 "--telemetry-trace-file", "--cluster", "--nats-url", "--prefill", "--both", "--state-dir"):
+        assert flag in out, flag
+    assert "--instance-id" not in out and "--ready-file" not in out  # the launcher sets those per child
+
+
+def test_the_readme_points_to_the_generated_reference_for_every_knob():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    assert "docs/configuration.md" in section and "python -m kvmesh.settings reference" in section
+    known = settings.env_names()
+    for name in set(re.findall(r"\bKVMESH_[A-Z0-9_]*[A-Z0-9]\b", text)):
+        old = name in settings.RENAMED and f"{name} is no longer read" in text  # the example of the message
+        assert name in known or name in settings.NOT_SETTINGS or old, f"README names {name}, which is no setting"

@@ -133,13 +133,13 @@ def test_monotonic_readings_map_to_wall_clock_nanoseconds():
 
 
 def test_engine_timing_orders_submit_start_add_schedule_and_first_output(tiny_config):
-    from kvmesh.config import EngineConfig
     from kvmesh.contracts.sampling import SamplingParams
     from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
     from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.settings import EngineSettings
 
     async def run() -> RequestTiming:
-        engine = AsyncEngine(LLMEngine(EngineConfig(num_blocks=32, block_size=4), model_config=tiny_config),
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=32, block_size=4), model_config=tiny_config),
                              asyncio.get_running_loop())
         timing = RequestTiming()
         try:
@@ -158,14 +158,14 @@ def test_engine_timing_orders_submit_start_add_schedule_and_first_output(tiny_co
 def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_config):
     import urllib.request
 
-    from kvmesh.config import EngineConfig
     from kvmesh.engine.async_engine import AsyncEngine
     from kvmesh.engine.llm_engine import LLMEngine
     from kvmesh.instance.metrics import WorkerMetrics, fallback_reason
+    from kvmesh.settings import EngineSettings
     from kvmesh.telemetry.metrics import MetricsServer
 
     async def run() -> str:
-        engine = AsyncEngine(LLMEngine(EngineConfig(num_blocks=32, block_size=4), model_config=tiny_config),
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=32, block_size=4), model_config=tiny_config),
                              asyncio.get_running_loop())
         metrics = WorkerMetrics()
         metrics.watch(engine)

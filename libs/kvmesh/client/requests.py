@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 from kvmesh.proto.v1 import api_pb2, common_pb2
 
@@ -21,6 +22,12 @@ class SamplingOptions(TypedDict, total=False):
     stop: Sequence[str]
     stop_token_ids: Sequence[int]
     ignore_eos: bool
+    # structured output, at most one (the router refuses a bad one with INVALID_ARGUMENT naming it)
+    response_format: Mapping[str, Any] | None  # OpenAI's: {"type": "json_object"} or {"type": "json_schema", ...}
+    json_schema: Mapping[str, Any] | str | None
+    regex: str | None
+    choice: Sequence[str] | None
+    grammar: str | None
 
 
 class RequestOptions(SamplingOptions, total=False):
@@ -34,7 +41,9 @@ class RequestOptions(SamplingOptions, total=False):
 
 def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False) -> common_pb2.SamplingParams:
+                    ignore_eos: bool = False, response_format: Mapping[str, Any] | None = None,
+                    json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
+                    choice: Sequence[str] | None = None, grammar: str | None = None) -> common_pb2.SamplingParams:
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if temperature < 0:
@@ -49,9 +58,42 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
         raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
             "stop must be a sequence of strings, e.g. stop=[\"\\n\"], not a single string")
     top_p = max(top_p, 1.401298464324817e-45)  # a float32 on the wire: a tiny top_p must not become 0 ("off")
-    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                     ignore_eos=ignore_eos)
+    msg = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                    ignore_eos=ignore_eos)
+    structured(msg, response_format, json_schema, regex, choice, grammar)
+    return msg
+
+
+def structured(msg: common_pb2.SamplingParams, response_format: Mapping[str, Any] | None,
+               json_schema: Mapping[str, Any] | str | None, regex: str | None, choice: Sequence[str] | None,
+               grammar: str | None) -> None:
+    """Set ``msg``'s structured-output oneof from at most one of the SDK's arguments."""
+    given = [n for n, v in (("response_format", response_format), ("json_schema", json_schema), ("regex", regex),
+                            ("choice", choice), ("grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"pass at most one structured-output argument, not {', '.join(given)}")
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            msg.json_object = True
+        elif kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise ValueError('response_format {"type": "json_schema"} needs json_schema.schema')
+            json_schema = schema
+        elif kind != "text":
+            raise ValueError(f"response_format type must be text, json_object or json_schema, not {kind!r}")
+    if json_schema is not None:
+        msg.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    if regex is not None:
+        msg.regex = regex
+    if choice is not None:
+        if isinstance(choice, str) or not choice:
+            raise ValueError("choice must be a non-empty sequence of strings, e.g. choice=[\"yes\", \"no\"]")
+        msg.choice.options.extend(choice)
+    if grammar is not None:
+        msg.grammar = grammar
 
 
 def chat_messages(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:

@@ -142,9 +142,11 @@ class KVReady:
     prefill_instance: InstanceId
     ok: bool = True
     error: str = ""
+    first_block: int = 0  # the pushed blocks are the prompt's blocks from this index on (decode holds the rest)
 
     def encode(self) -> bytes:
         return _dump(self.TYPE, {"request_id": self.request_id, "decode_instance": self.decode_instance,
+                                 "first_block": self.first_block,
                                  "transfer_id": self.transfer_id, "block_keys": _keys(self.block_keys),
                                  "num_tokens": self.num_tokens, "first_token": self.first_token,
                                  "layout": {} if self.layout is None else self.layout.to_dict(),
@@ -165,7 +167,8 @@ class KVReady:
                    layout=_layout(_get(d, "layout", dict)),
                    prefill_instance=InstanceId(_get(d, "prefill_instance", str)),
                    ok=_get(d, "ok", bool) if "ok" in d else True,
-                   error=_get(d, "error", str) if "error" in d else "")
+                   error=_get(d, "error", str) if "error" in d else "",
+                   first_block=_get(d, "first_block", int) if "first_block" in d else 0)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from kvmesh.proto.v1 import common_pb2
@@ -10,6 +11,45 @@ DEFAULT_MAX_TOKENS = 64
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (vLLM's _SAMPLING_EPS): 1/T would swamp any logit gap
 # the smallest positive float32: a legal top_p below it must not round to 0, which the wire reads as "off" (1.0)
 F32_TINY = 1.401298464324817e-45
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced by the engine as a token mask (a compiled grammar).
+
+    ``spec``: the JSON schema as JSON text (``json_schema``), the pattern (``regex``), the options as a JSON
+    list of strings (``choice``), the EBNF text (``grammar``); empty for ``json_object``. Checked for shape
+    here; whether it compiles is the router's (validation) and the engine's (compilation) business."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                             f"not {self.kind!r}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output {self.kind} needs a non-empty spec")
+
+    @classmethod
+    def choice(cls, options: list[str] | tuple[str, ...]) -> StructuredOutput:
+        return cls("choice", json.dumps(list(options)))
+
+    @property
+    def options(self) -> list[str]:
+        """The strings of a ``choice``."""
+        return json.loads(self.spec) if self.kind == "choice" else []
+
+    @property
+    def key(self) -> str:
+        """The canonical form compiled grammars are cached under: a schema with its keys sorted (so the same
+        schema written in another key order compiles once), every other spec as is."""
+        if self.kind == "json_schema":
+            return "json_schema:" + json.dumps(json.loads(self.spec), sort_keys=True, separators=(",", ":"))
+        return f"{self.kind}:{self.spec}"
 
 
 @dataclass(frozen=True)
@@ -22,6 +62,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()        # stop strings (matched on detokenized text by the caller that owns text)
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None  # the output must match this grammar (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,6 +79,26 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
+def structured_from_proto(p: common_pb2.SamplingParams) -> StructuredOutput | None:
+    which = p.WhichOneof("structured")
+    if which is None:
+        return None
+    if which == "json_object":
+        return StructuredOutput("json_object") if p.json_object else None
+    if which == "choice":
+        return StructuredOutput.choice(list(p.choice.options))
+    return StructuredOutput(which, getattr(p, which))
+
+
+def structured_to_proto(s: StructuredOutput, msg: common_pb2.SamplingParams) -> None:
+    if s.kind == "json_object":
+        msg.json_object = True
+    elif s.kind == "choice":
+        msg.choice.options.extend(s.options)
+    else:
+        setattr(msg, s.kind, s.spec)
+
+
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError with a message naming the bad field."""
     return SamplingParams(
@@ -49,6 +110,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
+        structured=structured_from_proto(p),
     )
 
 
@@ -58,4 +120,6 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
                                     ignore_eos=s.ignore_eos)
     if s.seed is not None:
         msg.seed = s.seed
+    if s.structured is not None:
+        structured_to_proto(s.structured, msg)
     return msg

@@ -95,6 +95,11 @@ class AsyncEngine:
         self._commands.put(run)
         return await asyncio.wrap_future(fut)
 
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run ``fn(engine)`` on the engine thread, in order with the other commands; nobody waits for it
+        (releases that must happen even while the caller is being cancelled). Failures are logged."""
+        self._commands.put(lambda: fn(self.engine))
+
     async def generate(self, request_id: str, prompt: list[int], params, timing: RequestTiming | None = None,
                        **kwargs: Any) -> AsyncIterator[StepOutput]:
         """Add a request and yield its outputs until it finishes. Leaving early aborts it. ``timing``, when
@@ -102,6 +107,8 @@ class AsyncEngine:
         stream: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         try:
+            if getattr(params, "structured", None) is not None:  # a cold schema compiles here, not in the batch
+                await self.loop.run_in_executor(None, lambda: self.engine.grammars.compile(params.structured))
             if timing is None:
                 await self.call(lambda e: e.add_request(request_id, prompt, params, **kwargs))
             else:

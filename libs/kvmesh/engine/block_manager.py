@@ -86,6 +86,7 @@ class BlockManager:
         self._device_nodes: set[Node] = set()
         self._host_nodes: set[Node] = set()
         self.stats = {"evicted_device": 0, "spilled_host": 0, "loaded_host": 0, "evicted_host": 0}
+        self._pins: dict[str, list[Node]] = {}  # lease id -> the device nodes it holds a reference on
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -99,6 +100,18 @@ class BlockManager:
     @property
     def num_host_blocks(self) -> int:
         return len(self._host_nodes)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks held by leases (``pin``), counted once per lease."""
+        return sum(len(nodes) for nodes in self._pins.values())
+
+    def counts(self) -> dict[str, int]:
+        """Where the device blocks are: free, cached (in the tree), referenced by a sequence or a lease,
+        pinned by leases, and the leases open (what the fault tests compare before and after)."""
+        return {"free": len(self.free_blocks), "cached": len(self._device_nodes),
+                "referenced": sum(1 for n in self._device_nodes if n.ref_count > 0),
+                "pinned": self.num_pinned_blocks, "leases": len(self._pins)}
 
     def held_blocks(self) -> list[tuple[BlockKey, str]]:
         """Every full cached block and its tier (what a KV-event snapshot reports)."""
@@ -130,6 +143,28 @@ class BlockManager:
             if n > best_len and (child.block_id is not None or child.host_slot is not None):
                 best, best_len = child, n
         return PrefixMatch(nodes, best, best_len, bs)
+
+    # ---- leases -------------------------------------------------------------------------------------------------
+    def pin(self, lease: str, seed: int, tokens: Seq[int], max_blocks: int) -> int:
+        """Hold the leading full blocks of ``tokens`` that are on the device (at most ``max_blocks``) under
+        ``lease`` so eviction cannot take them until :meth:`unpin` (decode, for a request whose KV prefill
+        pushes only past them). Returns how many are held; a lease id already held is released first."""
+        self.unpin(lease)
+        m = self.match(seed, tokens, max_blocks * self.block_size)
+        nodes: list[Node] = []
+        for node in m.nodes[:max_blocks]:
+            if node.block_id is None:  # on the host only: a later import would have to load it; stop here
+                break
+            node.ref_count += 1
+            nodes.append(node)
+        if nodes:
+            self._pins[lease] = nodes
+        return len(nodes)
+
+    def unpin(self, lease: str) -> None:
+        """Release a lease (nothing when it is not held)."""
+        for node in self._pins.pop(lease, ()):
+            self._unref(node)
 
     # ---- sequence lifecycle ----------------------------------------------------------------------------------
     def allocate_prefix(self, seq: Sequence) -> bool:
@@ -197,10 +232,11 @@ class BlockManager:
         self.free(seq)
         return True
 
-    def export_prefix(self, seq: Sequence) -> torch.Tensor:
-        """The sequence's computed KV as whole blocks ``[n, *block_shape]`` (a copy)."""
+    def export_prefix(self, seq: Sequence, first_block: int = 0) -> torch.Tensor:
+        """The sequence's computed KV as whole blocks ``[n, *block_shape]`` (a copy), from block
+        ``first_block`` on."""
         n = -(-seq.num_computed_tokens // self.block_size)
-        return self.device.read_blocks(seq.block_table[:n])
+        return self.device.read_blocks(seq.block_table[first_block:n])
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the sequence's block table to hold ``num_tokens`` tokens; False if the pool cannot."""

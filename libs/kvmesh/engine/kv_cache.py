@@ -49,6 +49,17 @@ def blocks_from_bytes(layout: KVLayout, data: memoryview | bytearray) -> torch.T
     return raw.view(storage_dtype(layout.dtype)).view(-1, *layout.block_shape)
 
 
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``block_ids`` as runs of consecutive ids: ``(position in the list, first id, length)``."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs
+
+
 class DeviceKVPool:
     """The engine's paged KV tensor. Owns the bytes only; which block belongs to whom is the BlockManager's job."""
 
@@ -79,17 +90,26 @@ class DeviceKVPool:
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks as ``[n, num_layers, 2, block_size, kv_heads, head_dim]`` (storage dtype, a copy)."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        k, v = _movable(self.k).index_select(1, idx), _movable(self.v).index_select(1, idx)
-        return torch.stack((k, v), dim=2).transpose(0, 1).contiguous().view(self.dtype)
+        """Whole blocks as ``[n, num_layers, 2, block_size, kv_heads, head_dim]`` (storage dtype, a copy).
+
+        One copy of the bytes: each block's K and V (strided across layers in the pool) are copied straight
+        into their place in the block-major result (gathering with ``index_select`` and then stacking and
+        transposing copied every byte three times)."""
+        out = torch.empty((len(block_ids), *self.layout.block_shape), dtype=self.dtype, device=self.k.device)
+        dst, k, v = _movable(out), _movable(self.k), _movable(self.v)
+        for i, b, m in _runs(block_ids):
+            dst[i:i + m, :, 0].copy_(k[:, b:b + m].transpose(0, 1))
+            dst[i:i + m, :, 1].copy_(v[:, b:b + m].transpose(0, 1))
+        return out
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of :meth:`read_blocks`."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        data = _movable(data.to(device=self.k.device, dtype=self.dtype)).transpose(0, 1)
-        _movable(self.k).index_copy_(1, idx, data[:, :, 0].contiguous())
-        _movable(self.v).index_copy_(1, idx, data[:, :, 1].contiguous())
+        """Inverse of :meth:`read_blocks`: one strided copy of the bytes into the pool per run of consecutive
+        block ids (``data`` may be a zero-copy view of received bytes; it is never made contiguous first)."""
+        data = _movable(data.to(device=self.k.device, dtype=self.dtype))
+        k, v = _movable(self.k), _movable(self.v)
+        for i, b, m in _runs(block_ids):
+            k[:, b:b + m].copy_(data[i:i + m, :, 0].transpose(0, 1))
+            v[:, b:b + m].copy_(data[i:i + m, :, 1].transpose(0, 1))
 
     def copy_tokens(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` of a block (a partial prefix match is copied, never shared)."""

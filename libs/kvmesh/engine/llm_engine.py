@@ -11,12 +11,12 @@ forward pass fails that step's sequences the same way. Either way the engine ser
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
@@ -32,8 +32,10 @@ from kvmesh.engine.sampling import RowFault, make_generator, sample
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import RetentionRange, Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
+from kvmesh.settings import EngineSettings
 
 log = logging.getLogger(__name__)
+_GRAMMARS_LOCK = threading.Lock()
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -41,9 +43,10 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 class ExportedKV:
     """A finished request's KV, read out for a decode instance (prefill role)."""
 
-    blocks: torch.Tensor           # [n, *layout.block_shape], storage dtype
-    num_tokens: int                # tokens whose KV the blocks hold
-    block_keys: list[int]          # keys of the full blocks
+    blocks: torch.Tensor           # [n, *layout.block_shape], storage dtype: blocks first_block.. of the request
+    num_tokens: int                # tokens of the request whose KV is computed (from its start)
+    block_keys: list[int]          # keys of all its full blocks, from the first
+    first_block: int = 0           # the request's blocks before this one were not read out (the receiver has them)
 
 
 @dataclass
@@ -75,16 +78,18 @@ class Completion:
 class _Tracked:
     """Per-request text state owned by the engine: incremental detokenizer and stop-string matching."""
 
-    def __init__(self, seq: Sequence, detok, export_kv: bool = False) -> None:
+    def __init__(self, seq: Sequence, detok, export_kv: bool = False, export_from: int = 0) -> None:
         self.seq = seq
         self.detok = detok
         self.text = ""
         self.export_kv = export_kv
+        self.export_from = export_from
         self.error: SequenceError | None = None
+        self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, model_config: ModelConfig | None = None,
+    def __init__(self, cfg: EngineSettings, model_config: ModelConfig | None = None,
                  on_event: EventSink | None = None, seed: int = 0) -> None:
         """Load ``cfg.model`` (default: the embedded SmolLM2), or build a random-weight model of
         ``model_config`` with no tokenizer (tests, simulations)."""
@@ -126,6 +131,7 @@ class LLMEngine:
         self.attn = make_backend(cfg.attention, mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self._requests: dict[str, _Tracked] = {}
+        self._grammars = None  # engine/grammar.Grammars, built at the first constrained request
         self._namespaces: dict[tuple[str, str], int] = {}
         self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
         self._pending: list[StepOutput] = []  # outputs produced outside a forward step (imported first tokens)
@@ -172,17 +178,35 @@ class LLMEngine:
             raise ValueError(f"unknown LoRA adapter {name!r}; this engine serves {served}")
         return spec
 
+    @property
+    def grammars(self):
+        """The structured-output compiler and cache (xgrammar is loaded on first use). Thread-safe, like
+        ``grammars.compile``: a service compiles a request's grammar off the engine thread before adding it."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer; this engine has none")
+            with _GRAMMARS_LOCK:
+                if self._grammars is None:
+                    from kvmesh.engine.grammar import Grammars
+
+                    self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                              sorted(self.eos_token_ids))
+        return self._grammars
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
-                    imported: tuple[torch.Tensor, int, int] | None = None, lora: str = "") -> Sequence:
+                    imported: tuple[torch.Tensor, int, int] | tuple[torch.Tensor, int, int, int] | None = None,
+                    export_from: int = 0, lora: str = "") -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``lora``: the name of a loaded adapter to run it under ("" = the base model); its KV is keyed by the
         adapter's ``name@generation``, so it never shares blocks with the base model or another adapter.
 
         ``export_kv``: when it finishes, its KV is read out into ``StepOutput.exported`` (prefill role).
-        ``imported``: ``(blocks, num_tokens, first_token)`` computed by a prefill instance; the request starts
-        decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        ``export_from``: read out only the blocks from this index on (the receiver holds the ones before).
+        ``imported``: ``(blocks, num_tokens, first_token[, first_block])`` computed by a prefill instance
+        (``blocks`` hold the prompt's blocks from ``first_block`` on; the ones before must be cached here, e.g.
+        pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         """
         if request_id in self._requests:
@@ -200,6 +224,7 @@ class LLMEngine:
             raise ValueError(f"request needs {total} tokens of KV but the pool holds "
                              f"{self.kv.num_blocks * self.cfg.block_size}; raise kv_cache_mb")
         spec = self.lora_spec(lora)  # ValueError naming the adapters served
+        grammar = self.grammars.start(params.structured) if params.structured is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec)
         detok = None
@@ -207,11 +232,13 @@ class LLMEngine:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = _Tracked(seq, detok, export_kv)
+        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv, export_from)
+        tracked.grammar = grammar
         if imported is not None:
-            blocks, num_tokens, first_token = imported
+            blocks, num_tokens, first_token = imported[:3]
+            first_block = imported[3] if len(imported) > 3 else 0
             seq.output_token_ids.append(first_token)
-            if self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens):
+            if self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens, first_block):
                 seq.num_cached_tokens = num_tokens
                 self.scheduler.add_running(seq)
                 seq.output_token_ids.pop()
@@ -284,8 +311,10 @@ class LLMEngine:
             self.blocks.cache_computed_blocks(seq)
         if not samplers:
             return pending
+        grammars = [self._requests[s.request_id].grammar for s in samplers]
+        mask = self._grammars.mask(grammars) if self._grammars is not None else None
         new_tokens = sample(logits, [s.params for s in samplers],
-                            [make_generator(s.params, len(s.output_token_ids)) for s in samplers])
+                            [make_generator(s.params, len(s.output_token_ids)) for s in samplers], mask)
         now = time.monotonic()
         return pending + [self._fail(seq, SequenceError(seq.request_id, tok.message, tok.client_fault))
                           if isinstance(tok, RowFault) else self._emit(seq, tok, now)
@@ -317,8 +346,12 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_token_ids.append(token)
+        if tracked.grammar is not None:
+            tracked.grammar.accept(token)
         delta = tracked.detok.push(token) if tracked.detok is not None else ""
         reason = self._finish_reason(seq, token)
+        if tracked.grammar is not None and tracked.grammar.terminated:
+            reason = "stop"  # the object (string, choice) is complete
         if seq.params.stop and delta:
             text = tracked.text + delta
             window = len(delta) + max(len(s) for s in seq.params.stop)
@@ -334,8 +367,10 @@ class LLMEngine:
         if reason is not None:
             if tracked.export_kv:
                 n = seq.num_computed_tokens
-                exported = ExportedKV(self.blocks.export_prefix(seq), n,
-                                      block_keys(seq.namespace_seed, seq.all_token_ids[:n], self.cfg.block_size))
+                first = min(tracked.export_from, max(0, -(-n // self.cfg.block_size) - 1))
+                exported = ExportedKV(self.blocks.export_prefix(seq, first), n,
+                                      block_keys(seq.namespace_seed, seq.all_token_ids[:n], self.cfg.block_size),
+                                      first)
             self.scheduler.finish(seq, reason)
         return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
                           exported)

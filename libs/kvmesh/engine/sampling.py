@@ -9,6 +9,7 @@ and the rest of the batch is sampled as if it were alone."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,18 +90,26 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int | RowFault]:
-    """One token per row of ``logits`` ``[B, vocab]``, or the row's ``RowFault``; no row fails another."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           mask: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int | RowFault]:
+    """One token per row of ``logits`` ``[B, vocab]``, or the row's ``RowFault``; no row fails another.
+    ``mask``: structured output's (engine/grammar.py), applied after the finiteness check: the tokens it
+    disallows become -inf."""
     out: list[int | RowFault] = [0] * len(params)
     finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # one reduction: a nan/inf makes its row's sum so
     if not all(finite):  # ...and so can an overflowing sum of finite logits: check those rows exactly
         finite = torch.isfinite(logits).all(dim=-1).tolist()
+    possible = finite
+    if mask is not None:
+        logits = mask(logits)
+        possible = (logits > float("-inf")).any(dim=-1).tolist()
     best = logits.argmax(dim=-1).tolist()
     rows = []
     for row, p in enumerate(params):
         if not finite[row]:
             out[row] = RowFault("the model's logits are not finite (nan or inf)", client_fault=False)
+        elif not possible[row]:
+            out[row] = RowFault("the output's grammar allows no next token", client_fault=True)
         elif (why := param_problem(p)) is not None:
             out[row] = RowFault(why, client_fault=True)
         elif p.greedy:

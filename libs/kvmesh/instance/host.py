@@ -20,7 +20,6 @@ from opentelemetry.trace import Span, StatusCode
 
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
-from kvmesh.config import EngineConfig
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch
@@ -28,13 +27,12 @@ from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
-from kvmesh.instance.config import WorkerConfig
 from kvmesh.instance.metrics import WorkerMetrics
 from kvmesh.instance.pool_client import PoolClient, PoolError
 from kvmesh.proto.v1 import worker_pb2_grpc
 from kvmesh.ready import binding, report_ready
+from kvmesh.settings import EngineSettings, InstanceSettings, SharedSettings, TelemetrySettings
 from kvmesh.telemetry import tracing
-from kvmesh.telemetry.config import TelemetryConfig
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.transfer import TransferServer
 
@@ -58,15 +56,17 @@ class RolePlugin:
 
 
 class EngineHost:
-    def __init__(self, cfg: WorkerConfig, engine_cfg: EngineConfig, roles: Sequence[RolePlugin]) -> None:
+    def __init__(self, cfg: InstanceSettings, engine_cfg: EngineSettings, roles: Sequence[RolePlugin],
+                 shared: SharedSettings | None = None) -> None:
         if not roles:
             raise ValueError("an engine host serves at least one role")
         self.cfg = cfg
         self.roles = tuple(roles)
         self.attached: list[Attached] = []
         self.engine_cfg = engine_cfg
-        self.subjects = Subjects(cfg.cluster)
-        self.instance_id = cfg.instance_id
+        self.shared = shared or SharedSettings()
+        self.subjects = Subjects(self.shared.cluster)
+        self.instance_id = cfg.id
         self.model_name = model_name(engine_cfg.model)
         self.metrics = WorkerMetrics()
         self.metrics_server: MetricsServer | None = None
@@ -88,7 +88,7 @@ class EngineHost:
         self.grpc_address = self.grpc.bind(self.cfg.host, self.cfg.port)  # 0: any free port, read back
         if not self.instance_id:
             self.instance_id = f"{self.cfg.role}-{self.grpc.port}"
-        self.bus = await Bus.connect(self.cfg.nats_url, name=self.instance_id)
+        self.bus = await Bus.connect(self.shared.nats_url, name=self.instance_id)
         await self.bus.ensure_events_stream(self.subjects)
         self._event_queue.put_nowait([AllBlocksCleared()])  # a fresh instance holds nothing, whatever it held
         await answer_snapshots(self.bus, self.subjects, self.instance_id, self._snapshot)
@@ -96,7 +96,7 @@ class EngineHost:
         # KV intake (decode), and pool fetches land here too
         if any(r.receives_kv for r in self.roles) or self.cfg.cachesvc_address:
             with binding("transfer", self.cfg.host, self.cfg.transfer_port,
-                         "--transfer-port / KVMESH_TRANSFER_PORT"):
+                         "--transfer-port / KVMESH_INSTANCE_TRANSFER_PORT"):
                 self.transfer_server = await TransferServer.start(self.layout, host=self.cfg.host,
                                                                   port=self.cfg.transfer_port,
                                                                   backend=self.cfg.transfer_backend)
@@ -254,16 +254,17 @@ def model_name(source: str | None) -> str:
     return Path(source).stem if Path(source).is_file() else Path(source).name
 
 
-async def serve(cfg: WorkerConfig, engine_cfg: EngineConfig, roles: Sequence[RolePlugin],
-                telemetry_cfg: TelemetryConfig | None = None, ready_file: str | None = None) -> None:
+async def serve(cfg: InstanceSettings, engine_cfg: EngineSettings, roles: Sequence[RolePlugin],
+                telemetry_cfg: TelemetrySettings | None = None, shared: SharedSettings | None = None) -> None:
     """Run until SIGTERM/SIGINT. Once serving, report the bound endpoints (``kvmesh.ready``: the ready line,
-    and ``ready_file`` / ``$KVMESH_READY_FILE`` when set)."""
+    and ``shared.ready_file`` when set)."""
     import signal
 
-    host = EngineHost(cfg, engine_cfg, roles)
+    shared = shared or SharedSettings()
+    host = EngineHost(cfg, engine_cfg, roles, shared)
     await host.start()
     tracing.setup(cfg.role, host.instance_id, telemetry_cfg)
-    report_ready(host.instance_id, host.endpoints, ready_file)
+    report_ready(host.instance_id, host.endpoints, shared.ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

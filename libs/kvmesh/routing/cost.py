@@ -66,6 +66,52 @@ class CostModel:
         return cls(1.0 / max(slope, 1e-9), overhead, fetch_gbps, engine.layout.block_nbytes, calibrated=True)
 
 
+DISAGGREGATE_MODES = ("auto", "always", "never")
+
+
+class Disaggregation(NamedTuple):
+    disaggregate: bool
+    reason: str          # the route reason (a span attribute): which path and why
+    pd_s: float = 0.0    # estimated TTFT through prefill + push
+    local_s: float = 0.0  # estimated TTFT with decode computing the rest itself
+
+
+def disaggregation(mode: str, prompt_tokens: int, block_size: int, prefill_hit_blocks: int,
+                   decode_hit_blocks: int, prefill: CostModel, decode: CostModel, decode_running: int = 0,
+                   hop_s: float = 0.02) -> Disaggregation:
+    """Whether a request goes prefill → decode (PD) or decode computes what it lacks itself.
+
+    PD: prefill computes the tokens it does not hold, then pushes the blocks decode lacks (``fetch_s`` of them)
+    plus ``hop_s`` (the Prefill call, ``kv.ready``, decode's import). Local: decode computes the tokens it does
+    not hold, and every stream it is decoding waits that long too (a prefill chunk in their steps), so the
+    local estimate counts once per running stream plus the request itself. Decode computes locally only when it
+    holds at least half the prompt: a long cold prefill on decode stalls every stream that joins later too,
+    which a one-request estimate does not see, and keeping those off decode is what PD is for. ``mode``
+    ``always`` / ``never`` forces PD / local (experiments).
+
+    ``decode`` prices decode's own compute: give it the prefill instance's measured line when decode has none
+    of its own for prompts (its steps are one token each, which pins down no speed)."""
+    covered = lambda blocks: min(blocks * block_size, prompt_tokens - 1)  # the last token is always computed
+    pd_s = (prefill.prefill_s(prompt_tokens - covered(prefill_hit_blocks))
+            + decode.fetch_s(-(-prompt_tokens // block_size) - decode_hit_blocks) + hop_s)
+    lacks = prompt_tokens - covered(decode_hit_blocks)
+    local_s = decode.prefill_s(lacks) * (1 + max(0, decode_running))
+    if mode == "always":
+        return Disaggregation(True, "pd: forced (disaggregate=always)", pd_s, local_s)
+    if mode == "never":
+        return Disaggregation(False, "local: forced (disaggregate=never)", pd_s, local_s)
+    if decode_hit_blocks * block_size * 2 < prompt_tokens:
+        return Disaggregation(True, f"pd: decode holds {decode_hit_blocks} of {-(-prompt_tokens // block_size)} "
+                                    f"blocks (less than half the prompt)", pd_s, local_s)
+    if local_s <= pd_s:
+        return Disaggregation(False, f"local: decode holds {decode_hit_blocks} blocks, computes the {lacks} tokens "
+                                     f"it lacks in ~{local_s * 1e3:.0f} ms ({decode_running} streams wait) vs "
+                                     f"~{pd_s * 1e3:.0f} ms through prefill", pd_s, local_s)
+    return Disaggregation(True, f"pd: ~{pd_s * 1e3:.0f} ms through prefill vs ~{local_s * 1e3:.0f} ms for decode "
+                                f"to compute the {lacks} tokens it lacks ({decode_running} streams wait)",
+                          pd_s, local_s)
+
+
 def _number(load: Mapping[str, Any], key: str) -> float | None:
     """``load[key]`` when it is a finite number >= 0 (heartbeats come from other processes)."""
     x = load.get(key)

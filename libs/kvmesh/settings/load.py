@@ -60,7 +60,7 @@ RENAMED: dict[str, tuple[str, ...]] = {
     "KVMESH_TRANSFER_BACKEND": ("KVMESH_INSTANCE_TRANSFER_BACKEND", "KVMESH_CACHESVC_TRANSFER_BACKEND"),
     "KVMESH_TRANSFER_PORT": ("KVMESH_INSTANCE_TRANSFER_PORT", "KVMESH_CACHESVC_TRANSFER_PORT"),
     "KVMESH_CACHESVC_ADDRESS": ("KVMESH_INSTANCE_CACHESVC_ADDRESS", "KVMESH_ROUTER_CACHESVC_ADDRESS"),
-    "KVMESH_KV_TIMEOUT_S": ("KVMESH_INSTANCE_KV_TIMEOUT_S", "KVMESH_ROUTER_KV_TIMEOUT_S"),
+    "KVMESH_KV_TIMEOUT_S": ("KVMESH_INSTANCE_KV_TIMEOUT_S",),
     "KVMESH_INSTANCE_TIMEOUT_S": ("KVMESH_ROUTER_INSTANCE_TIMEOUT_S", "KVMESH_CACHESVC_INSTANCE_TIMEOUT_S"),
 }
 # KVMESH_* variables that are not settings: compose-file interpolation and CI switches, never read by a service.
@@ -335,6 +335,45 @@ def flag_overrides(args: argparse.Namespace, prefixed: bool = False) -> FlagValu
         if sep and section in SECTIONS and field in SECTIONS[section].model_fields:
             out.setdefault(section, {})[field] = value
             out.flags[(section, field)] = flag_name(section, field, prefixed)
+    return out
+
+
+def parse_args(parser: argparse.ArgumentParser, sections: Iterable[str], argv: list[str] | None = None, *,
+               defaults: Mapping[str, Mapping[str, Any]] | None = None, prefixed: bool = False,
+               skip: Iterable[str] = ()) -> tuple[argparse.Namespace, Settings]:
+    """An entry point's command line and settings: ``--config FILE.toml`` plus the flags of ``shared`` and
+    ``sections``, loaded with :func:`load`. Anything wrong (an unknown or renamed ``KVMESH_*`` variable, an
+    unknown file key, a bad value, an unreadable file) exits 2 with the message, no traceback."""
+    parser.add_argument("--config", metavar="FILE.toml",
+                        help="TOML file, one [section] table per section (docs/configuration.md)")
+    add_flags(parser, sections, prefixed=prefixed, skip=skip)
+    args = parser.parse_args(argv)
+    try:
+        loaded = load(sections, path=args.config, overrides=flag_overrides(args, prefixed), defaults=defaults)
+    except (SettingsError, OSError, tomllib.TOMLDecodeError) as e:
+        parser.exit(2, f"{parser.prog}: {e}\n")
+    return args, loaded
+
+
+def env_value(value: Any) -> str:
+    """``value`` as its environment variable spells it (what :func:`load` reads back to the same value)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{v}" for k, v in value.items())
+    return str(value)
+
+
+def as_env(loaded: Settings, kinds: Iterable[str] = ("file", "flag")) -> dict[str, str]:
+    """The variables that carry ``loaded``'s values of the given source kinds to a child process."""
+    wanted = set(kinds)
+    out = {}
+    for name, section in loaded.sections.items():
+        for field, src in loaded.sources[name].items():
+            if src.kind in wanted:
+                out[type(section).env_name(field)] = env_value(getattr(section, field))
     return out
 
 

@@ -86,7 +86,8 @@ class Section(BaseSettings):
         for name in type(self).model_fields:
             allowed = self.choices_of(name)
             if allowed and getattr(self, name) not in allowed:
-                out.append(Problem(name, f"{name} {getattr(self, name)!r} is not one of {list(allowed)}"))
+                why = " (it needs the future: kvmesh sim only)" if getattr(self, name) == "belady" else ""
+                out.append(Problem(name, f"{name} {getattr(self, name)!r} is not one of {list(allowed)}{why}"))
         return out
 
     @model_validator(mode="after")
@@ -222,6 +223,21 @@ class EngineSettings(Section):
         if self.num_blocks == 0 and self.kv_cache_mb < 1:
             out.append(Problem("kv_cache_mb", f"kv_cache_mb must be >= 1 (or set num_blocks), not "
                                               f"{self.kv_cache_mb}"))
+        out += self._min(("max_loras", "max_lora_rank"), 1)
+        try:
+            self.lora_adapter_paths()
+        except ValueError as e:
+            out.append(Problem("lora_adapters", str(e)))
+        return out
+
+    def lora_adapter_paths(self) -> list[tuple[str, str]]:
+        """``lora_adapters`` parsed: ``[(name, path)]``; ValueError naming the entry that is not NAME=PATH."""
+        out = []
+        for entry in filter(None, (e.strip() for e in self.lora_adapters.split(","))):
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_adapters entry {entry!r} is not NAME=PATH")
+            out.append((name.strip(), path.strip()))
         return out
 
 
@@ -278,11 +294,13 @@ class RouterSettings(Section):
     cachesvc_address: str = setting("127.0.0.1:50060", "cachesvc for MatchPrefix (\"\" = route by load only)")
     block_size: int = setting(16, "must equal the engines' (instances with another are ignored)")
     instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
-    kv_timeout_s: float = setting(10.0, "passed to decode: wait for kv.ready this long, then recompute")
     match_timeout_s: float = setting(0.5, "MatchPrefix deadline; past it, route by load alone")
     request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
     policy: str = setting("cache_aware", "routing policy (per request: header / metadata x-kvmesh-policy)",
                           choices=tuple(sorted(POLICIES)))
+    disaggregate: str = setting("auto", "prefill on a prefill instance and push the KV (always), let decode prefill "
+                                        "itself (never), or let the cost model choose (auto; per request: header / "
+                                        "metadata x-kvmesh-disaggregate)", choices=("auto", "always", "never"))
     slo_ttft_s: float = setting(0.0, "admission: reject (429) when no instance's estimated TTFT meets it "
                                      "(0 = off)")
     prefill_tok_per_s: float = setting(240.0, "cost model: one instance's prefill speed")
@@ -307,7 +325,7 @@ class RouterSettings(Section):
     def problems(self) -> list[Problem]:
         out = super().problems()
         out += self._ports(("grpc_port", "http_port"))
-        out += self._positive(("instance_timeout_s", "kv_timeout_s", "match_timeout_s", "request_timeout_s",
+        out += self._positive(("instance_timeout_s", "match_timeout_s", "request_timeout_s",
                                "prefill_tok_per_s"))
         if not self.slo_ttft_s >= 0:
             out.append(Problem("slo_ttft_s", f"slo_ttft_s must be >= 0 (0 = no admission control), "

@@ -29,7 +29,7 @@ class MetricsServer:
     """``GET /metrics`` of one registry on its own port (a thread of prometheus-client's)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 setting: str = "--metrics-port / KVMESH_METRICS_PORT") -> None:
+                 setting: str = "--metrics-port / KVMESH_INSTANCE_METRICS_PORT") -> None:
         from kvmesh.ready import binding
 
         with binding("metrics", host, port, setting):  # port 0: any free port, read back below
@@ -98,6 +98,13 @@ class EngineCollector(Collector):
         blocks.add_metric(["device", "cached"], load.cached_blocks)
         blocks.add_metric(["host", "capacity"], host_capacity)
         blocks.add_metric(["host", "used"], load.host_blocks)
+        try:  # a racy read of the tree: a set or dict that changed while counted is skipped this scrape
+            counts = e.blocks.counts()
+        except RuntimeError:
+            counts = None
+        if counts is not None:
+            blocks.add_metric(["device", "referenced"], counts["referenced"])  # by sequences or leases
+            blocks.add_metric(["device", "pinned"], counts["pinned"])  # by leases (decode: a delta push)
         yield blocks
         yield GaugeMetricFamily(f"{p}_kv_block_bytes", "Bytes of one KV block (every layer, K and V) as stored: "
                                 "blocks moved times this is bytes moved", value=e.layout.block_nbytes)

@@ -20,7 +20,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvmesh.telemetry.config import TelemetryConfig
+from kvmesh.settings import TelemetrySettings
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ _provider: Any = None
 Parent = Span | Context | None
 
 
-def setup(service: str, instance: str = "", cfg: TelemetryConfig | None = None) -> bool:
+def setup(service: str, instance: str = "", cfg: TelemetrySettings | None = None) -> bool:
     """Install the SDK tracer provider of this process: the JSONL exporter when ``cfg.trace_file`` is set,
     OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is. Returns whether spans are
     recorded."""
     global _provider
-    cfg = cfg or TelemetryConfig()
+    cfg = cfg or TelemetrySettings()
     if not cfg.tracing:
         log.info("tracing off")
         return False
@@ -56,7 +56,7 @@ def setup(service: str, instance: str = "", cfg: TelemetryConfig | None = None) 
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         exporters.append((_otlp_exporter(), None))
     if not exporters:
-        log.info("tracing: no exporter configured (set KVMESH_TRACE_FILE or OTEL_EXPORTER_OTLP_ENDPOINT)")
+        log.info("tracing: no exporter configured (set KVMESH_TELEMETRY_TRACE_FILE or OTEL_EXPORTER_OTLP_ENDPOINT)")
         return False
     _provider = make_provider(service, instance, cfg.trace_sample_ratio, exporters)
     trace.set_tracer_provider(_provider)

@@ -60,14 +60,16 @@ class LoRAAdapters(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("work", "decode_instance", "decode_transfer_address")
+    __slots__ = ("work", "decode_instance", "decode_transfer_address", "decode_cached_blocks")
     WORK_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     work: WorkRequest
     decode_instance: str
     decode_transfer_address: str
-    def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., decode_instance: _Optional[str] = ..., decode_transfer_address: _Optional[str] = ...) -> None: ...
+    decode_cached_blocks: int
+    def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., decode_instance: _Optional[str] = ..., decode_transfer_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "cached_tokens", "num_blocks", "transfer_bytes", "transfer_s", "transfer_id", "compute_s")
@@ -88,14 +90,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("work", "prefill_locally", "kv_timeout_s")
+    __slots__ = ("work", "prefill_locally", "kv_timeout_s", "cached_blocks", "route_reason", "expected_prefill_s")
     WORK_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     work: WorkRequest
     prefill_locally: bool
     kv_timeout_s: float
-    def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+    cached_blocks: int
+    route_reason: str
+    expected_prefill_s: float
+    def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., kv_timeout_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ..., route_reason: _Optional[str] = ..., expected_prefill_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finished", "finish_reason", "cached_tokens", "kv_fallback", "fallback_reason")
