@@ -67,9 +67,13 @@ class Adapters:
         return not name or held(inst).get(name, ("", ""))[0] == self.served().get(name, ("?", ""))[0]
 
     def _update(self, inst: Instance, reply: worker_pb2.LoRAAdapters) -> None:
-        """The instance's record as its reply says (fresher than its last heartbeat)."""
-        inst.beat = dataclasses.replace(inst.beat, loras=tuple((a.name, a.generation, a.path)
-                                                               for a in reply.adapters))
+        """The instance's record as its reply says (fresher than its last heartbeat): the registry's current
+        record (a heartbeat may have replaced ``inst`` during the call) and ``inst`` itself."""
+        loras = tuple((a.name, a.generation, a.path) for a in reply.adapters)
+        if reply.ts >= inst.loras_ts:
+            inst.beat = dataclasses.replace(inst.beat, loras=loras)
+            inst.loras_ts = reply.ts
+        self._registry().update_loras(inst.id, loras, reply.ts)
 
     async def _call(self, inst: Instance, method: str, request) -> worker_pb2.LoRAAdapters:
         stub = worker_pb2_grpc.AdaptersStub(self._channel(inst.beat.grpc_address))

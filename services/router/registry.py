@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ class Instance:
     last_seen: float
     inflight: int = 0            # requests this router sent there and has not seen finish
     inflight_tokens: int = 0     # their prompt tokens (prefill work not yet done, as far as we know)
+    loras_ts: float = 0.0        # the instance's clock when a reply to our LoRA call listed beat.loras
 
     @property
     def id(self) -> str:
@@ -55,8 +57,19 @@ class Registry:
         if beat.instance_id not in self._instances:
             log.info("instance %s (%s) joined at %s", beat.instance_id, beat.role, beat.grpc_address)
         old = self._instances.get(beat.instance_id)
+        loras_ts = old.loras_ts if old else 0.0
+        if old is not None and beat.ts < loras_ts:  # built before our LoRA call's reply: its adapters are stale
+            beat = dataclasses.replace(beat, loras=old.beat.loras)
         self._instances[beat.instance_id] = Instance(beat, time.monotonic(), old.inflight if old else 0,
-                                                     old.inflight_tokens if old else 0)
+                                                     old.inflight_tokens if old else 0, loras_ts)
+
+    def update_loras(self, iid: str, loras: tuple[tuple[str, str, str], ...], ts: float) -> None:
+        """An instance's adapters as the reply to a LoRA call lists them (taken at ``ts``, its clock): fresher
+        than its heartbeats stamped before ``ts``, which may still be in flight."""
+        for inst in {id(i): i for i in (self._instances.get(iid), self._gone.get(iid)) if i is not None}.values():
+            if ts >= inst.loras_ts:
+                inst.beat = dataclasses.replace(inst.beat, loras=loras)
+                inst.loras_ts = ts
 
     def alive(self, *roles: str) -> list[Instance]:
         now = time.monotonic()

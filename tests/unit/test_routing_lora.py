@@ -3,6 +3,7 @@ adapter where it is missing is priced, so a much shorter queue elsewhere can sti
 holds what comes from heartbeats (name, generation, path)."""
 
 from kvmesh.contracts.messages import Heartbeat
+from kvmesh.proto.v1 import worker_pb2
 from kvmesh.routing import CacheAware, Candidate, CostModel
 
 from services.router.loras import Adapters
@@ -25,8 +26,8 @@ def test_the_measured_load_time_from_heartbeats_overrides_the_configured_one():
     assert CostModel.from_load({"lora_load_s": 0.02}, COST).lora_load_s == 0.02
 
 
-def beat(iid: str, loras=()) -> Heartbeat:
-    return Heartbeat(instance_id=iid, role="both", grpc_address=f"{iid}:1", transfer_address="", ts=0.0,
+def beat(iid: str, loras=(), ts: float = 0.0) -> Heartbeat:
+    return Heartbeat(instance_id=iid, role="both", grpc_address=f"{iid}:1", transfer_address="", ts=ts,
                      load={}, model="fp", block_size=16, loras=tuple(loras))
 
 
@@ -54,3 +55,17 @@ def test_router_view_of_adapters_and_policies_prefer_holders():
         assert chosen.id in ("a", "c")
     chosen, d = policies.choose("cache_aware", list(insts.values()), {"c": 5}, 100, 16, 0, missing)
     assert chosen.id == "c" and d.scores["b"] > d.scores["a"]
+
+
+def test_a_heartbeat_built_before_an_unload_reply_does_not_bring_the_adapter_back():
+    reg = Registry(30.0, 16, "fp")
+    reg.observe(beat("a", [("tmp", "g1", "/t")], ts=10.0))
+    view = Adapters(lambda: reg, lambda addr: None)
+    stale = reg.alive()[0]
+    reg.observe(beat("a", [("tmp", "g1", "/t")], ts=11.0))  # arrived while the unload call was out
+    view._update(stale, worker_pb2.LoRAAdapters(ts=11.5))  # the reply: nothing served, listed at 11.5
+    assert view.served() == {}
+    reg.observe(beat("a", [("tmp", "g1", "/t")], ts=11.2))  # built before the unload, delivered after
+    assert view.served() == {}
+    reg.observe(beat("a", [("sql", "g2", "/s")], ts=12.0))  # newer heartbeats are the truth again
+    assert view.served() == {"sql": ("g2", "/s")}

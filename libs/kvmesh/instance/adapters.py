@@ -21,7 +21,9 @@ SERVICE = "kvmesh.v1.Adapters"
 
 
 def listing(engine) -> worker_pb2.LoRAAdapters:
-    return worker_pb2.LoRAAdapters(adapters=[
+    """What the engine serves now (run on the engine thread, after the call's change), stamped with the
+    instance's clock like its heartbeats, so the router can tell a heartbeat built before the change."""
+    return worker_pb2.LoRAAdapters(ts=time.time(), adapters=[
         worker_pb2.LoRAAdapter(name=s.name, generation=s.generation, path=s.path, rank=s.rank)
         for s in sorted(engine.loras.registered.values(), key=lambda s: s.name)])
 

@@ -54,10 +54,12 @@ class LoRAAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., generation: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class LoRAAdapters(_message.Message):
-    __slots__ = ("adapters",)
+    __slots__ = ("adapters", "ts")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    ts: float
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., ts: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("work", "decode_instance", "decode_transfer_address", "decode_cached_blocks")
