@@ -29,7 +29,7 @@ up: $(BASE)
 	$(VENV)/bin/kvmesh up
 
 lint: $(DEV)
-	$(VENV)/bin/ruff check libs services app tests
+	$(VENV)/bin/ruff check libs services app tests docker
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

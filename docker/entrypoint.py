@@ -55,7 +55,7 @@ def own_address(name: str) -> str:
 
 def prepare_service(service: str, argv: list[str], env: dict[str, str]) -> str:
     """Resolve the container-specific settings of ``service`` into ``env``; returns its health address."""
-    from app import config_show  # noqa: PLC0415 - only for kvmesh services
+    from app import config_show
 
     own = config_show.SERVICE_SECTIONS[service][0]  # router, instance or cachesvc
     host_var = f"KVMESH_{own.upper()}_HOST"

@@ -20,8 +20,8 @@ def target() -> str:
 
 
 def check_grpc(address: str) -> str | None:
-    import grpc  # noqa: PLC0415
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
         with grpc.insecure_channel(address) as ch:
@@ -46,7 +46,7 @@ def check_nats(host: str, port: int) -> str | None:
 
 def ready_grpc_address(path: str) -> str:
     """The gRPC address a service wrote to its ready file once serving (kvmesh.ready), through loopback."""
-    import json  # noqa: PLC0415
+    import json
 
     try:
         address = json.loads(Path(path).read_text())["endpoints"]["grpc"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Protocol
 
@@ -38,15 +39,16 @@ class EvictionPolicy(Protocol):
     def on_evict(self, item: Evictable, now: float) -> None: ...
 
 
-class Policy:
+class Policy(ABC):
     """Base of the strategies here: no feedback, online."""
 
     name = ""
     offline = False    # needs the future (``next_use``): the simulator only
     dynamic = False    # keys drift as the strategy learns: a queue re-ranks an item before evicting it
 
+    @abstractmethod
     def sort_key(self, item: Evictable, now: float) -> tuple:
-        raise NotImplementedError
+        """The order of eviction: the smallest key leaves first."""
 
     def on_hit(self, item: Evictable, now: float) -> None:
         """``item`` is about to be hit (called before its ``last_access`` / ``hit_count`` change)."""
