@@ -11,41 +11,9 @@ import json
 import os
 import sys
 import tomllib
-from collections.abc import Mapping
 from typing import Any
 
 from kvmesh import settings
-
-# The sections each entry point reads besides [shared], its own first (each entry point's SECTIONS).
-SERVICE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "router": ("router", "telemetry"),
-    "prefill": ("instance", "engine", "telemetry"),
-    "decode": ("instance", "engine", "telemetry"),
-    "both": ("instance", "engine", "telemetry"),
-    "cachesvc": ("cachesvc", "telemetry"),
-}
-
-
-def service_defaults(service: str) -> dict[str, dict[str, Any]]:
-    """What the entry point of ``service`` sets before the file and the environment (an engine's role)."""
-    return {"instance": {"role": service}} if service in ("prefill", "decode", "both") else {}
-
-
-def load_service(service: str, argv: list[str], env: Mapping[str, str]) -> settings.Settings:
-    """The settings ``service`` builds at start from ``env`` and its command line ``argv`` (``--config`` and its
-    generated flags; other arguments are ignored). A :class:`kvmesh.settings.SettingsError` (a ValueError)
-    names what is wrong."""
-    if service not in SERVICE_SECTIONS:
-        raise ValueError(f"unknown service {service!r}; choose one of {sorted(SERVICE_SECTIONS)}")
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("--config")
-    settings.add_flags(parser, SERVICE_SECTIONS[service])
-    try:
-        args, _ = parser.parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ValueError(str(e)) from None
-    return settings.load(SERVICE_SECTIONS[service], path=args.config, env=env,
-                         overrides=settings.flag_overrides(args), defaults=service_defaults(service))
 
 
 def _toml_value(value: Any) -> str:
@@ -73,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh config", description=__doc__)
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("show", help="print the effective settings")
-    s.add_argument("--service", default="all", choices=["all", *settings.SECTIONS, *SERVICE_SECTIONS],
+    s.add_argument("--service", default="all", choices=["all", *settings.SECTIONS, *settings.ENTRY_POINT_SECTIONS],
                    help="all sections (default), one section, or the sections one service reads "
                         "(its defaults applied: an engine's role)")
     s.add_argument("--config", help="TOML file, one [section] table per section (docs/configuration.md)")
@@ -81,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
                    help='one JSON object: {section: {field: {"value", "source", "env"}}}')
     args = p.parse_args(argv)
     try:
-        shown = settings.show(args.config, dict(os.environ), defaults=service_defaults(args.service))
+        shown = settings.show(args.config, dict(os.environ), defaults=settings.entry_point_defaults(args.service))
     except (settings.SettingsError, OSError, tomllib.TOMLDecodeError) as e:
         print(f"kvmesh config: {e}", file=sys.stderr)
         return 2
-    if args.service in SERVICE_SECTIONS:
-        shown = {k: v for k, v in shown.items() if k in ("shared", *SERVICE_SECTIONS[args.service])}
+    if args.service in settings.ENTRY_POINT_SECTIONS:
+        shown = {k: v for k, v in shown.items() if k in ("shared", *settings.ENTRY_POINT_SECTIONS[args.service])}
     elif args.service != "all":
         shown = {args.service: shown[args.service]}
     print(json.dumps(shown, indent=2) if args.json else text(shown))

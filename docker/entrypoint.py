@@ -6,7 +6,7 @@ service command (so the service is PID 1 and gets the signals).
 - ``KVMESH_<SECTION>_HOST=auto`` (``KVMESH_INSTANCE_HOST``, ``KVMESH_ROUTER_HOST``, ``KVMESH_CACHESVC_HOST``):
   this container's own address. Engines advertise the address they bind, so on a bridge network each replica
   binds its own address, not 0.0.0.0.
-- The service's settings are loaded as it will load them (app/config_show.load_service): an unknown or renamed
+- The service's settings are loaded as it will load them (kvmesh.settings.load_entry_point): an unknown or renamed
   ``KVMESH_*`` variable or a bad value stops the container here, exit 2.
 - An engine on port 0 binds any free port itself and writes it to its ready file (``KVMESH_READY_FILE``, set
   here to /tmp/kvmesh-ready.json unless given), which the healthcheck reads: no port is picked here, since
@@ -55,18 +55,18 @@ def own_address(name: str) -> str:
 
 def prepare_service(service: str, argv: list[str], env: dict[str, str]) -> str:
     """Resolve the container-specific settings of ``service`` into ``env``; returns its health address."""
-    from app import config_show
+    from kvmesh import settings
 
-    own = config_show.SERVICE_SECTIONS[service][0]  # router, instance or cachesvc
+    own = settings.ENTRY_POINT_SECTIONS[service][0]  # router, instance or cachesvc
     host_var = f"KVMESH_{own.upper()}_HOST"
     if env.get(host_var) == "auto" and "--host" not in argv:
         env[host_var] = own_address(host_var)
     try:
-        loaded = config_show.load_service(service, argv, env)
+        loaded = settings.load_entry_point(service, argv, env)
         if own == "instance" and not loaded.instance.id:
             suffix = loaded.instance.port or uuid.uuid4().hex[:8]  # port 0: the engine picks it as it binds
             env["KVMESH_INSTANCE_ID"] = f"{loaded.instance.role}-{socket.gethostname()}-{suffix}"
-            loaded = config_show.load_service(service, argv, env)
+            loaded = settings.load_entry_point(service, argv, env)
     except (OSError, ValueError) as e:
         fail(f"bad settings for {service}: {e}")
         raise

@@ -15,7 +15,9 @@ from pathlib import Path
 def state_dir(explicit: str | os.PathLike | None = None) -> Path:
     if explicit:
         return Path(explicit)
-    env = os.environ.get("KVMESH_STATE_DIR")
+    from kvmesh.settings import SharedSettings  # the variable's one home: [shared] state_dir
+
+    env = os.environ.get(SharedSettings.env_name("state_dir"))
     return Path(env) if env else Path.cwd() / ".kvmesh"
 
 

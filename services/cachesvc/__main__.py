@@ -14,7 +14,7 @@ from kvmesh.ready import EXIT_BIND, PortInUse, report_failure
 
 from services.cachesvc.server import serve
 
-SECTIONS = ("cachesvc", "telemetry")
+SECTIONS = settings.ENTRY_POINT_SECTIONS["cachesvc"]
 log = logging.getLogger("cachesvc")
 
 

@@ -23,7 +23,7 @@ from services.router.core import Router
 from services.router.grpc_api import KvmeshServicer, add_to_server
 from services.router.http_api import OpenAIApi
 
-SECTIONS = ("router", "telemetry")
+SECTIONS = settings.ENTRY_POINT_SECTIONS["router"]
 log = logging.getLogger("router")
 
 

@@ -244,6 +244,16 @@ def test_every_service_is_healthy_and_runs_as_a_non_root_user(stack, engine):
         assert c.attrs["Config"]["User"] == "kvmesh", service
 
 
+def test_router_and_cachesvc_images_hold_no_torch(stack, engine):
+    code = "import importlib.util as u; print([m for m in ('torch', 'transformers', 'safetensors') if u.find_spec(m)])"
+    probe = ["python", "-c", code]
+    for service in ("router-host", "cachesvc", "prefill"):
+        status, out = stack.container(engine, service).exec_run(probe)
+        assert status == 0, out
+        found = out.decode().strip()
+        assert (found == "[]") == (service != "prefill"), (service, found)  # the engines have them
+
+
 def test_decode_killed_mid_stream_is_a_clear_error_and_the_router_serves_again_when_decode_is_back(
         stack, engine):
     decode, router = stack.container(engine, "decode"), stack.container(engine, "router-host")

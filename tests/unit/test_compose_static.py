@@ -15,8 +15,6 @@ import yaml
 from kvmesh import settings
 from kvmesh.bus.nats_server import find_nats_server
 
-from app import config_show
-
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = ("compose.yaml", "compose.hostnet.yaml")
 KVMESH_MODULES = {"services.router": "router", "services.prefill": "prefill", "services.decode": "decode",
@@ -124,15 +122,34 @@ def test_every_file_the_dockerfile_copies_exists_and_is_in_the_context():
             assert src.split("/")[0].rstrip("/") in included, f"COPY {src}: excluded by .dockerignore"
 
 
+def stage_chain(stages: dict[str, str], target: str) -> str:
+    """The text of ``target`` and of every stage it is built FROM, the target's last (as Docker applies them)."""
+    chain = []
+    while target in stages:
+        chain.insert(0, stages[target])
+        target = stages[target].splitlines()[0].split()[1]
+    return "\n".join(chain)
+
+
 def test_images_run_as_a_non_root_user_with_a_healthcheck():
-    runtime = dockerfile_stages(ROOT / "docker/Dockerfile")["runtime"]
-    user = re.search(r"^USER\s+(\S+)", runtime, re.MULTILINE)
-    assert user and user.group(1) not in ("root", "0")
-    assert re.search(r"^HEALTHCHECK .*\n?.*healthcheck\.py", runtime, re.MULTILINE)
     stages = dockerfile_stages(ROOT / "docker/Dockerfile")
     for svc in kvmesh_services(load("compose.yaml")["services"]).values():
         target = svc["build"]["target"]
-        assert stages[target].splitlines()[0].split()[1] == "runtime", f"{target} must build on the runtime stage"
+        assert stages[target].splitlines()[0].split()[1] in ("runtime", "runtime-light"), \
+            f"{target} must build on a runtime stage"
+        text = stage_chain(stages, target)
+        users = re.findall(r"^USER\s+(\S+)", text, re.MULTILINE)
+        assert users and users[-1] not in ("root", "0"), target
+        assert re.search(r"^HEALTHCHECK .*\n?.*healthcheck\.py", text, re.MULTILINE), target
+
+
+def test_router_cachesvc_and_nats_build_on_the_runtime_without_torch():
+    stages = dockerfile_stages(ROOT / "docker/Dockerfile")
+    for target in ("router", "cachesvc", "nats"):
+        assert stages[target].splitlines()[0].split()[1] == "runtime-light", target
+    light = stage_chain(stages, "runtime-light")
+    assert "--from=build " not in light and "/reqs/torch.txt" not in light  # not the engines' venv
+    assert "light.txt" in stages["build-light"]
 
 
 @pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
@@ -177,15 +194,15 @@ def test_every_environment_key_is_a_known_setting_and_its_value_is_valid(variant
             assert set(env) == refs, f"nats: environment {sorted(env)} vs nats.conf's {sorted(refs)}"
             continue
         service = KVMESH_MODULES[argv[2]]
-        reads = {"shared", *config_show.SERVICE_SECTIONS[service]}
+        reads = {"shared", *settings.ENTRY_POINT_SECTIONS[service]}
         known = settings.env_names()
         unknown = {k for k in env if k not in OTEL_ENV and known.get(k, ("",))[0] not in reads}
         assert not unknown, f"{variant} {name}: {sorted(unknown)} are not settings of {service}"
-        host = f"KVMESH_{config_show.SERVICE_SECTIONS[service][0].upper()}_HOST"
+        host = f"KVMESH_{settings.ENTRY_POINT_SECTIONS[service][0].upper()}_HOST"
         if env.get(host) == "auto":  # the entrypoint puts the container's address there
             env[host] = "10.0.0.2"
         parse_service_command(argv[2], argv[3:])  # its own parser accepts the command line
-        config_show.load_service(service, argv[3:], env)  # raises on a bad value or an unknown variable
+        settings.load_entry_point(service, argv[3:], env)  # raises on a bad value or an unknown variable
 
 
 def _kvmesh_names(text: str) -> set[str]:

@@ -1,12 +1,16 @@
 """The layer rules of DESIGN.md hold, and would bite: import-linter's contracts (pyproject.toml), the contracts
-package's allow-list, and what importing the router and cachesvc loads."""
+package's allow-list, and what importing the router and cachesvc loads (none of the engine-only packages their
+images are built without)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import grimp
@@ -75,13 +79,26 @@ def test_contracts_import_only_the_standard_library_xxhash_and_the_protocol() ->
     assert imported - allowed == set()
 
 
-def test_importing_every_router_and_cachesvc_module_leaves_torch_unloaded() -> None:
+def engine_only_modules() -> set[str]:
+    """The top-level modules of pyproject's ``[tool.kvmesh.images] engine-only`` distributions installed here."""
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["kvmesh"]["images"]["engine-only"]
+    engine_only = {norm(n) for n in listed}
+    return {module for module, dists in metadata.packages_distributions().items()
+            if not module.startswith("_") and any(norm(d) in engine_only for d in dists)}
+
+
+def test_importing_every_router_and_cachesvc_module_loads_no_engine_only_package() -> None:
+    modules = engine_only_modules()
+    assert {"torch", "transformers", "safetensors", "gguf"} <= modules  # the list is read, and installed here
     walk = ("import importlib, pkgutil, sys\n"
             "import services.router, services.cachesvc\n"
             "for pkg in (services.router, services.cachesvc):\n"
             "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
             "        importlib.import_module(m.name)\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+            f"print(sorted(m for m in {sorted(modules)!r} if m in sys.modules))\n")
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'libs'}{os.pathsep}{ROOT}"}
     result = subprocess.run([sys.executable, "-c", walk], env=env, capture_output=True, text=True, timeout=120,
                             check=True)

@@ -14,7 +14,6 @@ import pytest
 from kvmesh import settings
 from kvmesh.settings import SettingsError
 
-from app import config_show
 from app.cli import main as kvmesh_main
 from app.launcher import Stack, StackOptions
 
@@ -113,11 +112,11 @@ def test_config_show_rejects_a_bad_value_or_an_old_name(monkeypatch, capsys):
 
 
 def test_load_service_applies_flags_like_the_service_does():
-    loaded = config_show.load_service("decode", ["--port", "2", "--threads", "3"], {"KVMESH_INSTANCE_PORT": "1"})
+    loaded = settings.load_entry_point("decode", ["--port", "2", "--threads", "3"], {"KVMESH_INSTANCE_PORT": "1"})
     assert (loaded.instance.role, loaded.instance.port, loaded.engine.threads) == ("decode", 2, 3)
     assert loaded.sources["instance"]["port"].kind == "flag"
     with pytest.raises(ValueError, match="--port"):
-        config_show.load_service("cachesvc", ["--port", "x"], {})
+        settings.load_entry_point("cachesvc", ["--port", "x"], {})
 
 
 def test_kvmesh_up_hands_its_children_the_new_names(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from kvmesh import settings, tls
 from kvmesh.instance.host import RolePlugin, serve
 from kvmesh.ready import EXIT_BIND, PortInUse, report_failure
 
-SECTIONS = ("instance", "engine", "telemetry")
+SECTIONS = settings.ENTRY_POINT_SECTIONS["prefill"]  # every engine role reads the same sections
 # Where each role is served from, for the message when a process is asked for a role it cannot serve.
 ENTRY_POINTS = {"prefill": "python -m services.prefill", "decode": "python -m services.decode",
                 "both": "python -m app.both (kvmesh up --both N): one process serving prefill and decode is "

@@ -43,7 +43,9 @@ def default_model_path() -> Path:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
+    from kvmesh.settings import SharedSettings  # the variable's one home: [shared] cache_dir
+
+    return Path(os.environ.get(SharedSettings.env_name("cache_dir")) or Path.home() / ".cache" / "kvmesh")
 
 
 def resolve_model(source: str | Path | None, cache_dir: Path | None = None,

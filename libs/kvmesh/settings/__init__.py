@@ -13,6 +13,7 @@ reads::
 The variables, keys and flags of every section: docs/configuration.md (``python -m kvmesh.settings reference``).
 """
 
+from kvmesh.settings.entry_points import ENTRY_POINT_SECTIONS, entry_point_defaults, load_entry_point
 from kvmesh.settings.load import (
     NOT_SETTINGS,
     RENAMED,
@@ -48,8 +49,9 @@ from kvmesh.settings.sections import (
 )
 
 __all__ = [
-    "NOT_SETTINGS", "RENAMED", "SECTIONS", "CacheServiceSettings", "EngineSettings", "FlagValues",
-    "InstanceSettings", "Problem", "RouterSettings", "Section", "Settings", "SettingsError", "SharedSettings",
-    "Source", "TelemetrySettings", "add_flags", "as_env", "check_environment", "env_names", "env_value", "flag_name",
-    "flag_overrides", "load", "masked", "parse_api_keys", "parse_args", "read_file", "reference", "show",
+    "ENTRY_POINT_SECTIONS", "NOT_SETTINGS", "RENAMED", "SECTIONS", "CacheServiceSettings", "EngineSettings",
+    "FlagValues", "InstanceSettings", "Problem", "RouterSettings", "Section", "Settings", "SettingsError",
+    "SharedSettings", "Source", "TelemetrySettings", "add_flags", "as_env", "check_environment",
+    "entry_point_defaults", "env_names", "env_value", "flag_name", "flag_overrides", "load", "load_entry_point",
+    "masked", "parse_api_keys", "parse_args", "read_file", "reference", "show",
 ]

