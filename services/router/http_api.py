@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, SamplingParams
@@ -151,6 +151,14 @@ def _check_strings(body: Any) -> None:
             stack += v
 
 
+class Answer(NamedTuple):
+    """What every chunk of one response repeats: the request id, the object kind and the model it names."""
+
+    rid: str
+    kind: str
+    model: str  # the LoRA adapter's name when one was asked for, else the base model's id
+
+
 class OpenAIApi:
     def __init__(self, router: Router, tenants: Tenants | None = None,
                  admission: Admission | None = None) -> None:
@@ -229,9 +237,10 @@ class OpenAIApi:
             stream = self.router.generate(rid, prompt, params, salt, trace=rt, policy=policy or None, lora=lora,
                                           disaggregate=request.headers.get("x-kvmesh-disaggregate") or None)
             kind = "chat.completion" if chat else "text_completion"
+            answer = Answer(rid, kind, lora or self.router.model_id)  # an adapter's answer names the adapter
             if streaming:
-                return await self._sse(request, rid, kind, stream, include_usage, rt)
-            return await self._whole(rid, kind, stream, rt)
+                return await self._sse(request, answer, stream, include_usage, rt)
+            return await self._whole(answer, stream, rt)
         except RequestError as e:
             rt.finish(e.kind, e.message)
             return error_response(e.kind, e.message, rid, headers=rt.headers(rid))
@@ -257,9 +266,10 @@ class OpenAIApi:
             return self.router.prompt_ids(token_ids=prompt)
         raise RequestError("invalid", "prompt must be a string or a list of token ids (one prompt per request)")
 
-    def _envelope(self, rid: str, kind: str, choices: list[dict], usage: dict | None = None) -> dict:
-        out = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{rid}", "object": kind,
-               "created": int(time.time()), "model": self.router.model_id, "choices": choices}
+    @staticmethod
+    def _envelope(answer: Answer, kind: str, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{answer.rid}", "object": kind,
+               "created": int(time.time()), "model": answer.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
         return out
@@ -272,7 +282,8 @@ class OpenAIApi:
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
-    async def _whole(self, rid: str, kind: str, stream, rt: RequestTrace) -> web.Response:
+    async def _whole(self, answer: Answer, stream, rt: RequestTrace) -> web.Response:
+        rid, kind = answer.rid, answer.kind
         text, last = [], None
         async for c in stream:
             rt.first_token_sent()  # not streaming: TTFT ends when the first token is in hand
@@ -283,10 +294,11 @@ class OpenAIApi:
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if kind == "chat.completion"
                   else {"index": 0, "text": content, "logprobs": None})
         choice["finish_reason"] = last.finish_reason or "stop"
-        return web.json_response(self._envelope(rid, kind, [choice], self._usage(last)), headers=rt.headers(rid))
+        return web.json_response(self._envelope(answer, kind, [choice], self._usage(last)), headers=rt.headers(rid))
 
-    async def _sse(self, request: web.Request, rid: str, kind: str, stream, include_usage: bool,
+    async def _sse(self, request: web.Request, answer: Answer, stream, include_usage: bool,
                    rt: RequestTrace) -> web.StreamResponse:
+        rid, kind = answer.rid, answer.kind
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         # pull the first chunk before answering, so an error still becomes a proper HTTP status
         it = stream.__aiter__()
@@ -299,19 +311,19 @@ class OpenAIApi:
             await resp.write(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
 
         if chunk_kind == "chat.completion.chunk":
-            await send(self._envelope(rid, chunk_kind, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            await send(self._envelope(answer, chunk_kind, [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                          "finish_reason": None}]))
         c: Chunk | None = first
         try:
             while c is not None:
                 delta = ({"delta": {"content": c.text}} if chunk_kind == "chat.completion.chunk"
                          else {"text": c.text, "logprobs": None})
-                await send(self._envelope(rid, chunk_kind, [{"index": 0, **delta,
+                await send(self._envelope(answer, chunk_kind, [{"index": 0, **delta,
                                                              "finish_reason": c.finish_reason or None}]))
                 rt.first_token_sent()
                 if c.finished:
                     if include_usage:
-                        await send(self._envelope(rid, chunk_kind, [], self._usage(c)))
+                        await send(self._envelope(answer, chunk_kind, [], self._usage(c)))
                     break
                 c = await it.__anext__()
         except RequestError as e:

@@ -86,13 +86,14 @@ def test_kv_is_keyed_by_adapter(mesh):
     assert cached_again >= 32  # the second turn under the same adapter hits its first
 
 
-def test_openai_request_picks_an_adapter_by_model(mesh, adapters):
+def test_openai_request_picks_an_adapter_by_model_and_names_it(mesh, adapters):
     out = {}
     for model in ("sql", ""):
         status, body, _ = mesh.post("/v1/completions", {"model": model, "prompt": "Hello there", "max_tokens": 6,
                                                         "temperature": 0, "ignore_eos": True})
         assert status == 200, body
         out[model] = body["choices"][0]["text"]
+        assert body["model"] == (model or mesh.router.model_id)  # the answer names the adapter it came from
     assert out["sql"] != out[""]
 
 
