@@ -1,6 +1,7 @@
 import hashlib
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -238,6 +239,25 @@ def test_gguf_fingerprint_is_the_file_sha256_and_names_the_cache_entry(tiny_gguf
     src = resolve_model(tiny_gguf[0], cache_dir=tmp_path / "cache")
     assert src.fingerprint == hashlib.sha256(tiny_gguf[0].read_bytes()).hexdigest()
     assert src.hf_dir == tmp_path / "cache" / "models" / src.fingerprint
+
+
+def test_gguf_digest_is_read_once_per_file_version(tiny_gguf, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmesh.model_source import resolve
+
+    path, cache = tiny_gguf[0], tmp_path / "cache"
+    first = resolve_model(path, cache_dir=cache).fingerprint
+    monkeypatch.setattr(resolve, "_sha256_file", lambda p: pytest.fail("read the whole file again"))
+    assert resolve_model(path, cache_dir=cache).fingerprint == first
+    copy = tmp_path / "copy.gguf"  # another file: its own entry, computed
+    copy.write_bytes(path.read_bytes() + b"\0")
+    monkeypatch.setattr(resolve, "_sha256_file", lambda p: hashlib.sha256(p.read_bytes()).hexdigest())
+    assert resolve.gguf_digest(copy, cache / "digests") == hashlib.sha256(copy.read_bytes()).hexdigest()
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # rewritten in place
+    calls = []
+    monkeypatch.setattr(resolve, "_sha256_file", lambda p: calls.append(p) or first)
+    resolve_model(path, cache_dir=cache)
+    assert calls == [path]
 
 
 def test_gguf_is_converted_once_then_served_from_the_cache(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from kvmesh.model_source.hf_config import ModelConfig
 
+log = logging.getLogger(__name__)
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Convert = Callable[[Path, Path], None]
 """``convert(gguf_file, hf_dir)``: write the HF directory ``hf_dir`` (atomically: all or nothing)."""
@@ -57,8 +59,9 @@ def resolve_model(source: str | Path | None, cache_dir: Path | None = None,
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
         return ModelSource(path, config, _dir_fingerprint(path))
     if path.is_file() and path.suffix == ".gguf":
-        digest = _sha256_file(path)
-        hf_dir = Path(cache_dir or default_cache_dir()) / "models" / digest
+        cache = Path(cache_dir or default_cache_dir())
+        digest = gguf_digest(path, cache / "digests")
+        hf_dir = cache / "models" / digest
         if not (hf_dir / "config.json").is_file():
             (convert or convert_in_child)(path, hf_dir)
         config = ModelConfig.from_hf(json.loads((hf_dir / "config.json").read_text()))
@@ -73,6 +76,31 @@ def convert_in_child(gguf_path: Path, hf_dir: Path) -> None:
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"converting {gguf_path} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+
+
+def gguf_digest(path: Path, index: Path) -> str:
+    """The sha256 of the file ``path``, remembered in the folder ``index`` under its resolved path, size and
+    modification time: every process's start (router and engines alike) would otherwise read the whole file
+    again (seconds for a multi-GB model). A file rewritten in place changes its mtime, so its digest is
+    recomputed; an unwritable index only costs the cache."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+    entry = index / key
+    try:
+        digest = entry.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    digest = _sha256_file(path)
+    try:
+        index.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f"{key}.{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        tmp.replace(entry)  # atomic: a process starting beside this one reads all or nothing
+    except OSError as e:
+        log.warning("cannot remember the digest of %s in %s: %s", path, index, e)
+    return digest
 
 
 def _sha256_file(path: Path) -> str:
