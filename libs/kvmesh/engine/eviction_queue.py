@@ -4,7 +4,9 @@
 and are dropped when they surface); ``pop`` takes the lowest-ranked item that ``eligible`` accepts (O(log n)
 amortised). Items ``eligible`` turns down leave the queue, so the caller pushes them again once they can go
 (the engine: when a block's last reader or last child leaves). A ``dynamic`` strategy's keys drift between
-pushes; ``pop`` re-ranks the top item before taking it, so what goes is ranked by the strategy as it is now.
+pushes; ``pop`` re-ranks the top item before taking it, so what goes is ranked by the strategy as it is now. One
+whose keys all move at once (``duel`` changing its mind) bumps its ``epoch``; the next ``pop`` then ranks every
+item afresh (O(n), once per change).
 
 Not thread-safe: one owner (the engine thread, the pool's storage thread, the simulator).
 """
@@ -14,9 +16,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from kvmesh.engine.eviction import Evictable, EvictionPolicy
+if TYPE_CHECKING:  # eviction.py uses this queue (``duel``'s shadow caches): no import at run time
+    from kvmesh.engine.eviction import Evictable, EvictionPolicy
 
 T = TypeVar("T", bound=Hashable)
 
@@ -30,6 +33,7 @@ class EvictionQueue(Generic[T]):
         self._heap: list[tuple[tuple, int, T]] = []
         self._live: dict[T, int] = {}   # item -> the sequence number of its current heap entry
         self._seq = itertools.count()
+        self._epoch = getattr(policy, "epoch", 0)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -50,6 +54,8 @@ class EvictionQueue(Generic[T]):
         self._live.pop(item, None)
 
     def pop(self, now: float, eligible: Callable[[T], bool] | None = None) -> T | None:
+        if self.dynamic and getattr(self.policy, "epoch", 0) != self._epoch:
+            self._rerank(now)
         heap, live = self._heap, self._live
         while heap:
             key, seq, item = heap[0]
@@ -66,6 +72,13 @@ class EvictionQueue(Generic[T]):
             if eligible is None or eligible(item):
                 return item
         return None
+
+    def _rerank(self, now: float) -> None:
+        """Every key moved at once (the strategy bumped its ``epoch``): rank the live items afresh, O(n)."""
+        self._epoch = getattr(self.policy, "epoch", 0)
+        key, state = self.policy.sort_key, self.state
+        self._heap = [(key(state(item), now), seq, item) for item, seq in self._live.items()]
+        heapq.heapify(self._heap)
 
     def _compact(self) -> None:
         self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
