@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -67,21 +68,25 @@ def synth(out: str, sessions: int = 1500, seed: int = 7) -> int:
 
 
 @dataclass(eq=False)
-class _Block:
+class Block:
+    """A hand-made :class:`~kvmesh.engine.eviction.Evictable` (the cost measurement and the unit tests)."""
+
     last_access: float
     hit_count: int = 0
     priority: int = 0
     priority_until: float = 0.0
     depth: int = 0
     extended: bool = True
+    next_use: float = math.inf
+    key: int | None = None
 
 
 def cost(blocks: int = 1_000_000, accesses: int = 200_000, policy: str = "tailfirst", seed: int = 0) -> dict:
     """µs per access (re-rank one block) and per eviction (take the lowest) with ``blocks`` cached."""
     rng = random.Random(seed)
     strategy = make_policy(policy)
-    q: EvictionQueue[_Block] = EvictionQueue(strategy)
-    items = [_Block(float(i), depth=i % 64) for i in range(blocks)]
+    q: EvictionQueue[Block] = EvictionQueue(strategy)
+    items = [Block(float(i), depth=i % 64) for i in range(blocks)]
     for b in items:
         q.push(b, b.last_access)
     picks = [items[rng.randrange(blocks)] for _ in range(accesses)]

@@ -228,6 +228,8 @@ class Duel(Policy):
     strategy; the real cache ranks by the baseline until the candidate's shadow has caught ``margin`` more hits
     (decayed by ``decay`` per sampled access, so it follows a workload that changes), and back again when the
     baseline leads by as much. A change of mind bumps ``epoch``: the eviction queue ranks everything afresh.
+    Between changes keys stay as the ranking strategy set them when a block was pushed (re-ranking ghost's at
+    ``pop`` with its later eviction age, ``dynamic``, measured 16.7% instead of 17.1% at 6,000 blocks).
 
     Both real strategies hear every hit and eviction, so the one not ranking keeps learning (ghost's eviction
     age and ghost list). On the chat trace the candidate wins within a few thousand requests; on the agentic
@@ -237,10 +239,9 @@ class Duel(Policy):
     sampled access also updates both shadows (O(log n))."""
 
     name = "duel"
-    dynamic = True
 
     def __init__(self, candidate: str = "ghost", baseline: str = "lru", sample_shift: int = 2,
-                 decay: float = 0.999, margin: float = 0.05) -> None:
+                 decay: float = 0.9995, margin: float = 0.1) -> None:
         self.experts = (make_policy(candidate), make_policy(baseline))
         self.shadows = (_ShadowCache(make_policy(candidate)), _ShadowCache(make_policy(baseline)))
         self.mask = (1 << sample_shift) - 1
@@ -248,6 +249,7 @@ class Duel(Policy):
         self.sampled: dict[Hashable, float] = {}  # sampled key in the real cache -> its last access seen
         self.winner = 1   # index into ``experts``: the baseline until the candidate proves better
         self.epoch = 0
+        self._full = 0    # sampled blocks in the real cache when it last evicted: its size × the sample rate
 
     def _observe(self, item: Evictable) -> None:
         key = getattr(item, "key", None)
@@ -257,7 +259,7 @@ class Duel(Policy):
         if self.sampled.get(key) == t:
             return  # re-ranked, not used
         self.sampled[key] = t
-        capacity = len(self.sampled)  # the sampled blocks in the real cache: its size × the sample rate
+        capacity = self._full or len(self.sampled)
         for shadow in self.shadows:
             shadow.access(key, item, capacity, self.decay)
         lead, other = self.shadows[self.winner].score, self.shadows[1 - self.winner].score
@@ -278,6 +280,7 @@ class Duel(Policy):
         key = getattr(item, "key", None)
         if key is not None:
             self.sampled.pop(key, None)
+        self._full = len(self.sampled)
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, TailFirst, Ghost, Duel,

@@ -54,7 +54,7 @@ class EvictionQueue(Generic[T]):
         self._live.pop(item, None)
 
     def pop(self, now: float, eligible: Callable[[T], bool] | None = None) -> T | None:
-        if self.dynamic and getattr(self.policy, "epoch", 0) != self._epoch:
+        if getattr(self.policy, "epoch", 0) != self._epoch:
             self._rerank(now)
         heap, live = self._heap, self._live
         while heap:
