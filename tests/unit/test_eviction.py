@@ -197,3 +197,15 @@ def test_queue_reranks_everything_when_the_strategy_bumps_its_epoch():
         q.push(x, 0)
     p.newest_first, p.epoch = True, 1
     assert [q.pop(0) for _ in range(3)] == [c, b, a]
+
+
+def test_queue_reranks_a_few_items_per_pop_after_an_epoch_change(monkeypatch):
+    import kvmesh.engine.eviction_queue as eq
+
+    monkeypatch.setattr(eq, "RERANK_PER_POP", 2)
+    q = EvictionQueue(LRU())
+    blocks = [B(float(i)) for i in range(10)]
+    for x in blocks:
+        q.push(x, 0)
+    q.policy.epoch = 1
+    assert q.pop(0) is blocks[0] and len(q._stale) == 8  # 2 of the 10 re-ranked

@@ -5,8 +5,8 @@ and are dropped when they surface); ``pop`` takes the lowest-ranked item that ``
 amortised). Items ``eligible`` turns down leave the queue, so the caller pushes them again once they can go
 (the engine: when a block's last reader or last child leaves). A ``dynamic`` strategy's keys drift between
 pushes; ``pop`` re-ranks the top item before taking it, so what goes is ranked by the strategy as it is now. One
-whose keys all move at once (``duel`` changing its mind) bumps its ``epoch``; the next ``pop`` then ranks every
-item afresh (O(n), once per change).
+whose keys all move at once (``duel`` changing its mind) bumps its ``epoch``; every item is then ranked afresh,
+``RERANK_PER_POP`` of them per ``pop`` (a change costs O(n) in all, but no single call more than O(log n) × that).
 
 Not thread-safe: one owner (the engine thread, the pool's storage thread, the simulator).
 """
@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # eviction.py uses this queue (``duel``'s shadow caches): no 
 
 T = TypeVar("T", bound=Hashable)
 
+RERANK_PER_POP = 16
+
 
 class EvictionQueue(Generic[T]):
     def __init__(self, policy: EvictionPolicy, state: Callable[[T], Evictable] | None = None) -> None:
@@ -34,6 +36,7 @@ class EvictionQueue(Generic[T]):
         self._live: dict[T, int] = {}   # item -> the sequence number of its current heap entry
         self._seq = itertools.count()
         self._epoch = getattr(policy, "epoch", 0)
+        self._stale: list[T] = []       # items still ranked by the strategy's previous epoch
 
     def __len__(self) -> int:
         return len(self._live)
@@ -54,8 +57,11 @@ class EvictionQueue(Generic[T]):
         self._live.pop(item, None)
 
     def pop(self, now: float, eligible: Callable[[T], bool] | None = None) -> T | None:
-        if getattr(self.policy, "epoch", 0) != self._epoch:
-            self._rerank(now)
+        epoch = getattr(self.policy, "epoch", 0)
+        if epoch != self._epoch:
+            self._epoch, self._stale = epoch, list(self._live)
+        if self._stale:
+            self._rerank(now, RERANK_PER_POP)
         heap, live = self._heap, self._live
         while heap:
             key, seq, item = heap[0]
@@ -73,12 +79,14 @@ class EvictionQueue(Generic[T]):
                 return item
         return None
 
-    def _rerank(self, now: float) -> None:
-        """Every key moved at once (the strategy bumped its ``epoch``): rank the live items afresh, O(n)."""
-        self._epoch = getattr(self.policy, "epoch", 0)
-        key, state = self.policy.sort_key, self.state
-        self._heap = [(key(state(item), now), seq, item) for item, seq in self._live.items()]
-        heapq.heapify(self._heap)
+    def _rerank(self, now: float, n: int) -> None:
+        """Rank ``n`` of the items left from the strategy's previous epoch afresh (a new heap entry each; the
+        old ones go stale)."""
+        stale, live = self._stale, self._live
+        for _ in range(min(n, len(stale))):
+            item = stale.pop()
+            if item in live:
+                self.push(item, now)
 
     def _compact(self) -> None:
         self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
