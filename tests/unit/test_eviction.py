@@ -209,3 +209,24 @@ def test_queue_reranks_a_few_items_per_pop_after_an_epoch_change(monkeypatch):
         q.push(x, 0)
     q.policy.epoch = 1
     assert q.pop(0) is blocks[0] and len(q._stale) == 8  # 2 of the 10 re-ranked
+
+
+def test_fluid_bound_of_one_block_used_every_request_is_every_reuse():
+    from app.bench.eviction_bound import accesses, bound
+
+    trace = [TraceRequest(n, 512, 1, (0,)) for n in range(10)]
+    gaps, seen = accesses(trace)
+    assert bound(gaps, seen, "-", capacity=1)[0] == pytest.approx(0.9)
+
+
+def test_fluid_bound_grows_with_what_a_feature_tells_and_stays_under_the_infinite_cache():
+    from app.bench.eviction_bound import accesses, bound
+
+    # Chains 1..6 each asked twice, far apart, among one-off chains: a small cache keeps them only if it knows.
+    ids = [(0, 100 + n, 200 + n) for n in range(40)]
+    ids = ids[:20] + [(0, 1, 2), (0, 3, 4), (0, 5, 6)] + ids[20:] + [(0, 1, 2), (0, 3, 4), (0, 5, 6)]
+    trace = [TraceRequest(n, 512 * len(x), 1, x) for n, x in enumerate(ids)]
+    gaps, seen = accesses(trace)
+    blind, oracle = bound(gaps, seen, "-", 8)[0], bound(gaps, seen, "R", 8)[0]
+    infinite = sum(g < float("inf") for g in gaps) / len(gaps)
+    assert blind < oracle <= infinite + 1e-9
