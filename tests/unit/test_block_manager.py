@@ -198,6 +198,18 @@ def test_full_host_tier_drops_its_least_valuable_leaf():
     assert cached_prefixes(bm, [[1, 1, 1, 1, 0], [2, 2, 2, 2, 0]]) == [0, 4]
 
 
+def test_host_tier_evicts_leaves_in_policy_order_and_a_parent_once_its_children_are_gone():
+    bm = manager(num_blocks=4, host_blocks=2)
+    run(bm, [1, 1, 1, 1, 2, 2, 2, 2])   # a chain of two blocks
+    run(bm, [3, 3, 3, 3])
+    bm.evict(3)                          # all three spill; the host keeps 2: the chain's tail leaves first (LRU)
+    assert bm.num_host_blocks == 2
+    assert cached_prefixes(bm, [[1, 1, 1, 1, 2, 2, 2, 2, 0], [3, 3, 3, 3, 0]]) == [4, 4]
+    run(bm, [4, 4, 4, 4])
+    bm.evict(1)                          # the chain's head is a host leaf now, and the least recent
+    assert cached_prefixes(bm, [[1, 1, 1, 1, 0], [3, 3, 3, 3, 0]]) == [0, 4]
+
+
 def test_held_blocks_lists_every_full_block_with_its_tier():
     bm = manager(num_blocks=4, host_blocks=4)
     run(bm, [1, 2, 3, 4, 5, 6, 7, 8])  # two full blocks
