@@ -8,7 +8,7 @@ from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.block_manager import BlockManager
-from kvmesh.engine.eviction import LFU, LRU, SLRU, PriorityLRU, make_policy
+from kvmesh.engine.eviction import LFU, LRU, SLRU, PriorityLRU, make_policy, online_policies
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
 from kvmesh.engine.sequence import RetentionRange, Sequence
 
@@ -217,3 +217,14 @@ def test_held_blocks_lists_every_full_block_with_its_tier():
     held = bm.held_blocks()
     assert sorted(t for _, t in held) == ["device", "host"]
     assert {k for k, _ in held} == set(block_keys(1, [1, 2, 3, 4, 5, 6, 7, 8], BS))
+
+
+@pytest.mark.parametrize("name", online_policies())
+def test_every_online_policy_evicts_through_both_tiers_and_keeps_the_cache_consistent(name):
+    bm = manager(num_blocks=6, policy=make_policy(name), host_blocks=3)
+    prompts = [[p, p, p, p, q, q, q, q] for p in range(1, 6) for q in (7, 8)]
+    for tokens in prompts * 2:
+        run(bm, tokens)
+    assert bm.num_host_blocks <= 3 and bm.stats["evicted_host"] > 0
+    counts = bm.counts()
+    assert counts["free"] + counts["cached"] == 6 and counts["referenced"] == 0
