@@ -3,7 +3,9 @@ trace the strategies were not designed on, and the cost per access of the evicti
 
     python -m app.bench.eviction table --trace T [--capacities 1000,6000,20000]
     python -m app.bench.eviction synth --out agentic.jsonl   # fixed seed
-    python -m app.bench.eviction cost [--blocks 1000000]
+    python -m app.bench.eviction cost [--blocks 1000000] [--policy duel]
+
+How far any keep-time strategy could get on a trace: ``python -m app.bench.eviction_bound``.
 """
 
 from __future__ import annotations
