@@ -8,7 +8,7 @@ from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.block_manager import BlockManager
-from kvmesh.engine.eviction import LFU, LRU, SLRU, PriorityLRU, make_policy
+from kvmesh.engine.eviction import LFU, LRU, SLRU, PriorityLRU, make_policy, online_policies
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
 from kvmesh.engine.sequence import RetentionRange, Sequence
 
@@ -198,6 +198,18 @@ def test_full_host_tier_drops_its_least_valuable_leaf():
     assert cached_prefixes(bm, [[1, 1, 1, 1, 0], [2, 2, 2, 2, 0]]) == [0, 4]
 
 
+def test_host_tier_evicts_leaves_in_policy_order_and_a_parent_once_its_children_are_gone():
+    bm = manager(num_blocks=4, host_blocks=2)
+    run(bm, [1, 1, 1, 1, 2, 2, 2, 2])   # a chain of two blocks
+    run(bm, [3, 3, 3, 3])
+    bm.evict(3)                          # all three spill; the host keeps 2: the chain's tail leaves first (LRU)
+    assert bm.num_host_blocks == 2
+    assert cached_prefixes(bm, [[1, 1, 1, 1, 2, 2, 2, 2, 0], [3, 3, 3, 3, 0]]) == [4, 4]
+    run(bm, [4, 4, 4, 4])
+    bm.evict(1)                          # the chain's head is a host leaf now, and the least recent
+    assert cached_prefixes(bm, [[1, 1, 1, 1, 0], [3, 3, 3, 3, 0]]) == [0, 4]
+
+
 def test_held_blocks_lists_every_full_block_with_its_tier():
     bm = manager(num_blocks=4, host_blocks=4)
     run(bm, [1, 2, 3, 4, 5, 6, 7, 8])  # two full blocks
@@ -205,3 +217,14 @@ def test_held_blocks_lists_every_full_block_with_its_tier():
     held = bm.held_blocks()
     assert sorted(t for _, t in held) == ["device", "host"]
     assert {k for k, _ in held} == set(block_keys(1, [1, 2, 3, 4, 5, 6, 7, 8], BS))
+
+
+@pytest.mark.parametrize("name", online_policies())
+def test_every_online_policy_evicts_through_both_tiers_and_keeps_the_cache_consistent(name):
+    bm = manager(num_blocks=6, policy=make_policy(name), host_blocks=3)
+    prompts = [[p, p, p, p, q, q, q, q] for p in range(1, 6) for q in (7, 8)]
+    for tokens in prompts * 2:
+        run(bm, tokens)
+    assert bm.num_host_blocks <= 3 and bm.stats["evicted_host"] > 0
+    counts = bm.counts()
+    assert counts["free"] + counts["cached"] == 6 and counts["referenced"] == 0

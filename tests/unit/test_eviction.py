@@ -1,27 +1,14 @@
 """Eviction strategies' orderings, the eviction queue, and the simulator's Belady against a brute-force optimum."""
 
 import itertools
-import math
-from dataclasses import dataclass
 
 import pytest
-from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, Ghost, TailFirst, make_policy
+from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, Duel, Ghost, TailFirst, make_policy
 from kvmesh.engine.eviction_queue import EvictionQueue
 
+from app.bench.eviction import Block as B
 from app.bench.trace import TraceRequest
 from app.sim import BlockCache, next_uses
-
-
-@dataclass(eq=False)
-class B:
-    last_access: float
-    hit_count: int = 0
-    priority: int = 0
-    priority_until: float = 0.0
-    depth: int = 0
-    extended: bool = True
-    next_use: float = math.inf
-    key: int | None = None
 
 
 def order(policy, blocks, now=100.0):
@@ -155,3 +142,91 @@ def test_simulator_belady_matches_the_brute_force_optimum_on_a_tiny_trace():
     trace = [TraceRequest(n, 512 * len(x), 1, x) for n, x in enumerate(ids)]
     for capacity in (2, 3, 4):
         assert _replay(trace, BlockCache(capacity, "belady")) == _brute_force(trace, capacity)
+
+
+def _sampled_key(duel):
+    """A key that ``duel`` replays into its shadow caches."""
+    return next(k for k in itertools.count() if not (hash(k) * 2654435761) >> 7 & duel.mask)
+
+
+def test_duel_ranks_by_the_baseline_until_the_candidate_proves_better():
+    duel = Duel()
+    old, tail = B(1, key=1), B(5, extended=False, key=2)
+    assert duel.experts[duel.winner].name == "lru"
+    assert order(duel, [old, tail]) == [old, tail]  # lru: the least recent first (ghost: the tail first)
+
+
+def test_duel_switches_to_the_candidate_when_its_shadow_catches_more_hits():
+    # One chain [0, 1, 2] asked again and again, each time with a fresh tail, in a cache of 3 blocks: LRU's
+    # shadow evicts the chain's head for the tail (then misses it all), ghost's evicts the tail.
+    cache = BlockCache(3, "duel")
+    duel = cache.strategy
+    duel.mask = 0  # sample every block: the shadows are as large as the cache
+    for n in range(40):
+        ids = (0, 1, 2, 100 + n)
+        cache.touch(ids, cache.prefix(ids))
+    ghost, lru = duel.shadows
+    assert ghost.score > lru.score
+    assert duel.experts[duel.winner].name == "ghost" and duel.epoch == 1
+    assert cache.prefix((0, 1, 2, 999)) == 3  # the real cache now keeps the chain
+
+
+def test_duel_forgets_evicted_blocks_and_skips_keyless_ones():
+    duel = Duel()
+    k = _sampled_key(duel)
+    b = B(1, key=k)
+    duel.sort_key(b, 1)
+    assert k in duel.sampled
+    duel.on_evict(b, 2)
+    assert k not in duel.sampled
+    duel.sort_key(B(3), 3)       # no key (cachesvc): ranked, not sampled
+    assert not duel.sampled
+
+
+def test_queue_reranks_everything_when_the_strategy_bumps_its_epoch():
+    class Flip(LRU):
+        dynamic, epoch, newest_first = True, 0, False
+
+        def sort_key(self, item, now):
+            return (-item.last_access,) if self.newest_first else (item.last_access,)
+
+    p = Flip()
+    q = EvictionQueue(p)
+    a, b, c = B(1), B(2), B(3)
+    for x in (a, b, c):
+        q.push(x, 0)
+    p.newest_first, p.epoch = True, 1
+    assert [q.pop(0) for _ in range(3)] == [c, b, a]
+
+
+def test_queue_reranks_a_few_items_per_pop_after_an_epoch_change(monkeypatch):
+    import kvmesh.engine.eviction_queue as eq
+
+    monkeypatch.setattr(eq, "RERANK_PER_POP", 2)
+    q = EvictionQueue(LRU())
+    blocks = [B(float(i)) for i in range(10)]
+    for x in blocks:
+        q.push(x, 0)
+    q.policy.epoch = 1
+    assert q.pop(0) is blocks[0] and len(q._stale) == 8  # 2 of the 10 re-ranked
+
+
+def test_fluid_bound_of_one_block_used_every_request_is_every_reuse():
+    from app.bench.eviction_bound import accesses, bound
+
+    trace = [TraceRequest(n, 512, 1, (0,)) for n in range(10)]
+    gaps, seen = accesses(trace)
+    assert bound(gaps, seen, "-", capacity=1)[0] == pytest.approx(0.9)
+
+
+def test_fluid_bound_grows_with_what_a_feature_tells_and_stays_under_the_infinite_cache():
+    from app.bench.eviction_bound import accesses, bound
+
+    # Chains 1..6 each asked twice, far apart, among one-off chains: a small cache keeps them only if it knows.
+    ids = [(0, 100 + n, 200 + n) for n in range(40)]
+    ids = ids[:20] + [(0, 1, 2), (0, 3, 4), (0, 5, 6)] + ids[20:] + [(0, 1, 2), (0, 3, 4), (0, 5, 6)]
+    trace = [TraceRequest(n, 512 * len(x), 1, x) for n, x in enumerate(ids)]
+    gaps, seen = accesses(trace)
+    blind, oracle = bound(gaps, seen, "-", 8)[0], bound(gaps, seen, "R", 8)[0]
+    infinite = sum(g < float("inf") for g in gaps) / len(gaps)
+    assert blind < oracle <= infinite + 1e-9

@@ -79,6 +79,7 @@ class BlockManager:
         self.block_size = device.layout.block_size
         self.policy = policy or LRU()
         self._queue: EvictionQueue[Node] = EvictionQueue(self.policy)  # device nodes that may be evictable
+        self._host_queue: EvictionQueue[Node] = EvictionQueue(self.policy)  # host nodes that may be evictable
         self.on_event = on_event
         self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks: list[int] = list(range(device.num_blocks - 1, -1, -1))
@@ -379,6 +380,8 @@ class BlockManager:
             node.block_id, node.host_slot = None, slot
             self._device_nodes.discard(node)
             self._host_nodes.add(node)
+            if not node.children:
+                self._host_queue.push(node, node.last_access)
             self.stats["spilled_host"] += 1
             self.stats["evicted_device"] += 1
             self._emit(BlockRemoved((node.key,), TIER_DEVICE))
@@ -394,14 +397,16 @@ class BlockManager:
         assert self.host is not None
         if self.host.free_slots:
             return True
-        t = now()
-        leaves = [x for x in self._host_nodes if not x.children]
-        if not leaves:
+        victim = self._host_queue.pop(now(), self._host_leaf)
+        if victim is None:
             return False
-        victim = min(leaves, key=lambda x: self.policy.sort_key(x, t))
         self.stats["evicted_host"] += 1
         self._delete(victim)
         return True
+
+    @staticmethod
+    def _host_leaf(node: Node) -> bool:
+        return node.host_slot is not None and not node.children
 
     def _load_from_host(self, nodes: list[Node], blocks: list[int]) -> None:
         assert self.host is not None
@@ -420,6 +425,7 @@ class BlockManager:
         self.host.release(node.host_slot)
         node.host_slot = None
         self._host_nodes.discard(node)
+        self._host_queue.discard(node)
 
     def _parent_key(self, node: Node) -> BlockKey | None:
         return BlockKey(node.parent.chain) if node.parent is not None and node.parent.full else None
@@ -431,6 +437,8 @@ class BlockManager:
         parent = node.parent
         if not parent.children and parent.ref_count == 0 and parent.block_id is not None:
             self._queue.push(parent, parent.last_access)  # a leaf now: evictable without a host tier
+        if not parent.children and parent.host_slot is not None:
+            self._host_queue.push(parent, parent.last_access)  # a host leaf now: evictable from the host
         tier = TIER_DEVICE
         if node.block_id is not None:
             self.free_blocks.append(node.block_id)

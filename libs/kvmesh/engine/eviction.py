@@ -17,7 +17,11 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Protocol
+
+from kvmesh.engine.eviction_queue import EvictionQueue
 
 
 class Evictable(Protocol):
@@ -174,7 +178,113 @@ class Ghost(TailFirst):
             ghost.popitem(last=False)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, TailFirst, Ghost, Belady)}
+@dataclass(slots=True, eq=False)
+class _Shadow:
+    """A sampled block as a shadow cache holds it (its own hits: the shadow's, not the real cache's)."""
+
+    last_access: float
+    depth: int
+    extended: bool
+    key: Hashable
+    hit_count: int = 0
+    priority: int = 0
+    priority_until: float = 0.0
+
+
+class _ShadowCache:
+    """A miniature cache run by one strategy on the sampled blocks only (Waldspurger et al., "Cache Modeling
+    and Optimization using Miniature Simulations", ATC'17): its hit count estimates the strategy's on the
+    whole cache. ``score`` is that count, decayed per sampled access."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.items: dict[Hashable, _Shadow] = {}
+        self.queue: EvictionQueue[Hashable] = EvictionQueue(policy, self.items.__getitem__)
+        self.score = 0.0
+
+    def access(self, key: Hashable, item: Evictable, capacity: int, decay: float) -> None:
+        t = item.last_access
+        self.score *= decay
+        e = self.items.get(key)
+        if e is None:
+            e = self.items[key] = _Shadow(t, _depth(item), getattr(item, "extended", True), key)
+        else:
+            self.policy.on_hit(e, t)
+            e.hit_count += 1
+            e.last_access, e.extended = t, getattr(item, "extended", True)
+            self.score += 1.0
+        self.queue.push(key, t)
+        while len(self.items) > capacity:
+            victim = self.queue.pop(t)
+            if victim is None:
+                break
+            self.policy.on_evict(self.items.pop(victim), t)
+
+
+class Duel(Policy):
+    """Whichever of two strategies is doing better here and now: ``candidate`` (``ghost``) or ``baseline``
+    (``lru``), judged on miniature simulations. Blocks whose key hashes into a ``1/2**sample_shift`` sample are
+    replayed, as they are used, into two shadow caches of the same fraction of the real cache's size, one per
+    strategy; the real cache ranks by the baseline until the candidate's shadow has caught ``margin`` more hits
+    (decayed by ``decay`` per sampled access, so it follows a workload that changes), and back again when the
+    baseline leads by as much. A change of mind bumps ``epoch``: the eviction queue ranks everything afresh.
+    Between changes keys stay as the ranking strategy set them when a block was pushed (re-ranking ghost's at
+    ``pop`` with its later eviction age, ``dynamic``, measured 16.7% instead of 17.1% at 6,000 blocks).
+
+    Both real strategies hear every hit and eviction, so the one not ranking keeps learning (ghost's eviction
+    age and ghost list). On the chat trace the candidate wins within a few thousand requests; on the agentic
+    trace, where ghost's probation evicts blocks the next agent step wants, the baseline keeps its place. So
+    the duel tracks the better of the two: not below LRU by more than the cost of finding out. A block without
+    a ``key`` (cachesvc) is not sampled: there it ranks by the baseline. O(1) per access besides the heaps; a
+    sampled access also updates both shadows (O(log n))."""
+
+    name = "duel"
+
+    def __init__(self, candidate: str = "ghost", baseline: str = "lru", sample_shift: int = 2,
+                 decay: float = 0.9995, margin: float = 0.1) -> None:
+        self.experts = (make_policy(candidate), make_policy(baseline))
+        self.shadows = (_ShadowCache(make_policy(candidate)), _ShadowCache(make_policy(baseline)))
+        self.mask = (1 << sample_shift) - 1
+        self.decay, self.margin = decay, margin
+        self.sampled: dict[Hashable, float] = {}  # sampled key in the real cache -> its last access seen
+        self.winner = 1   # index into ``experts``: the baseline until the candidate proves better
+        self.epoch = 0
+        self._full = 0    # sampled blocks in the real cache when it last evicted: its size × the sample rate
+
+    def _observe(self, item: Evictable) -> None:
+        key = getattr(item, "key", None)
+        if key is None or (hash(key) * 2654435761) >> 7 & self.mask:
+            return
+        t = item.last_access
+        if self.sampled.get(key) == t:
+            return  # re-ranked, not used
+        self.sampled[key] = t
+        capacity = self._full or len(self.sampled)
+        for shadow in self.shadows:
+            shadow.access(key, item, capacity, self.decay)
+        lead, other = self.shadows[self.winner].score, self.shadows[1 - self.winner].score
+        if other > lead * (1.0 + self.margin) + 1.0:
+            self.winner, self.epoch = 1 - self.winner, self.epoch + 1
+
+    def sort_key(self, item: Evictable, now: float) -> tuple:
+        self._observe(item)
+        return self.experts[self.winner].sort_key(item, now)
+
+    def on_hit(self, item: Evictable, now: float) -> None:
+        for p in self.experts:
+            p.on_hit(item, now)
+
+    def on_evict(self, item: Evictable, now: float) -> None:
+        for p in self.experts:
+            p.on_evict(item, now)
+        key = getattr(item, "key", None)
+        if key is not None:
+            self.sampled.pop(key, None)
+        self._full = len(self.sampled)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, TailFirst, Ghost, Duel,
+                                                         Belady)}
 
 
 def make_policy(name: str, online: bool = True) -> Policy:

@@ -4,7 +4,9 @@
 and are dropped when they surface); ``pop`` takes the lowest-ranked item that ``eligible`` accepts (O(log n)
 amortised). Items ``eligible`` turns down leave the queue, so the caller pushes them again once they can go
 (the engine: when a block's last reader or last child leaves). A ``dynamic`` strategy's keys drift between
-pushes; ``pop`` re-ranks the top item before taking it, so what goes is ranked by the strategy as it is now.
+pushes; ``pop`` re-ranks the top item before taking it, so what goes is ranked by the strategy as it is now. One
+whose keys all move at once (``duel`` changing its mind) bumps its ``epoch``; every item is then ranked afresh,
+``RERANK_PER_POP`` of them per ``pop`` (a change costs O(n) in all, but no single call more than O(log n) × that).
 
 Not thread-safe: one owner (the engine thread, the pool's storage thread, the simulator).
 """
@@ -14,11 +16,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from kvmesh.engine.eviction import Evictable, EvictionPolicy
+if TYPE_CHECKING:  # eviction.py uses this queue (``duel``'s shadow caches): no import at run time
+    from kvmesh.engine.eviction import Evictable, EvictionPolicy
 
 T = TypeVar("T", bound=Hashable)
+
+RERANK_PER_POP = 16
 
 
 class EvictionQueue(Generic[T]):
@@ -30,6 +35,8 @@ class EvictionQueue(Generic[T]):
         self._heap: list[tuple[tuple, int, T]] = []
         self._live: dict[T, int] = {}   # item -> the sequence number of its current heap entry
         self._seq = itertools.count()
+        self._epoch = getattr(policy, "epoch", 0)
+        self._stale: list[T] = []       # items still ranked by the strategy's previous epoch
 
     def __len__(self) -> int:
         return len(self._live)
@@ -50,6 +57,11 @@ class EvictionQueue(Generic[T]):
         self._live.pop(item, None)
 
     def pop(self, now: float, eligible: Callable[[T], bool] | None = None) -> T | None:
+        epoch = getattr(self.policy, "epoch", 0)
+        if epoch != self._epoch:
+            self._epoch, self._stale = epoch, list(self._live)
+        if self._stale:
+            self._rerank(now, RERANK_PER_POP)
         heap, live = self._heap, self._live
         while heap:
             key, seq, item = heap[0]
@@ -66,6 +78,15 @@ class EvictionQueue(Generic[T]):
             if eligible is None or eligible(item):
                 return item
         return None
+
+    def _rerank(self, now: float, n: int) -> None:
+        """Rank ``n`` of the items left from the strategy's previous epoch afresh (a new heap entry each; the
+        old ones go stale)."""
+        stale, live = self._stale, self._live
+        for _ in range(min(n, len(stale))):
+            item = stale.pop()
+            if item in live:
+                self.push(item, now)
 
     def _compact(self) -> None:
         self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
