@@ -89,10 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench import pd
 
         body = ("Token-id prompts, greedy, ignore_eos, 16 output tokens; default model (SmolLM2-135M fp32), 1 "
-                "thread per engine; TTFT at an HTTP client streaming from the router. Chat: 95 tokens, then "
+                "thread per engine; TTFT at an HTTP client streaming from the router. The three stacks run side "
+                "by side and each prompt goes to each of them in turn (the order rotating prompt by prompt), one "
+                "request in flight at a time, so all see the same machine load. Chat: 95 tokens, then "
                 "+107 per turn (a stand-in of the reply's length plus the next question). `pd auto`: the router's "
                 "cost model picks PD or decode-computes-the-rest per request; `pd always`: header "
-                "`x-kvmesh-disaggregate: always`.\n\n" + pd.report(pd.run(turns=args.turns)))
+                "`x-kvmesh-disaggregate: always`. `cold push after compute`: what of the KV push was left on the TTFT path "
+                "after prefill's last chunk (kv.push's `kvmesh.critical_ms`) against the push time (`kvmesh.push_ms`, "
+                "the parts' own push times added up).\n\n" + pd.report(pd.run(turns=args.turns)))
         print(body)
         if not args.no_write:
             print(f"\nwritten to {write_section('PD vs role both', 'kvmesh bench mesh --pd', body)}")

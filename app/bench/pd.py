@@ -56,67 +56,87 @@ class Result:
     spans: dict[str, dict] = field(default_factory=dict)  # request id -> figures from its spans
 
 
-def run_setup(name: str, opts: StackOptions, turns: int = 10, first: int = 95, per_turn: int = 107,
-              cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0,
-              headers: dict[str, str] | None = None) -> Result:
-    rng = random.Random(seed)
-    res = Result(name)
-    with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(Path(tmp), opts)
-        stack.start(timeout_s=300)
-        try:
-            port = stack.http_port
-            completion_ttft(port, _ids(random.Random(99), 40), 4, headers)  # warm up every process
-            res.cold_ttft, _, res.cold_id = completion_ttft(port, _ids(rng, cold_tokens), max_tokens, headers)
-            prompt = _ids(rng, first)
-            for _ in range(turns):
-                ttft, text, rid = completion_ttft(port, prompt, max_tokens, headers)
-                res.turn_ttft.append(ttft)
-                res.turn_tokens.append(len(prompt))
-                res.outputs.append("".join(text))
-                res.request_ids.append(rid)
-                # the reply's tokens are not returned as ids over SSE: the next turn re-sends a stand-in of the
-                # same length (decode's and prefill's caches hold the prompt; the reply's blocks differ)
-                prompt = prompt + _ids(rng, per_turn)
-        finally:
-            stack.stop()
-        time.sleep(0.5)
-        spans = read_spans(trace_file(tmp))
-    for rid in [res.cold_id, *res.request_ids]:
-        mine = [s for s in spans if s.request_id == rid]
-        push = [s for s in mine if s.name == "kv.push"]
-        load = [s for s in mine if s.name == "decode.load"]
-        compute = [s for s in mine if s.name == "prefill.compute"]
-        route = [s for s in mine if s.name == "router.route"]
-        res.spans[rid] = {
-            "push_bytes": sum(int(s.attributes.get("kvmesh.bytes", 0)) for s in push),
-            "push_ms": sum(s.duration_ns for s in push) / 1e6,
-            "push_blocks": sum(int(s.attributes.get("kvmesh.blocks", 0)) for s in push),
-            "import_ms": sum(float(s.attributes.get("kvmesh.import_ms", 0)) for s in load),
-            "load_ms": sum(s.duration_ns for s in load) / 1e6,
-            "computed": sum(int(s.attributes.get("kvmesh.tokens.computed", 0)) for s in compute),
-            "compute_ms": sum(s.duration_ns for s in compute) / 1e6,
-            "route": next((str(s.attributes.get("kvmesh.route.path", "")) for s in route), ""),
-            "reason": next((str(s.attributes.get("kvmesh.route.reason", "")) for s in route), ""),
-            "decode_held": max((int(s.attributes.get("kvmesh.decode_cached_blocks", 0)) for s in push), default=0),
-        }
-    return res
+def _figures(spans: list, rid: str) -> dict:
+    """What one request's spans say: bytes pushed, the push's overlap with the compute, decode's import, route."""
+    mine = [s for s in spans if s.request_id == rid]
+    push = [s for s in mine if s.name == "kv.push"]
+    load = [s for s in mine if s.name == "decode.load"]
+    compute = [s for s in mine if s.name == "prefill.compute"]
+    route = [s for s in mine if s.name == "router.route"]
+    return {
+        "push_bytes": sum(int(s.attributes.get("kvmesh.bytes", 0)) for s in push),
+        "push_ms": sum(float(s.attributes.get("kvmesh.push_ms", s.duration_ns / 1e6)) for s in push),
+        "critical_ms": sum(float(s.attributes.get("kvmesh.critical_ms", s.duration_ns / 1e6)) for s in push),
+        "parts": sum(int(s.attributes.get("kvmesh.parts", 1)) for s in push),
+        "push_blocks": sum(int(s.attributes.get("kvmesh.blocks", 0)) for s in push),
+        "import_ms": sum(float(s.attributes.get("kvmesh.import_ms", 0)) for s in load),
+        "load_ms": sum(s.duration_ns for s in load) / 1e6,
+        "computed": sum(int(s.attributes.get("kvmesh.tokens.computed", 0)) for s in compute),
+        "compute_ms": sum(s.duration_ns for s in compute) / 1e6,
+        "route": next((str(s.attributes.get("kvmesh.route.path", "")) for s in route), ""),
+        "reason": next((str(s.attributes.get("kvmesh.route.reason", "")) for s in route), ""),
+        "decode_held": max((int(s.attributes.get("kvmesh.decode_cached_blocks", 0)) for s in push), default=0),
+    }
 
 
 SETUPS = {
-    "both": (StackOptions(prefill=0, decode=0, both=1, http_port=0, grpc_port=0, cluster="b"), None),
-    "pd auto": (StackOptions(http_port=0, grpc_port=0, cluster="p"), None),
-    "pd always": (StackOptions(http_port=0, grpc_port=0, cluster="a"), {"x-kvmesh-disaggregate": "always"}),
+    "both": (StackOptions.local("pdb", prefill=0, decode=0, both=1), None),
+    "pd auto": (StackOptions.local("pdp"), None),
+    "pd always": (StackOptions.local("pda"), {"x-kvmesh-disaggregate": "always"}),
 }
 
 
-def run(setups: list[str] | None = None, turns: int = 10) -> dict[str, Result]:
-    return {name: run_setup(name, opts, turns=turns, headers=headers)
-            for name, (opts, headers) in SETUPS.items() if setups is None or name in setups}
+def run(setups: list[str] | None = None, turns: int = 10, first: int = 95, per_turn: int = 107,
+        cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0) -> dict[str, Result]:
+    """Every setup's stack up at once, the same requests sent to each in turn (the order rotating request by
+    request), so that all of them run under the same machine load; one request in flight at a time."""
+    names = [n for n in SETUPS if setups is None or n in setups]
+    rng = random.Random(seed)
+    cold = _ids(rng, cold_tokens)
+    chat = [_ids(rng, first)]
+    for _ in range(turns - 1):
+        # the reply's tokens are not returned as ids over SSE: the next turn re-sends a stand-in of the same
+        # length (decode's and prefill's caches hold the prompt; the reply's blocks differ)
+        chat.append(chat[-1] + _ids(rng, per_turn))
+    res = {name: Result(name) for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        stacks: dict[str, Stack] = {}
+        try:
+            for name in names:
+                stacks[name] = Stack(Path(tmp) / name.replace(" ", "-"), SETUPS[name][0])
+                stacks[name].start(timeout_s=300)
+                completion_ttft(stacks[name].http_port, _ids(random.Random(99), 40), 4, SETUPS[name][1])  # warm
+            for i, prompt in enumerate([cold, *chat]):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    ttft, text, rid = completion_ttft(stacks[name].http_port, prompt, max_tokens, SETUPS[name][1])
+                    r = res[name]
+                    if i == 0:
+                        r.cold_ttft, r.cold_id = ttft, rid
+                    else:
+                        r.turn_ttft.append(ttft)
+                        r.turn_tokens.append(len(prompt))
+                        r.outputs.append("".join(text))
+                        r.request_ids.append(rid)
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+        time.sleep(0.5)
+        for name, r in res.items():
+            spans = read_spans(trace_file(Path(tmp) / name.replace(" ", "-")))
+            r.spans = {rid: _figures(spans, rid) for rid in [r.cold_id, *r.request_ids]}
+    return res
 
 
 BLOCK_NBYTES = 737_280  # SmolLM2-135M fp32, 16-token blocks
 BLOCK = 16
+
+
+def _critical(sp: dict) -> str:
+    """What of the push remained after the prefill compute, in ms and as a share of the push time."""
+    if not sp["push_ms"]:
+        return "-"
+    return (f"{sp['critical_ms']:.1f} of {sp['push_ms']:.1f} ms = {sp['critical_ms'] / sp['push_ms']:.0%} "
+            f"({sp['parts']} parts)")
 
 
 def report(res: dict[str, Result]) -> str:
@@ -132,6 +152,7 @@ def report(res: dict[str, Result]) -> str:
                      "chat vs both": f"{sum(r.turn_ttft) / sum(ref.turn_ttft):.2f}x",
                      "cold push MiB": f"{r.spans[r.cold_id]['push_bytes'] / 2**20:.1f}",
                      "cold import ms": f"{r.spans[r.cold_id]['import_ms']:.1f}",
+                     "cold push after compute": _critical(r.spans[r.cold_id]),
                      "greedy text = both": r.outputs == ref.outputs})
     turns = []
     for i, n in enumerate(ref.turn_tokens):
