@@ -163,6 +163,8 @@ class KVReady:
 
     @classmethod
     def _from_json(cls, d: dict[str, Any]) -> KVReady:
+        if "parts" in d and _get(d, "parts", int) < 1:
+            raise CodecError(f"field 'parts' must be at least 1, got {d['parts']}")
         return cls(request_id=RequestId(_get(d, "request_id", str)),
                    decode_instance=InstanceId(_get(d, "decode_instance", str)),
                    transfer_id=TransferId(_get(d, "transfer_id", str)),
