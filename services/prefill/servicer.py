@@ -24,7 +24,7 @@ from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from services.prefill.handoff import PushStream, announcer, make_handoff, push_overlap
+from services.prefill.handoff import PartStats, PushStream, announcer, make_handoff, push_overlap
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +102,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                       "kvmesh.tokens": kv.num_tokens, "kvmesh.first_block": first_block,
                       "kvmesh.decode_cached_blocks": request.decode_cached_blocks, "kvmesh.parts": stream.parts,
                       tracing.BACKGROUND: True}
+        parts = await self._hand_off(context, span, stream, ready, push_attrs, timing.first_output)
+        nbytes = sum(p.nbytes for p in parts)
+        return worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
+                                          num_blocks=blocks, transfer_bytes=nbytes,
+                                          transfer_s=parts[-1].end - parts[0].start, transfer_id=stream.transfer_id,
+                                          compute_s=compute_s)
+
+    async def _hand_off(self, context: grpc.aio.ServicerContext, span: Span, stream: PushStream, ready: KVReady,
+                        push_attrs: dict[str, Any], compute_end: float) -> list[PartStats]:
+        """Wait for the parts still on their way, trace the push (``kv.push``), then announce it on
+        ``kv.ready``; a failed part is announced as a failure and ends the call (ABORTED)."""
         try:
             parts = await stream.finish()
         except Exception as e:  # noqa: BLE001 - any push failure is reported to decode, which recomputes
-            log.warning("request %s (trace %s): KV push to %s failed: %s", work.request_id, tracing.trace_id(span),
-                        request.decode_instance, e)
+            log.warning("request %s (trace %s): KV push to %s failed: %s", ready.request_id,
+                        tracing.trace_id(span), ready.decode_instance, e)
             sent = stream.done
             push = tracing.start("kv.push", span, SpanKind.CLIENT, {
                 **push_attrs, "kvmesh.bytes": sum(p.nbytes for p in sent), "kvmesh.parts_verified": len(sent)},
@@ -115,17 +126,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             push.end()
             await self.handoff.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}"), span)
             # ABORTED, not UNAVAILABLE: decode was told and recomputes, so the router must not retry elsewhere
-            await context.abort(grpc.StatusCode.ABORTED, f"KV push to {request.decode_instance} failed: {e}")
-        overlap = push_overlap(parts, timing.first_output)
+            await context.abort(grpc.StatusCode.ABORTED, f"KV push to {ready.decode_instance} failed: {e}")
+        overlap = push_overlap(parts, compute_end)
         tracing.record("kv.push", span, tracing.mono_ns(parts[0].start), tracing.mono_ns(parts[-1].end),
                        {**push_attrs, **overlap}, SpanKind.CLIENT)
-        nbytes = overlap["kvmesh.bytes"]
-        w.metrics.transfer_bytes.labels("push").inc(nbytes)
+        self.w.metrics.transfer_bytes.labels("push").inc(overlap["kvmesh.bytes"])
         await self.handoff.announce(ready, span)
-        return worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
-                                          num_blocks=blocks, transfer_bytes=nbytes,
-                                          transfer_s=parts[-1].end - parts[0].start, transfer_id=stream.transfer_id,
-                                          compute_s=compute_s)
+        return parts
 
     async def close(self) -> None:
         await self.handoff.close()
