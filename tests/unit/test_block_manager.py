@@ -205,3 +205,17 @@ def test_held_blocks_lists_every_full_block_with_its_tier():
     held = bm.held_blocks()
     assert sorted(t for _, t in held) == ["device", "host"]
     assert {k for k, _ in held} == set(block_keys(1, [1, 2, 3, 4, 5, 6, 7, 8], BS))
+
+
+def test_making_host_room_never_drops_a_host_block_that_a_prefix_being_attached_holds():
+    """The host tier is full with the one block a new sequence matched; loading it needs a device block, and
+    that eviction wants host room: the block being loaded is not the one to go."""
+    bm = manager(num_blocks=4, host_blocks=1)
+    a = list(range(100, 108))  # 2 full blocks
+    run(bm, a)
+    bm.evict(2)  # one of them ends on the host (its only slot), the other is dropped
+    assert bm.num_host_blocks == 1
+    run(bm, list(range(200, 216)))  # the device fills with 4 other cached blocks
+    seq = Sequence("s", a + [7], SamplingParams(), 1)
+    assert bm.allocate_prefix(seq)
+    assert len(seq.nodes) == 1 and seq.num_cached_tokens == BS  # the host block, loaded

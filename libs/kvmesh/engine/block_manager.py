@@ -400,7 +400,8 @@ class BlockManager:
         if self.host.free_slots:
             return True
         t = now()
-        leaves = [x for x in self._host_nodes if not x.children]
+        # unreferenced only: a prefix being attached holds its host nodes while device room is made to load them
+        leaves = [x for x in self._host_nodes if not x.children and x.ref_count == 0]
         if not leaves:
             return False
         victim = min(leaves, key=lambda x: self.policy.sort_key(x, t))
