@@ -301,7 +301,8 @@ def pool_note(results: list[ScenarioResult]) -> str:
     served = [f"{r.config} {r.scenario} {r.loaded['pool'] / 2**20:.1f} MB = "
               f"{r.loaded['pool'] / BLOCK_NBYTES * 16:.0f} tokens" for r in results if r.loaded.get("pool")]
     return ("The pool served (pool → engine fetches, KV its own tiers no longer held): " + "; ".join(served)
-            + ". Against C, the same caches without the pool, that is what D's prefill tokens saved add. "
+            + ". Compare D's and E's prefill tokens saved with C's, the same caches without the pool (a fetched "
+            "block can also take the place of one the host tier would have served). "
             if served else "")
 
 
