@@ -198,7 +198,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
-                    imported: tuple[torch.Tensor, int, int] | tuple[torch.Tensor, int, int, int] | None = None,
+                    imported: tuple[torch.Tensor | list[torch.Tensor], int, int]
+                    | tuple[torch.Tensor | list[torch.Tensor], int, int, int] | None = None,
                     export_from: int = 0, lora: str = "", export_chunks: bool = False) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
@@ -211,7 +212,8 @@ class LLMEngine:
         its forward pass, as an output with no token and ``exported.final`` False, so the caller can send them
         while the next chunk computes; the last output then holds only the blocks after those.
         ``imported``: ``(blocks, num_tokens, first_token[, first_block])`` computed by a prefill instance
-        (``blocks`` hold the prompt's blocks from ``first_block`` on; the ones before must be cached here, e.g.
+        (``blocks`` hold the prompt's blocks from ``first_block`` on, one tensor or its pieces in order, as pushed
+        part by part; the ones before must be cached here, e.g.
         pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         """
