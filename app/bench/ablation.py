@@ -2,10 +2,11 @@
 run against each, through the OpenAI HTTP API, measured at the client.
 
     kvmesh bench ablation [--configs A,B,C,D,E] [--max-tokens 16] [--doc-words 150] [--device-blocks 36]
-        [--host-cache-mb 64] [--concurrency 2] [--slo-ttft 1.0] [--slo-itl 0.25] [--out DIR] [--no-write]
+        [--host-cache-mb 8] [--concurrency 2] [--slo-ttft 1.0] [--slo-itl 0.25] [--out DIR] [--no-write]
 
 Configurations (every engine gets the same small device KV pool, ``--device-blocks``, so the hot sets overflow
-it and the lower tiers have something to do):
+it and the lower tiers have something to do; and C–E the same host tier, ``--host-cache-mb``, smaller than one
+hot set, so that what a set switch evicts outlives both engine tiers only in the pool, the one thing D adds):
 
 - A: no cross-request reuse (prefix caching off, no pool): the full recompute baseline;
 - B: local prefix cache only; C: + the host tier (``host_cache_mb``);
@@ -76,7 +77,10 @@ class Config:
         return "decode-0" if self.decode else "both-0"
 
 
-def configs(host_cache_mb: int = 64) -> dict[str, Config]:
+HOST_CACHE_MB = 8  # 11 blocks of SmolLM2 fp32: less than a hot set (2 documents of ~150 words, ~26 blocks)
+
+
+def configs(host_cache_mb: int = HOST_CACHE_MB) -> dict[str, Config]:
     host = {"KVMESH_ENGINE_HOST_CACHE_MB": str(host_cache_mb)}
     return {c.name: c for c in (
         Config("A", "no reuse (prefix cache off, no pool)", env={"KVMESH_ENGINE_ENABLE_PREFIX_CACHING": "0"}),
@@ -119,7 +123,8 @@ def pool_bytes(stack: Stack) -> int | None:
         return None
 
 
-TIERS = ("host", "pool", "pd")  # host → device, pool → engine, prefill → decode
+TIERS = ("host", "pool", "pd")
+BLOCK_NBYTES = 737_280  # one 16-token block of SmolLM2-135M fp32  # host → device, pool → engine, prefill → decode
 
 
 def metrics_urls(stack: Stack) -> list[str]:
@@ -273,7 +278,8 @@ def report(results: list[ScenarioResult], cfgs: dict[str, Config], slo: SLO, arg
     intro = (f"Each configuration on a fresh stack, same requests, {args.concurrency} conversations in flight, "
              f"greedy, at most {args.max_tokens} output tokens, documents of ~{args.doc_words} words; every engine "
              f"has a device KV pool of {args.device_blocks} blocks of 16 tokens and (C–E) a {args.host_cache_mb} MB "
-             "host tier. Default model, fp32, 1 torch thread per engine (E: 2, so D and E both use 2 cores). "
+             "host tier, smaller than a hot set (2 documents, ~26 blocks), so what a hot-set switch evicts from the "
+             "device outlives the host tier only in the pool (D, E). Default model, fp32, 1 torch thread per engine (E: 2, so D and E both use 2 cores). "
              f"SLO: TTFT ≤ {slo.ttft_s:g} s and mean ITL ≤ {slo.itl_s:g} s.")
     notes = (f"Failure: the decode process (E: the only engine) got SIGKILL after {args.kill_after} answers "
              f"({'; '.join(kills) or 'never reached'}); the router retries a request on another instance when its "
@@ -281,14 +287,23 @@ def report(results: list[ScenarioResult], cfgs: dict[str, Config], slo: SLO, arg
              "in flight or sent later failed fast or timed out. MB loaded per tier, summed over the engines for the "
              "whole scenario (a multi-phase scenario shows it on its first row): host → device tier loads, pool → "
              "engine fetches, prefill → decode KV pushes (A–D; E has no PD split). "
-             + ("The pool served nothing in this run: an engine fetches from it only what its own tiers lack, and "
-                "the host tier (C–E) held every block evicted from the device. "
-                if not any(r.loaded.get("pool") for r in results) else "")
+             + (pool_note(results) or "The pool served nothing in this run: an engine fetches from it only "
+                "what its own tiers lack, and the host tier (C–E) held every block evicted from the device. ")
              + "Load avg: the machine's 1-minute load average when the configuration's stack started (2 cores; "
              "other jobs share the machine): latencies move with it, tokens saved and outputs do not.")
     return "\n\n".join([intro, markdown_table(correctness, ["config", "meaning", "stack up s", "load avg",
                                                                "outputs identical to A"]),
                         markdown_table(table, COLUMNS), notes])
+
+
+def pool_note(results: list[ScenarioResult]) -> str:
+    """What the pool served per configuration and scenario, in MB and in tokens of KV (16 per block)."""
+    served = [f"{r.config} {r.scenario} {r.loaded['pool'] / 2**20:.1f} MB = "
+              f"{r.loaded['pool'] / BLOCK_NBYTES * 16:.0f} tokens" for r in results if r.loaded.get("pool")]
+    return ("The pool served (pool → engine fetches, KV its own tiers no longer held): " + "; ".join(served)
+            + ". Compare D's and E's prefill tokens saved with C's, the same caches without the pool (a fetched "
+            "block can also take the place of one the host tier would have served). "
+            if served else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--doc-words", type=int, default=150)
     p.add_argument("--device-blocks", type=int, default=36, help="device KV blocks per engine (small on purpose)")
-    p.add_argument("--host-cache-mb", type=int, default=64)
+    p.add_argument("--host-cache-mb", type=int, default=HOST_CACHE_MB,
+                   help="host tier of C-E (smaller than a hot set on purpose: the pool's use shows)")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--kill-after", type=int, default=2, help="failure: answers before the kill")
     p.add_argument("--seed", type=int, default=0)

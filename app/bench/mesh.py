@@ -1,7 +1,7 @@
 """Mesh overhead: TTFT through the whole stack vs the engine alone, same short prompts, same run.
 
     kvmesh bench mesh [--requests N] [--max-tokens N] [--no-write]
-    kvmesh bench mesh --pd [--turns N] [--no-write]   (PD vs role both: app/bench/pd.py)
+    kvmesh bench mesh --pd [--turns N] [--repeats N] [--no-write]   (PD vs role both: app/bench/pd.py)
 
 The stack is 1 prefill + 1 decode (each 1 thread) + router + cachesvc + nats-server on this machine; TTFT is
 measured at an HTTP client streaming from the router (SSE), one request at a time. The engine alone runs in this
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 import urllib.request
@@ -84,15 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pd", action="store_true", help="PD (auto and forced) vs role both: a cold 1,500-token "
                    "prompt and a multi-turn chat, bytes pushed per turn")
     p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3, help="--pd: cold prompts and chats, each fresh")
     args = p.parse_args(argv)
     if args.pd:
         from app.bench import pd
 
-        body = ("Token-id prompts, greedy, ignore_eos, 16 output tokens; default model (SmolLM2-135M fp32), 1 "
-                "thread per engine; TTFT at an HTTP client streaming from the router. Chat: 95 tokens, then "
+        load = os.getloadavg()[0]
+        res = pd.run(turns=args.turns, repeats=args.repeats)
+        body = (f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 shared "
+                "cores). Token-id prompts, greedy, ignore_eos, 16 output tokens; default model (SmolLM2-135M fp32), 1 "
+                "thread per engine; TTFT at an HTTP client streaming from the router. The three stacks run side "
+                "by side and each prompt goes to each of them in turn (the order rotating prompt by prompt), one "
+                "request in flight at a time, so all see the same machine load. Chat: 95 tokens, then "
                 "+107 per turn (a stand-in of the reply's length plus the next question). `pd auto`: the router's "
                 "cost model picks PD or decode-computes-the-rest per request; `pd always`: header "
-                "`x-kvmesh-disaggregate: always`.\n\n" + pd.report(pd.run(turns=args.turns)))
+                "`x-kvmesh-disaggregate: always`. `cold push after compute`: what of the KV push was left on the TTFT path "
+                "after prefill's last chunk (kv.push's `kvmesh.critical_ms`) against the push time (`kvmesh.push_ms`, "
+                "the parts' own push times added up).\n\n" + pd.report(res))
         print(body)
         if not args.no_write:
             print(f"\nwritten to {write_section('PD vs role both', 'kvmesh bench mesh --pd', body)}")

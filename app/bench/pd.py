@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -45,118 +46,163 @@ def completion_ttft(port: int, prompt: list[int], max_tokens: int,
 
 
 @dataclass
+class Request:
+    ttft: float
+    request_id: str
+    tokens: int
+    text: str = ""
+
+
+@dataclass
 class Result:
     setup: str
-    cold_ttft: float = 0.0
-    turn_ttft: list[float] = field(default_factory=list)
-    turn_tokens: list[int] = field(default_factory=list)
-    outputs: list[str] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
-    cold_id: str = ""
-    spans: dict[str, dict] = field(default_factory=dict)  # request id -> figures from its spans
+    cold: list[Request] = field(default_factory=list)         # one cold prompt per repeat
+    chats: list[list[Request]] = field(default_factory=list)  # one chat per repeat, turn by turn
+    spans: dict[str, dict] = field(default_factory=dict)      # request id -> figures from its spans
+
+    @property
+    def outputs(self) -> list[str]:
+        return [t.text for chat in self.chats for t in chat]
 
 
-def run_setup(name: str, opts: StackOptions, turns: int = 10, first: int = 95, per_turn: int = 107,
-              cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0,
-              headers: dict[str, str] | None = None) -> Result:
-    rng = random.Random(seed)
-    res = Result(name)
-    with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(Path(tmp), opts)
-        stack.start(timeout_s=300)
-        try:
-            port = stack.http_port
-            completion_ttft(port, _ids(random.Random(99), 40), 4, headers)  # warm up every process
-            res.cold_ttft, _, res.cold_id = completion_ttft(port, _ids(rng, cold_tokens), max_tokens, headers)
-            prompt = _ids(rng, first)
-            for _ in range(turns):
-                ttft, text, rid = completion_ttft(port, prompt, max_tokens, headers)
-                res.turn_ttft.append(ttft)
-                res.turn_tokens.append(len(prompt))
-                res.outputs.append("".join(text))
-                res.request_ids.append(rid)
-                # the reply's tokens are not returned as ids over SSE: the next turn re-sends a stand-in of the
-                # same length (decode's and prefill's caches hold the prompt; the reply's blocks differ)
-                prompt = prompt + _ids(rng, per_turn)
-        finally:
-            stack.stop()
-        time.sleep(0.5)
-        spans = read_spans(trace_file(tmp))
-    for rid in [res.cold_id, *res.request_ids]:
-        mine = [s for s in spans if s.request_id == rid]
-        push = [s for s in mine if s.name == "kv.push"]
-        load = [s for s in mine if s.name == "decode.load"]
-        compute = [s for s in mine if s.name == "prefill.compute"]
-        route = [s for s in mine if s.name == "router.route"]
-        res.spans[rid] = {
-            "push_bytes": sum(int(s.attributes.get("kvmesh.bytes", 0)) for s in push),
-            "push_ms": sum(s.duration_ns for s in push) / 1e6,
-            "push_blocks": sum(int(s.attributes.get("kvmesh.blocks", 0)) for s in push),
-            "import_ms": sum(float(s.attributes.get("kvmesh.import_ms", 0)) for s in load),
-            "load_ms": sum(s.duration_ns for s in load) / 1e6,
-            "computed": sum(int(s.attributes.get("kvmesh.tokens.computed", 0)) for s in compute),
-            "compute_ms": sum(s.duration_ns for s in compute) / 1e6,
-            "route": next((str(s.attributes.get("kvmesh.route.path", "")) for s in route), ""),
-            "reason": next((str(s.attributes.get("kvmesh.route.reason", "")) for s in route), ""),
-            "decode_held": max((int(s.attributes.get("kvmesh.decode_cached_blocks", 0)) for s in push), default=0),
-        }
-    return res
+def _figures(spans: list, rid: str) -> dict:
+    """What one request's spans say: bytes pushed, the push's overlap with the compute, decode's import, route."""
+    mine = [s for s in spans if s.request_id == rid]
+    push = [s for s in mine if s.name == "kv.push"]
+    load = [s for s in mine if s.name == "decode.load"]
+    compute = [s for s in mine if s.name == "prefill.compute"]
+    route = [s for s in mine if s.name == "router.route"]
+    return {
+        "push_bytes": sum(int(s.attributes.get("kvmesh.bytes", 0)) for s in push),
+        "push_ms": sum(float(s.attributes.get("kvmesh.push_ms", s.duration_ns / 1e6)) for s in push),
+        "critical_ms": sum(float(s.attributes.get("kvmesh.critical_ms", s.duration_ns / 1e6)) for s in push),
+        "parts": sum(int(s.attributes.get("kvmesh.parts", 1)) for s in push),
+        "push_blocks": sum(int(s.attributes.get("kvmesh.blocks", 0)) for s in push),
+        "import_ms": sum(float(s.attributes.get("kvmesh.import_ms", 0)) for s in load),
+        "load_ms": sum(s.duration_ns for s in load) / 1e6,
+        "computed": sum(int(s.attributes.get("kvmesh.tokens.computed", 0)) for s in compute),
+        "compute_ms": sum(s.duration_ns for s in compute) / 1e6,
+        "route": next((str(s.attributes.get("kvmesh.route.path", "")) for s in route), ""),
+        "reason": next((str(s.attributes.get("kvmesh.route.reason", "")) for s in route), ""),
+        "decode_held": max((int(s.attributes.get("kvmesh.decode_cached_blocks", 0)) for s in push), default=0),
+    }
 
 
 SETUPS = {
-    "both": (StackOptions(prefill=0, decode=0, both=1, http_port=0, grpc_port=0, cluster="b"), None),
-    "pd auto": (StackOptions(http_port=0, grpc_port=0, cluster="p"), None),
-    "pd always": (StackOptions(http_port=0, grpc_port=0, cluster="a"), {"x-kvmesh-disaggregate": "always"}),
+    "both": (StackOptions.local("pdb", prefill=0, decode=0, both=1), None),
+    "pd auto": (StackOptions.local("pdp"), None),
+    "pd always": (StackOptions.local("pda"), {"x-kvmesh-disaggregate": "always"}),
 }
 
 
-def run(setups: list[str] | None = None, turns: int = 10) -> dict[str, Result]:
-    return {name: run_setup(name, opts, turns=turns, headers=headers)
-            for name, (opts, headers) in SETUPS.items() if setups is None or name in setups}
+def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, first: int = 95, per_turn: int = 107,
+        cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0) -> dict[str, Result]:
+    """Every setup's stack up at once, the same requests sent to each in turn (the order rotating request by
+    request), so that all of them run under the same machine load; one request in flight at a time. Each
+    repeat has its own cold prompt and its own chat (fresh tokens: nothing is reused across repeats)."""
+    names = [n for n in SETUPS if setups is None or n in setups]
+    rng = random.Random(seed)
+    plan: list[tuple[int, int, list[int]]] = []  # (repeat, turn (0 = the cold prompt), prompt)
+    for rep in range(repeats):
+        plan.append((rep, 0, _ids(rng, cold_tokens)))
+        prompt = _ids(rng, first)
+        for turn in range(1, turns + 1):
+            plan.append((rep, turn, prompt))
+            # the reply's tokens are not returned as ids over SSE: the next turn re-sends a stand-in of the
+            # same length (decode's and prefill's caches hold the prompt; the reply's blocks differ)
+            prompt = prompt + _ids(rng, per_turn)
+    res = {name: Result(name, chats=[[] for _ in range(repeats)]) for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        stacks: dict[str, Stack] = {}
+        try:
+            for name in names:
+                stacks[name] = Stack(Path(tmp) / name.replace(" ", "-"), SETUPS[name][0])
+                stacks[name].start(timeout_s=300)
+                completion_ttft(stacks[name].http_port, _ids(random.Random(99), 40), 4, SETUPS[name][1])  # warm
+            for i, (rep, turn, prompt) in enumerate(plan):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    ttft, text, rid = completion_ttft(stacks[name].http_port, prompt, max_tokens, SETUPS[name][1])
+                    req = Request(ttft, rid, len(prompt), "".join(text))
+                    (res[name].chats[rep].append(req) if turn else res[name].cold.append(req))
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+        time.sleep(0.5)
+        for name, r in res.items():
+            spans = read_spans(trace_file(Path(tmp) / name.replace(" ", "-")))
+            r.spans = {q.request_id: _figures(spans, q.request_id)
+                       for q in [*r.cold, *(t for chat in r.chats for t in chat)]}
+    return res
 
 
 BLOCK_NBYTES = 737_280  # SmolLM2-135M fp32, 16-token blocks
 BLOCK = 16
 
 
+def _critical(pushes: list[dict]) -> str:
+    """What of the push remained after the prefill compute, in ms and as a share of the push time (medians)."""
+    pushes = [sp for sp in pushes if sp["push_ms"]]
+    if not pushes:
+        return "-"
+    share = _spread([sp["critical_ms"] / sp["push_ms"] * 100 for sp in pushes], "{:.0f}", "%")
+    return (f"{statistics.median(sp['critical_ms'] for sp in pushes):.1f} of "
+            f"{statistics.median(sp['push_ms'] for sp in pushes):.1f} ms = {share} "
+            f"({statistics.median(sp['parts'] for sp in pushes):.0f} parts)")
+
+
+def _spread(xs: list[float], fmt: str = "{:.2f}", unit: str = "") -> str:
+    """The median, and the range when there is more than one value."""
+    mid = fmt.format(statistics.median(xs)) + unit
+    return mid if len(xs) == 1 else f"{mid} ({fmt.format(min(xs))}–{fmt.format(max(xs))})"
+
+
 def report(res: dict[str, Result]) -> str:
-    """The markdown body: the summary against role both, then turn by turn."""
+    """The markdown body: the summary against role both (medians over the repeats, of paired ratios for the
+    comparisons: each repeat's PD figure against the same repeat's role both, sent right next to it), then the
+    first repeat's chat turn by turn."""
     from app.bench.report import markdown_table
 
     ref = res["both"]
     rows = []
     for name, r in res.items():
-        rows.append({"setup": name, "cold 1,500-token TTFT s": f"{r.cold_ttft:.2f}",
-                     "vs both": f"{r.cold_ttft / ref.cold_ttft:.2f}x",
-                     f"{len(r.turn_ttft)}-turn chat TTFT sum s": f"{sum(r.turn_ttft):.2f}",
-                     "chat vs both": f"{sum(r.turn_ttft) / sum(ref.turn_ttft):.2f}x",
-                     "cold push MiB": f"{r.spans[r.cold_id]['push_bytes'] / 2**20:.1f}",
-                     "cold import ms": f"{r.spans[r.cold_id]['import_ms']:.1f}",
+        sums = [sum(t.ttft for t in chat) for chat in r.chats]
+        ref_sums = [sum(t.ttft for t in chat) for chat in ref.chats]
+        cold = [r.spans[q.request_id] for q in r.cold]
+        rows.append({"setup": name, "cold 1,500-token TTFT s": _spread([q.ttft for q in r.cold]),
+                     "cold vs both": _spread([q.ttft / b.ttft for q, b in zip(r.cold, ref.cold)], unit="x"),
+                     f"{len(r.chats[0])}-turn chat TTFT sum s": _spread(sums),
+                     "chat vs both": _spread([a / b for a, b in zip(sums, ref_sums)], unit="x"),
+                     "cold push MiB": f"{statistics.median(sp['push_bytes'] for sp in cold) / 2**20:.1f}",
+                     "cold import ms": _spread([sp["import_ms"] for sp in cold], "{:.1f}"),
+                     "cold push after compute": _critical(cold),
                      "greedy text = both": r.outputs == ref.outputs})
     turns = []
-    for i, n in enumerate(ref.turn_tokens):
-        row = {"turn": i + 1, "prompt tokens": n}
+    for i, q in enumerate(ref.chats[0]):
+        row = {"turn": i + 1, "prompt tokens": q.tokens}
         for name, r in res.items():
-            sp = r.spans[r.request_ids[i]]
-            row[f"{name} TTFT ms"] = f"{r.turn_ttft[i] * 1e3:.0f}" + (f" ({sp['route']})" if sp["route"] else "")
+            t = r.chats[0][i]
+            sp = r.spans[t.request_id]
+            row[f"{name} TTFT ms"] = f"{t.ttft * 1e3:.0f}" + (f" ({sp['route']})" if sp["route"] else "")
             if sp["push_bytes"]:
-                lacked = n - sp["decode_held"] * BLOCK
-                row[f"{name} pushed KiB"] = (f"{sp['push_bytes'] / 1024:.0f} = {sp['push_bytes'] / (lacked * BLOCK_NBYTES / BLOCK):.2f}"
-                                            f"x KV lacked ({sp['decode_held']} blocks held)")
+                lacked = q.tokens - sp["decode_held"] * BLOCK
+                row[f"{name} pushed KiB"] = (f"{sp['push_bytes'] / 1024:.0f} = "
+                                            f"{sp['push_bytes'] / (lacked * BLOCK_NBYTES / BLOCK):.2f}x KV lacked "
+                                            f"({sp['decode_held']} blocks held)")
                 row[f"{name} import ms"] = f"{sp['import_ms']:.1f}"
         turns.append(row)
     cols = ["turn", "prompt tokens"] + [c for c in turns[0] if c not in ("turn", "prompt tokens")]
-    return (markdown_table(rows, list(rows[0])) + "\n\nPer turn (route in brackets; pushed bytes from the kv.push "
-            "spans, against the KV of the prompt tokens decode lacked):\n\n" + markdown_table(turns, cols))
+    return (markdown_table(rows, list(rows[0])) + f"\n\nMedians over {len(ref.cold)} repeats (range in brackets). "
+            "Per turn, first repeat (route in brackets; pushed bytes from the kv.push spans, against the KV of the "
+            "prompt tokens decode lacked):\n\n" + markdown_table(turns, cols))
 
 
 def main() -> None:
     res = run()
     for r in res.values():
-        print(r.setup, "cold", round(r.cold_ttft, 3), "chat sum", round(sum(r.turn_ttft), 3))
-        for rid, t, n in zip(r.request_ids, r.turn_ttft, r.turn_tokens):
-            print("  ", n, round(t * 1e3), r.spans[rid])
-        print("  cold", r.spans[r.cold_id])
+        print(r.setup, "cold", [round(q.ttft, 3) for q in r.cold],
+              "chat sums", [round(sum(t.ttft for t in chat), 3) for chat in r.chats])
+        for q in [*r.cold, *r.chats[0]]:
+            print("  ", q.tokens, round(q.ttft * 1e3), r.spans[q.request_id])
     ref = res["both"].outputs
     print("same outputs:", {k: r.outputs == ref for k, r in res.items()})
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 from pathlib import Path
 
@@ -45,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     workload = wl.multi_turn(args.conversations, args.turns, args.max_tokens, seed=0)
+    load = [os.getloadavg()[0]]
     res = {pol: run_policy(pol, workload, args.concurrency) for pol in POLICIES}
+    load.append(os.getloadavg()[0])
     rows = [{"policy": r["policy"], "ok": f"{r['ok']}/{r['requests']}", "prefix hit (tokens)": f"{r['hit'] * 100:.1f}%",
              "TTFT p50 ms": f"{r['ttft_p50'] * 1000:.0f}", "TTFT p90 ms": f"{r['ttft_p90'] * 1000:.0f}"}
             for r in res.values()]
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                  "TTFT p50 ms": f"{ca['ttft_p50'] / rr['ttft_p50']:.2f}x", "TTFT p90 ms": f"{ca['ttft_p90'] / rr['ttft_p90']:.2f}x"})
     body = (f"{args.conversations} conversations x {args.turns} turns (each turn re-sends the history), "
             f"{args.max_tokens} output tokens, {args.concurrency} in flight; 2 prefill + 2 decode instances "
-            "(1 thread each, on this machine's 2 cores), a fresh stack per policy.\n\n"
+            "(1 thread each, on this machine's 2 cores), a fresh stack per policy, one after the other. 1-minute "
+            f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (the machine is shared).\n\n"
             + markdown_table(rows, ["policy", "ok", "prefix hit (tokens)", "TTFT p50 ms", "TTFT p90 ms"]))
     print(body)
     if not args.no_write:

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from kvmesh.bus.trace_headers import trace_context
+from kvmesh.contracts.ids import handoff_prefix
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import KVReady
 from kvmesh.engine.kv_cache import blocks_from_bytes
@@ -78,37 +79,46 @@ class KVIntake:
         past them (a delta) is usable only when they cover the gap. ``lora``: the adapter the request runs under
         (its ``name@generation`` keys the blocks)."""
         deadline = time.monotonic() + timeout_s
-        try:
-            ready, received_ns = await self.board.wait(request_id, timeout_s)
-        except TimeoutError:
-            return None, f"kv.ready not received within {timeout_s:g}s", 0, {}
-        if not ready.ok:
-            return None, f"prefill {ready.prefill_instance}: {ready.error}", received_ns, {}
         transfer = self.w.transfer_server
         assert transfer is not None  # RolePlugin(receives_kv=True): the host started one
-        t = time.monotonic()
         try:
-            got = await transfer.take(ready.transfer_id, max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            transfer.discard(ready.transfer_id)
-            return None, "kv.ready arrived but its blocks did not", received_ns, {}
-        except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute
-            return None, f"pushed KV rejected: {e}", received_ns, {}
-        self.w.metrics.transfer_bytes.labels("receive").inc(got.nbytes)
+            ready, received_ns = await self.board.wait(request_id, timeout_s)
+        except TimeoutError:  # parts a prefill pushed before it died or stalled are dropped, never used
+            transfer.discard_prefix(handoff_prefix(request_id))
+            return None, f"kv.ready not received within {timeout_s:g}s", 0, {}
+        if not ready.ok:
+            transfer.discard_prefix(handoff_prefix(request_id))
+            return None, f"prefill {ready.prefill_instance}: {ready.error}", received_ns, {}
+        t = time.monotonic()
+        parts = []
+        for part in ready.part_ids():  # pushed in order while prefill computed; most are here already
+            try:
+                parts.append(await transfer.take(part, max(0.1, deadline - time.monotonic())))
+            except TimeoutError:
+                transfer.discard_prefix(handoff_prefix(request_id))
+                return None, "kv.ready arrived but its blocks did not", received_ns, {}
+            except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute
+                transfer.discard_prefix(handoff_prefix(request_id))
+                return None, f"pushed KV rejected: {e}", received_ns, {}
+        nbytes = sum(got.nbytes for got in parts)
+        self.w.metrics.transfer_bytes.labels("receive").inc(nbytes)
         try:  # the adapter's name@generation: KV pushed under another generation never matches
             seed = self.w.engine.engine.request_seed(cache_salt, lora)
         except ValueError as e:
             return None, str(e), received_ns, {}
         bs, first = self.w.layout.block_size, ready.first_block
-        num_tokens = first * bs + got.num_tokens
+        num_tokens = first * bs + sum(got.num_tokens for got in parts)
         expected = block_keys(seed, prompt[:num_tokens], bs)[first:]
-        if num_tokens != len(prompt) or list(got.block_keys) != expected:
+        if num_tokens != len(prompt) or [k for got in parts for k in got.block_keys] != expected:
             return None, "pushed KV does not match this prompt (block keys differ)", received_ns, {}
         if pinned < first:
             return None, (f"the push starts at block {first} but only {pinned} leading blocks are held here "
                           "(evicted before the request arrived)"), received_ns, {}
-        imported = (blocks_from_bytes(got.layout, got.data), num_tokens, ready.first_token, first)
+        pieces = [blocks_from_bytes(got.layout, got.data) for got in parts]
+        imported = (pieces[0] if len(pieces) == 1 else pieces, num_tokens, ready.first_token, first)
         return imported, "", received_ns, {
-            "kvmesh.blocks": got.num_blocks, "kvmesh.bytes": got.nbytes, "kvmesh.first_block": first,
+            "kvmesh.blocks": sum(got.num_blocks for got in parts), "kvmesh.bytes": nbytes,
+            "kvmesh.first_block": first, "kvmesh.parts": len(parts),
             "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
-            "kvmesh.receive_ms": round(got.seconds * 1e3, 3), "kvmesh.prefill_instance": ready.prefill_instance}
+            "kvmesh.receive_ms": round(sum(got.seconds for got in parts) * 1e3, 3),
+            "kvmesh.prefill_instance": ready.prefill_instance}

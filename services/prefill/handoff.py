@@ -1,6 +1,7 @@
-"""How prefill hands a request's KV to decode (push the blocks, then announce them on ``kv.ready``), and a
-faulty variant for the fault tests (``fault_*`` worker settings): what a broken network or a stuck peer does to
-a hand-off, produced on purpose so the tests can show decode never consumes it and never waits forever.
+"""How prefill hands a request's KV to decode (push the blocks part by part while the engine computes, then
+announce them on ``kv.ready``), and a faulty variant for the fault tests (``fault_*`` worker settings): what a
+broken network, a stuck or a dying peer does to a hand-off, produced on purpose so the tests can show decode
+never consumes it and never waits forever.
 
 ``make_handoff`` picks one at start-up; the servicer has no fault branches."""
 
@@ -9,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
+from kvmesh.contracts.ids import BlockKey, TransferId, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.messages import KVReady
+from kvmesh.engine.kv_cache import block_bytes
+from kvmesh.engine.llm_engine import ExportedKV
 from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
@@ -35,6 +40,86 @@ def announcer(host: EngineHost) -> Announce:
     return announce
 
 
+class PartStats(NamedTuple):
+    """One part of a push (``time.monotonic()`` readings)."""
+
+    nbytes: int    # bytes sent (0 when nothing was)
+    blocks: int
+    exported: float  # the engine handed the part over
+    start: float     # its push began (after the part before it was verified)
+    end: float       # decode verified it
+
+
+class PushStream:
+    """One request's KV on its way to decode, one part per piece the engine reads out (a prefill chunk's new
+    blocks), each part a transfer of its own (``part_transfer_id``). Parts are pushed in order, one at a time,
+    on the event loop while the engine thread computes the next chunk. ``finish`` waits for all of them; a
+    failed part fails it, and the parts after it are never sent. ``cancel`` stops what has not been sent."""
+
+    def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout) -> None:
+        self.handoff, self.transfer_id, self.address, self.layout = handoff, transfer_id, address, layout
+        self.done: list[PartStats] = []  # the parts verified so far, in order
+        self.first_block = 0  # the request's first block pushed (the first part's)
+        self._tasks: list[asyncio.Task[PartStats]] = []
+
+    @property
+    def parts(self) -> int:
+        return len(self._tasks)
+
+    def add(self, kv: ExportedKV) -> None:
+        """Push ``kv`` (blocks ``kv.first_block ..`` of the request) once the parts before it are verified."""
+        before = self._tasks[-1] if self._tasks else None
+        if before is None:
+            self.first_block = kv.first_block
+        self._tasks.append(asyncio.create_task(self._push(len(self._tasks), kv, time.monotonic(), before)))
+
+    async def finish(self) -> list[PartStats]:
+        return list(await asyncio.gather(*self._tasks))
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def _push(self, part: int, kv: ExportedKV, exported: float,
+                    before: asyncio.Task[PartStats] | None) -> PartStats:
+        if before is not None:
+            await before  # its failure is this part's too: decode needs them all
+        n, bs = int(kv.blocks.shape[0]), self.layout.block_size
+        tokens = min(kv.num_tokens, (kv.first_block + n) * bs) - kv.first_block * bs
+        start = time.monotonic()
+        stats = await self._send(part_transfer_id(self.transfer_id, part), block_bytes(kv.blocks),
+                                 kv.block_keys[kv.first_block:kv.first_block + n], tokens)
+        done = PartStats(stats.nbytes, n, exported, start, time.monotonic())
+        self.done.append(done)
+        return done
+
+    async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
+                    num_tokens: int) -> TransferStats:
+        return await self.handoff.transfer.push(self.address, transfer_id, self.layout, blocks, list(keys),
+                                                num_tokens)
+
+
+def push_overlap(parts: list[PartStats], compute_end: float) -> dict[str, Any]:
+    """``kv.push``'s attributes for a push that overlapped the prefill (``compute_end``: the last chunk's
+    output left the engine): bytes sent, the push time (the parts' own push times added up), what of it was
+    left after the compute (``kvmesh.critical_ms``, the part of the push on the TTFT path) and its share, and
+    per part its blocks, bytes, push time, wait behind the part before and end relative to ``compute_end``."""
+    push_s = sum(p.end - p.start for p in parts)
+    nbytes = sum(p.nbytes for p in parts)
+    critical_s = max(0.0, parts[-1].end - compute_end) if parts else 0.0
+
+    def ms(xs: Iterable[float]) -> list[float]:
+        return [round(x * 1e3, 3) for x in xs]
+
+    return {"kvmesh.bytes": nbytes, "kvmesh.gbps": round(nbytes / push_s / 1e9, 3) if push_s > 0 else 0.0,
+            "kvmesh.push_ms": round(push_s * 1e3, 3), "kvmesh.critical_ms": round(critical_s * 1e3, 3),
+            "kvmesh.critical_share": round(critical_s / push_s, 4) if push_s > 0 else 0.0,
+            "kvmesh.part.blocks": [p.blocks for p in parts], "kvmesh.part.bytes": [p.nbytes for p in parts],
+            "kvmesh.part.push_ms": ms(p.end - p.start for p in parts),
+            "kvmesh.part.wait_ms": ms(p.start - p.exported for p in parts),
+            "kvmesh.part.end_ms": ms(p.end - compute_end for p in parts)}
+
+
 class Handoff:
     """Push a request's blocks to decode's transfer endpoint; announce them (``kv.ready``) once they landed."""
 
@@ -42,12 +127,9 @@ class Handoff:
         self._announce = announce
         self.transfer = transfer or TransferClient()
 
-    async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: memoryview,
-                   span: Span) -> TransferStats:
-        """``blocks``: the bytes of whole blocks in ``layout`` (``kv_cache.block_bytes`` of the engine's): the
-        request's blocks from ``ready.first_block`` on, so the transfer covers the tokens from there."""
-        return await self.transfer.push(address, ready.transfer_id, layout, blocks, list(ready.block_keys),
-                                        ready.num_tokens - ready.first_block * layout.block_size)
+    def open(self, transfer_id: TransferId, address: str, layout: KVLayout) -> PushStream:
+        """A push of one request's KV to the transfer endpoint at ``address``, in ``layout``."""
+        return PushStream(self, transfer_id, address, layout)
 
     async def announce(self, ready: KVReady, span: Span | None) -> None:
         await self._announce(ready, span)
@@ -57,22 +139,27 @@ class Handoff:
 
 
 class FaultyHandoff(Handoff):
-    """The first ``corrupt`` pushes get a byte flipped on the wire; the first ``stall`` pushes announce their
-    ``kv.ready`` and then stall; with ``drop_ready`` no successful push is ever announced."""
+    """The first ``corrupt`` parts get a byte flipped on the wire; the first ``stall`` requests announce their
+    ``kv.ready`` but their blocks never come (the call ends after ``STALL_S``); with ``drop_ready`` no
+    successful push is ever announced; with ``hang_after`` > 0 a request's push stops for good after that many
+    parts (what decode sees of a prefill that dies half-way; the fault test kills it there)."""
 
-    def __init__(self, announce: Announce, corrupt: int = 0, stall: int = 0, drop_ready: bool = False) -> None:
+    def __init__(self, announce: Announce, corrupt: int = 0, stall: int = 0, drop_ready: bool = False,
+                 hang_after: int = 0) -> None:
         super().__init__(announce, FaultyTransferClient(corrupt))
         self.stalls = stall
         self.drop_ready = drop_ready
+        self.hang_after = hang_after
+        self._stalled: set[str] = set()
 
-    async def push(self, ready: KVReady, address: str, layout: KVLayout, blocks: memoryview,
-                   span: Span) -> TransferStats:
+    def open(self, transfer_id: TransferId, address: str, layout: KVLayout) -> PushStream:
         if self.stalls > 0:
             self.stalls -= 1
-            log.warning("request %s: fault injection: kv.ready announced, the KV push stalls", ready.request_id)
-            await self._announce(ready, span)
-            await asyncio.sleep(STALL_S)
-        return await super().push(ready, address, layout, blocks, span)
+            self._stalled.add(transfer_id)
+            return _WithheldStream(self, transfer_id, address, layout)
+        if self.hang_after > 0:
+            return _HangingStream(self, transfer_id, address, layout, self.hang_after)
+        return super().open(transfer_id, address, layout)
 
     async def announce(self, ready: KVReady, span: Span | None) -> None:
         if self.drop_ready and ready.ok:
@@ -81,6 +168,35 @@ class FaultyHandoff(Handoff):
                 span.add_event("kv.ready dropped (fault injection)")
             return
         await super().announce(ready, span)
+        if ready.transfer_id in self._stalled:
+            self._stalled.discard(ready.transfer_id)
+            log.warning("request %s: fault injection: kv.ready announced, the KV push stalls", ready.request_id)
+            await asyncio.sleep(STALL_S)
+
+
+class _WithheldStream(PushStream):
+    """Sends nothing (``FaultyHandoff``'s stall)."""
+
+    async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
+                    num_tokens: int) -> TransferStats:
+        return TransferStats(0, 0.0, 0.0)
+
+
+class _HangingStream(PushStream):
+    """Sends the first ``hang_after`` parts, then never another (``FaultyHandoff``'s half-way push)."""
+
+    def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout,
+                 hang_after: int) -> None:
+        super().__init__(handoff, transfer_id, address, layout)
+        self.hang_after = hang_after
+
+    async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
+                    num_tokens: int) -> TransferStats:
+        if len(self.done) >= self.hang_after:
+            log.warning("transfer %s: fault injection: the push hangs after %d parts", self.transfer_id,
+                        len(self.done))
+            await asyncio.Event().wait()
+        return await super()._send(transfer_id, blocks, keys, num_tokens)
 
 
 class FaultyTransferClient(TransferClient):
@@ -102,8 +218,9 @@ class FaultyTransferClient(TransferClient):
 def make_handoff(cfg: object, announce: Announce) -> Handoff:
     """The hand-off a worker with settings ``cfg`` uses: faulty only when one of its ``fault_*`` settings asks."""
     corrupt, stall = getattr(cfg, "fault_corrupt_pushes", 0), getattr(cfg, "fault_stall_pushes", 0)
-    drop = getattr(cfg, "fault_drop_kv_ready", False)
-    if corrupt or stall or drop:
-        log.warning("fault injection on: corrupt %d pushes, stall %d, drop kv.ready %s", corrupt, stall, drop)
-        return FaultyHandoff(announce, corrupt, stall, drop)
+    drop, hang = getattr(cfg, "fault_drop_kv_ready", False), getattr(cfg, "fault_hang_after_parts", 0)
+    if corrupt or stall or drop or hang:
+        log.warning("fault injection on: corrupt %d pushes, stall %d, drop kv.ready %s, hang after %d parts",
+                    corrupt, stall, drop, hang)
+        return FaultyHandoff(announce, corrupt, stall, drop, hang)
     return Handoff(announce)

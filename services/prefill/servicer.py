@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import grpc
+from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engine.async_engine import RequestTiming
 from kvmesh.engine.errors import SequenceError
-from kvmesh.engine.kv_cache import block_bytes
 from kvmesh.instance.errors import abort_failed
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
@@ -23,7 +24,7 @@ from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from services.prefill.handoff import announcer, make_handoff
+from services.prefill.handoff import PartStats, PushStream, announcer, make_handoff, push_overlap
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         # blocks before the last token's, so at least one block moves and decode computes nothing
         skip = min(request.decode_cached_blocks, (len(prompt) - 1) // w.layout.block_size)
         await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
-        final, timing = None, RequestTiming()
+        transfer_id = handoff_transfer_id(work.request_id, w.instance_id)
+        stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout)
+        try:
+            return await self._prefill(request, context, span, attrs, prompt, params, skip, stream, t0)
+        finally:
+            stream.cancel()  # a failed or abandoned request sends no more parts
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span,
+                       attrs: dict[str, Any], prompt: list[int], params: Any, skip: int, stream: PushStream,
+                       t0: float) -> worker_pb2.PrefillResponse:
+        """Compute the prompt, pushing each chunk's KV as the engine reads it out, then announce it."""
+        work, w = request.work, self.w
+        final, timing, blocks = None, RequestTiming(), 0
         try:
             async for out in w.engine.generate(work.request_id, prompt, params, timing=timing,
                                                cache_salt=work.cache_salt, lora=work.lora_name, export_kv=True,
-                                               export_from=skip):
+                                               export_from=skip, export_chunks=True):
+                if out.exported is not None:  # a chunk's blocks (or the last ones): on their way while it computes
+                    stream.add(out.exported)
+                    blocks += int(out.exported.blocks.shape[0])
                 final = out
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
@@ -76,35 +92,47 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         w.record_engine_spans(span, timing, attrs, len(prompt), final.cached_tokens)
         kv = final.exported
         first_token = final.new_token_ids[0]
-        transfer_id = f"{work.request_id}@{w.instance_id}"
+        first_block = stream.first_block  # the first part's
         ready = KVReady(request_id=work.request_id, decode_instance=request.decode_instance,
-                        transfer_id=transfer_id, block_keys=tuple(kv.block_keys[kv.first_block:]),
+                        transfer_id=stream.transfer_id, block_keys=tuple(kv.block_keys[first_block:]),
                         num_tokens=kv.num_tokens, first_token=first_token, layout=w.layout,
-                        prefill_instance=w.instance_id, first_block=kv.first_block)
-        push = tracing.start("kv.push", span, SpanKind.CLIENT,
-                             {**attrs, "kvmesh.decode_instance": request.decode_instance,
-                              "kvmesh.transfer_backend": w.cfg.transfer_backend,
-                              "kvmesh.blocks": int(kv.blocks.shape[0]), "kvmesh.tokens": kv.num_tokens,
-                              "kvmesh.first_block": kv.first_block,
-                              "kvmesh.decode_cached_blocks": request.decode_cached_blocks})
+                        prefill_instance=w.instance_id, first_block=first_block, parts=stream.parts)
+        push_attrs = {**attrs, "kvmesh.decode_instance": request.decode_instance,
+                      "kvmesh.transfer_backend": w.cfg.transfer_backend, "kvmesh.blocks": blocks,
+                      "kvmesh.tokens": kv.num_tokens, "kvmesh.first_block": first_block,
+                      "kvmesh.decode_cached_blocks": request.decode_cached_blocks, "kvmesh.parts": stream.parts,
+                      tracing.BACKGROUND: True}
+        parts = await self._hand_off(context, span, stream, ready, push_attrs, timing.first_output)
+        nbytes = sum(p.nbytes for p in parts)
+        return worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
+                                          num_blocks=blocks, transfer_bytes=nbytes,
+                                          transfer_s=parts[-1].end - parts[0].start, transfer_id=stream.transfer_id,
+                                          compute_s=compute_s)
+
+    async def _hand_off(self, context: grpc.aio.ServicerContext, span: Span, stream: PushStream, ready: KVReady,
+                        push_attrs: dict[str, Any], compute_end: float) -> list[PartStats]:
+        """Wait for the parts still on their way, trace the push (``kv.push``), then announce it on
+        ``kv.ready``; a failed part is announced as a failure and ends the call (ABORTED)."""
         try:
-            stats = await self.handoff.push(ready, request.decode_transfer_address, w.layout,
-                                            block_bytes(kv.blocks), span)
+            parts = await stream.finish()
         except Exception as e:  # noqa: BLE001 - any push failure is reported to decode, which recomputes
-            log.warning("request %s (trace %s): KV push to %s failed: %s", work.request_id, tracing.trace_id(span),
-                        request.decode_instance, e)
+            log.warning("request %s (trace %s): KV push to %s failed: %s", ready.request_id,
+                        tracing.trace_id(span), ready.decode_instance, e)
+            sent = stream.done
+            push = tracing.start("kv.push", span, SpanKind.CLIENT, {
+                **push_attrs, "kvmesh.bytes": sum(p.nbytes for p in sent), "kvmesh.parts_verified": len(sent)},
+                tracing.mono_ns(sent[0].start if sent else time.monotonic()))
             push.set_status(StatusCode.ERROR, f"KV push failed: {e}")
             push.end()
             await self.handoff.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}"), span)
             # ABORTED, not UNAVAILABLE: decode was told and recomputes, so the router must not retry elsewhere
-            await context.abort(grpc.StatusCode.ABORTED, f"KV push to {request.decode_instance} failed: {e}")
-        push.set_attributes({"kvmesh.bytes": stats.nbytes, "kvmesh.gbps": round(stats.gbps, 3)})
-        push.end()
-        w.metrics.transfer_bytes.labels("push").inc(stats.nbytes)
+            await context.abort(grpc.StatusCode.ABORTED, f"KV push to {ready.decode_instance} failed: {e}")
+        overlap = push_overlap(parts, compute_end)
+        tracing.record("kv.push", span, tracing.mono_ns(parts[0].start), tracing.mono_ns(parts[-1].end),
+                       {**push_attrs, **overlap}, SpanKind.CLIENT)
+        self.w.metrics.transfer_bytes.labels("push").inc(overlap["kvmesh.bytes"])
         await self.handoff.announce(ready, span)
-        return worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
-                                          num_blocks=int(kv.blocks.shape[0]), transfer_bytes=stats.nbytes,
-                                          transfer_s=stats.seconds, transfer_id=transfer_id, compute_s=compute_s)
+        return parts
 
     async def close(self) -> None:
         await self.handoff.close()

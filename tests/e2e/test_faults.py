@@ -255,3 +255,58 @@ def test_a_bad_delta_push_is_recomputed_and_leaks_no_pinned_block(tmp_path_facto
         eventually(lambda: worker_blocks(stack, "prefill-0", "referenced") == 0)
     finally:
         stack.stop()
+
+
+def completion_thread(stack, prompt: list[int], headers: dict, result: list) -> threading.Thread:
+    def run() -> None:
+        try:
+            result.append(completion(stack, prompt, headers=headers))
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion
+            result.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_prefill_killed_half_way_through_its_push_costs_a_recompute_and_leaks_nothing(tmp_path_factory):
+    """Prefill pushes a long prompt chunk by chunk; after the first part it stops, and is SIGKILLed there. Decode
+    recomputes on top of the prefix it pinned, the tokens equal a fresh computation, and afterwards decode holds
+    no pinned or referenced block and no received part."""
+    stack = start_stack(tmp_path_factory, "killmidpush",
+                        env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_PARTS": "1", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3",
+                             "KVMESH_ENGINE_MAX_BATCHED_TOKENS": "64"})  # 64-token chunks: one part each
+    always = {"x-kvmesh-disaggregate": "always"}
+    try:
+        turn1 = [(i * 7919) % 30000 + 100 for i in range(40)]  # one chunk, one part: pushed whole
+        turn2 = turn1 + [(i * 104729) % 30000 + 100 for i in range(260)]  # parts after each of 5 chunks
+        completion(stack, turn1, headers=always)
+        eventually(lambda: cachesvc_metric(stack, "kvmesh_cachesvc_instances") >= 2)
+        salted = json.dumps({"prompt": turn2, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                             "cache_salt": "reference"}).encode()  # its own namespace: computed from scratch
+        req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/completions", data=salted,
+                                     headers={"content-type": "application/json",
+                                              "x-kvmesh-disaggregate": "never"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            reference = json.load(r)["choices"][0]["text"]
+        eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
+        assert worker_blocks(stack, "decode-0", "pinned") == 0
+        result: list = []
+        t = completion_thread(stack, turn2, always, result)
+        prefill = service(stack, "prefill-0")
+        eventually(lambda: "the push hangs after 1 parts" in prefill.log_path.read_text(), within_s=120)
+        assert worker_blocks(stack, "decode-0", "pinned") > 0  # decode holds turn 1 for this request
+        prefill.proc.send_signal(signal.SIGKILL)
+        t.join(120)
+        assert result == [reference]
+        assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 1
+        eventually(lambda: worker_blocks(stack, "decode-0", "pinned") == 0)
+        eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
+        eventually(lambda: worker_metric(stack, "decode-0", "kvmesh_worker_kv_transfer_buffered_bytes") == 0)
+    finally:
+        stack.stop()
+
+
+def worker_metric(stack, name: str, metric: str) -> float:
+    with urllib.request.urlopen(service(stack, name).endpoints["metrics"] + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metric + " "))

@@ -244,6 +244,22 @@ def test_discarded_transfer_is_refused_when_it_arrives_late() -> None:
     run(scenario())
 
 
+def test_discarding_a_prefix_frees_the_parts_held_and_refuses_those_still_coming() -> None:
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
+            for tid in ("r1@p0#0", "r1@p0#1", "r2@p0#0"):
+                await client.push(server.address, tid, LAYOUT, wire_bytes(LAYOUT), [], 12)
+            server.discard_prefix("r1@")
+            assert server.buffered_bytes == 3 * LAYOUT.block_nbytes  # r2's part only
+            with pytest.raises(TransferRejected, match="discarded by the receiver"):
+                await client.push(server.address, "r1@p0#2", LAYOUT, wire_bytes(LAYOUT), [], 12)
+            with pytest.raises(asyncio.TimeoutError):  # gone, not handed out
+                await server.take("r1@p0#0", timeout=0.05)
+            assert (await server.take("r2@p0#0", timeout=1)).num_blocks == 3
+
+    run(scenario())
+
+
 def test_duplicate_transfer_id_does_not_replace_the_first() -> None:
     async def scenario() -> None:
         first, second = make_blocks(LAYOUT, seed=1), make_blocks(LAYOUT, seed=2)

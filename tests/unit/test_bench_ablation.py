@@ -87,6 +87,16 @@ def test_the_table_reports_tokens_saved_failures_and_correctness():
     assert "| cold start | B | 1/2 | 1 / 0 |" in body and "60 / 100 (60%)" in body
 
 
+def test_the_notes_say_what_the_pool_served_in_bytes_and_tokens():
+    served = _result("D", "hot-set switch", {"a/0": "x"})
+    served.loaded = {"host": 0.0, "pool": 10 * ablation.BLOCK_NBYTES, "pd": 0.0}
+    args = SimpleNamespace(concurrency=2, max_tokens=8, doc_words=40, device_blocks=40, host_cache_mb=8,
+                           kill_after=2)
+    body = ablation.report([_result("C", "hot-set switch", {"a/0": "x"}), served], ablation.configs(), SLO(), args)
+    assert "D hot-set switch 7.0 MB = 160 tokens" in body and "served nothing" not in body
+    assert "served nothing" in ablation.report([_result("C", "cold start", {})], ablation.configs(), SLO(), args)
+
+
 def test_bytes_loaded_per_tier_come_from_the_engines_metrics():
     import http.server
     import threading

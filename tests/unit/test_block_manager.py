@@ -228,3 +228,31 @@ def test_every_online_policy_evicts_through_both_tiers_and_keeps_the_cache_consi
     assert bm.num_host_blocks <= 3 and bm.stats["evicted_host"] > 0
     counts = bm.counts()
     assert counts["free"] + counts["cached"] == 6 and counts["referenced"] == 0
+
+
+def test_making_host_room_never_drops_a_host_block_that_a_prefix_being_attached_holds():
+    """The host tier is full with the one block a new sequence matched; loading it needs a device block, and
+    that eviction wants host room: the block being loaded is not the one to go."""
+    bm = manager(num_blocks=4, host_blocks=1)
+    a = list(range(100, 108))  # 2 full blocks
+    run(bm, a)
+    bm.evict(2)  # one of them ends on the host (its only slot), the other is dropped
+    assert bm.num_host_blocks == 1
+    run(bm, list(range(200, 216)))  # the device fills with 4 other cached blocks
+    seq = Sequence("s", a + [7], SamplingParams(), 1)
+    assert bm.allocate_prefix(seq)
+    assert len(seq.nodes) == 1 and seq.num_cached_tokens == BS  # the host block, loaded
+
+
+def test_a_host_block_refused_while_held_is_evictable_again_once_released():
+    """Host room refuses a host block a reader holds (it leaves the host queue); when the reader lets go while
+    the block is still on the host (an attach that failed), the block is queued again, not stuck for good."""
+    bm = manager(num_blocks=4, host_blocks=1)
+    run(bm, list(range(100, 108)))
+    bm.evict(2)
+    (node,) = bm._host_nodes
+    node.ref_count += 1  # what allocate_prefix does to the blocks it matched
+    assert not bm._make_host_room()
+    assert node not in bm._host_queue
+    bm._unref(node)
+    assert node in bm._host_queue and bm._make_host_room() and bm.num_host_blocks == 0

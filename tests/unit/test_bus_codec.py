@@ -145,3 +145,14 @@ def test_kv_ready_carries_where_a_delta_push_starts():
     ready = KVReady("r", "decode-0", "r@prefill-0", (11, 12), 40, 5, None, "prefill-0", first_block=3)
     assert KVReady.decode(ready.encode()).first_block == 3
     assert KVReady.decode(KVReady("r", "d", "t", (), 1, 0, None, "p").encode()).first_block == 0
+
+
+def test_a_ready_pushed_in_parts_names_each_parts_transfer_and_defaults_to_one():
+    ready = make_ready(parts=3, first_block=2)
+    assert KVReady.decode(ready.encode()) == ready
+    assert ready.part_ids() == ("t-9#0", "t-9#1", "t-9#2")
+    body = json.loads(make_ready().encode())
+    del body["parts"]  # absent: one part
+    assert KVReady.decode(json.dumps(body).encode()).part_ids() == ("t-9#0",)
+    with pytest.raises(CodecError, match="parts"):
+        KVReady.decode(json.dumps({**body, "parts": 0}).encode())

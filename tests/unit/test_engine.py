@@ -213,3 +213,29 @@ def test_delta_import_after_the_pinned_prefix_was_lost_recomputes(make):
     outs = run_to_end(decode, "d")
     assert [t for o in outs for t in o.new_token_ids] == expected
     assert decode.blocks.counts()["referenced"] == 0
+
+
+def test_kv_read_out_chunk_by_chunk_continues_in_another_engine(make):
+    """With ``export_chunks`` each prefill chunk's new full blocks come out as they are computed (no token);
+    the pieces in order, starting past the blocks decode holds, import to the same greedy tokens."""
+    prompt = list(range(40, 63))  # 23 tokens: 5 full blocks of 4 and a tail
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = make().generate([prompt], params)[0].token_ids
+    prefill = make(max_batched_tokens=6)  # chunks end at tokens 6, 12, 18, 23
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export_kv=True,
+                        export_from=1, export_chunks=True)
+    outs = run_to_end(prefill, "p")
+    # after token 6 no new block past block 1; after 12 blocks 1-2; after 18 block 3; the last: 4 and the tail
+    assert [(o.exported.first_block, o.exported.blocks.shape[0], o.exported.final, len(o.new_token_ids))
+            for o in outs] == [(1, 2, False, 0), (3, 1, False, 0), (4, 2, True, 1)]
+    assert outs[-1].exported.block_keys[:3] == outs[0].exported.block_keys  # keys of all full blocks so far
+    decode = make()
+    decode.generate([prompt[:5]], SamplingParams(max_tokens=1))  # decode holds block 0
+    seed = decode.namespace_seed()
+    assert decode.blocks.pin("d", seed, prompt, 1) == 1
+    decode.add_request("d", prompt, params, imported=([o.exported.blocks for o in outs], len(prompt),
+                                                      outs[-1].new_token_ids[0], 1))
+    decode.blocks.unpin("d")
+    got = run_to_end(decode, "d")
+    assert got[0].cached_tokens == len(prompt)
+    assert [t for o in got for t in o.new_token_ids] == expected

@@ -73,6 +73,16 @@ def test_the_deepest_active_span_takes_the_time_and_parents_keep_only_their_self
     assert seg["kv.ready"].ttft_ns == 1.5 * MS
 
 
+def test_a_push_overlapping_the_compute_takes_only_the_time_it_runs_on_alone():
+    spans = mesh_request()
+    push = next(s for s in spans if s.name == "kv.push")  # pushing chunk by chunk since 30 ms, 9 ms past compute
+    spans[spans.index(push)] = span("kv.push", push.span_id, push.parent_id, 30, 79, "prefill",
+                                    **{"kvmesh.background": True})
+    seg = by_name(waterfall(spans[0], spans))
+    assert seg["prefill.compute"].ttft_ns == 60 * MS
+    assert seg["kv.push"].ttft_ns == 9 * MS
+
+
 def test_a_span_that_only_waits_and_what_runs_after_the_first_token_take_no_ttft():
     spans = mesh_request()
     seg = by_name(waterfall(spans[0], spans))

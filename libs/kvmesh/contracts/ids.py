@@ -25,6 +25,21 @@ TransferId = NewType("TransferId", str)
 """One push of blocks from a sender to a transfer server."""
 
 
+def handoff_transfer_id(request_id: str, prefill_instance: str) -> TransferId:
+    """The transfer id of a request's KV hand-off from ``prefill_instance``; its parts add ``#<n>``."""
+    return TransferId(f"{request_id}@{prefill_instance}")
+
+
+def handoff_prefix(request_id: str) -> str:
+    """What every hand-off transfer id of ``request_id`` starts with, whichever prefill sent it."""
+    return f"{request_id}@"
+
+
+def part_transfer_id(transfer_id: str, part: int) -> TransferId:
+    """Part ``part`` of a hand-off pushed in parts (one per prefill chunk)."""
+    return TransferId(f"{transfer_id}#{part}")
+
+
 class Role(enum.StrEnum):
     """What an instance does: its heartbeat says so, and the router routes by it."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices
+from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
 
 VERSION = 1
@@ -143,10 +143,14 @@ class KVReady:
     ok: bool = True
     error: str = ""
     first_block: int = 0  # the pushed blocks are the prompt's blocks from this index on (decode holds the rest)
+    parts: int = 1  # pushed as this many transfers, ``part_transfer_id(transfer_id, 0..parts-1)``, in block order
+
+    def part_ids(self) -> tuple[TransferId, ...]:
+        return tuple(part_transfer_id(self.transfer_id, i) for i in range(self.parts))
 
     def encode(self) -> bytes:
         return _dump(self.TYPE, {"request_id": self.request_id, "decode_instance": self.decode_instance,
-                                 "first_block": self.first_block,
+                                 "first_block": self.first_block, "parts": self.parts,
                                  "transfer_id": self.transfer_id, "block_keys": _keys(self.block_keys),
                                  "num_tokens": self.num_tokens, "first_token": self.first_token,
                                  "layout": {} if self.layout is None else self.layout.to_dict(),
@@ -159,6 +163,8 @@ class KVReady:
 
     @classmethod
     def _from_json(cls, d: dict[str, Any]) -> KVReady:
+        if "parts" in d and _get(d, "parts", int) < 1:
+            raise CodecError(f"field 'parts' must be at least 1, got {d['parts']}")
         return cls(request_id=RequestId(_get(d, "request_id", str)),
                    decode_instance=InstanceId(_get(d, "decode_instance", str)),
                    transfer_id=TransferId(_get(d, "transfer_id", str)),
@@ -168,7 +174,8 @@ class KVReady:
                    prefill_instance=InstanceId(_get(d, "prefill_instance", str)),
                    ok=_get(d, "ok", bool) if "ok" in d else True,
                    error=_get(d, "error", str) if "error" in d else "",
-                   first_block=_get(d, "first_block", int) if "first_block" in d else 0)
+                   first_block=_get(d, "first_block", int) if "first_block" in d else 0,
+                   parts=_get(d, "parts", int) if "parts" in d else 1)
 
 
 @dataclass(frozen=True)

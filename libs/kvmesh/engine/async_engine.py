@@ -195,6 +195,8 @@ class AsyncEngine:
         if self._timed:
             now = time.monotonic()
             for out in outputs:
+                if not (out.new_token_ids or out.finished):  # a KV piece read out mid-prefill: no token yet
+                    continue
                 if (entry := self._timed.pop(out.request_id, None)) is not None:
                     entry[1].first_output, entry[1].preemptions = now, entry[0].num_preemptions
         for out in outputs:

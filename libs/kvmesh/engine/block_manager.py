@@ -203,11 +203,13 @@ class BlockManager:
         seq.num_cached_tokens = m.num_tokens
         return True
 
-    def import_prefix(self, seq: Sequence, blocks: torch.Tensor, num_tokens: int, first_block: int = 0) -> bool:
-        """Attach KV computed elsewhere: ``blocks`` (whole blocks in the pool's storage layout) hold block
-        indices ``first_block ..`` of the sequence, up to its first ``num_tokens`` tokens; the blocks before
-        ``first_block`` must be cached here. Cached blocks are shared, the rest written. False (nothing held)
-        when the pool cannot make room or the blocks before ``first_block`` are no longer cached."""
+    def import_prefix(self, seq: Sequence, blocks: torch.Tensor | list[torch.Tensor], num_tokens: int,
+                      first_block: int = 0) -> bool:
+        """Attach KV computed elsewhere: ``blocks`` (whole blocks in the pool's storage layout; or pieces of
+        them, in order, as pushed chunk by chunk) hold block indices ``first_block ..`` of the sequence, up to
+        its first ``num_tokens`` tokens; the blocks before ``first_block`` must be cached here. Cached blocks
+        are shared, the rest written. False (nothing held) when the pool cannot make room or the blocks before
+        ``first_block`` are no longer cached."""
         if not self.allocate_prefix(seq):
             return False
         first_new = len(seq.nodes)  # a partially copied block is private and simply overwritten
@@ -215,9 +217,12 @@ class BlockManager:
             self.free(seq)
             return False
         last = -(-num_tokens // self.block_size)
-        if last > first_new:
-            self.device.write_blocks(seq.block_table[first_new:last],
-                                     blocks[first_new - first_block:last - first_block])
+        start = first_block
+        for piece in blocks if isinstance(blocks, list) else [blocks]:  # each piece: one strided copy
+            lo, hi = max(first_new, start), min(last, start + piece.shape[0])
+            if lo < hi:
+                self.device.write_blocks(seq.block_table[lo:hi], piece[lo - start:hi - start])
+            start += piece.shape[0]
         seq.num_computed_tokens = num_tokens
         self.cache_computed_blocks(seq)
         return True
@@ -233,10 +238,10 @@ class BlockManager:
         self.free(seq)
         return True
 
-    def export_prefix(self, seq: Sequence, first_block: int = 0) -> torch.Tensor:
+    def export_prefix(self, seq: Sequence, first_block: int = 0, num_tokens: int | None = None) -> torch.Tensor:
         """The sequence's computed KV as whole blocks ``[n, *block_shape]`` (a copy), from block
-        ``first_block`` on."""
-        n = -(-seq.num_computed_tokens // self.block_size)
+        ``first_block`` on, up to its token ``num_tokens`` (default: all it computed)."""
+        n = -(-(seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size)
         return self.device.read_blocks(seq.block_table[first_block:n])
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
@@ -372,6 +377,8 @@ class BlockManager:
         node.ref_count -= 1
         if node.ref_count == 0 and node.block_id is not None:
             self._queue.push(node, node.last_access)
+        elif node.ref_count == 0 and node.host_slot is not None and not node.children:
+            self._host_queue.push(node, node.last_access)  # an attach that failed: evictable from the host again
 
     def _evict_from_device(self, node: Node) -> bool:
         if node.full and self.host is not None and self._make_host_room():
@@ -406,7 +413,9 @@ class BlockManager:
 
     @staticmethod
     def _host_leaf(node: Node) -> bool:
-        return node.host_slot is not None and not node.children
+        # unreferenced only: a prefix being attached holds its host nodes while device room is made to load
+        # them (``_unref`` pushes such a node again if it stays on the host)
+        return node.host_slot is not None and not node.children and node.ref_count == 0
 
     def _load_from_host(self, nodes: list[Node], blocks: list[int]) -> None:
         assert self.host is not None

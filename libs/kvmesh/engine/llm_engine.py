@@ -47,6 +47,7 @@ class ExportedKV:
     num_tokens: int                # tokens of the request whose KV is computed (from its start)
     block_keys: list[int]          # keys of all its full blocks, from the first
     first_block: int = 0           # the request's blocks before this one were not read out (the receiver has them)
+    final: bool = True             # False: a piece read out after a prefill chunk (``export_chunks``); more follow
 
 
 @dataclass
@@ -78,12 +79,14 @@ class Completion:
 class _Tracked:
     """Per-request text state owned by the engine: incremental detokenizer and stop-string matching."""
 
-    def __init__(self, seq: Sequence, detok, export_kv: bool = False, export_from: int = 0) -> None:
+    def __init__(self, seq: Sequence, detok, export_kv: bool = False, export_from: int = 0,
+                 export_chunks: bool = False) -> None:
         self.seq = seq
         self.detok = detok
         self.text = ""
         self.export_kv = export_kv
-        self.export_from = export_from
+        self.export_from = export_from  # the next block to read out (it grows as pieces are read out)
+        self.export_chunks = export_chunks
         self.error: SequenceError | None = None
         self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
 
@@ -195,8 +198,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
-                    imported: tuple[torch.Tensor, int, int] | tuple[torch.Tensor, int, int, int] | None = None,
-                    export_from: int = 0, lora: str = "") -> Sequence:
+                    imported: tuple[torch.Tensor | list[torch.Tensor], int, int]
+                    | tuple[torch.Tensor | list[torch.Tensor], int, int, int] | None = None,
+                    export_from: int = 0, lora: str = "", export_chunks: bool = False) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``lora``: the name of a loaded adapter to run it under ("" = the base model); its KV is keyed by the
@@ -204,8 +208,12 @@ class LLMEngine:
 
         ``export_kv``: when it finishes, its KV is read out into ``StepOutput.exported`` (prefill role).
         ``export_from``: read out only the blocks from this index on (the receiver holds the ones before).
+        ``export_chunks``: with ``export_kv``, each prefill chunk's newly full blocks are read out right after
+        its forward pass, as an output with no token and ``exported.final`` False, so the caller can send them
+        while the next chunk computes; the last output then holds only the blocks after those.
         ``imported``: ``(blocks, num_tokens, first_token[, first_block])`` computed by a prefill instance
-        (``blocks`` hold the prompt's blocks from ``first_block`` on; the ones before must be cached here, e.g.
+        (``blocks`` hold the prompt's blocks from ``first_block`` on, one tensor or its pieces in order, as pushed
+        part by part; the ones before must be cached here, e.g.
         pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         """
@@ -232,7 +240,7 @@ class LLMEngine:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv, export_from)
+        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv, export_from, export_chunks)
         tracked.grammar = grammar
         if imported is not None:
             blocks, num_tokens, first_token = imported[:3]
@@ -309,6 +317,8 @@ class LLMEngine:
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.blocks.cache_computed_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                pending += self._export_piece(seq)
         if not samplers:
             return pending
         grammars = [self._requests[s.request_id].grammar for s in samplers]
@@ -368,12 +378,33 @@ class LLMEngine:
             if tracked.export_kv:
                 n = seq.num_computed_tokens
                 first = min(tracked.export_from, max(0, -(-n // self.cfg.block_size) - 1))
-                exported = ExportedKV(self.blocks.export_prefix(seq, first), n,
-                                      block_keys(seq.namespace_seed, seq.all_token_ids[:n], self.cfg.block_size),
-                                      first)
+                exported = self._exported(seq, first, n)
             self.scheduler.finish(seq, reason)
         return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
                           exported)
+
+    def _export_piece(self, seq: Sequence) -> list[StepOutput]:
+        """After a prefill chunk of an ``export_chunks`` request: its full blocks not read out yet, as an output
+        (none when the chunk completed no new block). A failed read-out fails this request only."""
+        tracked = self._requests.get(seq.request_id)
+        if tracked is None or not tracked.export_chunks:
+            return []
+        first, full = tracked.export_from, seq.num_computed_tokens // self.cfg.block_size
+        if full <= first:
+            return []
+        try:
+            piece = self._exported(seq, first, full * self.cfg.block_size, final=False)
+        except Exception as e:  # reported to this request's caller
+            log.exception("request %s: reading out its KV failed", seq.request_id)
+            return [self._fail(seq, SequenceError(seq.request_id, f"{type(e).__name__}: {e}"))]
+        tracked.export_from = full
+        return [StepOutput(seq.request_id, [], cached_tokens=seq.num_cached_tokens, exported=piece)]
+
+    def _exported(self, seq: Sequence, first: int, n: int, final: bool = True) -> ExportedKV:
+        """Blocks ``first ..`` of ``seq`` up to its token ``n`` (whole blocks), and the keys of its full blocks."""
+        bs = self.cfg.block_size
+        return ExportedKV(self.blocks.export_prefix(seq, first, n), n,
+                          block_keys(seq.namespace_seed, seq.all_token_ids[:n], bs), first, final)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -100,6 +100,8 @@ class EngineHost:
                 self.transfer_server = await TransferServer.start(self.layout, host=self.cfg.host,
                                                                   port=self.cfg.transfer_port,
                                                                   backend=self.cfg.transfer_backend)
+        if self.transfer_server is not None:
+            self.metrics.watch_transfers(self.transfer_server)
         self.pool = None
         if self.cfg.cachesvc_address:
             self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server)

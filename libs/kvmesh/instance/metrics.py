@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, EngineCollector, HitRatio, new_registry
 
@@ -35,6 +35,11 @@ class WorkerMetrics:
 
     def watch(self, async_engine) -> None:
         self.registry.register(EngineCollector(async_engine, P))
+
+    def watch_transfers(self, server) -> None:
+        """Export the bytes ``server`` (a ``TransferServer``) holds: received and not taken yet, or arriving."""
+        Gauge(f"{P}_kv_transfer_buffered_bytes", "KV bytes the transfer endpoint holds: being received, or "
+              "verified and not yet taken", registry=self.registry).set_function(lambda: server.buffered_bytes)
 
 
 def fallback_reason(message: str) -> str:

@@ -262,6 +262,8 @@ class InstanceSettings(Section):
     fault_drop_kv_ready: bool = setting(False, "fault injection (tests): prefill pushes KV but never announces it")
     fault_corrupt_pushes: int = setting(0, "fault injection (tests): the first N KV pushes get a byte flipped")
     fault_stall_pushes: int = setting(0, "fault injection (tests): the first N pushes stall after kv.ready")
+    fault_hang_after_parts: int = setting(0, "fault injection (tests): each KV push stops after N parts "
+                                             "(0 = off)")
 
     def problems(self) -> list[Problem]:
         from kvmesh.bus.subjects import token
@@ -275,7 +277,8 @@ class InstanceSettings(Section):
         out += self._ports(("port", "transfer_port", "metrics_port"))
         out += self._address("cachesvc_address", "none")
         out += self._positive(("kv_timeout_s", "heartbeat_s"))
-        out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes"), 0)
+        out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes",
+                          "fault_hang_after_parts"), 0)
         return out
 
 

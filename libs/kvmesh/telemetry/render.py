@@ -56,7 +56,9 @@ def detail(span: SpanRecord) -> str:
                 + (f", {a['kvmesh.preemptions']} preemptions" if a.get("kvmesh.preemptions") else ""))
     if name == "kv.push":
         return (f"{a.get('kvmesh.blocks', '?')} blocks, {_mb(a.get('kvmesh.bytes', 0))}, "
-                f"{a.get('kvmesh.gbps', 0):.2f} GB/s, {a.get('kvmesh.transfer_backend', '')}")
+                f"{a.get('kvmesh.gbps', 0):.2f} GB/s, {a.get('kvmesh.transfer_backend', '')}"
+                + (f"; {a['kvmesh.parts']} parts, {a.get('kvmesh.critical_ms', 0):.1f} ms of "
+                   f"{a.get('kvmesh.push_ms', 0):.1f} after the compute" if a.get("kvmesh.parts", 1) > 1 else ""))
     if name == "kv.ready":
         return f"{a.get('kvmesh.prefill_instance', '?')} → {a.get('kvmesh.instance', '?')}" + (
             "" if a.get("kvmesh.ok", True) else " (prefill failed)")

@@ -31,6 +31,9 @@ REQUEST_ID, MODEL, TENANT = "kvmesh.request_id", "kvmesh.model", "kvmesh.tenant"
 # Set to False on a span that is not a TTFT segment: one that waits for others (their spans explain its time)
 # or that runs after the first token. The waterfall never attributes TTFT to such a span.
 SEGMENT = "kvmesh.segment"
+# Set to True on a span that runs alongside a sibling doing the real work (a KV push overlapping the prefill
+# compute): while both are active the sibling gets the time; the span only where it runs on alone.
+BACKGROUND = "kvmesh.background"
 SENT_HEADER = "kvmesh-sent-ns"  # NATS header: publish time (epoch ns), for publish → receive spans
 
 _propagator = TraceContextTextMapPropagator()

@@ -2,8 +2,9 @@
 
 TTFT is measured at the router: from the moment its ``router.request`` span starts (request received) to that
 span's ``first_token`` event (first token sent). Every instant of that window is attributed to exactly one
-span: among the spans active then that count as segments, the deepest in the tree (ties: the one that started
-last). So the segments always add up to the TTFT; time no finer span explains lands on its parent's own
+span: among the spans active then that count as segments, the deepest in the tree (ties: one that is not
+``kvmesh.background``, i.e. not running alongside the real work like a KV push overlapping its prefill, then
+the one that started last). So the segments always add up to the TTFT; time no finer span explains lands on its parent's own
 ("self") time, e.g. ``router.dispatch`` (self) is time in transit between services. A span that waits for
 others (``kvmesh.segment = false``: decode's request span while it waits for ``kv.ready``,
 ``decode.generate``) never takes time from the spans it waits for.
@@ -18,6 +19,7 @@ from itertools import pairwise
 from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT, SpanRecord
 
 SEGMENT_ATTR = "kvmesh.segment"
+BACKGROUND_ATTR = "kvmesh.background"
 
 
 @dataclass
@@ -100,7 +102,8 @@ def attribute(spans: list[SpanRecord], t0: int, t1: int) -> tuple[list[tuple[int
         if not active:
             gap += b - a
             continue
-        best = max(active, key=lambda s: (depth[s.span_id], s.start_ns))
+        best = max(active, key=lambda s: (depth[s.span_id], s.attributes.get(BACKGROUND_ATTR) is not True,
+                                          s.start_ns))
         if pieces and pieces[-1][2] is best and pieces[-1][1] == a:
             pieces[-1] = (pieces[-1][0], b, best)
         else:

@@ -89,6 +89,7 @@ class TransferServer:
         self._slots: dict[str, _Slot] = {}
         self._in_flight: set[str] = set()
         self._discarded: dict[str, asyncio.TimerHandle] = {}
+        self._discarded_prefixes: dict[str, asyncio.TimerHandle] = {}
         self._buffered = 0
         self._connections: set[asyncio.Task[None]] = set()
         self._accepting = asyncio.create_task(self._accept())
@@ -147,6 +148,16 @@ class TransferServer:
         loop = asyncio.get_running_loop()
         self._discarded[transfer_id] = loop.call_later(self.ttl, self._discarded.pop, transfer_id, None)
 
+    def discard_prefix(self, prefix: str) -> None:
+        """:meth:`discard` every transfer whose id starts with ``prefix``: held, in flight, or arriving within
+        ``ttl`` (a request's parts, when its sender died half-way and nobody will take them)."""
+        for transfer_id in [t for t in self._slots if t.startswith(prefix)]:
+            self.discard(transfer_id)
+        if old := self._discarded_prefixes.pop(prefix, None):
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        self._discarded_prefixes[prefix] = loop.call_later(self.ttl, self._discarded_prefixes.pop, prefix, None)
+
     async def close(self) -> None:
         self._accepting.cancel()
         self._sock.close()
@@ -158,9 +169,10 @@ class TransferServer:
                 slot.outcome = TransferRejected("the transfer server closed")
                 slot.ready.set()
             self._pop(transfer_id, slot)
-        for handle in self._discarded.values():
+        for handle in [*self._discarded.values(), *self._discarded_prefixes.values()]:
             handle.cancel()
         self._discarded.clear()
+        self._discarded_prefixes.clear()
 
     async def __aenter__(self) -> Self:
         return self
@@ -238,7 +250,7 @@ class TransferServer:
         """Why ``header`` is refused before its payload is read (None: admitted), and whether to record it
         as the transfer's outcome (not for duplicates, which must not overwrite the original)."""
         tid = header.transfer_id
-        if tid in self._discarded:
+        if self._discarded_id(tid):
             return f"transfer {tid} was discarded by the receiver", False
         if tid in self._in_flight:
             return f"transfer {tid} is already being received", False
@@ -270,6 +282,8 @@ class TransferServer:
             if bad := corrupt_blocks(header, view):
                 shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
                 return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
+            if self._discarded_id(tid):  # given up on while it was being received
+                return f"transfer {tid} was discarded by the receiver"
             received = ReceivedBlocks(tid, header.layout, header.block_keys, header.num_tokens, view, nbytes,
                                       time.perf_counter() - started, header.checksums)
             self._settle(tid, received, nbytes)
@@ -281,6 +295,9 @@ class TransferServer:
                 self._buffered -= nbytes
 
     # -- slots -----------------------------------------------------------------------------------------------
+
+    def _discarded_id(self, tid: str) -> bool:
+        return tid in self._discarded or any(tid.startswith(p) for p in self._discarded_prefixes)
 
     def _settle(self, tid: str, outcome: ReceivedBlocks | TransferRejected, nbytes: int) -> None:
         """Make ``outcome`` what ``take(tid)`` returns (replacing a rejection) for ``ttl`` seconds."""
