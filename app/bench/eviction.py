@@ -11,6 +11,7 @@ How far any keep-time strategy could get on a trace: ``python -m app.bench.evict
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -119,6 +120,27 @@ def cost(blocks: int = 1_000_000, accesses: int = 200_000, policy: str = "tailfi
             "evict_us_reranking": round(rerank_us, 2)}
 
 
+def pool_cost(blocks: int = 100_000, puts: int = 2_000, policy: str = "lru") -> dict:
+    """µs per put into cachesvc's DRAM tier when it is full (each put evicts one block) with ``blocks`` held."""
+    from kvmesh.contracts.layout import KVLayout
+
+    from services.cachesvc.dram import DramTier
+    from services.cachesvc.store import Retention, StoredBlock
+
+    layout = KVLayout("m", num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype="fp32")  # 64 bytes
+    ticks = iter(itertools.count(1))
+    tier = DramTier(blocks * layout.block_nbytes, make_policy(policy), lambda key: False,
+                    lambda: float(next(ticks)))
+    data = bytes(layout.block_nbytes)
+    for key in range(blocks):
+        tier.put(layout, [StoredBlock(key, 0, data)], Retention())
+    t0 = time.perf_counter()
+    for key in range(blocks, blocks + puts):
+        tier.put(layout, [StoredBlock(key, 0, data)], Retention())
+    return {"tier": "dram", "policy": policy, "blocks": blocks,
+            "put_us": round((time.perf_counter() - t0) / puts * 1e6, 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app.bench.eviction")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -131,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("cost")
     c.add_argument("--blocks", type=int, default=1_000_000)
     c.add_argument("--policy", default="tailfirst")
+    pc = sub.add_parser("pool-cost", help="cachesvc's DRAM tier: µs per put that evicts")
+    pc.add_argument("--blocks", type=int, default=100_000)
+    pc.add_argument("--policy", default="lru")
     args = p.parse_args(argv)
     if args.cmd == "table":
         print(table(args.trace, [int(x) for x in args.capacities.split(",")], args.max_requests))
     elif args.cmd == "synth":
         print(f"{synth(args.out)} requests written to {args.out}")
+    elif args.cmd == "pool-cost":
+        print(json.dumps(pool_cost(args.blocks, policy=args.policy)))
     else:
         print(json.dumps(cost(args.blocks, policy=args.policy)))
     return 0

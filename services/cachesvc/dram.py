@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import EvictionPolicy
 
-from services.cachesvc.store import Evicted, PoolFull, Retention, StoredBlock, Usage, pick_victims
+from services.cachesvc.store import Evicted, PoolFull, Retention, StoredBlock, Usage, VictimQueue
 
 
 @dataclass(slots=True)
@@ -31,6 +31,7 @@ class DramTier:
         self.used_bytes = 0
         self.evicted = 0
         self._blocks: dict[int, dict[KVLayout, _Entry]] = {}  # key -> layout -> block
+        self._victims = VictimQueue(policy, self._usage)
         self._count = 0
         self._order = 0
 
@@ -59,6 +60,7 @@ class DramTier:
             usage = Usage(self._order, t, priority=retention.priority, priority_until=retention.until)
             self._blocks.setdefault(b.key, {})[layout] = _Entry(StoredBlock(b.key, b.checksum, bytes(b.data)),
                                                                 usage)
+            self._victims.touch(b.key, layout, t)
         self._count += len(blocks)
         self.used_bytes += need
         return evicted
@@ -71,6 +73,7 @@ class DramTier:
             if entry is None:
                 break
             entry.usage.hit(t)
+            self._victims.touch(key, layout, t)
             out.append(entry.block)
         return out
 
@@ -84,14 +87,21 @@ class DramTier:
                         for by_layout in self._blocks.values() for layout, e in by_layout.items()),
                        key=lambda item: item[:2], reverse=True)
         self._blocks.clear()
+        self._victims = VictimQueue(self.policy, self._usage)
         self._count = self.used_bytes = 0
         return [Evicted(layout, block) for _, _, layout, block in items]
 
+    def _usage(self, entry: tuple[int, KVLayout]) -> Usage:
+        return self._blocks[entry[0]][entry[1]].usage
+
+    def _nbytes(self, entry: tuple[int, KVLayout]) -> int:
+        return len(self._blocks[entry[0]][entry[1]].block.data)
+
     def _evict(self, nbytes: int) -> list[Evicted]:
-        entries = ((key, layout, e.usage, len(e.block.data))
-                   for key, by_layout in self._blocks.items() for layout, e in by_layout.items())
+        if nbytes <= 0:
+            return []
         out = []
-        for key, layout in pick_victims(entries, self.policy, self.pinned, nbytes, self.clock(), self.name):
+        for key, layout in self._victims.pick(nbytes, self.pinned, self._nbytes, self.clock(), self.name):
             by_layout = self._blocks[key]
             block = by_layout.pop(layout).block
             if not by_layout:

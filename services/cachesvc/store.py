@@ -21,6 +21,7 @@ from typing import NamedTuple, Protocol
 
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.eviction import EvictionPolicy
+from kvmesh.engine.eviction_queue import EvictionQueue
 
 
 class LayoutMismatch(ValueError):
@@ -126,6 +127,49 @@ def pick_victims(entries: Iterable[tuple[int, KVLayout, Usage, int]], policy: Ev
         victims.append((key, layout))
         nbytes -= size
     return victims
+
+
+class VictimQueue:
+    """The ``(key, layout)`` entries of one tier in the strategy's order, on the shared eviction queue
+    (kvmesh.engine.eviction_queue): O(log n) per store, hit and eviction instead of ranking every entry per
+    pass. ``usage`` maps an entry to its :class:`Usage`; the tier calls ``touch`` after it stored or read one and
+    ``forget`` when it dropped one by other means."""
+
+    def __init__(self, policy: EvictionPolicy, usage: Callable[[tuple[int, KVLayout]], Usage]) -> None:
+        self._queue: EvictionQueue[tuple[int, KVLayout]] = EvictionQueue(policy, usage)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def touch(self, key: int, layout: KVLayout, now: float) -> None:
+        self._queue.push((key, layout), now)
+
+    def forget(self, key: int, layout: KVLayout) -> None:
+        self._queue.discard((key, layout))
+
+    def pick(self, nbytes: int, pinned: Callable[[int], bool], size: Callable[[tuple[int, KVLayout]], int],
+             now: float, tier: str) -> list[tuple[int, KVLayout]]:
+        """Take entries in the strategy's order (ties: the one stored or used last), skipping leased keys,
+        until they free at least ``nbytes``; the caller drops them. PoolFull, with the queue as it was, when
+        every unleased entry would not be enough."""
+        victims: list[tuple[int, KVLayout]] = []
+        leased: list[tuple[int, KVLayout]] = []
+        freed = 0
+        while freed < nbytes:
+            entry = self._queue.pop(now)
+            if entry is None:
+                break
+            if pinned(entry[0]):
+                leased.append(entry)
+                continue
+            victims.append(entry)
+            freed += size(entry)
+        for entry in leased + (victims if freed < nbytes else []):
+            self._queue.push(entry, now)
+        if freed < nbytes:
+            raise PoolFull(f"the {tier} tier needs {nbytes} more bytes but only {freed} are not leased; "
+                           "retry when leases end")
+        return victims
 
 
 class Leases:

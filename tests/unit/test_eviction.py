@@ -3,7 +3,7 @@
 import itertools
 
 import pytest
-from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, Duel, Ghost, TailFirst, make_policy
+from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, Duel, Ghost, PriorityLRU, TailFirst, make_policy
 from kvmesh.engine.eviction_queue import EvictionQueue
 
 from app.bench.eviction import Block as B
@@ -74,6 +74,16 @@ def test_queue_skips_ineligible_items_and_forgets_discarded_ones():
         q.push(x, 0)
     q.discard(a)
     assert q.pop(0, eligible=lambda x: x is not b) is c and len(q) == 0
+
+
+def test_queue_ranks_an_item_again_when_its_priority_ends():
+    held, fresh = B(1, priority=5, priority_until=10.0), B(2)  # a system prompt kept 10 s, then a newer block
+    q = EvictionQueue(PriorityLRU())
+    for x in (held, fresh):
+        q.push(x, 0)
+    assert q.pop(5) is fresh  # within its retention the old one stays
+    q.push(fresh, 5)
+    assert q.pop(11) is held  # past it, it is the least recently used again (pushed before its retention ended)
 
 
 def _replay(trace, cache):

@@ -60,6 +60,11 @@ class Policy(ABC):
     def on_evict(self, item: Evictable, now: float) -> None:
         """``item`` is leaving the cache."""
 
+    def key_drops_at(self, item: Evictable, now: float) -> float:
+        """When ``item``'s key, as ranked at ``now``, falls by itself (an expiring priority): a queue ranks it
+        again then, since a key that falls would otherwise stay buried where it was pushed. ``inf``: never."""
+        return math.inf
+
 
 def _depth(item: Evictable) -> int:
     return getattr(item, "depth", 0)
@@ -96,6 +101,9 @@ class PriorityLRU(Policy):
     def sort_key(self, item: Evictable, now: float) -> tuple:
         priority = item.priority if now < item.priority_until else 0
         return (priority, item.last_access)
+
+    def key_drops_at(self, item: Evictable, now: float) -> float:
+        return item.priority_until if item.priority > 0 and now < item.priority_until else math.inf
 
 
 class Belady(Policy):

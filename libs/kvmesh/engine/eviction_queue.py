@@ -7,6 +7,8 @@ amortised). Items ``eligible`` turns down leave the queue, so the caller pushes 
 pushes; ``pop`` re-ranks the top item before taking it, so what goes is ranked by the strategy as it is now. One
 whose keys all move at once (``duel`` changing its mind) bumps its ``epoch``; every item is then ranked afresh,
 ``RERANK_PER_POP`` of them per ``pop`` (a change costs O(n) in all, but no single call more than O(log n) × that).
+A key that falls by itself (``priority``'s retention ending: the strategy's ``key_drops_at``) would stay buried
+where it was pushed: a second heap of those times ranks such an item again when its time comes.
 
 Not thread-safe: one owner (the engine thread, the pool's storage thread, the simulator).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -37,6 +40,8 @@ class EvictionQueue(Generic[T]):
         self._seq = itertools.count()
         self._epoch = getattr(policy, "epoch", 0)
         self._stale: list[T] = []       # items still ranked by the strategy's previous epoch
+        self._drops: list[tuple[float, int, T]] = []  # (when an item's key falls, its heap entry's seq, item)
+        self._key_drops_at = getattr(policy, "key_drops_at", None)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -49,7 +54,10 @@ class EvictionQueue(Generic[T]):
         # before its head.
         seq = -next(self._seq)
         self._live[item] = seq
-        heapq.heappush(self._heap, (self.policy.sort_key(self.state(item), now), seq, item))
+        state = self.state(item)
+        heapq.heappush(self._heap, (self.policy.sort_key(state, now), seq, item))
+        if self._key_drops_at is not None and (when := self._key_drops_at(state, now)) < math.inf:
+            heapq.heappush(self._drops, (when, seq, item))
         if len(self._heap) > 2 * len(self._live) + 1024:
             self._compact()
 
@@ -62,7 +70,11 @@ class EvictionQueue(Generic[T]):
             self._epoch, self._stale = epoch, list(self._live)
         if self._stale:
             self._rerank(now, RERANK_PER_POP)
-        heap, live = self._heap, self._live
+        heap, live, drops = self._heap, self._live, self._drops
+        while drops and drops[0][0] <= now:  # keys that fell since they were pushed: ranked again, lower
+            _, seq, item = heapq.heappop(drops)
+            if live.get(item) == seq:
+                self.push(item, now)
         while heap:
             key, seq, item = heap[0]
             if live.get(item) != seq:
@@ -91,3 +103,5 @@ class EvictionQueue(Generic[T]):
     def _compact(self) -> None:
         self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
         heapq.heapify(self._heap)
+        self._drops = [e for e in self._drops if self._live.get(e[2]) == e[1]]
+        heapq.heapify(self._drops)
