@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.engine import native
 from kvmesh.engine.attention import AttentionBackend, ForwardBatch
 from kvmesh.engine.kv_cache import DeviceKVPool
 from kvmesh.engine.linear import Linear
@@ -71,6 +72,8 @@ class LlamaModel(nn.Module):
         self.cos, self.sin = _rope_tables(cfg, cfg.max_position_embeddings, device)
         self.embed: torch.Tensor | None = None  # dense only when not tied to lm_head (else lm_head.rows)
         self.lm_head: Linear
+        # RMSNorm and RoPE in one C call each where the kernel builds (CPU fp32), else torch ops
+        self.pointwise = native.load_pointwise() if self.device.type == "cpu" and dtype == torch.float32 else None
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -139,7 +142,22 @@ class LlamaModel(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.pointwise is not None and x.stride(-1) == 1:
+            return native.rms_norm(self.pointwise, x, w, self.cfg.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+
+    def _qkv_heads(self, qkv: torch.Tensor, positions: torch.Tensor,
+                   rows: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+        """q, k (rotated) and v ``[T, heads, D]`` out of the fused projection ``qkv``: rotated in place by the C
+        kernel, or by torch ops with ``rows``, the cos/sin rows of ``positions``."""
+        if rows is None:
+            native.rope_(self.pointwise, qkv, self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.head_dim,
+                         self.cos, self.sin, positions)
+        q, k, v = (t.reshape(qkv.shape[0], -1, self.cfg.head_dim) for t in qkv.split(self.layers[0].splits, -1))
+        if rows is None:
+            return q, k, v
+        cos, sin = rows
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend,
@@ -149,8 +167,9 @@ class LlamaModel(nn.Module):
         cfg = self.cfg
         attn.plan(batch, kv)
         h = self.lm_head.rows(batch.input_ids) if self.embed is None else self.embed.index_select(0, batch.input_ids)
-        cos = self.cos.index_select(0, batch.positions)[:, None, :]
-        sin = self.sin.index_select(0, batch.positions)[:, None, :]
+        rope_rows = None  # the torch path's cos/sin rows, gathered once for all layers
+        if self.pointwise is None:
+            rope_rows = tuple(t.index_select(0, batch.positions)[:, None, :] for t in (self.cos, self.sin))
         T = h.shape[0]
         inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
@@ -158,12 +177,7 @@ class LlamaModel(nn.Module):
             qkv = layer.qkv(x, layer.qkv_bias)
             if lora is not None:
                 lora.add(qkv, x, i, "qkv")
-            q, k, v = qkv.split(layer.splits, dim=-1)
-            q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._qkv_heads(qkv, batch.positions, rope_rows)
             o = attn.forward(i, q, k, v, kv)
             o = o.reshape(T, -1)
             out = layer.o(o, layer.o_bias)

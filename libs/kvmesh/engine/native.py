@@ -1,7 +1,8 @@
-"""The C kernels in ``csrc/``: the decode attention over the paged pool (``paged_decode.c``) and the small-batch
-GEMM over panel-packed weights (``gemm.c``). Each is compiled on first use with the system C compiler, cached per
-source, flags and CPU, and loaded through ctypes. ``load()`` / ``load_gemm()`` return None when it cannot be
-built (no compiler), and the engine falls back to the torch paths."""
+"""The C kernels in ``csrc/``: the decode attention over the paged pool (``paged_decode.c``), the small-batch
+GEMM over panel-packed weights (``gemm.c``) and RMSNorm / rotary embedding (``pointwise.c``). Each is compiled on
+first use with the system C compiler, cached per source, flags and CPU, and loaded through ctypes. ``load()``,
+``load_gemm()`` and ``load_pointwise()`` return None when it cannot be built (no compiler), and the engine falls
+back to the torch paths."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_decode.c"
 GEMM_SOURCE = CSRC / "gemm.c"
+POINTWISE_SOURCE = CSRC / "pointwise.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 KERNELS = {torch.float32: "kvmesh_paged_decode_f32", torch.bfloat16: "kvmesh_paged_decode_bf16",
            torch.float8_e4m3fn: "kvmesh_paged_decode_fp8"}
@@ -123,3 +125,32 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int,
     lib.kvmesh_gemm_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n,
                         None if bias is None else bias.data_ptr(), y.data_ptr(), n)
     return y
+
+
+@lru_cache(maxsize=1)
+def load_pointwise() -> ctypes.CDLL | None:
+    if os.environ.get("KVMESH_NATIVE_POINTWISE", "1") == "0":  # A/B switch, as for the GEMM
+        return None
+    lib = _compile(POINTWISE_SOURCE)
+    if lib is None:
+        return None
+    lib.kvmesh_rms_norm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
+    lib.kvmesh_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+    lib.kvmesh_rms_norm_f32.restype = lib.kvmesh_rope_f32.restype = None
+    return lib
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 ``x [T, D]`` (rows contiguous) with weight ``w [D]`` -> a new ``[T, D]``."""
+    t, d = x.shape
+    out = torch.empty(t, d, dtype=torch.float32)
+    lib.kvmesh_rms_norm_f32(x.data_ptr(), t, d, x.stride(0), w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def rope_(lib: ctypes.CDLL, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+          positions: torch.Tensor) -> None:
+    """Rotary embedding in place on the first ``heads`` heads of each row of fp32 ``x [T, >= heads * D]``;
+    ``cos``/``sin`` ``[max_pos, D]`` fp32 contiguous, ``positions [T]`` int64."""
+    lib.kvmesh_rope_f32(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                        positions.data_ptr())

@@ -1,4 +1,5 @@
-"""The panel GEMM kernel (csrc/gemm.c) against torch, and ``Linear``'s choice of weight forms."""
+"""The C GEMM (csrc/gemm.c) and RMSNorm / RoPE (csrc/pointwise.c) against torch, and ``Linear``'s choice of
+weight forms."""
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ from kvmesh.model_source.hf_config import ModelConfig
 from .helpers import engine_from_hf, hf_greedy, hf_tiny
 
 LIB = native.load_gemm()
+POINTWISE = native.load_pointwise()
 needs_kernel = pytest.mark.skipif(LIB is None, reason="the C GEMM could not be built here (no compiler)")
+needs_pointwise = pytest.mark.skipif(POINTWISE is None, reason="pointwise.c could not be built (no compiler)")
 
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
@@ -78,12 +81,13 @@ def test_more_than_one_torch_thread_uses_torch_not_the_single_threaded_kernel():
 def test_greedy_tokens_match_transformers_without_the_kernel(monkeypatch):
     """The fallback path (no compiler) on a whole model: Hugging Face's greedy tokens."""
     monkeypatch.setattr(native, "load_gemm", lambda: None)
+    monkeypatch.setattr(native, "load_pointwise", lambda: None)
     from kvmesh.contracts.sampling import SamplingParams
 
     cfg = ModelConfig.tiny()
     hf = hf_tiny(cfg)
     engine = engine_from_hf(hf, cfg)
-    assert engine.model.layers[0].qkv.panels is None
+    assert engine.model.layers[0].qkv.panels is None and engine.model.pointwise is None
     prompt = [11, 42, 7, 7, 130, 66, 201]
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
     assert out.token_ids == hf_greedy(hf, prompt, 10)
@@ -96,3 +100,28 @@ def test_an_engine_on_one_thread_multiplies_through_the_kernel():
     model = engine_from_hf(hf_tiny(cfg), cfg).model
     assert all(getattr(layer, n).panels is not None for layer in model.layers for n in ("qkv", "o", "gate_up", "down"))
     assert model.embed is None and model.lm_head.panels is not None and model.lm_head.dense is None
+    assert model.pointwise is not None or POINTWISE is None
+
+
+@needs_pointwise
+def test_rms_norm_kernel_matches_torch_on_a_strided_view():
+    x, w = rand(5, 80, seed=12)[:, :72], rand(72, seed=13)
+    out = native.rms_norm(POINTWISE, x, w, 1e-5)
+    assert torch.allclose(out, torch.nn.functional.rms_norm(x, (72,), w, 1e-5), atol=1e-5)
+
+
+@needs_pointwise
+def test_rope_kernel_rotates_q_and_k_heads_in_place_and_leaves_v():
+    from kvmesh.engine.model import _rotate_half
+
+    heads, d, t = 3, 8, 4  # 2 q heads + 1 k head rotated, then 1 v head
+    qkv = rand(t, (heads + 1) * d, seed=14)
+    positions = torch.tensor([0, 5, 2, 9])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(16).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    x = qkv[:, :heads * d].reshape(t, heads, d)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    expected = torch.cat([(x * c + _rotate_half(x) * s).reshape(t, -1), qkv[:, heads * d:]], dim=1)
+    native.rope_(POINTWISE, qkv, heads, d, cos, sin, positions)
+    assert torch.allclose(qkv, expected, atol=1e-5)
