@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.engine import native
 from kvmesh.engine.attention import AttentionBackend, ForwardBatch
 from kvmesh.engine.kv_cache import DeviceKVPool
+from kvmesh.engine.linear import Linear
 from kvmesh.engine.lora import LoRABatch
 from kvmesh.model_source.hf_config import ModelConfig
 
@@ -34,48 +36,28 @@ def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Par
 
 
 class DecoderLayer(nn.Module):
-    """q|k|v and gate|up each in one fused matrix. On CPU (fp32, oneDNN available) every matrix is also kept
-    pre-packed in oneDNN's blocked layout: a decode step of 8-16 rows then streams each weight once instead
-    of MKL repacking it per call (measured: batch 8 1.5x faster, batch 1 level). Fused matrices measured faster
-    than separate ones once packed (fewer calls)."""
+    """q|k|v and gate|up each in one fused matrix (fewer calls; measured faster than separate ones once packed),
+    each a ``Linear`` holding only the forms this device reads (see ``engine/linear.py``). The matrices are set
+    by ``LlamaModel.load_hf_weights`` / ``init_random``; norms and biases are parameters."""
+
+    MATRICES = ("qkv", "o", "gate_up", "down")
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = _param(q + 2 * kv, hidden, dtype=dtype)
+        self.shapes = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q),
+                       "gate_up": (2 * cfg.intermediate_size, hidden), "down": (hidden, cfg.intermediate_size)}
         self.qkv_bias = _param(q + 2 * kv, dtype=dtype, fill=0) if cfg.attention_bias else None
-        self.o = _param(hidden, q, dtype=dtype)
         # Llama's attention_bias also biases o_proj; Qwen2 biases q/k/v only.
         self.o_bias = (_param(hidden, dtype=dtype, fill=0)
                        if cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM" else None)
-        self.gate_up = _param(2 * cfg.intermediate_size, hidden, dtype=dtype)
-        self.down = _param(hidden, cfg.intermediate_size, dtype=dtype)
         self.ln_attn = _param(hidden, dtype=dtype, fill=1)
         self.ln_mlp = _param(hidden, dtype=dtype, fill=1)
         self.splits = (q, kv, kv)
-        self.packed: dict[str, torch.Tensor] = {}
-
-
-def _can_pack(w: torch.Tensor) -> bool:
-    return w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def _pack(w: torch.Tensor) -> torch.Tensor | None:
-    """``w`` reordered into oneDNN's blocked layout, or None where that is unavailable."""
-    if not _can_pack(w):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w)
-    except (RuntimeError, AttributeError):  # a torch built without it: the dense matmul serves
-        return None
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, packed: dict[str, torch.Tensor], name: str,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
-    p = packed.get(name)
-    if p is None:
-        return F.linear(x, w, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, p, bias, "none", [], "")
+        self.qkv: Linear
+        self.o: Linear
+        self.gate_up: Linear
+        self.down: Linear
 
 
 class LlamaModel(nn.Module):
@@ -83,60 +65,99 @@ class LlamaModel(nn.Module):
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.dtype, self.device = dtype, torch.device(device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, fill=1)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.to(device)
         self.cos, self.sin = _rope_tables(cfg, cfg.max_position_embeddings, device)
-        self.packed: dict[str, torch.Tensor] = {}
+        self.embed: torch.Tensor | None = None  # dense only when not tied to lm_head (else lm_head.rows)
+        self.lm_head: Linear
+        # RMSNorm and RoPE in one C call each where the kernel builds (CPU fp32), else torch ops
+        self.pointwise = native.load_pointwise() if self.device.type == "cpu" and dtype == torch.float32 else None
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters; refuses missing or mis-shaped tensors."""
+        """Fuse and pack Hugging Face-named tensors; refuses missing or mis-shaped tensors."""
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return weights[name]
 
         with torch.no_grad():
-            self.embed.copy_(take("model.embed_tokens.weight"))
             self.norm.copy_(take("model.norm.weight"))
-            if not self.cfg.tie_word_embeddings:
-                self.lm_head.copy_(take("lm_head.weight"))
+            head = None if self.cfg.tie_word_embeddings else take("lm_head.weight")
+            self._set_embeddings(take("model.embed_tokens.weight"), head)
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                layer.qkv.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                fused = {"qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                         "o": take(p + "self_attn.o_proj.weight"),
+                         "gate_up": torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
+                         "down": take(p + "mlp.down_proj.weight")}
+                self._set_matrices(layer, fused)
                 if layer.qkv_bias is not None:
                     layer.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                layer.o.copy_(take(p + "self_attn.o_proj.weight"))
                 if layer.o_bias is not None:
                     layer.o_bias.copy_(take(p + "self_attn.o_proj.bias"))
-                layer.gate_up.copy_(torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]))
-                layer.down.copy_(take(p + "mlp.down_proj.weight"))
                 layer.ln_attn.copy_(take(p + "input_layernorm.weight"))
                 layer.ln_mlp.copy_(take(p + "post_attention_layernorm.weight"))
-        self.pack()
 
     def init_random(self, seed: int = 0) -> None:
         """Small random weights for tests and simulations."""
         g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                if p.dim() > 1:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-        self.pack()
+        cfg = self.cfg
 
-    def pack(self) -> None:
-        """(Re)build the oneDNN-packed copies of the matrices from the dense ones (after any weight change)."""
-        for layer in self.layers:
-            layer.packed = {n: p for n in ("qkv", "o", "gate_up", "down")
-                            if (p := _pack(getattr(layer, n))) is not None}
-        self.packed = {"lm_head": p} if (p := _pack(self.lm_head)) is not None else {}
+        def rand(shape: tuple[int, int]) -> torch.Tensor:
+            return torch.randn(shape, generator=g) * 0.05
+
+        embed = rand((cfg.vocab_size, cfg.hidden_size))
+        layers = [{n: rand(layer.shapes[n]) for n in DecoderLayer.MATRICES} for layer in self.layers]
+        head = None if cfg.tie_word_embeddings else rand((cfg.vocab_size, cfg.hidden_size))
+        self._set_embeddings(embed, head)
+        for layer, fused in zip(self.layers, layers):
+            self._set_matrices(layer, fused)
+
+    def _matrix(self, w: torch.Tensor, shape: tuple[int, int], name: str, **kw: bool) -> Linear:
+        if tuple(w.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
+        return Linear(w.to(self.device, self.dtype), **kw)
+
+    def _set_embeddings(self, embed: torch.Tensor, head: torch.Tensor | None) -> None:
+        """The lm_head only multiplies the sampled rows (at most one per sequence): no prefill copy."""
+        shape = (self.cfg.vocab_size, self.cfg.hidden_size)
+        if head is None:
+            self.embed, self.lm_head = None, self._matrix(embed, shape, "embed", lookup=True, prefill_copy=False)
+        else:
+            self.embed = embed.to(self.device, self.dtype)
+            self.lm_head = self._matrix(head, shape, "lm_head", prefill_copy=False)
+
+    def _set_matrices(self, layer: DecoderLayer, fused: dict[str, torch.Tensor]) -> None:
+        for name in DecoderLayer.MATRICES:
+            setattr(layer, name, self._matrix(fused[name], layer.shapes[name], name))
+
+    def weight_nbytes(self) -> int:
+        """Bytes of every matrix form kept (see ``Linear.nbytes``)."""
+        embed = 0 if self.embed is None else self.embed.numel() * self.embed.element_size()
+        return embed + self.lm_head.nbytes() + sum(getattr(layer, n).nbytes() for layer in self.layers
+                                                   for n in DecoderLayer.MATRICES)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.pointwise is not None and x.stride(-1) == 1:
+            return native.rms_norm(self.pointwise, x, w, self.cfg.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+
+    def _qkv_heads(self, qkv: torch.Tensor, positions: torch.Tensor,
+                   rows: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+        """q, k (rotated) and v ``[T, heads, D]`` out of the fused projection ``qkv``: rotated in place by the C
+        kernel, or by torch ops with ``rows``, the cos/sin rows of ``positions``."""
+        if rows is None:
+            native.rope_(self.pointwise, qkv, self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.head_dim,
+                         self.cos, self.sin, positions)
+        q, k, v = (t.reshape(qkv.shape[0], -1, self.cfg.head_dim) for t in qkv.split(self.layers[0].splits, -1))
+        if rows is None:
+            return q, k, v
+        cos, sin = rows
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend,
@@ -145,36 +166,32 @@ class LlamaModel(nn.Module):
         to its rows' projections next to the base matmul."""
         cfg = self.cfg
         attn.plan(batch, kv)
-        h = self.embed.index_select(0, batch.input_ids)
-        cos = self.cos.index_select(0, batch.positions)[:, None, :]
-        sin = self.sin.index_select(0, batch.positions)[:, None, :]
+        h = self.lm_head.rows(batch.input_ids) if self.embed is None else self.embed.index_select(0, batch.input_ids)
+        rope_rows = None  # the torch path's cos/sin rows, gathered once for all layers
+        if self.pointwise is None:
+            rope_rows = tuple(t.index_select(0, batch.positions)[:, None, :] for t in (self.cos, self.sin))
         T = h.shape[0]
         inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
-            qkv = _linear(x, layer.qkv, layer.packed, "qkv", layer.qkv_bias)
+            qkv = layer.qkv(x, layer.qkv_bias)
             if lora is not None:
                 lora.add(qkv, x, i, "qkv")
-            q, k, v = qkv.split(layer.splits, dim=-1)
-            q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._qkv_heads(qkv, batch.positions, rope_rows)
             o = attn.forward(i, q, k, v, kv)
             o = o.reshape(T, -1)
-            out = _linear(o, layer.o, layer.packed, "o", layer.o_bias)
+            out = layer.o(o, layer.o_bias)
             if lora is not None:
                 lora.add(out, o, i, "o")
             h = h + out
             x = self._rms(h, layer.ln_mlp)
-            gu = _linear(x, layer.gate_up, layer.packed, "gate_up")
+            gu = layer.gate_up(x)
             if lora is not None:
                 lora.add(gu, x, i, "gate_up")
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            down = _linear(act, layer.down, layer.packed, "down")
+            down = layer.down(act)
             if lora is not None:
                 lora.add(down, act, i, "down")
             h = h + down
         h = self._rms(h.index_select(0, batch.sample_idx), self.norm)
-        return _linear(h, self.lm_head, self.packed, "lm_head").float()
+        return self.lm_head(h).float()

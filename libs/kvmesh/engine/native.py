@@ -1,6 +1,8 @@
-"""The C decode-attention kernel (``csrc/paged_decode.c``): compiled on first use with the system C compiler,
-cached per source, flags and CPU, and loaded through ctypes. ``load()`` returns None when no compiler is
-available, and the engine falls back to the pure-torch backend."""
+"""The C kernels in ``csrc/``: the decode attention over the paged pool (``paged_decode.c``), the small-batch
+GEMM over panel-packed weights (``gemm.c``) and RMSNorm / rotary embedding (``pointwise.c``). Each is compiled on
+first use with the system C compiler, cached per source, flags and CPU, and loaded through ctypes. ``load()``,
+``load_gemm()`` and ``load_pointwise()`` return None when it cannot be built (no compiler), and the engine falls
+back to the torch paths."""
 
 from __future__ import annotations
 
@@ -18,10 +20,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_decode.c"
+GEMM_SOURCE = CSRC / "gemm.c"
+POINTWISE_SOURCE = CSRC / "pointwise.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 KERNELS = {torch.float32: "kvmesh_paged_decode_f32", torch.bfloat16: "kvmesh_paged_decode_bf16",
            torch.float8_e4m3fn: "kvmesh_paged_decode_fp8"}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def _cpu_id() -> str:
@@ -31,37 +37,43 @@ def _cpu_id() -> str:
         return os.uname().machine
 
 
-def _build(out: Path) -> None:
+def _build(source: Path, out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        subprocess.run([cc, *FLAGS, "-o", str(tmp_so), str(SOURCE), "-lm"], check=True, capture_output=True,
+        subprocess.run([cc, *FLAGS, "-o", str(tmp_so), str(source), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp_so, out)
 
 
-@lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
+def _compile(source: Path) -> ctypes.CDLL | None:
+    """``source`` built (or found cached) and loaded; None, with a warning, when it cannot be built."""
     from kvmesh.model_source.resolve import default_cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()
-    path = default_cache_dir() / "native" / f"paged_decode-{digest[:16]}.so"
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()
+    path = default_cache_dir() / "native" / f"{source.stem}-{digest[:16]}.so"
     try:
         if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
+            _build(source, path)
+        return ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("native decode kernel unavailable (%s); using torch attention", detail)
+        log.warning("native kernel %s unavailable (%s); using the torch path", source.name, detail)
+        return None
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    lib = _compile(SOURCE)
+    if lib is None:
         return None
     lib.kvmesh_init_fp8_table()
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in KERNELS.values():
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
+        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
         fn.restype = None
     return lib
 
@@ -79,3 +91,66 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                                          lens.data_ptr(), out.data_ptr(), B, H, hkv, D, bs, maxb, scale,
                                          scratch.data_ptr())
     return out
+
+
+@lru_cache(maxsize=1)
+def load_gemm() -> ctypes.CDLL | None:
+    if os.environ.get("KVMESH_NATIVE_GEMM", "1") == "0":  # A/B switch for benchmarks and the fallback's tests
+        return None
+    lib = _compile(GEMM_SOURCE)
+    if lib is None:
+        return None
+    lib.kvmesh_gemm_panel_width.argtypes, lib.kvmesh_gemm_panel_width.restype = [], _I64
+    lib.kvmesh_gemm_pack.argtypes, lib.kvmesh_gemm_pack.restype = [_PTR, _I64, _I64, _I64, _PTR], None
+    lib.kvmesh_gemm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64]
+    lib.kvmesh_gemm_f32.restype = None
+    return lib
+
+
+def gemm_pack(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
+    """fp32 ``w [N, K]`` (rows contiguous) -> panels ``[ceil(N / NR), K, NR]`` for ``gemm``."""
+    n, k = w.shape
+    nr = lib.kvmesh_gemm_panel_width()
+    panels = torch.empty(-(-n // nr), k, nr, dtype=torch.float32)
+    lib.kvmesh_gemm_pack(w.data_ptr(), n, k, w.stride(0), panels.data_ptr())
+    return panels
+
+
+def gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` -> ``[M, n]`` fp32, ``W`` given as ``gemm_pack``'s panels; ``x`` fp32 with
+    contiguous rows, ``bias`` fp32 contiguous."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.kvmesh_gemm_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n,
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+    return y
+
+
+@lru_cache(maxsize=1)
+def load_pointwise() -> ctypes.CDLL | None:
+    if os.environ.get("KVMESH_NATIVE_POINTWISE", "1") == "0":  # A/B switch, as for the GEMM
+        return None
+    lib = _compile(POINTWISE_SOURCE)
+    if lib is None:
+        return None
+    lib.kvmesh_rms_norm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
+    lib.kvmesh_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+    lib.kvmesh_rms_norm_f32.restype = lib.kvmesh_rope_f32.restype = None
+    return lib
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 ``x [T, D]`` (rows contiguous) with weight ``w [D]`` -> a new ``[T, D]``."""
+    t, d = x.shape
+    out = torch.empty(t, d, dtype=torch.float32)
+    lib.kvmesh_rms_norm_f32(x.data_ptr(), t, d, x.stride(0), w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def rope_(lib: ctypes.CDLL, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+          positions: torch.Tensor) -> None:
+    """Rotary embedding in place on the first ``heads`` heads of each row of fp32 ``x [T, >= heads * D]``;
+    ``cos``/``sin`` ``[max_pos, D]`` fp32 contiguous, ``positions [T]`` int64."""
+    lib.kvmesh_rope_f32(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                        positions.data_ptr())

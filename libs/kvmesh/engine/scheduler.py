@@ -5,8 +5,8 @@ One rule covers prefill, chunked prefill, decode and recompute: a sequence compu
 first takes all running decode rows (one token each), then fills what is left of the token budget with prefill
 chunks: running prefills first, then waiting sequences admitted while the budget, the sequence cap and the KV pool
 allow. While decode rows run, the prefill part is further capped at ``chunk_tokens`` (set by the owner from the
-measured step cost, see ``chunk_budget``), so a new prompt delays the running streams by a bounded amount instead
-of a whole prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
+measured step cost, see ``chunk_budget``; ``AsyncEngine`` lets a mixed step cost 1.5x a decode-only one), so a new
+prompt delays the running streams by a bounded amount instead of a whole prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
 the prefix cache, so recomputing it later is mostly a cache hit.
 """
 

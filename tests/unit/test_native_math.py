@@ -1,0 +1,127 @@
+"""The C GEMM (csrc/gemm.c) and RMSNorm / RoPE (csrc/pointwise.c) against torch, and ``Linear``'s choice of
+weight forms."""
+
+import pytest
+import torch
+from kvmesh.engine import linear, native
+from kvmesh.engine.linear import Linear
+from kvmesh.model_source.hf_config import ModelConfig
+
+from .helpers import engine_from_hf, hf_greedy, hf_tiny
+
+LIB = native.load_gemm()
+POINTWISE = native.load_pointwise()
+needs_kernel = pytest.mark.skipif(LIB is None, reason="the C GEMM could not be built here (no compiler)")
+needs_pointwise = pytest.mark.skipif(POINTWISE is None, reason="pointwise.c could not be built (no compiler)")
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 13, 16, 17, 40, 200])
+@pytest.mark.parametrize("n,k", [(16, 8), (37, 64), (960, 576), (50, 300), (24, 513)])
+def test_kernel_matches_torch_matmul(m, n, k):
+    """Every row-tile split, N not a multiple of the panel width, K over one K block and not a multiple of it."""
+    x, w, bias = rand(m, k, seed=1), rand(n, k, seed=2), rand(n, seed=3)
+    y = native.gemm(LIB, x, native.gemm_pack(LIB, w), n, bias)
+    assert y.shape == (m, n)
+    assert torch.allclose(y, x @ w.T + bias, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_kernel_reads_rows_of_a_strided_view():
+    base = rand(6, 100, seed=4)
+    x, w = base[:, 10:74], rand(40, 64, seed=5)  # rows 100 floats apart
+    assert torch.allclose(native.gemm(LIB, x, native.gemm_pack(LIB, w), 40), x @ w.T, atol=1e-4)
+
+
+@needs_kernel
+def test_linear_keeps_panels_and_no_dense_copy_on_one_cpu_thread():
+    w = rand(70, 32, seed=6)
+    lin = Linear(w, lookup=True, prefill_copy=False)
+    assert lin.panels is not None and lin.dense is None and lin.onednn is None
+    ids = torch.tensor([0, 15, 16, 69, 3])
+    assert torch.equal(lin.rows(ids), w[ids])
+    x = rand(4, 32, seed=7)
+    assert torch.allclose(lin(x), x @ w.T, atol=1e-4)
+
+
+@needs_kernel
+def test_linear_routes_long_steps_to_the_prefill_copy_with_the_same_result():
+    w = rand(48, 32, seed=8)
+    lin = Linear(w)
+    assert lin.panels is not None and lin.onednn is not None
+    for m in (1, linear.NATIVE_ROWS, linear.NATIVE_ROWS + 1, 130):
+        x = rand(m, 32, seed=m)
+        assert torch.allclose(lin(x), x @ w.T, atol=1e-4)
+
+
+def test_linear_without_the_kernel_serves_lookups_and_products(monkeypatch):
+    monkeypatch.setattr(native, "load_gemm", lambda: None)
+    w = rand(40, 24, seed=9)
+    lin = Linear(w, lookup=True)
+    assert lin.panels is None
+    ids = torch.tensor([1, 39, 7])
+    assert torch.equal(lin.rows(ids), w[ids])
+    x = rand(3, 24, seed=10)
+    assert torch.allclose(lin(x), x @ w.T, atol=1e-4)
+
+
+def test_more_than_one_torch_thread_uses_torch_not_the_single_threaded_kernel():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert Linear(rand(16, 16, seed=11)).panels is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_greedy_tokens_match_transformers_without_the_kernel(monkeypatch):
+    """The fallback path (no compiler) on a whole model: Hugging Face's greedy tokens."""
+    monkeypatch.setattr(native, "load_gemm", lambda: None)
+    monkeypatch.setattr(native, "load_pointwise", lambda: None)
+    from kvmesh.contracts.sampling import SamplingParams
+
+    cfg = ModelConfig.tiny()
+    hf = hf_tiny(cfg)
+    engine = engine_from_hf(hf, cfg)
+    assert engine.model.layers[0].qkv.panels is None and engine.model.pointwise is None
+    prompt = [11, 42, 7, 7, 130, 66, 201]
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert out.token_ids == hf_greedy(hf, prompt, 10)
+
+
+@needs_kernel
+def test_an_engine_on_one_thread_multiplies_through_the_kernel():
+    """So that the engine tests (greedy equal to Hugging Face's) exercise the kernel, not a fallback."""
+    cfg = ModelConfig.tiny()
+    model = engine_from_hf(hf_tiny(cfg), cfg).model
+    assert all(getattr(layer, n).panels is not None for layer in model.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert model.embed is None and model.lm_head.panels is not None and model.lm_head.dense is None
+    assert model.pointwise is not None or POINTWISE is None
+
+
+@needs_pointwise
+def test_rms_norm_kernel_matches_torch_on_a_strided_view():
+    x, w = rand(5, 80, seed=12)[:, :72], rand(72, seed=13)
+    out = native.rms_norm(POINTWISE, x, w, 1e-5)
+    assert torch.allclose(out, torch.nn.functional.rms_norm(x, (72,), w, 1e-5), atol=1e-5)
+
+
+@needs_pointwise
+def test_rope_kernel_rotates_q_and_k_heads_in_place_and_leaves_v():
+    from kvmesh.engine.model import _rotate_half
+
+    heads, d, t = 3, 8, 4  # 2 q heads + 1 k head rotated, then 1 v head
+    qkv = rand(t, (heads + 1) * d, seed=14)
+    positions = torch.tensor([0, 5, 2, 9])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(16).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    x = qkv[:, :heads * d].reshape(t, heads, d)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    expected = torch.cat([(x * c + _rotate_half(x) * s).reshape(t, -1), qkv[:, heads * d:]], dim=1)
+    native.rope_(POINTWISE, qkv, heads, d, cos, sin, positions)
+    assert torch.allclose(qkv, expected, atol=1e-5)

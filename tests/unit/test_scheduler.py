@@ -1,0 +1,86 @@
+"""The step scheduler on its own: decode rows first, prefill chunks under the mixed-step budget."""
+
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.engine.block_manager import BlockManager
+from kvmesh.engine.kv_cache import DeviceKVPool
+from kvmesh.engine.scheduler import MIN_CHUNK, Scheduled, Scheduler, chunk_budget
+from kvmesh.engine.sequence import Sequence
+
+BS = 4
+LAYOUT = KVLayout("fp", num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS)
+PARAMS = SamplingParams(max_tokens=1000, ignore_eos=True)
+
+
+def scheduler(num_blocks: int = 256, max_batched_tokens: int = 256) -> Scheduler:
+    return Scheduler(BlockManager(DeviceKVPool(LAYOUT, num_blocks)), max_batched_tokens, max_num_seqs=32)
+
+
+def seq(rid: str, n: int, first: int = 1) -> Sequence:
+    return Sequence(rid, list(range(first, first + n)), PARAMS)
+
+
+def run_step(sched: Scheduler) -> list[Scheduled]:
+    """Schedule one step and account it the way the engine does: computed tokens, a sampled token when a
+    sequence has none left to compute."""
+    batch = sched.schedule()
+    for s, n in batch:
+        s.num_computed_tokens += n
+        if s.num_uncomputed == 0:
+            s.output_token_ids.append(7)
+    return batch
+
+
+def decoding(sched: Scheduler, count: int) -> list[Sequence]:
+    seqs = [seq(f"d{i}", 6, first=100 * i + 1) for i in range(count)]
+    for s in seqs:
+        sched.add(s)
+    run_step(sched)  # their prompts, in one step
+    assert all(s.num_uncomputed == 1 for s in seqs)
+    return seqs
+
+
+def test_a_mixed_step_at_the_budget_costs_at_most_one_plus_stall_decode_steps():
+    overhead, speed, rows, stall = 0.08, 400.0, 8, 0.5
+    budget = chunk_budget(overhead, speed, rows, stall)
+    decode_only = overhead + rows / speed
+    assert overhead + (rows + budget) / speed <= (1 + stall) * decode_only + 1e-9
+    assert overhead + (rows + budget + 1) / speed > (1 + stall) * decode_only
+
+
+def test_the_budget_never_drops_below_the_minimum_chunk():
+    assert chunk_budget(0.0, 1.0, 1, 0.5) == MIN_CHUNK
+
+
+def test_decode_rows_come_first_then_a_prefill_chunk_under_the_cap():
+    sched = scheduler()
+    running = decoding(sched, 3)
+    sched.chunk_tokens = 16
+    sched.add(seq("long", 200, first=1000))
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch] == [("d0", 1), ("d1", 1), ("d2", 1), ("long", 16)]
+    assert [s for s, _ in batch[:3]] == running
+
+
+def test_a_long_prompt_does_not_starve_running_streams():
+    sched = scheduler()
+    running = decoding(sched, 3)
+    sched.chunk_tokens = 16
+    long = seq("long", 200, first=1000)
+    sched.add(long)
+    steps = 0
+    while long.num_uncomputed > 1 or not long.output_token_ids:
+        batch = run_step(sched)
+        steps += 1
+        counts = {s.request_id: n for s, n in batch}
+        assert all(counts.get(s.request_id) == 1 for s in running)  # every stream gets its token every step
+        assert counts["long"] <= 16
+    assert steps == -(-200 // 16)
+    assert all(len(s.output_token_ids) == steps + 1 for s in running)
+
+
+def test_without_decode_rows_a_prompt_gets_the_whole_token_budget():
+    sched = scheduler(max_batched_tokens=128)
+    sched.chunk_tokens = 16
+    sched.add(seq("alone", 200))
+    assert [n for _, n in sched.schedule()] == [128]
