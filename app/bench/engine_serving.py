@@ -1,6 +1,8 @@
-"""Engine serving benchmark: concurrent streams through the engine's async serving path (``AsyncEngine``).
+"""Engine serving benchmark: concurrent streams through the engine's async serving path (``AsyncEngine``), or
+with ``--stack`` through a real stack (``kvmesh up --prefill 0 --decode 0 --both 1``: router, NATS, cachesvc and
+one engine process), streaming ``/v1/completions`` over HTTP as a client does.
 
-    python -m app.bench.engine_serving [--threads 1] [--quick] [--no-write] [--section NAME]
+    python -m app.bench.engine_serving [--stack] [--threads 1] [--quick] [--no-write] [--section NAME]
     kvmesh bench engine --serving [same options]
 
 Scenarios (default model, fp32, 20-token prompts):
@@ -15,7 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,12 +38,36 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=g).tolist()
 
 
-async def _stream(engine: AsyncEngine, rid: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Arrival times of each token (the first one included), submit time first."""
-    times = [time.perf_counter()]
-    async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
-        times.extend([time.perf_counter()] * len(out.new_token_ids))
-    return times
+Stream = Callable[[str, list[int], int], Awaitable[list[float]]]
+"""``stream(request_id, prompt, max_tokens)``: the arrival time of each token (the first one included), the
+submit time first."""
+
+
+def engine_stream(engine: AsyncEngine) -> Stream:
+    async def stream(rid: str, prompt: list[int], max_tokens: int) -> list[float]:
+        times = [time.perf_counter()]
+        async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+            times.extend([time.perf_counter()] * len(out.new_token_ids))
+        return times
+    return stream
+
+
+def http_stream(session, url: str) -> Stream:
+    """Through the router: one SSE chunk per token the engine streams (token-id prompt, ignore_eos)."""
+    async def stream(rid: str, prompt: list[int], max_tokens: int) -> list[float]:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        times = [time.perf_counter()]
+        async with session.post(f"{url}/v1/completions", json=body, headers={"x-request-id": rid}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{rid}: HTTP {r.status}: {await r.text()}")
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    choices = json.loads(line[6:]).get("choices") or []
+                    if choices and "error" not in choices[0]:
+                        times.append(time.perf_counter())
+        return times
+    return stream
 
 
 def _itls(runs: list[list[float]]) -> np.ndarray:
@@ -45,17 +75,16 @@ def _itls(runs: list[list[float]]) -> np.ndarray:
 
 
 class Bench:
-    def __init__(self, threads: int) -> None:
-        self.engine = LLMEngine(EngineSettings(threads=threads, max_num_seqs=64))
+    def __init__(self) -> None:
         self.n = 0
 
     def _rid(self) -> str:
         self.n += 1
         return f"s{self.n}"
 
-    async def streams(self, engine: AsyncEngine, n: int, tokens: int) -> dict:
+    async def streams(self, stream: Stream, n: int, tokens: int) -> dict:
         cpu, t0 = time.process_time(), time.perf_counter()
-        runs = await asyncio.gather(*(_stream(engine, self._rid(), _prompt(20, self.n * 7919 + i), tokens)
+        runs = await asyncio.gather(*(stream(self._rid(), _prompt(20, self.n * 7919 + i), tokens)
                                       for i in range(n)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
         itl = _itls(runs)
@@ -63,13 +92,13 @@ class Bench:
         return {"streams": n, "tok/s": generated / wall, "tok/cpu-s": generated / cpu,
                 "ITL p50 ms": float(np.percentile(itl, 50)), "ITL p99 ms": float(np.percentile(itl, 99))}
 
-    async def mixed(self, engine: AsyncEngine, arrivals: int, prompt_len: int, gap_s: float) -> dict:
-        running = [asyncio.create_task(_stream(engine, self._rid(), _prompt(20, 1000 + i), 48 + 8 * arrivals))
+    async def mixed(self, stream: Stream, arrivals: int, prompt_len: int, gap_s: float) -> dict:
+        running = [asyncio.create_task(stream(self._rid(), _prompt(20, 1000 + i), 48 + 8 * arrivals))
                    for i in range(8)]
         await asyncio.sleep(1.0)  # the 8 streams are decoding
         arriving = []
         for i in range(arrivals):
-            arriving.append(asyncio.create_task(_stream(engine, self._rid(), _prompt(prompt_len, 2000 + i), 4)))
+            arriving.append(asyncio.create_task(stream(self._rid(), _prompt(prompt_len, 2000 + i), 4)))
             await asyncio.sleep(gap_s)
         late = await asyncio.gather(*arriving)
         window_end = max(t[-1] for t in late)
@@ -85,18 +114,41 @@ class Bench:
                 "p99 while arriving": float(np.percentile(during, 99)) if len(during) else float("nan"),
                 "arrival TTFT p50 ms": float(np.percentile(ttft, 50))}
 
-    async def run(self, quick: bool) -> dict:
-        engine = AsyncEngine(self.engine, asyncio.get_running_loop())
-        try:
-            await self.streams(engine, 2, 8)  # warm-up: first-call costs, the speed fit's first steps
-            tokens = 24 if quick else 64
-            rows = [await self.streams(engine, n, tokens) for n in (1, 8, 16)]
-            for r in rows:
-                r["vs 1 stream"] = r["tok/s"] / rows[0]["tok/s"]
-            mixed = await self.mixed(engine, 3 if quick else 6, 256, 0.5)
-        finally:
-            engine.close()
+    async def run(self, stream: Stream, quick: bool) -> dict:
+        await self.streams(stream, 2, 8)  # warm-up: first-call costs, the speed fit's first steps
+        tokens = 24 if quick else 64
+        rows = [await self.streams(stream, n, tokens) for n in (1, 8, 16)]
+        for r in rows:
+            r["vs 1 stream"] = r["tok/s"] / rows[0]["tok/s"]
+        mixed = await self.mixed(stream, 3 if quick else 6, 256, 0.5)
         return {"streams": rows, "mixed": mixed}
+
+
+async def in_process(threads: int, quick: bool) -> dict:
+    engine = AsyncEngine(LLMEngine(EngineSettings(threads=threads, max_num_seqs=64)), asyncio.get_running_loop())
+    try:
+        return await Bench().run(engine_stream(engine), quick)
+    finally:
+        engine.close()
+
+
+async def through_stack(threads: int, quick: bool) -> dict:
+    """``kvmesh up --prefill 0 --decode 0 --both 1`` in a temporary state directory, driven over HTTP."""
+    import aiohttp
+
+    from app.launcher import Stack, StackOptions
+
+    opts = StackOptions.local("bench-serving", prefill=0, decode=0, both=1,
+                              settings={"engine": {"threads": threads, "max_num_seqs": 64}})
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = Stack(Path(tmp), opts)
+        await asyncio.to_thread(stack.start, timeout_s=300)
+        try:
+            timeout = aiohttp.ClientTimeout(total=600)
+            async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+                return await Bench().run(http_stream(session, f"http://127.0.0.1:{stack.http_port}"), quick)
+        finally:
+            await asyncio.to_thread(stack.stop)
 
 
 def _fmt(row: dict) -> dict:
@@ -104,13 +156,16 @@ def _fmt(row: dict) -> dict:
                 f"{v:.2f}x" if isinstance(v, float) else v) for k, v in row.items()}
 
 
-def render(res: dict, threads: int) -> str:
-    stream_cols = ["streams", "tok/s", "vs 1 stream", "tok/cpu-s", "ITL p50 ms", "ITL p99 ms"]
+def render(res: dict, threads: int, stack: bool = False) -> str:
+    # tok/cpu-s counts this process's CPU: the engine's in process, only the client's through the stack
+    stream_cols = ["streams", "tok/s", "vs 1 stream", *([] if stack else ["tok/cpu-s"]), "ITL p50 ms", "ITL p99 ms"]
     mixed_cols = ["ITL p50 ms", "ITL p99 ms", "ITL max ms", "p50 while arriving", "p99 while arriving",
                   "arrival TTFT p50 ms"]
     return "\n\n".join([
-        (f"Default model (SmolLM2-135M-Instruct, fp32), {threads} thread(s), through `AsyncEngine`; 20-token "
-         "prompts, 64 tokens per stream."),
+        (f"Default model (SmolLM2-135M-Instruct, fp32), {threads} thread(s), "
+         + ("through `kvmesh up --prefill 0 --decode 0 --both 1` (router, NATS, cachesvc, one engine process), "
+            "streaming `/v1/completions` over HTTP" if stack else "through `AsyncEngine`")
+         + "; 20-token prompts, 64 tokens per stream."),
         markdown_table([_fmt(r) for r in res["streams"]], stream_cols),
         "Mixed: 8 streams decoding while 256-token prompts arrive every 0.5 s (ITL of the 8 running streams):",
         markdown_table([_fmt(res["mixed"])], mixed_cols),
@@ -122,14 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
-    p.add_argument("--section", default="Engine serving", help="docs/benchmarks.md section to (re)write")
+    p.add_argument("--section", default=None, help="docs/benchmarks.md section to (re)write (default: "
+                   "'Engine serving', with --stack 'Engine serving through the stack')")
+    p.add_argument("--stack", action="store_true",
+                   help="through kvmesh up --both 1 over HTTP instead of AsyncEngine in this process")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    body = render(asyncio.run(Bench(args.threads).run(args.quick)), args.threads)
+    run = through_stack if args.stack else in_process
+    body = render(asyncio.run(run(args.threads, args.quick)), args.threads, args.stack)
     print(body)
+    section = args.section or ("Engine serving through the stack" if args.stack else "Engine serving")
     if not args.no_write and not args.quick:
-        cmd = f"python -m app.bench.engine_serving --threads {args.threads}"
-        print(f"\nwritten to {write_section(args.section, cmd, body)}")
+        cmd = f"python -m app.bench.engine_serving --threads {args.threads}" + (" --stack" if args.stack else "")
+        print(f"\nwritten to {write_section(section, cmd, body)}")
     return 0
 
 
