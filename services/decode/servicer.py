@@ -32,6 +32,7 @@ from services.decode.intake import KVIntake
 from services.decode.write_back import write_back
 
 log = logging.getLogger(__name__)
+WRITE_BACK_DRAIN_S = 5.0  # how long a graceful stop waits for the write-backs in flight
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
@@ -156,7 +157,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         tracing.start("decode.first_token", span, attributes=attrs, start_ns=off + int(start * 1e9)).end()
 
     async def close(self) -> None:
-        pass  # write-backs still in flight end with the process, as before
+        """A graceful stop lets the write-backs in flight finish (the last turn of a conversation reaches the
+        pool, so the next turn hits it on another instance), for at most ``WRITE_BACK_DRAIN_S``; the rest are
+        cancelled (logged). The host closes its pool client after this."""
+        pending = list(self._background)
+        if not pending:
+            return
+        _, late = await asyncio.wait(pending, timeout=WRITE_BACK_DRAIN_S)
+        for task in late:
+            task.cancel()
+        if late:
+            log.warning("stopping: %d write-backs still in flight after %.0f s, cancelled", len(late),
+                        WRITE_BACK_DRAIN_S)
 
 
 async def _attach(host: EngineHost) -> Attached:
