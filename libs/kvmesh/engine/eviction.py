@@ -49,6 +49,7 @@ class Policy(ABC):
     name = ""
     offline = False    # needs the future (``next_use``): the simulator only
     dynamic = False    # keys drift as the strategy learns: a queue re-ranks an item before evicting it
+    falling = False    # an item's key can fall by itself (``key_drops_at``): a queue ranks it again then
 
     @abstractmethod
     def sort_key(self, item: Evictable, now: float) -> tuple:
@@ -61,8 +62,9 @@ class Policy(ABC):
         """``item`` is leaving the cache."""
 
     def key_drops_at(self, item: Evictable, now: float) -> float:
-        """When ``item``'s key, as ranked at ``now``, falls by itself (an expiring priority): a queue ranks it
-        again then, since a key that falls would otherwise stay buried where it was pushed. ``inf``: never."""
+        """With ``falling``: when ``item``'s key, as ranked at ``now``, falls by itself (an expiring priority);
+        a queue ranks it again then, since a key that falls would otherwise stay buried where it was pushed.
+        ``inf``: never."""
         return math.inf
 
 
@@ -97,6 +99,7 @@ class PriorityLRU(Policy):
     """TensorRT-LLM-style retention priority: a higher priority outlives lower ones until its duration ends."""
 
     name = "priority"
+    falling = True  # a retention's end lowers the key
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         priority = item.priority if now < item.priority_until else 0

@@ -8,7 +8,8 @@ pushes; ``pop`` re-ranks the top item before taking it, so what goes is ranked b
 whose keys all move at once (``duel`` changing its mind) bumps its ``epoch``; every item is then ranked afresh,
 ``RERANK_PER_POP`` of them per ``pop`` (a change costs O(n) in all, but no single call more than O(log n) × that).
 A key that falls by itself (``priority``'s retention ending: the strategy's ``key_drops_at``) would stay buried
-where it was pushed: a second heap of those times ranks such an item again when its time comes.
+where it was pushed: for a ``falling`` strategy a second heap of those times ranks such an item again when its
+time comes.
 
 Not thread-safe: one owner (the engine thread, the pool's storage thread, the simulator).
 """
@@ -41,7 +42,8 @@ class EvictionQueue(Generic[T]):
         self._epoch = getattr(policy, "epoch", 0)
         self._stale: list[T] = []       # items still ranked by the strategy's previous epoch
         self._drops: list[tuple[float, int, T]] = []  # (when an item's key falls, its heap entry's seq, item)
-        self._key_drops_at = getattr(policy, "key_drops_at", None)
+        # only a strategy whose keys fall by itself pays for the second heap: none of the others' pushes do
+        self._key_drops_at = policy.key_drops_at if getattr(policy, "falling", False) else None
 
     def __len__(self) -> int:
         return len(self._live)
