@@ -200,18 +200,25 @@ def test_every_request_has_a_deadline(tmp_path_factory):
         stack.stop()
 
 
-def worker_blocks(stack, name: str, state: str) -> float:
-    with urllib.request.urlopen(service(stack, name).endpoints["metrics"] + "/metrics", timeout=10) as r:
+def scraped(url: str, keep) -> float:
+    """The sum of the Prometheus samples at ``url`` whose line ``keep`` accepts."""
+    with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("kvmesh_worker_kv_blocks{") and f'state="{state}"' in line
-               and 'tier="device"' in line)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if keep(line))
+
+
+def worker_blocks(stack, name: str, state: str) -> float:
+    return scraped(service(stack, name).endpoints["metrics"] + "/metrics",
+                   lambda line: line.startswith("kvmesh_worker_kv_blocks{") and f'state="{state}"' in line
+                   and 'tier="device"' in line)
+
+
+def worker_metric(stack, name: str, metric: str) -> float:
+    return scraped(service(stack, name).endpoints["metrics"] + "/metrics", lambda line: line.startswith(metric + " "))
 
 
 def cachesvc_metric(stack, name: str) -> float:
-    with urllib.request.urlopen(service(stack, "cachesvc").endpoints["metrics"], timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+    return scraped(service(stack, "cachesvc").endpoints["metrics"], lambda line: line.startswith(name + " "))
 
 
 def eventually(condition, within_s: float = 20.0) -> None:
@@ -222,12 +229,20 @@ def eventually(condition, within_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def completion(stack, prompt: list[int], max_tokens: int = 6, headers: dict | None = None) -> list[str]:
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+def completion(stack, prompt: list[int], max_tokens: int = 6, headers: dict | None = None, **extra) -> str:
+    """Greedy text of a token-id completion; ``extra``: more body fields (``cache_salt``, ...)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       **extra}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/completions", data=body,
                                  headers={"content-type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)["choices"][0]["text"]
+
+
+def two_turns(first: int, added: int) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation's turn 1 (``first`` tokens) and turn 2 (turn 1 + ``added``)."""
+    turn1 = [(i * 7919) % 30000 + 100 for i in range(first)]
+    return turn1, turn1 + [(i * 104729) % 30000 + 100 for i in range(added)]
 
 
 @pytest.mark.parametrize("fault", ["KVMESH_INSTANCE_FAULT_CORRUPT_PUSHES", "KVMESH_INSTANCE_FAULT_STALL_PUSHES"])
@@ -238,8 +253,7 @@ def test_a_bad_delta_push_is_recomputed_and_leaks_no_pinned_block(tmp_path_facto
                         env={fault: "2", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
     always = {"x-kvmesh-disaggregate": "always"}
     try:
-        turn1 = [(i * 7919) % 30000 + 100 for i in range(70)]
-        turn2 = turn1 + [(i * 104729) % 30000 + 100 for i in range(40)]
+        turn1, turn2 = two_turns(70, 40)
         completion(stack, turn1, headers=always)  # push 1 (faulty): recomputed; decode now holds turn 1
         # kv.events reach cachesvc, so MatchPrefix sees decode's blocks: both engines are in its index
         eventually(lambda: cachesvc_metric(stack, "kvmesh_cachesvc_instances") >= 2)
@@ -277,17 +291,12 @@ def test_a_prefill_killed_half_way_through_its_push_costs_a_recompute_and_leaks_
                              "KVMESH_ENGINE_MAX_BATCHED_TOKENS": "64"})  # 64-token chunks: one part each
     always = {"x-kvmesh-disaggregate": "always"}
     try:
-        turn1 = [(i * 7919) % 30000 + 100 for i in range(40)]  # one chunk, one part: pushed whole
-        turn2 = turn1 + [(i * 104729) % 30000 + 100 for i in range(260)]  # parts after each of 5 chunks
+        # turn 1: one chunk, one part, pushed whole; turn 2: parts after each of 5 chunks
+        turn1, turn2 = two_turns(40, 260)
         completion(stack, turn1, headers=always)
         eventually(lambda: cachesvc_metric(stack, "kvmesh_cachesvc_instances") >= 2)
-        salted = json.dumps({"prompt": turn2, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                             "cache_salt": "reference"}).encode()  # its own namespace: computed from scratch
-        req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/completions", data=salted,
-                                     headers={"content-type": "application/json",
-                                              "x-kvmesh-disaggregate": "never"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            reference = json.load(r)["choices"][0]["text"]
+        # its own namespace (cache_salt): computed from scratch
+        reference = completion(stack, turn2, headers={"x-kvmesh-disaggregate": "never"}, cache_salt="reference")
         eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
         assert worker_blocks(stack, "decode-0", "pinned") == 0
         result: list = []
@@ -305,8 +314,3 @@ def test_a_prefill_killed_half_way_through_its_push_costs_a_recompute_and_leaks_
     finally:
         stack.stop()
 
-
-def worker_metric(stack, name: str, metric: str) -> float:
-    with urllib.request.urlopen(service(stack, name).endpoints["metrics"] + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metric + " "))
