@@ -53,7 +53,9 @@ def engine_stream(engine: AsyncEngine) -> Stream:
 
 
 def http_stream(session, url: str) -> Stream:
-    """Through the router: one SSE chunk per token the engine streams (token-id prompt, ignore_eos)."""
+    """Through the router: one SSE chunk per token the engine streams (token-id prompt, ignore_eos). Not
+    app.bench.serve.stream_request: that one times chunks with text only, and a token that completes no
+    character yet (random ids, byte-level BPE) streams an empty delta that is still a token here."""
     async def stream(rid: str, prompt: list[int], max_tokens: int) -> list[float]:
         body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                 "temperature": 0}
