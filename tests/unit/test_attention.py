@@ -9,8 +9,8 @@ from kvmesh.engine.kv_cache import DeviceKVPool
 H, HKV, D, BS = 6, 2, 16, 4
 
 
-def pool_with_random_kv(dtype: str) -> DeviceKVPool:
-    pool = DeviceKVPool(KVLayout("fp", 1, HKV, D, BS, dtype), num_blocks=32)
+def pool_with_random_kv(dtype: str, head_dim: int = D) -> DeviceKVPool:
+    pool = DeviceKVPool(KVLayout("fp", 1, HKV, head_dim, BS, dtype), num_blocks=32)
     g = torch.Generator().manual_seed(0)
     for t in (pool.k, pool.v):
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype) if t.dtype != torch.float8_e4m3fn
@@ -24,13 +24,14 @@ def decode_batch(lens: list[int]) -> ForwardBatch:
     return ForwardBatch.build(seqs, [[1]] * len(lens), BS, list(range(len(lens))))
 
 
+@pytest.mark.parametrize("head_dim", [D, 64, 128])  # 64 and 128: the kernel's copies with a constant head size
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
-def test_native_decode_matches_sdpa(dtype):
-    pool = pool_with_random_kv(dtype)
+def test_native_decode_matches_sdpa(dtype, head_dim):
+    pool = pool_with_random_kv(dtype, head_dim)
     batch = decode_batch([1 + 1, 5, 16, 23])
-    q = torch.randn(4, H, D)
+    q = torch.randn(4, H, head_dim)
     outs = []
-    for backend in (TorchAttention(), NativeAttention(H, HKV, D)):
+    for backend in (TorchAttention(), NativeAttention(H, HKV, head_dim)):
         backend.plan(batch, pool)
         outs.append(backend._decode(0, q, pool))
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
