@@ -1,7 +1,7 @@
 import pytest
 import torch
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.engine.sampling import filter_logits, make_generator, sample
+from kvmesh.engine.sampling import argmax_rows, filter_logits, make_generator, sample
 
 
 def test_greedy_takes_the_argmax():
@@ -149,3 +149,13 @@ def test_a_value_that_slipped_past_validation_is_the_requests_fault():
     got = sample(torch.randn(2, 8), [SamplingParams(), sneaky], [None, None])
     assert isinstance(got[0], int)
     assert isinstance(got[1], RowFault) and got[1].client_fault and "temperature" in got[1].message
+
+
+def test_argmax_rows_is_torchs_argmax_first_index_on_ties_included():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    logits[1, 7] = logits[1, 200] = logits[1].max() + 1  # a tie: the first index wins, as in torch
+    logits[2] = float("-inf")
+    logits[2, 299] = 0.0  # a grammar mask leaving one token
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[1] == 7
+    assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(dim=-1).tolist()  # a strided view
