@@ -1,4 +1,4 @@
-"""The C GEMM (csrc/gemm.c) and RMSNorm / RoPE (csrc/pointwise.c) against torch, and ``Linear``'s choice of
+"""The C GEMM (csrc/gemm.c, its fused residual add included) and RMSNorm / RoPE / SiLU-and-multiply (csrc/pointwise.c)
 weight forms."""
 
 import pytest
@@ -125,3 +125,33 @@ def test_rope_kernel_rotates_q_and_k_heads_in_place_and_leaves_v():
     expected = torch.cat([(x * c + _rotate_half(x) * s).reshape(t, -1), qkv[:, heads * d:]], dim=1)
     native.rope_(POINTWISE, qkv, heads, d, cos, sin, positions)
     assert torch.allclose(qkv, expected, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 13, 40])
+def test_kernel_adds_into_a_residual_bit_for_bit_as_the_separate_add(m):
+    x, w, bias, h = rand(m, 64, seed=20), rand(37, 64, seed=21), rand(37, seed=22), rand(m, 37, seed=23)
+    panels = native.gemm_pack(LIB, w)
+    expected = h + native.gemm(LIB, x, panels, 37, bias)
+    out = h.clone()
+    assert native.gemm(LIB, x, panels, 37, bias, out=out) is out
+    assert torch.equal(out, expected)
+
+
+def test_linear_adds_into_a_residual_on_every_path():
+    x, w, h = rand(60, 64, seed=24), rand(37, 64, seed=25), rand(60, 37, seed=26)
+    lin = Linear(w)
+    for rows in (3, 60):  # the kernel's rows and, past NATIVE_ROWS, the prefill copy's
+        expected = h[:rows] + lin(x[:rows])
+        assert torch.equal(lin(x[:rows], residual=h[:rows].clone()), expected)
+    strided = h.clone()[:, :30]  # not contiguous: added to after the product
+    assert torch.allclose(Linear(w[:30])(x, residual=strided.clone()), strided + x @ w[:30].T, atol=1e-4)
+
+
+@needs_pointwise
+@pytest.mark.parametrize("rows", [1, 7])
+def test_silu_mul_kernel_matches_torch(rows):
+    gu = rand(rows, 2 * 96, seed=27) * 8  # gates of +-30 included: exp's clamp and both tails
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    expected = torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]
+    assert torch.allclose(native.silu_mul(POINTWISE, gu, 96), expected, rtol=1e-6, atol=1e-6)

@@ -47,14 +47,21 @@ class Linear:
         covered = self.panels is not None or (self.onednn is not None and not lookup)
         self.dense = None if covered else w
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual``: returned with the product added to it in place (``residual + x @ W.T (+ bias)``, the
+        same rounding as the separate add; the kernel fuses it, saving an allocation and a pass)."""
         if self.panels is not None and (self.onednn is None or x.shape[0] <= NATIVE_ROWS):
             if x.stride(-1) != 1 or x.dtype != torch.float32:
                 x = x.float().contiguous()
-            return native.gemm(self.lib, x, self.panels, self.out_features, bias)
+            if residual is not None and not residual.is_contiguous():
+                return residual.add_(native.gemm(self.lib, x, self.panels, self.out_features, bias))
+            return native.gemm(self.lib, x, self.panels, self.out_features, bias, out=residual)
         if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
-        return F.linear(x, self.dense, bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        else:
+            y = F.linear(x, self.dense, bias)
+        return y if residual is None else residual.add_(y)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``W[ids]`` ``[len(ids), K]`` (an embedding lookup)."""

@@ -146,6 +146,11 @@ class LlamaModel(nn.Module):
             return native.rms_norm(self.pointwise, x, w, self.cfg.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
+    def _silu_mul(self, gu: torch.Tensor, inter: int) -> torch.Tensor:
+        if self.pointwise is not None and gu.stride(-1) == 1 and gu.dtype == torch.float32:
+            return native.silu_mul(self.pointwise, gu, inter)
+        return F.silu(gu[:, :inter]) * gu[:, inter:]
+
     def _qkv_heads(self, qkv: torch.Tensor, positions: torch.Tensor,
                    rows: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         """q, k (rotated) and v ``[T, heads, D]`` out of the fused projection ``qkv``: rotated in place by the C
@@ -180,18 +185,22 @@ class LlamaModel(nn.Module):
             q, k, v = self._qkv_heads(qkv, batch.positions, rope_rows)
             o = attn.forward(i, q, k, v, kv)
             o = o.reshape(T, -1)
-            out = layer.o(o, layer.o_bias)
-            if lora is not None:
+            if lora is None:  # the residual add fused into the projection (h is this pass's own tensor)
+                h = layer.o(o, layer.o_bias, residual=h)
+            else:
+                out = layer.o(o, layer.o_bias)
                 lora.add(out, o, i, "o")
-            h = h + out
+                h = h + out
             x = self._rms(h, layer.ln_mlp)
             gu = layer.gate_up(x)
             if lora is not None:
                 lora.add(gu, x, i, "gate_up")
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            down = layer.down(act)
-            if lora is not None:
+            act = self._silu_mul(gu, inter)
+            if lora is None:
+                h = layer.down(act, residual=h)
+            else:
+                down = layer.down(act)
                 lora.add(down, act, i, "down")
-            h = h + down
+                h = h + down
         h = self._rms(h.index_select(0, batch.sample_idx), self.norm)
         return self.lm_head(h).float()

@@ -53,7 +53,9 @@ def _compile(source: Path) -> ctypes.CDLL | None:
     """``source`` built (or found cached) and loaded; None, with a warning, when it cannot be built."""
     from kvmesh.model_source.resolve import default_cache_dir
 
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # what the sources include
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()
+                            + _cpu_id().encode()).hexdigest()
     path = default_cache_dir() / "native" / f"{source.stem}-{digest[:16]}.so"
     try:
         if not path.exists():
@@ -102,7 +104,7 @@ def load_gemm() -> ctypes.CDLL | None:
         return None
     lib.kvmesh_gemm_panel_width.argtypes, lib.kvmesh_gemm_panel_width.restype = [], _I64
     lib.kvmesh_gemm_pack.argtypes, lib.kvmesh_gemm_pack.restype = [_PTR, _I64, _I64, _I64, _PTR], None
-    lib.kvmesh_gemm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64]
+    lib.kvmesh_gemm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int]
     lib.kvmesh_gemm_f32.restype = None
     return lib
 
@@ -117,13 +119,14 @@ def gemm_pack(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` -> ``[M, n]`` fp32, ``W`` given as ``gemm_pack``'s panels; ``x`` fp32 with
-    contiguous rows, ``bias`` fp32 contiguous."""
+    contiguous rows, ``bias`` fp32 contiguous. ``out`` (fp32 ``[M, n]``, contiguous): added to in place and
+    returned instead (``out + product``, one rounding, as torch's add)."""
     m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else out
     lib.kvmesh_gemm_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n,
-                        None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), n, out is not None)
     return y
 
 
@@ -136,7 +139,8 @@ def load_pointwise() -> ctypes.CDLL | None:
         return None
     lib.kvmesh_rms_norm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
     lib.kvmesh_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
-    lib.kvmesh_rms_norm_f32.restype = lib.kvmesh_rope_f32.restype = None
+    lib.kvmesh_silu_mul_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+    lib.kvmesh_rms_norm_f32.restype = lib.kvmesh_rope_f32.restype = lib.kvmesh_silu_mul_f32.restype = None
     return lib
 
 
@@ -145,6 +149,15 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float) -> 
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float32)
     lib.kvmesh_rms_norm_f32(x.data_ptr(), t, d, x.stride(0), w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate_up[:, :inter]) * gate_up[:, inter:]`` of fp32 ``gate_up [T, 2 * inter]`` (rows contiguous)
+    -> a new ``[T, inter]``."""
+    t = gate_up.shape[0]
+    out = torch.empty(t, inter, dtype=torch.float32)
+    lib.kvmesh_silu_mul_f32(gate_up.data_ptr(), t, inter, gate_up.stride(0), out.data_ptr())
     return out
 
 

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp.h"
+
 static float fp8_e4m3_table[256];
 
 void kvmesh_init_fp8_table(void) {
@@ -25,25 +27,6 @@ void kvmesh_init_fp8_table(void) {
         else v = ldexpf(1.0f + (float)man / 8.0f, exp - 7);
         fp8_e4m3_table[i] = sign ? -v : v;
     }
-}
-
-/* exp(x) for x <= 0 (softmax of scores minus their max) in plain arithmetic, so that the loop over a row's
- * scores vectorizes (libm's expf is a call per element): Cephes' expf, range reduction by ln 2 in two parts and a
- * degree-6 polynomial, relative error ~1e-7 (the ulp of fp32); below -87 it returns ~1e-38 instead of 0. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: rounds x / ln 2 to an integer */
-    const float n = t - 12582912.0f;
-    int32_t ni;
-    memcpy(&ni, &t, sizeof ni);
-    ni -= 0x4B400000;
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f, z = r * r;
-    const float p = ((((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r
-                        + 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * z + r + 1.0f);
-    const int32_t bits = (ni + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* Each loader returns a pointer to D fp32 values: the row itself for fp32, else `buf` filled by conversion. */
@@ -110,7 +93,7 @@ static inline const float *load_fp8(const uint8_t *src, float *buf, int64_t n) {
                     float *sg = scratch + g * max_len, m = -INFINITY, sum = 0.0f;                          \
                     _Pragma("omp simd reduction(max : m)") for (int64_t i = 0; i < len; i++) m = fmaxf(m, sg[i]); \
                     _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < len; i++) {             \
-                        sg[i] = exp_nonpos(sg[i] - m);                                                     \
+                        sg[i] = exp_clamped(sg[i] - m);                                                     \
                         sum += sg[i];                                                                      \
                     }                                                                                      \
                     denom[g] = sum;                                                                        \
