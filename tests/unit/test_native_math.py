@@ -1,5 +1,5 @@
-"""The C GEMM (csrc/gemm.c, its fused residual add included) and RMSNorm / RoPE / SiLU-and-multiply (csrc/pointwise.c)
-weight forms."""
+"""The C GEMM (csrc/gemm.c, its fused residual add included) and RMSNorm / RoPE / SiLU-and-multiply
+(csrc/pointwise.c) against torch, and ``Linear``'s choice of weight forms."""
 
 import pytest
 import torch
