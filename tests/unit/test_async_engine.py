@@ -43,3 +43,23 @@ def test_a_cancelled_caller_and_a_failing_command_leave_the_engine_thread_servin
 
     tokens, alive = asyncio.run(asyncio.wait_for(run(), 30))
     assert len(tokens) == 3 and alive
+
+
+def test_step_totals_count_prompt_steps_apart_from_decode_only_steps(tiny_config):
+    async def run():
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=32, block_size=4), model_config=tiny_config),
+                             asyncio.get_running_loop())
+        try:
+            async def one(rid: str) -> None:
+                async for _ in engine.generate(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True)):
+                    pass
+
+            await one("a")
+            return engine.step_totals
+        finally:
+            engine.close()
+
+    totals = asyncio.run(asyncio.wait_for(run(), 30))
+    assert totals.steps == {"prefill": 1, "decode": 3}  # the prompt's step samples token 1, then one per step
+    assert totals.rows == {"prefill": 1, "decode": 3}
+    assert totals.seconds["decode"] > 0 and totals.seconds["prefill"] > 0

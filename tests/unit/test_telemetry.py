@@ -174,6 +174,8 @@ def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_c
         metrics.prefix.observe(100, 25)
         for n in (7, 64, 256, 64, 256, 128, 32, 512):  # forward steps of 0.02 s + n / 500 s
             engine.speed.observe(n, 0.02 + n / 500)
+        engine.step_totals.add(True, 8, 0.05)
+        engine.step_totals.add(False, 3, 0.25)
         server = MetricsServer(metrics.registry, "127.0.0.1", 0)
         try:
             loop = asyncio.get_running_loop()
@@ -192,6 +194,9 @@ def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_c
     assert "kvmesh_worker_prefix_hit_ratio 0.25" in text
     assert "kvmesh_worker_ttft_seconds_bucket" in text and "_created" not in text
     assert "kvmesh_worker_kv_block_bytes " in text
+    assert 'kvmesh_worker_engine_steps_total{kind="decode"} 1.0' in text
+    assert 'kvmesh_worker_engine_step_rows_total{kind="decode"} 8.0' in text
+    assert 'kvmesh_worker_engine_step_seconds_total{kind="prefill"} 0.25' in text
     speed = next(float(line.split()[-1]) for line in text.splitlines()
                  if line.startswith("kvmesh_worker_prefill_tokens_per_second "))
     assert 450 < speed < 550

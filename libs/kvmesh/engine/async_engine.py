@@ -78,6 +78,7 @@ class AsyncEngine:
         self._unscheduled: dict[str, tuple[Sequence, RequestTiming]] = {}
         self._timed: dict[str, tuple[Sequence, RequestTiming]] = {}
         self.speed = SpeedEstimator()  # fed on the engine thread, read by heartbeats
+        self.step_totals = StepTotals()  # fed on the engine thread, read by the metrics collector
         self._fit = self.speed.fit()
         self._steps = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -191,7 +192,10 @@ class AsyncEngine:
                 self._deliver(rid, SequenceError(rid, f"the engine step failed: {type(e).__name__}: {e}"))
                 self._abort(rid)
             return
-        self.speed.observe(self.engine.step_tokens, time.monotonic() - began)
+        took = time.monotonic() - began
+        self.speed.observe(self.engine.step_tokens, took)
+        if self.engine.step_tokens:
+            self.step_totals.add(self.engine.step_tokens == self.engine.step_rows, self.engine.step_rows, took)
         self._size_chunks()
         if self._unscheduled:
             for rid, (seq, timing) in list(self._unscheduled.items()):
@@ -232,6 +236,24 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             self.loop.call_soon_threadsafe(stream.put_nowait, item)
+
+
+class StepTotals:
+    """Forward steps so far, decode-only ones apart from those with prompt tokens: how many, their rows (the
+    batch) and wall seconds, for the metrics (a mean step time and batch over any window, from rates)."""
+
+    KINDS = ("decode", "prefill")
+
+    def __init__(self) -> None:
+        self.steps = dict.fromkeys(self.KINDS, 0)
+        self.rows = dict.fromkeys(self.KINDS, 0)
+        self.seconds = dict.fromkeys(self.KINDS, 0.0)
+
+    def add(self, decode_only: bool, rows: int, seconds: float) -> None:
+        kind = "decode" if decode_only else "prefill"
+        self.steps[kind] += 1
+        self.rows[kind] += rows
+        self.seconds[kind] += seconds
 
 
 _NOTHING = object()

@@ -139,6 +139,7 @@ class LLMEngine:
         self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
         self._pending: list[StepOutput] = []  # outputs produced outside a forward step (imported first tokens)
         self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
+        self.step_rows = 0  # sequences in the last step (== step_tokens: a decode-only step)
         # TEST HOOK, never set in production: request ids whose logits are overwritten with nan right after the
         # forward pass, so tests can show that a model going nan fails that request alone
         self.test_nan_logits: set[str] = set()
@@ -273,7 +274,7 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        self.step_tokens = 0
+        self.step_tokens = self.step_rows = 0
         if self._pending:  # deliver imported first tokens before spending a forward step
             pending, self._pending = self._pending, []
             return pending
@@ -299,7 +300,7 @@ class LLMEngine:
             if begin + n == seq.num_tokens:
                 sample_idx.append(start - 1)
                 samplers.append(seq)
-        self.step_tokens = start
+        self.step_tokens, self.step_rows = start, len(scheduled)
         try:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])

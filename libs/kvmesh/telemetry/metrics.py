@@ -124,6 +124,16 @@ class EngineCollector(Collector):
         yield moves
         yield CounterMetricFamily(f"{p}_preemptions", "Sequences preempted for lack of KV blocks",
                                   value=e.scheduler.num_preemptions)
+        totals = getattr(self.engine, "step_totals", None)
+        if totals is not None:  # "prefill": every step with prompt tokens, decode rows mixed in or not
+            families = (CounterMetricFamily(f"{p}_engine_steps", "Forward steps", labels=["kind"]),
+                        CounterMetricFamily(f"{p}_engine_step_rows", "Sequences in those steps (the batch, summed)",
+                                            labels=["kind"]),
+                        CounterMetricFamily(f"{p}_engine_step_seconds", "Wall time of those steps", labels=["kind"]))
+            for family, values in zip(families, (totals.steps, totals.rows, totals.seconds)):
+                for kind in totals.KINDS:
+                    family.add_metric([kind], values[kind])
+                yield family
         speed = getattr(self.engine, "speed", None)
         measured = speed.report() if speed is not None else {}
         if measured:  # what this instance beats to the router's cost model
