@@ -88,10 +88,14 @@ def _figures(spans: list, rid: str) -> dict:
     }
 
 
+# pd auto / pd always push in layer groups (instance.push_layer_groups, its default); "chunk parts" pushes whole
+# blocks after each chunk (push_layer_groups 1), what the layer groups are measured against in the same run
 SETUPS = {
     "both": (StackOptions.local("pdb", prefill=0, decode=0, both=1), None),
     "pd auto": (StackOptions.local("pdp"), None),
     "pd always": (StackOptions.local("pda"), {"x-kvmesh-disaggregate": "always"}),
+    "pd always, chunk parts": (StackOptions.local("pdc", settings={"instance": {"push_layer_groups": 1}}),
+                               {"x-kvmesh-disaggregate": "always"}),
 }
 
 

@@ -257,7 +257,7 @@ class InstanceSettings(Section):
     pool_fetch_min_blocks: int = setting(1, "fetch from the pool when it holds this many more leading blocks "
                                             "than the local cache")
     kv_timeout_s: float = setting(10.0, "decode waits this long for kv.ready, then recomputes the prompt itself")
-    push_layer_groups: int = setting(1, "prefill pushes each chunk's KV in this many layer groups, each as soon "
+    push_layer_groups: int = setting(2, "prefill pushes each chunk's KV in this many layer groups, each as soon "
                                         "as the forward pass wrote it (1 = whole blocks after each chunk)")
     heartbeat_s: float = setting(1.0, "heartbeat period")
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the ready line / file)")
