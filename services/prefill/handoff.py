@@ -55,8 +55,9 @@ class PushStream:
     """One request's KV on its way to decode, one part per piece the engine reads out (a prefill chunk's new
     blocks, or with layer groups their slice of a group of layers), each part a transfer of its own
     (``part_transfer_id``) whose header says which blocks and layers it holds. Parts are pushed in order, one
-    at a time, on the event loop while the engine thread computes the next chunk (or the chunk's next layers). ``finish`` waits for all of them; a
-    failed part fails it, and the parts after it are never sent. ``cancel`` stops what has not been sent."""
+    at a time, on the event loop while the engine thread computes the next chunk (or the chunk's next
+    layers). ``finish`` waits for all of them; a failed part fails it, and the parts after it are never sent.
+    ``cancel`` stops what has not been sent."""
 
     def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout) -> None:
         self.handoff, self.transfer_id, self.address, self.layout = handoff, transfer_id, address, layout

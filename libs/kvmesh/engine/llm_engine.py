@@ -247,8 +247,8 @@ class LLMEngine:
         the last output then holds no blocks. 1: whole blocks after each chunk.
         ``imported``: ``(blocks, num_tokens, first_token[, first_block])`` computed by a prefill instance
         (``blocks`` hold the prompt's blocks from ``first_block`` on, one tensor or its pieces in order, as pushed
-        part by part, or ``KVPiece`` s placed by block and layer range, as pushed in layer groups; the ones before must be cached here, e.g.
-        pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        part by part, or ``KVPiece`` s placed by block and layer range, as pushed in layer groups; the ones
+        before must be cached here, e.g. pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         """
         if request_id in self._requests:
@@ -343,9 +343,8 @@ class LLMEngine:
             logits = self.model(batch, self.kv, self.attn, lora, self._layer_hook(exports) if exports else None)
         except Exception as e:  # this step's sequences fail; the engine serves the next step
             log.exception("forward pass failed for %d sequences", len(scheduled))
-            return self._take_pieces() + [self._fail(seq, SequenceError(seq.request_id, f"the forward pass failed: "
-                                                                                        f"{type(e).__name__}: {e}"))
-                                          for seq, _ in scheduled]
+            return self._take_pieces() + [self._fail(seq, SequenceError(
+                seq.request_id, f"the forward pass failed: {type(e).__name__}: {e}")) for seq, _ in scheduled]
         pending = self._take_pieces()
         if exports and (failed := self._exports_done(exports)):  # those are not sampled
             pending += failed
@@ -475,8 +474,8 @@ class LLMEngine:
         failed = []
         for x in exports:
             if x.error is not None:
-                failed.append(self._fail(x.seq, SequenceError(x.seq.request_id, f"reading out its KV failed: "
-                                                                                f"{type(x.error).__name__}: {x.error}")))
+                failed.append(self._fail(x.seq, SequenceError(
+                    x.seq.request_id, f"reading out its KV failed: {type(x.error).__name__}: {x.error}")))
             elif (tracked := self._requests.get(x.seq.request_id)) is not None:
                 tracked.export_from = x.end
                 tracked.exported_last = x.num_tokens == x.seq.num_tokens

@@ -58,9 +58,9 @@ class TransferClient:
         when the caller has them already (e.g. stored with the blocks): the receiver verifies the bytes
         against them and they are not computed again here. ``layers`` (``(first, end)``): each block of the
         payload is only its slice of those layers (a hand-off pushed layer group by layer group);
-        ``first_block``: where the payload's first block sits in the sender's sequence. Raises TransferRejected with the receiver's
-        reason; ConnectionError (or OSError/TimeoutError) when it cannot be reached or the connection
-        breaks."""
+        ``first_block``: where the payload's first block sits in the sender's sequence. Raises
+        TransferRejected with the receiver's reason; ConnectionError (or OSError/TimeoutError) when it cannot
+        be reached or the connection breaks."""
         started = time.perf_counter()
         addr = parse_address(address)
         backend = self._backend(addr.backend)
