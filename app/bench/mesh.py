@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 "its default) while the forward pass computes, `pd always, chunk parts` in whole blocks after each "
                 "chunk (`push_layer_groups` 1). `cold push after compute`: what of the KV push was left on the TTFT path "
                 "after prefill's compute (kv.push's `kvmesh.critical_ms`) against the push time (`kvmesh.push_ms`, "
-                "the parts' own push times added up).\n\n" + pd.report(res))
+                "the parts' own push times added up); `chat push after compute`: the same over the chat turns that "
+                "pushed (one chunk each, a delta).\n\n" + pd.report(res))
         print(body)
         if not args.no_write:
             print(f"\nwritten to {write_section('PD vs role both', 'kvmesh bench mesh --pd', body)}")

@@ -179,6 +179,7 @@ def report(res: dict[str, Result]) -> str:
                      "cold push MiB": f"{statistics.median(sp['push_bytes'] for sp in cold) / 2**20:.1f}",
                      "cold import ms": _spread([sp["import_ms"] for sp in cold], "{:.1f}"),
                      "cold push after compute": _critical(cold),
+                     "chat push after compute": _critical([r.spans[t.request_id] for chat in r.chats for t in chat]),
                      "greedy text = both": r.outputs == ref.outputs})
     turns = []
     for i, q in enumerate(ref.chats[0]):
