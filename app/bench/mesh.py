@@ -94,14 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         res = pd.run(turns=args.turns, repeats=args.repeats)
         body = (f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 shared "
                 "cores). Token-id prompts, greedy, ignore_eos, 16 output tokens; default model (SmolLM2-135M fp32), 1 "
-                "thread per engine; TTFT at an HTTP client streaming from the router. The three stacks run side "
+                "thread per engine; TTFT at an HTTP client streaming from the router. The stacks run side "
                 "by side and each prompt goes to each of them in turn (the order rotating prompt by prompt), one "
                 "request in flight at a time, so all see the same machine load. Chat: 95 tokens, then "
                 "+107 per turn (a stand-in of the reply's length plus the next question). `pd auto`: the router's "
                 "cost model picks PD or decode-computes-the-rest per request; `pd always`: header "
-                "`x-kvmesh-disaggregate: always`. `cold push after compute`: what of the KV push was left on the TTFT path "
-                "after prefill's last chunk (kv.push's `kvmesh.critical_ms`) against the push time (`kvmesh.push_ms`, "
-                "the parts' own push times added up).\n\n" + pd.report(res))
+                "`x-kvmesh-disaggregate: always`; both push the KV in layer groups (`instance.push_layer_groups`, "
+                "its default) while the forward pass computes, `pd always, chunk parts` in whole blocks after each "
+                "chunk (`push_layer_groups` 1). `cold push after compute`: what of the KV push was left on the TTFT path "
+                "after prefill's compute (kv.push's `kvmesh.critical_ms`) against the push time (`kvmesh.push_ms`, "
+                "the parts' own push times added up); `chat push after compute`: the same over the chat turns that "
+                "pushed (one chunk each, a delta).\n\n" + pd.report(res))
         print(body)
         if not args.no_write:
             print(f"\nwritten to {write_section('PD vs role both', 'kvmesh bench mesh --pd', body)}")

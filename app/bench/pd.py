@@ -88,10 +88,14 @@ def _figures(spans: list, rid: str) -> dict:
     }
 
 
+# pd auto / pd always push in layer groups (instance.push_layer_groups, its default); "chunk parts" pushes whole
+# blocks after each chunk (push_layer_groups 1), what the layer groups are measured against in the same run
 SETUPS = {
     "both": (StackOptions.local("pdb", prefill=0, decode=0, both=1), None),
     "pd auto": (StackOptions.local("pdp"), None),
     "pd always": (StackOptions.local("pda"), {"x-kvmesh-disaggregate": "always"}),
+    "pd always, chunk parts": (StackOptions.local("pdc", settings={"instance": {"push_layer_groups": 1}}),
+                               {"x-kvmesh-disaggregate": "always"}),
 }
 
 
@@ -175,6 +179,7 @@ def report(res: dict[str, Result]) -> str:
                      "cold push MiB": f"{statistics.median(sp['push_bytes'] for sp in cold) / 2**20:.1f}",
                      "cold import ms": _spread([sp["import_ms"] for sp in cold], "{:.1f}"),
                      "cold push after compute": _critical(cold),
+                     "chat push after compute": _critical([r.spans[t.request_id] for chat in r.chats for t in chat]),
                      "greedy text = both": r.outputs == ref.outputs})
     turns = []
     for i, q in enumerate(ref.chats[0]):

@@ -190,6 +190,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if got.layout != layout:
             raise LayoutMismatch(f"transfer {transfer_id} carried another layout than PutBlocks names "
                                  f"({layout_mismatch(layout, got.layout)}); push and put with the same layout")
+        if got.layers is not None:  # a hand-off's layer group part: the pool stores whole blocks only
+            raise ValueError(f"transfer {transfer_id} holds layers {list(got.layers)} of its blocks, not whole "
+                             "blocks; push whole blocks to the pool")
         if list(got.block_keys) != keys or got.num_blocks != len(keys):
             raise ValueError(f"transfer {transfer_id} carried {got.num_blocks} blocks with other keys than the "
                              f"{len(keys)} block_keys of PutBlocks; push exactly the blocks you put")

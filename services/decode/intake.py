@@ -13,10 +13,11 @@ from kvmesh.bus.trace_headers import trace_context
 from kvmesh.contracts.ids import handoff_prefix
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import KVReady
-from kvmesh.engine.kv_cache import blocks_from_bytes
 from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import SpanKind
+
+from services.decode.assembly import Assembly
 
 EARLY_TTL_S = 60.0
 
@@ -106,18 +107,21 @@ class KVIntake:
             seed = self.w.engine.engine.request_seed(cache_salt, lora)
         except ValueError as e:
             return None, str(e), received_ns, {}
-        bs, first = self.w.layout.block_size, ready.first_block
-        num_tokens = first * bs + sum(got.num_tokens for got in parts)
-        expected = block_keys(seed, prompt[:num_tokens], bs)[first:]
-        if num_tokens != len(prompt) or [k for got in parts for k in got.block_keys] != expected:
-            return None, "pushed KV does not match this prompt (block keys differ)", received_ns, {}
+        first = ready.first_block
+        assembly = Assembly(self.w.layout, first, len(prompt), block_keys(seed, prompt, self.w.layout.block_size))
+        try:
+            for got in parts:
+                assembly.add(got)
+        except ValueError as e:
+            return None, f"pushed KV does not match this prompt: {e}", received_ns, {}
+        if gap := assembly.missing():
+            return None, f"pushed KV did not all arrive: {gap}", received_ns, {}
         if pinned < first:
             return None, (f"the push starts at block {first} but only {pinned} leading blocks are held here "
                           "(evicted before the request arrived)"), received_ns, {}
-        pieces = [blocks_from_bytes(got.layout, got.data) for got in parts]
-        imported = (pieces[0] if len(pieces) == 1 else pieces, num_tokens, ready.first_token, first)
+        imported = (assembly.pieces, len(prompt), ready.first_token, first)
         return imported, "", received_ns, {
-            "kvmesh.blocks": sum(got.num_blocks for got in parts), "kvmesh.bytes": nbytes,
+            "kvmesh.blocks": assembly.end - first, "kvmesh.bytes": nbytes,
             "kvmesh.first_block": first, "kvmesh.parts": len(parts),
             "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
             "kvmesh.receive_ms": round(sum(got.seconds for got in parts) * 1e3, 3),

@@ -48,13 +48,16 @@ class PartStats(NamedTuple):
     exported: float  # the engine handed the part over
     start: float     # its push began (after the part before it was verified)
     end: float       # decode verified it
+    layers: tuple[int, int] | None = None  # the blocks' slice of these layers (a layer group); None: all
 
 
 class PushStream:
     """One request's KV on its way to decode, one part per piece the engine reads out (a prefill chunk's new
-    blocks), each part a transfer of its own (``part_transfer_id``). Parts are pushed in order, one at a time,
-    on the event loop while the engine thread computes the next chunk. ``finish`` waits for all of them; a
-    failed part fails it, and the parts after it are never sent. ``cancel`` stops what has not been sent."""
+    blocks, or with layer groups their slice of a group of layers), each part a transfer of its own
+    (``part_transfer_id``) whose header says which blocks and layers it holds. Parts are pushed in order, one
+    at a time, on the event loop while the engine thread computes the next chunk (or the chunk's next
+    layers). ``finish`` waits for all of them; a failed part fails it, and the parts after it are never sent.
+    ``cancel`` stops what has not been sent."""
 
     def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout) -> None:
         self.handoff, self.transfer_id, self.address, self.layout = handoff, transfer_id, address, layout
@@ -88,22 +91,23 @@ class PushStream:
         tokens = min(kv.num_tokens, (kv.first_block + n) * bs) - kv.first_block * bs
         start = time.monotonic()
         stats = await self._send(part_transfer_id(self.transfer_id, part), block_bytes(kv.blocks),
-                                 kv.block_keys[kv.first_block:kv.first_block + n], tokens)
-        done = PartStats(stats.nbytes, n, exported, start, time.monotonic())
+                                 kv.block_keys[kv.first_block:kv.first_block + n], tokens, kv.first_block, kv.layers)
+        done = PartStats(stats.nbytes, n, exported, start, time.monotonic(), kv.layers)
         self.done.append(done)
         return done
 
     async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
-                    num_tokens: int) -> TransferStats:
+                    num_tokens: int, first_block: int, layers: tuple[int, int] | None) -> TransferStats:
         return await self.handoff.transfer.push(self.address, transfer_id, self.layout, blocks, list(keys),
-                                                num_tokens)
+                                                num_tokens, layers=layers, first_block=first_block)
 
 
 def push_overlap(parts: list[PartStats], compute_end: float) -> dict[str, Any]:
     """``kv.push``'s attributes for a push that overlapped the prefill (``compute_end``: the last chunk's
     output left the engine): bytes sent, the push time (the parts' own push times added up), what of it was
     left after the compute (``kvmesh.critical_ms``, the part of the push on the TTFT path) and its share, and
-    per part its blocks, bytes, push time, wait behind the part before and end relative to ``compute_end``."""
+    per part its blocks, layers (``first-end``), bytes, push time, wait behind the part before and end
+    relative to ``compute_end``."""
     push_s = sum(p.end - p.start for p in parts)
     nbytes = sum(p.nbytes for p in parts)
     critical_s = max(0.0, parts[-1].end - compute_end) if parts else 0.0
@@ -115,6 +119,7 @@ def push_overlap(parts: list[PartStats], compute_end: float) -> dict[str, Any]:
             "kvmesh.push_ms": round(push_s * 1e3, 3), "kvmesh.critical_ms": round(critical_s * 1e3, 3),
             "kvmesh.critical_share": round(critical_s / push_s, 4) if push_s > 0 else 0.0,
             "kvmesh.part.blocks": [p.blocks for p in parts], "kvmesh.part.bytes": [p.nbytes for p in parts],
+            "kvmesh.part.layers": ["all" if p.layers is None else f"{p.layers[0]}-{p.layers[1]}" for p in parts],
             "kvmesh.part.push_ms": ms(p.end - p.start for p in parts),
             "kvmesh.part.wait_ms": ms(p.start - p.exported for p in parts),
             "kvmesh.part.end_ms": ms(p.end - compute_end for p in parts)}
@@ -178,7 +183,7 @@ class _WithheldStream(PushStream):
     """Sends nothing (``FaultyHandoff``'s stall)."""
 
     async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
-                    num_tokens: int) -> TransferStats:
+                    num_tokens: int, first_block: int, layers: tuple[int, int] | None) -> TransferStats:
         return TransferStats(0, 0.0, 0.0)
 
 
@@ -191,12 +196,12 @@ class _HangingStream(PushStream):
         self.hang_after = hang_after
 
     async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
-                    num_tokens: int) -> TransferStats:
+                    num_tokens: int, first_block: int, layers: tuple[int, int] | None) -> TransferStats:
         if len(self.done) >= self.hang_after:
             log.warning("transfer %s: fault injection: the push hangs after %d parts", self.transfer_id,
                         len(self.done))
             await asyncio.Event().wait()
-        return await super()._send(transfer_id, blocks, keys, num_tokens)
+        return await super()._send(transfer_id, blocks, keys, num_tokens, first_block, layers)
 
 
 class FaultyTransferClient(TransferClient):

@@ -75,10 +75,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         try:
             async for out in w.engine.generate(work.request_id, prompt, params, timing=timing,
                                                cache_salt=work.cache_salt, lora=work.lora_name, export_kv=True,
-                                               export_from=skip, export_chunks=True):
-                if out.exported is not None:  # a chunk's blocks (or the last ones): on their way while it computes
+                                               export_from=skip, export_chunks=True,
+                                               export_layer_groups=w.cfg.push_layer_groups):
+                # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes
+                if out.exported is not None and out.exported.blocks.shape[0]:
                     stream.add(out.exported)
-                    blocks += int(out.exported.blocks.shape[0])
+                    if out.exported.layers is None or out.exported.layers[1] == w.layout.num_layers:
+                        blocks += int(out.exported.blocks.shape[0])  # each block once, at its last layer group
                 final = out
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()

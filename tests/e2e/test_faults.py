@@ -283,15 +283,17 @@ def completion_thread(stack, prompt: list[int], headers: dict, result: list) -> 
 
 
 def test_a_prefill_killed_half_way_through_its_push_costs_a_recompute_and_leaks_nothing(tmp_path_factory):
-    """Prefill pushes a long prompt chunk by chunk; after the first part it stops, and is SIGKILLed there. Decode
-    recomputes on top of the prefix it pinned, the tokens equal a fresh computation, and afterwards decode holds
-    no pinned or referenced block and no received part."""
+    """Prefill pushes a long prompt chunk by chunk, each chunk in two layer groups; after the third part (the
+    second chunk's first layer group) it stops, and is SIGKILLed there. Decode recomputes on top of the prefix it
+    pinned, the tokens equal a fresh computation, and afterwards decode holds no pinned or referenced block and
+    no received part."""
     stack = start_stack(tmp_path_factory, "killmidpush",
-                        env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_PARTS": "1", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3",
-                             "KVMESH_ENGINE_MAX_BATCHED_TOKENS": "64"})  # 64-token chunks: one part each
+                        env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_PARTS": "3", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3",
+                             "KVMESH_INSTANCE_PUSH_LAYER_GROUPS": "2",
+                             "KVMESH_ENGINE_MAX_BATCHED_TOKENS": "64"})  # 64-token chunks: two parts each
     always = {"x-kvmesh-disaggregate": "always"}
     try:
-        # turn 1: one chunk, one part, pushed whole; turn 2: parts after each of 5 chunks
+        # turn 1: one chunk, two parts, all pushed; turn 2: two parts during each of 5 chunks
         turn1, turn2 = two_turns(40, 260)
         completion(stack, turn1, headers=always)
         eventually(lambda: cachesvc_metric(stack, "kvmesh_cachesvc_instances") >= 2)
@@ -302,7 +304,7 @@ def test_a_prefill_killed_half_way_through_its_push_costs_a_recompute_and_leaks_
         result: list = []
         t = completion_thread(stack, turn2, always, result)
         prefill = service(stack, "prefill-0")
-        eventually(lambda: "the push hangs after 1 parts" in prefill.log_path.read_text(), within_s=120)
+        eventually(lambda: "the push hangs after 3 parts" in prefill.log_path.read_text(), within_s=120)
         assert worker_blocks(stack, "decode-0", "pinned") > 0  # decode holds turn 1 for this request
         prefill.proc.send_signal(signal.SIGKILL)
         t.join(120)

@@ -249,6 +249,25 @@ def test_cachesvc_takes_pushes_of_any_layout_and_refuses_a_put_naming_another(na
     run(body())
 
 
+def test_a_layer_group_part_pushed_to_the_pool_is_refused_and_nothing_is_stored(nats_server):
+    """A hand-off's part holds a slice of its blocks' layers: the pool stores whole blocks only."""
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh, TransferClient() as client:
+            address = (await mesh.stats()).transfer_address
+            part = make_blocks(2)[:, :1].contiguous()  # layer 0 of each block
+            sums = block_checksums(block_bytes(part), LAYOUT.layers_nbytes((0, 1)))
+            await client.push(address, "t-layers", LAYOUT, block_bytes(part), KEYS[:2], 2 * LAYOUT.block_size,
+                              layers=(0, 1))
+            request = cache_pb2.PutBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2], checksums=sums,
+                                                 transfer_id="t-layers")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await mesh.stub.PutBlocks(request)
+            assert "holds layers [0, 1] of its blocks, not whole blocks" in err.value.details()
+            assert (await mesh.stats()).pool_blocks == 0
+
+    run(body())
+
+
 @pytest.mark.parametrize(("request_", "message"), [
     (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="tcp://127.0.0.1:1"),
      "transfer_address and transfer_id go together"),

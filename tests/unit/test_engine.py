@@ -239,3 +239,41 @@ def test_kv_read_out_chunk_by_chunk_continues_in_another_engine(make):
     got = run_to_end(decode, "d")
     assert got[0].cached_tokens == len(prompt)
     assert [t for o in got for t in o.new_token_ids] == expected
+
+
+def test_kv_read_out_in_layer_groups_during_the_pass_continues_in_another_engine(make):
+    """With ``export_layer_groups`` each chunk's blocks leave layer group by layer group, handed to
+    ``on_piece`` from inside the forward pass, the last chunk's partial block included (so its last output
+    holds no blocks); placed by block and layer they import to the same greedy tokens."""
+    from kvmesh.engine.kv_cache import KVPiece
+
+    prompt = list(range(40, 63))  # 23 tokens: 5 full blocks of 4 and a tail
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = make().generate([prompt], params)[0].token_ids
+    prefill = make(max_batched_tokens=12)  # chunks end at tokens 12 and 23
+    handed = []
+    prefill.on_piece = handed.append
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export_kv=True,
+                        export_from=1, export_chunks=True, export_layer_groups=2)
+    outs = run_to_end(prefill, "p")
+    assert [(o.exported.first_block, o.exported.blocks.shape[0], o.exported.layers, o.exported.num_tokens)
+            for o in handed] == [(1, 2, (0, 1), 12), (1, 2, (1, 2), 12), (3, 3, (0, 1), 23), (3, 3, (1, 2), 23)]
+    assert len(outs) == 1 and outs[0].exported.blocks.shape[0] == 0 and outs[0].exported.final
+    decode = make()
+    decode.generate([prompt[:5]], SamplingParams(max_tokens=1))  # decode holds block 0
+    assert decode.blocks.pin("d", decode.namespace_seed(), prompt, 1) == 1
+    pieces = [KVPiece(o.exported.first_block, o.exported.blocks, o.exported.layers) for o in handed]
+    decode.add_request("d", prompt, params, imported=(pieces, len(prompt), outs[0].new_token_ids[0], 1))
+    decode.blocks.unpin("d")
+    got = run_to_end(decode, "d")
+    assert got[0].cached_tokens == len(prompt)
+    assert [t for o in got for t in o.new_token_ids] == expected
+
+
+def test_layer_group_pieces_come_with_the_step_outputs_without_a_receiver(make):
+    prefill = make(max_batched_tokens=12)
+    prefill.add_request("p", list(range(40, 63)), SamplingParams(max_tokens=1, ignore_eos=True), export_kv=True,
+                        export_chunks=True, export_layer_groups=2)
+    outs = run_to_end(prefill, "p")
+    assert [o.exported.layers for o in outs] == [(0, 1), (1, 2), (0, 1), (1, 2), None]
+    assert [len(o.new_token_ids) for o in outs] == [0, 0, 0, 0, 1]

@@ -130,6 +130,27 @@ def test_a_failed_kv_export_fails_that_request_alone(make):
     assert_good_as_alone(make, done)
 
 
+def test_a_layer_group_read_out_that_fails_during_the_pass_fails_that_request_alone(make):
+    """The read-out runs inside the batch's forward pass (``export_layer_groups``): its failure must not fail
+    the pass for the rest of the batch, nor leave the failed request holding blocks."""
+    engine = make()
+    read = engine.kv.read_blocks
+
+    def broken(block_ids, layers=None):
+        if layers == (1, 2):
+            raise OSError("layer read-out failed")
+        return read(block_ids, layers)
+
+    engine.kv.read_blocks = broken
+    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export_kv=True,
+                       export_chunks=True, export_layer_groups=2)
+    done = run(engine, good_reqs())
+    err = done["hostile"].error
+    assert err is not None and "layer read-out failed" in str(err) and done["hostile"].finish_reason == "error"
+    assert_good_as_alone(make, done)
+    assert engine.blocks.num_free_blocks + engine.blocks.num_cached_blocks == engine.kv.num_blocks
+
+
 def test_a_failed_forward_pass_fails_that_steps_sequences_and_the_engine_serves_the_next(make):
     engine = make()
     forward, calls = engine.model.forward, []

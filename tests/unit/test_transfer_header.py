@@ -148,3 +148,28 @@ def test_ipv6_address_survives_a_round_trip() -> None:
 def test_address_without_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="<backend>://<host>:<port>"):
         parse_address("127.0.0.1:5000")
+
+
+def test_a_layer_group_part_states_its_layers_and_place_and_sizes_by_the_slice() -> None:
+    h = header(layers=(1, 2), first_block=5)
+    assert decode_header(encode_header(h)) == h
+    assert doc_of(h)["layers"] == [1, 2] and doc_of(h)["first_block"] == 5
+    assert h.nbytes == 3 * LAYOUT.block_nbytes // 2
+    assert "layers" not in doc_of(header())  # whole blocks: as before
+
+
+@pytest.mark.parametrize("layers", [[1, 1], [0, 3], [-1, 1], [0], [True, 2]])
+def test_a_layer_range_outside_the_layout_is_refused(layers) -> None:
+    doc = doc_of(header(layers=(0, 1)))
+    doc["layers"] = layers
+    with pytest.raises(TransferRejected, match="layers"):
+        decode_header(json.dumps(doc).encode())
+
+
+def test_checksums_of_a_layer_group_part_cover_each_blocks_slice() -> None:
+    stride = LAYOUT.layers_nbytes((0, 1))
+    payload = bytearray(range(256)) * (3 * stride // 256)
+    h = header(layers=(0, 1), checksums=block_checksums(memoryview(payload), stride))
+    assert corrupt_blocks(h, memoryview(payload)) == []
+    payload[stride + 3] ^= 1
+    assert corrupt_blocks(h, memoryview(payload)) == [1]

@@ -56,6 +56,13 @@ class KVLayout:
             n *= d
         return n
 
+    def layers_nbytes(self, layers: tuple[int, int] | None = None) -> int:
+        """Bytes of one block's slice of ``layers`` (``(first, end)``; None: all of them, ``block_nbytes``):
+        a part pushed layer group by layer group holds such slices, block after block."""
+        if layers is None:
+            return self.block_nbytes
+        return self.block_nbytes // self.num_layers * (layers[1] - layers[0])
+
     def check(self) -> KVLayout:
         """Itself when it can describe blocks, else a ValueError naming the bad field."""
         for name in ("model_fingerprint", "dtype", "layout"):

@@ -72,6 +72,8 @@ class AsyncEngine:
         self.on_events = on_events
         self._events: list[KVEvent] = []
         engine.blocks.on_event = self._events.append  # called on the engine thread only
+        # KV read out during a forward pass (layer groups) reaches its request at once, not after the step
+        engine.on_piece = lambda out: self._deliver(out.request_id, out)
         self._commands: queue.Queue[Callable[[], Any] | None] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
         # engine thread only: timed requests not yet admitted by the scheduler / without a first output yet

@@ -21,7 +21,7 @@ from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.keys import chain_key
 from kvmesh.engine.eviction import LRU, EvictionPolicy, now
 from kvmesh.engine.eviction_queue import EvictionQueue
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece
 from kvmesh.engine.sequence import RetentionRange, Sequence
 
 if TYPE_CHECKING:
@@ -203,13 +203,15 @@ class BlockManager:
         seq.num_cached_tokens = m.num_tokens
         return True
 
-    def import_prefix(self, seq: Sequence, blocks: torch.Tensor | list[torch.Tensor], num_tokens: int,
-                      first_block: int = 0) -> bool:
+    def import_prefix(self, seq: Sequence, blocks: torch.Tensor | list[torch.Tensor] | list[KVPiece],
+                      num_tokens: int, first_block: int = 0) -> bool:
         """Attach KV computed elsewhere: ``blocks`` (whole blocks in the pool's storage layout; or pieces of
-        them, in order, as pushed chunk by chunk) hold block indices ``first_block ..`` of the sequence, up to
+        them, in order, as pushed chunk by chunk; or ``KVPiece`` s that place themselves, whole blocks or
+        layer slices, as pushed in layer groups) hold block indices ``first_block ..`` of the sequence, up to
         its first ``num_tokens`` tokens; the blocks before ``first_block`` must be cached here. Cached blocks
         are shared, the rest written. False (nothing held) when the pool cannot make room or the blocks before
-        ``first_block`` are no longer cached."""
+        ``first_block`` are no longer cached. The caller checked that the pieces cover every layer of every
+        block."""
         if not self.allocate_prefix(seq):
             return False
         first_new = len(seq.nodes)  # a partially copied block is private and simply overwritten
@@ -217,12 +219,11 @@ class BlockManager:
             self.free(seq)
             return False
         last = -(-num_tokens // self.block_size)
-        start = first_block
-        for piece in blocks if isinstance(blocks, list) else [blocks]:  # each piece: one strided copy
-            lo, hi = max(first_new, start), min(last, start + piece.shape[0])
+        for piece in _placed(blocks, first_block):  # each piece: one strided copy per run of block ids
+            start = piece.first_block
+            lo, hi = max(first_new, start), min(last, start + piece.data.shape[0])
             if lo < hi:
-                self.device.write_blocks(seq.block_table[lo:hi], piece[lo - start:hi - start])
-            start += piece.shape[0]
+                self.device.write_blocks(seq.block_table[lo:hi], piece.data[lo - start:hi - start], piece.layers)
         seq.num_computed_tokens = num_tokens
         self.cache_computed_blocks(seq)
         return True
@@ -458,3 +459,14 @@ class BlockManager:
             tier = TIER_HOST
         if node.full:
             self._emit(BlockRemoved((node.key,), tier))
+
+
+def _placed(blocks: torch.Tensor | list[torch.Tensor] | list[KVPiece], first_block: int) -> list[KVPiece]:
+    """``import_prefix``'s blocks as pieces that say where they go (plain tensors follow each other)."""
+    out: list[KVPiece] = []
+    for piece in blocks if isinstance(blocks, list) else [blocks]:
+        if not isinstance(piece, KVPiece):
+            piece = KVPiece(first_block, piece)
+            first_block += int(piece.data.shape[0])
+        out.append(piece)
+    return out

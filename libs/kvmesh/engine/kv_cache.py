@@ -8,6 +8,8 @@ narrower storage dtype (bf16, fp8 e4m3) is cast back on read.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvmesh.contracts.layout import KVLayout
@@ -42,11 +44,24 @@ def block_bytes(blocks: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
-def blocks_from_bytes(layout: KVLayout, data: memoryview | bytearray) -> torch.Tensor:
+def blocks_from_bytes(layout: KVLayout, data: memoryview | bytearray,
+                      layers: tuple[int, int] | None = None) -> torch.Tensor:
     """``[n, *layout.block_shape]`` in the layout's storage dtype over the bytes of a writable buffer (what
-    the transfer library received), without copying."""
+    the transfer library received), without copying; with ``layers`` (a part of a layer group) each block
+    holds only that slice, ``[n, end - first, 2, ...]``."""
     raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    return raw.view(storage_dtype(layout.dtype)).view(-1, *layout.block_shape)
+    lo, hi = layers or (0, layout.num_layers)
+    return raw.view(storage_dtype(layout.dtype)).view(-1, hi - lo, *layout.block_shape[1:])
+
+
+class KVPiece(NamedTuple):
+    """KV received for blocks ``first_block ..`` of a sequence: ``data`` ``[n, layers, 2, block_size, ...]``,
+    whole blocks, or (``layers``, ``(first, end)``) only their slice of those layers (a part pushed in layer
+    groups)."""
+
+    first_block: int
+    data: torch.Tensor
+    layers: tuple[int, int] | None = None
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -89,24 +104,29 @@ class DeviceKVPool:
         v = _movable(self.v[layer]).index_select(0, block_tables.reshape(-1)).view(self.dtype).view(shape)
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks as ``[n, num_layers, 2, block_size, kv_heads, head_dim]`` (storage dtype, a copy).
+    def read_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Whole blocks as ``[n, num_layers, 2, block_size, kv_heads, head_dim]`` (storage dtype, a copy); with
+        ``layers`` (``(first, end)``) only that slice of each block, ``[n, end - first, 2, ...]``.
 
         One copy of the bytes: each block's K and V (strided across layers in the pool) are copied straight
         into their place in the block-major result (gathering with ``index_select`` and then stacking and
         transposing copied every byte three times)."""
-        out = torch.empty((len(block_ids), *self.layout.block_shape), dtype=self.dtype, device=self.k.device)
-        dst, k, v = _movable(out), _movable(self.k), _movable(self.v)
+        lo, hi = layers or (0, self.layout.num_layers)
+        out = torch.empty((len(block_ids), hi - lo, *self.layout.block_shape[1:]), dtype=self.dtype,
+                          device=self.k.device)
+        dst, k, v = _movable(out), _movable(self.k[lo:hi]), _movable(self.v[lo:hi])
         for i, b, m in _runs(block_ids):
             dst[i:i + m, :, 0].copy_(k[:, b:b + m].transpose(0, 1))
             dst[i:i + m, :, 1].copy_(v[:, b:b + m].transpose(0, 1))
         return out
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of :meth:`read_blocks`: one strided copy of the bytes into the pool per run of consecutive
-        block ids (``data`` may be a zero-copy view of received bytes; it is never made contiguous first)."""
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor, layers: tuple[int, int] | None = None) -> None:
+        """Inverse of :meth:`read_blocks` (``layers``: ``data`` holds only that slice of each block): one strided
+        copy of the bytes into the pool per run of consecutive block ids (``data`` may be a zero-copy view of
+        received bytes; it is never made contiguous first)."""
+        lo, hi = layers or (0, self.layout.num_layers)
         data = _movable(data.to(device=self.k.device, dtype=self.dtype))
-        k, v = _movable(self.k), _movable(self.v)
+        k, v = _movable(self.k[lo:hi]), _movable(self.v[lo:hi])
         for i, b, m in _runs(block_ids):
             k[:, b:b + m].copy_(data[i:i + m, :, 0].transpose(0, 1))
             v[:, b:b + m].copy_(data[i:i + m, :, 1].transpose(0, 1))

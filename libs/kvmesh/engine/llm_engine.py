@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece
 from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.sampling import RowFault, make_generator, sample
@@ -48,6 +49,28 @@ class ExportedKV:
     block_keys: list[int]          # keys of all its full blocks, from the first
     first_block: int = 0           # the request's blocks before this one were not read out (the receiver has them)
     final: bool = True             # False: a piece read out after a prefill chunk (``export_chunks``); more follow
+    layers: tuple[int, int] | None = None  # (first, end): the blocks' slice of these layers only; None: all
+
+
+@dataclass
+class _LayerExport:
+    """A prefill chunk's blocks ``first .. end-1``, read out layer group by layer group during its forward pass
+    (``export_layer_groups``): ``bounds`` are the groups' end layers, ``done`` the layers read out so far."""
+
+    seq: Sequence
+    first: int
+    end: int
+    num_tokens: int        # tokens of the request whose KV the chunk completes (from its start)
+    block_keys: list[int]  # keys of the request's full blocks up to num_tokens
+    bounds: tuple[int, ...]
+    done: int = 0
+    error: Exception | None = None
+
+
+def layer_bounds(num_layers: int, groups: int) -> tuple[int, ...]:
+    """The end layer of each of ``groups`` (at most ``num_layers``) near-equal consecutive layer groups."""
+    groups = max(1, min(groups, num_layers))
+    return tuple(num_layers * (g + 1) // groups for g in range(groups))
 
 
 @dataclass
@@ -80,13 +103,15 @@ class _Tracked:
     """Per-request text state owned by the engine: incremental detokenizer and stop-string matching."""
 
     def __init__(self, seq: Sequence, detok, export_kv: bool = False, export_from: int = 0,
-                 export_chunks: bool = False) -> None:
+                 export_chunks: bool = False, export_layer_groups: int = 1) -> None:
         self.seq = seq
         self.detok = detok
         self.text = ""
         self.export_kv = export_kv
         self.export_from = export_from  # the next block to read out (it grows as pieces are read out)
         self.export_chunks = export_chunks
+        self.export_layer_groups = export_layer_groups
+        self.exported_last = False  # its last chunk's blocks were read out in layer groups: nothing is left
         self.error: SequenceError | None = None
         self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
 
@@ -138,6 +163,10 @@ class LLMEngine:
         self._namespaces: dict[tuple[str, str], int] = {}
         self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
         self._pending: list[StepOutput] = []  # outputs produced outside a forward step (imported first tokens)
+        # KV pieces read out during a forward pass (``export_layer_groups``) go here at once, on the engine's
+        # thread (an AsyncEngine hands them to the request's stream); None: they come with the step's outputs
+        self.on_piece: Callable[[StepOutput], None] | None = None
+        self._pieces: list[StepOutput] = []
         self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
         self.step_rows = 0  # sequences in the last step (== step_tokens: a decode-only step)
         # TEST HOOK, never set in production: request ids whose logits are overwritten with nan right after the
@@ -199,9 +228,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
-                    imported: tuple[torch.Tensor | list[torch.Tensor], int, int]
-                    | tuple[torch.Tensor | list[torch.Tensor], int, int, int] | None = None,
-                    export_from: int = 0, lora: str = "", export_chunks: bool = False) -> Sequence:
+                    imported: tuple[torch.Tensor | list[torch.Tensor] | list[KVPiece], int, int]
+                    | tuple[torch.Tensor | list[torch.Tensor] | list[KVPiece], int, int, int] | None = None,
+                    export_from: int = 0, lora: str = "", export_chunks: bool = False,
+                    export_layer_groups: int = 1) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``lora``: the name of a loaded adapter to run it under ("" = the base model); its KV is keyed by the
@@ -212,10 +242,14 @@ class LLMEngine:
         ``export_chunks``: with ``export_kv``, each prefill chunk's newly full blocks are read out right after
         its forward pass, as an output with no token and ``exported.final`` False, so the caller can send them
         while the next chunk computes; the last output then holds only the blocks after those.
+        ``export_layer_groups``: with ``export_chunks``, each chunk's blocks are read out in this many layer
+        groups instead, each as soon as the forward pass wrote those layers (``exported.layers``; handed to
+        ``on_piece`` during the pass), so even the last chunk's KV can leave while its later layers compute;
+        the last output then holds no blocks. 1: whole blocks after each chunk.
         ``imported``: ``(blocks, num_tokens, first_token[, first_block])`` computed by a prefill instance
         (``blocks`` hold the prompt's blocks from ``first_block`` on, one tensor or its pieces in order, as pushed
-        part by part; the ones before must be cached here, e.g.
-        pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        part by part, or ``KVPiece`` s placed by block and layer range, as pushed in layer groups; the ones
+        before must be cached here, e.g. pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         """
         if request_id in self._requests:
@@ -241,7 +275,8 @@ class LLMEngine:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv, export_from, export_chunks)
+        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv, export_from, export_chunks,
+                                                        export_layer_groups)
         tracked.grammar = grammar
         if imported is not None:
             blocks, num_tokens, first_token = imported[:3]
@@ -305,17 +340,24 @@ class LLMEngine:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])
                     if groups else None)
-            logits = self.model(batch, self.kv, self.attn, lora)
+            exports = self._layer_exports(scheduled)
+            logits = self.model(batch, self.kv, self.attn, lora, self._layer_hook(exports) if exports else None)
         except Exception as e:  # this step's sequences fail; the engine serves the next step
             log.exception("forward pass failed for %d sequences", len(scheduled))
-            return [self._fail(seq, SequenceError(seq.request_id, f"the forward pass failed: "
-                                                                   f"{type(e).__name__}: {e}"))
-                    for seq, _ in scheduled]
+            return self._take_pieces() + [self._fail(seq, SequenceError(
+                seq.request_id, f"the forward pass failed: {type(e).__name__}: {e}")) for seq, _ in scheduled]
+        pending = self._take_pieces()
+        if exports and (failed := self._exports_done(exports)):  # those are not sampled
+            pending += failed
+            keep = [i for i, s in enumerate(samplers) if s.status is not Status.FINISHED]
+            samplers, logits = [samplers[i] for i in keep], logits[keep]
         if self.test_nan_logits and (rows := [i for i, s in enumerate(samplers)
                                               if s.request_id in self.test_nan_logits]):
             logits = logits.index_fill(0, torch.tensor(rows, device=logits.device), float("nan"))
         self.last_logits = ([s.request_id for s in samplers], logits)  # introspection for tests and tools
         for seq, n in scheduled:
+            if seq.status is Status.FINISHED:  # failed while its KV was read out
+                continue
             seq.num_computed_tokens += n
             self.blocks.cache_computed_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
@@ -378,11 +420,67 @@ class LLMEngine:
         if reason is not None:
             if tracked.export_kv:
                 n = seq.num_computed_tokens
-                first = min(tracked.export_from, max(0, -(-n // self.cfg.block_size) - 1))
+                last = -(-n // self.cfg.block_size)
+                # no blocks left when the last chunk left in layer groups; else at least the last block
+                first = last if tracked.exported_last else min(tracked.export_from, max(0, last - 1))
                 exported = self._exported(seq, first, n)
             self.scheduler.finish(seq, reason)
         return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
                           exported)
+
+    def _layer_exports(self, scheduled: list) -> list[_LayerExport]:
+        """The chunks of this step to read out layer group by layer group (``export_layer_groups`` > 1)."""
+        out = []
+        bs, layers = self.cfg.block_size, self.model_config.num_layers
+        for seq, n in scheduled:
+            tracked = self._requests.get(seq.request_id)
+            if tracked is None or not tracked.export_chunks or tracked.export_layer_groups < 2:
+                continue
+            after = seq.num_computed_tokens + n
+            end = -(-after // bs) if after == seq.num_tokens else after // bs  # the last chunk: its partial block too
+            if end > tracked.export_from:
+                keys = block_keys(seq.namespace_seed, seq.all_token_ids[:after], bs)
+                out.append(_LayerExport(seq, tracked.export_from, end, after, keys,
+                                        layer_bounds(layers, tracked.export_layer_groups)))
+        return out
+
+    def _layer_hook(self, exports: list[_LayerExport]) -> Callable[[int], None]:
+        """The forward pass's ``kv_written``: at each group's end layer, that slice of each chunk's blocks is
+        read out (one strided copy) and handed over at once. A failed read-out fails that request only."""
+        def kv_written(layers: int) -> None:
+            for x in exports:
+                if x.error is not None or layers not in x.bounds:
+                    continue
+                try:
+                    data = self.kv.read_blocks(x.seq.block_table[x.first:x.end], (x.done, layers))
+                except Exception as e:  # the request fails after the pass (_exports_done)
+                    log.exception("request %s: reading out its KV failed", x.seq.request_id)
+                    x.error = e
+                    continue
+                piece = ExportedKV(data, x.num_tokens, x.block_keys, x.first, final=False, layers=(x.done, layers))
+                x.done = layers
+                out = StepOutput(x.seq.request_id, [], cached_tokens=x.seq.num_cached_tokens, exported=piece)
+                if self.on_piece is None:
+                    self._pieces.append(out)
+                else:
+                    self.on_piece(out)
+        return kv_written
+
+    def _take_pieces(self) -> list[StepOutput]:
+        pieces, self._pieces = self._pieces, []
+        return pieces
+
+    def _exports_done(self, exports: list[_LayerExport]) -> list[StepOutput]:
+        """After the pass: what each chunk read out is off the request's to-do; a failed one fails it."""
+        failed = []
+        for x in exports:
+            if x.error is not None:
+                failed.append(self._fail(x.seq, SequenceError(
+                    x.seq.request_id, f"reading out its KV failed: {type(x.error).__name__}: {x.error}")))
+            elif (tracked := self._requests.get(x.seq.request_id)) is not None:
+                tracked.export_from = x.end
+                tracked.exported_last = x.num_tokens == x.seq.num_tokens
+        return failed
 
     def _export_piece(self, seq: Sequence) -> list[StepOutput]:
         """After a prefill chunk of an ``export_chunks`` request: its full blocks not read out yet, as an output

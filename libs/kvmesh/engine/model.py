@@ -6,6 +6,8 @@ Logits are computed only for the positions the caller samples from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -166,9 +168,12 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend,
-                lora: LoRABatch | None = None) -> torch.Tensor:
+                lora: LoRABatch | None = None,
+                kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits ``[len(batch.sample_idx), vocab]`` (float32). ``lora``: each adapter's low-rank term, added
-        to its rows' projections next to the base matmul."""
+        to its rows' projections next to the base matmul. ``kv_written(n)``: called on this thread as soon as
+        layers ``0 .. n-1`` have written this batch's K/V into ``kv`` (right after layer n-1's attention), so
+        a caller can read a layer group out while the later layers compute."""
         cfg = self.cfg
         attn.plan(batch, kv)
         h = self.lm_head.rows(batch.input_ids) if self.embed is None else self.embed.index_select(0, batch.input_ids)
@@ -184,6 +189,8 @@ class LlamaModel(nn.Module):
                 lora.add(qkv, x, i, "qkv")
             q, k, v = self._qkv_heads(qkv, batch.positions, rope_rows)
             o = attn.forward(i, q, k, v, kv)
+            if kv_written is not None:
+                kv_written(i + 1)
             o = o.reshape(T, -1)
             if lora is None:  # the residual add fused into the projection (h is this pass's own tensor)
                 h = layer.o(o, layer.o_bias, residual=h)

@@ -257,6 +257,8 @@ class InstanceSettings(Section):
     pool_fetch_min_blocks: int = setting(1, "fetch from the pool when it holds this many more leading blocks "
                                             "than the local cache")
     kv_timeout_s: float = setting(10.0, "decode waits this long for kv.ready, then recomputes the prompt itself")
+    push_layer_groups: int = setting(2, "prefill pushes each chunk's KV in this many layer groups, each as soon "
+                                        "as the forward pass wrote it (1 = whole blocks after each chunk)")
     heartbeat_s: float = setting(1.0, "heartbeat period")
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the ready line / file)")
     fault_drop_kv_ready: bool = setting(False, "fault injection (tests): prefill pushes KV but never announces it")
@@ -277,6 +279,7 @@ class InstanceSettings(Section):
         out += self._ports(("port", "transfer_port", "metrics_port"))
         out += self._address("cachesvc_address", "none")
         out += self._positive(("kv_timeout_s", "heartbeat_s"))
+        out += self._min(("push_layer_groups",), 1)
         out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes",
                           "fault_hang_after_parts"), 0)
         return out

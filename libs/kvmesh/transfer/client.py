@@ -50,22 +50,25 @@ class TransferClient:
 
     async def push(self, address: str, transfer_id: TransferId | str, layout: KVLayout,
                    payload: bytes | bytearray | memoryview, block_keys: Sequence[BlockKey], num_tokens: int,
-                   checksums: Sequence[int] | None = None) -> TransferStats:
+                   checksums: Sequence[int] | None = None, layers: tuple[int, int] | None = None,
+                   first_block: int = 0) -> TransferStats:
         """Send the bytes of ``n`` whole blocks in ``layout`` (``payload``: any C-contiguous buffer of
         ``n * layout.block_nbytes`` bytes; the engine passes ``kv_cache.block_bytes(tensor)``, a zero-copy
         view) and wait until the receiver verified them. ``block_keys`` are the keys of the full blocks, in order. ``checksums``: the blocks' xxh3_64
         when the caller has them already (e.g. stored with the blocks): the receiver verifies the bytes
-        against them and they are not computed again here. Raises TransferRejected with the receiver's
-        reason; ConnectionError (or OSError/TimeoutError) when it cannot be reached or the connection
-        breaks."""
+        against them and they are not computed again here. ``layers`` (``(first, end)``): each block of the
+        payload is only its slice of those layers (a hand-off pushed layer group by layer group);
+        ``first_block``: where the payload's first block sits in the sender's sequence. Raises
+        TransferRejected with the receiver's reason; ConnectionError (or OSError/TimeoutError) when it cannot
+        be reached or the connection breaks."""
         started = time.perf_counter()
         addr = parse_address(address)
         backend = self._backend(addr.backend)
         payload = flat_bytes(payload)
-        n = _num_blocks(layout, payload)
+        n = _num_blocks(layout, payload, layers)
         _check_request(transfer_id, layout, n, block_keys, num_tokens)
         if checksums is None:
-            checksums = block_checksums(payload, layout.block_nbytes)
+            checksums = block_checksums(payload, layout.layers_nbytes(layers))
         elif len(checksums) != n:
             raise ValueError(f"{len(checksums)} checksums for {n} blocks")
         async with self._slots.setdefault(addr, asyncio.Semaphore(self.max_connections_per_address)):
@@ -74,7 +77,7 @@ class TransferClient:
             try:
                 staged = self._stage(backend, payload, sock.getsockname()[0])
                 header = TransferHeader(TransferId(transfer_id), backend.name, layout, tuple(block_keys), num_tokens,
-                                        tuple(checksums), staged.source)
+                                        tuple(checksums), staged.source, layers, first_block)
                 reply = await self._exchange(sock, header, staged)
             except BaseException:
                 sock.close()
@@ -149,12 +152,16 @@ class TransferClient:
             sock.close()
 
 
-def _num_blocks(layout: KVLayout, payload: memoryview) -> int:
-    """How many whole blocks ``payload`` holds; ValueError when none, or when it ends inside one."""
-    n, rest = divmod(len(payload), layout.block_nbytes)
+def _num_blocks(layout: KVLayout, payload: memoryview, layers: tuple[int, int] | None = None) -> int:
+    """How many whole blocks (or block slices of ``layers``) ``payload`` holds; ValueError when none, when it
+    ends inside one, or when ``layers`` is no range of the layout's layers."""
+    if layers is not None and not 0 <= layers[0] < layers[1] <= layout.num_layers:
+        raise ValueError(f"layers {layers} is no range of the layout's {layout.num_layers} layers")
+    unit = layout.layers_nbytes(layers)
+    n, rest = divmod(len(payload), unit)
     if n == 0 or rest:
-        raise ValueError(f"a payload of {len(payload)} bytes is not n>0 whole blocks of {layout.block_nbytes} "
-                         f"bytes ({layout.block_shape} x {layout.dtype})")
+        raise ValueError(f"a payload of {len(payload)} bytes is not n>0 whole blocks of {unit} "
+                         f"bytes ({layout.block_shape} x {layout.dtype}, layers {layers or 'all'})")
     return n
 
 

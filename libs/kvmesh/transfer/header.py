@@ -3,6 +3,10 @@
 The header is JSON (it is small; the payload never is). 64-bit values (block keys, xxh3_64 checksums) travel
 as 16-digit hex strings so any JSON reader keeps them exact. ``source`` is the backend's own descriptor of
 where the bytes are (empty for ``tcp``: they follow the header on the same connection).
+
+A payload holds whole blocks, or (``layers``) each block's slice of a range of layers: a part of a KV hand-off
+pushed layer group by layer group. Checksums are then over each block's slice. ``first_block`` places the
+payload in the sender's sequence of blocks (a hand-off's parts; 0 for anything else).
 """
 
 from __future__ import annotations
@@ -30,14 +34,21 @@ class TransferHeader:
     num_tokens: int
     checksums: tuple[int, ...]  # xxh3_64 of each block's raw bytes, in order
     source: dict[str, Any] = field(default_factory=dict)
+    layers: tuple[int, int] | None = None  # (first, end): each block's slice of these layers; None: all
+    first_block: int = 0  # where the payload's first block sits in the sender's sequence
 
     @property
     def num_blocks(self) -> int:
         return len(self.checksums)
 
     @property
+    def block_nbytes(self) -> int:
+        """Bytes of each block of the payload (a slice of the layout's block when ``layers`` is set)."""
+        return self.layout.layers_nbytes(self.layers)
+
+    @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.layout.block_nbytes
+        return self.num_blocks * self.block_nbytes
 
 
 def block_checksums(payload: memoryview, stride: int) -> tuple[int, ...]:
@@ -47,7 +58,7 @@ def block_checksums(payload: memoryview, stride: int) -> tuple[int, ...]:
 
 def corrupt_blocks(header: TransferHeader, payload: memoryview) -> list[int]:
     """Indices of the blocks whose bytes do not hash to the header's checksum."""
-    actual = block_checksums(payload, header.layout.block_nbytes)
+    actual = block_checksums(payload, header.block_nbytes)
     return [i for i, (a, b) in enumerate(zip(actual, header.checksums, strict=True)) if a != b]
 
 
@@ -62,7 +73,10 @@ def encode_header(header: TransferHeader) -> bytes:
         "checksums": [f"{c:016x}" for c in header.checksums],
         "nbytes": header.nbytes,
         "source": header.source,
+        "first_block": header.first_block,
     }
+    if header.layers is not None:
+        doc["layers"] = list(header.layers)
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -85,6 +99,8 @@ def decode_header(raw: bytes) -> TransferHeader:
             num_tokens=_typed(doc, "num_tokens", int),
             checksums=_hex64s(_typed(doc, "checksums", list)),
             source=_typed(doc, "source", dict),
+            layers=_layers(doc),
+            first_block=_typed(doc, "first_block", int) if "first_block" in doc else 0,
         )
     except (TypeError, ValueError) as e:
         raise TransferRejected(f"malformed header: {e}") from None
@@ -97,14 +113,28 @@ def _check_counts(h: TransferHeader, nbytes: int) -> None:
         raise TransferRejected("malformed header: empty transfer_id")
     if h.num_blocks == 0:
         raise TransferRejected("malformed header: no blocks")
+    if h.layers is not None and not 0 <= h.layers[0] < h.layers[1] <= h.layout.num_layers:
+        raise TransferRejected(f"malformed header: layers {list(h.layers)} is no range of the layout's "
+                               f"{h.layout.num_layers} layers")
+    if h.first_block < 0:
+        raise TransferRejected(f"malformed header: first_block {h.first_block} < 0")
     if nbytes != h.nbytes:
         raise TransferRejected(f"malformed header: nbytes {nbytes} != {h.num_blocks} blocks x "
-                               f"{h.layout.block_nbytes} bytes")
+                               f"{h.block_nbytes} bytes")
     if len(h.block_keys) > h.num_blocks:
         raise TransferRejected(f"malformed header: {len(h.block_keys)} block keys for {h.num_blocks} blocks")
     if not 0 < h.num_tokens <= h.num_blocks * h.layout.block_size:
         raise TransferRejected(f"malformed header: num_tokens {h.num_tokens} does not fit {h.num_blocks} "
                                f"blocks of {h.layout.block_size}")
+
+
+def _layers(doc: dict[str, Any]) -> tuple[int, int] | None:
+    if "layers" not in doc:
+        return None
+    value = _typed(doc, "layers", list)
+    if len(value) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise TypeError("field 'layers' must be [first, end], two integers")
+    return value[0], value[1]
 
 
 def _typed(doc: dict[str, Any], key: str, typ: type) -> Any:

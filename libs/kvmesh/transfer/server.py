@@ -57,10 +57,12 @@ class ReceivedBlocks:
     nbytes: int
     seconds: float  # header arrival -> verified
     checksums: tuple[int, ...] = ()  # each block's xxh3_64, which its bytes were verified against
+    layers: tuple[int, int] | None = None  # each block's slice of these layers (None: whole blocks)
+    first_block: int = 0  # where its first block sits in the sender's sequence (a hand-off's part)
 
     @property
     def num_blocks(self) -> int:
-        return self.nbytes // self.layout.block_nbytes
+        return self.nbytes // self.layout.layers_nbytes(self.layers)
 
 
 @dataclass
@@ -285,7 +287,8 @@ class TransferServer:
             if self._discarded_id(tid):  # given up on while it was being received
                 return f"transfer {tid} was discarded by the receiver"
             received = ReceivedBlocks(tid, header.layout, header.block_keys, header.num_tokens, view, nbytes,
-                                      time.perf_counter() - started, header.checksums)
+                                      time.perf_counter() - started, header.checksums, header.layers,
+                                      header.first_block)
             self._settle(tid, received, nbytes)
             delivered = True
             return None
