@@ -1,6 +1,10 @@
 """The C GEMM (csrc/gemm.c, its fused residual add included) and RMSNorm / RoPE / SiLU-and-multiply
 (csrc/pointwise.c) against torch, and ``Linear``'s choice of weight forms."""
 
+import fnmatch
+import tomllib
+from pathlib import Path
+
 import pytest
 import torch
 from kvmesh.engine import linear, native
@@ -155,3 +159,13 @@ def test_silu_mul_kernel_matches_torch(rows):
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     expected = torch.nn.functional.silu(gu[:, :96]) * gu[:, 96:]
     assert torch.allclose(native.silu_mul(POINTWISE, gu, 96), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_wheel_ships_every_kernel_source_and_header():
+    """A header missing from the package data would fail the build in an installed engine, which then falls
+    back to the torch paths (a warning, several times slower), so check the globs cover csrc/ whole."""
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvmesh"]
+    for f in (f for f in native.CSRC.iterdir() if f.is_file()):
+        rel = f"engine/csrc/{f.name}"
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in pyproject's package-data"
