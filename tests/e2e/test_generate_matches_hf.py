@@ -59,6 +59,19 @@ def test_greedy_tokens_equal_transformers_for_chat_and_raw_prompts(engine, hf_mo
         assert ours == hf_greedy(hf_model, prompt, 24)
 
 
+def test_the_default_engine_decodes_from_the_ggufs_quantized_blocks(engine):
+    """The greedy test above then covers the quantized kernel: every matrix reads its Q4_1 / Q8_0 blocks
+    (where the kernel builds with AVX-512), and they hold the fp32 values Hugging Face computes with."""
+    from kvmesh.engine import native
+
+    lib = native.load_gemm()
+    if lib is None or lib.kvmesh_q_block_bytes(1) == 0:
+        pytest.skip("the quantized kernel needs AVX-512 and a compiler")
+    layers = engine.model.layers
+    assert all(getattr(layer, n).q is not None for layer in layers for n in ("qkv", "o", "gate_up", "down"))
+    assert engine.model.lm_head.q is not None
+
+
 def test_a_batch_gives_each_prompt_its_solo_tokens(engine):
     ps = prompts(engine)
     solo = [engine.generate([p], GREEDY_24)[0].token_ids for p in ps]

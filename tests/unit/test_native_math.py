@@ -5,9 +5,10 @@ import fnmatch
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from kvmesh.engine import linear, native
+from kvmesh.engine import linear, native, quant
 from kvmesh.engine.linear import Linear
 from kvmesh.model_source.hf_config import ModelConfig
 
@@ -169,3 +170,72 @@ def test_the_wheel_ships_every_kernel_source_and_header():
     for f in (f for f in native.CSRC.iterdir() if f.is_file()):
         rel = f"engine/csrc/{f.name}"
         assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in pyproject's package-data"
+
+
+def gguf_rows(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random GGUF rows of ``kind`` (finite fp16 scales), as the file stores them: [n, k / 32 * block bytes]."""
+    rng = np.random.default_rng(seed)
+    size = {"Q4_1": 20, "Q8_0": 34}[kind]
+    blk = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
+    for at in (0, 2) if kind == "Q4_1" else (0,):
+        blk[..., at:at + 2] = (rng.standard_normal((n, k // 32, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    return blk.reshape(n, -1)
+
+
+def dequantized(kind: str, rows: np.ndarray, n: int, k: int) -> torch.Tensor:
+    """What the GGUF conversion makes of them (gguf-py's dequantize), [n, k] fp32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.array(dequantize(rows, GGMLQuantizationType[kind]), dtype=np.float32)).reshape(n, k)
+
+
+needs_q = pytest.mark.skipif(LIB is None or LIB.kvmesh_q_block_bytes(1) == 0,
+                             reason="the quantized kernel needs AVX-512 and a compiler")
+
+
+@needs_q
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_quantized_panels_dequantize_to_the_converted_weights_bit_for_bit(kind):
+    n, k = 48, 96
+    rows = gguf_rows(kind, n, k, seed=30)
+    q = torch.from_numpy(quant.to_panels(kind, rows))
+    dense = native.gemm_pack(LIB, dequantized(kind, rows, n, k))
+    assert torch.equal(native.q_dequant(LIB, q, quant.TYPES[kind], n, k), dense)
+
+
+@needs_q
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 16, 40])  # one fused tile (<= 12 rows), then the scratch path
+def test_quantized_kernel_computes_the_dense_kernels_products_bit_for_bit(kind, m):
+    n, k = 80, 64  # 5 panels: a lone last panel too
+    rows = gguf_rows(kind, n, k, seed=31)
+    q = torch.from_numpy(quant.to_panels(kind, rows))
+    panels = native.gemm_pack(LIB, dequantized(kind, rows, n, k))
+    x, bias, h = rand(m, k, seed=32), rand(n, seed=33), rand(m, n, seed=34)
+    scratch = torch.empty(2 * k * 16)
+    t = quant.TYPES[kind]
+    assert torch.equal(native.gemm_q(LIB, x, q, t, n, scratch, bias), native.gemm(LIB, x, panels, n, bias))
+    out = h.clone()
+    native.gemm_q(LIB, x, q, t, n, scratch, bias, out=out)
+    assert torch.equal(out, native.gemm(LIB, x, panels, n, bias, out=h.clone()))
+
+
+@needs_q
+def test_linear_reads_quantized_blocks_only_when_they_hold_its_values():
+    n, k = 64, 96
+    rows = gguf_rows("Q4_1", n, k, seed=35)
+    w = dequantized("Q4_1", rows, n, k)
+    x = rand(3, k, seed=36)
+    expected = Linear(w)(x)
+    lin = Linear(w)
+    assert lin.use_quantized("Q4_1", rows) and lin.q is not None and lin.panels is None
+    assert torch.equal(lin(x), expected)
+    assert lin.nbytes() == lin.q.numel() + w.numel() * 4  # quantized panels + the prefill copy, no dense panels
+    other = Linear(w)
+    assert not other.use_quantized("Q4_1", gguf_rows("Q4_1", n, k, seed=37))  # another matrix's blocks
+    assert other.q is None and other.panels is not None
+    assert not Linear(w).use_quantized("Q4_0", rows)  # a type the kernel does not read
+    lookup = Linear(w, lookup=True, prefill_copy=False)
+    assert lookup.use_quantized("Q4_1", rows) and lookup.panels is not None  # rows() still reads the panels
+    assert torch.equal(lookup.rows(torch.tensor([3, 60])), w[[3, 60]])

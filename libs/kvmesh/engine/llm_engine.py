@@ -136,6 +136,11 @@ class LLMEngine:
             self.model_config, self.fingerprint = source.config, source.fingerprint
             self.model = LlamaModel(source.config, dtype, cfg.device)
             self.model.load_hf_weights(load_weights(source, dtype))
+            if cfg.quantized_weights and source.gguf is not None:
+                from kvmesh.engine.loader import load_quantized
+
+                switched, total = self.model.use_quantized(load_quantized(source.gguf))
+                log.info("%d of %d matrices read from %s's quantized blocks", switched, total, source.gguf.name)
             self.tokenizer = Tokenizer.from_dir(source.hf_dir)
         else:
             self.model_config, self.fingerprint = model_config, f"random-{seed}-{hash_config(model_config)}"

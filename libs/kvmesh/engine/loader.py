@@ -73,6 +73,28 @@ def load_weights(src: ModelSource, dtype: torch.dtype = torch.float32) -> dict[s
     return weights
 
 
+def load_quantized(gguf_path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """The GGUF's matrices stored in a type the C GEMM reads quantized (``quant.TYPES``), under their HF names:
+    (type, the file's rows ``[out_features, row bytes]``), Q/K rows un-permuted as the conversion does."""
+    from kvmesh.engine import quant
+
+    reader = GGUFReader(gguf_path)
+    arch = str(_meta(reader, "general.architecture"))
+    config = _gguf_config(reader, arch)
+    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in quant.TYPES or len(t.data.shape) != 2:
+            continue
+        rows = np.asarray(t.data)
+        part = t.name.split(".")[-2]
+        if arch in GGUF_PERMUTES_QK and part in heads:
+            rows = _unpermute_rope_rows(rows, heads[part])
+        out[_hf_tensor_name(t.name)] = (kind, rows)
+    return out
+
+
 def save_hf_dir(
     config: ModelConfig,
     weights: dict[str, torch.Tensor],

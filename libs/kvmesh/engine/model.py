@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,6 +103,28 @@ class LlamaModel(nn.Module):
                     layer.o_bias.copy_(take(p + "self_attn.o_proj.bias"))
                 layer.ln_attn.copy_(take(p + "input_layernorm.weight"))
                 layer.ln_mlp.copy_(take(p + "post_attention_layernorm.weight"))
+
+    def use_quantized(self, blocks: dict[str, tuple[str, np.ndarray]]) -> tuple[int, int]:
+        """Let each matrix read its GGUF blocks (``blocks``: HF name -> (GGUF type, the file's rows), from
+        ``loader.load_quantized``) where they are all of one supported type and hold exactly its values
+        (``Linear.use_quantized``). Returns (matrices switched, matrices)."""
+        def fused(names: list[str]) -> tuple[str, np.ndarray] | None:
+            parts = [blocks.get(n) for n in names]
+            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+                return None
+            return parts[0][0], np.concatenate([p[1] for p in parts])
+
+        plan: list[tuple[Linear, tuple[str, np.ndarray] | None]] = []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            plan += [(layer.qkv, fused([p + f"self_attn.{n}_proj.weight" for n in "qkv"])),
+                     (layer.o, fused([p + "self_attn.o_proj.weight"])),
+                     (layer.gate_up, fused([p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])),
+                     (layer.down, fused([p + "mlp.down_proj.weight"]))]
+        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+        plan.append((self.lm_head, fused([head])))
+        switched = sum(1 for lin, q in plan if q is not None and lin.use_quantized(*q))
+        return switched, len(plan)
 
     def init_random(self, seed: int = 0) -> None:
         """Small random weights for tests and simulations."""

@@ -106,6 +106,11 @@ def load_gemm() -> ctypes.CDLL | None:
     lib.kvmesh_gemm_pack.argtypes, lib.kvmesh_gemm_pack.restype = [_PTR, _I64, _I64, _I64, _PTR], None
     lib.kvmesh_gemm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int]
     lib.kvmesh_gemm_f32.restype = None
+    lib.kvmesh_q_block_bytes.argtypes, lib.kvmesh_q_block_bytes.restype = [_I64], _I64
+    lib.kvmesh_q_dequant.argtypes, lib.kvmesh_q_dequant.restype = [_PTR, _I64, _I64, _I64, _PTR], None
+    lib.kvmesh_gemm_q_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int,
+                                      _PTR]
+    lib.kvmesh_gemm_q_f32.restype = None
     return lib
 
 
@@ -127,6 +132,24 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int,
     y = torch.empty(m, n, dtype=torch.float32) if out is None else out
     lib.kvmesh_gemm_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n,
                         None if bias is None else bias.data_ptr(), y.data_ptr(), n, out is not None)
+    return y
+
+
+def q_dequant(lib: ctypes.CDLL, q: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """Quantized panels (``quant.to_panels``) -> the fp32 panels ``[n / 16, k, 16]`` they hold."""
+    panels = torch.empty(n // 16, k, 16, dtype=torch.float32)
+    lib.kvmesh_q_dequant(q.data_ptr(), qtype, n, k, panels.data_ptr())
+    return panels
+
+
+def gemm_q(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, qtype: int, n: int, scratch: torch.Tensor,
+           bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemm`` over quantized panels; ``scratch``: fp32, ``2 * K * 16`` elements, this caller's own."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+    lib.kvmesh_gemm_q_f32(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), qtype, n,
+                          None if bias is None else bias.data_ptr(), y.data_ptr(), n, out is not None,
+                          scratch.data_ptr())
     return y
 
 

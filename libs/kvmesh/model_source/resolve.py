@@ -30,6 +30,7 @@ class ModelSource:
     hf_dir: Path  # config.json, safetensors weights, tokenizer files
     config: ModelConfig
     fingerprint: str  # stable hex id of the weights: part of every block key's namespace
+    gguf: Path | None = None  # the GGUF file hf_dir was converted from (its quantized blocks), if any
 
 
 def default_model_path() -> Path:
@@ -65,7 +66,7 @@ def resolve_model(source: str | Path | None, cache_dir: Path | None = None,
         if not (hf_dir / "config.json").is_file():
             (convert or convert_in_child)(path, hf_dir)
         config = ModelConfig.from_hf(json.loads((hf_dir / "config.json").read_text()))
-        return ModelSource(hf_dir, config, digest)
+        return ModelSource(hf_dir, config, digest, gguf=path)
     raise FileNotFoundError(f"{path}: expected an HF model directory with config.json or a .gguf file")
 
 

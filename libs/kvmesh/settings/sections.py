@@ -198,6 +198,9 @@ class EngineSettings(Section):
                               "<= cores")
     attention: str = setting("auto", "attention backend (auto: flashinfer on CUDA, the native C kernel on CPU)",
                              choices=ATTENTION)
+    quantized_weights: bool = setting(True, "from a GGUF, small steps read its Q4_1 / Q8_0 blocks (CPU fp32, one "
+                                            "thread, AVX-512): the same products as the fp32 weights, 5-9 bits "
+                                            "a weight streamed instead of 32")
     block_size: int = setting(16, "tokens per KV block (the router's block_size must match)")
     kv_cache_mb: int = setting(512, "device KV pool size (ignored when num_blocks > 0)")
     num_blocks: int = setting(0, "device KV pool size in blocks (0 = size from kv_cache_mb)")
