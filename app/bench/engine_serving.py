@@ -2,7 +2,8 @@
 with ``--stack`` through a real stack (``kvmesh up --prefill 0 --decode 0 --both 1``: router, NATS, cachesvc and
 one engine process), streaming ``/v1/completions`` over HTTP as a client does.
 
-    python -m app.bench.engine_serving [--stack] [--threads 1] [--quick] [--no-write] [--section NAME]
+    python -m app.bench.engine_serving [--stack] [--weights both|quantized|dense] [--threads 1] [--quick]
+                                       [--no-write] [--section NAME]
     kvmesh bench engine --serving [same options]
 
 Scenarios (default model, fp32, 20-token prompts):
@@ -11,6 +12,8 @@ Scenarios (default model, fp32, 20-token prompts):
   inter-token gaps, and generated tokens per CPU-second of this process (less sensitive to a shared machine).
 - ``mixed``: 8 streams decode while new 256-token prompts arrive one after another; ITL p50/p99/max of the 8
   running streams, and the arrivals' TTFT.
+Each scenario runs once per weight form (``--weights``, default both): the GGUF's quantized blocks (the engine's
+default) and their fp32 dequantization (the same values: a baseline in the same run).
 """
 
 from __future__ import annotations
@@ -126,22 +129,24 @@ class Bench:
         return {"streams": rows, "mixed": mixed}
 
 
-async def in_process(threads: int, quick: bool) -> dict:
-    engine = AsyncEngine(LLMEngine(EngineSettings(threads=threads, max_num_seqs=64)), asyncio.get_running_loop())
+async def in_process(threads: int, quick: bool, quantized: bool = True) -> dict:
+    settings = EngineSettings(threads=threads, max_num_seqs=64, quantized_weights=quantized)
+    engine = AsyncEngine(LLMEngine(settings), asyncio.get_running_loop())
     try:
         return await Bench().run(engine_stream(engine), quick)
     finally:
         engine.close()
 
 
-async def through_stack(threads: int, quick: bool) -> dict:
+async def through_stack(threads: int, quick: bool, quantized: bool = True) -> dict:
     """``kvmesh up --prefill 0 --decode 0 --both 1`` in a temporary state directory, driven over HTTP."""
     import aiohttp
 
     from app.launcher import Stack, StackOptions
 
     opts = StackOptions.local("bench-serving", prefill=0, decode=0, both=1,
-                              settings={"engine": {"threads": threads, "max_num_seqs": 64}})
+                              settings={"engine": {"threads": threads, "max_num_seqs": 64,
+                                                   "quantized_weights": quantized}})
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp), opts)
         await asyncio.to_thread(stack.start, timeout_s=300)
@@ -158,19 +163,30 @@ def _fmt(row: dict) -> dict:
                 f"{v:.2f}x" if isinstance(v, float) else v) for k, v in row.items()}
 
 
-def render(res: dict, threads: int, stack: bool = False) -> str:
+WEIGHTS = {"quantized": True, "dense": False}  # --weights: the GGUF's blocks, or their fp32 dequantization
+
+
+def render(results: dict[str, dict], threads: int, stack: bool = False) -> str:
+    """``results``: per weight form (``WEIGHTS``), one ``Bench.run``."""
     # tok/cpu-s counts this process's CPU: the engine's in process, only the client's through the stack
-    stream_cols = ["streams", "tok/s", "vs 1 stream", *([] if stack else ["tok/cpu-s"]), "ITL p50 ms", "ITL p99 ms"]
-    mixed_cols = ["ITL p50 ms", "ITL p99 ms", "ITL max ms", "p50 while arriving", "p99 while arriving",
-                  "arrival TTFT p50 ms"]
+    stream_cols = ["weights", "streams", "tok/s", "vs 1 stream", *([] if stack else ["tok/cpu-s"]), "ITL p50 ms",
+                   "ITL p99 ms"]
+    mixed_cols = ["weights", "ITL p50 ms", "ITL p99 ms", "p99 / p50", "ITL max ms", "p50 while arriving",
+                  "p99 while arriving", "arrival TTFT p50 ms"]
+    streams = [_fmt({"weights": w, **r}) for w, res in results.items() for r in res["streams"]]
+    mixed = [_fmt({"weights": w, **res["mixed"],
+                   "p99 / p50": f"{res['mixed']['ITL p99 ms'] / res['mixed']['ITL p50 ms']:.2f}"})
+             for w, res in results.items()]
     return "\n\n".join([
-        (f"Default model (SmolLM2-135M-Instruct, fp32), {threads} thread(s), "
+        (f"Default model (SmolLM2-135M-Instruct, fp32 compute), {threads} thread(s), "
          + ("through `kvmesh up --prefill 0 --decode 0 --both 1` (router, NATS, cachesvc, one engine process), "
             "streaming `/v1/completions` over HTTP" if stack else "through `AsyncEngine`")
-         + "; 20-token prompts, 64 tokens per stream."),
-        markdown_table([_fmt(r) for r in res["streams"]], stream_cols),
+         + "; 20-token prompts, 64 tokens per stream. `quantized`: the kernel reads the GGUF's Q4_1 / Q8_0 "
+           "blocks (`engine.quantized_weights`, the default); `dense`: their fp32 dequantization, the same "
+           "values (greedy tokens identical); one after the other in this run."),
+        markdown_table(streams, stream_cols),
         "Mixed: 8 streams decoding while 256-token prompts arrive every 0.5 s (ITL of the 8 running streams):",
-        markdown_table([_fmt(res["mixed"])], mixed_cols),
+        markdown_table(mixed, mixed_cols),
     ])
 
 
@@ -181,16 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to (re)write (default: "
                    "'Engine serving', with --stack 'Engine serving through the stack')")
+    p.add_argument("--weights", choices=[*WEIGHTS, "both"], default="both",
+                   help="which weight form(s) the engine reads (default: both, one after the other)")
     p.add_argument("--stack", action="store_true",
                    help="through kvmesh up --both 1 over HTTP instead of AsyncEngine in this process")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     run = through_stack if args.stack else in_process
-    body = render(asyncio.run(run(args.threads, args.quick)), args.threads, args.stack)
+    forms = list(WEIGHTS) if args.weights == "both" else [args.weights]
+    results = {w: asyncio.run(run(args.threads, args.quick, WEIGHTS[w])) for w in forms}
+    body = render(results, args.threads, args.stack)
     print(body)
     section = args.section or ("Engine serving through the stack" if args.stack else "Engine serving")
     if not args.no_write and not args.quick:
-        cmd = f"python -m app.bench.engine_serving --threads {args.threads}" + (" --stack" if args.stack else "")
+        cmd = (f"python -m app.bench.engine_serving --threads {args.threads}" + (" --stack" if args.stack else "")
+               + ("" if args.weights == "both" else f" --weights {args.weights}"))
         print(f"\nwritten to {write_section(section, cmd, body)}")
     return 0
 
