@@ -136,7 +136,8 @@ class LLMEngine:
             self.model_config, self.fingerprint = source.config, source.fingerprint
             self.model = LlamaModel(source.config, dtype, cfg.device)
             self.model.load_hf_weights(load_weights(source, dtype))
-            if cfg.quantized_weights and source.gguf is not None:
+            # the quantized blocks serve the C kernel only (CPU, fp32, one thread): elsewhere the file is not read again
+            if cfg.quantized_weights and source.gguf is not None and self.model.lm_head.lib is not None:
                 from kvmesh.engine.loader import load_quantized
 
                 switched, total = self.model.use_quantized(load_quantized(source.gguf))
