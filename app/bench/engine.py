@@ -149,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     res = run(args.threads, args.quick)
     body = "\n\n".join([
-        (f"Default model (SmolLM2-135M-Instruct, fp32 weights and KV), {args.threads} thread(s). Ratio > 1 means "
-        "kvmesh is faster than transformers (same weights, same process, same thread budget)."),
+        (f"Default model (SmolLM2-135M-Instruct, fp32 compute and KV), {args.threads} thread(s). Ratio > 1 means "
+         "kvmesh is faster than transformers (same weight values, same process, same thread budget; kvmesh's "
+         "decode-sized steps read the GGUF's quantized blocks, `engine.quantized_weights`, which hold exactly "
+         "the fp32 values transformers multiplies)."),
         "Prefill (one prompt, logits for the last position only):\n\n" +
         markdown_table(res["prefill"], ["tokens", "kvmesh tok/s", "transformers tok/s", "ratio"]),
         "Decode, context 512 tokens per sequence:\n\n" +
