@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,26 +74,36 @@ def load_weights(src: ModelSource, dtype: torch.dtype = torch.float32) -> dict[s
     return weights
 
 
+class _GGUFTensors:
+    """A GGUF's model config and its tensors under their HF names, each with the row order fix the conversion
+    applies (llama.cpp's per-head Q/K permutation undone): one home for that rule, which the dequantized
+    weights and the quantized blocks both follow."""
+
+    def __init__(self, gguf_path: Path) -> None:
+        self.reader = GGUFReader(gguf_path)
+        self.arch = str(_meta(self.reader, "general.architecture"))
+        self.config = _gguf_config(self.reader, self.arch)
+        self._heads = {"attn_q": self.config.num_heads, "attn_k": self.config.num_kv_heads}
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return ((_hf_tensor_name(t.name), t) for t in self.reader.tensors)
+
+    def rows(self, tensor: Any, w: np.ndarray) -> np.ndarray:
+        """``w`` (the tensor's values or its raw blocks, one row per output feature) in the HF row order."""
+        part = tensor.name.split(".")[-2]
+        if self.arch in GGUF_PERMUTES_QK and part in self._heads:
+            return _unpermute_rope_rows(w, self._heads[part])
+        return w
+
+
 def load_quantized(gguf_path: Path) -> dict[str, tuple[str, np.ndarray]]:
     """The GGUF's matrices stored in a type the C GEMM reads quantized (``quant.TYPES``), under their HF names:
-    (type, the file's rows ``[out_features, row bytes]``), Q/K rows un-permuted as the conversion does."""
+    (type, the file's rows ``[out_features, row bytes]``), in the row order of the converted weights."""
     from kvmesh.engine import quant
 
-    reader = GGUFReader(gguf_path)
-    arch = str(_meta(reader, "general.architecture"))
-    config = _gguf_config(reader, arch)
-    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    out: dict[str, tuple[str, np.ndarray]] = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in quant.TYPES or len(t.data.shape) != 2:
-            continue
-        rows = np.asarray(t.data)
-        part = t.name.split(".")[-2]
-        if arch in GGUF_PERMUTES_QK and part in heads:
-            rows = _unpermute_rope_rows(rows, heads[part])
-        out[_hf_tensor_name(t.name)] = (kind, rows)
-    return out
+    tensors = _GGUFTensors(gguf_path)
+    return {name: (t.tensor_type.name, tensors.rows(t, np.asarray(t.data))) for name, t in tensors
+            if t.tensor_type.name in quant.TYPES and len(t.data.shape) == 2}
 
 
 def save_hf_dir(
@@ -132,18 +143,10 @@ def _convert_gguf_once(gguf_path: Path, hf_dir: Path) -> None:
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
-    reader = GGUFReader(gguf_path)
-    arch = str(_meta(reader, "general.architecture"))
-    config = _gguf_config(reader, arch)
-    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: t.data is a read-only map
-        part = t.name.split(".")[-2]
-        if arch in GGUF_PERMUTES_QK and part in heads:
-            w = _unpermute_rope_rows(w, heads[part])
-        weights[_hf_tensor_name(t.name)] = torch.from_numpy(w)
-    save_hf_dir(config, weights, out)
+    tensors = _GGUFTensors(gguf_path)
+    weights = {name: torch.from_numpy(tensors.rows(t, np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)))
+               for name, t in tensors}  # np.array: a copy, t.data is a read-only map
+    save_hf_dir(tensors.config, weights, out)
 
     tokenizer = AutoTokenizer.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
