@@ -213,6 +213,12 @@ def worker_blocks(stack, name: str, state: str) -> float:
                    and 'tier="device"' in line)
 
 
+def eventually_decode_holds_no_block(stack) -> None:
+    """Decode's pins and references all released (as each call ends: a leak never gets to 0)."""
+    eventually(lambda: worker_blocks(stack, "decode-0", "pinned") == 0)
+    eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
+
+
 def worker_metric(stack, name: str, metric: str) -> float:
     return scraped(service(stack, name).endpoints["metrics"] + "/metrics", lambda line: line.startswith(metric + " "))
 
@@ -263,9 +269,7 @@ def test_a_bad_delta_push_is_recomputed_and_leaks_no_pinned_block(tmp_path_facto
         clean = completion(stack, turn2, headers=always)  # a clean delta push
         assert faulty == clean
         assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 2
-        # released as each call ends (just after its last chunk): a leak never gets to 0
-        eventually(lambda: worker_blocks(stack, "decode-0", "pinned") == 0)
-        eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
+        eventually_decode_holds_no_block(stack)
         eventually(lambda: worker_blocks(stack, "prefill-0", "referenced") == 0)
     finally:
         stack.stop()
@@ -310,8 +314,7 @@ def test_a_prefill_killed_half_way_through_its_push_costs_a_recompute_and_leaks_
         t.join(120)
         assert result == [reference]
         assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 1
-        eventually(lambda: worker_blocks(stack, "decode-0", "pinned") == 0)
-        eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
+        eventually_decode_holds_no_block(stack)
         eventually(lambda: worker_metric(stack, "decode-0", "kvmesh_worker_kv_transfer_buffered_bytes") == 0)
     finally:
         stack.stop()
