@@ -3,13 +3,16 @@ with ``--stack`` through a real stack (``kvmesh up --prefill 0 --decode 0 --both
 one engine process), streaming ``/v1/completions`` over HTTP as a client does.
 
     python -m app.bench.engine_serving [--stack] [--weights both|quantized|dense] [--threads 1] [--quick]
-                                       [--no-write] [--section NAME]
+                                       [--mixed-step-stall X] [--no-write] [--section NAME]
     kvmesh bench engine --serving [same options]
 
 Scenarios (default model, fp32, 20-token prompts):
 - ``streams``: 1, 8 and 16 requests submitted together, 64 tokens each; aggregate tok/s (all generated tokens over
   the wall time from first submit to last token), its ratio to one stream's, ITL p50/p99 over every stream's
   inter-token gaps, and generated tokens per CPU-second of this process (less sensitive to a shared machine).
+  From the engine's step counters (``kvmesh_worker_engine_step_*``, scraped from its /metrics through the stack):
+  the mean decode step's wall and engine-thread CPU milliseconds and its rows (wall above CPU: the engine
+  thread waited, for the GIL or for a core another process held).
 - ``mixed``: 8 streams decode while new 256-token prompts arrive one after another; ITL p50/p99/max of the 8
   running streams, and the arrivals' TTFT.
 Each scenario runs once per weight form (``--weights``, default both): the GGUF's quantized blocks (the engine's
@@ -79,23 +82,65 @@ def _itls(runs: list[list[float]]) -> np.ndarray:
     return np.concatenate([np.diff(t[2:]) for t in runs if len(t) > 3]) * 1000
 
 
+Probe = Callable[[], Awaitable[dict[str, float]]]
+"""The engine's decode-step totals so far: ``steps``, ``rows``, ``seconds`` (wall), ``cpu`` (engine thread)."""
+
+
+def engine_probe(engine: AsyncEngine) -> Probe:
+    async def probe() -> dict[str, float]:
+        t = engine.step_totals
+        return {"steps": t.steps["decode"], "rows": t.rows["decode"], "seconds": t.seconds["decode"],
+                "cpu": t.cpu_seconds["decode"]}
+    return probe
+
+
+def metrics_probe(session, url: str) -> Probe:
+    """The same totals from an engine's Prometheus text (``kvmesh_worker_engine_step*_total{kind="decode"}``)."""
+    names = {"steps": "engine_steps_total", "rows": "engine_step_rows_total", "seconds": "engine_step_seconds_total",
+             "cpu": "engine_step_cpu_seconds_total"}
+
+    async def probe() -> dict[str, float]:
+        async with session.get(url) as r:
+            text = await r.text()
+        values = {}
+        for line in text.splitlines():
+            name, _, rest = line.partition('{kind="decode"} ')
+            for key, suffix in names.items():
+                if rest and name.endswith("_" + suffix):
+                    values[key] = float(rest)
+        return values
+    return probe
+
+
+def _step_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    steps = after["steps"] - before["steps"]
+    if not steps:
+        return {}
+    return {"step ms": (after["seconds"] - before["seconds"]) / steps * 1e3,
+            "step CPU ms": (after["cpu"] - before["cpu"]) / steps * 1e3,
+            "rows/step": (after["rows"] - before["rows"]) / steps}
+
+
 class Bench:
-    def __init__(self) -> None:
+    def __init__(self, probe: Probe | None = None) -> None:
         self.n = 0
+        self.probe = probe
 
     def _rid(self) -> str:
         self.n += 1
         return f"s{self.n}"
 
     async def streams(self, stream: Stream, n: int, tokens: int) -> dict:
+        before = await self.probe() if self.probe else None
         cpu, t0 = time.process_time(), time.perf_counter()
         runs = await asyncio.gather(*(stream(self._rid(), _prompt(20, self.n * 7919 + i), tokens)
                                       for i in range(n)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
         itl = _itls(runs)
         generated = sum(len(r) - 1 for r in runs)
+        steps = _step_stats(before, await self.probe()) if self.probe and before else {}
         return {"streams": n, "tok/s": generated / wall, "tok/cpu-s": generated / cpu,
-                "ITL p50 ms": float(np.percentile(itl, 50)), "ITL p99 ms": float(np.percentile(itl, 99))}
+                "ITL p50 ms": float(np.percentile(itl, 50)), "ITL p99 ms": float(np.percentile(itl, 99)), **steps}
 
     async def mixed(self, stream: Stream, arrivals: int, prompt_len: int, gap_s: float) -> dict:
         running = [asyncio.create_task(stream(self._rid(), _prompt(20, 1000 + i), 48 + 8 * arrivals))
@@ -129,16 +174,16 @@ class Bench:
         return {"streams": rows, "mixed": mixed}
 
 
-async def in_process(threads: int, quick: bool, quantized: bool = True) -> dict:
-    settings = EngineSettings(threads=threads, max_num_seqs=64, quantized_weights=quantized)
+async def in_process(threads: int, quick: bool, quantized: bool = True, engine: dict | None = None) -> dict:
+    settings = EngineSettings(threads=threads, max_num_seqs=64, quantized_weights=quantized, **(engine or {}))
     engine = AsyncEngine(LLMEngine(settings), asyncio.get_running_loop())
     try:
-        return await Bench().run(engine_stream(engine), quick)
+        return await Bench(engine_probe(engine)).run(engine_stream(engine), quick)
     finally:
         engine.close()
 
 
-async def through_stack(threads: int, quick: bool, quantized: bool = True) -> dict:
+async def through_stack(threads: int, quick: bool, quantized: bool = True, engine: dict | None = None) -> dict:
     """``kvmesh up --prefill 0 --decode 0 --both 1`` in a temporary state directory, driven over HTTP."""
     import aiohttp
 
@@ -146,14 +191,16 @@ async def through_stack(threads: int, quick: bool, quantized: bool = True) -> di
 
     opts = StackOptions.local("bench-serving", prefill=0, decode=0, both=1,
                               settings={"engine": {"threads": threads, "max_num_seqs": 64,
-                                                   "quantized_weights": quantized}})
+                                                   "quantized_weights": quantized, **(engine or {})}})
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp), opts)
         await asyncio.to_thread(stack.start, timeout_s=300)
         try:
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-                return await Bench().run(http_stream(session, f"http://127.0.0.1:{stack.http_port}"), quick)
+                engine = next(s for s in stack.services if s.name.startswith("both"))
+                probe = metrics_probe(session, engine.endpoints["metrics"])
+                return await Bench(probe).run(http_stream(session, f"http://127.0.0.1:{stack.http_port}"), quick)
         finally:
             await asyncio.to_thread(stack.stop)
 
@@ -170,7 +217,7 @@ def render(results: dict[str, dict], threads: int, stack: bool = False) -> str:
     """``results``: per weight form (``WEIGHTS``), one ``Bench.run``."""
     # tok/cpu-s counts this process's CPU: the engine's in process, only the client's through the stack
     stream_cols = ["weights", "streams", "tok/s", "vs 1 stream", *([] if stack else ["tok/cpu-s"]), "ITL p50 ms",
-                   "ITL p99 ms"]
+                   "ITL p99 ms", "step ms", "step CPU ms", "rows/step"]
     mixed_cols = ["weights", "ITL p50 ms", "ITL p99 ms", "p99 / p50", "ITL max ms", "p50 while arriving",
                   "p99 while arriving", "arrival TTFT p50 ms"]
     streams = [_fmt({"weights": w, **r}) for w, res in results.items() for r in res["streams"]]
@@ -199,19 +246,25 @@ def main(argv: list[str] | None = None) -> int:
                    "'Engine serving', with --stack 'Engine serving through the stack')")
     p.add_argument("--weights", choices=[*WEIGHTS, "both"], default="both",
                    help="which weight form(s) the engine reads (default: both, one after the other)")
+    p.add_argument("--mixed-step-stall", type=float, default=None,
+                   help="engine.mixed_step_stall for this run (default: the engine's)")
     p.add_argument("--stack", action="store_true",
                    help="through kvmesh up --both 1 over HTTP instead of AsyncEngine in this process")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     run = through_stack if args.stack else in_process
     forms = list(WEIGHTS) if args.weights == "both" else [args.weights]
-    results = {w: asyncio.run(run(args.threads, args.quick, WEIGHTS[w])) for w in forms}
+    engine = {} if args.mixed_step_stall is None else {"mixed_step_stall": args.mixed_step_stall}
+    results = {w: asyncio.run(run(args.threads, args.quick, WEIGHTS[w], engine)) for w in forms}
     body = render(results, args.threads, args.stack)
+    if engine:
+        body = f"`engine.mixed_step_stall` = {args.mixed_step_stall:g}.\n\n" + body
     print(body)
     section = args.section or ("Engine serving through the stack" if args.stack else "Engine serving")
     if not args.no_write and not args.quick:
         cmd = (f"python -m app.bench.engine_serving --threads {args.threads}" + (" --stack" if args.stack else "")
-               + ("" if args.weights == "both" else f" --weights {args.weights}"))
+               + ("" if args.weights == "both" else f" --weights {args.weights}")
+               + ("" if args.mixed_step_stall is None else f" --mixed-step-stall {args.mixed_step_stall:g}"))
         print(f"\nwritten to {write_section(section, cmd, body)}")
     return 0
 

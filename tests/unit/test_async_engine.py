@@ -63,3 +63,66 @@ def test_step_totals_count_prompt_steps_apart_from_decode_only_steps(tiny_config
     assert totals.steps == {"prefill": 1, "decode": 3}  # the prompt's step samples token 1, then one per step
     assert totals.rows == {"prefill": 1, "decode": 3}
     assert totals.seconds["decode"] > 0 and totals.seconds["prefill"] > 0
+    assert all(0 < totals.cpu_seconds[k] <= totals.seconds[k] * 1.05 + 1e-3 for k in totals.KINDS)
+
+
+def test_prompt_steps_and_decode_only_steps_feed_separate_speed_fits(tiny_config):
+    """The prefill speed the router prices prompts with is fitted over steps with prompt tokens only; decode-only
+    steps fit the batch's step over its rows (their first step is each fit's warm-up, not counted)."""
+    async def run():
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=64, block_size=4), model_config=tiny_config),
+                             asyncio.get_running_loop())
+        try:
+            async def one(rid: str, prompt: list[int]) -> None:
+                async for _ in engine.generate(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True)):
+                    pass
+
+            for i in range(3):
+                await one(f"r{i}", [1 + i, 2, 3, 4, 5, 6])
+            return engine.speed.fit(), engine.decode_speed.fit()
+        finally:
+            engine.close()
+
+    prefill, decode = asyncio.run(asyncio.wait_for(run(), 30))
+    assert prefill is not None and 1 <= prefill.samples <= 2  # 3 prompt steps, less the warm-up (and outliers)
+    assert decode is not None and 3 <= decode.samples <= 8  # 3 x 3 decode-only steps, less the warm-up
+
+
+def test_the_chunk_cap_is_sized_against_the_batch_the_waiting_prompts_settle_at(tiny_config):
+    """One stream running, fifteen prompts waiting: the cap follows ``chunk_budget`` with the settled batch."""
+    from kvmesh.engine.scheduler import chunk_budget
+
+    async def run():
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=256, block_size=4, max_batched_tokens=4096),
+                                       model_config=tiny_config), asyncio.get_running_loop())
+        try:
+            gate = threading.Event()
+            for n, seconds in [(64, 0.03 + 64 / 1500)] * 4 + [(128, 0.03 + 128 / 1500)] * 4:
+                engine.speed.observe(n, seconds)
+            for rows in [1, 2, 4, 8, 16, 1, 2, 4, 8]:
+                engine.decode_speed.observe(rows, 0.035 + rows / 500)
+
+            def setup(e: LLMEngine) -> None:
+                e.add_request("running", [1, 2, 3, 4, 5], SamplingParams(max_tokens=64, ignore_eos=True))
+                e.step()  # its prompt: now a decode row
+                for i in range(15):
+                    e.add_request(f"w{i}", [7 + i, 2, 3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+                engine._steps = 0  # the next sizing refits
+                engine._size_chunks()
+                gate.set()
+
+            await engine.call(setup)
+            gate.wait(5)
+            return engine.engine.scheduler.chunk_tokens, engine._fit, engine._decode_fit
+        finally:
+            engine.close()
+
+    cap, prefill, decode = asyncio.run(asyncio.wait_for(run(), 30))
+    assert cap == chunk_budget(prefill.overhead_s, prefill.tok_per_s, 1, engine_stall(),
+                               (decode.overhead_s, decode.tok_per_s), 16)
+    assert cap > 4 * chunk_budget(prefill.overhead_s, prefill.tok_per_s, 1, engine_stall(),
+                                  (decode.overhead_s, decode.tok_per_s), 1)
+
+
+def engine_stall() -> float:
+    return EngineSettings().mixed_step_stall

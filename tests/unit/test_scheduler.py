@@ -48,6 +48,21 @@ def test_a_mixed_step_at_the_budget_costs_at_most_one_plus_stall_decode_steps():
     assert overhead + (rows + budget + 1) / speed > (1 + stall) * decode_only
 
 
+def test_prompts_waiting_to_join_a_small_batch_may_hold_it_back_as_long_as_the_settled_batch_would_bear():
+    overhead, speed, stall = 0.03, 1500.0, 0.5
+    line = (0.035, 500.0)  # decode-only steps: 35 ms + rows / 500
+    step = lambda rows: line[0] + rows / line[1]
+    # nobody waiting: a mixed step costs at most (1 + stall) x today's decode step
+    plain = chunk_budget(overhead, speed, 8, stall, line, settled_rows=8)
+    assert step(8) + plain / speed <= (1 + stall) * step(8) + 1e-9 < step(8) + (plain + 1) / speed
+    # one stream running, fifteen waiting: together held back no longer than the 16-row batch would be
+    ramp = chunk_budget(overhead, speed, 1, stall, line, settled_rows=16)
+    assert 1 * ramp / speed <= stall * step(16) * 16 + 1e-9 < (ramp + 1) / speed
+    assert ramp >= 10 * 20  # ten of the 20-token prompts in one step, not one
+    # the more streams already run, the less each may be held back
+    assert chunk_budget(overhead, speed, 8, stall, line, 16) < chunk_budget(overhead, speed, 4, stall, line, 16) < ramp
+
+
 def test_the_budget_never_drops_below_the_minimum_chunk():
     assert chunk_budget(0.0, 1.0, 1, 0.5) == MIN_CHUNK
 

@@ -174,8 +174,8 @@ def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_c
         metrics.prefix.observe(100, 25)
         for n in (7, 64, 256, 64, 256, 128, 32, 512):  # forward steps of 0.02 s + n / 500 s
             engine.speed.observe(n, 0.02 + n / 500)
-        engine.step_totals.add(True, 8, 0.05)
-        engine.step_totals.add(False, 3, 0.25)
+        engine.step_totals.add(True, 8, 0.05, 0.04)
+        engine.step_totals.add(False, 3, 0.25, 0.125)
         server = MetricsServer(metrics.registry, "127.0.0.1", 0)
         try:
             loop = asyncio.get_running_loop()
@@ -197,6 +197,7 @@ def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_c
     assert 'kvmesh_worker_engine_steps_total{kind="decode"} 1.0' in text
     assert 'kvmesh_worker_engine_step_rows_total{kind="decode"} 8.0' in text
     assert 'kvmesh_worker_engine_step_seconds_total{kind="prefill"} 0.25' in text
+    assert 'kvmesh_worker_engine_step_cpu_seconds_total{kind="prefill"} 0.125' in text
     speed = next(float(line.split()[-1]) for line in text.splitlines()
                  if line.startswith("kvmesh_worker_prefill_tokens_per_second "))
     assert 450 < speed < 550

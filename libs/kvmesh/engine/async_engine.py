@@ -27,14 +27,12 @@ from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.scheduler import chunk_budget
 from kvmesh.engine.sequence import Sequence, Status
-from kvmesh.routing.cost import SpeedEstimator
+from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
 
 log = logging.getLogger(__name__)
 
-# A mixed step may cost (1 + STALL) x a decode-only step. Measured (mixed scenario of app.bench.engine_serving,
-# fresh prompts each run, same process, 2 runs each): ITL p99/p50 2.50/2.89 at 1.0, 1.69/2.04 at 0.5, 1.58/1.82
-# at 0.25; the arrivals' TTFT p50 3.8-4.0 s, 5.6-5.8 s, 6.9-10.7 s (that load exceeds the prefill capacity).
-STALL = 0.5
+# a prompt token's cost before any step with prompt tokens is measured
+PRIOR = SpeedFit(CostModel().prefill_overhead_s, CostModel().prefill_tok_per_s, 0)
 
 
 @dataclass
@@ -65,9 +63,10 @@ class RequestTiming:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 on_events: Callable[[list[KVEvent]], None] | None = None, stall: float = STALL) -> None:
+                 on_events: Callable[[list[KVEvent]], None] | None = None, stall: float | None = None) -> None:
         self.engine = engine
-        self.stall = stall  # a mixed step may cost (1 + stall) x a decode-only one (scheduler.chunk_budget)
+        # a mixed step may cost (1 + stall) x a decode-only one (scheduler.chunk_budget; engine.mixed_step_stall)
+        self.stall = engine.cfg.mixed_step_stall if stall is None else stall
         self.loop = loop
         self.on_events = on_events
         self._events: list[KVEvent] = []
@@ -79,9 +78,12 @@ class AsyncEngine:
         # engine thread only: timed requests not yet admitted by the scheduler / without a first output yet
         self._unscheduled: dict[str, tuple[Sequence, RequestTiming]] = {}
         self._timed: dict[str, tuple[Sequence, RequestTiming]] = {}
-        self.speed = SpeedEstimator()  # fed on the engine thread, read by heartbeats
+        # fed on the engine thread, read by heartbeats: steps with prompt tokens (a prompt token's cost, which the
+        # router prices prefill with), and decode-only steps over their rows (a batch's step as it grows)
+        self.speed, self.decode_speed = SpeedEstimator(), SpeedEstimator()
         self.step_totals = StepTotals()  # fed on the engine thread, read by the metrics collector
         self._fit = self.speed.fit()
+        self._decode_fit = self.decode_speed.fit()
         self._steps = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -185,7 +187,7 @@ class AsyncEngine:
             self._flush_events()
 
     def _step(self) -> None:
-        began = time.monotonic()
+        began, began_cpu = time.monotonic(), time.thread_time()
         try:
             outputs = self.engine.step()
         except Exception as e:  # not one sequence's fault (those come back as outputs with an error): fail all
@@ -194,10 +196,11 @@ class AsyncEngine:
                 self._deliver(rid, SequenceError(rid, f"the engine step failed: {type(e).__name__}: {e}"))
                 self._abort(rid)
             return
-        took = time.monotonic() - began
-        self.speed.observe(self.engine.step_tokens, took)
+        took, cpu = time.monotonic() - began, time.thread_time() - began_cpu
         if self.engine.step_tokens:
-            self.step_totals.add(self.engine.step_tokens == self.engine.step_rows, self.engine.step_rows, took)
+            decode_only = self.engine.step_decode_rows == self.engine.step_rows
+            self.step_totals.add(decode_only, self.engine.step_rows, took, cpu)
+            (self.decode_speed if decode_only else self.speed).observe(self.engine.step_tokens, took)
         self._size_chunks()
         if self._unscheduled:
             for rid, (seq, timing) in list(self._unscheduled.items()):
@@ -217,14 +220,20 @@ class AsyncEngine:
                 self.engine.release(out.request_id)
 
     def _size_chunks(self) -> None:
-        """Cap prefill chunks mixed into decode steps by the measured step cost (refitted every 8 steps)."""
+        """Cap prefill chunks mixed into decode steps by the measured step costs (refitted every 8 steps),
+        against the decode step of the batch the waiting prompts will settle it at. Until a prompt's cost is
+        measured (the first steps with prompt tokens), the configured prior prices it."""
         self._steps += 1
         if self._steps % 8 == 1:
-            self._fit = self.speed.fit()
-        if self._fit is not None:
-            sched = self.engine.scheduler
-            sched.chunk_tokens = chunk_budget(self._fit.overhead_s, self._fit.tok_per_s, len(sched.running),
-                                              self.stall)
+            self._fit, self._decode_fit = self.speed.fit(), self.decode_speed.fit()
+        if self._fit is None and self._decode_fit is None:
+            return  # nothing measured yet: the first steps run the whole token budget
+        prefill = self._fit or PRIOR
+        sched = self.engine.scheduler
+        line = self._decode_fit and (self._decode_fit.overhead_s, self._decode_fit.tok_per_s)
+        settled = min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
+        sched.chunk_tokens = chunk_budget(prefill.overhead_s, prefill.tok_per_s, len(sched.running), self.stall,
+                                          line or None, settled)
 
     def _flush_events(self) -> None:
         if not self._events:
@@ -242,7 +251,9 @@ class AsyncEngine:
 
 class StepTotals:
     """Forward steps so far, decode-only ones apart from those with prompt tokens: how many, their rows (the
-    batch) and wall seconds, for the metrics (a mean step time and batch over any window, from rates)."""
+    batch), wall seconds and the engine thread's CPU seconds in them, for the metrics (a mean step time and
+    batch over any window, from rates; wall well above CPU means the thread waited: for the GIL, or for a core
+    another process held)."""
 
     KINDS = ("decode", "prefill")
 
@@ -250,12 +261,14 @@ class StepTotals:
         self.steps = dict.fromkeys(self.KINDS, 0)
         self.rows = dict.fromkeys(self.KINDS, 0)
         self.seconds = dict.fromkeys(self.KINDS, 0.0)
+        self.cpu_seconds = dict.fromkeys(self.KINDS, 0.0)
 
-    def add(self, decode_only: bool, rows: int, seconds: float) -> None:
+    def add(self, decode_only: bool, rows: int, seconds: float, cpu_seconds: float = 0.0) -> None:
         kind = "decode" if decode_only else "prefill"
         self.steps[kind] += 1
         self.rows[kind] += rows
         self.seconds[kind] += seconds
+        self.cpu_seconds[kind] += cpu_seconds
 
 
 _NOTHING = object()

@@ -174,7 +174,8 @@ class LLMEngine:
         self.on_piece: Callable[[StepOutput], None] | None = None
         self._pieces: list[StepOutput] = []
         self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
-        self.step_rows = 0  # sequences in the last step (== step_tokens: a decode-only step)
+        self.step_rows = 0  # sequences in the last step
+        self.step_decode_rows = 0  # of them, those computing one generated token (== step_rows: decode-only)
         # TEST HOOK, never set in production: request ids whose logits are overwritten with nan right after the
         # forward pass, so tests can show that a model going nan fails that request alone
         self.test_nan_logits: set[str] = set()
@@ -315,7 +316,7 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        self.step_tokens = self.step_rows = 0
+        self.step_tokens = self.step_rows = self.step_decode_rows = 0
         if self._pending:  # deliver imported first tokens before spending a forward step
             pending, self._pending = self._pending, []
             return pending
@@ -327,7 +328,7 @@ class LLMEngine:
             scheduled = sorted(scheduled, key=lambda s: s.seq.lora_name)
         slices, tokens, sample_idx, samplers = [], [], [], []
         groups: list[tuple[LoRASpec, int, int]] = []
-        start = 0
+        start = decode_rows = 0
         for seq, n in scheduled:
             if seq.lora is not None:
                 if groups and groups[-1][0] is seq.lora:
@@ -335,13 +336,14 @@ class LLMEngine:
                 else:
                     groups.append((seq.lora, start, start + n))
             begin = seq.num_computed_tokens
+            decode_rows += n == 1 and begin >= len(seq.prompt_token_ids)
             slices.append(SeqSlice(start, n, begin + n, seq.block_table))
             tokens.append(seq.all_token_ids[begin:begin + n])
             start += n
             if begin + n == seq.num_tokens:
                 sample_idx.append(start - 1)
                 samplers.append(seq)
-        self.step_tokens, self.step_rows = start, len(scheduled)
+        self.step_tokens, self.step_rows, self.step_decode_rows = start, len(scheduled), decode_rows
         try:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])

@@ -5,8 +5,9 @@ One rule covers prefill, chunked prefill, decode and recompute: a sequence compu
 first takes all running decode rows (one token each), then fills what is left of the token budget with prefill
 chunks: running prefills first, then waiting sequences admitted while the budget, the sequence cap and the KV pool
 allow. While decode rows run, the prefill part is further capped at ``chunk_tokens`` (set by the owner from the
-measured step cost, see ``chunk_budget``; ``AsyncEngine`` lets a mixed step cost 1.5x a decode-only one), so a new
-prompt delays the running streams by a bounded amount instead of a whole prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
+measured step cost, see ``chunk_budget``; ``AsyncEngine`` lets a mixed step cost 1.5x the decode-only step the
+batch settles at once the waiting prompts join), so a new prompt delays the running streams by a bounded amount
+instead of a whole prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
 the prefix cache, so recomputing it later is mostly a cache hit.
 """
 
@@ -26,10 +27,30 @@ class Scheduled(NamedTuple):
     num_tokens: int
 
 
-def chunk_budget(overhead_s: float, tok_per_s: float, decode_rows: int, stall: float = 1.0) -> int:
-    """Prefill tokens a mixed step may carry so that it costs at most ``1 + stall`` times a decode-only step,
-    by the fitted line ``step = overhead + tokens / speed``: ``stall * (overhead * speed + decode_rows)``."""
-    return max(MIN_CHUNK, int(stall * (overhead_s * tok_per_s + decode_rows)))
+def chunk_budget(overhead_s: float, tok_per_s: float, decode_rows: int, stall: float = 1.0,
+                 decode_line: tuple[float, float] | None = None, settled_rows: int = 0) -> int:
+    """Prefill tokens a mixed step may carry: the running streams together are held back at most ``stall``
+    times the decode-only step of the batch the waiting prompts settle it at, times that batch's rows.
+
+    - Nobody waiting beyond the running rows (``settled_rows <= decode_rows``): the step costs at most
+      ``1 + stall`` times today's decode-only step.
+    - Prompts waiting to join a small batch: the delay is shared by few streams, so each may wait longer, up to
+      the total the settled batch would bear. Sixteen short prompts arriving together then join in a step or
+      two instead of about one per step (which leaves the batch part-empty for as many steps at the end).
+
+    ``overhead_s``, ``tok_per_s``: the line ``step = overhead + tokens / speed`` fitted over steps with prompt
+    tokens (a prompt token costs ``1 / tok_per_s``). ``decode_line``: ``(overhead_s, rows_per_s)`` fitted over
+    decode-only steps; without it the decode-only step is read off the prefill line, and the cap without
+    waiting prompts is ``stall * (overhead * speed + decode_rows)``."""
+    if decode_line is None:
+        def step(rows: int) -> float:
+            return overhead_s + rows / tok_per_s
+    else:
+        def step(rows: int) -> float:
+            return decode_line[0] + rows / decode_line[1]
+    settled = max(settled_rows, decode_rows, 1)
+    held_back = stall * step(settled) * settled / max(1, decode_rows)  # seconds each running stream may wait
+    return max(MIN_CHUNK, int(held_back * tok_per_s))
 
 
 class Scheduler:

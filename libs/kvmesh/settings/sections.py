@@ -211,6 +211,9 @@ class EngineSettings(Section):
     enable_prefix_caching: bool = setting(True, "radix-tree prefix reuse at any token boundary")
     max_batched_tokens: int = setting(1024, "token budget of one forward step (chunked prefill)")
     max_num_seqs: int = setting(64, "running sequences at once")
+    mixed_step_stall: float = setting(0.5, "a step that mixes prompt tokens into running decode rows may cost "
+                                           "(1 + this) x the decode-only step (higher: waiting prompts join "
+                                           "sooner, running streams' ITL spikes higher)")
     max_model_len: int = setting(0, "context limit (0 = the model's max_position_embeddings)")
     lora_adapters: str = setting("", "LoRA adapters loaded at start: NAME=PATH,... (PEFT directories)")
     max_loras: int = setting(4, "LoRA adapters resident at once (LRU swapped beyond)")
@@ -222,6 +225,9 @@ class EngineSettings(Section):
             out.append(Problem("device", f"device must be cpu, cuda or cuda:<index>, not {self.device!r}"))
         out += self._min(("block_size", "max_batched_tokens", "max_num_seqs"), 1)
         out += self._min(("threads", "num_blocks", "host_cache_mb", "max_model_len"), 0, ENGINE_ZERO_MEANS)
+        if not self.mixed_step_stall > 0:
+            out.append(Problem("mixed_step_stall", f"mixed_step_stall must be > 0 (a mixed step costs (1 + it) x a "
+                                                   f"decode step), not {self.mixed_step_stall}"))
         if self.num_blocks == 0 and self.kv_cache_mb < 1:
             out.append(Problem("kv_cache_mb", f"kv_cache_mb must be >= 1 (or set num_blocks), not "
                                               f"{self.kv_cache_mb}"))

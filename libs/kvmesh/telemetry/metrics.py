@@ -129,8 +129,11 @@ class EngineCollector(Collector):
             families = (CounterMetricFamily(f"{p}_engine_steps", "Forward steps", labels=["kind"]),
                         CounterMetricFamily(f"{p}_engine_step_rows", "Sequences in those steps (the batch, summed)",
                                             labels=["kind"]),
-                        CounterMetricFamily(f"{p}_engine_step_seconds", "Wall time of those steps", labels=["kind"]))
-            for family, values in zip(families, (totals.steps, totals.rows, totals.seconds)):
+                        CounterMetricFamily(f"{p}_engine_step_seconds", "Wall time of those steps", labels=["kind"]),
+                        CounterMetricFamily(f"{p}_engine_step_cpu_seconds", "CPU time the engine thread spent in "
+                                            "those steps (below the wall time: it waited for the GIL or a core)",
+                                            labels=["kind"]))
+            for family, values in zip(families, (totals.steps, totals.rows, totals.seconds, totals.cpu_seconds)):
                 for kind in totals.KINDS:
                     family.add_metric([kind], values[kind])
                 yield family
