@@ -79,11 +79,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 first = min(request.cached_blocks, (len(prompt) - 1) // w.layout.block_size)
                 if pinned >= first:  # else the push cannot be used anyway (intake says why)
                     reservation = Reservation(w, work.request_id, first, len(prompt))
-                    span.set_attribute("kvmesh.in_place", await reservation.acquire())
+                    await reservation.acquire()
+                    span.set_attribute("kvmesh.reserved_blocks", len(reservation.block_ids))
                 imported, fallback, received_ns, load_attrs = await self.intake.receive(
                     work.request_id, prompt, work.cache_salt,
                     request.kv_timeout_s or w.cfg.kv_timeout_s + 2 * request.expected_prefill_s, pinned,
                     work.lora_name, reservation)
+                if imported is None and reservation is not None:  # recomputed: its blocks are needed now
+                    reservation.release()
             async for chunk in self._stream(request, context, span, attrs, prompt, params, imported, fallback,
                                             received_ns, load_attrs, t0, t0_ns):
                 yield chunk
