@@ -4,7 +4,10 @@ prefill pushes them while the forward pass computes.
 
 The request is loadable only when every (block, layer) from the push's first block to the prompt's last block
 is covered exactly once, and every part's block keys are this prompt's: a missing layer group is a reason to
-recompute, never a half-loaded block."""
+recompute, never a half-loaded block.
+
+A part received in place (``landed``) is already where the import wants it (the blocks the request reserved):
+it only covers its cells. A buffered one becomes a ``KVPiece`` the import copies in."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ class Assembly:
         self.end = -(-prompt_tokens // layout.block_size)
         self.covered = np.zeros((max(0, self.end - first_block), layout.num_layers), dtype=bool)
         self.pieces: list[KVPiece] = []
+        self.landed_bytes = 0
 
     def add(self, got: ReceivedBlocks) -> None:
         """Place one part; ValueError saying why it does not belong to this prompt's push."""
@@ -42,7 +46,10 @@ class Assembly:
         if cells.any():
             raise ValueError(f"part {got.transfer_id} holds layers {lo}..{hi - 1} of blocks another part holds")
         cells[:] = True
-        self.pieces.append(KVPiece(b0, blocks_from_bytes(self.layout, got.data, got.layers), got.layers))
+        if got.landed:
+            self.landed_bytes += got.nbytes
+        else:
+            self.pieces.append(KVPiece(b0, blocks_from_bytes(self.layout, got.data, got.layers), got.layers))
 
     def missing(self) -> str:
         """What is not covered yet ("" when every (block, layer) is)."""

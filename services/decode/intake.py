@@ -13,11 +13,13 @@ from kvmesh.bus.trace_headers import trace_context
 from kvmesh.contracts.ids import handoff_prefix
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import KVReady
+from kvmesh.engine.kv_cache import Landed
 from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import SpanKind
 
 from services.decode.assembly import Assembly
+from services.decode.reservation import Reservation
 
 EARLY_TTL_S = 60.0
 
@@ -73,12 +75,15 @@ class KVIntake:
         self.board.post(msg, received)
 
     async def receive(self, request_id: str, prompt: list[int], cache_salt: str,
-                       timeout_s: float, pinned: int = 0, lora: str = "") -> tuple[tuple | None, str, int, dict[str, Any]]:
+                      timeout_s: float, pinned: int = 0, lora: str = "",
+                      reservation: Reservation | None = None) -> tuple[tuple | None, str, int, dict[str, Any]]:
         """The pushed KV as ``(blocks, num_tokens, first_token, first_block)`` or why it cannot be used, when
         ``kv.ready`` was received (epoch ns, 0 = never), and what ``decode.load`` reports about the intake.
         ``pinned``: the leading blocks of the prompt this instance holds for the request; a push that starts
         past them (a delta) is usable only when they cover the gap. ``lora``: the adapter the request runs under
-        (its ``name@generation`` keys the blocks)."""
+        (its ``name@generation`` keys the blocks). ``reservation``: the blocks reserved for the push (parts
+        landed in them in place); once the push verified, they are handed to the import, which adopts them
+        (the caller releases the reservation as the call ends, whatever happened)."""
         deadline = time.monotonic() + timeout_s
         transfer = self.w.transfer_server
         assert transfer is not None  # RolePlugin(receives_kv=True): the host started one
@@ -119,8 +124,18 @@ class KVIntake:
         if pinned < first:
             return None, (f"the push starts at block {first} but only {pinned} leading blocks are held here "
                           "(evicted before the request arrived)"), received_ns, {}
-        imported = (assembly.pieces, len(prompt), ready.first_token, first)
+        blocks: list | Landed = assembly.pieces
+        if reservation is not None and reservation.block_ids:
+            if reservation.first_block != first:
+                return None, (f"the push starts at block {first}, decode reserved blocks from "
+                              f"{reservation.first_block}"), received_ns, {}
+            reservation.hand_over()  # no byte lands in those blocks any more: the import adopts them
+            blocks = Landed(reservation.lease, assembly.pieces)
+        imported = (blocks, len(prompt), ready.first_token, first)
+        self.w.metrics.transfer_bytes.labels("receive_in_place").inc(assembly.landed_bytes)
         return imported, "", received_ns, {
+            "kvmesh.in_place": assembly.landed_bytes > 0, "kvmesh.landed_bytes": assembly.landed_bytes,
+            "kvmesh.reserved_blocks": len(reservation.block_ids) if reservation is not None else 0,
             "kvmesh.blocks": assembly.end - first, "kvmesh.bytes": nbytes,
             "kvmesh.first_block": first, "kvmesh.parts": len(parts),
             "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),

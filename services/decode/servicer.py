@@ -29,6 +29,7 @@ from kvmesh.telemetry.rpc import traced_rpc
 from opentelemetry.trace import Span
 
 from services.decode.intake import KVIntake
+from services.decode.reservation import Reservation
 from services.decode.write_back import write_back
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         prompt = list(work.prompt_token_ids)
         imported, fallback, received_ns, load_attrs = None, "", 0, {}
         lease, pinned = work.request_id, 0
+        reservation: Reservation | None = None
         try:
             if request.prefill_locally:
                 if request.route_reason:
@@ -73,14 +75,24 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     except ValueError:
                         pinned = 0
                     span.set_attributes({"kvmesh.cached_blocks": n, "kvmesh.pinned_blocks": pinned})
+                # prefill pushes from the block it computes this from (its own rule, the router's number)
+                first = min(request.cached_blocks, (len(prompt) - 1) // w.layout.block_size)
+                if pinned >= first:  # else the push cannot be used anyway (intake says why)
+                    reservation = Reservation(w, work.request_id, first, len(prompt))
+                    await reservation.acquire()
+                    span.set_attribute("kvmesh.reserved_blocks", len(reservation.block_ids))
                 imported, fallback, received_ns, load_attrs = await self.intake.receive(
                     work.request_id, prompt, work.cache_salt,
                     request.kv_timeout_s or w.cfg.kv_timeout_s + 2 * request.expected_prefill_s, pinned,
-                    work.lora_name)
+                    work.lora_name, reservation)
+                if imported is None and reservation is not None:  # recomputed: its blocks are needed now
+                    reservation.release()
             async for chunk in self._stream(request, context, span, attrs, prompt, params, imported, fallback,
                                             received_ns, load_attrs, t0, t0_ns):
                 yield chunk
         finally:
+            if reservation is not None:  # nothing lands any more; its blocks freed unless the import adopted them
+                reservation.release()
             if pinned:  # after add_request (commands run in order): the sequence holds its own references
                 w.engine.submit(lambda e: e.blocks.unpin(lease))
 

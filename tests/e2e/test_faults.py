@@ -93,6 +93,7 @@ def test_a_dead_prefill_costs_latency_not_the_answer(tmp_path_factory):
         # until missed heartbeats drop it, the router may still pick the dead prefill: decode recomputes
         got = chat(stack, "Say hello in French.")
         assert got["choices"][0]["message"]["content"] == expected
+        eventually_decode_holds_no_block(stack)
     finally:
         stack.stop()
 
@@ -179,6 +180,7 @@ def test_bad_or_stalled_kv_is_recomputed_never_consumed(tmp_path_factory, fault,
         assert faulty["choices"][0]["message"]["content"] == clean["choices"][0]["message"]["content"]
         assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 1
         assert reason in service(stack, "decode-0").log_path.read_text()
+        eventually_decode_holds_no_block(stack)
     finally:
         stack.stop()
 
@@ -214,9 +216,11 @@ def worker_blocks(stack, name: str, state: str) -> float:
 
 
 def eventually_decode_holds_no_block(stack) -> None:
-    """Decode's pins and references all released (as each call ends: a leak never gets to 0)."""
+    """Decode's pins, references and reservations (the blocks a push lands in) all released (as each call ends:
+    a leak never gets to 0)."""
     eventually(lambda: worker_blocks(stack, "decode-0", "pinned") == 0)
     eventually(lambda: worker_blocks(stack, "decode-0", "referenced") == 0)
+    eventually(lambda: worker_blocks(stack, "decode-0", "reserved") == 0)
 
 
 def worker_metric(stack, name: str, metric: str) -> float:
@@ -310,6 +314,7 @@ def test_a_prefill_killed_half_way_through_its_push_costs_a_recompute_and_leaks_
         prefill = service(stack, "prefill-0")
         eventually(lambda: "the push hangs after 3 parts" in prefill.log_path.read_text(), within_s=120)
         assert worker_blocks(stack, "decode-0", "pinned") > 0  # decode holds turn 1 for this request
+        assert worker_blocks(stack, "decode-0", "reserved") > 0  # and the blocks the rest is landing in
         prefill.proc.send_signal(signal.SIGKILL)
         t.join(120)
         assert result == [reference]

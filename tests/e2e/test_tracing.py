@@ -194,6 +194,9 @@ def test_a_long_prompts_kv_is_pushed_chunk_by_chunk_while_prefill_computes(mesh)
     assert list(a["kvmesh.part.layers"]) == ["0-15", "15-30"] * 2 and a["kvmesh.blocks"] == 88
     assert sum(1 for s in tree if s.name == "kv.push") == 1  # one span per request, parts as attributes
     assert a["kvmesh.bytes"] == sum(a["kvmesh.part.bytes"]) == load.attributes["kvmesh.bytes"]
+    # received in place: every byte landed straight in decode's reserved pool blocks, the import copied none
+    assert load.attributes["kvmesh.in_place"] and load.attributes["kvmesh.landed_bytes"] == a["kvmesh.bytes"]
+    assert load.attributes["kvmesh.reserved_blocks"] == 88
     assert push.start_ns < compute.end_ns  # the first part left before the last chunk was computed
     assert a["kvmesh.part.end_ms"][0] < 0  # and was verified by decode before it, too
     assert 0 <= a["kvmesh.critical_ms"] <= a["kvmesh.push_ms"]

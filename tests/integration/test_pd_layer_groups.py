@@ -50,6 +50,16 @@ def generate(mesh: TinyMesh, prompt: list[int], disaggregate: str, cache_salt: s
                 for t in chunk.token_ids]
 
 
+def received_bytes(worker, direction: str) -> float:
+    return worker.metrics.registry.get_sample_value("kvmesh_worker_kv_transfer_bytes_total",
+                                                    {"direction": direction}) or 0.0
+
+
+def decode_blocks(mesh: TinyMesh) -> dict[str, int]:
+    decode = mesh.workers[1]
+    return mesh.call(decode.engine.call(lambda e: e.blocks.counts()))
+
+
 def test_a_multi_chunk_prompt_pushed_in_layer_groups_gives_the_tokens_of_a_fresh_computation(mesh, model_dir):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
@@ -58,9 +68,29 @@ def test_a_multi_chunk_prompt_pushed_in_layer_groups_gives_the_tokens_of_a_fresh
     parts = pushed_parts(mesh)
     decode = mesh.workers[1]
     fallbacks = decode.metrics_fallbacks
+    received, landed = received_bytes(decode, "receive"), received_bytes(decode, "receive_in_place")
     pushed = generate(mesh, PROMPT, "always")
     assert decode.metrics_fallbacks == fallbacks  # the pushed KV was used, not recomputed
+    # every pushed byte landed straight in decode's pool: none was buffered and copied in
+    assert received_bytes(decode, "receive_in_place") - landed == received_bytes(decode, "receive") - received > 0
+    counts = decode_blocks(mesh)
+    assert counts["reserved"] == counts["pinned"] == 0 and mesh.workers[1].transfer_server.landings == 0
     assert parts == [(0, (0, 1)), (0, (1, 2)), (4, (0, 1)), (4, (1, 2)), (8, (0, 1)), (8, (1, 2))]
     local = generate(mesh, PROMPT, "never", cache_salt="fresh")  # decode computes it all, nothing reused
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     assert pushed == local == hf_greedy(hf, PROMPT, 8)
+
+
+def test_with_receive_in_place_off_the_push_is_buffered_and_gives_the_same_tokens(mesh):
+    decode = mesh.workers[1]
+    decode.cfg = decode.cfg.model_copy(update={"receive_in_place": False})
+    try:
+        prompt = PROMPT[:70]  # its own prompt: nothing of it is cached on either side
+        landed, fallbacks = received_bytes(decode, "receive_in_place"), decode.metrics_fallbacks
+        buffered = generate(mesh, prompt, "always")
+        assert decode.metrics_fallbacks == fallbacks
+        assert received_bytes(decode, "receive_in_place") == landed  # nothing landed in place
+    finally:
+        decode.cfg = decode.cfg.model_copy(update={"receive_in_place": True})
+    assert buffered == generate(mesh, prompt, "never", cache_salt="fresh-70")
+    assert decode_blocks(mesh)["reserved"] == 0

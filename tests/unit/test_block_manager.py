@@ -256,3 +256,66 @@ def test_a_host_block_refused_while_held_is_evictable_again_once_released():
     assert node not in bm._host_queue
     bm._unref(node)
     assert node in bm._host_queue and bm._make_host_room() and bm.num_host_blocks == 0
+
+
+def landed_import(bm, tokens, lease, first_block, seed=1):
+    """A decode-side request whose blocks from ``first_block`` on were received into the blocks ``lease``
+    reserved (its first token appended, as ``add_request`` does)."""
+    from kvmesh.engine.kv_cache import Landed
+
+    seq = Sequence("d", list(tokens) + [0], SamplingParams(), seed)
+    return seq, bm.import_prefix(seq, Landed(lease, []), len(tokens), first_block)
+
+
+def test_reserved_blocks_are_adopted_by_the_import_as_they_are_without_a_copy(monkeypatch):
+    import torch
+
+    bm = manager(num_blocks=8)
+    ids = bm.reserve("lease", 3)
+    assert ids is not None and len(ids) == 3 and bm.counts()["reserved"] == 3
+    assert not set(ids) & set(bm.free_blocks)
+    sent = torch.randn(3, *LAYOUT.block_shape)
+    bm.device.write_blocks(ids, sent)  # what the transfer server's landing did
+    monkeypatch.setattr(bm.device, "write_blocks", lambda *a, **k: pytest.fail("the import copied"))
+    seq, ok = landed_import(bm, list(range(10, 20)), "lease", 0)  # 10 tokens: 2 full blocks and 2 tokens
+    assert ok and seq.block_table == ids and seq.num_computed_tokens == 10
+    assert bm.device.read_blocks(seq.block_table).equal(sent)
+    assert bm.counts()["reserved"] == 0 and bm.counts()["leases"] == 0
+    assert bm.match(1, list(range(10, 20))).num_tokens == 8  # its full blocks are cached, as imported
+
+
+def test_a_delta_import_adopts_the_reservation_after_the_pinned_prefix():
+    bm = manager(num_blocks=8)
+    run(bm, [1, 2, 3, 4, 5, 6, 7, 8])  # two cached blocks
+    cached = [n.block_id for n in bm.match(1, [1, 2, 3, 4, 5, 6, 7, 8]).nodes]
+    assert bm.pin("pin", 1, [1, 2, 3, 4, 5, 6, 7, 8, 9, 9], 2) == 2
+    ids = bm.reserve("lease", 1)
+    seq, ok = landed_import(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9, 9], "lease", 2)
+    assert ok and seq.block_table == cached + ids
+    bm.unpin("pin")
+    bm.free(seq)
+    assert bm.counts()["referenced"] == bm.counts()["reserved"] == 0
+
+
+def test_a_released_reservation_goes_back_to_the_free_list_and_cannot_be_imported():
+    bm = manager(num_blocks=8)
+    bm.reserve("lease", 4)
+    assert bm.num_free_blocks == 4
+    bm.release_reserved("lease")
+    bm.release_reserved("lease")  # idempotent
+    assert bm.num_free_blocks == 8 and bm.counts()["reserved"] == 0
+    _, ok = landed_import(bm, list(range(10, 20)), "lease", 0)
+    assert not ok and bm.num_free_blocks == 8
+
+
+def test_a_reservation_that_does_not_match_the_import_is_freed_not_leaked():
+    bm = manager(num_blocks=8)
+    bm.reserve("lease", 2)  # the prompt needs 3 blocks
+    _, ok = landed_import(bm, list(range(10, 20)), "lease", 0)
+    assert not ok and bm.num_free_blocks == 8 and bm.counts()["reserved"] == 0
+
+
+def test_a_reservation_the_pool_cannot_hold_takes_nothing():
+    bm = manager(num_blocks=4)
+    assert bm.reserve("a", 3) is not None
+    assert bm.reserve("b", 2) is None and bm.counts()["reserved"] == 3

@@ -76,3 +76,14 @@ def test_a_part_past_the_prompt_is_refused(source):
     asm = Assembly(LAYOUT, 2, 8, KEYS[:2])  # an 8-token prompt: blocks 0-1, the push starts at block 2
     with pytest.raises(ValueError, match="outside"):
         asm.add(part(source, 2, 1, None))
+
+
+def test_a_part_landed_in_place_covers_its_cells_without_a_piece_to_copy(source):
+    from dataclasses import replace
+
+    asm = Assembly(LAYOUT, 0, len(PROMPT), KEYS)
+    landed = replace(part(source, 0, 4, (0, 2)), data=memoryview(b""), landed=True)
+    asm.add(landed)
+    asm.add(part(source, 0, 4, (2, 4), 1))  # buffered (arrived before the reservation, say)
+    assert asm.missing() == "" and [p.layers for p in asm.pieces] == [(2, 4)]
+    assert asm.landed_bytes == landed.nbytes

@@ -201,6 +201,46 @@ def test_delta_push_only_the_blocks_decode_lacks(make):
     assert after["free"] + after["cached"] == before["free"] + before["cached"]  # every block accounted for
 
 
+def test_a_delta_push_landed_in_reserved_blocks_is_adopted_and_gives_the_same_tokens(make):
+    """Decode pins the first 3 blocks and reserves the other 3; the pushed bytes are written straight into
+    the reserved blocks (what the transfer server's landing does); the import adopts exactly those blocks."""
+    from kvmesh.engine.kv_cache import Landed
+
+    prompt = list(range(40, 63))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = make().generate([prompt], params)[0].token_ids
+    decode = make()
+    decode.generate([prompt[:13]], SamplingParams(max_tokens=1))
+    assert decode.blocks.pin("d", decode.namespace_seed(), prompt, 5) == 3
+    ids = decode.blocks.reserve("d-reserve", 3)
+    prefill = make()
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export_kv=True, export_from=3)
+    (first,) = run_to_end(prefill, "p")
+    decode.kv.write_blocks(ids, first.exported.blocks)  # landed
+    seq = decode.add_request("d", prompt, params, imported=(Landed("d-reserve", []), len(prompt),
+                                                            first.new_token_ids[0], 3))
+    assert seq.block_table[3:6] == ids
+    assert decode.kv.read_blocks(ids).equal(first.exported.blocks)
+    decode.blocks.unpin("d")
+    assert [t for o in run_to_end(decode, "d") for t in o.new_token_ids] == expected
+    assert decode.blocks.counts()["reserved"] == decode.blocks.counts()["referenced"] == 0
+
+
+def test_a_reservation_the_engine_has_no_room_to_import_is_released_and_the_prompt_recomputed(make):
+    from kvmesh.engine.kv_cache import Landed
+
+    prompt = list(range(40, 63))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = make().generate([prompt], params)[0].token_ids
+    decode = make()
+    decode.blocks.reserve("r", 6)
+    decode.scheduler.has_room = lambda: False  # no room for another running sequence: queued instead
+    decode.add_request("d", prompt, params, imported=(Landed("r", []), len(prompt), 0, 0))
+    assert decode.blocks.counts()["reserved"] == 0  # freed at once, not when the request ends
+    del decode.scheduler.has_room
+    assert [t for o in run_to_end(decode, "d") for t in o.new_token_ids] == expected
+
+
 def test_delta_import_after_the_pinned_prefix_was_lost_recomputes(make):
     prompt = list(range(40, 63))
     params = SamplingParams(max_tokens=4, ignore_eos=True)

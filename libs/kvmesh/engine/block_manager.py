@@ -5,6 +5,9 @@ Invariants
 - A node with ``ref_count > 0`` is in use by a running sequence: it is on the device and is never evicted.
 - Full blocks (``block_size`` tokens) are shared by reference. A *partial* node (fewer tokens, always a leaf) is
   only ever copied into a new private block, so a sequence never writes into a shared block.
+- A reserved block (``reserve``) belongs to its lease alone: not free, in no sequence, not in the tree, so the
+  engine never reads or writes it; someone else fills it (decode: a push received in place) until ``import_prefix``
+  adopts it into a sequence or ``release_reserved`` frees it, its bytes unpublished.
 - Nodes are removed leaf-first, so every node's ancestors are in the tree; without a host tier only leaves are
   evicted, with one an inner node may spill to the host and stays matchable.
 """
@@ -21,7 +24,7 @@ from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.keys import chain_key
 from kvmesh.engine.eviction import LRU, EvictionPolicy, now
 from kvmesh.engine.eviction_queue import EvictionQueue
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed
 from kvmesh.engine.sequence import RetentionRange, Sequence
 
 if TYPE_CHECKING:
@@ -88,6 +91,7 @@ class BlockManager:
         self._host_nodes: set[Node] = set()
         self.stats = {"evicted_device": 0, "spilled_host": 0, "loaded_host": 0, "evicted_host": 0}
         self._pins: dict[str, list[Node]] = {}  # lease id -> the device nodes it holds a reference on
+        self._reserved: dict[str, list[int]] = {}  # lease id -> device blocks reserved for it (``reserve``)
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -107,12 +111,18 @@ class BlockManager:
         """Blocks held by leases (``pin``), counted once per lease."""
         return sum(len(nodes) for nodes in self._pins.values())
 
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(ids) for ids in self._reserved.values())
+
     def counts(self) -> dict[str, int]:
         """Where the device blocks are: free, cached (in the tree), referenced by a sequence or a lease,
-        pinned by leases, and the leases open (what the fault tests compare before and after)."""
+        pinned by leases, reserved by leases, and the leases open (what the fault tests compare before and
+        after)."""
         return {"free": len(self.free_blocks), "cached": len(self._device_nodes),
                 "referenced": sum(1 for n in self._device_nodes if n.ref_count > 0),
-                "pinned": self.num_pinned_blocks, "leases": len(self._pins)}
+                "pinned": self.num_pinned_blocks, "reserved": self.num_reserved_blocks,
+                "leases": len(self._pins) + len(self._reserved)}
 
     def held_blocks(self) -> list[tuple[BlockKey, str]]:
         """Every full cached block and its tier (what a KV-event snapshot reports)."""
@@ -167,6 +177,23 @@ class BlockManager:
         for node in self._pins.pop(lease, ()):
             self._unref(node)
 
+    def reserve(self, lease: str, n: int) -> list[int] | None:
+        """Take ``n`` device blocks (evicting cached ones if needed) for KV that is written into them from
+        outside the engine (decode: a push received in place), held under ``lease`` until ``import_prefix``
+        adopts them (``Landed``) or :meth:`release_reserved`. Their ids, or None (nothing held) when the pool
+        cannot make room. A lease already holding a reservation releases it first."""
+        self.release_reserved(lease)
+        ids = self._allocate(n)
+        if not ids:
+            return None
+        self._reserved[lease] = ids
+        return list(ids)
+
+    def release_reserved(self, lease: str) -> None:
+        """Free a reservation's blocks (nothing when ``lease`` holds none). What landed in them was never
+        published: it is garbage from now on. The caller has stopped every write into them first."""
+        self.free_blocks.extend(self._reserved.pop(lease, ()))
+
     # ---- sequence lifecycle ----------------------------------------------------------------------------------
     def allocate_prefix(self, seq: Sequence) -> bool:
         """Attach the longest cached prefix to a new sequence (loading host blocks, copying a partial block).
@@ -203,7 +230,7 @@ class BlockManager:
         seq.num_cached_tokens = m.num_tokens
         return True
 
-    def import_prefix(self, seq: Sequence, blocks: torch.Tensor | list[torch.Tensor] | list[KVPiece],
+    def import_prefix(self, seq: Sequence, blocks: torch.Tensor | list[torch.Tensor] | list[KVPiece] | Landed,
                       num_tokens: int, first_block: int = 0) -> bool:
         """Attach KV computed elsewhere: ``blocks`` (whole blocks in the pool's storage layout; or pieces of
         them, in order, as pushed chunk by chunk; or ``KVPiece`` s that place themselves, whole blocks or
@@ -211,22 +238,54 @@ class BlockManager:
         its first ``num_tokens`` tokens; the blocks before ``first_block`` must be cached here. Cached blocks
         are shared, the rest written. False (nothing held) when the pool cannot make room or the blocks before
         ``first_block`` are no longer cached. The caller checked that the pieces cover every layer of every
-        block."""
+        block. ``Landed``: the blocks from ``first_block`` on are the ones reserved under its lease, adopted as
+        they are (no copy; its ``pieces`` written into them); the reservation ends either way."""
+        if isinstance(blocks, Landed):
+            return self._import_landed(seq, blocks, num_tokens, first_block)
         if not self.allocate_prefix(seq):
             return False
         first_new = len(seq.nodes)  # a partially copied block is private and simply overwritten
         if first_new < first_block or not self.ensure_slots(seq, num_tokens):
             self.free(seq)
             return False
+        self._write_pieces(seq, _placed(blocks, first_block), first_new, num_tokens)
+        seq.num_computed_tokens = num_tokens
+        self.cache_computed_blocks(seq)
+        return True
+
+    def _import_landed(self, seq: Sequence, landed: Landed, num_tokens: int, first_block: int) -> bool:
+        """``import_prefix`` of KV received in place: the sequence's blocks are its leading cached full blocks
+        (held by a pin, so on the device) and then the reserved ones."""
+        ids = self._reserved.pop(landed.lease, None)
+        if ids is None:
+            return False
+        m = self.match(seq.namespace_seed, seq.all_token_ids, first_block * self.block_size)
+        if (len(ids) != -(-num_tokens // self.block_size) - first_block or len(m.nodes) < first_block
+                or any(node.block_id is None for node in m.nodes)):
+            self.free_blocks.extend(ids)
+            return False
+        t = now()
+        for node in m.nodes:
+            node.ref_count += 1
+            self.policy.on_hit(node, t)
+            node.last_access = t
+            node.hit_count += 1
+        seq.nodes = list(m.nodes)
+        seq.block_table = [node.block_id for node in m.nodes] + ids  # type: ignore[misc]
+        self._write_pieces(seq, landed.pieces, first_block, num_tokens)
+        seq.num_computed_tokens = num_tokens
+        self.cache_computed_blocks(seq)  # a block another request cached meanwhile is shared, ours freed
+        return True
+
+    def _write_pieces(self, seq: Sequence, pieces: list[KVPiece], first_new: int, num_tokens: int) -> None:
+        """Copy received pieces into the sequence's blocks ``first_new ..`` up to token ``num_tokens`` (each
+        piece: one strided copy per run of block ids)."""
         last = -(-num_tokens // self.block_size)
-        for piece in _placed(blocks, first_block):  # each piece: one strided copy per run of block ids
+        for piece in pieces:
             start = piece.first_block
             lo, hi = max(first_new, start), min(last, start + piece.data.shape[0])
             if lo < hi:
                 self.device.write_blocks(seq.block_table[lo:hi], piece.data[lo - start:hi - start], piece.layers)
-        seq.num_computed_tokens = num_tokens
-        self.cache_computed_blocks(seq)
-        return True
 
     def adopt(self, seed: int, tokens: list[int], blocks: torch.Tensor, first_block: int) -> bool:
         """Put fetched full blocks (indices ``first_block ..`` of ``tokens``) into the prefix cache, unreferenced."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvmesh.contracts.layout import KVLayout
@@ -64,6 +65,15 @@ class KVPiece(NamedTuple):
     layers: tuple[int, int] | None = None
 
 
+class Landed(NamedTuple):
+    """KV received in place for blocks ``first_block ..`` of a sequence: their bytes are already in the device
+    blocks reserved under ``lease`` (``BlockManager.reserve``), except for ``pieces`` received elsewhere (e.g.
+    before the reservation was made), which the import writes into those blocks."""
+
+    lease: str
+    pieces: list[KVPiece]
+
+
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """``block_ids`` as runs of consecutive ids: ``(position in the list, first id, length)``."""
     runs: list[tuple[int, int, int]] = []
@@ -87,6 +97,15 @@ class DeviceKVPool:
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def landing_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """K and V as ``uint8`` arrays ``[layers, blocks, bytes of one layer's K (or V) of a block]`` over the
+        pool's own memory (no copy), where a transfer lands a push in place; None when the pool is not in
+        process memory (CUDA: such pushes are received into a buffer and copied in)."""
+        if self.k.device.type != "cpu":
+            return None
+        shape = (self.layout.num_layers, self.num_blocks, -1)
+        return (self.k.view(torch.uint8).reshape(shape).numpy(), self.v.view(torch.uint8).reshape(shape).numpy())
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V ``[tokens, kv_heads, head_dim]`` at flat ``slots``."""

@@ -26,7 +26,7 @@ from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed
 from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.sampling import RowFault, make_generator, sample
@@ -235,8 +235,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
-                    imported: tuple[torch.Tensor | list[torch.Tensor] | list[KVPiece], int, int]
-                    | tuple[torch.Tensor | list[torch.Tensor] | list[KVPiece], int, int, int] | None = None,
+                    imported: tuple[torch.Tensor | list[torch.Tensor] | list[KVPiece] | Landed, int, int]
+                    | tuple[torch.Tensor | list[torch.Tensor] | list[KVPiece] | Landed, int, int, int] | None = None,
                     export_from: int = 0, lora: str = "", export_chunks: bool = False,
                     export_layer_groups: int = 1) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
@@ -255,8 +255,9 @@ class LLMEngine:
         the last output then holds no blocks. 1: whole blocks after each chunk.
         ``imported``: ``(blocks, num_tokens, first_token[, first_block])`` computed by a prefill instance
         (``blocks`` hold the prompt's blocks from ``first_block`` on, one tensor or its pieces in order, as pushed
-        part by part, or ``KVPiece`` s placed by block and layer range, as pushed in layer groups; the ones
-        before must be cached here, e.g. pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        part by part, or ``KVPiece`` s placed by block and layer range, as pushed in layer groups, or ``Landed``:
+        already in blocks reserved by ``blocks.reserve``, adopted without a copy; the ones before must be cached
+        here, e.g. pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         """
         if request_id in self._requests:
@@ -296,6 +297,8 @@ class LLMEngine:
                 self._pending.append(self._emit(seq, first_token, time.monotonic()))
                 return seq
             seq.output_token_ids.pop()
+            if isinstance(blocks, Landed):  # recomputed instead: the blocks it landed in go back now
+                self.blocks.release_reserved(blocks.lease)
         self.scheduler.add(seq)
         return seq
 

@@ -20,7 +20,8 @@ class WorkerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.prefix = HitRatio(P, r, "computed by this instance")
         self.transfer_bytes = Counter(f"{P}_kv_transfer_bytes", "KV bytes moved: pushed to decode, received "
-                                      "from prefill, fetched from or written back to the pool",
+                                      "from prefill (receive_in_place: of those, the bytes that landed straight "
+                                      "in the KV pool), fetched from or written back to the pool",
                                       ["direction"], registry=r)
         self.requests = Counter(f"{P}_requests", "Requests handled, by RPC and outcome", ["rpc", "outcome"],
                                 registry=r)
@@ -28,7 +29,7 @@ class WorkerMetrics:
                                   registry=r)
         self.fallbacks = Counter(f"{P}_kv_fallbacks", "Decode recomputed the prompt instead of using the "
                                  "pushed KV", ["reason"], registry=r)
-        for direction in ("push", "receive", "pool_fetch", "pool_write"):
+        for direction in ("push", "receive", "receive_in_place", "pool_fetch", "pool_write"):
             self.transfer_bytes.labels(direction)  # exported from the start, at 0
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason)

@@ -268,6 +268,9 @@ class InstanceSettings(Section):
     kv_timeout_s: float = setting(10.0, "decode waits this long for kv.ready, then recomputes the prompt itself")
     push_layer_groups: int = setting(2, "prefill pushes each chunk's KV in this many layer groups, each as soon "
                                         "as the forward pass wrote it (1 = whole blocks after each chunk)")
+    receive_in_place: bool = setting(True, "decode reserves the blocks of a pushed prompt when it accepts the "
+                                           "request and receives the push straight into them (tcp, shm; CPU "
+                                           "pool); off = into buffers, copied in at import")
     heartbeat_s: float = setting(1.0, "heartbeat period")
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the ready line / file)")
     fault_drop_kv_ready: bool = setting(False, "fault injection (tests): prefill pushes KV but never announces it")

@@ -105,6 +105,7 @@ class EngineCollector(Collector):
         if counts is not None:
             blocks.add_metric(["device", "referenced"], counts["referenced"])  # by sequences or leases
             blocks.add_metric(["device", "pinned"], counts["pinned"])  # by leases (decode: a delta push)
+            blocks.add_metric(["device", "reserved"], counts["reserved"])  # decode: a push landing in place
         yield blocks
         yield GaugeMetricFamily(f"{p}_kv_block_bytes", "Bytes of one KV block (every layer, K and V) as stored: "
                                 "blocks moved times this is bytes moved", value=e.layout.block_nbytes)

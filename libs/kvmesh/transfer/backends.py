@@ -8,6 +8,10 @@ The control connection (header, reply) is always TCP; a backend decides only whe
 | ``shm`` | copies them into a shared-memory segment it reuses, sends its name | reads the segment |
 | ``mooncake`` | registers its buffer with the Mooncake Transfer Engine | one-sided read from the sender |
 
+In place (``Backend.scatters``; see :mod:`kvmesh.transfer.landing`): ``tcp`` scatters the stream into the
+destination views with ``recvmsg_into``, ``shm`` reads the segment into them with ``preadv`` (one copy either
+way); ``mooncake`` receives into a buffer of its own (its reads need registered memory).
+
 Payloads are plain byte buffers (memoryviews): the library never needs to know what the bytes hold, so
 cachesvc moves blocks without a model framework; the engine hands over zero-copy views of its tensors.
 
@@ -18,6 +22,7 @@ unlinks the segment, mooncake keeps the memory registered a while longer).
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import socket
@@ -32,7 +37,7 @@ from typing import Any, ClassVar
 from kvmesh.contracts.ids import TransferBackend, choices
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import TransferHeader
-from kvmesh.transfer.wire import recv_into
+from kvmesh.transfer.wire import IOV_MAX, recv_into, recv_scatter
 
 
 def _nothing() -> None:
@@ -56,6 +61,7 @@ class Backend(ABC):
 
     name: ClassVar[TransferBackend]
     inline: ClassVar[bool] = False  # does the payload follow the header on the control connection?
+    scatters: ClassVar[bool] = False  # can it receive in place (``fetch_landed``)?
 
     @abstractmethod
     def stage(self, payload: memoryview, local_host: str) -> Staged:
@@ -65,6 +71,13 @@ class Backend(ABC):
     async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
         """Receiver side: fill ``view`` (flat, writable, ``header.nbytes``). Raises TransferRejected when the
         source cannot be read (the connection stays usable), ConnectionError or TimeoutError when it broke."""
+
+    async def fetch_landed(self, header: TransferHeader, sock: socket.socket, views: list[memoryview],
+                           still_open: Callable[[], bool]) -> bool:
+        """Receiver side, in place: fill ``views`` (the payload's destinations in wire order), asking
+        ``still_open`` before every write with no ``await`` in between; False when it said no (nothing written
+        after that, the payload consumed). Raises like :meth:`fetch`. Only for backends that ``scatters``."""
+        raise NotImplementedError(f"the {self.name} backend does not receive in place")
 
     def close(self) -> None:
         """Free what the sender side keeps between pushes."""
@@ -77,8 +90,14 @@ class TcpBackend(Backend):
     def stage(self, payload: memoryview, local_host: str) -> Staged:
         return Staged(inline=payload)
 
+    scatters = True
+
     async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
         await recv_into(sock, view)
+
+    async def fetch_landed(self, header: TransferHeader, sock: socket.socket, views: list[memoryview],
+                           still_open: Callable[[], bool]) -> bool:
+        return await recv_scatter(sock, views, still_open)
 
 
 class ShmBackend(Backend):
@@ -88,6 +107,7 @@ class ShmBackend(Backend):
     reads a segment as a file, never registering or unlinking it."""
 
     name = TransferBackend.SHM
+    scatters = True
     SEGMENT = re.compile(r"kvmesh_[0-9a-f]{32}")
     ROOT = "/dev/shm"
 
@@ -109,20 +129,41 @@ class ShmBackend(Backend):
                       abandon=lambda: _unlink(shm))
 
     async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
+        with self._segment(header) as f:
+            while view:  # a tmpfs read of the whole segment normally returns at once
+                if not (got := f.readinto(view)):
+                    raise TransferRejected(f"shm segment {header.source['segment']} shrank while being read")
+                view = view[got:]
+
+    async def fetch_landed(self, header: TransferHeader, sock: socket.socket, views: list[memoryview],
+                           still_open: Callable[[], bool]) -> bool:
+        # no await from here to the end: every preadv runs in this one step of the event loop
+        with self._segment(header) as f:
+            at, fd = 0, f.fileno()
+            for i in range(0, len(views), IOV_MAX):
+                if not still_open():
+                    return False
+                batch = views[i:i + IOV_MAX]
+                want = sum(len(v) for v in batch)
+                if os.preadv(fd, batch, at) != want:  # tmpfs fills the whole batch (a memcpy) or the file shrank
+                    raise TransferRejected(f"shm segment {header.source['segment']} shrank while being read")
+                at += want
+        return True
+
+    def _segment(self, header: TransferHeader) -> io.FileIO:
+        """The segment ``header`` names, open for reading (at least ``header.nbytes`` long)."""
         name = header.source.get("segment")
         if not isinstance(name, str) or not self.SEGMENT.fullmatch(name):
             raise TransferRejected(f"shm source names no valid segment: {header.source!r}")
         try:
-            with open(os.path.join(self.ROOT, name), "rb", buffering=0) as f:  # noqa: ASYNC230 (tmpfs: a memcpy)
-                size = os.fstat(f.fileno()).st_size
-                if size < header.nbytes:
-                    raise TransferRejected(f"shm segment {name} holds {size} bytes, not {header.nbytes}")
-                while view:  # a tmpfs read of the whole segment normally returns at once
-                    if not (got := f.readinto(view)):
-                        raise TransferRejected(f"shm segment {name} shrank while being read")
-                    view = view[got:]
+            f = open(os.path.join(self.ROOT, name), "rb", buffering=0)  # noqa: SIM115 (the caller closes it)
         except FileNotFoundError:
             raise TransferRejected(f"shm segment {name} not found: shm needs both ends on one host") from None
+        size = os.fstat(f.fileno()).st_size
+        if size < header.nbytes:
+            f.close()
+            raise TransferRejected(f"shm segment {name} holds {size} bytes, not {header.nbytes}")
+        return f
 
     def close(self) -> None:
         while self._idle:

@@ -62,6 +62,20 @@ def corrupt_blocks(header: TransferHeader, payload: memoryview) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(actual, header.checksums, strict=True)) if a != b]
 
 
+def corrupt_landed_blocks(header: TransferHeader, views: list[memoryview]) -> list[int]:
+    """:func:`corrupt_blocks` over a payload that landed scattered (``views``: its bytes in wire order, the same
+    number per block): each block's checksum streamed over its views where they lie, no bytes gathered."""
+    per_block = len(views) // header.num_blocks
+    h, bad = xxhash.xxh3_64(), []
+    for i, expected in enumerate(header.checksums):
+        h.reset()
+        for view in views[i * per_block:(i + 1) * per_block]:
+            h.update(view)
+        if h.intdigest() != expected:
+            bad.append(i)
+    return bad
+
+
 def encode_header(header: TransferHeader) -> bytes:
     doc = {
         "v": VERSION,

@@ -8,6 +8,13 @@ stores every layout.) A refused transfer is recorded as a rejection (``take`` ra
 dropped after ``ttl`` seconds, and a transfer that would push the bytes held (in flight + waiting) past
 ``max_buffered_bytes`` is refused before its payload is read.
 
+In place: a receiver that reserved memory for a request's parts (decode: blocks of its KV pool) hands the server
+a :class:`~kvmesh.transfer.landing.Landing` under the parts' transfer-id prefix (:meth:`TransferServer.land`);
+those parts are received straight into it (tcp, shm), verified where they landed, and taken as
+``ReceivedBlocks`` with ``landed`` set and no bytes of their own. :meth:`TransferServer.unland` (or
+``discard_prefix``) revokes it: from then on nothing is written into that memory (see ``landing``). Without a
+landing, or over a backend that cannot scatter (mooncake), a part is buffered as before.
+
 Concurrency: all state lives on the event loop that called :meth:`TransferServer.start`; one task per
 connection, each connection carrying one transfer at a time.
 """
@@ -27,7 +34,14 @@ from kvmesh.contracts.ids import BlockKey, TransferBackend, TransferId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.transfer.backends import Backend, TcpBackend, get_backend
 from kvmesh.transfer.errors import TransferRejected
-from kvmesh.transfer.header import MAX_HEADER_BYTES, TransferHeader, corrupt_blocks, decode_header
+from kvmesh.transfer.header import (
+    MAX_HEADER_BYTES,
+    TransferHeader,
+    corrupt_blocks,
+    corrupt_landed_blocks,
+    decode_header,
+)
+from kvmesh.transfer.landing import Landing
 from kvmesh.transfer.wire import (
     MAGIC,
     PREFIX,
@@ -47,7 +61,8 @@ log = logging.getLogger(__name__)
 class ReceivedBlocks:
     """A verified transfer. ``data`` holds its ``num_blocks`` blocks back to back (flat, writable, owned by
     the taker; the engine views it as a tensor with ``kv_cache.blocks_from_bytes``); ``block_keys`` are the
-    keys of its full blocks (a partial last block has none)."""
+    keys of its full blocks (a partial last block has none). ``landed``: its bytes were received in place (in
+    the landing its transfer id fell under) and verified there; ``data`` is empty."""
 
     transfer_id: TransferId
     layout: KVLayout
@@ -59,6 +74,7 @@ class ReceivedBlocks:
     checksums: tuple[int, ...] = ()  # each block's xxh3_64, which its bytes were verified against
     layers: tuple[int, int] | None = None  # each block's slice of these layers (None: whole blocks)
     first_block: int = 0  # where its first block sits in the sender's sequence (a hand-off's part)
+    landed: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -92,6 +108,7 @@ class TransferServer:
         self._in_flight: set[str] = set()
         self._discarded: dict[str, asyncio.TimerHandle] = {}
         self._discarded_prefixes: dict[str, asyncio.TimerHandle] = {}
+        self._landings: dict[str, Landing] = {}  # transfer-id prefix -> where those parts land in place
         self._buffered = 0
         self._connections: set[asyncio.Task[None]] = set()
         self._accepting = asyncio.create_task(self._accept())
@@ -137,6 +154,29 @@ class TransferServer:
         assert outcome is not None
         return outcome
 
+    def land(self, prefix: str, landing: Landing) -> None:
+        """Receive the transfers whose id starts with ``prefix`` (one request's parts) into ``landing``, from
+        now until :meth:`unland`. A part that does not fit it is refused (it would have nowhere to go that the
+        taker expects)."""
+        self.unland(prefix)
+        self._landings[prefix] = landing
+
+    def unland(self, prefix: str, landing: Landing | None = None) -> None:
+        """Revoke the landing under ``prefix`` (only if it is ``landing``, when given; nothing when none): once
+        this returns, no byte is written into its memory, and a part of it still being received is read into
+        scratch and refused. Call it on the server's event loop."""
+        held = self._landings.get(prefix)
+        if held is not None and (landing is None or held is landing):
+            del self._landings[prefix]
+            held.revoke()
+        if landing is not None:
+            landing.revoke()
+
+    @property
+    def landings(self) -> int:
+        """Landings open (what a leak check counts)."""
+        return len(self._landings)
+
     def discard(self, transfer_id: str) -> None:
         """Drop ``transfer_id`` (the caller gave up on it): free its bytes if it arrived, refuse it if it
         arrives within ``ttl``, and wake any ``take`` still waiting for it with a rejection."""
@@ -152,7 +192,9 @@ class TransferServer:
 
     def discard_prefix(self, prefix: str) -> None:
         """:meth:`discard` every transfer whose id starts with ``prefix``: held, in flight, or arriving within
-        ``ttl`` (a request's parts, when its sender died half-way and nobody will take them)."""
+        ``ttl`` (a request's parts, when its sender died half-way and nobody will take them); a landing under
+        ``prefix`` is revoked."""
+        self.unland(prefix)
         for transfer_id in [t for t in self._slots if t.startswith(prefix)]:
             self.discard(transfer_id)
         if old := self._discarded_prefixes.pop(prefix, None):
@@ -163,6 +205,8 @@ class TransferServer:
     async def close(self) -> None:
         self._accepting.cancel()
         self._sock.close()
+        for prefix in list(self._landings):
+            self.unland(prefix)
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(self._accepting, *self._connections, return_exceptions=True)
@@ -236,9 +280,13 @@ class TransferServer:
     async def _receive(self, sock: socket.socket, header: TransferHeader) -> None:
         tid, nbytes = header.transfer_id, header.nbytes
         backend = self._backends.get(header.backend)
-        reason, record = self._refusal(header)
+        landing = self._landing(tid) if backend is not None and backend.scatters else None
+        reason, record = self._refusal(header, buffered=landing is None)
         if reason is None and backend is not None:
-            reason = await self._fetch(sock, header, backend)
+            if landing is None:
+                reason = await self._fetch(sock, header, backend)
+            else:
+                reason = await self._land(sock, header, backend, landing)
         elif header.backend == TransferBackend.TCP:  # refused unread: drop the inline payload to keep the stream in sync
             async with asyncio.timeout(self.io_timeout):
                 await drain(sock, nbytes)
@@ -248,9 +296,10 @@ class TransferServer:
                 self._settle(tid, TransferRejected(reason), 0)
         await asyncio.get_running_loop().sock_sendall(sock, encode_reply(Reply(reason is None, reason or "")))
 
-    def _refusal(self, header: TransferHeader) -> tuple[str | None, bool]:
+    def _refusal(self, header: TransferHeader, buffered: bool = True) -> tuple[str | None, bool]:
         """Why ``header`` is refused before its payload is read (None: admitted), and whether to record it
-        as the transfer's outcome (not for duplicates, which must not overwrite the original)."""
+        as the transfer's outcome (not for duplicates, which must not overwrite the original). ``buffered``:
+        it would be held here (not landed in place), so it counts against ``max_buffered_bytes``."""
         tid = header.transfer_id
         if self._discarded_id(tid):
             return f"transfer {tid} was discarded by the receiver", False
@@ -262,7 +311,7 @@ class TransferServer:
             return f"backend {header.backend!r} is not served here (it takes {sorted(self._backends)})", True
         if self.expected_layout is not None and (diff := layout_mismatch(self.expected_layout, header.layout)):
             return f"layout mismatch: {diff}", True
-        if self._buffered + header.nbytes > self.max_buffered_bytes:
+        if buffered and self._buffered + header.nbytes > self.max_buffered_bytes:
             return (f"over capacity: {header.nbytes} bytes would exceed the {self.max_buffered_bytes}-byte "
                     f"receive buffer ({self._buffered} bytes held)"), True
         return None, True
@@ -297,7 +346,47 @@ class TransferServer:
             if not delivered:
                 self._buffered -= nbytes
 
+    async def _land(self, sock: socket.socket, header: TransferHeader, backend: Backend,
+                    landing: Landing) -> str | None:
+        """Receive an admitted transfer in place and verify it there; returns the refusal reason, or None once
+        delivered. A refused part's cells stay claimed: its bytes are garbage, never taken."""
+        tid = header.transfer_id
+        try:
+            views = landing.claim(header)
+        except TransferRejected as e:
+            if backend.inline:
+                async with asyncio.timeout(self.io_timeout):
+                    await drain(sock, header.nbytes)
+            return e.reason
+        self._in_flight.add(tid)
+        started = time.perf_counter()
+        try:
+            try:
+                async with asyncio.timeout(self.io_timeout):
+                    landed = await backend.fetch_landed(header, sock, views, lambda: landing.open)
+            except TransferRejected as e:
+                return e.reason
+            if not landed or not landing.open:
+                return f"transfer {tid}: the blocks reserved for it were released while it was received"
+            if bad := corrupt_landed_blocks(header, views):
+                shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+                return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
+            if self._discarded_id(tid):
+                return f"transfer {tid} was discarded by the receiver"
+            landing.landed_bytes += header.nbytes
+            self._settle(tid, ReceivedBlocks(tid, header.layout, header.block_keys, header.num_tokens,
+                                             memoryview(b""), header.nbytes, time.perf_counter() - started,
+                                             header.checksums, header.layers, header.first_block, landed=True), 0)
+            return None
+        finally:
+            self._in_flight.discard(tid)
+
     # -- slots -----------------------------------------------------------------------------------------------
+
+    def _landing(self, tid: str) -> Landing | None:
+        """Where the part ``tid`` lands in place (None: buffered)."""
+        landing = next((landing for prefix, landing in self._landings.items() if tid.startswith(prefix)), None)
+        return landing if landing is not None and landing.admits(tid) else None
 
     def _discarded_id(self, tid: str) -> bool:
         return tid in self._discarded or any(tid.startswith(p) for p in self._discarded_prefixes)

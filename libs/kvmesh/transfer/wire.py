@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import struct
+from collections.abc import Callable
 from typing import NamedTuple
 
 from kvmesh.contracts.ids import TransferBackend
@@ -20,6 +22,7 @@ PREFIX = struct.Struct("<4sI")
 REPLY_PREFIX = struct.Struct("<I")
 MAX_REPLY_BYTES = 64 << 10
 _DRAIN_CHUNK = 1 << 20
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one scatter syscall takes
 
 
 class PeerClosed(ConnectionError):
@@ -82,6 +85,48 @@ async def recv_into(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise PeerClosed(f"peer closed the connection with {len(view)} bytes of the frame missing")
         view = view[n:]
+
+
+async def recv_scatter(sock: socket.socket, views: list[memoryview], still_open: Callable[[], bool]) -> bool:
+    """Fill ``views`` in order from ``sock``, up to ``IOV_MAX`` of them per ``recvmsg_into`` (the kernel copies
+    straight into each). ``still_open`` is asked before every syscall, with no ``await`` in between: once it says
+    False, nothing more is written into ``views``; the rest of the payload is read into scratch and dropped (the
+    connection stays in sync) and the result is False. True: every view filled."""
+    loop = asyncio.get_running_loop()
+    i, offset = 0, 0  # the first view not yet full, and how much of it is
+    left = sum(len(v) for v in views)
+    while left:
+        if not still_open():
+            await drain(sock, left)
+            return False
+        batch = views[i:i + IOV_MAX]
+        if offset:
+            batch[0] = batch[0][offset:]
+        try:
+            n = sock.recvmsg_into(batch)[0]
+        except (BlockingIOError, InterruptedError):
+            await _readable(loop, sock)
+            continue
+        if n == 0:
+            raise PeerClosed(f"peer closed the connection with {left} bytes of the frame missing")
+        left -= n
+        n += offset
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        offset = n
+    return True
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Until ``sock`` has bytes to read (or is closed)."""
+    ready = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
 
 
 async def recv_bytes(sock: socket.socket, n: int) -> bytearray:

@@ -1,0 +1,92 @@
+"""A Decode call's reservation: its blocks are lent to the transfer server as a landing, and releasing it
+revokes the landing before the engine may free (and reuse) the blocks, whatever ended the call."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.engine.block_manager import BlockManager
+from kvmesh.engine.kv_cache import DeviceKVPool
+from kvmesh.settings import InstanceSettings
+
+from services.decode.reservation import Reservation
+
+LAYOUT = KVLayout("t", 2, 1, 4, 4)
+
+
+class FakeEngine:
+    """The AsyncEngine's two entry points, over a real block manager; records what each command saw."""
+
+    def __init__(self, server: FakeServer) -> None:
+        self.engine = SimpleNamespace(kv=DeviceKVPool(LAYOUT, 8))
+        self.engine.blocks = BlockManager(self.engine.kv)
+        self.server, self.log = server, []
+
+    async def call(self, fn):
+        return fn(self.engine)
+
+    def submit(self, fn) -> None:
+        self.log.append(("submit", [landing.open for landing in self.server.lent]))
+        fn(self.engine)
+
+
+class FakeServer:
+    def __init__(self) -> None:
+        self.lent, self.landings = [], {}
+
+    def land(self, prefix, landing) -> None:
+        self.lent.append(landing)
+        self.landings[prefix] = landing
+
+    def unland(self, prefix, landing=None) -> None:
+        if self.landings.get(prefix) is landing:
+            del self.landings[prefix]
+        landing.revoke()
+
+
+def host(**cfg) -> SimpleNamespace:
+    server = FakeServer()
+    return SimpleNamespace(cfg=InstanceSettings(**cfg), transfer_server=server, engine=FakeEngine(server),
+                           layout=LAYOUT)
+
+
+def test_a_reservation_lends_the_prompts_blocks_past_the_pinned_ones_and_release_revokes_before_freeing():
+    h = host()
+    r = Reservation(h, "req", 1, 14)  # 14 tokens: blocks 0-3, block 0 pinned
+    assert asyncio.run(r.acquire())
+    blocks = h.engine.engine.blocks
+    assert len(r.block_ids) == 3 and blocks.counts()["reserved"] == 3
+    assert h.transfer_server.landings["req@"].block_ids == r.block_ids
+    r.release()
+    assert h.engine.log == [("submit", [False])]  # the landing was revoked when the free was submitted
+    assert blocks.counts()["reserved"] == 0 and h.transfer_server.landings == {}
+    r.release()  # idempotent
+    assert len(h.engine.log) == 1
+
+
+def test_a_reservation_handed_over_lands_nothing_more_and_its_release_frees_nothing_adopted():
+    h = host()
+    r = Reservation(h, "req", 0, 8)
+    asyncio.run(r.acquire())
+    r.hand_over()
+    assert not h.transfer_server.lent[0].open
+    h.engine.engine.blocks._reserved.pop(r.lease)  # what the import's adoption does
+    free = h.engine.engine.blocks.num_free_blocks
+    r.release()
+    assert h.engine.engine.blocks.num_free_blocks == free
+
+
+def test_with_receive_in_place_off_nothing_is_reserved():
+    h = host(receive_in_place=False)
+    assert not asyncio.run(Reservation(h, "req", 0, 8).acquire())
+    assert h.engine.engine.blocks.counts()["reserved"] == 0 and h.transfer_server.lent == []
+
+
+def test_a_pool_without_room_reserves_nothing_and_lends_nothing():
+    h = host()
+    r = Reservation(h, "req", 0, 40)  # 10 blocks; the pool has 8
+    assert not asyncio.run(r.acquire())
+    r.release()
+    assert h.transfer_server.lent == [] and h.engine.engine.blocks.num_free_blocks == 8
