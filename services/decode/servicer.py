@@ -59,7 +59,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         prompt = list(work.prompt_token_ids)
         imported, fallback, received_ns, load_attrs = None, "", 0, {}
-        lease, pinned = work.request_id, 0
+        lease, pinned, pin_asked = work.request_id, 0, False
         reservation: Reservation | None = None
         try:
             if request.prefill_locally:
@@ -69,6 +69,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             else:
                 if request.cached_blocks:  # prefill pushes only past these: hold them until imported
                     n, salt, lora = request.cached_blocks, work.cache_salt, work.lora_name
+                    pin_asked = True  # from here the lease may be held, even if this call is cancelled
                     try:  # under the adapter's name@generation (an unknown adapter pins nothing)
                         pinned = await w.engine.call(
                             lambda e: e.blocks.pin(lease, e.request_seed(salt, lora), prompt, n))
@@ -93,7 +94,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         finally:
             if reservation is not None:  # nothing lands any more; its blocks freed unless the import adopted them
                 reservation.release()
-            if pinned:  # after add_request (commands run in order): the sequence holds its own references
+            # after add_request (commands run in order): the sequence holds its own references. Whenever a pin
+            # was asked for: a call cancelled while it waited gets no count back, but the engine may have pinned
+            if pin_asked:
                 w.engine.submit(lambda e: e.blocks.unpin(lease))
 
     async def _stream(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span,
