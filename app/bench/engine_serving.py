@@ -230,7 +230,9 @@ def render(results: dict[str, dict], threads: int, stack: bool = False) -> str:
             "streaming `/v1/completions` over HTTP" if stack else "through `AsyncEngine`")
          + "; 20-token prompts, 64 tokens per stream. `quantized`: the kernel reads the GGUF's Q4_1 / Q8_0 "
            "blocks (`engine.quantized_weights`, the default); `dense`: their fp32 dequantization, the same "
-           "values (greedy tokens identical); one after the other in this run."),
+           "values (greedy tokens identical); one after the other in this run. `step ms`, `step CPU ms`, "
+           "`rows/step`: the mean decode-only step over the scenario, wall and the engine thread's CPU, and its "
+           "batch, from the engine's step counters."),
         markdown_table(streams, stream_cols),
         "Mixed: 8 streams decoding while 256-token prompts arrive every 0.5 s (ITL of the 8 running streams):",
         markdown_table(mixed, mixed_cols),
