@@ -37,6 +37,24 @@ def test_native_decode_matches_sdpa(dtype, head_dim):
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_native_decode_matches_sdpa_with_more_query_heads_per_kv_head_than_fit_in_registers(head_dim):
+    """8 query heads per KV head: the fp32 kernel keeps 16 / (head_dim / 16) heads' outputs in registers at a
+    time, so it runs them in groups."""
+    h, hkv = 16, 2
+    pool = DeviceKVPool(KVLayout("fp", 1, hkv, head_dim, BS, "fp32"), num_blocks=32)
+    g = torch.Generator().manual_seed(1)
+    for t in (pool.k, pool.v):
+        t.copy_(torch.randn(t.shape, generator=g))
+    batch = decode_batch([3, 9, 30])
+    q = torch.randn(3, h, head_dim, generator=g)
+    outs = []
+    for backend in (TorchAttention(), NativeAttention(h, hkv, head_dim)):
+        backend.plan(batch, pool)
+        outs.append(backend._decode(0, q, pool))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
 def test_auto_picks_the_native_kernel_on_cpu():
     assert make_backend("auto", H, HKV, D, "cpu").name == "native"
 
