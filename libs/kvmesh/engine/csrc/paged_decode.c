@@ -46,6 +46,20 @@ static inline const float *load_fp8(const uint8_t *src, float *buf, int64_t n) {
     return buf;
 }
 
+/* Each of the G score rows (``len`` scores, ``max_len`` apart) turned into exp(score - max) in place; returns
+ * their sums in ``denom``. */
+static inline void softmax_rows(float *scratch, int64_t G, int64_t max_len, int64_t len, float *denom) {
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scratch + g * max_len, m = -INFINITY, sum = 0.0f;
+        _Pragma("omp simd reduction(max : m)") for (int64_t i = 0; i < len; i++) m = fmaxf(m, sg[i]);
+        _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < len; i++) {
+            sg[i] = exp_clamped(sg[i] - m);
+            sum += sg[i];
+        }
+        denom[g] = sum;
+    }
+}
+
 /* Tokens are visited block by block: row r of block `table[j]` sits at ((block * bs + r) * Hkv + h) * D. */
 #define DEFINE_DECODE(NAME, T, LOAD)                                                                         \
     static inline __attribute__((always_inline)) void NAME##_impl(                                         \
@@ -90,15 +104,7 @@ static inline const float *load_fp8(const uint8_t *src, float *buf, int64_t n) {
                         }                                                                                  \
                     }                                                                                      \
                 }                                                                                          \
-                for (int64_t g = 0; g < G; g++) {                                                          \
-                    float *sg = scratch + g * max_len, m = -INFINITY, sum = 0.0f;                          \
-                    _Pragma("omp simd reduction(max : m)") for (int64_t i = 0; i < len; i++) m = fmaxf(m, sg[i]); \
-                    _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < len; i++) {             \
-                        sg[i] = exp_clamped(sg[i] - m);                                                     \
-                        sum += sg[i];                                                                      \
-                    }                                                                                      \
-                    denom[g] = sum;                                                                        \
-                }                                                                                          \
+                softmax_rows(scratch, G, max_len, len, denom);                                             \
                 memset(acc, 0, sizeof(float) * G * D);                                                     \
                 t = 0;                                                                                     \
                 for (int64_t j = 0; j < nblocks; j++) {                                                    \
@@ -189,15 +195,8 @@ static inline const float *load_fp8(const uint8_t *src, float *buf, int64_t n) {
                     }                                                                                        \
                 }                                                                                            \
                 float inv[16];                                                                               \
-                for (int64_t g = 0; g < G; g++) {                                                            \
-                    float *sg = scratch + g * max_len, m = -INFINITY, sum = 0.0f;                            \
-                    _Pragma("omp simd reduction(max : m)") for (int64_t i = 0; i < len; i++) m = fmaxf(m, sg[i]); \
-                    _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < len; i++) {               \
-                        sg[i] = exp_clamped(sg[i] - m);                                                      \
-                        sum += sg[i];                                                                        \
-                    }                                                                                        \
-                    inv[g] = 1.0f / sum;                                                                     \
-                }                                                                                            \
+                softmax_rows(scratch, G, max_len, len, inv);                                                 \
+                for (int64_t g = 0; g < G; g++) inv[g] = 1.0f / inv[g];                                      \
                 for (int64_t g0 = 0; g0 < G; g0 += GG) {                                                     \
                     const int64_t ng = G - g0 < GG ? G - g0 : GG;                                            \
                     __m512 acc[GG][C];                                                                       \
