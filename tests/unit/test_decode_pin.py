@@ -1,0 +1,60 @@
+"""A Decode call that asked the engine to pin the prompt's cached blocks releases that lease whatever happens
+to the call, also when it is cancelled after the engine ran the pin but before the count came back."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from kvmesh.proto.v1 import worker_pb2
+
+from services.decode.servicer import DecodeServicer
+
+
+class PinRecorder:
+    """The engine side: ``blocks.pin`` / ``unpin`` over a set of held leases; ``call`` runs the command at once
+    (the engine thread got to it) and then never answers, as if the caller went away first."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        self.ran_pin = asyncio.Event()
+        blocks = SimpleNamespace(pin=self._pin, unpin=self.held.discard)
+        self.engine = SimpleNamespace(blocks=blocks, request_seed=lambda salt, lora: 0)
+
+    def _pin(self, lease: str, seed: int, prompt: list[int], n: int) -> int:
+        self.held.add(lease)
+        return n
+
+    async def call(self, fn):
+        fn(self.engine)
+        self.ran_pin.set()
+        await asyncio.Event().wait()  # the answer never reaches the caller: it is cancelled first
+
+    def submit(self, fn) -> None:
+        fn(self.engine)
+
+
+def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
+    async def main() -> tuple[set[str], set[str]]:
+        engine = PinRecorder()
+        host = SimpleNamespace(engine=engine, span_attributes=lambda rid, salt: {}, metrics=None)
+        servicer = DecodeServicer.__new__(DecodeServicer)
+        servicer.w = host
+        work = worker_pb2.WorkRequest(request_id="r1", prompt_token_ids=list(range(40)))
+        request = worker_pb2.DecodeRequest(work=work, cached_blocks=2)
+
+        async def consume() -> None:
+            decode = DecodeServicer.Decode.__wrapped__  # the RPC without its tracing wrapper
+            async for _ in decode(servicer, request, None, SimpleNamespace(set_attributes=lambda a: None)):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await engine.ran_pin.wait()
+        held_during = set(engine.held)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return held_during, engine.held
+
+    held_during, held_after = asyncio.run(asyncio.wait_for(main(), 10))
+    assert held_during == {"r1"}  # the engine pinned for the call...
+    assert held_after == set()  # ...and the cancelled call released it
