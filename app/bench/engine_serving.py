@@ -58,13 +58,14 @@ def engine_stream(engine: AsyncEngine) -> Stream:
     return stream
 
 
-def http_stream(session, url: str) -> Stream:
-    """Through the router: one SSE chunk per token the engine streams (token-id prompt, ignore_eos). Not
+def http_stream(session, url: str, model: str = "") -> Stream:
+    """Through the router (or any OpenAI-compatible server that takes token-id prompts and ``ignore_eos``, as
+    vLLM does; ``model`` names its model): one SSE chunk per token the engine streams. Not
     app.bench.serve.stream_request: that one times chunks with text only, and a token that completes no
     character yet (random ids, byte-level BPE) streams an empty delta that is still a token here."""
     async def stream(rid: str, prompt: list[int], max_tokens: int) -> list[float]:
         body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                "temperature": 0}
+                "temperature": 0, **({"model": model} if model else {})}
         times = [time.perf_counter()]
         async with session.post(f"{url}/v1/completions", json=body, headers={"x-request-id": rid}) as r:
             if r.status != 200:
@@ -205,6 +206,15 @@ async def through_stack(threads: int, quick: bool, quantized: bool = True, engin
             await asyncio.to_thread(stack.stop)
 
 
+async def against_target(url: str, model: str, quick: bool) -> dict:
+    """The same scenarios against another server (``--target``): a baseline in the same run."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        return await Bench().run(http_stream(session, url.rstrip("/"), model), quick)
+
+
 def _fmt(row: dict) -> dict:
     return {k: (f"{v:.1f}" if isinstance(v, float) and not k.startswith("vs") else
                 f"{v:.2f}x" if isinstance(v, float) else v) for k, v in row.items()}
@@ -214,10 +224,18 @@ WEIGHTS = {"quantized": True, "dense": False}  # --weights: the GGUF's blocks, o
 
 
 def render(results: dict[str, dict], threads: int, stack: bool = False) -> str:
-    """``results``: per weight form (``WEIGHTS``), one ``Bench.run``."""
+    """``results``: per weight form (``WEIGHTS``), one ``Bench.run``; ``target``, when given, the baseline server's
+    (each row then also shows its tok/s against the target's at the same number of streams)."""
+    target = next((res for w, res in results.items() if w.startswith("target")), None)
+    if target is not None:
+        base = {r["streams"]: r["tok/s"] for r in target["streams"]}
+        for res in results.values():
+            for r in res["streams"]:
+                r["vs target"] = r["tok/s"] / base[r["streams"]]
     # tok/cpu-s counts this process's CPU: the engine's in process, only the client's through the stack
-    stream_cols = ["weights", "streams", "tok/s", "vs 1 stream", *([] if stack else ["tok/cpu-s"]), "ITL p50 ms",
-                   "ITL p99 ms", "step ms", "step CPU ms", "rows/step"]
+    stream_cols = ["weights", "streams", "tok/s", "vs 1 stream", *([] if target is None else ["vs target"]),
+                   *([] if stack else ["tok/cpu-s"]), "ITL p50 ms", "ITL p99 ms", "step ms", "step CPU ms",
+                   "rows/step"]
     mixed_cols = ["weights", "ITL p50 ms", "ITL p99 ms", "p99 / p50", "ITL max ms", "p50 while arriving",
                   "p99 while arriving", "arrival TTFT p50 ms"]
     streams = [_fmt({"weights": w, **r}) for w, res in results.items() for r in res["streams"]]
@@ -252,12 +270,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine.mixed_step_stall for this run (default: the engine's)")
     p.add_argument("--stack", action="store_true",
                    help="through kvmesh up --both 1 over HTTP instead of AsyncEngine in this process")
+    p.add_argument("--target", default="", help="also run the scenarios against this OpenAI-compatible server "
+                   "(e.g. vLLM serving the same weights), after kvmesh's, as the baseline of the run")
+    p.add_argument("--target-name", default="target", help="what the tables call the --target server")
+    p.add_argument("--model", default="", help="the 'model' field --target wants (e.g. its --served-model-name)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     run = through_stack if args.stack else in_process
     forms = list(WEIGHTS) if args.weights == "both" else [args.weights]
     engine = {} if args.mixed_step_stall is None else {"mixed_step_stall": args.mixed_step_stall}
     results = {w: asyncio.run(run(args.threads, args.quick, WEIGHTS[w], engine)) for w in forms}
+    if args.target:
+        results[f"target: {args.target_name}"] = asyncio.run(against_target(args.target, args.model, args.quick))
     body = render(results, args.threads, args.stack)
     if engine:
         body = f"`engine.mixed_step_stall` = {args.mixed_step_stall:g}.\n\n" + body
@@ -266,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write and not args.quick:
         cmd = (f"python -m app.bench.engine_serving --threads {args.threads}" + (" --stack" if args.stack else "")
                + ("" if args.weights == "both" else f" --weights {args.weights}")
-               + ("" if args.mixed_step_stall is None else f" --mixed-step-stall {args.mixed_step_stall:g}"))
+               + ("" if args.mixed_step_stall is None else f" --mixed-step-stall {args.mixed_step_stall:g}")
+               + (f" --target {args.target} --target-name '{args.target_name}'" if args.target else "")
+               + (f" --model {args.model}" if args.model else ""))
         print(f"\nwritten to {write_section(section, cmd, body)}")
     return 0
 

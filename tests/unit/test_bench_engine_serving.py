@@ -1,0 +1,24 @@
+"""The serving benchmark's tables: each row against one stream, and against the --target server's run."""
+
+from app.bench.engine_serving import render
+
+
+def run(tok_s: list[float]) -> dict:
+    streams = [{"streams": n, "tok/s": t, "vs 1 stream": t / tok_s[0], "ITL p50 ms": 30.0, "ITL p99 ms": 60.0}
+               for n, t in zip((1, 8, 16), tok_s)]
+    mixed = {"ITL p50 ms": 100.0, "ITL p99 ms": 200.0, "ITL max ms": 250.0, "p50 while arriving": 100.0,
+             "p99 while arriving": 200.0, "arrival TTFT p50 ms": 900.0}
+    return {"streams": streams, "mixed": mixed}
+
+
+def test_with_a_target_each_row_shows_its_tok_s_against_the_targets_at_the_same_streams():
+    text = render({"quantized": run([30.0, 120.0, 160.0]), "target: vLLM": run([15.0, 80.0, 120.0])}, 1,
+                  stack=True)
+    assert "| vs target |" in text
+    assert "| quantized | 16 | 160.0 | 5.33x | 1.33x |" in text
+    assert "| target: vLLM | 8 | 80.0 | 5.33x | 1.00x |" in text
+    assert "| quantized | 100.0 | 200.0 | 2.00 |" in text  # mixed: p50, p99, p99 / p50
+
+
+def test_without_a_target_there_is_no_target_column():
+    assert "vs target" not in render({"quantized": run([30.0, 120.0, 160.0])}, 1, stack=True)
