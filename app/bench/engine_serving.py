@@ -97,19 +97,17 @@ def engine_probe(engine: AsyncEngine) -> Probe:
 
 def metrics_probe(session, url: str) -> Probe:
     """The same totals from an engine's Prometheus text (``kvmesh_worker_engine_step*_total{kind="decode"}``)."""
-    names = {"steps": "engine_steps_total", "rows": "engine_step_rows_total", "seconds": "engine_step_seconds_total",
-             "cpu": "engine_step_cpu_seconds_total"}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {"kvmesh_worker_engine_steps_total": "steps", "kvmesh_worker_engine_step_rows_total": "rows",
+             "kvmesh_worker_engine_step_seconds_total": "seconds",
+             "kvmesh_worker_engine_step_cpu_seconds_total": "cpu"}
 
     async def probe() -> dict[str, float]:
         async with session.get(url) as r:
             text = await r.text()
-        values = {}
-        for line in text.splitlines():
-            name, _, rest = line.partition('{kind="decode"} ')
-            for key, suffix in names.items():
-                if rest and name.endswith("_" + suffix):
-                    values[key] = float(rest)
-        return values
+        return {names[smp.name]: smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                if smp.name in names and smp.labels.get("kind") == "decode"}
     return probe
 
 
@@ -227,18 +225,15 @@ def render(results: dict[str, dict], threads: int, stack: bool = False) -> str:
     """``results``: per weight form (``WEIGHTS``), one ``Bench.run``; ``target``, when given, the baseline server's
     (each row then also shows its tok/s against the target's at the same number of streams)."""
     target = next((res for w, res in results.items() if w.startswith("target")), None)
-    if target is not None:
-        base = {r["streams"]: r["tok/s"] for r in target["streams"]}
-        for res in results.values():
-            for r in res["streams"]:
-                r["vs target"] = r["tok/s"] / base[r["streams"]]
+    base = {} if target is None else {r["streams"]: r["tok/s"] for r in target["streams"]}
     # tok/cpu-s counts this process's CPU: the engine's in process, only the client's through the stack
     stream_cols = ["weights", "streams", "tok/s", "vs 1 stream", *([] if target is None else ["vs target"]),
                    *([] if stack else ["tok/cpu-s"]), "ITL p50 ms", "ITL p99 ms", "step ms", "step CPU ms",
                    "rows/step"]
     mixed_cols = ["weights", "ITL p50 ms", "ITL p99 ms", "p99 / p50", "ITL max ms", "p50 while arriving",
                   "p99 while arriving", "arrival TTFT p50 ms"]
-    streams = [_fmt({"weights": w, **r}) for w, res in results.items() for r in res["streams"]]
+    streams = [_fmt({"weights": w, **r, **({"vs target": r["tok/s"] / base[r["streams"]]} if base else {})})
+               for w, res in results.items() for r in res["streams"]]
     mixed = [_fmt({"weights": w, **res["mixed"],
                    "p99 / p50": f"{res['mixed']['ITL p99 ms'] / res['mixed']['ITL p50 ms']:.2f}"})
              for w, res in results.items()]

@@ -22,3 +22,42 @@ def test_with_a_target_each_row_shows_its_tok_s_against_the_targets_at_the_same_
 
 def test_without_a_target_there_is_no_target_column():
     assert "vs target" not in render({"quantized": run([30.0, 120.0, 160.0])}, 1, stack=True)
+
+
+def test_the_metrics_probe_reads_the_decode_step_counters_from_prometheus_text():
+    import asyncio
+
+    from app.bench.engine_serving import _step_stats, metrics_probe
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily
+
+    totals = {"steps": 4.0, "rows": 32.0, "seconds": 0.2, "cpu": 0.18}
+
+    class Steps:
+        def collect(self):
+            for name, key in (("engine_steps", "steps"), ("engine_step_rows", "rows"),
+                              ("engine_step_seconds", "seconds"), ("engine_step_cpu_seconds", "cpu")):
+                family = CounterMetricFamily(f"kvmesh_worker_{name}", "", labels=["kind"])
+                family.add_metric(["prefill"], 99.0)
+                family.add_metric(["decode"], totals[key])
+                yield family
+
+    registry = CollectorRegistry()
+    registry.register(Steps())
+    text = generate_latest(registry).decode()
+
+    class Response:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def text(self):
+            return text
+
+    session = type("Session", (), {"get": lambda self, url: Response()})()
+    got = asyncio.run(metrics_probe(session, "http://engine/metrics")())
+    assert got == totals
+    zero = dict.fromkeys(totals, 0.0)
+    assert _step_stats(zero, got) == {"step ms": 50.0, "step CPU ms": 45.0, "rows/step": 8.0}

@@ -230,10 +230,10 @@ class AsyncEngine:
             return  # nothing measured yet: the first steps run the whole token budget
         prefill = self._fit or PRIOR
         sched = self.engine.scheduler
-        line = self._decode_fit and (self._decode_fit.overhead_s, self._decode_fit.tok_per_s)
+        line = None if self._decode_fit is None else (self._decode_fit.overhead_s, self._decode_fit.tok_per_s)
         settled = min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
         sched.chunk_tokens = chunk_budget(prefill.overhead_s, prefill.tok_per_s, len(sched.running), self.stall,
-                                          line or None, settled)
+                                          line, settled)
 
     def _flush_events(self) -> None:
         if not self._events:

@@ -213,11 +213,7 @@ class BlockManager:
             return False
         if to_load:
             self._load_from_host(to_load, fresh[:len(to_load)])
-        t = now()
-        for node in m.nodes:
-            self.policy.on_hit(node, t)
-            node.last_access = t
-            node.hit_count += 1
+        t = self._record_hits(m.nodes)
         seq.nodes = list(m.nodes)
         seq.block_table = [n.block_id for n in m.nodes]  # type: ignore[misc]
         if m.partial:
@@ -264,18 +260,24 @@ class BlockManager:
                 or any(node.block_id is None for node in m.nodes)):
             self.free_blocks.extend(ids)
             return False
-        t = now()
         for node in m.nodes:
             node.ref_count += 1
-            self.policy.on_hit(node, t)
-            node.last_access = t
-            node.hit_count += 1
+        self._record_hits(m.nodes)
         seq.nodes = list(m.nodes)
         seq.block_table = [node.block_id for node in m.nodes] + ids  # type: ignore[misc]
         self._write_pieces(seq, landed.pieces, first_block, num_tokens)
         seq.num_computed_tokens = num_tokens
         self.cache_computed_blocks(seq)  # a block another request cached meanwhile is shared, ours freed
         return True
+
+    def _record_hits(self, nodes: list[Node]) -> float:
+        """A sequence reuses ``nodes``: tell the eviction policy and count the hit. Returns the time used."""
+        t = now()
+        for node in nodes:
+            self.policy.on_hit(node, t)
+            node.last_access = t
+            node.hit_count += 1
+        return t
 
     def _write_pieces(self, seq: Sequence, pieces: list[KVPiece], first_new: int, num_tokens: int) -> None:
         """Copy received pieces into the sequence's blocks ``first_new ..`` up to token ``num_tokens`` (each

@@ -42,12 +42,11 @@ def chunk_budget(overhead_s: float, tok_per_s: float, decode_rows: int, stall: f
     tokens (a prompt token costs ``1 / tok_per_s``). ``decode_line``: ``(overhead_s, rows_per_s)`` fitted over
     decode-only steps; without it the decode-only step is read off the prefill line, and the cap without
     waiting prompts is ``stall * (overhead * speed + decode_rows)``."""
-    if decode_line is None:
-        def step(rows: int) -> float:
-            return overhead_s + rows / tok_per_s
-    else:
-        def step(rows: int) -> float:
-            return decode_line[0] + rows / decode_line[1]
+    overhead, rows_per_s = decode_line or (overhead_s, tok_per_s)
+
+    def step(rows: int) -> float:
+        return overhead + rows / rows_per_s
+
     settled = max(settled_rows, decode_rows, 1)
     held_back = stall * step(settled) * settled / max(1, decode_rows)  # seconds each running stream may wait
     return max(MIN_CHUNK, int(held_back * tok_per_s))

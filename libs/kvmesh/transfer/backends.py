@@ -8,7 +8,7 @@ The control connection (header, reply) is always TCP; a backend decides only whe
 | ``shm`` | copies them into a shared-memory segment it reuses, sends its name | reads the segment |
 | ``mooncake`` | registers its buffer with the Mooncake Transfer Engine | one-sided read from the sender |
 
-In place (``Backend.scatters``; see :mod:`kvmesh.transfer.landing`): ``tcp`` scatters the stream into the
+In place (a ``ScatterBackend``; see :mod:`kvmesh.transfer.landing`): ``tcp`` scatters the stream into the
 destination views with ``recvmsg_into``, ``shm`` reads the segment into them with ``preadv`` (one copy either
 way); ``mooncake`` receives into a buffer of its own (its reads need registered memory).
 
@@ -61,7 +61,6 @@ class Backend(ABC):
 
     name: ClassVar[TransferBackend]
     inline: ClassVar[bool] = False  # does the payload follow the header on the control connection?
-    scatters: ClassVar[bool] = False  # can it receive in place (``fetch_landed``)?
 
     @abstractmethod
     def stage(self, payload: memoryview, local_host: str) -> Staged:
@@ -72,25 +71,27 @@ class Backend(ABC):
         """Receiver side: fill ``view`` (flat, writable, ``header.nbytes``). Raises TransferRejected when the
         source cannot be read (the connection stays usable), ConnectionError or TimeoutError when it broke."""
 
-    async def fetch_landed(self, header: TransferHeader, sock: socket.socket, views: list[memoryview],
-                           still_open: Callable[[], bool]) -> bool:
-        """Receiver side, in place: fill ``views`` (the payload's destinations in wire order), asking
-        ``still_open`` before every write with no ``await`` in between; False when it said no (nothing written
-        after that, the payload consumed). Raises like :meth:`fetch`. Only for backends that ``scatters``."""
-        raise NotImplementedError(f"the {self.name} backend does not receive in place")
-
     def close(self) -> None:
         """Free what the sender side keeps between pushes."""
 
 
-class TcpBackend(Backend):
+class ScatterBackend(Backend):
+    """A backend that can also receive in place, into memory the receiver lends (``tcp``, ``shm``)."""
+
+    @abstractmethod
+    async def fetch_landed(self, header: TransferHeader, sock: socket.socket, views: list[memoryview],
+                           still_open: Callable[[], bool]) -> bool:
+        """Receiver side, in place: fill ``views`` (the payload's destinations in wire order), asking
+        ``still_open`` before every write with no ``await`` in between; False when it said no (nothing written
+        after that, the payload consumed). Raises like :meth:`fetch`."""
+
+
+class TcpBackend(ScatterBackend):
     name = TransferBackend.TCP
     inline = True
 
     def stage(self, payload: memoryview, local_host: str) -> Staged:
         return Staged(inline=payload)
-
-    scatters = True
 
     async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
         await recv_into(sock, view)
@@ -100,14 +101,13 @@ class TcpBackend(Backend):
         return await recv_scatter(sock, views, still_open)
 
 
-class ShmBackend(Backend):
+class ShmBackend(ScatterBackend):
     """Same host only (Linux ``/dev/shm``). Fresh tmpfs pages cost a page fault each, so the sender keeps
     the segments it filled before and reuses them (at most ``max_idle_segments`` / ``max_idle_bytes`` idle;
     all unlinked by :meth:`close`, and by multiprocessing's resource tracker if the sender dies). The receiver
     reads a segment as a file, never registering or unlinking it."""
 
     name = TransferBackend.SHM
-    scatters = True
     SEGMENT = re.compile(r"kvmesh_[0-9a-f]{32}")
     ROOT = "/dev/shm"
 

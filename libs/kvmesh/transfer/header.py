@@ -57,14 +57,15 @@ def block_checksums(payload: memoryview, stride: int) -> tuple[int, ...]:
 
 
 def corrupt_blocks(header: TransferHeader, payload: memoryview) -> list[int]:
-    """Indices of the blocks whose bytes do not hash to the header's checksum."""
-    actual = block_checksums(payload, header.block_nbytes)
-    return [i for i, (a, b) in enumerate(zip(actual, header.checksums, strict=True)) if a != b]
+    """Indices of the blocks whose bytes do not hash to the header's checksum (a flat payload)."""
+    stride = header.block_nbytes
+    return corrupt_landed_blocks(header, [payload[i * stride:(i + 1) * stride] for i in range(header.num_blocks)])
 
 
 def corrupt_landed_blocks(header: TransferHeader, views: list[memoryview]) -> list[int]:
-    """:func:`corrupt_blocks` over a payload that landed scattered (``views``: its bytes in wire order, the same
-    number per block): each block's checksum streamed over its views where they lie, no bytes gathered."""
+    """Indices of the blocks whose bytes do not hash to the header's checksum, over a payload given as views
+    (its bytes in wire order, the same number of views per block; e.g. landed scattered in place): each block's
+    checksum is streamed over its views where they lie, no bytes gathered."""
     per_block = len(views) // header.num_blocks
     h, bad = xxhash.xxh3_64(), []
     for i, expected in enumerate(header.checksums):

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvmesh.contracts.ids import BlockKey, TransferBackend, TransferId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
-from kvmesh.transfer.backends import Backend, TcpBackend, get_backend
+from kvmesh.transfer.backends import Backend, ScatterBackend, TcpBackend, get_backend
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import (
     MAX_HEADER_BYTES,
@@ -280,7 +280,7 @@ class TransferServer:
     async def _receive(self, sock: socket.socket, header: TransferHeader) -> None:
         tid, nbytes = header.transfer_id, header.nbytes
         backend = self._backends.get(header.backend)
-        landing = self._landing(tid) if backend is not None and backend.scatters else None
+        landing = self._landing(tid) if isinstance(backend, ScatterBackend) else None
         reason, record = self._refusal(header, buffered=landing is None)
         if reason is None and backend is not None:
             if landing is None:
@@ -331,8 +331,7 @@ class TransferServer:
             except TransferRejected as e:
                 return e.reason
             if bad := corrupt_blocks(header, view):
-                shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
-                return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
+                return _mismatch(header, bad)
             if self._discarded_id(tid):  # given up on while it was being received
                 return f"transfer {tid} was discarded by the receiver"
             received = ReceivedBlocks(tid, header.layout, header.block_keys, header.num_tokens, view, nbytes,
@@ -346,7 +345,7 @@ class TransferServer:
             if not delivered:
                 self._buffered -= nbytes
 
-    async def _land(self, sock: socket.socket, header: TransferHeader, backend: Backend,
+    async def _land(self, sock: socket.socket, header: TransferHeader, backend: ScatterBackend,
                     landing: Landing) -> str | None:
         """Receive an admitted transfer in place and verify it there; returns the refusal reason, or None once
         delivered. A refused part's cells stay claimed: its bytes are garbage, never taken."""
@@ -369,8 +368,7 @@ class TransferServer:
             if not landed or not landing.open:
                 return f"transfer {tid}: the blocks reserved for it were released while it was received"
             if bad := corrupt_landed_blocks(header, views):
-                shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
-                return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
+                return _mismatch(header, bad)
             if self._discarded_id(tid):
                 return f"transfer {tid} was discarded by the receiver"
             landing.landed_bytes += header.nbytes
@@ -413,3 +411,9 @@ class TransferServer:
             slot.expiry.cancel()
         self._buffered -= slot.nbytes
         slot.nbytes = 0
+
+
+def _mismatch(header: TransferHeader, bad: list[int]) -> str:
+    """The refusal of a payload whose blocks ``bad`` do not hash to the header's checksums."""
+    shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+    return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
