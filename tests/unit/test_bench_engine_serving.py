@@ -1,6 +1,11 @@
 """The serving benchmark's tables: each row against one stream, and against the --target server's run."""
 
-from app.bench.engine_serving import render
+import asyncio
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from app.bench.engine_serving import _step_stats, metrics_probe, render
 
 
 def run(tok_s: list[float]) -> dict:
@@ -25,12 +30,6 @@ def test_without_a_target_there_is_no_target_column():
 
 
 def test_the_metrics_probe_reads_the_decode_step_counters_from_prometheus_text():
-    import asyncio
-
-    from app.bench.engine_serving import _step_stats, metrics_probe
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily
-
     totals = {"steps": 4.0, "rows": 32.0, "seconds": 0.2, "cpu": 0.18}
 
     class Steps:
