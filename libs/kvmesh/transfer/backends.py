@@ -34,7 +34,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, ClassVar
 
-from kvmesh.contracts.ids import TransferBackend, choices
+from kvmesh.contracts.ids import TransferBackend
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import TransferHeader
 from kvmesh.transfer.wire import IOV_MAX, recv_into, recv_scatter
@@ -192,16 +192,3 @@ def _unlink(shm: SharedMemory) -> None:
         shm.unlink()
     except FileNotFoundError:  # someone else removed it; still balance our resource-tracker registration
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-
-
-def get_backend(name: TransferBackend | str) -> Backend:
-    """A backend by name; ``mooncake`` is imported only when asked for."""
-    if name == TransferBackend.TCP:
-        return TcpBackend()
-    if name == TransferBackend.SHM:
-        return ShmBackend()
-    if name == TransferBackend.MOONCAKE:
-        from kvmesh.transfer.mooncake_backend import MooncakeBackend
-
-        return MooncakeBackend()
-    raise ValueError(f"unknown transfer backend {name!r}; choose one of {choices(TransferBackend)}")

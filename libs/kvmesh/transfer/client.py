@@ -16,9 +16,10 @@ from typing import NamedTuple, Self
 
 from kvmesh.contracts.ids import BlockKey, TransferId
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.transfer.backends import Backend, Staged, get_backend
+from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
+from kvmesh.transfer.registry import get_backend
 from kvmesh.transfer.wire import (
     MAGIC,
     PREFIX,

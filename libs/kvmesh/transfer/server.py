@@ -32,7 +32,7 @@ import numpy as np
 
 from kvmesh.contracts.ids import BlockKey, TransferBackend, TransferId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
-from kvmesh.transfer.backends import Backend, ScatterBackend, TcpBackend, get_backend
+from kvmesh.transfer.backends import Backend, ScatterBackend, TcpBackend
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import (
     MAX_HEADER_BYTES,
@@ -42,6 +42,7 @@ from kvmesh.transfer.header import (
     decode_header,
 )
 from kvmesh.transfer.landing import Landing
+from kvmesh.transfer.registry import get_backend
 from kvmesh.transfer.wire import (
     MAGIC,
     PREFIX,
