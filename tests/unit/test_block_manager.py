@@ -250,12 +250,12 @@ def test_a_host_block_refused_while_held_is_evictable_again_once_released():
     bm = manager(num_blocks=4, host_blocks=1)
     run(bm, list(range(100, 108)))
     bm.evict(2)
-    (node,) = bm._host_nodes
+    (node,) = bm.tiers.host_nodes
     node.ref_count += 1  # what allocate_prefix does to the blocks it matched
-    assert not bm._make_host_room()
-    assert node not in bm._host_queue
-    bm._unref(node)
-    assert node in bm._host_queue and bm._make_host_room() and bm.num_host_blocks == 0
+    assert not bm.tiers._make_host_room()
+    assert node not in bm.tiers.host_queue
+    bm.tiers.unref(node)
+    assert node in bm.tiers.host_queue and bm.tiers._make_host_room() and bm.num_host_blocks == 0
 
 
 def landed_import(bm, tokens, lease, first_block, seed=1):

@@ -1,76 +1,39 @@
-"""Block ownership: a free list, a radix tree of cached blocks per namespace, eviction, and the host tier.
+"""Block ownership for the engine: which blocks a sequence holds, and the prefix cache it shares them through.
+
+The block manager runs a sequence's life (attach a cached prefix, grow, publish computed blocks, import pushed
+KV, free) over three owners, each in its own module:
+- the radix tree of cached blocks per namespace (``engine/radix.py``): what is cached;
+- the tiers (``engine/tiers.py``): where each cached block lives (device, host), and what is evicted first;
+- the leases (``engine/leases.py``): blocks pinned or reserved for someone outside the engine.
 
 Invariants
-- A device block is either free, private to one sequence, or owned by exactly one tree ``Node``.
-- A node with ``ref_count > 0`` is in use by a running sequence: it is on the device and is never evicted.
+- A device block is either free, private to one sequence, reserved by one lease, or owned by exactly one tree
+  ``Node``.
+- A node with ``ref_count > 0`` is in use by a running sequence or a pin: it is on the device and never evicted.
 - Full blocks (``block_size`` tokens) are shared by reference. A *partial* node (fewer tokens, always a leaf) is
   only ever copied into a new private block, so a sequence never writes into a shared block.
-- A reserved block (``reserve``) belongs to its lease alone: not free, in no sequence, not in the tree, so the
-  engine never reads or writes it; someone else fills it (decode: a push received in place) until ``import_prefix``
-  adopts it into a sequence or ``release_reserved`` frees it, its bytes unpublished.
-- Nodes are removed leaf-first, so every node's ancestors are in the tree; without a host tier only leaves are
-  evicted, with one an inner node may spill to the host and stays matchable.
+- Nodes are removed leaf-first, so every node's ancestors are in the tree.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-from kvmesh.contracts.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockStored, EventSink, KVEvent
+from kvmesh.contracts.engine import RetentionRange
+from kvmesh.contracts.events import TIER_DEVICE, TIER_HOST, BlockStored, EventSink, KVEvent
 from kvmesh.contracts.ids import BlockKey
-from kvmesh.contracts.keys import chain_key
 from kvmesh.engine.eviction import LRU, EvictionPolicy, now
-from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed
-from kvmesh.engine.sequence import RetentionRange, Sequence
+from kvmesh.engine.leases import Leases
+from kvmesh.engine.radix import Node, PrefixMatch, RadixTree
+from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.tiers import Tiers
 
 if TYPE_CHECKING:
     import torch
 
-
-@dataclass(eq=False)
-class Node:
-    tokens: tuple[int, ...]
-    parent: Node | None
-    chain: int                      # the BlockKey of a full block; the namespace seed at a root
-    full: bool
-    block_id: int | None = None     # device block (L1)
-    host_slot: int | None = None    # host block (L2)
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
-    ref_count: int = 0
-    last_access: float = 0.0
-    hit_count: int = 0
-    priority: int = 0
-    priority_until: float = math.inf
-    depth: int = 0                  # full blocks before it in its chain
-    extended: bool = False          # has had a child (not a request's tail)
-
-    @property
-    def key(self) -> BlockKey:
-        return BlockKey(self.chain)
-
-
-class PrefixMatch(NamedTuple):
-    nodes: list[Node]        # matched full blocks, in order (device or host resident)
-    partial: Node | None     # a block whose first ``partial_tokens`` tokens also match
-    partial_tokens: int
-    block_size: int
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.nodes) * self.block_size + self.partial_tokens
-
-
-def _common_prefix(a: tuple[int, ...], b: Seq[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+__all__ = ["BlockManager", "Node", "PrefixMatch"]
 
 
 class BlockManager:
@@ -81,118 +44,86 @@ class BlockManager:
         self.host = host
         self.block_size = device.layout.block_size
         self.policy = policy or LRU()
-        self._queue: EvictionQueue[Node] = EvictionQueue(self.policy)  # device nodes that may be evictable
-        self._host_queue: EvictionQueue[Node] = EvictionQueue(self.policy)  # host nodes that may be evictable
         self.on_event = on_event
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_blocks: list[int] = list(range(device.num_blocks - 1, -1, -1))
-        self._roots: dict[int, Node] = {}
-        self._device_nodes: set[Node] = set()
-        self._host_nodes: set[Node] = set()
-        self.stats = {"evicted_device": 0, "spilled_host": 0, "loaded_host": 0, "evicted_host": 0}
-        self._pins: dict[str, list[Node]] = {}  # lease id -> the device nodes it holds a reference on
-        self._reserved: dict[str, list[int]] = {}  # lease id -> device blocks reserved for it (``reserve``)
+        self.tree = RadixTree(self.block_size)
+        self.tiers = Tiers(device, host, self.policy, self._emit)
+        self.leases = Leases(self.tree, self.tiers)
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
+    def free_blocks(self) -> list[int]:
+        return self.tiers.free_blocks
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.tiers.stats
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.tiers.free_blocks)
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._device_nodes)
+        return len(self.tiers.device_nodes)
 
     @property
     def num_host_blocks(self) -> int:
-        return len(self._host_nodes)
+        return len(self.tiers.host_nodes)
 
     @property
     def num_pinned_blocks(self) -> int:
-        """Blocks held by leases (``pin``), counted once per lease."""
-        return sum(len(nodes) for nodes in self._pins.values())
+        return self.leases.num_pinned_blocks
 
     @property
     def num_reserved_blocks(self) -> int:
-        return sum(len(ids) for ids in self._reserved.values())
+        return self.leases.num_reserved_blocks
 
     def counts(self) -> dict[str, int]:
         """Where the device blocks are: free, cached (in the tree), referenced by a sequence or a lease,
         pinned by leases, reserved by leases, and the leases open (what the fault tests compare before and
         after)."""
-        return {"free": len(self.free_blocks), "cached": len(self._device_nodes),
-                "referenced": sum(1 for n in self._device_nodes if n.ref_count > 0),
-                "pinned": self.num_pinned_blocks, "reserved": self.num_reserved_blocks,
-                "leases": len(self._pins) + len(self._reserved)}
+        device = self.tiers.device_nodes
+        return {"free": len(self.tiers.free_blocks), "cached": len(device),
+                "referenced": sum(1 for n in device if n.ref_count > 0),
+                "pinned": self.leases.num_pinned_blocks, "reserved": self.leases.num_reserved_blocks,
+                "leases": self.leases.num_leases}
 
     def held_blocks(self) -> list[tuple[BlockKey, str]]:
         """Every full cached block and its tier (what a KV-event snapshot reports)."""
-        return ([(n.key, TIER_DEVICE) for n in self._device_nodes if n.full]
-                + [(n.key, TIER_HOST) for n in self._host_nodes])
+        return ([(n.key, TIER_DEVICE) for n in self.tiers.device_nodes if n.full]
+                + [(n.key, TIER_HOST) for n in self.tiers.host_nodes])
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def match(self, seed: int, tokens: Seq[int], max_tokens: int | None = None) -> PrefixMatch:
         """Longest cached prefix of ``tokens`` (at most ``max_tokens``), at any token boundary."""
-        bs = self.block_size
-        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        node = self._roots.get(seed)
-        nodes: list[Node] = []
-        if node is None or not self.enable_prefix_caching:
-            return PrefixMatch(nodes, None, 0, bs)
-        pos = 0
-        while pos + bs <= limit:
-            child = node.children.get(tuple(tokens[pos:pos + bs]))
-            if child is None:
-                break
-            nodes.append(child)
-            node, pos = child, pos + bs
-        best, best_len = None, 0
-        rest = tokens[pos:limit]
-        for child in node.children.values():
-            n = _common_prefix(child.tokens, rest)
-            if n > best_len and (child.block_id is not None or child.host_slot is not None):
-                best, best_len = child, n
-        return PrefixMatch(nodes, best, best_len, bs)
+        if not self.enable_prefix_caching:
+            return PrefixMatch([], None, 0, self.block_size)
+        return self.tree.match(seed, tokens, max_tokens)
 
-    # ---- leases -------------------------------------------------------------------------------------------------
+    def evict(self, n: int) -> int:
+        """Free ``n`` device blocks from unreferenced cached nodes, in the policy's order."""
+        return self.tiers.evict(n)
+
+    # ---- leases (engine/leases.py) -------------------------------------------------------------------------
     def pin(self, lease: str, seed: int, tokens: Seq[int], max_blocks: int) -> int:
         """Hold the leading full blocks of ``tokens`` that are on the device (at most ``max_blocks``) under
         ``lease`` so eviction cannot take them until :meth:`unpin` (decode, for a request whose KV prefill
-        pushes only past them). Returns how many are held; a lease id already held is released first."""
-        self.unpin(lease)
-        m = self.match(seed, tokens, max_blocks * self.block_size)
-        nodes: list[Node] = []
-        for node in m.nodes[:max_blocks]:
-            if node.block_id is None:  # on the host only: a later import would have to load it; stop here
-                break
-            node.ref_count += 1
-            nodes.append(node)
-        if nodes:
-            self._pins[lease] = nodes
-        return len(nodes)
+        pushes only past them). Returns how many are held."""
+        return self.leases.pin(lease, seed, tokens, max_blocks) if self.enable_prefix_caching else 0
 
     def unpin(self, lease: str) -> None:
-        """Release a lease (nothing when it is not held)."""
-        for node in self._pins.pop(lease, ()):
-            self._unref(node)
+        self.leases.unpin(lease)
 
     def reserve(self, lease: str, n: int) -> list[int] | None:
-        """Take ``n`` device blocks (evicting cached ones if needed) for KV that is written into them from
-        outside the engine (decode: a push received in place), held under ``lease`` until ``import_prefix``
-        adopts them (``Landed``) or :meth:`release_reserved`. Their ids, or None (nothing held) when the pool
-        cannot make room. A lease already holding a reservation releases it first."""
-        self.release_reserved(lease)
-        ids = self._allocate(n)
-        if not ids:
-            return None
-        self._reserved[lease] = ids
-        return list(ids)
+        """Take ``n`` device blocks for KV written into them from outside the engine (decode: a push received
+        in place), until ``import_prefix`` adopts them (``Landed``) or :meth:`release_reserved`."""
+        return self.leases.reserve(lease, n)
 
     def release_reserved(self, lease: str) -> None:
-        """Free a reservation's blocks (nothing when ``lease`` holds none). What landed in them was never
-        published: it is garbage from now on. The caller has stopped every write into them first."""
-        self.free_blocks.extend(self._reserved.pop(lease, ()))
+        self.leases.release(lease)
 
     # ---- sequence lifecycle ----------------------------------------------------------------------------------
     def allocate_prefix(self, seq: Sequence) -> bool:
@@ -206,13 +137,13 @@ class BlockManager:
         for node in held:
             node.ref_count += 1
         to_load = [n for n in held if n.block_id is None]
-        fresh = self._allocate(len(to_load) + (1 if m.partial else 0))
+        fresh = self.tiers.allocate(len(to_load) + (1 if m.partial else 0))
         if fresh is None:
             for node in held:
-                self._unref(node)
+                self.tiers.unref(node)
             return False
         if to_load:
-            self._load_from_host(to_load, fresh[:len(to_load)])
+            self.tiers.load_from_host(to_load, fresh[:len(to_load)])
         t = self._record_hits(m.nodes)
         seq.nodes = list(m.nodes)
         seq.block_table = [n.block_id for n in m.nodes]  # type: ignore[misc]
@@ -220,7 +151,7 @@ class BlockManager:
             private = fresh[-1]
             self.device.copy_tokens(m.partial.block_id, private, self.block_size)  # type: ignore[arg-type]
             m.partial.last_access = t
-            self._unref(m.partial)
+            self.tiers.unref(m.partial)
             seq.block_table.append(private)
         seq.num_computed_tokens = m.num_tokens
         seq.num_cached_tokens = m.num_tokens
@@ -252,7 +183,7 @@ class BlockManager:
     def _import_landed(self, seq: Sequence, landed: Landed, num_tokens: int, first_block: int) -> bool:
         """``import_prefix`` of KV received in place: the sequence's blocks are its leading cached full blocks
         (held by a pin, so on the device) and then the reserved ones."""
-        ids = self._reserved.pop(landed.lease, None)
+        ids = self.leases.take(landed.lease)
         if ids is None:
             return False
         m = self.match(seq.namespace_seed, seq.all_token_ids, first_block * self.block_size)
@@ -311,7 +242,7 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need == 0:
             return True
-        fresh = self._allocate(need)
+        fresh = self.tiers.allocate(need)
         if fresh is None:
             return False
         seq.block_table.extend(fresh)
@@ -326,7 +257,7 @@ class BlockManager:
         if len(seq.nodes) >= n_full:
             return
         tokens = seq.all_token_ids
-        parent = seq.nodes[-1] if seq.nodes else self._root(seq.namespace_seed)
+        parent = seq.nodes[-1] if seq.nodes else self.tree.root(seq.namespace_seed)
         stored: list[BlockKey] = []
         parent_key = BlockKey(parent.chain) if parent.full else None
         t = now()
@@ -334,17 +265,14 @@ class BlockManager:
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             node = parent.children.get(block_tokens)
             if node is None:
-                node = Node(block_tokens, parent, chain_key(parent.chain, block_tokens), True,
-                            block_id=seq.block_table[i], last_access=t, depth=i)
-                self._drop_partial_siblings(parent, block_tokens)
-                parent.children[block_tokens] = node
-                parent.extended = True
-                self._device_nodes.add(node)
+                for dominated in self.tree.dominated_partials(parent, block_tokens):
+                    self.tiers.delete(dominated)
+                node = self.tree.add_full(parent, block_tokens, seq.block_table[i], t, i)
+                self.tiers.on_device(node, seq.block_table[i])
                 stored.append(node.key)
             elif node.block_id is None:  # only on the host: our fresh copy becomes the device copy
-                self._release_host(node)
-                node.block_id = seq.block_table[i]
-                self._device_nodes.add(node)
+                self.tiers.release_host(node)
+                self.tiers.on_device(node, seq.block_table[i])
                 stored.append(node.key)
             else:  # computed twice concurrently: share the cached block, free ours
                 self.free_blocks.append(seq.block_table[i])
@@ -363,24 +291,21 @@ class BlockManager:
         t = now()
         for node in seq.nodes:
             node.last_access = t
-            self._unref(node)
+            self.tiers.unref(node)
         private = seq.block_table[len(seq.nodes):]
         tail = seq.num_computed_tokens - len(seq.nodes) * self.block_size
         if private and 0 < tail < self.block_size and self.enable_prefix_caching:
-            parent = seq.nodes[-1] if seq.nodes else self._root(seq.namespace_seed)
+            parent = seq.nodes[-1] if seq.nodes else self.tree.root(seq.namespace_seed)
             start = len(seq.nodes) * self.block_size
-            self._add_partial(parent, tuple(seq.all_token_ids[start:start + tail]), private[0], t)
-            private = private[1:]
+            node = self.tree.add_partial(parent, tuple(seq.all_token_ids[start:start + tail]), private[0], t)
+            if node is not None:  # else a cached sibling already covers these tokens: the block is freed
+                self.tiers.on_device(node, private[0])
+                self.tiers.queue.push(node, t)
+                private = private[1:]
         self.free_blocks.extend(private)
         seq.block_table, seq.nodes = [], []
 
     # ---- internals ---------------------------------------------------------------------------------------------
-    def _root(self, seed: int) -> Node:
-        root = self._roots.get(seed)
-        if root is None:
-            root = self._roots[seed] = Node((), None, seed, False)
-        return root
-
     def _emit(self, event: KVEvent) -> None:
         if self.on_event is not None:
             self.on_event(event)
@@ -390,136 +315,6 @@ class BlockManager:
         for r in ranges:
             if r.start < end and start < r.end and r.priority >= node.priority:
                 node.priority, node.priority_until = r.priority, now() + r.duration_s
-
-    def _add_partial(self, parent: Node, tokens: tuple[int, ...], block_id: int, t: float) -> None:
-        for sibling in parent.children.values():
-            if sibling.tokens[:len(tokens)] == tokens and sibling.block_id is not None:
-                self.free_blocks.append(block_id)  # a cached sibling already covers these tokens
-                return
-        node = Node(tokens, parent, 0, False, block_id=block_id, last_access=t)
-        parent.children[tokens] = node
-        self._device_nodes.add(node)
-        self._queue.push(node, t)
-
-    def _drop_partial_siblings(self, parent: Node, tokens: tuple[int, ...]) -> None:
-        dominated = [c for c in parent.children.values()
-                     if not c.full and c.ref_count == 0 and tokens[:len(c.tokens)] == c.tokens]
-        for child in dominated:
-            self._delete(child)
-
-    def _allocate(self, n: int) -> list[int] | None:
-        if n == 0:
-            return []
-        if len(self.free_blocks) < n:
-            self.evict(n - len(self.free_blocks))
-        if len(self.free_blocks) < n:
-            return None
-        return [self.free_blocks.pop() for _ in range(n)]
-
-    def evict(self, n: int) -> int:
-        """Free ``n`` device blocks from unreferenced cached nodes, in the policy's order (O(log n) each: the
-        queue holds the nodes that were evictable when last touched; one that no longer is leaves it until its
-        last reader or last child goes, which pushes it again)."""
-        freed = 0
-        t = now()
-        while freed < n:
-            node = self._queue.pop(t, self._evictable)
-            if node is None:
-                break
-            self.policy.on_evict(node, t)
-            if self._evict_from_device(node):
-                freed += 1
-        return freed
-
-    def _evictable(self, node: Node) -> bool:
-        return (node.block_id is not None and node.ref_count == 0
-                and (self.host is not None or not node.children))
-
-    def _unref(self, node: Node) -> None:
-        node.ref_count -= 1
-        if node.ref_count == 0 and node.block_id is not None:
-            self._queue.push(node, node.last_access)
-        elif node.ref_count == 0 and node.host_slot is not None and not node.children:
-            self._host_queue.push(node, node.last_access)  # an attach that failed: evictable from the host again
-
-    def _evict_from_device(self, node: Node) -> bool:
-        if node.full and self.host is not None and self._make_host_room():
-            (slot,) = self.host.store(self.device.read_blocks([node.block_id]))  # type: ignore[list-item]
-            self.free_blocks.append(node.block_id)  # type: ignore[arg-type]
-            node.block_id, node.host_slot = None, slot
-            self._device_nodes.discard(node)
-            self._host_nodes.add(node)
-            if not node.children:
-                self._host_queue.push(node, node.last_access)
-            self.stats["spilled_host"] += 1
-            self.stats["evicted_device"] += 1
-            self._emit(BlockRemoved((node.key,), TIER_DEVICE))
-            self._emit(BlockStored((node.key,), self._parent_key(node), self.block_size, TIER_HOST))
-            return True
-        if node.children:
-            return False
-        self.stats["evicted_device"] += 1
-        self._delete(node)
-        return True
-
-    def _make_host_room(self) -> bool:
-        assert self.host is not None
-        if self.host.free_slots:
-            return True
-        victim = self._host_queue.pop(now(), self._host_leaf)
-        if victim is None:
-            return False
-        self.stats["evicted_host"] += 1
-        self._delete(victim)
-        return True
-
-    @staticmethod
-    def _host_leaf(node: Node) -> bool:
-        # unreferenced only: a prefix being attached holds its host nodes while device room is made to load
-        # them (``_unref`` pushes such a node again if it stays on the host)
-        return node.host_slot is not None and not node.children and node.ref_count == 0
-
-    def _load_from_host(self, nodes: list[Node], blocks: list[int]) -> None:
-        assert self.host is not None
-        self.device.write_blocks(blocks, self.host.load([n.host_slot for n in nodes]))  # type: ignore[misc]
-        for node, block in zip(nodes, blocks):
-            self._release_host(node)
-            node.block_id = block
-            self._device_nodes.add(node)
-        self.stats["loaded_host"] += len(nodes)
-        for node in nodes:
-            self._emit(BlockRemoved((node.key,), TIER_HOST))
-            self._emit(BlockStored((node.key,), self._parent_key(node), self.block_size, TIER_DEVICE))
-
-    def _release_host(self, node: Node) -> None:
-        assert self.host is not None and node.host_slot is not None
-        self.host.release(node.host_slot)
-        node.host_slot = None
-        self._host_nodes.discard(node)
-        self._host_queue.discard(node)
-
-    def _parent_key(self, node: Node) -> BlockKey | None:
-        return BlockKey(node.parent.chain) if node.parent is not None and node.parent.full else None
-
-    def _delete(self, node: Node) -> None:
-        assert not node.children and node.ref_count == 0 and node.parent is not None
-        del node.parent.children[node.tokens]
-        self._queue.discard(node)
-        parent = node.parent
-        if not parent.children and parent.ref_count == 0 and parent.block_id is not None:
-            self._queue.push(parent, parent.last_access)  # a leaf now: evictable without a host tier
-        if not parent.children and parent.host_slot is not None:
-            self._host_queue.push(parent, parent.last_access)  # a host leaf now: evictable from the host
-        tier = TIER_DEVICE
-        if node.block_id is not None:
-            self.free_blocks.append(node.block_id)
-            node.block_id = None
-            self._device_nodes.discard(node)
-        if node.host_slot is not None:
-            self._release_host(node)
-            tier = TIER_HOST
-        if node.full:
-            self._emit(BlockRemoved((node.key,), tier))
 
 
 def _placed(blocks: torch.Tensor | list[torch.Tensor] | list[KVPiece], first_block: int) -> list[KVPiece]:
