@@ -271,7 +271,9 @@ def bench_disk(disk_mb: int, work: Path, reps: int) -> list[dict]:
 # -- 3. fetch vs recompute ---------------------------------------------------------------------------------------
 
 def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
+    from kvmesh.contracts.engine import ExportPlan
     from kvmesh.contracts.sampling import SamplingParams
+    from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes
     from kvmesh.engine.llm_engine import LLMEngine
     from kvmesh.instance.pool_client import PoolClient
     from kvmesh.settings import EngineSettings
@@ -290,7 +292,7 @@ def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
         (done,) = llm.generate([prompt], one)
         recompute.append(time.perf_counter() - t)
         first_tokens.append(done.token_ids[0])
-        llm.add_request(f"export-{i}", prompt, one, export_kv=True)  # hits the local cache: a cheap read-out
+        llm.add_request(f"export-{i}", prompt, one, export=ExportPlan())  # hits the local cache: a cheap read-out
         while llm.has_unfinished():
             for out in llm.step():
                 if out.exported is not None:
@@ -312,7 +314,7 @@ def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
         pools = {name: PoolClient(address, llm.layout, receivers.get(b)) for name, b in FETCH_PATHS}
         try:
             for keys, blocks in exported:
-                await pools[FETCH_PATHS[1][0]].write_back(keys, blocks)
+                await pools[FETCH_PATHS[1][0]].write_back(keys, block_bytes(blocks))
             results: dict[str, tuple[list[float], list[bool]]] = {name: ([], []) for name in pools}
             for (keys, _), prompt, token in zip(exported, prompts, first_tokens):
                 for name, pool in pools.items():  # interleaved: a change in machine load hits every path alike
@@ -321,8 +323,8 @@ def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
                         drop_cache(sorted(cold_dir.glob("seg-*.kvb")))
                     t = time.perf_counter()
                     fetched = await pool.fetch(keys)
-                    assert fetched is not None and fetched.shape[0] == CHAIN
-                    assert llm.blocks.adopt(seed, prompt, fetched, 0)
+                    assert fetched is not None and fetched.num_blocks == CHAIN
+                    assert llm.blocks.adopt(seed, prompt, blocks_from_bytes(llm.layout, fetched.data), 0)
                     results[name][0].append(time.perf_counter() - t)
                     (done,) = llm.generate([prompt], one)
                     results[name][1].append(done.token_ids[0] == token and done.cached_tokens == 1023)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
@@ -52,8 +53,9 @@ submit time first."""
 def engine_stream(engine: AsyncEngine) -> Stream:
     async def stream(rid: str, prompt: list[int], max_tokens: int) -> list[float]:
         times = [time.perf_counter()]
-        async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
-            times.extend([time.perf_counter()] * len(out.new_token_ids))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        async for out in engine.generate(EngineRequest(rid, tuple(prompt), params)):
+            times.extend([time.perf_counter()] * len(out.token_ids))
         return times
     return stream
 
@@ -179,7 +181,7 @@ async def in_process(threads: int, quick: bool, quantized: bool = True, engine: 
     try:
         return await Bench(engine_probe(engine)).run(engine_stream(engine), quick)
     finally:
-        engine.close()
+        await engine.close()
 
 
 async def through_stack(threads: int, quick: bool, quantized: bool = True, engine: dict | None = None) -> dict:

@@ -7,14 +7,14 @@ is covered exactly once, and every part's block keys are this prompt's: a missin
 recompute, never a half-loaded block.
 
 A part received in place (``landed``) is already where the import wants it (the blocks the request reserved):
-it only covers its cells. A buffered one becomes a ``KVPiece`` the import copies in."""
+it only covers its cells. A buffered one is handed to the engine with its bytes (``KVPart``), to be copied in."""
 
 from __future__ import annotations
 
 import numpy as np
+from kvmesh.contracts.engine import KVPart
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.engine.kv_cache import KVPiece, blocks_from_bytes
 from kvmesh.transfer.server import ReceivedBlocks
 
 
@@ -26,7 +26,7 @@ class Assembly:
         self.layout, self.first, self.prompt_tokens, self.keys = layout, first_block, prompt_tokens, keys
         self.end = -(-prompt_tokens // layout.block_size)
         self.covered = np.zeros((max(0, self.end - first_block), layout.num_layers), dtype=bool)
-        self.pieces: list[KVPiece] = []
+        self.parts: list[KVPart] = []
         self.landed_bytes = 0
 
     def add(self, got: ReceivedBlocks) -> None:
@@ -48,8 +48,9 @@ class Assembly:
         cells[:] = True
         if got.landed:
             self.landed_bytes += got.nbytes
+            self.parts.append(KVPart(b0, n, got.layers))
         else:
-            self.pieces.append(KVPiece(b0, blocks_from_bytes(self.layout, got.data, got.layers), got.layers))
+            self.parts.append(KVPart(b0, n, got.layers, memoryview(got.data)))
 
     def missing(self) -> str:
         """What is not covered yet ("" when every (block, layer) is)."""

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.bus.trace_headers import trace_context
-from kvmesh.contracts.ids import handoff_prefix
+from kvmesh.contracts.engine import ImportedKV
+from kvmesh.contracts.ids import NamespaceSeed, handoff_prefix
 from kvmesh.contracts.keys import block_keys
+from kvmesh.contracts.layout import layout_mismatch
 from kvmesh.contracts.messages import KVReady
-from kvmesh.engine.kv_cache import Landed
 from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import SpanKind
@@ -22,6 +24,21 @@ from services.decode.assembly import Assembly
 from services.decode.reservation import Reservation
 
 EARLY_TTL_S = 60.0
+
+
+@dataclass(frozen=True)
+class Intake:
+    """What became of a request's push: the KV to import, or why the prompt is recomputed (``fallback``);
+    when ``kv.ready`` was received (epoch ns, 0 = never); and what ``decode.load`` reports about it."""
+
+    imported: ImportedKV | None = None
+    fallback: str = ""
+    received_ns: int = 0
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def _fallback(why: str, received_ns: int = 0) -> Intake:
+    return Intake(None, why, received_ns)
 
 
 class KVReadyBoard:
@@ -74,16 +91,15 @@ class KVIntake:
                         "kvmesh.blocks": len(msg.block_keys)}, SpanKind.CONSUMER)
         self.board.post(msg, received)
 
-    async def receive(self, request_id: str, prompt: list[int], cache_salt: str,
-                      timeout_s: float, pinned: int = 0, lora: str = "",
-                      reservation: Reservation | None = None) -> tuple[tuple | None, str, int, dict[str, Any]]:
-        """The pushed KV as ``(blocks, num_tokens, first_token, first_block)`` or why it cannot be used, when
-        ``kv.ready`` was received (epoch ns, 0 = never), and what ``decode.load`` reports about the intake.
-        ``pinned``: the leading blocks of the prompt this instance holds for the request; a push that starts
-        past them (a delta) is usable only when they cover the gap. ``lora``: the adapter the request runs under
-        (its ``name@generation`` keys the blocks). ``reservation``: the blocks reserved for the push (parts
-        landed in them in place); once the push verified, they are handed to the import, which adopts them
-        (the caller releases the reservation as the call ends, whatever happened)."""
+    async def receive(self, request_id: str, prompt: list[int], namespace: NamespaceSeed, timeout_s: float,
+                      pinned: int = 0, reservation: Reservation | None = None) -> Intake:
+        """Wait for the request's ``kv.ready``, take its parts and verify them against this prompt's block keys
+        (``namespace``: the request's, under its salt and its adapter's ``name@generation``, so KV pushed under
+        another generation never matches). ``pinned``: the leading blocks of the prompt this instance holds for
+        the request; a push that starts past them (a delta) is usable only when they cover the gap.
+        ``reservation``: the blocks reserved for the push (parts landed in them in place); once the push
+        verified, they are handed to the import, which adopts them (the caller releases the reservation as the
+        call ends, whatever happened)."""
         deadline = time.monotonic() + timeout_s
         transfer = self.w.transfer_server
         assert transfer is not None  # RolePlugin(receives_kv=True): the host started one
@@ -91,10 +107,14 @@ class KVIntake:
             ready, received_ns = await self.board.wait(request_id, timeout_s)
         except TimeoutError:  # parts a prefill pushed before it died or stalled are dropped, never used
             transfer.discard_prefix(handoff_prefix(request_id))
-            return None, f"kv.ready not received within {timeout_s:g}s", 0, {}
+            return _fallback(f"kv.ready not received within {timeout_s:g}s")
         if not ready.ok:
             transfer.discard_prefix(handoff_prefix(request_id))
-            return None, f"prefill {ready.prefill_instance}: {ready.error}", received_ns, {}
+            return _fallback(f"prefill {ready.prefill_instance}: {ready.error}", received_ns)
+        diff = "none given" if ready.layout is None else layout_mismatch(self.w.layout, ready.layout)
+        if diff is not None:
+            transfer.discard_prefix(handoff_prefix(request_id))
+            return _fallback(f"pushed KV's layout does not match this engine's: {diff}", received_ns)
         t = time.monotonic()
         parts = []
         for part in ready.part_ids():  # pushed in order while prefill computed; most are here already
@@ -102,42 +122,40 @@ class KVIntake:
                 parts.append(await transfer.take(part, max(0.1, deadline - time.monotonic())))
             except TimeoutError:
                 transfer.discard_prefix(handoff_prefix(request_id))
-                return None, "kv.ready arrived but its blocks did not", received_ns, {}
+                return _fallback("kv.ready arrived but its blocks did not", received_ns)
             except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute
                 transfer.discard_prefix(handoff_prefix(request_id))
-                return None, f"pushed KV rejected: {e}", received_ns, {}
+                return _fallback(f"pushed KV rejected: {e}", received_ns)
         nbytes = sum(got.nbytes for got in parts)
         self.w.metrics.transfer_bytes.labels("receive").inc(nbytes)
-        try:  # the adapter's name@generation: KV pushed under another generation never matches
-            seed = self.w.engine.engine.request_seed(cache_salt, lora)
-        except ValueError as e:
-            return None, str(e), received_ns, {}
         first = ready.first_block
-        assembly = Assembly(self.w.layout, first, len(prompt), block_keys(seed, prompt, self.w.layout.block_size))
+        assembly = Assembly(self.w.layout, first, len(prompt), block_keys(namespace, prompt, self.w.layout.block_size))
         try:
             for got in parts:
                 assembly.add(got)
         except ValueError as e:
-            return None, f"pushed KV does not match this prompt: {e}", received_ns, {}
+            return _fallback(f"pushed KV does not match this prompt: {e}", received_ns)
         if gap := assembly.missing():
-            return None, f"pushed KV did not all arrive: {gap}", received_ns, {}
+            return _fallback(f"pushed KV did not all arrive: {gap}", received_ns)
         if pinned < first:
-            return None, (f"the push starts at block {first} but only {pinned} leading blocks are held here "
-                          "(evicted before the request arrived)"), received_ns, {}
-        blocks: list | Landed = assembly.pieces
+            return _fallback(f"the push starts at block {first} but only {pinned} leading blocks are held here "
+                             "(evicted before the request arrived)", received_ns)
+        lease = None
         if reservation is not None and reservation.block_ids:
             if reservation.first_block != first:
-                return None, (f"the push starts at block {first}, decode reserved blocks from "
-                              f"{reservation.first_block}"), received_ns, {}
+                return _fallback(f"the push starts at block {first}, decode reserved blocks from "
+                                 f"{reservation.first_block}", received_ns)
             reservation.hand_over()  # no byte lands in those blocks any more: the import adopts them
-            blocks = Landed(reservation.lease, assembly.pieces)
-        imported = (blocks, len(prompt), ready.first_token, first)
+            lease = reservation.lease
+        elif assembly.landed_bytes:  # cannot happen: a landing exists only for a reservation; never consume
+            return _fallback("parts landed in place, but no reservation holds them", received_ns)
+        imported = ImportedKV(self.w.layout, len(prompt), ready.first_token, first, tuple(assembly.parts), lease)
         self.w.metrics.transfer_bytes.labels("receive_in_place").inc(assembly.landed_bytes)
-        return imported, "", received_ns, {
+        return Intake(imported, "", received_ns, {
             "kvmesh.in_place": assembly.landed_bytes > 0, "kvmesh.landed_bytes": assembly.landed_bytes,
             "kvmesh.reserved_blocks": len(reservation.block_ids) if reservation is not None else 0,
             "kvmesh.blocks": assembly.end - first, "kvmesh.bytes": nbytes,
             "kvmesh.first_block": first, "kvmesh.parts": len(parts),
             "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
             "kvmesh.receive_ms": round(sum(got.seconds for got in parts) * 1e3, 3),
-            "kvmesh.prefill_instance": ready.prefill_instance}
+            "kvmesh.prefill_instance": ready.prefill_instance})

@@ -11,15 +11,17 @@ Traced as ``decode.request`` (a child of the router's span; it only waits, so it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from kvmesh.contracts.engine import EngineRequest, ExportPlan, RequestTiming
+from kvmesh.contracts.ids import handoff_prefix
 from kvmesh.contracts.sampling import sampling_from_proto
-from kvmesh.engine.async_engine import RequestTiming
-from kvmesh.engine.errors import SequenceError
+from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
 from kvmesh.instance.metrics import fallback_reason
@@ -28,7 +30,7 @@ from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
 from opentelemetry.trace import Span
 
-from services.decode.intake import KVIntake
+from services.decode.intake import Intake, KVIntake
 from services.decode.reservation import Reservation
 from services.decode.write_back import write_back
 
@@ -58,8 +60,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         prompt = list(work.prompt_token_ids)
-        imported, fallback, received_ns, load_attrs = None, "", 0, {}
-        lease, pinned, pin_asked = work.request_id, 0, False
+        # the conversation's blocks go back to the pool when it ends (write-back), for its next turn anywhere
+        engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
+                                       export=ExportPlan() if w.pool is not None else None)
+        intake = Intake()
+        lease, pin_asked = work.request_id, False
         reservation: Reservation | None = None
         try:
             if request.prefill_locally:
@@ -67,44 +72,48 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     span.set_attribute("kvmesh.route.reason", request.route_reason)
                 await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
             else:
+                try:  # under the adapter's name@generation: KV pushed under another generation never matches
+                    namespace = w.engine.namespace(work.cache_salt, work.lora_name)
+                except ValueError as e:  # an adapter this instance does not serve: nothing to wait for
+                    w.transfer_server.discard_prefix(handoff_prefix(work.request_id))
+                    w.metrics.rejections.labels("invalid").inc()
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                pinned = 0
                 if request.cached_blocks:  # prefill pushes only past these: hold them until imported
-                    n, salt, lora = request.cached_blocks, work.cache_salt, work.lora_name
                     pin_asked = True  # from here the lease may be held, even if this call is cancelled
-                    try:  # under the adapter's name@generation (an unknown adapter pins nothing)
-                        pinned = await w.engine.call(
-                            lambda e: e.blocks.pin(lease, e.request_seed(salt, lora), prompt, n))
-                    except ValueError:
-                        pinned = 0
-                    span.set_attributes({"kvmesh.cached_blocks": n, "kvmesh.pinned_blocks": pinned})
+                    pinned = await w.engine.pin(lease, namespace, prompt, request.cached_blocks)
+                    span.set_attributes({"kvmesh.cached_blocks": request.cached_blocks,
+                                         "kvmesh.pinned_blocks": pinned})
                 # prefill pushes from the block it computes this from (its own rule, the router's number)
                 first = min(request.cached_blocks, (len(prompt) - 1) // w.layout.block_size)
                 if pinned >= first:  # else the push cannot be used anyway (intake says why)
-                    reservation = Reservation(w, work.request_id, first, len(prompt))
+                    reservation = Reservation(w, engine_request, first)
                     await reservation.acquire()
                     span.set_attribute("kvmesh.reserved_blocks", len(reservation.block_ids))
-                imported, fallback, received_ns, load_attrs = await self.intake.receive(
-                    work.request_id, prompt, work.cache_salt,
+                intake = await self.intake.receive(
+                    work.request_id, prompt, namespace,
                     request.kv_timeout_s or w.cfg.kv_timeout_s + 2 * request.expected_prefill_s, pinned,
-                    work.lora_name, reservation)
-                if imported is None and reservation is not None:  # recomputed: its blocks are needed now
+                    reservation)
+                if intake.imported is None and reservation is not None:  # recomputed: its blocks are needed now
                     reservation.release()
-            async for chunk in self._stream(request, context, span, attrs, prompt, params, imported, fallback,
-                                            received_ns, load_attrs, t0, t0_ns):
+                engine_request = dataclasses.replace(engine_request, imported=intake.imported)
+            async for chunk in self._stream(request, context, span, attrs, engine_request, intake, t0, t0_ns):
                 yield chunk
         finally:
             if reservation is not None:  # nothing lands any more; its blocks freed unless the import adopted them
                 reservation.release()
-            # after add_request (commands run in order): the sequence holds its own references. Whenever a pin
-            # was asked for: a call cancelled while it waited gets no count back, but the engine may have pinned
+            # after the request was added (commands run in order): the sequence holds its own references.
+            # Whenever a pin was asked for: a call cancelled while it waited gets no count back, but the engine
+            # may have pinned
             if pin_asked:
-                w.engine.submit(lambda e: e.blocks.unpin(lease))
+                w.engine.unpin(lease)
 
     async def _stream(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span,
-                      attrs: dict[str, Any], prompt: list[int], params: Any, imported: tuple | None, fallback: str,
-                      received_ns: int, load_attrs: dict[str, Any], t0: float,
+                      attrs: dict[str, Any], engine_request: EngineRequest, intake: Intake, t0: float,
                       t0_ns: int) -> AsyncIterator[worker_pb2.DecodeChunk]:
         """The engine's outputs as chunks, once the KV is here (or the fallback decided)."""
         work, w = request.work, self.w
+        fallback = intake.fallback
         if fallback:
             log.warning("request %s (trace %s): recomputing the prompt locally: %s", work.request_id,
                         tracing.trace_id(span), fallback)
@@ -116,14 +125,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         first, last, itls = True, 0.0, []
         gen: Span | None = None
         try:
-            async for out in w.engine.generate(work.request_id, prompt, params, timing=timing,
-                                               cache_salt=work.cache_salt, lora=work.lora_name, imported=imported,
-                                               export_kv=w.pool is not None):
-                chunk = worker_pb2.DecodeChunk(token_ids=out.new_token_ids, text=out.text_delta,
-                                               finished=out.finished, finish_reason=out.finish_reason or "")
+            async for out in w.engine.generate(engine_request, timing):
+                chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids, text=out.text, finished=out.finished,
+                                               finish_reason=out.finish_reason or "")
                 if out.exported is not None:  # the conversation so far, for the next turn on any instance
-                    task = asyncio.create_task(write_back(w, out.exported.block_keys, out.exported.blocks, span,
-                                                          attrs))
+                    task = asyncio.create_task(write_back(w, out.exported, span, attrs))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
                 now = time.monotonic()
@@ -131,11 +137,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     chunk.cached_tokens = out.cached_tokens
                     chunk.kv_fallback = bool(fallback)
                     chunk.fallback_reason = fallback
-                    self._first_token_spans(span, attrs, timing, imported is not None, max(received_ns, t0_ns),
-                                            load_attrs, len(prompt), out.cached_tokens)
+                    self._first_token_spans(span, attrs, timing, engine_request.imported is not None,
+                                            max(intake.received_ns, t0_ns), intake.attributes,
+                                            len(engine_request.prompt), out.cached_tokens)
                     w.metrics.ttft.observe(now - t0)
-                    if imported is None:
-                        w.metrics.prefix.observe(len(prompt), out.cached_tokens)
+                    if engine_request.imported is None:
+                        w.metrics.prefix.observe(len(engine_request.prompt), out.cached_tokens)
                     gen = tracing.start("decode.generate", span, attributes={**attrs, tracing.SEGMENT: False})
                     first = False
                 else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.engine import ExportedKV
 from kvmesh.instance.host import EngineHost
 from kvmesh.instance.pool_client import PoolError
 from kvmesh.telemetry import tracing
@@ -15,16 +15,18 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 log = logging.getLogger(__name__)
 
 
-async def write_back(host: EngineHost, keys: list[BlockKey], blocks, parent: Span | None = None,
+async def write_back(host: EngineHost, kv: ExportedKV, parent: Span | None = None,
                      attrs: dict[str, Any] | None = None) -> None:
-    """Store ``keys``' blocks (the first ``len(keys)`` of ``blocks``) in the pool, traced as ``pool.write_back``."""
-    if host.pool is None or not keys:
+    """Store the full blocks of ``kv`` (a finished request's, read out whole) in the pool, traced as
+    ``pool.write_back``."""
+    keys = list(kv.piece_keys)
+    if host.pool is None or not keys or kv.layers is not None:
         return
     span = tracing.start("pool.write_back", parent, SpanKind.CLIENT,
                          {**(attrs or {}), tracing.SEGMENT: False, "kvmesh.tier": "pool",
                           "kvmesh.blocks": len(keys)})
     try:
-        sent = await host.pool.write_back(keys, blocks[:len(keys)],
+        sent = await host.pool.write_back(keys, kv.data[:len(keys) * host.layout.block_nbytes],
                                           tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
         host.metrics.transfer_bytes.labels("pool_write").inc(sent * host.layout.block_nbytes)
         span.set_attributes({"kvmesh.blocks_sent": sent, "kvmesh.bytes": sent * host.layout.block_nbytes})

@@ -13,11 +13,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
+from kvmesh.contracts.engine import ExportedKV
 from kvmesh.contracts.ids import BlockKey, TransferId, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.messages import KVReady
-from kvmesh.engine.kv_cache import block_bytes
-from kvmesh.engine.llm_engine import ExportedKV
 from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
@@ -87,11 +86,11 @@ class PushStream:
                     before: asyncio.Task[PartStats] | None) -> PartStats:
         if before is not None:
             await before  # its failure is this part's too: decode needs them all
-        n, bs = int(kv.blocks.shape[0]), self.layout.block_size
+        n, bs = kv.num_blocks, self.layout.block_size
         tokens = min(kv.num_tokens, (kv.first_block + n) * bs) - kv.first_block * bs
         start = time.monotonic()
-        stats = await self._send(part_transfer_id(self.transfer_id, part), block_bytes(kv.blocks),
-                                 kv.block_keys[kv.first_block:kv.first_block + n], tokens, kv.first_block, kv.layers)
+        stats = await self._send(part_transfer_id(self.transfer_id, part), kv.data, kv.piece_keys, tokens,
+                                 kv.first_block, kv.layers)
         done = PartStats(stats.nbytes, n, exported, start, time.monotonic(), kv.layers)
         self.done.append(done)
         return done

@@ -12,11 +12,11 @@ import time
 from typing import Any
 
 import grpc
+from kvmesh.contracts.engine import EngineRequest, ExportPieces, ExportPlan, RequestTiming
 from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
-from kvmesh.contracts.sampling import sampling_from_proto
-from kvmesh.engine.async_engine import RequestTiming
-from kvmesh.engine.errors import SequenceError
+from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
+from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
@@ -67,21 +67,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             stream.cancel()  # a failed or abandoned request sends no more parts
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span,
-                       attrs: dict[str, Any], prompt: list[int], params: Any, skip: int, stream: PushStream,
-                       t0: float) -> worker_pb2.PrefillResponse:
+                       attrs: dict[str, Any], prompt: list[int], params: SamplingParams, skip: int,
+                       stream: PushStream, t0: float) -> worker_pb2.PrefillResponse:
         """Compute the prompt, pushing each chunk's KV as the engine reads it out, then announce it."""
         work, w = request.work, self.w
         final, timing, blocks = None, RequestTiming(), 0
+        # from the first block decode lacks, pushed layer group by layer group as the forward pass writes them
+        plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
+        engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
+                                       export=plan)
         try:
-            async for out in w.engine.generate(work.request_id, prompt, params, timing=timing,
-                                               cache_salt=work.cache_salt, lora=work.lora_name, export_kv=True,
-                                               export_from=skip, export_chunks=True,
-                                               export_layer_groups=w.cfg.push_layer_groups):
+            async for out in w.engine.generate(engine_request, timing):
                 # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes
-                if out.exported is not None and out.exported.blocks.shape[0]:
+                if out.exported is not None and out.exported.num_blocks:
                     stream.add(out.exported)
                     if out.exported.layers is None or out.exported.layers[1] == w.layout.num_layers:
-                        blocks += int(out.exported.blocks.shape[0])  # each block once, at its last layer group
+                        blocks += out.exported.num_blocks  # each block once, at its last layer group
                 final = out
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
@@ -94,7 +95,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         w.metrics.prefix.observe(len(prompt), final.cached_tokens)
         w.record_engine_spans(span, timing, attrs, len(prompt), final.cached_tokens)
         kv = final.exported
-        first_token = final.new_token_ids[0]
+        first_token = final.token_ids[0]
         first_block = stream.first_block  # the first part's
         ready = KVReady(request_id=work.request_id, decode_instance=request.decode_instance,
                         transfer_id=stream.transfer_id, block_keys=tuple(kv.block_keys[first_block:]),

@@ -43,7 +43,7 @@ def test_the_heartbeat_carries_the_measured_speed_once_the_instance_has_served(m
         assert status == 200, body
 
     load = wait_for_speed(mesh, "prefill-0")
-    fit = prefill.engine.speed.fit()
+    fit = prefill.engine.speed_fit.fit()
     assert fit is not None and fit.samples >= 1
     assert load["prefill_tok_per_s"] > 0 and load["prefill_overhead_s"] >= 0
     assert load["prefill_tok_per_s"] == pytest.approx(fit.tok_per_s, rel=0.5)  # a later step may move it

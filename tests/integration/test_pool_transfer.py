@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.engine.kv_cache import block_bytes, storage_dtype
+from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes, storage_dtype
 from kvmesh.instance.pool_client import PoolClient, PoolError
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.settings import CacheServiceSettings, SharedSettings
@@ -117,9 +117,9 @@ def test_write_back_and_fetch_move_the_bytes_through_the_transfer_engine(nats_se
             writer, reader = await mesh.instance(), await mesh.instance()
             writes, reads = recorded(writer, mesh.server.address), recorded(reader, mesh.server.address)
             blocks = make_blocks(len(KEYS))
-            assert await writer.write_back(KEYS, blocks) == len(KEYS)
+            assert await writer.write_back(KEYS, block_bytes(blocks)) == len(KEYS)
             fetched = await reader.fetch(KEYS[:4] + [0xDEAD])
-            assert fetched is not None and same_bits(fetched, blocks[:4])
+            assert fetched is not None and same_bits(blocks_from_bytes(LAYOUT, fetched.data), blocks[:4])
             assert (await mesh.stats()).transfer_address.startswith(f"{backend}://")
             (put, put_reply), = writes.of("PutBlocks")
             assert put.transfer_id and len(put.data) == 0 and put_reply.stored == len(KEYS)
@@ -137,10 +137,10 @@ def test_a_corrupted_write_back_is_refused_and_nothing_is_stored(nats_server):
             writer = await mesh.instance()
             writer.transfer = CorruptingClient()
             with pytest.raises(PoolError, match="cachesvc refused the pushed blocks: checksum mismatch in 1 of 3"):
-                await writer.write_back(KEYS[:3], make_blocks(3))
+                await writer.write_back(KEYS[:3], block_bytes(make_blocks(3)))
             assert (await mesh.stats()).pool_blocks == 0
             writer.transfer = TransferClient()
-            assert await writer.write_back(KEYS[:3], make_blocks(3)) == 3  # nothing was marked written
+            assert await writer.write_back(KEYS[:3], block_bytes(make_blocks(3))) == 3  # nothing was marked written
 
     run(body())
 
@@ -149,7 +149,7 @@ def test_a_corrupted_fetch_push_is_refused_the_fetch_fails_and_the_lease_ends(na
     async def body() -> None:
         async with Mesh(nats_server.url) as mesh:
             writer, reader = await mesh.instance(), await mesh.instance()
-            await writer.write_back(KEYS, make_blocks(len(KEYS)))
+            await writer.write_back(KEYS, block_bytes(make_blocks(len(KEYS))))
             mesh.server.transfer_client = CorruptingClient()
             with pytest.raises(PoolError, match="FAILED_PRECONDITION: .* refused the push of 6 blocks: "
                                                 "checksum mismatch"):
@@ -165,7 +165,7 @@ def test_a_block_damaged_in_the_pool_is_caught_by_the_reader_against_its_stored_
     async def body() -> None:
         async with Mesh(nats_server.url) as mesh:
             writer, reader = await mesh.instance(), await mesh.instance()
-            await writer.write_back(KEYS, make_blocks(len(KEYS)))
+            await writer.write_back(KEYS, block_bytes(make_blocks(len(KEYS))))
             dram = mesh.server.pool.tier("dram")
             entry = dram._blocks[KEYS[1]][LAYOUT]
             damaged = bytearray(entry.block.data)
@@ -181,7 +181,7 @@ def test_a_block_damaged_in_the_pool_is_caught_by_the_reader_against_its_stored_
 def test_a_fetch_to_an_unreachable_endpoint_is_unavailable_and_releases_its_lease(nats_server):
     async def body() -> None:
         async with Mesh(nats_server.url, transfer_timeout_s=2.0) as mesh:
-            await (await mesh.instance()).write_back(KEYS[:2], make_blocks(2))
+            await (await mesh.instance()).write_back(KEYS[:2], block_bytes(make_blocks(2)))
             request = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2],
                                                  transfer_address=f"tcp://127.0.0.1:{port}",
                                                  transfer_id="t-1")
@@ -199,7 +199,7 @@ def test_a_caller_lease_outlives_the_push(nats_server):
     async def body() -> None:
         async with Mesh(nats_server.url) as mesh:
             pool = await mesh.instance()
-            await pool.write_back(KEYS[:2], make_blocks(2))
+            await pool.write_back(KEYS[:2], block_bytes(make_blocks(2)))
             request = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2], lease_s=30,
                                                  transfer_address=pool.receiver.address, transfer_id="t-2")
             reply = await mesh.stub.GetBlocks(request)
@@ -296,9 +296,9 @@ def test_the_inline_path_still_works_for_a_client_without_a_receiver(nats_server
             mesh.closers.append(pool.close)
             calls = recorded(pool, mesh.server.address)
             blocks = make_blocks(3)
-            await pool.write_back(KEYS[:3], blocks)
+            await pool.write_back(KEYS[:3], block_bytes(blocks))
             fetched = await pool.fetch(KEYS[:3])
-            assert fetched is not None and same_bits(fetched, blocks)
+            assert fetched is not None and same_bits(blocks_from_bytes(LAYOUT, fetched.data), blocks)
             assert len(calls.of("PutBlocks")[0][0].data) == len(calls.of("GetBlocks")[0][1].data) == blocks.numel() * 4
 
     run(body())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
@@ -22,7 +23,7 @@ def test_a_cancelled_caller_and_a_failing_command_leave_the_engine_thread_servin
             await asyncio.sleep(0.05)
 
             async def consume() -> None:
-                async for _ in engine.generate("gone", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2)):
+                async for _ in engine.generate(EngineRequest("gone", (1, 2, 3, 4, 5), SamplingParams(max_tokens=2))):
                     pass
 
             gone = asyncio.ensure_future(consume())  # its add_request waits behind the blocker...
@@ -35,11 +36,11 @@ def test_a_cancelled_caller_and_a_failing_command_leave_the_engine_thread_servin
                 await engine.call(lambda e: 1 / 0)
             except ZeroDivisionError:
                 pass
-            out = [o async for o in engine.generate("next", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3,
-                                                                                            ignore_eos=True))]
-            return [t for o in out for t in o.new_token_ids], engine._thread.is_alive()
+            out = [o async for o in engine.generate(EngineRequest(
+                "next", (1, 2, 3, 4, 5), SamplingParams(max_tokens=3, ignore_eos=True)))]
+            return [t for o in out for t in o.token_ids], engine._thread.is_alive()
         finally:
-            engine.close()
+            await engine.close()
 
     tokens, alive = asyncio.run(asyncio.wait_for(run(), 30))
     assert len(tokens) == 3 and alive
@@ -51,13 +52,14 @@ def test_step_totals_count_prompt_steps_apart_from_decode_only_steps(tiny_config
                              asyncio.get_running_loop())
         try:
             async def one(rid: str) -> None:
-                async for _ in engine.generate(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True)):
+                async for _ in engine.generate(EngineRequest(rid, (1, 2, 3, 4, 5),
+                                                               SamplingParams(max_tokens=4, ignore_eos=True))):
                     pass
 
             await one("a")
             return engine.step_totals
         finally:
-            engine.close()
+            await engine.close()
 
     totals = asyncio.run(asyncio.wait_for(run(), 30))
     assert totals.steps == {"prefill": 1, "decode": 3}  # the prompt's step samples token 1, then one per step
@@ -74,14 +76,15 @@ def test_prompt_steps_and_decode_only_steps_feed_separate_speed_fits(tiny_config
                              asyncio.get_running_loop())
         try:
             async def one(rid: str, prompt: list[int]) -> None:
-                async for _ in engine.generate(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True)):
+                async for _ in engine.generate(EngineRequest(rid, tuple(prompt),
+                                                               SamplingParams(max_tokens=4, ignore_eos=True))):
                     pass
 
             for i in range(3):
                 await one(f"r{i}", [1 + i, 2, 3, 4, 5, 6])
-            return engine.speed.fit(), engine.decode_speed.fit()
+            return engine.speed_fit.fit(), engine.decode_speed.fit()
         finally:
-            engine.close()
+            await engine.close()
 
     prefill, decode = asyncio.run(asyncio.wait_for(run(), 30))
     assert prefill is not None and 1 <= prefill.samples <= 2  # 3 prompt steps, less the warm-up (and outliers)
@@ -98,7 +101,7 @@ def test_the_chunk_cap_is_sized_against_the_batch_the_waiting_prompts_settle_at(
         try:
             gate = threading.Event()
             for n, seconds in [(64, 0.03 + 64 / 1500)] * 4 + [(128, 0.03 + 128 / 1500)] * 4:
-                engine.speed.observe(n, seconds)
+                engine.speed_fit.observe(n, seconds)
             for rows in [1, 2, 4, 8, 16, 1, 2, 4, 8]:
                 engine.decode_speed.observe(rows, 0.035 + rows / 500)
 
@@ -115,7 +118,7 @@ def test_the_chunk_cap_is_sized_against_the_batch_the_waiting_prompts_settle_at(
             gate.wait(5)
             return engine.engine.scheduler.chunk_tokens, engine._fit, engine._decode_fit
         finally:
-            engine.close()
+            await engine.close()
 
     cap, prefill, decode = asyncio.run(asyncio.wait_for(run(), 30))
     assert cap == chunk_budget(prefill.overhead_s, prefill.tok_per_s, 1, engine_stall(),

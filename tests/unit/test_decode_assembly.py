@@ -7,7 +7,7 @@ import pytest
 import torch
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.engine.kv_cache import DeviceKVPool, block_bytes
+from kvmesh.engine.kv_cache import DeviceKVPool, block_bytes, blocks_from_bytes
 from kvmesh.transfer.server import ReceivedBlocks
 
 from services.decode.assembly import Assembly
@@ -39,9 +39,9 @@ def test_chunk_parts_in_layer_groups_cover_the_push_and_import_to_the_blocks_sen
         asm.add(part(source, first, n, layers, i))
     assert asm.missing() == ""
     dst = DeviceKVPool(LAYOUT, 8)
-    for piece in asm.pieces:  # what import_prefix does with them, blocks placed at the same ids here
-        dst.write_blocks(list(range(piece.first_block, piece.first_block + piece.data.shape[0])), piece.data,
-                         piece.layers)
+    for p in asm.parts:  # what the engine's import does with them, blocks placed at the same ids here
+        dst.write_blocks(list(range(p.first_block, p.first_block + p.num_blocks)),
+                         blocks_from_bytes(LAYOUT, p.data, p.layers), p.layers)
     assert dst.read_blocks([1, 2, 3]).equal(source.read_blocks([1, 2, 3]))
 
 
@@ -56,7 +56,7 @@ def test_whole_block_parts_still_assemble(source):
     asm.add(part(source, 0, 3, None))
     assert asm.missing()
     asm.add(part(source, 3, 1, None, 1))
-    assert asm.missing() == "" and [p.layers for p in asm.pieces] == [None, None]
+    assert asm.missing() == "" and [p.layers for p in asm.parts] == [None, None]
 
 
 def test_a_part_with_another_prompts_keys_is_refused(source):
@@ -78,12 +78,13 @@ def test_a_part_past_the_prompt_is_refused(source):
         asm.add(part(source, 2, 1, None))
 
 
-def test_a_part_landed_in_place_covers_its_cells_without_a_piece_to_copy(source):
+def test_a_part_landed_in_place_covers_its_cells_without_bytes_to_copy(source):
     from dataclasses import replace
 
     asm = Assembly(LAYOUT, 0, len(PROMPT), KEYS)
     landed = replace(part(source, 0, 4, (0, 2)), data=memoryview(b""), landed=True)
     asm.add(landed)
     asm.add(part(source, 0, 4, (2, 4), 1))  # buffered (arrived before the reservation, say)
-    assert asm.missing() == "" and [p.layers for p in asm.pieces] == [(2, 4)]
+    assert asm.missing() == "" and [(p.layers, p.data is None) for p in asm.parts] == [((0, 2), True),
+                                                                                       ((2, 4), False)]
     assert asm.landed_bytes == landed.nbytes

@@ -12,32 +12,30 @@ from services.decode.servicer import DecodeServicer
 
 
 class PinRecorder:
-    """The engine side: ``blocks.pin`` / ``unpin`` over a set of held leases; ``call`` runs the command at once
-    (the engine thread got to it) and then never answers, as if the caller went away first."""
+    """The engine side of the seam: ``pin`` / ``unpin`` over a set of held leases; ``pin`` holds the lease at once
+    (the engine got to it) and then never answers, as if the caller went away first."""
 
     def __init__(self) -> None:
         self.held: set[str] = set()
         self.ran_pin = asyncio.Event()
-        blocks = SimpleNamespace(pin=self._pin, unpin=self.held.discard)
-        self.engine = SimpleNamespace(blocks=blocks, request_seed=lambda salt, lora: 0)
 
-    def _pin(self, lease: str, seed: int, prompt: list[int], n: int) -> int:
+    def namespace(self, cache_salt: str = "", lora: str = "") -> int:
+        return 0
+
+    async def pin(self, lease: str, namespace: int, tokens: list[int], max_blocks: int) -> int:
         self.held.add(lease)
-        return n
-
-    async def call(self, fn):
-        fn(self.engine)
         self.ran_pin.set()
         await asyncio.Event().wait()  # the answer never reaches the caller: it is cancelled first
+        return max_blocks
 
-    def submit(self, fn) -> None:
-        fn(self.engine)
+    def unpin(self, lease: str) -> None:
+        self.held.discard(lease)
 
 
 def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
     async def main() -> tuple[set[str], set[str]]:
         engine = PinRecorder()
-        host = SimpleNamespace(engine=engine, span_attributes=lambda rid, salt: {}, metrics=None)
+        host = SimpleNamespace(engine=engine, span_attributes=lambda rid, salt: {}, metrics=None, pool=None)
         servicer = DecodeServicer.__new__(DecodeServicer)
         servicer.w = host
         work = worker_pb2.WorkRequest(request_id="r1", prompt_token_ids=list(range(40)))

@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.kv_cache import DeviceKVPool
+from kvmesh.engines import Reserved
 from kvmesh.settings import InstanceSettings
+from kvmesh.transfer.landing import Landing
 
 from services.decode.reservation import Reservation
 
@@ -17,19 +21,23 @@ LAYOUT = KVLayout("t", 2, 1, 4, 4)
 
 
 class FakeEngine:
-    """The AsyncEngine's two entry points, over a real block manager; records what each command saw."""
+    """The seam's reserve / release over a real block manager and pool; records what each release saw."""
 
     def __init__(self, server: FakeServer) -> None:
-        self.engine = SimpleNamespace(kv=DeviceKVPool(LAYOUT, 8))
-        self.engine.blocks = BlockManager(self.engine.kv)
+        self.kv = DeviceKVPool(LAYOUT, 8)
+        self.blocks = BlockManager(self.kv)
         self.server, self.log = server, []
 
-    async def call(self, fn):
-        return fn(self.engine)
+    async def reserve(self, lease: str, request: EngineRequest, first_block: int) -> Reserved | None:
+        n = -(-len(request.prompt) // LAYOUT.block_size) - first_block
+        ids = self.blocks.reserve(lease, n)
+        if ids is None:
+            return None
+        return Reserved(lease, first_block, tuple(ids), Landing(*self.kv.landing_arrays(), ids, first_block))
 
-    def submit(self, fn) -> None:
-        self.log.append(("submit", [landing.open for landing in self.server.lent]))
-        fn(self.engine)
+    def release(self, lease: str) -> None:
+        self.log.append(("release", [landing.open for landing in self.server.lent]))
+        self.blocks.release_reserved(lease)
 
 
 class FakeServer:
@@ -46,6 +54,10 @@ class FakeServer:
         landing.revoke()
 
 
+def request(tokens: int) -> EngineRequest:
+    return EngineRequest("req", tuple(range(tokens)), SamplingParams())
+
+
 def host(**cfg) -> SimpleNamespace:
     server = FakeServer()
     return SimpleNamespace(cfg=InstanceSettings(**cfg), transfer_server=server, engine=FakeEngine(server),
@@ -54,13 +66,13 @@ def host(**cfg) -> SimpleNamespace:
 
 def test_a_reservation_lends_the_prompts_blocks_past_the_pinned_ones_and_release_revokes_before_freeing():
     h = host()
-    r = Reservation(h, "req", 1, 14)  # 14 tokens: blocks 0-3, block 0 pinned
+    r = Reservation(h, request(14), 1)  # 14 tokens: blocks 0-3, block 0 pinned
     assert asyncio.run(r.acquire())
-    blocks = h.engine.engine.blocks
+    blocks = h.engine.blocks
     assert len(r.block_ids) == 3 and blocks.counts()["reserved"] == 3
     assert h.transfer_server.landings["req@"].block_ids == r.block_ids
     r.release()
-    assert h.engine.log == [("submit", [False])]  # the landing was revoked when the free was submitted
+    assert h.engine.log == [("release", [False])]  # the landing was revoked when the free was submitted
     assert blocks.counts()["reserved"] == 0 and h.transfer_server.landings == {}
     r.release()  # idempotent
     assert len(h.engine.log) == 1
@@ -68,25 +80,25 @@ def test_a_reservation_lends_the_prompts_blocks_past_the_pinned_ones_and_release
 
 def test_a_reservation_handed_over_lands_nothing_more_and_its_release_frees_nothing_adopted():
     h = host()
-    r = Reservation(h, "req", 0, 8)
+    r = Reservation(h, request(8), 0)
     asyncio.run(r.acquire())
     r.hand_over()
     assert not h.transfer_server.lent[0].open
-    h.engine.engine.blocks._reserved.pop(r.lease)  # what the import's adoption does
-    free = h.engine.engine.blocks.num_free_blocks
+    h.engine.blocks.leases.take(r.lease)  # what the import's adoption does
+    free = h.engine.blocks.num_free_blocks
     r.release()
-    assert h.engine.engine.blocks.num_free_blocks == free
+    assert h.engine.blocks.num_free_blocks == free
 
 
 def test_with_receive_in_place_off_nothing_is_reserved():
     h = host(receive_in_place=False)
-    assert not asyncio.run(Reservation(h, "req", 0, 8).acquire())
-    assert h.engine.engine.blocks.counts()["reserved"] == 0 and h.transfer_server.lent == []
+    assert not asyncio.run(Reservation(h, request(8), 0).acquire())
+    assert h.engine.blocks.counts()["reserved"] == 0 and h.transfer_server.lent == []
 
 
 def test_a_pool_without_room_reserves_nothing_and_lends_nothing():
     h = host()
-    r = Reservation(h, "req", 0, 40)  # 10 blocks; the pool has 8
+    r = Reservation(h, request(40), 0)  # 10 blocks; the pool has 8
     assert not asyncio.run(r.acquire())
     r.release()
-    assert h.transfer_server.lent == [] and h.engine.engine.blocks.num_free_blocks == 8
+    assert h.transfer_server.lent == [] and h.engine.blocks.num_free_blocks == 8

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from kvmesh.contracts.engine import EngineRequest, ExportPieces, ExportPlan
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engines import SequenceError
 from kvmesh.settings import EngineSettings
 
 GOOD = [([5, 17, 33, 2, 99], SamplingParams(max_tokens=8, ignore_eos=True)),
@@ -123,7 +124,7 @@ def test_a_failed_kv_export_fails_that_request_alone(make):
         return export(seq, *args, **kwargs)
 
     engine.blocks.export_prefix = broken
-    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export_kv=True)
+    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export=ExportPlan())
     done = run(engine, good_reqs())
     err = done["hostile"].error
     assert err is not None and "export failed" in str(err) and done["hostile"].finish_reason == "error"
@@ -142,8 +143,8 @@ def test_a_layer_group_read_out_that_fails_during_the_pass_fails_that_request_al
         return read(block_ids, layers)
 
     engine.kv.read_blocks = broken
-    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export_kv=True,
-                       export_chunks=True, export_layer_groups=2)
+    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1),
+                       export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2))
     done = run(engine, good_reqs())
     err = done["hostile"].error
     assert err is not None and "layer read-out failed" in str(err) and done["hostile"].finish_reason == "error"
@@ -177,7 +178,8 @@ def test_the_async_engine_raises_the_error_for_that_request_and_serves_the_other
 
         async def tokens(rid, prompt, params):
             try:
-                return [t async for o in engine.generate(rid, prompt, params) for t in o.new_token_ids]
+                return [t async for o in engine.generate(EngineRequest(rid, tuple(prompt), params))
+                        for t in o.token_ids]
             except SequenceError as e:
                 return e
 
@@ -187,7 +189,7 @@ def test_the_async_engine_raises_the_error_for_that_request_and_serves_the_other
             nxt = await tokens("next", *GOOD[0])
             return got, nxt, engine._thread.is_alive()
         finally:
-            engine.close()
+            await engine.close()
 
     got, nxt, alive = asyncio.run(asyncio.wait_for(go(), 60))
     assert list(got[:3]) == [solo(make, p, s) for p, s in GOOD]

@@ -11,8 +11,10 @@ import re
 import jsonschema
 import pytest
 import torch
+from kvmesh.contracts.engine import ExportPlan
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 from kvmesh.engine.grammar import GrammarError, pack_bitmask, unpack_bitmask
+from kvmesh.engine.kv_cache import Imported
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
 from kvmesh.settings import EngineSettings
@@ -109,13 +111,13 @@ def test_imported_first_token_continues_the_grammar(engine, tiny_config):
     [whole] = engine.generate([prompt], constrained(spec))
     prefill = LLMEngine(engine.cfg, model_config=tiny_config)
     prefill.tokenizer, prefill.eos_token_ids = engine.tokenizer, engine.eos_token_ids
-    prefill.add_request("p", prompt, constrained(spec, max_tokens=1, ignore_eos=True), export_kv=True)
+    prefill.add_request("p", prompt, constrained(spec, max_tokens=1, ignore_eos=True), export=ExportPlan())
     outs = []
     while prefill.has_unfinished():
         outs += prefill.step()
     kv, first = outs[-1].exported, outs[-1].new_token_ids[0]
     assert first == whole.token_ids[0]
-    engine.add_request("d", prompt, constrained(spec), imported=(kv.blocks, kv.num_tokens, first))
+    engine.add_request("d", prompt, constrained(spec), imported=Imported(kv.blocks, kv.num_tokens, first))
     while engine.has_unfinished():
         engine.step()
     c = engine.completion("d")
@@ -154,19 +156,21 @@ def test_async_engine_compiles_off_the_engine_thread(engine):
     engine thread (GrammarError, a ValueError: INVALID_ARGUMENT)."""
     import asyncio
 
+    from kvmesh.contracts.engine import EngineRequest
     from kvmesh.engine.async_engine import AsyncEngine
 
     async def main():
         ae = AsyncEngine(engine, asyncio.get_running_loop())
         try:
-            outs = [o async for o in ae.generate("a", [1, 2, 3], constrained(StructuredOutput.choice(["on", "off"])))]
+            choice = constrained(StructuredOutput.choice(["on", "off"]))
+            outs = [o async for o in ae.generate(EngineRequest("a", (1, 2, 3), choice))]
             with pytest.raises(GrammarError, match="parenthesis"):
-                async for _ in ae.generate("b", [1, 2], constrained(StructuredOutput("regex", "(x"))):
+                async for _ in ae.generate(EngineRequest("b", (1, 2), constrained(StructuredOutput("regex", "(x")))):
                     pass
         finally:
-            ae.close()
+            await ae.close()
         return outs
 
     outs = asyncio.run(main())
-    assert engine.tokenizer.decode([t for o in outs for t in o.new_token_ids]) in ("on", "off")
+    assert engine.tokenizer.decode([t for o in outs for t in o.token_ids]) in ("on", "off")
     assert outs[-1].finish_reason == "stop"

@@ -133,8 +133,9 @@ def test_monotonic_readings_map_to_wall_clock_nanoseconds():
 
 
 def test_engine_timing_orders_submit_start_add_schedule_and_first_output(tiny_config):
+    from kvmesh.contracts.engine import EngineRequest, RequestTiming
     from kvmesh.contracts.sampling import SamplingParams
-    from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
+    from kvmesh.engine.async_engine import AsyncEngine
     from kvmesh.engine.llm_engine import LLMEngine
     from kvmesh.settings import EngineSettings
 
@@ -144,10 +145,10 @@ def test_engine_timing_orders_submit_start_add_schedule_and_first_output(tiny_co
         timing = RequestTiming()
         try:
             params = SamplingParams(max_tokens=3)
-            async for _ in engine.generate("r", list(range(1, 20)), params, timing=timing):
+            async for _ in engine.generate(EngineRequest("r", tuple(range(1, 20)), params), timing):
                 pass
         finally:
-            engine.close()
+            await engine.close()
         return timing
 
     t = asyncio.run(run())
@@ -173,7 +174,7 @@ def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_c
         metrics.fallbacks.labels(fallback_reason("kv.ready not received within 10s")).inc()
         metrics.prefix.observe(100, 25)
         for n in (7, 64, 256, 64, 256, 128, 32, 512):  # forward steps of 0.02 s + n / 500 s
-            engine.speed.observe(n, 0.02 + n / 500)
+            engine.speed_fit.observe(n, 0.02 + n / 500)
         engine.step_totals.add(True, 8, 0.05, 0.04)
         engine.step_totals.add(False, 3, 0.25, 0.125)
         server = MetricsServer(metrics.registry, "127.0.0.1", 0)
@@ -183,7 +184,7 @@ def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_c
                 return r.read().decode()
         finally:
             server.close()
-            engine.close()
+            await engine.close()
 
     text = asyncio.run(run())
     assert 'kvmesh_worker_kv_blocks{state="capacity",tier="device"} 32.0' in text

@@ -65,6 +65,13 @@ class TransferBackend(enum.StrEnum):
     MOONCAKE = "mooncake"  # Mooncake Transfer Engine, one-sided read
 
 
+class EngineBackend(enum.StrEnum):
+    """Which engine an instance hosts behind the seam (``kvmesh.engines``)."""
+
+    NATIVE = "native"      # kvmesh's own (kvmesh.engine)
+    VLLM = "vllm"          # vLLM's async engine in process (the kvmesh[vllm] extra)
+
+
 def choices(enum_type: type[enum.StrEnum]) -> tuple[str, ...]:
     """The values of an enum, e.g. for an error message or an argparse ``choices``."""
     return tuple(m.value for m in enum_type)

@@ -1,7 +1,8 @@
-"""An engine owned by one thread, driven from asyncio.
+"""The native engine behind the seam: an ``LLMEngine`` owned by one thread, driven from asyncio (``Engine``).
 
 Ownership: the engine thread is the only caller of ``LLMEngine``; coroutines send it commands through a queue
-and receive each request's outputs on an ``asyncio.Queue``. KV events raised during a step are handed to
+and receive each request's outputs on an ``asyncio.Queue``, turned into the seam's types on the engine thread
+(KV read out becomes bytes in wire order there: on CUDA the device-to-host copy stays off the event loop). KV events raised during a step are handed to
 ``on_events`` on the event loop after that step. Every forward step's tokens and wall time feed ``speed``, the
 instance's measured prefill speed (heartbeats report it; the router prices this instance with it), and the
 same fit sizes the scheduler's prefill chunks while streams decode (``scheduler.chunk_budget``).
@@ -18,16 +19,32 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Sequence_
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.contracts.engine import (
+    AdapterInfo,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    ExportedKV,
+    ImportedKV,
+    RequestTiming,
+)
 from kvmesh.contracts.events import KVEvent
+from kvmesh.contracts.ids import BlockKey, NamespaceSeed
+from kvmesh.contracts.keys import Namespace
 from kvmesh.engine.errors import SequenceError
+from kvmesh.engine.kv_cache import Imported, KVPiece, Landed, block_bytes, blocks_from_bytes
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.scheduler import chunk_budget
 from kvmesh.engine.sequence import Sequence, Status
+from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
+from kvmesh.settings import EngineSettings
+from kvmesh.transfer.landing import Landing
 
 log = logging.getLogger(__name__)
 
@@ -35,36 +52,18 @@ log = logging.getLogger(__name__)
 PRIOR = SpeedFit(CostModel().prefill_overhead_s, CostModel().prefill_tok_per_s, 0)
 
 
-@dataclass
-class EngineLoad:
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    cached_blocks: int
-    host_blocks: int
-    waiting_tokens: int
+class AsyncEngine(Engine):
+    """The native engine (``backend = "native"``): ``LLMEngine`` on its own thread, behind the seam."""
 
+    backend = "native"
 
-@dataclass
-class RequestTiming:
-    """Where one request's time went inside the engine (``time.monotonic()`` readings; 0 = did not happen).
-
-    Filled on the engine thread; read it on the event loop only after the request's first output arrived (the
-    output's delivery orders the writes before the read)."""
-
-    submitted: float = 0.0     # the coroutine handed add_request to the engine thread
-    started: float = 0.0       # the engine thread began add_request (the wait before it: the step in flight)
-    added: float = 0.0         # add_request returned (an imported prefix is in the paged cache by then)
-    scheduled: float = 0.0     # the forward step that first admitted it began (stays 0 when imported)
-    first_output: float = 0.0  # its first output left the engine thread
-    preemptions: int = 0       # times it was preempted before its first output
-
-
-class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 on_events: Callable[[list[KVEvent]], None] | None = None, stall: float | None = None) -> None:
+                 on_events: Callable[[list[KVEvent]], None] | None = None, stall: float | None = None,
+                 model_name: str = "") -> None:
         self.engine = engine
+        self.layout = engine.layout
+        self.model_name = model_name or "SmolLM2-135M-Instruct"
+        self.max_model_len = engine.max_model_len
         # a mixed step may cost (1 + stall) x a decode-only one (scheduler.chunk_budget; engine.mixed_step_stall)
         self.stall = engine.cfg.mixed_step_stall if stall is None else stall
         self.loop = loop
@@ -74,23 +73,24 @@ class AsyncEngine:
         # KV read out during a forward pass (layer groups) reaches its request at once, not after the step
         engine.on_piece = lambda out: self._deliver(out.request_id, out)
         self._commands: queue.Queue[Callable[[], Any] | None] = queue.Queue()
-        self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._streams: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
         # engine thread only: timed requests not yet admitted by the scheduler / without a first output yet
         self._unscheduled: dict[str, tuple[Sequence, RequestTiming]] = {}
         self._timed: dict[str, tuple[Sequence, RequestTiming]] = {}
         # fed on the engine thread, read by heartbeats: steps with prompt tokens (a prompt token's cost, which the
         # router prices prefill with), and decode-only steps over their rows (a batch's step as it grows)
-        self.speed, self.decode_speed = SpeedEstimator(), SpeedEstimator()
+        self.speed_fit, self.decode_speed = SpeedEstimator(), SpeedEstimator()
         self.step_totals = StepTotals()  # fed on the engine thread, read by the metrics collector
-        self._fit = self.speed.fit()
+        self._fit = self.speed_fit.fit()
         self._decode_fit = self.decode_speed.fit()
         self._steps = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
-    # ---- called from the event loop --------------------------------------------------------------------------
+    # ---- called from the event loop: the engine's own commands ------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread and await its result (exceptions propagate)."""
+        """Run ``fn(engine)`` on the engine thread and await its result (exceptions propagate). Tools and tests
+        only: a service goes through the ``Engine`` methods."""
         fut: Future = Future()
 
         def run() -> None:
@@ -111,20 +111,21 @@ class AsyncEngine:
         (releases that must happen even while the caller is being cancelled). Failures are logged."""
         self._commands.put(lambda: fn(self.engine))
 
-    async def generate(self, request_id: str, prompt: list[int], params, timing: RequestTiming | None = None,
-                       **kwargs: Any) -> AsyncIterator[StepOutput]:
+    # ---- the seam: requests ----------------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest,
+                       timing: RequestTiming | None = None) -> AsyncIterator[EngineOutput]:
         """Add a request and yield its outputs until it finishes. Leaving early aborts it. ``timing``, when
         given, is filled in as the request passes through the engine (see ``RequestTiming``)."""
-        stream: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
+        rid = request.request_id
+        stream: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        self._streams[rid] = stream
         try:
-            if getattr(params, "structured", None) is not None:  # a cold schema compiles here, not in the batch
-                await self.loop.run_in_executor(None, lambda: self.engine.grammars.compile(params.structured))
-            if timing is None:
-                await self.call(lambda e: e.add_request(request_id, prompt, params, **kwargs))
-            else:
+            structured = request.params.structured
+            if structured is not None:  # a cold schema compiles here, not in the batch
+                await self.loop.run_in_executor(None, lambda: self.engine.grammars.compile(structured))
+            if timing is not None:
                 timing.submitted = time.monotonic()
-                await self.call(lambda e: self._add_timed(request_id, prompt, params, timing, kwargs))
+            await self.call(lambda e: self._add(request, timing))
             while True:
                 out = await stream.get()
                 if isinstance(out, BaseException):
@@ -133,9 +134,69 @@ class AsyncEngine:
                 if out.finished:
                     return
         finally:
-            if self._streams.pop(request_id, None) is not None:
-                self._commands.put(lambda: self._abort(request_id))
+            if self._streams.pop(rid, None) is not None:
+                self._commands.put(lambda: self._abort(rid))
 
+    # ---- the seam: the prefix cache and its blocks ------------------------------------------------------------
+    def namespace(self, cache_salt: str = "", lora: str = "") -> NamespaceSeed:
+        """Safe from any thread: the adapter registry is read (a dict lookup), the seed computed afresh."""
+        e = self.engine
+        spec = e.lora_spec(lora)  # ValueError naming the adapters served
+        tok_fp = e.tokenizer.fingerprint if e.tokenizer else ""
+        return NamespaceSeed(Namespace(e.fingerprint, tok_fp, spec.lora_id if spec else "", cache_salt).seed)
+
+    async def match_prefix(self, namespace: NamespaceSeed, tokens: Sequence_[int], max_tokens: int) -> int:
+        return await self.call(lambda e: len(e.blocks.match(namespace, tokens, max_tokens).nodes))
+
+    async def pin(self, lease: str, namespace: NamespaceSeed, tokens: Sequence_[int], max_blocks: int) -> int:
+        return await self.call(lambda e: e.blocks.pin(lease, namespace, tokens, max_blocks))
+
+    def unpin(self, lease: str) -> None:
+        self.submit(lambda e: e.blocks.unpin(lease))
+
+    async def reserve(self, lease: str, request: EngineRequest, first_block: int) -> Reserved | None:
+        """Device blocks for the prompt's blocks ``first_block ..``, lent as a landing over the pool's own
+        memory; None when the pool is not in process memory (CUDA) or has no room."""
+        arrays = self.engine.kv.landing_arrays()
+        n = -(-len(request.prompt) // self.layout.block_size) - first_block
+        if arrays is None or n <= 0:
+            return None
+        ids = await self.call(lambda e: e.blocks.reserve(lease, n))
+        if ids is None:
+            return None
+        return Reserved(lease, first_block, tuple(ids), Landing(*arrays, ids, first_block))
+
+    def release(self, lease: str) -> None:
+        self.submit(lambda e: e.blocks.release_reserved(lease))
+
+    async def adopt(self, namespace: NamespaceSeed, tokens: Sequence_[int], first_block: int, data: memoryview,
+                    num_blocks: int) -> bool:
+        blocks = blocks_from_bytes(self.layout, data)[:num_blocks]
+        end = (first_block + num_blocks) * self.layout.block_size
+        return await self.call(lambda e: e.blocks.adopt(namespace, list(tokens[:end]), blocks, first_block))
+
+    async def held_blocks(self) -> list[tuple[BlockKey, str]]:
+        return await self.call(lambda e: e.blocks.held_blocks())
+
+    def subscribe(self, sink: KVEventSink) -> None:
+        self.on_events = sink
+
+    # ---- the seam: LoRA adapters -----------------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """The files are read and checked off the engine thread; only the registration runs on it, so a slow
+        or bad adapter never stalls the running batch."""
+        spec = await self.loop.run_in_executor(None, self.engine.loras.read, name, path)
+        await self.call(lambda e: e.loras.register(spec))
+        return AdapterInfo(spec.name, spec.generation, spec.path, spec.rank)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.call(lambda e: e.unload_lora(name))
+
+    def adapters(self) -> list[AdapterInfo]:
+        specs = list(self.engine.loras.registered.values())
+        return sorted((AdapterInfo(s.name, s.generation, s.path, s.rank) for s in specs), key=lambda a: a.name)
+
+    # ---- the seam: load and speed ----------------------------------------------------------------------------
     def load(self) -> EngineLoad:
         """A racy but safe snapshot (ints read from another thread) for heartbeats and routing."""
         e = self.engine
@@ -145,7 +206,36 @@ class AsyncEngine:
                           e.blocks.num_cached_blocks, e.blocks.num_host_blocks,
                           sum(s.num_tokens for s in waiting))
 
-    def close(self) -> None:
+    def speed(self) -> dict[str, float]:
+        return self.speed_fit.report()
+
+    def stats(self) -> EngineStats:
+        """Read when scraped: racy reads of ints and containers the engine thread owns (a container that
+        changed while it was counted is looked at again, at most three times)."""
+        e = self.engine
+        for _ in range(3):
+            try:
+                load, counts = self.load(), e.blocks.counts()
+                break
+            except RuntimeError:  # a queue or set changed while we copied it
+                continue
+        else:
+            raise RuntimeError("the engine's state kept changing while it was read")
+        st, t = dict(e.blocks.stats), self.step_totals
+        return EngineStats(
+            load, e.blocks.host.num_blocks if e.blocks.host is not None else 0,
+            {k: counts[k] for k in ("referenced", "pinned", "reserved")},
+            {"device": st.get("evicted_device", 0), "host": st.get("evicted_host", 0)},
+            {"spill": st.get("spilled_host", 0), "load": st.get("loaded_host", 0)},
+            e.scheduler.num_preemptions, dict(t.steps), dict(t.rows), dict(t.seconds), dict(t.cpu_seconds),
+            self.speed())
+
+    async def close(self) -> None:
+        self._commands.put(None)
+        await self.loop.run_in_executor(None, self._thread.join, 10)
+
+    def close_now(self) -> None:
+        """``close`` for a caller without an event loop (tools, tests)."""
         self._commands.put(None)
         self._thread.join(timeout=10)
 
@@ -155,14 +245,29 @@ class AsyncEngine:
         self._timed.pop(request_id, None)
         self.engine.abort(request_id)
 
-    def _add_timed(self, request_id: str, prompt: list[int], params, timing: RequestTiming,
-                   kwargs: dict[str, Any]) -> None:
-        timing.started = time.monotonic()
-        seq = self.engine.add_request(request_id, prompt, params, **kwargs)
+    def _add(self, request: EngineRequest, timing: RequestTiming | None) -> None:
+        if timing is not None:
+            timing.started = time.monotonic()
+        imported = self._imported(request.imported) if request.imported is not None else None
+        seq = self.engine.add_request(request.request_id, list(request.prompt), request.params,
+                                      request.cache_salt, request.retention, request.lora, request.export,
+                                      imported)
+        if timing is None:
+            return
         timing.added = time.monotonic()
-        self._timed[request_id] = (seq, timing)
+        self._timed[request.request_id] = (seq, timing)
         if seq.status is Status.WAITING:
-            self._unscheduled[request_id] = (seq, timing)
+            self._unscheduled[request.request_id] = (seq, timing)
+
+    def _imported(self, kv: ImportedKV) -> Imported:
+        """A verified push as the engine imports it: buffered parts as tensors over their bytes (no copy),
+        landed ones already in the reserved blocks."""
+        if kv.layout != self.layout:  # the service checked it; a mismatch here would be a bug, never consumed
+            raise ValueError("pushed KV is in another layout than this engine's")
+        pieces = [KVPiece(p.first_block, blocks_from_bytes(self.layout, p.data, p.layers), p.layers)
+                  for p in kv.parts if p.data is not None]
+        blocks: list[KVPiece] | Landed = pieces if kv.reservation is None else Landed(kv.reservation, pieces)
+        return Imported(blocks, kv.num_tokens, kv.first_token, kv.first_block)
 
     def _run(self) -> None:
         while True:
@@ -200,7 +305,7 @@ class AsyncEngine:
         if self.engine.step_tokens:
             decode_only = self.engine.step_decode_rows == self.engine.step_rows
             self.step_totals.add(decode_only, self.engine.step_rows, took, cpu)
-            (self.decode_speed if decode_only else self.speed).observe(self.engine.step_tokens, took)
+            (self.decode_speed if decode_only else self.speed_fit).observe(self.engine.step_tokens, took)
         self._size_chunks()
         if self._unscheduled:
             for rid, (seq, timing) in list(self._unscheduled.items()):
@@ -225,7 +330,7 @@ class AsyncEngine:
         measured (the first steps with prompt tokens), the configured prior prices it."""
         self._steps += 1
         if self._steps % 8 == 1:
-            self._fit, self._decode_fit = self.speed.fit(), self.decode_speed.fit()
+            self._fit, self._decode_fit = self.speed_fit.fit(), self.decode_speed.fit()
         if self._fit is None and self._decode_fit is None:
             return  # nothing measured yet: the first steps run the whole token budget
         prefill = self._fit or PRIOR
@@ -245,8 +350,16 @@ class AsyncEngine:
 
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
-            self.loop.call_soon_threadsafe(stream.put_nowait, item)
+        if stream is None:
+            return
+        if isinstance(item, StepOutput):
+            readout = item.exported
+            exported = None if readout is None else ExportedKV(
+                block_bytes(readout.blocks), int(readout.blocks.shape[0]), readout.first_block, readout.num_tokens,
+                tuple(BlockKey(k) for k in readout.block_keys), readout.final, readout.layers)
+            item = EngineOutput(item.request_id, tuple(item.new_token_ids), item.text_delta, item.finished,
+                                item.finish_reason, item.cached_tokens, exported)
+        self.loop.call_soon_threadsafe(stream.put_nowait, item)
 
 
 class StepTotals:
@@ -272,3 +385,12 @@ class StepTotals:
 
 
 _NOTHING = object()
+
+
+async def start_native(cfg: EngineSettings) -> AsyncEngine:
+    """The native engine of ``cfg``: its model loaded (off the event loop) and its thread running."""
+    from kvmesh.model_source.resolve import model_name
+
+    loop = asyncio.get_running_loop()
+    llm = await loop.run_in_executor(None, LLMEngine, cfg)
+    return AsyncEngine(llm, loop, model_name=model_name(cfg.model))

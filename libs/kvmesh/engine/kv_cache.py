@@ -74,6 +74,18 @@ class Landed(NamedTuple):
     pieces: list[KVPiece]
 
 
+class Imported(NamedTuple):
+    """A prompt's KV computed by a prefill instance, for ``LLMEngine.add_request``: ``blocks`` hold its blocks from
+    ``first_block`` on, up to token ``num_tokens`` (one tensor, or tensors in order, or ``KVPiece`` s placed by
+    block and layer range, or ``Landed``: already in blocks reserved by ``BlockManager.reserve``, adopted without
+    a copy); ``first_token``: the token prefill sampled after the prompt."""
+
+    blocks: torch.Tensor | list[torch.Tensor] | list[KVPiece] | Landed
+    num_tokens: int
+    first_token: int
+    first_block: int = 0
+
+
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """``block_ids`` as runs of consecutive ids: ``(position in the list, first id, length)``."""
     runs: list[tuple[int, int, int]] = []

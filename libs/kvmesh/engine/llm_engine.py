@@ -3,9 +3,13 @@
 Threading: an ``LLMEngine`` is not thread-safe. One owner (a CLI loop, or a service's single engine thread)
 calls ``add_request`` / ``abort`` / ``step``; services hand work to that owner through a queue.
 
-Fault isolation: an exception while sampling, stop-checking, detokenizing or exporting one sequence aborts that
-sequence only (its ``StepOutput`` is finished with ``finish_reason="error"`` and ``error`` set); a failed
-forward pass fails that step's sequences the same way. Either way the engine serves the next step.
+Fault isolation: an exception while masking one sequence's logits by its grammar, sampling, stop-checking,
+detokenizing or exporting one sequence aborts that sequence only (its ``StepOutput`` is finished with
+``finish_reason="error"`` and ``error`` set); a failed forward pass fails that step's sequences the same way.
+Either way the engine serves the next step.
+
+KV export: a request's ``ExportPlan`` picks its strategy (``engine/export.py``); the step asks it what to read out
+during the forward pass, after it, and when the request finishes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh.contracts.engine import ExportPlan, RetentionRange
 from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
@@ -26,51 +31,19 @@ from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed
+from kvmesh.engine.export import Export, KVReadout, LayerExport, make_export
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, Imported, Landed
 from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.sampling import RowFault, make_generator, sample
 from kvmesh.engine.scheduler import Scheduler
-from kvmesh.engine.sequence import RetentionRange, Sequence, Status
+from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 _GRAMMARS_LOCK = threading.Lock()
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class ExportedKV:
-    """A finished request's KV, read out for a decode instance (prefill role)."""
-
-    blocks: torch.Tensor           # [n, *layout.block_shape], storage dtype: blocks first_block.. of the request
-    num_tokens: int                # tokens of the request whose KV is computed (from its start)
-    block_keys: list[int]          # keys of all its full blocks, from the first
-    first_block: int = 0           # the request's blocks before this one were not read out (the receiver has them)
-    final: bool = True             # False: a piece read out after a prefill chunk (``export_chunks``); more follow
-    layers: tuple[int, int] | None = None  # (first, end): the blocks' slice of these layers only; None: all
-
-
-@dataclass
-class _LayerExport:
-    """A prefill chunk's blocks ``first .. end-1``, read out layer group by layer group during its forward pass
-    (``export_layer_groups``): ``bounds`` are the groups' end layers, ``done`` the layers read out so far."""
-
-    seq: Sequence
-    first: int
-    end: int
-    num_tokens: int        # tokens of the request whose KV the chunk completes (from its start)
-    block_keys: list[int]  # keys of the request's full blocks up to num_tokens
-    bounds: tuple[int, ...]
-    done: int = 0
-    error: Exception | None = None
-
-
-def layer_bounds(num_layers: int, groups: int) -> tuple[int, ...]:
-    """The end layer of each of ``groups`` (at most ``num_layers``) near-equal consecutive layer groups."""
-    groups = max(1, min(groups, num_layers))
-    return tuple(num_layers * (g + 1) // groups for g in range(groups))
 
 
 @dataclass
@@ -81,7 +54,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None
     cached_tokens: int = 0
-    exported: ExportedKV | None = None
+    exported: KVReadout | None = None
     error: SequenceError | None = None  # the request failed (finished, finish_reason "error"); others did not
 
 
@@ -100,18 +73,13 @@ class Completion:
 
 
 class _Tracked:
-    """Per-request text state owned by the engine: incremental detokenizer and stop-string matching."""
+    """Per-request state owned by the engine: incremental detokenizer, stop-string matching, grammar, export."""
 
-    def __init__(self, seq: Sequence, detok, export_kv: bool = False, export_from: int = 0,
-                 export_chunks: bool = False, export_layer_groups: int = 1) -> None:
+    def __init__(self, seq: Sequence, detok, export: Export | None = None) -> None:
         self.seq = seq
         self.detok = detok
         self.text = ""
-        self.export_kv = export_kv
-        self.export_from = export_from  # the next block to read out (it grows as pieces are read out)
-        self.export_chunks = export_chunks
-        self.export_layer_groups = export_layer_groups
-        self.exported_last = False  # its last chunk's blocks were read out in layer groups: nothing is left
+        self.export = export  # how its KV leaves (None: it does not)
         self.error: SequenceError | None = None
         self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
 
@@ -234,30 +202,20 @@ class LLMEngine:
         return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), export_kv: bool = False,
-                    imported: tuple[torch.Tensor | list[torch.Tensor] | list[KVPiece] | Landed, int, int]
-                    | tuple[torch.Tensor | list[torch.Tensor] | list[KVPiece] | Landed, int, int, int] | None = None,
-                    export_from: int = 0, lora: str = "", export_chunks: bool = False,
-                    export_layer_groups: int = 1) -> Sequence:
+                    cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), lora: str = "",
+                    export: ExportPlan | None = None, imported: Imported | None = None) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``lora``: the name of a loaded adapter to run it under ("" = the base model); its KV is keyed by the
         adapter's ``name@generation``, so it never shares blocks with the base model or another adapter.
 
-        ``export_kv``: when it finishes, its KV is read out into ``StepOutput.exported`` (prefill role).
-        ``export_from``: read out only the blocks from this index on (the receiver holds the ones before).
-        ``export_chunks``: with ``export_kv``, each prefill chunk's newly full blocks are read out right after
-        its forward pass, as an output with no token and ``exported.final`` False, so the caller can send them
-        while the next chunk computes; the last output then holds only the blocks after those.
-        ``export_layer_groups``: with ``export_chunks``, each chunk's blocks are read out in this many layer
-        groups instead, each as soon as the forward pass wrote those layers (``exported.layers``; handed to
-        ``on_piece`` during the pass), so even the last chunk's KV can leave while its later layers compute;
-        the last output then holds no blocks. 1: whole blocks after each chunk.
-        ``imported``: ``(blocks, num_tokens, first_token[, first_block])`` computed by a prefill instance
-        (``blocks`` hold the prompt's blocks from ``first_block`` on, one tensor or its pieces in order, as pushed
-        part by part, or ``KVPiece`` s placed by block and layer range, as pushed in layer groups, or ``Landed``:
-        already in blocks reserved by ``blocks.reserve``, adopted without a copy; the ones before must be cached
-        here, e.g. pinned by ``blocks.pin``); the request starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        ``export``: read its KV out as the plan says (``engine/export.py``), into ``StepOutput.exported``: at the
+        finish (with the last token), and with ``BY_CHUNK`` / ``BY_LAYER_GROUP`` also as outputs with no token and
+        ``exported.final`` False, after each prefill chunk's pass or during it (layer groups are handed to
+        ``on_piece`` as the pass writes them), so the caller can send them while the rest computes.
+        ``imported``: its prompt's KV computed by a prefill instance (``kv_cache.Imported``: the blocks from
+        ``first_block`` on; the ones before must be cached here, e.g. pinned by ``blocks.pin``); the request
+        starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         """
         if request_id in self._requests:
@@ -283,12 +241,10 @@ class LLMEngine:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = tracked = _Tracked(seq, detok, export_kv, export_from, export_chunks,
-                                                        export_layer_groups)
+        self._requests[request_id] = tracked = _Tracked(seq, detok, make_export(export))
         tracked.grammar = grammar
         if imported is not None:
-            blocks, num_tokens, first_token = imported[:3]
-            first_block = imported[3] if len(imported) > 3 else 0
+            blocks, num_tokens, first_token, first_block = imported
             seq.output_token_ids.append(first_token)
             if self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens, first_block):
                 seq.num_cached_tokens = num_tokens
@@ -351,7 +307,7 @@ class LLMEngine:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])
                     if groups else None)
-            exports = self._layer_exports(scheduled)
+            exports = self._during_pass(scheduled)
             logits = self.model(batch, self.kv, self.attn, lora, self._layer_hook(exports) if exports else None)
         except Exception as e:  # this step's sequences fail; the engine serves the next step
             log.exception("forward pass failed for %d sequences", len(scheduled))
@@ -372,17 +328,39 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.blocks.cache_computed_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
-                pending += self._export_piece(seq)
+                pending += self._after_pass(seq)
         if not samplers:
             return pending
-        grammars = [self._requests[s.request_id].grammar for s in samplers]
-        mask = self._grammars.mask(grammars) if self._grammars is not None else None
-        new_tokens = sample(logits, [s.params for s in samplers],
-                            [make_generator(s.params, len(s.output_token_ids)) for s in samplers], mask)
+        new_tokens = self._sample(samplers, logits)
         now = time.monotonic()
         return pending + [self._fail(seq, SequenceError(seq.request_id, tok.message, tok.client_fault))
                           if isinstance(tok, RowFault) else self._emit(seq, tok, now)
                           for seq, tok in zip(samplers, new_tokens)]
+
+    def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int | RowFault]:
+        """One token per row (or the row's fault), grammar masks applied. ``sample`` isolates its rows; should
+        the batch still fail (a grammar's mask, say), each row is masked and sampled alone, so only the row at
+        fault fails, and the others get the tokens they get alone (fresh generators: same draws)."""
+        states = [self._requests[s.request_id].grammar for s in samplers]
+        params = [s.params for s in samplers]
+
+        def generators(rows: list[Sequence]) -> list[torch.Generator | None]:
+            return [make_generator(s.params, len(s.output_token_ids)) for s in rows]
+
+        try:
+            mask = self._grammars.mask(states) if self._grammars is not None else None
+            return sample(logits, params, generators(samplers), mask)
+        except Exception:
+            log.exception("sampling %d rows failed; sampling each alone", len(samplers))
+        out: list[int | RowFault] = []
+        for i, seq in enumerate(samplers):
+            try:
+                mask = self._grammars.mask([states[i]]) if self._grammars is not None else None
+                out.append(sample(logits[i:i + 1], [params[i]], generators([seq]), mask)[0])
+            except Exception as e:
+                log.exception("request %s: sampling failed", seq.request_id)
+                out.append(RowFault(f"sampling failed: {type(e).__name__}: {e}", client_fault=False))
+        return out
 
     def _emit(self, seq: Sequence, token: int, now: float) -> StepOutput:
         """``_append``, with a failure (stop check, detokenizer, KV export) aborting this sequence only."""
@@ -429,33 +407,25 @@ class LLMEngine:
             tracked.text += delta
         exported = None
         if reason is not None:
-            if tracked.export_kv:
-                n = seq.num_computed_tokens
-                last = -(-n // self.cfg.block_size)
-                # no blocks left when the last chunk left in layer groups; else at least the last block
-                first = last if tracked.exported_last else min(tracked.export_from, max(0, last - 1))
-                exported = self._exported(seq, first, n)
+            if tracked.export is not None:
+                exported = self._readout(seq, tracked.export.at_finish(seq, self.cfg.block_size),
+                                         seq.num_computed_tokens)
             self.scheduler.finish(seq, reason)
         return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
                           exported)
 
-    def _layer_exports(self, scheduled: list) -> list[_LayerExport]:
-        """The chunks of this step to read out layer group by layer group (``export_layer_groups`` > 1)."""
+    def _during_pass(self, scheduled: list) -> list[LayerExport]:
+        """The chunks of this step whose export strategy reads them out during the pass, layer group by group."""
         out = []
         bs, layers = self.cfg.block_size, self.model_config.num_layers
         for seq, n in scheduled:
             tracked = self._requests.get(seq.request_id)
-            if tracked is None or not tracked.export_chunks or tracked.export_layer_groups < 2:
-                continue
-            after = seq.num_computed_tokens + n
-            end = -(-after // bs) if after == seq.num_tokens else after // bs  # the last chunk: its partial block too
-            if end > tracked.export_from:
-                keys = block_keys(seq.namespace_seed, seq.all_token_ids[:after], bs)
-                out.append(_LayerExport(seq, tracked.export_from, end, after, keys,
-                                        layer_bounds(layers, tracked.export_layer_groups)))
+            export = tracked.export if tracked is not None else None
+            if export is not None and (x := export.during_pass(seq, n, bs, layers)) is not None:
+                out.append(x)
         return out
 
-    def _layer_hook(self, exports: list[_LayerExport]) -> Callable[[int], None]:
+    def _layer_hook(self, exports: list[LayerExport]) -> Callable[[int], None]:
         """The forward pass's ``kv_written``: at each group's end layer, that slice of each chunk's blocks is
         read out (one strided copy) and handed over at once. A failed read-out fails that request only."""
         def kv_written(layers: int) -> None:
@@ -468,7 +438,7 @@ class LLMEngine:
                     log.exception("request %s: reading out its KV failed", x.seq.request_id)
                     x.error = e
                     continue
-                piece = ExportedKV(data, x.num_tokens, x.block_keys, x.first, final=False, layers=(x.done, layers))
+                piece = KVReadout(data, x.num_tokens, x.block_keys, x.first, final=False, layers=(x.done, layers))
                 x.done = layers
                 out = StepOutput(x.seq.request_id, [], cached_tokens=x.seq.num_cached_tokens, exported=piece)
                 if self.on_piece is None:
@@ -481,40 +451,37 @@ class LLMEngine:
         pieces, self._pieces = self._pieces, []
         return pieces
 
-    def _exports_done(self, exports: list[_LayerExport]) -> list[StepOutput]:
+    def _exports_done(self, exports: list[LayerExport]) -> list[StepOutput]:
         """After the pass: what each chunk read out is off the request's to-do; a failed one fails it."""
         failed = []
         for x in exports:
             if x.error is not None:
                 failed.append(self._fail(x.seq, SequenceError(
                     x.seq.request_id, f"reading out its KV failed: {type(x.error).__name__}: {x.error}")))
-            elif (tracked := self._requests.get(x.seq.request_id)) is not None:
-                tracked.export_from = x.end
-                tracked.exported_last = x.num_tokens == x.seq.num_tokens
+            elif (tracked := self._requests.get(x.seq.request_id)) is not None and tracked.export is not None:
+                tracked.export.passed(x)
         return failed
 
-    def _export_piece(self, seq: Sequence) -> list[StepOutput]:
-        """After a prefill chunk of an ``export_chunks`` request: its full blocks not read out yet, as an output
-        (none when the chunk completed no new block). A failed read-out fails this request only."""
+    def _after_pass(self, seq: Sequence) -> list[StepOutput]:
+        """After a prefill chunk: what its export strategy reads out now, as an output with no token (none when
+        it reads out nothing). A failed read-out fails this request only."""
         tracked = self._requests.get(seq.request_id)
-        if tracked is None or not tracked.export_chunks:
+        if tracked is None or tracked.export is None:
             return []
-        first, full = tracked.export_from, seq.num_computed_tokens // self.cfg.block_size
-        if full <= first:
+        if (todo := tracked.export.after_pass(seq, self.cfg.block_size)) is None:
             return []
         try:
-            piece = self._exported(seq, first, full * self.cfg.block_size, final=False)
+            piece = self._readout(seq, *todo, final=False)
         except Exception as e:  # reported to this request's caller
             log.exception("request %s: reading out its KV failed", seq.request_id)
             return [self._fail(seq, SequenceError(seq.request_id, f"{type(e).__name__}: {e}"))]
-        tracked.export_from = full
         return [StepOutput(seq.request_id, [], cached_tokens=seq.num_cached_tokens, exported=piece)]
 
-    def _exported(self, seq: Sequence, first: int, n: int, final: bool = True) -> ExportedKV:
+    def _readout(self, seq: Sequence, first: int, n: int, final: bool = True) -> KVReadout:
         """Blocks ``first ..`` of ``seq`` up to its token ``n`` (whole blocks), and the keys of its full blocks."""
         bs = self.cfg.block_size
-        return ExportedKV(self.blocks.export_prefix(seq, first, n), n,
-                          block_keys(seq.namespace_seed, seq.all_token_ids[:n], bs), first, final)
+        return KVReadout(self.blocks.export_prefix(seq, first, n), n,
+                         block_keys(seq.namespace_seed, seq.all_token_ids[:n], bs), first, final)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -7,22 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvmesh.contracts.engine import RetentionRange
 from kvmesh.contracts.sampling import SamplingParams
 
+__all__ = ["RetentionRange", "Sequence", "Status"]
+
 if TYPE_CHECKING:
-    from kvmesh.engine.block_manager import Node
     from kvmesh.engine.lora import LoRASpec
-
-
-@dataclass(frozen=True)
-class RetentionRange:
-    """TensorRT-LLM-style retention: blocks overlapping ``[start, end)`` tokens keep ``priority`` for
-    ``duration_s`` seconds (e.g. a system prompt outlives chat turns)."""
-
-    start: int
-    end: int
-    priority: int
-    duration_s: float = float("inf")
+    from kvmesh.engine.radix import Node
 
 
 class Status(enum.Enum):

@@ -7,7 +7,7 @@ import logging
 import grpc
 from opentelemetry.trace import Span
 
-from kvmesh.engine.errors import SequenceError
+from kvmesh.engines import SequenceError
 from kvmesh.telemetry import tracing
 
 log = logging.getLogger(__name__)

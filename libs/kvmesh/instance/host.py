@@ -13,22 +13,22 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from opentelemetry.trace import Span, StatusCode
 
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
+from kvmesh.contracts.engine import RequestTiming
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch
-from kvmesh.engine.async_engine import AsyncEngine, RequestTiming
-from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engines import Engine, start_engine
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
 from kvmesh.instance.metrics import WorkerMetrics
 from kvmesh.instance.pool_client import PoolClient, PoolError
+from kvmesh.model_source.resolve import model_name
 from kvmesh.proto.v1 import worker_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.settings import EngineSettings, InstanceSettings, SharedSettings, TelemetrySettings
@@ -68,6 +68,7 @@ class EngineHost:
         self.subjects = Subjects(self.shared.cluster)
         self.instance_id = cfg.id
         self.model_name = model_name(engine_cfg.model)
+        self.engine: Engine
         self.metrics = WorkerMetrics()
         self.metrics_server: MetricsServer | None = None
         self.metrics_fallbacks = 0
@@ -77,11 +78,10 @@ class EngineHost:
         self.lora_load_s: float | None = None  # the last LoRA adapter load, measured (heartbeat: lora_load_s)
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        llm = await loop.run_in_executor(None, LLMEngine, self.engine_cfg)
-        self.layout = llm.layout
-        self.fingerprint = llm.fingerprint
-        self.engine = AsyncEngine(llm, loop, on_events=self._event_queue.put_nowait)
+        self.engine = await start_engine(self.engine_cfg)
+        self.layout = self.engine.layout
+        self.fingerprint = self.engine.fingerprint
+        self.engine.subscribe(self._event_queue.put_nowait)
         self.metrics.watch(self.engine)
         self.grpc = ServiceServer([r.grpc_service for r in self.roles] + [adapters.SERVICE])
         worker_pb2_grpc.add_AdaptersServicer_to_server(adapters.AdaptersServicer(self), self.grpc.server)
@@ -151,33 +151,32 @@ class EngineHost:
 
     async def _warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int, span: Span,
                               attrs: dict[str, Any] | None = None, lora: str = "") -> int:
-        llm = self.engine.engine
         try:
-            seed = llm.request_seed(cache_salt, lora)
+            seed = self.engine.namespace(cache_salt, lora)
         except ValueError as e:  # an adapter this instance does not serve: the engine refuses the request
             span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": str(e)})
             return 0
         bs = self.layout.block_size
         usable = min(pool_blocks, (len(prompt) - 1) // bs)  # the last token is always computed
-        local = await self.engine.call(lambda e: len(e.blocks.match(seed, prompt, len(prompt) - 1).nodes))
+        local = await self.engine.match_prefix(seed, prompt, len(prompt) - 1)
         span.set_attribute("kvmesh.local_blocks", local)
         if usable - local < self.cfg.pool_fetch_min_blocks:
             span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": "local cache suffices"})
             return 0
         keys = block_keys(seed, prompt[:usable * bs], bs)[local:]
         try:
-            blocks = await self.pool.fetch(keys, tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
+            fetched = await self.pool.fetch(keys, tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
         except PoolError as e:
             log.warning("pool fetch failed, computing instead: %s", e)
             span.set_status(StatusCode.ERROR, f"pool fetch failed: {e}")
             return 0
-        if blocks is None:
+        if fetched is None:
             span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": "pool had none"})
             return 0
-        n = blocks.shape[0]
+        n = fetched.num_blocks
         nbytes = n * self.layout.block_nbytes
         self.metrics.transfer_bytes.labels("pool_fetch").inc(nbytes)
-        ok = await self.engine.call(lambda e: e.blocks.adopt(seed, prompt[:(local + n) * bs], blocks, local))
+        ok = await self.engine.adopt(seed, prompt, local, fetched.data, n)
         span.set_attributes({"kvmesh.blocks": n if ok else 0, "kvmesh.bytes": nbytes,
                              "kvmesh.outcome": "adopted" if ok else "no room"})
         return n if ok else 0
@@ -200,7 +199,7 @@ class EngineHost:
     async def _snapshot(self) -> tuple[int, list[tuple[int, str]]]:
         """What cachesvc asks for after a gap in our events: the sequence number first, then the blocks."""
         seq = self._event_seq
-        return seq, await self.engine.call(lambda e: e.blocks.held_blocks())
+        return seq, await self.engine.held_blocks()
 
     async def _publish_events(self) -> None:
         subject = self.subjects.kv_events(self.instance_id)
@@ -221,12 +220,11 @@ class EngineHost:
             load["kv_block_bytes"] = self.layout.block_nbytes
             if self.lora_load_s is not None:
                 load["lora_load_s"] = self.lora_load_s
-            load.update(self.engine.speed.report())  # prefill_tok_per_s, prefill_overhead_s once measured
+            load.update(self.engine.speed())  # prefill_tok_per_s, prefill_overhead_s once measured
             beat = Heartbeat(instance_id=self.instance_id, role=self.cfg.role, grpc_address=self.grpc_address,
                              transfer_address=self.transfer_address, ts=time.time(), load=load,
                              model=self.fingerprint, block_size=self.layout.block_size,
-                             loras=tuple((s.name, s.generation, s.path)
-                                         for s in list(self.engine.engine.loras.registered.values())))
+                             loras=tuple((a.name, a.generation, a.path) for a in self.engine.adapters()))
             try:
                 await self.bus.publish(subject, beat)
             except Exception:
@@ -246,14 +244,7 @@ class EngineHost:
         if self.pool is not None:
             await self.pool.close()
         await self.bus.close()
-        self.engine.close()
-
-
-def model_name(source: str | None) -> str:
-    """The model as spans name it: the file or folder name of its source (the router's default id)."""
-    if source is None:
-        return "SmolLM2-135M-Instruct"
-    return Path(source).stem if Path(source).is_file() else Path(source).name
+        await self.engine.close()
 
 
 async def serve(cfg: InstanceSettings, engine_cfg: EngineSettings, roles: Sequence[RolePlugin],

@@ -15,14 +15,13 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
+from typing import NamedTuple
 
 import grpc
-import torch
 
 from kvmesh import tls
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import block_checksums
@@ -34,6 +33,13 @@ Metadata = tuple[tuple[str, str], ...]
 
 class PoolError(Exception):
     """A pool call or its transfer failed: fetch callers compute instead, write-back callers skip."""
+
+
+class Fetched(NamedTuple):
+    """Blocks the pool answered with: ``num_blocks`` whole blocks, their bytes in wire order."""
+
+    data: memoryview
+    num_blocks: int
 
 
 class PoolClient:
@@ -53,14 +59,15 @@ class PoolClient:
         self._written: OrderedDict[int, None] = OrderedDict()  # keys this instance already stored
         self._remember = remember
 
-    async def write_back(self, keys: list[BlockKey], blocks: torch.Tensor, metadata: Metadata = ()) -> int:
-        """Store the blocks the pool does not have from us yet; returns how many were sent. ``metadata``: gRPC
-        call metadata (the trace context)."""
+    async def write_back(self, keys: list[BlockKey], data: memoryview, metadata: Metadata = ()) -> int:
+        """Store the blocks the pool does not have from us yet (``data``: the bytes of ``keys``' blocks, whole,
+        in wire order); returns how many were sent. ``metadata``: gRPC call metadata (the trace context)."""
         todo = [i for i, k in enumerate(keys) if k not in self._written]
         per_call = max(1, MAX_MESSAGE_BYTES // 2 // self.block_nbytes)
+        nb = self.block_nbytes
         for start in range(0, len(todo), per_call):
             idx = todo[start:start + per_call]
-            chunk = block_bytes(blocks[idx])
+            chunk = _gather(data, idx, nb)
             sums = block_checksums(chunk, self.block_nbytes)
             request = cache_pb2.PutBlocksRequest(layout=self.proto_layout, block_keys=[keys[i] for i in idx],
                                                  checksums=sums)
@@ -75,8 +82,8 @@ class PoolClient:
             self._written.popitem(last=False)
         return len(todo)
 
-    async def fetch(self, keys: list[BlockKey], metadata: Metadata = ()) -> torch.Tensor | None:
-        """The leading run of ``keys`` the pool holds in our layout, verified, as ``[n, *block_shape]``."""
+    async def fetch(self, keys: list[BlockKey], metadata: Metadata = ()) -> Fetched | None:
+        """The leading run of ``keys`` the pool holds in our layout, verified."""
         request = cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys)
         receiver = self.receiver
         if receiver is not None:
@@ -90,10 +97,10 @@ class PoolClient:
             if list(resp.block_keys) != keys[:n]:
                 raise PoolError("the pool answered with blocks that were not asked for")
             if receiver is None:
-                blocks = self._inline(resp, n)
-                sums = block_checksums(block_bytes(blocks), self.block_nbytes)
+                data = self._inline(resp, n)
+                sums = block_checksums(data, self.block_nbytes)
             else:  # the receiver verified the bytes against the checksums pushed with them
-                blocks, sums = await self._received(receiver, request.transfer_id, n)
+                data, sums = await self._received(receiver, request.transfer_id, n)
         except BaseException:
             if receiver is not None:
                 receiver.discard(request.transfer_id)  # a push still under way is refused and freed
@@ -101,7 +108,7 @@ class PoolClient:
         bad = [i for i, (got, stored) in enumerate(zip(sums, resp.checksums)) if got != stored]
         if bad:
             raise PoolError(f"pool blocks {bad} fail their checksums; not used")
-        return blocks
+        return Fetched(data, n)
 
     async def close(self) -> None:
         if self.transfer is not None:
@@ -138,7 +145,7 @@ class PoolClient:
         return transfer_id
 
     async def _received(self, receiver: TransferServer, transfer_id: str,
-                        n: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+                        n: int) -> tuple[memoryview, tuple[int, ...]]:
         """What cachesvc pushed under ``transfer_id`` and the checksums its bytes were verified against (it
         answered after we verified it: no real wait)."""
         try:
@@ -150,9 +157,18 @@ class PoolClient:
         if got.layout != self.layout or got.num_blocks != n:
             raise PoolError(f"the pool pushed {got.num_blocks} blocks in another layout or number than the "
                             f"{n} it answered with")
-        return blocks_from_bytes(self.layout, got.data), got.checksums
+        return memoryview(got.data), got.checksums
 
-    def _inline(self, resp: cache_pb2.GetBlocksResponse, n: int) -> torch.Tensor:
+    def _inline(self, resp: cache_pb2.GetBlocksResponse, n: int) -> memoryview:
         if len(resp.data) != n * self.block_nbytes:
             raise PoolError(f"the pool answered {len(resp.data)} bytes for {n} blocks of {self.block_nbytes}")
-        return blocks_from_bytes(self.layout, bytearray(resp.data))
+        return memoryview(bytearray(resp.data))
+
+
+def _gather(data: memoryview, idx: list[int], block_nbytes: int) -> memoryview:
+    """Blocks ``idx`` (ascending) of ``data`` as one buffer: a view when they follow each other, else a copy."""
+    flat = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    lo, hi = idx[0], idx[-1] + 1
+    if hi - lo == len(idx):
+        return flat[lo * block_nbytes:hi * block_nbytes]
+    return memoryview(b"".join(flat[i * block_nbytes:(i + 1) * block_nbytes] for i in idx))

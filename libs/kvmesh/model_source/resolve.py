@@ -25,6 +25,13 @@ Convert = Callable[[Path, Path], None]
 """``convert(gguf_file, hf_dir)``: write the HF directory ``hf_dir`` (atomically: all or nothing)."""
 
 
+def model_name(source: str | None) -> str:
+    """The model as spans and engines name it: the file or folder name of its source (the router's default id)."""
+    if not source:
+        return "SmolLM2-135M-Instruct"
+    return Path(source).stem if Path(source).is_file() else Path(source).name
+
+
 @dataclass(frozen=True)
 class ModelSource:
     hf_dir: Path  # config.json, safetensors weights, tokenizer files

@@ -17,12 +17,13 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvmesh.contracts.ids import Role, TransferBackend, choices
+from kvmesh.contracts.ids import EngineBackend, Role, TransferBackend, choices
 from kvmesh.engine.eviction import online_policies
 from kvmesh.routing import POLICIES
 
 ROLES = tuple(r.value for r in Role.engines())
 TRANSFER_BACKENDS = choices(TransferBackend)
+ENGINE_BACKENDS = choices(EngineBackend)
 EVICTIONS = tuple(online_policies())
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
@@ -190,6 +191,8 @@ class EngineSettings(Section):
     model_config = SettingsConfigDict(env_prefix="KVMESH_ENGINE_")
     name: ClassVar[str] = "engine"
 
+    backend: str = setting("native", "the engine behind the instance: native (kvmesh's own) or vllm (vLLM in "
+                           "process; `make vllm` installs it)", choices=ENGINE_BACKENDS)
     model: ModelPath = setting(None, "HF Llama/Qwen2/Mistral directory or .gguf file (\"\" = the embedded "
                                       "SmolLM2-135M-Instruct)")
     device: str = setting("cpu", "cpu, cuda or cuda:<index>")

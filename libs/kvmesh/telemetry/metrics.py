@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, disable_creat
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvmesh.contracts.engine import EngineStats
+
 log = logging.getLogger(__name__)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -68,81 +70,71 @@ class HitRatio:
 
 
 class EngineCollector(Collector):
-    """Queue depth, KV occupancy per tier, evictions and preemptions of an engine, read when scraped (racy
-    reads of ints and lists owned by the engine thread: a snapshot, never a lock on the hot path)."""
+    """Queue depth, KV occupancy per tier, evictions and preemptions of an engine, read when scraped from its
+    ``stats()`` (a snapshot, never a lock on the hot path)."""
 
-    def __init__(self, async_engine: Any, prefix: str = "kvmesh_worker") -> None:
-        self.engine = async_engine
+    def __init__(self, engine: Any, prefix: str = "kvmesh_worker") -> None:
+        self.engine = engine  # a kvmesh.engines.Engine
         self.prefix = prefix
 
     def collect(self) -> Iterator[Any]:
-        p, e = self.prefix, self.engine.engine
-        for _ in range(3):
-            try:
-                load = self.engine.load()
-                break
-            except RuntimeError:  # a queue changed while we copied it; look again
-                continue
-        else:
+        p = self.prefix
+        try:
+            st: EngineStats = self.engine.stats()
+        except RuntimeError:  # its state kept changing while read: skip this scrape
             return
+        load = st.load
         q = GaugeMetricFamily(f"{p}_queue_depth", "Sequences in the engine by state", labels=["state"])
         q.add_metric(["running"], load.running)
         q.add_metric(["waiting"], load.waiting)
         yield q
         yield GaugeMetricFamily(f"{p}_waiting_tokens", "Tokens of the sequences waiting to be scheduled",
                                 value=load.waiting_tokens)
-        host_capacity = e.blocks.host.num_blocks if e.blocks.host is not None else 0
         blocks = GaugeMetricFamily(f"{p}_kv_blocks", "KV blocks per tier and state", labels=["tier", "state"])
         blocks.add_metric(["device", "capacity"], load.total_blocks)
         blocks.add_metric(["device", "used"], load.total_blocks - load.free_blocks)
         blocks.add_metric(["device", "cached"], load.cached_blocks)
-        blocks.add_metric(["host", "capacity"], host_capacity)
+        blocks.add_metric(["host", "capacity"], st.host_capacity)
         blocks.add_metric(["host", "used"], load.host_blocks)
-        try:  # a racy read of the tree: a set or dict that changed while counted is skipped this scrape
-            counts = e.blocks.counts()
-        except RuntimeError:
-            counts = None
-        if counts is not None:
-            blocks.add_metric(["device", "referenced"], counts["referenced"])  # by sequences or leases
-            blocks.add_metric(["device", "pinned"], counts["pinned"])  # by leases (decode: a delta push)
-            blocks.add_metric(["device", "reserved"], counts["reserved"])  # decode: a push landing in place
+        # referenced: by sequences or leases; pinned: by leases (decode: a delta push); reserved: decode, a push
+        # landing in place
+        for state in ("referenced", "pinned", "reserved"):
+            if state in st.blocks:
+                blocks.add_metric(["device", state], st.blocks[state])
         yield blocks
         yield GaugeMetricFamily(f"{p}_kv_block_bytes", "Bytes of one KV block (every layer, K and V) as stored: "
-                                "blocks moved times this is bytes moved", value=e.layout.block_nbytes)
+                                "blocks moved times this is bytes moved", value=self.engine.layout.block_nbytes)
         occ = GaugeMetricFamily(f"{p}_kv_occupancy_ratio", "Used share of each KV tier", labels=["tier"])
         occ.add_metric(["device"], (load.total_blocks - load.free_blocks) / max(1, load.total_blocks))
-        occ.add_metric(["host"], load.host_blocks / host_capacity if host_capacity else 0.0)
+        occ.add_metric(["host"], load.host_blocks / st.host_capacity if st.host_capacity else 0.0)
         yield occ
-        stats = dict(e.blocks.stats)
         ev = CounterMetricFamily(f"{p}_kv_evictions", "KV blocks evicted from a tier", labels=["tier"])
-        ev.add_metric(["device"], stats.get("evicted_device", 0))
-        ev.add_metric(["host"], stats.get("evicted_host", 0))
+        ev.add_metric(["device"], st.evicted.get("device", 0))
+        ev.add_metric(["host"], st.evicted.get("host", 0))
         yield ev
         moves = CounterMetricFamily(f"{p}_kv_host_moves", "KV blocks moved between device and host tiers",
                                     labels=["direction"])
-        moves.add_metric(["spill"], stats.get("spilled_host", 0))
-        moves.add_metric(["load"], stats.get("loaded_host", 0))
+        moves.add_metric(["spill"], st.host_moves.get("spill", 0))
+        moves.add_metric(["load"], st.host_moves.get("load", 0))
         yield moves
         yield CounterMetricFamily(f"{p}_preemptions", "Sequences preempted for lack of KV blocks",
-                                  value=e.scheduler.num_preemptions)
-        totals = getattr(self.engine, "step_totals", None)
-        if totals is not None:  # "prefill": every step with prompt tokens, decode rows mixed in or not
-            families = (CounterMetricFamily(f"{p}_engine_steps", "Forward steps", labels=["kind"]),
-                        CounterMetricFamily(f"{p}_engine_step_rows", "Sequences in those steps (the batch, summed)",
-                                            labels=["kind"]),
-                        CounterMetricFamily(f"{p}_engine_step_seconds", "Wall time of those steps", labels=["kind"]),
-                        CounterMetricFamily(f"{p}_engine_step_cpu_seconds", "CPU time the engine thread spent in "
-                                            "those steps (below the wall time: it waited for the GIL or a core)",
-                                            labels=["kind"]))
-            for family, values in zip(families, (totals.steps, totals.rows, totals.seconds, totals.cpu_seconds)):
-                for kind in totals.KINDS:
-                    family.add_metric([kind], values[kind])
+                                  value=st.preemptions)
+        # "prefill": every step with prompt tokens, decode rows mixed in or not
+        families = (CounterMetricFamily(f"{p}_engine_steps", "Forward steps", labels=["kind"]),
+                    CounterMetricFamily(f"{p}_engine_step_rows", "Sequences in those steps (the batch, summed)",
+                                        labels=["kind"]),
+                    CounterMetricFamily(f"{p}_engine_step_seconds", "Wall time of those steps", labels=["kind"]),
+                    CounterMetricFamily(f"{p}_engine_step_cpu_seconds", "CPU time the engine thread spent in "
+                                        "those steps (below the wall time: it waited for the GIL or a core)",
+                                        labels=["kind"]))
+        for family, values in zip(families, (st.steps, st.step_rows, st.step_seconds, st.step_cpu_seconds)):
+            if values:
+                for kind, value in values.items():
+                    family.add_metric([kind], value)
                 yield family
-        speed = getattr(self.engine, "speed", None)
-        measured = speed.report() if speed is not None else {}
-        if measured:  # what this instance beats to the router's cost model
+        if st.speed:  # what this instance beats to the router's cost model
             yield GaugeMetricFamily(f"{p}_prefill_tokens_per_second", "Measured prefill speed (fit of step time = "
                                     "overhead + tokens / speed over recent forward steps)",
-                                    value=measured["prefill_tok_per_s"])
+                                    value=st.speed["prefill_tok_per_s"])
             yield GaugeMetricFamily(f"{p}_prefill_overhead_seconds", "Measured fixed cost of one forward step",
-                                    value=measured["prefill_overhead_s"])
+                                    value=st.speed["prefill_overhead_s"])

@@ -1,0 +1,187 @@
+"""What crosses the engine seam, torch-free: a request as a service hands it to an engine, its outputs, the KV it
+exports (prefill's push, decode's write-back) and the KV it imports (a verified push), the engine's load.
+
+KV travels as bytes in the engine's wire layout (``KVLayout``: whole blocks ``[layers, 2, block_size, heads, dim]``
+one after another, or each block's slice of a layer group), so a service moves it without knowing which framework
+computed it; the engine turns its own memory into these bytes and back (``kvmesh.engines.Engine``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class RetentionRange:
+    """TensorRT-LLM-style retention: blocks overlapping ``[start, end)`` tokens keep ``priority`` for
+    ``duration_s`` seconds (e.g. a system prompt outlives chat turns)."""
+
+    start: int
+    end: int
+    priority: int
+    duration_s: float = float("inf")
+
+
+class ExportPieces(enum.StrEnum):
+    """How a request's KV leaves the engine while it is computed."""
+
+    AT_END = "at_end"                  # one piece when the request finishes (decode's write-back)
+    BY_CHUNK = "by_chunk"              # each prefill chunk's new full blocks after its forward pass, the rest last
+    BY_LAYER_GROUP = "by_layer_group"  # each chunk's blocks layer group by layer group, during its forward pass
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """Which of a request's blocks are read out, and in which pieces: blocks ``first_block ..`` (the receiver
+    holds the ones before), as ``pieces`` says (``layer_groups``: how many groups, for ``BY_LAYER_GROUP``)."""
+
+    pieces: ExportPieces = ExportPieces.AT_END
+    first_block: int = 0
+    layer_groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0 or self.layer_groups < 1:
+            raise ValueError(f"export plan: first_block {self.first_block} must be >= 0 and layer_groups "
+                             f"{self.layer_groups} >= 1")
+
+
+@dataclass(frozen=True)
+class ExportedKV:
+    """Blocks ``first_block .. first_block + num_blocks - 1`` of a request, read out: ``data`` holds their bytes
+    in the layout's wire order (each block whole, or with ``layers`` = ``(first, end)`` only that slice of its
+    layers). ``num_tokens``: the request's tokens whose KV is computed (from its start); ``block_keys``: the keys
+    of its full blocks up to ``num_tokens``, from the first. ``final``: False for a piece read out mid-prefill
+    (more follow)."""
+
+    data: memoryview
+    num_blocks: int
+    first_block: int
+    num_tokens: int
+    block_keys: tuple[BlockKey, ...]
+    final: bool = True
+    layers: tuple[int, int] | None = None
+
+    @property
+    def piece_keys(self) -> tuple[BlockKey, ...]:
+        """The keys of this piece's full blocks."""
+        return self.block_keys[self.first_block:self.first_block + self.num_blocks]
+
+
+@dataclass(frozen=True)
+class KVPart:
+    """A verified part of a pushed prompt's KV: blocks ``first_block ..`` (``num_blocks``), whole or their slice
+    of ``layers``; ``data`` holds its bytes in wire order, or None when they landed in place (in the blocks the
+    request reserved, ``ImportedKV.reservation``)."""
+
+    first_block: int
+    num_blocks: int
+    layers: tuple[int, int] | None = None
+    data: memoryview | None = None
+
+
+@dataclass(frozen=True)
+class ImportedKV:
+    """A prompt's KV computed elsewhere, verified: blocks ``first_block ..`` up to token ``num_tokens`` (the ones
+    before are held here under the request's pin), every (block, layer) covered once by ``parts``, in
+    ``layout``. ``reservation``: the lease of the blocks reserved for it (``Engine.reserve``) in which the
+    landed parts already are; the engine adopts them without a copy and copies in the buffered parts.
+    ``first_token``: the token prefill sampled after the prompt."""
+
+    layout: KVLayout
+    num_tokens: int
+    first_token: int
+    first_block: int = 0
+    parts: tuple[KVPart, ...] = ()
+    reservation: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as a service hands it to an engine. ``export``: read its KV out as it is computed (prefill:
+    a push) or when it finishes (decode: the write-back); ``imported``: its prompt's KV was pushed here, decode
+    starts from it."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str = ""
+    lora: str = ""
+    retention: tuple[RetentionRange, ...] = ()
+    export: ExportPlan | None = None
+    imported: ImportedKV | None = None
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What one request got from one engine step: new tokens and text, or (``exported`` with no token) a piece of
+    its KV read out mid-prefill. ``cached_tokens``: prompt tokens served from cache or imported."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    exported: ExportedKV | None = None
+
+
+@dataclass
+class RequestTiming:
+    """Where one request's time went inside the engine (``time.monotonic()`` readings; 0 = did not happen).
+
+    Filled by the engine; read it only after the request's first output arrived (the output's delivery orders
+    the writes before the read)."""
+
+    submitted: float = 0.0     # the request was handed to the engine
+    started: float = 0.0       # the engine began adding it (the wait before it: the step in flight)
+    added: float = 0.0         # it was added (an imported prefix is in the paged cache by then)
+    scheduled: float = 0.0     # the forward step that first admitted it began (stays 0 when imported)
+    first_output: float = 0.0  # its first output left the engine
+    preemptions: int = 0       # times it was preempted before its first output
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of an engine's queues and KV, for heartbeats, routing and metrics."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    cached_blocks: int
+    host_blocks: int
+    waiting_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters and gauges of an engine for its metrics (``kvmesh_worker_*``); a backend that cannot tell one
+    reports 0. ``blocks``: device blocks by state (referenced, pinned, reserved); ``steps`` etc.: per step kind
+    ("decode": decode rows only, "prefill": with prompt tokens), how many, their rows, wall and CPU seconds."""
+
+    load: EngineLoad
+    host_capacity: int = 0
+    blocks: dict[str, int] = field(default_factory=dict)
+    evicted: dict[str, int] = field(default_factory=dict)       # tier -> blocks evicted
+    host_moves: dict[str, int] = field(default_factory=dict)    # spill | load -> blocks
+    preemptions: int = 0
+    steps: dict[str, int] = field(default_factory=dict)
+    step_rows: dict[str, int] = field(default_factory=dict)
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    step_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    speed: dict[str, float] = field(default_factory=dict)      # prefill_tok_per_s, prefill_overhead_s
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter an engine serves: its name, the generation its files were read at, their path, rank."""
+
+    name: str
+    generation: str
+    path: str
+    rank: int

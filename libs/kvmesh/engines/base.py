@@ -1,0 +1,148 @@
+"""``Engine``: the one interface between an engine instance's services and the engine it hosts.
+
+Who calls what. The instance host (``kvmesh.instance``) starts an engine by backend name, forwards its KV events to
+the bus, reports its load and speed in heartbeats and its stats as metrics, and serves adapter loads. The prefill
+service runs a request with an ``ExportPlan`` (the push); the decode service pins the prefix it holds, reserves
+blocks for the push and lends their memory to the transfer server (``Reserved.landing``), then runs the request
+with the verified ``ImportedKV``. Nothing else of an engine is reachable from a service: a backend keeps its block
+manager, its KV layout in memory and its threads to itself.
+
+Threading. Every method is called on the event loop. ``generate``, ``pin``, ``reserve``, ``adopt``,
+``held_blocks``, ``load_lora`` / ``unload_lora`` run in order with each other on the engine's side (its thread or
+its scheduler); ``unpin`` and ``release`` are queued in that same order and never wait, so a call being cancelled
+can still give back what it held. ``namespace``, ``load``, ``speed``, ``stats``, ``adapters`` answer at once from a
+snapshot.
+
+Ownership of reserved memory. ``Reserved.landing`` lends the reserved blocks' memory to whoever receives the push
+(the transfer server) until the landing is revoked; ``release`` is called only after that, and frees the blocks
+unless an import adopted them (``ImportedKV.reservation``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from kvmesh.contracts.engine import (
+    AdapterInfo,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    RequestTiming,
+)
+from kvmesh.contracts.events import KVEvent
+from kvmesh.contracts.ids import BlockKey, NamespaceSeed
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.transfer.landing import Landing
+
+KVEventSink = Callable[[list[KVEvent]], None]
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Blocks an engine set aside under ``lease`` for a push: ``block_ids`` (the engine's own ids, for tracing)
+    hold the request's blocks ``first_block ..``; ``landing``: their memory, lent for receiving in place (None:
+    the engine's memory cannot be written from outside, the push is buffered and copied in at import)."""
+
+    lease: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    landing: Landing | None
+
+
+class Engine(abc.ABC):
+    """An engine serving one instance (see the module docstring for threading and ownership)."""
+
+    backend: str        # "native", "vllm"
+    layout: KVLayout    # what its exported and imported blocks mean (the wire layout)
+    model_name: str     # the model as spans name it
+    max_model_len: int
+
+    @property
+    def fingerprint(self) -> str:
+        return self.layout.model_fingerprint
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest, timing: RequestTiming | None = None) -> AsyncIterator[EngineOutput]:
+        """Run ``request`` and yield its outputs until one is ``finished``. Leaving the iterator early cancels the
+        request (its blocks go back). A request at fault raises ``ValueError`` (before its first output) or
+        ``SequenceError`` (it failed inside a step; the rest of the batch did not). ``timing``: filled in as the
+        request passes through the engine."""
+
+    # ---- the prefix cache and its blocks -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def namespace(self, cache_salt: str = "", lora: str = "") -> NamespaceSeed:
+        """The seed of a request's block keys: the model, the tokenizer, the adapter's ``name@generation`` and
+        the salt. ValueError naming the adapters served when ``lora`` is not one of them."""
+
+    @abc.abstractmethod
+    async def match_prefix(self, namespace: NamespaceSeed, tokens: Sequence[int], max_tokens: int) -> int:
+        """How many leading full blocks of ``tokens`` (within ``max_tokens``) this engine holds, in any tier."""
+
+    @abc.abstractmethod
+    async def pin(self, lease: str, namespace: NamespaceSeed, tokens: Sequence[int], max_blocks: int) -> int:
+        """Hold the leading full blocks of ``tokens`` it has on the device (at most ``max_blocks``) under
+        ``lease`` until ``unpin``, so a push that starts past them can be imported. Returns how many."""
+
+    @abc.abstractmethod
+    def unpin(self, lease: str) -> None:
+        """Let go of a pin (nothing when ``lease`` holds none). Queued, never waits."""
+
+    @abc.abstractmethod
+    async def reserve(self, lease: str, request: EngineRequest, first_block: int) -> Reserved | None:
+        """Set aside blocks for ``request``'s prompt from ``first_block`` on, for a push to land in; None when
+        there is no room or this engine cannot be written from outside (the push is then buffered)."""
+
+    @abc.abstractmethod
+    def release(self, lease: str) -> None:
+        """Free a reservation's blocks unless an import adopted them; the caller revoked its landing first.
+        Queued, never waits."""
+
+    @abc.abstractmethod
+    async def adopt(self, namespace: NamespaceSeed, tokens: Sequence[int], first_block: int, data: memoryview,
+                    num_blocks: int) -> bool:
+        """Put full blocks fetched from the pool (``num_blocks`` whole blocks of ``tokens`` from ``first_block``
+        on, their bytes in wire order) into the prefix cache, unreferenced. False when there is no room or the
+        blocks before ``first_block`` are gone."""
+
+    @abc.abstractmethod
+    async def held_blocks(self) -> list[tuple[BlockKey, str]]:
+        """Every full block it caches and its tier (what a KV-event snapshot reports)."""
+
+    @abc.abstractmethod
+    def subscribe(self, sink: KVEventSink) -> None:
+        """Hand the engine's KV events (block keys of ``namespace``) to ``sink`` on the event loop, in order."""
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """Load (or replace) adapter ``name`` from a PEFT directory; ValueError naming what to fix."""
+
+    @abc.abstractmethod
+    async def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``; KeyError when it is not loaded. Requests in flight under it finish."""
+
+    @abc.abstractmethod
+    def adapters(self) -> list[AdapterInfo]:
+        """The adapters served now, by name."""
+
+    # ---- load and speed --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def load(self) -> EngineLoad:
+        """Queues and KV occupancy now (heartbeats, admission)."""
+
+    @abc.abstractmethod
+    def speed(self) -> dict[str, float]:
+        """The measured speed the router prices this instance with: ``prefill_tok_per_s`` and
+        ``prefill_overhead_s`` once measured (empty before)."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """Counters and gauges for the instance's metrics."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop: requests in flight end, the engine's threads and processes are gone when it returns."""
