@@ -114,6 +114,44 @@ def test_a_stop_check_that_raises_fails_that_request_alone(make):
     assert_good_as_alone(make, done)
 
 
+def test_a_detokenizer_that_raises_fails_that_request_alone(make):
+    engine = make()
+
+    class Broken:
+        def push(self, token):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "detokenizer exploded")
+
+    for rid, prompt, params in [*good_reqs(), ("hostile", HOSTILE_PROMPT, GOOD[0][1])]:
+        engine.add_request(rid, prompt, params)
+    engine._requests["hostile"].detok = Broken()
+    done = run(engine, [])
+    err = done["hostile"].error
+    assert err is not None and not err.client_fault and "detokenizer exploded" in str(err)
+    assert_good_as_alone(make, done)
+
+
+def test_sampling_that_raises_for_one_row_fails_that_request_alone(make, monkeypatch):
+    """Whatever raises while a batch is sampled (not a value ``sample`` itself isolates): each row is then
+    sampled alone, with fresh generators, so the seeded rows draw what they draw alone."""
+    from kvmesh.engine import llm_engine
+
+    real = llm_engine.sample
+    hostile = SamplingParams(max_tokens=8, temperature=0.5, seed=424242, ignore_eos=True)
+
+    def exploding(logits, params, generators, mask=None):
+        if any(p is hostile for p in params):
+            raise RuntimeError("sampler exploded")
+        return real(logits, params, generators, mask)
+
+    monkeypatch.setattr(llm_engine, "sample", exploding)
+    engine = make()
+    done = run(engine, [*good_reqs(), ("hostile", HOSTILE_PROMPT, hostile)])
+    err = done["hostile"].error
+    assert err is not None and not err.client_fault and "sampler exploded" in str(err)
+    monkeypatch.setattr(llm_engine, "sample", real)
+    assert_good_as_alone(make, done)
+
+
 def test_a_failed_kv_export_fails_that_request_alone(make):
     engine = make()
     export = engine.blocks.export_prefix

@@ -47,6 +47,14 @@ def text_of(engine: LLMEngine, completion) -> str:
     return engine.tokenizer.decode(completion.token_ids)
 
 
+@pytest.mark.xfail(strict=True, reason="known defect: with the byte-level test tokenizer a JSON string may hold "
+                   "bytes the grammar counts as one character and the decoder as three U+FFFD; 6 of seeds 0-29")
+def test_json_schema_string_lengths_count_what_the_decoder_yields(engine):
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    [c] = engine.generate([[1, 5, 9, 40]], constrained(spec, temperature=0.7, top_k=20, top_p=0.9, seed=11))
+    jsonschema.validate(json.loads(text_of(engine, c)), SCHEMA)
+
+
 def test_unpack_bitmask_reads_xgrammar_bit_order():
     words = torch.tensor([[0b101, -2**31]], dtype=torch.int32)  # tokens 0, 2 and 63
     allowed = unpack_bitmask(words, 70)
@@ -54,8 +62,10 @@ def test_unpack_bitmask_reads_xgrammar_bit_order():
     assert pack_bitmask(allowed[0].tolist(), 70).tolist() == [0b101, -2**31, 0]
 
 
+# Seeded: an unseeded draw depended on the tests run before it (the global generator), and one draw in five
+# fails, see the strict xfail below.
 @pytest.mark.parametrize("params", [{}, {"temperature": 1.0, "seed": 3},
-                                    {"temperature": 0.7, "top_k": 20, "top_p": 0.9}])
+                                    {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 0}])
 def test_json_schema_output_validates(engine, params):
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
     [c] = engine.generate([[1, 5, 9, 40]], constrained(spec, **params))
@@ -174,3 +184,37 @@ def test_async_engine_compiles_off_the_engine_thread(engine):
     outs = asyncio.run(main())
     assert engine.tokenizer.decode([t for o in outs for t in o.token_ids]) in ("on", "off")
     assert outs[-1].finish_reason == "stop"
+
+
+def test_a_grammar_matcher_that_raises_fails_its_request_alone(tiny_config, tokenizer):
+    """The batch's grammar mask is filled in one call; a matcher that raises there fails only its request, and
+    the other rows (constrained or free) get the tokens they get alone."""
+    def make() -> LLMEngine:
+        e = LLMEngine(EngineSettings(num_blocks=128, block_size=4, max_batched_tokens=256, attention="torch"),
+                      model_config=tiny_config)
+        e.tokenizer, e.eos_token_ids = tokenizer, set(tokenizer.eos_token_ids)
+        return e
+
+    good = {"free": ([1, 9, 9, 9], SamplingParams(max_tokens=6, ignore_eos=True)),
+            "regex": ([1, 4, 4], constrained(StructuredOutput("regex", "x+y"), max_tokens=6)),
+            "seeded": ([1, 6, 2], SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True))}
+    alone = {rid: make().generate([p], s)[0].token_ids for rid, (p, s) in good.items()}
+
+    class Exploding:
+        def __getattr__(self, name):
+            raise RuntimeError("matcher exploded")
+
+    engine = make()
+    for rid, (prompt, params) in good.items():
+        engine.add_request(rid, prompt, params)
+    engine.add_request("hostile", [1, 7, 7], constrained(StructuredOutput("regex", "[ab]+"), max_tokens=6))
+    engine._requests["hostile"].grammar.matcher = Exploding()
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = engine.completion(out.request_id)
+    err = done["hostile"].error
+    assert err is not None and not err.client_fault and "matcher exploded" in str(err)
+    assert {rid: done[rid].token_ids for rid in good} == alone
+    assert all(done[rid].error is None for rid in good)
