@@ -28,8 +28,12 @@ $(DEV): $(BASE)
 up: $(BASE)
 	$(VENV)/bin/kvmesh up
 
+# The packages mypy checks ([tool.mypy] in pyproject.toml); add one once it is clean.
+MYPY_PATHS ?= libs/kvmesh/contracts libs/kvmesh/transfer libs/kvmesh/routing libs/kvmesh/settings libs/kvmesh/engines
+
 lint: $(DEV)
 	$(VENV)/bin/ruff check libs services app tests docker
+	$(VENV)/bin/mypy $(MYPY_PATHS)
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -16,7 +16,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from kvmesh.engine.eviction import POLICIES
+from kvmesh.contracts.names import Eviction
 from kvmesh.engine.eviction import make_policy as make_eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.routing import CacheAware, Candidate, CostModel, make_policy
@@ -45,7 +45,7 @@ class BlockCache:
         next_use: float = math.inf
         key: int | None = None  # the block id (what a strategy's ghost list of evicted blocks remembers)
 
-    def __init__(self, capacity: int, eviction: str = "lru") -> None:
+    def __init__(self, capacity: int, eviction: Eviction | str = Eviction.LRU) -> None:
         self.capacity = capacity
         self.strategy = make_eviction(eviction, online=False)
         self.items: dict[int, BlockCache.Entry] = {}
@@ -132,7 +132,7 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
     use_pool = policy == "cache_aware"
     pool = BlockCache(pool_blocks if pool_blocks is not None else capacity_blocks * instances, eviction)
     chooser = CacheAware(cost, use_pool=use_pool) if policy.startswith("cache_aware") else make_policy(policy)
-    future = next_uses(trace) if pool.strategy.offline else None
+    future = next_uses(trace) if pool.strategy.name.needs_future else None
     ttfts, served_blocks, total_blocks, computed_tokens = [], 0, 0, 0
     half = len(trace) // 2
     held_served = held_total = 0
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="cache_aware", choices=SIM_POLICIES + ("all",))
     p.add_argument("--capacity-blocks", type=int, default=6000, help="local cache per instance, 512-token blocks")
     p.add_argument("--pool-blocks", type=int, help="global pool capacity (default: instances × capacity)")
-    p.add_argument("--eviction", default="lru", choices=sorted(POLICIES),
+    p.add_argument("--eviction", default="lru", choices=sorted(e.value for e in Eviction),
                    help="eviction strategy of every cache (belady: the offline optimum, for reference)")
     p.add_argument("--max-requests", type=int)
     p.add_argument("--prefill-tok-s", type=float, default=CostModel().prefill_tok_per_s,

@@ -18,7 +18,8 @@ import random
 import time
 from dataclasses import dataclass
 
-from kvmesh.engine.eviction import POLICIES, make_policy
+from kvmesh.contracts.names import Eviction
+from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.eviction_queue import EvictionQueue
 
 from app.bench.trace import load_trace
@@ -27,7 +28,7 @@ from app.sim import simulate
 
 def table(trace_path: str, capacities: list[int], max_requests: int | None = None) -> str:
     trace = load_trace(trace_path, max_requests)
-    names = [n for n in sorted(POLICIES) if n != "belady"] + ["belady"]
+    names = [*Eviction.online(), *(e for e in Eviction if e.needs_future)]
     rows = []
     for name in names:
         cells = []

@@ -1,5 +1,6 @@
 """How prefill hands a request's KV to decode (push the blocks part by part while the engine computes, then
-announce them on ``kv.ready``), and a faulty variant for the fault tests (``fault_*`` worker settings): what a
+announce them on ``kv.ready``), and a faulty variant for the fault tests (``[instance]``'s test-only
+``fault_*`` settings, read as one ``kvmesh.settings.Faults``): what a
 broken network, a stuck or a dying peer does to a hand-off, produced on purpose so the tests can show decode
 never consumes it and never waits forever.
 
@@ -18,6 +19,7 @@ from kvmesh.contracts.ids import BlockKey, TransferId, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.messages import KVReady
 from kvmesh.instance.host import EngineHost
+from kvmesh.settings import Faults
 from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
 from kvmesh.transfer.backends import Backend, Staged
@@ -219,12 +221,11 @@ class FaultyTransferClient(TransferClient):
         return super()._stage(backend, payload, local_host)
 
 
-def make_handoff(cfg: object, announce: Announce) -> Handoff:
-    """The hand-off a worker with settings ``cfg`` uses: faulty only when one of its ``fault_*`` settings asks."""
-    corrupt, stall = getattr(cfg, "fault_corrupt_pushes", 0), getattr(cfg, "fault_stall_pushes", 0)
-    drop, hang = getattr(cfg, "fault_drop_kv_ready", False), getattr(cfg, "fault_hang_after_parts", 0)
-    if corrupt or stall or drop or hang:
-        log.warning("fault injection on: corrupt %d pushes, stall %d, drop kv.ready %s, hang after %d parts",
-                    corrupt, stall, drop, hang)
-        return FaultyHandoff(announce, corrupt, stall, drop, hang)
-    return Handoff(announce)
+def make_handoff(faults: Faults, announce: Announce) -> Handoff:
+    """The hand-off an instance uses: faulty only when ``faults`` (its test-only settings) asks for any."""
+    if not faults.on:
+        return Handoff(announce)
+    log.warning("fault injection on: corrupt %d pushes, stall %d, drop kv.ready %s, hang after %d parts",
+                faults.corrupt_pushes, faults.stall_pushes, faults.drop_kv_ready, faults.hang_after_parts)
+    return FaultyHandoff(announce, faults.corrupt_pushes, faults.stall_pushes, faults.drop_kv_ready,
+                         faults.hang_after_parts)

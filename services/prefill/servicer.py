@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, host: EngineHost) -> None:
         self.w = host
-        self.handoff = make_handoff(host.cfg, announcer(host))  # faulty only when a fault_* setting asks
+        self.handoff = make_handoff(host.cfg.faults, announcer(host))  # faulty only when a test asks
 
     @traced_rpc("prefill.request", rpc="prefill", metrics=lambda self: self.w.metrics,
                 attributes=lambda self, request, context: {

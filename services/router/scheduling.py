@@ -6,6 +6,8 @@ the configured one."""
 
 from __future__ import annotations
 
+from kvmesh.contracts.ids import choices
+from kvmesh.contracts.names import RoutingPolicy
 from kvmesh.routing import POLICIES, CacheAware, Candidate, CostModel, Decision, Policy, make_policy
 
 from services.router.registry import Instance
@@ -28,24 +30,27 @@ def choose_decode(instances: list[Instance]) -> Instance:
     return min(instances, key=lambda i: (i.queue_depth, -i.beat.load.get("free_blocks", 0), i.id))
 
 
+def _unknown(policy: str) -> ValueError:
+    return ValueError(f"unknown routing policy {policy!r}; choose one of {sorted(choices(RoutingPolicy))}")
+
+
 class Policies:
     """One instance of each policy (round robin keeps state), built from the router's settings."""
 
-    def __init__(self, default: str, cost: CostModel, slo_ttft_s: float) -> None:
+    def __init__(self, default: RoutingPolicy | str, cost: CostModel, slo_ttft_s: float) -> None:
         if default not in POLICIES:
-            raise ValueError(f"unknown routing policy {default!r}; choose one of {sorted(POLICIES)}")
-        self.default = default
+            raise _unknown(default)
+        self.default = RoutingPolicy(default)
         self.cost = cost
-        self._policies: dict[str, Policy] = {
-            name: CacheAware(cost, slo_ttft_s=slo_ttft_s) if name == "cache_aware" else make_policy(name)
-            for name in POLICIES}
+        self._policies: dict[RoutingPolicy, Policy] = {name: make_policy(name, cost, slo_ttft_s=slo_ttft_s)
+                                                        for name in POLICIES}
 
     def get(self, name: str | None) -> Policy:
         """The named policy (a request's override) or the default; ValueError names the known ones."""
         if not name:
             return self._policies[self.default]
         if name not in self._policies:
-            raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(self._policies)}")
+            raise _unknown(name)
         return self._policies[name]
 
     def choose(self, name: str | None, instances: list[Instance], matched: dict[str, int], prompt_tokens: int,

@@ -3,7 +3,20 @@
 import itertools
 
 import pytest
-from kvmesh.engine.eviction import LFU, LRU, SLRU, Belady, Duel, Ghost, PriorityLRU, TailFirst, make_policy
+from kvmesh.contracts.names import Eviction
+from kvmesh.engine.eviction import (
+    LFU,
+    LRU,
+    POLICIES,
+    SLRU,
+    Belady,
+    Duel,
+    Ghost,
+    PriorityLRU,
+    TailFirst,
+    make_policy,
+    online_policies,
+)
 from kvmesh.engine.eviction_queue import EvictionQueue
 
 from app.bench.eviction import Block as B
@@ -65,6 +78,16 @@ def test_belady_is_refused_outside_the_simulator():
 
     with pytest.raises(ValueError, match="kvmesh sim"):
         EngineSettings(eviction="belady")
+
+
+def test_the_registry_is_keyed_on_the_contracts_enum_and_takes_its_strings():
+    assert set(POLICIES) == set(Eviction)
+    assert all(type(name) is Eviction and cls.name is name for name, cls in POLICIES.items())
+    assert online_policies() == list(Eviction.online()) and Eviction.BELADY not in online_policies()
+    assert isinstance(make_policy("slru"), SLRU) and isinstance(make_policy(Eviction.SLRU), SLRU)
+    assert isinstance(make_policy("belady", online=False), Belady)
+    with pytest.raises(ValueError, match=r"eviction 'fifo' is unknown; choose one of \['duel', 'ghost', "):
+        make_policy("fifo")
 
 
 def test_queue_skips_ineligible_items_and_forgets_discarded_ones():

@@ -1,6 +1,6 @@
 """The layer rules of DESIGN.md hold, and would bite: import-linter's contracts (pyproject.toml), the contracts
-package's allow-list, and what importing the router and cachesvc loads (none of the engine-only packages their
-images are built without)."""
+package's allow-list, settings as a leaf over the contracts, and what importing the router and cachesvc loads
+(none of the engine-only packages their images are built without)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 import grimp
+import kvmesh
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,8 +57,15 @@ def test_every_import_linter_contract_is_kept() -> None:
     ("libs/kvmesh/client/_leak.py", "from app import launcher\n", "libraries never import services or the application"),
     ("services/decode/_leak.py", "import app\n", "services never import the application"),
     ("libs/kvmesh/contracts/_leak.py", "import numpy\n", "contracts import only"),
+    ("libs/kvmesh/settings/_leak.py", "from kvmesh.engine.eviction import online_policies\n",
+     "settings import only the contracts"),
+    ("libs/kvmesh/settings/_leak.py", "def f():\n    from kvmesh.routing import POLICIES\n",
+     "settings import only the contracts"),
+    ("libs/kvmesh/settings/_leak.py", "from kvmesh.bus.subjects import token\n",
+     "settings import only the contracts"),
 ], ids=["router-via-engine", "cachesvc-lazy-torch", "service-to-service", "prefill-to-decode", "library-to-service",
-        "instance-host-to-servicer", "library-to-app", "service-to-app", "contracts-numpy"])
+        "instance-host-to-servicer", "library-to-app", "service-to-app", "contracts-numpy", "settings-engine",
+        "settings-lazy-routing", "settings-bus"])
 def test_a_forbidden_import_breaks_its_contract(tree_copy: Path, module: str, source: str, contract: str) -> None:
     leak = tree_copy / module
     leak.write_text(source)
@@ -77,6 +85,21 @@ def test_contracts_import_only_the_standard_library_xxhash_and_the_protocol() ->
     allowed = {m for m in imported if m.split(".")[0] in sys.stdlib_module_names or m == "__future__"
                or any(m == a or m.startswith(a + ".") for a in CONTRACTS_MAY_IMPORT)}
     assert imported - allowed == set()
+
+
+def contract(name_start: str) -> dict:
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    return next(c for c in contracts if c["name"].startswith(name_start))
+
+
+def test_the_settings_contract_forbids_every_kvmesh_package_but_the_contracts() -> None:
+    """A package added to kvmesh is forbidden to settings until someone decides otherwise (the protocol is the
+    contracts' own)."""
+    packages = {f"kvmesh.{p.name.removesuffix('.py')}" for p in Path(kvmesh.__path__[0]).iterdir()
+                if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    allowed = {"kvmesh.settings", "kvmesh.contracts", "kvmesh.proto"}
+    assert "kvmesh.engine" in packages and "kvmesh.routing" in packages
+    assert packages - allowed <= set(contract("settings import only")["forbidden_modules"])
 
 
 def engine_only_modules() -> set[str]:

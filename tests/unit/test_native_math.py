@@ -63,10 +63,9 @@ def test_linear_routes_long_steps_to_the_prefill_copy_with_the_same_result():
         assert torch.allclose(lin(x), x @ w.T, atol=1e-4)
 
 
-def test_linear_without_the_kernel_serves_lookups_and_products(monkeypatch):
-    monkeypatch.setattr(native, "load_gemm", lambda: None)
+def test_linear_without_the_kernel_serves_lookups_and_products():
     w = rand(40, 24, seed=9)
-    lin = Linear(w, lookup=True)
+    lin = Linear(w, lookup=True, native_gemm=False)
     assert lin.panels is None
     ids = torch.tensor([1, 39, 7])
     assert torch.equal(lin.rows(ids), w[ids])
@@ -83,19 +82,33 @@ def test_more_than_one_torch_thread_uses_torch_not_the_single_threaded_kernel():
         torch.set_num_threads(threads)
 
 
-def test_greedy_tokens_match_transformers_without_the_kernel(monkeypatch):
-    """The fallback path (no compiler) on a whole model: Hugging Face's greedy tokens."""
-    monkeypatch.setattr(native, "load_gemm", lambda: None)
-    monkeypatch.setattr(native, "load_pointwise", lambda: None)
+def test_greedy_tokens_match_transformers_without_the_kernel():
+    """The fallback path (no compiler, or ``native_gemm`` / ``native_pointwise`` off) on a whole model:
+    Hugging Face's greedy tokens."""
     from kvmesh.contracts.sampling import SamplingParams
 
     cfg = ModelConfig.tiny()
     hf = hf_tiny(cfg)
-    engine = engine_from_hf(hf, cfg)
+    engine = engine_from_hf(hf, cfg, native_gemm=False, native_pointwise=False)
     assert engine.model.layers[0].qkv.panels is None and engine.model.pointwise is None
     prompt = [11, 42, 7, 7, 130, 66, 201]
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
     assert out.token_ids == hf_greedy(hf, prompt, 10)
+
+
+@needs_kernel
+@needs_pointwise
+def test_the_kernel_settings_take_effect_per_engine_in_one_process():
+    """The libraries are built and loaded once per process; each engine's settings decide whether it uses
+    them, in either order."""
+    cfg = ModelConfig.tiny()
+    hf = hf_tiny(cfg)
+    for order in ((True, False), (False, True)):
+        engines = {on: engine_from_hf(hf, cfg, native_gemm=on, native_pointwise=on) for on in order}
+        assert engines[True].model.layers[0].qkv.lib is LIB and engines[True].model.pointwise is POINTWISE
+        assert engines[False].model.layers[0].qkv.lib is None and engines[False].model.pointwise is None
+    only_gemm = engine_from_hf(hf, cfg, native_pointwise=False)
+    assert only_gemm.model.lm_head.lib is LIB and only_gemm.model.pointwise is None
 
 
 @needs_kernel

@@ -1,4 +1,5 @@
-from kvmesh.routing import CacheAware, Candidate, CostModel, LeastLoaded, RoundRobin, make_policy
+from kvmesh.contracts.names import RoutingPolicy
+from kvmesh.routing import POLICIES, CacheAware, Candidate, CostModel, LeastLoaded, RoundRobin, make_policy
 
 COST = CostModel(prefill_tok_per_s=1000.0, prefill_overhead_s=0.0, fetch_gbps=10.0, block_bytes=1_000_000)
 
@@ -44,3 +45,11 @@ def test_unknown_policy_names_the_known_ones():
 
     with pytest.raises(ValueError, match="cache_aware"):
         make_policy("fastest")
+
+
+def test_the_registry_is_keyed_on_the_contracts_enum_and_takes_its_strings():
+    assert set(POLICIES) == set(RoutingPolicy)
+    assert all(type(name) is RoutingPolicy and cls.name is name for name, cls in POLICIES.items())
+    assert isinstance(make_policy("round_robin"), RoundRobin)
+    slo = make_policy(RoutingPolicy.CACHE_AWARE, cost=COST, slo_ttft_s=0.5)
+    assert isinstance(slo, CacheAware) and slo.slo_ttft_s == 0.5

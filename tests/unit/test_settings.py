@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kvmesh import settings
 from kvmesh.contracts.ids import Role, TransferBackend, choices
-from kvmesh.engine.eviction import online_policies
+from kvmesh.contracts.names import DisaggregationMode, Eviction, RoutingPolicy
 from kvmesh.settings import SECTIONS, SettingsError
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -155,6 +155,10 @@ def test_a_file_value_of_the_wrong_type_says_where_it_is(tmp_path):
     ({"KVMESH_NATS_URL": "127.0.0.1:4222"}, "nats_url must look like nats://host:port"),
     ({"KVMESH_TLS_CERT": "/nope.pem"}, "tls_cert and tls_key go together"),
     ({"KVMESH_ROUTER_POLICY": "fastest"}, "policy 'fastest' is not one of"),
+    ({"KVMESH_ROUTER_DISAGGREGATE": "sometimes"}, ("disaggregate 'sometimes' is not one of ['auto', "
+                                                  "'always', 'never'] (from KVMESH_ROUTER_DISAGGREGATE)")),
+    ({"KVMESH_INSTANCE_ROLE": "cachesvc"}, "role 'cachesvc' is not one of ['prefill', 'decode', 'both']"),
+    ({"KVMESH_ENGINE_EVICTION": ""}, "eviction '' is not one of"),
     ({"KVMESH_TELEMETRY_TRACE_SAMPLE_RATIO": "2"}, "trace_sample_ratio must be in [0, 1], not 2.0"),
     ({"KVMESH_INSTANCE_ID": "p 1"}, "id 'p 1' is not a valid NATS subject token"),
 ])
@@ -194,13 +198,64 @@ def test_environment_values_are_typed_and_empty_numbers_mean_unset():
     assert cfg.shared.log_level == "DEBUG"
 
 
-def test_choices_come_from_the_contracts_and_the_eviction_registry():
+def test_choices_come_from_the_contracts_enums():
     assert settings.InstanceSettings.choices_of("role") == tuple(r.value for r in Role.engines())
     assert Role.CACHESVC.value not in settings.InstanceSettings.choices_of("role")
     for cls in (settings.InstanceSettings, settings.CacheServiceSettings):
         assert cls.choices_of("transfer_backend") == choices(TransferBackend)
-    assert list(settings.EngineSettings.choices_of("eviction")) == online_policies()
-    assert list(settings.CacheServiceSettings.choices_of("pool_eviction")) == online_policies()
+    online = tuple(e.value for e in Eviction.online())
+    assert settings.EngineSettings.choices_of("eviction") == online
+    assert settings.CacheServiceSettings.choices_of("pool_eviction") == online
+    assert Eviction.BELADY.value not in settings.EngineSettings.choices_of("eviction")
+    assert settings.RouterSettings.choices_of("policy") == tuple(sorted(choices(RoutingPolicy)))
+    assert settings.RouterSettings.choices_of("disaggregate") == choices(DisaggregationMode)
+
+
+def test_named_choices_load_as_their_enums_and_show_as_their_strings(tmp_path):
+    path = write(tmp_path, '[engine]\neviction = "slru"\n[router]\npolicy = "round_robin"\n')
+    cfg = settings.load(path=path, env={"KVMESH_INSTANCE_ROLE": "decode",
+                                        "KVMESH_ROUTER_DISAGGREGATE": "never",
+                                        "KVMESH_CACHESVC_TRANSFER_BACKEND": "shm"})
+    assert cfg.engine.eviction is Eviction.SLRU and cfg.router.policy is RoutingPolicy.ROUND_ROBIN
+    assert cfg.instance.role is Role.DECODE and cfg.router.disaggregate is DisaggregationMode.NEVER
+    assert cfg.cachesvc.transfer_backend is TransferBackend.SHM and cfg.cachesvc.pool_eviction is Eviction.LRU
+    assert settings.as_env(cfg, kinds=("file", "env"))["KVMESH_ENGINE_EVICTION"] == "slru"
+    assert settings.show(path, env={})["router"]["policy"]["value"] == "round_robin"
+    with pytest.raises(SettingsError, match=re.escape("[engine] eviction = 3: Input should be a valid "
+                                                      "string")):
+        settings.load(path=write(tmp_path, "[engine]\neviction = 3\n"), env={})
+
+
+def test_an_unknown_name_is_listed_with_every_other_problem():
+    with pytest.raises(SettingsError) as e:
+        settings.load(env={"KVMESH_ROUTER_POLICY": "x", "KVMESH_ROUTER_HTTP_PORT": "-1"})
+    assert [p.split()[0] for p in e.value.problems] == ["policy", "http_port"]
+
+
+def test_the_native_kernels_are_engine_settings_and_the_old_switches_name_them():
+    cfg = settings.load(["engine"], env={"KVMESH_ENGINE_NATIVE_GEMM": "0",
+                                         "KVMESH_ENGINE_NATIVE_POINTWISE": "false"})
+    assert (cfg.engine.native_gemm, cfg.engine.native_pointwise) == (False, False)
+    assert (settings.EngineSettings().native_gemm, settings.EngineSettings().native_pointwise) == (True, True)
+    for old in ("KVMESH_NATIVE_GEMM", "KVMESH_NATIVE_POINTWISE"):
+        new = old.replace("KVMESH_", "KVMESH_ENGINE_")
+        with pytest.raises(SettingsError, match=re.escape(f"{old} is no longer read: set {new} (engine)")):
+            settings.load(env={old: "0"})
+
+
+def test_the_fault_knobs_are_marked_test_only_and_read_as_one_value():
+    fault_fields = [f for f in settings.InstanceSettings.model_fields if f.startswith("fault_")]
+    assert fault_fields and all(settings.InstanceSettings.is_test_only(f) for f in fault_fields)
+    assert not any(cls.is_test_only(f) for cls in SECTIONS.values() for f in cls.model_fields
+                   if not f.startswith("fault_"))
+    lines = {line.split("|")[1].strip(" `"): line for line in settings.reference().splitlines()
+             if line.startswith("| `KVMESH_")}
+    assert all("**test only" in lines[settings.InstanceSettings.env_name(f)] for f in fault_fields)
+    assert settings.InstanceSettings().faults == settings.Faults() and not settings.Faults().on
+    cfg = settings.load(["instance"], env={"KVMESH_INSTANCE_FAULT_CORRUPT_PUSHES": "2",
+                                           "KVMESH_INSTANCE_FAULT_DROP_KV_READY": "1"})
+    assert cfg.instance.faults == settings.Faults(drop_kv_ready=True, corrupt_pushes=2)
+    assert cfg.instance.faults.on
 
 
 def test_a_section_built_directly_is_checked_too():

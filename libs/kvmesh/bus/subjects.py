@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_TOKEN = re.compile(r"[^\s.*>]+")          # one NATS subject token: no dots, wildcards or whitespace
-_CLUSTER = re.compile(r"[A-Za-z0-9_-]+")   # also part of a JetStream stream name, so stricter
-
-
-def token(value: str, what: str) -> str:
-    """``value`` if it is usable as one subject token, else a ValueError that names ``what``."""
-    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
-        raise ValueError(f"{what} {value!r} is not a valid NATS subject token: "
-                         "it must be non-empty, without '.', '*', '>' or whitespace")
-    return value
+from kvmesh.contracts.ids import cluster_name
+from kvmesh.contracts.ids import subject_token as token
 
 
 @dataclass(frozen=True)
@@ -22,8 +13,7 @@ class Subjects:
     cluster: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cluster, str) or not _CLUSTER.fullmatch(self.cluster):
-            raise ValueError(f"cluster name {self.cluster!r} is invalid: use only letters, digits, '_' and '-'")
+        cluster_name(self.cluster)
 
     @property
     def prefix(self) -> str:

@@ -7,6 +7,7 @@ strings that configuration files, environment variables and JSON messages carry.
 from __future__ import annotations
 
 import enum
+import re
 from typing import NewType
 
 BlockKey = NewType("BlockKey", int)
@@ -20,6 +21,26 @@ RequestId = NewType("RequestId", str)
 
 InstanceId = NewType("InstanceId", str)
 """One engine instance (or the cache service) in the cluster: the last token of its bus subjects."""
+
+_SUBJECT_TOKEN = re.compile(r"[^\s.*>]+")  # one NATS subject token: no dots, wildcards or whitespace
+_CLUSTER = re.compile(r"[A-Za-z0-9_-]+")    # also part of a JetStream stream name, so stricter
+
+
+def subject_token(value: str, what: str) -> str:
+    """``value`` if it is usable as one bus subject token (an instance id, a role), else a ValueError that
+    names ``what``."""
+    if not isinstance(value, str) or not _SUBJECT_TOKEN.fullmatch(value):
+        raise ValueError(f"{what} {value!r} is not a valid NATS subject token: "
+                         "it must be non-empty, without '.', '*', '>' or whitespace")
+    return value
+
+
+def cluster_name(value: str) -> str:
+    """``value`` if it can name a cluster (the second token of its subjects, part of its stream's name), else
+    a ValueError saying what may be in it."""
+    if not isinstance(value, str) or not _CLUSTER.fullmatch(value):
+        raise ValueError(f"cluster name {value!r} is invalid: use only letters, digits, '_' and '-'")
+    return value
 
 TransferId = NewType("TransferId", str)
 """One push of blocks from a sender to a transfer server."""

@@ -1,10 +1,12 @@
 """Eviction strategies: each is one method returning a sort key; the smallest key is evicted first.
 
-Adding a policy is adding a small class (SGLang's ``get_priority`` idea). The objects being ranked only need the
-attributes of :class:`Evictable`; a cache that cannot see one (cachesvc does not know a block's depth) leaves its
-default. Learned strategies also hear of every hit and eviction (``on_hit`` / ``on_evict``, no-ops elsewhere);
-that feedback is all they train on, so they need no knowledge of the future. ``belady`` is the exception: it
-reads ``next_use``, which only the simulator knows, and live caches refuse it (:func:`make_policy`).
+Adding a policy is adding a small class (SGLang's ``get_priority`` idea) and its name to
+``kvmesh.contracts.names.Eviction``, which the registry here is keyed on and the settings list. The objects
+being ranked only need the attributes of :class:`Evictable`; a cache that cannot see one (cachesvc does not
+know a block's depth) leaves its default. Learned strategies also hear of every hit and eviction (``on_hit`` /
+``on_evict``, no-ops elsewhere); that feedback is all they train on, so they need no knowledge of the future.
+``belady`` is the exception: it reads ``next_use``, which only the simulator knows, and live caches refuse it
+(:func:`make_policy`).
 
 Prefix semantics: a block is only useful while its whole chain in front of it is cached, so every strategy ranks
 a chain's tail before its head on ties, and the caches only evict leaves (the engine's radix tree) or take the
@@ -21,6 +23,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvmesh.contracts.names import Eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
 
 
@@ -36,7 +39,7 @@ class Evictable(Protocol):
 
 
 class EvictionPolicy(Protocol):
-    name: str
+    name: Eviction
 
     def sort_key(self, item: Evictable, now: float) -> tuple: ...
     def on_hit(self, item: Evictable, now: float) -> None: ...
@@ -46,8 +49,7 @@ class EvictionPolicy(Protocol):
 class Policy(ABC):
     """Base of the strategies here: no feedback, online."""
 
-    name = ""
-    offline = False    # needs the future (``next_use``): the simulator only
+    name: Eviction     # ``name.needs_future``: it reads ``next_use``, which only the simulator knows
     dynamic = False    # keys drift as the strategy learns: a queue re-ranks an item before evicting it
     falling = False    # an item's key can fall by itself (``key_drops_at``): a queue ranks it again then
 
@@ -73,14 +75,14 @@ def _depth(item: Evictable) -> int:
 
 
 class LRU(Policy):
-    name = "lru"
+    name = Eviction.LRU
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         return (item.last_access,)
 
 
 class LFU(Policy):
-    name = "lfu"
+    name = Eviction.LFU
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         return (item.hit_count, item.last_access)
@@ -89,7 +91,7 @@ class LFU(Policy):
 class SLRU(Policy):
     """Segmented LRU: blocks hit at least twice sit in the protected segment and go after all probation ones."""
 
-    name = "slru"
+    name = Eviction.SLRU
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         return (item.hit_count >= 2, item.last_access)
@@ -98,7 +100,7 @@ class SLRU(Policy):
 class PriorityLRU(Policy):
     """TensorRT-LLM-style retention priority: a higher priority outlives lower ones until its duration ends."""
 
-    name = "priority"
+    name = Eviction.PRIORITY
     falling = True  # a retention's end lowers the key
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
@@ -113,8 +115,7 @@ class Belady(Policy):
     """The offline optimum (Belady's MIN): evict the block used again farthest in the future, a chain's tail
     before its head on ties. Needs ``next_use`` (``inf`` = never), which only ``kvmesh sim`` can fill in."""
 
-    name = "belady"
-    offline = True
+    name = Eviction.BELADY  # needs_future
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         return (-item.next_use, -_depth(item))  # type: ignore[attr-defined]
@@ -128,7 +129,7 @@ class TailFirst(Policy):
     any other block, and ``1 + sqrt(hits)`` once it has been hit: reuse earns a longer stay but, unlike SLRU's
     protected segment, never a permanent one. Keys are fixed when a block is touched, so a heap ranks them."""
 
-    name = "tailfirst"
+    name = Eviction.TAILFIRST
 
     def __init__(self, smoothing: float = 0.01) -> None:
         self.smoothing = smoothing
@@ -158,7 +159,7 @@ class Ghost(TailFirst):
     reused. Blocks without a ``key`` (cachesvc) are ranked on their hits alone. O(1) per access besides the
     heap; the ghost costs one dict entry per remembered key."""
 
-    name = "ghost"
+    name = Eviction.GHOST
 
     def __init__(self, smoothing: float = 0.01, ghost_blocks: int = 1 << 18, new_stay: float = 0.1) -> None:
         super().__init__(smoothing)
@@ -249,10 +250,10 @@ class Duel(Policy):
     a ``key`` (cachesvc) is not sampled: there it ranks by the baseline. O(1) per access besides the heaps; a
     sampled access also updates both shadows (O(log n))."""
 
-    name = "duel"
+    name = Eviction.DUEL
 
-    def __init__(self, candidate: str = "ghost", baseline: str = "lru", sample_shift: int = 2,
-                 decay: float = 0.9995, margin: float = 0.1) -> None:
+    def __init__(self, candidate: Eviction = Eviction.GHOST, baseline: Eviction = Eviction.LRU,
+                 sample_shift: int = 2, decay: float = 0.9995, margin: float = 0.1) -> None:
         self.experts = (make_policy(candidate), make_policy(baseline))
         self.shadows = (_ShadowCache(make_policy(candidate)), _ShadowCache(make_policy(baseline)))
         self.mask = (1 << sample_shift) - 1
@@ -294,26 +295,27 @@ class Duel(Policy):
         self._full = len(self.sampled)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, TailFirst, Ghost, Duel,
-                                                         Belady)}
+POLICIES: dict[Eviction, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, TailFirst, Ghost,
+                                                              Duel, Belady)}
 
 
-def make_policy(name: str, online: bool = True) -> Policy:
+def make_policy(name: Eviction | str, online: bool = True) -> Policy:
     """A fresh strategy object (learned ones keep state: one object per cache, shared by its tiers).
     ``online``: refuse a strategy that needs the future."""
+    online_names = [e.value for e in Eviction.online()]
     try:
-        cls = POLICIES[name]
-    except KeyError:
-        choices = online_policies() if online else sorted(POLICIES)
+        key = Eviction(name)
+    except ValueError:
+        choices = online_names if online else sorted(e.value for e in Eviction)
         raise ValueError(f"eviction {name!r} is unknown; choose one of {choices}") from None
-    if online and cls.offline:
-        raise ValueError(f"eviction {name!r} needs the future (when each block is used next) and is for "
-                         f"`kvmesh sim` only; choose one of {sorted(n for n, p in POLICIES.items() if not p.offline)}")
-    return cls()
+    if online and key.needs_future:
+        raise ValueError(f"eviction {key.value!r} needs the future (when each block is used next) and is for "
+                         f"`kvmesh sim` only; choose one of {online_names}")
+    return POLICIES[key]()
 
 
-def online_policies() -> list[str]:
-    return sorted(n for n, p in POLICIES.items() if not p.offline)
+def online_policies() -> list[Eviction]:
+    return list(Eviction.online())
 
 
 def now() -> float:

@@ -1,12 +1,13 @@
 """A projection matrix ``W [N, K]`` kept only in the forms the forward pass reads on this device.
 
-CPU, fp32, one torch thread, the C GEMM built (``native.load_gemm``): panels for the kernel, which streams the
-weights once for all the rows of a step (a decode step of 8 rows costs little more than one), plus, for steps
-of more than ``NATIVE_ROWS`` rows (prefill), oneDNN's blocked copy, which is faster there. A matrix loaded from
-a GGUF may instead keep its Q4_1 / Q8_0 blocks for the kernel (``use_quantized``: only when they dequantize to
-exactly its fp32 values; the kernel then computes the same products from a 4-6x smaller stream). CPU fp32
-without the kernel: the oneDNN copy alone. Elsewhere (CUDA, bf16): the dense matrix and ``F.linear``. The dense
-fp32 matrix is not kept beside a packed form; ``rows`` (an embedding lookup) reads the panels.
+CPU, fp32, one torch thread, the C GEMM built (``native.load_gemm``) and wanted (the engine's
+``native_gemm``): panels for the kernel, which streams the weights once for all the rows of a step (a decode
+step of 8 rows costs little more than one), plus, for steps of more than ``NATIVE_ROWS`` rows (prefill),
+oneDNN's blocked copy, which is faster there. A matrix loaded from a GGUF may instead keep its Q4_1 / Q8_0
+blocks for the kernel (``use_quantized``: only when they dequantize to exactly its fp32 values; the kernel
+then computes the same products from a 4-6x smaller stream). CPU fp32 without the kernel: the oneDNN copy
+alone. Elsewhere (CUDA, bf16): the dense matrix and ``F.linear``. The dense fp32 matrix is not kept beside a
+packed form; ``rows`` (an embedding lookup) reads the panels.
 """
 
 from __future__ import annotations
@@ -35,20 +36,22 @@ def _onednn(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _gemm_lib(w: torch.Tensor) -> ctypes.CDLL | None:
+def _gemm_lib(w: torch.Tensor, wanted: bool) -> ctypes.CDLL | None:
     cpu_fp32 = w.device.type == "cpu" and w.dtype == torch.float32
-    return native.load_gemm() if cpu_fp32 and torch.get_num_threads() == 1 else None
+    return native.load_gemm() if wanted and cpu_fp32 and torch.get_num_threads() == 1 else None
 
 
 class Linear:
-    """``y = x @ W.T (+ bias)`` for ``x [M, K]``. ``lookup``: ``rows`` must work (a tied embedding)."""
+    """``y = x @ W.T (+ bias)`` for ``x [M, K]``. ``lookup``: ``rows`` must work (a tied embedding).
+    ``native_gemm``: use the C GEMM where it applies (off: torch's products only)."""
 
-    def __init__(self, w: torch.Tensor, lookup: bool = False, prefill_copy: bool = True) -> None:
+    def __init__(self, w: torch.Tensor, lookup: bool = False, prefill_copy: bool = True,
+                 native_gemm: bool = True) -> None:
         self.out_features, self.in_features = w.shape
         self.lookup = lookup
         self.q: torch.Tensor | None = None  # quantized panels (use_quantized), read instead of ``panels``
         self.q_type, self.q_scratch = 0, None
-        self.lib = _gemm_lib(w)
+        self.lib = _gemm_lib(w, native_gemm)
         self.panels = native.gemm_pack(self.lib, w.contiguous()) if self.lib is not None else None
         cpu_fp32 = w.device.type == "cpu" and w.dtype == torch.float32
         want_onednn = cpu_fp32 and (self.panels is None or prefill_copy)

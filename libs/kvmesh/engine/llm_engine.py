@@ -102,7 +102,8 @@ class LLMEngine:
 
             source = resolve_model(cfg.model)
             self.model_config, self.fingerprint = source.config, source.fingerprint
-            self.model = LlamaModel(source.config, dtype, cfg.device)
+            self.model = LlamaModel(source.config, dtype, cfg.device, native_gemm=cfg.native_gemm,
+                                    native_pointwise=cfg.native_pointwise)
             self.model.load_hf_weights(load_weights(source, dtype))
             # the quantized blocks serve the C kernel only (CPU, fp32, one thread): elsewhere the file is not read again
             if cfg.quantized_weights and source.gguf is not None and self.model.lm_head.lib is not None:
@@ -113,7 +114,8 @@ class LLMEngine:
             self.tokenizer = Tokenizer.from_dir(source.hf_dir)
         else:
             self.model_config, self.fingerprint = model_config, f"random-{seed}-{hash_config(model_config)}"
-            self.model = LlamaModel(model_config, dtype, cfg.device)
+            self.model = LlamaModel(model_config, dtype, cfg.device, native_gemm=cfg.native_gemm,
+                                    native_pointwise=cfg.native_pointwise)
             self.model.init_random(seed)
         mc = self.model_config
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings

@@ -65,9 +65,13 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, native_gemm: bool = True,
+                 native_pointwise: bool = True) -> None:
+        """``native_gemm`` / ``native_pointwise``: use the C kernels where they apply and build (the engine's
+        settings of those names); off, torch's ops."""
         super().__init__()
         self.cfg = cfg
+        self.native_gemm = native_gemm
         self.dtype, self.device = dtype, torch.device(device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, fill=1)
@@ -76,7 +80,8 @@ class LlamaModel(nn.Module):
         self.embed: torch.Tensor | None = None  # dense only when not tied to lm_head (else lm_head.rows)
         self.lm_head: Linear
         # RMSNorm and RoPE in one C call each where the kernel builds (CPU fp32), else torch ops
-        self.pointwise = native.load_pointwise() if self.device.type == "cpu" and dtype == torch.float32 else None
+        cpu_fp32 = self.device.type == "cpu" and dtype == torch.float32
+        self.pointwise = native.load_pointwise() if native_pointwise and cpu_fp32 else None
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -144,7 +149,7 @@ class LlamaModel(nn.Module):
     def _matrix(self, w: torch.Tensor, shape: tuple[int, int], name: str, **kw: bool) -> Linear:
         if tuple(w.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
-        return Linear(w.to(self.device, self.dtype), **kw)
+        return Linear(w.to(self.device, self.dtype), native_gemm=self.native_gemm, **kw)
 
     def _set_embeddings(self, embed: torch.Tensor, head: torch.Tensor | None) -> None:
         """The lm_head only multiplies the sampled rows (at most one per sequence): no prefill copy."""

@@ -2,7 +2,9 @@
 GEMM over panel-packed weights (``gemm.c``) and RMSNorm / rotary embedding (``pointwise.c``). Each is compiled on
 first use with the system C compiler, cached per source, flags and CPU, and loaded through ctypes. ``load()``,
 ``load_gemm()`` and ``load_pointwise()`` return None when it cannot be built (no compiler), and the engine falls
-back to the torch paths."""
+back to the torch paths. Each library is built and loaded once per process; whether an engine uses the GEMM
+and the pointwise kernels is its own setting (``[engine] native_gemm`` / ``native_pointwise``), read where the
+model is built (``LlamaModel``, ``Linear``), so two engines in one process may differ."""
 
 from __future__ import annotations
 
@@ -97,8 +99,6 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 @lru_cache(maxsize=1)
 def load_gemm() -> ctypes.CDLL | None:
-    if os.environ.get("KVMESH_NATIVE_GEMM", "1") == "0":  # A/B switch for benchmarks and the fallback's tests
-        return None
     lib = _compile(GEMM_SOURCE)
     if lib is None:
         return None
@@ -155,8 +155,6 @@ def gemm_q(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, qtype: int, n: in
 
 @lru_cache(maxsize=1)
 def load_pointwise() -> ctypes.CDLL | None:
-    if os.environ.get("KVMESH_NATIVE_POINTWISE", "1") == "0":  # A/B switch, as for the GEMM
-        return None
     lib = _compile(POINTWISE_SOURCE)
     if lib is None:
         return None

@@ -27,7 +27,7 @@ def main(role: str, roles: Sequence[RolePlugin], argv: list[str] | None = None) 
     p = argparse.ArgumentParser(prog=f"kvmesh-{role}")
     _, cfg = settings.parse_args(p, SECTIONS, argv, defaults={"instance": {"role": role}})
     if cfg.instance.role != role:  # --role, KVMESH_INSTANCE_ROLE or the file asked for another
-        p.error(f"role {cfg.instance.role!r} is not served here; run {ENTRY_POINTS[cfg.instance.role]}")
+        p.error(f"role {cfg.instance.role.value!r} is not served here; run {ENTRY_POINTS[cfg.instance.role]}")
     logging.basicConfig(level=cfg.shared.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tls.configure(cfg.shared)
     try:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from kvmesh.contracts.ids import choices
+from kvmesh.contracts.names import DisaggregationMode
 
 
 @dataclass(frozen=True)
@@ -49,24 +51,8 @@ class CostModel:
             fields["lora_load_s"] = lora_s
         return dataclasses.replace(default, **fields) if fields else None
 
-    @classmethod
-    def calibrate(cls, engine, sizes: tuple[int, int] = (64, 512), fetch_gbps: float = 1.0) -> CostModel:
-        """Fit the prefill line on ``engine`` (an LLMEngine) with two cold prompts."""
-        from kvmesh.contracts.sampling import SamplingParams
 
-        times = []
-        for n in sizes:
-            engine.blocks.evict(engine.blocks.num_cached_blocks)
-            prompt = [(i * 7919) % 30000 + 100 for i in range(n)]
-            t0 = time.perf_counter()
-            engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-            times.append(time.perf_counter() - t0)
-        slope = (times[1] - times[0]) / (sizes[1] - sizes[0])
-        overhead = max(0.0, times[0] - slope * sizes[0])
-        return cls(1.0 / max(slope, 1e-9), overhead, fetch_gbps, engine.layout.block_nbytes, calibrated=True)
-
-
-DISAGGREGATE_MODES = ("auto", "always", "never")
+DISAGGREGATE_MODES = choices(DisaggregationMode)
 
 
 class Disaggregation(NamedTuple):
@@ -76,9 +62,9 @@ class Disaggregation(NamedTuple):
     local_s: float = 0.0  # estimated TTFT with decode computing the rest itself
 
 
-def disaggregation(mode: str, prompt_tokens: int, block_size: int, prefill_hit_blocks: int,
-                   decode_hit_blocks: int, prefill: CostModel, decode: CostModel, decode_running: int = 0,
-                   hop_s: float = 0.02) -> Disaggregation:
+def disaggregation(mode: DisaggregationMode | str, prompt_tokens: int, block_size: int,
+                   prefill_hit_blocks: int, decode_hit_blocks: int, prefill: CostModel, decode: CostModel,
+                   decode_running: int = 0, hop_s: float = 0.02) -> Disaggregation:
     """Whether a request goes prefill → decode (PD) or decode computes what it lacks itself.
 
     PD: prefill computes the tokens it does not hold, then pushes the blocks decode lacks (``fetch_s`` of them)
@@ -96,9 +82,9 @@ def disaggregation(mode: str, prompt_tokens: int, block_size: int, prefill_hit_b
             + decode.fetch_s(-(-prompt_tokens // block_size) - decode_hit_blocks) + hop_s)
     lacks = prompt_tokens - covered(decode_hit_blocks)
     local_s = decode.prefill_s(lacks) * (1 + max(0, decode_running))
-    if mode == "always":
+    if mode == DisaggregationMode.ALWAYS:
         return Disaggregation(True, "pd: forced (disaggregate=always)", pd_s, local_s)
-    if mode == "never":
+    if mode == DisaggregationMode.NEVER:
         return Disaggregation(False, "local: forced (disaggregate=never)", pd_s, local_s)
     if decode_hit_blocks * block_size * 2 < prompt_tokens:
         return Disaggregation(True, f"pd: decode holds {decode_hit_blocks} of {-(-prompt_tokens // block_size)} "

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvmesh.contracts.names import RoutingPolicy
 from kvmesh.routing.cost import CostModel
 
 
@@ -42,43 +43,46 @@ class Decision:
 
 
 class Policy(Protocol):
-    name: str
+    name: RoutingPolicy
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
                pool_blocks: int = 0) -> Decision: ...
 
 
 class RoundRobin:
-    name = "round_robin"
+    name = RoutingPolicy.ROUND_ROBIN
 
     def __init__(self) -> None:
         self._next = itertools.count()
 
-    def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
+    def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
+               pool_blocks: int = 0) -> Decision:
         ordered = sorted(candidates, key=lambda c: c.id)
         return Decision(ordered[next(self._next) % len(ordered)], reason="round robin")
 
 
 class RandomChoice:
-    name = "random"
+    name = RoutingPolicy.RANDOM
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
+    def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
+               pool_blocks: int = 0) -> Decision:
         return Decision(self._rng.choice(sorted(candidates, key=lambda c: c.id)), reason="random")
 
 
 class LeastLoaded:
-    name = "least_loaded"
+    name = RoutingPolicy.LEAST_LOADED
 
-    def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
+    def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
+               pool_blocks: int = 0) -> Decision:
         best = min(candidates, key=lambda c: (c.queued_tokens, c.running, c.id))
         return Decision(best, {c.id: float(c.queued_tokens) for c in candidates}, "least queued tokens")
 
 
 class CacheAware:
-    name = "cache_aware"
+    name = RoutingPolicy.CACHE_AWARE
 
     def __init__(self, cost: CostModel | None = None, use_pool: bool = True, slo_ttft_s: float = 0.0,
                  imbalance_abs_tokens: int = 4096, imbalance_rel: float = 4.0) -> None:
@@ -96,7 +100,8 @@ class CacheAware:
         return (cost.prefill_s(c.queued_tokens) + cost.prefill_s(prompt_tokens - hit) + cost.fetch_s(fetched)
                 + (cost.lora_load_s if c.lora_missing else 0.0))
 
-    def choose(self, candidates, prompt_tokens, block_size, pool_blocks=0) -> Decision:
+    def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
+               pool_blocks: int = 0) -> Decision:
         scores = {c.id: self.estimate(c, prompt_tokens, block_size, pool_blocks) for c in candidates}
         loads = [c.queued_tokens for c in candidates]
         if max(loads) - min(loads) > self.imbalance_abs_tokens and max(loads) > self.imbalance_rel * max(1, min(loads)):
@@ -121,12 +126,18 @@ class CacheAware:
         return "prefill tok/s: " + ", ".join(parts)
 
 
-POLICIES = {p.name: p for p in (RoundRobin, RandomChoice, LeastLoaded, CacheAware)}
+POLICIES: dict[RoutingPolicy, type[Policy]] = {p.name: p for p in (RoundRobin, RandomChoice, LeastLoaded,
+                                                                   CacheAware)}
 
 
-def make_policy(name: str, **kwargs) -> Policy:
+def make_policy(name: RoutingPolicy | str, cost: CostModel | None = None, use_pool: bool = True,
+                slo_ttft_s: float = 0.0) -> Policy:
+    """A fresh policy; the others are :class:`CacheAware`'s (the other policies take none)."""
     try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(**kwargs) if cls is CacheAware else cls()
+        key = RoutingPolicy(name)
+    except ValueError:
+        known = sorted(p.value for p in POLICIES)
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {known}") from None
+    if key is RoutingPolicy.CACHE_AWARE:
+        return CacheAware(cost, use_pool, slo_ttft_s)
+    return POLICIES[key]()

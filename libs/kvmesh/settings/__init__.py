@@ -39,6 +39,7 @@ from kvmesh.settings.sections import (
     SECTIONS,
     CacheServiceSettings,
     EngineSettings,
+    Faults,
     InstanceSettings,
     Problem,
     RouterSettings,
@@ -50,8 +51,8 @@ from kvmesh.settings.sections import (
 
 __all__ = [
     "ENTRY_POINT_SECTIONS", "NOT_SETTINGS", "RENAMED", "SECTIONS", "CacheServiceSettings", "EngineSettings",
-    "FlagValues", "InstanceSettings", "Problem", "RouterSettings", "Section", "Settings", "SettingsError",
-    "SharedSettings", "Source", "TelemetrySettings", "add_flags", "as_env", "check_environment",
-    "entry_point_defaults", "env_names", "env_value", "flag_name", "flag_overrides", "load", "load_entry_point",
-    "masked", "parse_api_keys", "parse_args", "read_file", "reference", "show",
+    "Faults", "FlagValues", "InstanceSettings", "Problem", "RouterSettings", "Section", "Settings",
+    "SettingsError", "SharedSettings", "Source", "TelemetrySettings", "add_flags", "as_env",
+    "check_environment", "entry_point_defaults", "env_names", "env_value", "flag_name", "flag_overrides",
+    "load", "load_entry_point", "masked", "parse_api_keys", "parse_args", "read_file", "reference", "show",
 ]

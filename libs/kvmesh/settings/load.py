@@ -32,8 +32,11 @@ from kvmesh.settings.sections import (
 MASK = "***"
 
 # The flat names read before sections had their own, and what replaced each (a name that set several
-# sections' fields now has one variable per section). Frozen history: do not add to it.
+# sections' fields now has one variable per section), plus the kernel switches the engine read from the
+# environment before they were [engine] settings. Frozen history: do not add to it.
 RENAMED: dict[str, tuple[str, ...]] = {
+    "KVMESH_NATIVE_GEMM": ("KVMESH_ENGINE_NATIVE_GEMM",),
+    "KVMESH_NATIVE_POINTWISE": ("KVMESH_ENGINE_NATIVE_POINTWISE",),
     **{f"KVMESH_{f.upper()}": (f"KVMESH_ENGINE_{f.upper()}",) for f in (
         "device", "dtype", "threads", "attention", "kv_cache_mb", "num_blocks", "kv_dtype", "host_cache_mb",
         "enable_prefix_caching", "max_batched_tokens", "max_num_seqs", "max_model_len")},
@@ -133,7 +136,7 @@ class _EnvSource(EnvSettingsSource):
 
 
 def _is_text(cls: type[Section], field: str) -> bool:
-    return cls.model_fields[field].annotation in (str, str | None)
+    return cls.model_fields[field].annotation in (str, str | None) or cls.enum_of(field) is not None
 
 
 def _from_env(cls: type[Section], env: Mapping[str, str]) -> dict[str, Any]:
@@ -144,8 +147,11 @@ def _from_env(cls: type[Section], env: Mapping[str, str]) -> dict[str, Any]:
 
 @functools.cache
 def _strict(cls: type[Section], field: str) -> TypeAdapter[Any]:
-    info = cls.model_fields[field]
-    return TypeAdapter(info.annotation if not info.metadata else info.rebuild_annotation())
+    """What a file's value for ``field`` must be: its type (for an enum: a string, whose choice the section
+    checks)."""
+    if cls.enum_of(field) is not None:
+        return TypeAdapter(str)
+    return TypeAdapter(cls.model_fields[field].rebuild_annotation())
 
 
 def read_file(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -301,7 +307,7 @@ def add_flags(parser: argparse.ArgumentParser, sections: Iterable[str], *, prefi
     its description as help and its choices; unset, a flag changes nothing. ``skip``: ``section.field`` names
     the entry point handles itself. Read them back with :func:`flag_overrides`."""
     names = ["shared", *(s for s in sections if s != "shared")]
-    skipped, seen = set(skip), {}
+    skipped, seen = set(skip), dict[str, str]()
     for section in names:
         cls = SECTIONS[section]
         group = parser.add_argument_group(f"[{section}] settings", (cls.__doc__ or "").strip().splitlines()[0])
@@ -313,14 +319,17 @@ def add_flags(parser: argparse.ArgumentParser, sections: Iterable[str], *, prefi
                 raise ValueError(f"{flag} would set both {seen[flag]} and {section}.{field}: pass prefixed=True "
                                  "or skip one")
             seen[flag] = f"{section}.{field}"
-            help_ = f"{info.description} [{cls.env_name(field)}; default {_shown_default(info.default)}]"
+            test_only = "test only: " if cls.is_test_only(field) else ""
+            default = _shown_default(info.default)
+            help_ = f"{test_only}{info.description} [{cls.env_name(field)}; default {default}]"
             kwargs: dict[str, Any] = {"dest": f"{section}__{field}", "default": argparse.SUPPRESS,
                                       "help": help_.replace("%", "%%")}
             if info.annotation is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = info.annotation if info.annotation in (int, float) else str
-                kwargs["metavar"] = {int: "N", float: "X"}.get(info.annotation, "TEXT")
+                number = {int: "N", float: "X"}
+                kind = info.annotation if info.annotation in number else str
+                kwargs["type"], kwargs["metavar"] = kind, number.get(kind, "TEXT")
                 if cls.choices_of(field):
                     kwargs["choices"] = list(cls.choices_of(field))
                     kwargs.pop("metavar")
@@ -355,7 +364,7 @@ def parse_args(parser: argparse.ArgumentParser, sections: Iterable[str], argv: l
     return args, loaded
 
 
-def env_value(value: Any) -> str:
+def env_value(value: object) -> str:
     """``value`` as its environment variable spells it (what :func:`load` reads back to the same value)."""
     if value is None:
         return ""
@@ -377,7 +386,7 @@ def as_env(loaded: Settings, kinds: Iterable[str] = ("file", "flag")) -> dict[st
     return out
 
 
-def _shown_default(value: Any) -> str:
+def _shown_default(value: object) -> str:
     if value is None or value == "":
         return '""'
     if isinstance(value, bool):
@@ -388,7 +397,7 @@ def _shown_default(value: Any) -> str:
 # ---- config show and the reference
 
 
-def masked(cls: type[Section], field: str, value: Any) -> Any:
+def masked(cls: type[Section], field: str, value: object) -> object:
     """``value`` safe to print: a secret as ``***``, a URL's password likewise (``nats://user:***@host``)."""
     if not cls.is_secret(field) or not value:
         return value
@@ -436,7 +445,8 @@ def reference() -> str:
         lines += [f"## [{name}]", "", (cls.__doc__ or "").strip(), "",
                   "| variable | key | flag | default | meaning |", "|---|---|---|---|---|"]
         for field, info in cls.model_fields.items():
-            meaning = info.description or ""
+            meaning = ("**test only, never set in production.** " if cls.is_test_only(field) else "") \
+                + (info.description or "")
             if cls.choices_of(field):
                 meaning += "; one of " + ", ".join(f"`{c}`" if c else '`""`' for c in cls.choices_of(field))
             if cls.is_secret(field):
@@ -445,7 +455,8 @@ def reference() -> str:
                          f"`{_shown_default(info.default)}` | {meaning.replace('|', '/')} |")
         lines.append("")
     lines += ["## Renamed variables", "",
-              "The flat names read before the sections had their own stop a service with their replacement:", "",
+              ("Names read before the sections had their own (the flat names, the engine's kernel switches) "
+               "stop a service with their replacement:"), "",
               "| old | now |", "|---|---|"]
     lines += [f"| `{old}` | {', '.join(f'`{n}`' for n in new)} |" for old, new in sorted(RENAMED.items())]
     lines += ["", "Not settings (never read by a service): "

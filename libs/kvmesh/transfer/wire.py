@@ -120,9 +120,14 @@ async def recv_scatter(sock: socket.socket, views: list[memoryview], still_open:
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     """Until ``sock`` has bytes to read (or is closed)."""
-    ready = loop.create_future()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
     fd = sock.fileno()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    loop.add_reader(fd, wake)
     try:
         await ready
     finally:
