@@ -22,6 +22,7 @@ from services.router.access import Admission, Tenants
 from services.router.core import Router
 from services.router.grpc_api import KvmeshServicer, add_to_server
 from services.router.http_api import OpenAIApi
+from services.router.intake import Intake
 
 SECTIONS = settings.ENTRY_POINT_SECTIONS["router"]
 log = logging.getLogger("router")
@@ -41,9 +42,10 @@ async def serve(cfg: RouterSettings, telemetry_cfg: TelemetrySettings | None = N
     http = f"http://{cfg.host}:{http_sock.getsockname()[1]}"  # the port bound (0: any free one)
     router = Router(cfg, shared)
     await router.start()
-    add_to_server(KvmeshServicer(router, tenants, admission), grpc_server.server, cfg.max_body_bytes)
+    intake = Intake(router, tenants, admission)
+    add_to_server(KvmeshServicer(router, intake), grpc_server.server, cfg.max_body_bytes)
     await grpc_server.start()
-    runner = web.AppRunner(OpenAIApi(router, tenants, admission).app, access_log=None)
+    runner = web.AppRunner(OpenAIApi(router, intake).app, access_log=None)
     await runner.setup()
     await web.SockSite(runner, http_sock).start()
     await grpc_server.set_serving(True)

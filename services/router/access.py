@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvmesh.settings import RouterSettings, parse_api_keys
 
-from services.router.core import RequestError
+from services.router.errors import ErrorKind, RequestError, invalid
 
 RETRY_AFTER_S = 1
 
@@ -62,13 +62,17 @@ class Tenants:
     def authenticate(self, headers: Mapping[str, str]) -> str:
         """The caller's tenant from ``authorization: Bearer <key>`` or ``x-api-key``; 401 when keys are on and
         none of them is given."""
-        given = headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
-        tenant = self.tenant(given)
+        tenant = self.tenant(given_key(headers))
         if tenant is None:
-            raise RequestError("unauthenticated", "missing or wrong API key: send 'Authorization: Bearer "
-                                                  "<key>' or 'x-api-key: <key>' (HTTP header or gRPC "
-                                                  "metadata)")
+            raise RequestError(ErrorKind.UNAUTHENTICATED, "missing or wrong API key: send 'Authorization: Bearer "
+                                                          "<key>' or 'x-api-key: <key>' (HTTP header or gRPC "
+                                                          "metadata)")
         return tenant
+
+
+def given_key(headers: Mapping[str, str]) -> str:
+    """The key a call carries: ``x-api-key``, else ``authorization: Bearer <key>`` (or a bare key)."""
+    return headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
 
 
 def _bearer(value: str) -> str:
@@ -79,7 +83,7 @@ def _bearer(value: str) -> str:
 def cache_salt(tenant: str, requested: str) -> str:
     """The salt that enters the request's block keys: the tenant's namespace, within it the request's own."""
     if "\x00" in requested:
-        raise RequestError("invalid", "cache_salt may not contain NUL characters")
+        raise invalid("cache_salt may not contain NUL characters")
     return f"{tenant}\x00{requested}" if tenant else requested
 
 
@@ -100,13 +104,13 @@ class Admission:
     def enter(self, tenant: str) -> Callable[[], None]:
         """Count one request in; returns the (idempotent) call that counts it out."""
         if self.total >= self.max_total:
-            raise RequestError("overloaded", f"the router is at its limit of {self.max_total} requests in "
-                                             f"flight; retry after {RETRY_AFTER_S} s")
+            raise RequestError(ErrorKind.OVERLOADED, f"the router is at its limit of {self.max_total} requests "
+                                                     f"in flight; retry after {RETRY_AFTER_S} s")
         held = self.per_tenant.get(tenant, 0)
         if self.max_per_tenant and held >= self.max_per_tenant:
-            raise RequestError("overloaded", f"tenant {tenant or '(none)'} is at its limit of "
-                                             f"{self.max_per_tenant} requests in flight; retry after "
-                                             f"{RETRY_AFTER_S} s")
+            raise RequestError(ErrorKind.OVERLOADED, f"tenant {tenant or '(none)'} is at its limit of "
+                                                     f"{self.max_per_tenant} requests in flight; retry after "
+                                                     f"{RETRY_AFTER_S} s")
         self.total += 1
         self.per_tenant[tenant] = held + 1
         done = False

@@ -28,10 +28,10 @@ from kvmesh.settings import EngineSettings, InstanceSettings, RouterSettings, Sh
 
 from services.decode.servicer import ROLE as DECODE
 from services.prefill.servicer import ROLE as PREFILL
-from services.router.access import Admission, Tenants
 from services.router.core import Router
 from services.router.grpc_api import KvmeshServicer, add_to_server
 from services.router.http_api import OpenAIApi
+from services.router.intake import Intake
 
 CONTEXT = ModelConfig.tiny().max_position_embeddings  # 512
 HI = [{"role": "user", "content": "Hi"}]
@@ -98,13 +98,13 @@ class TinyMesh:
             await w.start()
         self.router = Router(self.cfg, self.shared)
         await self.router.start()
-        self.tenants, self.admission = Tenants.from_config(self.cfg), Admission.from_config(self.cfg)
+        self.intake = Intake(self.router)
+        self.admission = self.intake.admission
         self.grpc = ServiceServer(["kvmesh.v1.Kvmesh"])
-        add_to_server(KvmeshServicer(self.router, self.tenants, self.admission), self.grpc.server,
-                      self.cfg.max_body_bytes)
+        add_to_server(KvmeshServicer(self.router, self.intake), self.grpc.server, self.cfg.max_body_bytes)
         self.grpc_target = self.grpc.bind("127.0.0.1", 0)
         await self.grpc.start()
-        self.runner = web.AppRunner(OpenAIApi(self.router, self.tenants, self.admission).app, access_log=None)
+        self.runner = web.AppRunner(OpenAIApi(self.router, self.intake).app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
@@ -428,3 +428,4 @@ def test_finished_and_failed_requests_leave_no_slot_behind(mesh, stub):
         list(stub.Generate(api_pb2.GenerateRequest(text="Hi", sampling=sampling(max_tokens=2)), timeout=30))
         grpc_error(lambda: stub.Chat(api_pb2.ChatRequest(messages=msgs(" ")), timeout=30))
     assert wait_until(lambda: mesh.admission.total == 0 and not mesh.admission.per_tenant)
+
