@@ -1,5 +1,6 @@
 """Who may call the router and how many calls it takes at once: API keys → tenants, the tenant's cache salt,
-and the in-flight caps (global and per tenant) that refuse at once with 429 instead of queueing.
+the in-flight caps (global and per tenant) that refuse at once with 429 instead of queueing, and the admin key
+of the operations that change what the router serves.
 
 A tenant's salt is ``tenant NUL cache_salt``; a request's own ``cache_salt`` may not contain NUL, so no
 request can name another tenant's namespace, and a request without a tenant keeps its plain ``cache_salt``.
@@ -42,6 +43,9 @@ class Tenants:
             if cfg.api_key in keys:
                 raise ValueError("api_key is also in api_keys: give each key one tenant (or none)")
             keys[cfg.api_key] = ""
+        if cfg.admin_key and cfg.admin_key in keys:
+            raise ValueError("admin_key is also a tenant key (api_key, api_keys or api_keys_file): give the admin "
+                             "a key of its own")
         return cls(keys)
 
     @property
@@ -68,6 +72,34 @@ class Tenants:
                                                           "<key>' or 'x-api-key: <key>' (HTTP header or gRPC "
                                                           "metadata)")
         return tenant
+
+
+class AdminKey:
+    """The key of the operations that change what the router serves (LoRA adapter load and unload): not a
+    tenant key, and off (every such call refused) unless configured. Every refusal reads the same whatever the
+    call asked for, so a caller without the key learns nothing about what exists."""
+
+    def __init__(self, key: str) -> None:
+        self._key = key.encode()
+
+    @classmethod
+    def from_config(cls, cfg: RouterSettings) -> AdminKey:
+        return cls(cfg.admin_key)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._key)
+
+    def authorize(self, headers: Mapping[str, str]) -> None:
+        """Pass a call that carries the admin key; FORBIDDEN when none is configured, UNAUTHENTICATED when the
+        call's key is missing or another one."""
+        if not self._key:
+            raise RequestError(ErrorKind.FORBIDDEN, "admin operations (LoRA adapter load/unload) are off: the "
+                                                    "operator turns them on with the router's admin_key "
+                                                    "(KVMESH_ROUTER_ADMIN_KEY)")
+        if not hmac.compare_digest(self._key, given_key(headers).strip().encode("utf-8", "replace")):
+            raise RequestError(ErrorKind.UNAUTHENTICATED, "missing or wrong admin key: send 'Authorization: "
+                                                          "Bearer <admin key>' or 'x-api-key: <admin key>'")
 
 
 def given_key(headers: Mapping[str, str]) -> str:

@@ -64,7 +64,7 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.metrics = RouterMetrics()
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
-        self.loras = Adapters(lambda: self.registry, self._channel)
+        self.loras = Adapters(lambda: self.registry, self._channel, cfg.lora_root)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -15,6 +15,7 @@ import grpc
 class ErrorKind(StrEnum):
     INVALID = "invalid"
     UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
     TOO_LARGE = "too_large"
     OVERLOADED = "overloaded"
@@ -47,7 +48,11 @@ STATUS: dict[ErrorKind, Status] = {
     ErrorKind.INVALID: Status(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
                               "the request is malformed or asks for what the model cannot serve"),
     ErrorKind.UNAUTHENTICATED: Status(401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error",
-                                      "keys are on and none of them was sent"),
+                                      "keys are on and none of them was sent (an admin operation: not the "
+                                      "admin key)"),
+    ErrorKind.FORBIDDEN: Status(403, grpc.StatusCode.PERMISSION_DENIED, "permission_error",
+                                "an admin operation while no `admin_key` is configured; a runtime LoRA load "
+                                "while no `lora_root` is"),
     ErrorKind.NOT_FOUND: Status(404, grpc.StatusCode.NOT_FOUND, "not_found_error",
                                 "the model or LoRA adapter named is not served here"),
     ErrorKind.TOO_LARGE: Status(413, grpc.StatusCode.RESOURCE_EXHAUSTED, "invalid_request_error",

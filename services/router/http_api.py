@@ -19,7 +19,7 @@ from typing import NamedTuple
 from aiohttp import web
 
 from services.router import openai_body
-from services.router.access import RETRY_AFTER_S
+from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Call, Draft, Intake, new_request_id, valid_request_id
@@ -92,11 +92,12 @@ class Body:
 
 
 class OpenAIApi:
-    def __init__(self, router: Router, intake: Intake | None = None) -> None:
-        """``intake`` is shared with the gRPC API (the caps count both); by default it comes from the router's
-        settings."""
+    def __init__(self, router: Router, intake: Intake | None = None, admin: AdminKey | None = None) -> None:
+        """``intake`` is shared with the gRPC API (the caps count both); by default it, and the ``admin`` key,
+        come from the router's settings."""
         self.router = router
         self.intake = intake or Intake(router)
+        self.admin = admin or AdminKey.from_config(router.cfg)
         self.app = web.Application(client_max_size=router.cfg.max_body_bytes, middlewares=[json_errors])
         self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -229,10 +230,12 @@ class OpenAIApi:
                  for name, (_, path) in r.loras.served().items()]
         return web.json_response({"object": "list", "data": [base, *loras]})
 
-    async def _lora_call(self, request: web.Request, operation) -> web.Response:
-        """vLLM's runtime LoRA API: 200 with a plain-text "Success: ..." or an OpenAI JSON error."""
+    async def _admin(self, request: web.Request, operation) -> web.Response:
+        """An admin operation (vLLM's runtime LoRA API): the admin key first, the body only then, so a caller
+        without the key gets the same answer whatever the body names. 200 with a plain-text "Success: ..." or
+        an OpenAI JSON error."""
         try:
-            self.intake.tenants.authenticate(request.headers)
+            self.admin.authorize(request.headers)
             return web.Response(text=await operation(await read_body(request)))
         except RequestError as e:
             return error_response(e, {"x-request-id": new_request_id()})
@@ -243,7 +246,7 @@ class OpenAIApi:
             raise invalid("lora_name is required")
         path = openai_body.str_field(body, "lora_path")
         if not path:
-            raise invalid("lora_path is required: a PEFT adapter directory")
+            raise invalid("lora_path is required: a PEFT adapter directory under the router's lora_root")
         await self.router.loras.load(name, path, inplace=openai_body.bool_field(body, "load_inplace"))
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -255,10 +258,10 @@ class OpenAIApi:
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     async def load_lora(self, request: web.Request) -> web.Response:
-        return await self._lora_call(request, self._load)
+        return await self._admin(request, self._load)
 
     async def unload_lora(self, request: web.Request) -> web.Response:
-        return await self._lora_call(request, self._unload)
+        return await self._admin(request, self._unload)
 
     async def health(self, request: web.Request) -> web.Response:
         roles = {i.beat.role for i in self.router.registry.alive()}

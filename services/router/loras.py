@@ -1,15 +1,18 @@
 """LoRA adapters across the mesh, as the router sees them: which instance holds which adapter (name,
 generation, path) from heartbeats and from the replies to its own load/unload calls; the generation a request's
-block keys use; loading and unloading on every engine instance (vLLM's /v1/load_lora_adapter semantics); and
-loading an adapter on an instance that a request was routed to but that lacks it."""
+block keys use; loading and unloading on every engine instance (vLLM's /v1/load_lora_adapter semantics), from
+adapter folders under ``lora_root`` only; and loading an adapter on an instance that a request was routed to but
+that lacks it (from the path its holders use)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
@@ -26,10 +29,26 @@ def held(inst: Instance) -> dict[str, tuple[str, str]]:
     return {name: (gen, path) for name, gen, path in inst.beat.loras}
 
 
+def under_root(path: str, root: str) -> str:
+    """``path`` (absolute, or relative to ``root``) when it names a folder inside ``root``, ``..`` and symbolic
+    links resolved; else the error says why. An empty ``root`` refuses every path."""
+    if not root:
+        raise RequestError(ErrorKind.FORBIDDEN, "runtime LoRA loads are off: set the router's lora_root "
+                                                "(KVMESH_ROUTER_LORA_ROOT) to the folder adapters may be loaded from")
+    joined = os.path.normpath(os.path.join(root, path))
+    if not (Path(joined).is_relative_to(os.path.normpath(root))
+            and Path(os.path.realpath(joined)).is_relative_to(os.path.realpath(root))):
+        raise invalid(f"lora_path {path!r} is outside lora_root {root!r}: load adapters from folders under it")
+    return joined
+
+
 class Adapters:
-    def __init__(self, registry: Callable[[], Registry], channel: Callable[[str], grpc.aio.Channel]) -> None:
+    def __init__(self, registry: Callable[[], Registry], channel: Callable[[str], grpc.aio.Channel],
+                 root: str = "") -> None:
+        """``root``: the folder runtime loads (``load``) may read from ("" = none may)."""
         self._registry = registry
         self._channel = channel
+        self.root = root
 
     def engines(self) -> list[Instance]:
         return [i for i in self._registry().alive() if i.beat.role.is_engine]
@@ -75,10 +94,11 @@ class Adapters:
         return reply
 
     async def load(self, name: str, path: str, inplace: bool = False) -> list[str]:
-        """Load ``name`` from ``path`` on every engine instance; the instance ids. A bad adapter is refused
-        (invalid, what to fix) and the instances keep serving what they served."""
+        """Load ``name`` from ``path`` (under ``root``) on every engine instance; the instance ids. A bad adapter
+        is refused (invalid, what to fix) and the instances keep serving what they served."""
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise invalid("lora_name and lora_path are required strings")
+        path = under_root(path, self.root)
         engines = self.engines()
         if not engines:
             raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up to load the adapter on")

@@ -429,3 +429,22 @@ def test_finished_and_failed_requests_leave_no_slot_behind(mesh, stub):
         grpc_error(lambda: stub.Chat(api_pb2.ChatRequest(messages=msgs(" ")), timeout=30))
     assert wait_until(lambda: mesh.admission.total == 0 and not mesh.admission.per_tenant)
 
+
+# ---- admin operations ----------------------------------------------------------------------------------------
+
+def test_without_an_admin_key_configured_adapter_load_and_unload_are_refused_alike(mesh, model_dir, tmp_path):
+    """The default: no admin_key, so no call loads or unloads an adapter, and the answer is the same whether
+    the path exists or not (it names nothing the caller sent)."""
+    calls = [("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(model_dir)}),   # exists
+             ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(tmp_path / "none")}),
+             ("/v1/load_lora_adapter", b"not json"),
+             ("/v1/unload_lora_adapter", {"lora_name": "a"})]
+    answers = set()
+    for path, body in calls:
+        for headers in ({}, {"authorization": "Bearer anything"}):
+            status, got, _ = mesh.post(path, body, headers)
+            answers.add((status, got["error"]["type"], got["error"]["message"]))
+    assert len(answers) == 1, answers
+    status, error_type, message = answers.pop()
+    assert status == 403 and error_type == "permission_error" and "admin_key" in message
+    still_serves(mesh)
