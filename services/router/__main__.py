@@ -18,10 +18,11 @@ from kvmesh.ready import EXIT_BIND, PortInUse, binding, report_failure, report_r
 from kvmesh.settings import RouterSettings, SharedSettings, TelemetrySettings
 from kvmesh.telemetry import tracing
 
-from services.router.access import Admission, Tenants
+from services.router.access import AdminKey, Admission, Tenants
 from services.router.core import Router
 from services.router.grpc_api import KvmeshServicer, add_to_server
 from services.router.http_api import OpenAIApi
+from services.router.intake import Intake
 
 SECTIONS = settings.ENTRY_POINT_SECTIONS["router"]
 log = logging.getLogger("router")
@@ -41,14 +42,17 @@ async def serve(cfg: RouterSettings, telemetry_cfg: TelemetrySettings | None = N
     http = f"http://{cfg.host}:{http_sock.getsockname()[1]}"  # the port bound (0: any free one)
     router = Router(cfg, shared)
     await router.start()
-    add_to_server(KvmeshServicer(router, tenants, admission), grpc_server.server, cfg.max_body_bytes)
+    intake = Intake(router, tenants, admission)
+    add_to_server(KvmeshServicer(router, intake), grpc_server.server, cfg.max_body_bytes)
     await grpc_server.start()
-    runner = web.AppRunner(OpenAIApi(router, tenants, admission).app, access_log=None)
+    admin = AdminKey.from_config(cfg)
+    runner = web.AppRunner(OpenAIApi(router, intake, admin).app, access_log=None)
     await runner.setup()
     await web.SockSite(runner, http_sock).start()
     await grpc_server.set_serving(True)
-    log.info("router serving gRPC on %s and HTTP on %s (metrics on %s/metrics); API keys %s, at most %d "
-             "requests in flight", grpc_address, http, http, "required" if tenants.required else "off",
+    log.info("router serving gRPC on %s and HTTP on %s (metrics on %s/metrics); API keys %s, admin operations "
+             "%s, at most %d requests in flight", grpc_address, http, http,
+             "required" if tenants.required else "off", "on" if admin.enabled else "off",
              cfg.max_concurrent_requests)
     report_ready("router", {"grpc": grpc_address, "http": http, "metrics": f"{http}/metrics"}, shared.ready_file)
     stop = asyncio.Event()

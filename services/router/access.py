@@ -1,5 +1,6 @@
 """Who may call the router and how many calls it takes at once: API keys → tenants, the tenant's cache salt,
-and the in-flight caps (global and per tenant) that refuse at once with 429 instead of queueing.
+the in-flight caps (global and per tenant) that refuse at once with 429 instead of queueing, and the admin key
+of the operations that change what the router serves.
 
 A tenant's salt is ``tenant NUL cache_salt``; a request's own ``cache_salt`` may not contain NUL, so no
 request can name another tenant's namespace, and a request without a tenant keeps its plain ``cache_salt``.
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from kvmesh.settings import RouterSettings, parse_api_keys
 
-from services.router.core import RequestError
+from services.router.errors import ErrorKind, RequestError, invalid
 
 RETRY_AFTER_S = 1
 
@@ -42,6 +43,9 @@ class Tenants:
             if cfg.api_key in keys:
                 raise ValueError("api_key is also in api_keys: give each key one tenant (or none)")
             keys[cfg.api_key] = ""
+        if cfg.admin_key and cfg.admin_key in keys:
+            raise ValueError("admin_key is also a tenant key (api_key, api_keys or api_keys_file): give the admin "
+                             "a key of its own")
         return cls(keys)
 
     @property
@@ -62,13 +66,45 @@ class Tenants:
     def authenticate(self, headers: Mapping[str, str]) -> str:
         """The caller's tenant from ``authorization: Bearer <key>`` or ``x-api-key``; 401 when keys are on and
         none of them is given."""
-        given = headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
-        tenant = self.tenant(given)
+        tenant = self.tenant(given_key(headers))
         if tenant is None:
-            raise RequestError("unauthenticated", "missing or wrong API key: send 'Authorization: Bearer "
-                                                  "<key>' or 'x-api-key: <key>' (HTTP header or gRPC "
-                                                  "metadata)")
+            raise RequestError(ErrorKind.UNAUTHENTICATED, "missing or wrong API key: send 'Authorization: Bearer "
+                                                          "<key>' or 'x-api-key: <key>' (HTTP header or gRPC "
+                                                          "metadata)")
         return tenant
+
+
+class AdminKey:
+    """The key of the operations that change what the router serves (LoRA adapter load and unload): not a
+    tenant key, and off (every such call refused) unless configured. Every refusal reads the same whatever the
+    call asked for, so a caller without the key learns nothing about what exists."""
+
+    def __init__(self, key: str) -> None:
+        self._key = key.encode()
+
+    @classmethod
+    def from_config(cls, cfg: RouterSettings) -> AdminKey:
+        return cls(cfg.admin_key)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._key)
+
+    def authorize(self, headers: Mapping[str, str]) -> None:
+        """Pass a call that carries the admin key; FORBIDDEN when none is configured, UNAUTHENTICATED when the
+        call's key is missing or another one."""
+        if not self._key:
+            raise RequestError(ErrorKind.FORBIDDEN, "admin operations (LoRA adapter load/unload) are off: the "
+                                                    "operator turns them on with the router's admin_key "
+                                                    "(KVMESH_ROUTER_ADMIN_KEY)")
+        if not hmac.compare_digest(self._key, given_key(headers).strip().encode("utf-8", "replace")):
+            raise RequestError(ErrorKind.UNAUTHENTICATED, "missing or wrong admin key: send 'Authorization: "
+                                                          "Bearer <admin key>' or 'x-api-key: <admin key>'")
+
+
+def given_key(headers: Mapping[str, str]) -> str:
+    """The key a call carries: ``x-api-key``, else ``authorization: Bearer <key>`` (or a bare key)."""
+    return headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
 
 
 def _bearer(value: str) -> str:
@@ -79,7 +115,7 @@ def _bearer(value: str) -> str:
 def cache_salt(tenant: str, requested: str) -> str:
     """The salt that enters the request's block keys: the tenant's namespace, within it the request's own."""
     if "\x00" in requested:
-        raise RequestError("invalid", "cache_salt may not contain NUL characters")
+        raise invalid("cache_salt may not contain NUL characters")
     return f"{tenant}\x00{requested}" if tenant else requested
 
 
@@ -100,13 +136,13 @@ class Admission:
     def enter(self, tenant: str) -> Callable[[], None]:
         """Count one request in; returns the (idempotent) call that counts it out."""
         if self.total >= self.max_total:
-            raise RequestError("overloaded", f"the router is at its limit of {self.max_total} requests in "
-                                             f"flight; retry after {RETRY_AFTER_S} s")
+            raise RequestError(ErrorKind.OVERLOADED, f"the router is at its limit of {self.max_total} requests "
+                                                     f"in flight; retry after {RETRY_AFTER_S} s")
         held = self.per_tenant.get(tenant, 0)
         if self.max_per_tenant and held >= self.max_per_tenant:
-            raise RequestError("overloaded", f"tenant {tenant or '(none)'} is at its limit of "
-                                             f"{self.max_per_tenant} requests in flight; retry after "
-                                             f"{RETRY_AFTER_S} s")
+            raise RequestError(ErrorKind.OVERLOADED, f"tenant {tenant or '(none)'} is at its limit of "
+                                                     f"{self.max_per_tenant} requests in flight; retry after "
+                                                     f"{RETRY_AFTER_S} s")
         self.total += 1
         self.per_tenant[tenant] = held + 1
         done = False

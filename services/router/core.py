@@ -1,14 +1,14 @@
-"""The router's request path: prompt → block keys → MatchPrefix → pick instances → Decode (+ Prefill) → chunks.
+"""The router's request path: an admitted request (``intake``) → block keys → MatchPrefix → pick instances →
+Decode (+ Prefill) → chunks.
 
-Both client surfaces (gRPC and OpenAI HTTP) call ``Router.generate``; errors come out as ``RequestError`` with
-a kind each surface maps to its status code.
+Both client surfaces (gRPC and OpenAI HTTP) call ``Router.generate`` with what ``Intake.admit`` admitted; errors
+come out as ``RequestError`` (``errors``), whose kind each surface maps to its status code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,17 +18,19 @@ from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady
-from kvmesh.contracts.sampling import SamplingParams, sampling_to_proto
+from kvmesh.contracts.sampling import sampling_to_proto
 from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
-from kvmesh.routing.cost import DISAGGREGATE_MODES, disaggregation
+from kvmesh.routing.cost import disaggregation
 from kvmesh.settings import RouterSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from services.router.loras import Adapters, LoRAError
+from services.router.errors import ErrorKind, RequestError, invalid
+from services.router.intake import Admitted
+from services.router.loras import Adapters
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, choose_decode
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
@@ -36,18 +38,6 @@ from services.router.telemetry import RequestTrace, RouterMetrics, route_attribu
 log = logging.getLogger(__name__)
 POOL = "pool"  # MatchPrefix's instance id for the cache service's own tiers
 RETRIES = 2    # re-dispatches of a request whose instance was unreachable before its first token
-
-
-class RequestError(Exception):
-    """``kind``: invalid | unauthenticated | not_found | unavailable | overloaded | internal. ``instance``: the
-    engine instance that failed; ``retryable``: it could not be reached, so another one may serve the request."""
-
-    def __init__(self, kind: str, message: str, instance: str = "", retryable: bool = False) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.instance = instance
-        self.retryable = retryable
 
 
 @dataclass
@@ -66,10 +56,6 @@ class Chunk:
     usage: Usage | None = None
 
 
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
 class Router:
     def __init__(self, cfg: RouterSettings, shared: SharedSettings | None = None) -> None:
         self.cfg = cfg
@@ -78,7 +64,7 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.metrics = RouterMetrics()
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
-        self.loras = Adapters(lambda: self.registry, self._channel)
+        self.loras = Adapters(lambda: self.registry, self._channel, cfg.lora_root)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -107,80 +93,6 @@ class Router:
             self._channels[address] = tls.aio_channel(address, [("grpc.max_receive_message_length", 64 * 2**20)])
         return self._channels[address]
 
-    # ---- prompts ---------------------------------------------------------------------------------------------
-    def prompt_ids(self, *, text: str | None = None, token_ids: list[int] | None = None,
-                   messages: list[dict] | None = None) -> list[int]:
-        """The prompt's token ids; RequestError('invalid') names the field to fix."""
-        if messages is not None:
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("invalid", "messages must be a non-empty list of {role, content} objects")
-            chat = []
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                    raise RequestError("invalid", f"messages[{i}] needs a role: system, user, assistant or tool")
-                content = m.get("content")
-                if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                                     and isinstance(p.get("text"), str) for p in content):
-                    content = "".join(p["text"] for p in content)  # OpenAI's text content parts
-                if not isinstance(content, str):
-                    raise RequestError("invalid", f"messages[{i}].content must be a string (or a list of "
-                                                  "{type: text, text} parts)")
-                chat.append({"role": m["role"], "content": content})
-            if not any(m["content"].strip() for m in chat):
-                raise RequestError("invalid", f"messages[{len(chat) - 1}].content is blank: every message is "
-                                              "empty or whitespace; give the model some text")
-            return self.tokenizer.apply_chat_template(chat)
-        if token_ids is not None:
-            vocab = self.source.config.vocab_size
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-                raise RequestError("invalid", f"prompt token ids must be integers in [0, {vocab})")
-            return list(token_ids)
-        if text is not None:
-            if not text.strip():
-                raise RequestError("invalid", "the prompt is blank (empty or whitespace): give the model some text")
-            return self.tokenizer.encode(text)
-        raise RequestError("invalid", "a prompt is required (text, token ids or messages)")
-
-    def check(self, model: str, prompt: list[int], params: SamplingParams) -> str:
-        """Refuse what the engines cannot serve, before anything is routed (RequestError says what to change).
-        Returns the LoRA adapter ``model`` names ("" for the base model)."""
-        if not isinstance(model, str):
-            raise RequestError("invalid", "model must be a string")
-        lora = ""
-        if model and model != self.model_id:
-            served = self.loras.served()
-            if model not in served:
-                names = ", ".join(repr(n) for n in served) or "none"
-                raise RequestError("not_found", f"model {model!r} is not served here; this router serves "
-                                                f"{self.model_id!r} and the LoRA adapters {names}")
-            lora = model
-        if not prompt:
-            raise RequestError("invalid", "the prompt is empty")
-        ctx, vocab = self.max_model_len, self.source.config.vocab_size
-        if len(prompt) >= ctx:
-            raise RequestError("invalid", f"the prompt has {len(prompt)} tokens, but the context of this model is "
-                                          f"{ctx} tokens (prompt + max_tokens): shorten the prompt")
-        if len(prompt) + params.max_tokens > ctx:
-            raise RequestError("invalid", f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
-                                          f"exceeds the context of {ctx} tokens: set max_tokens to at most "
-                                          f"{ctx - len(prompt)}")
-        if not 0 <= params.temperature < float("inf"):
-            raise RequestError("invalid", f"temperature must be a finite number >= 0, not {params.temperature}")
-        if params.top_k > vocab:
-            raise RequestError("invalid", f"top_k ({params.top_k}) exceeds the vocabulary ({vocab} tokens); "
-                                          "0 turns top-k off")
-        if params.seed is not None and not 0 <= params.seed < 2**64:
-            raise RequestError("invalid", "seed must be an integer in [0, 2^64)")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise RequestError("invalid", f"stop_token_ids must be token ids in [0, {vocab})")
-        if any(not s for s in params.stop):
-            raise RequestError("invalid", "stop strings must not be empty")
-        if params.structured is not None:  # gRPC's sampling oneof (HTTP's fields were checked as parsed)
-            from services.router.structured import check_structured
-
-            check_structured(params.structured, f"sampling.{params.structured.kind}")
-        return lora
-
     # ---- routing ---------------------------------------------------------------------------------------------
     async def matched_blocks(self, keys: list[int], parent: Span | None = None,
                              attrs: dict | None = None) -> dict[str, int]:
@@ -208,12 +120,6 @@ class Router:
         span.end()
         return best
 
-    def check_policy(self, name: str | None) -> None:
-        try:
-            self.policies.get(name)
-        except ValueError as e:
-            raise RequestError("invalid", str(e)) from None
-
     def _choose(self, policy: str | None, role: str, instances: list[Instance], matched: dict[str, int],
                 prompt: list[int], route: Span, lora: str = "") -> Instance:
         missing = {i.id for i in instances if not self.loras.holds(i, lora)}
@@ -225,51 +131,17 @@ class Router:
                                   f"kvmesh.route.{role}.estimates": [f"{k}={v:.3f}" for k, v in decision.scores.items()],
                                   f"kvmesh.route.{role}.reason": decision.reason})
         if inst is None:
-            raise RequestError("overloaded", decision.reason)
+            raise RequestError(ErrorKind.OVERLOADED, decision.reason)
         return inst
 
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 cache_salt: str = "", trace: RequestTrace | None = None,
-                 policy: str | None = None, lora: str = "",
-                 disaggregate: str | None = None) -> AsyncIterator[Chunk]:
-        """Route and run one request, yielding its chunks. ``trace``: the request's root span and TTFT clock,
-        which the API layer owns (without one, the request is traced here, TTFT ending at the first chunk).
-        ``policy``: a per-request routing policy (else the configured one). ``lora``: the adapter to run under
-        ("" = the base model). ``disaggregate``: always | never | auto, per request (HTTP header / gRPC metadata
-        ``x-kvmesh-disaggregate``; else the configured one)."""
-        self.check_policy(policy)
-        if disaggregate is not None and disaggregate not in DISAGGREGATE_MODES:
-            raise RequestError("invalid", f"x-kvmesh-disaggregate must be one of {', '.join(DISAGGREGATE_MODES)}, "
-                                          f"not {disaggregate!r}")
-        if trace is not None:
-            return self._generate(request_id, prompt, params, cache_salt, trace, policy, lora, disaggregate)
-        return self._traced_here(request_id, prompt, params, cache_salt, policy, lora, disaggregate)
-
-    async def _traced_here(self, request_id: str, prompt: list[int], params: SamplingParams,
-                           cache_salt: str, policy: str | None, lora: str = "",
-                           disaggregate: str | None = None) -> AsyncIterator[Chunk]:
-        rt = RequestTrace(self.metrics, request_id, "internal")
-        try:
-            async for chunk in self._generate(request_id, prompt, params, cache_salt, rt, policy, lora,
-                                              disaggregate):
-                rt.first_token_sent()
-                yield chunk
-        except RequestError as e:
-            rt.finish(e.kind, e.message)
-            raise
-        finally:
-            rt.finish()
-
-    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str,
-                        rt: RequestTrace, policy: str | None = None, lora: str = "",
-                        disaggregate: str | None = None) -> AsyncIterator[Chunk]:
-        """Route, dispatch and stream. An instance found unreachable before the first token costs a retry on
-        another one (at most ``RETRIES``), never the request; after the first token, the error goes out."""
-        try:  # the engines' namespace for this adapter: name@generation (the generation the instances hold)
-            lora_id = self.loras.lora_id(lora) if lora else ""
-        except LoRAError as e:
-            raise RequestError(e.kind, e.message) from None
-        seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, lora_id, cache_salt).seed
+    async def generate(self, request: Admitted, rt: RequestTrace) -> AsyncIterator[Chunk]:
+        """Route, dispatch and stream one admitted request. ``rt``: its root span and TTFT clock, which the API
+        layer owns. An instance found unreachable before the first token costs a retry on another one (at most
+        ``RETRIES``), never the request; after the first token, the error goes out."""
+        request_id, prompt, lora, policy = request.request_id, request.prompt, request.lora, request.policy
+        # the engines' namespace for this adapter: name@generation (the generation the instances hold)
+        lora_id = self.loras.lora_id(lora) if lora else ""
+        seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, lora_id, request.cache_salt).seed
         keys = block_keys(seed, prompt, self.cfg.block_size)
         matched: dict[str, int] | None = None
         avoid: set[str] = set()
@@ -282,15 +154,16 @@ class Router:
                 route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
                 work = worker_pb2.WorkRequest(
                     request_id=request_id if attempt == 0 else f"{request_id}.retry{attempt}",
-                    prompt_token_ids=prompt, sampling=sampling_to_proto(params), cache_salt=cache_salt,
-                    pool_blocks=matched.get(POOL, 0), lora_name=lora)
-                stream = self._route(work, matched, rt, policy, route, avoid, disaggregate or self.cfg.disaggregate)
+                    prompt_token_ids=prompt, sampling=sampling_to_proto(request.sampling),
+                    cache_salt=request.cache_salt, pool_blocks=matched.get(POOL, 0), lora_name=lora)
+                stream = self._route(work, matched, rt, policy, route, avoid,
+                                     request.disaggregate or self.cfg.disaggregate)
                 if stream is None:
                     if failure is not None:  # nowhere else to go: the error of the last attempt stands
                         raise failure
                     route.set_status(StatusCode.ERROR, "no engine instances are up")
-                    raise RequestError("unavailable", "no engine instances are up (need a prefill and a decode "
-                                                      "instance, or one with role both)")
+                    raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up (need a prefill and a "
+                                                              "decode instance, or one with role both)")
             finally:
                 route.end()
             completion, started = 0, False
@@ -305,7 +178,7 @@ class Router:
                     yield chunk
                 return
             except RequestError as e:
-                if e.kind == "internal":
+                if e.kind == ErrorKind.INTERNAL:
                     log.error("request %s (trace %s): %s", request_id, rt.trace_id, e.message)
                 if started or not e.retryable or attempt == RETRIES:
                     raise
@@ -356,10 +229,7 @@ class Router:
         """The request's adapter on each chosen instance (loaded there when missing: priced in routing)."""
         for inst in instances:
             if work.lora_name:
-                try:
-                    await self.loras.ensure(inst, work.lora_name)
-                except LoRAError as e:
-                    raise RequestError(e.kind, e.message, inst.id, retryable=e.kind == "unavailable") from None
+                await self.loras.ensure(inst, work.lora_name)
 
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = ""):
         await self._ensure_lora(work, inst)
@@ -488,15 +358,16 @@ async def _chunks(call, inst: Instance, request_id: str):
             first = False
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise RequestError("invalid", e.details() or "invalid request") from None
+            raise invalid(e.details() or "invalid request") from None
         if e.code() == grpc.StatusCode.CANCELLED:
             raise
         if e.code() == grpc.StatusCode.INTERNAL:
             details = e.details() or "no details"
             if request_id not in details:
                 details = f"request {request_id}: {details}"
-            raise RequestError("internal", f"internal error on instance {inst.id}: {details}", inst.id) from None
-        raise RequestError("unavailable", f"instance {inst.id} failed: {e.code().name}: {e.details()}",
+            raise RequestError(ErrorKind.INTERNAL, f"internal error on instance {inst.id}: {details}",
+                               inst.id) from None
+        raise RequestError(ErrorKind.UNAVAILABLE, f"instance {inst.id} failed: {e.code().name}: {e.details()}",
                            inst.id, retryable=e.code() == grpc.StatusCode.UNAVAILABLE) from None
     finally:
         call.cancel()

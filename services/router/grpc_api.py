@@ -10,136 +10,90 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 
-from services.router.access import RETRY_AFTER_S, Admission, Tenants, cache_salt
-from services.router.core import RequestError, Router, new_request_id
+from services.router.access import RETRY_AFTER_S
+from services.router.core import Router
+from services.router.errors import ErrorKind, RequestError, invalid
+from services.router.intake import Call, Draft, Intake
 from services.router.telemetry import RequestTrace
-
-STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
-          "unavailable": grpc.StatusCode.UNAVAILABLE, "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-          "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED, "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-          "internal": grpc.StatusCode.INTERNAL}
-
-
-@dataclass
-class BadRequest:
-    """What the deserializer hands the servicer instead of a request it could not accept."""
-
-    kind: str
-    message: str
 
 
 class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
-    def __init__(self, router: Router, tenants: Tenants | None = None,
-                 admission: Admission | None = None) -> None:
-        """``tenants`` and ``admission``: shared with the HTTP API (default: from the router's settings)."""
+    def __init__(self, router: Router, intake: Intake | None = None) -> None:
+        """``intake``: shared with the HTTP API, and so are its caps (default: from the router's settings)."""
         self.router = router
-        self.tenants = tenants or Tenants.from_config(router.cfg)
-        self.admission = admission or Admission.from_config(router.cfg)
+        self.intake = intake or Intake(router)
 
-    async def _prepare(self, request, context, api: str, *, text=None, token_ids=None, messages=None):
-        """The request id, prompt, sampling, cache salt, trace and admission release of a call (aborts the
-        call when it is not acceptable)."""
+    @staticmethod
+    def _call(request: Message | RequestError, context, api: str) -> Call:
         metadata = dict(context.invocation_metadata() or ())
-        bad = request if isinstance(request, BadRequest) else None
-        given = "" if bad else request.request_id
-        if given and (len(given) > 128 or not given.isascii() or not given.isprintable()):
-            bad = BadRequest("invalid", "request_id must be printable ASCII of at most 128 characters")
-        rid = (None if bad else given) or new_request_id()  # it goes out in metadata: never a bad one
-        rt = RequestTrace(self.router.metrics, rid, api, metadata)
-        context.set_trailing_metadata(tuple(rt.headers(rid).items()))
-        leave: Callable[[], None] | None = None
-        try:
-            tenant = self.tenants.authenticate(metadata)
-            if bad:
-                raise RequestError(bad.kind, bad.message)
-            leave = self.admission.enter(tenant)
-            with rt.segment("router.tokenize") as span:
-                try:
-                    params = sampling_from_proto(request.sampling)
-                except ValueError as e:
-                    raise RequestError("invalid", f"sampling: {e}") from None
-                prompt = self.router.prompt_ids(text=text, token_ids=token_ids, messages=messages)
-                lora = self.router.check(request.model, prompt, params)
-                span.set_attribute("kvmesh.tokens.prompt", len(prompt))
-            salt = cache_salt(tenant, request.cache_salt)
-        except RequestError as e:
-            if leave is not None:
-                leave()
-            await self._abort(context, rt, rid, e)
-        rt.describe(request.model or self.router.model_id, tenant or request.cache_salt, len(prompt))
-        return rid, prompt, params, salt, rt, leave, lora
+        if isinstance(request, RequestError):
+            return Call(api, metadata, refused=request)
+        return Call(api, metadata, request.request_id)
 
-    async def _abort(self, context, rt: RequestTrace, rid: str, e: RequestError) -> None:
+    async def _abort(self, context, rt: RequestTrace, e: RequestError) -> None:
         rt.finish(e.kind, e.message)
-        trailer = tuple(rt.headers(rid).items())
-        if e.kind == "overloaded":
+        trailer = tuple(rt.headers().items())
+        if e.kind == ErrorKind.OVERLOADED:
             trailer += (("retry-after", str(RETRY_AFTER_S)),)
-        await context.abort(STATUS[e.kind], e.message, trailing_metadata=trailer)
+        await context.abort(e.kind.grpc, e.message, trailing_metadata=trailer)
 
-    async def Generate(self, request: api_pb2.GenerateRequest, context):
-        which = None if isinstance(request, BadRequest) else request.WhichOneof("prompt")
-        kwargs = {"text": request.text} if which == "text" else \
-            {"token_ids": list(request.token_ids.ids)} if which == "token_ids" else \
-            {"messages": [{"role": m.role, "content": m.content} for m in request.messages.messages]} \
-            if which == "messages" else {}
-        rid, prompt, params, salt, rt, leave, lora = await self._prepare(request, context, "grpc.generate",
-                                                                         **kwargs)
+    async def Generate(self, request: api_pb2.GenerateRequest | RequestError, context):
+        call = self._call(request, context, "grpc.generate")
+        rt = self.intake.trace(call)
+        context.set_trailing_metadata(tuple(rt.headers().items()))
         try:
-            async for c in self.router.generate(rid, prompt, params, salt, trace=rt, policy=_policy(context),
-                                                lora=lora, disaggregate=_disaggregate(context)):
-                msg = api_pb2.GenerateChunk(request_id=rid, token_ids=c.token_ids, text=c.text,
-                                            finished=c.finished, finish_reason=c.finish_reason)
-                if c.usage:
-                    msg.usage.CopyFrom(common_pb2.Usage(**vars(c.usage)))
-                yield msg
-                rt.first_token_sent()  # resumed once the message was handed to the transport
+            async with self.intake.admit(call, rt, lambda: _draft(request, call)) as req:
+                async for c in self.router.generate(req, rt):
+                    msg = api_pb2.GenerateChunk(request_id=req.request_id, token_ids=c.token_ids, text=c.text,
+                                                finished=c.finished, finish_reason=c.finish_reason)
+                    if c.usage:
+                        msg.usage.CopyFrom(common_pb2.Usage(**vars(c.usage)))
+                    yield msg
+                    rt.first_token_sent()  # resumed once the message was handed to the transport
         except RequestError as e:
-            await self._abort(context, rt, rid, e)
+            await self._abort(context, rt, e)
         except asyncio.CancelledError:
-            rt.finish("cancelled", "the client went away")
+            rt.finish(ErrorKind.CANCELLED, "the client went away")
             raise
         finally:
             rt.finish()
-            leave()
 
-    async def Chat(self, request: api_pb2.ChatRequest, context):
-        messages = [] if isinstance(request, BadRequest) else \
-            [{"role": m.role, "content": m.content} for m in request.messages]
-        rid, prompt, params, salt, rt, leave, lora = await self._prepare(request, context, "grpc.chat",
-                                                                         messages=messages)
+    async def Chat(self, request: api_pb2.ChatRequest | RequestError, context):
+        call = self._call(request, context, "grpc.chat")
+        rt = self.intake.trace(call)
+        context.set_trailing_metadata(tuple(rt.headers().items()))
         text, ids, reason, usage = [], [], "", None
         try:
-            async for c in self.router.generate(rid, prompt, params, salt, trace=rt, policy=_policy(context),
-                                                lora=lora, disaggregate=_disaggregate(context)):
-                rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
-                text.append(c.text)
-                ids += c.token_ids
-                reason, usage = c.finish_reason or reason, c.usage or usage
+            async with self.intake.admit(call, rt, lambda: _draft(request, call)) as req:
+                async for c in self.router.generate(req, rt):
+                    rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
+                    text.append(c.text)
+                    ids += c.token_ids
+                    reason, usage = c.finish_reason or reason, c.usage or usage
         except RequestError as e:
-            await self._abort(context, rt, rid, e)
+            await self._abort(context, rt, e)
         except asyncio.CancelledError:
-            rt.finish("cancelled", "the client went away")
+            rt.finish(ErrorKind.CANCELLED, "the client went away")
             raise
         finally:
             rt.finish()
-            leave()
-        resp = api_pb2.ChatResponse(request_id=rid, text="".join(text), token_ids=ids, finish_reason=reason)
+        resp = api_pb2.ChatResponse(request_id=rt.request_id, text="".join(text), token_ids=ids,
+                                    finish_reason=reason)
         if usage:
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))
         return resp
 
     async def ListModels(self, request, context):
         try:
-            self.tenants.authenticate(dict(context.invocation_metadata() or ()))
+            self.intake.tenants.authenticate(dict(context.invocation_metadata() or ()))
         except RequestError as e:
-            await context.abort(STATUS[e.kind], e.message)
+            await context.abort(e.kind.grpc, e.message)
         r = self.router
         return api_pb2.ListModelsResponse(models=[api_pb2.Model(id=r.model_id, fingerprint=r.source.fingerprint,
                                                                 max_model_len=r.max_model_len)] + [
@@ -178,24 +132,38 @@ def add_to_server(servicer: KvmeshServicer, server: grpc.aio.Server, max_request
     server.add_registered_method_handlers("kvmesh.v1.Kvmesh", handlers)
 
 
-def _parser(message: type[Message], max_bytes: int) -> Callable[[bytes], Message | BadRequest]:
-    def parse(data: bytes) -> Message | BadRequest:
+def _parser(message: type[Message], max_bytes: int) -> Callable[[bytes], Message | RequestError]:
+    def parse(data: bytes) -> Message | RequestError:
         if len(data) > max_bytes:
-            return BadRequest("too_large", f"the request is {len(data)} bytes, over the limit of {max_bytes} "
-                                           "(max_body_bytes): send a shorter prompt")
+            return RequestError(ErrorKind.TOO_LARGE, f"the request is {len(data)} bytes, over the limit of "
+                                                     f"{max_bytes} (max_body_bytes): send a shorter prompt")
         try:
             return message.FromString(data)
         except DecodeError as e:
-            return BadRequest("invalid", f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}")
+            return invalid(f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}")
 
     return parse
 
 
-def _disaggregate(context) -> str | None:
-    """A per-request PD choice (always | never | auto) from the ``x-kvmesh-disaggregate`` metadata key."""
-    return dict(context.invocation_metadata() or ()).get("x-kvmesh-disaggregate")
+async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: Call) -> Draft:
+    """A ``Generate`` (text, token ids or messages) or ``Chat`` request as the intake's input; the routing
+    overrides come from the metadata keys ``x-kvmesh-policy`` and ``x-kvmesh-disaggregate``."""
+    try:
+        sampling = sampling_from_proto(request.sampling)
+    except ValueError as e:
+        raise invalid(f"sampling: {e}") from None
+    if isinstance(request, api_pb2.ChatRequest):
+        prompt = {"messages": _messages(request.messages)}
+    else:
+        which = request.WhichOneof("prompt")
+        prompt = {"text": request.text} if which == "text" else \
+            {"token_ids": tuple(request.token_ids.ids)} if which == "token_ids" else \
+            {"messages": _messages(request.messages.messages)} if which == "messages" else {}
+    structured = sampling.structured
+    return Draft(sampling, **prompt, model=request.model, cache_salt=request.cache_salt,
+                 structured_field=f"sampling.{structured.kind}" if structured else "",
+                 policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"))
 
 
-def _policy(context) -> str | None:
-    """A per-request routing policy from the ``x-kvmesh-policy`` metadata key."""
-    return dict(context.invocation_metadata() or ()).get("x-kvmesh-policy")
+def _messages(messages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]

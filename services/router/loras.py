@@ -1,31 +1,27 @@
 """LoRA adapters across the mesh, as the router sees them: which instance holds which adapter (name,
 generation, path) from heartbeats and from the replies to its own load/unload calls; the generation a request's
-block keys use; loading and unloading on every engine instance (vLLM's /v1/load_lora_adapter semantics); and
-loading an adapter on an instance that a request was routed to but that lacks it."""
+block keys use; loading and unloading on every engine instance (vLLM's /v1/load_lora_adapter semantics), from
+adapter folders under ``lora_root`` only; and loading an adapter on an instance that a request was routed to but
+that lacks it (from the path its holders use)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 
+from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.registry import Instance, Registry
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 60.0
-
-
-class LoRAError(Exception):
-    """``kind`` as ``RequestError``'s: invalid (a bad adapter: what to fix), not_found, unavailable."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind, self.message = kind, message
 
 
 def held(inst: Instance) -> dict[str, tuple[str, str]]:
@@ -33,10 +29,26 @@ def held(inst: Instance) -> dict[str, tuple[str, str]]:
     return {name: (gen, path) for name, gen, path in inst.beat.loras}
 
 
+def under_root(path: str, root: str) -> str:
+    """``path`` (absolute, or relative to ``root``) when it names a folder inside ``root``, ``..`` and symbolic
+    links resolved; else the error says why. An empty ``root`` refuses every path."""
+    if not root:
+        raise RequestError(ErrorKind.FORBIDDEN, "runtime LoRA loads are off: set the router's lora_root "
+                                                "(KVMESH_ROUTER_LORA_ROOT) to the folder adapters may be loaded from")
+    joined = os.path.normpath(os.path.join(root, path))
+    if not (Path(joined).is_relative_to(os.path.normpath(root))
+            and Path(os.path.realpath(joined)).is_relative_to(os.path.realpath(root))):
+        raise invalid(f"lora_path {path!r} is outside lora_root {root!r}: load adapters from folders under it")
+    return joined
+
+
 class Adapters:
-    def __init__(self, registry: Callable[[], Registry], channel: Callable[[str], grpc.aio.Channel]) -> None:
+    def __init__(self, registry: Callable[[], Registry], channel: Callable[[str], grpc.aio.Channel],
+                 root: str = "") -> None:
+        """``root``: the folder runtime loads (``load``) may read from ("" = none may)."""
         self._registry = registry
         self._channel = channel
+        self.root = root
 
     def engines(self) -> list[Instance]:
         return [i for i in self._registry().alive() if i.beat.role.is_engine]
@@ -54,7 +66,7 @@ class Adapters:
         """``name@generation``: what the request's block keys are namespaced by (as every engine does)."""
         served = self.served()
         if name not in served:
-            raise LoRAError("not_found", self.unknown(name, served))
+            raise RequestError(ErrorKind.NOT_FOUND, self.unknown(name, served))
         return f"{name}@{served[name][0]}"
 
     @staticmethod
@@ -82,16 +94,17 @@ class Adapters:
         return reply
 
     async def load(self, name: str, path: str, inplace: bool = False) -> list[str]:
-        """Load ``name`` from ``path`` on every engine instance; the instance ids. A bad adapter is refused
-        (LoRAError invalid, what to fix) and the instances keep serving what they served."""
+        """Load ``name`` from ``path`` (under ``root``) on every engine instance; the instance ids. A bad adapter
+        is refused (invalid, what to fix) and the instances keep serving what they served."""
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise LoRAError("invalid", "lora_name and lora_path are required strings")
+            raise invalid("lora_name and lora_path are required strings")
+        path = under_root(path, self.root)
         engines = self.engines()
         if not engines:
-            raise LoRAError("unavailable", "no engine instances are up to load the adapter on")
+            raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up to load the adapter on")
         if name in self.served() and not inplace:
-            raise LoRAError("invalid", f"the LoRA adapter {name!r} has already been loaded; unload it first, or "
-                                       f"pass \"load_inplace\": true to replace its weights")
+            raise invalid(f"the LoRA adapter {name!r} has already been loaded; unload it first, or pass "
+                          f"\"load_inplace\": true to replace its weights")
         results = await asyncio.gather(*(self._call(i, "LoadLoRA", worker_pb2.LoadLoRARequest(
             lora_name=name, lora_path=path)) for i in engines), return_exceptions=True)
         bad = [(i, r) for i, r in zip(engines, results) if isinstance(r, BaseException)]
@@ -102,9 +115,9 @@ class Adapters:
                                        for i in ok), return_exceptions=True)
             inst, err = bad[0]
             if isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise LoRAError("invalid", err.details() or "the adapter was refused")
+                raise invalid(err.details() or "the adapter was refused")
             detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else repr(err)
-            raise LoRAError("unavailable", f"instance {inst.id} could not load the adapter: {detail}")
+            raise RequestError(ErrorKind.UNAVAILABLE, f"instance {inst.id} could not load the adapter: {detail}")
         log.info("LoRA adapter %s loaded from %s on %d instances", name, path, len(engines))
         return [i.id for i in engines]
 
@@ -112,22 +125,24 @@ class Adapters:
         """Unload ``name`` from every instance that serves it; requests in flight under it finish."""
         holders = [i for i in self.engines() if name in held(i)]
         if not holders:
-            raise LoRAError("not_found", self.unknown(name, self.served()))
+            raise RequestError(ErrorKind.NOT_FOUND, self.unknown(name, self.served()))
         await asyncio.gather(*(self._call(i, "UnloadLoRA", worker_pb2.UnloadLoRARequest(lora_name=name))
                                for i in holders), return_exceptions=True)
         return [i.id for i in holders]
 
     async def ensure(self, inst: Instance, name: str) -> None:
-        """Load ``name`` on ``inst`` (routed there, but it lacks the adapter) from the path its holders use."""
+        """Load ``name`` on ``inst`` (routed there, but it lacks the adapter) from the path its holders use;
+        the instance's failure is retryable on another one."""
         if self.holds(inst, name):
             return
         served = self.served()
         if name not in served:
-            raise LoRAError("not_found", self.unknown(name, served))
+            raise RequestError(ErrorKind.NOT_FOUND, self.unknown(name, served), inst.id)
         try:
             await self._call(inst, "LoadLoRA", worker_pb2.LoadLoRARequest(lora_name=name,
                                                                           lora_path=served[name][1]))
         except grpc.aio.AioRpcError as e:
-            raise LoRAError("unavailable", f"instance {inst.id} could not load LoRA adapter {name!r}: "
-                                           f"{e.code().name}: {e.details()}") from None
+            raise RequestError(ErrorKind.UNAVAILABLE, f"instance {inst.id} could not load LoRA adapter {name!r}: "
+                                                      f"{e.code().name}: {e.details()}", inst.id,
+                               retryable=True) from None
         log.info("LoRA adapter %s loaded on %s for a request routed there", name, inst.id)

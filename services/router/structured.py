@@ -1,5 +1,5 @@
-"""Structured output at the router: the request fields that ask for it, and their validation before anything is
-routed, so engines never see a bad grammar.
+"""Structured output at the router: a constraint's validation before anything is routed, so engines never see a
+bad grammar (the fields that ask for one: ``openai_body`` for HTTP, the sampling oneof for gRPC).
 
 The engines compile with xgrammar, which imports torch, so the router validates without it: a JSON schema must
 be a valid schema (``jsonschema``'s meta-schema check) that uses only the keywords xgrammar enforces (it ignores
@@ -7,10 +7,6 @@ the others silently: an output could then break the schema), and a regex (``rege
 must compile with Python's ``re`` and use no construct xgrammar lacks (lookaround, backreferences, word
 boundaries, inline flags). EBNF grammars are checked by the engine's compiler (a client fault: 400 all the
 same). Every message names the field and, inside a schema, where (a JSON pointer).
-
-Fields (OpenAI and vLLM): ``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema",
-"json_schema": {"name", "schema", "strict"}}``; vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``,
-``guided_grammar`` and ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object"}``.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from typing import Any
 
 from kvmesh.contracts.sampling import StructuredOutput
 
-from services.router.core import RequestError
+from services.router.errors import invalid
 
 # the keywords xgrammar's JSON-schema converter enforces, and annotations that constrain nothing
 SUPPORTED = {
@@ -39,85 +35,12 @@ MAX_CHOICES = 1024
 _checked: OrderedDict[str, None] = OrderedDict()  # canonical keys already validated
 
 
-def structured_from_body(body: dict) -> StructuredOutput | None:
-    """The constraint an HTTP body asks for (at most one), validated; RequestError names the field."""
-    found: list[tuple[str, StructuredOutput]] = []
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise RequestError("invalid", 'response_format must be an object like {"type": "json_object"}')
-        kind = rf["type"]
-        if kind == "json_object":
-            found.append(("response_format", StructuredOutput("json_object")))
-        elif kind == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict):
-                raise RequestError("invalid", 'response_format.json_schema must be an object '
-                                              '{"name": ..., "schema": {...}}')
-            if "name" in js and not isinstance(js["name"], str):
-                raise RequestError("invalid", "response_format.json_schema.name must be a string")
-            if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
-                raise RequestError("invalid", "response_format.json_schema.strict must be true or false")
-            if "schema" not in js:
-                raise RequestError("invalid", "response_format.json_schema.schema is required (the JSON schema "
-                                              "the output must validate against)")
-            found.append(("response_format.json_schema.schema",
-                          _json_schema(js["schema"], "response_format.json_schema.schema")))
-        elif kind != "text":
-            raise RequestError("invalid", f"response_format.type must be text, json_object or json_schema, "
-                                          f"not {kind!r}")
-    vllm = [(f"guided_{k}", body.get(f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
-    so = body.get("structured_outputs")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise RequestError("invalid", 'structured_outputs must be an object like {"regex": "..."}')
-        vllm += [(f"structured_outputs.{k}", so.get(k)) for k in ("json", "regex", "choice", "grammar")]
-        if so.get("json_object"):
-            found.append(("structured_outputs.json_object", StructuredOutput("json_object")))
-    for field, value in vllm:
-        if value is None:
-            continue
-        kind = field.rsplit("_" if field.startswith("guided") else ".", 1)[1]
-        found.append((field, _parse(kind, value, field)))
-    if len(found) > 1:
-        raise RequestError("invalid", f"give one structured-output constraint, not {len(found)}: "
-                                      f"{', '.join(f for f, _ in found)}")
-    if not found:
-        return None
-    field, spec = found[0]
-    check_structured(spec, field)
-    return spec
-
-
-def _parse(kind: str, value: Any, field: str) -> StructuredOutput:
-    if kind == "json":
-        return _json_schema(value, field)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise RequestError("invalid", f"{field} must be a non-empty list of strings")
-        return StructuredOutput.choice(value)
-    if not isinstance(value, str) or not value:
-        raise RequestError("invalid", f"{field} must be a non-empty string")
-    return StructuredOutput(kind, value)
-
-
-def _json_schema(value: Any, field: str) -> StructuredOutput:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise RequestError("invalid", f"{field} is not valid JSON: {e}") from None
-    if not isinstance(value, (dict, bool)):
-        raise RequestError("invalid", f"{field} must be a JSON schema (an object)")
-    return StructuredOutput("json_schema", json.dumps(value))
-
-
 def check_structured(spec: StructuredOutput, field: str) -> None:
     """RequestError('invalid') naming ``field`` (and where inside it) when ``spec`` cannot be served."""
     try:
         key = spec.key
     except ValueError as e:
-        raise RequestError("invalid", f"{field} is not valid JSON: {e}") from None
+        raise invalid(f"{field} is not valid JSON: {e}") from None
     if key in _checked:
         _checked.move_to_end(key)
         return
@@ -128,9 +51,9 @@ def check_structured(spec: StructuredOutput, field: str) -> None:
     elif spec.kind == "choice":
         options = spec.options
         if not options or len(options) > MAX_CHOICES:
-            raise RequestError("invalid", f"{field} must list 1 to {MAX_CHOICES} strings, not {len(options)}")
+            raise invalid(f"{field} must list 1 to {MAX_CHOICES} strings, not {len(options)}")
     elif spec.kind == "grammar" and "::=" not in spec.spec:
-        raise RequestError("invalid", f"{field} must be an EBNF grammar with rules like 'root ::= ...'")
+        raise invalid(f"{field} must be an EBNF grammar with rules like 'root ::= ...'")
     _checked[key] = None
     while len(_checked) > 1024:
         _checked.popitem(last=False)
@@ -142,7 +65,7 @@ def check_schema(schema: Any, field: str) -> None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        raise RequestError("invalid", f"{field} is not a valid JSON schema: at {_pointer(e.path)}: "
+        raise invalid(f"{field} is not a valid JSON schema: at {_pointer(e.path)}: "
                                       f"{e.message}") from None
     _check_keywords(schema, field, [])
 
@@ -151,17 +74,17 @@ def _check_keywords(schema: Any, field: str, path: list) -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        raise RequestError("invalid", f"{field} at {_pointer(path)}: a schema must be an object or a boolean")
+        raise invalid(f"{field} at {_pointer(path)}: a schema must be an object or a boolean")
     for k, v in schema.items():
         where = _pointer([*path, k])
         if k not in SUPPORTED and k not in ANNOTATIONS:
-            raise RequestError("invalid", f"{field}: keyword {k!r} at {where} is not supported by structured "
+            raise invalid(f"{field}: keyword {k!r} at {where} is not supported by structured "
                                           f"output (supported: {', '.join(sorted(SUPPORTED))})")
         if k == "$ref" and not (isinstance(v, str) and (v == "#" or v.startswith("#/"))):
-            raise RequestError("invalid", f"{field}: $ref {v!r} at {where} must point inside the schema "
+            raise invalid(f"{field}: $ref {v!r} at {where} must point inside the schema "
                                           "('#/$defs/...')")
         if k == "allOf" and len(v) > 1:
-            raise RequestError("invalid", f"{field}: allOf with {len(v)} schemas at {where} is not supported "
+            raise invalid(f"{field}: allOf with {len(v)} schemas at {where} is not supported "
                                           "(merge them into one)")
         if k == "pattern":
             check_regex(v, f"{field} at {where}")
@@ -179,12 +102,12 @@ def check_regex(pattern: str, field: str) -> None:
     try:
         parsed = re._parser.parse(pattern)  # type: ignore[attr-defined]
     except re.error as e:
-        raise RequestError("invalid", f"{field}: the regex does not compile: {e}") from None
+        raise invalid(f"{field}: the regex does not compile: {e}") from None
     if parsed.state.flags & ~(re.UNICODE | re.ASCII):
-        raise RequestError("invalid", f"{field}: inline flags such as (?i) are not supported in the regex")
+        raise invalid(f"{field}: inline flags such as (?i) are not supported in the regex")
     problem = "a named group (?P<name>...)" if parsed.state.groupdict else _unsupported(parsed)
     if problem:
-        raise RequestError("invalid", f"{field}: {problem} is not supported in the regex")
+        raise invalid(f"{field}: {problem} is not supported in the regex")
 
 
 _UNSUPPORTED = {"ASSERT": "lookahead/lookbehind", "ASSERT_NOT": "negative lookahead/lookbehind",

@@ -23,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.router.errors import ErrorKind
+
 if TYPE_CHECKING:
     from services.router.registry import Registry
 
@@ -49,8 +51,9 @@ class RouterMetrics:
                                     "MatchPrefix calls that failed (routed by load)", registry=r)
         self.retries = Counter(f"{P}_retries", "Calls re-sent to another instance after one was unreachable, "
                                "by the role of the instance that failed", ["role"], registry=r)
-        for reason in ("invalid", "unauthenticated", "not_found", "overloaded", "unavailable", "internal"):
-            self.rejections.labels(reason)
+        for kind in ErrorKind:
+            if kind != ErrorKind.CANCELLED:
+                self.rejections.labels(kind)
 
     def watch(self, registry: Registry) -> None:
         self.registry.register(_InstancesCollector(registry))
@@ -82,6 +85,7 @@ class RequestTrace:
                  headers: Mapping[str, str] | None = None) -> None:
         self.metrics = metrics
         self.api = api
+        self.request_id = request_id
         self.t0 = time.monotonic()
         self.attrs: dict[str, Any] = {tracing.REQUEST_ID: request_id}
         self.root = tracing.start(ROOT, tracing.extract(headers), SpanKind.SERVER,
@@ -101,10 +105,10 @@ class RequestTrace:
     def trace_id(self) -> str:
         return tracing.trace_id(self.root)
 
-    def headers(self, request_id: str) -> dict[str, str]:
+    def headers(self) -> dict[str, str]:
         """What every response carries: the request id and the trace context (the root span)."""
         tp = self.traceparent
-        return {"x-request-id": request_id, **({"traceparent": tp} if tp else {})}
+        return {"x-request-id": self.request_id, **({"traceparent": tp} if tp else {})}
 
     def describe(self, model: str, tenant: str, prompt_tokens: int) -> None:
         self.attrs.update({tracing.MODEL: model, tracing.TENANT: tenant})
@@ -166,9 +170,9 @@ class RequestTrace:
         if self.metrics is not None:
             self.metrics.prefix.observe(prompt_tokens, cached_tokens)
 
-    def finish(self, error_kind: str = "", message: str = "") -> None:
-        """End the request (idempotent): ``error_kind`` is a RequestError kind, ``cancelled`` (the client went
-        away), or '' for success."""
+    def finish(self, error_kind: ErrorKind | None = None, message: str = "") -> None:
+        """End the request (idempotent): ``error_kind`` is how it failed (``CANCELLED``: the client went away),
+        None for success."""
         if self._done:
             return
         self._done = True
@@ -181,7 +185,7 @@ class RequestTrace:
         if self.metrics is not None:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(self.api, error_kind or "ok").inc()
-            if error_kind and error_kind != "cancelled":
+            if error_kind and error_kind != ErrorKind.CANCELLED:
                 self.metrics.rejections.labels(error_kind).inc()
 
 

@@ -28,10 +28,10 @@ from kvmesh.settings import EngineSettings, InstanceSettings, RouterSettings, Sh
 
 from services.decode.servicer import ROLE as DECODE
 from services.prefill.servicer import ROLE as PREFILL
-from services.router.access import Admission, Tenants
 from services.router.core import Router
 from services.router.grpc_api import KvmeshServicer, add_to_server
 from services.router.http_api import OpenAIApi
+from services.router.intake import Intake
 
 CONTEXT = ModelConfig.tiny().max_position_embeddings  # 512
 HI = [{"role": "user", "content": "Hi"}]
@@ -98,13 +98,13 @@ class TinyMesh:
             await w.start()
         self.router = Router(self.cfg, self.shared)
         await self.router.start()
-        self.tenants, self.admission = Tenants.from_config(self.cfg), Admission.from_config(self.cfg)
+        self.intake = Intake(self.router)
+        self.admission = self.intake.admission
         self.grpc = ServiceServer(["kvmesh.v1.Kvmesh"])
-        add_to_server(KvmeshServicer(self.router, self.tenants, self.admission), self.grpc.server,
-                      self.cfg.max_body_bytes)
+        add_to_server(KvmeshServicer(self.router, self.intake), self.grpc.server, self.cfg.max_body_bytes)
         self.grpc_target = self.grpc.bind("127.0.0.1", 0)
         await self.grpc.start()
-        self.runner = web.AppRunner(OpenAIApi(self.router, self.tenants, self.admission).app, access_log=None)
+        self.runner = web.AppRunner(OpenAIApi(self.router, self.intake).app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
@@ -428,3 +428,23 @@ def test_finished_and_failed_requests_leave_no_slot_behind(mesh, stub):
         list(stub.Generate(api_pb2.GenerateRequest(text="Hi", sampling=sampling(max_tokens=2)), timeout=30))
         grpc_error(lambda: stub.Chat(api_pb2.ChatRequest(messages=msgs(" ")), timeout=30))
     assert wait_until(lambda: mesh.admission.total == 0 and not mesh.admission.per_tenant)
+
+
+# ---- admin operations ----------------------------------------------------------------------------------------
+
+def test_without_an_admin_key_configured_adapter_load_and_unload_are_refused_alike(mesh, model_dir, tmp_path):
+    """The default: no admin_key, so no call loads or unloads an adapter, and the answer is the same whether
+    the path exists or not (it names nothing the caller sent)."""
+    calls = [("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(model_dir)}),   # exists
+             ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(tmp_path / "none")}),
+             ("/v1/load_lora_adapter", b"not json"),
+             ("/v1/unload_lora_adapter", {"lora_name": "a"})]
+    answers = set()
+    for path, body in calls:
+        for headers in ({}, {"authorization": "Bearer anything"}):
+            status, got, _ = mesh.post(path, body, headers)
+            answers.add((status, got["error"]["type"], got["error"]["message"]))
+    assert len(answers) == 1, answers
+    status, error_type, message = answers.pop()
+    assert status == 403 and error_type == "permission_error" and "admin_key" in message
+    still_serves(mesh)

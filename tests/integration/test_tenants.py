@@ -159,3 +159,15 @@ def test_raw_grpc_metadata_key_works_too(mesh):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(request, metadata=(("x-api-key", "sk-nobody"),), timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_tenant_key_is_no_admin_key(mesh, tmp_path):
+    """Keys on, no admin key configured: a tenant's key loads nothing, and gets the answer a caller without
+    any key gets, whichever path it names."""
+    answers = set()
+    for key in ("sk-alice", LEGACY, None):
+        for path in (str(tmp_path), str(tmp_path / "none")):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            status, body, _ = mesh.post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": path}, headers)
+            answers.add((status, body["error"]["message"]))
+    assert len(answers) == 1 and answers.pop()[0] == 403

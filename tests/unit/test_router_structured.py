@@ -1,5 +1,6 @@
 """The router's structured-output fields (OpenAI response_format, vLLM guided_* / structured_outputs) and their
-validation without torch: each bad constraint is refused naming the field and where inside it."""
+validation without torch (the intake's constraint step): each bad constraint is refused naming the field and
+where inside it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 import pytest
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput, sampling_from_proto, sampling_to_proto
 
-from services.router.core import RequestError
-from services.router.http_api import sampling_from_body
+from services.router import openai_body
+from services.router.errors import ErrorKind, RequestError
+from services.router.intake import check_constraint
 from services.router.structured import check_structured
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -31,7 +33,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
 ])
 def test_fields_map_to_one_constraint(body, want):
-    p = sampling_from_body(body)
+    p, _ = openai_body.sampling_from_body(body)
     assert p.structured == want
     assert sampling_from_proto(sampling_to_proto(p)) == p  # the same travels to prefill and decode
 
@@ -64,12 +66,12 @@ def test_fields_map_to_one_constraint(body, want):
 ])
 def test_bad_constraint_is_refused_naming_it(body, words):
     with pytest.raises(RequestError) as e:
-        sampling_from_body(body)
-    assert e.value.kind == "invalid" and words in e.value.message
+        check_constraint(openai_body.draft({"prompt": "Hi", **body}, chat=False, headers={}))
+    assert e.value.kind == ErrorKind.INVALID and words in e.value.message
 
 
 def test_grpc_constraints_are_checked_too():
-    """gRPC's oneof arrives as SamplingParams.structured; Router.check runs the same validation."""
+    """gRPC's oneof arrives as SamplingParams.structured; the intake runs the same validation."""
     with pytest.raises(RequestError, match="sampling.regex: the regex does not compile"):
         check_structured(StructuredOutput("regex", "[a-"), "sampling.regex")
     with pytest.raises(RequestError, match="keyword 'not'"):

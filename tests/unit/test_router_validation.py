@@ -8,8 +8,8 @@ from kvmesh import settings
 from kvmesh.settings import RouterSettings, parse_api_keys
 
 from services.router.access import Admission, Tenants, cache_salt
-from services.router.core import RequestError
-from services.router.http_api import sampling_from_body
+from services.router.errors import ErrorKind, RequestError
+from services.router.openai_body import sampling_from_body
 
 # ---- RouterSettings ----------------------------------------------------------------------------------------
 
@@ -107,7 +107,7 @@ def test_a_missing_or_wrong_key_is_unauthenticated(headers):
     tenants = Tenants.from_config(RouterSettings(api_keys={"sk-a": "alice"}))
     with pytest.raises(RequestError) as e:
         tenants.authenticate(headers)
-    assert e.value.kind == "unauthenticated" and "Bearer <key>" in e.value.message
+    assert e.value.kind == ErrorKind.UNAUTHENTICATED and "Bearer <key>" in e.value.message
 
 
 def test_an_unreadable_keys_file_stops_the_router_with_its_path(tmp_path):
@@ -145,7 +145,7 @@ def test_admission_refuses_over_the_global_cap_and_frees_on_leave():
     first, second = gate.enter("a"), gate.enter("b")
     with pytest.raises(RequestError) as e:
         gate.enter("c")
-    assert e.value.kind == "overloaded" and "2 requests in flight" in e.value.message
+    assert e.value.kind == ErrorKind.OVERLOADED and "2 requests in flight" in e.value.message
     first()
     first()  # idempotent
     gate.enter("c")
@@ -166,18 +166,18 @@ def test_admission_per_tenant_cap_leaves_room_for_others():
 # ---- HTTP sampling fields ----------------------------------------------------------------------------------
 
 def test_sampling_defaults_and_vllm_extensions():
-    p = sampling_from_body({"top_k": -1, "seed": 7, "stop": "\n", "stop_token_ids": [2], "ignore_eos": True})
+    p, _ = sampling_from_body({"top_k": -1, "seed": 7, "stop": "\n", "stop_token_ids": [2], "ignore_eos": True})
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (64, 1.0, 0, 1.0, 7)
     assert p.stop == ("\n",) and p.stop_token_ids == (2,) and p.ignore_eos
 
 
 def test_null_fields_mean_their_defaults():
-    p = sampling_from_body({"max_tokens": None, "temperature": None, "n": None, "top_p": None, "seed": None})
+    p, _ = sampling_from_body({"max_tokens": None, "temperature": None, "n": None, "top_p": None, "seed": None})
     assert (p.max_tokens, p.temperature, p.top_p, p.seed) == (64, 1.0, 1.0, None)
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
-    assert sampling_from_body({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
+    assert sampling_from_body({"max_completion_tokens": 3, "max_tokens": 9})[0].max_tokens == 3
 
 
 @pytest.mark.parametrize("body,words", [
@@ -198,4 +198,4 @@ def test_max_completion_tokens_wins_over_max_tokens():
 def test_bad_sampling_field_is_named(body, words):
     with pytest.raises(RequestError) as e:
         sampling_from_body(body)
-    assert e.value.kind == "invalid" and words in e.value.message
+    assert e.value.kind == ErrorKind.INVALID and words in e.value.message

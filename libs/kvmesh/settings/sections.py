@@ -390,7 +390,7 @@ class InstanceSettings(Section):
 
 
 class RouterSettings(Section):
-    """The router: client API, tokenization, scheduling, admission, API keys."""
+    """The router: client API, tokenization, scheduling, admission, API keys and the admin key."""
 
     model_config = SettingsConfigDict(env_prefix="KVMESH_ROUTER_")
     name: ClassVar[str] = "router"
@@ -418,6 +418,11 @@ class RouterSettings(Section):
     api_keys: Annotated[dict[str, str], NoDecode] = setting(
         {}, "key -> tenant (TOML table; env and flag: \"key1:tenantA,key2:tenantB\")", secret=True)
     api_keys_file: str = setting("", "more key:tenant pairs, one per line (e.g. a mounted secret)")
+    admin_key: str = setting("", "the key of admin operations (LoRA adapter load/unload), not a tenant key (\"\" = "
+                                 "those operations are off)", secret=True)
+    lora_root: str = setting("", "the folder runtime LoRA loads may read adapters from; a lora_path outside it is "
+                                 "refused (\"\" = runtime loads refused; --lora adapters at start are not "
+                                 "affected)")
     max_body_bytes: int = setting(4 * 2**20, "larger HTTP bodies / gRPC requests are refused (413)")
     max_concurrent_requests: int = setting(256, "requests in flight at once; more are refused at once (429)")
     max_requests_per_tenant: int = setting(0, "requests in flight per tenant (0 = only the global cap)")
@@ -440,6 +445,13 @@ class RouterSettings(Section):
         out += self._address("cachesvc_address", "none")
         for key, tenant in self.api_keys.items():
             out += [Problem("api_keys", m) for m in key_problems(key, tenant, "api_keys")]
+        if self.admin_key and (not self.admin_key.isprintable() or " " in self.admin_key):
+            out.append(Problem("admin_key", "admin_key must be printable, without spaces"))
+        elif self.admin_key and (self.admin_key == self.api_key or self.admin_key in self.api_keys):
+            out.append(Problem("admin_key", "admin_key is also a tenant key (api_key or api_keys): give the admin "
+                                            "a key of its own"))
+        if self.lora_root and not Path(self.lora_root).is_absolute():
+            out.append(Problem("lora_root", f"lora_root must be an absolute path, not {self.lora_root!r}"))
         return out
 
 

@@ -1,0 +1,230 @@
+"""The router's intake: one pipeline from a request as an API received it to a request admitted for routing.
+
+Both APIs (OpenAI HTTP; gRPC ``Generate`` and ``Chat``) translate their wire format into a ``Call`` (who is
+calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``Intake.admit``, which yields an
+``Admitted`` request or raises ``RequestError``. The steps, in order; the first that fails answers:
+
+1. the caller's key → tenant (``access.Tenants``); what the wire itself could not accept (a message over the
+   size limit, one that does not parse) is answered only after this;
+2. the request id the caller gave: printable ASCII, at most 128 characters;
+3. the in-flight caps (``access.Admission``): over one, refused at once, never queued;
+4. the fields (``Draft``: an HTTP body is read and parsed here), inside the ``router.tokenize`` span;
+5. the structured-output constraint (``structured.check_structured``);
+6. the prompt → token ids (the model's chat template and tokenizer);
+7. the model: the base model or a LoRA adapter some instance serves;
+8. what the engines can serve: context length, vocabulary, seed, stop ids and strings;
+9. the cache salt (the tenant's namespace), the routing policy and the PD override.
+
+The admitted request holds an admission slot until the ``async with`` block ends.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.routing.cost import DISAGGREGATE_MODES
+
+from services.router.access import Admission, Tenants, cache_salt
+from services.router.errors import ErrorKind, RequestError, invalid
+from services.router.structured import check_structured
+from services.router.telemetry import RequestTrace
+
+if TYPE_CHECKING:
+    from services.router.core import Router
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_REQUEST_ID = 128
+
+
+@dataclass(frozen=True)
+class Call:
+    """Who calls and how, as the wire carried it. ``headers``: HTTP headers or gRPC metadata (keys, trace
+    context). ``request_id``: the id the caller gave ("" = none). ``refused``: what the wire could not accept
+    (answered once the caller is authenticated)."""
+
+    api: str
+    headers: Mapping[str, str]
+    request_id: str = ""
+    refused: RequestError | None = None
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A request's fields as its wire gave them, each of its type (the wire checked that), none of their values
+    checked. One of ``text``, ``token_ids`` and ``messages`` is the prompt; ``messages`` is as given (a list of
+    ``{role, content}``, checked here). ``structured_field``: the field the structured-output constraint in
+    ``sampling`` came from, which its errors name."""
+
+    sampling: SamplingParams
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: Any = None
+    model: str = ""
+    cache_salt: str = ""
+    structured_field: str = ""
+    policy: str | None = None
+    disaggregate: str | None = None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request the router accepted: everything routing and dispatch need, nothing left to check.
+    ``cache_salt``: what enters its block keys (the tenant's namespace, within it the request's own salt).
+    ``model``: the name its answers carry (the LoRA adapter's, else the base model's id); ``lora``: the adapter
+    ("" = the base model). ``policy`` / ``disaggregate``: the request's own routing choices (None = the
+    configured ones)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    tenant: str
+    cache_salt: str
+    model: str
+    lora: str = ""
+    policy: str | None = None
+    disaggregate: str | None = None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def valid_request_id(rid: str) -> bool:
+    return 0 < len(rid) <= MAX_REQUEST_ID and rid.isascii() and rid.isprintable()
+
+
+class Intake:
+    """The pipeline; one per router, shared by both APIs (so are its caps)."""
+
+    def __init__(self, router: Router, tenants: Tenants | None = None, admission: Admission | None = None) -> None:
+        self.router = router
+        self.tenants = tenants or Tenants.from_config(router.cfg)
+        self.admission = admission or Admission.from_config(router.cfg)
+
+    def trace(self, call: Call) -> RequestTrace:
+        """The request's root span and TTFT clock, under the id the caller gave when it is valid, else a new
+        one (every answer carries it, an error's too)."""
+        given = call.request_id if call.refused is None and valid_request_id(call.request_id) else ""
+        return RequestTrace(self.router.metrics, given or new_request_id(), call.api, call.headers)
+
+    @asynccontextmanager
+    async def admit(self, call: Call, rt: RequestTrace,
+                    read: Callable[[], Awaitable[Draft]]) -> AsyncIterator[Admitted]:
+        """Steps 1-9 of the module's docstring; ``read``: the wire's fields, read once the caller holds a slot."""
+        tenant = self.tenants.authenticate(call.headers)
+        if call.refused is not None:
+            raise call.refused
+        if call.request_id and not valid_request_id(call.request_id):
+            raise invalid(f"request_id must be printable ASCII of at most {MAX_REQUEST_ID} characters")
+        leave = self.admission.enter(tenant)
+        try:
+            with rt.segment("router.tokenize") as span:
+                draft = await read()
+                check_constraint(draft)
+                prompt = self.prompt_ids(draft)
+                lora = self.model(draft.model)
+                self.check(prompt, draft.sampling)
+                span.set_attribute("kvmesh.tokens.prompt", len(prompt))
+            request = Admitted(rt.request_id, tuple(prompt), draft.sampling, tenant,
+                               cache_salt(tenant, draft.cache_salt), lora or self.router.model_id, lora,
+                               self.policy(draft.policy), self.disaggregate(draft.disaggregate))
+            rt.describe(request.model, tenant or draft.cache_salt, len(prompt))
+            yield request
+        finally:
+            leave()
+
+    # ---- the steps ---------------------------------------------------------------------------------------
+    def prompt_ids(self, draft: Draft) -> list[int]:
+        """The prompt's token ids; the error names the field to fix."""
+        if draft.messages is not None:
+            return self.router.tokenizer.apply_chat_template(chat_messages(draft.messages))
+        if draft.token_ids is not None:
+            vocab = self.router.source.config.vocab_size
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in draft.token_ids):
+                raise invalid(f"prompt token ids must be integers in [0, {vocab})")
+            return list(draft.token_ids)
+        if draft.text is not None:
+            if not draft.text.strip():
+                raise invalid("the prompt is blank (empty or whitespace): give the model some text")
+            return self.router.tokenizer.encode(draft.text)
+        raise invalid("a prompt is required (text, token ids or messages)")
+
+    def model(self, model: str) -> str:
+        """The LoRA adapter ``model`` names ("" for the base model)."""
+        r = self.router
+        if not model or model == r.model_id:
+            return ""
+        served = r.loras.served()
+        if model not in served:
+            names = ", ".join(repr(n) for n in served) or "none"
+            raise RequestError(ErrorKind.NOT_FOUND, f"model {model!r} is not served here; this router serves "
+                                                    f"{r.model_id!r} and the LoRA adapters {names}")
+        return model
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Refuse what the engines cannot serve, before anything is routed."""
+        if not prompt:
+            raise invalid("the prompt is empty")
+        ctx, vocab = self.router.max_model_len, self.router.source.config.vocab_size
+        if len(prompt) >= ctx:
+            raise invalid(f"the prompt has {len(prompt)} tokens, but the context of this model is {ctx} tokens "
+                          "(prompt + max_tokens): shorten the prompt")
+        if len(prompt) + params.max_tokens > ctx:
+            raise invalid(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                          f"of {ctx} tokens: set max_tokens to at most {ctx - len(prompt)}")
+        if not 0 <= params.temperature < float("inf"):
+            raise invalid(f"temperature must be a finite number >= 0, not {params.temperature}")
+        if params.top_k > vocab:
+            raise invalid(f"top_k ({params.top_k}) exceeds the vocabulary ({vocab} tokens); 0 turns top-k off")
+        if params.seed is not None and not 0 <= params.seed < 2**64:
+            raise invalid("seed must be an integer in [0, 2^64)")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise invalid(f"stop_token_ids must be token ids in [0, {vocab})")
+        if any(not s for s in params.stop):
+            raise invalid("stop strings must not be empty")
+
+    def policy(self, name: str | None) -> str | None:
+        try:
+            self.router.policies.get(name)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        return name
+
+    @staticmethod
+    def disaggregate(mode: str | None) -> str | None:
+        if mode is not None and mode not in DISAGGREGATE_MODES:
+            raise invalid(f"x-kvmesh-disaggregate must be one of {', '.join(DISAGGREGATE_MODES)}, not {mode!r}")
+        return mode
+
+
+def check_constraint(draft: Draft) -> None:
+    """The structured-output constraint, if any, can be served (the error names the field it came from)."""
+    if draft.sampling.structured is not None:
+        check_structured(draft.sampling.structured, draft.structured_field)
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """``[{role, content}]`` for the chat template: a role each, a string content each (OpenAI's text parts
+    joined), not every one blank."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of {role, content} objects")
+    chat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise invalid(f"messages[{i}] needs a role: system, user, assistant or tool")
+        content = m.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)  # OpenAI's text content parts
+        if not isinstance(content, str):
+            raise invalid(f"messages[{i}].content must be a string (or a list of {{type: text, text}} parts)")
+        chat.append({"role": m["role"], "content": content})
+    if not any(m["content"].strip() for m in chat):
+        raise invalid(f"messages[{len(chat) - 1}].content is blank: every message is empty or whitespace; give "
+                      "the model some text")
+    return chat

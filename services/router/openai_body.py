@@ -1,0 +1,233 @@
+"""An OpenAI request body as the intake's ``Draft``: the JSON itself, each field's type, the sampling fields
+(with vLLM's extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``) and the structured-output
+fields. Only the wire's shape is checked here; what the values may be is the intake's business.
+
+Structured output (OpenAI and vLLM): ``response_format`` ``{"type": "json_object"}`` or ``{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}``; vLLM's ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar`` and ``structured_outputs: {"json" | "regex" | "choice" | "grammar" |
+"json_object"}``; at most one of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
+
+from services.router.errors import invalid
+from services.router.intake import Draft
+
+
+def parse(raw: bytes) -> dict:
+    """The body as a JSON object of valid Unicode strings."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8 (byte {e.start}): send UTF-8 JSON") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as e:
+        raise invalid(f"the request body must be JSON: {e}") from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, not {_kind(body)}")
+    _check_strings(body)
+    return body
+
+
+def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
+    """A chat (``messages``) or completions (``prompt``: text or token ids) body as the intake's input. The
+    routing overrides come from the headers ``x-kvmesh-policy`` (or the body's ``kvmesh_policy``) and
+    ``x-kvmesh-disaggregate``."""
+    sampling, structured_field = sampling_from_body(body)
+    if chat:
+        if "messages" not in body:
+            raise invalid("messages is required: a list of {role, content} objects")
+        prompt = {"messages": body["messages"]}
+    else:
+        prompt = _prompt(body.get("prompt"))
+    return Draft(sampling, **prompt, model=str_field(body, "model"),
+                 cache_salt=str_field(body, "cache_salt") or str_field(body, "user"), structured_field=structured_field,
+                 policy=headers.get("x-kvmesh-policy") or str_field(body, "kvmesh_policy") or None,
+                 disaggregate=headers.get("x-kvmesh-disaggregate") or None)
+
+
+def streaming(body: dict) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("stream_options must be an object like {\"include_usage\": true}")
+    return bool_field(body, "stream"), bool_field(options, "include_usage")
+
+
+def sampling_from_body(body: dict) -> tuple[SamplingParams, str]:
+    """The request's sampling parameters, and the field its structured-output constraint came from ("" =
+    none); the error names the field that is wrong and how."""
+    if _int(body, "n", 1) != 1:
+        raise invalid("only n=1 is supported")
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise invalid("stop must be a string or a list of strings")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(type(t) is int for t in stop_ids):
+        raise invalid("stop_token_ids must be a list of integers")
+    max_tokens = _int(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    top_k = _int(body, "top_k", 0) or 0
+    if top_k < -1:
+        raise invalid(f"top_k must be >= 0 (-1 or 0 turn it off), not {top_k}")
+    field, structured = structured_from_body(body) or ("", None)
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
+                              top_k=max(0, top_k), top_p=_num(body, "top_p", 1.0),
+                              seed=_int(body, "seed", None), stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+                              ignore_eos=bool_field(body, "ignore_eos"), structured=structured), field
+    except ValueError as e:
+        raise invalid(str(e)) from None
+
+
+def structured_from_body(body: dict) -> tuple[str, StructuredOutput] | None:
+    """The one constraint the body asks for, and the field that asked; the error names the field."""
+    found: list[tuple[str, StructuredOutput]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise invalid('response_format must be an object like {"type": "json_object"}')
+        kind = rf["type"]
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutput("json_object")))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise invalid('response_format.json_schema must be an object {"name": ..., "schema": {...}}')
+            if "name" in js and not isinstance(js["name"], str):
+                raise invalid("response_format.json_schema.name must be a string")
+            if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
+                raise invalid("response_format.json_schema.strict must be true or false")
+            if "schema" not in js:
+                raise invalid("response_format.json_schema.schema is required (the JSON schema the output must "
+                              "validate against)")
+            found.append(("response_format.json_schema.schema",
+                          _json_schema(js["schema"], "response_format.json_schema.schema")))
+        elif kind != "text":
+            raise invalid(f"response_format.type must be text, json_object or json_schema, not {kind!r}")
+    vllm = [(f"guided_{k}", body.get(f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise invalid('structured_outputs must be an object like {"regex": "..."}')
+        vllm += [(f"structured_outputs.{k}", so.get(k)) for k in ("json", "regex", "choice", "grammar")]
+        if so.get("json_object"):
+            found.append(("structured_outputs.json_object", StructuredOutput("json_object")))
+    for field, value in vllm:
+        if value is None:
+            continue
+        kind = field.rsplit("_" if field.startswith("guided") else ".", 1)[1]
+        found.append((field, _constraint(kind, value, field)))
+    if len(found) > 1:
+        raise invalid(f"give one structured-output constraint, not {len(found)}: {', '.join(f for f, _ in found)}")
+    return found[0] if found else None
+
+
+def _constraint(kind: str, value: Any, field: str) -> StructuredOutput:
+    if kind == "json":
+        return _json_schema(value, field)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise invalid(f"{field} must be a non-empty list of strings")
+        return StructuredOutput.choice(value)
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{field} must be a non-empty string")
+    return StructuredOutput(kind, value)
+
+
+def _json_schema(value: Any, field: str) -> StructuredOutput:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise invalid(f"{field} is not valid JSON: {e}") from None
+    if not isinstance(value, (dict, bool)):
+        raise invalid(f"{field} must be a JSON schema (an object)")
+    return StructuredOutput("json_schema", json.dumps(value))
+
+
+def _prompt(prompt: Any) -> dict[str, Any]:
+    """A completions ``prompt``: text, token ids, or a list holding one of them."""
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return _prompt(prompt[0])
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return {"token_ids": tuple(prompt)}
+    raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
+
+
+# ---- one field of a type -------------------------------------------------------------------------------------
+
+def _int(body: dict, name: str, default: int | None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise invalid(f"{name} must be an integer, not {_kind(v)}")
+    return v
+
+
+def _num(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise invalid(f"{name} must be a number, not {_kind(v)}")
+    try:
+        return float(v)
+    except OverflowError:
+        raise invalid(f"{name} is out of range") from None
+
+
+def bool_field(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is not None and not isinstance(v, bool):
+        raise invalid(f"{name} must be true or false, not {_kind(v)}")
+    return bool(v)
+
+
+def str_field(body: dict, name: str) -> str:
+    v = body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise invalid(f"{name} must be a string, not {_kind(v)}")
+    return v or ""
+
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number"}.get(type(v), type(v).__name__)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_strings(body: Any) -> None:
+    """Every string in the body must be encodable: JSON escapes can smuggle in lone UTF-16 surrogates."""
+    stack = [body]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                raise invalid("the request body has a lone UTF-16 surrogate escape (e.g. \\ud800): strings must "
+                              "be valid Unicode") from None
+        elif isinstance(v, dict):
+            stack += v.keys()
+            stack += v.values()
+        elif isinstance(v, list):
+            stack += v

@@ -1,0 +1,35 @@
+"""The router's error kinds: one enum, each kind with its HTTP status and gRPC code, whose table the README lists
+(generated, not copied). That no router module imports back into another is tests/unit/test_engine_seam.py's
+check over the whole tree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from services.router.errors import STATUS, ErrorKind, RequestError, table
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "services" / "router" / "README.md"
+
+
+def test_every_error_kind_has_an_http_status_a_grpc_code_and_a_type():
+    assert set(STATUS) == set(ErrorKind)
+    for kind in ErrorKind:
+        assert 400 <= kind.http < 600 and isinstance(kind.grpc, grpc.StatusCode) and kind.error_type
+    assert RequestError(ErrorKind.TOO_LARGE, "x").kind.http == 413
+
+
+def test_the_readme_lists_the_error_kinds_of_the_enum():
+    """The table between the markers is ``python -m services.router.errors``'s output."""
+    text = README.read_text()
+    listed = text.split("<!-- error kinds: python -m services.router.errors -->\n", 1)[1].split("<!-- end -->", 1)[0]
+    assert listed == table(), "regenerate the table: python -m services.router.errors"
+
+
+def test_the_readmes_error_examples_name_only_kinds_of_the_enum():
+    examples = README.read_text().split("## Errors", 1)[1].split("\n## ", 1)[0]
+    named = {cell.strip("` ") for line in examples.splitlines() if line.startswith("| `")
+             for cell in [line.split("|")[1]]}
+    assert named and named <= {str(k) for k in ErrorKind}, named - {str(k) for k in ErrorKind}
