@@ -117,6 +117,17 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the ``SamplingParams.logprobs`` most likely tokens at its position
+    (``top``: ``(token id, logprob)``, most likely first), from the distribution it was sampled from: the model's,
+    before temperature and the other sampling filters (as vLLM reports by default)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineOutput:
     """What one request got from one engine step: new tokens and text, or (``exported`` with no token) a piece of
     its KV read out mid-prefill. ``cached_tokens``: prompt tokens served from cache or imported."""
@@ -128,6 +139,7 @@ class EngineOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
     exported: ExportedKV | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token of ``token_ids`` when the request asked for them
 
 
 @dataclass

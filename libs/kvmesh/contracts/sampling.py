@@ -13,6 +13,8 @@ MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (vLLM's _SAMPLING_EPS): 1/
 F32_TINY = 1.401298464324817e-45
 
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each sampled one (OpenAI's top_logprobs cap)
+
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -63,6 +65,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # stop strings (matched on detokenized text by the caller that owns text)
     ignore_eos: bool = False
     structured: StructuredOutput | None = None  # the output must match this grammar (JSON schema, regex, ...)
+    logprobs: int | None = None       # None: off; N: each generated token's logprob and the N most likely (<= 20)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -73,6 +76,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
