@@ -267,6 +267,8 @@ class EngineSettings(Section):
                                             "thread, AVX-512): the same products as the fp32 weights, 5-9 bits "
                                             "a weight streamed instead of 32")
     block_size: int = setting(16, "tokens per KV block (the router's block_size must match)")
+    vllm_block_size: int = setting(0, "backend vllm: vLLM's own block size, a multiple of block_size (0 = vLLM's "
+                                      "default: 128 on CPU, whose attention takes multiples of 32)")
     kv_cache_mb: int = setting(512, "device KV pool size (ignored when num_blocks > 0)")
     num_blocks: int = setting(0, "device KV pool size in blocks (0 = size from kv_cache_mb)")
     kv_dtype: str = setting("fp32", "KV storage dtype (attention computes in dtype)", choices=KV_DTYPES)
