@@ -5,7 +5,7 @@ import torch
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.model_source.hf_config import ModelConfig
 
-from .helpers import engine_from_hf, hf_greedy, hf_tiny, prompt_logits
+from .helpers import BACKENDS, engine_from_hf, hf_greedy, hf_tiny, prompt_logits
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -20,7 +20,7 @@ def hf(cfg):
     return hf_tiny(cfg)
 
 
-@pytest.fixture(params=["torch", "native"])
+@pytest.fixture(params=BACKENDS)
 def make(request, hf, cfg):
     """An engine on the shared tiny weights, once per attention backend."""
     return lambda **kw: engine_from_hf(hf, cfg, attention=request.param, **kw)
