@@ -57,7 +57,8 @@ def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") ->
     rid = f"logits-{len(engine._requests)}-{id(prompt)}"
     seq = engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt)
     while True:
-        engine.step()
+        failed = [o.error for o in engine.step() if o.request_id == rid and o.error is not None]
+        assert not failed, f"the request failed: {failed[0]}"
         ids, logits = engine.last_logits
         if rid in ids:
             row = logits[ids.index(rid)].clone()
