@@ -91,3 +91,16 @@ def test_unknown_backend_is_refused_by_name():
 def test_flashinfer_on_cpu_says_it_needs_cuda():
     with pytest.raises(RuntimeError, match="CUDA"):
         make_backend("flashinfer", H, HKV, D, "cpu")
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32),
+                                            (torch.float16, torch.bfloat16)])
+def test_flashinfer_outside_16_bits_names_the_settings_that_work(dtype, kv_dtype):
+    """Refused before any GPU or flashinfer is touched: flashinfer's paged kernels compute in 16 bits."""
+    with pytest.raises(RuntimeError, match=r"dtype=bf16 and kv_dtype=bf16 \(or fp8\), or attention=torch"):
+        make_backend("flashinfer", H, HKV, D, "cuda", dtype, kv_dtype)
+
+
+def test_auto_on_cuda_in_fp32_runs_torch_attention():
+    """The default dtype (fp32) on CUDA: torch SDPA, never a flashinfer that would fail at the first step."""
+    assert make_backend("auto", H, HKV, D, "cuda", torch.float32).name == "torch"

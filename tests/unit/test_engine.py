@@ -142,6 +142,15 @@ def test_16_bit_compute_is_as_close_to_fp32_as_transformers_in_16_bits(hf, make,
     assert engine.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf16, prompt, 10)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch reaches a GPU")
+def test_cuda_without_a_gpu_says_what_to_set(cfg):
+    from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.settings import EngineSettings
+
+    with pytest.raises(RuntimeError, match="set device=cpu, or install torch's CUDA build"):
+        LLMEngine(EngineSettings(device="cuda", num_blocks=8), model_config=cfg)
+
+
 def test_bad_prompts_are_refused_with_a_reason(hf, make):
     engine = make()
     with pytest.raises(ValueError, match="vocabulary"):
