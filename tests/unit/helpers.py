@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
+from kvmesh.engine import native
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.settings import EngineSettings
+
+
+def needs_kernel(lib: object, source: Path) -> pytest.MarkDecorator:
+    """Skip unless the C kernel built from ``source`` loaded (``lib``), saying why not: no compiler, a build
+    error. The engine itself then runs the torch path, which the other tests cover."""
+    why = native.UNAVAILABLE.get(source.name, "switched off")
+    return pytest.mark.skipif(lib is None, reason=f"the native kernel {source.name} is unavailable here: {why}")
+
+
+# the attention backends an engine test runs on: torch everywhere, the C decode kernel where it builds
+BACKENDS = ["torch", pytest.param("native", marks=needs_kernel(native.load(), native.SOURCE))]
 
 
 def hf_tiny(cfg: ModelConfig, seed: int = 0):
@@ -42,7 +57,8 @@ def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") ->
     rid = f"logits-{len(engine._requests)}-{id(prompt)}"
     seq = engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt)
     while True:
-        engine.step()
+        failed = [o.error for o in engine.step() if o.request_id == rid and o.error is not None]
+        assert not failed, f"the request failed: {failed[0]}"
         ids, logits = engine.last_logits
         if rid in ids:
             row = logits[ids.index(rid)].clone()

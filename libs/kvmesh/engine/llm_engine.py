@@ -84,6 +84,16 @@ class _Tracked:
         self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
 
 
+def _check_device(device: str) -> None:
+    """RuntimeError saying what to do when ``device`` is CUDA and this torch cannot reach it."""
+    if not device.startswith("cuda") or torch.cuda.is_available():
+        return
+    why = (f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda is None
+           else f"this torch (CUDA {torch.version.cuda}) sees no GPU")
+    raise RuntimeError(f"device={device}, but {why}: set device=cpu, or install torch's CUDA build "
+                       "(README: Install, TORCH_INDEX)")
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineSettings, model_config: ModelConfig | None = None,
                  on_event: EventSink | None = None, seed: int = 0) -> None:
@@ -93,6 +103,7 @@ class LLMEngine:
             torch.set_num_threads(cfg.threads)
         if cfg.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(COMPUTE_DTYPES)}")
+        _check_device(cfg.device)
         self.cfg = cfg
         dtype = COMPUTE_DTYPES[cfg.dtype]
         self.tokenizer = None
@@ -132,7 +143,8 @@ class LLMEngine:
         self.loras = LoRAManager(mc, cfg.max_loras, cfg.max_lora_rank, dtype, cfg.device)
         for name, path in cfg.lora_adapter_paths():
             self.loras.load(name, path)
-        self.attn = make_backend(cfg.attention, mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.device)
+        self.attn = make_backend(cfg.attention, mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.device, dtype,
+                                 self.kv.dtype)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self._requests: dict[str, _Tracked] = {}
         self._grammars = None  # engine/grammar.Grammars, built at the first constrained request
