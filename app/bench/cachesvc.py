@@ -403,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{markdown_table(fetch_rows, FETCH_COLUMNS)}\n\n"
             "Fetch paths: *transfer engine* is what the engines do (GetBlocks names the reader's transfer "
             "endpoint; cachesvc leases the blocks, pushes them, releases, answers with keys and checksums only); "
-            "*inline gRPC* is the old path, the bytes inside the GetBlocks reply. Ratios are of medians; the three "
-            "paths alternate within each repetition.\n\n"
+            "*inline gRPC*, the baseline, carries the bytes inside the GetBlocks reply. Ratios are of medians; the "
+            "three paths alternate within each repetition.\n\n"
             + "\n".join(f"- {n}" for n in notes) + "\n")
     if not args.no_write:
         path = write_section(SECTION, "python -m app.bench.cachesvc" + (" --quick" if args.quick else ""),

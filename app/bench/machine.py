@@ -30,7 +30,7 @@ from app.bench.report import load_average, markdown_table, publish
 SECTION = "Machine limits"
 SOURCE = Path(__file__).parent / "csrc" / "machine.c"
 SHAPES = [  # (rows M, inputs K, outputs N): x [M, K] @ W [N, K]^T
-    (16, 576, 3072, "decode step, 16 rows x gate+up"),
+    (16, 576, 3072, "decode step, 16 rows x gate+up (7 MB of weights, from cache)"),
     (512, 576, 3072, "prefill chunk of 512 x gate+up"),
     (2048, 576, 1536, "prefill chunk of 2,048 x q+k+v-sized"),
     (1024, 1024, 1024, "square 1,024"),
