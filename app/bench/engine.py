@@ -19,7 +19,9 @@ from kvmesh.engine.llm_engine import COMPUTE_DTYPES, LLMEngine
 from kvmesh.engine.loader import resolve_model
 from kvmesh.settings import EngineSettings
 
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
+
+SECTION = "Engine vs transformers"
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -178,7 +180,5 @@ def main(argv: list[str] | None = None) -> int:
                                        "transformers tok/s", "ratio"]),
         "TTFT of a 1024-token prompt (kvmesh, prefix cache):\n\n" + markdown_table(res["ttft"], ["case", "TTFT s"]),
     ])
-    print(body)
-    if not args.no_write and not args.quick:
-        print(f"\nwritten to {write_section('Engine', 'kvmesh bench engine --threads ' + str(args.threads), body)}")
+    publish(SECTION, f"kvmesh bench engine --threads {args.threads}", body, write=not args.no_write and not args.quick)
     return 0

@@ -79,7 +79,7 @@ def test_a_kernel_without_a_compiler_is_unavailable_with_the_reason(monkeypatch,
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "UNAVAILABLE", {})
-    assert native._compile(native.SOURCE) is None
+    assert native.compile_source(native.SOURCE) is None
     assert "no-such-cc" in native.UNAVAILABLE["paged_decode.c"] and "torch path" in caplog.text
 
 

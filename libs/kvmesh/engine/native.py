@@ -60,8 +60,9 @@ def _build(source: Path, out: Path) -> None:
         os.replace(tmp_so, out)
 
 
-def _compile(source: Path) -> ctypes.CDLL | None:
-    """``source`` built (or found cached) and loaded; None, with a warning, when it cannot be built."""
+def compile_source(source: Path) -> ctypes.CDLL | None:
+    """``source`` built (or found cached) and loaded; None, with a warning, when it cannot be built. Also for C
+    outside the engine that must be compiled as its kernels are (the machine probe, ``app.bench.machine``)."""
     from kvmesh.model_source.resolve import default_cache_dir
 
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # what the sources include
@@ -80,7 +81,7 @@ def _compile(source: Path) -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    lib = _compile(SOURCE)
+    lib = compile_source(SOURCE)
     if lib is None:
         return None
     lib.kvmesh_init_fp8_table()
@@ -108,7 +109,7 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 @lru_cache(maxsize=1)
 def load_gemm() -> ctypes.CDLL | None:
-    lib = _compile(GEMM_SOURCE)
+    lib = compile_source(GEMM_SOURCE)
     if lib is None:
         return None
     lib.kvmesh_gemm_panel_width.argtypes, lib.kvmesh_gemm_panel_width.restype = [], _I64
@@ -164,7 +165,7 @@ def gemm_q(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, qtype: int, n: in
 
 @lru_cache(maxsize=1)
 def load_pointwise() -> ctypes.CDLL | None:
-    lib = _compile(POINTWISE_SOURCE)
+    lib = compile_source(POINTWISE_SOURCE)
     if lib is None:
         return None
     lib.kvmesh_rms_norm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
