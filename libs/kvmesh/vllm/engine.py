@@ -26,6 +26,7 @@ What maps to what
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -138,6 +139,12 @@ class VLLMEngine(EngineLoop, Engine):
                         "num_blocks or kv_cache_mb for %d)", self.max_model_len, self.num_vllm_blocks,
                         self.vllm_block_size, wanted)
         self.translator = Translator(cfg.block_size, self._namespace_of)
+        from kvmesh.vllm.connector import BRIDGES, Bridge  # imports vLLM: after _environment
+
+        self.bridge = Bridge(self.layout, self.vllm_block_size, self._namespace_of,
+                             self.num_vllm_blocks * self.per_block)
+        self.bridge_id = f"{id(self):x}"
+        BRIDGES[self.bridge_id] = self.bridge
         self.on_events: KVEventSink | None = None
         self.events_endpoint, self.replay_endpoint = endpoints()
         self.subscriber: Subscriber | None = None
@@ -156,6 +163,7 @@ class VLLMEngine(EngineLoop, Engine):
         """Start vLLM's engine (on the engine thread: every vLLM call is made from there)."""
         import vllm
         from vllm.config.kv_events import KVEventsConfig
+        from vllm.config.kv_transfer import KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine as VLLMLLMEngine
 
@@ -173,13 +181,21 @@ class VLLMEngine(EngineLoop, Engine):
             enable_lora=cfg.max_loras > 0, max_loras=max(1, cfg.max_loras), max_lora_rank=cfg.max_lora_rank,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=self.events_endpoint, replay_endpoint=self.replay_endpoint,
-                                            topic=TOPIC))
+                                            topic=TOPIC),
+            # kvmesh's connector (connector.py): pool hits loaded, finished blocks read out for the write-back
+            kv_transfer_config=KVTransferConfig(kv_connector="KvmeshConnector",
+                                                kv_connector_module_path="kvmesh.vllm.connector",
+                                                kv_role="kv_both",
+                                                kv_connector_extra_config={"bridge": self.bridge_id}))
         self.llm = VLLMLLMEngine.from_engine_args(args)
         for name, path in cfg.lora_adapter_paths():
             self._load_lora(name, path)
 
     async def close(self) -> None:
+        from kvmesh.vllm.connector import BRIDGES
+
         await self.stop()
+        BRIDGES.pop(self.bridge_id, None)
         if self.subscriber is not None:
             self.subscriber.close()
         for path in (self.events_endpoint, self.replay_endpoint):
@@ -232,7 +248,11 @@ class VLLMEngine(EngineLoop, Engine):
 
     async def adopt(self, namespace: NamespaceSeed, tokens: Sequence[int], first_block: int, data: memoryview,
                     num_blocks: int) -> bool:
-        return False
+        """Staged for the connector, which loads them into vLLM's paged KV when vLLM admits the request that
+        needs them (vLLM has no way to take blocks into its prefix cache outside a request)."""
+        if self.bridge.paged is None:
+            return False
+        return self.bridge.stage(namespace, tokens, first_block, data, num_blocks) > 0
 
     async def held_blocks(self) -> list[tuple[BlockKey, str]]:
         return self.translator.snapshot()
@@ -363,7 +383,9 @@ class VLLMEngine(EngineLoop, Engine):
         if request.cache_salt:
             tokens["cache_salt"] = request.cache_salt
         try:
-            self.llm.add_request(rid, tokens, sampling_params(p), lora_request=adapter.vllm if adapter else None)
+            transfer = {"kvmesh_id": rid, "kvmesh_export": request.export is not None}
+            self.llm.add_request(rid, tokens, sampling_params(p, transfer),
+                                 lora_request=adapter.vllm if adapter else None)
         except ValueError:
             raise
         except Exception as e:
@@ -399,7 +421,10 @@ class VLLMEngine(EngineLoop, Engine):
             entry = self._active.get(out.request_id)
             if entry is None:
                 continue
-            self.deliver(out.request_id, output(out, entry.first, entry.request.params.logprobs))
+            result = output(out, entry.first, entry.request.params.logprobs)
+            if out.finished and (exported := self.bridge.exports.pop(out.request_id, None)) is not None:
+                result = dataclasses.replace(result, exported=exported)
+            self.deliver(out.request_id, result)
             if entry.first:
                 entry.first = False
                 self._first_output(entry, out, now)

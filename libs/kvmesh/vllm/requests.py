@@ -8,9 +8,10 @@ from kvmesh.contracts.engine import EngineOutput, TokenLogprobs
 from kvmesh.contracts.sampling import SamplingParams
 
 
-def sampling_params(p: SamplingParams) -> Any:
-    """vLLM's ``SamplingParams`` for kvmesh's: one output per request, streamed as deltas. ValueError naming the
-    field when vLLM refuses a value."""
+def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None) -> Any:
+    """vLLM's ``SamplingParams`` for kvmesh's: one output per request, streamed as deltas; ``transfer``: what the
+    KV connector reads of the request (``kv_transfer_params``). ValueError naming the field when vLLM refuses a
+    value."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -28,7 +29,8 @@ def sampling_params(p: SamplingParams) -> Any:
         return VSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids),
                                ignore_eos=p.ignore_eos, logprobs=p.logprobs, structured_outputs=structured,
-                               output_kind=RequestOutputKind.DELTA)
+                               output_kind=RequestOutputKind.DELTA,
+                               extra_args={"kv_transfer_params": transfer} if transfer else None)
     except Exception as e:  # noqa: BLE001 - VLLMValidationError and plain ValueErrors: the request is at fault
         raise ValueError(f"sampling: {e}") from None
 
