@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
+from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady
 from kvmesh.contracts.sampling import sampling_to_proto
@@ -54,6 +55,7 @@ class Chunk:
     finished: bool = False
     finish_reason: str = ""
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
 
 
 class Router:
@@ -374,7 +376,8 @@ async def _chunks(call, inst: Instance, request_id: str):
 
 
 def _chunk(msg: worker_pb2.DecodeChunk) -> Chunk:
-    return Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason)
+    return Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason,
+                 logprobs=tuple(logprobs_from_proto(lp) for lp in msg.logprobs))
 
 
 def _model_name(source: str | None, hf_dir: Path) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine import native
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.model_source.hf_config import ModelConfig
@@ -52,8 +53,6 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") -> tuple[torch.Tensor, int]:
     """Logits of the first sampled position of ``prompt`` and the number of prompt tokens served from cache."""
-    from kvmesh.contracts.sampling import SamplingParams
-
     rid = f"logits-{len(engine._requests)}-{id(prompt)}"
     seq = engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt)
     while True:
@@ -65,3 +64,16 @@ def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") ->
             break
     engine.completion(rid)
     return row, seq.num_cached_tokens
+
+
+def run(engine: LLMEngine, reqs: list[tuple[str, list[int], SamplingParams]]) -> dict:
+    """Add ``reqs`` (request id, prompt, params) and step until nothing is left: each finished request's
+    ``Completion`` by id."""
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = engine.completion(out.request_id)
+    return done

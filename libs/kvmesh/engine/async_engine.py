@@ -243,7 +243,7 @@ class AsyncEngine(EngineLoop, Engine):
         pieces = [KVPiece(p.first_block, blocks_from_bytes(self.layout, p.data, p.layers), p.layers)
                   for p in kv.parts if p.data is not None]
         blocks: list[KVPiece] | Landed = pieces if kv.reservation is None else Landed(kv.reservation, pieces)
-        return Imported(blocks, kv.num_tokens, kv.first_token, kv.first_block)
+        return Imported(blocks, kv.num_tokens, kv.first_token, kv.first_block, kv.first_logprobs)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()
@@ -317,7 +317,7 @@ class AsyncEngine(EngineLoop, Engine):
                 block_bytes(readout.blocks), int(readout.blocks.shape[0]), readout.first_block, readout.num_tokens,
                 tuple(BlockKey(k) for k in readout.block_keys), readout.final, readout.layers)
             item = EngineOutput(item.request_id, tuple(item.new_token_ids), item.text_delta, item.finished,
-                                item.finish_reason, item.cached_tokens, exported)
+                                item.finish_reason, item.cached_tokens, exported, tuple(item.logprobs))
         self.deliver(request_id, item)
 
 
