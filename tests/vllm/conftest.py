@@ -33,8 +33,9 @@ def pytest_collection_modifyitems(config, items):
                                                         "build here), `make test-vllm` runs these tests"))
 
 
-def vllm_stack(tmp_path_factory, name: str, both: int = 1, engine: dict | None = None, **settings) -> Stack:
-    opts = StackOptions.local(name, prefill=0, decode=0, both=both,
+def vllm_stack(tmp_path_factory, name: str, both: int = 1, prefill: int = 0, decode: int = 0,
+               engine: dict | None = None, **settings) -> Stack:
+    opts = StackOptions.local(name, prefill=prefill, decode=decode, both=both,
                               settings={"engine": {**ENGINE, **(engine or {})}, **settings})
     stack = Stack(tmp_path_factory.mktemp(name), opts)
     stack.start(timeout_s=400)

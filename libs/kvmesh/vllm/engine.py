@@ -44,11 +44,14 @@ from kvmesh.contracts.engine import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    ExportedKV,
+    ExportPieces,
+    ImportedKV,
     RequestTiming,
 )
 from kvmesh.contracts.events import AllBlocksCleared
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
-from kvmesh.contracts.keys import Namespace
+from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.engines.errors import SequenceError
@@ -144,6 +147,7 @@ class VLLMEngine(EngineLoop, Engine):
         self.bridge = Bridge(self.layout, self.vllm_block_size, self._namespace_of,
                              self.num_vllm_blocks * self.per_block)
         self.bridge_id = f"{id(self):x}"
+        self.bridge.emit = self._emit
         BRIDGES[self.bridge_id] = self.bridge
         self.on_events: KVEventSink | None = None
         self.events_endpoint, self.replay_endpoint = endpoints()
@@ -188,6 +192,8 @@ class VLLMEngine(EngineLoop, Engine):
                                                 kv_role="kv_both",
                                                 kv_connector_extra_config={"bridge": self.bridge_id}))
         self.llm = VLLMLLMEngine.from_engine_args(args)
+        manager = self.llm.engine_core.engine_core.scheduler.kv_cache_manager
+        self.bridge.block_ids = lambda req_id: list(manager.get_block_ids(req_id)[0])
         for name, path in cfg.lora_adapter_paths():
             self._load_lora(name, path)
 
@@ -205,8 +211,6 @@ class VLLMEngine(EngineLoop, Engine):
     async def generate(self, request: EngineRequest,
                        timing: RequestTiming | None = None) -> AsyncIterator[EngineOutput]:
         rid = request.request_id
-        if request.imported is not None:
-            raise ValueError("this vLLM instance takes no pushed KV: route the request with prefill_locally")
         stream = self.open_stream(rid)
         try:
             if timing is not None:
@@ -235,7 +239,10 @@ class VLLMEngine(EngineLoop, Engine):
         return self.translator.holds(namespace, tokens, max_tokens)
 
     async def pin(self, lease: str, namespace: NamespaceSeed, tokens: Sequence[int], max_blocks: int) -> int:
-        return 0  # vLLM cannot hold blocks for someone outside: a push must bring the whole prompt
+        """What vLLM holds of the prompt now (it cannot hold blocks for someone outside: should it evict them
+        before the push is imported, the connector sees its local hit fall short of the push and vLLM computes
+        the prompt instead, never a wrong token)."""
+        return min(max_blocks, self.translator.holds(namespace, tokens, len(tokens)))
 
     def unpin(self, lease: str) -> None:
         pass
@@ -383,8 +390,7 @@ class VLLMEngine(EngineLoop, Engine):
         if request.cache_salt:
             tokens["cache_salt"] = request.cache_salt
         try:
-            transfer = {"kvmesh_id": rid, "kvmesh_export": request.export is not None}
-            self.llm.add_request(rid, tokens, sampling_params(p, transfer),
+            self.llm.add_request(rid, tokens, sampling_params(p, self._transfer(request)),
                                  lora_request=adapter.vllm if adapter else None)
         except ValueError:
             raise
@@ -396,6 +402,24 @@ class VLLMEngine(EngineLoop, Engine):
         self._active[rid] = _Request(request, timing, adapter.vllm.lora_name if adapter else "", added=added)
         if timing is not None:
             timing.added = added
+
+    def _transfer(self, request: EngineRequest) -> dict[str, Any]:
+        """What the connector reads of a request (``kv_transfer_params``): its id, its export plan (a push while
+        it computes, or the write-back at its end), and whether a push is staged for it."""
+        out: dict[str, Any] = {"kvmesh_id": request.request_id}
+        plan = request.export
+        if plan is not None and plan.pieces is ExportPieces.AT_END:
+            out["kvmesh_export"] = True
+        elif plan is not None:
+            out["kvmesh_plan"] = [plan.first_block,
+                                  plan.layer_groups if plan.pieces is ExportPieces.BY_LAYER_GROUP else 1]
+        if request.imported is not None:
+            self.bridge.imports[request.request_id] = imported_blocks(request.imported, self.layout)
+            out["kvmesh_import"] = True
+        return out
+
+    def _emit(self, rid: str, piece: ExportedKV) -> None:  # the engine thread, inside vLLM's forward pass
+        self.deliver(rid, EngineOutput(rid, (), exported=piece))
 
     def _abort(self, rid: str) -> None:
         entry = self._active.pop(rid, None)
@@ -422,8 +446,8 @@ class VLLMEngine(EngineLoop, Engine):
             if entry is None:
                 continue
             result = output(out, entry.first, entry.request.params.logprobs)
-            if out.finished and (exported := self.bridge.exports.pop(out.request_id, None)) is not None:
-                result = dataclasses.replace(result, exported=exported)
+            if out.finished:
+                result = dataclasses.replace(result, exported=self._last_piece(entry.request))
             self.deliver(out.request_id, result)
             if entry.first:
                 entry.first = False
@@ -432,6 +456,19 @@ class VLLMEngine(EngineLoop, Engine):
                 del self._active[out.request_id]
                 if entry.lora:
                     self._drop_retired(entry.lora)
+
+    def _last_piece(self, request: EngineRequest) -> ExportedKV | None:
+        """What the finished request's export plan leaves for its last output: the write-back's read-out, or for
+        a push (every block already left during the passes) none, with the keys and tokens ``kv.ready`` names."""
+        rid, plan = request.request_id, request.export
+        self.bridge.imports.pop(rid, None)
+        exported = self.bridge.exports.pop(rid, None)
+        if plan is None or plan.pieces is ExportPieces.AT_END:
+            return exported
+        bs = self.layout.block_size
+        keys = tuple(block_keys(self.namespace(request.cache_salt, request.lora), request.prompt, bs))
+        end = -(-len(request.prompt) // bs)
+        return ExportedKV(memoryview(b""), 0, end, len(request.prompt), keys)
 
     def _first_output(self, entry: _Request, out: Any, now: float) -> None:
         """The request's first token: its engine timings, and a sample of the prefill speed (its computed
@@ -453,6 +490,27 @@ class VLLMEngine(EngineLoop, Engine):
         for rid in list(self._active):
             self.deliver(rid, SequenceError(rid, f"the engine step failed: {type(e).__name__}: {e}"))
             self._abort(rid)
+
+
+def imported_blocks(kv: ImportedKV, wire: KVLayout) -> Any:
+    """A verified push as the connector loads it: every pushed (block, layer) placed, as wire blocks."""
+    import torch
+
+    from kvmesh.vllm.connector import Imported
+    from kvmesh.vllm.layout import TORCH_DTYPES
+
+    if kv.layout != wire:
+        raise ValueError("the pushed KV is in another layout than this engine's")
+    n = -(-kv.num_tokens // wire.block_size) - kv.first_block
+    blocks = torch.empty(n, *wire.block_shape, dtype=TORCH_DTYPES[wire.dtype])
+    for part in kv.parts:
+        if part.data is None:
+            raise ValueError("this engine cannot take KV received in place")
+        lo, hi = part.layers or (0, wire.num_layers)
+        data = torch.frombuffer(part.data, dtype=blocks.dtype).view(part.num_blocks, hi - lo, *wire.block_shape[1:])
+        i = part.first_block - kv.first_block
+        blocks[i:i + part.num_blocks, lo:hi] = data
+    return Imported(kv.first_block, blocks)
 
 
 def _json(path: Path) -> dict[str, Any]:
