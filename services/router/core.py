@@ -202,7 +202,13 @@ class Router:
         if prefills and decodes:
             prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
-            decode = choose_decode(holders or decodes)
+            # a push is only ever sent where its bytes mean the same: the decode's KV layout equals prefill's
+            paired = [i for i in holders or decodes if same_layout(prefill, i)]
+            decode = choose_decode(paired or holders or decodes)
+            if not paired:
+                route.set_attributes({"kvmesh.route.path": "local",
+                                      "kvmesh.route.reason": f"local: no decode shares {prefill.id}'s KV layout"})
+                return self._local(work, decode, rt, f"local: no decode shares {prefill.id}'s KV layout")
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
             # one line prices both computes: the same model on the same kind of machine, and a decode
@@ -373,6 +379,13 @@ async def _chunks(call, inst: Instance, request_id: str):
                            inst.id, retryable=e.code() == grpc.StatusCode.UNAVAILABLE) from None
     finally:
         call.cancel()
+
+
+def same_layout(a: Instance, b: Instance) -> bool:
+    """Whether a push from ``a`` means the same to ``b`` (equal KV layouts; an instance that did not say its
+    layout is taken at its word that model and block size match, as before layouts were reported)."""
+    la, lb = a.beat.kv_layout, b.beat.kv_layout
+    return la is None or lb is None or la == lb
 
 
 def _chunk(msg: worker_pb2.DecodeChunk) -> Chunk:

@@ -92,3 +92,68 @@ def test_the_same_greedy_ids_as_role_both_on_a_long_prompt(pd, tmp_path_factory)
     finally:
         both.stop()
     assert via_pd == alone and text
+
+
+def mixed_stack(tmp_path_factory, name: str, prefill: dict[str, str], decode: dict[str, str]):
+    """One prefill and one decode, each with its own engine variables, PD forced."""
+    from app.launcher import Stack, StackOptions
+    from tests.vllm.conftest import ENGINE
+
+    opts = StackOptions.local(name, prefill=1, decode=1, both=0,
+                              settings={"engine": {k: v for k, v in ENGINE.items() if k != "backend"},
+                                        "router": {"disaggregate": "always"}},
+                              instance_env={"prefill-0": prefill, "decode-0": decode})
+    stack = Stack(tmp_path_factory.mktemp(name), opts)
+    stack.start(timeout_s=400)
+    return stack
+
+
+NATIVE, VLLM = {"KVMESH_ENGINE_BACKEND": "native"}, {"KVMESH_ENGINE_BACKEND": "vllm"}
+
+
+@pytest.mark.parametrize("prefill,decode", [(NATIVE, VLLM), (VLLM, NATIVE)], ids=["native-to-vllm", "vllm-to-native"])
+def test_native_and_vllm_hand_kv_to_each_other_through_the_wire_layout(tmp_path_factory, prefill, decode):
+    """The two engines of one model convert their KV to the same wire layout: a push from one is loaded by the
+    other, and greedy tokens equal vllm serve's (which the native engine also gives on these prompts)."""
+    stack = mixed_stack(tmp_path_factory, "mixed", prefill, decode)
+    try:
+        long = long_prompt(9, 700)
+        with KvmeshClient(stack.router_grpc) as c:
+            got = [c.complete(p, max_tokens=16, temperature=0) for p in [*PROMPTS, long]]
+        assert [g.token_ids for g in got[:3]] == REFERENCE
+        found = spans(stack, got[3].metadata["x-request-id"])
+        assert found["decode.load"]["kvmesh.imported"] and "decode.kv_fallback" not in found
+        assert metric(stack, "decode-0", "kvmesh_worker_kv_fallbacks_total") == 0
+    finally:
+        stack.stop()
+    both = vllm_stack(tmp_path_factory, "vllmref", both=1)
+    try:
+        with KvmeshClient(both.router_grpc) as c:
+            assert got[3].token_ids == c.complete(long, max_tokens=16, temperature=0).token_ids
+    finally:
+        both.stop()
+
+
+def test_a_decode_whose_kv_layout_differs_is_never_paired_and_computes_the_prompt_itself(tmp_path_factory):
+    """A native prefill storing bf16 KV and a vLLM decode in fp32: the bytes would mean something else, so the
+    router sends the request to decode alone (which prefills it) and says why."""
+    stack = mixed_stack(tmp_path_factory, "mismatch", {**NATIVE, "KVMESH_ENGINE_KV_DTYPE": "bf16"}, VLLM)
+    try:
+        with KvmeshClient(stack.router_grpc) as c:
+            out = c.complete(PROMPTS[0], max_tokens=16, temperature=0)
+        assert out.token_ids == REFERENCE[0]
+        route = next(a for name, a in spans_any(stack, out.metadata["x-request-id"]) if name == "router.route")
+        assert route["kvmesh.route.path"] == "local" and "KV layout" in route["kvmesh.route.reason"]
+        assert metric(stack, "prefill-0", 'kvmesh_worker_kv_transfer_bytes_total{direction="push"}') == 0
+    finally:
+        stack.stop()
+
+
+def spans_any(stack, request_id: str) -> list[tuple[str, dict]]:
+    deadline = time.monotonic() + 10
+    while True:
+        found = [(s["name"], s["attributes"]) for line in (stack.state_dir / "traces.jsonl").read_text().splitlines()
+                 if (s := json.loads(line))["attributes"].get("kvmesh.request_id") == request_id]
+        if any(name == "router.route" for name, _ in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)

@@ -220,6 +220,9 @@ class Heartbeat:
     block_size: int
     # the LoRA adapters it serves: (name, generation, path); a request's block keys use name@generation
     loras: tuple[tuple[str, str, str], ...] = ()
+    # what its pushed and received blocks mean (its engine converts its own memory to and from this): a prefill
+    # and a decode are paired only when theirs are equal. None: an older instance that did not say
+    kv_layout: KVLayout | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -231,7 +234,8 @@ class Heartbeat:
         return _dump(self.TYPE, {"instance_id": self.instance_id, "role": self.role,
                                  "grpc_address": self.grpc_address, "transfer_address": self.transfer_address,
                                  "ts": self.ts, "load": self.load, "model": self.model,
-                                 "block_size": self.block_size, "loras": [list(a) for a in self.loras]})
+                                 "block_size": self.block_size, "loras": [list(a) for a in self.loras],
+                                 **({"kv_layout": self.kv_layout.to_dict()} if self.kv_layout else {})})
 
     @classmethod
     def decode(cls, data: bytes) -> Heartbeat:
@@ -242,7 +246,8 @@ class Heartbeat:
         return cls(instance_id=InstanceId(_get(d, "instance_id", str)), role=_get(d, "role", str),
                    grpc_address=_get(d, "grpc_address", str), transfer_address=_get(d, "transfer_address", str),
                    ts=float(_get(d, "ts", int, float)), load=_get(d, "load", dict), model=_get(d, "model", str),
-                   block_size=_get(d, "block_size", int), loras=_loras(d.get("loras", [])))
+                   block_size=_get(d, "block_size", int), loras=_loras(d.get("loras", [])),
+                   kv_layout=_layout(d["kv_layout"]) if d.get("kv_layout") else None)
 
 
 def _loras(value: Any) -> tuple[tuple[str, str, str], ...]:
