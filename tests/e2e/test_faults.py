@@ -111,10 +111,12 @@ def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
                         env={"KVMESH_ROUTER_INSTANCE_TIMEOUT_S": "60", "KVMESH_INSTANCE_KV_TIMEOUT_S": "30"})
     try:
         # killed before any request: both decodes look alike, so the router's tie-break (by id) picks decode-0
-        for name in ("prefill-0", "decode-0"):
+        for name in ("prefill-1", "decode-0"):
             service(stack, name).proc.send_signal(signal.SIGKILL)
         time.sleep(0.5)
-        rr = {"x-kvmesh-policy": "round_robin"}  # alternates prefills: some attempt picks the dead one
+        # round robin alternates prefills by attempt: each request's first attempt (prefill-0, on the dead decode-0,
+        # whose call grants no push, so no Prefill is sent) fails over to decode-1 with prefill-1, the dead one
+        rr = {"x-kvmesh-policy": "round_robin"}
         t0 = time.monotonic()
         answers = [chat(stack, "Say hello in French.", headers=rr)["choices"][0]["message"]["content"]
                    for _ in range(2)]
