@@ -83,29 +83,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHES = {  # kvmesh bench NAME -> its module in app.bench
+    "engine": "engine", "machine": "machine", "attention": "attention", "gemm": "gemm", "transfer": "transfer",
+    "mesh": "mesh", "serve": "serve", "ablation": "ablation", "routing": "routing", "load": "load",
+    "tracing": "tracing_cost", "lora": "lora",
+}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "engine":
-        from app.bench import engine as bench
-    elif args.what == "transfer":
-        from app.bench import transfer as bench
-    elif args.what == "mesh":
-        from app.bench import mesh as bench
-    elif args.what == "serve":
-        from app.bench import serve as bench
-    elif args.what == "ablation":
-        from app.bench import ablation as bench
-    elif args.what == "routing":
-        from app.bench import routing as bench
-    elif args.what == "load":
-        from app.bench import load as bench
-    elif args.what == "tracing":
-        from app.bench import tracing_cost as bench
-    elif args.what == "lora":
-        from app.bench import lora as bench
-    else:
-        print(f"kvmesh bench: unknown benchmark {args.what!r}", file=sys.stderr)
+    import importlib
+
+    module = BENCHES.get(args.what)
+    if module is None:
+        print(f"kvmesh bench: unknown benchmark {args.what!r}; choose one of {', '.join(BENCHES)}", file=sys.stderr)
         return 2
-    return bench.main(args.rest)
+    return importlib.import_module(f"app.bench.{module}").main(args.rest)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -235,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     cf.add_argument("rest", nargs=argparse.REMAINDER)
     cf.set_defaults(func=cmd_config)
 
-    b = sub.add_parser("bench", help="benchmarks (engine, mesh, transfer, serve, ablation, tracing, routing, load)")
-    b.add_argument("what", help="engine | mesh | transfer | serve | ablation | tracing | routing | load | lora")
+    b = sub.add_parser("bench", help=f"benchmarks ({', '.join(BENCHES)})")
+    b.add_argument("what", help=" | ".join(BENCHES))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     b.set_defaults(func=cmd_bench)
 

@@ -55,6 +55,9 @@ class StackOptions:
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     config: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # KVMESH_* variables for one instance only, by its name ("prefill-0"): e.g. a mixed fleet, one instance on
+    # another engine backend ({"decode-0": {"KVMESH_ENGINE_BACKEND": "vllm"}})
+    instance_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @classmethod
     def local(cls, cluster: str, **kw: Any) -> StackOptions:
@@ -142,7 +145,8 @@ class Stack:
             for role, count in (("prefill", o.prefill), ("decode", o.decode), ("both", o.both)):
                 for i in range(count):
                     self._spawn(f"{role}-{i}", ENGINE_MODULES[role],
-                                {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": f"{role}-{i}", **pool})
+                                {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": f"{role}-{i}", **pool,
+                                 **o.instance_env.get(f"{role}-{i}", {})})
             router = {"KVMESH_ROUTER_CACHESVC_ADDRESS": cache.grpc_address}
             if cfg.sources["router"]["model"].kind == "default" and cfg.engine.model:
                 router["KVMESH_ROUTER_MODEL"] = cfg.engine.model  # the engines' model, unless told otherwise

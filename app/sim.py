@@ -23,6 +23,7 @@ from kvmesh.routing import CacheAware, Candidate, CostModel, make_policy
 
 from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 
+SECTION = "Routing simulator, {instances} instances"  # --write: the section of docs/benchmarks.md
 SIM_POLICIES = ("random", "round_robin", "least_loaded", "cache_aware_local", "cache_aware")
 
 
@@ -196,7 +197,7 @@ def _write(args: argparse.Namespace, results: list[dict]) -> None:
             + markdown_table(rows, ["policy", "block hit rate", "TTFT mean s", "TTFT p90 s", "SLO attainment"]))
     cmd = (f"kvmesh sim --trace {args.trace} --instances {args.instances} --policy {args.policy} "
            f"--capacity-blocks {args.capacity_blocks} --write")
-    write_section(f"Routing simulator, {args.instances} instances", cmd, body)
+    write_section(SECTION.format(instances=args.instances), cmd, body)
 
 
 def main(argv: list[str] | None = None) -> int:

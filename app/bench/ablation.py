@@ -51,6 +51,8 @@ from app.bench.serve import RunOptions, RunResult, run_workload
 from app.bench.stats import SLO, RequestRecord, ms
 from app.launcher import Stack, StackOptions
 
+SECTION = "Ablation (A–E)"
+
 SCENARIOS = ("cold start", "stable hot set", "hot-set switch", "low reuse", "failure")
 
 
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nablation took {time.monotonic() - started:.0f} s; results in {out}", file=sys.stderr)
     if not args.no_write and chosen == list(all_cfgs) and list(work) == list(SCENARIOS):
         command = "kvmesh bench ablation" + (" " + " ".join(argv) if argv else "")
-        print(f"written to {write_section('Ablation (A–E)', command, body)}")
+        print(f"written to {write_section(SECTION, command, body)}")
     return 0
 
 

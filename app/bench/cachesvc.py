@@ -54,6 +54,8 @@ from kvmesh.ready import wait_ready
 from app.bench.report import markdown_table, write_section
 from app.bench.stats import percentile
 
+SECTION = "Index, disk tier and pool fetch"
+
 REPO = Path(__file__).resolve().parents[3]
 CHAIN = 64
 FETCH_PATHS = (("inline gRPC (baseline)", None), ("transfer engine, tcp", "tcp"), ("transfer engine, shm", "shm"))
@@ -390,24 +392,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     body = (f"{load} (other work on this machine makes the figures noisy).\n\n"
-            f"### Index: {args.blocks:,} blocks, {INSTANCES} instances\n\n"
+            f"#### Index: {args.blocks:,} blocks, {INSTANCES} instances\n\n"
             f"{markdown_table(index_rows, ['what', 'p50', 'p99'])}\n\n"
             "Over gRPC: a sync Python client on the same machine, one call at a time; the empty call is the "
             "transport's own cost. In-process: the index walk alone. Bytes per block: tracemalloc of the index "
             "(dict slot, key object, holder mask).\n\n"
-            f"### Disk tier read bandwidth ({args.disk_mb} MB of 720 KiB blocks)\n\n"
+            f"#### Disk tier read bandwidth ({args.disk_mb} MB of 720 KiB blocks)\n\n"
             f"{markdown_table(disk_rows, ['read', 'page cache', 'MB', 'GB/s (best)', 'GB/s (median)'])}\n\n"
             "Cold: `posix_fadvise(DONTNEED)` on every segment file before each pass (this VM's virtual disk may "
             "still cache below the guest).\n\n"
-            "### Pool fetch vs recompute, 1024-token prefix (64 blocks)\n\n"
+            "#### Pool fetch vs recompute, 1024-token prefix (64 blocks)\n\n"
             f"{markdown_table(fetch_rows, FETCH_COLUMNS)}\n\n"
             "Fetch paths: *transfer engine* is what the engines do (GetBlocks names the reader's transfer "
             "endpoint; cachesvc leases the blocks, pushes them, releases, answers with keys and checksums only); "
-            "*inline gRPC* is the old path, the bytes inside the GetBlocks reply. Ratios are of medians; the three "
-            "paths alternate within each repetition.\n\n"
+            "*inline gRPC*, the baseline, carries the bytes inside the GetBlocks reply. Ratios are of medians; the "
+            "three paths alternate within each repetition.\n\n"
             + "\n".join(f"- {n}" for n in notes) + "\n")
     if not args.no_write:
-        path = write_section("cachesvc", "python -m app.bench.cachesvc" + (" --quick" if args.quick else ""),
+        path = write_section(SECTION, "python -m app.bench.cachesvc" + (" --quick" if args.quick else ""),
                              body)
         print(f"wrote {path}")
     return 0

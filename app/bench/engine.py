@@ -1,6 +1,6 @@
 """Engine benchmark: kvmesh's engine side by side with Hugging Face transformers, same weights, same thread.
 
-    kvmesh bench engine [--threads 1] [--quick] [--no-write]
+    kvmesh bench engine [--threads 1] [--quick] [--no-write] [--device cuda] [--dtype bf16]
     kvmesh bench engine --serving [...]   (concurrent streams through AsyncEngine: app.bench.engine_serving)
 
 Prefill tokens/s at 128/512/2048 tokens; decode ms/step at batch 1/8/32 with a 512-token context; TTFT of a
@@ -15,11 +15,13 @@ import time
 
 import torch
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engine.llm_engine import COMPUTE_DTYPES, LLMEngine
 from kvmesh.engine.loader import resolve_model
 from kvmesh.settings import EngineSettings
 
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
+
+SECTION = "Engine vs transformers"
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -27,19 +29,26 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=g).tolist()
 
 
+def _sync() -> None:
+    """Wait for the GPU's queued work (a CUDA call returns before it ran); nothing to wait for on CPU."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 class Ours:
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, device: str = "cpu", dtype: str = "fp32") -> None:
         self.engine = LLMEngine(EngineSettings(threads=threads, max_batched_tokens=4096, kv_cache_mb=1024,
-                                             max_num_seqs=64))
+                                             max_num_seqs=64, device=device, dtype=dtype, kv_dtype=dtype))
         self.n = 0
 
     def _fresh_engine_state(self) -> None:
@@ -84,34 +93,38 @@ class Ours:
 
 
 class HF:
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu", dtype: str = "fp32") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(resolve_model(None).hf_dir, dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(resolve_model(None).hf_dir,
+                                                          dtype=COMPUTE_DTYPES[dtype]).to(self.device).eval()
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> None:
-        self.model(torch.tensor([prompt]), logits_to_keep=1, use_cache=True)  # as generate() prefills
+        self.model(torch.tensor([prompt], device=self.device), logits_to_keep=1, use_cache=True)  # as generate()
 
     @torch.inference_mode()
     def decode_ms(self, batch: int, context: int, steps: int) -> float:
-        out = self.model(torch.tensor([_tokens(context, 7)]), logits_to_keep=1, use_cache=True)
+        out = self.model(torch.tensor([_tokens(context, 7)], device=self.device), logits_to_keep=1, use_cache=True)
         cache = out.past_key_values
         cache.batch_repeat_interleave(batch)
-        nxt = torch.full((batch, 1), 200)
-        mask = torch.ones(batch, context + 1, dtype=torch.long)
+        nxt = torch.full((batch, 1), 200, device=self.device)
+        mask = torch.ones(batch, context + 1, dtype=torch.long, device=self.device)
+        _sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             out = self.model(nxt, past_key_values=cache, attention_mask=mask, use_cache=True)
             cache = out.past_key_values
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, mask[:, :1]], dim=1)
+        _sync()
         return (time.perf_counter() - t0) / steps * 1000
 
 
-def run(threads: int = 1, quick: bool = False) -> dict:
+def run(threads: int = 1, quick: bool = False, device: str = "cpu", dtype: str = "fp32") -> dict:
     torch.set_num_threads(threads)
-    ours, hf = Ours(threads), HF()
+    ours, hf = Ours(threads, device, dtype), HF(device, dtype)
     repeats = 1 if quick else 3
     prefill_rows = []
     for n in ((128, 512) if quick else (128, 512, 2048)):
@@ -146,13 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index> (both engines; not written to the "
+                                                   "docs unless cpu)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(COMPUTE_DTYPES), help="compute and KV dtype of both")
     args = p.parse_args(argv)
-    res = run(args.threads, args.quick)
+    if args.device != "cpu" or args.dtype != "fp32":
+        args.no_write = True  # docs/benchmarks.md keeps the CPU fp32 figures; these are printed only
+    res = run(args.threads, args.quick, args.device, args.dtype)
+    where = (f"{args.threads} thread(s)" if args.device == "cpu"
+             else f"on {args.device} ({torch.cuda.get_device_name(args.device)})")
     body = "\n\n".join([
-        (f"Default model (SmolLM2-135M-Instruct, fp32 compute and KV), {args.threads} thread(s). Ratio > 1 means "
-         "kvmesh is faster than transformers (same weight values, same process, same thread budget; kvmesh's "
-         "decode-sized steps read the GGUF's quantized blocks, `engine.quantized_weights`, which hold exactly "
-         "the fp32 values transformers multiplies)."),
+        (f"Default model (SmolLM2-135M-Instruct, {args.dtype} compute and KV), {where}. Ratio > 1 means "
+         "kvmesh is faster than transformers (same weight values, same process, same thread budget; on CPU in "
+         "fp32 kvmesh's decode-sized steps read the GGUF's quantized blocks, `engine.quantized_weights`, which "
+         "hold exactly the fp32 values transformers multiplies)."),
         "Prefill (one prompt, logits for the last position only):\n\n" +
         markdown_table(res["prefill"], ["tokens", "kvmesh tok/s", "transformers tok/s", "ratio"]),
         "Decode, context 512 tokens per sequence:\n\n" +
@@ -160,7 +180,5 @@ def main(argv: list[str] | None = None) -> int:
                                        "transformers tok/s", "ratio"]),
         "TTFT of a 1024-token prompt (kvmesh, prefix cache):\n\n" + markdown_table(res["ttft"], ["case", "TTFT s"]),
     ])
-    print(body)
-    if not args.no_write and not args.quick:
-        print(f"\nwritten to {write_section('Engine', 'kvmesh bench engine --threads ' + str(args.threads), body)}")
+    publish(SECTION, f"kvmesh bench engine --threads {args.threads}", body, write=not args.no_write and not args.quick)
     return 0

@@ -37,7 +37,11 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
 
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
+
+SECTION = "Engine serving"
+SECTION_STACK = "Engine serving through the stack"
+SECTION_TARGET = "Engine serving vs {target}"  # with --target: the baseline's --target-name
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to (re)write (default: "
-                   "'Engine serving', with --stack 'Engine serving through the stack')")
+                   f"{SECTION!r}, with --stack {SECTION_STACK!r}, with --target {SECTION_TARGET!r})")
     p.add_argument("--weights", choices=[*WEIGHTS, "both"], default="both",
                    help="which weight form(s) the engine reads (default: both, one after the other)")
     p.add_argument("--mixed-step-stall", type=float, default=None,
@@ -282,15 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     body = render(results, args.threads, args.stack)
     if engine:
         body = f"`engine.mixed_step_stall` = {args.mixed_step_stall:g}.\n\n" + body
-    print(body)
-    section = args.section or ("Engine serving through the stack" if args.stack else "Engine serving")
-    if not args.no_write and not args.quick:
-        cmd = (f"python -m app.bench.engine_serving --threads {args.threads}" + (" --stack" if args.stack else "")
-               + ("" if args.weights == "both" else f" --weights {args.weights}")
-               + ("" if args.mixed_step_stall is None else f" --mixed-step-stall {args.mixed_step_stall:g}")
-               + (f" --target {args.target} --target-name '{args.target_name}'" if args.target else "")
-               + (f" --model {args.model}" if args.model else ""))
-        print(f"\nwritten to {write_section(section, cmd, body)}")
+    section = args.section or (SECTION_TARGET.format(target=args.target_name) if args.target
+                               else SECTION_STACK if args.stack else SECTION)
+    cmd = (f"python -m app.bench.engine_serving --threads {args.threads}" + (" --stack" if args.stack else "")
+           + ("" if args.weights == "both" else f" --weights {args.weights}")
+           + ("" if args.mixed_step_stall is None else f" --mixed-step-stall {args.mixed_step_stall:g}")
+           + (f" --target {args.target} --target-name '{args.target_name}'" if args.target else "")
+           + (f" --model {args.model}" if args.model else "")
+           + (f" --section '{args.section}'" if args.section else ""))
+    publish(section, cmd, body, write=not args.no_write and not args.quick)
     return 0
 
 

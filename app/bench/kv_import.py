@@ -1,6 +1,7 @@
 """What decode's intake of one cold push costs, buffered vs received in place, against a memcpy of its bytes.
 
-    python -m app.bench.kv_import [--tokens 1500] [--repeats 5] [--backend tcp|shm] [--groups 2] [--chunk 1024]
+    python -m app.bench.kv_import [--tokens 1500] [--repeats 5] [--backends tcp,shm] [--groups 2] [--chunk 1024]
+                                  [--no-write]
 
 SmolLM2-135M's KV layout (30 layers, 3 KV heads, head dim 64, fp32, 16-token blocks; 1,500 tokens are 66 MiB).
 A sender process pushes the prompt's KV as prefill does (per ``--chunk``-token chunk, ``--groups`` layer groups
@@ -9,7 +10,7 @@ each); this process receives it with a ``TransferServer`` and imports it into a 
 by ``import_prefix``) or ``in place`` (blocks reserved first, parts landed in them, adopted by the import).
 ``receive_ms``: the parts' own header → verified times, added up (what ``decode.load``'s ``kvmesh.receive_ms``
 says); ``import_ms``: the engine's import; ``memcpy_ms``: one copy of the same bytes between two preallocated
-tensors. Medians over ``--repeats``. Prints a table; writes nothing.
+tensors. Medians over ``--repeats``; each backend in turn. Writes its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from kvmesh.engine.sequence import Sequence
 from kvmesh.transfer import TransferClient, TransferServer
 from kvmesh.transfer.landing import Landing
 
+from app.bench.report import load_average, markdown_table, publish
+
+SECTION = "KV import"
 LAYOUT = KVLayout("bench-smollm2-135m", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
 
 
@@ -94,49 +98,74 @@ async def _receive(server: TransferServer, conn: Connection, bm: BlockManager, r
     return receive_s, import_s
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=1500)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backend", default="tcp", choices=("tcp", "shm"))
-    ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--chunk", type=int, default=1024)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    n = -(-args.tokens // LAYOUT.block_size)
+def measure(backend: str, tokens: int, chunk: int, groups: int, repeats: int) -> list[dict]:
+    """Rows of the table for one backend: each mode's medians, and the memcpy of the same bytes."""
+    n = -(-tokens // LAYOUT.block_size)
     nbytes = n * LAYOUT.block_nbytes
-    nparts = len(parts_of(args.tokens, args.chunk, args.groups))
+    nparts = len(parts_of(tokens, chunk, groups))
     parent, child = mp.Pipe()
     sender = mp.get_context("spawn").Process(target=_sender, daemon=True,
-                                             args=(child, args.tokens, args.chunk, args.groups, args.repeats))
+                                             args=(child, tokens, chunk, groups, repeats))
     sender.start()
     results: dict[str, list[tuple[float, float]]] = {"buffered": [], "in place": []}
 
     async def run() -> None:
         # room for two prompts, and no prefix caching: every repeat is a cold import into fresh-looking blocks
         bm = BlockManager(DeviceKVPool(LAYOUT, 2 * n + 8), enable_prefix_caching=False)
-        async with await TransferServer.start(LAYOUT, backend=args.backend,
+        async with await TransferServer.start(LAYOUT, backend=backend,
                                               max_buffered_bytes=4 * nbytes) as server:
-            for r in range(args.repeats):
+            for r in range(repeats):
                 for mode, rows in results.items():
-                    rows.append(await _receive(server, parent, bm, f"r{r}{mode[0]}", args.tokens, nparts,
+                    rows.append(await _receive(server, parent, bm, f"r{r}{mode[0]}", tokens, nparts,
                                                mode == "in place"))
 
     asyncio.run(run())
     sender.join(10)
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
     copies = []
-    for _ in range(max(5, args.repeats)):
+    for _ in range(max(5, repeats)):
         t = time.perf_counter()
         dst.copy_(src)
         copies.append(time.perf_counter() - t)
     memcpy_ms = statistics.median(copies) * 1e3
-    print(f"{args.tokens} tokens, {n} blocks, {nbytes / 2**20:.1f} MiB, {nparts} parts over {args.backend}; "
-          f"memcpy {memcpy_ms:.2f} ms; medians of {args.repeats}")
-    print(f"{'mode':<10} {'receive_ms':>11} {'import_ms':>10} {'total_ms':>9} {'import/memcpy':>14}")
+    table = []
     for mode, rows in results.items():
         rec, imp = (statistics.median(x) * 1e3 for x in zip(*rows, strict=True))
-        print(f"{mode:<10} {rec:>11.2f} {imp:>10.3f} {rec + imp:>9.2f} {imp / memcpy_ms:>14.2f}")
+        table.append({"backend": backend, "mode": mode, "receive ms": f"{rec:.2f}", "import ms": f"{imp:.3f}",
+                      "total ms": f"{rec + imp:.2f}", "memcpy ms": f"{memcpy_ms:.2f}",
+                      "import / memcpy": f"{imp / memcpy_ms:.2f}"})
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", default="tcp,shm", help="comma-separated: tcp, shm")
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    backends = args.backends.split(",")
+    if unknown := set(backends) - {"tcp", "shm"}:
+        ap.error(f"--backends: unknown {sorted(unknown)}; choose from tcp, shm")
+    torch.set_num_threads(1)
+    n = -(-args.tokens // LAYOUT.block_size)
+    nparts = len(parts_of(args.tokens, args.chunk, args.groups))
+    load_start = load_average()
+    table = [row for b in backends for row in measure(b, args.tokens, args.chunk, args.groups, args.repeats)]
+    body = (f"A sender process pushes a cold {args.tokens:,}-token prompt's KV as prefill does ({args.chunk:,}-token "
+            f"chunks in {args.groups} layer groups: {n} blocks, {n * LAYOUT.block_nbytes / 2**20:.1f} MiB, "
+            f"{nparts} parts); this process receives and imports it into a `BlockManager` over the CPU pool, "
+            f"`buffered` (each part into a buffer, copied into pool blocks by the import) or `in place` (blocks "
+            f"reserved first, parts landed in them, adopted by the import). `receive ms`: the parts' own "
+            f"header → verified times added up; `memcpy ms`: one copy of the same bytes between preallocated "
+            f"tensors. Medians of {args.repeats}. Load average (1, 5, 15 min) {load_start} at the start, "
+            f"{load_average()} at the end.\n\n" + markdown_table(table, list(table[0])))
+    cmd = (f"python -m app.bench.kv_import --repeats {args.repeats}"
+           + ("" if args.backends == "tcp,shm" else f" --backends {args.backends}")
+           + ("" if args.tokens == 1500 else f" --tokens {args.tokens}"))
+    publish(SECTION, cmd, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from app.bench.serve import stream_request
 from app.bench.stats import RequestRecord, percentile
 from app.launcher import Stack, StackOptions
 
+SECTION = "Load test"
+
 PROMPTS = ("Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is the sun?",
            "Count to five.", "Name an ocean.", "What do cats eat?")
 
@@ -226,5 +228,5 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         command = (f"kvmesh bench load --clients {args.clients} --duration {args.duration:g} "
                    f"--max-concurrent {args.max_concurrent} --max-tokens {args.max_tokens}")
-        print(f"\nwritten to {write_section('Load', command, body)}")
+        print(f"\nwritten to {write_section(SECTION, command, body)}")
     return 0

@@ -25,7 +25,9 @@ from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.lora import module_shapes
 from kvmesh.settings import EngineSettings
 
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
+
+SECTIONS = {"attn": "Multi-LoRA decode, q/k/v/o", "all": "Multi-LoRA decode, all seven projections"}  # by --targets
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL = (*ATTN, "gate_proj", "up_proj", "down_proj")
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--quick", action="store_true", help="one short round (a smoke run; not written)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
-    p.add_argument("--section", default="Multi-LoRA decode (issue 16)")
+    p.add_argument("--section", default=None, help="docs/benchmarks.md section to (re)write (default: by "
+                   f"--targets, {SECTIONS})")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.tokens = 1, 8
@@ -126,11 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     targets = ATTN if args.targets == "attn" else ALL
     res = run(args.threads, args.rank, targets, args.rounds, args.tokens)
     body = render(res, args, targets)
-    print(body)
-    if not args.no_write and not args.quick:
-        cmd = (f"python -m app.bench.lora --threads {args.threads} --rank {args.rank} --targets {args.targets} "
-               f"--rounds {args.rounds} --tokens {args.tokens}")
-        print(f"\nwritten to {write_section(args.section, cmd, body)}")
+    cmd = (f"python -m app.bench.lora --threads {args.threads} --rank {args.rank} --targets {args.targets} "
+           f"--rounds {args.rounds} --tokens {args.tokens}" + (f" --section '{args.section}'" if args.section else ""))
+    publish(args.section or SECTIONS[args.targets], cmd, body, write=not args.no_write and not args.quick)
     return 0
 
 

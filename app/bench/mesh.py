@@ -22,9 +22,12 @@ from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
 
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
 from app.bench.stats import percentile, quantiles
 from app.launcher import Stack, StackOptions
+
+SECTION = "Mesh vs the engine alone"
+SECTION_PD = "PD vs role both"
 
 TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
           "deserts", "bees", "clocks", "whales", "maps", "salt", "kites", "coral", "lamps", "ferns"]
@@ -105,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 "after prefill's compute (kv.push's `kvmesh.critical_ms`) against the push time (`kvmesh.push_ms`, "
                 "the parts' own push times added up); `chat push after compute`: the same over the chat turns that "
                 "pushed (one chunk each, a delta).\n\n" + pd.report(res))
-        print(body)
-        if not args.no_write:
-            print(f"\nwritten to {write_section('PD vs role both', 'kvmesh bench mesh --pd', body)}")
+        publish(SECTION_PD, "kvmesh bench mesh --pd", body, write=not args.no_write)
         return 0
     res = run(args.requests, args.max_tokens)
     rows = []
@@ -120,7 +121,5 @@ def main(argv: list[str] | None = None) -> int:
     body = (f"{args.requests} short chat prompts (~45 tokens with the template), one at a time, greedy, "
             f"{args.max_tokens} output tokens; default model, 1 thread per engine.\n\n"
             + markdown_table(rows, ["path", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"]))
-    print(body)
-    if not args.no_write:
-        print(f"\nwritten to {write_section('Mesh overhead', 'kvmesh bench mesh', body)}")
+    publish(SECTION, "kvmesh bench mesh", body, write=not args.no_write)
     return 0

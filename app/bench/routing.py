@@ -13,10 +13,12 @@ import tempfile
 from pathlib import Path
 
 from app.bench import workloads as wl
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
 from app.bench.serve import RunOptions, run_workload
 from app.bench.stats import SLO
 from app.launcher import Stack, StackOptions
+
+SECTION = "Routing policies on the stack"
 
 POLICIES = ("round_robin", "cache_aware")
 
@@ -60,7 +62,5 @@ def main(argv: list[str] | None = None) -> int:
             "(1 thread each, on this machine's 2 cores), a fresh stack per policy, one after the other. 1-minute "
             f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (the machine is shared).\n\n"
             + markdown_table(rows, ["policy", "ok", "prefix hit (tokens)", "TTFT p50 ms", "TTFT p90 ms"]))
-    print(body)
-    if not args.no_write:
-        print(f"\nwritten to {write_section('Routing policies on the stack', 'kvmesh bench routing', body)}")
+    publish(SECTION, "kvmesh bench routing", body, write=not args.no_write)
     return 0

@@ -19,7 +19,9 @@ from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
 
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
+
+SECTION = "Constrained vs free decode"
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
@@ -112,9 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             + f"\n\nSchema compile (49k-token vocabulary; the compiler's tokenizer info is built once per engine, "
               f"{r['init_s']:.2f} s, at its first constrained request):\n\n"
             + markdown_table(r["compile"], ["schema", "cold ms", "cached ms"]))
-    print(body)
-    if not args.no_write:
-        write_section("Structured output", f"python -m app.bench.structured --threads {args.threads}", body)
+    publish(SECTION, f"python -m app.bench.structured --threads {args.threads}", body, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ from pathlib import Path
 
 from kvmesh.telemetry.spans import read_spans, roots, trace_file
 
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
 from app.bench.stats import percentile
 from app.launcher import Stack, StackOptions
+
+SECTION = "Tracing on vs off"
 
 TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
           "deserts", "bees", "clocks", "whales", "maps", "salt", "kites", "coral", "lamps", "ferns"]
@@ -165,7 +167,5 @@ def main(argv: list[str] | None = None) -> int:
             f"({res['bytes_per_request'] / 1024:.1f} KiB of JSONL); the SDK and the exporter spend "
             f"{cpu_ms:.2f} ms of CPU on them ({cpu_ms / (base * 1000) * 100:.2f}% of the untraced TTFT p50), "
             "spread over three processes, partly on the exporters' background threads, off the request path.")
-    print(body)
-    if not args.no_write:
-        print(f"\nwritten to {write_section('Tracing cost', 'kvmesh bench tracing', body)}")
+    publish(SECTION, "kvmesh bench tracing", body, write=not args.no_write)
     return 0

@@ -24,7 +24,9 @@ from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.kv_cache import block_bytes
 from kvmesh.transfer import TransferClient, TransferServer
 
-from app.bench.report import markdown_table, write_section
+from app.bench.report import markdown_table, publish
+
+SECTION = "Transfer"
 
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 RAW = "raw socket"
@@ -202,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     body = ("GB/s of one verified push (one block per push, sequential, sender and receiver in separate "
             f"processes on loopback), median of {rounds} interleaved rounds; in brackets the ratio to raw "
             "Python sockets in the same run.\n\n" + table(rows))
-    print(body)
-    if not args.no_write and not args.quick:
-        print(f"\nwritten to {write_section('Transfer', 'kvmesh bench transfer', body)}")
+    publish(SECTION, "kvmesh bench transfer", body, write=not args.no_write and not args.quick)
     return 0
 
 

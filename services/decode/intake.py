@@ -149,7 +149,8 @@ class KVIntake:
             lease = reservation.lease
         elif assembly.landed_bytes:  # cannot happen: a landing exists only for a reservation; never consume
             return _fallback("parts landed in place, but no reservation holds them", received_ns)
-        imported = ImportedKV(self.w.layout, len(prompt), ready.first_token, first, tuple(assembly.parts), lease)
+        imported = ImportedKV(self.w.layout, len(prompt), ready.first_token, first, tuple(assembly.parts), lease,
+                              ready.first_logprobs)
         self.w.metrics.transfer_bytes.labels("receive_in_place").inc(assembly.landed_bytes)
         return Intake(imported, "", received_ns, {
             "kvmesh.in_place": assembly.landed_bytes > 0, "kvmesh.landed_bytes": assembly.landed_bytes,

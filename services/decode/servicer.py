@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from kvmesh.contracts.engine import EngineRequest, ExportPlan, RequestTiming
+from kvmesh.contracts.engine import EngineRequest, ExportPlan, RequestTiming, logprobs_to_proto
 from kvmesh.contracts.ids import PUSH_TOKEN_METADATA, handoff_prefix
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engines import SequenceError
@@ -160,7 +160,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         try:
             async for out in w.engine.generate(engine_request, timing):
                 chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids, text=out.text, finished=out.finished,
-                                               finish_reason=out.finish_reason or "")
+                                               finish_reason=out.finish_reason or "",
+                                               logprobs=[logprobs_to_proto(lp) for lp in out.logprobs])
                 if out.exported is not None:  # the conversation so far, for the next turn on any instance
                     task = asyncio.create_task(write_back(w, out.exported, span, attrs))
                     self._background.add(task)

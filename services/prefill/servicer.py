@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 from kvmesh import tls
-from kvmesh.contracts.engine import EngineRequest, ExportPieces, ExportPlan, RequestTiming
+from kvmesh.contracts.engine import EngineRequest, ExportPieces, ExportPlan, RequestTiming, logprobs_to_proto
 from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
@@ -100,11 +100,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         w.record_engine_spans(span, timing, attrs, len(prompt), final.cached_tokens)
         kv = final.exported
         first_token = final.token_ids[0]
+        # decode emits the first token, and never sees the logits it came from: its logprobs travel with it
+        first_logprobs = final.logprobs[0] if final.logprobs else None
         first_block = stream.first_block  # the first part's
         ready = KVReady(request_id=work.request_id, decode_instance=request.decode_instance,
                         transfer_id=stream.transfer_id, block_keys=tuple(kv.block_keys[first_block:]),
                         num_tokens=kv.num_tokens, first_token=first_token, layout=w.layout,
-                        prefill_instance=w.instance_id, first_block=first_block, parts=stream.parts)
+                        prefill_instance=w.instance_id, first_block=first_block, parts=stream.parts,
+                        first_logprobs=first_logprobs)
         push_attrs = {**attrs, "kvmesh.decode_instance": request.decode_instance,
                       "kvmesh.transfer_backend": w.cfg.transfer_backend, "kvmesh.blocks": blocks,
                       "kvmesh.tokens": kv.num_tokens, "kvmesh.first_block": first_block,
@@ -112,10 +115,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                       tracing.BACKGROUND: True}
         parts = await self._hand_off(context, span, stream, ready, push_attrs, timing.first_output)
         nbytes = sum(p.nbytes for p in parts)
-        return worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
-                                          num_blocks=blocks, transfer_bytes=nbytes,
-                                          transfer_s=parts[-1].end - parts[0].start, transfer_id=stream.transfer_id,
-                                          compute_s=compute_s)
+        response = worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
+                                              num_blocks=blocks, transfer_bytes=nbytes,
+                                              transfer_s=parts[-1].end - parts[0].start,
+                                              transfer_id=stream.transfer_id, compute_s=compute_s)
+        if first_logprobs is not None:
+            response.first_logprobs.CopyFrom(logprobs_to_proto(first_logprobs))
+        return response
 
     async def _hand_off(self, context: grpc.aio.ServicerContext, span: Span, stream: PushStream, ready: KVReady,
                         push_attrs: dict[str, Any], compute_end: float) -> list[PartStats]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
+from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
 from kvmesh.contracts.ids import PUSH_TOKEN_METADATA
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady
@@ -56,6 +57,7 @@ class Chunk:
     finished: bool = False
     finish_reason: str = ""
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
 
 
 class Router:
@@ -202,7 +204,13 @@ class Router:
         if prefills and decodes:
             prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
-            decode = choose_decode(holders or decodes)
+            # a push is only ever sent where its bytes mean the same: the decode's KV layout equals prefill's
+            paired = [i for i in holders or decodes if same_layout(prefill, i)]
+            decode = choose_decode(paired or holders or decodes)
+            if not paired:
+                route.set_attributes({"kvmesh.route.path": "local",
+                                      "kvmesh.route.reason": f"local: no decode shares {prefill.id}'s KV layout"})
+                return self._local(work, decode, rt, f"local: no decode shares {prefill.id}'s KV layout")
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
             # one line prices both computes: the same model on the same kind of machine, and a decode
@@ -399,8 +407,16 @@ async def _chunks(call, inst: Instance, request_id: str):
         call.cancel()
 
 
+def same_layout(a: Instance, b: Instance) -> bool:
+    """Whether a push from ``a`` means the same to ``b`` (equal KV layouts; an instance that did not say its
+    layout is taken at its word that model and block size match, as before layouts were reported)."""
+    la, lb = a.beat.kv_layout, b.beat.kv_layout
+    return la is None or lb is None or la == lb
+
+
 def _chunk(msg: worker_pb2.DecodeChunk) -> Chunk:
-    return Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason)
+    return Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason,
+                 logprobs=tuple(logprobs_from_proto(lp) for lp in msg.logprobs))
 
 
 def _model_name(source: str | None, hf_dir: Path) -> str:

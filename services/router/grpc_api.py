@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from kvmesh.contracts.engine import logprobs_to_proto
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 
@@ -51,7 +52,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             async with self.intake.admit(call, rt, lambda: _draft(request, call)) as req:
                 async for c in self.router.generate(req, rt):
                     msg = api_pb2.GenerateChunk(request_id=req.request_id, token_ids=c.token_ids, text=c.text,
-                                                finished=c.finished, finish_reason=c.finish_reason)
+                                                finished=c.finished, finish_reason=c.finish_reason,
+                                                logprobs=[logprobs_to_proto(lp) for lp in c.logprobs])
                     if c.usage:
                         msg.usage.CopyFrom(common_pb2.Usage(**vars(c.usage)))
                     yield msg
@@ -68,13 +70,14 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         call = self._call(request, context, "grpc.chat")
         rt = self.intake.trace(call)
         context.set_trailing_metadata(tuple(rt.headers().items()))
-        text, ids, reason, usage = [], [], "", None
+        text, ids, logprobs, reason, usage = [], [], [], "", None
         try:
             async with self.intake.admit(call, rt, lambda: _draft(request, call)) as req:
                 async for c in self.router.generate(req, rt):
                     rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                     text.append(c.text)
                     ids += c.token_ids
+                    logprobs += c.logprobs
                     reason, usage = c.finish_reason or reason, c.usage or usage
         except RequestError as e:
             await self._abort(context, rt, e)
@@ -84,7 +87,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         finally:
             rt.finish()
         resp = api_pb2.ChatResponse(request_id=rt.request_id, text="".join(text), token_ids=ids,
-                                    finish_reason=reason)
+                                    finish_reason=reason, logprobs=[logprobs_to_proto(lp) for lp in logprobs])
         if usage:
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))
         return resp

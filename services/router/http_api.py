@@ -23,6 +23,7 @@ from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Call, Draft, Intake, new_request_id, valid_request_id
+from services.router.logprobs import chat_logprobs, completion_logprobs
 from services.router.telemetry import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -69,11 +70,13 @@ async def read_body(request: web.Request) -> dict:
 
 
 class Answer(NamedTuple):
-    """What every chunk of one response repeats: the request id, the object kind and the model it names."""
+    """What every chunk of one response repeats: the request id, the object kind and the model it names; and
+    whether its choices carry logprobs."""
 
     rid: str
     kind: str
     model: str  # the LoRA adapter's name when one was asked for, else the base model's id
+    logprobs: bool = False
 
 
 class Body:
@@ -120,7 +123,8 @@ class OpenAIApi:
         body = Body(request, chat)
         try:
             async with self.intake.admit(call, rt, body.draft) as req:
-                answer = Answer(rid, "chat.completion" if chat else "text_completion", req.model)
+                answer = Answer(rid, "chat.completion" if chat else "text_completion", req.model,
+                                req.sampling.logprobs is not None)
                 stream = self.router.generate(req, rt)
                 if body.streaming:
                     return await self._sse(request, answer, stream, body.include_usage, rt)
@@ -155,17 +159,27 @@ class OpenAIApi:
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
+    def _logprobs(self, answer: Answer, chunks: list[Chunk], offset: int = 0) -> dict | None:
+        """The choice's (or a streamed chunk's) ``logprobs`` in the endpoint's shape; None when not asked for.
+        ``offset``: where ``chunks``' text starts in the completion."""
+        if not answer.logprobs:
+            return None
+        text = self.router.tokenizer.token_text
+        if answer.kind == "chat.completion":
+            return chat_logprobs([lp for c in chunks for lp in c.logprobs], text)
+        return completion_logprobs([(c.logprobs, c.text) for c in chunks], text, offset)
+
     async def _whole(self, answer: Answer, stream, rt: RequestTrace) -> web.Response:
         kind = answer.kind
-        text, last = [], None
+        chunks: list[Chunk] = []
         async for c in stream:
             rt.first_token_sent()  # not streaming: TTFT ends when the first token is in hand
-            text.append(c.text)
-            last = c
-        assert last is not None
-        content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if kind == "chat.completion"
-                  else {"index": 0, "text": content, "logprobs": None})
+            chunks.append(c)
+        assert chunks
+        last, content = chunks[-1], "".join(c.text for c in chunks)
+        choice: dict = ({"index": 0, "message": {"role": "assistant", "content": content}}
+                        if kind == "chat.completion" else {"index": 0, "text": content})
+        choice["logprobs"] = self._logprobs(answer, chunks)
         choice["finish_reason"] = last.finish_reason or "stop"
         return web.json_response(self._envelope(answer, kind, [choice], self._usage(last)), headers=rt.headers())
 
@@ -185,14 +199,17 @@ class OpenAIApi:
 
         if chunk_kind == "chat.completion.chunk":
             await send(self._envelope(answer, chunk_kind, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                         "finish_reason": None}]))
+                                                         "logprobs": None, "finish_reason": None}]))
         c: Chunk | None = first
+        sent = 0  # characters of text streamed so far: where the next chunk's tokens start
         try:
             while c is not None:
                 delta = ({"delta": {"content": c.text}} if chunk_kind == "chat.completion.chunk"
-                         else {"text": c.text, "logprobs": None})
+                         else {"text": c.text})
                 await send(self._envelope(answer, chunk_kind, [{"index": 0, **delta,
+                                                             "logprobs": self._logprobs(answer, [c], sent),
                                                              "finish_reason": c.finish_reason or None}]))
+                sent += len(c.text)
                 rt.first_token_sent()
                 if c.finished:
                     if include_usage:

@@ -1,6 +1,8 @@
 """An OpenAI request body as the intake's ``Draft``: the JSON itself, each field's type, the sampling fields
-(with vLLM's extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``) and the structured-output
-fields. Only the wire's shape is checked here; what the values may be is the intake's business.
+(with vLLM's extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``), the log-probabilities asked
+for (completions: ``logprobs: N``; chat: ``logprobs: true`` with ``top_logprobs: N``; N in [0, 20], checked here
+because the field to name differs by endpoint) and the structured-output fields. Otherwise only the wire's shape
+is checked here; what the values may be is the intake's business.
 
 Structured output (OpenAI and vLLM): ``response_format`` ``{"type": "json_object"}`` or ``{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}``; vLLM's ``guided_json``, ``guided_regex``,
@@ -14,7 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
+from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
 from services.router.intake import Draft
@@ -42,7 +44,7 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     """A chat (``messages``) or completions (``prompt``: text or token ids) body as the intake's input. The
     routing overrides come from the headers ``x-kvmesh-policy`` (or the body's ``kvmesh_policy``) and
     ``x-kvmesh-disaggregate``."""
-    sampling, structured_field = sampling_from_body(body)
+    sampling, structured_field = sampling_from_body(body, chat)
     if chat:
         if "messages" not in body:
             raise invalid("messages is required: a list of {role, content} objects")
@@ -63,9 +65,9 @@ def streaming(body: dict) -> tuple[bool, bool]:
     return bool_field(body, "stream"), bool_field(options, "include_usage")
 
 
-def sampling_from_body(body: dict) -> tuple[SamplingParams, str]:
-    """The request's sampling parameters, and the field its structured-output constraint came from ("" =
-    none); the error names the field that is wrong and how."""
+def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, str]:
+    """The request's sampling parameters (``chat``: a chat body's, whose logprobs fields differ), and the field
+    its structured-output constraint came from ("" = none); the error names the field that is wrong and how."""
     if _int(body, "n", 1) != 1:
         raise invalid("only n=1 is supported")
     stop = body.get("stop") or ()
@@ -82,13 +84,33 @@ def sampling_from_body(body: dict) -> tuple[SamplingParams, str]:
     if top_k < -1:
         raise invalid(f"top_k must be >= 0 (-1 or 0 turn it off), not {top_k}")
     field, structured = structured_from_body(body) or ("", None)
+    logprobs = logprobs_from_body(body, chat)
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
                               top_k=max(0, top_k), top_p=_num(body, "top_p", 1.0),
                               seed=_int(body, "seed", None), stop=tuple(stop), stop_token_ids=tuple(stop_ids),
-                              ignore_eos=bool_field(body, "ignore_eos"), structured=structured), field
+                              ignore_eos=bool_field(body, "ignore_eos"), structured=structured,
+                              logprobs=logprobs), field
     except ValueError as e:
         raise invalid(str(e)) from None
+
+
+def logprobs_from_body(body: dict, chat: bool) -> int | None:
+    """How many most likely tokens to report beside each generated one (None: no logprobs). Completions:
+    ``logprobs: N``. Chat: ``logprobs: true``, with ``top_logprobs: N`` (default 0), which asks for nothing
+    without it (vLLM's rule: ``top_logprobs`` > 0 without ``logprobs: true`` is refused)."""
+    field = "top_logprobs" if chat else "logprobs"
+    n = _int(body, field, None)
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise invalid(f"{field} must be an integer in [0, {MAX_LOGPROBS}], not {n}")
+    if not chat:
+        return n
+    if not bool_field(body, "logprobs"):
+        if n:
+            raise invalid("top_logprobs needs \"logprobs\": true (it says how many alternatives to report beside "
+                          "each token's logprob)")
+        return None
+    return n or 0
 
 
 def structured_from_body(body: dict) -> tuple[str, StructuredOutput] | None:

@@ -42,14 +42,14 @@ def prompts(engine):
 
 def hf_greedy(model, prompt, n):
     """transformers' greedy decoding, continuing past EOS like ``ignore_eos`` (``generate(min_new_tokens=...)``
-    would instead mask EOS out of the argmax)."""
-    out, past, ids = [], None, torch.tensor([prompt])
+    would instead mask EOS out of the argmax), on the model's device."""
+    out, past, ids = [], None, torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         for _ in range(n):
             step = model(ids, past_key_values=past, use_cache=True)
             past = step.past_key_values
             out.append(int(step.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
+            ids = torch.tensor([[out[-1]]], device=model.device)
     return out
 
 

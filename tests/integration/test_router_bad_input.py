@@ -49,12 +49,17 @@ def tiny_model_dir(root: Path) -> Path:
     return save_hf_dir(config, weights, root / "tiny", save_byte_tokenizer(root / "tok"))
 
 
-class TinyMesh:
-    """nats-server (the caller's) + a prefill and a decode ``EngineHost`` (+ with ``cachesvc``, the cache service
-    and its pool) + the router's gRPC and HTTP APIs, all in one event loop on a background thread, on free
-    loopback ports."""
+ROLE_PLUGINS = {"prefill": [PREFILL], "decode": [DECODE], "both": [PREFILL, DECODE]}
 
-    def __init__(self, nats_url: str, model_dir: Path, cachesvc: bool = False, **router: object) -> None:
+
+class TinyMesh:
+    """nats-server (the caller's) + a prefill and a decode ``EngineHost`` (``roles=("both",)``: one serving both)
+    (+ with ``cachesvc``, the cache service and its pool) + the router's gRPC and HTTP APIs, all in one event
+    loop on a background thread, on free loopback ports."""
+
+    def __init__(self, nats_url: str, model_dir: Path, cachesvc: bool = False,
+                 roles: tuple[str, ...] = ("prefill", "decode"), **router: object) -> None:
+        self.roles = roles
         self.cluster = f"t{uuid.uuid4().hex[:10]}"
         self.cachesvc = cachesvc
         self.shared = SharedSettings(cluster=self.cluster, nats_url=nats_url)
@@ -92,8 +97,7 @@ class TinyMesh:
             self.cfg = self.cfg.model_copy(update={"cachesvc_address": self.cache.address})
             self.worker_cfg = self.worker_cfg.model_copy(update={"cachesvc_address": self.cache.address})
         self.workers = [EngineHost(self.worker_cfg.model_copy(update={"role": role, "id": f"{role}-0"}),
-                                   self.engine_cfg, [plugin], self.shared)
-                        for role, plugin in (("prefill", PREFILL), ("decode", DECODE))]
+                                   self.engine_cfg, ROLE_PLUGINS[role], self.shared) for role in self.roles]
         for w in self.workers:
             await w.start()
         self.router = Router(self.cfg, self.shared)
@@ -110,7 +114,7 @@ class TinyMesh:
         await site.start()
         self.http_port = self.runner.addresses[0][1]
         deadline = time.monotonic() + 30
-        while len(self.router.registry.alive()) < 2:
+        while len(self.router.registry.alive()) < len(self.workers):
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine instances never beat")
             await asyncio.sleep(0.05)

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
+from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.engine import native
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.settings import EngineSettings
+
+
+def needs_kernel(lib: object, source: Path) -> pytest.MarkDecorator:
+    """Skip unless the C kernel built from ``source`` loaded (``lib``), saying why not: no compiler, a build
+    error. The engine itself then runs the torch path, which the other tests cover."""
+    why = native.UNAVAILABLE.get(source.name, "switched off")
+    return pytest.mark.skipif(lib is None, reason=f"the native kernel {source.name} is unavailable here: {why}")
+
+
+# the attention backends an engine test runs on: torch everywhere, the C decode kernel where it builds
+BACKENDS = ["torch", pytest.param("native", marks=needs_kernel(native.load(), native.SOURCE))]
 
 
 def hf_tiny(cfg: ModelConfig, seed: int = 0):
@@ -37,15 +53,27 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") -> tuple[torch.Tensor, int]:
     """Logits of the first sampled position of ``prompt`` and the number of prompt tokens served from cache."""
-    from kvmesh.contracts.sampling import SamplingParams
-
     rid = f"logits-{len(engine._requests)}-{id(prompt)}"
     seq = engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt)
     while True:
-        engine.step()
+        failed = [o.error for o in engine.step() if o.request_id == rid and o.error is not None]
+        assert not failed, f"the request failed: {failed[0]}"
         ids, logits = engine.last_logits
         if rid in ids:
             row = logits[ids.index(rid)].clone()
             break
     engine.completion(rid)
     return row, seq.num_cached_tokens
+
+
+def run(engine: LLMEngine, reqs: list[tuple[str, list[int], SamplingParams]]) -> dict:
+    """Add ``reqs`` (request id, prompt, params) and step until nothing is left: each finished request's
+    ``Completion`` by id."""
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = engine.completion(out.request_id)
+    return done

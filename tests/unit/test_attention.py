@@ -1,12 +1,17 @@
-"""The native decode kernel against torch SDPA on the same paged pool, for every storage dtype it reads."""
+"""The native decode kernel against torch SDPA on the same paged pool, for every storage dtype it reads; which
+backend runs where, and what a backend that cannot run here says."""
 
 import pytest
 import torch
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.engine import native
 from kvmesh.engine.attention import ForwardBatch, NativeAttention, SeqSlice, TorchAttention, make_backend
 from kvmesh.engine.kv_cache import DeviceKVPool
 
+from .helpers import needs_kernel
+
 H, HKV, D, BS = 6, 2, 16, 4
+needs_decode_kernel = needs_kernel(native.load(), native.SOURCE)
 
 
 def pool_with_random_kv(dtype: str, head_dim: int = D) -> DeviceKVPool:
@@ -24,6 +29,7 @@ def decode_batch(lens: list[int]) -> ForwardBatch:
     return ForwardBatch.build(seqs, [[1]] * len(lens), BS, list(range(len(lens))))
 
 
+@needs_decode_kernel
 @pytest.mark.parametrize("head_dim", [D, 64, 128])  # 64 and 128: the kernel's copies with a constant head size
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
 def test_native_decode_matches_sdpa(dtype, head_dim):
@@ -37,6 +43,7 @@ def test_native_decode_matches_sdpa(dtype, head_dim):
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
+@needs_decode_kernel
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_native_decode_matches_sdpa_with_more_query_heads_per_kv_head_than_fit_in_registers(head_dim):
     """8 query heads per KV head: the fp32 kernel keeps 16 / (head_dim / 16) heads' outputs in registers at a
@@ -55,8 +62,25 @@ def test_native_decode_matches_sdpa_with_more_query_heads_per_kv_head_than_fit_i
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
+@needs_decode_kernel
 def test_auto_picks_the_native_kernel_on_cpu():
     assert make_backend("auto", H, HKV, D, "cpu").name == "native"
+
+
+def test_without_the_kernel_auto_runs_torch_and_native_says_what_to_use(monkeypatch):
+    monkeypatch.setattr(native, "load", lambda: None)
+    assert make_backend("auto", H, HKV, D, "cpu").name == "torch"
+    with pytest.raises(RuntimeError, match="use 'torch'"):
+        make_backend("native", H, HKV, D, "cpu")
+
+
+def test_a_kernel_without_a_compiler_is_unavailable_with_the_reason(monkeypatch, tmp_path, caplog):
+    """What a machine without a C compiler (and nothing cached) gets: no kernel, a warning, the reason kept."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "UNAVAILABLE", {})
+    assert native.compile_source(native.SOURCE) is None
+    assert "no-such-cc" in native.UNAVAILABLE["paged_decode.c"] and "torch path" in caplog.text
 
 
 def test_unknown_backend_is_refused_by_name():
@@ -67,3 +91,16 @@ def test_unknown_backend_is_refused_by_name():
 def test_flashinfer_on_cpu_says_it_needs_cuda():
     with pytest.raises(RuntimeError, match="CUDA"):
         make_backend("flashinfer", H, HKV, D, "cpu")
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32),
+                                            (torch.float16, torch.bfloat16)])
+def test_flashinfer_outside_16_bits_names_the_settings_that_work(dtype, kv_dtype):
+    """Refused before any GPU or flashinfer is touched: flashinfer's paged kernels compute in 16 bits."""
+    with pytest.raises(RuntimeError, match=r"dtype=bf16 and kv_dtype=bf16 \(or fp8\), or attention=torch"):
+        make_backend("flashinfer", H, HKV, D, "cuda", dtype, kv_dtype)
+
+
+def test_auto_on_cuda_in_fp32_runs_torch_attention():
+    """The default dtype (fp32) on CUDA: torch SDPA, never a flashinfer that would fail at the first step."""
+    assert make_backend("auto", H, HKV, D, "cuda", torch.float32).name == "torch"

@@ -156,3 +156,23 @@ def test_a_ready_pushed_in_parts_names_each_parts_transfer_and_defaults_to_one()
     assert KVReady.decode(json.dumps(body).encode()).part_ids() == ("t-9#0",)
     with pytest.raises(CodecError, match="parts"):
         KVReady.decode(json.dumps({**body, "parts": 0}).encode())
+
+
+def test_a_ready_carries_the_first_tokens_logprobs_exactly_and_none_when_not_asked():
+    from kvmesh.contracts.engine import TokenLogprobs
+
+    lp = TokenLogprobs(128001, -0.1234567890123, ((128001, -0.1234567890123), (7, -2.5), (2**31, -9999.0)))
+    assert KVReady.decode(make_ready(first_logprobs=lp).encode()).first_logprobs == lp
+    assert KVReady.decode(make_ready().encode()).first_logprobs is None
+    body = json.loads(make_ready().encode())
+    del body["first_logprobs"]  # a prefill that predates them
+    assert KVReady.decode(json.dumps(body).encode()).first_logprobs is None
+
+
+@pytest.mark.parametrize("bad", [[1, 2], {"token_id": 1, "logprob": -1.0, "top": [[1]]},
+                                 {"token_id": 1, "logprob": -1.0, "top": [["a", -1.0]]},
+                                 {"token_id": 1, "logprob": "x", "top": []}, {"logprob": -1.0, "top": []}])
+def test_a_ready_with_malformed_logprobs_is_rejected_naming_the_field(bad):
+    body = {**json.loads(make_ready().encode()), "first_logprobs": bad}
+    with pytest.raises(CodecError, match="field 'first_logprobs'"):
+        KVReady.decode(json.dumps(body).encode())

@@ -19,7 +19,7 @@ from kvmesh.client import (
 from kvmesh.client.errors import from_rpc_error
 from kvmesh.client.requests import chat_request, generate_request
 from kvmesh.client.retry_policy import CallPolicy
-from kvmesh.client.types import CompletionBuilder, GenerateChunk, Usage, trace_id
+from kvmesh.client.types import CompletionBuilder, GenerateChunk, Usage, completion_from_chat, trace_id
 
 
 class FakeRpcError(grpc.RpcError):
@@ -75,11 +75,18 @@ def test_sampling_options_are_carried():
 def test_defaults_are_greedy_64_tokens_without_seed():
     s = generate_request("x").sampling
     assert (s.max_tokens, s.temperature, s.top_k, s.top_p) == (64, 0.0, 0, 1.0)
-    assert not s.HasField("seed")
+    assert not s.HasField("seed") and not s.HasField("logprobs")
+
+
+@pytest.mark.parametrize("n", [0, 5, 20])
+def test_logprobs_are_asked_for_with_how_many_most_likely(n):
+    s = generate_request("x", logprobs=n).sampling
+    assert s.HasField("logprobs") and s.logprobs == n
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0},
-                                 {"top_p": 1.5}, {"seed": -1}, {"stop": "\n"}])
+                                 {"top_p": 1.5}, {"seed": -1}, {"stop": "\n"}, {"logprobs": -1},
+                                 {"logprobs": 21}])
 def test_bad_sampling_is_rejected_before_sending(bad):
     with pytest.raises(ValueError):
         generate_request("x", **bad)
@@ -189,6 +196,21 @@ def test_builder_collects_chunks_and_prefers_stream_request_id():
     assert (done.text, done.token_ids, done.finish_reason) == ("Hi there", [5, 6], "stop")
     assert done.usage == Usage(3, 2, 1)
     assert done.request_id == "r1" and done.ttft_s is not None and len(done.itl_s) == 1
+
+
+def test_builder_collects_each_tokens_logprobs_from_chunks_and_from_chat():
+    from kvmesh.client import TokenLogprobs
+    from kvmesh.contracts.engine import logprobs_to_proto
+    from kvmesh.proto.v1 import api_pb2
+
+    lps = [TokenLogprobs(5, -0.5, ((5, -0.5), (9, -1.5))), TokenLogprobs(6, -2.0)]
+    b = CompletionBuilder()
+    for tok, lp in zip((5, 6), lps):
+        b.add(GenerateChunk.from_pb(api_pb2.GenerateChunk(request_id="r1", token_ids=[tok],
+                                                          logprobs=[logprobs_to_proto(lp)])))
+    assert b.build({}).logprobs == lps
+    chat = api_pb2.ChatResponse(token_ids=[5, 6], logprobs=[logprobs_to_proto(lp) for lp in lps])
+    assert completion_from_chat(chat, {}, 0.1).logprobs == lps
 
 
 def test_builder_falls_back_to_trailing_request_id():

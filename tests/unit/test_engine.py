@@ -1,5 +1,7 @@
 """The engine against Hugging Face transformers on a tiny random Llama, and its reuse/batching invariants."""
 
+import copy
+
 import pytest
 import torch
 from kvmesh.contracts.engine import ExportPieces, ExportPlan
@@ -7,7 +9,7 @@ from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.kv_cache import Imported
 from kvmesh.model_source.hf_config import ModelConfig
 
-from .helpers import engine_from_hf, hf_greedy, hf_tiny, prompt_logits
+from .helpers import BACKENDS, engine_from_hf, hf_greedy, hf_tiny, prompt_logits
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -22,7 +24,7 @@ def hf(cfg):
     return hf_tiny(cfg)
 
 
-@pytest.fixture(params=["torch", "native"])
+@pytest.fixture(params=BACKENDS)
 def make(request, hf, cfg):
     """An engine on the shared tiny weights, once per attention backend."""
     return lambda **kw: engine_from_hf(hf, cfg, attention=request.param, **kw)
@@ -126,6 +128,29 @@ def test_fp8_kv_storage_stays_close_to_fp32(hf, make):
     assert hit > 0
     assert engine.kv.k.dtype == torch.float8_e4m3fn
     assert torch.nn.functional.cosine_similarity(fp8, ref, dim=0) > 0.97  # tiny random weights are harsh on 3 mantissa bits
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_16_bit_compute_is_as_close_to_fp32_as_transformers_in_16_bits(hf, make, dtype, torch_dtype):
+    """The dtype CUDA runs in (flashinfer computes in 16 bits): logits no further from the fp32 reference than
+    twice transformers' own rounding in that dtype, and transformers' greedy tokens in it."""
+    hf16 = copy.deepcopy(hf).to(torch_dtype)
+    engine = make(dtype=dtype, kv_dtype=dtype)
+    prompt = [5, 17, 33, 2, 99, 180, 7, 64, 12, 250, 3]
+    logits, _ = prompt_logits(engine, prompt)
+    exact, rounded = hf_last_logits(hf, prompt), hf_last_logits(hf16, prompt).float()
+    assert (logits - exact).abs().max() <= 2 * (rounded - exact).abs().max() + 1e-3
+    prompt = [11, 42, 7, 7, 130, 66, 201]
+    assert engine.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf16, prompt, 10)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch reaches a GPU")
+def test_cuda_without_a_gpu_says_what_to_set(cfg):
+    from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.settings import EngineSettings
+
+    with pytest.raises(RuntimeError, match="set device=cpu, or install torch's CUDA build"):
+        LLMEngine(EngineSettings(device="cuda", num_blocks=8), model_config=cfg)
 
 
 def test_bad_prompts_are_refused_with_a_reason(hf, make):

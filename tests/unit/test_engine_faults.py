@@ -15,6 +15,8 @@ from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engines import SequenceError
 from kvmesh.settings import EngineSettings
 
+from .helpers import run
+
 GOOD = [([5, 17, 33, 2, 99], SamplingParams(max_tokens=8, ignore_eos=True)),
         ([40, 41, 42, 43, 44, 45, 46, 47, 48], SamplingParams(max_tokens=8, temperature=0.8, seed=7,
                                                               ignore_eos=True)),
@@ -28,17 +30,6 @@ TINY_T = 1.401298464324817e-45  # what Hypothesis found: 1 / T overflowed and th
 def make(tiny_config):
     return lambda: LLMEngine(EngineSettings(num_blocks=64, block_size=4, max_batched_tokens=256,
                                           attention="torch"), model_config=tiny_config)
-
-
-def run(engine: LLMEngine, reqs: list[tuple[str, list[int], SamplingParams]]) -> dict:
-    for rid, prompt, params in reqs:
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = engine.completion(out.request_id)
-    return done
 
 
 def solo(make, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -11,7 +11,7 @@ from kvmesh.model_source.hf_config import ModelConfig
 
 from tests.lora_helpers import ATTN, MLP, make_adapter, peft_greedy
 
-from .helpers import engine_from_hf, hf_greedy, hf_tiny
+from .helpers import BACKENDS, engine_from_hf, hf_greedy, hf_tiny
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = [[11, 42, 7, 7, 130, 66, 201], [5, 17, 33, 2, 99, 180, 7, 64, 12], [200, 3, 9], list(range(60, 75))]
@@ -36,7 +36,7 @@ def adapters(hf, tmp_path_factory):
     return {name: (str(root / name), make_adapter(hf, root / name, **kw)) for name, kw in specs.items()}
 
 
-@pytest.fixture(params=["torch", "native"])
+@pytest.fixture(params=BACKENDS)
 def make(request, hf, cfg, adapters):
     """An engine on the tiny weights with every adapter loaded, once per attention backend."""
     def build(**kw):

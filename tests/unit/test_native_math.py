@@ -12,12 +12,13 @@ from kvmesh.engine import linear, native, quant
 from kvmesh.engine.linear import Linear
 from kvmesh.model_source.hf_config import ModelConfig
 
+from . import helpers
 from .helpers import engine_from_hf, hf_greedy, hf_tiny
 
 LIB = native.load_gemm()
 POINTWISE = native.load_pointwise()
-needs_kernel = pytest.mark.skipif(LIB is None, reason="the C GEMM could not be built here (no compiler)")
-needs_pointwise = pytest.mark.skipif(POINTWISE is None, reason="pointwise.c could not be built (no compiler)")
+needs_kernel = helpers.needs_kernel(LIB, native.GEMM_SOURCE)
+needs_pointwise = helpers.needs_kernel(POINTWISE, native.POINTWISE_SOURCE)
 
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
@@ -203,8 +204,8 @@ def dequantized(kind: str, rows: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.array(dequantize(rows, GGMLQuantizationType[kind]), dtype=np.float32)).reshape(n, k)
 
 
-needs_q = pytest.mark.skipif(LIB is None or LIB.kvmesh_q_block_bytes(1) == 0,
-                             reason="the quantized kernel needs AVX-512 and a compiler")
+needs_q = (needs_kernel if LIB is None else
+           pytest.mark.skipif(LIB.kvmesh_q_block_bytes(1) == 0, reason="the quantized kernel needs AVX-512"))
 
 
 @needs_q

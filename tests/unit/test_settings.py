@@ -266,6 +266,31 @@ def test_a_section_built_directly_is_checked_too():
         settings.EngineSettings(blocksize=8)  # extra fields are refused
 
 
+@pytest.mark.parametrize("env,fix", [
+    ({"KVMESH_ENGINE_DEVICE": "cuda", "KVMESH_ENGINE_ATTENTION": "flashinfer"},
+     "set dtype=bf16 and kv_dtype=bf16 (or fp8), or attention=torch for fp32"),
+    ({"KVMESH_ENGINE_DEVICE": "cuda:1", "KVMESH_ENGINE_ATTENTION": "flashinfer", "KVMESH_ENGINE_DTYPE": "bf16"},
+     "kv_dtype=fp32 given"),
+    ({"KVMESH_ENGINE_ATTENTION": "flashinfer"}, "runs on CUDA only: set device=cuda, or attention=auto or torch"),
+    ({"KVMESH_ENGINE_DEVICE": "cuda", "KVMESH_ENGINE_ATTENTION": "native"}, "on CUDA set attention=auto"),
+])
+def test_an_attention_backend_the_device_cannot_run_is_refused_at_start_with_the_fix(env, fix):
+    with pytest.raises(SettingsError, match=re.escape(fix)):
+        settings.load(["engine"], env=env)
+
+
+@pytest.mark.parametrize("env", [
+    {"KVMESH_ENGINE_DEVICE": "cuda"},  # auto: torch attention in fp32
+    {"KVMESH_ENGINE_DEVICE": "cuda", "KVMESH_ENGINE_ATTENTION": "flashinfer", "KVMESH_ENGINE_DTYPE": "bf16",
+     "KVMESH_ENGINE_KV_DTYPE": "bf16"},
+    {"KVMESH_ENGINE_DEVICE": "cuda", "KVMESH_ENGINE_ATTENTION": "flashinfer", "KVMESH_ENGINE_DTYPE": "fp16",
+     "KVMESH_ENGINE_KV_DTYPE": "fp8"},
+    {"KVMESH_ENGINE_DEVICE": "cuda", "KVMESH_ENGINE_ATTENTION": "torch"},
+])
+def test_the_cuda_configurations_that_run_are_accepted(env):
+    assert settings.load(["engine"], env=env).engine.device.startswith("cuda")
+
+
 def test_generated_flags_parse_and_override(tmp_path):
     parser = argparse.ArgumentParser()
     parser.add_argument("--config")

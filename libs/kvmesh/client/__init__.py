@@ -28,10 +28,11 @@ from kvmesh.client.types import (
                                   ModelInfo,
                                   Usage,
 )
+from kvmesh.contracts.engine import TokenLogprobs
 
 __all__ = [
     "AsyncGenerateStream", "AsyncKvmeshClient", "Cancelled", "Completion", "CompletionBuilder",
     "DeadlineExceeded", "GenerateChunk", "GenerateStream", "HealthInfo", "InstanceInfo", "InvalidRequest",
-    "KvmeshClient", "KvmeshError", "Message", "ModelInfo", "Overloaded", "RequestOptions", "Unauthenticated",
-    "Unavailable", "Usage",
+    "KvmeshClient", "KvmeshError", "Message", "ModelInfo", "Overloaded", "RequestOptions", "TokenLogprobs",
+    "Unauthenticated", "Unavailable", "Usage",
 ]

@@ -22,6 +22,7 @@ class SamplingOptions(TypedDict, total=False):
     stop: Sequence[str]
     stop_token_ids: Sequence[int]
     ignore_eos: bool
+    logprobs: int | None  # each generated token's logprob and this many most likely tokens (0-20); None: off
     # structured output, at most one (the router refuses a bad one with INVALID_ARGUMENT naming it)
     response_format: Mapping[str, Any] | None  # OpenAI's: {"type": "json_object"} or {"type": "json_schema", ...}
     json_schema: Mapping[str, Any] | str | None
@@ -41,7 +42,8 @@ class RequestOptions(SamplingOptions, total=False):
 
 def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False, response_format: Mapping[str, Any] | None = None,
+                    ignore_eos: bool = False, logprobs: int | None = None,
+                    response_format: Mapping[str, Any] | None = None,
                     json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
                     choice: Sequence[str] | None = None, grammar: str | None = None) -> common_pb2.SamplingParams:
     if max_tokens < 1:
@@ -54,13 +56,16 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if seed is not None and seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise ValueError(f"logprobs must be in [0, 20] (the most likely tokens reported beside each one), got "
+                         f"{logprobs}")
     if isinstance(stop, str):
         raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
             "stop must be a sequence of strings, e.g. stop=[\"\\n\"], not a single string")
     top_p = max(top_p, 1.401298464324817e-45)  # a float32 on the wire: a tiny top_p must not become 0 ("off")
     msg = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                    ignore_eos=ignore_eos)
+                                    ignore_eos=ignore_eos, logprobs=logprobs)
     structured(msg, response_format, json_schema, regex, choice, grammar)
     return msg
 

@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
 from kvmesh.proto.v1 import api_pb2, common_pb2
 
 
@@ -28,11 +29,13 @@ class GenerateChunk:
     finished: bool
     finish_reason: str              # stop | length | abort; "" until finished
     usage: Usage | None             # on the last chunk
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for logprobs
 
     @classmethod
     def from_pb(cls, c: api_pb2.GenerateChunk) -> GenerateChunk:
         return cls(c.request_id, tuple(c.token_ids), c.text, c.finished, c.finish_reason,
-                   Usage.from_pb(c.usage) if c.HasField("usage") else None)
+                   Usage.from_pb(c.usage) if c.HasField("usage") else None,
+                   tuple(logprobs_from_proto(lp) for lp in c.logprobs))
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Completion:
     itl_s: list[float] = field(default_factory=list)
     latency_s: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked for
 
 
 class CompletionBuilder:
@@ -64,6 +68,7 @@ class CompletionBuilder:
         self.itl_s: list[float] = []
         self.text: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
         self.request_id = ""
         self.finish_reason = ""
         self.usage: Usage | None = None
@@ -78,6 +83,7 @@ class CompletionBuilder:
             self._last = now
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
         self.request_id = self.request_id or chunk.request_id
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
@@ -85,7 +91,8 @@ class CompletionBuilder:
     def build(self, trailing: Mapping[str, str]) -> Completion:
         return Completion("".join(self.text), self.token_ids, self.finish_reason, self.usage,
                           self.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
-                          self.ttft_s, self.itl_s, time.perf_counter() - self._start, dict(trailing))
+                          self.ttft_s, self.itl_s, time.perf_counter() - self._start, dict(trailing),
+                          self.logprobs)
 
 
 def completion_from_chat(r: api_pb2.ChatResponse, trailing: Mapping[str, str],
@@ -93,7 +100,8 @@ def completion_from_chat(r: api_pb2.ChatResponse, trailing: Mapping[str, str],
     usage = Usage.from_pb(r.usage) if r.HasField("usage") else None
     return Completion(r.text, list(r.token_ids), r.finish_reason, usage,
                       r.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
-                      latency_s=latency_s, metadata=dict(trailing))
+                      latency_s=latency_s, metadata=dict(trailing),
+                      logprobs=[logprobs_from_proto(lp) for lp in r.logprobs])
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.proto.v1 import common_pb2
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,37 @@ class KVPart:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the ``SamplingParams.logprobs`` most likely tokens at its position
+    (``top``: ``(token id, logprob)``, most likely first), from the distribution it was sampled from: the model's,
+    before temperature and the other sampling filters (as vLLM reports by default)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                                    top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+
+
+def logprobs_from_proto(m: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    """ValueError when the top ids and their logprobs do not pair up."""
+    if len(m.top_token_ids) != len(m.top_logprobs):
+        raise ValueError(f"token logprobs: {len(m.top_token_ids)} top token ids but {len(m.top_logprobs)} "
+                         "logprobs")
+    return TokenLogprobs(m.token_id, m.logprob, tuple(zip(m.top_token_ids, m.top_logprobs, strict=True)))
+
+
+@dataclass(frozen=True)
 class ImportedKV:
     """A prompt's KV computed elsewhere, verified: blocks ``first_block ..`` up to token ``num_tokens`` (the ones
     before are held here under the request's pin), every (block, layer) covered once by ``parts``, in
     ``layout``. ``reservation``: the lease of the blocks reserved for it (``Engine.reserve``) in which the
     landed parts already are; the engine adopts them without a copy and copies in the buffered parts.
-    ``first_token``: the token prefill sampled after the prompt."""
+    ``first_token``: the token prefill sampled after the prompt; ``first_logprobs``: its logprobs, when the
+    request asked for them (prefill computed them from its logits, which decode never sees)."""
 
     layout: KVLayout
     num_tokens: int
@@ -98,6 +124,7 @@ class ImportedKV:
     first_block: int = 0
     parts: tuple[KVPart, ...] = ()
     reservation: str | None = None
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -114,17 +141,6 @@ class EngineRequest:
     retention: tuple[RetentionRange, ...] = ()
     export: ExportPlan | None = None
     imported: ImportedKV | None = None
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A generated token's log-probability and the ``SamplingParams.logprobs`` most likely tokens at its position
-    (``top``: ``(token id, logprob)``, most likely first), from the distribution it was sampled from: the model's,
-    before temperature and the other sampling filters (as vLLM reports by default)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from kvmesh.contracts.engine import TokenLogprobs
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
@@ -51,6 +52,28 @@ def _strs(values: Iterable[Any], name: str) -> tuple[str, ...]:
     if not all(isinstance(v, str) for v in out):
         raise CodecError(f"field {name!r} must hold only strings")
     return out
+
+
+def _logprobs(value: Any) -> TokenLogprobs | None:
+    """A token's logprobs: ``{"token_id", "logprob", "top": [[id, logprob], ...]}``, or null."""
+    if value is None:
+        return None
+    try:
+        if not isinstance(value, dict):
+            raise CodecError("must be an object or null")
+        top = _get(value, "top", list)
+        if not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int and isinstance(p[1], (int, float))
+                   and not isinstance(p[1], bool) for p in top):
+            raise CodecError("'top' must be a list of [token id, logprob]")
+        return TokenLogprobs(_get(value, "token_id", int), float(_get(value, "logprob", int, float)),
+                             tuple((p[0], float(p[1])) for p in top))
+    except CodecError as e:
+        raise CodecError(f"field 'first_logprobs': {e}") from None
+
+
+def _logprobs_to_json(lp: TokenLogprobs | None) -> dict[str, Any] | None:
+    return None if lp is None else {"token_id": lp.token_id, "logprob": lp.logprob,
+                                    "top": [[t, v] for t, v in lp.top]}
 
 
 def _layout(d: dict[str, Any]) -> KVLayout | None:
@@ -144,6 +167,7 @@ class KVReady:
     error: str = ""
     first_block: int = 0  # the pushed blocks are the prompt's blocks from this index on (decode holds the rest)
     parts: int = 1  # pushed as this many transfers, ``part_transfer_id(transfer_id, 0..parts-1)``, in block order
+    first_logprobs: TokenLogprobs | None = None  # ``first_token``'s, when the request asked for logprobs
 
     def part_ids(self) -> tuple[TransferId, ...]:
         return tuple(part_transfer_id(self.transfer_id, i) for i in range(self.parts))
@@ -155,7 +179,8 @@ class KVReady:
                                  "num_tokens": self.num_tokens, "first_token": self.first_token,
                                  "layout": {} if self.layout is None else self.layout.to_dict(),
                                  "prefill_instance": self.prefill_instance,
-                                 "ok": self.ok, "error": self.error})
+                                 "ok": self.ok, "error": self.error,
+                                 "first_logprobs": _logprobs_to_json(self.first_logprobs)})
 
     @classmethod
     def decode(cls, data: bytes) -> KVReady:
@@ -175,7 +200,8 @@ class KVReady:
                    ok=_get(d, "ok", bool) if "ok" in d else True,
                    error=_get(d, "error", str) if "error" in d else "",
                    first_block=_get(d, "first_block", int) if "first_block" in d else 0,
-                   parts=_get(d, "parts", int) if "parts" in d else 1)
+                   parts=_get(d, "parts", int) if "parts" in d else 1,
+                   first_logprobs=_logprobs(d.get("first_logprobs")))
 
 
 @dataclass(frozen=True)
@@ -194,6 +220,9 @@ class Heartbeat:
     block_size: int
     # the LoRA adapters it serves: (name, generation, path); a request's block keys use name@generation
     loras: tuple[tuple[str, str, str], ...] = ()
+    # what its pushed and received blocks mean (its engine converts its own memory to and from this): a prefill
+    # and a decode are paired only when theirs are equal. None: an older instance that did not say
+    kv_layout: KVLayout | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -205,7 +234,8 @@ class Heartbeat:
         return _dump(self.TYPE, {"instance_id": self.instance_id, "role": self.role,
                                  "grpc_address": self.grpc_address, "transfer_address": self.transfer_address,
                                  "ts": self.ts, "load": self.load, "model": self.model,
-                                 "block_size": self.block_size, "loras": [list(a) for a in self.loras]})
+                                 "block_size": self.block_size, "loras": [list(a) for a in self.loras],
+                                 **({"kv_layout": self.kv_layout.to_dict()} if self.kv_layout else {})})
 
     @classmethod
     def decode(cls, data: bytes) -> Heartbeat:
@@ -216,7 +246,8 @@ class Heartbeat:
         return cls(instance_id=InstanceId(_get(d, "instance_id", str)), role=_get(d, "role", str),
                    grpc_address=_get(d, "grpc_address", str), transfer_address=_get(d, "transfer_address", str),
                    ts=float(_get(d, "ts", int, float)), load=_get(d, "load", dict), model=_get(d, "model", str),
-                   block_size=_get(d, "block_size", int), loras=_loras(d.get("loras", [])))
+                   block_size=_get(d, "block_size", int), loras=_loras(d.get("loras", [])),
+                   kv_layout=_layout(d["kv_layout"]) if d.get("kv_layout") else None)
 
 
 def _loras(value: Any) -> tuple[tuple[str, str, str], ...]:

@@ -116,6 +116,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
         structured=structured_from_proto(p),
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
 
 
@@ -127,4 +128,6 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = s.seed
     if s.structured is not None:
         structured_to_proto(s.structured, msg)
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
     return msg

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Sequence_
-from concurrent.futures import Future
 from typing import Any
 
 from kvmesh.contracts.engine import (
@@ -42,6 +39,7 @@ from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.scheduler import chunk_budget
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
+from kvmesh.engines.loop import EngineLoop
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
 from kvmesh.settings import EngineSettings
 from kvmesh.transfer.landing import Landing
@@ -52,28 +50,27 @@ log = logging.getLogger(__name__)
 PRIOR = SpeedFit(CostModel().prefill_overhead_s, CostModel().prefill_tok_per_s, 0)
 
 
-class AsyncEngine(Engine):
-    """The native engine (``backend = "native"``): ``LLMEngine`` on its own thread, behind the seam."""
+class AsyncEngine(EngineLoop, Engine):
+    """The native engine (``backend = "native"``): ``LLMEngine`` on its own thread (``EngineLoop``), behind the
+    seam."""
 
     backend = "native"
 
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_events: Callable[[list[KVEvent]], None] | None = None, stall: float | None = None,
                  model_name: str = "") -> None:
+        EngineLoop.__init__(self, loop)
         self.engine = engine
         self.layout = engine.layout
         self.model_name = model_name or "SmolLM2-135M-Instruct"
         self.max_model_len = engine.max_model_len
         # a mixed step may cost (1 + stall) x a decode-only one (scheduler.chunk_budget; engine.mixed_step_stall)
         self.stall = engine.cfg.mixed_step_stall if stall is None else stall
-        self.loop = loop
         self.on_events = on_events
         self._events: list[KVEvent] = []
         engine.blocks.on_event = self._events.append  # called on the engine thread only
         # KV read out during a forward pass (layer groups) reaches its request at once, not after the step
         engine.on_piece = lambda out: self._deliver(out.request_id, out)
-        self._commands: queue.Queue[Callable[[], Any] | None] = queue.Queue()
-        self._streams: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
         # engine thread only: timed requests not yet admitted by the scheduler / without a first output yet
         self._unscheduled: dict[str, tuple[Sequence, RequestTiming]] = {}
         self._timed: dict[str, tuple[Sequence, RequestTiming]] = {}
@@ -84,32 +81,18 @@ class AsyncEngine(Engine):
         self._fit = self.speed_fit.fit()
         self._decode_fit = self.decode_speed.fit()
         self._steps = 0
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
+        self.start()
 
     # ---- called from the event loop: the engine's own commands ------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread and await its result (exceptions propagate). Tools and tests
         only: a service goes through the ``Engine`` methods."""
-        fut: Future = Future()
-
-        def run() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return  # the caller went away before the engine got to it: nothing to run, no one to answer
-            try:
-                result = fn(self.engine)
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-
-        self._commands.put(run)
-        return await asyncio.wrap_future(fut)
+        return await self.run(lambda: fn(self.engine))
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Run ``fn(engine)`` on the engine thread, in order with the other commands; nobody waits for it
         (releases that must happen even while the caller is being cancelled). Failures are logged."""
-        self._commands.put(lambda: fn(self.engine))
+        self.queue(lambda: fn(self.engine))
 
     # ---- the seam: requests ----------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest,
@@ -117,8 +100,7 @@ class AsyncEngine(Engine):
         """Add a request and yield its outputs until it finishes. Leaving early aborts it. ``timing``, when
         given, is filled in as the request passes through the engine (see ``RequestTiming``)."""
         rid = request.request_id
-        stream: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
-        self._streams[rid] = stream
+        stream = self.open_stream(rid)
         try:
             structured = request.params.structured
             if structured is not None:  # a cold schema compiles here, not in the batch
@@ -134,8 +116,8 @@ class AsyncEngine(Engine):
                 if out.finished:
                     return
         finally:
-            if self._streams.pop(rid, None) is not None:
-                self._commands.put(lambda: self._abort(rid))
+            if self.close_stream(rid):
+                self.queue(lambda: self._abort(rid))
 
     # ---- the seam: the prefix cache and its blocks ------------------------------------------------------------
     def namespace(self, cache_salt: str = "", lora: str = "") -> NamespaceSeed:
@@ -231,13 +213,7 @@ class AsyncEngine(Engine):
             self.speed())
 
     async def close(self) -> None:
-        self._commands.put(None)
-        await self.loop.run_in_executor(None, self._thread.join, 10)
-
-    def close_now(self) -> None:
-        """``close`` for a caller without an event loop (tools, tests)."""
-        self._commands.put(None)
-        self._thread.join(timeout=10)
+        await self.stop()
 
     # ---- engine thread ---------------------------------------------------------------------------------------
     def _abort(self, request_id: str) -> None:
@@ -267,31 +243,15 @@ class AsyncEngine(Engine):
         pieces = [KVPiece(p.first_block, blocks_from_bytes(self.layout, p.data, p.layers), p.layers)
                   for p in kv.parts if p.data is not None]
         blocks: list[KVPiece] | Landed = pieces if kv.reservation is None else Landed(kv.reservation, pieces)
-        return Imported(blocks, kv.num_tokens, kv.first_token, kv.first_block)
+        return Imported(blocks, kv.num_tokens, kv.first_token, kv.first_block, kv.first_logprobs)
 
-    def _run(self) -> None:
-        while True:
-            idle = not self.engine.has_unfinished()
-            try:
-                cmd = self._commands.get() if idle else self._commands.get_nowait()
-            except queue.Empty:
-                cmd = _NOTHING
-            while cmd is not _NOTHING:  # run every command that arrived, then step once
-                if cmd is None:
-                    return
-                try:
-                    cmd()
-                except Exception:
-                    log.exception("engine command failed")
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    cmd = _NOTHING
-            if self.engine.has_unfinished():
-                self._step()
-            self._flush_events()
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
 
-    def _step(self) -> None:
+    def after_round(self) -> None:
+        self._flush_events()
+
+    def step(self) -> None:
         began, began_cpu = time.monotonic(), time.thread_time()
         try:
             outputs = self.engine.step()
@@ -349,8 +309,7 @@ class AsyncEngine(Engine):
             self.loop.call_soon_threadsafe(self.on_events, events)
 
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
+        if request_id not in self._streams:
             return
         if isinstance(item, StepOutput):
             readout = item.exported
@@ -358,8 +317,8 @@ class AsyncEngine(Engine):
                 block_bytes(readout.blocks), int(readout.blocks.shape[0]), readout.first_block, readout.num_tokens,
                 tuple(BlockKey(k) for k in readout.block_keys), readout.final, readout.layers)
             item = EngineOutput(item.request_id, tuple(item.new_token_ids), item.text_delta, item.finished,
-                                item.finish_reason, item.cached_tokens, exported)
-        self.loop.call_soon_threadsafe(stream.put_nowait, item)
+                                item.finish_reason, item.cached_tokens, exported, tuple(item.logprobs))
+        self.deliver(request_id, item)
 
 
 class StepTotals:
@@ -384,7 +343,6 @@ class StepTotals:
         self.cpu_seconds[kind] += cpu_seconds
 
 
-_NOTHING = object()
 
 
 async def start_native(cfg: EngineSettings) -> AsyncEngine:

@@ -4,11 +4,13 @@ A forward batch mixes sequences in prefill (many query tokens, possibly on top o
 (one query token). ``plan`` runs once per forward and prepares what every layer reuses (block tables, masks);
 ``forward`` runs per layer: it stores the new K/V in the pool, then attends.
 
-Backends: ``torch`` (CPU and CUDA, always available) and ``flashinfer`` (CUDA, imported lazily).
+Backends: ``torch`` (CPU and CUDA, any dtype, always available), ``native`` (CPU: the C decode kernel) and
+``flashinfer`` (CUDA, 16-bit compute, imported lazily).
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.kv_cache import DeviceKVPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -156,18 +160,25 @@ class NativeAttention(TorchAttention):
 
 
 class FlashInferAttention(AttentionBackend):
-    """FlashInfer's paged prefill/decode kernels (CUDA only). Needs ``pip install kvmesh[cuda]``."""
+    """FlashInfer's paged prefill/decode kernels (CUDA only). Needs ``pip install kvmesh[cuda]``. Its paged
+    kernels compute in 16 bits: ``dtype`` bf16 or fp16, the KV stored in the same dtype or fp8."""
 
     name = "flashinfer"
+    DTYPES = (torch.bfloat16, torch.float16)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> None:
+        if torch.device(device).type != "cuda":
+            raise RuntimeError("attention backend 'flashinfer' runs on CUDA only; use 'torch' on CPU")
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if dtype not in self.DTYPES or kv_dtype not in (dtype, torch.float8_e4m3fn):
+            raise RuntimeError(f"attention backend 'flashinfer' computes in 16 bits (compute {dtype}, KV "
+                               f"{kv_dtype} given): set dtype=bf16 and kv_dtype=bf16 (or fp8), or attention=torch")
         try:
             import flashinfer
         except ImportError as e:
             raise RuntimeError("attention backend 'flashinfer' needs the optional dependency: "
                                "pip install 'kvmesh[cuda]' (CUDA only)") from e
-        if torch.device(device).type != "cuda":
-            raise RuntimeError("attention backend 'flashinfer' runs on CUDA only; use 'torch' on CPU")
         self.flashinfer = flashinfer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
@@ -199,16 +210,18 @@ class FlashInferAttention(AttentionBackend):
 BACKENDS = ("auto", "torch", "native", "flashinfer")
 
 
-def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device | str) -> AttentionBackend:
-    """``auto``: flashinfer on CUDA when installed, the native kernel on CPU when it builds, else torch."""
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """``dtype``: what attention computes in; ``kv_dtype``: what the KV pool stores (default: ``dtype``).
+    ``auto``: flashinfer on CUDA when installed and the dtypes are its own (16-bit), the native kernel on CPU
+    when it builds, else torch. A named backend that cannot run here raises RuntimeError saying what to set."""
     on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
         for candidate in (["flashinfer"] if on_cuda else ["native"]):
             try:
-                return make_backend(candidate, num_heads, num_kv_heads, head_dim, device)
-            except RuntimeError:
-                pass
+                return make_backend(candidate, num_heads, num_kv_heads, head_dim, device, dtype, kv_dtype)
+            except RuntimeError as e:
+                log.info("attention auto: %s; using torch", e)
         return TorchAttention()
     if name == "torch":
         return TorchAttention()
@@ -217,5 +230,5 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
             raise RuntimeError("attention backend 'native' is CPU only; use 'flashinfer' or 'torch' on CUDA")
         return NativeAttention(num_heads, num_kv_heads, head_dim)
     if name == "flashinfer":
-        return FlashInferAttention(num_heads, num_kv_heads, head_dim, torch.device(device))
+        return FlashInferAttention(num_heads, num_kv_heads, head_dim, torch.device(device), dtype, kv_dtype)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvmesh.contracts.engine import TokenLogprobs
 from kvmesh.contracts.layout import KVLayout
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -78,12 +79,14 @@ class Imported(NamedTuple):
     """A prompt's KV computed by a prefill instance, for ``LLMEngine.add_request``: ``blocks`` hold its blocks from
     ``first_block`` on, up to token ``num_tokens`` (one tensor, or tensors in order, or ``KVPiece`` s placed by
     block and layer range, or ``Landed``: already in blocks reserved by ``BlockManager.reserve``, adopted without
-    a copy); ``first_token``: the token prefill sampled after the prompt."""
+    a copy); ``first_token``: the token prefill sampled after the prompt, ``first_logprobs`` its logprobs (when
+    the request asks for them)."""
 
     blocks: torch.Tensor | list[torch.Tensor] | list[KVPiece] | Landed
     num_tokens: int
     first_token: int
     first_block: int = 0
+    first_logprobs: TokenLogprobs | None = None
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -3,10 +3,10 @@
 Threading: an ``LLMEngine`` is not thread-safe. One owner (a CLI loop, or a service's single engine thread)
 calls ``add_request`` / ``abort`` / ``step``; services hand work to that owner through a queue.
 
-Fault isolation: an exception while masking one sequence's logits by its grammar, sampling, stop-checking,
-detokenizing or exporting one sequence aborts that sequence only (its ``StepOutput`` is finished with
-``finish_reason="error"`` and ``error`` set); a failed forward pass fails that step's sequences the same way.
-Either way the engine serves the next step.
+Fault isolation: an exception while masking one sequence's logits by its grammar, sampling, computing its
+logprobs, stop-checking, detokenizing or exporting one sequence aborts that sequence only (its ``StepOutput`` is
+finished with ``finish_reason="error"`` and ``error`` set); a failed forward pass fails that step's sequences the
+same way. Either way the engine serves the next step.
 
 KV export: a request's ``ExportPlan`` picks its strategy (``engine/export.py``); the step asks it what to read out
 during the forward pass, after it, and when the request finishes.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.contracts.engine import ExportPlan, RetentionRange
+from kvmesh.contracts.engine import ExportPlan, RetentionRange, TokenLogprobs
 from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
@@ -35,7 +35,7 @@ from kvmesh.engine.export import Export, KVReadout, LayerExport, make_export
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, Imported, Landed
 from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
-from kvmesh.engine.sampling import RowFault, make_generator, sample
+from kvmesh.engine.sampling import RowFault, make_generator, sample, token_logprobs
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
@@ -56,6 +56,7 @@ class StepOutput:
     cached_tokens: int = 0
     exported: KVReadout | None = None
     error: SequenceError | None = None  # the request failed (finished, finish_reason "error"); others did not
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token, when the request asked
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Completion:
     cached_tokens: int
     ttft_s: float
     decode_tokens_per_s: float
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when the request asked
     error: SequenceError | None = None
 
 
@@ -82,6 +83,17 @@ class _Tracked:
         self.export = export  # how its KV leaves (None: it does not)
         self.error: SequenceError | None = None
         self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
+        self.logprobs: list[TokenLogprobs] = []  # of the tokens so far, when the request asked
+
+
+def _check_device(device: str) -> None:
+    """RuntimeError saying what to do when ``device`` is CUDA and this torch cannot reach it."""
+    if not device.startswith("cuda") or torch.cuda.is_available():
+        return
+    why = (f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda is None
+           else f"this torch (CUDA {torch.version.cuda}) sees no GPU")
+    raise RuntimeError(f"device={device}, but {why}: set device=cpu, or install torch's CUDA build "
+                       "(README: Install, TORCH_INDEX)")
 
 
 class LLMEngine:
@@ -93,6 +105,7 @@ class LLMEngine:
             torch.set_num_threads(cfg.threads)
         if cfg.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(COMPUTE_DTYPES)}")
+        _check_device(cfg.device)
         self.cfg = cfg
         dtype = COMPUTE_DTYPES[cfg.dtype]
         self.tokenizer = None
@@ -132,7 +145,8 @@ class LLMEngine:
         self.loras = LoRAManager(mc, cfg.max_loras, cfg.max_lora_rank, dtype, cfg.device)
         for name, path in cfg.lora_adapter_paths():
             self.loras.load(name, path)
-        self.attn = make_backend(cfg.attention, mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.device)
+        self.attn = make_backend(cfg.attention, mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.device, dtype,
+                                 self.kv.dtype)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self._requests: dict[str, _Tracked] = {}
         self._grammars = None  # engine/grammar.Grammars, built at the first constrained request
@@ -246,13 +260,16 @@ class LLMEngine:
         self._requests[request_id] = tracked = _Tracked(seq, detok, make_export(export))
         tracked.grammar = grammar
         if imported is not None:
-            blocks, num_tokens, first_token, first_block = imported
+            blocks, num_tokens, first_token, first_block, first_logprobs = imported
             seq.output_token_ids.append(first_token)
-            if self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens, first_block):
+            # a first token without the logprobs the request asks for cannot be served from here: recomputed
+            usable = params.logprobs is None or first_logprobs is not None
+            if usable and self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens,
+                                                                                  first_block):
                 seq.num_cached_tokens = num_tokens
                 self.scheduler.add_running(seq)
                 seq.output_token_ids.pop()
-                self._pending.append(self._emit(seq, first_token, time.monotonic()))
+                self._pending.append(self._emit(seq, first_token, time.monotonic(), first_logprobs))
                 return seq
             seq.output_token_ids.pop()
             if isinstance(blocks, Landed):  # recomputed instead: the blocks it landed in go back now
@@ -334,10 +351,15 @@ class LLMEngine:
         if not samplers:
             return pending
         new_tokens = self._sample(samplers, logits)
+        logprobs = self._logprobs(samplers, logits, new_tokens)
         now = time.monotonic()
-        return pending + [self._fail(seq, SequenceError(seq.request_id, tok.message, tok.client_fault))
-                          if isinstance(tok, RowFault) else self._emit(seq, tok, now)
-                          for seq, tok in zip(samplers, new_tokens)]
+        for seq, tok, lp in zip(samplers, new_tokens, logprobs):  # a fault in its token or its logprobs fails it
+            fault = next((f for f in (tok, lp) if isinstance(f, RowFault)), None)
+            if fault is None:
+                pending.append(self._emit(seq, tok, now, lp))
+            else:
+                pending.append(self._fail(seq, SequenceError(seq.request_id, fault.message, fault.client_fault)))
+        return pending
 
     def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int | RowFault]:
         """One token per row (or the row's fault), grammar masks applied. ``sample`` isolates its rows; should
@@ -364,10 +386,38 @@ class LLMEngine:
                 out.append(RowFault(f"sampling failed: {type(e).__name__}: {e}", client_fault=False))
         return out
 
-    def _emit(self, seq: Sequence, token: int, now: float) -> StepOutput:
+    def _logprobs(self, samplers: list[Sequence], logits: torch.Tensor,
+                  tokens: list[int | RowFault]) -> list[TokenLogprobs | RowFault | None]:
+        """The logprobs of each sampled row whose request asks for them (None for the others), all such rows in
+        one batched op; should that fail, each row alone, so only the row at fault fails."""
+        out: list[TokenLogprobs | RowFault | None] = [None] * len(samplers)
+        asked = {i: (tok, n) for i, (seq, tok) in enumerate(zip(samplers, tokens))
+                 if (n := seq.params.logprobs) is not None and isinstance(tok, int)}
+        rows = list(asked)
+        if not rows:
+            return out
+
+        def compute(rs: list[int]) -> list[TokenLogprobs]:
+            return token_logprobs(logits[rs], [asked[i][0] for i in rs], [asked[i][1] for i in rs])
+
+        try:
+            for i, lp in zip(rows, compute(rows)):
+                out[i] = lp
+            return out
+        except Exception:
+            log.exception("computing logprobs of %d rows failed; computing each alone", len(rows))
+        for i in rows:
+            try:
+                out[i] = compute([i])[0]
+            except Exception as e:
+                log.exception("request %s: computing logprobs failed", samplers[i].request_id)
+                out[i] = RowFault(f"computing logprobs failed: {type(e).__name__}: {e}", client_fault=False)
+        return out
+
+    def _emit(self, seq: Sequence, token: int, now: float, logprobs: TokenLogprobs | None = None) -> StepOutput:
         """``_append``, with a failure (stop check, detokenizer, KV export) aborting this sequence only."""
         try:
-            return self._append(seq, token, now)
+            return self._append(seq, token, now, logprobs)
         except Exception as e:  # reported to this request's caller
             log.exception("request %s failed after sampling token %d", seq.request_id, token)
             return self._fail(seq, SequenceError(seq.request_id, f"{type(e).__name__}: {e}"))
@@ -385,11 +435,13 @@ class LLMEngine:
                 seq.status, seq.finish_reason = Status.FINISHED, "error"
         return StepOutput(seq.request_id, [], "", True, "error", seq.num_cached_tokens, error=error)
 
-    def _append(self, seq: Sequence, token: int, now: float) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, now: float, logprobs: TokenLogprobs | None = None) -> StepOutput:
         tracked = self._requests[seq.request_id]
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_token_ids.append(token)
+        if logprobs is not None:
+            tracked.logprobs.append(logprobs)
         if tracked.grammar is not None:
             tracked.grammar.accept(token)
         delta = tracked.detok.push(token) if tracked.detok is not None else ""
@@ -414,7 +466,7 @@ class LLMEngine:
                                          seq.num_computed_tokens)
             self.scheduler.finish(seq, reason)
         return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
-                          exported)
+                          exported, logprobs=[logprobs] if logprobs is not None else [])
 
     def _during_pass(self, scheduled: list) -> list[LayerExport]:
         """The chunks of this step whose export strategy reads them out during the pass, layer group by group."""
@@ -503,7 +555,7 @@ class LLMEngine:
         n = len(seq.output_token_ids)
         return Completion(request_id, seq.prompt_token_ids, list(seq.output_token_ids), tracked.text,
                           seq.finish_reason, seq.num_cached_tokens, ttft,
-                          (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, error=tracked.error)
+                          (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, tracked.logprobs, tracked.error)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  cache_salt: str = "", lora: str | list[str] = "") -> list[Completion]:

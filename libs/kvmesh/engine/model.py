@@ -21,11 +21,14 @@ from kvmesh.engine.lora import LoRABatch
 from kvmesh.model_source.hf_config import ModelConfig
 
 
-def _rope_tables(cfg: ModelConfig, max_pos: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(cfg: ModelConfig, max_pos: int, device: torch.device | str,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin ``[max_pos, head_dim]``, computed in fp32 and stored in the model's dtype (as transformers
+    rounds them), so the rotation keeps q and k in that dtype."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
     freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +79,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, fill=1)
         self.to(device)
-        self.cos, self.sin = _rope_tables(cfg, cfg.max_position_embeddings, device)
+        self.cos, self.sin = _rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
         self.embed: torch.Tensor | None = None  # dense only when not tied to lm_head (else lm_head.rows)
         self.lm_head: Linear
         # RMSNorm and RoPE in one C call each where the kernel builds (CPU fp32), else torch ops

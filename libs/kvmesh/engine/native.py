@@ -30,6 +30,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 KERNELS = {torch.float32: "kvmesh_paged_decode_f32", torch.bfloat16: "kvmesh_paged_decode_bf16",
            torch.float8_e4m3fn: "kvmesh_paged_decode_fp8"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+UNAVAILABLE: dict[str, str] = {}  # source file name -> why this process could not build or load it
 
 
 def _cpu_id() -> str:
@@ -39,10 +40,18 @@ def _cpu_id() -> str:
         return os.uname().machine
 
 
-def _build(source: Path, out: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+def _compiler() -> str:
+    """``$CC`` where set, else gcc or cc on the PATH; RuntimeError saying which was looked for."""
+    wanted = os.environ.get("CC")
+    cc = shutil.which(wanted) if wanted else shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) found")
+        raise RuntimeError(f"no C compiler: CC={wanted!r} not found" if wanted
+                           else "no C compiler: neither gcc nor cc is on the PATH (or set CC)")
+    return cc
+
+
+def _build(source: Path, out: Path) -> None:
+    cc = _compiler()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
@@ -51,8 +60,9 @@ def _build(source: Path, out: Path) -> None:
         os.replace(tmp_so, out)
 
 
-def _compile(source: Path) -> ctypes.CDLL | None:
-    """``source`` built (or found cached) and loaded; None, with a warning, when it cannot be built."""
+def compile_source(source: Path) -> ctypes.CDLL | None:
+    """``source`` built (or found cached) and loaded; None, with a warning, when it cannot be built. Also for C
+    outside the engine that must be compiled as its kernels are (the machine probe, ``app.bench.machine``)."""
     from kvmesh.model_source.resolve import default_cache_dir
 
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # what the sources include
@@ -64,14 +74,14 @@ def _compile(source: Path) -> ctypes.CDLL | None:
             _build(source, path)
         return ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("native kernel %s unavailable (%s); using the torch path", source.name, detail)
+        UNAVAILABLE[source.name] = str(getattr(e, "stderr", "") or e).strip()
+        log.warning("native kernel %s unavailable (%s); using the torch path", source.name, UNAVAILABLE[source.name])
         return None
 
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    lib = _compile(SOURCE)
+    lib = compile_source(SOURCE)
     if lib is None:
         return None
     lib.kvmesh_init_fp8_table()
@@ -99,7 +109,7 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 @lru_cache(maxsize=1)
 def load_gemm() -> ctypes.CDLL | None:
-    lib = _compile(GEMM_SOURCE)
+    lib = compile_source(GEMM_SOURCE)
     if lib is None:
         return None
     lib.kvmesh_gemm_panel_width.argtypes, lib.kvmesh_gemm_panel_width.restype = [], _I64
@@ -155,7 +165,7 @@ def gemm_q(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, qtype: int, n: in
 
 @lru_cache(maxsize=1)
 def load_pointwise() -> ctypes.CDLL | None:
-    lib = _compile(POINTWISE_SOURCE)
+    lib = compile_source(POINTWISE_SOURCE)
     if lib is None:
         return None
     lib.kvmesh_rms_norm_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]

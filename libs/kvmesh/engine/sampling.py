@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.contracts.engine import TokenLogprobs
 from kvmesh.contracts.sampling import SamplingParams
 
 F32_MAX = torch.finfo(torch.float32).max
+F32_LOWEST = torch.finfo(torch.float32).min
 
 
 @dataclass(frozen=True)
@@ -136,3 +138,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             except Exception as e:  # noqa: BLE001 - reported for this row only
                 out[row] = RowFault(f"sampling failed: {type(e).__name__}: {e}", client_fault=False)
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
+    """For rows of logits ``[R, vocab]``: the log-probability of the row's sampled ``tokens[i]`` and its
+    ``tops[i]`` most likely tokens (most likely first), from the model's own distribution (fp32 log-softmax of the
+    logits, before temperature and the sampling filters: what vLLM reports by default). One batched op for all
+    rows; values are finite (a log-probability below float32's range reads as its lowest value)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].clamp_min(F32_LOWEST).tolist()
+    k = max(tops)
+    top_lp: list[list[float]] = [[] for _ in tokens]
+    top_ids: list[list[int]] = [[] for _ in tokens]
+    if k:
+        values, ids = lp.topk(k, dim=-1)  # sorted: most likely first
+        top_lp, top_ids = values.clamp_min(F32_LOWEST).tolist(), ids.tolist()
+    return [TokenLogprobs(tok, chosen[i], tuple(zip(top_ids[i][:n], top_lp[i][:n], strict=True)))
+            for i, (tok, n) in enumerate(zip(tokens, tops, strict=True))]

@@ -227,7 +227,8 @@ class EngineHost:
             beat = Heartbeat(instance_id=self.instance_id, role=self.cfg.role, grpc_address=self.grpc_address,
                              transfer_address=self.transfer_address, ts=time.time(), load=load,
                              model=self.fingerprint, block_size=self.layout.block_size,
-                             loras=tuple((a.name, a.generation, a.path) for a in self.engine.adapters()))
+                             loras=tuple((a.name, a.generation, a.path) for a in self.engine.adapters()),
+                             kv_layout=self.layout)
             try:
                 await self.bus.publish(subject, beat)
             except Exception:

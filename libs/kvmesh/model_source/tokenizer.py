@@ -43,6 +43,7 @@ class Tokenizer:
         eos_id = raw.token_to_id(eos) if eos is not None else None
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*([eos_id] if eos_id is not None else []),
                                                                     *extra_eos]))
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -65,6 +66,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone (a special token as itself; part of a multi-byte character as
+        U+FFFD), as vLLM names the tokens of logprobs. Cached: at most one entry per id of the vocabulary."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -261,12 +261,14 @@ class EngineSettings(Section):
     dtype: str = setting("fp32", "compute dtype", choices=COMPUTE_DTYPES)
     threads: int = setting(1, "torch threads for this engine (0 = torch's default); keep engines x threads "
                               "<= cores")
-    attention: str = setting("auto", "attention backend (auto: flashinfer on CUDA, the native C kernel on CPU)",
-                             choices=ATTENTION)
+    attention: str = setting("auto", "attention backend (auto: flashinfer on CUDA with 16-bit dtype and kv_dtype, "
+                                     "the native C kernel on CPU, else torch)", choices=ATTENTION)
     quantized_weights: bool = setting(True, "from a GGUF, small steps read its Q4_1 / Q8_0 blocks (CPU fp32, one "
                                             "thread, AVX-512): the same products as the fp32 weights, 5-9 bits "
                                             "a weight streamed instead of 32")
     block_size: int = setting(16, "tokens per KV block (the router's block_size must match)")
+    vllm_block_size: int = setting(0, "backend vllm: vLLM's own block size, a multiple of block_size (0 = vLLM's "
+                                      "default: 128 on CPU, whose attention takes multiples of 32)")
     kv_cache_mb: int = setting(512, "device KV pool size (ignored when num_blocks > 0)")
     num_blocks: int = setting(0, "device KV pool size in blocks (0 = size from kv_cache_mb)")
     kv_dtype: str = setting("fp32", "KV storage dtype (attention computes in dtype)", choices=KV_DTYPES)
@@ -293,6 +295,7 @@ class EngineSettings(Section):
         out = super().problems()
         if self.device != "cpu" and not self.device.startswith("cuda"):
             out.append(Problem("device", f"device must be cpu, cuda or cuda:<index>, not {self.device!r}"))
+        out += self._attention_problems()
         out += self._min(("block_size", "max_batched_tokens", "max_num_seqs"), 1)
         out += self._min(("threads", "num_blocks", "host_cache_mb", "max_model_len"), 0, ENGINE_ZERO_MEANS)
         if not self.mixed_step_stall > 0:
@@ -307,6 +310,24 @@ class EngineSettings(Section):
         except ValueError as e:
             out.append(Problem("lora_adapters", str(e)))
         return out
+
+    def _attention_problems(self) -> list[Problem]:
+        """A backend the device cannot run: native is CPU only; flashinfer is CUDA only and its paged kernels
+        compute in 16 bits (bf16 / fp16, the KV in the same dtype or fp8). ``auto`` always finds one."""
+        on_cuda = self.device.startswith("cuda")
+        if self.attention == "native" and on_cuda:
+            return [Problem("attention", "attention 'native' is the CPU decode kernel: on CUDA set attention=auto, "
+                                         "flashinfer or torch")]
+        if self.attention != "flashinfer":
+            return []
+        if not on_cuda:
+            return [Problem("attention", "attention 'flashinfer' runs on CUDA only: set device=cuda, or attention="
+                                         "auto or torch")]
+        if self.dtype not in ("bf16", "fp16") or self.kv_dtype not in (self.dtype, "fp8"):
+            return [Problem("attention", f"attention 'flashinfer' computes in 16 bits (dtype={self.dtype}, kv_dtype="
+                                         f"{self.kv_dtype} given): set dtype=bf16 and kv_dtype=bf16 (or fp8), or "
+                                         f"attention=torch for {self.dtype}")]
+        return []
 
     def lora_adapter_paths(self) -> list[tuple[str, str]]:
         """``lora_adapters`` parsed: ``[(name, path)]``; ValueError naming the entry that is not NAME=PATH."""

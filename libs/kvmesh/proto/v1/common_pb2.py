@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/proto/v1/common.proto\x12\tkvmesh.v1\"\xb3\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x0bjson_schema\x18\t \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\n \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x0b \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x0c \x01(\x0b\x32\x12.kvmesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\r \x01(\tH\x00\x42\x0c\n\nstructuredB\x07\n\x05_seed\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x01\n\x0b\x42lockLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/proto/v1/common.proto\x12\tkvmesh.v1\"\xd7\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x0bjson_schema\x18\t \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\n \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x0b \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x0c \x01(\x0b\x32\x12.kvmesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\r \x01(\tH\x00\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x42\x0c\n\nstructuredB\x07\n\x05_seedB\x0b\n\t_logprobs\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x01\n\x0b\x42lockLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.proto.v1.common_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=351
-  _globals['_CHOICES']._serialized_start=353
-  _globals['_CHOICES']._serialized_end=379
-  _globals['_CHATMESSAGE']._serialized_start=381
-  _globals['_CHATMESSAGE']._serialized_end=425
-  _globals['_USAGE']._serialized_start=427
-  _globals['_USAGE']._serialized_end=507
-  _globals['_BLOCKLAYOUT']._serialized_start=510
-  _globals['_BLOCKLAYOUT']._serialized_end=695
+  _globals['_SAMPLINGPARAMS']._serialized_end=387
+  _globals['_TOKENLOGPROBS']._serialized_start=389
+  _globals['_TOKENLOGPROBS']._serialized_end=484
+  _globals['_CHOICES']._serialized_start=486
+  _globals['_CHOICES']._serialized_end=512
+  _globals['_CHATMESSAGE']._serialized_start=514
+  _globals['_CHATMESSAGE']._serialized_end=558
+  _globals['_USAGE']._serialized_start=560
+  _globals['_USAGE']._serialized_end=640
+  _globals['_BLOCKLAYOUT']._serialized_start=643
+  _globals['_BLOCKLAYOUT']._serialized_end=828
 # @@protoc_insertion_point(module_scope)

@@ -76,7 +76,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., decode_instance: _Optional[str] = ..., decode_transfer_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., push_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "cached_tokens", "num_blocks", "transfer_bytes", "transfer_s", "transfer_id", "compute_s")
+    __slots__ = ("first_token", "cached_tokens", "num_blocks", "transfer_bytes", "transfer_s", "transfer_id", "compute_s", "first_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     cached_tokens: int
     num_blocks: int
@@ -91,7 +92,8 @@ class PrefillResponse(_message.Message):
     transfer_s: float
     transfer_id: str
     compute_s: float
-    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    first_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("work", "prefill_locally", "kv_timeout_s", "cached_blocks", "route_reason", "expected_prefill_s")
@@ -110,7 +112,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., kv_timeout_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ..., route_reason: _Optional[str] = ..., expected_prefill_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finished", "finish_reason", "cached_tokens", "kv_fallback", "fallback_reason")
+    __slots__ = ("token_ids", "text", "finished", "finish_reason", "cached_tokens", "kv_fallback", "fallback_reason", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class DecodeChunk(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
@@ -125,4 +128,5 @@ class DecodeChunk(_message.Message):
     cached_tokens: int
     kv_fallback: bool
     fallback_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...

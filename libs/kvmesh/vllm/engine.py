@@ -1,0 +1,537 @@
+"""``VLLMEngine``: vLLM's v1 ``LLMEngine`` in the instance's own process, stepped by the instance's engine thread.
+
+Why not ``AsyncLLM``: it always runs vLLM's engine core in processes of its own, which here took 49-71 s to start
+(each re-imports vLLM and torch) against 8 s in process, and would put the scheduler, the KV tensors and the KV
+connector out of the host's reach. In process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor) the
+engine, its scheduler and its workers are objects of this process, driven like the native engine: one thread owns
+them (``EngineLoop``), adds requests and calls ``step()`` while any is unfinished, and hands each request's outputs
+to its stream.
+
+What maps to what
+- The model: ``[engine] model`` resolved as for the native engine (the default GGUF converted once to an HF
+  folder), so both engines of one model share its fingerprint, tokenizer and block keys.
+- KV size: ``num_blocks`` (else ``kv_cache_mb``) in kvmesh blocks of ``block_size`` tokens, turned into vLLM blocks
+  of ``vllm_block_size`` tokens (a multiple of ``block_size``; vLLM's CPU attention takes multiples of 32); the
+  context is capped to what fits. Threads: ``threads`` (OpenMP, unpinned). ``dtype``, ``max_num_seqs``,
+  ``max_batched_tokens``, ``enable_prefix_caching``, ``max_loras``, ``max_lora_rank`` carry over.
+- Adapters are given to vLLM under ``name@generation`` (the generation a digest of their files, as the native
+  engine computes it), so a reload under the same name is another adapter to vLLM and its KV events name the
+  kvmesh namespace directly.
+- Errors: a request vLLM refuses raises ``ValueError`` (the servicers answer INVALID_ARGUMENT); the checks vLLM
+  does not make (prompt + max_tokens past the context, a duplicate id, an adapter not loaded, which would kill its
+  engine) are made here first. A failed step fails the requests in flight (``SequenceError``); an engine vLLM
+  declares dead fails every later one too, naming the restart it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvmesh.contracts.engine import (
+    AdapterInfo,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    ExportedKV,
+    ExportPieces,
+    ImportedKV,
+    RequestTiming,
+)
+from kvmesh.contracts.events import AllBlocksCleared
+from kvmesh.contracts.ids import BlockKey, NamespaceSeed
+from kvmesh.contracts.keys import Namespace, block_keys
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.engines.base import Engine, KVEventSink, Reserved
+from kvmesh.engines.errors import SequenceError
+from kvmesh.engines.loop import EngineLoop
+from kvmesh.routing.cost import SpeedEstimator
+from kvmesh.settings import EngineSettings
+from kvmesh.vllm import check_version
+from kvmesh.vllm.events import Subscriber, Translator, endpoints
+from kvmesh.vllm.requests import client_fault, output, sampling_params
+
+log = logging.getLogger(__name__)
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+CPU_BLOCK_SIZE = 128  # vLLM's default on CPU (its attention takes multiples of 32)
+TOPIC = "kvmesh"
+
+
+@dataclass
+class _Request:
+    request: EngineRequest
+    timing: RequestTiming | None
+    lora: str = ""        # the vLLM name of its adapter ("" = the base model)
+    first: bool = True    # no output delivered yet
+    added: float = 0.0    # when vLLM took it (time.monotonic())
+
+
+@dataclass
+class _Adapter:
+    info: AdapterInfo
+    vllm: Any             # vLLM's LoRARequest (lora_name = name@generation)
+
+
+def _environment(cfg: EngineSettings) -> None:
+    """What vLLM reads at import and start: in process, unpinned OpenMP threads, no torch.compile (its first
+    logprobs request compiled for a minute here), no usage reports."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if cfg.threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+    for name, value in (("TORCH_COMPILE_DISABLE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
+                        ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(name, value)
+
+
+def adapter_generation(path: str) -> str:
+    """The native engine's generation of a PEFT folder: a digest of its config and weights. ValueError naming the
+    file that cannot be read."""
+    root = Path(path)
+    try:
+        digest = xxhash.xxh3_64((root / "adapter_config.json").read_bytes())
+        digest.update((root / "adapter_model.safetensors").read_bytes())
+    except OSError as e:
+        raise ValueError(f"LoRA adapter at {path!r}: {e.strerror or e}; pass the folder PEFT's save_pretrained "
+                         f"wrote (adapter_config.json, adapter_model.safetensors)") from None
+    return digest.hexdigest()
+
+
+class VLLMEngine(EngineLoop, Engine):
+    backend = "vllm"
+
+    def __init__(self, cfg: EngineSettings, loop: asyncio.AbstractEventLoop) -> None:
+        EngineLoop.__init__(self, loop, name="vllm-engine")
+        from kvmesh.engine.loader import resolve_model  # converts a GGUF (the default model) once
+        from kvmesh.model_source.resolve import model_name
+        from kvmesh.model_source.tokenizer import Tokenizer
+
+        self.cfg = cfg
+        source = resolve_model(cfg.model)
+        mc = source.config
+        self.hf_dir = source.hf_dir
+        self.model_name = model_name(cfg.model)
+        self.tokenizer_fingerprint = Tokenizer.from_dir(source.hf_dir).fingerprint
+        self.vocab_size = mc.vocab_size
+        self.layout = KVLayout(source.fingerprint, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
+                               cfg.kv_dtype)
+        self.vllm_block_size = cfg.vllm_block_size or (CPU_BLOCK_SIZE if cfg.device == "cpu" else cfg.block_size)
+        if self.vllm_block_size % cfg.block_size:
+            raise ValueError(f"vllm_block_size {self.vllm_block_size} must be a multiple of block_size "
+                             f"{cfg.block_size} (kvmesh's block keys are computed inside vLLM's blocks)")
+        self.per_block = self.vllm_block_size // cfg.block_size
+        kv_blocks = cfg.num_blocks or max(8, cfg.kv_cache_mb * 2**20 // self.layout.block_nbytes)
+        self.num_vllm_blocks = max(2, kv_blocks // self.per_block)
+        capacity = self.num_vllm_blocks * self.vllm_block_size
+        wanted = cfg.max_model_len or mc.max_position_embeddings
+        self.max_model_len = min(wanted, capacity)
+        if self.max_model_len < wanted:
+            log.warning("vLLM: the context is capped at %d tokens, what %d KV blocks of %d hold (raise "
+                        "num_blocks or kv_cache_mb for %d)", self.max_model_len, self.num_vllm_blocks,
+                        self.vllm_block_size, wanted)
+        self.translator = Translator(cfg.block_size, self._namespace_of)
+        from kvmesh.vllm.connector import BRIDGES, Bridge  # imports vLLM: after _environment
+
+        self.bridge = Bridge(self.layout, self.vllm_block_size, self._namespace_of,
+                             self.num_vllm_blocks * self.per_block)
+        self.bridge_id = f"{id(self):x}"
+        self.bridge.emit = self._emit
+        BRIDGES[self.bridge_id] = self.bridge
+        self.on_events: KVEventSink | None = None
+        self.events_endpoint, self.replay_endpoint = endpoints()
+        self.subscriber: Subscriber | None = None
+        self.llm: Any = None
+        self.dead: str = ""  # why vLLM's engine died ("" while alive)
+        self._active: dict[str, _Request] = {}
+        self._adapters: dict[str, _Adapter] = {}
+        self._lora_ids = itertools.count(1)
+        self._retired: dict[str, int] = {}  # vLLM adapter name -> its id: to remove once its requests end
+        self.speed_fit = SpeedEstimator()
+        self.steps = {"decode": 0, "prefill": 0}
+        self.step_seconds = {"decode": 0.0, "prefill": 0.0}
+
+    # ---- start and stop --------------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Start vLLM's engine (on the engine thread: every vLLM call is made from there)."""
+        import vllm
+        from vllm.config.kv_events import KVEventsConfig
+        from vllm.config.kv_transfer import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine as VLLMLLMEngine
+
+        check_version(vllm.__version__)
+        cfg, layout = self.cfg, self.layout
+        block_bytes = layout.block_nbytes * self.per_block
+        args = EngineArgs(
+            model=str(self.hf_dir), tokenizer=str(self.hf_dir), dtype=DTYPES[cfg.dtype],
+            max_model_len=self.max_model_len, block_size=self.vllm_block_size,
+            num_gpu_blocks_override=self.num_vllm_blocks + 1,  # vLLM's block 0 is its null block
+            kv_cache_memory_bytes=(self.num_vllm_blocks + 2) * block_bytes,
+            enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.device == "cpu",
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_batched_tokens, self.vllm_block_size),
+            seed=0, disable_log_stats=True, distributed_executor_backend="uni",
+            enable_lora=cfg.max_loras > 0, max_loras=max(1, cfg.max_loras), max_lora_rank=cfg.max_lora_rank,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                            endpoint=self.events_endpoint, replay_endpoint=self.replay_endpoint,
+                                            topic=TOPIC),
+            # kvmesh's connector (connector.py): pool hits loaded, finished blocks read out for the write-back
+            kv_transfer_config=KVTransferConfig(kv_connector="KvmeshConnector",
+                                                kv_connector_module_path="kvmesh.vllm.connector",
+                                                kv_role="kv_both",
+                                                kv_connector_extra_config={"bridge": self.bridge_id}))
+        self.llm = VLLMLLMEngine.from_engine_args(args)
+        manager = self.llm.engine_core.engine_core.scheduler.kv_cache_manager
+        self.bridge.block_ids = lambda req_id: list(manager.get_block_ids(req_id)[0])
+        for name, path in cfg.lora_adapter_paths():
+            self._load_lora(name, path)
+
+    async def close(self) -> None:
+        from kvmesh.vllm.connector import BRIDGES
+
+        await self.stop()
+        BRIDGES.pop(self.bridge_id, None)
+        if self.subscriber is not None:
+            self.subscriber.close()
+        for path in (self.events_endpoint, self.replay_endpoint):
+            Path(path.removeprefix("ipc://")).unlink(missing_ok=True)
+
+    # ---- the seam: requests ----------------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest,
+                       timing: RequestTiming | None = None) -> AsyncIterator[EngineOutput]:
+        rid = request.request_id
+        stream = self.open_stream(rid)
+        try:
+            if timing is not None:
+                timing.submitted = time.monotonic()
+            await self.run(lambda: self._add(request, timing))
+            while True:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self.close_stream(rid):
+                self.queue(lambda: self._abort(rid))
+
+    # ---- the seam: the prefix cache --------------------------------------------------------------------------
+    def namespace(self, cache_salt: str = "", lora: str = "") -> NamespaceSeed:
+        adapter = self._adapter(lora)
+        return self._namespace_of(cache_salt, adapter.vllm.lora_name if adapter else "")
+
+    def _namespace_of(self, cache_salt: str, lora_id: str) -> NamespaceSeed:
+        return NamespaceSeed(Namespace(self.fingerprint, self.tokenizer_fingerprint, lora_id, cache_salt).seed)
+
+    async def match_prefix(self, namespace: NamespaceSeed, tokens: Sequence[int], max_tokens: int) -> int:
+        return self.translator.holds(namespace, tokens, max_tokens)
+
+    async def pin(self, lease: str, namespace: NamespaceSeed, tokens: Sequence[int], max_blocks: int) -> int:
+        """What vLLM holds of the prompt now (it cannot hold blocks for someone outside: should it evict them
+        before the push is imported, the connector sees its local hit fall short of the push and vLLM computes
+        the prompt instead, never a wrong token)."""
+        return min(max_blocks, self.translator.holds(namespace, tokens, len(tokens)))
+
+    def unpin(self, lease: str) -> None:
+        pass
+
+    async def reserve(self, lease: str, request: EngineRequest, first_block: int) -> Reserved | None:
+        return None
+
+    def release(self, lease: str) -> None:
+        pass
+
+    async def adopt(self, namespace: NamespaceSeed, tokens: Sequence[int], first_block: int, data: memoryview,
+                    num_blocks: int) -> bool:
+        """Staged for the connector, which loads them into vLLM's paged KV when vLLM admits the request that
+        needs them (vLLM has no way to take blocks into its prefix cache outside a request)."""
+        if self.bridge.paged is None:
+            return False
+        return self.bridge.stage(namespace, tokens, first_block, data, num_blocks) > 0
+
+    async def held_blocks(self) -> list[tuple[BlockKey, str]]:
+        return self.translator.snapshot()
+
+    def subscribe(self, sink: KVEventSink) -> None:
+        self.on_events = sink
+        if self.subscriber is None:
+            self.subscriber = Subscriber(self.events_endpoint, self.replay_endpoint, TOPIC, self._batch_arrived,
+                                         self._batches_lost)
+
+    def _batch_arrived(self, events: list[Any]) -> None:  # the subscriber's thread
+        self.loop.call_soon_threadsafe(self._translate, events)
+
+    def _translate(self, events: list[Any]) -> None:  # the event loop
+        try:
+            out = self.translator.translate(events)
+        except Exception:
+            log.exception("vLLM KV events could not be translated")
+            return
+        if out and self.on_events is not None:
+            self.on_events(out)
+
+    def _batches_lost(self) -> None:  # the subscriber's thread
+        """Events the index will never see: start both over empty (vLLM's cache reset, the index told)."""
+        def clear() -> None:
+            self.translator.translate([AllBlocksCleared()])
+            if self.on_events is not None:
+                self.on_events([AllBlocksCleared()])
+        self.queue(lambda: self.llm.reset_prefix_cache())
+        self.loop.call_soon_threadsafe(clear)
+
+    # ---- the seam: adapters ----------------------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> AdapterInfo:
+        return await self.run(lambda: self._load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self.run(lambda: self._unload_lora(name))
+
+    def adapters(self) -> list[AdapterInfo]:
+        return sorted((a.info for a in list(self._adapters.values())), key=lambda a: a.name)
+
+    def _adapter(self, name: str) -> _Adapter | None:
+        if not name:
+            return None
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            served = sorted(self._adapters) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r}; this engine serves {served}")
+        return adapter
+
+    def _load_lora(self, name: str, path: str) -> AdapterInfo:
+        from vllm.lora.request import LoRARequest
+
+        if not name or "@" in name or name.strip() != name:
+            raise ValueError(f"LoRA adapter name {name!r} is invalid: use a non-empty name without '@' or "
+                             "surrounding spaces")
+        if self.cfg.max_loras <= 0:
+            raise ValueError("LoRA adapters are off on this instance: set max_loras > 0")
+        generation = adapter_generation(path)
+        request = LoRARequest(f"{name}@{generation}", next(self._lora_ids), str(Path(path).resolve()))
+        try:
+            self.llm.add_lora(request)  # checks the files: a bad path must never reach a request
+        except Exception as e:  # noqa: BLE001 - vLLM raises a bare Exception naming the problem
+            raise ValueError(f"LoRA adapter {name!r} at {path!r}: {e}") from None
+        rank = int(_json(Path(path) / "adapter_config.json").get("r", 0))
+        info = AdapterInfo(name, generation, request.lora_path, rank)
+        old = self._adapters.get(name)
+        self._adapters[name] = _Adapter(info, request)
+        if old is not None and old.vllm.lora_name != request.lora_name:
+            self._retire(old)
+        return info
+
+    def _unload_lora(self, name: str) -> None:
+        adapter = self._adapters.pop(name)  # KeyError: not loaded
+        self._retire(adapter)
+
+    def _retire(self, adapter: _Adapter) -> None:
+        """Drop an adapter (unloaded, or replaced by other files) from vLLM once no request in flight runs under
+        it: now, or at its last request's end (``_retired``)."""
+        self._retired[adapter.vllm.lora_name] = adapter.vllm.lora_int_id
+        self._drop_retired(adapter.vllm.lora_name)
+
+    def _drop_retired(self, lora_name: str) -> None:
+        if lora_name in self._retired and not any(r.lora == lora_name for r in self._active.values()):
+            self.llm.remove_lora(self._retired.pop(lora_name))
+
+    # ---- the seam: load and speed ----------------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        if self.llm is None:
+            return EngineLoad(0, 0, 0, 0, 0, 0, 0)
+        sched = self.llm.engine_core.engine_core.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        waiting = list(sched.waiting)
+        return EngineLoad(len(sched.running), len(waiting), pool.get_num_free_blocks() * self.per_block,
+                          (pool.num_gpu_blocks - 1) * self.per_block, len(self.translator.held), 0,
+                          sum(r.num_tokens for r in waiting))
+
+    def speed(self) -> dict[str, float]:
+        return self.speed_fit.report()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.load(), steps=dict(self.steps), step_seconds=dict(self.step_seconds),
+                           speed=self.speed())
+
+    # ---- the engine thread -------------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return self.llm is not None and self.llm.has_unfinished_requests()
+
+    def _add(self, request: EngineRequest, timing: RequestTiming | None) -> None:
+        from vllm.inputs import TokensPrompt
+
+        if timing is not None:
+            timing.started = time.monotonic()
+        if self.dead:
+            raise SequenceError(request.request_id, f"vLLM's engine died ({self.dead}); restart this instance")
+        rid, prompt, p = request.request_id, list(request.prompt), request.params
+        if rid in self._active:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) + p.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
+                             f"context of {self.max_model_len} tokens")
+        adapter = self._adapter(request.lora)
+        tokens = TokensPrompt(prompt_token_ids=prompt)
+        if request.cache_salt:
+            tokens["cache_salt"] = request.cache_salt
+        try:
+            self.llm.add_request(rid, tokens, sampling_params(p, self._transfer(request)),
+                                 lora_request=adapter.vllm if adapter else None)
+        except ValueError:
+            raise
+        except Exception as e:
+            if client_fault(e):
+                raise ValueError(str(e)) from None
+            raise
+        added = time.monotonic()
+        self._active[rid] = _Request(request, timing, adapter.vllm.lora_name if adapter else "", added=added)
+        if timing is not None:
+            timing.added = added
+
+    def _transfer(self, request: EngineRequest) -> dict[str, Any]:
+        """What the connector reads of a request (``kv_transfer_params``): its id, its export plan (a push while
+        it computes, or the write-back at its end), and whether a push is staged for it."""
+        out: dict[str, Any] = {"kvmesh_id": request.request_id}
+        plan = request.export
+        if plan is not None and plan.pieces is ExportPieces.AT_END:
+            out["kvmesh_export"] = True
+        elif plan is not None:
+            out["kvmesh_plan"] = [plan.first_block,
+                                  plan.layer_groups if plan.pieces is ExportPieces.BY_LAYER_GROUP else 1]
+        if request.imported is not None:
+            self.bridge.imports[request.request_id] = imported_blocks(request.imported, self.layout)
+            out["kvmesh_import"] = True
+        return out
+
+    def _emit(self, rid: str, piece: ExportedKV) -> None:  # the engine thread, inside vLLM's forward pass
+        self.deliver(rid, EngineOutput(rid, (), exported=piece))
+
+    def _abort(self, rid: str) -> None:
+        entry = self._active.pop(rid, None)
+        if entry is not None and not self.dead:
+            self.llm.abort_request([rid])
+            if entry.lora:
+                self._drop_retired(entry.lora)
+
+    def step(self) -> None:
+        began = time.monotonic()
+        prefill = any(r.first for r in self._active.values())
+        try:
+            outs = self.llm.step()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail; is the engine still alive?
+            self._step_failed(e)
+            return
+        took = time.monotonic() - began
+        kind = "prefill" if prefill else "decode"
+        self.steps[kind] += 1
+        self.step_seconds[kind] += took
+        now = time.monotonic()
+        for out in outs:
+            entry = self._active.get(out.request_id)
+            if entry is None:
+                continue
+            result = output(out, entry.first, entry.request.params.logprobs)
+            if out.finished:
+                result = dataclasses.replace(result, exported=self._last_piece(entry.request))
+            self.deliver(out.request_id, result)
+            if entry.first:
+                entry.first = False
+                self._first_output(entry, out, now)
+            if out.finished:
+                del self._active[out.request_id]
+                if entry.lora:
+                    self._drop_retired(entry.lora)
+
+    def _last_piece(self, request: EngineRequest) -> ExportedKV | None:
+        """What the finished request's export plan leaves for its last output: the write-back's read-out, or for
+        a push (every block already left during the passes) none, with the keys and tokens ``kv.ready`` names."""
+        rid, plan = request.request_id, request.export
+        self.bridge.imports.pop(rid, None)
+        exported = self.bridge.exports.pop(rid, None)
+        if plan is None or plan.pieces is ExportPieces.AT_END:
+            return exported
+        bs = self.layout.block_size
+        keys = tuple(block_keys(self.namespace(request.cache_salt, request.lora), request.prompt, bs))
+        end = -(-len(request.prompt) // bs)
+        return ExportedKV(memoryview(b""), 0, end, len(request.prompt), keys)
+
+    def _first_output(self, entry: _Request, out: Any, now: float) -> None:
+        """The request's first token: its engine timings, and a sample of the prefill speed (its computed
+        prompt tokens over the time from its admission to its first token: vLLM's per-step token counts stay
+        inside its scheduler)."""
+        if entry.timing is not None:
+            entry.timing.first_output = now
+            entry.timing.scheduled = entry.added
+        computed = len(entry.request.prompt) - (out.num_cached_tokens or 0)
+        if computed > 0:
+            self.speed_fit.observe(computed, max(1e-6, now - entry.added))
+
+    def _step_failed(self, e: Exception) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        log.exception("vLLM engine step failed")
+        if isinstance(e, EngineDeadError):
+            self.dead = f"{type(e).__name__}: {e}"
+        for rid in list(self._active):
+            self.deliver(rid, SequenceError(rid, f"the engine step failed: {type(e).__name__}: {e}"))
+            self._abort(rid)
+
+
+def imported_blocks(kv: ImportedKV, wire: KVLayout) -> Any:
+    """A verified push as the connector loads it: every pushed (block, layer) placed, as wire blocks."""
+    import torch
+
+    from kvmesh.vllm.connector import Imported
+    from kvmesh.vllm.layout import TORCH_DTYPES
+
+    if kv.layout != wire:
+        raise ValueError("the pushed KV is in another layout than this engine's")
+    n = -(-kv.num_tokens // wire.block_size) - kv.first_block
+    blocks = torch.empty(n, *wire.block_shape, dtype=TORCH_DTYPES[wire.dtype])
+    for part in kv.parts:
+        if part.data is None:
+            raise ValueError("this engine cannot take KV received in place")
+        lo, hi = part.layers or (0, wire.num_layers)
+        data = torch.frombuffer(part.data, dtype=blocks.dtype).view(part.num_blocks, hi - lo, *wire.block_shape[1:])
+        i = part.first_block - kv.first_block
+        blocks[i:i + part.num_blocks, lo:hi] = data
+    return Imported(kv.first_block, blocks)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+async def start_vllm(cfg: EngineSettings) -> VLLMEngine:
+    """vLLM's engine for ``cfg``, started in this process (about 8 s on a CPU here, once vLLM is imported)."""
+    _environment(cfg)
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(None, VLLMEngine, cfg, loop)
+    engine.start()
+    try:
+        await engine.run(engine.build)
+    except BaseException:
+        await engine.stop()
+        raise
+    return engine

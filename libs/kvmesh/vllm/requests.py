@@ -1,0 +1,63 @@
+"""A kvmesh request as vLLM takes it, and vLLM's outputs and errors as kvmesh's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.contracts.engine import EngineOutput, TokenLogprobs
+from kvmesh.contracts.sampling import SamplingParams
+
+
+def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None) -> Any:
+    """vLLM's ``SamplingParams`` for kvmesh's: one output per request, streamed as deltas; ``transfer``: what the
+    KV connector reads of the request (``kv_transfer_params``). ValueError naming the field when vLLM refuses a
+    value."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = None
+    if p.structured is not None:
+        s = p.structured
+        kind = {"json_schema": "json", "regex": "regex", "grammar": "grammar"}.get(s.kind)
+        if kind is not None:
+            structured = StructuredOutputsParams(**{kind: s.spec})
+        elif s.kind == "choice":
+            structured = StructuredOutputsParams(choice=s.options)
+        else:
+            structured = StructuredOutputsParams(json_object=True)
+    try:
+        return VSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                               seed=p.seed, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids),
+                               ignore_eos=p.ignore_eos, logprobs=p.logprobs, structured_outputs=structured,
+                               output_kind=RequestOutputKind.DELTA,
+                               extra_args={"kv_transfer_params": transfer} if transfer else None)
+    except Exception as e:  # noqa: BLE001 - VLLMValidationError and plain ValueErrors: the request is at fault
+        raise ValueError(f"sampling: {e}") from None
+
+
+def client_fault(e: BaseException) -> bool:
+    """Whether vLLM blames the request (its 4xx errors, or a ValueError it raised while checking it)."""
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(e, VLLMClientError | ValueError | TypeError)
+
+
+def output(out: Any, first: bool, top_n: int | None) -> EngineOutput:
+    """One ``RequestOutput`` (delta mode) as the seam's output; ``first``: its first, which says what was cached;
+    ``top_n``: the logprobs the request asked for."""
+    c = out.outputs[0]
+    return EngineOutput(out.request_id, tuple(c.token_ids), c.text or "", bool(out.finished),
+                        c.finish_reason if out.finished else None,
+                        (out.num_cached_tokens or 0) if first else 0, None,
+                        logprobs(c.token_ids, c.logprobs, top_n or 0) if top_n is not None else ())
+
+
+def logprobs(token_ids: Any, per_token: Any, top_n: int) -> tuple[TokenLogprobs, ...]:
+    """vLLM's per-token ``{token id: Logprob}`` (the ``top_n`` most likely by rank, and the sampled one) as
+    kvmesh's."""
+    out = []
+    for tok, entries in zip(token_ids, per_token or ()):
+        ranked = sorted((e.rank, tid, e.logprob) for tid, e in entries.items() if e.rank is not None)
+        top = tuple((int(tid), float(lp)) for rank, tid, lp in ranked if rank <= top_n)
+        out.append(TokenLogprobs(int(tok), float(entries[tok].logprob), top))
+    return tuple(out)

