@@ -29,6 +29,7 @@ import asyncio
 import hmac
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvmesh.transfer.errors import Refusal, TransferRejected
@@ -58,6 +59,7 @@ class Grants:
     def __init__(self, linger_s: float) -> None:
         self.linger_s = linger_s
         self._by_prefix: dict[str, Grant] = {}
+        self._lengths: Counter[int] = Counter()  # prefix lengths in use: what a lookup tries
 
     def __len__(self) -> int:
         return sum(not g.revoked for g in self._by_prefix.values())
@@ -115,15 +117,18 @@ class Grants:
             self._forget(prefix)
 
     def _covering(self, tid: str) -> Grant | None:
-        """The grant with the longest prefix of ``tid`` (one dict lookup per prefix length: no scan of all)."""
-        for end in range(len(tid), 0, -1):
-            if (grant := self._by_prefix.get(tid[:end])) is not None:
+        """The grant with the longest prefix of ``tid``: one dict lookup per prefix length in use, however many
+        grants there are and however long ``tid`` is."""
+        for n in sorted((n for n in self._lengths if n <= len(tid)), reverse=True):
+            if (grant := self._by_prefix.get(tid[:n])) is not None:
                 return grant
         return None
 
     def _keep(self, grant: Grant, for_s: float) -> None:
         if grant._drop is not None:
             grant._drop.cancel()
+        if self._by_prefix.get(grant.prefix) is not grant:
+            self._lengths[len(grant.prefix)] += 1
         self._by_prefix[grant.prefix] = grant
         grant._drop = asyncio.get_running_loop().call_later(for_s, self._forget, grant.prefix, grant)
 
@@ -131,5 +136,8 @@ class Grants:
         held = self._by_prefix.get(prefix)
         if held is not None and (grant is None or held is grant):
             del self._by_prefix[prefix]
+            self._lengths[len(prefix)] -= 1
+            if not self._lengths[len(prefix)]:
+                del self._lengths[len(prefix)]
             if held._drop is not None:
                 held._drop.cancel()

@@ -25,6 +25,7 @@ from kvmesh.transfer.errors import Refusal, TransferRejected
 
 VERSION = 2  # 2: carries the push capability (token)
 MAX_HEADER_BYTES = 4 << 20
+MAX_TRANSFER_ID = 1024  # characters (a hand-off's: a request id of at most 128, an instance id, a part number)
 T = TypeVar("T")
 
 
@@ -133,8 +134,8 @@ def decode_header(raw: bytes) -> TransferHeader:
 
 
 def _check_counts(h: TransferHeader, nbytes: int) -> None:
-    if not h.transfer_id:
-        raise ValueError("empty transfer_id")
+    if not 0 < len(h.transfer_id) <= MAX_TRANSFER_ID:
+        raise ValueError(f"transfer_id of {len(h.transfer_id)} characters (1 to {MAX_TRANSFER_ID})")
     if h.num_blocks == 0:
         raise ValueError("no blocks")
     if h.layers is not None and not 0 <= h.layers[0] < h.layers[1] <= h.layout.num_layers:
