@@ -62,11 +62,11 @@ def _sender(conn: Connection, tokens: int, chunk: int, groups: int, repeats: int
     async def push() -> None:
         async with TransferClient() as client:
             for _ in range(2 * repeats):  # buffered and in place, alternating
-                address, rid = conn.recv()
+                address, rid, token = conn.recv()
                 for i, ((b, m, layers), payload) in enumerate(zip(plan, payloads, strict=True)):
                     toks = min(tokens, (b + m) * LAYOUT.block_size) - b * LAYOUT.block_size
                     await client.push(address, f"{rid}@p#{i}", LAYOUT, payload, [], toks, layers=layers,
-                                      first_block=b)
+                                      first_block=b, token=token)
                 conn.send("pushed")
 
     asyncio.run(push())
@@ -79,7 +79,8 @@ async def _receive(server: TransferServer, conn: Connection, bm: BlockManager, r
         ids = bm.reserve(rid, n)
         assert ids is not None
         server.land(f"{rid}@", Landing(*bm.device.landing_arrays(), ids, 0))  # type: ignore[misc]
-    conn.send((server.address, rid))
+    grant = server.grant(f"{rid}@", 0, n, timeout_s=600.0)
+    conn.send((server.address, rid, grant.token))
     got = [await server.take(f"{rid}@p#{i}", timeout=60) for i in range(nparts)]
     assert conn.recv() == "pushed"
     receive_s = sum(g.seconds for g in got)

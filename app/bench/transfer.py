@@ -50,7 +50,8 @@ def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: l
     async def serve() -> None:
         for size, count in zip(sizes, counts, strict=True):
             async with await TransferServer.start(layout_for(size), backend=backend) as server:
-                conn.send(server.address)
+                grant = server.grant("t", 0, 1, timeout_s=3600.0)  # every push t<i>: one block each
+                conn.send((server.address, grant.token))
                 for i in range(count):
                     await server.take(f"t{i}", timeout=120)
                 conn.recv()  # the sender has its last reply: safe to close
@@ -61,7 +62,7 @@ def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: l
 def _raw_receiver(conn: Connection, sizes: list[int], counts: list[int]) -> None:
     for size, count in zip(sizes, counts, strict=True):
         with socket.create_server(("127.0.0.1", 0)) as listener:
-            conn.send(f"raw://127.0.0.1:{listener.getsockname()[1]}")
+            conn.send((f"raw://127.0.0.1:{listener.getsockname()[1]}", ""))
             peer, _ = listener.accept()
             buf = memoryview(bytearray(size))
             with peer:
@@ -83,14 +84,14 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 # -- senders (this process) ----------------------------------------------------------------------------------
 
-async def _push_all(address: str, size: int, count: int) -> float:
+async def _push_all(address: str, token: str, size: int, count: int) -> float:
     layout = layout_for(size)
     blocks = block_bytes(torch.randn((1, *layout.block_shape)))
     async with TransferClient() as client:
-        await client.push(address, "t0", layout, blocks, [1], layout.block_size)  # connect, warm up
+        await client.push(address, "t0", layout, blocks, [1], layout.block_size, token=token)  # connect, warm up
         started = time.perf_counter()
         for i in range(1, count):
-            await client.push(address, f"t{i}", layout, blocks, [i], layout.block_size)
+            await client.push(address, f"t{i}", layout, blocks, [i], layout.block_size, token=token)
         return time.perf_counter() - started
 
 
@@ -121,9 +122,9 @@ def _measure(backend: str, sizes: tuple[int, ...], counts: list[int]) -> list[di
     rows = []
     try:
         for size, count in zip(sizes, counts, strict=True):
-            address = _reply(parent, proc)
+            address, token = _reply(parent, proc)
             seconds = _send_raw(address, size, count) if backend == RAW else asyncio.run(
-                _push_all(address, size, count))
+                _push_all(address, token, size, count))
             parent.send("done")
             rows.append({"backend": backend, "size": size, "pushes": count - 1, "seconds": seconds,
                          "gbps": size * (count - 1) / seconds / 1e9})
@@ -134,8 +135,9 @@ def _measure(backend: str, sizes: tuple[int, ...], counts: list[int]) -> list[di
     return rows
 
 
-def _reply(conn: Connection, proc: mp.process.BaseProcess, timeout_s: float = 120.0) -> str:
-    """The receiver's next message; fails instead of hanging when the receiver died."""
+def _reply(conn: Connection, proc: mp.process.BaseProcess, timeout_s: float = 120.0) -> tuple[str, str]:
+    """The receiver's next message (its address and the push token it granted); fails instead of hanging when
+    the receiver died."""
     deadline = time.monotonic() + timeout_s
     while not conn.poll(0.2):
         if not proc.is_alive() or time.monotonic() > deadline:

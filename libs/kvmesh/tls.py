@@ -1,20 +1,26 @@
-"""Optional TLS for every gRPC hop (client → router → cachesvc / prefill / decode, engines → the pool).
+"""Optional TLS for every gRPC hop (client → router → cachesvc / prefill / decode, engines → the pool) and every
+KV transfer connection (prefill → decode, cachesvc ↔ engines).
 
 One TLS setting set per process, the ``[shared]`` section's ``KVMESH_TLS_CERT`` / ``KVMESH_TLS_KEY`` /
 ``KVMESH_TLS_CA``: with a certificate and key, servers listen with TLS; with a CA, clients verify servers against
 it, and servers also require client certificates it signed (mutual TLS: only holders of a mesh certificate get in).
-Unset, gRPC is plaintext, as on a single host where everything binds 127.0.0.1.
+Unset, gRPC and transfers are plaintext, as on a single host where everything binds 127.0.0.1.
+
+Transfers use the same files through ``ssl`` (TLS 1.3): :func:`transfer_server_context` for a
+``TransferServer``, :func:`transfer_client_tls` for a ``TransferClient``.
 """
 
 from __future__ import annotations
 
 import functools
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
 from kvmesh.settings import SharedSettings, load
+from kvmesh.transfer.conn import ClientTLS
 
 Options = Sequence[tuple[str, object]]
 _configured: SharedSettings | None = None
@@ -88,3 +94,32 @@ def channel(address: str, options: Options = (), cfg: SharedSettings | None = No
     creds = channel_credentials(cfg)
     opts = _options(options, cfg)
     return grpc.secure_channel(address, creds, opts) if creds else grpc.insecure_channel(address, opts)
+
+
+def transfer_server_context(cfg: SharedSettings | None = None) -> ssl.SSLContext | None:
+    """The server side of TLS on transfer connections: this process's certificate, and with a CA, client
+    certificates it signed required (as gRPC's). None: plaintext."""
+    cfg = cfg or settings()
+    if not cfg.tls_server:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.num_tickets = 0  # no resumption: connections are pooled and long-lived
+    context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    if cfg.tls_ca:
+        context.load_verify_locations(cfg.tls_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def transfer_client_tls(cfg: SharedSettings | None = None) -> ClientTLS | None:
+    """The client side of TLS on transfer connections: servers verified against the CA (their certificate
+    naming ``tls_server_name``, else the host dialled), this process's certificate presented. None: plaintext."""
+    cfg = cfg or settings()
+    if not cfg.tls_client:
+        return None
+    context = ssl.create_default_context(cafile=cfg.tls_ca)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    if cfg.tls_cert:
+        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    return ClientTLS(context, cfg.tls_server_name)

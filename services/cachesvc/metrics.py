@@ -1,5 +1,5 @@
 """cachesvc's Prometheus metrics: RPC outcomes and latency, the index, each pool tier's occupancy and
-evictions, bytes in and out, leases, event gaps and snapshots. Tier and index figures are read at scrape time
+evictions, bytes in and out, leases, event gaps and snapshots, pushes its transfer endpoint refused. Tier and index figures are read at scrape time
 (racy reads of sizes owned by the storage thread; a scrape never blocks storage)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvmesh.telemetry.metrics import new_registry
+from kvmesh.telemetry.metrics import CountsCollector, new_registry
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -57,3 +57,7 @@ class CacheMetrics:
         self.bytes = Counter(f"{P}_block_bytes", "Block bytes stored (put) and served (get)", ["direction"],
                              registry=self.registry)
         self.registry.register(_StateCollector(server))
+        self.registry.register(CountsCollector(
+            f"{P}_transfer_refused", "Pushes the transfer endpoint refused, by reason (unsolicited / bad_token / "
+            "expired / blocks: no valid capability from GrantPut; tls: TLS on one end only; checksum, layout...)",
+            "reason", lambda: server.transfers_refused))

@@ -1,10 +1,12 @@
 """The cache service process: gRPC ``CacheService`` + health + reflection, fed by the KV events stream, and a
 transfer endpoint (``kvmesh.transfer``) through which block bytes move.
 
-Block bytes travel beside the RPCs, not in them: a writer pushes its blocks to cachesvc's transfer endpoint
-(``Stats.transfer_address``), then calls ``PutBlocks`` with the keys, checksums and the transfer id; a reader
-names its own transfer endpoint in ``GetBlocks``, cachesvc leases the hit blocks, pushes them there, releases
-the lease and answers with keys and checksums. Inline ``data`` still works for clients that name no transfer.
+Block bytes travel beside the RPCs, not in them: a writer asks for a push capability (``GrantPut``: the
+endpoint, a transfer id and a token, for that many blocks until ``transfer_timeout_s``), pushes its blocks to
+cachesvc's transfer endpoint with it, then calls ``PutBlocks`` with the keys, checksums and the transfer id; a
+reader names its own transfer endpoint in ``GetBlocks`` with the transfer id and token it granted there, cachesvc
+leases the hit blocks, pushes them there, releases the lease and answers with keys and checksums. Neither
+endpoint takes a push nobody asked for. Inline ``data`` still works for clients that name no transfer.
 
 Two owners. The event loop owns the index, the resync and liveness (gRPC handlers, the events consumer, the
 heartbeat subscriber and the reaper all run on it). One storage thread owns the pool (its tiers and leases), so
@@ -19,6 +21,7 @@ import contextlib
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -166,8 +169,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if request.transfer_id:
             if request.data:
                 raise ValueError("set either data (inline blocks) or transfer_id (pushed blocks), not both")
-            data = await self._take_pushed(request.transfer_id, layout, list(request.block_keys),
-                                           list(request.checksums))
+            try:
+                data = await self._take_pushed(request.transfer_id, layout, list(request.block_keys),
+                                               list(request.checksums))
+            finally:
+                self.server.transfer.revoke(request.transfer_id)  # its grant is used up, whatever came
         result = await self._storage(self.pool.put, layout, request.block_keys, request.checksums, data,
                                      request.priority, request.priority_duration_s, bool(request.transfer_id))
         self.server.metrics.bytes.labels("put").inc(len(data))
@@ -184,7 +190,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         except TimeoutError:
             transfer.discard(transfer_id)
             raise TransferFailed(f"transfer {transfer_id} did not arrive within {timeout:g}s (transfer_timeout_s): "
-                                 f"push the blocks to {transfer.address} before calling PutBlocks") from None
+                                 f"push the blocks to {transfer.address} under the capability GrantPut issued "
+                                 "before calling PutBlocks") from None
         except TransferRejected as e:
             raise TransferRejected(f"transfer {transfer_id} was refused on arrival: {e.reason}") from None
         if got.layout != layout:
@@ -225,10 +232,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def _push_blocks(self, request: cache_pb2.GetBlocksRequest, layout: KVLayout,
                            lease_s: float) -> cache_pb2.GetBlocksResponse:
         """GetBlocks through the transfer engine: lease the hit run (the caller's lease, else one for the push
-        alone), copy it into one buffer, push it to the reader, release, answer without data."""
+        alone), copy it into one buffer, push it to the reader under the capability it named, release, answer
+        without data."""
         if not request.transfer_address or not request.transfer_id:
             raise ValueError("transfer_address and transfer_id go together: name the reader's transfer endpoint "
                              "and a fresh id it takes the blocks by (or neither, for inline data)")
+        if not request.transfer_token:
+            raise ValueError("transfer_token is required with transfer_address: the push capability the reader's "
+                             "transfer endpoint granted for transfer_id (it refuses a push without one)")
         parse_address(request.transfer_address)  # ValueError saying what a transfer address looks like
         timeout = self.cfg.transfer_timeout_s
 
@@ -240,8 +251,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         got, blocks = await self._storage(get)
         try:
             if blocks is not None:
-                await self._push(request.transfer_address, request.transfer_id, layout, blocks,
-                                 [b.key for b in got.blocks], [b.checksum for b in got.blocks])
+                await self._push(request.transfer_address, request.transfer_id, request.transfer_token, layout,
+                                 blocks, [b.key for b in got.blocks], [b.checksum for b in got.blocks])
         finally:
             if got.lease_id and not lease_s:
                 await self._storage(self.pool.leases.release, got.lease_id)
@@ -251,7 +262,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             block_keys=[b.key for b in got.blocks], checksums=[b.checksum for b in got.blocks], tiers=got.tiers,
             lease_id=got.lease_id if keep else 0, leased_blocks=got.leased if keep else 0)
 
-    async def _push(self, address: str, transfer_id: str, layout: KVLayout, blocks: memoryview,
+    async def _push(self, address: str, transfer_id: str, token: str, layout: KVLayout, blocks: memoryview,
                     keys: list[BlockKey], checksums: list[int]) -> None:
         """Push ``blocks`` with the checksums stored with them: the reader verifies the bytes against those,
         so a block damaged in storage or on the way is caught there, and nothing is hashed here."""
@@ -259,7 +270,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         try:
             async with asyncio.timeout(timeout):
                 await self.server.transfer_client.push(address, transfer_id, layout, blocks, keys,
-                                                       len(keys) * layout.block_size, checksums)
+                                                       len(keys) * layout.block_size, checksums, token=token)
         except TransferRejected as e:
             raise TransferRejected(f"{address} refused the push of {len(keys)} blocks: {e.reason}") from None
         except TimeoutError:
@@ -267,6 +278,17 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                                  "(transfer_timeout_s)") from None
         except OSError as e:  # ConnectionError included
             raise TransferFailed(f"the push of {len(keys)} blocks to {address} failed: {e}") from None
+
+    @_statuses
+    async def GrantPut(self, request: cache_pb2.GrantPutRequest,
+                       context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.GrantPutResponse:
+        if request.num_blocks == 0:
+            raise ValueError("num_blocks must be > 0: the whole blocks the push will hold")
+        transfer, timeout = self.server.transfer, self.cfg.transfer_timeout_s
+        transfer_id = f"pool-put-{uuid.uuid4().hex}"
+        grant = transfer.grant(transfer_id, 0, request.num_blocks, timeout)
+        return cache_pb2.GrantPutResponse(transfer_address=transfer.address, transfer_id=transfer_id,
+                                          token=grant.token, expires_in_s=timeout)
 
     @_statuses
     async def LeaseBlocks(self, request: cache_pb2.LeaseBlocksRequest,
@@ -320,7 +342,8 @@ class CacheServer:
         self.bus: Bus | None = None
         self._transfer: TransferServer | None = None
         self.transfer_client = TransferClient(connect_timeout=min(5.0, cfg.transfer_timeout_s),
-                                              reply_timeout=cfg.transfer_timeout_s)
+                                              reply_timeout=cfg.transfer_timeout_s,
+                                              tls=tls.transfer_client_tls(self.shared))
         self.caught_up = False
         self._last_seen: dict[str, float] = {}  # instance -> monotonic time of its last heartbeat
         self._reaper: asyncio.Task[None] | None = None
@@ -344,6 +367,11 @@ class CacheServer:
                 "metrics": self.metrics_server.url if self.metrics_server else ""}
 
     @property
+    def transfers_refused(self) -> dict[str, int]:
+        """Pushes the transfer endpoint refused so far, by reason (none before it started)."""
+        return dict(self._transfer.refused) if self._transfer is not None else {}
+
+    @property
     def transfer(self) -> TransferServer:
         assert self._transfer is not None, "the transfer endpoint starts before gRPC"
         return self._transfer
@@ -363,7 +391,8 @@ class CacheServer:
         with binding("transfer", cfg.host, cfg.transfer_port, "--transfer-port / KVMESH_CACHESVC_TRANSFER_PORT"):
             self._transfer = await TransferServer.start(
                 None, cfg.host, cfg.transfer_port, cfg.transfer_backend,
-                ttl=max(30.0, 3 * cfg.transfer_timeout_s), max_buffered_bytes=cfg.transfer_buffer_mb << 20)
+                ttl=max(30.0, 3 * cfg.transfer_timeout_s), max_buffered_bytes=cfg.transfer_buffer_mb << 20,
+                tls=tls.transfer_server_context(self.shared))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()

@@ -1,4 +1,10 @@
-"""The Decode RPC: wait for the request's ``kv.ready``, take and verify its pushed KV, and stream tokens.
+"""The Decode RPC: issue the push's capability, wait for the request's ``kv.ready``, take and verify its pushed
+KV, and stream tokens.
+
+The capability (a ``Grant`` of the transfer server: a token for the request's hand-off prefix, the blocks the
+push may hold, the kv wait as its deadline) goes to the router in the call's initial metadata
+(``PUSH_TOKEN_METADATA``) as soon as the call is accepted; the router hands it to prefill, whose every part
+carries it. Anything else pushed under the request is refused by the transfer server.
 
 A ``kv.ready`` that does not come in time, a failed push, or KV that does not verify is not a hang: the
 request falls back to computing its prompt here, and the first chunk says why.
@@ -19,7 +25,7 @@ from typing import Any
 
 import grpc
 from kvmesh.contracts.engine import EngineRequest, ExportPlan, RequestTiming, logprobs_to_proto
-from kvmesh.contracts.ids import handoff_prefix
+from kvmesh.contracts.ids import PUSH_TOKEN_METADATA, handoff_prefix
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed
@@ -28,6 +34,7 @@ from kvmesh.instance.metrics import fallback_reason
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
+from kvmesh.transfer import Grant
 from opentelemetry.trace import Span
 
 from services.decode.intake import Intake, KVIntake
@@ -66,6 +73,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         intake = Intake()
         lease, pin_asked = work.request_id, False
         reservation: Reservation | None = None
+        grant: Grant | None = None
         try:
             if request.prefill_locally:
                 if request.route_reason:
@@ -78,28 +86,32 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     w.transfer_server.discard_prefix(handoff_prefix(work.request_id))
                     w.metrics.rejections.labels("invalid").inc()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                # prefill pushes from the block it computes this from (its own rule, the router's number)
+                first = min(request.cached_blocks, (len(prompt) - 1) // w.layout.block_size)
+                wait_s = request.kv_timeout_s or w.cfg.kv_timeout_s + 2 * request.expected_prefill_s
+                deadline = time.monotonic() + wait_s
+                grant = await self._grant(context, work.request_id, first, len(prompt), wait_s)
                 pinned = 0
                 if request.cached_blocks:  # prefill pushes only past these: hold them until imported
                     pin_asked = True  # from here the lease may be held, even if this call is cancelled
                     pinned = await w.engine.pin(lease, namespace, prompt, request.cached_blocks)
                     span.set_attributes({"kvmesh.cached_blocks": request.cached_blocks,
                                          "kvmesh.pinned_blocks": pinned})
-                # prefill pushes from the block it computes this from (its own rule, the router's number)
-                first = min(request.cached_blocks, (len(prompt) - 1) // w.layout.block_size)
                 if pinned >= first:  # else the push cannot be used anyway (intake says why)
                     reservation = Reservation(w, engine_request, first)
                     await reservation.acquire()
                     span.set_attribute("kvmesh.reserved_blocks", len(reservation.block_ids))
-                intake = await self.intake.receive(
-                    work.request_id, prompt, namespace,
-                    request.kv_timeout_s or w.cfg.kv_timeout_s + 2 * request.expected_prefill_s, pinned,
-                    reservation)
+                intake = await self.intake.receive(work.request_id, prompt, namespace,
+                                                   deadline - time.monotonic(), pinned, reservation)
+                self._revoke(work.request_id, grant)  # taken, or given up on: nothing more is pushed
                 if intake.imported is None and reservation is not None:  # recomputed: its blocks are needed now
                     reservation.release()
                 engine_request = dataclasses.replace(engine_request, imported=intake.imported)
             async for chunk in self._stream(request, context, span, attrs, engine_request, intake, t0, t0_ns):
                 yield chunk
         finally:
+            if grant is not None:
+                self._revoke(work.request_id, grant)
             if reservation is not None:  # nothing lands any more; its blocks freed unless the import adopted them
                 reservation.release()
             # after the request was added (commands run in order): the sequence holds its own references.
@@ -107,6 +119,27 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             # may have pinned
             if pin_asked:
                 w.engine.unpin(lease)
+
+    async def _grant(self, context: grpc.aio.ServicerContext, request_id: str, first_block: int,
+                     prompt_tokens: int, wait_s: float) -> Grant:
+        """The push's capability: the request's hand-off parts, blocks ``first_block`` to the prompt's last, for
+        ``wait_s``; sent to the router in the call's initial metadata at once, before the pin and the
+        reservation (engine commands, queued behind a step), so the router's Prefill call leaves as early as
+        it would without one. A part that arrives before the reservation is received into a buffer."""
+        transfer = self.w.transfer_server
+        assert transfer is not None  # RolePlugin(receives_kv=True): the host started one
+        end = -(-prompt_tokens // self.w.layout.block_size)
+        try:
+            grant = transfer.grant(handoff_prefix(request_id), first_block, end, wait_s)
+        except ValueError as e:  # no block to push: an empty prompt, a wait of 0
+            self.w.metrics.rejections.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nothing to wait for: {e}")
+        await context.send_initial_metadata(((PUSH_TOKEN_METADATA, grant.token),))
+        return grant
+
+    def _revoke(self, request_id: str, grant: Grant) -> None:
+        if self.w.transfer_server is not None:
+            self.w.transfer_server.revoke(handoff_prefix(request_id), grant)
 
     async def _stream(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span,
                       attrs: dict[str, Any], engine_request: EngineRequest, intake: Intake, t0: float,

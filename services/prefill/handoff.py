@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -21,7 +22,7 @@ from kvmesh.contracts.messages import KVReady
 from kvmesh.instance.host import EngineHost
 from kvmesh.settings import Faults
 from kvmesh.telemetry import tracing
-from kvmesh.transfer import TransferClient
+from kvmesh.transfer import ClientTLS, TransferClient
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.client import TransferStats
 from opentelemetry.trace import Span
@@ -60,8 +61,10 @@ class PushStream:
     layers). ``finish`` waits for all of them; a failed part fails it, and the parts after it are never sent.
     ``cancel`` stops what has not been sent."""
 
-    def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout) -> None:
+    def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout,
+                 token: str) -> None:
         self.handoff, self.transfer_id, self.address, self.layout = handoff, transfer_id, address, layout
+        self.token = token  # the push capability decode issued: every part carries it
         self.done: list[PartStats] = []  # the parts verified so far, in order
         self.first_block = 0  # the request's first block pushed (the first part's)
         self._tasks: list[asyncio.Task[PartStats]] = []
@@ -100,7 +103,8 @@ class PushStream:
     async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
                     num_tokens: int, first_block: int, layers: tuple[int, int] | None) -> TransferStats:
         return await self.handoff.transfer.push(self.address, transfer_id, self.layout, blocks, list(keys),
-                                                num_tokens, layers=layers, first_block=first_block)
+                                                num_tokens, layers=layers, first_block=first_block,
+                                                token=self.token)
 
 
 def push_overlap(parts: list[PartStats], compute_end: float) -> dict[str, Any]:
@@ -133,9 +137,10 @@ class Handoff:
         self._announce = announce
         self.transfer = transfer or TransferClient()
 
-    def open(self, transfer_id: TransferId, address: str, layout: KVLayout) -> PushStream:
-        """A push of one request's KV to the transfer endpoint at ``address``, in ``layout``."""
-        return PushStream(self, transfer_id, address, layout)
+    def open(self, transfer_id: TransferId, address: str, layout: KVLayout, token: str) -> PushStream:
+        """A push of one request's KV to the transfer endpoint at ``address``, in ``layout``, under the
+        capability ``token`` decode issued for it."""
+        return PushStream(self, transfer_id, address, layout, token)
 
     async def announce(self, ready: KVReady, span: Span | None) -> None:
         await self._announce(ready, span)
@@ -148,24 +153,31 @@ class FaultyHandoff(Handoff):
     """The first ``corrupt`` parts get a byte flipped on the wire; the first ``stall`` requests announce their
     ``kv.ready`` but their blocks never come (the call ends after ``STALL_S``); with ``drop_ready`` no
     successful push is ever announced; with ``hang_after`` > 0 a request's push stops for good after that many
-    parts (what decode sees of a prefill that dies half-way; the fault test kills it there)."""
+    parts (what decode sees of a prefill that dies half-way; the fault test kills it there); the first
+    ``forge`` requests push under a token decode never issued (what an impostor on the network would send:
+    decode refuses every part)."""
 
     def __init__(self, announce: Announce, corrupt: int = 0, stall: int = 0, drop_ready: bool = False,
-                 hang_after: int = 0) -> None:
-        super().__init__(announce, FaultyTransferClient(corrupt))
+                 hang_after: int = 0, forge: int = 0, transfer_tls: ClientTLS | None = None) -> None:
+        super().__init__(announce, FaultyTransferClient(corrupt, transfer_tls))
         self.stalls = stall
         self.drop_ready = drop_ready
         self.hang_after = hang_after
+        self.forgeries = forge
         self._stalled: set[str] = set()
 
-    def open(self, transfer_id: TransferId, address: str, layout: KVLayout) -> PushStream:
+    def open(self, transfer_id: TransferId, address: str, layout: KVLayout, token: str) -> PushStream:
+        if self.forgeries > 0:
+            self.forgeries -= 1
+            log.warning("transfer %s: fault injection: pushed under a forged token", transfer_id)
+            token = secrets.token_urlsafe(24)  # never issued
         if self.stalls > 0:
             self.stalls -= 1
             self._stalled.add(transfer_id)
-            return _WithheldStream(self, transfer_id, address, layout)
+            return _WithheldStream(self, transfer_id, address, layout, token)
         if self.hang_after > 0:
-            return _HangingStream(self, transfer_id, address, layout, self.hang_after)
-        return super().open(transfer_id, address, layout)
+            return _HangingStream(self, transfer_id, address, layout, token, self.hang_after)
+        return super().open(transfer_id, address, layout, token)
 
     async def announce(self, ready: KVReady, span: Span | None) -> None:
         if self.drop_ready and ready.ok:
@@ -191,9 +203,9 @@ class _WithheldStream(PushStream):
 class _HangingStream(PushStream):
     """Sends the first ``hang_after`` parts, then never another (``FaultyHandoff``'s half-way push)."""
 
-    def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout,
+    def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout, token: str,
                  hang_after: int) -> None:
-        super().__init__(handoff, transfer_id, address, layout)
+        super().__init__(handoff, transfer_id, address, layout, token)
         self.hang_after = hang_after
 
     async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
@@ -208,8 +220,8 @@ class _HangingStream(PushStream):
 class FaultyTransferClient(TransferClient):
     """Flips one byte of the first ``corrupt`` payloads after they were checksummed, i.e. on the wire."""
 
-    def __init__(self, corrupt: int) -> None:
-        super().__init__()
+    def __init__(self, corrupt: int, transfer_tls: ClientTLS | None = None) -> None:
+        super().__init__(tls=transfer_tls)
         self.corrupt = corrupt
 
     def _stage(self, backend: Backend, payload: memoryview, local_host: str) -> Staged:
@@ -221,11 +233,13 @@ class FaultyTransferClient(TransferClient):
         return super()._stage(backend, payload, local_host)
 
 
-def make_handoff(faults: Faults, announce: Announce) -> Handoff:
-    """The hand-off an instance uses: faulty only when ``faults`` (its test-only settings) asks for any."""
+def make_handoff(faults: Faults, announce: Announce, transfer_tls: ClientTLS | None = None) -> Handoff:
+    """The hand-off an instance uses: faulty only when ``faults`` (its test-only settings) asks for any;
+    ``transfer_tls``: TLS on its transfer connections (``kvmesh.tls.transfer_client_tls``)."""
     if not faults.on:
-        return Handoff(announce)
-    log.warning("fault injection on: corrupt %d pushes, stall %d, drop kv.ready %s, hang after %d parts",
-                faults.corrupt_pushes, faults.stall_pushes, faults.drop_kv_ready, faults.hang_after_parts)
+        return Handoff(announce, TransferClient(tls=transfer_tls))
+    log.warning("fault injection on: corrupt %d pushes, stall %d, drop kv.ready %s, hang after %d parts, "
+                "forge %d tokens", faults.corrupt_pushes, faults.stall_pushes, faults.drop_kv_ready,
+                faults.hang_after_parts, faults.forge_tokens)
     return FaultyHandoff(announce, faults.corrupt_pushes, faults.stall_pushes, faults.drop_kv_ready,
-                         faults.hang_after_parts)
+                         faults.hang_after_parts, faults.forge_tokens, transfer_tls)

@@ -1,5 +1,6 @@
 """The Prefill RPC: compute the prompt's KV (reusing the local prefix cache), sample the first token, push the
-KV to the decode instance through the transfer engine, then announce it on ``kv.ready.<decode>``.
+KV to the decode instance through the transfer engine (every part carrying the capability decode issued,
+``push_token``), then announce it on ``kv.ready.<decode>``.
 
 Traced as ``prefill.request`` (a child of the router's span, from the call's metadata) with ``prefill.fetch``,
 ``prefill.queue``, ``prefill.compute`` and ``kv.push`` under it; ``kv.ready`` carries its context to decode."""
@@ -12,6 +13,7 @@ import time
 from typing import Any
 
 import grpc
+from kvmesh import tls
 from kvmesh.contracts.engine import EngineRequest, ExportPieces, ExportPlan, RequestTiming, logprobs_to_proto
 from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, host: EngineHost) -> None:
         self.w = host
-        self.handoff = make_handoff(host.cfg.faults, announcer(host))  # faulty only when a test asks
+        # faulty only when a test asks
+        self.handoff = make_handoff(host.cfg.faults, announcer(host), tls.transfer_client_tls(host.shared))
 
     @traced_rpc("prefill.request", rpc="prefill", metrics=lambda self: self.w.metrics,
                 attributes=lambda self, request, context: {
@@ -44,10 +47,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         work, w = request.work, self.w
         attrs = w.span_attributes(work.request_id, work.cache_salt)
         t0 = time.monotonic()
-        if not request.decode_instance or not request.decode_transfer_address:
+        if not request.decode_instance or not request.decode_transfer_address or not request.push_token:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "decode_instance and decode_transfer_address are required")
+                                "decode_instance, decode_transfer_address and push_token (the capability decode "
+                                "issued for this request's push) are required")
         try:
             params = dataclasses.replace(sampling_from_proto(work.sampling), max_tokens=1, ignore_eos=True,
                                          stop=(), stop_token_ids=())
@@ -60,7 +64,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         skip = min(request.decode_cached_blocks, (len(prompt) - 1) // w.layout.block_size)
         await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
         transfer_id = handoff_transfer_id(work.request_id, w.instance_id)
-        stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout)
+        stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout, request.push_token)
         try:
             return await self._prefill(request, context, span, attrs, prompt, params, skip, stream, t0)
         finally:

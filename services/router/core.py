@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
+from kvmesh.contracts.ids import PUSH_TOKEN_METADATA
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady
 from kvmesh.contracts.sampling import sampling_to_proto
@@ -273,7 +275,13 @@ class Router:
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, expected_prefill_s=expected_prefill_s, cached_blocks=held),
             metadata=md, timeout=self.cfg.request_timeout_s)
-        prefill_call = asyncio.ensure_future(self._prefill(work, prefill, decode, md, rt, policy, matched, held))
+
+        async def prefill_once_granted() -> worker_pb2.PrefillResponse:
+            # decode's first response headers carry the push's capability, before it waits for the KV
+            token = await _push_token(call, decode, dispatch)
+            return await self._prefill(work, prefill, decode, md, rt, policy, matched, held, token)
+
+        prefill_call = asyncio.ensure_future(prefill_once_granted())
         prefill_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are logged inside
         decode_cached, fallback = 0, False
 
@@ -303,11 +311,12 @@ class Router:
         return min(matched.get(decode.id, 0), (len(work.prompt_token_ids) - 1) // self.cfg.block_size)
 
     async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md,
-                       rt: RequestTrace, policy: str | None, matched: dict[str, int],
-                       held: int = 0) -> worker_pb2.PrefillResponse:
-        """The request's Prefill call, while decode waits for its ``kv.ready``. An unreachable prefill instance
-        is replaced by another one; when none is left (or prefill failed otherwise), decode is told at once
-        (``kv.ready`` with ok=False) and recomputes the prompt instead of waiting out ``kv_timeout_s``."""
+                       rt: RequestTrace, policy: str | None, matched: dict[str, int], held: int,
+                       token: str) -> worker_pb2.PrefillResponse:
+        """The request's Prefill call, while decode waits for its ``kv.ready``; ``token``: the push capability
+        decode granted, which prefill's every part carries. An unreachable prefill instance is replaced by
+        another one; when none is left (or prefill failed otherwise), decode is told at once (``kv.ready``
+        with ok=False) and recomputes the prompt instead of waiting out ``kv_timeout_s``."""
         tried: set[str] = set()
         while True:
             tried.add(prefill.id)
@@ -317,7 +326,7 @@ class Router:
                 return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
                     worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
                                               decode_transfer_address=decode.beat.transfer_address,
-                                              decode_cached_blocks=held),
+                                              decode_cached_blocks=held, push_token=token),
                     metadata=md, timeout=self.cfg.request_timeout_s)
             except grpc.aio.AioRpcError as e:
                 why = f"prefill on {prefill.id} failed: {e.code().name}: {e.details()}"
@@ -353,6 +362,23 @@ class Router:
             await self.bus.publish(self.subjects.kv_ready(decode.id), ready)
         except Exception as e:  # noqa: BLE001 - decode still falls back after kv_timeout_s
             log.warning("could not tell %s that request %s's prefill failed: %s", decode.id, work.request_id, e)
+
+
+class NoGrant(RuntimeError):
+    """Decode answered a Decode call without a push capability: it failed (its stream says how), so no Prefill."""
+
+
+async def _push_token(call, decode: Instance, dispatch: Span) -> str:
+    """The push capability decode sent in the Decode call's initial metadata (``kvmesh.push_grant_ms`` on the
+    dispatch span: what waiting for it adds before Prefill leaves). NoGrant when the call ended without one."""
+    t0 = time.monotonic()
+    metadata = await call.initial_metadata()
+    token = dict(metadata or ()).get(PUSH_TOKEN_METADATA, "")
+    if dispatch.is_recording():
+        dispatch.set_attribute("kvmesh.push_grant_ms", round((time.monotonic() - t0) * 1e3, 3))
+    if not token:
+        raise NoGrant(f"decode {decode.id} granted no push (its call failed before accepting the request)")
+    return token
 
 
 async def _chunks(call, inst: Instance, request_id: str):

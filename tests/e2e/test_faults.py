@@ -111,10 +111,12 @@ def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
                         env={"KVMESH_ROUTER_INSTANCE_TIMEOUT_S": "60", "KVMESH_INSTANCE_KV_TIMEOUT_S": "30"})
     try:
         # killed before any request: both decodes look alike, so the router's tie-break (by id) picks decode-0
-        for name in ("prefill-0", "decode-0"):
+        for name in ("prefill-1", "decode-0"):
             service(stack, name).proc.send_signal(signal.SIGKILL)
         time.sleep(0.5)
-        rr = {"x-kvmesh-policy": "round_robin"}  # alternates prefills: some attempt picks the dead one
+        # round robin alternates prefills by attempt: each request's first attempt (prefill-0, on the dead decode-0,
+        # whose call grants no push, so no Prefill is sent) fails over to decode-1 with prefill-1, the dead one
+        rr = {"x-kvmesh-policy": "round_robin"}
         t0 = time.monotonic()
         answers = [chat(stack, "Say hello in French.", headers=rr)["choices"][0]["message"]["content"]
                    for _ in range(2)]
@@ -180,6 +182,29 @@ def test_bad_or_stalled_kv_is_recomputed_never_consumed(tmp_path_factory, fault,
         assert faulty["choices"][0]["message"]["content"] == clean["choices"][0]["message"]["content"]
         assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 1
         assert reason in service(stack, "decode-0").log_path.read_text()
+        eventually_decode_holds_no_block(stack)
+    finally:
+        stack.stop()
+
+
+def test_a_push_under_a_forged_token_is_refused_counted_and_recomputed(tmp_path_factory):
+    """Prefill pushes its first hand-off under a token decode never issued (what an impostor on the network
+    would send): decode's transfer endpoint refuses it, counts it and logs the sender's address, prefill tells
+    decode, and decode recomputes the prompt at once: the same answer as a clean push gives."""
+    stack = start_stack(tmp_path_factory, "forge", env={"KVMESH_INSTANCE_FAULT_FORGE_TOKENS": "1",
+                                                        "KVMESH_INSTANCE_KV_TIMEOUT_S": "30"})
+    try:
+        q = "Write one sentence about the sea."
+        t0 = time.monotonic()
+        forged = chat(stack, q, max_tokens=12)
+        assert time.monotonic() - t0 < 25  # refused and recomputed at once, not after the 30 s kv wait
+        clean = chat(stack, q, max_tokens=12)
+        assert forged["choices"][0]["message"]["content"] == clean["choices"][0]["message"]["content"]
+        assert router_metric(stack, "kvmesh_router_kv_fallbacks_total") == 1
+        assert scraped(service(stack, "decode-0").endpoints["metrics"] + "/metrics", lambda line: line.startswith(
+            'kvmesh_worker_kv_transfer_refused_total{reason="bad_token"}')) == 1
+        log = service(stack, "decode-0").log_path.read_text()
+        assert "from 127.0.0.1:" in log and "refused (bad_token)" in log
         eventually_decode_holds_no_block(stack)
     finally:
         stack.stop()

@@ -1,8 +1,10 @@
-"""The whole stack with TLS on every gRPC hop (mutual TLS with a mesh CA): requests are served, the pool still
-fills and serves, and a plaintext peer cannot talk to any service."""
+"""The whole stack with TLS on every gRPC hop and every KV transfer connection (mutual TLS with a mesh CA):
+requests are served with their KV pushed (no fallback), the pool still fills and serves, and a plaintext peer
+cannot talk to any service or transfer endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.request
 
@@ -10,8 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh import tls
+from kvmesh.contracts.layout import KVLayout
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc
 from kvmesh.settings import SharedSettings
+from kvmesh.transfer import TransferClient, TransferRejected
 
 from tests.certs import make_certs, tls_env
 
@@ -41,8 +45,20 @@ def test_a_tls_mesh_serves_and_refuses_plaintext_peers(tmp_path_factory):
         with tls.channel(f"127.0.0.1:{stack.grpc_port}", cfg=member) as ch:
             info = api_pb2_grpc.KvmeshStub(ch).ListModels(api_pb2.ListModelsRequest(), timeout=10)
             assert info.models
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert "kvmesh_router_kv_fallbacks_total 0.0" in metrics  # the KV went prefill -> decode over TLS
         for s in stack.services:
             with grpc.insecure_channel(s.grpc_address) as ch, pytest.raises(grpc.RpcError):
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            if "transfer" in s.endpoints:
+                with pytest.raises(TransferRejected, match="takes TLS only"):
+                    asyncio.run(plain_push(s.endpoints["transfer"]))
     finally:
         stack.stop()
+
+
+async def plain_push(address: str) -> None:
+    layout = KVLayout("any", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
+    async with TransferClient() as client:
+        await client.push(address, "r@p#0", layout, bytes(layout.block_nbytes), [], 4, token="none")

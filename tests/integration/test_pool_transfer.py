@@ -17,7 +17,7 @@ from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes, storage_dtype
 from kvmesh.instance.pool_client import PoolClient, PoolError
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.settings import CacheServiceSettings, SharedSettings
-from kvmesh.transfer import TransferClient, TransferServer
+from kvmesh.transfer import Refusal, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.header import block_checksums
 
@@ -121,12 +121,15 @@ def test_write_back_and_fetch_move_the_bytes_through_the_transfer_engine(nats_se
             fetched = await reader.fetch(KEYS[:4] + [0xDEAD])
             assert fetched is not None and same_bits(blocks_from_bytes(LAYOUT, fetched.data), blocks[:4])
             assert (await mesh.stats()).transfer_address.startswith(f"{backend}://")
+            (_, granted), = writes.of("GrantPut")  # the push's capability, cachesvc's own
             (put, put_reply), = writes.of("PutBlocks")
-            assert put.transfer_id and len(put.data) == 0 and put_reply.stored == len(KEYS)
+            assert put.transfer_id == granted.transfer_id and len(put.data) == 0 and put_reply.stored == len(KEYS)
             (get, get_reply), = reads.of("GetBlocks")
-            assert get.transfer_address == reader.receiver.address and get.transfer_id
+            assert get.transfer_address == reader.receiver.address and get.transfer_id and get.transfer_token
             assert list(get_reply.block_keys) == KEYS[:4] and len(get_reply.data) == 0
             assert reader.receiver.buffered_bytes == 0 and mesh.server.transfer.buffered_bytes == 0
+            assert len(reader.receiver.grants) == len(mesh.server.transfer.grants) == 0  # each used up
+            assert sum(reader.receiver.refused.values()) == sum(mesh.server.transfer.refused.values()) == 0
 
     run(body())
 
@@ -184,7 +187,7 @@ def test_a_fetch_to_an_unreachable_endpoint_is_unavailable_and_releases_its_leas
             await (await mesh.instance()).write_back(KEYS[:2], block_bytes(make_blocks(2)))
             request = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2],
                                                  transfer_address=f"tcp://127.0.0.1:{port}",
-                                                 transfer_id="t-1")
+                                                 transfer_id="t-1", transfer_token="t")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await mesh.stub.GetBlocks(request)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -200,8 +203,10 @@ def test_a_caller_lease_outlives_the_push(nats_server):
         async with Mesh(nats_server.url) as mesh:
             pool = await mesh.instance()
             await pool.write_back(KEYS[:2], block_bytes(make_blocks(2)))
+            grant = pool.receiver.grant("t-2", 0, 2, timeout_s=10.0)
             request = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2], lease_s=30,
-                                                 transfer_address=pool.receiver.address, transfer_id="t-2")
+                                                 transfer_address=pool.receiver.address, transfer_id="t-2",
+                                                 transfer_token=grant.token)
             reply = await mesh.stub.GetBlocks(request)
             assert reply.lease_id and reply.leased_blocks == 2 and not reply.data
             assert (await pool.receiver.take("t-2", 1)).block_keys == tuple(KEYS[:2])
@@ -230,20 +235,22 @@ def test_cachesvc_takes_pushes_of_any_layout_and_refuses_a_put_naming_another(na
 
     async def body() -> None:
         async with Mesh(nats_server.url) as mesh, TransferClient() as client:
-            address = (await mesh.stats()).transfer_address
             blocks = make_blocks(2, other)
             sums = block_checksums(block_bytes(blocks), other.block_nbytes)
-            for tid, named in (("t-ok", other), ("t-bad", LAYOUT)):
-                await client.push(address, tid, other, block_bytes(blocks), KEYS[:2], 2 * other.block_size)
+            for named in (other, LAYOUT):
+                grant = await mesh.stub.GrantPut(cache_pb2.GrantPutRequest(num_blocks=2))
+                await client.push(grant.transfer_address, grant.transfer_id, other, block_bytes(blocks), KEYS[:2],
+                                  2 * other.block_size, token=grant.token)
                 request = cache_pb2.PutBlocksRequest(layout=named.to_proto(), block_keys=KEYS[:2],
-                                                     checksums=sums, transfer_id=tid)
+                                                     checksums=sums, transfer_id=grant.transfer_id)
                 if named == other:
                     assert (await mesh.stub.PutBlocks(request)).stored == 2
                     continue
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await mesh.stub.PutBlocks(request)
                 assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-                assert "transfer t-bad carried another layout than PutBlocks names" in err.value.details()
+                assert (f"transfer {grant.transfer_id} carried another layout than PutBlocks names"
+                        in err.value.details())
                 assert "dtype 'fp16'!='fp32'" in err.value.details()
 
     run(body())
@@ -253,13 +260,13 @@ def test_a_layer_group_part_pushed_to_the_pool_is_refused_and_nothing_is_stored(
     """A hand-off's part holds a slice of its blocks' layers: the pool stores whole blocks only."""
     async def body() -> None:
         async with Mesh(nats_server.url) as mesh, TransferClient() as client:
-            address = (await mesh.stats()).transfer_address
+            grant = await mesh.stub.GrantPut(cache_pb2.GrantPutRequest(num_blocks=2))
             part = make_blocks(2)[:, :1].contiguous()  # layer 0 of each block
             sums = block_checksums(block_bytes(part), LAYOUT.layers_nbytes((0, 1)))
-            await client.push(address, "t-layers", LAYOUT, block_bytes(part), KEYS[:2], 2 * LAYOUT.block_size,
-                              layers=(0, 1))
+            await client.push(grant.transfer_address, grant.transfer_id, LAYOUT, block_bytes(part), KEYS[:2],
+                              2 * LAYOUT.block_size, layers=(0, 1), token=grant.token)
             request = cache_pb2.PutBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2], checksums=sums,
-                                                 transfer_id="t-layers")
+                                                 transfer_id=grant.transfer_id)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await mesh.stub.PutBlocks(request)
             assert "holds layers [0, 1] of its blocks, not whole blocks" in err.value.details()
@@ -271,8 +278,11 @@ def test_a_layer_group_part_pushed_to_the_pool_is_refused_and_nothing_is_stored(
 @pytest.mark.parametrize(("request_", "message"), [
     (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="tcp://127.0.0.1:1"),
      "transfer_address and transfer_id go together"),
-    (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="127.0.0.1:1", transfer_id="t"),
+    (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="127.0.0.1:1", transfer_id="t",
+                                transfer_token="x"),
      "is not '<backend>://<host>:<port>'"),
+    (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="tcp://127.0.0.1:1", transfer_id="t"),
+     "transfer_token is required with transfer_address"),
     (cache_pb2.PutBlocksRequest(block_keys=KEYS[:1], checksums=[1], data=b"x", transfer_id="t"),
      "set either data (inline blocks) or transfer_id (pushed blocks), not both"),
 ])
@@ -300,5 +310,65 @@ def test_the_inline_path_still_works_for_a_client_without_a_receiver(nats_server
             fetched = await pool.fetch(KEYS[:3])
             assert fetched is not None and same_bits(blocks_from_bytes(LAYOUT, fetched.data), blocks)
             assert len(calls.of("PutBlocks")[0][0].data) == len(calls.of("GetBlocks")[0][1].data) == blocks.numel() * 4
+
+    run(body())
+
+
+def test_the_pool_endpoint_takes_only_the_pushes_it_granted(nats_server):
+    """A push to cachesvc's transfer endpoint needs a GrantPut's token: without one, with a forged one, or once
+    PutBlocks used it up, it is refused, counted, and nothing is stored."""
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh, TransferClient() as client:
+            blocks = block_bytes(make_blocks(2))
+            address = (await mesh.stats()).transfer_address
+            with pytest.raises(TransferRejected, match="no push was asked for"):
+                await client.push(address, "pool-put-mine", LAYOUT, blocks, KEYS[:2], 8, token="guess")
+            grant = await mesh.stub.GrantPut(cache_pb2.GrantPutRequest(num_blocks=2))
+            assert grant.transfer_address == address and grant.expires_in_s > 0
+            with pytest.raises(TransferRejected) as forged:
+                await client.push(address, grant.transfer_id, LAYOUT, blocks, KEYS[:2], 8, token="guess")
+            assert forged.value.kind == Refusal.BAD_TOKEN
+            await client.push(address, grant.transfer_id, LAYOUT, blocks, KEYS[:2], 8, token=grant.token)
+            put = cache_pb2.PutBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2], transfer_id=grant.transfer_id,
+                                             checksums=block_checksums(blocks, LAYOUT.block_nbytes))
+            assert (await mesh.stub.PutBlocks(put)).stored == 2
+            with pytest.raises(TransferRejected) as replayed:  # its grant is used up
+                await client.push(address, grant.transfer_id, LAYOUT, blocks, KEYS[:2], 8, token=grant.token)
+            assert replayed.value.kind == Refusal.EXPIRED
+            sample = mesh.server.metrics.registry.get_sample_value
+            assert [sample("kvmesh_cachesvc_transfer_refused_total", {"reason": r})
+                    for r in ("unsolicited", "bad_token", "expired", "checksum")] == [1, 1, 1, 0]
+            assert (await mesh.stats()).pool_blocks == 2
+
+    run(body())
+
+
+def test_an_instance_endpoint_refuses_a_pool_push_it_did_not_ask_for(nats_server):
+    """GetBlocks naming an instance's endpoint with a token it never issued: cachesvc's push is refused there,
+    the call fails saying so, and the lease the push held ends."""
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            pool = await mesh.instance()
+            await pool.write_back(KEYS[:2], block_bytes(make_blocks(2)))
+            request = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2],
+                                                 transfer_address=pool.receiver.address, transfer_id="t-x",
+                                                 transfer_token="forged")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await mesh.stub.GetBlocks(request)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "refused the push of 2 blocks: transfer t-x: no push was asked for" in err.value.details()
+            assert pool.receiver.refused[Refusal.UNSOLICITED] == 1 and pool.receiver.buffered_bytes == 0
+            assert (await mesh.stats()).leases == 0
+
+    run(body())
+
+
+def test_a_grant_for_no_block_says_what_to_fix(nats_server):
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await mesh.stub.GrantPut(cache_pb2.GrantPutRequest())
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "num_blocks must be > 0" in err.value.details()
 
     run(body())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes, storage_dtype
-from kvmesh.transfer import ReceivedBlocks, TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer import ReceivedBlocks, TransferClient, TransferRejected, TransferServer, TransferStats
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
 from kvmesh.transfer.wire import MAGIC, PREFIX, Reply, decode_reply, parse_address
@@ -54,6 +54,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+async def push(client: TransferClient, server: TransferServer, transfer_id: str, layout: KVLayout,
+               payload: memoryview, block_keys: list[int], num_tokens: int, **kw: Any) -> TransferStats:
+    """A push its receiver asked for: ``server``'s owner grants ``transfer_id`` (any blocks, for a while) and hands
+    ``client`` the token, which it pushes with."""
+    token = server.grant(transfer_id, 0, 1 << 20, timeout_s=60.0).token
+    return await client.push(server.address, transfer_id, layout, payload, block_keys, num_tokens, token=token, **kw)
+
+
 def shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("kvmesh_")}
 
@@ -61,7 +69,7 @@ def shm_segments() -> set[str]:
 async def round_trip(backend: str, layout: KVLayout) -> tuple[torch.Tensor, ReceivedBlocks]:
     blocks = make_blocks(layout)
     async with await TransferServer.start(layout, backend=backend) as server, TransferClient() as client:
-        await client.push(server.address, "req-1", layout, block_bytes(blocks), [11, 22, 33], 3 * layout.block_size)
+        await push(client, server, "req-1", layout, block_bytes(blocks), [11, 22, 33], 3 * layout.block_size)
         return blocks, await server.take("req-1", timeout=5)
 
 
@@ -111,7 +119,7 @@ def test_layout_mismatch_is_rejected_and_never_taken(other: KVLayout) -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
             with pytest.raises(TransferRejected, match="layout mismatch"):
-                await client.push(server.address, "req-1", other, wire_bytes(other), [], 4)
+                await push(client, server, "req-1", other, wire_bytes(other), [], 4)
             with pytest.raises(TransferRejected, match="layout mismatch"):
                 await server.take("req-1", timeout=1)
             assert server.buffered_bytes == 0
@@ -125,7 +133,7 @@ def test_corrupted_bytes_are_rejected_and_never_taken(backend: str) -> None:
         async with await TransferServer.start(LAYOUT, backend=backend) as server, \
                 CorruptingClient() as client:
             with pytest.raises(TransferRejected, match="checksum mismatch in 1 of 3 blocks"):
-                await client.push(server.address, "req-1", LAYOUT, wire_bytes(LAYOUT), [1, 2, 3], 12)
+                await push(client, server, "req-1", LAYOUT, wire_bytes(LAYOUT), [1, 2, 3], 12)
             with pytest.raises(TransferRejected, match="checksum mismatch"):
                 await server.take("req-1", timeout=1)
             assert server.buffered_bytes == 0
@@ -146,7 +154,7 @@ def test_eight_concurrent_pushes_arrive_intact() -> None:
     async def scenario() -> None:
         sent = {f"req-{i}": make_blocks(LAYOUT, n=1 + i, seed=i) for i in range(8)}
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
-            await asyncio.gather(*(client.push(server.address, tid, LAYOUT, block_bytes(blocks), [],
+            await asyncio.gather(*(push(client, server, tid, LAYOUT, block_bytes(blocks), [],
                                                4 * len(blocks))
                                    for tid, blocks in sent.items()))
             received = await asyncio.gather(*(server.take(tid, timeout=5) for tid in sent))
@@ -160,13 +168,14 @@ def test_sender_dying_mid_payload_leaves_server_serving_the_next_transfer() -> N
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
             payload = wire_bytes(LAYOUT)
+            token = server.grant("dies", 0, 3, timeout_s=60.0).token
             header = encode_header(TransferHeader("dies", "tcp", LAYOUT, (), 12,
-                                                  block_checksums(payload, LAYOUT.block_nbytes)))
+                                                  block_checksums(payload, LAYOUT.block_nbytes), token=token))
             addr = parse_address(server.address)
             with socket.create_connection((addr.host, addr.port)) as dying:
                 dying.sendall(PREFIX.pack(MAGIC, len(header)) + header + payload[:len(payload) // 2])
             blocks = make_blocks(LAYOUT, seed=1)
-            await client.push(server.address, "next", LAYOUT, block_bytes(blocks), [], 12)
+            await push(client, server, "next", LAYOUT, block_bytes(blocks), [], 12)
             assert same_bits(tensor(await server.take("next", timeout=5)), blocks)
             with pytest.raises(asyncio.TimeoutError):
                 await server.take("dies", timeout=0.1)
@@ -179,14 +188,15 @@ def test_stalled_sender_is_dropped_after_the_io_timeout() -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT, io_timeout=0.5) as server, TransferClient() as client:
             payload = wire_bytes(LAYOUT)
+            token = server.grant("stalls", 0, 3, timeout_s=60.0).token
             header = encode_header(TransferHeader("stalls", "tcp", LAYOUT, (), 12,
-                                                  block_checksums(payload, LAYOUT.block_nbytes)))
+                                                  block_checksums(payload, LAYOUT.block_nbytes), token=token))
             addr = parse_address(server.address)
             with socket.create_connection((addr.host, addr.port)) as stalled:
                 stalled.sendall(PREFIX.pack(MAGIC, len(header)) + header + payload[:100])
                 await eventually(lambda: server.buffered_bytes == len(payload))  # admitted, then stalls
                 await eventually(lambda: server.buffered_bytes == 0)  # dropped after io_timeout
-                await client.push(server.address, "next", LAYOUT, wire_bytes(LAYOUT), [], 12)
+                await push(client, server, "next", LAYOUT, wire_bytes(LAYOUT), [], 12)
                 await server.take("next", timeout=1)
 
     run(scenario())
@@ -197,7 +207,7 @@ def test_malformed_header_gets_a_clear_rejection() -> None:
         async with await TransferServer.start(LAYOUT) as server:
             addr = parse_address(server.address)
             reader, writer = await asyncio.open_connection(addr.host, addr.port)
-            garbage = b'{"v": 1, "transfer_id": 5}'
+            garbage = b'{"v": 2, "transfer_id": 5}'
             writer.write(PREFIX.pack(MAGIC, len(garbage)) + garbage)
             length = int.from_bytes(await reader.readexactly(4), "little")
             reply = decode_reply(await reader.readexactly(length))
@@ -212,11 +222,11 @@ def test_transfer_over_capacity_is_rejected_before_its_payload_is_read() -> None
         cap = 2 * LAYOUT.block_nbytes
         async with await TransferServer.start(LAYOUT, max_buffered_bytes=cap) as server, \
                 TransferClient() as client:
-            await client.push(server.address, "fits", LAYOUT, wire_bytes(LAYOUT, n=2), [], 8)
+            await push(client, server, "fits", LAYOUT, wire_bytes(LAYOUT, n=2), [], 8)
             with pytest.raises(TransferRejected, match="over capacity"):
-                await client.push(server.address, "too-much", LAYOUT, wire_bytes(LAYOUT, n=1), [], 4)
+                await push(client, server, "too-much", LAYOUT, wire_bytes(LAYOUT, n=1), [], 4)
             await server.take("fits", timeout=1)
-            await client.push(server.address, "fits-now", LAYOUT, wire_bytes(LAYOUT, n=1), [], 4)
+            await push(client, server, "fits-now", LAYOUT, wire_bytes(LAYOUT, n=1), [], 4)
 
     run(scenario())
 
@@ -224,7 +234,7 @@ def test_transfer_over_capacity_is_rejected_before_its_payload_is_read() -> None
 def test_untaken_transfer_is_dropped_after_its_ttl() -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT, ttl=0.3) as server, TransferClient() as client:
-            await client.push(server.address, "orphan", LAYOUT, wire_bytes(LAYOUT), [], 12)
+            await push(client, server, "orphan", LAYOUT, wire_bytes(LAYOUT), [], 12)
             assert server.buffered_bytes == 3 * LAYOUT.block_nbytes
             await eventually(lambda: server.buffered_bytes == 0)
             with pytest.raises(asyncio.TimeoutError):
@@ -238,7 +248,7 @@ def test_discarded_transfer_is_refused_when_it_arrives_late() -> None:
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
             server.discard("late")
             with pytest.raises(TransferRejected, match="discarded by the receiver"):
-                await client.push(server.address, "late", LAYOUT, wire_bytes(LAYOUT), [], 12)
+                await push(client, server, "late", LAYOUT, wire_bytes(LAYOUT), [], 12)
             assert server.buffered_bytes == 0
 
     run(scenario())
@@ -248,11 +258,11 @@ def test_discarding_a_prefix_frees_the_parts_held_and_refuses_those_still_coming
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
             for tid in ("r1@p0#0", "r1@p0#1", "r2@p0#0"):
-                await client.push(server.address, tid, LAYOUT, wire_bytes(LAYOUT), [], 12)
+                await push(client, server, tid, LAYOUT, wire_bytes(LAYOUT), [], 12)
             server.discard_prefix("r1@")
             assert server.buffered_bytes == 3 * LAYOUT.block_nbytes  # r2's part only
             with pytest.raises(TransferRejected, match="discarded by the receiver"):
-                await client.push(server.address, "r1@p0#2", LAYOUT, wire_bytes(LAYOUT), [], 12)
+                await push(client, server, "r1@p0#2", LAYOUT, wire_bytes(LAYOUT), [], 12)
             with pytest.raises(asyncio.TimeoutError):  # gone, not handed out
                 await server.take("r1@p0#0", timeout=0.05)
             assert (await server.take("r2@p0#0", timeout=1)).num_blocks == 3
@@ -264,12 +274,12 @@ def test_duplicate_transfer_id_does_not_replace_the_first() -> None:
     async def scenario() -> None:
         first, second = make_blocks(LAYOUT, seed=1), make_blocks(LAYOUT, seed=2)
         async with await TransferServer.start(LAYOUT) as server, TransferClient() as client:
-            await client.push(server.address, "req", LAYOUT, block_bytes(first), [], 12)
+            await push(client, server, "req", LAYOUT, block_bytes(first), [], 12)
             with pytest.raises(TransferRejected, match="already received"):
-                await client.push(server.address, "req", LAYOUT, block_bytes(second), [], 12)
+                await push(client, server, "req", LAYOUT, block_bytes(second), [], 12)
             other = replace(LAYOUT, dtype="fp16", head_dim=16)
             with pytest.raises(TransferRejected, match="already received"):
-                await client.push(server.address, "req", other, wire_bytes(other), [], 12)
+                await push(client, server, "req", other, wire_bytes(other), [], 12)
             assert same_bits(tensor(await server.take("req", timeout=1)), first)
 
     run(scenario())
@@ -290,11 +300,11 @@ def test_client_reconnects_after_the_server_restarts_on_the_same_port() -> None:
     async def scenario() -> None:
         async with TransferClient() as client:
             server = await TransferServer.start(LAYOUT)
-            await client.push(server.address, "a", LAYOUT, wire_bytes(LAYOUT), [], 12)
+            await push(client, server, "a", LAYOUT, wire_bytes(LAYOUT), [], 12)
             port = parse_address(server.address).port
             await server.close()
             async with await restart_on(port) as again:
-                await client.push(again.address, "b", LAYOUT, wire_bytes(LAYOUT), [], 12)
+                await push(client, again, "b", LAYOUT, wire_bytes(LAYOUT), [], 12)
                 await again.take("b", timeout=1)
 
     run(scenario())
@@ -304,7 +314,7 @@ def test_unreachable_receiver_raises_connection_error() -> None:
     async def scenario(port: int) -> None:
         async with TransferClient() as client:
             with pytest.raises(ConnectionError):
-                await client.push(f"tcp://127.0.0.1:{port}", "x", LAYOUT, wire_bytes(LAYOUT), [], 12)
+                await client.push(f"tcp://127.0.0.1:{port}", "x", LAYOUT, wire_bytes(LAYOUT), [], 12, token="t")
 
     with refusing_port() as port:  # held for the whole test: no other process can start listening there
         run(scenario(port))
@@ -317,14 +327,14 @@ def test_shm_leaves_no_segment_behind() -> None:
         async with await TransferServer.start(LAYOUT, backend="shm") as server:
             async with TransferClient() as client:
                 for i in range(3):
-                    await client.push(server.address, f"ok-{i}", LAYOUT, wire_bytes(LAYOUT), [], 12)
+                    await push(client, server, f"ok-{i}", LAYOUT, wire_bytes(LAYOUT), [], 12)
                 other = replace(LAYOUT, dtype="fp16", head_dim=16)
                 with pytest.raises(TransferRejected):
-                    await client.push(server.address, "bad-layout", other, wire_bytes(other), [], 12)
+                    await push(client, server, "bad-layout", other, wire_bytes(other), [], 12)
                 assert len(shm_segments() - before) == 1  # one staging segment, reused
             async with CorruptingClient() as client:
                 with pytest.raises(TransferRejected):
-                    await client.push(server.address, "corrupt", LAYOUT, wire_bytes(LAYOUT), [], 12)
+                    await push(client, server, "corrupt", LAYOUT, wire_bytes(LAYOUT), [], 12)
             await server.take("ok-0", timeout=1)
 
     run(scenario())
@@ -342,7 +352,7 @@ def test_shm_push_that_breaks_midway_unlinks_its_segment() -> None:
     async def scenario() -> None:
         async with await TransferServer.start(LAYOUT, backend="shm") as server, BreakingClient() as client:
             with pytest.raises(ConnectionResetError):
-                await client.push(server.address, "breaks", LAYOUT, wire_bytes(LAYOUT), [], 12)
+                await push(client, server, "breaks", LAYOUT, wire_bytes(LAYOUT), [], 12)
             assert shm_segments() == before  # not kept for reuse: the receiver might still be reading it
 
     run(scenario())
@@ -352,7 +362,7 @@ def test_more_tokens_than_the_blocks_hold_is_refused_before_sending() -> None:
     async def scenario() -> None:
         async with TransferClient() as client:
             with pytest.raises(ValueError, match="num_tokens 13"):
-                await client.push("tcp://127.0.0.1:1", "x", LAYOUT, wire_bytes(LAYOUT), [], 13)
+                await client.push("tcp://127.0.0.1:1", "x", LAYOUT, wire_bytes(LAYOUT), [], 13, token="t")
 
     run(scenario())
 

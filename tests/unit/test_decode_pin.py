@@ -1,5 +1,6 @@
-"""A Decode call that asked the engine to pin the prompt's cached blocks releases that lease whatever happens
-to the call, also when it is cancelled after the engine ran the pin but before the count came back."""
+"""A Decode call that asked the engine to pin the prompt's cached blocks releases that lease (and revokes the
+push capability it granted) whatever happens to the call, also when it is cancelled after the engine ran the
+pin but before the count came back."""
 
 from __future__ import annotations
 
@@ -32,10 +33,32 @@ class PinRecorder:
         self.held.discard(lease)
 
 
+class Grants:
+    """The transfer server's part in the call: the push granted as the call is accepted, revoked as it ends."""
+
+    def __init__(self) -> None:
+        self.open: set[str] = set()
+        self.sent: list[tuple[str, str]] = []
+
+    def grant(self, prefix: str, first_block: int, end_block: int, timeout_s: float) -> SimpleNamespace:
+        self.open.add(prefix)
+        return SimpleNamespace(token=f"token-{prefix}")
+
+    def revoke(self, prefix: str, grant: object = None) -> None:
+        self.open.discard(prefix)
+
+    async def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.sent += metadata
+
+
 def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
+    grants = Grants()
+
     async def main() -> tuple[set[str], set[str]]:
         engine = PinRecorder()
-        host = SimpleNamespace(engine=engine, span_attributes=lambda rid, salt: {}, metrics=None, pool=None)
+        host = SimpleNamespace(engine=engine, span_attributes=lambda rid, salt: {}, metrics=None, pool=None,
+                               transfer_server=grants, layout=SimpleNamespace(block_size=16),
+                               cfg=SimpleNamespace(kv_timeout_s=10.0))
         servicer = DecodeServicer.__new__(DecodeServicer)
         servicer.w = host
         work = worker_pb2.WorkRequest(request_id="r1", prompt_token_ids=list(range(40)))
@@ -43,7 +66,7 @@ def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
 
         async def consume() -> None:
             decode = DecodeServicer.Decode.__wrapped__  # the RPC without its tracing wrapper
-            async for _ in decode(servicer, request, None, SimpleNamespace(set_attributes=lambda a: None)):
+            async for _ in decode(servicer, request, grants, SimpleNamespace(set_attributes=lambda a: None)):
                 pass
 
         task = asyncio.ensure_future(consume())
@@ -56,3 +79,5 @@ def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
     held_during, held_after = asyncio.run(asyncio.wait_for(main(), 10))
     assert held_during == {"r1"}  # the engine pinned for the call...
     assert held_after == set()  # ...and the cancelled call released it
+    assert grants.sent == [("x-kvmesh-push-token", "token-r1@")]  # sent to the router before the pin
+    assert grants.open == set()  # and revoked as the call ended

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
-from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import (
     TransferHeader,
     block_checksums,
@@ -89,8 +89,32 @@ def test_unparseable_header_is_rejected_as_malformed(raw: bytes) -> None:
 
 def test_unknown_header_version_is_rejected() -> None:
     doc = doc_of(header()) | {"v": 99}
-    with pytest.raises(TransferRejected, match="unsupported header version 99"):
+    with pytest.raises(TransferRejected, match="unsupported header version 99") as e:
         decode_header(json.dumps(doc).encode())
+    assert e.value.kind == Refusal.VERSION
+
+
+def test_the_push_token_travels_in_the_header() -> None:
+    h = header(token="Zm9yZ2Vk-token_")
+    assert doc_of(h)["token"] == "Zm9yZ2Vk-token_" and decode_header(encode_header(h)).token == h.token
+
+
+def test_a_version_1_sender_is_refused_with_what_to_do() -> None:
+    """Version 1 predates the push capability: its pushes could never carry one."""
+    doc = doc_of(header()) | {"v": 1}
+    del doc["token"]
+    with pytest.raises(TransferRejected, match="this receiver speaks 2, which carries the push capability its "
+                                               "receiver issued: upgrade the sender") as e:
+        decode_header(json.dumps(doc).encode())
+    assert e.value.kind == Refusal.VERSION
+
+
+def test_a_header_without_a_token_field_is_malformed() -> None:
+    doc = doc_of(header())
+    del doc["token"]
+    with pytest.raises(TransferRejected, match="field 'token' must be str") as e:
+        decode_header(json.dumps(doc).encode())
+    assert e.value.kind == Refusal.MALFORMED
 
 
 def test_missing_field_is_rejected_naming_it() -> None:

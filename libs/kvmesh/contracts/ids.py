@@ -61,6 +61,11 @@ def part_transfer_id(transfer_id: str, part: int) -> TransferId:
     return TransferId(f"{transfer_id}#{part}")
 
 
+PUSH_TOKEN_METADATA = "x-kvmesh-push-token"
+"""The gRPC initial-metadata key under which decode hands the router a hand-off's push capability (the router
+passes it on to prefill in ``PrefillRequest.push_token``)."""
+
+
 class Role(enum.StrEnum):
     """What an instance does: its heartbeat says so, and the router routes by it."""
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import Span, StatusCode
 
+from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
 from kvmesh.contracts.engine import RequestTiming
@@ -99,12 +100,14 @@ class EngineHost:
                          "--transfer-port / KVMESH_INSTANCE_TRANSFER_PORT"):
                 self.transfer_server = await TransferServer.start(self.layout, host=self.cfg.host,
                                                                   port=self.cfg.transfer_port,
-                                                                  backend=self.cfg.transfer_backend)
+                                                                  backend=self.cfg.transfer_backend,
+                                                                  tls=tls.transfer_server_context(self.shared))
         if self.transfer_server is not None:
             self.metrics.watch_transfers(self.transfer_server)
         self.pool = None
         if self.cfg.cachesvc_address:
-            self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server)
+            self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server,
+                                   transfer_tls=tls.transfer_client_tls(self.shared))
         for role in self.roles:
             self.attached.append(await role.attach(self))
         await self.grpc.start()

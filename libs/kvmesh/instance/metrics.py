@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, EngineCollector, HitRatio, new_registry
+from kvmesh.telemetry.metrics import (
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    CountsCollector,
+    EngineCollector,
+    HitRatio,
+    new_registry,
+)
 
 P = "kvmesh_worker"
 FALLBACK_REASONS = ("timeout", "prefill_failed", "blocks_missing", "rejected", "mismatch", "other")
@@ -38,9 +45,14 @@ class WorkerMetrics:
         self.registry.register(EngineCollector(async_engine, P))
 
     def watch_transfers(self, server) -> None:
-        """Export the bytes ``server`` (a ``TransferServer``) holds: received and not taken yet, or arriving."""
+        """Export the bytes ``server`` (a ``TransferServer``) holds (received and not taken yet, or arriving) and
+        the transfers it refused, by reason (``kv_transfer_refused_total``)."""
         Gauge(f"{P}_kv_transfer_buffered_bytes", "KV bytes the transfer endpoint holds: being received, or "
               "verified and not yet taken", registry=self.registry).set_function(lambda: server.buffered_bytes)
+        self.registry.register(CountsCollector(
+            f"{P}_kv_transfer_refused", "Transfers the transfer endpoint refused, by reason: unsolicited / "
+            "bad_token / expired / blocks (no valid push capability), tls (TLS on one end only), and checksum, layout, "
+            "capacity, duplicate, discarded...", "reason", lambda: server.refused))
 
 
 def fallback_reason(message: str) -> str:

@@ -4,9 +4,11 @@ Every block travels with the instance's layout descriptor and an xxh3_64 checksu
 against the checksums the pool stored before the engine sees them.
 
 With a ``receiver`` (the instance's :class:`TransferServer`) the bytes move through the transfer engine, beside
-the RPCs: a write-back pushes the blocks to cachesvc's transfer endpoint, then ``PutBlocks`` names the transfer;
-a fetch names our endpoint in ``GetBlocks`` and takes what cachesvc pushed there. Without one they travel inline
-in the gRPC messages (tools, the benchmark's baseline). Every failure is a :class:`PoolError`.
+the RPCs, and every push carries a capability its receiver issued: a write-back asks cachesvc for one
+(``GrantPut``: its endpoint, a transfer id and a token), pushes the blocks there with it, then ``PutBlocks``
+names the transfer; a fetch grants cachesvc a push of the blocks it asks for on our endpoint and names the
+endpoint, transfer id and token in ``GetBlocks``, then takes what cachesvc pushed there. Without one they
+travel inline in the gRPC messages (tools, the benchmark's baseline). Every failure is a :class:`PoolError`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kvmesh import tls
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
-from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer import ClientTLS, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import block_checksums
 
 log = logging.getLogger(__name__)
@@ -44,18 +46,17 @@ class Fetched(NamedTuple):
 
 class PoolClient:
     def __init__(self, address: str, layout: KVLayout, receiver: TransferServer | None = None,
-                 remember: int = 200_000, timeout_s: float = 30.0) -> None:
+                 remember: int = 200_000, timeout_s: float = 30.0, transfer_tls: ClientTLS | None = None) -> None:
         self.layout = layout
         self.proto_layout = layout.to_proto()
         self.block_nbytes = layout.block_nbytes
         self.receiver = receiver
         self.timeout_s = timeout_s
-        self.transfer = TransferClient(reply_timeout=timeout_s) if receiver is not None else None
+        self.transfer = TransferClient(reply_timeout=timeout_s, tls=transfer_tls) if receiver is not None else None
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.channel = tls.aio_channel(address, opts)
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
-        self._pool_transfer = ""  # cachesvc's transfer endpoint, asked once (again after a failed push)
         self._written: OrderedDict[int, None] = OrderedDict()  # keys this instance already stored
         self._remember = remember
 
@@ -86,9 +87,10 @@ class PoolClient:
         """The leading run of ``keys`` the pool holds in our layout, verified."""
         request = cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys)
         receiver = self.receiver
-        if receiver is not None:
+        if receiver is not None:  # cachesvc may push the blocks asked for, under this id, for this call
             request.transfer_address = receiver.address
             request.transfer_id = f"pool-get-{uuid.uuid4().hex}"
+            request.transfer_token = receiver.grant(request.transfer_id, 0, len(keys), self.timeout_s).token
         try:
             resp = await self._call(self.stub.GetBlocks, request, metadata)
             n = len(resp.block_keys)
@@ -105,6 +107,9 @@ class PoolClient:
             if receiver is not None:
                 receiver.discard(request.transfer_id)  # a push still under way is refused and freed
             raise
+        finally:
+            if receiver is not None:
+                receiver.revoke(request.transfer_id)
         bad = [i for i, (got, stored) in enumerate(zip(sums, resp.checksums)) if got != stored]
         if bad:
             raise PoolError(f"pool blocks {bad} fail their checksums; not used")
@@ -123,26 +128,20 @@ class PoolClient:
 
     async def _push(self, blocks: memoryview, keys: list[BlockKey], checksums: list[int],
                     metadata: Metadata) -> str:
-        """Push ``blocks`` to cachesvc's transfer endpoint; returns the transfer id PutBlocks names."""
+        """Push ``blocks`` to cachesvc's transfer endpoint under the capability it granted; returns the transfer
+        id PutBlocks names."""
         assert self.transfer is not None
-        if not self._pool_transfer:
-            stats = await self._call(self.stub.Stats, cache_pb2.StatsRequest(), metadata)
-            if not stats.transfer_address:
-                raise PoolError("cachesvc names no transfer endpoint (Stats.transfer_address): it predates the "
-                                "transfer data path; upgrade it")
-            self._pool_transfer = stats.transfer_address
-        transfer_id = f"pool-put-{uuid.uuid4().hex}"
+        grant = await self._call(self.stub.GrantPut, cache_pb2.GrantPutRequest(num_blocks=len(keys)), metadata)
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self.transfer.push(self._pool_transfer, transfer_id, self.layout, blocks, keys,
-                                         len(keys) * self.layout.block_size, checksums)
+                await self.transfer.push(grant.transfer_address, grant.transfer_id, self.layout, blocks, keys,
+                                         len(keys) * self.layout.block_size, checksums, token=grant.token)
         except TransferRejected as e:
             raise PoolError(f"cachesvc refused the pushed blocks: {e.reason}") from None
         except OSError as e:  # ConnectionError and TimeoutError included
-            address, self._pool_transfer = self._pool_transfer, ""  # it may have moved: ask again next time
-            raise PoolError(f"pushing {len(keys)} blocks to cachesvc at {address} failed: "
+            raise PoolError(f"pushing {len(keys)} blocks to cachesvc at {grant.transfer_address} failed: "
                             f"{e or type(e).__name__}") from None
-        return transfer_id
+        return grant.transfer_id
 
     async def _received(self, receiver: TransferServer, transfer_id: str,
                         n: int) -> tuple[memoryview, tuple[int, ...]]:

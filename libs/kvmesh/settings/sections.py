@@ -349,10 +349,12 @@ class Faults:
     corrupt_pushes: int = 0      # the first N pushes get a byte flipped after checksumming
     stall_pushes: int = 0        # the first N pushes: kv.ready goes out, the blocks never do
     hang_after_parts: int = 0    # every push stops after N parts (0 = off)
+    forge_tokens: int = 0        # the first N pushes carry a token decode never issued
 
     @property
     def on(self) -> bool:
-        return bool(self.drop_kv_ready or self.corrupt_pushes or self.stall_pushes or self.hang_after_parts)
+        return bool(self.drop_kv_ready or self.corrupt_pushes or self.stall_pushes or self.hang_after_parts
+                    or self.forge_tokens)
 
 
 class InstanceSettings(Section):
@@ -387,12 +389,14 @@ class InstanceSettings(Section):
                                       test_only=True)
     fault_hang_after_parts: int = setting(0, "Fault injection: each KV push stops after N parts (0 = off)",
                                           test_only=True)
+    fault_forge_tokens: int = setting(0, "Fault injection: the first N KV pushes carry a token decode never "
+                                         "issued", test_only=True)
 
     @property
     def faults(self) -> Faults:
         """The test-only ``fault_*`` fields as the one value the prefill hand-off reads."""
         return Faults(self.fault_drop_kv_ready, self.fault_corrupt_pushes, self.fault_stall_pushes,
-                      self.fault_hang_after_parts)
+                      self.fault_hang_after_parts, self.fault_forge_tokens)
 
     def problems(self) -> list[Problem]:
         out = super().problems()
@@ -406,7 +410,7 @@ class InstanceSettings(Section):
         out += self._positive(("kv_timeout_s", "heartbeat_s"))
         out += self._min(("push_layer_groups",), 1)
         out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes",
-                          "fault_hang_after_parts"), 0)
+                          "fault_hang_after_parts", "fault_forge_tokens"), 0)
         return out
 
 

@@ -4,7 +4,7 @@ collector that reads an engine's queues, KV tiers and eviction counters at scrap
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, start_http_server
@@ -138,3 +138,17 @@ class EngineCollector(Collector):
                                     value=st.speed["prefill_tok_per_s"])
             yield GaugeMetricFamily(f"{p}_prefill_overhead_seconds", "Measured fixed cost of one forward step",
                                     value=st.speed["prefill_overhead_s"])
+
+
+class CountsCollector(Collector):
+    """A counter family with one label, read at scrape time from counts another object keeps (``counts()``:
+    label value -> count since start; every value it lists is exported, zeros included)."""
+
+    def __init__(self, name: str, documentation: str, label: str, counts: Callable[[], Mapping[str, int]]) -> None:
+        self.name, self.documentation, self.label, self.counts = name, documentation, label, counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+        for value, count in self.counts().items():
+            family.add_metric([str(value)], count)
+        yield family

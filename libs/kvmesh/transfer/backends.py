@@ -1,6 +1,7 @@
 """Transfer backends: how the payload's bytes get from the sender's memory into the receiver's buffer.
 
-The control connection (header, reply) is always TCP; a backend decides only where the payload travels.
+The control connection (header, reply) is always TCP (TLS when configured: :mod:`kvmesh.transfer.conn`); a
+backend decides only where the payload travels.
 
 | backend | sender | receiver |
 |---|---|---|
@@ -9,8 +10,10 @@ The control connection (header, reply) is always TCP; a backend decides only whe
 | ``mooncake`` | registers its buffer with the Mooncake Transfer Engine | one-sided read from the sender |
 
 In place (a ``ScatterBackend``; see :mod:`kvmesh.transfer.landing`): ``tcp`` scatters the stream into the
-destination views with ``recvmsg_into``, ``shm`` reads the segment into them with ``preadv`` (one copy either
-way); ``mooncake`` receives into a buffer of its own (its reads need registered memory).
+destination views with ``recvmsg_into`` (under TLS: decrypts into each view in turn), ``shm`` reads the segment
+into them with ``preadv`` (one copy either way); ``mooncake`` receives into a buffer of its own (its reads need
+registered memory). Under TLS only the control connection is encrypted for ``shm`` (the segment never leaves the
+host) and ``mooncake`` (its own data path is plain).
 
 Payloads are plain byte buffers (memoryviews): the library never needs to know what the bytes hold, so
 cachesvc moves blocks without a model framework; the engine hands over zero-copy views of its tensors.
@@ -25,7 +28,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import socket
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -35,9 +37,10 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any, ClassVar
 
 from kvmesh.contracts.ids import TransferBackend
-from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.conn import Conn
+from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import TransferHeader
-from kvmesh.transfer.wire import IOV_MAX, recv_into, recv_scatter
+from kvmesh.transfer.wire import IOV_MAX
 
 
 def _nothing() -> None:
@@ -67,7 +70,7 @@ class Backend(ABC):
         """Sender side. ``payload`` is a flat byte view whose buffer stays alive until release."""
 
     @abstractmethod
-    async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview) -> None:
         """Receiver side: fill ``view`` (flat, writable, ``header.nbytes``). Raises TransferRejected when the
         source cannot be read (the connection stays usable), ConnectionError or TimeoutError when it broke."""
 
@@ -79,7 +82,7 @@ class ScatterBackend(Backend):
     """A backend that can also receive in place, into memory the receiver lends (``tcp``, ``shm``)."""
 
     @abstractmethod
-    async def fetch_landed(self, header: TransferHeader, sock: socket.socket, views: list[memoryview],
+    async def fetch_landed(self, header: TransferHeader, conn: Conn, views: list[memoryview],
                            still_open: Callable[[], bool]) -> bool:
         """Receiver side, in place: fill ``views`` (the payload's destinations in wire order), asking
         ``still_open`` before every write with no ``await`` in between; False when it said no (nothing written
@@ -93,12 +96,12 @@ class TcpBackend(ScatterBackend):
     def stage(self, payload: memoryview, local_host: str) -> Staged:
         return Staged(inline=payload)
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
-        await recv_into(sock, view)
+    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview) -> None:
+        await conn.recv_into(view)
 
-    async def fetch_landed(self, header: TransferHeader, sock: socket.socket, views: list[memoryview],
+    async def fetch_landed(self, header: TransferHeader, conn: Conn, views: list[memoryview],
                            still_open: Callable[[], bool]) -> bool:
-        return await recv_scatter(sock, views, still_open)
+        return await conn.recv_scatter(views, still_open)
 
 
 class ShmBackend(ScatterBackend):
@@ -128,14 +131,15 @@ class ShmBackend(ScatterBackend):
         return Staged(source={"segment": shm.name}, release=lambda: self._checkin(shm),
                       abandon=lambda: _unlink(shm))
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview) -> None:
         with self._segment(header) as f:
             while view:  # a tmpfs read of the whole segment normally returns at once
                 if not (got := f.readinto(view)):
-                    raise TransferRejected(f"shm segment {header.source['segment']} shrank while being read")
+                    raise TransferRejected(f"shm segment {header.source['segment']} shrank while being read",
+                                           Refusal.BACKEND)
                 view = view[got:]
 
-    async def fetch_landed(self, header: TransferHeader, sock: socket.socket, views: list[memoryview],
+    async def fetch_landed(self, header: TransferHeader, conn: Conn, views: list[memoryview],
                            still_open: Callable[[], bool]) -> bool:
         # no await from here to the end: every preadv runs in this one step of the event loop
         with self._segment(header) as f:
@@ -146,7 +150,8 @@ class ShmBackend(ScatterBackend):
                 batch = views[i:i + IOV_MAX]
                 want = sum(len(v) for v in batch)
                 if os.preadv(fd, batch, at) != want:  # tmpfs fills the whole batch (a memcpy) or the file shrank
-                    raise TransferRejected(f"shm segment {header.source['segment']} shrank while being read")
+                    raise TransferRejected(f"shm segment {header.source['segment']} shrank while being read",
+                                           Refusal.BACKEND)
                 at += want
         return True
 
@@ -154,15 +159,16 @@ class ShmBackend(ScatterBackend):
         """The segment ``header`` names, open for reading (at least ``header.nbytes`` long)."""
         name = header.source.get("segment")
         if not isinstance(name, str) or not self.SEGMENT.fullmatch(name):
-            raise TransferRejected(f"shm source names no valid segment: {header.source!r}")
+            raise TransferRejected(f"shm source names no valid segment: {header.source!r}", Refusal.BACKEND)
         try:
             f = open(os.path.join(self.ROOT, name), "rb", buffering=0)  # noqa: SIM115 (the caller closes it)
         except FileNotFoundError:
-            raise TransferRejected(f"shm segment {name} not found: shm needs both ends on one host") from None
+            raise TransferRejected(f"shm segment {name} not found: shm needs both ends on one host",
+                                   Refusal.BACKEND) from None
         size = os.fstat(f.fileno()).st_size
         if size < header.nbytes:
             f.close()
-            raise TransferRejected(f"shm segment {name} holds {size} bytes, not {header.nbytes}")
+            raise TransferRejected(f"shm segment {name} holds {size} bytes, not {header.nbytes}", Refusal.BACKEND)
         return f
 
     def close(self) -> None:

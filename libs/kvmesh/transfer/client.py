@@ -3,13 +3,18 @@
 Connections are pooled per address: a push takes an idle connection (or opens one), owns it exclusively until
 the reply, then returns it, so concurrent pushes are safe and each uses its own connection (at most
 ``max_connections_per_address`` at once; further pushes wait). A connection that failed mid-push is closed,
-never reused.
+never reused. With ``tls`` (``kvmesh.tls.transfer_client_tls``) every connection is TLS, the server's
+certificate verified against the CA (and the client's own presented).
+
+Every push carries the capability (``token``) its receiver issued for it (:mod:`kvmesh.transfer.grants`): the
+receiver refuses a push without it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from typing import NamedTuple, Self
@@ -17,6 +22,7 @@ from typing import NamedTuple, Self
 from kvmesh.contracts.ids import BlockKey, TransferId
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.transfer.backends import Backend, Staged
+from kvmesh.transfer.conn import ClientTLS, Conn, TlsConn
 from kvmesh.transfer.errors import TransferRejected
 from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
 from kvmesh.transfer.registry import get_backend
@@ -40,28 +46,30 @@ class TransferStats(NamedTuple):
 
 class TransferClient:
     def __init__(self, *, max_connections_per_address: int = 8, max_idle_per_address: int = 4,
-                 connect_timeout: float = 5.0, reply_timeout: float = 60.0) -> None:
+                 connect_timeout: float = 5.0, reply_timeout: float = 60.0, tls: ClientTLS | None = None) -> None:
         self.max_connections_per_address = max_connections_per_address
         self.max_idle_per_address = max_idle_per_address
         self.connect_timeout = connect_timeout
         self.reply_timeout = reply_timeout
-        self._idle: dict[Address, list[socket.socket]] = {}
+        self.tls = tls
+        self._idle: dict[Address, list[Conn]] = {}
         self._slots: dict[Address, asyncio.Semaphore] = {}  # bounds the pushes in flight per address
         self._backends: dict[str, Backend] = {}
 
     async def push(self, address: str, transfer_id: TransferId | str, layout: KVLayout,
                    payload: bytes | bytearray | memoryview, block_keys: Sequence[BlockKey], num_tokens: int,
                    checksums: Sequence[int] | None = None, layers: tuple[int, int] | None = None,
-                   first_block: int = 0) -> TransferStats:
+                   first_block: int = 0, *, token: str) -> TransferStats:
         """Send the bytes of ``n`` whole blocks in ``layout`` (``payload``: any C-contiguous buffer of
         ``n * layout.block_nbytes`` bytes; the engine passes ``kv_cache.block_bytes(tensor)``, a zero-copy
         view) and wait until the receiver verified them. ``block_keys`` are the keys of the full blocks, in order. ``checksums``: the blocks' xxh3_64
         when the caller has them already (e.g. stored with the blocks): the receiver verifies the bytes
         against them and they are not computed again here. ``layers`` (``(first, end)``): each block of the
         payload is only its slice of those layers (a hand-off pushed layer group by layer group);
-        ``first_block``: where the payload's first block sits in the sender's sequence. Raises
-        TransferRejected with the receiver's reason; ConnectionError (or OSError/TimeoutError) when it cannot
-        be reached or the connection breaks."""
+        ``first_block``: where the payload's first block sits in the sender's sequence. ``token``: the push
+        capability the receiver issued for this transfer. Raises TransferRejected with the receiver's reason
+        (and its ``kind``); ConnectionError (or OSError/TimeoutError, ``ssl.SSLError`` among them) when it cannot
+        be reached, the TLS handshake fails or the connection breaks."""
         started = time.perf_counter()
         addr = parse_address(address)
         backend = self._backend(addr.backend)
@@ -73,31 +81,33 @@ class TransferClient:
         elif len(checksums) != n:
             raise ValueError(f"{len(checksums)} checksums for {n} blocks")
         async with self._slots.setdefault(addr, asyncio.Semaphore(self.max_connections_per_address)):
-            sock = await self._checkout(addr)
+            conn = await self._checkout(addr)
             staged: Staged | None = None
             try:
-                staged = self._stage(backend, payload, sock.getsockname()[0])
+                staged = self._stage(backend, payload, conn.local_host)
                 header = TransferHeader(TransferId(transfer_id), backend.name, layout, tuple(block_keys), num_tokens,
-                                        tuple(checksums), staged.source, layers, first_block)
-                reply = await self._exchange(sock, header, staged)
-            except BaseException:
-                sock.close()
+                                        tuple(checksums), staged.source, layers, first_block, token)
+                reply = await self._exchange(conn, header, staged)
+            except BaseException as e:
+                conn.close()
                 if staged is not None:
                     (staged.abandon or staged.release)()
+                if isinstance(e, ssl.SSLError):  # the server refused our certificate after the handshake
+                    raise _tls_failed(addr, e) from e
                 raise
             staged.release()
-            self._checkin(addr, sock)
+            self._checkin(addr, conn)
         if not reply.ok:
-            raise TransferRejected(reply.reason)
+            raise TransferRejected(reply.reason, reply.kind)
         seconds = time.perf_counter() - started
         return TransferStats(len(payload), seconds, len(payload) / seconds / 1e9)
 
     async def close(self) -> None:
         for backend in self._backends.values():
             backend.close()
-        for socks in self._idle.values():
-            for sock in socks:
-                sock.close()
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
         self._idle.clear()
 
     async def __aenter__(self) -> Self:
@@ -111,27 +121,26 @@ class TransferClient:
         bytes in flight."""
         return backend.stage(payload, local_host)
 
-    async def _exchange(self, sock: socket.socket, header: TransferHeader, staged: Staged) -> Reply:
-        loop = asyncio.get_running_loop()
+    async def _exchange(self, conn: Conn, header: TransferHeader, staged: Staged) -> Reply:
         raw = encode_header(header)
-        await loop.sock_sendall(sock, PREFIX.pack(MAGIC, len(raw)) + raw)
+        await conn.sendall(PREFIX.pack(MAGIC, len(raw)) + raw)
         if staged.inline is not None:
-            await loop.sock_sendall(sock, staged.inline)
+            await conn.sendall(staged.inline)
         async with asyncio.timeout(self.reply_timeout):
-            return await read_reply(sock)
+            return await read_reply(conn)
 
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
             self._backends[name] = get_backend(name)
         return self._backends[name]
 
-    async def _checkout(self, addr: Address) -> socket.socket:
+    async def _checkout(self, addr: Address) -> Conn:
         idle = self._idle.get(addr, [])
         while idle:
-            sock = idle.pop()
-            if _alive(sock):
-                return sock
-            sock.close()
+            conn = idle.pop()
+            if conn.reusable():
+                return conn
+            conn.close()
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
         family, type_, proto, _, sockaddr = infos[0]
@@ -140,17 +149,28 @@ class TransferClient:
             configure(sock)
             async with asyncio.timeout(self.connect_timeout):
                 await loop.sock_connect(sock, sockaddr)
+                if self.tls is None:
+                    return Conn(sock)
+                return await TlsConn.handshake(sock, self.tls.context, server_side=False,
+                                               server_name=self.tls.server_name or addr.host)
+        except ssl.SSLError as e:
+            sock.close()
+            raise _tls_failed(addr, e) from e
         except BaseException:
             sock.close()
             raise
-        return sock
 
-    def _checkin(self, addr: Address, sock: socket.socket) -> None:
+    def _checkin(self, addr: Address, conn: Conn) -> None:
         idle = self._idle.setdefault(addr, [])
         if len(idle) < self.max_idle_per_address:
-            idle.append(sock)
+            idle.append(conn)
         else:
-            sock.close()
+            conn.close()
+
+
+def _tls_failed(addr: Address, e: ssl.SSLError) -> ConnectionError:
+    return ConnectionError(f"TLS with the transfer endpoint {addr} failed: {e} (both ends need certificates from "
+                           "the same CA: [shared] tls_ca, tls_cert, tls_key)")
 
 
 def _num_blocks(layout: KVLayout, payload: memoryview, layers: tuple[int, int] | None = None) -> int:
@@ -174,14 +194,3 @@ def _check_request(transfer_id: str, layout: KVLayout, n: int, block_keys: Seque
         raise ValueError(f"{len(block_keys)} block keys for {n} blocks (keys name full blocks only)")
     if not 0 < num_tokens <= n * layout.block_size:
         raise ValueError(f"num_tokens {num_tokens} does not fit {n} blocks of {layout.block_size} tokens")
-
-
-def _alive(sock: socket.socket) -> bool:
-    """An idle pooled connection is reusable when the peer has neither closed it nor sent anything."""
-    try:
-        sock.recv(1, socket.MSG_PEEK)  # EOF, or bytes nobody asked for: either way not reusable
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False

@@ -6,7 +6,9 @@ where the bytes are (empty for ``tcp``: they follow the header on the same conne
 
 A payload holds whole blocks, or (``layers``) each block's slice of a range of layers: a part of a KV hand-off
 pushed layer group by layer group. Checksums are then over each block's slice. ``first_block`` places the
-payload in the sender's sequence of blocks (a hand-off's parts; 0 for anything else).
+payload in the sender's sequence of blocks (a hand-off's parts; 0 for anything else). ``token`` is the push
+capability the receiver issued for it (:mod:`kvmesh.transfer.grants`); version 2 of the header is the first
+that carries one, and a receiver refuses any other version.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import xxhash
 
 from kvmesh.contracts.ids import BlockKey, TransferId
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.errors import Refusal, TransferRejected
 
-VERSION = 1
+VERSION = 2  # 2: carries the push capability (token)
 MAX_HEADER_BYTES = 4 << 20
+MAX_TRANSFER_ID = 1024  # characters (a hand-off's: a request id of at most 128, an instance id, a part number)
 T = TypeVar("T")
 
 
@@ -37,6 +40,7 @@ class TransferHeader:
     source: dict[str, Any] = field(default_factory=dict)
     layers: tuple[int, int] | None = None  # (first, end): each block's slice of these layers; None: all
     first_block: int = 0  # where the payload's first block sits in the sender's sequence
+    token: str = ""  # the push capability its receiver issued
 
     @property
     def num_blocks(self) -> int:
@@ -90,6 +94,7 @@ def encode_header(header: TransferHeader) -> bytes:
         "nbytes": header.nbytes,
         "source": header.source,
         "first_block": header.first_block,
+        "token": header.token,
     }
     if header.layers is not None:
         doc["layers"] = list(header.layers)
@@ -101,11 +106,14 @@ def decode_header(raw: bytes) -> TransferHeader:
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TransferRejected(f"malformed header: not JSON ({e})") from None
+        raise TransferRejected(f"malformed header: not JSON ({e})", Refusal.MALFORMED) from None
     if not isinstance(doc, dict):
-        raise TransferRejected("malformed header: not a JSON object")
+        raise TransferRejected("malformed header: not a JSON object", Refusal.MALFORMED)
     if doc.get("v") != VERSION:
-        raise TransferRejected(f"unsupported header version {doc.get('v')!r}; this receiver speaks {VERSION}")
+        older = isinstance(doc.get("v"), int) and doc["v"] < VERSION
+        raise TransferRejected(f"unsupported header version {doc.get('v')!r}; this receiver speaks {VERSION}"
+                               + (", which carries the push capability its receiver issued: upgrade the sender"
+                                  if older else ""), Refusal.VERSION)
     try:
         header = TransferHeader(
             transfer_id=TransferId(_typed(doc, "transfer_id", str)),
@@ -117,31 +125,30 @@ def decode_header(raw: bytes) -> TransferHeader:
             source=_typed(doc, "source", dict),
             layers=_layers(doc),
             first_block=_typed(doc, "first_block", int) if "first_block" in doc else 0,
+            token=_typed(doc, "token", str),
         )
+        _check_counts(header, _typed(doc, "nbytes", int))
     except (TypeError, ValueError) as e:
-        raise TransferRejected(f"malformed header: {e}") from None
-    _check_counts(header, _typed(doc, "nbytes", int))
+        raise TransferRejected(f"malformed header: {e}", Refusal.MALFORMED) from None
     return header
 
 
 def _check_counts(h: TransferHeader, nbytes: int) -> None:
-    if not h.transfer_id:
-        raise TransferRejected("malformed header: empty transfer_id")
+    if not 0 < len(h.transfer_id) <= MAX_TRANSFER_ID:
+        raise ValueError(f"transfer_id of {len(h.transfer_id)} characters (1 to {MAX_TRANSFER_ID})")
     if h.num_blocks == 0:
-        raise TransferRejected("malformed header: no blocks")
+        raise ValueError("no blocks")
     if h.layers is not None and not 0 <= h.layers[0] < h.layers[1] <= h.layout.num_layers:
-        raise TransferRejected(f"malformed header: layers {list(h.layers)} is no range of the layout's "
-                               f"{h.layout.num_layers} layers")
+        raise ValueError(f"layers {list(h.layers)} is no range of the layout's {h.layout.num_layers} layers")
     if h.first_block < 0:
-        raise TransferRejected(f"malformed header: first_block {h.first_block} < 0")
+        raise ValueError(f"first_block {h.first_block} < 0")
     if nbytes != h.nbytes:
-        raise TransferRejected(f"malformed header: nbytes {nbytes} != {h.num_blocks} blocks x "
-                               f"{h.block_nbytes} bytes")
+        raise ValueError(f"nbytes {nbytes} != {h.num_blocks} blocks x {h.block_nbytes} bytes")
     if len(h.block_keys) > h.num_blocks:
-        raise TransferRejected(f"malformed header: {len(h.block_keys)} block keys for {h.num_blocks} blocks")
+        raise ValueError(f"{len(h.block_keys)} block keys for {h.num_blocks} blocks")
     if not 0 < h.num_tokens <= h.num_blocks * h.layout.block_size:
-        raise TransferRejected(f"malformed header: num_tokens {h.num_tokens} does not fit {h.num_blocks} "
-                               f"blocks of {h.layout.block_size}")
+        raise ValueError(f"num_tokens {h.num_tokens} does not fit {h.num_blocks} blocks of "
+                         f"{h.layout.block_size}")
 
 
 def _layers(doc: dict[str, Any]) -> tuple[int, int] | None:

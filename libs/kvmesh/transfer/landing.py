@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import TransferHeader
 
 
@@ -67,20 +67,21 @@ class Landing:
         claimed for it. TransferRejected (nothing claimed) when it cannot land here."""
         k, v = self._k, self._v
         if k is None or v is None:
-            raise TransferRejected(f"transfer {header.transfer_id}: the blocks reserved for it were released")
+            raise TransferRejected(f"transfer {header.transfer_id}: the blocks reserved for it were released",
+                                   Refusal.DISCARDED)
         lo, hi = header.layers or (0, header.layout.num_layers)
         b0, n = header.first_block - self.first_block, header.num_blocks
         if header.layout.num_layers != self.num_layers or header.block_nbytes != (hi - lo) * 2 * self.unit:
             raise TransferRejected(f"transfer {header.transfer_id}: {header.block_nbytes} bytes per block do not "
-                                   f"match the reserved blocks' {(hi - lo) * 2 * self.unit}")
+                                   f"match the reserved blocks' {(hi - lo) * 2 * self.unit}", Refusal.LAYOUT)
         if b0 < 0 or b0 + n > len(self.block_ids):
             raise TransferRejected(f"transfer {header.transfer_id} holds blocks {header.first_block}.."
                                    f"{header.first_block + n - 1}, outside the ones reserved for it "
-                                   f"({self.first_block}..{self.end_block - 1})")
+                                   f"({self.first_block}..{self.end_block - 1})", Refusal.BLOCKS)
         cells = self.claimed[b0:b0 + n, lo:hi]
         if cells.any():
             raise TransferRejected(f"transfer {header.transfer_id}: layers {lo}..{hi - 1} of its blocks were "
-                                   "claimed by another part")
+                                   "claimed by another part", Refusal.DUPLICATE)
         cells[:] = True
         unit, layer_stride = self.unit, self._pool_blocks * self.unit
         starts = [b * unit + layer * layer_stride for b in self.block_ids[b0:b0 + n] for layer in range(lo, hi)]

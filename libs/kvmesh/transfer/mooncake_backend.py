@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +20,8 @@ import numpy as np
 
 from kvmesh.contracts.ids import TransferBackend
 from kvmesh.transfer.backends import Backend, Staged
-from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.conn import Conn
+from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import TransferHeader
 
 ABANDON_LINGER_S = 60.0
@@ -105,11 +105,12 @@ class MooncakeBackend(Backend):
 
         return Staged(source={"session": session, "addr": addr}, release=release, abandon=abandon)
 
-    async def fetch(self, header: TransferHeader, sock: socket.socket, view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview) -> None:
         session, addr = header.source.get("session"), header.source.get("addr")
         if not isinstance(session, str) or not isinstance(addr, int):
-            raise TransferRejected(f"mooncake source needs 'session' and 'addr': {header.source!r}")
-        te, _ = engine(sock.getsockname()[0])
+            raise TransferRejected(f"mooncake source needs 'session' and 'addr': {header.source!r}",
+                                   Refusal.BACKEND)
+        te, _ = engine(conn.local_host)
         into, local = _address(view)
         n = len(view)
         _register(te, local, n)
@@ -123,4 +124,4 @@ class MooncakeBackend(Backend):
         read.add_done_callback(done)
         rc = await asyncio.wrap_future(read)
         if rc < 0:
-            raise TransferRejected(f"mooncake read of {n} bytes from {session} failed: rc={rc}")
+            raise TransferRejected(f"mooncake read of {n} bytes from {session} failed: rc={rc}", Refusal.BACKEND)

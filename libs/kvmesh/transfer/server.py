@@ -1,5 +1,11 @@
 """The receiving end (decode side): accept pushed transfers, verify them, hold them until taken.
 
+Only pushes its own side asked for: the owner issues a capability for each push it expects
+(:meth:`TransferServer.grant`, see :mod:`kvmesh.transfer.grants`) and a part without it, after its deadline or
+for blocks it does not cover is refused before its payload is read. Every refusal is counted by
+:class:`~kvmesh.transfer.errors.Refusal` (:attr:`TransferServer.refused`) and logged with the peer's address.
+With an ``ssl.SSLContext`` (``tls``) the control connection is TLS and a plain-text peer is refused.
+
 Every transfer is checked before anyone can take it: its layout must equal the expected layout in every
 field, every block must match its xxh3_64 checksum. (A server started with ``expected_layout=None`` takes any
 well-formed layout and leaves that check to the taker, who reads ``ReceivedBlocks.layout``: cachesvc, which
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Self
@@ -33,7 +40,9 @@ import numpy as np
 from kvmesh.contracts.ids import BlockKey, TransferBackend, TransferId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.transfer.backends import Backend, ScatterBackend, TcpBackend
-from kvmesh.transfer.errors import TransferRejected
+from kvmesh.transfer.conn import TLS_RECORD, Conn, TlsConn, first_byte
+from kvmesh.transfer.errors import Refusal, TransferRejected
+from kvmesh.transfer.grants import Grant, Grants
 from kvmesh.transfer.header import (
     MAX_HEADER_BYTES,
     TransferHeader,
@@ -43,17 +52,7 @@ from kvmesh.transfer.header import (
 )
 from kvmesh.transfer.landing import Landing
 from kvmesh.transfer.registry import get_backend
-from kvmesh.transfer.wire import (
-    MAGIC,
-    PREFIX,
-    Address,
-    Reply,
-    configure,
-    drain,
-    encode_reply,
-    recv_bytes,
-    recv_into,
-)
+from kvmesh.transfer.wire import MAGIC, PREFIX, Address, Reply, configure, encode_reply, refusal_reply
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +94,14 @@ class _Slot:
 
 class TransferServer:
     def __init__(self, sock: socket.socket, expected_layout: KVLayout | None, backend: Backend, *, ttl: float,
-                 max_buffered_bytes: int, io_timeout: float) -> None:
+                 max_buffered_bytes: int, io_timeout: float, tls: ssl.SSLContext | None = None) -> None:
         self.expected_layout = expected_layout
         self.ttl = ttl
         self.max_buffered_bytes = max_buffered_bytes
         self.io_timeout = io_timeout
+        self.tls = tls
+        self.grants = Grants(linger_s=ttl)
+        self.refused: dict[Refusal, int] = dict.fromkeys(Refusal, 0)  # transfers refused, by why
         self._sock = sock
         self._backends: dict[str, Backend] = {TransferBackend.TCP: TcpBackend(), backend.name: backend}
         host, port = sock.getsockname()[:2]
@@ -117,9 +119,10 @@ class TransferServer:
     @classmethod
     async def start(cls, expected_layout: KVLayout | None, host: str = "127.0.0.1", port: int = 0,
                     backend: TransferBackend | str = TransferBackend.TCP, *, ttl: float = 60.0, max_buffered_bytes: int = 1 << 30,
-                    io_timeout: float = 30.0) -> TransferServer:
+                    io_timeout: float = 30.0, tls: ssl.SSLContext | None = None) -> TransferServer:
         """Listen on ``host:port`` (0 = any free port). ``backend`` is what :attr:`address` advertises; plain
         ``tcp`` is always accepted too. ``expected_layout`` None: accept any layout (the taker checks it).
+        ``tls``: a server-side context; every connection must then speak TLS (``kvmesh.tls``).
         Raises RuntimeError when the backend cannot run here (mooncake)."""
         chosen = get_backend(backend)
         if backend == TransferBackend.MOONCAKE:
@@ -129,7 +132,7 @@ class TransferServer:
         sock = socket.create_server((host, port))
         sock.setblocking(False)
         return cls(sock, expected_layout, chosen, ttl=ttl, max_buffered_bytes=max_buffered_bytes,
-                   io_timeout=io_timeout)
+                   io_timeout=io_timeout, tls=tls)
 
     @property
     def buffered_bytes(self) -> int:
@@ -151,9 +154,21 @@ class TransferServer:
         outcome = slot.outcome
         self._pop(transfer_id, slot)
         if isinstance(outcome, TransferRejected):
-            raise TransferRejected(outcome.reason)
+            raise TransferRejected(outcome.reason, outcome.kind)
         assert outcome is not None
         return outcome
+
+    def grant(self, prefix: str, first_block: int, end_block: int, timeout_s: float) -> Grant:
+        """Take pushes of transfer ids starting with ``prefix`` (one request's parts, or one transfer id) that
+        carry the returned grant's ``token`` and hold blocks ``first_block .. end_block - 1`` of the sender's
+        sequence, for ``timeout_s`` seconds; hand the token to the one sender expected. Replaces a grant issued
+        under the same prefix before."""
+        return self.grants.issue(prefix, first_block, end_block, timeout_s)
+
+    def revoke(self, prefix: str, grant: Grant | None = None) -> None:
+        """No more pushes under ``prefix`` (only if its grant is ``grant``, when given): they are refused as
+        ``expired``. What arrived already stays until taken or discarded."""
+        self.grants.revoke(prefix, grant)
 
     def land(self, prefix: str, landing: Landing) -> None:
         """Receive the transfers whose id starts with ``prefix`` (one request's parts) into ``landing``, from
@@ -180,10 +195,12 @@ class TransferServer:
 
     def discard(self, transfer_id: str) -> None:
         """Drop ``transfer_id`` (the caller gave up on it): free its bytes if it arrived, refuse it if it
-        arrives within ``ttl``, and wake any ``take`` still waiting for it with a rejection."""
+        arrives within ``ttl``, and wake any ``take`` still waiting for it with a rejection. A grant issued for
+        exactly ``transfer_id`` is revoked."""
+        self.grants.revoke(transfer_id)
         if slot := self._slots.get(transfer_id):
             if slot.outcome is None:
-                slot.outcome = TransferRejected(f"transfer {transfer_id} was discarded by the receiver")
+                slot.outcome = _discarded(transfer_id)
                 slot.ready.set()
             self._pop(transfer_id, slot)
         if old := self._discarded.pop(transfer_id, None):
@@ -193,9 +210,10 @@ class TransferServer:
 
     def discard_prefix(self, prefix: str) -> None:
         """:meth:`discard` every transfer whose id starts with ``prefix``: held, in flight, or arriving within
-        ``ttl`` (a request's parts, when its sender died half-way and nobody will take them); a landing under
-        ``prefix`` is revoked."""
+        ``ttl`` (a request's parts, when its sender died half-way and nobody will take them); a landing and a
+        grant under ``prefix`` are revoked."""
         self.unland(prefix)
+        self.grants.revoke(prefix)
         for transfer_id in [t for t in self._slots if t.startswith(prefix)]:
             self.discard(transfer_id)
         if old := self._discarded_prefixes.pop(prefix, None):
@@ -211,9 +229,10 @@ class TransferServer:
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(self._accepting, *self._connections, return_exceptions=True)
+        self.grants.close()
         for transfer_id, slot in list(self._slots.items()):
             if slot.outcome is None:
-                slot.outcome = TransferRejected("the transfer server closed")
+                slot.outcome = TransferRejected("the transfer server closed", Refusal.DISCARDED)
                 slot.ready.set()
             self._pop(transfer_id, slot)
         for handle in [*self._discarded.values(), *self._discarded_prefixes.values()]:
@@ -232,93 +251,144 @@ class TransferServer:
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
-            configure(conn)
-            task = asyncio.create_task(self._serve(conn))
+            sock, _ = await loop.sock_accept(self._sock)
+            configure(sock)
+            task = asyncio.create_task(self._serve(sock))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
     async def _serve(self, sock: socket.socket) -> None:
         """One connection: header, payload, reply; repeat. A broken or stalled sender only loses its own
         transfer in progress."""
-        loop = asyncio.get_running_loop()
+        conn = Conn(sock)
         try:
-            while (prefix := await self._first_bytes(sock, PREFIX.size)) is not None:
+            if self.tls is not None:
+                async with asyncio.timeout(self.io_timeout):
+                    if (tls := await self._secure(sock)) is None:
+                        return
+                conn = tls
+            while (prefix := await self._first_bytes(conn, PREFIX.size)) is not None:
                 try:
                     async with asyncio.timeout(self.io_timeout):
-                        header = await self._read_header(sock, prefix)
+                        header = await self._read_header(conn, prefix)
                 except TransferRejected as e:  # unparseable: payload length unknown, so reply and close
-                    log.warning("transfer refused: %s", e.reason)
-                    await loop.sock_sendall(sock, encode_reply(Reply(False, e.reason)))
+                    self._count(conn, "?", e)
+                    await conn.sendall(refusal_reply(e))
                     return
-                await self._receive(sock, header)
-        except (ConnectionError, TimeoutError, OSError) as e:
-            log.warning("transfer connection dropped: %s", e or type(e).__name__)
+                await self._receive(conn, header)
+        except (ConnectionError, TimeoutError, OSError) as e:  # ssl.SSLError included: a failed handshake
+            log.warning("transfer connection from %s dropped: %s", conn.peer, e or type(e).__name__)
         except Exception:  # a bug must cost one connection, not the server
-            log.exception("transfer connection failed")
+            log.exception("transfer connection from %s failed", conn.peer)
         finally:
-            sock.close()
+            conn.close()
+
+    async def _secure(self, sock: socket.socket) -> TlsConn | None:
+        """The TLS connection over ``sock``; None when the peer speaks plain text (told so in plain text), fails
+        the handshake (counted as a ``tls`` refusal) or left before a byte."""
+        assert self.tls is not None
+        first = await first_byte(sock)
+        if first is None:
+            return None
+        if first != TLS_RECORD:
+            plain = Conn(sock)
+            e = TransferRejected("this transfer endpoint takes TLS only: configure the sender's [shared] tls_ca "
+                                 "(KVMESH_TLS_CA), tls_cert and tls_key", Refusal.TLS)
+            self._count(plain, "?", e)
+            await plain.sendall(refusal_reply(e))
+            return None
+        try:
+            return await TlsConn.handshake(sock, self.tls, server_side=True)
+        except ssl.SSLError as e:  # a certificate the mesh CA did not sign, or none
+            self._count(Conn(sock), "?", TransferRejected(f"TLS handshake failed: {e}", Refusal.TLS))
+            return None
 
     @staticmethod
-    async def _first_bytes(sock: socket.socket, n: int) -> bytearray | None:
+    async def _first_bytes(conn: Conn, n: int) -> bytearray | None:
         """The next ``n`` bytes, or None when the peer closed cleanly between frames."""
         buf = bytearray(n)
-        got = await asyncio.get_running_loop().sock_recv_into(sock, buf)
+        got = await conn.read_some(memoryview(buf))
         if got == 0:
             return None
-        await recv_into(sock, memoryview(buf)[got:])
+        await conn.recv_into(memoryview(buf)[got:])
         return buf
 
     @staticmethod
-    async def _read_header(sock: socket.socket, prefix: bytearray) -> TransferHeader:
+    async def _read_header(conn: Conn, prefix: bytearray) -> TransferHeader:
         magic, length = PREFIX.unpack(prefix)
+        if magic[:2] == bytes((TLS_RECORD, 3)):  # a ClientHello
+            raise TransferRejected("a TLS client at a plain-text transfer endpoint: give this endpoint's process "
+                                   "the mesh's certificate ([shared] tls_cert, tls_key)", Refusal.TLS)
         if magic != MAGIC:
-            raise TransferRejected(f"not a kvmesh transfer frame (magic {bytes(magic)!r})")
+            raise TransferRejected(f"not a kvmesh transfer frame (magic {bytes(magic)!r})", Refusal.MALFORMED)
         if length > MAX_HEADER_BYTES:
-            raise TransferRejected(f"header of {length} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
-        return decode_header(bytes(await recv_bytes(sock, length)))
+            raise TransferRejected(f"header of {length} bytes exceeds the {MAX_HEADER_BYTES}-byte limit",
+                                   Refusal.MALFORMED)
+        return decode_header(bytes(await conn.recv_bytes(length)))
 
-    async def _receive(self, sock: socket.socket, header: TransferHeader) -> None:
-        tid, nbytes = header.transfer_id, header.nbytes
+    async def _receive(self, conn: Conn, header: TransferHeader) -> None:
+        """Admit, receive and verify one transfer, then reply. Whoever holds no capability for it is refused
+        before anything else is looked at, and its refusal is not recorded as the transfer's outcome: a forged
+        push must not fail the genuine one."""
+        tid = header.transfer_id
         backend = self._backends.get(header.backend)
-        landing = self._landing(tid) if isinstance(backend, ScatterBackend) else None
-        reason, record = self._refusal(header, buffered=landing is None)
-        if reason is None and backend is not None:
-            if isinstance(backend, ScatterBackend) and landing is not None:
-                reason = await self._land(sock, header, backend, landing)
-            else:
-                reason = await self._fetch(sock, header, backend)
-        elif header.backend == TransferBackend.TCP:  # refused unread: drop the inline payload to keep the stream in sync
-            async with asyncio.timeout(self.io_timeout):
-                await drain(sock, nbytes)
-        if reason is not None:
-            log.warning("transfer %s refused: %s", tid, reason)
+        landing = None
+        refused, record = self._unauthorized(header)
+        if refused is None:
+            landing = self._landing(tid) if isinstance(backend, ScatterBackend) else None
+            refused, record = self._refusal(header, buffered=landing is None)
+        if refused is not None:  # refused unread: drop an inline payload to keep the stream in sync
+            if header.backend == TransferBackend.TCP:
+                async with asyncio.timeout(self.io_timeout):
+                    await conn.drain(header.nbytes)
+        elif isinstance(backend, ScatterBackend) and landing is not None:
+            refused = await self._land(conn, header, backend, landing)
+        elif backend is not None:
+            refused = await self._fetch(conn, header, backend)
+        if refused is not None:
+            self._count(conn, tid, refused)
             if record:
-                self._settle(tid, TransferRejected(reason), 0)
-        await asyncio.get_running_loop().sock_sendall(sock, encode_reply(Reply(reason is None, reason or "")))
+                self._settle(tid, refused, 0)
+        await conn.sendall(refusal_reply(refused) if refused is not None else encode_reply(Reply(True)))
 
-    def _refusal(self, header: TransferHeader, buffered: bool = True) -> tuple[str | None, bool]:
+    def _unauthorized(self, header: TransferHeader) -> tuple[TransferRejected | None, bool]:
+        """Why ``header`` may not be pushed at all (None: a capability covers it, or its id was discarded and
+        :meth:`_refusal` says so), and whether that is the transfer's outcome: only when its sender proved to
+        hold the capability (a late or misplaced push of the genuine sender)."""
+        if self._discarded_id(header.transfer_id):
+            return None, False
+        refused = self.grants.check(header)
+        return refused, refused is not None and refused.kind in (Refusal.EXPIRED, Refusal.BLOCKS)
+
+    def _refusal(self, header: TransferHeader, buffered: bool = True) -> tuple[TransferRejected | None, bool]:
         """Why ``header`` is refused before its payload is read (None: admitted), and whether to record it
         as the transfer's outcome (not for duplicates, which must not overwrite the original). ``buffered``:
         it would be held here (not landed in place), so it counts against ``max_buffered_bytes``."""
         tid = header.transfer_id
         if self._discarded_id(tid):
-            return f"transfer {tid} was discarded by the receiver", False
+            return _discarded(tid), False
         if tid in self._in_flight:
-            return f"transfer {tid} is already being received", False
+            return TransferRejected(f"transfer {tid} is already being received", Refusal.DUPLICATE), False
         if (slot := self._slots.get(tid)) and isinstance(slot.outcome, ReceivedBlocks):
-            return f"transfer {tid} was already received and not yet taken", False
+            return TransferRejected(f"transfer {tid} was already received and not yet taken",
+                                    Refusal.DUPLICATE), False
         if header.backend not in self._backends:
-            return f"backend {header.backend!r} is not served here (it takes {sorted(self._backends)})", True
+            return TransferRejected(f"backend {header.backend!r} is not served here (it takes "
+                                    f"{sorted(self._backends)})", Refusal.BACKEND), True
         if self.expected_layout is not None and (diff := layout_mismatch(self.expected_layout, header.layout)):
-            return f"layout mismatch: {diff}", True
+            return TransferRejected(f"layout mismatch: {diff}", Refusal.LAYOUT), True
         if buffered and self._buffered + header.nbytes > self.max_buffered_bytes:
-            return (f"over capacity: {header.nbytes} bytes would exceed the {self.max_buffered_bytes}-byte "
-                    f"receive buffer ({self._buffered} bytes held)"), True
+            return TransferRejected(f"over capacity: {header.nbytes} bytes would exceed the "
+                                    f"{self.max_buffered_bytes}-byte receive buffer ({self._buffered} bytes held)",
+                                    Refusal.CAPACITY), True
         return None, True
 
-    async def _fetch(self, sock: socket.socket, header: TransferHeader, backend: Backend) -> str | None:
-        """Receive and verify an admitted transfer; returns the refusal reason, or None once delivered."""
+    def _count(self, conn: Conn, tid: str, refused: TransferRejected) -> None:
+        self.refused[refused.kind] += 1
+        log.warning("transfer %s from %s refused (%s): %s", tid, conn.peer, refused.kind, refused.reason)
+
+    async def _fetch(self, conn: Conn, header: TransferHeader, backend: Backend) -> TransferRejected | None:
+        """Receive and verify an admitted transfer; returns the refusal, or None once delivered."""
         tid, nbytes = header.transfer_id, header.nbytes
         self._in_flight.add(tid)
         self._buffered += nbytes
@@ -328,13 +398,13 @@ class TransferServer:
             view = np.empty(nbytes, dtype=np.uint8).data  # not zeroed: every byte is about to be written
             try:
                 async with asyncio.timeout(self.io_timeout):
-                    await backend.fetch(header, sock, view)
+                    await backend.fetch(header, conn, view)
             except TransferRejected as e:
-                return e.reason
+                return e
             if bad := corrupt_blocks(header, view):
                 return _mismatch(header, bad)
             if self._discarded_id(tid):  # given up on while it was being received
-                return f"transfer {tid} was discarded by the receiver"
+                return _discarded(tid)
             received = ReceivedBlocks(tid, header.layout, header.block_keys, header.num_tokens, view, nbytes,
                                       time.perf_counter() - started, header.checksums, header.layers,
                                       header.first_block)
@@ -346,9 +416,9 @@ class TransferServer:
             if not delivered:
                 self._buffered -= nbytes
 
-    async def _land(self, sock: socket.socket, header: TransferHeader, backend: ScatterBackend,
-                    landing: Landing) -> str | None:
-        """Receive an admitted transfer in place and verify it there; returns the refusal reason, or None once
+    async def _land(self, conn: Conn, header: TransferHeader, backend: ScatterBackend,
+                    landing: Landing) -> TransferRejected | None:
+        """Receive an admitted transfer in place and verify it there; returns the refusal, or None once
         delivered. A refused part's cells stay claimed: its bytes are garbage, never taken."""
         tid = header.transfer_id
         try:
@@ -356,22 +426,23 @@ class TransferServer:
         except TransferRejected as e:
             if backend.inline:
                 async with asyncio.timeout(self.io_timeout):
-                    await drain(sock, header.nbytes)
-            return e.reason
+                    await conn.drain(header.nbytes)
+            return e
         self._in_flight.add(tid)
         started = time.perf_counter()
         try:
             try:
                 async with asyncio.timeout(self.io_timeout):
-                    landed = await backend.fetch_landed(header, sock, views, lambda: landing.open)
+                    landed = await backend.fetch_landed(header, conn, views, lambda: landing.open)
             except TransferRejected as e:
-                return e.reason
+                return e
             if not landed or not landing.open:
-                return f"transfer {tid}: the blocks reserved for it were released while it was received"
+                return TransferRejected(f"transfer {tid}: the blocks reserved for it were released while it was "
+                                        "received", Refusal.DISCARDED)
             if bad := corrupt_landed_blocks(header, views):
                 return _mismatch(header, bad)
             if self._discarded_id(tid):
-                return f"transfer {tid} was discarded by the receiver"
+                return _discarded(tid)
             landing.landed_bytes += header.nbytes
             self._settle(tid, ReceivedBlocks(tid, header.layout, header.block_keys, header.num_tokens,
                                              memoryview(b""), header.nbytes, time.perf_counter() - started,
@@ -414,7 +485,12 @@ class TransferServer:
         slot.nbytes = 0
 
 
-def _mismatch(header: TransferHeader, bad: list[int]) -> str:
+def _discarded(tid: str) -> TransferRejected:
+    return TransferRejected(f"transfer {tid} was discarded by the receiver", Refusal.DISCARDED)
+
+
+def _mismatch(header: TransferHeader, bad: list[int]) -> TransferRejected:
     """The refusal of a payload whose blocks ``bad`` do not hash to the header's checksums."""
     shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
-    return f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})"
+    return TransferRejected(f"checksum mismatch in {len(bad)} of {header.num_blocks} blocks ({shown})",
+                            Refusal.CHECKSUM)

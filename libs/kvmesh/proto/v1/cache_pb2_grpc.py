@@ -65,6 +65,11 @@ class CacheServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.GrantPut = channel.unary_unary(
+                '/kvmesh.v1.CacheService/GrantPut',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -111,6 +116,15 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantPut(self, request, context):
+        """Before a write-back's push: cachesvc's transfer endpoint takes a push only under a capability it issued.
+        Push num_blocks whole blocks to transfer_address under transfer_id with token, then name transfer_id in
+        PutBlocks, within expires_in_s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +157,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.StatsResponse.SerializeToString,
+            ),
+            'GrantPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantPut,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +327,33 @@ class CacheService:
             '/kvmesh.v1.CacheService/Stats',
             kvmesh_dot_proto_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
             kvmesh_dot_proto_dot_v1_dot_cache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.CacheService/GrantPut',
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutRequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,260 @@
+"""One control connection of the transfer engine, plain TCP or TLS, read and written on the event loop.
+
+Both ends read and write through a :class:`Conn`: plain, it is the socket itself (the kernel copies straight
+into the caller's buffers; receiving in place scatters with ``recvmsg_into``). :class:`TlsConn` runs TLS over
+the same non-blocking socket with an ``ssl.SSLObject`` and two memory BIOs (asyncio's ``sock_*`` calls do not
+take an ``SSLSocket``): ciphertext is read into the incoming BIO and decrypted into the caller's buffer. Receiving
+in place has no ``recvmsg_into`` scatter under TLS: the plaintext is decrypted into a small staging buffer and
+copied into the views from there (one extra copy of cache-hot bytes, far fewer calls than decrypting into each
+view). TLS 1.3 only, no session tickets, no renegotiation: both ends are kvmesh.
+
+A TLS endpoint refuses a plain-text peer with a plain-text reply saying so (``Refusal.TLS``) before it
+closes; a TLS client at a plain-text endpoint fails its handshake with a message saying which side lacks TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+from kvmesh.transfer.wire import IOV_MAX, PeerClosed
+
+_DRAIN_CHUNK = 1 << 20
+_TLS_READ = 256 << 10   # ciphertext read per syscall
+_TLS_WRITE = 256 << 10  # plaintext encrypted per step (the outgoing BIO never holds more)
+_TLS_STAGING = 64 << 10  # plaintext decrypted before it is copied into the views (receiving in place)
+TLS_RECORD = 0x16       # the first byte of a TLS handshake record (a ClientHello)
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """How a transfer client speaks TLS: the context (CA to verify servers with, the client's certificate) and
+    the name expected in servers' certificates ("" = the host dialled)."""
+
+    context: ssl.SSLContext
+    server_name: str = ""
+
+
+class Conn:
+    """A plain TCP control connection over a non-blocking socket."""
+
+    tls = False
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    @property
+    def peer(self) -> str:
+        """``host:port`` of the other end (what a refusal is logged with)."""
+        try:
+            host, port = self.sock.getpeername()[:2]
+        except OSError:
+            return "?"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @property
+    def local_host(self) -> str:
+        return self.sock.getsockname()[0]
+
+    async def read_some(self, view: memoryview) -> int:
+        """Read what is there (at least a byte) into ``view``; 0 when the peer closed."""
+        return await asyncio.get_running_loop().sock_recv_into(self.sock, view)
+
+    async def sendall(self, data: bytes | memoryview) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def recv_scatter(self, views: list[memoryview], still_open: Callable[[], bool]) -> bool:
+        """Fill ``views`` in order, up to ``IOV_MAX`` of them per ``recvmsg_into`` (the kernel copies straight
+        into each). ``still_open`` is asked before every syscall, with no ``await`` in between: once it says
+        False, nothing more is written into ``views``; the rest of the payload is read into scratch and dropped
+        (the connection stays in sync) and the result is False. True: every view filled."""
+        sock = self.sock
+        i, offset = 0, 0  # the first view not yet full, and how much of it is
+        left = sum(len(v) for v in views)
+        while left:
+            if not still_open():
+                await self.drain(left)
+                return False
+            batch = views[i:i + IOV_MAX]
+            if offset:
+                batch[0] = batch[0][offset:]
+            try:
+                n = sock.recvmsg_into(batch)[0]
+            except (BlockingIOError, InterruptedError):
+                await readable(sock)
+                continue
+            if n == 0:
+                raise PeerClosed(f"peer closed the connection with {left} bytes of the frame missing")
+            left -= n
+            n += offset
+            while i < len(views) and n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            offset = n
+        return True
+
+    async def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` from the connection."""
+        while view:
+            n = await self.read_some(view)
+            if n == 0:
+                raise PeerClosed(f"peer closed the connection with {len(view)} bytes of the frame missing")
+            view = view[n:]
+
+    async def recv_bytes(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        await self.recv_into(memoryview(buf))
+        return buf
+
+    async def drain(self, n: int) -> None:
+        """Read and drop ``n`` bytes, so a refused inline payload leaves the connection usable."""
+        scratch = memoryview(bytearray(min(n, _DRAIN_CHUNK)))
+        while n > 0:
+            step = min(n, len(scratch))
+            await self.recv_into(scratch[:step])
+            n -= step
+
+    def reusable(self) -> bool:
+        """An idle pooled connection is reusable when the peer has neither closed it nor sent anything."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)  # EOF, or bytes nobody asked for: either way not reusable
+            return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TlsConn(Conn):
+    """TLS over a non-blocking socket (see the module): made by :meth:`handshake`."""
+
+    tls = True
+
+    def __init__(self, sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
+                 outgoing: ssl.MemoryBIO) -> None:
+        super().__init__(sock)
+        self._tls, self._in, self._out = tls, incoming, outgoing
+
+    @classmethod
+    async def handshake(cls, sock: socket.socket, context: ssl.SSLContext, *, server_side: bool,
+                        server_name: str | None = None) -> TlsConn:
+        """Run the TLS handshake over ``sock``; ``ssl.SSLError`` (an ``OSError``) when it fails (a certificate
+        not signed by the CA, a name that does not match, a peer without TLS), ``PeerClosed`` when the peer
+        hung up."""
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        conn = cls(sock, context.wrap_bio(incoming, outgoing, server_side=server_side,
+                                          server_hostname=server_name), incoming, outgoing)
+        while True:
+            try:
+                conn._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                if not await conn._fill():
+                    raise PeerClosed("the peer closed the connection during the TLS handshake") from None
+            except ssl.SSLError:
+                await conn._flush()  # the alert that tells the peer why
+                raise
+        await conn._flush()
+        return conn
+
+    async def read_some(self, view: memoryview) -> int:
+        while (n := self._read_now(view)) is None:
+            await self._fill()
+        return n
+
+    async def sendall(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        for i in range(0, len(view), _TLS_WRITE):
+            self._tls.write(view[i:i + _TLS_WRITE])
+            await self._flush()
+
+    async def recv_scatter(self, views: list[memoryview], still_open: Callable[[], bool]) -> bool:
+        """As :meth:`Conn.recv_scatter`: up to ``_TLS_STAGING`` bytes at a time are decrypted into a small staging
+        buffer (a TLS record holds at most 16 KiB, so decrypting into each view directly costs a call per record
+        piece of every view), then copied into the views, after ``still_open`` said yes, with no ``await``
+        in between."""
+        left = sum(len(v) for v in views)
+        staging = memoryview(bytearray(min(left, _TLS_STAGING)))
+        i, offset = 0, 0  # the first view not yet full, and how much of it is
+        while left:
+            want, got = min(len(staging), left), 0
+            while got < want:
+                n = self._read_now(staging[got:want])
+                if n is None:
+                    await self._fill()
+                elif n == 0:
+                    raise PeerClosed(f"peer closed the connection with {left - got} bytes of the frame missing")
+                else:
+                    got += n
+            left -= got
+            if not still_open():
+                await self.drain(left)
+                return False
+            at = 0
+            while at < got:  # no await from the check to the last copy
+                view = views[i]
+                n = min(len(view) - offset, got - at)
+                view[offset:offset + n] = staging[at:at + n]
+                at += n
+                offset += n
+                if offset == len(view):
+                    i, offset = i + 1, 0
+        return True
+
+    def _read_now(self, view: memoryview) -> int | None:
+        """Decrypt what the incoming BIO holds into ``view`` (no await): bytes written, 0 at the end of the
+        stream, None when more ciphertext is needed first."""
+        try:
+            return cast(int, self._tls.read(len(view), view))  # with a buffer: the bytes written into it
+        except ssl.SSLWantReadError:
+            return None
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            return 0
+
+    async def _fill(self) -> bool:
+        """Read ciphertext into the incoming BIO; False (and the BIO at its end) when the peer closed."""
+        await self._flush()  # anything the TLS layer owes the peer first (a handshake step, an alert)
+        data = await asyncio.get_running_loop().sock_recv(self.sock, _TLS_READ)
+        if not data:
+            self._in.write_eof()
+            return False
+        self._in.write(data)
+        return True
+
+    async def _flush(self) -> None:
+        if self._out.pending:
+            await asyncio.get_running_loop().sock_sendall(self.sock, self._out.read())
+
+
+async def readable(sock: socket.socket) -> None:
+    """Until ``sock`` has bytes to read (or is closed)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    fd = sock.fileno()
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+async def first_byte(sock: socket.socket) -> int | None:
+    """The first byte the peer sent, left unread (None: it closed without sending any)."""
+    while True:
+        try:
+            peek = sock.recv(1, socket.MSG_PEEK)
+            return peek[0] if peek else None
+        except (BlockingIOError, InterruptedError):
+            await readable(sock)
