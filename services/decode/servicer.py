@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 from kvmesh.contracts.engine import EngineRequest, ExportPlan, RequestTiming, logprobs_to_proto
-from kvmesh.contracts.ids import PUSH_TOKEN_METADATA, handoff_prefix
+from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, handoff_prefix
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed
@@ -86,17 +86,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     w.transfer_server.discard_prefix(handoff_prefix(work.request_id))
                     w.metrics.rejections.labels("invalid").inc()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                # prefill pushes from the block it computes this from (its own rule, the router's number)
-                first = min(request.cached_blocks, (len(prompt) - 1) // w.layout.block_size)
+                # what this instance holds of the prompt now, not what the index says (it lags when turns come
+                # back to back): prefill pushes from the first block decode lacks, at least the last token's
+                first = w.engine.holds(namespace, prompt, (len(prompt) - 1) // w.layout.block_size)
                 wait_s = request.kv_timeout_s or w.cfg.kv_timeout_s + 2 * request.expected_prefill_s
                 deadline = time.monotonic() + wait_s
                 grant = await self._grant(context, work.request_id, first, len(prompt), wait_s)
                 pinned = 0
-                if request.cached_blocks:  # prefill pushes only past these: hold them until imported
+                span.set_attributes({"kvmesh.cached_blocks": request.cached_blocks, "kvmesh.held_blocks": first})
+                if first:  # prefill pushes only past these: hold them until imported
                     pin_asked = True  # from here the lease may be held, even if this call is cancelled
-                    pinned = await w.engine.pin(lease, namespace, prompt, request.cached_blocks)
-                    span.set_attributes({"kvmesh.cached_blocks": request.cached_blocks,
-                                         "kvmesh.pinned_blocks": pinned})
+                    pinned = await w.engine.pin(lease, namespace, prompt, first)
+                    span.set_attribute("kvmesh.pinned_blocks", pinned)
                 if pinned >= first:  # else the push cannot be used anyway (intake says why)
                     reservation = Reservation(w, engine_request, first)
                     await reservation.acquire()
@@ -123,7 +124,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def _grant(self, context: grpc.aio.ServicerContext, request_id: str, first_block: int,
                      prompt_tokens: int, wait_s: float) -> Grant:
         """The push's capability: the request's hand-off parts, blocks ``first_block`` to the prompt's last, for
-        ``wait_s``; sent to the router in the call's initial metadata at once, before the pin and the
+        ``wait_s``; sent to the router in the call's initial metadata at once, with ``first_block`` (the blocks
+        held here, which prefill does not push), before the pin and the
         reservation (engine commands, queued behind a step), so the router's Prefill call leaves as early as
         it would without one. A part that arrives before the reservation is received into a buffer."""
         transfer = self.w.transfer_server
@@ -134,7 +136,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except ValueError as e:  # no block to push: an empty prompt, a wait of 0
             self.w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nothing to wait for: {e}")
-        await context.send_initial_metadata(((PUSH_TOKEN_METADATA, grant.token),))
+        await context.send_initial_metadata(((PUSH_TOKEN_METADATA, grant.token),
+                                             (HELD_BLOCKS_METADATA, str(first_block))))
         return grant
 
     def _revoke(self, request_id: str, grant: Grant) -> None:

@@ -18,7 +18,7 @@ import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
-from kvmesh.contracts.ids import PUSH_TOKEN_METADATA
+from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady
 from kvmesh.contracts.sampling import sampling_to_proto
@@ -277,9 +277,11 @@ class Router:
             metadata=md, timeout=self.cfg.request_timeout_s)
 
         async def prefill_once_granted() -> worker_pb2.PrefillResponse:
-            # decode's first response headers carry the push's capability, before it waits for the KV
-            token = await _push_token(call, decode, dispatch)
-            return await self._prefill(work, prefill, decode, md, rt, policy, matched, held, token)
+            # decode's first response headers carry the push's capability, before it waits for the KV, and the
+            # blocks decode holds exactly (the index's count above may lag): prefill pushes only past those
+            token, exact = await _push_token(call, decode, dispatch)
+            return await self._prefill(work, prefill, decode, md, rt, policy, matched,
+                                       held if exact is None else exact, token)
 
         prefill_call = asyncio.ensure_future(prefill_once_granted())
         prefill_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are logged inside
@@ -368,17 +370,22 @@ class NoGrant(RuntimeError):
     """Decode answered a Decode call without a push capability: it failed (its stream says how), so no Prefill."""
 
 
-async def _push_token(call, decode: Instance, dispatch: Span) -> str:
-    """The push capability decode sent in the Decode call's initial metadata (``kvmesh.push_grant_ms`` on the
+async def _push_token(call, decode: Instance, dispatch: Span) -> tuple[str, int | None]:
+    """The push capability decode sent in the Decode call's initial metadata, and the prompt's leading blocks
+    it holds (None from a decode that does not say: the index's count stands) (``kvmesh.push_grant_ms`` on the
     dispatch span: what waiting for it adds before Prefill leaves). NoGrant when the call ended without one."""
     t0 = time.monotonic()
-    metadata = await call.initial_metadata()
-    token = dict(metadata or ()).get(PUSH_TOKEN_METADATA, "")
+    metadata = dict(await call.initial_metadata() or ())
+    token = metadata.get(PUSH_TOKEN_METADATA, "")
+    held = metadata.get(HELD_BLOCKS_METADATA, "")
+    exact = int(held) if held.isdigit() else None
     if dispatch.is_recording():
         dispatch.set_attribute("kvmesh.push_grant_ms", round((time.monotonic() - t0) * 1e3, 3))
+        if exact is not None:
+            dispatch.set_attribute("kvmesh.decode_held_blocks", exact)
     if not token:
         raise NoGrant(f"decode {decode.id} granted no push (its call failed before accepting the request)")
-    return token
+    return token, exact
 
 
 async def _chunks(call, inst: Instance, request_id: str):

@@ -217,3 +217,41 @@ def test_an_engine_answers_a_snapshot_request_with_the_blocks_it_holds(mesh):
 
     snap = asyncio.run(ask())
     assert snap is not None and snap.seq >= 1 and snap.blocks.get("device")
+
+
+def spans_of(stack, request_id: str, names: set[str], within_s: float = 10.0) -> dict[str, dict]:
+    """The request's spans by name (their attributes), from the stack's JSONL trace file."""
+    deadline = time.monotonic() + within_s
+    while True:
+        found = {}
+        for line in (stack.state_dir / "traces.jsonl").read_text().splitlines():
+            span = json.loads(line)
+            if span["attributes"].get("kvmesh.request_id") == request_id and span["name"] in names:
+                found[span["name"]] = span["attributes"]
+        if set(found) == names or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_turns_sent_back_to_back_push_only_the_blocks_decode_lacks(mesh, engine):
+    """Each turn goes out the moment the last one ended, before the index has heard of its blocks: decode says
+    what it holds when it accepts the call, and prefill pushes exactly the rest."""
+    block = engine.layout.block_nbytes
+    conversation = engine.tokenizer.encode("Here is a long story about a lighthouse keeper. " * 12)
+    held_before = 0
+    for turn in range(4):
+        conversation += engine.tokenizer.encode(f" Question {turn}: what happened next?")
+        req = urllib.request.Request(f"http://127.0.0.1:{mesh.http_port}/v1/completions",
+                                     data=json.dumps({"prompt": conversation, "max_tokens": 12, "temperature": 0,
+                                                      "ignore_eos": True}).encode(),
+                                     headers={"content-type": "application/json", "x-kvmesh-disaggregate": "always"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            rid, body = r.headers["x-request-id"], json.load(r)
+        spans = spans_of(mesh, rid, {"router.dispatch", "kv.push"})
+        held = spans["router.dispatch"]["kvmesh.decode_held_blocks"]
+        blocks = -(-len(conversation) // 16)
+        assert spans["kv.push"]["kvmesh.bytes"] == (blocks - held) * block  # nothing decode held was pushed
+        assert held >= held_before  # the conversation so far stayed on decode
+        held_before = (len(conversation) + 11) // 16  # the prompt and all but the last output token
+        conversation += engine.tokenizer.encode(body["choices"][0]["text"])
+    assert held > 0

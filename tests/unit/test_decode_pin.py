@@ -23,6 +23,9 @@ class PinRecorder:
     def namespace(self, cache_salt: str = "", lora: str = "") -> int:
         return 0
 
+    def holds(self, namespace: int, tokens: list[int], max_blocks: int) -> int:
+        return min(2, max_blocks)
+
     async def pin(self, lease: str, namespace: int, tokens: list[int], max_blocks: int) -> int:
         self.held.add(lease)
         self.ran_pin.set()
@@ -79,5 +82,6 @@ def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
     held_during, held_after = asyncio.run(asyncio.wait_for(main(), 10))
     assert held_during == {"r1"}  # the engine pinned for the call...
     assert held_after == set()  # ...and the cancelled call released it
-    assert grants.sent == [("x-kvmesh-push-token", "token-r1@")]  # sent to the router before the pin
+    # sent to the router before the pin, with the blocks decode holds (which prefill then does not push)
+    assert grants.sent == [("x-kvmesh-push-token", "token-r1@"), ("x-kvmesh-held-blocks", "2")]
     assert grants.open == set()  # and revoked as the call ended

@@ -62,6 +62,7 @@ def part_transfer_id(transfer_id: str, part: int) -> TransferId:
 
 
 PUSH_TOKEN_METADATA = "x-kvmesh-push-token"
+HELD_BLOCKS_METADATA = "x-kvmesh-held-blocks"  # beside it: the prompt's leading blocks decode holds, exactly
 """The gRPC initial-metadata key under which decode hands the router a hand-off's push capability (the router
 passes it on to prefill in ``PrefillRequest.push_token``)."""
 

@@ -30,9 +30,9 @@ from kvmesh.contracts.engine import (
     ImportedKV,
     RequestTiming,
 )
-from kvmesh.contracts.events import KVEvent
+from kvmesh.contracts.events import TIER_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
-from kvmesh.contracts.keys import Namespace
+from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.kv_cache import Imported, KVPiece, Landed, block_bytes, blocks_from_bytes
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
@@ -68,7 +68,10 @@ class AsyncEngine(EngineLoop, Engine):
         self.stall = engine.cfg.mixed_step_stall if stall is None else stall
         self.on_events = on_events
         self._events: list[KVEvent] = []
-        engine.blocks.on_event = self._events.append  # called on the engine thread only
+        # the full blocks on the device, as their keys: updated on the engine thread as blocks come and go, read
+        # by ``holds`` from the event loop (set membership needs no lock)
+        self._device_keys: set[BlockKey] = set()
+        engine.blocks.on_event = self._on_event  # called on the engine thread only
         # KV read out during a forward pass (layer groups) reaches its request at once, not after the step
         engine.on_piece = lambda out: self._deliver(out.request_id, out)
         # engine thread only: timed requests not yet admitted by the scheduler / without a first output yet
@@ -129,6 +132,14 @@ class AsyncEngine(EngineLoop, Engine):
 
     async def match_prefix(self, namespace: NamespaceSeed, tokens: Sequence_[int], max_tokens: int) -> int:
         return await self.call(lambda e: len(e.blocks.match(namespace, tokens, max_tokens).nodes))
+
+    def holds(self, namespace: NamespaceSeed, tokens: Sequence_[int], max_blocks: int) -> int:
+        n = 0
+        for key in block_keys(namespace, tokens[:max_blocks * self.layout.block_size], self.layout.block_size):
+            if key not in self._device_keys:
+                break
+            n += 1
+        return n
 
     async def pin(self, lease: str, namespace: NamespaceSeed, tokens: Sequence_[int], max_blocks: int) -> int:
         return await self.call(lambda e: e.blocks.pin(lease, namespace, tokens, max_blocks))
@@ -247,6 +258,15 @@ class AsyncEngine(EngineLoop, Engine):
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()
+
+    def _on_event(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored) and event.tier == TIER_DEVICE:
+            self._device_keys.update(event.block_keys)
+        elif isinstance(event, BlockRemoved) and event.tier == TIER_DEVICE:
+            self._device_keys.difference_update(event.block_keys)
+        elif isinstance(event, AllBlocksCleared):
+            self._device_keys.clear()
+        self._events.append(event)
 
     def after_round(self) -> None:
         self._flush_events()

@@ -83,6 +83,12 @@ class Engine(abc.ABC):
         """How many leading full blocks of ``tokens`` (within ``max_tokens``) this engine holds, in any tier."""
 
     @abc.abstractmethod
+    def holds(self, namespace: NamespaceSeed, tokens: Sequence[int], max_blocks: int) -> int:
+        """How many leading full blocks of ``tokens`` (at most ``max_blocks``) it has on the device now, read
+        from a snapshot without waiting for the engine (decode answers with it the moment it accepts a call; the
+        pin that follows may find fewer, should one be evicted in between)."""
+
+    @abc.abstractmethod
     async def pin(self, lease: str, namespace: NamespaceSeed, tokens: Sequence[int], max_blocks: int) -> int:
         """Hold the leading full blocks of ``tokens`` it has on the device (at most ``max_blocks``) under
         ``lease`` until ``unpin``, so a push that starts past them can be imported. Returns how many."""

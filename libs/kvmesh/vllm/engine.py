@@ -238,6 +238,9 @@ class VLLMEngine(EngineLoop, Engine):
     async def match_prefix(self, namespace: NamespaceSeed, tokens: Sequence[int], max_tokens: int) -> int:
         return self.translator.holds(namespace, tokens, max_tokens)
 
+    def holds(self, namespace: NamespaceSeed, tokens: Sequence[int], max_blocks: int) -> int:
+        return self.translator.holds(namespace, tokens, max_blocks * self.layout.block_size)
+
     async def pin(self, lease: str, namespace: NamespaceSeed, tokens: Sequence[int], max_blocks: int) -> int:
         """What vLLM holds of the prompt now (it cannot hold blocks for someone outside: should it evict them
         before the push is imported, the connector sees its local hit fall short of the push and vLLM computes
