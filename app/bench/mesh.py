@@ -28,6 +28,7 @@ from app.launcher import Stack, StackOptions
 
 SECTION = "Mesh vs the engine alone"
 SECTION_PD = "PD vs role both"
+SECTION_PD_VLLM = "PD vs role both, vLLM instances"
 
 TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
           "deserts", "bees", "clocks", "whales", "maps", "salt", "kites", "coral", "lamps", "ferns"]
@@ -89,15 +90,19 @@ def main(argv: list[str] | None = None) -> int:
                    "prompt and a multi-turn chat, bytes pushed per turn")
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3, help="--pd: cold prompts and chats, each fresh")
+    p.add_argument("--backend", choices=["native", "vllm"], default="native",
+                   help="--pd: the engines' backend (vllm: `make vllm` first)")
     args = p.parse_args(argv)
     if args.pd:
         from app.bench import pd
 
         load = os.getloadavg()[0]
-        res = pd.run(turns=args.turns, repeats=args.repeats)
+        res = pd.run(turns=args.turns, repeats=args.repeats, backend=args.backend)
+        engines = ("vLLM 0.32 (CPU build) engines, `[engine] backend = vllm` (vLLM's blocks of 128 tokens, KV for "
+                   "4,224 tokens each)" if args.backend == "vllm" else "native engines")
         body = (f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 shared "
-                "cores). Token-id prompts, greedy, ignore_eos, 16 output tokens; default model (SmolLM2-135M fp32), 1 "
-                "thread per engine; TTFT at an HTTP client streaming from the router. The stacks run side "
+                f"cores). {engines}. Token-id prompts, greedy, ignore_eos, 16 output tokens; default model "
+                "(SmolLM2-135M fp32), 1 thread per engine; TTFT at an HTTP client streaming from the router. The stacks run side "
                 "by side and each prompt goes to each of them in turn (the order rotating prompt by prompt), one "
                 "request in flight at a time, so all see the same machine load. Chat: 95 tokens, then "
                 "+107 per turn (a stand-in of the reply's length plus the next question). `pd auto`: the router's "
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                 "after prefill's compute (kv.push's `kvmesh.critical_ms`) against the push time (`kvmesh.push_ms`, "
                 "the parts' own push times added up); `chat push after compute`: the same over the chat turns that "
                 "pushed (one chunk each, a delta).\n\n" + pd.report(res))
-        publish(SECTION_PD, "kvmesh bench mesh --pd", body, write=not args.no_write)
+        vllm = args.backend == "vllm"
+        publish(SECTION_PD_VLLM if vllm else SECTION_PD, "kvmesh bench mesh --pd" + (" --backend vllm" if vllm else ""),
+                body, write=not args.no_write)
         return 0
     res = run(args.requests, args.max_tokens)
     rows = []

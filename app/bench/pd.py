@@ -6,6 +6,7 @@ Part of ``kvmesh bench mesh`` (``--pd``); also ``python -m app.bench.pd``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -99,11 +100,26 @@ SETUPS = {
 }
 
 
+# --backend vllm: the same setups with vLLM engines (kvmesh/vllm), KV for 4,224 tokens each (8 GiB would not fit
+# seven instances here), one thread each
+VLLM_ENGINE = {"backend": "vllm", "num_blocks": 264, "max_model_len": 2048, "threads": 1}
+
+
+def setup(name: str, backend: str = "native") -> StackOptions:
+    """``name``'s stack options, with the engines of ``backend``."""
+    opts = SETUPS[name][0]
+    if backend == "native":
+        return opts
+    settings = {**opts.settings, "engine": {**opts.settings.get("engine", {}), **VLLM_ENGINE}}
+    return dataclasses.replace(opts, settings=settings)
+
+
 def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, first: int = 95, per_turn: int = 107,
-        cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0) -> dict[str, Result]:
+        cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0, backend: str = "native") -> dict[str, Result]:
     """Every setup's stack up at once, the same requests sent to each in turn (the order rotating request by
     request), so that all of them run under the same machine load; one request in flight at a time. Each
-    repeat has its own cold prompt and its own chat (fresh tokens: nothing is reused across repeats)."""
+    repeat has its own cold prompt and its own chat (fresh tokens: nothing is reused across repeats).
+    ``backend``: the engines' (native, vllm)."""
     names = [n for n in SETUPS if setups is None or n in setups]
     rng = random.Random(seed)
     plan: list[tuple[int, int, list[int]]] = []  # (repeat, turn (0 = the cold prompt), prompt)
@@ -120,7 +136,7 @@ def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, firs
         stacks: dict[str, Stack] = {}
         try:
             for name in names:
-                stacks[name] = Stack(Path(tmp) / name.replace(" ", "-"), SETUPS[name][0])
+                stacks[name] = Stack(Path(tmp) / name.replace(" ", "-"), setup(name, backend))
                 stacks[name].start(timeout_s=300)
                 completion_ttft(stacks[name].http_port, _ids(random.Random(99), 40), 4, SETUPS[name][1])  # warm
             for i, (rep, turn, prompt) in enumerate(plan):
