@@ -285,7 +285,7 @@ class Router:
         if prefills and decodes:
             prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
-            decode = choose_decode(holders or decodes)
+            decode = choose_decode(holders or decodes, self.registry.replica_rank(self.id))
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
             # one line prices both computes: the same model on the same kind of machine, and a decode
@@ -311,7 +311,8 @@ class Router:
         if decodes:  # every prefill instance is gone: decode computes the prompt itself rather than refuse
             reason = "local: no prefill instance is up"
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": reason})
-            decode = choose_decode([i for i in decodes if self.loras.holds(i, lora)] or decodes)
+            decode = choose_decode([i for i in decodes if self.loras.holds(i, lora)] or decodes,
+                                   self.registry.replica_rank(self.id))
             return self._local(work, decode, rt, reason)
         return None
 

@@ -118,6 +118,10 @@ class Registry:
         self._peers[load.router_id] = (time.monotonic(), load)
         self._sum_peers()
 
+    def replica_rank(self, router_id: str) -> int:
+        """``router_id``'s place among the router replicas heard from (0 when alone)."""
+        return sorted({router_id, *self._peers}).index(router_id)
+
     def own_load(self) -> tuple[dict[str, int], dict[str, int]]:
         """This router's in-flight requests and prompt tokens per instance (what it reports to its replicas)."""
         records = {**self._gone, **self._instances}
