@@ -33,7 +33,7 @@ from typing import Any, Self
 
 from kvmesh import settings
 from kvmesh.bus import NatsServer
-from kvmesh.ready import poll_ready
+from kvmesh.ready import ServiceFailed, poll_ready
 from kvmesh.state import StackInfo
 from kvmesh.telemetry.spans import trace_file
 
@@ -191,20 +191,26 @@ class Stack:
         proc.wait()
 
     def restart(self, name: str, timeout_s: float = 120.0) -> None:
-        """Start a killed service again with the settings it had; cachesvc and NATS on the address they had
-        (the others dial it), the rest on new ports, which heartbeats announce. Returns once it serves."""
+        """Start a killed service again with the settings it had; NATS, cachesvc and a router on the addresses
+        they had (the others and the clients dial them), engines on new ports, which heartbeats announce.
+        Returns once it serves."""
         if name == "nats":
             assert self.nats is not None, "this stack uses a NATS server it did not start"
             self.nats.start()
             return
         old = self.service(name)
-        given = dict(old.given)
-        if name == "cachesvc":
-            given |= {"KVMESH_CACHESVC_PORT": old.grpc_address.rsplit(":", 1)[1],
-                      "KVMESH_CACHESVC_TRANSFER_PORT": old.endpoints["transfer"].rsplit(":", 1)[1]}
-        self.services.remove(old)
-        new = self._spawn(name, old.module, given)
-        self._wait_ready([new], time.monotonic() + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:  # the port a killed process held may take a moment to be free again
+            new = self._spawn(name, old.module, {**old.given, **_same_ports(old)})
+            self.services.remove(old)
+            try:
+                self._wait_ready([new], deadline)
+                break
+            except ServiceFailed as e:
+                if "in use" not in str(e) or time.monotonic() > deadline:
+                    raise
+                old = new
+                time.sleep(0.5)
         self.info().write(self.state_dir)
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> Service:
@@ -268,6 +274,16 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _same_ports(service: Service) -> dict[str, str]:
+    """The variables that bind a restarted cachesvc or router where it was."""
+    port = {k: v.rsplit(":", 1)[1] for k, v in service.endpoints.items() if v}
+    if service.name == "cachesvc":
+        return {"KVMESH_CACHESVC_PORT": port["grpc"], "KVMESH_CACHESVC_TRANSFER_PORT": port["transfer"]}
+    if service.name == "router" or service.name.startswith("router-"):
+        return {"KVMESH_ROUTER_GRPC_PORT": port["grpc"], "KVMESH_ROUTER_HTTP_PORT": port["http"]}
+    return {}
 
 
 def _router_replicas(n: int, http_port: int, grpc_port: int) -> list[tuple[str, dict[str, str]]]:
