@@ -365,6 +365,9 @@ class InstanceSettings(Section):
                                     "point's by default", choices=Role.engines())
     id: str = setting("", "instance id: its name in subjects, heartbeats and traces (\"\" = <role>-<port>)")
     host: str = setting("127.0.0.1", "address bound and advertised in heartbeats (other services dial it)")
+    advertise_host: str = setting("", "the address other services dial instead of host (behind NAT or a proxy, "
+                                      "or binding 0.0.0.0); its gRPC and transfer ports stay the ones bound "
+                                      "(\"\" = host)")
     port: int = setting(0, "gRPC port (0 = a free one, reported in the ready line / file)")
     transfer_backend: TransferBackend = setting(TransferBackend.TCP, "KV transfer to decode")
     transfer_port: int = setting(0, "decode's transfer endpoint (0 = a free one)")
