@@ -26,9 +26,9 @@ from pathlib import Path
 
 from kvmesh.client import AsyncKvmeshClient, KvmeshError, Overloaded
 
-from app.bench.load import PROMPTS
 from app.bench.report import load_average, markdown_table, write_section
 from app.bench.stats import percentile
+from app.bench.workloads import SHORT_PROMPTS as PROMPTS
 from app.launcher import Stack, StackOptions
 
 SECTION = "Load under faults"

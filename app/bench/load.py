@@ -30,12 +30,11 @@ import aiohttp
 from app.bench.report import markdown_table, write_section
 from app.bench.serve import stream_request
 from app.bench.stats import RequestRecord, percentile
+from app.bench.workloads import SHORT_PROMPTS as PROMPTS
 from app.launcher import Stack, StackOptions
 
 SECTION = "Load test"
 
-PROMPTS = ("Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is the sun?",
-           "Count to five.", "Name an ocean.", "What do cats eat?")
 
 
 @dataclass
