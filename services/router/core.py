@@ -295,6 +295,9 @@ class Router:
             speed = CostModel.from_load(prefill.beat.load, self.policies.cost) or self.policies.cost
             d = disaggregation(disaggregate, len(prompt), self.cfg.block_size, matched.get(prefill.id, 0),
                                matched.get(decode.id, 0), speed, speed, decode.routed)
+            if d.disaggregate and not self.registry.bus_up():  # kv.ready would wait out decode's kv_timeout_s
+                d = d._replace(disaggregate=False,
+                               reason="local: NATS is unreachable, so no kv.ready could announce a push")
             route.set_attributes({"kvmesh.route.path": "pd" if d.disaggregate else "local",
                                   "kvmesh.route.reason": d.reason,
                                   "kvmesh.route.pd_ms": round(d.pd_s * 1e3, 1),
