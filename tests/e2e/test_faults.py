@@ -49,11 +49,12 @@ def hung_decode(stack, request_id: str, within_s: float = 120.0):
         time.sleep(0.1)
 
 
-def stream_until_killed(stack, request_id: str, max_tokens: int, after: int) -> tuple[list, str]:
+def stream_until_killed(stack, request_id: str, max_tokens: int, after: int, retries: int = 3) -> tuple[list, str]:
     """Stream ``PROMPT`` through the SDK; once ``after`` tokens arrived (the decode serving it then hangs: the
-    fault), SIGKILL that decode. Every chunk's tokens, and the name of the decode killed."""
+    fault), SIGKILL that decode. Every chunk's tokens, and the name of the decode killed. ``retries`` 0: the SDK
+    does not resume a cut stream itself, so what the router does shows."""
     chunks, killed = [], ""
-    with KvmeshClient(stack.router_grpc, timeout_s=240) as client:
+    with KvmeshClient(stack.router_grpc, timeout_s=240, retries=retries) as client:
         for chunk in client.generate(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True,
                                      request_id=request_id):
             chunks.append(chunk)
@@ -103,7 +104,7 @@ def test_with_migration_off_a_killed_decode_fails_only_its_stream(tmp_path_facto
                         env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_TOKENS": "6", "KVMESH_ROUTER_MIGRATION_LIMIT": "0"})
     try:
         with pytest.raises(Unavailable) as err:
-            stream_until_killed(stack, "no-migration", 30, after=6)
+            stream_until_killed(stack, "no-migration", 30, after=6, retries=0)
         killed = hung_decode(stack, "no-migration").name
         assert killed in str(err.value)
         assert router_metric(stack, 'kvmesh_router_migrations_total{outcome="over_request_limit"}') == 1
