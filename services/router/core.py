@@ -205,73 +205,77 @@ class Router:
         retries = migrations = 0
         migration: Migration | None = None
         first_cached: int | None = None  # the first dispatch's cached tokens, once a migration left it
-        while True:
-            prompt = request.prompt + tuple(streamed)
-            route = rt.child("router.route", **({"kvmesh.retry": retries} if retries else {}),
-                             **({"kvmesh.migration": migrations} if migrations else {}))
-            try:
-                if matched_for != len(prompt):
-                    matched = await self.matched_blocks(block_keys(seed, prompt, self.cfg.block_size), route,
-                                                        rt.attrs)
-                    matched_for = len(prompt)
-                route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
-                work = worker_pb2.WorkRequest(
-                    request_id=_dispatch_id(request, retries, migrations), prompt_token_ids=prompt,
-                    sampling=sampling_to_proto(request.sampling), cache_salt=request.cache_salt,
-                    pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(streamed))
-                stream = self._route(work, matched, rt, request.policy, route, avoid,
-                                     request.disaggregate or self.cfg.disaggregate)
-                if stream is None:
-                    if failure is not None:  # nowhere else to go: the error of the last attempt stands
-                        raise failure
-                    route.set_status(StatusCode.ERROR, "no engine instances are up")
-                    raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up (need a prefill and a "
-                                                              "decode instance, or one with role both)")
-            except RequestError as e:
-                if migration is not None:
-                    migration.failed(e)
-                raise
-            finally:
-                route.end()
-            delivered, cached = 0, None
-            try:
-                async for chunk, cached in stream:
-                    if migration is not None:
-                        migration.arrived()
-                        migration = None
-                    rt.chunk_arrived()
-                    streamed += chunk.token_ids
-                    delivered += len(chunk.token_ids)
-                    if chunk.finished:
-                        reused = first_cached if first_cached is not None else await cached()
-                        chunk.usage = Usage(len(request.prompt), len(streamed), min(reused, len(request.prompt)))
-                        rt.usage(len(request.prompt), len(streamed), chunk.usage.cached_tokens)
-                    yield chunk
-                return
-            except RequestError as e:
-                if e.kind == ErrorKind.INTERNAL:
-                    log.error("request %s (trace %s): %s", request.request_id, rt.trace_id, e.message)
-                if not e.retryable or (delivered == 0 and retries == RETRIES):
+        try:
+            while True:
+                prompt = request.prompt + tuple(streamed)
+                route = rt.child("router.route", **({"kvmesh.retry": retries} if retries else {}),
+                                 **({"kvmesh.migration": migrations} if migrations else {}))
+                try:
+                    if matched_for != len(prompt):
+                        matched = await self.matched_blocks(block_keys(seed, prompt, self.cfg.block_size), route,
+                                                            rt.attrs)
+                        matched_for = len(prompt)
+                    route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
+                    work = worker_pb2.WorkRequest(
+                        request_id=_dispatch_id(request, retries, migrations), prompt_token_ids=prompt,
+                        sampling=sampling_to_proto(request.sampling), cache_salt=request.cache_salt,
+                        pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(streamed))
+                    stream = self._route(work, matched, rt, request.policy, route, avoid,
+                                         request.disaggregate or self.cfg.disaggregate)
+                    if stream is None:
+                        if failure is not None:  # nowhere else to go: the error of the last attempt stands
+                            raise failure
+                        route.set_status(StatusCode.ERROR, "no engine instances are up")
+                        raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up (need a prefill and a "
+                                                                  "decode instance, or one with role both)")
+                except RequestError as e:
                     if migration is not None:
                         migration.failed(e)
                     raise
-                if delivered == 0:  # this instance streamed nothing: another one takes the same dispatch
-                    retries += 1
-                    log.warning("request %s (trace %s): %s; retrying on another instance", request.request_id,
-                                rt.trace_id, e.message)
-                    rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
-                else:  # it streamed, then failed: the request goes on elsewhere after what it streamed
-                    migration = self.migrations.start(rt, e, migrations, len(streamed))
-                    if migration is None:
+                finally:
+                    route.end()
+                delivered, cached = 0, None
+                try:
+                    async for chunk, cached in stream:
+                        if migration is not None:
+                            migration.arrived()
+                            migration = None
+                        rt.chunk_arrived()
+                        streamed += chunk.token_ids
+                        delivered += len(chunk.token_ids)
+                        if chunk.finished:
+                            reused = first_cached if first_cached is not None else await cached()
+                            chunk.usage = Usage(len(request.prompt), len(streamed), min(reused, len(request.prompt)))
+                            rt.usage(len(request.prompt), len(streamed), chunk.usage.cached_tokens)
+                        yield chunk
+                    return
+                except RequestError as e:
+                    if e.kind == ErrorKind.INTERNAL:
+                        log.error("request %s (trace %s): %s", request.request_id, rt.trace_id, e.message)
+                    if not e.retryable or (delivered == 0 and retries == RETRIES):
+                        if migration is not None:
+                            migration.failed(e)
                         raise
-                    migrations += 1
-                    if first_cached is None and cached is not None:
-                        first_cached = await _cached_or_zero(cached)
-                    log.warning("request %s (trace %s): %s after %d tokens; migrating (%d of at most %d)",
-                                request.request_id, rt.trace_id, e.message, len(streamed), migrations,
-                                self.migrations.per_request)
-                failure = e
-                avoid.add(e.instance)
+                    if delivered == 0:  # this instance streamed nothing: another one takes the same dispatch
+                        retries += 1
+                        log.warning("request %s (trace %s): %s; retrying on another instance", request.request_id,
+                                    rt.trace_id, e.message)
+                        rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
+                    else:  # it streamed, then failed: the request goes on elsewhere after what it streamed
+                        migration = self.migrations.start(rt, e, migrations, len(streamed))
+                        if migration is None:
+                            raise
+                        migrations += 1
+                        if first_cached is None and cached is not None:
+                            first_cached = await _cached_or_zero(cached)
+                        log.warning("request %s (trace %s): %s after %d tokens; migrating (%d of at most %d)",
+                                    request.request_id, rt.trace_id, e.message, len(streamed), migrations,
+                                    self.migrations.per_request)
+                    failure = e
+                    avoid.add(e.instance)
+        finally:  # the client went away (or the error went out) while a migration was under way
+            if migration is not None:
+                migration.failed(RequestError(ErrorKind.CANCELLED, "the request ended during its migration"))
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
                policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto"):

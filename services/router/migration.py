@@ -32,20 +32,25 @@ log = logging.getLogger(__name__)
 @dataclass
 class Migration:
     """One migration under way: its span, and its slot in the router's budget (given back once the stream
-    delivers again, or fails)."""
+    delivers again, or fails). Ends once; later calls do nothing."""
 
     span: Span
     leave: Callable[[], None]
+    over: bool = False
 
     def arrived(self) -> None:
         """The first chunk after the seam reached the router: the migration is over."""
-        self.leave()
-        self.span.end()
+        if not self.over:
+            self.over = True
+            self.leave()
+            self.span.end()
 
     def failed(self, e: RequestError) -> None:
-        self.leave()
-        self.span.set_status(StatusCode.ERROR, e.message)
-        self.span.end()
+        if not self.over:
+            self.over = True
+            self.leave()
+            self.span.set_status(StatusCode.ERROR, e.message)
+            self.span.end()
 
 
 class Migrations:
@@ -75,11 +80,7 @@ class Migrations:
                                              "kvmesh.migration.number": done + 1})
         rt.root.add_event("migrate", {"kvmesh.reason": e.message, "kvmesh.instance": e.instance,
                                       "kvmesh.migration.tokens": carried})
-        left = False
+        return Migration(span, self._leave)
 
-        def leave() -> None:
-            nonlocal left
-            if not left:
-                left = True
-                self.under_way -= 1
-        return Migration(span, leave)
+    def _leave(self) -> None:
+        self.under_way -= 1
