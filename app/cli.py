@@ -138,10 +138,14 @@ def cmd_up(args: argparse.Namespace) -> int:
           f"{f', {opts.routers} routers' if opts.routers > 1 else ''}\n{routers}"
           f"  NATS         {info.nats_url}\n  logs         {directory / 'logs'}\n"
           "Try: kvmesh chat    (Ctrl-C here stops the stack)", flush=True)
-    while not stop.is_set():
-        dead = [s.name for s in stack.services if s.proc.poll() is not None]
-        if dead:
-            print(f"kvmesh up: {', '.join(dead)} exited; stopping (see {directory / 'logs'})", file=sys.stderr)
+    told: set[str] = set()
+    while not stop.is_set():  # a dead instance or replica leaves the others serving (migration, failover)
+        dead = {s.name for s in stack.services if s.proc.poll() is not None}
+        if dead - told:
+            print(f"kvmesh up: {', '.join(sorted(dead - told))} exited (see {directory / 'logs'})", file=sys.stderr)
+            told |= dead
+        if all(r.name in dead for r in stack.routers):
+            print("kvmesh up: no router is left; stopping", file=sys.stderr)
             break
         stop.wait(1.0)
     print("stopping ...", flush=True)
