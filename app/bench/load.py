@@ -1,6 +1,10 @@
 """A bounded load test on a real stack: many concurrent streaming clients for a fixed time, on loopback.
 
     kvmesh bench load [--clients 64] [--duration 60] [--max-concurrent 32] [--max-tokens 16] [--no-write]
+    kvmesh bench load --faults SERVICE@SECONDS,... [--decode 2] [--routers 2] [--restart-after 8] ...
+
+With ``--faults`` it is the load under a fault schedule (``app/bench/faults.py``): processes SIGKILLed at set
+times, the requests lost and the wrong outputs counted, the latency of each recovery against before.
 
 Before the load, each prompt is answered once, greedy and alone: the reference. Under load every stream must give
 exactly that text and token count (a lost or duplicated token shows as a mismatch), the router must refuse what is
@@ -26,12 +30,11 @@ import aiohttp
 from app.bench.report import markdown_table, write_section
 from app.bench.serve import stream_request
 from app.bench.stats import RequestRecord, percentile
+from app.bench.workloads import SHORT_PROMPTS as PROMPTS
 from app.launcher import Stack, StackOptions
 
 SECTION = "Load test"
 
-PROMPTS = ("Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is the sun?",
-           "Count to five.", "Name an ocean.", "What do cats eat?")
 
 
 @dataclass
@@ -217,7 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-concurrent", type=int, default=32, help="the router's max_concurrent_requests")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--faults", metavar="SERVICE@SECONDS,...",
+                   help="kill -9 these services at these times into the load (decode-0, prefill-0, router-1, "
+                        "cachesvc, nats, ...), each started again --restart-after seconds later")
+    p.add_argument("--decode", type=int, default=2, help="with --faults: decode instances")
+    p.add_argument("--routers", type=int, default=2, help="with --faults: router replicas")
+    p.add_argument("--restart-after", type=float, default=8.0, help="with --faults: seconds until a killed "
+                                                                        "service is started again")
     args = p.parse_args(argv)
+    if args.faults:
+        from app.bench import faults
+
+        return faults.main(args)
     res = run(args.clients, args.duration, args.max_concurrent, args.max_tokens)
     body = report(res, args.max_concurrent)
     print(body)

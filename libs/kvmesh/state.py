@@ -23,12 +23,19 @@ def state_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 @dataclass
 class StackInfo:
-    router_grpc: str                  # host:port of the client gRPC API
-    router_http: str                  # http://host:port of the OpenAI-compatible API
+    router_grpc: str                  # host:port of the client gRPC API (the first router's, with replicas)
+    router_http: str                  # http://host:port of the OpenAI-compatible API (likewise)
     nats_url: str
     cluster: str
     pids: dict[str, int] = field(default_factory=dict)
     endpoints: dict[str, dict[str, str]] = field(default_factory=dict)  # per service: what it bound (ready file)
+
+    @property
+    def router_grpcs(self) -> list[str]:
+        """Every router replica's gRPC address (``router``, or ``router-0``, ``router-1``, ...), in order."""
+        found = [e["grpc"] for name, e in sorted(self.endpoints.items(), key=lambda kv: _router_order(kv[0]))
+                 if _router_order(name) >= 0 and "grpc" in e]
+        return found or [self.router_grpc]
 
     def write(self, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
@@ -46,3 +53,11 @@ class StackInfo:
         except FileNotFoundError:
             raise FileNotFoundError(f"no running stack found: {path} does not exist (start one with `kvmesh up`, "
                                     "or pass --state-dir / set KVMESH_STATE_DIR)") from None
+
+
+def _router_order(service: str) -> int:
+    """``router`` 0, ``router-N`` N, any other service -1."""
+    if service == "router":
+        return 0
+    head, _, n = service.partition("-")
+    return int(n) if head == "router" and n.isdigit() else -1

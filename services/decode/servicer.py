@@ -28,7 +28,7 @@ from kvmesh.contracts.engine import EngineRequest, ExportPlan, RequestTiming, lo
 from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, handoff_prefix
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engines import SequenceError
-from kvmesh.instance.errors import abort_failed
+from kvmesh.instance.errors import abort_failed, refuse_continuation
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
 from kvmesh.instance.metrics import fallback_reason
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
@@ -37,6 +37,7 @@ from kvmesh.telemetry.rpc import traced_rpc
 from kvmesh.transfer import Grant
 from opentelemetry.trace import Span
 
+from services.decode.faults import hang_after_tokens
 from services.decode.intake import Intake, KVIntake
 from services.decode.reservation import Reservation
 from services.decode.write_back import write_back
@@ -66,10 +67,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        await refuse_continuation(context, w.engine, work)
         prompt = list(work.prompt_token_ids)
         # the conversation's blocks go back to the pool when it ends (write-back), for its next turn anywhere
-        engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
-                                       export=ExportPlan() if w.pool is not None else None)
+        try:
+            engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
+                                           export=ExportPlan() if w.pool is not None else None,
+                                           generated=work.generated_tokens)
+        except ValueError as e:
+            w.metrics.rejections.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         intake = Intake()
         lease, pin_asked = work.request_id, False
         reservation: Reservation | None = None
@@ -108,7 +115,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 if intake.imported is None and reservation is not None:  # recomputed: its blocks are needed now
                     reservation.release()
                 engine_request = dataclasses.replace(engine_request, imported=intake.imported)
-            async for chunk in self._stream(request, context, span, attrs, engine_request, intake, t0, t0_ns):
+            chunks = self._stream(request, context, span, attrs, engine_request, intake, t0, t0_ns)
+            if w.cfg.fault_hang_after_tokens and not work.generated_tokens:  # a fault test's dying decode
+                chunks = hang_after_tokens(chunks, w.cfg.fault_hang_after_tokens, work.request_id)
+            async for chunk in chunks:
                 yield chunk
         finally:
             if grant is not None:

@@ -19,7 +19,7 @@ from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
 from kvmesh.engines import SequenceError
-from kvmesh.instance.errors import abort_failed
+from kvmesh.instance.errors import abort_failed, refuse_continuation
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
@@ -52,9 +52,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "decode_instance, decode_transfer_address and push_token (the capability decode "
                                 "issued for this request's push) are required")
-        try:
-            params = dataclasses.replace(sampling_from_proto(work.sampling), max_tokens=1, ignore_eos=True,
-                                         stop=(), stop_token_ids=())
+        await refuse_continuation(context, w.engine, work)
+        try:  # one token: the first, or a migrated request's next one after those it generated already
+            params = dataclasses.replace(sampling_from_proto(work.sampling), max_tokens=work.generated_tokens + 1,
+                                         ignore_eos=True, stop=(), stop_token_ids=())
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
@@ -78,9 +79,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         final, timing, blocks = None, RequestTiming(), 0
         # from the first block decode lacks, pushed layer group by layer group as the forward pass writes them
         plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
-        engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
-                                       export=plan)
         try:
+            engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
+                                           export=plan, generated=work.generated_tokens)
             async for out in w.engine.generate(engine_request, timing):
                 # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes
                 if out.exported is not None and out.exported.num_blocks:

@@ -8,7 +8,10 @@ come out as ``RequestError`` (``errors``), whose kind each surface maps to its s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
 from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA
 from kvmesh.contracts.keys import Namespace, block_keys
-from kvmesh.contracts.messages import Heartbeat, KVReady
+from kvmesh.contracts.messages import Heartbeat, KVReady, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
 from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
@@ -34,13 +37,15 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Admitted
 from services.router.loras import Adapters
+from services.router.migration import Migration, Migrations
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, choose_decode
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
 
 log = logging.getLogger(__name__)
 POOL = "pool"  # MatchPrefix's instance id for the cache service's own tiers
-RETRIES = 2    # re-dispatches of a request whose instance was unreachable before its first token
+RETRIES = 2    # re-dispatches of a request whose instance was unreachable before it streamed a token
+LOAD_REFRESH_S = 1.0  # this router's in-flight counts go to its replicas on every change, and at least this often
 
 
 @dataclass
@@ -64,11 +69,15 @@ class Router:
     def __init__(self, cfg: RouterSettings, shared: SharedSettings | None = None) -> None:
         self.cfg = cfg
         self.shared = shared or SharedSettings()
+        self.id = cfg.id or f"router-{socket.gethostname()}-{os.getpid()}"
         self.subjects = Subjects(self.shared.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.metrics = RouterMetrics()
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
         self.loras = Adapters(lambda: self.registry, self._channel, cfg.lora_root)
+        self.migrations = Migrations(cfg.migration_limit, cfg.max_concurrent_migrations, self.metrics)
+        self._tasks: set[asyncio.Task] = set()
+        self._load_pending = False
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -78,19 +87,61 @@ class Router:
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
         self.metrics.watch(self.registry)
-        self.bus = await Bus.connect(self.shared.nats_url, name="router")
+        self.bus = await Bus.connect(self.shared.nats_url, name=self.id)
+        self.registry.bus_up = lambda: self.bus.nc.is_connected
+        self.registry.on_change = self._load_changed
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
+        await self.bus.subscribe(self.subjects.router_load_all, self._on_router_load)
         self.cache = (cache_pb2_grpc.CacheServiceStub(self._channel(self.cfg.cachesvc_address))
                       if self.cfg.cachesvc_address else None)
+        self._spawn(self._tend())
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         await self.bus.close()
         for ch in self._channels.values():
             await ch.close()
 
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _on_heartbeat(self, beat: Heartbeat, headers: dict[str, str]) -> None:
         if beat.role.is_engine:
             self.registry.observe(beat)
+
+    # ---- the router replicas' shared view of what is in flight where ---------------------------------------------
+    async def _on_router_load(self, load: RouterLoad, headers: dict[str, str]) -> None:
+        if load.router_id != self.id:
+            self.registry.peer_load(load)
+
+    def _load_changed(self) -> None:
+        """A dispatch started or ended: tell the replicas once this turn of the event loop is over (the
+        dispatches of one turn go out as one report)."""
+        if not self._load_pending:
+            self._load_pending = True
+            self._spawn(self._publish_load())
+
+    async def _publish_load(self) -> None:
+        self._load_pending = False
+        inflight, tokens = self.registry.own_load()
+        with contextlib.suppress(Exception):  # the bus is down: the next report, after it, repairs the counts
+            await self.bus.publish(self.subjects.router_load(self.id), RouterLoad(self.id, time.time(), inflight,
+                                                                                  tokens))
+
+    async def _tend(self) -> None:
+        """Drop silent instances promptly (their streams migrate) and remind the replicas of this router's load
+        (a report is dropped after ``instance_timeout_s`` without one: a dead router's counts go)."""
+        every = min(0.5, self.cfg.instance_timeout_s / 4)
+        last = 0.0
+        while True:
+            await asyncio.sleep(every)
+            self.registry.expire()
+            if time.monotonic() - last >= LOAD_REFRESH_S:
+                last = time.monotonic()
+                await self._publish_load()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -140,57 +191,92 @@ class Router:
 
     async def generate(self, request: Admitted, rt: RequestTrace) -> AsyncIterator[Chunk]:
         """Route, dispatch and stream one admitted request. ``rt``: its root span and TTFT clock, which the API
-        layer owns. An instance found unreachable before the first token costs a retry on another one (at most
-        ``RETRIES``), never the request; after the first token, the error goes out."""
-        request_id, prompt, lora, policy = request.request_id, request.prompt, request.lora, request.policy
+        layer owns. An instance found unreachable before it streamed a token costs a retry on another one (at
+        most ``RETRIES``), never the request; one that fails after it streamed some costs a migration
+        (``migration.py``): the request goes on elsewhere from the tokens streamed so far, within the migration
+        limits. Any other failure, or one past the limits, goes out as the error."""
+        streamed = list(request.resume)  # every token the client has: a re-dispatch continues after them
         # the engines' namespace for this adapter: name@generation (the generation the instances hold)
-        lora_id = self.loras.lora_id(lora) if lora else ""
+        lora_id = self.loras.lora_id(request.lora) if request.lora else ""
         seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, lora_id, request.cache_salt).seed
-        keys = block_keys(seed, prompt, self.cfg.block_size)
-        matched: dict[str, int] | None = None
+        matched: dict[str, int] = {}
+        matched_for = -1  # the prompt length MatchPrefix was asked for
         avoid: set[str] = set()
         failure: RequestError | None = None
-        for attempt in range(RETRIES + 1):
-            route = rt.child("router.route", **({"kvmesh.retry": attempt} if attempt else {}))
-            try:
-                if matched is None:
-                    matched = await self.matched_blocks(keys, route, rt.attrs)
-                route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
-                work = worker_pb2.WorkRequest(
-                    request_id=request_id if attempt == 0 else f"{request_id}.retry{attempt}",
-                    prompt_token_ids=prompt, sampling=sampling_to_proto(request.sampling),
-                    cache_salt=request.cache_salt, pool_blocks=matched.get(POOL, 0), lora_name=lora)
-                stream = self._route(work, matched, rt, policy, route, avoid,
-                                     request.disaggregate or self.cfg.disaggregate)
-                if stream is None:
-                    if failure is not None:  # nowhere else to go: the error of the last attempt stands
-                        raise failure
-                    route.set_status(StatusCode.ERROR, "no engine instances are up")
-                    raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up (need a prefill and a "
-                                                              "decode instance, or one with role both)")
-            finally:
-                route.end()
-            completion, started = 0, False
-            try:
-                async for chunk, cached in stream:
-                    started = True
-                    rt.chunk_arrived()
-                    completion += len(chunk.token_ids)
-                    if chunk.finished:
-                        chunk.usage = Usage(len(prompt), completion, await cached())
-                        rt.usage(len(prompt), completion, chunk.usage.cached_tokens)
-                    yield chunk
-                return
-            except RequestError as e:
-                if e.kind == ErrorKind.INTERNAL:
-                    log.error("request %s (trace %s): %s", request_id, rt.trace_id, e.message)
-                if started or not e.retryable or attempt == RETRIES:
+        retries = migrations = 0
+        migration: Migration | None = None
+        first_cached: int | None = None  # the first dispatch's cached tokens, once a migration left it
+        try:
+            while True:
+                prompt = request.prompt + tuple(streamed)
+                route = rt.child("router.route", **({"kvmesh.retry": retries} if retries else {}),
+                                 **({"kvmesh.migration": migrations} if migrations else {}))
+                try:
+                    if matched_for != len(prompt):
+                        matched = await self.matched_blocks(block_keys(seed, prompt, self.cfg.block_size), route,
+                                                            rt.attrs)
+                        matched_for = len(prompt)
+                    route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
+                    work = worker_pb2.WorkRequest(
+                        request_id=_dispatch_id(request, retries, migrations), prompt_token_ids=prompt,
+                        sampling=sampling_to_proto(request.sampling), cache_salt=request.cache_salt,
+                        pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(streamed))
+                    stream = self._route(work, matched, rt, request.policy, route, avoid,
+                                         request.disaggregate or self.cfg.disaggregate)
+                    if stream is None:
+                        if failure is not None:  # nowhere else to go: the error of the last attempt stands
+                            raise failure
+                        route.set_status(StatusCode.ERROR, "no engine instances are up")
+                        raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up (need a prefill and a "
+                                                                  "decode instance, or one with role both)")
+                except RequestError as e:
+                    if migration is not None:
+                        migration.failed(e)
                     raise
-                failure = e
-                avoid.add(e.instance)
-                log.warning("request %s (trace %s): %s; retrying on another instance", request_id, rt.trace_id,
-                            e.message)
-                rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
+                finally:
+                    route.end()
+                delivered, cached = 0, None
+                try:
+                    async for chunk, cached in stream:
+                        if migration is not None:
+                            migration.arrived()
+                            migration = None
+                        rt.chunk_arrived()
+                        streamed += chunk.token_ids
+                        delivered += len(chunk.token_ids)
+                        if chunk.finished:
+                            reused = first_cached if first_cached is not None else await cached()
+                            chunk.usage = Usage(len(request.prompt), len(streamed), min(reused, len(request.prompt)))
+                            rt.usage(len(request.prompt), len(streamed), chunk.usage.cached_tokens)
+                        yield chunk
+                    return
+                except RequestError as e:
+                    if e.kind == ErrorKind.INTERNAL:
+                        log.error("request %s (trace %s): %s", request.request_id, rt.trace_id, e.message)
+                    if not e.retryable or (delivered == 0 and retries == RETRIES):
+                        if migration is not None:
+                            migration.failed(e)
+                        raise
+                    if delivered == 0:  # this instance streamed nothing: another one takes the same dispatch
+                        retries += 1
+                        log.warning("request %s (trace %s): %s; retrying on another instance", request.request_id,
+                                    rt.trace_id, e.message)
+                        rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
+                    else:  # it streamed, then failed: the request goes on elsewhere after what it streamed
+                        migration = self.migrations.start(rt, e, migrations, len(streamed))
+                        if migration is None:
+                            raise
+                        migrations += 1
+                        if first_cached is None and cached is not None:
+                            first_cached = await _cached_or_zero(cached)
+                        log.warning("request %s (trace %s): %s after %d tokens; migrating (%d of at most %d)",
+                                    request.request_id, rt.trace_id, e.message, len(streamed), migrations,
+                                    self.migrations.per_request)
+                    failure = e
+                    avoid.add(e.instance)
+        finally:  # the client went away (or the error went out) while a migration was under way
+            if migration is not None:
+                migration.failed(RequestError(ErrorKind.CANCELLED, "the request ended during its migration"))
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
                policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto"):
@@ -206,7 +292,7 @@ class Router:
             holders = [i for i in decodes if self.loras.holds(i, lora)]
             # a push is only ever sent where its bytes mean the same: the decode's KV layout equals prefill's
             paired = [i for i in holders or decodes if same_layout(prefill, i)]
-            decode = choose_decode(paired or holders or decodes)
+            decode = choose_decode(paired or holders or decodes, self.registry.replica_rank(self.id))
             if not paired:
                 route.set_attributes({"kvmesh.route.path": "local",
                                       "kvmesh.route.reason": f"local: no decode shares {prefill.id}'s KV layout"})
@@ -215,11 +301,14 @@ class Router:
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
             # one line prices both computes: the same model on the same kind of machine, and a decode
             # instance's own fit comes from one-token steps, which pin down no prompt speed. The streams decode
-            # runs: what this router has in flight there (a heartbeat lags: in a chat it still reports the
+            # runs: what the routers have in flight there (a heartbeat lags: in a chat it still reports the
             # previous turn decoding)
             speed = CostModel.from_load(prefill.beat.load, self.policies.cost) or self.policies.cost
             d = disaggregation(disaggregate, len(prompt), self.cfg.block_size, matched.get(prefill.id, 0),
-                               matched.get(decode.id, 0), speed, speed, decode.inflight)
+                               matched.get(decode.id, 0), speed, speed, decode.routed)
+            if d.disaggregate and not self.registry.bus_up():  # kv.ready would wait out decode's kv_timeout_s
+                d = d._replace(disaggregate=False,
+                               reason="local: NATS is unreachable, so no kv.ready could announce a push")
             route.set_attributes({"kvmesh.route.path": "pd" if d.disaggregate else "local",
                                   "kvmesh.route.reason": d.reason,
                                   "kvmesh.route.pd_ms": round(d.pd_s * 1e3, 1),
@@ -233,6 +322,12 @@ class Router:
         if both:
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
             return self._local(work, self._choose(policy, "both", both, matched, prompt, route, lora), rt)
+        if decodes:  # every prefill instance is gone: decode computes the prompt itself rather than refuse
+            reason = "local: no prefill instance is up"
+            route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": reason})
+            decode = choose_decode([i for i in decodes if self.loras.holds(i, lora)] or decodes,
+                                   self.registry.replica_rank(self.id))
+            return self._local(work, decode, rt, reason)
         return None
 
     async def _ensure_lora(self, work: worker_pb2.WorkRequest, *instances: Instance) -> None:
@@ -254,7 +349,7 @@ class Router:
             return cached
 
         try:
-            async for msg, first in _chunks(call, inst, work.request_id):
+            async for msg, first in self._chunks(call, inst, work.request_id):
                 if first:
                     cached = msg.cached_tokens
                 yield _chunk(msg), cached_tokens
@@ -292,10 +387,11 @@ class Router:
             if fallback:
                 return decode_cached
             done, _ = await asyncio.wait([prefill_call], timeout=1.0)
-            return prefill_call.result().cached_tokens if done and not prefill_call.exception() else 0
+            ok = done and not prefill_call.cancelled() and not prefill_call.exception()
+            return prefill_call.result().cached_tokens if ok else 0
 
         try:
-            async for msg, first in _chunks(call, decode, work.request_id):
+            async for msg, first in self._chunks(call, decode, work.request_id):
                 if first:
                     decode_cached, fallback = msg.cached_tokens, msg.kv_fallback
                     if fallback:
@@ -306,6 +402,49 @@ class Router:
             dispatch.end()
             if not prefill_call.done():
                 prefill_call.cancel()
+
+    async def _chunks(self, call, inst: Instance, request_id: str):
+        """The call's messages (and whether each is the first); its failure as a ``RequestError``: INVALID_ARGUMENT
+        is the request's fault, INTERNAL the instance's (a 500 naming the request, never retried: the request may
+        be what breaks it), anything else makes the instance unavailable for it: retryable (elsewhere) when it
+        could not be reached, was dropped for silence while streaming (the call is cancelled then), or cannot
+        continue a migrated request."""
+        lost: list[str] = []
+
+        def on_lost(reason: str) -> None:
+            lost.append(reason)
+            call.cancel()
+
+        unwatch = self.registry.watch(inst.id, on_lost)
+        first = True
+        try:
+            async for msg in call:
+                yield msg, first
+                first = False
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not lost or (task is not None and task.cancelling()):
+                raise
+            raise RequestError(ErrorKind.UNAVAILABLE, lost[0], inst.id, retryable=True) from None
+        except grpc.aio.AioRpcError as e:
+            if lost:
+                raise RequestError(ErrorKind.UNAVAILABLE, lost[0], inst.id, retryable=True) from None
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise invalid(e.details() or "invalid request") from None
+            if e.code() == grpc.StatusCode.CANCELLED:
+                raise
+            if e.code() == grpc.StatusCode.INTERNAL:
+                details = e.details() or "no details"
+                if request_id not in details:
+                    details = f"request {request_id}: {details}"
+                raise RequestError(ErrorKind.INTERNAL, f"internal error on instance {inst.id}: {details}",
+                                   inst.id) from None
+            raise RequestError(ErrorKind.UNAVAILABLE, f"instance {inst.id} failed: {e.code().name}: {e.details()}",
+                               inst.id, retryable=e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                               grpc.StatusCode.FAILED_PRECONDITION)) from None
+        finally:
+            unwatch()
+            call.cancel()
 
     def _decode_holds(self, work: worker_pb2.WorkRequest, decode: Instance, matched: dict[str, int]) -> int:
         """The leading full blocks of the prompt the decode instance holds (MatchPrefix), at most the blocks
@@ -388,30 +527,21 @@ async def _push_token(call, decode: Instance, dispatch: Span) -> tuple[str, int 
     return token, exact
 
 
-async def _chunks(call, inst: Instance, request_id: str):
-    """The call's messages (and whether each is the first); its failure as a ``RequestError``: INVALID_ARGUMENT
-    is the request's fault, INTERNAL the instance's (a 500 naming the request, never retried: the request may
-    be what breaks it), anything else makes the instance unavailable for it."""
-    first = True
+def _dispatch_id(request: Admitted, retries: int, migrations: int) -> str:
+    """The request id a dispatch carries to the instances: each dispatch its own, so a retry or migration never
+    meets its predecessor's leases or transfers on an instance both reached."""
+    rid = request.request_id
+    if request.resume:  # a resumed stream: its dead router's dispatch may still be winding down somewhere
+        rid = f"{rid}.resume{len(request.resume)}"
+    return rid + (f".migrate{migrations}" if migrations else "") + (f".retry{retries}" if retries else "")
+
+
+async def _cached_or_zero(cached) -> int:
+    """A failed dispatch's cached tokens, where it can still tell them."""
     try:
-        async for msg in call:
-            yield msg, first
-            first = False
-    except grpc.aio.AioRpcError as e:
-        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise invalid(e.details() or "invalid request") from None
-        if e.code() == grpc.StatusCode.CANCELLED:
-            raise
-        if e.code() == grpc.StatusCode.INTERNAL:
-            details = e.details() or "no details"
-            if request_id not in details:
-                details = f"request {request_id}: {details}"
-            raise RequestError(ErrorKind.INTERNAL, f"internal error on instance {inst.id}: {details}",
-                               inst.id) from None
-        raise RequestError(ErrorKind.UNAVAILABLE, f"instance {inst.id} failed: {e.code().name}: {e.details()}",
-                           inst.id, retryable=e.code() == grpc.StatusCode.UNAVAILABLE) from None
-    finally:
-        call.cancel()
+        return await cached()
+    except Exception:  # noqa: BLE001 - only the usage's cached_tokens depends on it
+        return 0
 
 
 def same_layout(a: Instance, b: Instance) -> bool:

@@ -163,9 +163,11 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
             {"token_ids": tuple(request.token_ids.ids)} if which == "token_ids" else \
             {"messages": _messages(request.messages.messages)} if which == "messages" else {}
     structured = sampling.structured
+    resume = tuple(request.resume_token_ids) if isinstance(request, api_pb2.GenerateRequest) else ()
     return Draft(sampling, **prompt, model=request.model, cache_salt=request.cache_salt,
                  structured_field=f"sampling.{structured.kind}" if structured else "",
-                 policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"))
+                 policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"),
+                 resume=resume)
 
 
 def _messages(messages) -> list[dict[str, str]]:

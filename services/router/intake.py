@@ -12,7 +12,8 @@ calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``I
 5. the structured-output constraint (``structured.check_structured``);
 6. the prompt → token ids (the model's chat template and tokenizer);
 7. the model: the base model or a LoRA adapter some instance serves;
-8. what the engines can serve: context length, vocabulary, seed, stop ids and strings;
+8. what the engines can serve: context length, vocabulary, seed, stop ids and strings; a resumed stream's
+   tokens (``resume_token_ids``: ids, fewer than ``max_tokens``);
 9. the cache salt (the tenant's namespace), the routing policy and the PD override.
 
 The admitted request holds an admission slot until the ``async with`` block ends.
@@ -69,6 +70,7 @@ class Draft:
     structured_field: str = ""
     policy: str | None = None
     disaggregate: str | None = None
+    resume: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ class Admitted:
     ``cache_salt``: what enters its block keys (the tenant's namespace, within it the request's own salt).
     ``model``: the name its answers carry (the LoRA adapter's, else the base model's id); ``lora``: the adapter
     ("" = the base model). ``policy`` / ``disaggregate``: the request's own routing choices (None = the
-    configured ones)."""
+    configured ones). ``resume``: the tokens a cut stream of this request already delivered (its client resumes
+    it here): the router streams what follows them."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -88,6 +91,7 @@ class Admitted:
     lora: str = ""
     policy: str | None = None
     disaggregate: str | None = None
+    resume: tuple[int, ...] = ()
 
 
 def new_request_id() -> str:
@@ -129,10 +133,11 @@ class Intake:
                 prompt = self.prompt_ids(draft)
                 lora = self.model(draft.model)
                 self.check(prompt, draft.sampling)
+                self.check_resume(draft.resume, draft.sampling)
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
             request = Admitted(rt.request_id, tuple(prompt), draft.sampling, tenant,
                                cache_salt(tenant, draft.cache_salt), lora or self.router.model_id, lora,
-                               self.policy(draft.policy), self.disaggregate(draft.disaggregate))
+                               self.policy(draft.policy), self.disaggregate(draft.disaggregate), draft.resume)
             rt.describe(request.model, tenant or draft.cache_salt, len(prompt))
             yield request
         finally:
@@ -187,6 +192,17 @@ class Intake:
             raise invalid(f"stop_token_ids must be token ids in [0, {vocab})")
         if any(not s for s in params.stop):
             raise invalid("stop strings must not be empty")
+
+    def check_resume(self, resume: tuple[int, ...], params: SamplingParams) -> None:
+        """The tokens a resumed stream delivered: token ids, fewer than ``max_tokens``."""
+        if not resume:
+            return
+        vocab = self.router.source.config.vocab_size
+        if any(not 0 <= t < vocab for t in resume):
+            raise invalid(f"resume_token_ids must be token ids in [0, {vocab})")
+        if len(resume) >= params.max_tokens:
+            raise invalid(f"resume_token_ids has {len(resume)} tokens, as many as max_tokens ({params.max_tokens}) "
+                          "or more: that stream was complete")
 
     def policy(self, name: str | None) -> str | None:
         try:

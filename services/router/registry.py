@@ -1,4 +1,7 @@
-"""Live instances, from heartbeats. An instance that stops beating is dropped after a timeout."""
+"""Live instances, from heartbeats. An instance that stops beating is dropped after a timeout (not while the
+router's own NATS connection is down: their silence is then the bus's), and whoever watches a dispatch to it is
+told. What each instance has in flight: this router's own dispatches, plus what the other router replicas report
+(``RouterLoad`` over NATS), so replicas do not all pick the instance that looks idle to each of them alone."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.contracts.messages import Heartbeat
+from kvmesh.contracts.messages import Heartbeat, RouterLoad
 
 log = logging.getLogger(__name__)
 
@@ -20,21 +23,28 @@ class Instance:
     inflight: int = 0            # requests this router sent there and has not seen finish
     inflight_tokens: int = 0     # their prompt tokens (prefill work not yet done, as far as we know)
     loras_ts: float = 0.0        # the instance's clock when a reply to our LoRA call listed beat.loras
+    peer_inflight: int = 0       # what the other router replicas last reported in flight there
+    peer_tokens: int = 0
 
     @property
     def id(self) -> str:
         return self.beat.instance_id
 
     @property
+    def routed(self) -> int:
+        """Requests in flight there that the routers (this one and its replicas) know they sent."""
+        return self.inflight + self.peer_inflight
+
+    @property
     def queue_depth(self) -> float:
-        """The larger of what the instance last reported and what we know we sent it: a heartbeat sent before
-        our request reached its engine must not make a busy instance look idle."""
+        """The larger of what the instance last reported and what the routers know they sent it: a heartbeat
+        sent before a request reached its engine must not make a busy instance look idle."""
         load = self.beat.load
-        return max(load.get("running", 0) + load.get("waiting", 0), self.inflight)
+        return max(load.get("running", 0) + load.get("waiting", 0), self.routed)
 
     @property
     def waiting_tokens(self) -> float:
-        return max(self.beat.load.get("waiting_tokens", 0), self.inflight_tokens)
+        return max(self.beat.load.get("waiting_tokens", 0), self.inflight_tokens + self.peer_tokens)
 
 
 class Registry:
@@ -45,6 +55,10 @@ class Registry:
         self._instances: dict[str, Instance] = {}
         self._refused: set[str] = set()
         self._gone: dict[str, Instance] = {}
+        self._watchers: dict[str, set[Callable[[str], None]]] = {}
+        self._peers: dict[str, tuple[float, RouterLoad]] = {}  # router id -> (received, monotonic; its report)
+        self.bus_up: Callable[[], bool] = lambda: True  # the router's NATS connection, which heartbeats need
+        self.on_change: Callable[[], None] = lambda: None  # this router's own in-flight counts changed
 
     def observe(self, beat: Heartbeat) -> None:
         if beat.block_size != self.block_size or beat.model != self.fingerprint:
@@ -61,7 +75,8 @@ class Registry:
         if old is not None and beat.ts < loras_ts:  # built before our LoRA call's reply: its adapters are stale
             beat = dataclasses.replace(beat, loras=old.beat.loras)
         self._instances[beat.instance_id] = Instance(beat, time.monotonic(), old.inflight if old else 0,
-                                                     old.inflight_tokens if old else 0, loras_ts)
+                                                     old.inflight_tokens if old else 0, loras_ts,
+                                                     old.peer_inflight if old else 0, old.peer_tokens if old else 0)
 
     def update_loras(self, iid: str, loras: tuple[tuple[str, str, str], ...], ts: float) -> None:
         """An instance's adapters as the reply to a LoRA call lists them (taken at ``ts``, its clock): fresher
@@ -72,17 +87,68 @@ class Registry:
                 inst.loras_ts = ts
 
     def alive(self, *roles: str) -> list[Instance]:
-        now = time.monotonic()
-        for iid in [i for i, inst in self._instances.items() if now - inst.last_seen > self.timeout_s]:
-            log.warning("instance %s dropped: no heartbeat for %.1fs", iid, now - self._instances[iid].last_seen)
-            del self._instances[iid]
+        self.expire()
         return [i for i in self._instances.values() if not roles or i.beat.role in roles]
+
+    def expire(self) -> None:
+        """Drop the instances silent for ``timeout_s`` and tell their watchers; while the bus is down nothing is
+        dropped, and once it is back every instance gets ``timeout_s`` to be heard again."""
+        now = time.monotonic()
+        if not self.bus_up():
+            for inst in self._instances.values():
+                inst.last_seen = now
+            return
+        for iid in [i for i, inst in self._instances.items() if now - inst.last_seen > self.timeout_s]:
+            why = f"instance {iid} stopped answering: no heartbeat for {now - self._instances[iid].last_seen:.1f}s"
+            log.warning("%s; dropped", why)
+            del self._instances[iid]
+            for lost in list(self._watchers.pop(iid, ())):
+                lost(why)
+        self._expire_peers(now)
+
+    def watch(self, iid: str, lost: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``lost(reason)`` once if ``iid`` is dropped (a dispatch there then moves elsewhere); returns the
+        function that stops watching."""
+        self._watchers.setdefault(iid, set()).add(lost)
+        return lambda: self._watchers.get(iid, set()).discard(lost)
+
+    # ---- what the other router replicas have in flight ----------------------------------------------------------
+    def peer_load(self, load: RouterLoad) -> None:
+        """Another replica's report (absolute counts, replacing its last one)."""
+        self._peers[load.router_id] = (time.monotonic(), load)
+        self._sum_peers()
+
+    def replica_rank(self, router_id: str) -> int:
+        """``router_id``'s place among the router replicas heard from (0 when alone)."""
+        return sorted({router_id, *self._peers}).index(router_id)
+
+    def own_load(self) -> tuple[dict[str, int], dict[str, int]]:
+        """This router's in-flight requests and prompt tokens per instance (what it reports to its replicas)."""
+        records = {**self._gone, **self._instances}
+        return ({iid: i.inflight for iid, i in records.items() if i.inflight},
+                {iid: i.inflight_tokens for iid, i in records.items() if i.inflight_tokens})
+
+    def _expire_peers(self, now: float) -> None:
+        """A replica silent for ``timeout_s`` has died (or lost the bus): its counts no longer hold."""
+        stale = [r for r, (seen, _) in self._peers.items() if now - seen > self.timeout_s]
+        for router in stale:
+            log.warning("router replica %s silent for %.1fs: its in-flight counts are dropped", router,
+                        now - self._peers[router][0])
+            del self._peers[router]
+        if stale:
+            self._sum_peers()
+
+    def _sum_peers(self) -> None:
+        for inst in self._instances.values():
+            inst.peer_inflight = sum(load.inflight.get(inst.id, 0) for _, load in self._peers.values())
+            inst.peer_tokens = sum(load.inflight_tokens.get(inst.id, 0) for _, load in self._peers.values())
 
     def dispatched(self, inst: Instance, prompt_tokens: int = 0) -> Callable[[], None]:
         """Count a request we are sending to ``inst`` until the returned ``done`` is called (once)."""
         iid = inst.id
         self._live(iid).inflight += 1
         self._live(iid).inflight_tokens += prompt_tokens
+        self.on_change()
         called = False
 
         def done() -> None:
@@ -92,6 +158,7 @@ class Registry:
                 cur = self._live(iid)
                 cur.inflight = max(0, cur.inflight - 1)
                 cur.inflight_tokens = max(0, cur.inflight_tokens - prompt_tokens)
+                self.on_change()
         return done
 
     def role_of(self, iid: str) -> str:

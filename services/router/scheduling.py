@@ -26,8 +26,13 @@ def to_candidates(instances: list[Instance], matched: dict[str, int],
             for i in instances]
 
 
-def choose_decode(instances: list[Instance]) -> Instance:
-    return min(instances, key=lambda i: (i.queue_depth, -i.beat.load.get("free_blocks", 0), i.id))
+def choose_decode(instances: list[Instance], rank: int = 0) -> Instance:
+    """The least loaded instance, then the one with the most free KV blocks; among equals, the first in id order
+    rotated by ``rank`` (this router's place among its replicas: replicas that decide at the same moment, before
+    each hears of the other's choice, break the tie towards different instances instead of herding)."""
+    ids = sorted(i.id for i in instances)
+    place = {iid: (n - rank) % len(ids) for n, iid in enumerate(ids)}
+    return min(instances, key=lambda i: (i.queue_depth, -i.beat.load.get("free_blocks", 0), place[i.id]))
 
 
 def _unknown(policy: str) -> ValueError:

@@ -51,6 +51,11 @@ class RouterMetrics:
                                     "MatchPrefix calls that failed (routed by load)", registry=r)
         self.retries = Counter(f"{P}_retries", "Calls re-sent to another instance after one was unreachable, "
                                "by the role of the instance that failed", ["role"], registry=r)
+        self.migrations = Counter(f"{P}_migrations", "Streams whose instance failed mid-stream: moved to another "
+                                  "one (migrated) or ended with the error (over_request_limit, "
+                                  "over_router_limit)", ["outcome"], registry=r)
+        for outcome in ("migrated", "over_request_limit", "over_router_limit"):
+            self.migrations.labels(outcome)
         for kind in ErrorKind:
             if kind != ErrorKind.CANCELLED:
                 self.rejections.labels(kind)

@@ -18,7 +18,7 @@ from kvmesh.bus import Bus, Subjects, find_nats_server
 from kvmesh.bus.nats_server import read_ports_file
 from kvmesh.bus.snapshot import answer_snapshots, request_snapshot
 from kvmesh.contracts.events import AllBlocksCleared
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady, RouterLoad
 
 CONF = Path(__file__).resolve().parents[2] / "docker" / "nats.conf"
 PASSWORDS = {"router": "r-" + uuid.uuid4().hex, "worker": "w-" + uuid.uuid4().hex,
@@ -85,6 +85,12 @@ def test_each_service_user_can_do_what_its_service_does(port):
         await cachesvc.durable_events_consumer(subjects, "cachesvc", lambda b, h: events.put(b))
         await answer_snapshots(prefill, subjects, "prefill-0", _snapshot)
 
+        replica = await Bus.connect(url("router", port), "router-1")
+        loads: asyncio.Queue = asyncio.Queue()
+        await replica.subscribe(subjects.router_load_all, lambda m, h: loads.put(m))
+        await router.publish(subjects.router_load("router-0"), RouterLoad("router-0", 1.0, {"decode-0": 2}, {}))
+        assert (await asyncio.wait_for(loads.get(), 5)).inflight == {"decode-0": 2}
+        await replica.close()
         await decode.publish(subjects.heartbeat("decode", "decode-0"), beat("decode-0"))
         assert (await asyncio.wait_for(beats_router.get(), 5)).instance_id == "decode-0"
         assert (await asyncio.wait_for(beats_cache.get(), 5)).instance_id == "decode-0"
@@ -116,7 +122,7 @@ def test_a_user_cannot_publish_what_is_not_its_own(port, caplog):
         decode = await Bus.connect(url("worker", port), "decode-0")
         ready: asyncio.Queue = asyncio.Queue()
         await decode.subscribe(subjects.kv_ready("decode-0"), lambda m, h: ready.put(m))
-        await router.publish(subjects.kv_ready("decode-0"), beat("x"))  # the router never publishes
+        await router.publish(subjects.kv_ready("decode-0"), beat("x"))  # the router publishes only its load
         await router.nc.flush()
         await asyncio.sleep(0.5)
         assert ready.empty()

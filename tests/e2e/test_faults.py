@@ -11,9 +11,11 @@ import urllib.request
 
 import grpc
 import pytest
+from kvmesh.client import KvmeshClient, Unavailable
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 
 from .conftest import start_stack
+from .test_tracing import spans_of
 
 pytestmark = pytest.mark.slow
 
@@ -31,44 +33,83 @@ def chat(stack, content: str, max_tokens: int = 8, timeout: float = 120, headers
         return json.load(r)
 
 
-def stream_events(stack, content: str, max_tokens: int, events: list, started: threading.Event) -> None:
-    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            for line in r:
-                if line.startswith(b"data: "):
-                    events.append(line[6:].strip())
-                    if b'"content": "' in line:
-                        started.set()
-    except Exception as e:  # noqa: BLE001 - recorded for the assertion
-        events.append(repr(e).encode())
-    started.set()
+HANG = "fault injection: the stream hangs after"
+PROMPT = [(i * 7919) % 30000 + 100 for i in range(24)]  # any 24 token ids: greedy gives some 40 tokens
 
 
-def test_killing_a_decode_mid_stream_fails_only_its_stream(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "killdecode", decode=2)
+def hung_decode(stack, request_id: str, within_s: float = 120.0):
+    """The decode instance whose stream of ``request_id`` hangs (``fault_hang_after_tokens``), once it logged so."""
+    deadline = time.monotonic() + within_s
+    while True:
+        hung = [s for s in stack.services if "decode" in s.name and f"request {request_id}: {HANG}"
+                in s.log_path.read_text()]
+        if hung:
+            return hung[0]
+        assert time.monotonic() < deadline, f"no decode instance hung on {request_id}"
+        time.sleep(0.1)
+
+
+def stream_until_killed(stack, request_id: str, max_tokens: int, after: int, retries: int = 3) -> tuple[list, str]:
+    """Stream ``PROMPT`` through the SDK; once ``after`` tokens arrived (the decode serving it then hangs: the
+    fault), SIGKILL that decode. Every chunk's tokens, and the name of the decode killed. ``retries`` 0: the SDK
+    does not resume a cut stream itself, so what the router does shows."""
+    chunks, killed = [], ""
+    with KvmeshClient(stack.router_grpc, timeout_s=240, retries=retries) as client:
+        for chunk in client.generate(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                     request_id=request_id):
+            chunks.append(chunk)
+            if not killed and sum(len(c.token_ids) for c in chunks) == after:
+                victim = hung_decode(stack, request_id)
+                victim.proc.send_signal(signal.SIGKILL)
+                killed = victim.name
+    return chunks, killed
+
+
+def greedy_reference(prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """The uninterrupted greedy run of ``prompt`` on the default model, in this process."""
+    from kvmesh.contracts.sampling import SamplingParams
+    from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.settings import EngineSettings
+
+    [done] = LLMEngine(EngineSettings(threads=1)).generate([prompt], SamplingParams(max_tokens=max_tokens,
+                                                                                  ignore_eos=True))
+    return done.token_ids, done.text
+
+
+def test_a_decode_killed_at_token_10_of_40_costs_no_token(tmp_path_factory):
+    """Both decodes' fresh streams hang after 10 tokens (test-only fault); the one serving the request is
+    SIGKILLed there. The router migrates the request (prompt + the 10 tokens) to the other decode and the
+    client's stream goes on: 40 tokens, the uninterrupted greedy run's, and the trace shows one migration."""
+    stack = start_stack(tmp_path_factory, "migrate", decode=2, env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_TOKENS": "10"})
     try:
-        runs = []
-        for i in range(2):  # the router spreads two idle-time requests over the two decode instances
-            events, started = [], threading.Event()
-            t = threading.Thread(target=stream_events, args=(stack, f"Count to one hundred, take {i}.", 48,
-                                                             events, started))
-            t.start()
-            started.wait(60)
-            runs.append((t, events))
-        service(stack, "decode-0").proc.send_signal(signal.SIGKILL)
-        for t, _ in runs:
-            t.join(120)
-        outcomes = [b"[DONE]" in ev[-1:] and not any(b'"error"' in e for e in ev) for _, ev in runs]
-        assert sorted(outcomes) == [False, True]  # one stream failed, the other finished
-        failed = next(ev for (_, ev), ok in zip(runs, outcomes) if not ok)
-        assert any(b'"error"' in e and b"decode-0" in e for e in failed)
-        time.sleep(4)  # the router drops decode-0 after instance_timeout_s (3 s) without heartbeats
-        for q in ("What is 2 + 2?", "Name a color."):
-            assert chat(stack, q)["choices"][0]["message"]["content"]
+        chunks, killed = stream_until_killed(stack, "migrate-me", 40, after=10)
+        assert killed
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert (tokens, "".join(c.text for c in chunks)) == greedy_reference(PROMPT, 40)
+        assert chunks[-1].finished and chunks[-1].usage.completion_tokens == 40
+        _, tree = spans_of(stack, "migrate-me")
+        [migrate] = [s for s in tree if s.name == "router.migrate"]
+        assert migrate.attributes["kvmesh.migration.from"] == killed
+        assert migrate.attributes["kvmesh.migration.tokens"] == 10
+        assert killed in migrate.attributes["kvmesh.reason"]
+        assert router_metric(stack, 'kvmesh_router_migrations_total{outcome="migrated"}') == 1
+    finally:
+        stack.stop()
+
+
+def test_with_migration_off_a_killed_decode_fails_only_its_stream(tmp_path_factory):
+    """``migration_limit = 0``: the stream whose decode dies ends with an error naming that instance; new
+    requests are served by the other decode."""
+    stack = start_stack(tmp_path_factory, "nomigrate", decode=2,
+                        env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_TOKENS": "6", "KVMESH_ROUTER_MIGRATION_LIMIT": "0"})
+    try:
+        with pytest.raises(Unavailable) as err:
+            stream_until_killed(stack, "no-migration", 30, after=6, retries=0)
+        killed = hung_decode(stack, "no-migration").name
+        assert killed in str(err.value)
+        assert router_metric(stack, 'kvmesh_router_migrations_total{outcome="over_request_limit"}') == 1
+        for q in ("What is 2 + 2?", "Name a color."):  # fresh requests hang at 6 of 8 tokens: ask for 4
+            assert chat(stack, q, max_tokens=4)["choices"][0]["message"]["content"]
     finally:
         stack.stop()
 

@@ -14,6 +14,7 @@ from kvmesh.client import (
     GenerateChunk,
     InvalidRequest,
     KvmeshClient,
+    KvmeshError,
     Overloaded,
     Unavailable,
 )
@@ -96,12 +97,49 @@ def test_gives_up_after_the_retry_budget(target, fake):
     assert len(fake.requests) == 3
 
 
-def test_no_retry_after_the_first_chunk(client, fake):
+def test_a_stream_cut_mid_way_resumes_after_the_tokens_it_delivered(client, fake):
+    fake.cut_after_first = 1
+    chunks = list(client.generate("Hi", request_id="r-7"))
+    assert "".join(c.text for c in chunks) == REPLY and [t for c in chunks for t in c.token_ids] == [100, 101, 102]
+    again = fake.requests[-1]
+    assert len(fake.requests) == 2 and list(again.resume_token_ids) == [100] and again.request_id == "r-7"
+    assert again.text == "Hi"
+
+
+def test_a_resume_carries_the_id_the_router_gave_the_stream(client, fake):
+    fake.cut_after_first, fake.assign_id = 1, "given-by-router"
+    list(client.generate("Hi"))
+    assert [r.request_id for r in fake.requests] == ["", "given-by-router"]
+
+
+def test_without_retries_a_cut_stream_raises_and_keeps_what_arrived(target, fake):
     fake.fail_after_first = UNAVAILABLE
     received: list[GenerateChunk] = []
-    with pytest.raises(Unavailable):
-        received.extend(client.generate("Hi"))  # keeps what arrived before the failure
-    assert [c.text for c in received] == ["Hello"] and len(fake.requests) == 1
+    with KvmeshClient(target, retries=0) as c, pytest.raises(Unavailable):
+        received.extend(c.generate("Hi"))  # keeps what arrived before the failure
+    assert [ch.text for ch in received] == ["Hello"] and len(fake.requests) == 1
+
+
+def test_an_error_other_than_unavailable_mid_stream_is_not_resumed(client, fake):
+    fake.fail_after_first = grpc.StatusCode.INTERNAL
+    with pytest.raises(KvmeshError):
+        list(client.generate("Hi"))
+    assert len(fake.requests) == 1
+
+
+def test_with_several_routers_a_call_fails_over_to_one_that_answers(target, fake):
+    with KvmeshClient(["127.0.0.1:1", target], backoff_s=0.01) as c:
+        assert c.complete("Hi").text == REPLY
+        assert c.target == target  # the next calls go to the router that answered
+
+
+def test_a_stream_cut_by_its_router_resumes_on_the_next_one(fake):
+    other = FakeKvmesh()
+    fake.cut_after_first = 1
+    with serve(fake) as first, serve(other) as second, KvmeshClient([first, second], backoff_s=0.01) as c:
+        chunks = list(c.generate("Hi"))
+    assert "".join(ch.text for ch in chunks) == REPLY
+    assert len(fake.requests) == 1 and list(other.requests[0].resume_token_ids) == [100]
 
 
 @pytest.mark.parametrize("code,error", [(grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest),
@@ -193,12 +231,25 @@ def test_async_retries_unavailable_before_first_chunk(target, fake):
     assert asyncio.run(main()).text == REPLY and len(fake.requests) == 3
 
 
-def test_async_no_retry_after_first_chunk(target, fake):
-    fake.fail_after_first = UNAVAILABLE
+def test_async_a_cut_stream_resumes_after_the_tokens_it_delivered(target, fake):
+    fake.cut_after_first = 1
     received: list[str] = []
 
     async def main() -> None:
         async with AsyncKvmeshClient(target, backoff_s=0.01) as c:
+            async for chunk in c.generate("Hi"):
+                received.append(chunk.text)
+
+    asyncio.run(main())
+    assert "".join(received) == REPLY and list(fake.requests[-1].resume_token_ids) == [100]
+
+
+def test_async_without_retries_a_cut_stream_raises(target, fake):
+    fake.fail_after_first = UNAVAILABLE
+    received: list[str] = []
+
+    async def main() -> None:
+        async with AsyncKvmeshClient(target, retries=0) as c:
             async for chunk in c.generate("Hi"):
                 received.append(chunk.text)
 

@@ -39,6 +39,8 @@ class FakeKvmesh(api_pb2_grpc.KvmeshServicer):
     trailing: dict[str, str] = field(default_factory=lambda: dict(TRAILING))
     fail_before_first: list[grpc.StatusCode] = field(default_factory=list)  # next calls abort with these
     fail_after_first: grpc.StatusCode | None = None       # abort every Generate after its first chunk
+    cut_after_first: int = 0                              # the next N Generate calls: UNAVAILABLE after one chunk
+    assign_id: str = ""                                   # the request id chunks carry when the request has none
     delay_s: float = 0.0                                  # wait before the first chunk
     chunk_delay_s: float = 0.001                          # wait after each chunk
     detail: str = "scripted failure"
@@ -63,17 +65,21 @@ class FakeKvmesh(api_pb2_grpc.KvmeshServicer):
             if self.fail_before_first:
                 await context.abort(self.fail_before_first.pop(0), self.detail)
             words = self.reply.split()
+            cut, self.cut_after_first = self.cut_after_first > 0, max(0, self.cut_after_first - 1)
+            rid = request.request_id or self.assign_id
             for i, word in enumerate(words):
-                yield api_pb2.GenerateChunk(request_id=request.request_id, token_ids=[100 + i],
-                                            text=word if i == 0 else " " + word)
+                if i < len(request.resume_token_ids):  # a resumed stream: these went out before the cut
+                    continue
+                yield api_pb2.GenerateChunk(request_id=rid, token_ids=[100 + i], text=word if i == 0 else " " + word)
                 if self.fail_after_first is not None:
                     await context.abort(self.fail_after_first, self.detail)
+                if cut:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the router went away (scripted)")
                 await asyncio.sleep(self.chunk_delay_s)
             context.set_trailing_metadata(tuple(self.trailing.items()))
             usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(words),
                                      cached_tokens=cached)
-            yield api_pb2.GenerateChunk(request_id=request.request_id, finished=True, finish_reason="stop",
-                                        usage=usage)
+            yield api_pb2.GenerateChunk(request_id=rid, finished=True, finish_reason="stop", usage=usage)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise

@@ -4,7 +4,15 @@ import pytest
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey, Role
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.contracts.messages import VERSION, CodecError, Heartbeat, KVEventBatch, KVReady, decode
+from kvmesh.contracts.messages import (
+    VERSION,
+    CodecError,
+    Heartbeat,
+    KVEventBatch,
+    KVReady,
+    RouterLoad,
+    decode,
+)
 
 MAX_KEY = BlockKey(2**64 - 1)
 
@@ -176,3 +184,12 @@ def test_a_ready_with_malformed_logprobs_is_rejected_naming_the_field(bad):
     body = {**json.loads(make_ready().encode()), "first_logprobs": bad}
     with pytest.raises(CodecError, match="field 'first_logprobs'"):
         KVReady.decode(json.dumps(body).encode())
+
+
+def test_a_routers_load_round_trips_and_refuses_what_is_not_a_count():
+    load = RouterLoad("router-1", 12.5, {"decode-0": 3}, {"decode-0": 800})
+    assert decode(load.encode()) == load
+    bad = json.loads(load.encode())
+    bad["inflight"]["decode-0"] = -1
+    with pytest.raises(CodecError, match="'inflight' must map instance ids to counts"):
+        decode(json.dumps(bad).encode())

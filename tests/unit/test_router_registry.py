@@ -2,7 +2,8 @@
 
 import time
 
-from kvmesh.contracts.messages import Heartbeat
+import pytest
+from kvmesh.contracts.messages import Heartbeat, RouterLoad
 from kvmesh.routing import CostModel
 
 from services.router.registry import Registry
@@ -71,3 +72,89 @@ def test_a_request_may_name_its_policy_and_an_unknown_one_is_refused():
     assert policies().get("round_robin").name == "round_robin"
     with pytest.raises(ValueError, match="least_loaded"):
         policies().get("fastest")
+
+
+def two_routers(timeout_s: float = 5) -> tuple[Registry, Registry]:
+    """Two router replicas' registries that hear the same two decode instances."""
+    regs = Registry(timeout_s, 16, "fp"), Registry(timeout_s, 16, "fp")
+    for reg in regs:
+        reg.observe(beat("d0"))
+        reg.observe(beat("d1"))
+    return regs
+
+
+def share(src: Registry, dst: Registry, name: str) -> None:
+    """What ``src``'s router reports over NATS (RouterLoad), as ``dst``'s receives it."""
+    inflight, tokens = src.own_load()
+    dst.peer_load(RouterLoad(name, time.time(), inflight, tokens))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_replicas_that_share_their_load_spread_a_burst_like_one_router(shared):
+    """Each replica gets three requests at once, faster than heartbeats: alone, each spreads its own (2 + 1,
+    the tie going to d0 both times: 4 against 2); counting each other's, 3 and 3."""
+    a, b = two_routers()
+    for reg, other, name in ((a, b, "a"), (b, a, "b"), (a, b, "a"), (b, a, "b"), (a, b, "a"), (b, a, "b")):
+        reg.dispatched(choose_decode(reg.alive("decode")))
+        if shared:
+            share(reg, other, name)
+    total = {iid: a.own_load()[0].get(iid, 0) + b.own_load()[0].get(iid, 0) for iid in ("d0", "d1")}
+    assert total == ({"d0": 3, "d1": 3} if shared else {"d0": 4, "d1": 2})
+
+
+def test_a_silent_replicas_counts_are_dropped():
+    a, b = two_routers(timeout_s=0.05)
+    b.dispatched(b.alive("decode")[0])
+    share(b, a, "b")
+    assert sum(i.routed for i in a.alive("decode")) == 1
+    time.sleep(0.1)
+    for iid in ("d0", "d1"):
+        a.observe(beat(iid))  # the instances beat on; router b does not report any more
+    a.expire()
+    assert sum(i.routed for i in a.alive("decode")) == 0
+
+
+def test_a_watched_instance_dropped_for_silence_tells_its_watcher_once():
+    reg = Registry(timeout_s=0.05, block_size=16, fingerprint="fp")
+    reg.observe(beat("d0"))
+    told: list[str] = []
+    reg.watch("d0", told.append)
+    time.sleep(0.1)
+    reg.expire()
+    reg.expire()
+    assert len(told) == 1 and "d0 stopped answering" in told[0]
+
+
+def test_nothing_is_dropped_while_the_routers_own_bus_is_down():
+    reg = Registry(timeout_s=0.05, block_size=16, fingerprint="fp")
+    reg.observe(beat("d0"))
+    up = False
+    reg.bus_up = lambda: up
+    time.sleep(0.1)
+    assert [i.id for i in reg.alive()] == ["d0"]  # its silence is the bus's
+    up = True
+    assert [i.id for i in reg.alive()] == ["d0"]  # and once the bus is back it has timeout_s to be heard
+    time.sleep(0.1)
+    assert reg.alive() == []
+
+
+def test_unwatching_stops_the_notice():
+    reg = Registry(timeout_s=0.05, block_size=16, fingerprint="fp")
+    reg.observe(beat("d0"))
+    told: list[str] = []
+    unwatch = reg.watch("d0", told.append)
+    unwatch()
+    time.sleep(0.1)
+    reg.expire()
+    assert told == []
+
+
+def test_replicas_break_ties_towards_different_instances():
+    """Two replicas deciding at once, neither having heard of the other's choice yet: not the same instance."""
+    a, b = two_routers()
+    share(a, b, "router-0")  # each knows the other exists (their reports carry nothing in flight yet)
+    share(b, a, "router-1")
+    first = choose_decode(a.alive("decode"), a.replica_rank("router-0"))
+    second = choose_decode(b.alive("decode"), b.replica_rank("router-1"))
+    assert {first.id, second.id} == {"d0", "d1"}
+    assert a.replica_rank("router-0") == 0 and Registry(5, 16, "fp").replica_rank("alone") == 0

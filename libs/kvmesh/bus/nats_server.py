@@ -176,6 +176,14 @@ class NatsServer:
             self._log.close()
             self._log = None
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (fault tests); ``start`` brings it back on the same port and
+        JetStream store."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()
+
     async def astart(self) -> NatsServer:
         return await asyncio.to_thread(self.start)
 

@@ -36,6 +36,13 @@ class Subjects:
     def heartbeats_all(self) -> str:
         return f"{self.prefix}heartbeat.>"
 
+    def router_load(self, router: str) -> str:
+        return f"{self.prefix}router.load.{token(router, 'router')}"
+
+    @property
+    def router_load_all(self) -> str:
+        return f"{self.prefix}router.load.*"
+
     @property
     def events_stream(self) -> str:
         """The JetStream stream that captures ``kv_events_all`` (cluster names are case-sensitive, so is this)."""

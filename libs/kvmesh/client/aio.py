@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Self, Unpack
 
 import grpc
 import grpc.aio
 
 from kvmesh import tls
-from kvmesh.client.base import ClientBase
+from kvmesh.client.base import ClientBase, resumed
 from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
-from kvmesh.client.retry_policy import CallPolicy, StartCall
+from kvmesh.client.retry_policy import CallPolicy, StartGenerate
 from kvmesh.client.types import (
     Completion,
     CompletionBuilder,
@@ -28,25 +28,33 @@ from kvmesh.proto.v1 import api_pb2, api_pb2_grpc
 
 
 class AsyncGenerateStream(AsyncIterator[GenerateChunk]):
-    """The chunks of one ``Generate`` call as an async iterator; same contract as the sync ``GenerateStream``.
-    Use ``async with`` (or ``aclose()``) to cancel a stream left before its end."""
+    """The chunks of one ``Generate`` call as an async iterator; same contract as the sync ``GenerateStream``
+    (retries on the next router, resumes after the tokens delivered). Use ``async with`` (or ``aclose()``) to
+    cancel a stream left before its end."""
 
-    def __init__(self, start: StartCall, policy: CallPolicy) -> None:
+    def __init__(self, start: StartGenerate, request: api_pb2.GenerateRequest, policy: CallPolicy,
+                 failover: Callable[[], None]) -> None:
         self._start = start
+        self._request = request
         self._policy = policy
+        self._failover = failover
         self._call: Any = None
         self._cancelled = False
         self._chunks = self._run()
         self.trailing_metadata: dict[str, str] = {}
 
     async def _run(self) -> AsyncGenerator[GenerateChunk, None]:
+        delivered: list[int] = []
+        request_id = self._request.request_id
         while not self._cancelled:
-            call = self._call = self._start(self._policy.attempt_timeout(), self._policy.metadata)
-            started = False
+            request = resumed(self._request, request_id, delivered) if delivered else self._request
+            call = self._call = self._start(request, self._policy.attempt_timeout(), self._policy.metadata)
             try:
-                async for chunk in call:
-                    started = True
-                    yield GenerateChunk.from_pb(chunk)
+                async for msg in call:
+                    chunk = GenerateChunk.from_pb(msg)
+                    request_id = chunk.request_id or request_id
+                    delivered += chunk.token_ids
+                    yield chunk
                 self.trailing_metadata = metadata_dict(await call.trailing_metadata())
                 return
             except asyncio.CancelledError:
@@ -56,9 +64,10 @@ class AsyncGenerateStream(AsyncIterator[GenerateChunk]):
             except grpc.RpcError as e:
                 if self._cancelled and e.code() is grpc.StatusCode.CANCELLED:
                     return
-                delay = None if started else self._policy.retry_delay(e)
+                delay = self._policy.retry_delay(e)
                 if delay is None:
                     raise self._policy.error(e) from None
+                self._failover()
             finally:
                 call.cancel()                           # no-op once the call has ended
             await asyncio.sleep(delay)
@@ -87,20 +96,24 @@ class AsyncKvmeshClient(ClientBase):
     """Asyncio client of the ``kvmesh.v1.Kvmesh`` API; same methods, deadlines, retries and errors as
     ``KvmeshClient``. Create it inside the event loop that uses it."""
 
-    def __init__(self, target: str, api_key: str | None = None, timeout_s: float | None = 60,
+    def __init__(self, target: str | Sequence[str], api_key: str | None = None, timeout_s: float | None = 60,
                  retries: int = 3, backoff_s: float = 0.2) -> None:
         super().__init__(target, api_key, timeout_s, retries, backoff_s)
-        self._channel = tls.aio_channel(target, self._channel_options())  # TLS when KVMESH_TLS_CA is set
-        self._stub = api_pb2_grpc.KvmeshStub(self._channel)
+        # TLS when KVMESH_TLS_CA is set; a channel per router (each connects on first use)
+        self._channels = [tls.aio_channel(t, self._channel_options()) for t in self.targets]
+        self._stubs = [api_pb2_grpc.KvmeshStub(ch) for ch in self._channels]
+
+    @property
+    def _stub(self) -> api_pb2_grpc.KvmeshStub:
+        return self._stubs[self._current]
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
                  messages: Sequence[Message] | None = None, timeout_s: float | None = None,
                  **options: Unpack[RequestOptions]) -> AsyncGenerateStream:
         """Stream one completion of ``prompt`` (text or token ids) or of chat ``messages``: ``async for``."""
-        policy = self._policy(timeout_s)
         request = generate_request(prompt, messages, **options)
-        return AsyncGenerateStream(
-            lambda timeout, md: self._stub.Generate(request, timeout=timeout, metadata=md), policy)
+        return AsyncGenerateStream(lambda req, timeout, md: self._stub.Generate(req, timeout=timeout, metadata=md),
+                                   request, self._policy(timeout_s), self._failover)
 
     async def complete(self, prompt: str | Sequence[int] | None = None, *,
                        messages: Sequence[Message] | None = None, timeout_s: float | None = None,
@@ -137,10 +150,12 @@ class AsyncKvmeshClient(ClientBase):
                 delay = policy.retry_delay(e)
                 if delay is None:
                     raise policy.error(e) from None
+                self._failover()
             await asyncio.sleep(delay)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for ch in self._channels:
+            await ch.close()
 
     async def __aenter__(self) -> Self:
         return self

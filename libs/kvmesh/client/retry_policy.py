@@ -10,15 +10,17 @@ from typing import Any
 import grpc
 
 from kvmesh.client.errors import DeadlineExceeded, KvmeshError, from_rpc_error
+from kvmesh.proto.v1 import api_pb2
 
-StartCall = Callable[[float | None, Sequence[tuple[str, str]]], Any]   # (timeout, metadata) -> a started call
+# (the request, timeout, metadata) -> a started Generate call, on the router the client uses now
+StartGenerate = Callable[[api_pb2.GenerateRequest, float | None, Sequence[tuple[str, str]]], Any]
 
 
 class CallPolicy:
     """One call's budget: a deadline for the whole call (every attempt and backoff included; None = no
     deadline) and up to ``retries`` retries after UNAVAILABLE, waiting ``backoff_s * 2**n`` (with jitter)
-    before retry ``n``. The caller decides whether a failure may be retried at all (a stream that already
-    delivered a chunk may not)."""
+    before retry ``n``. A stream that already delivered tokens is retried as a resume (it sends them back, so
+    the router streams only what follows them)."""
 
     def __init__(self, timeout_s: float | None, retries: int, backoff_s: float,
                  metadata: Sequence[tuple[str, str]]) -> None:

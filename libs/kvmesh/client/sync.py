@@ -9,9 +9,9 @@ from typing import Any, Self, TypeVar, Unpack
 import grpc
 
 from kvmesh import tls
-from kvmesh.client.base import ClientBase
+from kvmesh.client.base import ClientBase, resumed
 from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
-from kvmesh.client.retry_policy import CallPolicy, StartCall
+from kvmesh.client.retry_policy import CallPolicy, StartGenerate
 from kvmesh.client.types import (
     Completion,
     CompletionBuilder,
@@ -28,34 +28,43 @@ R = TypeVar("R")
 
 
 class GenerateStream(Iterator[GenerateChunk]):
-    """The chunks of one ``Generate`` call, which starts at the first ``next()``. A failure before the first
-    chunk is retried (UNAVAILABLE only); after it, it is raised, so no token is ever delivered twice.
-    ``cancel()`` (or leaving ``with``) stops the call; ``trailing_metadata`` is set once the stream ended."""
+    """The chunks of one ``Generate`` call, which starts at the first ``next()``. A failure with UNAVAILABLE is
+    retried (on the next router, when the client has several); after tokens were delivered, as a resume that
+    sends them back, so the stream goes on after them and no token is ever delivered twice. ``cancel()`` (or
+    leaving ``with``) stops the call; ``trailing_metadata`` is set once the stream ended."""
 
-    def __init__(self, start: StartCall, policy: CallPolicy) -> None:
+    def __init__(self, start: StartGenerate, request: api_pb2.GenerateRequest, policy: CallPolicy,
+                 failover: Callable[[], None]) -> None:
         self._start = start
+        self._request = request
         self._policy = policy
+        self._failover = failover
         self._call: Any = None
         self._cancelled = False
         self._chunks = self._run()
         self.trailing_metadata: dict[str, str] = {}
 
     def _run(self) -> Generator[GenerateChunk, None, None]:
+        delivered: list[int] = []
+        request_id = self._request.request_id
         while not self._cancelled:
-            call = self._call = self._start(self._policy.attempt_timeout(), self._policy.metadata)
-            started = False
+            request = resumed(self._request, request_id, delivered) if delivered else self._request
+            call = self._call = self._start(request, self._policy.attempt_timeout(), self._policy.metadata)
             try:
-                for chunk in call:
-                    started = True
-                    yield GenerateChunk.from_pb(chunk)
+                for msg in call:
+                    chunk = GenerateChunk.from_pb(msg)
+                    request_id = chunk.request_id or request_id
+                    delivered += chunk.token_ids
+                    yield chunk
                 self.trailing_metadata = metadata_dict(call.trailing_metadata())
                 return
             except grpc.RpcError as e:
                 if self._cancelled and e.code() is grpc.StatusCode.CANCELLED:
                     return
-                delay = None if started else self._policy.retry_delay(e)
+                delay = self._policy.retry_delay(e)
                 if delay is None:
                     raise self._policy.error(e) from None
+                self._failover()
             finally:
                 call.cancel()                           # no-op once the call has ended
             time.sleep(delay)
@@ -81,20 +90,24 @@ class KvmeshClient(ClientBase):
     else the client's; None = none) and is retried after UNAVAILABLE up to ``retries`` times with exponential
     backoff. ``api_key`` is sent as ``authorization: Bearer <key>``. Failures raise ``KvmeshError``s."""
 
-    def __init__(self, target: str, api_key: str | None = None, timeout_s: float | None = 60,
+    def __init__(self, target: str | Sequence[str], api_key: str | None = None, timeout_s: float | None = 60,
                  retries: int = 3, backoff_s: float = 0.2) -> None:
         super().__init__(target, api_key, timeout_s, retries, backoff_s)
-        self._channel = tls.channel(target, self._channel_options())  # TLS when KVMESH_TLS_CA is set
-        self._stub = api_pb2_grpc.KvmeshStub(self._channel)
+        # TLS when KVMESH_TLS_CA is set; a channel per router (each connects on first use)
+        self._channels = [tls.channel(t, self._channel_options()) for t in self.targets]
+        self._stubs = [api_pb2_grpc.KvmeshStub(ch) for ch in self._channels]
+
+    @property
+    def _stub(self) -> api_pb2_grpc.KvmeshStub:
+        return self._stubs[self._current]
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
                  messages: Sequence[Message] | None = None, timeout_s: float | None = None,
                  **options: Unpack[RequestOptions]) -> GenerateStream:
         """Stream one completion of ``prompt`` (text or token ids) or of chat ``messages``."""
-        policy = self._policy(timeout_s)
         request = generate_request(prompt, messages, **options)
-        return GenerateStream(lambda timeout, md: self._stub.Generate(request, timeout=timeout, metadata=md),
-                              policy)
+        return GenerateStream(lambda req, timeout, md: self._stub.Generate(req, timeout=timeout, metadata=md),
+                              request, self._policy(timeout_s), self._failover)
 
     def complete(self, prompt: str | Sequence[int] | None = None, *,
                  messages: Sequence[Message] | None = None, timeout_s: float | None = None,
@@ -134,10 +147,12 @@ class KvmeshClient(ClientBase):
                 delay = policy.retry_delay(e)
                 if delay is None:
                     raise policy.error(e) from None
+                self._failover()
             time.sleep(delay)
 
     def close(self) -> None:
-        self._channel.close()
+        for ch in self._channels:
+            ch.close()
 
     def __enter__(self) -> Self:
         return self

@@ -131,7 +131,13 @@ class ImportedKV:
 class EngineRequest:
     """One request as a service hands it to an engine. ``export``: read its KV out as it is computed (prefill:
     a push) or when it finishes (decode: the write-back); ``imported``: its prompt's KV was pushed here, decode
-    starts from it."""
+    starts from it.
+
+    ``generated``: the last ``generated`` tokens of ``prompt`` are this request's own output so far, streamed by
+    another instance before it stopped (a migrated request, continued here). They count towards
+    ``params.max_tokens``, a seeded sampler continues at their position, the grammar and the stop strings see
+    them, and the text this engine emits starts after theirs: the outputs are those the first instance would
+    have gone on to give. Only an engine with ``Engine.continues_requests`` accepts one."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -141,6 +147,12 @@ class EngineRequest:
     retention: tuple[RetentionRange, ...] = ()
     export: ExportPlan | None = None
     imported: ImportedKV | None = None
+    generated: int = 0
+
+    def __post_init__(self) -> None:
+        if self.generated < 0 or (self.generated and self.generated >= len(self.prompt)):
+            raise ValueError(f"generated ({self.generated}) must be in [0, {len(self.prompt)}): the tokens already "
+                             "generated follow at least one prompt token")
 
 
 @dataclass(frozen=True)

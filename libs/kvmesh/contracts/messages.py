@@ -1,4 +1,4 @@
-"""Bus messages (``kv.events`` batches, ``kv.ready``, heartbeats) and their wire format: versioned JSON, one frozen dataclass per message type.
+"""Bus messages (``kv.events`` batches, ``kv.ready``, heartbeats, routers' load) and their wire format: versioned JSON, one frozen dataclass per message type.
 
 Every message is a JSON object with ``"v"`` (format version) and ``"type"``. A reader rejects an unknown version
 or type with ``CodecError`` and ignores fields it does not know, so a writer may add fields without a version bump.
@@ -258,9 +258,42 @@ def _loras(value: Any) -> tuple[tuple[str, str, str], ...]:
     return tuple((a[0], a[1], a[2]) for a in value)
 
 
-Message = KVEventBatch | KVReady | Heartbeat
-_TYPES: dict[str, type[KVEventBatch | KVReady | Heartbeat]] = {
-    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat)}
+@dataclass(frozen=True)
+class RouterLoad:
+    """What one router replica has in flight on each engine instance (requests, and their prompt tokens not yet
+    prefilled as far as it knows), so the other replicas count it too and do not all pick the same instance.
+    Absolute counts: a lost message is repaired by the next one; ``ts``: the router's clock (epoch s)."""
+
+    TYPE: ClassVar[str] = "router_load"
+    router_id: str
+    ts: float
+    inflight: dict[str, int]
+    inflight_tokens: dict[str, int]
+
+    def encode(self) -> bytes:
+        return _dump(self.TYPE, {"router_id": self.router_id, "ts": self.ts, "inflight": self.inflight,
+                                 "inflight_tokens": self.inflight_tokens})
+
+    @classmethod
+    def decode(cls, data: bytes) -> RouterLoad:
+        return _expect(cls, decode(data))
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> RouterLoad:
+        return cls(router_id=_get(d, "router_id", str), ts=float(_get(d, "ts", int, float)),
+                   inflight=_counts(_get(d, "inflight", dict), "inflight"),
+                   inflight_tokens=_counts(_get(d, "inflight_tokens", dict), "inflight_tokens"))
+
+
+def _counts(value: dict[str, Any], name: str) -> dict[str, int]:
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()):
+        raise CodecError(f"field {name!r} must map instance ids to counts >= 0")
+    return dict(value)
+
+
+Message = KVEventBatch | KVReady | Heartbeat | RouterLoad
+_TYPES: dict[str, type[KVEventBatch | KVReady | Heartbeat | RouterLoad]] = {
+    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat, RouterLoad)}
 
 
 def decode(data: bytes) -> Message:
@@ -284,7 +317,7 @@ def decode(data: bytes) -> Message:
         raise CodecError(f"bad {kind} message: {e}") from e
 
 
-M = TypeVar("M", KVEventBatch, KVReady, Heartbeat)
+M = TypeVar("M", KVEventBatch, KVReady, Heartbeat, RouterLoad)
 
 
 def _expect(cls: type[M], msg: Message) -> M:

@@ -55,6 +55,7 @@ class AsyncEngine(EngineLoop, Engine):
     seam."""
 
     backend = "native"
+    continues_requests = True
 
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_events: Callable[[list[KVEvent]], None] | None = None, stall: float | None = None,
@@ -238,7 +239,7 @@ class AsyncEngine(EngineLoop, Engine):
         imported = self._imported(request.imported) if request.imported is not None else None
         seq = self.engine.add_request(request.request_id, list(request.prompt), request.params,
                                       request.cache_salt, request.retention, request.lora, request.export,
-                                      imported)
+                                      imported, request.generated)
         if timing is None:
             return
         timing.added = time.monotonic()

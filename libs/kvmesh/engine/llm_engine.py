@@ -85,6 +85,19 @@ class _Tracked:
         self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
         self.logprobs: list[TokenLogprobs] = []  # of the tokens so far, when the request asked
 
+    def resume(self, earlier: list[int]) -> None:
+        """Start where another instance stopped: the grammar and the detokenizer take the request's earlier
+        output tokens (their text already went out), so the stop strings and the next text see them. ValueError
+        when they do not fit the grammar."""
+        for token in earlier:
+            if self.grammar is not None:
+                try:
+                    self.grammar.accept(token)
+                except RuntimeError as e:
+                    raise ValueError(f"the tokens already generated do not fit the output's grammar: {e}") from None
+            if self.detok is not None:
+                self.text += self.detok.push(token)
+
 
 def _check_device(device: str) -> None:
     """RuntimeError saying what to do when ``device`` is CUDA and this torch cannot reach it."""
@@ -219,7 +232,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), lora: str = "",
-                    export: ExportPlan | None = None, imported: Imported | None = None) -> Sequence:
+                    export: ExportPlan | None = None, imported: Imported | None = None,
+                    generated: int = 0) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``lora``: the name of a loaded adapter to run it under ("" = the base model); its KV is keyed by the
@@ -233,6 +247,9 @@ class LLMEngine:
         ``first_block`` on; the ones before must be cached here, e.g. pinned by ``blocks.pin``); the request
         starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
+        ``generated``: the last ``generated`` prompt tokens are the request's output so far, from another
+        instance (``EngineRequest.generated``): they count towards ``max_tokens``, seeded sampling goes on from
+        their position, and the grammar, the detokenizer and the stop strings start from them.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -241,24 +258,31 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
+        if not 0 <= generated < min(len(prompt_token_ids), params.max_tokens):
+            raise ValueError(f"{generated} tokens already generated: there must be fewer than the prompt's "
+                             f"{len(prompt_token_ids)} tokens and max_tokens ({params.max_tokens})")
+        total = len(prompt_token_ids) - generated + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the model's context of {self.max_model_len} tokens")
+            raise ValueError(f"prompt ({len(prompt_token_ids) - generated} tokens) + max_tokens "
+                             f"({params.max_tokens}) exceeds the model's context of {self.max_model_len} tokens")
         if -(-total // self.cfg.block_size) > self.kv.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV but the pool holds "
                              f"{self.kv.num_blocks * self.cfg.block_size}; raise kv_cache_mb")
         spec = self.lora_spec(lora)  # ValueError naming the adapters served
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params,
-                       self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec)
+                       self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec,
+                       earlier_outputs=generated)
         detok = None
         if self.tokenizer is not None:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self._requests[request_id] = tracked = _Tracked(seq, detok, make_export(export))
+        tracked = _Tracked(seq, detok, make_export(export))
         tracked.grammar = grammar
+        if generated:
+            tracked.resume(prompt_token_ids[len(prompt_token_ids) - generated:])
+        self._requests[request_id] = tracked
         if imported is not None:
             blocks, num_tokens, first_token, first_block, first_logprobs = imported
             seq.output_token_ids.append(first_token)
@@ -369,7 +393,7 @@ class LLMEngine:
         params = [s.params for s in samplers]
 
         def generators(rows: list[Sequence]) -> list[torch.Generator | None]:
-            return [make_generator(s.params, len(s.output_token_ids)) for s in rows]
+            return [make_generator(s.params, s.earlier_outputs + len(s.output_token_ids)) for s in rows]
 
         try:
             mask = self._grammars.mask(states) if self._grammars is not None else None
@@ -541,7 +565,7 @@ class LLMEngine:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.earlier_outputs + len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -32,6 +32,7 @@ class Sequence:
     retention: tuple[RetentionRange, ...] = ()
     arrival: float = field(default_factory=time.monotonic)
     lora: LoRASpec | None = None      # the adapter it runs under (kept even if the name is unloaded meanwhile)
+    earlier_outputs: int = 0          # output tokens generated elsewhere before it came here: the prompt's tail
 
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -59,6 +59,9 @@ class Engine(abc.ABC):
     layout: KVLayout    # what its exported and imported blocks mean (the wire layout)
     model_name: str     # the model as spans name it
     max_model_len: int
+    # whether ``generate`` continues a request another instance started (``EngineRequest.generated``); a backend
+    # that cannot is never handed one (the hosting service refuses it, and the router migrates elsewhere)
+    continues_requests: bool = False
 
     @property
     def fingerprint(self) -> str:

@@ -1,4 +1,5 @@
-"""How a servicer of an engine instance ends the call of a request that failed inside the engine."""
+"""How a servicer of an engine instance ends the call of a request it cannot serve or that failed inside the
+engine."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import logging
 import grpc
 from opentelemetry.trace import Span
 
-from kvmesh.engines import SequenceError
+from kvmesh.engines import Engine, SequenceError
+from kvmesh.proto.v1 import worker_pb2
 from kvmesh.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -19,3 +21,11 @@ async def abort_failed(context: grpc.aio.ServicerContext, e: SequenceError, span
     if not e.client_fault:
         log.error("%s (trace %s)", e, tracing.trace_id(span))
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT if e.client_fault else grpc.StatusCode.INTERNAL, str(e))
+
+
+async def refuse_continuation(context: grpc.aio.ServicerContext, engine: Engine, work: worker_pb2.WorkRequest) -> None:
+    """A migrated request (``generated_tokens``) on an engine that cannot continue one: FAILED_PRECONDITION, so
+    the router takes it elsewhere. Nothing otherwise."""
+    if work.generated_tokens and not engine.continues_requests:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"the {engine.backend} engine cannot continue a request another instance started")

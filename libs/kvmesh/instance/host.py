@@ -107,7 +107,8 @@ class EngineHost:
         self.pool = None
         if self.cfg.cachesvc_address:
             self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server,
-                                   transfer_tls=tls.transfer_client_tls(self.shared))
+                                   transfer_tls=tls.transfer_client_tls(self.shared),
+                                   receive_at=self.advertised(self.transfer_address))
         for role in self.roles:
             self.attached.append(await role.attach(self))
         await self.grpc.start()
@@ -128,6 +129,13 @@ class EngineHost:
     @property
     def transfer_address(self) -> str:
         return self.transfer_server.address if self.transfer_server is not None else ""
+
+    def advertised(self, address: str) -> str:
+        """``address`` (host:port bound) as other services dial it: ``advertise_host`` when set."""
+        if not address or not self.cfg.advertise_host:
+            return address
+        scheme, sep, where = address.rpartition("://")  # a transfer address is <backend>://host:port
+        return f"{scheme}{sep}{self.cfg.advertise_host}:{where.rsplit(':', 1)[1]}"
 
     def span_attributes(self, request_id: str, cache_salt: str) -> dict[str, Any]:
         return {tracing.REQUEST_ID: request_id, tracing.MODEL: self.model_name, tracing.TENANT: cache_salt,
@@ -224,8 +232,9 @@ class EngineHost:
             if self.lora_load_s is not None:
                 load["lora_load_s"] = self.lora_load_s
             load.update(self.engine.speed())  # prefill_tok_per_s, prefill_overhead_s once measured
-            beat = Heartbeat(instance_id=self.instance_id, role=self.cfg.role, grpc_address=self.grpc_address,
-                             transfer_address=self.transfer_address, ts=time.time(), load=load,
+            beat = Heartbeat(instance_id=self.instance_id, role=self.cfg.role,
+                             grpc_address=self.advertised(self.grpc_address),
+                             transfer_address=self.advertised(self.transfer_address), ts=time.time(), load=load,
                              model=self.fingerprint, block_size=self.layout.block_size,
                              loras=tuple((a.name, a.generation, a.path) for a in self.engine.adapters()),
                              kv_layout=self.layout)

@@ -46,8 +46,12 @@ class Fetched(NamedTuple):
 
 class PoolClient:
     def __init__(self, address: str, layout: KVLayout, receiver: TransferServer | None = None,
-                 remember: int = 200_000, timeout_s: float = 30.0, transfer_tls: ClientTLS | None = None) -> None:
+                 remember: int = 200_000, timeout_s: float = 30.0, transfer_tls: ClientTLS | None = None,
+                 receive_at: str = "") -> None:
+        """``receive_at``: the address cachesvc sends fetched blocks to (the receiver's as others dial it;
+        "" = the address it bound)."""
         self.layout = layout
+        self.receive_at = receive_at
         self.proto_layout = layout.to_proto()
         self.block_nbytes = layout.block_nbytes
         self.receiver = receiver
@@ -88,7 +92,7 @@ class PoolClient:
         request = cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys)
         receiver = self.receiver
         if receiver is not None:  # cachesvc may push the blocks asked for, under this id, for this call
-            request.transfer_address = receiver.address
+            request.transfer_address = self.receive_at or receiver.address
             request.transfer_id = f"pool-get-{uuid.uuid4().hex}"
             request.transfer_token = receiver.grant(request.transfer_id, 0, len(keys), self.timeout_s).token
         try:

@@ -367,6 +367,9 @@ class InstanceSettings(Section):
                                     "point's by default", choices=Role.engines())
     id: str = setting("", "instance id: its name in subjects, heartbeats and traces (\"\" = <role>-<port>)")
     host: str = setting("127.0.0.1", "address bound and advertised in heartbeats (other services dial it)")
+    advertise_host: str = setting("", "the address other services dial instead of host (behind NAT or a proxy, "
+                                      "or binding 0.0.0.0); its gRPC and transfer ports stay the ones bound "
+                                      "(\"\" = host)")
     port: int = setting(0, "gRPC port (0 = a free one, reported in the ready line / file)")
     transfer_backend: TransferBackend = setting(TransferBackend.TCP, "KV transfer to decode")
     transfer_port: int = setting(0, "decode's transfer endpoint (0 = a free one)")
@@ -391,6 +394,9 @@ class InstanceSettings(Section):
                                           test_only=True)
     fault_forge_tokens: int = setting(0, "Fault injection: the first N KV pushes carry a token decode never "
                                          "issued", test_only=True)
+    fault_hang_after_tokens: int = setting(0, "Fault injection: decode's stream of each request that starts from "
+                                              "its prompt (not a migrated one) stops after N tokens and hangs "
+                                              "(0 = off)", test_only=True)
 
     @property
     def faults(self) -> Faults:
@@ -410,7 +416,7 @@ class InstanceSettings(Section):
         out += self._positive(("kv_timeout_s", "heartbeat_s"))
         out += self._min(("push_layer_groups",), 1)
         out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes",
-                          "fault_hang_after_parts", "fault_forge_tokens"), 0)
+                          "fault_hang_after_parts", "fault_forge_tokens", "fault_hang_after_tokens"), 0)
         return out
 
 
@@ -451,6 +457,12 @@ class RouterSettings(Section):
     max_body_bytes: int = setting(4 * 2**20, "larger HTTP bodies / gRPC requests are refused (413)")
     max_concurrent_requests: int = setting(256, "requests in flight at once; more are refused at once (429)")
     max_requests_per_tenant: int = setting(0, "requests in flight per tenant (0 = only the global cap)")
+    id: str = setting("", "this router's name among its replicas: the key of the in-flight counts it shares "
+                          "over NATS (\"\" = router-<hostname>-<pid>)")
+    migration_limit: int = setting(3, "times one request may move to another instance after its own failed "
+                                      "mid-stream (0 = never: the stream ends with the error)")
+    max_concurrent_migrations: int = setting(32, "migrations under way at once on this router; past it a failed "
+                                                 "stream ends with its error")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -467,6 +479,11 @@ class RouterSettings(Section):
                                              f"not {self.slo_ttft_s}"))
         out += self._min(("block_size", "max_body_bytes", "max_concurrent_requests"), 1)
         out += self._min(("max_requests_per_tenant",), 0, {"max_requests_per_tenant": "off"})
+        out += self._min(("migration_limit",), 0, {"migration_limit": "never"})
+        out += self._min(("max_concurrent_migrations",), 1)
+        if self.id and not (self.id.isascii() and self.id.replace("-", "").replace("_", "").isalnum()):
+            out.append(Problem("id", f"id must be letters, digits, '-' and '_' (it names a NATS subject), "
+                                     f"not {self.id!r}"))
         out += self._address("cachesvc_address", "none")
         for key, tenant in self.api_keys.items():
             out += [Problem("api_keys", m) for m in key_problems(key, tenant, "api_keys")]

@@ -1,0 +1,25 @@
+"""Fault injection for the fault tests (``[instance]``'s test-only ``fault_hang_after_tokens``): decode's stream
+of a request stops after N tokens and hangs, as a decode that is about to die looks to the router. The test then
+kills the instance at that point, so a migration starts from a known token, never from a timing guess."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from kvmesh.proto.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+async def hang_after_tokens(chunks: AsyncIterator[worker_pb2.DecodeChunk], n: int,
+                            request_id: str) -> AsyncIterator[worker_pb2.DecodeChunk]:
+    """``chunks`` until ``n`` tokens went out (unless it finished by then), then nothing, until cancelled."""
+    sent = 0
+    async for chunk in chunks:
+        yield chunk
+        sent += len(chunk.token_ids)
+        if sent >= n and not chunk.finished:
+            log.warning("request %s: fault injection: the stream hangs after %d tokens", request_id, sent)
+            await asyncio.Event().wait()
