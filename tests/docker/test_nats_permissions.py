@@ -18,7 +18,8 @@ from kvmesh.bus import Bus, Subjects, find_nats_server
 from kvmesh.bus.nats_server import read_ports_file
 from kvmesh.bus.snapshot import answer_snapshots, request_snapshot
 from kvmesh.contracts.events import AllBlocksCleared
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady
+from kvmesh.contracts.messages import Heartbeat, KVCopies, KVEventBatch, KVReady, SessionSignal
+from kvmesh.contracts.sessions import SessionEvent
 
 CONF = Path(__file__).resolve().parents[2] / "docker" / "nats.conf"
 PASSWORDS = {"router": "r-" + uuid.uuid4().hex, "worker": "w-" + uuid.uuid4().hex,
@@ -98,6 +99,16 @@ def test_each_service_user_can_do_what_its_service_does(port):
         snap = await request_snapshot(cachesvc, subjects, "prefill-0", timeout_s=5)
         assert snap is not None and snap.seq == 7 and snap.blocks == {"device": [11, 12]}
         await cachesvc.js.consumer_info(subjects.events_stream, "cachesvc")
+        signals: asyncio.Queue = asyncio.Queue()
+        copies: asyncio.Queue = asyncio.Queue()
+        for bus in (cachesvc, decode):
+            await bus.subscribe(subjects.sessions, lambda m, h: signals.put(m))
+        await decode.subscribe(subjects.kv_copies("decode-0"), lambda m, h: copies.put(m))
+        await router.publish(subjects.sessions, SessionSignal("t/s1", SessionEvent.END, 1.0))
+        for _ in range(2):
+            assert (await asyncio.wait_for(signals.get(), 5)).session == "t/s1"
+        await cachesvc.publish(subjects.kv_copies("decode-0"), KVCopies("decode-0", shared=(11,)))
+        assert (await asyncio.wait_for(copies.get(), 5)).shared == (11,)
         for bus in (router, cachesvc, prefill, decode):
             await bus.close()
 
@@ -116,7 +127,7 @@ def test_a_user_cannot_publish_what_is_not_its_own(port, caplog):
         decode = await Bus.connect(url("worker", port), "decode-0")
         ready: asyncio.Queue = asyncio.Queue()
         await decode.subscribe(subjects.kv_ready("decode-0"), lambda m, h: ready.put(m))
-        await router.publish(subjects.kv_ready("decode-0"), beat("x"))  # the router never publishes
+        await router.publish(subjects.kv_ready("decode-0"), beat("x"))  # the router publishes only session signals
         await router.nc.flush()
         await asyncio.sleep(0.5)
         assert ready.empty()

@@ -4,7 +4,17 @@ import pytest
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey, Role
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.contracts.messages import VERSION, CodecError, Heartbeat, KVEventBatch, KVReady, decode
+from kvmesh.contracts.messages import (
+    VERSION,
+    CodecError,
+    Heartbeat,
+    KVCopies,
+    KVEventBatch,
+    KVReady,
+    SessionSignal,
+    decode,
+)
+from kvmesh.contracts.sessions import SessionEvent
 
 MAX_KEY = BlockKey(2**64 - 1)
 
@@ -36,7 +46,8 @@ def make_heartbeat() -> Heartbeat:
 
 
 @pytest.mark.parametrize("msg", [make_batch(), make_ready(), make_ready(ok=False, error="transfer timed out"),
-                                 make_heartbeat()])
+                                 make_heartbeat(), SessionSignal("tenant/s-1", SessionEvent.PAUSE, 1.5, "both-0"),
+                                 KVCopies("decode-0", shared=(BlockKey(1), MAX_KEY), sole=(BlockKey(9),))])
 def test_every_message_type_round_trips(msg):
     assert type(msg).decode(msg.encode()) == msg
     assert decode(msg.encode()) == msg
@@ -176,3 +187,10 @@ def test_a_ready_with_malformed_logprobs_is_rejected_naming_the_field(bad):
     body = {**json.loads(make_ready().encode()), "first_logprobs": bad}
     with pytest.raises(CodecError, match="field 'first_logprobs'"):
         KVReady.decode(json.dumps(body).encode())
+
+
+def test_a_session_signal_names_a_known_event():
+    assert SessionSignal("t/s", "end", 1.0).event is SessionEvent.END
+    with pytest.raises(CodecError, match="session event 'stop'"):
+        decode(json.dumps({"v": VERSION, "type": "session_signal", "session": "t/s", "event": "stop",
+                           "ts": 1}).encode())

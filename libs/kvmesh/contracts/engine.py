@@ -128,10 +128,21 @@ class ImportedKV:
 
 
 @dataclass(frozen=True)
+class SessionHint:
+    """The session a request belongs to: ``key`` is the tenant-namespaced id (``contracts.sessions.session_key``);
+    ``end``: the client says this is the session's last request, so what it holds can go first once it
+    finished."""
+
+    key: str
+    end: bool = False
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One request as a service hands it to an engine. ``export``: read its KV out as it is computed (prefill:
     a push) or when it finishes (decode: the write-back); ``imported``: its prompt's KV was pushed here, decode
-    starts from it."""
+    starts from it. ``session``: the session it belongs to (None: none); ``retention``: token ranges to keep
+    ahead of others for a while (a TTL pin with its priority)."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -141,6 +152,7 @@ class EngineRequest:
     retention: tuple[RetentionRange, ...] = ()
     export: ExportPlan | None = None
     imported: ImportedKV | None = None
+    session: SessionHint | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +215,8 @@ class EngineStats:
     step_seconds: dict[str, float] = field(default_factory=dict)
     step_cpu_seconds: dict[str, float] = field(default_factory=dict)
     speed: dict[str, float] = field(default_factory=dict)      # prefill_tok_per_s, prefill_overhead_s
+    prefetch: dict[str, int] = field(default_factory=dict)     # loaded | used | wasted -> blocks warmed back
+    sessions: int = 0                                          # live sessions it keeps blocks for
 
 
 @dataclass(frozen=True)

@@ -274,7 +274,18 @@ class EngineSettings(Section):
     kv_dtype: str = setting("fp32", "KV storage dtype (attention computes in dtype)", choices=KV_DTYPES)
     host_cache_mb: int = setting(0, "L2 host tier: evicted device blocks spill here (0 = off)")
     eviction: Eviction = setting(Eviction.LRU, "eviction strategy of the engine's tiers (belady is for "
-                                               "kvmesh sim only)", choices=Eviction.online())
+                                               "kvmesh sim only; session, session_duel: the sessions' signals "
+                                               "first)", choices=Eviction.online())
+    session_idle_s: float = setting(1800.0, "session-aware eviction: a session silent this long is dropped as "
+                                            "if it had ended (clients that never say so)")
+    session_pause_s: float = setting(30.0, "session-aware eviction: how long a session that never paused "
+                                           "before is expected to wait on its tool, until the sessions' recent "
+                                           "pauses say otherwise")
+    session_prefetch: bool = setting(True, "session-aware eviction: warm a paused session's blocks that were "
+                                           "demoted to the host tier back onto the device before it is "
+                                           "expected back")
+    session_prefetch_lead_s: float = setting(1.0, "how long before a paused session is expected back its "
+                                                  "blocks are warmed back")
     enable_prefix_caching: bool = setting(True, "radix-tree prefix reuse at any token boundary")
     max_batched_tokens: int = setting(1024, "token budget of one forward step (chunked prefill)")
     max_num_seqs: int = setting(64, "running sequences at once")
@@ -305,6 +316,8 @@ class EngineSettings(Section):
             out.append(Problem("kv_cache_mb", f"kv_cache_mb must be >= 1 (or set num_blocks), not "
                                               f"{self.kv_cache_mb}"))
         out += self._min(("max_loras", "max_lora_rank"), 1)
+        out += self._positive(("session_idle_s", "session_pause_s"))
+        out += self._min(("session_prefetch_lead_s",), 0)
         try:
             self.lora_adapter_paths()
         except ValueError as e:
