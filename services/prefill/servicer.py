@@ -12,7 +12,15 @@ import time
 from typing import Any
 
 import grpc
-from kvmesh.contracts.engine import EngineRequest, ExportPieces, ExportPlan, RequestTiming, logprobs_to_proto
+from kvmesh.contracts.engine import (
+    EngineRequest,
+    ExportPieces,
+    ExportPlan,
+    RequestTiming,
+    SessionHint,
+    logprobs_to_proto,
+    retention_from_proto,
+)
 from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
@@ -51,9 +59,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         try:
             params = dataclasses.replace(sampling_from_proto(work.sampling), max_tokens=1, ignore_eos=True,
                                          stop=(), stop_token_ids=())
+            retention_from_proto(work.retention)
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         prompt = list(work.prompt_token_ids)
         # decode holds (and pinned) the leading blocks the router saw there: push only the rest. At most the
         # blocks before the last token's, so at least one block moves and decode computes nothing
@@ -75,7 +84,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         # from the first block decode lacks, pushed layer group by layer group as the forward pass writes them
         plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
         engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
-                                       export=plan)
+                                       retention=retention_from_proto(work.retention),
+                                       session=SessionHint.of(work.session_key, work.session_end), export=plan)
         try:
             async for out in w.engine.generate(engine_request, timing):
                 # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes

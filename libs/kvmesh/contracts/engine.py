@@ -9,6 +9,7 @@ computed it; the engine turns its own memory into these bytes and back (``kvmesh
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.contracts.ids import BlockKey
@@ -26,6 +27,22 @@ class RetentionRange:
     end: int
     priority: int
     duration_s: float = float("inf")
+
+
+def retention_to_proto(ranges: tuple[RetentionRange, ...]) -> list[common_pb2.Retention]:
+    return [common_pb2.Retention(start=r.start, end=r.end, priority=r.priority,
+                                 ttl_s=0.0 if r.duration_s == float("inf") else r.duration_s) for r in ranges]
+
+
+def retention_from_proto(ranges: Iterable[common_pb2.Retention]) -> tuple[RetentionRange, ...]:
+    """ValueError for a range that is empty or backwards, or a negative TTL (0: forever)."""
+    out = []
+    for r in ranges:
+        if r.end <= r.start or r.ttl_s < 0:
+            raise ValueError(f"retention [{r.start}, {r.end}) for {r.ttl_s} s: a range needs start < end and a "
+                             "TTL >= 0 (0 = forever)")
+        out.append(RetentionRange(r.start, r.end, r.priority, r.ttl_s or float("inf")))
+    return tuple(out)
 
 
 class ExportPieces(enum.StrEnum):
@@ -135,6 +152,11 @@ class SessionHint:
 
     key: str
     end: bool = False
+
+    @classmethod
+    def of(cls, key: str, end: bool = False) -> SessionHint | None:
+        """A request's hint from its wire fields ("" key: it belongs to no session)."""
+        return cls(key, end) if key else None
 
 
 @dataclass(frozen=True)

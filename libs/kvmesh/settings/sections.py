@@ -527,8 +527,11 @@ class CacheServiceSettings(Section):
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the log)")
     durable_name: str = setting("cachesvc", "its JetStream consumer; one per cachesvc replica")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
-    pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier",
+    pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier (session, "
+                                                    "session_duel: the sessions' signals first)",
                                       choices=Eviction.online())
+    session_idle_s: float = setting(1800.0, "session-aware eviction: a session silent this long is dropped as "
+                                            "if it had ended")
     instance_timeout_s: float = setting(5.0, "drop an instance's blocks after this long without a heartbeat")
     max_message_mb: int = setting(64, "largest gRPC request/response (PutBlocks/GetBlocks data)")
     disk_dir: str = setting("", "disk tier directory (\"\" = no disk tier); survives restarts")
@@ -559,6 +562,7 @@ class CacheServiceSettings(Section):
         out += self._ports(("port", "metrics_port", "transfer_port"))
         out += self._min(("pool_capacity_mb",), 0, {"pool_capacity_mb": "no DRAM tier"})
         out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
+        out += self._positive(("session_idle_s",))
         out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",
                                "transfer_timeout_s"))
         if self.disk_dir and not 0 < self.disk_segment_mb <= self.disk_capacity_mb:
