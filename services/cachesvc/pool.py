@@ -157,10 +157,11 @@ class Pool:
 
     def session_request(self, session: str, blocks: Sequence[int], end: bool = False) -> None:
         """A request of ``session`` used ``blocks`` (its context): the session holds them now (nothing, when
-        ``end``); what it let go of, and what it holds, are ranked again."""
+        ``end``); what it let go of, and what it holds, are ranked again. A write-back comes after its request
+        finished, perhaps after the pause it ended in: it does not end a pause (which runs out when overdue)."""
         if self.sessions is None:
             return
-        changed = self.sessions.request(session, blocks, self.leases.clock(), end)
+        changed = self.sessions.request(session, blocks, self.leases.clock(), end, resume=False)
         for key in blocks:
             for tier in self.tiers:
                 for usage in tier.usages(key):
@@ -171,7 +172,7 @@ class Pool:
         """``session`` paused (its response ended in a tool call) or ended (an explicit close)."""
         if self.sessions is not None:
             t = self.leases.clock()
-            self._rerank(self.sessions.pause(session, t) if event is SessionEvent.PAUSE
+            self._rerank(self.sessions.pause(session, t, create=True) if event is SessionEvent.PAUSE
                          else self.sessions.end(session))
 
     def mark_replicated(self, shared: Sequence[int], sole: Sequence[int]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
-from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
+from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady
 from kvmesh.contracts.sampling import sampling_to_proto
@@ -34,6 +34,7 @@ from services.router.intake import Admitted
 from services.router.loras import Adapters
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, choose_decode
+from services.router.sessions import Sessions
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
         self.loras = Adapters(lambda: self.registry, self._channel, cfg.lora_root)
+        self.sessions = Sessions(lambda msg: self.bus.publish(self.subjects.sessions, msg), cfg.session_affinity,
+                                 cfg.session_overload, cfg.max_sessions)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -157,7 +160,10 @@ class Router:
                 work = worker_pb2.WorkRequest(
                     request_id=request_id if attempt == 0 else f"{request_id}.retry{attempt}",
                     prompt_token_ids=prompt, sampling=sampling_to_proto(request.sampling),
-                    cache_salt=request.cache_salt, pool_blocks=matched.get(POOL, 0), lora_name=lora)
+                    cache_salt=request.cache_salt, pool_blocks=matched.get(POOL, 0), lora_name=lora,
+                    session_key=request.session.key if request.session else "",
+                    session_end=bool(request.session and request.session.end),
+                    retention=retention_to_proto(request.retention))
                 stream = self._route(work, matched, rt, policy, route, avoid,
                                      request.disaggregate or self.cfg.disaggregate)
                 if stream is None:
@@ -168,15 +174,20 @@ class Router:
                                                               "decode instance, or one with role both)")
             finally:
                 route.end()
-            completion, started = 0, False
+            completion, started, text = 0, False, []
             try:
                 async for chunk, cached in stream:
                     started = True
                     rt.chunk_arrived()
                     completion += len(chunk.token_ids)
+                    if request.session is not None:
+                        text.append(chunk.text)
                     if chunk.finished:
                         chunk.usage = Usage(len(prompt), completion, await cached())
                         rt.usage(len(prompt), completion, chunk.usage.cached_tokens)
+                        event = await self.sessions.finished(request.session, "".join(text), chunk.finish_reason)
+                        if event is not None:
+                            rt.root.set_attribute("kvmesh.session.signal", event.value)
                     yield chunk
                 return
             except RequestError as e:
@@ -199,12 +210,17 @@ class Router:
         prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
         lora = work.lora_name
+        session = SessionHint.of(work.session_key, work.session_end)
         if prefills and decodes:
             prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
-            decode = choose_decode(holders or decodes)
+            home, why = self.sessions.place(session, holders or decodes)
+            decode = home or choose_decode(holders or decodes)
+            self.sessions.ran(session, decode.id)
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
+                if why:
+                    route.set_attribute("kvmesh.route.session", why)
             # one line prices both computes: the same model on the same kind of machine, and a decode
             # instance's own fit comes from one-token steps, which pin down no prompt speed. The streams decode
             # runs: what this router has in flight there (a heartbeat lags: in a chat it still reports the
@@ -224,7 +240,12 @@ class Router:
         both = [i for i in self.registry.alive("both") if i.id not in avoid]
         if both:
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
-            return self._local(work, self._choose(policy, "both", both, matched, prompt, route, lora), rt)
+            home, why = self.sessions.place(session, [i for i in both if self.loras.holds(i, lora)] or both)
+            if why:
+                route.set_attribute("kvmesh.route.session", why)
+            inst = home or self._choose(policy, "both", both, matched, prompt, route, lora)
+            self.sessions.ran(session, inst.id)
+            return self._local(work, inst, rt)
         return None
 
     async def _ensure_lora(self, work: worker_pb2.WorkRequest, *instances: Instance) -> None:

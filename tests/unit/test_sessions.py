@@ -204,3 +204,13 @@ def test_trace_session_fields_are_read_and_checked(tmp_path):
 def test_expected_pause_is_infinite_in_the_simulator_until_one_is_seen():
     c = BlockCache(4, "session")
     assert c.sessions.default_pause_s == math.inf
+
+
+def test_a_pause_heard_before_the_write_back_is_kept_and_a_write_back_does_not_end_it():
+    t = SessionTable(default_pause_s=10.0)
+    assert t.pause("t/a", 0.0) == set() and "t/a" not in t  # an engine that never saw the session: ignored
+    t.pause("t/a", 0.0, create=True)  # the pool: the write-back of the paused turn comes after the signal
+    t.request("t/a", [1, 2], 0.5, resume=False)
+    assert t.get("t/a").paused and t.mark(1, "t/a", 1.0) is Mark.PAUSED
+    t.pause("t/a", 30.0)  # paused again later: held afresh from then
+    assert t.mark(1, "t/a", 40.0) is Mark.PAUSED and t.mark(1, "t/a", 51.0) is Mark.LIVE

@@ -104,15 +104,18 @@ class SessionTable:
         return self._held.get(block, 0)
 
     # ---- signals -------------------------------------------------------------------------------------------
-    def request(self, key: str, blocks: Sequence[int], now: float, end: bool = False) -> set[int]:
+    def request(self, key: str, blocks: Sequence[int], now: float, end: bool = False,
+                resume: bool = True) -> set[int]:
         """A request of session ``key`` used ``blocks`` (its context, in order): they are what it holds now.
-        ``end``: it was the session's last, so it holds nothing any more. A paused session is back."""
+        ``end``: it was the session's last, so it holds nothing any more. A paused session is back, unless
+        ``resume`` is False: a cache that hears of requests only after they finished (the pool, from their
+        write-backs) cannot tell the turn that paused from the next one, and leaves the pause to run out."""
         s = self._sessions.get(key)
         if s is None:
             if end:
                 return set()
             s = self._sessions[key] = Session(key, now)
-        changed = self._resume(s, now)
+        changed = self._resume(s, now) if resume else set()
         new = () if end else tuple(blocks)
         changed |= self._hold(s, new)
         s.last_seen = now
@@ -120,13 +123,18 @@ class SessionTable:
             del self._sessions[key]
         return changed
 
-    def pause(self, key: str, now: float) -> set[int]:
-        """Session ``key``'s last response ended in a tool call: it is back once the tool ran."""
+    def pause(self, key: str, now: float, create: bool = False) -> set[int]:
+        """Session ``key``'s last response ended in a tool call: it is back once the tool ran. A session not
+        known here is ignored, or with ``create`` recorded as paused (a write-back of its blocks may come after
+        the signal); one paused already is paused afresh from ``now``."""
         s = self._sessions.get(key)
-        if s is None or s.paused:
-            return set()
+        if s is None:
+            if not create:
+                return set()
+            s = self._sessions[key] = Session(key, now)
+        if s.paused_at is None:
+            self._paused.update(s.blocks)
         s.paused_at = now
-        self._paused.update(s.blocks)
         self._hold_paused(s.blocks, now + OVERDUE * self.expected_pause(s))
         return set(s.blocks)
 

@@ -460,6 +460,11 @@ class RouterSettings(Section):
     max_body_bytes: int = setting(4 * 2**20, "larger HTTP bodies / gRPC requests are refused (413)")
     max_concurrent_requests: int = setting(256, "requests in flight at once; more are refused at once (429)")
     max_requests_per_tenant: int = setting(0, "requests in flight per tenant (0 = only the global cap)")
+    session_affinity: bool = setting(True, "a session's requests go where its last one ran (its KV is there), "
+                                           "unless that instance is overloaded (session_overload)")
+    session_overload: int = setting(2, "a session leaves its instance for one with this many fewer requests "
+                                       "queued or running (its KV follows through the pool)")
+    max_sessions: int = setting(100_000, "sessions whose instance the router remembers (least recent forgotten)")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -476,6 +481,7 @@ class RouterSettings(Section):
                                              f"not {self.slo_ttft_s}"))
         out += self._min(("block_size", "max_body_bytes", "max_concurrent_requests"), 1)
         out += self._min(("max_requests_per_tenant",), 0, {"max_requests_per_tenant": "off"})
+        out += self._min(("session_overload", "max_sessions"), 1)
         out += self._address("cachesvc_address", "none")
         for key, tenant in self.api_keys.items():
             out += [Problem("api_keys", m) for m in key_problems(key, tenant, "api_keys")]
