@@ -156,3 +156,44 @@ def test_grpc_bad_ttl_is_invalid_argument_naming_the_field(mesh):
         with pytest.raises(grpc.RpcError) as e:
             stub.Chat(request, metadata=(("authorization", "Bearer sk-alice"),))
         assert "cache_control.priority" in e.value.details()
+
+
+# ---- two instances: placement and the cluster's copies ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(nats_server, model_dir) -> Iterator[TinyMesh]:  # noqa: F811
+    with TinyMesh(nats_server.url, model_dir, cachesvc=True, roles=("both", "both"),
+                  engine={"eviction": "session_duel"}, pool={"pool_eviction": "session"}) as m:
+        yield m
+
+
+def holders(mesh: TinyMesh, key: str) -> list[str]:
+    return [w.instance_id for w in mesh.workers if key in w.engine.engine.blocks.sessions]  # type: ignore
+
+
+def test_a_session_stays_on_its_instance_where_round_robin_would_move_it(pair):
+    s, rr = sid(), {"x-kvmesh-policy": "round_robin"}
+    for turn in range(3):
+        status, _, _ = pair.post(CHAT, {"messages": [{"role": "user", "content": f"turn {turn} " * 10}],
+                                        "max_tokens": 2, "session_id": s}, rr)
+        assert status == 200
+    assert len(holders(pair, f"/{s}")) == 1  # every turn ran where the first did
+    other = sid()
+    for turn in range(2):  # without a session id the same policy alternates
+        pair.post(CHAT, {"messages": [{"role": "user", "content": f"{other} {turn} " * 10}], "max_tokens": 2}, rr)
+    assert pair.router.sessions.instance_of(f"/{s}") in {w.instance_id for w in pair.workers}
+
+
+def test_blocks_with_another_copy_in_the_cluster_are_marked_on_the_instance(pair):
+    prompt = f"{uuid.uuid4().hex} " + "a prompt both instances compute " * 4
+    for _ in range(2):  # round robin: once on each instance
+        status, _, _ = pair.post("/v1/completions", {"prompt": prompt, "max_tokens": 2},
+                                 {"x-kvmesh-policy": "round_robin"})
+        assert status == 200
+    tokens = pair.router.tokenizer.encode(prompt)
+
+    def replicated(worker) -> list[bool]:
+        engine = worker.engine
+        return [n.replicated for n in engine.engine.blocks.match(engine.namespace(""), tokens).nodes]
+
+    assert eventually(lambda: all(replicated(w) and all(replicated(w)) for w in pair.workers))

@@ -214,3 +214,17 @@ def test_a_pause_heard_before_the_write_back_is_kept_and_a_write_back_does_not_e
     assert t.get("t/a").paused and t.mark(1, "t/a", 1.0) is Mark.PAUSED
     t.pause("t/a", 30.0)  # paused again later: held afresh from then
     assert t.mark(1, "t/a", 40.0) is Mark.PAUSED and t.mark(1, "t/a", 51.0) is Mark.LIVE
+
+
+def test_every_eviction_the_sim_lists_runs_with_a_session_end_share(tmp_path, capsys):
+    from kvmesh.engine.eviction import POLICIES
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"timestamp": r.arrival_s, "input_length": r.input_length,
+                                          "output_length": 5, "hash_ids": list(r.hash_ids)}) for r in chat()))
+    for name in POLICIES:
+        for share in ("1", "0.5", "0"):
+            assert main(["--trace", str(path), "--instances", "1", "--policy", "round_robin", "--capacity-blocks",
+                         "20", "--pool-blocks", "0", "--eviction", name, "--session-end-share", share,
+                         "--json"]) == 0
+            assert 0 <= json.loads(capsys.readouterr().out)["hit_rate"] <= 1
