@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import random
 import re
+import shutil
 import tempfile
 import time
 import urllib.request
@@ -33,7 +34,7 @@ from app.bench.stats import RequestRecord, percentile
 SECTION = "Sessions on the stack"
 VOCAB = 49152  # SmolLM2's
 TOOL_CALL = '<tool_call>{"name": "run", "arguments": {}}</tool_call>'
-ENGINE = {"threads": 1, "num_blocks": 96, "host_cache_mb": 48, "eviction": "session_duel"}
+ENGINE = {"threads": 1, "num_blocks": 96, "host_cache_mb": 16, "eviction": "session_duel", "session_pause_s": 3.0}
 POOL = {"pool_capacity_mb": 64, "pool_eviction": "session"}
 
 
@@ -81,6 +82,7 @@ class Run:
     block_bytes: int = 0
     wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    logs: str = ""  # where the services' logs were kept (a run with errors)
 
 
 async def drive(url: str, plan: list[Task], signals: bool, max_tokens: int = 24) -> tuple[list[RequestRecord],
@@ -147,6 +149,10 @@ def run(mode: str, plan: list[Task]) -> Run:
             t0 = time.monotonic()
             result.records, result.errors = asyncio.run(drive(stack.router_http, plan, mode == "with signals"))
             result.wall_s = time.monotonic() - t0
+            if result.errors:  # keep the services' logs of a run that went wrong
+                kept = Path("bench-out") / f"session-stack-{mode.replace(' ', '-')}-{int(time.time())}"
+                shutil.copytree(stack.log_dir, kept)
+                result.logs = str(kept)
             time.sleep(1.5)  # the last metrics reach the counters
             for name in ("both-0", "both-1"):
                 counts, result.block_bytes = scrape(stack.service(name).endpoints["metrics"])
@@ -178,12 +184,13 @@ def bench(sessions: int = 6, steps: int = 5) -> str:
     runs = [run(mode, plan) for mode in ("without signals", "with signals")]
     cols = ["run", "resumed steps", "TTFT p50 s", "TTFT p90 s", "cached-token share", "prefetched MB", "used MB",
             "wasted MB", "wall s", "errors"]
-    errors = [e for r in runs for e in r.errors][:5]
+    errors = [e for r in runs for e in r.errors][:5] + [f"logs kept in {r.logs}" for r in runs if r.logs]
     return (f"{sessions} agent tasks of {steps} steps (a 256-token shared preamble, 128 tokens of their own, 96 "
             f"tokens of tool output a step; tool calls forced by the response format), started 1.5 s apart, on 2 "
             f"role-both instances of the default model (1 thread each, {ENGINE['num_blocks']} device blocks = "
             f"{ENGINE['num_blocks'] * 16} tokens, {ENGINE['host_cache_mb']} MB host tier, a {POOL['pool_capacity_mb']}"
-            f" MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}). Resumed steps: step 2 on. "
+            f" MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}, a tool expected to take "
+            f"{ENGINE['session_pause_s']:g} s until the sessions' own pauses say otherwise). Resumed steps: step 2 on. "
             f"Load average {load0} at the start, {load_average()} at the end (the machine is shared: TTFTs move "
             "with it).\n\n" + markdown_table([_row(r) for r in runs], cols)
             + ("\n\nErrors: " + "; ".join(errors) if errors else ""))

@@ -185,7 +185,7 @@ class Router:
                     if chunk.finished:
                         chunk.usage = Usage(len(prompt), completion, await cached())
                         rt.usage(len(prompt), completion, chunk.usage.cached_tokens)
-                        event = await self.sessions.finished(request.session, "".join(text), chunk.finish_reason)
+                        event = self.sessions.finished(request.session, "".join(text), chunk.finish_reason)
                         if event is not None:
                             rt.root.set_attribute("kvmesh.session.signal", event.value)
                     yield chunk

@@ -15,6 +15,7 @@ ran: the caches keep its blocks, and the engine warms back what it demoted befor
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -57,6 +58,7 @@ class Sessions:
         self.overload = overload
         self.max_sessions = max_sessions
         self._where: OrderedDict[str, str] = OrderedDict()  # session key -> the instance of its last request
+        self._sending: set[asyncio.Task] = set()  # signals being published
         self.moved = 0  # requests that left their session's instance because it was overloaded
 
     def __len__(self) -> int:
@@ -92,15 +94,17 @@ class Sessions:
         while len(self._where) > self.max_sessions:
             self._where.popitem(last=False)
 
-    async def finished(self, session: SessionHint | None, text: str, finish_reason: str) -> SessionEvent | None:
-        """A request of ``session`` finished with ``text``: tell every cache when that ended the session or
-        paused it (a tool call). Returns what was said."""
+    def finished(self, session: SessionHint | None, text: str, finish_reason: str) -> SessionEvent | None:
+        """A request of ``session`` finished with ``text``: tell every cache, in the background (the answer does
+        not wait for it), when that ended the session or paused it (a tool call). Returns what is said."""
         if session is None:
             return None
         event = SessionEvent.END if session.end else (
             SessionEvent.PAUSE if ends_in_tool_call(text, finish_reason) else None)
         if event is not None:
-            await self._signal(session.key, event)
+            task = asyncio.get_running_loop().create_task(self._signal(session.key, event))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
         return event
 
     async def close(self, key: str) -> None:

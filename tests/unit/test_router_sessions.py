@@ -158,10 +158,11 @@ def test_signals_are_published_for_ends_pauses_and_closes():
 
     async def body() -> None:
         s = Sessions(publish)
-        assert await s.finished(SessionHint("t/a"), "plain answer", "stop") is None
-        assert await s.finished(SessionHint("t/a"), "<tool_call>{}</tool_call>", "stop") is SessionEvent.PAUSE
-        assert await s.finished(SessionHint("t/b", end=True), "bye", "stop") is SessionEvent.END
-        assert await s.finished(None, "<tool_call>{}</tool_call>", "stop") is None
+        assert s.finished(SessionHint("t/a"), "plain answer", "stop") is None
+        assert s.finished(SessionHint("t/a"), "<tool_call>{}</tool_call>", "stop") is SessionEvent.PAUSE
+        assert s.finished(SessionHint("t/b", end=True), "bye", "stop") is SessionEvent.END
+        assert s.finished(None, "<tool_call>{}</tool_call>", "stop") is None
+        await asyncio.sleep(0)  # the signals go out in the background
         await s.close("t/c")
 
     asyncio.run(body())
