@@ -34,8 +34,8 @@ from app.bench.stats import RequestRecord, percentile
 SECTION = "Sessions on the stack"
 VOCAB = 49152  # SmolLM2's
 TOOL_CALL = '<tool_call>{"name": "run", "arguments": {}}</tool_call>'
-ENGINE = {"threads": 1, "num_blocks": 96, "host_cache_mb": 16, "eviction": "session_duel", "session_pause_s": 3.0}
-POOL = {"pool_capacity_mb": 64, "pool_eviction": "session"}
+ENGINE = {"threads": 1, "num_blocks": 64, "host_cache_mb": 32, "eviction": "session_duel", "session_pause_s": 3.0}
+POOL = {"pool_capacity_mb": 32, "pool_eviction": "session"}
 
 
 @dataclass(frozen=True)

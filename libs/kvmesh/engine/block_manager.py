@@ -17,6 +17,7 @@ Invariants
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -135,10 +136,22 @@ class BlockManager:
     def allocate_prefix(self, seq: Sequence) -> bool:
         """Attach the longest cached prefix to a new sequence (loading host blocks, copying a partial block).
 
-        Leaves at least one token to compute so the sequence gets logits. False when blocks are short.
+        Leaves at least one token to compute so the sequence gets logits. False when blocks are short. When the
+        prefix's host blocks cannot all come back (the device can make no room for them while they are held:
+        its other blocks' children fill the host tier), the part on the device is attached and the rest is
+        computed again, rather than waiting for room that never comes.
         """
         tokens = seq.all_token_ids
         m = self.match(seq.namespace_seed, tokens, max_tokens=len(tokens) - 1)
+        if self._attach(seq, m):
+            return True
+        on_device = list(itertools.takewhile(lambda n: n.block_id is not None, m.nodes))
+        if len(on_device) == len(m.nodes) and m.partial is None:
+            return False
+        return self._attach(seq, PrefixMatch(on_device, None, 0, self.block_size))
+
+    def _attach(self, seq: Sequence, m: PrefixMatch) -> bool:
+        """``allocate_prefix`` of the match ``m``; False (nothing held) when the device has no room."""
         held = m.nodes + ([m.partial] if m.partial else [])
         for node in held:
             node.ref_count += 1

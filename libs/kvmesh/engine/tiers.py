@@ -57,16 +57,29 @@ class Tiers:
     def evict(self, n: int) -> int:
         """Free ``n`` device blocks from unreferenced cached nodes, in the policy's order (O(log n) each: the
         queue holds the nodes that were evictable when last touched; one that no longer is leaves it until its
-        last reader or last child goes, which pushes it again)."""
+        last reader or last child goes, which pushes it again; one that was but could not go this time, an
+        inner node the full host tier cannot take, is ranked again)."""
         freed = 0
         t = now()
+        kept: list[Node] = []  # popped but could not go yet (children, and no host room): ranked again
+        progressed = False
         while freed < n:
             node = self.queue.pop(t, self._evictable)
             if node is None:
-                break
-            self.policy.on_evict(node, t)
+                if not (kept and progressed):
+                    break
+                for k in kept:  # what went since may have made host room for them: another round
+                    self.queue.push(k, k.last_access)
+                kept, progressed = [], False
+                continue
             if self._evict_from_device(node):
+                self.policy.on_evict(node, t)
                 freed += 1
+                progressed = True
+            else:
+                kept.append(node)
+        for node in kept:
+            self.queue.push(node, node.last_access)
         return freed
 
     def unref(self, node: Node) -> None:
