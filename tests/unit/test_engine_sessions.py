@@ -198,3 +198,41 @@ def test_the_engine_takes_a_requests_session_and_its_signals(tiny_config):
             await engine.close()
 
     asyncio.run(body())
+
+
+def test_a_pause_warms_the_sessions_demoted_blocks_back_before_it_is_expected(tiny_config):
+    """Through the seam: the pause signal sets a timer (the session's expected pause less the lead), which loads
+    the blocks other work demoted to the host tier back onto the device."""
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.settings import EngineSettings
+
+    async def body() -> None:
+        cfg = EngineSettings(num_blocks=16, block_size=4, eviction="session", host_cache_mb=1,
+                             session_pause_s=0.5, session_prefetch_lead_s=0.1)
+        engine = AsyncEngine(LLMEngine(cfg, model_config=tiny_config), asyncio.get_running_loop())
+        try:
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            agent = tuple(range(1, 22))  # 5 full blocks
+            async for _ in engine.generate(EngineRequest("a", agent, params, session=SessionHint("t/agent"))):
+                pass
+            for i in range(2):  # other work fills the device: the session's blocks are demoted to the host
+                other = tuple(range(100 + 60 * i, 160 + 60 * i))
+                async for _ in engine.generate(EngineRequest(f"o{i}", other, params)):
+                    pass
+            on_host = await engine.call(lambda e: sum(n.block_id is None for n in e.blocks.match(
+                engine.namespace(), agent).nodes))
+            assert on_host > 0
+            engine.signal_session(SessionSignal("t/agent", SessionEvent.PAUSE, 0.0))  # its response: a tool call
+            for _ in range(200):  # the timer fires 0.4 s on (the expected pause less the lead)
+                if engine.stats().prefetch["loaded"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.stats().prefetch["loaded"] > 0
+            on_device = await engine.call(lambda e: sum(n.block_id is not None for n in e.blocks.match(
+                engine.namespace(), agent).nodes))
+            assert on_device == 5
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
