@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from kvmesh.contracts.names import Eviction
 from kvmesh.engine.eviction import make_policy as make_eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
+from kvmesh.engine.sessions import owner_after
 from kvmesh.routing import CacheAware, Candidate, CostModel, make_policy
 
-from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, with_sessions
 
 SECTION = "Routing simulator, {instances} instances"  # --write: the section of docs/benchmarks.md
 SIM_POLICIES = ("random", "round_robin", "least_loaded", "cache_aware_local", "cache_aware")
@@ -45,12 +46,16 @@ class BlockCache:
         extended: bool = False  # has had a child (not a request's tail)
         next_use: float = math.inf
         key: int | None = None  # the block id (what a strategy's ghost list of evicted blocks remembers)
+        session_owner: str = ""  # the session that used it ("" none, ``sessions.SHARED`` several)
 
     def __init__(self, capacity: int, eviction: Eviction | str = Eviction.LRU) -> None:
         self.capacity = capacity
         self.strategy = make_eviction(eviction, online=False)
         self.items: dict[int, BlockCache.Entry] = {}
         self.queue: EvictionQueue[int] = EvictionQueue(self.strategy, self.items.__getitem__)
+        self.sessions = getattr(self.strategy, "sessions", None)  # a session-aware strategy's table
+        if self.sessions is not None:  # the clock counts block accesses: no pause length means anything yet
+            self.sessions.default_pause_s = math.inf
         self.clock = 0.0
 
     def prefix(self, ids: tuple[int, ...]) -> int:
@@ -61,9 +66,11 @@ class BlockCache:
             n += 1
         return n
 
-    def touch(self, ids: tuple[int, ...], hits: int, next_uses: tuple[float, ...] | None = None) -> None:
+    def touch(self, ids: tuple[int, ...], hits: int, next_uses: tuple[float, ...] | None = None,
+              session: str = "", end: bool = False) -> None:
         """Insert ``ids`` (the first ``hits`` were cache hits) as most recently used; ``next_uses``: when each is
-        used next (what ``belady`` reads)."""
+        used next (what ``belady`` reads); ``session``: the request's session ("" = none), ``end``: its last
+        request."""
         policy, items = self.strategy, self.items
         parent, parent_new = None, False
         for n, i in enumerate(ids):
@@ -82,11 +89,24 @@ class BlockCache:
                 e.prev_access, e.last_access = e.last_access, self.clock
             if next_uses is not None:
                 e.next_use = next_uses[n]
+            e.session_owner = owner_after(e.session_owner, session)
             parent, parent_new = i, new
+        if session and self.sessions is not None:
+            self._rerank(self.sessions.request(session, ids, self.clock, end))
         for i in ids:
             self.queue.push(i, self.clock)
         while len(items) > self.capacity:
             self._evict_one()
+
+    def pause(self, session: str) -> None:
+        """``session``'s last response ended in a tool call."""
+        if session and self.sessions is not None:
+            self._rerank(self.sessions.pause(session, self.clock))
+
+    def _rerank(self, blocks: set[int]) -> None:
+        for i in blocks:
+            if i in self.items:
+                self.queue.push(i, self.clock)
 
     def _evict_one(self) -> None:
         victim = self.queue.pop(self.clock)
@@ -158,9 +178,13 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
         inst.free_at = start + compute
         ttfts.append(inst.free_at - t)
         nexts = future[n] if future is not None else None
-        inst.cache.touch(r.hash_ids, local, nexts)
+        inst.cache.touch(r.hash_ids, local, nexts, r.session_id, r.session_end)
         if use_pool:
-            pool.touch(r.hash_ids, pool_prefix, nexts)
+            pool.touch(r.hash_ids, pool_prefix, nexts, r.session_id, r.session_end)
+        if r.pause:
+            inst.cache.pause(r.session_id)
+            if use_pool:
+                pool.pause(r.session_id)
         served_blocks += min(hit_blocks, len(r.hash_ids))
         total_blocks += len(r.hash_ids)
         if n >= half:
@@ -179,6 +203,8 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
         "slo_ttft_s": slo, "slo_attainment": sum(x <= slo for x in ttfts) / len(ttfts),
         "prefill_tokens_computed": computed_tokens, "time_scale": scale,
         "prefill_tok_per_s": cost.prefill_tok_per_s,
+        "sessions": len({r.session_id for r in trace if r.session_id}),
+        "sessions_ended": sum(r.session_end for r in trace),
     }
 
 
@@ -209,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-blocks", type=int, help="global pool capacity (default: instances × capacity)")
     p.add_argument("--eviction", default="lru", choices=sorted(e.value for e in Eviction),
                    help="eviction strategy of every cache (belady: the offline optimum, for reference)")
+    p.add_argument("--session-end-share", type=float, default=1.0, metavar="P",
+                   help="the share of sessions whose client says when they end, in [0, 1] (sessions rebuilt "
+                        "from the prefix chains when the trace has no session_id)")
+    p.add_argument("--unsignalled", default="anonymous", choices=("anonymous", "named"),
+                   help="the other sessions' requests: without a session id, or with it but never an end")
     p.add_argument("--max-requests", type=int)
     p.add_argument("--prefill-tok-s", type=float, default=CostModel().prefill_tok_per_s,
                    help="calibrated prefill speed of one instance (default: the engine measured here)")
@@ -219,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="also write the table into docs/benchmarks.md")
     args = p.parse_args(argv)
     try:
-        trace = load_trace(args.trace, args.max_requests)
+        trace = with_sessions(load_trace(args.trace, args.max_requests), args.session_end_share, args.unsignalled)
     except (OSError, ValueError) as e:
         print(f"kvmesh sim: {e}", file=sys.stderr)
         return 2

@@ -45,12 +45,7 @@ def synth(out: str, sessions: int = 1500, seed: int = 7) -> int:
     all its sessions; each session runs 2-12 agent steps a few seconds apart, every step appending 1-4 blocks
     (tool output) to the session's context. Reuse is mostly short-gap and deep, unlike the chat trace."""
     rng = random.Random(seed)
-    next_id = 1
-    prefixes = []
-    for _ in range(8):
-        n = rng.randint(20, 60)
-        prefixes.append(list(range(next_id, next_id + n)))
-        next_id += n
+    prefixes, next_id = shared_prefixes(rng, 8)
     events = []
     for _ in range(sessions):
         tenant = min(int(rng.paretovariate(1.2)) - 1, 7)
@@ -69,6 +64,17 @@ def synth(out: str, sessions: int = 1500, seed: int = 7) -> int:
             f.write(json.dumps({"timestamp": round(t), "input_length": 512 * len(ids) - 100,
                                 "output_length": 200, "hash_ids": ids}) + "\n")
     return len(events)
+
+
+def shared_prefixes(rng: random.Random, count: int) -> tuple[list[list[int]], int]:
+    """``count`` system / tool preambles of 20-60 blocks each (ids from 1 on, after the shared block 0), and the
+    next free id."""
+    next_id, out = 1, []
+    for _ in range(count):
+        n = rng.randint(20, 60)
+        out.append(list(range(next_id, next_id + n)))
+        next_id += n
+    return out, next_id
 
 
 @dataclass(eq=False)

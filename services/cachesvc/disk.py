@@ -118,7 +118,7 @@ class DiskTier:
             self.used_bytes += len(record)
             pending.append(record)
             self._order += 1
-            usage = Usage(self._order, t, priority=retention.priority, priority_until=retention.until)
+            usage = retention.usage(self._order, t, block.key)
             self._index(block.key, layout, _Record(seg_id, offset, len(block.data), block.checksum, usage))
         self._flush(pending)
         return []
@@ -182,6 +182,12 @@ class DiskTier:
         if seg.fd >= 0:
             os.close(seg.fd)
         seg.path.unlink(missing_ok=True)
+
+    def usages(self, key: int) -> Iterable[Usage]:
+        return [r.usage for r in self._records.get(key, {}).values()]
+
+    def rerank(self, key: int) -> None:
+        """Nothing to do: segments are ranked afresh at each eviction pass."""
 
     def _index(self, key: int, layout: KVLayout, record: _Record) -> None:
         old = self._records.setdefault(key, {}).get(layout)
@@ -284,7 +290,7 @@ class DiskTier:
                 if layout is None:
                     break
                 self._order += 1
-                last = (key, layout, _Record(seg_id, data_offset, length, checksum, Usage(self._order, 0.0)))
+                last = (key, layout, _Record(seg_id, data_offset, length, checksum, Usage(self._order, 0.0, key=key)))
                 self._index(*last)
                 offset = data_offset + length
             if last is not None:  # only the last record of a segment can be torn mid-data

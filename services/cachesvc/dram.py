@@ -57,7 +57,7 @@ class DramTier:
         t = self.clock()
         for b in blocks:
             self._order += 1
-            usage = Usage(self._order, t, priority=retention.priority, priority_until=retention.until)
+            usage = retention.usage(self._order, t, b.key)
             self._blocks.setdefault(b.key, {})[layout] = _Entry(StoredBlock(b.key, b.checksum, bytes(b.data)),
                                                                 usage)
             self._victims.touch(b.key, layout, t)
@@ -76,6 +76,14 @@ class DramTier:
             self._victims.touch(key, layout, t)
             out.append(entry.block)
         return out
+
+    def usages(self, key: int) -> Iterable[Usage]:
+        return [e.usage for e in self._blocks.get(key, {}).values()]
+
+    def rerank(self, key: int) -> None:
+        t = self.clock()
+        for layout in self._blocks.get(key, {}):
+            self._victims.touch(key, layout, t)
 
     def close(self) -> None:
         pass

@@ -169,6 +169,10 @@ class BlockIndex:
 
     # -- queries ---------------------------------------------------------------------------------------------
 
+    def instances_holding(self, key: int) -> set[str]:
+        """The instances that hold ``key`` in any tier."""
+        return {h.instance_id for hid in _bits(self._masks.get(key, 0)) if (h := self._holders[hid]) is not None}
+
     def match_prefix(self, keys: Sequence[int]) -> list[PrefixMatch]:
         """For every holder of ``keys[0]``: how many leading keys it holds (its count stops at its first
         missing key). Walks ``keys`` once with the set of holders still matching; stops when none is left."""

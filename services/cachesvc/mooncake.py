@@ -167,7 +167,7 @@ class MooncakeTier:
         t = self.clock()
         for b in blocks:
             self._order += 1
-            usage = Usage(self._order, t, priority=retention.priority, priority_until=retention.until)
+            usage = retention.usage(self._order, t, b.key)
             self._meta.setdefault(b.key, {})[layout] = _Meta(b.checksum, len(b.data), usage)
         self.used_bytes += need
         self._dirty = True
@@ -197,6 +197,12 @@ class MooncakeTier:
             out.append(StoredBlock(key, checksum, data))
         self._dirty = self._dirty or bool(out)
         return out
+
+    def usages(self, key: int) -> Iterable[Usage]:
+        return [m.usage for m in self._meta.get(key, {}).values()]
+
+    def rerank(self, key: int) -> None:
+        """Nothing to do: entries are ranked afresh at each eviction pass."""
 
     def _forget(self, key: int, layout: KVLayout) -> _Meta:
         meta = self._meta[key].pop(layout)
@@ -289,7 +295,7 @@ class MooncakeTier:
         found = []
         for order, (key, checksum, nbytes, layout, hits, priority, last, until) in enumerate(
                 RECORD.iter_unpack(b"".join(chunks)), start=1):
-            usage = Usage(order, now + last, hits, priority, now + until)
+            usage = Usage(order, now + last, hits, priority, now + until, key=key)
             found.append((key, layouts[layout], _Meta(checksum, nbytes, usage)))
         if len(found) != head["entries"]:
             raise ValueError(f"{len(found)} entries, the header says {head['entries']}")

@@ -10,6 +10,10 @@ leases that protect what readers fetch.
 - A reader with another layout is refused (``LayoutMismatch`` names the fields that differ).
 - ``lease_s`` on a get (or ``lease``) pins the whole present leading run, not only what fits in one reply;
   eviction in every tier skips pinned keys until the lease is released or expires.
+- With a session-aware strategy the tiers share its session table: a put names the session whose request wrote
+  the blocks and every block of its context (``session_request``), signals end or pause sessions
+  (``session_signal``), and blocks an engine instance also holds go before the pool's last copies
+  (``mark_replicated``, from cachesvc's index).
 
 Not thread-safe, except ``leading`` (dict membership tests only; see ``store.py``): one storage thread owns it.
 """
@@ -24,8 +28,10 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import xxhash
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.eviction import now as monotonic
+from kvmesh.engine.sessions import SessionTable, owner_after
 from kvmesh.settings import CacheServiceSettings
 
 from services.cachesvc.disk import DiskTier
@@ -62,9 +68,10 @@ class GetResult(NamedTuple):
 
 
 class Pool:
-    def __init__(self, tiers: Sequence[Tier], leases: Leases) -> None:
+    def __init__(self, tiers: Sequence[Tier], leases: Leases, sessions: SessionTable | None = None) -> None:
         self.tiers = list(tiers)
         self.leases = leases
+        self.sessions = sessions  # the tiers' session-aware strategy's table (None: the strategy reads none)
 
     @classmethod
     def from_config(cls, cfg: CacheServiceSettings, clock: Callable[[], float] = monotonic,
@@ -72,6 +79,9 @@ class Pool:
         """The tiers ``cfg`` turns on (blocking: scans the disk tier, connects to the external store); the external
         store's objects are named under ``kvmesh/<cluster>``."""
         policy = make_policy(cfg.pool_eviction)
+        sessions: SessionTable | None = getattr(policy, "sessions", None)
+        if sessions is not None:
+            sessions.idle_s = cfg.session_idle_s
         leases = Leases(clock)
         tiers: list[Tier] = []
         if cfg.pool_capacity_mb > 0:
@@ -86,7 +96,7 @@ class Pool:
                                         cfg.mooncake_segment_mb << 20, cfg.external_capacity_mb << 20,
                                         cfg.mooncake_replicas, cfg.mooncake_manifest_s, cfg.durable_name)
             tiers.append(MooncakeTier(settings, f"kvmesh/{cluster}", policy, leases.pinned, clock))
-        return cls(tiers, leases)
+        return cls(tiers, leases, sessions)
 
     def tier(self, name: str) -> Tier | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -111,12 +121,14 @@ class Pool:
     # -- storage thread --------------------------------------------------------------------------------------
 
     def put(self, layout: KVLayout, keys: Sequence[int], checksums: Sequence[int], data: bytes | memoryview,
-            priority: int = 0, priority_s: float = 0.0, verified: bool = False) -> PutResult:
+            priority: int = 0, priority_s: float = 0.0, verified: bool = False, session: str = "",
+            session_end: bool = False, session_blocks: Sequence[int] = ()) -> PutResult:
         """Store the blocks of ``data`` (back to back, in ``keys`` order) after verifying every checksum; keys
         already held under ``layout`` are skipped. All or nothing: any bad block rejects the whole put.
         ``priority`` (the ``priority`` eviction policy) holds for ``priority_s`` seconds (0: forever).
         ``verified``: the bytes were already checked against ``checksums`` (a transfer the transfer engine
-        verified), so they are not hashed again."""
+        verified), so they are not hashed again. ``session``: the session whose request wrote them, which holds
+        ``session_blocks`` (default ``keys``) now, or nothing when ``session_end``."""
         nbytes = check_layout(layout)
         if len(checksums) != len(keys):
             raise ValueError(f"checksums has {len(checksums)} entries for {len(keys)} block_keys")
@@ -136,8 +148,50 @@ class Pool:
         if new:
             self.leases.reap()
             until = self.leases.clock() + priority_s if priority_s > 0 else float("inf")
-            self._store(0, layout, list(new.values()), Retention(priority, until))
+            self._store(0, layout, list(new.values()), Retention(priority, until, session))
+        if session:
+            self.session_request(session, list(session_blocks or keys), session_end)
         return PutResult(stored=len(new), skipped=len(keys) - len(new))
+
+    # -- sessions and copies (storage thread) ----------------------------------------------------------------
+
+    def session_request(self, session: str, blocks: Sequence[int], end: bool = False) -> None:
+        """A request of ``session`` used ``blocks`` (its context): the session holds them now (nothing, when
+        ``end``); what it let go of, and what it holds, are ranked again. A write-back comes after its request
+        finished, perhaps after the pause it ended in: it does not end a pause (which runs out when overdue)."""
+        if self.sessions is None:
+            return
+        changed = self.sessions.request(session, blocks, self.leases.clock(), end, resume=False)
+        for key in blocks:
+            for tier in self.tiers:
+                for usage in tier.usages(key):
+                    usage.session_owner = owner_after(usage.session_owner, session)
+        self._rerank(changed | set(blocks))
+
+    def session_signal(self, session: str, event: SessionEvent) -> None:
+        """``session`` paused (its response ended in a tool call) or ended (an explicit close)."""
+        if self.sessions is not None:
+            t = self.leases.clock()
+            self._rerank(self.sessions.pause(session, t, create=True) if event is SessionEvent.PAUSE
+                         else self.sessions.end(session))
+
+    def mark_replicated(self, shared: Sequence[int], sole: Sequence[int]) -> None:
+        """Of the pool's blocks, ``shared`` are held by an engine instance too (they go first), ``sole`` no
+        longer are."""
+        for keys, replicated in ((shared, True), (sole, False)):
+            for key in keys:
+                for tier in self.tiers:
+                    usages = [u for u in tier.usages(key) if u.replicated != replicated]
+                    for u in usages:
+                        u.replicated = replicated
+                    if usages:
+                        tier.rerank(key)
+
+    def _rerank(self, keys: set[int]) -> None:
+        for key in keys:
+            for tier in self.tiers:
+                if tier.has(key):
+                    tier.rerank(key)
 
     def get(self, layout: KVLayout, keys: Sequence[int], max_bytes: int | None = None,
             lease_s: float = 0.0) -> GetResult:
@@ -180,9 +234,11 @@ class Pool:
         return sum(len(t) for t in self.tiers[1:]) - before
 
     def maintain(self) -> None:
-        """Periodic work (the server calls it once a second): end expired leases, let tiers write what they
-        persist on a timer (the external tier's manifest)."""
+        """Periodic work (the server calls it once a second): end expired leases, drop sessions silent past
+        ``session_idle_s``, let tiers write what they persist on a timer (the external tier's manifest)."""
         self.leases.reap()
+        if self.sessions is not None:
+            self._rerank(self.sessions.expire(self.leases.clock()))
         for t in self.tiers:
             if isinstance(t, Flushes):
                 t.flush()

@@ -36,7 +36,7 @@ from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch, Message
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch, Message, SessionSignal
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.settings import CacheServiceSettings, SharedSettings
@@ -47,6 +47,7 @@ from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
+from services.cachesvc.copies import CopyChanges, CopyTracker
 from services.cachesvc.index import BlockIndex
 from services.cachesvc.metrics import CacheMetrics
 from services.cachesvc.pool import GetResult, Pool
@@ -174,9 +175,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                                                list(request.checksums))
             finally:
                 self.server.transfer.revoke(request.transfer_id)  # its grant is used up, whatever came
+        if request.session_key and request.session_blocks and not set(request.block_keys) <= set(
+                request.session_blocks):
+            raise ValueError("session_blocks must hold every one of block_keys: the session's context includes "
+                             "the blocks its request wrote")
         result = await self._storage(self.pool.put, layout, request.block_keys, request.checksums, data,
-                                     request.priority, request.priority_duration_s, bool(request.transfer_id))
+                                     request.priority, request.priority_duration_s, bool(request.transfer_id),
+                                     request.session_key, request.session_end, list(request.session_blocks))
         self.server.metrics.bytes.labels("put").inc(len(data))
+        if result.stored:
+            await self.server.tell_copies(self.server.copies.after_put(request.block_keys))
         return cache_pb2.PutBlocksResponse(stored=result.stored, skipped=result.skipped)
 
     async def _take_pushed(self, transfer_id: str, layout: KVLayout, keys: list[BlockKey],
@@ -333,6 +341,8 @@ class CacheServer:
         self.subjects = Subjects(self.shared.cluster)
         self.index = BlockIndex()
         self.resync = Resync(self.index, self._fetch_snapshot)
+        self.copies = CopyTracker(self.index, lambda key: self.pool is not None and any(
+            t.has(key) for t in self.pool.tiers))
         self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
         self.pool: Pool | None = None
         self.health = health.aio.HealthServicer()
@@ -403,6 +413,7 @@ class CacheServer:
         self.bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.cfg.durable_name}")
         await self.bus.ensure_events_stream(self.subjects)
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
+        await self.bus.subscribe(self.subjects.sessions, self._on_session)
         # The index lives in memory only, so a (re)started cachesvc replays the whole stream: reset the
         # durable's position first. It stays durable for the process's life (survives NATS reconnects).
         with contextlib.suppress(nats.js.errors.NotFoundError):
@@ -456,6 +467,27 @@ class CacheServer:
     async def _on_events(self, batch: KVEventBatch, headers: dict[str, str]) -> None:
         self._last_seen.setdefault(batch.instance_id, time.monotonic())  # no beat yet: count from now
         self.resync.on_batch(batch)
+        if self.caught_up:  # the replay at start describes a past that the instances' own state has left
+            await self.tell_copies(self.copies.after_batch(batch))
+
+    async def tell_copies(self, changes: CopyChanges) -> None:
+        """Tell each instance which of its blocks gained or lost their other copies; mark the pool's own."""
+        if not changes or self.bus is None:
+            return
+        for inst, msg in changes.instances.items():
+            try:
+                await self.bus.publish(self.subjects.kv_copies(inst), msg)
+            except Exception as e:  # noqa: BLE001 - advisory: the instance evicts as if it had not heard
+                log.warning("could not tell %s about %d shared / %d sole blocks: %s", inst, len(msg.shared),
+                            len(msg.sole), e)
+        if (changes.pool_shared or changes.pool_sole) and self.pool is not None:
+            await asyncio.get_running_loop().run_in_executor(self.storage, self.pool.mark_replicated,
+                                                             changes.pool_shared, changes.pool_sole)
+
+    async def _on_session(self, msg: Message, headers: dict[str, str]) -> None:
+        if isinstance(msg, SessionSignal) and self.pool is not None:
+            await asyncio.get_running_loop().run_in_executor(self.storage, self.pool.session_signal, msg.session,
+                                                             msg.event)
 
     async def _on_heartbeat(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, Heartbeat):

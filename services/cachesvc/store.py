@@ -55,11 +55,18 @@ class PutResult(NamedTuple):
 
 
 class Retention(NamedTuple):
-    """Retention priority of a put (the ``priority`` eviction policy): higher outlives lower until ``until``
-    (monotonic seconds; ``inf`` = forever)."""
+    """What a put says about keeping its blocks: retention priority (the ``priority`` and session-aware
+    eviction strategies) that outlives lower ones until ``until`` (monotonic seconds; ``inf`` = forever), and the
+    session whose request wrote them (``owner``; "" = none)."""
 
     priority: int = 0
     until: float = 0.0
+    owner: str = ""
+
+    def usage(self, order: int, now: float, key: int) -> Usage:
+        """A new block's :class:`Usage` under this retention."""
+        return Usage(order, now, priority=self.priority, priority_until=self.until, key=key,
+                     session_owner=self.owner)
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,6 +78,9 @@ class Usage:
     hit_count: int = 0
     priority: int = 0
     priority_until: float = 0.0
+    key: int | None = None   # the block key (what sessions hold)
+    session_owner: str = ""  # the session that wrote or holds it ("" none, ``sessions.SHARED`` several)
+    replicated: bool = False  # an engine instance holds a copy too (cachesvc's index)
 
     def hit(self, now: float) -> None:
         self.last_access = now
@@ -92,6 +102,8 @@ class Tier(Protocol):
     def holds(self, key: int, layout: KVLayout) -> bool: ...
     def put(self, layout: KVLayout, blocks: Sequence[StoredBlock], retention: Retention) -> list[Evicted]: ...
     def read(self, layout: KVLayout, keys: Sequence[int]) -> list[StoredBlock]: ...
+    def usages(self, key: int) -> Iterable[Usage]: ...          # what the strategy ranks, per layout held
+    def rerank(self, key: int) -> None: ...                     # its usages changed: rank them again
     def close(self) -> None: ...
 
 

@@ -24,7 +24,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from kvmesh.contracts.engine import EngineRequest, ExportPlan, RequestTiming, logprobs_to_proto
+from kvmesh.contracts.engine import (
+    EngineRequest,
+    ExportPlan,
+    RequestTiming,
+    SessionHint,
+    logprobs_to_proto,
+    retention_from_proto,
+)
 from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, handoff_prefix
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engines import SequenceError
@@ -64,14 +71,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         t0, t0_ns = time.monotonic(), time.time_ns()
         try:
             params = sampling_from_proto(work.sampling)
+            retention = retention_from_proto(work.retention)
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         await refuse_continuation(context, w.engine, work)
         prompt = list(work.prompt_token_ids)
         # the conversation's blocks go back to the pool when it ends (write-back), for its next turn anywhere
         try:
             engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
+                                           retention=retention,
+                                           session=SessionHint.of(work.session_key, work.session_end),
                                            export=ExportPlan() if w.pool is not None else None,
                                            generated=work.generated_tokens)
         except ValueError as e:
@@ -176,7 +186,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                                                finish_reason=out.finish_reason or "",
                                                logprobs=[logprobs_to_proto(lp) for lp in out.logprobs])
                 if out.exported is not None:  # the conversation so far, for the next turn on any instance
-                    task = asyncio.create_task(write_back(w, out.exported, span, attrs))
+                    task = asyncio.create_task(write_back(w, out.exported, span, attrs, engine_request.session))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
                 now = time.monotonic()

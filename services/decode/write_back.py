@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvmesh.contracts.engine import ExportedKV
+from kvmesh.contracts.engine import ExportedKV, SessionHint
 from kvmesh.instance.host import EngineHost
 from kvmesh.instance.pool_client import PoolError
 from kvmesh.telemetry import tracing
@@ -16,9 +16,10 @@ log = logging.getLogger(__name__)
 
 
 async def write_back(host: EngineHost, kv: ExportedKV, parent: Span | None = None,
-                     attrs: dict[str, Any] | None = None) -> None:
+                     attrs: dict[str, Any] | None = None, session: SessionHint | None = None) -> None:
     """Store the full blocks of ``kv`` (a finished request's, read out whole) in the pool, traced as
-    ``pool.write_back``."""
+    ``pool.write_back``; ``session``: the request's, which holds them in the pool's tiers too (or, its last
+    request, lets them go first)."""
     keys = list(kv.piece_keys)
     if host.pool is None or not keys or kv.layers is not None:
         return
@@ -27,7 +28,8 @@ async def write_back(host: EngineHost, kv: ExportedKV, parent: Span | None = Non
                           "kvmesh.blocks": len(keys)})
     try:
         sent = await host.pool.write_back(keys, kv.data[:len(keys) * host.layout.block_nbytes],
-                                          tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
+                                          tracing.grpc_metadata(span) + tracing.request_metadata(attrs),
+                                          session, list(kv.block_keys))
         host.metrics.transfer_bytes.labels("pool_write").inc(sent * host.layout.block_nbytes)
         span.set_attributes({"kvmesh.blocks_sent": sent, "kvmesh.bytes": sent * host.layout.block_nbytes})
     except PoolError as e:

@@ -14,7 +14,15 @@ from typing import Any
 
 import grpc
 from kvmesh import tls
-from kvmesh.contracts.engine import EngineRequest, ExportPieces, ExportPlan, RequestTiming, logprobs_to_proto
+from kvmesh.contracts.engine import (
+    EngineRequest,
+    ExportPieces,
+    ExportPlan,
+    RequestTiming,
+    SessionHint,
+    logprobs_to_proto,
+    retention_from_proto,
+)
 from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
@@ -56,9 +64,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         try:  # one token: the first, or a migrated request's next one after those it generated already
             params = dataclasses.replace(sampling_from_proto(work.sampling), max_tokens=work.generated_tokens + 1,
                                          ignore_eos=True, stop=(), stop_token_ids=())
+            retention_from_proto(work.retention)
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         prompt = list(work.prompt_token_ids)
         # decode holds (and pinned) the leading blocks the router saw there: push only the rest. At most the
         # blocks before the last token's, so at least one block moves and decode computes nothing
@@ -81,7 +90,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
         try:
             engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
-                                           export=plan, generated=work.generated_tokens)
+                                           retention=retention_from_proto(work.retention),
+                                           session=SessionHint.of(work.session_key, work.session_end), export=plan,
+                                           generated=work.generated_tokens)
             async for out in w.engine.generate(engine_request, timing):
                 # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes
                 if out.exported is not None and out.exported.num_blocks:

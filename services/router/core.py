@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
-from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
+from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
 from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady, RouterLoad
@@ -40,6 +40,7 @@ from services.router.loras import Adapters
 from services.router.migration import Migration, Migrations
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, choose_decode
+from services.router.sessions import Sessions
 from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class Router:
         self.migrations = Migrations(cfg.migration_limit, cfg.max_concurrent_migrations, self.metrics)
         self._tasks: set[asyncio.Task] = set()
         self._load_pending = False
+        self.sessions = Sessions(lambda msg: self.bus.publish(self.subjects.sessions, msg), cfg.session_affinity,
+                                 cfg.session_overload, cfg.max_sessions)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -206,6 +209,7 @@ class Router:
         retries = migrations = 0
         migration: Migration | None = None
         first_cached: int | None = None  # the first dispatch's cached tokens, once a migration left it
+        text: list[str] = []  # a session's response so far: whether it ended in a tool call
         try:
             while True:
                 prompt = request.prompt + tuple(streamed)
@@ -220,7 +224,10 @@ class Router:
                     work = worker_pb2.WorkRequest(
                         request_id=_dispatch_id(request, retries, migrations), prompt_token_ids=prompt,
                         sampling=sampling_to_proto(request.sampling), cache_salt=request.cache_salt,
-                        pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(streamed))
+                        pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(streamed),
+                        session_key=request.session.key if request.session else "",
+                        session_end=bool(request.session and request.session.end),
+                        retention=retention_to_proto(request.retention))
                     stream = self._route(work, matched, rt, request.policy, route, avoid,
                                          request.disaggregate or self.cfg.disaggregate)
                     if stream is None:
@@ -244,10 +251,15 @@ class Router:
                         rt.chunk_arrived()
                         streamed += chunk.token_ids
                         delivered += len(chunk.token_ids)
+                        if request.session is not None:
+                            text.append(chunk.text)
                         if chunk.finished:
                             reused = first_cached if first_cached is not None else await cached()
                             chunk.usage = Usage(len(request.prompt), len(streamed), min(reused, len(request.prompt)))
                             rt.usage(len(request.prompt), len(streamed), chunk.usage.cached_tokens)
+                            event = self.sessions.finished(request.session, "".join(text), chunk.finish_reason)
+                            if event is not None:
+                                rt.root.set_attribute("kvmesh.session.signal", event.value)
                         yield chunk
                     return
                 except RequestError as e:
@@ -287,18 +299,23 @@ class Router:
         prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
         lora = work.lora_name
+        session = SessionHint.of(work.session_key, work.session_end)
         if prefills and decodes:
             prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
             # a push is only ever sent where its bytes mean the same: the decode's KV layout equals prefill's
             paired = [i for i in holders or decodes if same_layout(prefill, i)]
-            decode = choose_decode(paired or holders or decodes, self.registry.replica_rank(self.id))
+            home, why = self.sessions.place(session, paired or holders or decodes)
+            decode = home or choose_decode(paired or holders or decodes, self.registry.replica_rank(self.id))
+            self.sessions.ran(session, decode.id)
             if not paired:
                 route.set_attributes({"kvmesh.route.path": "local",
                                       "kvmesh.route.reason": f"local: no decode shares {prefill.id}'s KV layout"})
                 return self._local(work, decode, rt, f"local: no decode shares {prefill.id}'s KV layout")
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
+                if why:
+                    route.set_attribute("kvmesh.route.session", why)
             # one line prices both computes: the same model on the same kind of machine, and a decode
             # instance's own fit comes from one-token steps, which pin down no prompt speed. The streams decode
             # runs: what the routers have in flight there (a heartbeat lags: in a chat it still reports the
@@ -321,12 +338,19 @@ class Router:
         both = [i for i in self.registry.alive("both") if i.id not in avoid]
         if both:
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
-            return self._local(work, self._choose(policy, "both", both, matched, prompt, route, lora), rt)
+            home, why = self.sessions.place(session, [i for i in both if self.loras.holds(i, lora)] or both)
+            if why:
+                route.set_attribute("kvmesh.route.session", why)
+            inst = home or self._choose(policy, "both", both, matched, prompt, route, lora)
+            self.sessions.ran(session, inst.id)
+            return self._local(work, inst, rt)
         if decodes:  # every prefill instance is gone: decode computes the prompt itself rather than refuse
             reason = "local: no prefill instance is up"
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": reason})
-            decode = choose_decode([i for i in decodes if self.loras.holds(i, lora)] or decodes,
-                                   self.registry.replica_rank(self.id))
+            home, why = self.sessions.place(session, [i for i in decodes if self.loras.holds(i, lora)] or decodes)
+            decode = home or choose_decode([i for i in decodes if self.loras.holds(i, lora)] or decodes,
+                                           self.registry.replica_rank(self.id))
+            self.sessions.ran(session, decode.id)
             return self._local(work, decode, rt, reason)
         return None
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 from kvmesh.contracts.engine import logprobs_to_proto
 from kvmesh.contracts.sampling import sampling_from_proto
+from kvmesh.contracts.sessions import check_session_id, session_key
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 
 from services.router.access import RETRY_AFTER_S
 from services.router.core import Router
 from services.router.errors import ErrorKind, RequestError, invalid
-from services.router.intake import Call, Draft, Intake
+from services.router.intake import CacheControl, Call, Draft, Intake
 from services.router.telemetry import RequestTrace
 
 
@@ -103,6 +105,19 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             api_pb2.Model(id=name, fingerprint=r.source.fingerprint, max_model_len=r.max_model_len,
                           parent=r.model_id) for name in r.loras.served()])
 
+    async def CloseSession(self, request: api_pb2.CloseSessionRequest, context) -> api_pb2.CloseSessionResponse:
+        """The caller's session is over (its tenant's session of that id only)."""
+        try:
+            tenant = self.intake.tenants.authenticate(dict(context.invocation_metadata() or ()))
+            try:
+                check_session_id(request.session_id)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+        except RequestError as e:
+            await context.abort(e.kind.grpc, e.message)
+        await self.router.sessions.close(session_key(tenant, request.session_id))
+        return api_pb2.CloseSessionResponse(session_id=request.session_id)
+
     async def Health(self, request, context):
         now = time.monotonic()
         instances = self.router.registry.alive()
@@ -130,6 +145,9 @@ def add_to_server(servicer: KvmeshServicer, server: grpc.aio.Server, max_request
         "Health": grpc.unary_unary_rpc_method_handler(
             servicer.Health, request_deserializer=api_pb2.HealthRequest.FromString,
             response_serializer=api_pb2.HealthResponse.SerializeToString),
+        "CloseSession": grpc.unary_unary_rpc_method_handler(
+            servicer.CloseSession, request_deserializer=api_pb2.CloseSessionRequest.FromString,
+            response_serializer=api_pb2.CloseSessionResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvmesh.v1.Kvmesh", handlers),))
     server.add_registered_method_handlers("kvmesh.v1.Kvmesh", handlers)
@@ -164,11 +182,30 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
             {"messages": _messages(request.messages.messages)} if which == "messages" else {}
     structured = sampling.structured
     resume = tuple(request.resume_token_ids) if isinstance(request, api_pb2.GenerateRequest) else ()
+    header = call.headers.get("x-session-id", "")
+    if request.session_id and header and request.session_id != header:
+        raise invalid(f"the x-session-id metadata ({header!r}) and session_id ({request.session_id!r}) differ: "
+                      "send one")
     return Draft(sampling, **prompt, model=request.model, cache_salt=request.cache_salt,
                  structured_field=f"sampling.{structured.kind}" if structured else "",
                  policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"),
-                 resume=resume)
+                 session_id=request.session_id or header, session_end=request.session_end,
+                 cache_control=_cache_control(request, "cache_control"), resume=resume)
 
 
-def _messages(messages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def _cache_control(message, field: str) -> CacheControl | None:
+    """A message's ``cache_control`` (None: unset); a TTL of 0 is the default one."""
+    if not message.HasField("cache_control"):
+        return None
+    cc = message.cache_control
+    return CacheControl(cc.ttl_s or None, cc.priority if cc.HasField("priority") else None, field)
+
+
+def _messages(messages) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if (cc := _cache_control(m, f"messages[{i}].cache_control")) is not None:
+            msg["cache_control"] = cc
+        out.append(msg)
+    return out

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from aiohttp import web
+from kvmesh.contracts.sessions import check_session_id, session_key
 
 from services.router import openai_body
 from services.router.access import RETRY_AFTER_S, AdminKey
@@ -52,7 +53,8 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
             raise
         message = (f"no route for {request.method} {request.path}; this API serves "
                    "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
-                   "GET /metrics, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter"
+                   "GET /metrics, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, "
+                   "DELETE /v1/sessions/{session_id}"
                    if e.status in (404, 405) else e.text or e.reason)
         kept = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
         return web.json_response(error_body(e.status, "invalid_request_error", message), status=e.status,
@@ -106,7 +108,8 @@ class OpenAIApi:
                              web.get("/v1/models", self.models), web.get("/health", self.health),
                              web.get("/metrics", self.metrics),
                              web.post("/v1/load_lora_adapter", self.load_lora),
-                             web.post("/v1/unload_lora_adapter", self.unload_lora)])
+                             web.post("/v1/unload_lora_adapter", self.unload_lora),
+                             web.delete("/v1/sessions/{session_id}", self.close_session)])
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
@@ -246,6 +249,23 @@ class OpenAIApi:
         loras = [{**base, "id": name, "root": path, "parent": r.model_id}
                  for name, (_, path) in r.loras.served().items()]
         return web.json_response({"object": "list", "data": [base, *loras]})
+
+    async def close_session(self, request: web.Request) -> web.Response:
+        """``DELETE /v1/sessions/{session_id}``: the caller's session is over; every cache lets what it holds go
+        first. Only the caller's tenant's session of that id: another tenant's is another session."""
+        rid = new_request_id()
+        try:
+            tenant = self.intake.tenants.authenticate(request.headers)
+            session_id = request.match_info["session_id"]
+            try:
+                check_session_id(session_id)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+            await self.router.sessions.close(session_key(tenant, session_id))
+        except RequestError as e:
+            return error_response(e, {"x-request-id": rid})
+        return web.json_response({"id": session_id, "object": "session", "closed": True},
+                                 headers={"x-request-id": rid})
 
     async def _admin(self, request: web.Request, operation) -> web.Response:
         """An admin operation (vLLM's runtime LoRA API): the admin key first, the body only then, so a caller

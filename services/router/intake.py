@@ -14,7 +14,9 @@ calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``I
 7. the model: the base model or a LoRA adapter some instance serves;
 8. what the engines can serve: context length, vocabulary, seed, stop ids and strings; a resumed stream's
    tokens (``resume_token_ids``: ids, fewer than ``max_tokens``);
-9. the cache salt (the tenant's namespace), the routing policy and the PD override.
+9. the session (its id namespaced by the tenant, the end flag) and the retention hints (``cache_control``, the
+   request's and each message's, as token ranges of the prompt);
+10. the cache salt (the tenant's namespace), the routing policy and the PD override.
 
 The admitted request holds an admission slot until the ``async with`` block ends.
 """
@@ -27,7 +29,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.contracts.engine import RetentionRange, SessionHint
 from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.contracts.sessions import check_retention, check_session_id, session_key
 from kvmesh.routing.cost import DISAGGREGATE_MODES
 
 from services.router.access import Admission, Tenants, cache_salt
@@ -71,6 +75,19 @@ class Draft:
     policy: str | None = None
     disaggregate: str | None = None
     resume: tuple[int, ...] = ()
+    session_id: str = ""
+    session_end: bool = False
+    cache_control: CacheControl | None = None  # the whole prompt's retention hint
+
+
+@dataclass(frozen=True)
+class CacheControl:
+    """A retention hint as the wire gave it (None: the default), and the field it came from, which errors
+    name (``cache_control``, ``messages[2].cache_control``)."""
+
+    ttl_s: float | None = None
+    priority: int | None = None
+    field: str = "cache_control"
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,8 @@ class Admitted:
     policy: str | None = None
     disaggregate: str | None = None
     resume: tuple[int, ...] = ()
+    session: SessionHint | None = None
+    retention: tuple[RetentionRange, ...] = ()
 
 
 def new_request_id() -> str:
@@ -134,10 +153,15 @@ class Intake:
                 lora = self.model(draft.model)
                 self.check(prompt, draft.sampling)
                 self.check_resume(draft.resume, draft.sampling)
+                session = self.session(draft, tenant)
+                retention = self.retention(draft, len(prompt))
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
+                if session is not None:
+                    span.set_attribute("kvmesh.session", session.key)
             request = Admitted(rt.request_id, tuple(prompt), draft.sampling, tenant,
                                cache_salt(tenant, draft.cache_salt), lora or self.router.model_id, lora,
-                               self.policy(draft.policy), self.disaggregate(draft.disaggregate), draft.resume)
+                               self.policy(draft.policy), self.disaggregate(draft.disaggregate), draft.resume,
+                               session, retention)
             rt.describe(request.model, tenant or draft.cache_salt, len(prompt))
             yield request
         finally:
@@ -204,6 +228,40 @@ class Intake:
             raise invalid(f"resume_token_ids has {len(resume)} tokens, as many as max_tokens ({params.max_tokens}) "
                           "or more: that stream was complete")
 
+    @staticmethod
+    def session(draft: Draft, tenant: str) -> SessionHint | None:
+        """The request's session, its id namespaced by ``tenant`` (so no tenant reaches another's)."""
+        if not draft.session_id:
+            if draft.session_end:
+                raise invalid("session_end needs a session_id (the session it ends)")
+            return None
+        try:
+            check_session_id(draft.session_id)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        return SessionHint(session_key(tenant, draft.session_id), draft.session_end)
+
+    def retention(self, draft: Draft, prompt_tokens: int) -> tuple[RetentionRange, ...]:
+        """The retention hints as prompt token ranges: the request's covers the whole prompt, a message's the
+        prompt up to the end of that message."""
+        hints = [(draft.cache_control, prompt_tokens)] if draft.cache_control is not None else []
+        if draft.messages is not None and isinstance(draft.messages, list):
+            chat = chat_messages(draft.messages)
+            for i, m in enumerate(draft.messages):
+                if isinstance(m, dict) and m.get("cache_control") is not None:
+                    end = len(self.router.tokenizer.apply_chat_template(chat[:i + 1], add_generation_prompt=False))
+                    hints.append((message_cache_control(m["cache_control"], f"messages[{i}].cache_control"),
+                                  min(end, prompt_tokens)))
+        out = []
+        for hint, end in hints:
+            try:
+                ttl_s, priority = check_retention(hint.ttl_s, hint.priority, hint.field)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+            if end > 0 and priority > 0:
+                out.append(RetentionRange(0, end, priority, ttl_s))
+        return tuple(out)
+
     def policy(self, name: str | None) -> str | None:
         try:
             self.router.policies.get(name)
@@ -216,6 +274,28 @@ class Intake:
         if mode is not None and mode not in DISAGGREGATE_MODES:
             raise invalid(f"x-kvmesh-disaggregate must be one of {', '.join(DISAGGREGATE_MODES)}, not {mode!r}")
         return mode
+
+
+def message_cache_control(value: Any, field: str) -> CacheControl:
+    """``{"type": "ephemeral", "ttl": 300 | "5m" | "1h", "priority": 0-100}`` (Anthropic's and Dynamo's shape,
+    every key optional) as a ``CacheControl``; the error names ``field``."""
+    if isinstance(value, CacheControl):
+        return value
+    if not isinstance(value, dict):
+        raise invalid(f'{field} must be an object like {{"ttl": 300, "priority": 50}}')
+    ttl = value.get("ttl", value.get("ttl_s"))
+    if isinstance(ttl, str):
+        units = {"s": 1, "m": 60, "h": 3600}
+        number, unit = ttl[:-1], ttl[-1:]
+        if unit not in units or not number.isdigit():
+            raise invalid(f'{field}.ttl must be a number of seconds or a duration like "5m" or "1h", not {ttl!r}')
+        ttl = int(number) * units[unit]
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))):
+        raise invalid(f"{field}.ttl must be a number of seconds, not {ttl!r}")
+    priority = value.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise invalid(f"{field}.priority must be an integer in [0, 100], not {priority!r}")
+    return CacheControl(ttl, priority, field)
 
 
 def check_constraint(draft: Draft) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
-from services.router.intake import Draft
+from services.router.intake import Draft, message_cache_control
 
 
 def parse(raw: bytes) -> dict:
@@ -43,7 +43,8 @@ def parse(raw: bytes) -> dict:
 def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     """A chat (``messages``) or completions (``prompt``: text or token ids) body as the intake's input. The
     routing overrides come from the headers ``x-kvmesh-policy`` (or the body's ``kvmesh_policy``) and
-    ``x-kvmesh-disaggregate``."""
+    ``x-kvmesh-disaggregate``; the session from the body's ``session_id`` or the header ``x-session-id`` (the
+    two must agree), ``session_end`` and ``cache_control``."""
     sampling, structured_field = sampling_from_body(body, chat)
     if chat:
         if "messages" not in body:
@@ -51,10 +52,17 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
         prompt = {"messages": body["messages"]}
     else:
         prompt = _prompt(body.get("prompt"))
+    session_id = str_field(body, "session_id")
+    header = headers.get("x-session-id", "")
+    if session_id and header and session_id != header:
+        raise invalid(f"the x-session-id header ({header!r}) and session_id ({session_id!r}) differ: send one")
+    control = body.get("cache_control")
     return Draft(sampling, **prompt, model=str_field(body, "model"),
                  cache_salt=str_field(body, "cache_salt") or str_field(body, "user"), structured_field=structured_field,
                  policy=headers.get("x-kvmesh-policy") or str_field(body, "kvmesh_policy") or None,
-                 disaggregate=headers.get("x-kvmesh-disaggregate") or None)
+                 disaggregate=headers.get("x-kvmesh-disaggregate") or None, session_id=session_id or header,
+                 session_end=bool_field(body, "session_end"),
+                 cache_control=None if control is None else message_cache_control(control, "cache_control"))
 
 
 def streaming(body: dict) -> tuple[bool, bool]:

@@ -4,6 +4,7 @@ the URL, can do exactly what that service does on the bus, and a user cannot pub
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import subprocess
@@ -18,7 +19,8 @@ from kvmesh.bus import Bus, Subjects, find_nats_server
 from kvmesh.bus.nats_server import read_ports_file
 from kvmesh.bus.snapshot import answer_snapshots, request_snapshot
 from kvmesh.contracts.events import AllBlocksCleared
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady, RouterLoad
+from kvmesh.contracts.messages import Heartbeat, KVCopies, KVEventBatch, KVReady, RouterLoad, SessionSignal
+from kvmesh.contracts.sessions import SessionEvent
 
 CONF = Path(__file__).resolve().parents[2] / "docker" / "nats.conf"
 PASSWORDS = {"router": "r-" + uuid.uuid4().hex, "worker": "w-" + uuid.uuid4().hex,
@@ -98,12 +100,25 @@ def test_each_service_user_can_do_what_its_service_does(port):
                       num_tokens=3, first_token=1, layout=None, prefill_instance="prefill-0")
         await prefill.publish(subjects.kv_ready("decode-0"), msg)
         assert (await asyncio.wait_for(ready.get(), 5)).request_id == "r1"
+        failed = dataclasses.replace(msg, request_id="r2", ok=False)  # the router: prefill failed, compute it
+        await router.publish(subjects.kv_ready("decode-0"), failed)
+        assert (await asyncio.wait_for(ready.get(), 5)).request_id == "r2"
         batch = KVEventBatch(instance_id="prefill-0", seq=1, ts=1.0, events=(AllBlocksCleared(),))
         assert await prefill.publish_event(subjects.kv_events("prefill-0"), batch) >= 1
         assert (await asyncio.wait_for(events.get(), 10)).seq == 1
         snap = await request_snapshot(cachesvc, subjects, "prefill-0", timeout_s=5)
         assert snap is not None and snap.seq == 7 and snap.blocks == {"device": [11, 12]}
         await cachesvc.js.consumer_info(subjects.events_stream, "cachesvc")
+        signals: asyncio.Queue = asyncio.Queue()
+        copies: asyncio.Queue = asyncio.Queue()
+        for bus in (cachesvc, decode):
+            await bus.subscribe(subjects.sessions, lambda m, h: signals.put(m))
+        await decode.subscribe(subjects.kv_copies("decode-0"), lambda m, h: copies.put(m))
+        await router.publish(subjects.sessions, SessionSignal("t/s1", SessionEvent.END, 1.0))
+        for _ in range(2):
+            assert (await asyncio.wait_for(signals.get(), 5)).session == "t/s1"
+        await cachesvc.publish(subjects.kv_copies("decode-0"), KVCopies("decode-0", shared=(11,)))
+        assert (await asyncio.wait_for(copies.get(), 5)).shared == (11,)
         for bus in (router, cachesvc, prefill, decode):
             await bus.close()
 
@@ -120,12 +135,13 @@ def test_a_user_cannot_publish_what_is_not_its_own(port, caplog):
     async def body() -> None:
         router = await Bus.connect(url("router", port), "router")
         decode = await Bus.connect(url("worker", port), "decode-0")
-        ready: asyncio.Queue = asyncio.Queue()
-        await decode.subscribe(subjects.kv_ready("decode-0"), lambda m, h: ready.put(m))
-        await router.publish(subjects.kv_ready("decode-0"), beat("x"))  # the router publishes only its load
+        beats: asyncio.Queue = asyncio.Queue()
+        await router.subscribe(subjects.heartbeats_all, lambda m, h: beats.put(m))  # its own would echo back
+        # the router publishes its load, session signals and failed prefills' kv.ready, never a heartbeat
+        await router.publish(subjects.heartbeat("decode", "decode-0"), beat("x"))
         await router.nc.flush()
         await asyncio.sleep(0.5)
-        assert ready.empty()
+        assert beats.empty()
         for bus in (router, decode):
             await bus.close()
 

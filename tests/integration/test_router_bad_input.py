@@ -58,15 +58,18 @@ class TinyMesh:
     loop on a background thread, on free loopback ports."""
 
     def __init__(self, nats_url: str, model_dir: Path, cachesvc: bool = False,
-                 roles: tuple[str, ...] = ("prefill", "decode"), **router: object) -> None:
+                 roles: tuple[str, ...] = ("prefill", "decode"), engine: dict | None = None,
+                 pool: dict | None = None, **router: object) -> None:
+        """``engine``, ``pool``: settings of the engines and of cachesvc over the defaults here."""
         self.roles = roles
+        self.pool_cfg = pool or {}
         self.cluster = f"t{uuid.uuid4().hex[:10]}"
         self.cachesvc = cachesvc
         self.shared = SharedSettings(cluster=self.cluster, nats_url=nats_url)
         self.cfg = RouterSettings(model=str(model_dir), cachesvc_address="", grpc_port=0, http_port=0,  # type: ignore
                                   **{"instance_timeout_s": 30.0, **router})  # a busy CI box must not drop them
-        self.engine_cfg = EngineSettings(model=str(model_dir), attention="torch", num_blocks=512,
-                                       max_batched_tokens=512)
+        self.engine_cfg = EngineSettings(**{"model": str(model_dir), "attention": "torch", "num_blocks": 512,
+                                            "max_batched_tokens": 512, **(engine or {})})
         self.worker_cfg = InstanceSettings()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -91,13 +94,15 @@ class TinyMesh:
 
             from services.cachesvc.server import CacheServer
 
-            self.cache = CacheServer(CacheServiceSettings(port=0, durable_name=f"cachesvc-{self.cluster}"),
-                                     self.shared)
+            self.cache = CacheServer(CacheServiceSettings(port=0, durable_name=f"cachesvc-{self.cluster}",
+                                                          **self.pool_cfg), self.shared)
             await self.cache.start()
             self.cfg = self.cfg.model_copy(update={"cachesvc_address": self.cache.address})
             self.worker_cfg = self.worker_cfg.model_copy(update={"cachesvc_address": self.cache.address})
-        self.workers = [EngineHost(self.worker_cfg.model_copy(update={"role": role, "id": f"{role}-0"}),
-                                   self.engine_cfg, ROLE_PLUGINS[role], self.shared) for role in self.roles]
+        self.workers = [EngineHost(self.worker_cfg.model_copy(update={"role": role,
+                                                                      "id": f"{role}-{self.roles[:n].count(role)}"}),
+                                   self.engine_cfg, ROLE_PLUGINS[role], self.shared)
+                        for n, role in enumerate(self.roles)]
         for w in self.workers:
             await w.start()
         self.router = Router(self.cfg, self.shared)

@@ -319,3 +319,25 @@ def test_a_reservation_the_pool_cannot_hold_takes_nothing():
     bm = manager(num_blocks=4)
     assert bm.reserve("a", 3) is not None
     assert bm.reserve("b", 2) is None and bm.counts()["reserved"] == 3
+
+
+@pytest.mark.parametrize("name", [p.value for p in online_policies()])
+def test_a_request_that_fits_the_device_gets_its_blocks_whatever_the_host_tier_holds(name):
+    """Conversations growing in turn on a device of 8 blocks and a host tier of 4, each turn taking the whole
+    device: its prefix's host blocks cannot all come back while they are held (the device's other blocks have
+    children on the full host tier), and an inner node the host cannot take at one moment can go later in the
+    same eviction. Every turn still gets its blocks: the part of its prefix on the device is attached and the
+    rest computed, and no node is lost from the eviction queue."""
+    import random
+
+    rng = random.Random(0)
+    bm = manager(num_blocks=8, policy=make_policy(name), host_blocks=4)
+    convs = [[100 * c + 1] * BS for c in range(4)]
+    for _ in range(60):
+        c = rng.randrange(4)
+        convs[c] = convs[c] + [rng.randrange(1000, 2000) for _ in range(rng.randint(1, 6))]
+        tokens = convs[c][:8 * BS - 2]
+        seq = Sequence("r", list(tokens), SamplingParams(), 1)
+        assert bm.allocate_prefix(seq) and bm.ensure_slots(seq, len(tokens)), bm.counts()
+        seq.num_computed_tokens = len(tokens)
+        bm.free(seq)

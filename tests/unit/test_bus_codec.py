@@ -8,11 +8,14 @@ from kvmesh.contracts.messages import (
     VERSION,
     CodecError,
     Heartbeat,
+    KVCopies,
     KVEventBatch,
     KVReady,
     RouterLoad,
+    SessionSignal,
     decode,
 )
+from kvmesh.contracts.sessions import SessionEvent
 
 MAX_KEY = BlockKey(2**64 - 1)
 
@@ -44,7 +47,8 @@ def make_heartbeat() -> Heartbeat:
 
 
 @pytest.mark.parametrize("msg", [make_batch(), make_ready(), make_ready(ok=False, error="transfer timed out"),
-                                 make_heartbeat()])
+                                 make_heartbeat(), SessionSignal("tenant/s-1", SessionEvent.PAUSE, 1.5, "both-0"),
+                                 KVCopies("decode-0", shared=(BlockKey(1), MAX_KEY), sole=(BlockKey(9),))])
 def test_every_message_type_round_trips(msg):
     assert type(msg).decode(msg.encode()) == msg
     assert decode(msg.encode()) == msg
@@ -193,3 +197,10 @@ def test_a_routers_load_round_trips_and_refuses_what_is_not_a_count():
     bad["inflight"]["decode-0"] = -1
     with pytest.raises(CodecError, match="'inflight' must map instance ids to counts"):
         decode(json.dumps(bad).encode())
+
+
+def test_a_session_signal_names_a_known_event():
+    assert SessionSignal("t/s", "end", 1.0).event is SessionEvent.END
+    with pytest.raises(CodecError, match="session event 'stop'"):
+        decode(json.dumps({"v": VERSION, "type": "session_signal", "session": "t/s", "event": "stop",
+                           "ts": 1}).encode())

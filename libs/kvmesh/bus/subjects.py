@@ -44,6 +44,15 @@ class Subjects:
         return f"{self.prefix}router.load.*"
 
     @property
+    def sessions(self) -> str:
+        """Session signals (ended, paused) from the routers, for every engine instance and cachesvc."""
+        return f"{self.prefix}sessions"
+
+    def kv_copies(self, instance: str) -> str:
+        """cachesvc tells an instance which of its blocks have another copy in the cluster."""
+        return f"{self.prefix}kv.copies.{token(instance, 'instance')}"
+
+    @property
     def events_stream(self) -> str:
         """The JetStream stream that captures ``kv_events_all`` (cluster names are case-sensitive, so is this)."""
         return f"KVMESH_{self.cluster}_KV_EVENTS"

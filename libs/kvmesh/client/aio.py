@@ -137,6 +137,11 @@ class AsyncKvmeshClient(ClientBase):
                                         self._policy(timeout_s))
         return models_from_pb(response)
 
+    async def close_session(self, session_id: str, timeout_s: float | None = None) -> None:
+        """Session ``session_id`` (the caller's tenant's) is over: every cache lets its KV go first."""
+        await self._unary(self._stub.CloseSession, api_pb2.CloseSessionRequest(session_id=session_id),
+                          self._policy(timeout_s))
+
     async def health(self, timeout_s: float | None = None) -> HealthInfo:
         response, _ = await self._unary(self._stub.Health, api_pb2.HealthRequest(), self._policy(timeout_s))
         return HealthInfo.from_pb(response)

@@ -8,7 +8,7 @@ from typing import Any, TypedDict, Unpack
 
 from kvmesh.proto.v1 import api_pb2, common_pb2
 
-Message = Mapping[str, str]         # {"role": "user", "content": "..."}
+Message = Mapping[str, Any]         # {"role": "user", "content": "...", "cache_control": {"ttl": 300}}
 
 
 class SamplingOptions(TypedDict, total=False):
@@ -38,6 +38,33 @@ class RequestOptions(SamplingOptions, total=False):
     cache_salt: str
     request_id: str
     model: str
+    session_id: str           # the conversation / agent task it belongs to (the caches keep its KV)
+    session_end: bool         # its last request: what the session holds may go first
+    cache_control: Mapping[str, Any] | None  # {"ttl": seconds, "priority": 0-100}: keep the prompt cached
+
+
+def cache_control(value: Mapping[str, Any] | None, field: str = "cache_control") -> common_pb2.CacheControl | None:
+    """``{"ttl": seconds, "priority": 0-100}`` (both optional) as the protocol's ``CacheControl``."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
+            f'{field} must be a mapping like {{"ttl": 300, "priority": 50}}, not {value!r}')
+    ttl, priority = value.get("ttl", 0), value.get("priority")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0:
+        raise ValueError(f"{field}.ttl must be a number of seconds >= 0 (0 = the default), not {ttl!r}")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority < 0):
+        raise ValueError(f"{field}.priority must be an integer in [0, 100], not {priority!r}")
+    return common_pb2.CacheControl(ttl_s=float(ttl), priority=priority)
+
+
+def _session(req: api_pb2.GenerateRequest | api_pb2.ChatRequest, session_id: str, session_end: bool,
+             control: Mapping[str, Any] | None) -> None:
+    if session_end and not session_id:
+        raise ValueError("session_end needs a session_id (the session it ends)")
+    req.session_id, req.session_end = session_id, session_end
+    if (cc := cache_control(control)) is not None:
+        req.cache_control.CopyFrom(cc)
 
 
 def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -110,18 +137,23 @@ def chat_messages(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
         if not isinstance(role, str) or not isinstance(content, str):
             raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
                 f"messages[{i}] must have string 'role' and 'content', got {dict(m)!r}")
-        out.append(common_pb2.ChatMessage(role=role, content=content))
+        msg = common_pb2.ChatMessage(role=role, content=content)
+        if (cc := cache_control(m.get("cache_control"), f"messages[{i}].cache_control")) is not None:
+            msg.cache_control.CopyFrom(cc)
+        out.append(msg)
     return out
 
 
 def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequence[Message] | None = None, *,
-                     cache_salt: str = "", request_id: str = "", model: str = "",
+                     cache_salt: str = "", request_id: str = "", model: str = "", session_id: str = "",
+                     session_end: bool = False, cache_control: Mapping[str, Any] | None = None,
                      **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
     """A ``GenerateRequest`` for exactly one of ``prompt`` (text or token ids) and ``messages`` (chat)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
     req = api_pb2.GenerateRequest(request_id=request_id, model=model, cache_salt=cache_salt,
                                   sampling=sampling_params(**sampling))
+    _session(req, session_id, session_end, cache_control)
     if messages is not None:
         req.messages.messages.extend(chat_messages(messages))
     elif isinstance(prompt, str):
@@ -136,6 +168,9 @@ def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequen
 
 
 def chat_request(messages: Sequence[Message], *, cache_salt: str = "", request_id: str = "", model: str = "",
+                 session_id: str = "", session_end: bool = False, cache_control: Mapping[str, Any] | None = None,
                  **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
-    return api_pb2.ChatRequest(request_id=request_id, model=model, messages=chat_messages(messages),
-                               cache_salt=cache_salt, sampling=sampling_params(**sampling))
+    req = api_pb2.ChatRequest(request_id=request_id, model=model, messages=chat_messages(messages),
+                              cache_salt=cache_salt, sampling=sampling_params(**sampling))
+    _session(req, session_id, session_end, cache_control)
+    return req

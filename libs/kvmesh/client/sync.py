@@ -134,6 +134,11 @@ class KvmeshClient(ClientBase):
                                   self._policy(timeout_s))
         return models_from_pb(response)
 
+    def close_session(self, session_id: str, timeout_s: float | None = None) -> None:
+        """Session ``session_id`` (the caller's tenant's) is over: every cache lets its KV go first."""
+        self._unary(self._stub.CloseSession.with_call, api_pb2.CloseSessionRequest(session_id=session_id),
+                    self._policy(timeout_s))
+
     def health(self, timeout_s: float | None = None) -> HealthInfo:
         response, _ = self._unary(self._stub.Health.with_call, api_pb2.HealthRequest(),
                                   self._policy(timeout_s))

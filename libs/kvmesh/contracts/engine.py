@@ -9,6 +9,7 @@ computed it; the engine turns its own memory into these bytes and back (``kvmesh
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.contracts.ids import BlockKey
@@ -26,6 +27,22 @@ class RetentionRange:
     end: int
     priority: int
     duration_s: float = float("inf")
+
+
+def retention_to_proto(ranges: tuple[RetentionRange, ...]) -> list[common_pb2.Retention]:
+    return [common_pb2.Retention(start=r.start, end=r.end, priority=r.priority,
+                                 ttl_s=0.0 if r.duration_s == float("inf") else r.duration_s) for r in ranges]
+
+
+def retention_from_proto(ranges: Iterable[common_pb2.Retention]) -> tuple[RetentionRange, ...]:
+    """ValueError for a range that is empty or backwards, or a negative TTL (0: forever)."""
+    out = []
+    for r in ranges:
+        if r.end <= r.start or r.ttl_s < 0:
+            raise ValueError(f"retention [{r.start}, {r.end}) for {r.ttl_s} s: a range needs start < end and a "
+                             "TTL >= 0 (0 = forever)")
+        out.append(RetentionRange(r.start, r.end, r.priority, r.ttl_s or float("inf")))
+    return tuple(out)
 
 
 class ExportPieces(enum.StrEnum):
@@ -128,10 +145,26 @@ class ImportedKV:
 
 
 @dataclass(frozen=True)
+class SessionHint:
+    """The session a request belongs to: ``key`` is the tenant-namespaced id (``contracts.sessions.session_key``);
+    ``end``: the client says this is the session's last request, so what it holds can go first once it
+    finished."""
+
+    key: str
+    end: bool = False
+
+    @classmethod
+    def of(cls, key: str, end: bool = False) -> SessionHint | None:
+        """A request's hint from its wire fields ("" key: it belongs to no session)."""
+        return cls(key, end) if key else None
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One request as a service hands it to an engine. ``export``: read its KV out as it is computed (prefill:
     a push) or when it finishes (decode: the write-back); ``imported``: its prompt's KV was pushed here, decode
-    starts from it.
+    starts from it. ``session``: the session it belongs to (None: none); ``retention``: token ranges to keep
+    ahead of others for a while (a TTL pin with its priority).
 
     ``generated``: the last ``generated`` tokens of ``prompt`` are this request's own output so far, streamed by
     another instance before it stopped (a migrated request, continued here). They count towards
@@ -148,6 +181,7 @@ class EngineRequest:
     export: ExportPlan | None = None
     imported: ImportedKV | None = None
     generated: int = 0
+    session: SessionHint | None = None
 
     def __post_init__(self) -> None:
         if self.generated < 0 or (self.generated and self.generated >= len(self.prompt)):
@@ -215,6 +249,8 @@ class EngineStats:
     step_seconds: dict[str, float] = field(default_factory=dict)
     step_cpu_seconds: dict[str, float] = field(default_factory=dict)
     speed: dict[str, float] = field(default_factory=dict)      # prefill_tok_per_s, prefill_overhead_s
+    prefetch: dict[str, int] = field(default_factory=dict)     # loaded | used | wasted -> blocks warmed back
+    sessions: int = 0                                          # live sessions it keeps blocks for
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Bus messages (``kv.events`` batches, ``kv.ready``, heartbeats, routers' load) and their wire format: versioned JSON, one frozen dataclass per message type.
+"""Bus messages (``kv.events`` batches, ``kv.ready``, heartbeats, routers' load, session signals, cluster copies) and their wire format: versioned JSON, one frozen dataclass per message type.
 
 Every message is a JSON object with ``"v"`` (format version) and ``"type"``. A reader rejects an unknown version
 or type with ``CodecError`` and ignores fields it does not know, so a writer may add fields without a version bump.
@@ -16,6 +16,7 @@ from kvmesh.contracts.engine import TokenLogprobs
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sessions import SessionEvent
 
 VERSION = 1
 _KEY_LIMIT = 1 << 64
@@ -291,9 +292,66 @@ def _counts(value: dict[str, Any], name: str) -> dict[str, int]:
     return dict(value)
 
 
-Message = KVEventBatch | KVReady | Heartbeat | RouterLoad
-_TYPES: dict[str, type[KVEventBatch | KVReady | Heartbeat | RouterLoad]] = {
-    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat, RouterLoad)}
+@dataclass(frozen=True)
+class SessionSignal:
+    """What the router learnt about a session outside a request, for every cache (``sessions`` subject): it
+    ended (an explicit close) or paused (its response ended in a tool call). ``session``: the tenant-namespaced
+    key (``contracts.sessions.session_key``); ``instance``: where its last request ran ("" = unknown)."""
+
+    TYPE: ClassVar[str] = "session_signal"
+    session: str
+    event: SessionEvent
+    ts: float
+    instance: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "event", SessionEvent(self.event))
+        except ValueError:
+            raise CodecError(f"session event {self.event!r} is not one of {choices(SessionEvent)}") from None
+
+    def encode(self) -> bytes:
+        return _dump(self.TYPE, {"session": self.session, "event": self.event, "ts": self.ts,
+                                 "instance": self.instance})
+
+    @classmethod
+    def decode(cls, data: bytes) -> SessionSignal:
+        return _expect(cls, decode(data))
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> SessionSignal:
+        return cls(session=_get(d, "session", str), event=_get(d, "event", str),
+                   ts=float(_get(d, "ts", int, float)), instance=_get(d, "instance", str) if "instance" in d else "")
+
+
+@dataclass(frozen=True)
+class KVCopies:
+    """cachesvc to one instance (``kv.copies.<instance>``): of the blocks it holds, ``shared`` now have another
+    copy in the cluster (another instance or the pool holds them) and ``sole`` no longer do, so it evicts the
+    former before the last copy of anything."""
+
+    TYPE: ClassVar[str] = "kv_copies"
+    instance_id: InstanceId
+    shared: tuple[BlockKey, ...] = ()
+    sole: tuple[BlockKey, ...] = ()
+
+    def encode(self) -> bytes:
+        return _dump(self.TYPE, {"instance_id": self.instance_id, "shared": _keys(self.shared),
+                                 "sole": _keys(self.sole)})
+
+    @classmethod
+    def decode(cls, data: bytes) -> KVCopies:
+        return _expect(cls, decode(data))
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> KVCopies:
+        return cls(instance_id=InstanceId(_get(d, "instance_id", str)),
+                   shared=tuple(_keys(_get(d, "shared", list))), sole=tuple(_keys(_get(d, "sole", list))))
+
+
+Message = KVEventBatch | KVReady | Heartbeat | RouterLoad | SessionSignal | KVCopies
+_TYPES: dict[str, type[Message]] = {
+    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies)}
 
 
 def decode(data: bytes) -> Message:
@@ -317,7 +375,7 @@ def decode(data: bytes) -> Message:
         raise CodecError(f"bad {kind} message: {e}") from e
 
 
-M = TypeVar("M", KVEventBatch, KVReady, Heartbeat, RouterLoad)
+M = TypeVar("M", KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies)
 
 
 def _expect(cls: type[M], msg: Message) -> M:

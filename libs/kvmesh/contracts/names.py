@@ -20,6 +20,8 @@ class Eviction(enum.StrEnum):
     TAILFIRST = "tailfirst"    # predicted expiry, learned online
     GHOST = "ghost"            # tailfirst plus a memory of evicted blocks' reuse
     DUEL = "duel"              # ghost or lru, whichever miniature simulations say is ahead
+    SESSION = "session"        # the sessions' signals (ended first, paused kept, TTL pins held), then lru
+    SESSION_DUEL = "session_duel"  # the sessions' signals, then duel
     BELADY = "belady"          # the offline optimum: needs the future, ``kvmesh sim`` only
 
     @property

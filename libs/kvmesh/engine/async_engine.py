@@ -33,6 +33,8 @@ from kvmesh.contracts.engine import (
 from kvmesh.contracts.events import TIER_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
 from kvmesh.contracts.keys import Namespace, block_keys
+from kvmesh.contracts.messages import SessionSignal
+from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.kv_cache import Imported, KVPiece, Landed, block_bytes, blocks_from_bytes
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
@@ -175,6 +177,15 @@ class AsyncEngine(EngineLoop, Engine):
     def subscribe(self, sink: KVEventSink) -> None:
         self.on_events = sink
 
+    # ---- the seam: what the cluster says about the cached blocks ----------------------------------------------
+    def signal_session(self, signal: SessionSignal) -> None:
+        """Queued on the engine thread; a pause also sets a timer that warms the session's demoted blocks back
+        ``session_prefetch_lead_s`` before it is expected (its own cadence), if it is still paused then."""
+        self.queue(lambda: self._session_signal(signal.session, signal.event))
+
+    def cluster_copies(self, shared: Sequence_[BlockKey], sole: Sequence_[BlockKey]) -> None:
+        self.queue(lambda: self.engine.blocks.cluster_copies(shared, sole))
+
     # ---- the seam: LoRA adapters -----------------------------------------------------------------------------
     async def load_lora(self, name: str, path: str) -> AdapterInfo:
         """The files are read and checked off the engine thread; only the registration runs on it, so a slow
@@ -222,7 +233,8 @@ class AsyncEngine(EngineLoop, Engine):
             {"device": st.get("evicted_device", 0), "host": st.get("evicted_host", 0)},
             {"spill": st.get("spilled_host", 0), "load": st.get("loaded_host", 0)},
             e.scheduler.num_preemptions, dict(t.steps), dict(t.rows), dict(t.seconds), dict(t.cpu_seconds),
-            self.speed())
+            self.speed(), {k: st.get(f"prefetch_{k}", 0) for k in ("loaded", "used", "wasted")},
+            len(e.blocks.sessions) if e.blocks.sessions is not None else 0)
 
     async def close(self) -> None:
         await self.stop()
@@ -239,13 +251,34 @@ class AsyncEngine(EngineLoop, Engine):
         imported = self._imported(request.imported) if request.imported is not None else None
         seq = self.engine.add_request(request.request_id, list(request.prompt), request.params,
                                       request.cache_salt, request.retention, request.lora, request.export,
-                                      imported, request.generated)
+                                      imported, request.generated, request.session)
         if timing is None:
             return
         timing.added = time.monotonic()
         self._timed[request.request_id] = (seq, timing)
         if seq.status is Status.WAITING:
             self._unscheduled[request.request_id] = (seq, timing)
+
+    def _session_signal(self, key: str, event: SessionEvent) -> None:
+        blocks, cfg = self.engine.blocks, self.engine.cfg
+        blocks.session_signal(key, event)
+        if event is not SessionEvent.PAUSE or not cfg.session_prefetch or blocks.host is None:
+            return
+        expected = blocks.sessions.expected_return(key) if blocks.sessions is not None else None
+        if expected is not None:
+            delay = max(0.0, expected - cfg.session_prefetch_lead_s - time.monotonic())
+            self.loop.call_soon_threadsafe(self._prefetch_later, key, expected, delay)
+
+    def _prefetch_later(self, key: str, expected: float, delay: float) -> None:
+        """On the event loop: queue the warm-up of paused session ``key`` after ``delay`` seconds."""
+        self.loop.call_later(delay, lambda: self.queue(lambda: self._prefetch(key, expected)))
+
+    def _prefetch(self, key: str, expected: float) -> None:
+        """Still paused, the same pause (it was not back meanwhile): warm its demoted blocks back."""
+        blocks = self.engine.blocks
+        still = blocks.sessions is not None and blocks.sessions.expected_return(key) == expected
+        if still and (loaded := blocks.prefetch(key)):
+            log.debug("session %s: %d blocks warmed back before its expected return", key, loaded)
 
     def _imported(self, kv: ImportedKV) -> Imported:
         """A verified push as the engine imports it: buffered parts as tensors over their bytes (no copy),

@@ -17,23 +17,28 @@ Invariants
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from kvmesh.contracts.engine import RetentionRange
 from kvmesh.contracts.events import TIER_DEVICE, TIER_HOST, BlockStored, EventSink, KVEvent
 from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engine.eviction import LRU, EvictionPolicy, now
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed
 from kvmesh.engine.leases import Leases
 from kvmesh.engine.radix import Node, PrefixMatch, RadixTree
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.sequence import Sequence, Status
+from kvmesh.engine.sessions import SessionTable, owner_after
 from kvmesh.engine.tiers import Tiers
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["BlockManager", "Node", "PrefixMatch"]
+
+EXPIRE_EVERY_S = 10.0  # how often idle sessions are looked for
 
 
 class BlockManager:
@@ -47,8 +52,10 @@ class BlockManager:
         self.on_event = on_event
         self.enable_prefix_caching = enable_prefix_caching
         self.tree = RadixTree(self.block_size)
-        self.tiers = Tiers(device, host, self.policy, self._emit)
+        self.tiers = Tiers(device, host, self.policy, self._emit, self.tree)
         self.leases = Leases(self.tree, self.tiers)
+        self.sessions: SessionTable | None = getattr(self.policy, "sessions", None)
+        self._expired_at = 0.0
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -129,10 +136,22 @@ class BlockManager:
     def allocate_prefix(self, seq: Sequence) -> bool:
         """Attach the longest cached prefix to a new sequence (loading host blocks, copying a partial block).
 
-        Leaves at least one token to compute so the sequence gets logits. False when blocks are short.
+        Leaves at least one token to compute so the sequence gets logits. False when blocks are short. When the
+        prefix's host blocks cannot all come back (the device can make no room for them while they are held:
+        its other blocks' children fill the host tier), the part on the device is attached and the rest is
+        computed again, rather than waiting for room that never comes.
         """
         tokens = seq.all_token_ids
         m = self.match(seq.namespace_seed, tokens, max_tokens=len(tokens) - 1)
+        if self._attach(seq, m):
+            return True
+        on_device = list(itertools.takewhile(lambda n: n.block_id is not None, m.nodes))
+        if len(on_device) == len(m.nodes) and m.partial is None:
+            return False
+        return self._attach(seq, PrefixMatch(on_device, None, 0, self.block_size))
+
+    def _attach(self, seq: Sequence, m: PrefixMatch) -> bool:
+        """``allocate_prefix`` of the match ``m``; False (nothing held) when the device has no room."""
         held = m.nodes + ([m.partial] if m.partial else [])
         for node in held:
             node.ref_count += 1
@@ -208,6 +227,9 @@ class BlockManager:
             self.policy.on_hit(node, t)
             node.last_access = t
             node.hit_count += 1
+            if node.prefetched:
+                node.prefetched = False
+                self.stats["prefetch_used"] += 1
         return t
 
     def _write_pieces(self, seq: Sequence, pieces: list[KVPiece], first_new: int, num_tokens: int) -> None:
@@ -228,7 +250,7 @@ class BlockManager:
         seq = Sequence("adopt", list(tokens[:n]) + [0], SamplingParams(), seed)
         if not self.import_prefix(seq, blocks, n, first_block):
             return False
-        self.free(seq)
+        self.free(seq, used=False)
         return True
 
     def export_prefix(self, seq: Sequence, first_block: int = 0, num_tokens: int | None = None) -> torch.Tensor:
@@ -284,14 +306,29 @@ class BlockManager:
         if stored:
             self._emit(BlockStored(tuple(stored), parent_key, bs, TIER_DEVICE))
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, used: bool = True) -> None:
         """Release a finished or preempted sequence: shared blocks are unreferenced (and stay cached), the
-        computed tail of a partial block is kept as a partial node, everything else returns to the free list."""
+        computed tail of a partial block is kept as a partial node, everything else returns to the free list.
+        A finished one's retention ranges hold from now, and its session (if any) holds its blocks now (or,
+        its last request, nothing). ``used``: a request used the blocks (not a fetch putting them in)."""
         self.cache_computed_blocks(seq)
         t = now()
+        changed: set[int] = set()
+        if seq.status is Status.FINISHED and seq.nodes:
+            for i, node in enumerate(seq.nodes):
+                self._apply_retention(node, seq.retention, i)
+            if seq.session is not None and self.sessions is not None:
+                changed = self.sessions.request(seq.session.key, [n.chain for n in seq.nodes], t,
+                                                seq.session.end)
+        session = seq.session.key if seq.session is not None else ""
         for node in seq.nodes:
             node.last_access = t
+            if used:
+                node.session_owner = owner_after(node.session_owner, session)
             self.tiers.unref(node)
+        self._rerank(changed)
+        if seq.status is Status.FINISHED:
+            self.expire_sessions(t)
         private = seq.block_table[len(seq.nodes):]
         tail = seq.num_computed_tokens - len(seq.nodes) * self.block_size
         if private and 0 < tail < self.block_size and self.enable_prefix_caching:
@@ -304,6 +341,64 @@ class BlockManager:
                 private = private[1:]
         self.free_blocks.extend(private)
         seq.block_table, seq.nodes = [], []
+
+    # ---- sessions and the cluster's copies -------------------------------------------------------------------
+    def session_signal(self, key: str, event: SessionEvent) -> None:
+        """Session ``key`` paused (its response ended in a tool call) or ended (an explicit close)."""
+        if self.sessions is None:
+            return
+        t = now()
+        self._rerank(self.sessions.pause(key, t) if event is SessionEvent.PAUSE else self.sessions.end(key))
+
+    def expire_sessions(self, t: float, force: bool = False) -> None:
+        """Drop the sessions silent past the table's ``idle_s`` (looked for every ``EXPIRE_EVERY_S``)."""
+        if self.sessions is not None and (force or t - self._expired_at >= EXPIRE_EVERY_S):
+            self._expired_at = t
+            self._rerank(self.sessions.expire(t))
+
+    def cluster_copies(self, shared: Seq[int], sole: Seq[int]) -> None:
+        """cachesvc's word: ``shared`` blocks have another copy in the cluster, ``sole`` ones no longer do."""
+        for keys, replicated in ((shared, True), (sole, False)):
+            for key in keys:
+                node = self.tree.by_key.get(key)
+                if node is not None and node.replicated != replicated:
+                    node.replicated = replicated
+                    self.tiers.rerank(node)
+
+    def prefetch(self, key: str) -> int:
+        """Warm paused session ``key``'s blocks that were demoted to the host back onto the device (its chain
+        from the first block, as far as the tree holds it), evicting what ranks lowest to make room. How many
+        were loaded (0 when none was on the host, or there is no room)."""
+        s = self.sessions.get(key) if self.sessions is not None else None
+        if s is None or self.host is None:
+            return 0
+        chain = []
+        for block in s.blocks:
+            node = self.tree.by_key.get(block)
+            if node is None:
+                break
+            chain.append(node)
+        to_load = [n for n in chain if n.block_id is None and n.host_slot is not None]
+        if not to_load:
+            return 0
+        for node in to_load:  # held while room is made, so the host tier cannot drop them meanwhile
+            node.ref_count += 1
+        fresh = self.tiers.allocate(len(to_load))
+        if fresh is not None:
+            self.tiers.load_from_host(to_load, fresh)
+        for node in to_load:
+            node.prefetched = fresh is not None
+            self.tiers.unref(node)
+        if fresh is None:
+            return 0
+        self.stats["prefetch_loaded"] += len(to_load)
+        return len(to_load)
+
+    def _rerank(self, keys: set[int]) -> None:
+        for key in keys:
+            node = self.tree.by_key.get(key)
+            if node is not None:
+                self.tiers.rerank(node)
 
     # ---- internals ---------------------------------------------------------------------------------------------
     def _emit(self, event: KVEvent) -> None:

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from kvmesh.contracts.names import Eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
+from kvmesh.engine.sessions import SessionTable
 
 
 class Evictable(Protocol):
@@ -34,8 +35,9 @@ class Evictable(Protocol):
     priority_until: float  # monotonic deadline after which ``priority`` no longer applies (inf = forever)
     # Optional (read with defaults): depth (blocks before it in its chain), fanout (cached children),
     # prev_access (the access before ``last_access``; -inf when none), extended (it has had a child: not a
-    # request's tail), key (the block's hash: what ``ghost`` remembers of evicted blocks), next_use (the
-    # simulator only).
+    # request's tail), key (the block's hash: what ``ghost`` remembers of evicted blocks, what sessions hold),
+    # session_owner (the session that used it: "" none, ``sessions.SHARED`` several), replicated (another copy of it is in the cluster:
+    # another instance or the pool holds it), next_use (the simulator only).
 
 
 class EvictionPolicy(Protocol):
@@ -295,8 +297,61 @@ class Duel(Policy):
         self._full = len(self.sampled)
 
 
+class SessionAware(Policy):
+    """What the clients said about their sessions first, then ``base`` (LRU): a block under a retention hint
+    (a TTL pin) outranks every block with a lower one until it expires; then a block held by a paused session
+    (waiting on a tool, and not overdue) outranks one held by a live session, which outranks one no session
+    holds (shared, or of requests without a session), which outranks one whose one session ended or moved past
+    it (``kvmesh.engine.sessions.Mark``); within a mark, a
+    block that has another copy in the cluster goes before the last copy of anything. Without any signal the
+    order is ``base``'s.
+
+    ``sessions`` is the cache's :class:`~kvmesh.engine.sessions.SessionTable`: the cache tells it of every
+    session's requests, pauses and ends, and ranks again the blocks whose mark changed (the table returns them).
+    Blocks are ranked by ``key``; a cache whose blocks have none ranks them as ``UNKNOWN``."""
+
+    name = Eviction.SESSION
+    base_name = Eviction.LRU
+    falling = True  # a retention's end lowers the key
+
+    def __init__(self, base: Eviction | None = None, sessions: SessionTable | None = None) -> None:
+        self.base = make_policy(base or self.base_name)
+        self.sessions = sessions if sessions is not None else SessionTable()
+
+    @property
+    def dynamic(self) -> bool:  # type: ignore[override]
+        return self.base.dynamic
+
+    @property
+    def epoch(self) -> int:
+        """The base strategy's (``duel``'s changes of mind): the queue ranks everything again on a change."""
+        return getattr(self.base, "epoch", 0)
+
+    def sort_key(self, item: Evictable, now: float) -> tuple:
+        retained = item.priority if now < item.priority_until else 0
+        mark = self.sessions.mark(getattr(item, "key", None), getattr(item, "session_owner", ""), now)
+        return (retained, int(mark), not getattr(item, "replicated", False), *self.base.sort_key(item, now))
+
+    def on_hit(self, item: Evictable, now: float) -> None:
+        self.base.on_hit(item, now)
+
+    def on_evict(self, item: Evictable, now: float) -> None:
+        self.base.on_evict(item, now)
+
+    def key_drops_at(self, item: Evictable, now: float) -> float:
+        retention = item.priority_until if item.priority > 0 and now < item.priority_until else math.inf
+        return min(retention, self.sessions.mark_drops_at(getattr(item, "key", None), now))
+
+
+class SessionDuel(SessionAware):
+    """:class:`SessionAware` over ``duel`` instead of LRU: the same marks, ``duel``'s order within each."""
+
+    name = Eviction.SESSION_DUEL
+    base_name = Eviction.DUEL
+
+
 POLICIES: dict[Eviction, type[Policy]] = {p.name: p for p in (LRU, LFU, SLRU, PriorityLRU, TailFirst, Ghost,
-                                                              Duel, Belady)}
+                                                              Duel, SessionAware, SessionDuel, Belady)}
 
 
 def make_policy(name: Eviction | str, online: bool = True) -> Policy:

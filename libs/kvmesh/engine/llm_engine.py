@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.contracts.engine import ExportPlan, RetentionRange, TokenLogprobs
+from kvmesh.contracts.engine import ExportPlan, RetentionRange, SessionHint, TokenLogprobs
 from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
@@ -152,7 +152,10 @@ class LLMEngine:
         host = None
         if cfg.host_cache_mb > 0:
             host = HostKVPool(self.layout, max(1, cfg.host_cache_mb * 2**20 // self.layout.block_nbytes))
-        self.blocks = BlockManager(self.kv, host, make_policy(cfg.eviction), on_event, cfg.enable_prefix_caching)
+        policy = make_policy(cfg.eviction)
+        if (sessions := getattr(policy, "sessions", None)) is not None:  # a session-aware strategy's table
+            sessions.default_pause_s, sessions.idle_s = cfg.session_pause_s, cfg.session_idle_s
+        self.blocks = BlockManager(self.kv, host, policy, on_event, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_batched_tokens, cfg.max_num_seqs)
         self.scheduler.max_loras = cfg.max_loras
         self.loras = LoRAManager(mc, cfg.max_loras, cfg.max_lora_rank, dtype, cfg.device)
@@ -233,8 +236,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), lora: str = "",
                     export: ExportPlan | None = None, imported: Imported | None = None,
-                    generated: int = 0) -> Sequence:
+                    generated: int = 0, session: SessionHint | None = None) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
+
+        ``session``: the session it belongs to; once it finished, the session holds its blocks (a session-aware
+        eviction strategy keeps them, or lets them go first when it was the session's last request).
 
         ``lora``: the name of a loaded adapter to run it under ("" = the base model); its KV is keyed by the
         adapter's ``name@generation``, so it never shares blocks with the base model or another adapter.
@@ -272,7 +278,7 @@ class LLMEngine:
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec,
-                       earlier_outputs=generated)
+                       earlier_outputs=generated, session=session)
         detok = None
         if self.tokenizer is not None:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer

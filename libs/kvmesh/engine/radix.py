@@ -34,6 +34,9 @@ class Node:
     priority_until: float = math.inf
     depth: int = 0                  # full blocks before it in its chain
     extended: bool = False          # has had a child (not a request's tail)
+    session_owner: str = ""         # the session that used it ("" none, ``sessions.SHARED`` several)
+    replicated: bool = False        # another copy is in the cluster (cachesvc's word)
+    prefetched: bool = False        # warmed back from the host for a paused session, not hit since
 
     @property
     def key(self) -> BlockKey:
@@ -77,6 +80,7 @@ class RadixTree:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._roots: dict[int, Node] = {}
+        self.by_key: dict[int, Node] = {}  # every full node by its block key (what sessions and cachesvc name)
 
     def root(self, seed: int) -> Node:
         root = self._roots.get(seed)
@@ -114,7 +118,14 @@ class RadixTree:
                     depth=depth)
         parent.children[tokens] = node
         parent.extended = True
+        self.by_key[node.chain] = node
         return node
+
+    def remove(self, node: Node) -> Node:
+        """Take leaf ``node`` out of the tree; returns its parent."""
+        if node.full:
+            self.by_key.pop(node.chain, None)
+        return node.detach()
 
     def add_partial(self, parent: Node, tokens: tuple[int, ...], block_id: int, t: float) -> Node | None:
         """A request's computed tail under ``parent``, in ``block_id``; None (nothing added: the caller frees

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvmesh.contracts.engine import RetentionRange
+from kvmesh.contracts.engine import RetentionRange, SessionHint
 from kvmesh.contracts.sampling import SamplingParams
 
 __all__ = ["RetentionRange", "Sequence", "Status"]
@@ -33,6 +33,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     lora: LoRASpec | None = None      # the adapter it runs under (kept even if the name is unloaded meanwhile)
     earlier_outputs: int = 0          # output tokens generated elsewhere before it came here: the prompt's tail
+    session: SessionHint | None = None  # the session it belongs to
 
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -18,13 +18,14 @@ from kvmesh.contracts.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockS
 from kvmesh.engine.eviction import EvictionPolicy, now
 from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool
-from kvmesh.engine.radix import Node
+from kvmesh.engine.radix import Node, RadixTree
 
 
 class Tiers:
     def __init__(self, device: DeviceKVPool, host: HostKVPool | None, policy: EvictionPolicy,
-                 emit: Callable[[KVEvent], None]) -> None:
+                 emit: Callable[[KVEvent], None], tree: RadixTree) -> None:
         self.device = device
+        self.tree = tree
         self.host = host
         self.policy = policy
         self.block_size = device.layout.block_size
@@ -34,7 +35,8 @@ class Tiers:
         self.host_nodes: set[Node] = set()
         self.queue: EvictionQueue[Node] = EvictionQueue(policy)  # device nodes that may be evictable
         self.host_queue: EvictionQueue[Node] = EvictionQueue(policy)  # host nodes that may be evictable
-        self.stats = {"evicted_device": 0, "spilled_host": 0, "loaded_host": 0, "evicted_host": 0}
+        self.stats = {"evicted_device": 0, "spilled_host": 0, "loaded_host": 0, "evicted_host": 0,
+                      "prefetch_loaded": 0, "prefetch_used": 0, "prefetch_wasted": 0}
 
     # ---- device blocks ---------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
@@ -55,16 +57,29 @@ class Tiers:
     def evict(self, n: int) -> int:
         """Free ``n`` device blocks from unreferenced cached nodes, in the policy's order (O(log n) each: the
         queue holds the nodes that were evictable when last touched; one that no longer is leaves it until its
-        last reader or last child goes, which pushes it again)."""
+        last reader or last child goes, which pushes it again; one that was but could not go this time, an
+        inner node the full host tier cannot take, is ranked again)."""
         freed = 0
         t = now()
+        kept: list[Node] = []  # popped but could not go yet (children, and no host room): ranked again
+        progressed = False
         while freed < n:
             node = self.queue.pop(t, self._evictable)
             if node is None:
-                break
-            self.policy.on_evict(node, t)
+                if not (kept and progressed):
+                    break
+                for k in kept:  # what went since may have made host room for them: another round
+                    self.queue.push(k, k.last_access)
+                kept, progressed = [], False
+                continue
             if self._evict_from_device(node):
+                self.policy.on_evict(node, t)
                 freed += 1
+                progressed = True
+            else:
+                kept.append(node)
+        for node in kept:
+            self.queue.push(node, node.last_access)
         return freed
 
     def unref(self, node: Node) -> None:
@@ -75,6 +90,22 @@ class Tiers:
         elif node.ref_count == 0 and node.host_slot is not None and not node.children:
             self.host_queue.push(node, node.last_access)  # an attach that failed: evictable from the host again
 
+    def rerank(self, node: Node) -> None:
+        """``node``'s sort key changed (a session signal, cachesvc's word on its copies): rank it again where it
+        may be evicted from (a referenced one is ranked when its last reader lets go)."""
+        if node.ref_count:
+            return
+        if node.block_id is not None:
+            self.queue.push(node, now())
+        elif node.host_slot is not None and not node.children:
+            self.host_queue.push(node, now())
+
+    def _left_device(self, node: Node) -> None:
+        """A block warmed back for a paused session left the device before it was hit: wasted."""
+        if node.prefetched:
+            node.prefetched = False
+            self.stats["prefetch_wasted"] += 1
+
     def _evictable(self, node: Node) -> bool:
         return (node.block_id is not None and node.ref_count == 0
                 and (self.host is not None or not node.children))
@@ -82,6 +113,7 @@ class Tiers:
     def _evict_from_device(self, node: Node) -> bool:
         if node.full and self.host is not None and self._make_host_room():
             (slot,) = self.host.store(self.device.read_blocks([node.block_id]))  # type: ignore[list-item]
+            self._left_device(node)
             self.free_blocks.append(node.block_id)  # type: ignore[arg-type]
             node.block_id, node.host_slot = None, slot
             self.device_nodes.discard(node)
@@ -140,7 +172,7 @@ class Tiers:
     def delete(self, node: Node) -> None:
         """Remove an unreferenced leaf from the tree and free its block wherever it is."""
         assert node.ref_count == 0
-        parent = node.detach()
+        parent = self.tree.remove(node)
         self.queue.discard(node)
         if not parent.children and parent.ref_count == 0 and parent.block_id is not None:
             self.queue.push(parent, parent.last_access)  # a leaf now: evictable without a host tier
@@ -148,6 +180,7 @@ class Tiers:
             self.host_queue.push(parent, parent.last_access)  # a host leaf now: evictable from the host
         tier = TIER_DEVICE
         if node.block_id is not None:
+            self._left_device(node)
             self.free_blocks.append(node.block_id)
             node.block_id = None
             self.device_nodes.discard(node)

@@ -35,6 +35,7 @@ from kvmesh.contracts.engine import (
 from kvmesh.contracts.events import KVEvent
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.messages import SessionSignal
 from kvmesh.transfer.landing import Landing
 
 KVEventSink = Callable[[list[KVEvent]], None]
@@ -124,6 +125,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def subscribe(self, sink: KVEventSink) -> None:
         """Hand the engine's KV events (block keys of ``namespace``) to ``sink`` on the event loop, in order."""
+
+    # ---- what the cluster says about the cached blocks ---------------------------------------------------------
+    def signal_session(self, signal: SessionSignal) -> None:
+        """A session ended or paused (``SessionSignal``): what it holds goes first, or is kept (and warmed back
+        before it is expected) while it waits on a tool. Queued, never waits; an engine that keeps no sessions
+        ignores it."""
+
+    def cluster_copies(self, shared: Sequence[BlockKey], sole: Sequence[BlockKey]) -> None:
+        """Of its blocks, ``shared`` have another copy in the cluster now and ``sole`` no longer do (cachesvc's
+        word): it evicts the former first. Queued, never waits; an engine that cannot use it ignores it."""
 
     # ---- LoRA adapters ---------------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -23,7 +23,7 @@ from kvmesh.bus.snapshot import answer_snapshots
 from kvmesh.contracts.engine import RequestTiming
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.keys import block_keys
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch
+from kvmesh.contracts.messages import Heartbeat, KVCopies, KVEventBatch, Message, SessionSignal
 from kvmesh.engines import Engine, start_engine
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
@@ -109,6 +109,10 @@ class EngineHost:
             self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server,
                                    transfer_tls=tls.transfer_client_tls(self.shared),
                                    receive_at=self.advertised(self.transfer_address))
+        # what the cluster says about the cached blocks: sessions that ended or paused (routers), which blocks have
+        # another copy elsewhere (cachesvc)
+        await self.bus.subscribe(self.subjects.sessions, self._on_session)
+        await self.bus.subscribe(self.subjects.kv_copies(self.instance_id), self._on_copies)
         for role in self.roles:
             self.attached.append(await role.attach(self))
         await self.grpc.start()
@@ -206,6 +210,14 @@ class EngineHost:
                        {**attrs, "kvmesh.tokens.prompt": prompt_tokens, "kvmesh.tokens.reused": cached_tokens,
                         "kvmesh.tokens.computed": prompt_tokens - cached_tokens,
                         "kvmesh.preemptions": timing.preemptions})
+
+    async def _on_session(self, msg: Message, headers: dict[str, str]) -> None:
+        if isinstance(msg, SessionSignal):
+            self.engine.signal_session(msg)
+
+    async def _on_copies(self, msg: Message, headers: dict[str, str]) -> None:
+        if isinstance(msg, KVCopies) and msg.instance_id == self.instance_id:
+            self.engine.cluster_copies(msg.shared, msg.sole)
 
     async def _snapshot(self) -> tuple[int, list[tuple[int, str]]]:
         """What cachesvc asks for after a gap in our events: the sequence number first, then the blocks."""

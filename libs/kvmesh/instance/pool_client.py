@@ -22,6 +22,7 @@ from typing import NamedTuple
 import grpc
 
 from kvmesh import tls
+from kvmesh.contracts.engine import SessionHint
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
@@ -64,22 +65,30 @@ class PoolClient:
         self._written: OrderedDict[int, None] = OrderedDict()  # keys this instance already stored
         self._remember = remember
 
-    async def write_back(self, keys: list[BlockKey], data: memoryview, metadata: Metadata = ()) -> int:
+    async def write_back(self, keys: list[BlockKey], data: memoryview, metadata: Metadata = (),
+                         session: SessionHint | None = None, context: list[BlockKey] | None = None) -> int:
         """Store the blocks the pool does not have from us yet (``data``: the bytes of ``keys``' blocks, whole,
-        in wire order); returns how many were sent. ``metadata``: gRPC call metadata (the trace context)."""
+        in wire order); returns how many were sent. ``metadata``: gRPC call metadata (the trace context).
+        ``session``: the request's, which holds ``context`` (its blocks in order; default ``keys``) in the
+        pool's tiers now: the last call says so, and one call without blocks does when none is left to send."""
         todo = [i for i, k in enumerate(keys) if k not in self._written]
         per_call = max(1, MAX_MESSAGE_BYTES // 2 // self.block_nbytes)
         nb = self.block_nbytes
-        for start in range(0, len(todo), per_call):
+        starts = list(range(0, len(todo), per_call)) or ([0] if session is not None else [])
+        for start in starts:
             idx = todo[start:start + per_call]
-            chunk = _gather(data, idx, nb)
-            sums = block_checksums(chunk, self.block_nbytes)
-            request = cache_pb2.PutBlocksRequest(layout=self.proto_layout, block_keys=[keys[i] for i in idx],
-                                                 checksums=sums)
-            if self.transfer is None:
-                request.data = bytes(chunk)
-            else:
-                request.transfer_id = await self._push(chunk, list(request.block_keys), sums, metadata)
+            request = cache_pb2.PutBlocksRequest(layout=self.proto_layout, block_keys=[keys[i] for i in idx])
+            if session is not None and start == starts[-1]:
+                request.session_key, request.session_end = session.key, session.end
+                request.session_blocks.extend(context if context is not None else keys)
+            if idx:  # else only the session's word
+                chunk = _gather(data, idx, nb)
+                sums = block_checksums(chunk, self.block_nbytes)
+                request.checksums.extend(sums)
+                if self.transfer is None:
+                    request.data = bytes(chunk)
+                else:
+                    request.transfer_id = await self._push(chunk, list(request.block_keys), sums, metadata)
             await self._call(self.stub.PutBlocks, request, metadata)
             for i in idx:
                 self._written[keys[i]] = None

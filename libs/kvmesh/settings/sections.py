@@ -274,7 +274,18 @@ class EngineSettings(Section):
     kv_dtype: str = setting("fp32", "KV storage dtype (attention computes in dtype)", choices=KV_DTYPES)
     host_cache_mb: int = setting(0, "L2 host tier: evicted device blocks spill here (0 = off)")
     eviction: Eviction = setting(Eviction.LRU, "eviction strategy of the engine's tiers (belady is for "
-                                               "kvmesh sim only)", choices=Eviction.online())
+                                               "kvmesh sim only; session, session_duel: the sessions' signals "
+                                               "first)", choices=Eviction.online())
+    session_idle_s: float = setting(1800.0, "session-aware eviction: a session silent this long is dropped as "
+                                            "if it had ended (clients that never say so)")
+    session_pause_s: float = setting(30.0, "session-aware eviction: how long a session that never paused "
+                                           "before is expected to wait on its tool, until the sessions' recent "
+                                           "pauses say otherwise")
+    session_prefetch: bool = setting(True, "session-aware eviction: warm a paused session's blocks that were "
+                                           "demoted to the host tier back onto the device before it is "
+                                           "expected back")
+    session_prefetch_lead_s: float = setting(1.0, "how long before a paused session is expected back its "
+                                                  "blocks are warmed back")
     enable_prefix_caching: bool = setting(True, "radix-tree prefix reuse at any token boundary")
     max_batched_tokens: int = setting(1024, "token budget of one forward step (chunked prefill)")
     max_num_seqs: int = setting(64, "running sequences at once")
@@ -305,6 +316,8 @@ class EngineSettings(Section):
             out.append(Problem("kv_cache_mb", f"kv_cache_mb must be >= 1 (or set num_blocks), not "
                                               f"{self.kv_cache_mb}"))
         out += self._min(("max_loras", "max_lora_rank"), 1)
+        out += self._positive(("session_idle_s", "session_pause_s"))
+        out += self._min(("session_prefetch_lead_s",), 0)
         try:
             self.lora_adapter_paths()
         except ValueError as e:
@@ -463,6 +476,11 @@ class RouterSettings(Section):
                                       "mid-stream (0 = never: the stream ends with the error)")
     max_concurrent_migrations: int = setting(32, "migrations under way at once on this router; past it a failed "
                                                  "stream ends with its error")
+    session_affinity: bool = setting(True, "a session's requests go where its last one ran (its KV is there), "
+                                           "unless that instance is overloaded (session_overload)")
+    session_overload: int = setting(2, "a session leaves its instance for one with this many fewer requests "
+                                       "queued or running (its KV follows through the pool)")
+    max_sessions: int = setting(100_000, "sessions whose instance the router remembers (least recent forgotten)")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -484,6 +502,7 @@ class RouterSettings(Section):
         if self.id and not (self.id.isascii() and self.id.replace("-", "").replace("_", "").isalnum()):
             out.append(Problem("id", f"id must be letters, digits, '-' and '_' (it names a NATS subject), "
                                      f"not {self.id!r}"))
+        out += self._min(("session_overload", "max_sessions"), 1)
         out += self._address("cachesvc_address", "none")
         for key, tenant in self.api_keys.items():
             out += [Problem("api_keys", m) for m in key_problems(key, tenant, "api_keys")]
@@ -535,8 +554,11 @@ class CacheServiceSettings(Section):
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the log)")
     durable_name: str = setting("cachesvc", "its JetStream consumer; one per cachesvc replica")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
-    pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier",
+    pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier (session, "
+                                                    "session_duel: the sessions' signals first)",
                                       choices=Eviction.online())
+    session_idle_s: float = setting(1800.0, "session-aware eviction: a session silent this long is dropped as "
+                                            "if it had ended")
     instance_timeout_s: float = setting(5.0, "drop an instance's blocks after this long without a heartbeat")
     max_message_mb: int = setting(64, "largest gRPC request/response (PutBlocks/GetBlocks data)")
     disk_dir: str = setting("", "disk tier directory (\"\" = no disk tier); survives restarts")
@@ -567,6 +589,7 @@ class CacheServiceSettings(Section):
         out += self._ports(("port", "metrics_port", "transfer_port"))
         out += self._min(("pool_capacity_mb",), 0, {"pool_capacity_mb": "no DRAM tier"})
         out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
+        out += self._positive(("session_idle_s",))
         out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",
                                "transfer_timeout_s"))
         if self.disk_dir and not 0 < self.disk_segment_mb <= self.disk_capacity_mb:

@@ -119,6 +119,14 @@ class EngineCollector(Collector):
         yield moves
         yield CounterMetricFamily(f"{p}_preemptions", "Sequences preempted for lack of KV blocks",
                                   value=st.preemptions)
+        prefetch = CounterMetricFamily(f"{p}_kv_prefetch_blocks", "KV blocks of paused sessions warmed back from "
+                                       "the host tier before the session's expected return (loaded), then hit by "
+                                       "it (used) or evicted first (wasted)", labels=["outcome"])
+        for outcome in ("loaded", "used", "wasted"):
+            prefetch.add_metric([outcome], st.prefetch.get(outcome, 0))
+        yield prefetch
+        yield GaugeMetricFamily(f"{p}_sessions", "Live sessions whose blocks the session-aware eviction keeps",
+                                value=st.sessions)
         # "prefill": every step with prompt tokens, decode rows mixed in or not
         families = (CounterMetricFamily(f"{p}_engine_steps", "Forward steps", labels=["kind"]),
                     CounterMetricFamily(f"{p}_engine_step_rows", "Sequences in those steps (the batch, summed)",

@@ -20,7 +20,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "cache_salt", "resume_token_ids")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,9 @@ class GenerateRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_END_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
@@ -36,8 +39,11 @@ class GenerateRequest(_message.Message):
     messages: ChatMessages
     sampling: _common_pb2.SamplingParams
     cache_salt: str
+    session_id: str
+    session_end: bool
+    cache_control: _common_pb2.CacheControl
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "usage", "logprobs")
@@ -58,18 +64,24 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("request_id", "model", "messages", "sampling", "cache_salt")
+    __slots__ = ("request_id", "model", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_END_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    session_id: str
+    session_end: bool
+    cache_control: _common_pb2.CacheControl
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ...) -> None: ...
 
 class ChatResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs")
@@ -86,6 +98,18 @@ class ChatResponse(_message.Message):
     usage: _common_pb2.Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -55,6 +55,11 @@ class KvmeshStub:
                 request_serializer=kvmesh_dot_proto_dot_v1_dot_api__pb2.HealthRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_v1_dot_api__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvmesh.v1.Kvmesh/CloseSession',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_api__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_api__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class KvmeshServicer:
@@ -87,6 +92,14 @@ class KvmeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseSession(self, request, context):
+        """The caller's session is over: every cache lets its blocks go first (another tenant's session of the same id
+        is another session and is not touched).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvmeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_KvmeshServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kvmesh_dot_proto_dot_v1_dot_api__pb2.HealthRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_v1_dot_api__pb2.HealthResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_api__pb2.CloseSessionRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_api__pb2.CloseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Kvmesh:
             '/kvmesh.v1.Kvmesh/Health',
             kvmesh_dot_proto_dot_v1_dot_api__pb2.HealthRequest.SerializeToString,
             kvmesh_dot_proto_dot_v1_dot_api__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Kvmesh/CloseSession',
+            kvmesh_dot_proto_dot_v1_dot_api__pb2.CloseSessionRequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_api__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,7 +30,7 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys", "checksums", "data", "priority", "priority_duration_s", "transfer_id")
+    __slots__ = ("layout", "block_keys", "checksums", "data", "priority", "priority_duration_s", "transfer_id", "session_key", "session_end", "session_blocks")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,9 @@ class PutBlocksRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_DURATION_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_END_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +48,10 @@ class PutBlocksRequest(_message.Message):
     priority: int
     priority_duration_s: float
     transfer_id: str
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ..., priority_duration_s: _Optional[float] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    session_key: str
+    session_end: bool
+    session_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ..., priority_duration_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., session_key: _Optional[str] = ..., session_end: _Optional[bool] = ..., session_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("stored", "skipped")

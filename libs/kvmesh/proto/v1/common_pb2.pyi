@@ -57,12 +57,34 @@ class Choices(_message.Message):
     def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "cache_control")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    cache_control: CacheControl
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ...) -> None: ...
+
+class CacheControl(_message.Message):
+    __slots__ = ("ttl_s", "priority")
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    priority: int
+    def __init__(self, ttl_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class Retention(_message.Message):
+    __slots__ = ("start", "end", "priority", "ttl_s")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    priority: int
+    ttl_s: float
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., priority: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -8,13 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pool_blocks", "lora_name", "generated_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pool_blocks", "lora_name", "session_key", "session_end", "retention", "generated_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_END_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -22,8 +25,11 @@ class WorkRequest(_message.Message):
     cache_salt: str
     pool_blocks: int
     lora_name: str
+    session_key: str
+    session_end: bool
+    retention: _containers.RepeatedCompositeFieldContainer[_common_pb2.Retention]
     generated_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., session_key: _Optional[str] = ..., session_end: _Optional[bool] = ..., retention: _Optional[_Iterable[_Union[_common_pb2.Retention, _Mapping]]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

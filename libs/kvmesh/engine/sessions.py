@@ -1,0 +1,213 @@
+"""Sessions as a cache sees them: which blocks each live session holds, which sessions are paused, and what that
+makes of each block (its :class:`Mark`), for the session-aware eviction strategies (``eviction.SessionAware``).
+
+A session is a conversation or an agent's task, named by the client (the router namespaces the id by tenant, so
+``key`` is ``tenant/id``). Its context is the blocks of its latest request: a new request of the session
+replaces it (blocks it moved past, such as the old partial tail, are let go), its last request ("this session is
+over") or an explicit close lets go of all of it. A response that ends in a tool call pauses it: the session is
+back once the tool ran, expected after its own usual pause (its cadence), and it stays paused until it is.
+
+A block is ``RELEASED`` when the one session that used it holds it no more: nobody is expected back for it. A
+block several sessions used (a system prompt, a tool preamble) stays held while any live session holds it, and
+once none does it is ``UNKNOWN`` (the next session may well want it), like the blocks of requests without a
+session id: they rank as they would without sessions. What a cache records per block for this is its
+``session_owner`` (:func:`owner_after`): "" for none, the session's key, or ``SHARED``.
+
+A paused session's blocks are ``PAUSED`` until it is overdue: twice its expected pause after the tool call (its
+own median pause, else the median of every session's recent pauses, else ``default_pause_s``); a tool that runs
+far longer than usual (a build, a crawl) leaves its session merely ``LIVE``.
+
+Torch-free and keyed on block keys (ints), so the native engine's tiers, cachesvc's tiers and ``kvmesh sim``
+share it; not thread-safe (one owner each, like the eviction queue). Every method that changes marks returns the
+blocks whose mark changed, for the cache to rank again.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+PAUSE_HISTORY = 8     # pause gaps a session remembers (its cadence)
+GLOBAL_HISTORY = 256  # recent pause gaps of every session (the cadence of a session that has not paused yet)
+OVERDUE = 2.0         # a paused session is overdue past this many times its expected pause
+SHARED = "*"          # ``session_owner`` of a block more than one session (or one and sessionless requests) used
+
+
+def owner_after(owner: str, session: str) -> str:
+    """A block's ``session_owner`` once a request of ``session`` ("" = none) used it."""
+    if owner == session or (not owner and not session):
+        return owner
+    return session if not owner and session and owner != SHARED else SHARED
+
+
+class Mark(enum.IntEnum):
+    """What the sessions say about a block; a lower mark is evicted first."""
+
+    RELEASED = 0  # sessions used it; none holds it now (ended, or moved past it)
+    UNKNOWN = 1   # no session ever held it: ranked as without sessions
+    LIVE = 2      # a live session holds it
+    PAUSED = 3    # a paused session holds it: it will be back after its tool runs
+
+
+@dataclass
+class Session:
+    key: str
+    last_seen: float
+    blocks: tuple[int, ...] = ()
+    paused_at: float | None = None
+    pause_gaps: list[float] = field(default_factory=list)  # its own pauses: tool call -> next request
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_at is not None
+
+
+class SessionTable:
+    """The live sessions of one cache and the blocks they hold. ``default_pause_s``: the expected pause of a
+    session that has not paused before; ``idle_s``: a session silent this long is dropped as if it had ended
+    (clients that never say so), checked by :meth:`expire`."""
+
+    def __init__(self, default_pause_s: float = 30.0, idle_s: float = math.inf) -> None:
+        self.default_pause_s = default_pause_s
+        self.idle_s = idle_s
+        self._sessions: dict[str, Session] = {}
+        self._held: Counter[int] = Counter()    # block -> live sessions holding it (paused ones included)
+        self._paused: Counter[int] = Counter()  # block -> paused sessions holding it
+        self._paused_until: dict[int, float] = {}  # block -> when its paused holders are overdue (the latest)
+        self._recent: deque[float] = deque(maxlen=GLOBAL_HISTORY)  # every session's recent pauses
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sessions
+
+    def get(self, key: str) -> Session | None:
+        return self._sessions.get(key)
+
+    def mark(self, block: int | None, owner: str, now: float) -> Mark:
+        """The mark of ``block`` at ``now``; ``owner``: its ``session_owner``."""
+        if block is not None and self._held.get(block):
+            return Mark.PAUSED if now < self._paused_until.get(block, -math.inf) else Mark.LIVE
+        return Mark.RELEASED if owner and owner != SHARED else Mark.UNKNOWN
+
+    def mark_drops_at(self, block: int | None, now: float) -> float:
+        """When ``block``'s mark falls by itself (its paused holders become overdue); ``inf``: never."""
+        until = self._paused_until.get(block, -math.inf) if block is not None else -math.inf
+        return until if now < until and self._held.get(block) else math.inf  # type: ignore[arg-type]
+
+    def holders(self, block: int) -> int:
+        return self._held.get(block, 0)
+
+    # ---- signals -------------------------------------------------------------------------------------------
+    def request(self, key: str, blocks: Sequence[int], now: float, end: bool = False,
+                resume: bool = True) -> set[int]:
+        """A request of session ``key`` used ``blocks`` (its context, in order): they are what it holds now.
+        ``end``: it was the session's last, so it holds nothing any more. A paused session is back, unless
+        ``resume`` is False: a cache that hears of requests only after they finished (the pool, from their
+        write-backs) cannot tell the turn that paused from the next one, and leaves the pause to run out."""
+        s = self._sessions.get(key)
+        if s is None:
+            if end:
+                return set()
+            s = self._sessions[key] = Session(key, now)
+        changed = self._resume(s, now) if resume else set()
+        new = () if end else tuple(blocks)
+        changed |= self._hold(s, new)
+        s.last_seen = now
+        if end:
+            del self._sessions[key]
+        return changed
+
+    def pause(self, key: str, now: float, create: bool = False) -> set[int]:
+        """Session ``key``'s last response ended in a tool call: it is back once the tool ran. A session not
+        known here is ignored, or with ``create`` recorded as paused (a write-back of its blocks may come after
+        the signal); one paused already is paused afresh from ``now``."""
+        s = self._sessions.get(key)
+        if s is None:
+            if not create:
+                return set()
+            s = self._sessions[key] = Session(key, now)
+        if s.paused_at is None:
+            self._paused.update(s.blocks)
+        s.paused_at = now
+        self._hold_paused(s.blocks, now + OVERDUE * self.expected_pause(s))
+        return set(s.blocks)
+
+    def end(self, key: str) -> set[int]:
+        """Session ``key`` is over (an explicit close): it holds nothing any more."""
+        s = self._sessions.pop(key, None)
+        if s is None:
+            return set()
+        return self._resume(s, s.last_seen) | self._hold(s, ())
+
+    def expire(self, now: float) -> set[int]:
+        """Drop the sessions silent for longer than ``idle_s`` (paused ones: past twice their expected
+        return too), as if they had ended."""
+        changed: set[int] = set()
+        for s in list(self._sessions.values()):
+            due = s.last_seen + self.idle_s
+            if s.paused_at is not None:
+                due = max(due, s.paused_at + 2 * self.expected_pause(s))
+            if now > due:
+                changed |= self.end(s.key)
+        return changed
+
+    # ---- cadence -------------------------------------------------------------------------------------------
+    def expected_pause(self, s: Session) -> float:
+        """How long the session's pauses last: the median of its own, else of every session's recent ones,
+        else ``default_pause_s``."""
+        gaps = s.pause_gaps or self._recent
+        return statistics.median(gaps) if gaps else self.default_pause_s
+
+    def expected_return(self, key: str) -> float | None:
+        """When paused session ``key`` is expected back (None: it is not paused)."""
+        s = self._sessions.get(key)
+        if s is None or s.paused_at is None:
+            return None
+        return s.paused_at + self.expected_pause(s)
+
+    def paused(self) -> Iterable[Session]:
+        return (s for s in self._sessions.values() if s.paused)
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _resume(self, s: Session, now: float) -> set[int]:
+        if s.paused_at is None:
+            return set()
+        gap = max(0.0, now - s.paused_at)
+        s.pause_gaps = [*s.pause_gaps[-(PAUSE_HISTORY - 1):], gap]
+        self._recent.append(gap)
+        s.paused_at = None
+        self._unpause(s.blocks)
+        return set(s.blocks)
+
+    def _hold_paused(self, blocks: Iterable[int], until: float) -> None:
+        for b in blocks:
+            self._paused_until[b] = max(self._paused_until.get(b, -math.inf), until)
+
+    def _unpause(self, blocks: Iterable[int]) -> None:
+        self._paused.subtract(blocks)
+        for b in blocks:
+            if self._paused[b] <= 0:
+                del self._paused[b]
+                self._paused_until.pop(b, None)
+
+    def _hold(self, s: Session, blocks: tuple[int, ...]) -> set[int]:
+        """``s`` holds ``blocks`` instead of what it held; the blocks whose holders changed."""
+        old, new = set(s.blocks), set(blocks)
+        for b in old - new:
+            self._held[b] -= 1
+            if self._held[b] <= 0:
+                del self._held[b]
+        for b in new - old:
+            self._held[b] += 1
+        if s.paused_at is not None:
+            self._unpause(old - new)
+            self._paused.update(new - old)
+            self._hold_paused(new - old, s.paused_at + OVERDUE * self.expected_pause(s))
+        s.blocks = blocks
+        return old ^ new
