@@ -96,6 +96,23 @@ def test_a_plain_text_client_is_refused_by_a_tls_server(member) -> None:
     run(scenario())
 
 
+def test_a_plain_text_client_mid_payload_still_reads_the_refusal(member) -> None:
+    """The refusal comes while a large payload is still going out (more than the socket buffers hold): the
+    server closes without resetting the sender, so the sender reads why, not a bare connection reset."""
+    layout = KVLayout("tiny-model", num_layers=8, num_kv_heads=4, head_dim=64, block_size=64)  # 1 MiB a block
+    payload = wire_bytes(layout, n=32)
+
+    async def scenario() -> None:
+        async with await tls_server(member, layout) as server, TransferClient() as client:
+            for i in range(3):
+                token = server.grant(f"r{i}", 0, 32, timeout_s=30.0).token
+                with pytest.raises(TransferRejected, match="takes TLS only"):
+                    await client.push(server.address, f"r{i}", layout, payload, [], 32 * 64, token=token)
+            assert server.refused[Refusal.TLS] == 3 and server.buffered_bytes == 0
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("who", ["no client certificate", "trusts another CA"])
 def test_a_client_outside_the_mesh_gets_nothing_through(certs, member, who: str) -> None:
     stranger = SharedSettings(tls_ca=certs["ca"]) if who == "no client certificate" else SharedSettings(

@@ -72,6 +72,7 @@ def test_a_long_prompt_is_pushed_layer_group_by_group_while_vllm_computes_and_de
     block = 30 * 2 * 16 * 3 * 64 * 4
     assert push["kvmesh.bytes"] == -(-1500 // 16) * block  # every block, once, the last partial one included
     assert push["kvmesh.part.layers"] == ["0-15", "15-30", "0-15", "15-30"]  # 2 chunks x 2 layer groups
+    assert 0 <= push["kvmesh.critical_ms"] <= push["kvmesh.push_ms"]  # measured from the compute's end
     assert load["kvmesh.imported"] and "decode.kv_fallback" not in found
     assert metric(pd, "decode-0", "kvmesh_worker_kv_fallbacks_total") == 0
 

@@ -123,9 +123,18 @@ class TransferClient:
 
     async def _exchange(self, conn: Conn, header: TransferHeader, staged: Staged) -> Reply:
         raw = encode_header(header)
-        await conn.sendall(PREFIX.pack(MAGIC, len(raw)) + raw)
-        if staged.inline is not None:
-            await conn.sendall(staged.inline)
+        try:
+            await conn.sendall(PREFIX.pack(MAGIC, len(raw)) + raw)
+            if staged.inline is not None:
+                await conn.sendall(staged.inline)
+        except (ConnectionResetError, BrokenPipeError) as e:
+            # a receiver that refuses up front (a plain-text sender at a TLS endpoint, an unreadable header)
+            # replies and closes while the payload is still going out: its reply is what to raise, if it came
+            try:
+                async with asyncio.timeout(1.0):
+                    return await read_reply(conn)
+            except (OSError, EOFError, TimeoutError, ValueError):
+                raise e from None
         async with asyncio.timeout(self.reply_timeout):
             return await read_reply(conn)
 

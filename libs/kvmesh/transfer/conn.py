@@ -24,6 +24,7 @@ from typing import cast
 from kvmesh.transfer.wire import IOV_MAX, PeerClosed
 
 _DRAIN_CHUNK = 1 << 20
+_LINGER_S = 2.0      # how long a refusing end waits for the peer to stop sending before it closes
 _TLS_READ = 256 << 10   # ciphertext read per syscall
 _TLS_WRITE = 256 << 10  # plaintext encrypted per step (the outgoing BIO never holds more)
 _TLS_STAGING = 64 << 10  # plaintext decrypted before it is copied into the views (receiving in place)
@@ -130,6 +131,23 @@ class Conn:
 
     def close(self) -> None:
         self.sock.close()
+
+    async def refuse_and_close(self, reply: bytes, linger: float = _LINGER_S) -> None:
+        """Send a last ``reply`` and close without resetting the peer: closing with the sender's unread bytes
+        in the receive buffer makes the kernel answer with a reset, which can reach the sender while it is
+        still writing, before it read the reply. So: half-close, then read and drop what still arrives until
+        the peer closes, at most ``linger`` seconds."""
+        try:
+            await self.sendall(reply)
+            self.sock.shutdown(socket.SHUT_WR)
+            scratch = memoryview(bytearray(_DRAIN_CHUNK))
+            async with asyncio.timeout(linger):
+                while await self.read_some(scratch):
+                    pass
+        except (OSError, TimeoutError):  # the peer reset or lingered: the reply went out as far as it could
+            pass
+        finally:
+            self.close()
 
 
 class TlsConn(Conn):

@@ -273,7 +273,7 @@ class TransferServer:
                         header = await self._read_header(conn, prefix)
                 except TransferRejected as e:  # unparseable: payload length unknown, so reply and close
                     self._count(conn, "?", e)
-                    await conn.sendall(refusal_reply(e))
+                    await conn.refuse_and_close(refusal_reply(e))
                     return
                 await self._receive(conn, header)
         except (ConnectionError, TimeoutError, OSError) as e:  # ssl.SSLError included: a failed handshake
@@ -295,7 +295,7 @@ class TransferServer:
             e = TransferRejected("this transfer endpoint takes TLS only: configure the sender's [shared] tls_ca "
                                  "(KVMESH_TLS_CA), tls_cert and tls_key", Refusal.TLS)
             self._count(plain, "?", e)
-            await plain.sendall(refusal_reply(e))
+            await plain.refuse_and_close(refusal_reply(e))
             return None
         try:
             return await TlsConn.handshake(sock, self.tls, server_side=True)

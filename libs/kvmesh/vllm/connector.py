@@ -79,6 +79,7 @@ class Bridge:
         self.block_ids: Callable[[str], list[int]] = lambda req_id: []  # a vLLM request's blocks now
         self.loaded_blocks = 0  # vLLM blocks written from the pool or a push
         self.refused: dict[str, str] = {}  # kvmesh request id -> why its push could not be used
+        self.used: set[str] = set()  # kvmesh request ids whose push vLLM started from (loaded, or held already)
         self.lock = threading.Lock()  # staged: written on the event loop, read on the engine thread
 
     def stage(self, seed: int, tokens: Sequence[int], first_block: int, data: memoryview, n: int) -> int:
@@ -200,7 +201,10 @@ class KvmeshConnector(KVConnectorBase_V1):
             self.bridge.refused[rid] = (f"the push starts at token {start} but vLLM holds only the first {local} "
                                         "(evicted before the request was admitted)")
             return 0
-        return max(0, request.num_prompt_tokens - 1 - local)
+        external = max(0, request.num_prompt_tokens - 1 - local)
+        if external == 0:  # vLLM holds all of it already: the push is not loaded, nor computed again
+            self.bridge.used.add(rid)
+        return external
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
@@ -223,6 +227,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         """The pushed blocks that cover the external tokens, as whole vLLM blocks (the tail of the last one,
         past the prompt, zeros: vLLM never reads it)."""
         imported = self.bridge.imports.pop(rid)
+        self.bridge.used.add(rid)
         bv, per = self.bridge.vllm_block_size, self.bridge.per
         local = request.num_prompt_tokens - 1 - num_external_tokens  # whole vLLM blocks, at or past the push
         v0, v1 = local // bv, -(-(request.num_prompt_tokens - 1) // bv)

@@ -426,6 +426,9 @@ class VLLMEngine(EngineLoop, Engine):
 
     def _abort(self, rid: str) -> None:
         entry = self._active.pop(rid, None)
+        for table in (self.bridge.imports, self.bridge.refused):
+            table.pop(rid, None)
+        self.bridge.used.discard(rid)
         if entry is not None and not self.dead:
             self.llm.abort_request([rid])
             if entry.lora:
@@ -449,12 +452,12 @@ class VLLMEngine(EngineLoop, Engine):
             if entry is None:
                 continue
             result = output(out, entry.first, entry.request.params.logprobs)
+            if entry.first:  # its timings before the output: the caller reads them as soon as it has it
+                entry.first = False
+                self._first_output(entry, out, now)
             if out.finished:
                 result = dataclasses.replace(result, exported=self._last_piece(entry.request))
             self.deliver(out.request_id, result)
-            if entry.first:
-                entry.first = False
-                self._first_output(entry, out, now)
             if out.finished:
                 del self._active[out.request_id]
                 if entry.lora:
@@ -477,9 +480,15 @@ class VLLMEngine(EngineLoop, Engine):
         """The request's first token: its engine timings, and a sample of the prefill speed (its computed
         prompt tokens over the time from its admission to its first token: vLLM's per-step token counts stay
         inside its scheduler)."""
+        rid = entry.request.request_id
+        used = rid in self.bridge.used
+        self.bridge.used.discard(rid)
+        if (why := self.bridge.refused.pop(rid, None)) is not None:
+            log.warning("request %s: its pushed KV was not used, vLLM computed the prompt: %s", rid, why)
         if entry.timing is not None:
             entry.timing.first_output = now
-            entry.timing.scheduled = entry.added
+            if not used:  # computed here (stays 0 when vLLM started from the push: decode.load says imported)
+                entry.timing.scheduled = entry.added
         computed = len(entry.request.prompt) - (out.num_cached_tokens or 0)
         if computed > 0:
             self.speed_fit.observe(computed, max(1e-6, now - entry.added))
