@@ -59,6 +59,7 @@ class Engine(abc.ABC):
     layout: KVLayout    # what its exported and imported blocks mean (the wire layout)
     model_name: str     # the model as spans name it
     max_model_len: int
+    adopt_unit: int = 1  # ``adopt`` can use pool blocks only in whole runs of this many (vLLM: its own block)
 
     @property
     def fingerprint(self) -> str:

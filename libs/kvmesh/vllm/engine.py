@@ -141,6 +141,7 @@ class VLLMEngine(EngineLoop, Engine):
             raise ValueError(f"vllm_block_size {self.vllm_block_size} must be a multiple of block_size "
                              f"{cfg.block_size} (kvmesh's block keys are computed inside vLLM's blocks)")
         self.per_block = self.vllm_block_size // cfg.block_size
+        self.adopt_unit = self.per_block  # the connector loads whole vLLM blocks only
         kv_blocks = cfg.num_blocks or max(8, cfg.kv_cache_mb * 2**20 // self.layout.block_nbytes)
         self.num_vllm_blocks = max(2, kv_blocks // self.per_block)
         capacity = self.num_vllm_blocks * self.vllm_block_size
