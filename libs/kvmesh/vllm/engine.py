@@ -446,12 +446,16 @@ class VLLMEngine(EngineLoop, Engine):
     def step(self) -> None:
         began = time.monotonic()
         prefill = any(r.first for r in self._active.values())
+        self.bridge.scheduled = (0, 0)
         try:
             outs = self.llm.step()
         except Exception as e:  # noqa: BLE001 - the step's requests fail; is the engine still alive?
             self._step_failed(e)
             return
         took = time.monotonic() - began
+        tokens, rows = self.bridge.scheduled  # what this step computed (the connector saw vLLM's schedule)
+        if tokens > rows:  # prompt tokens in it, not only one per decoding row
+            self.speed_fit.observe(tokens, took)
         kind = "prefill" if prefill else "decode"
         self.steps[kind] += 1
         self.step_seconds[kind] += took
@@ -466,7 +470,7 @@ class VLLMEngine(EngineLoop, Engine):
             self.deliver(out.request_id, result)
             if entry.first:
                 entry.first = False
-                self._first_output(entry, out, now)
+                self._first_output(entry, now)
             if out.finished:
                 del self._active[out.request_id]
                 if entry.lora:
@@ -485,16 +489,11 @@ class VLLMEngine(EngineLoop, Engine):
         end = -(-len(request.prompt) // bs)
         return ExportedKV(memoryview(b""), 0, end, len(request.prompt), keys)
 
-    def _first_output(self, entry: _Request, out: Any, now: float) -> None:
-        """The request's first token: its engine timings, and a sample of the prefill speed (its computed
-        prompt tokens over the time from its admission to its first token: vLLM's per-step token counts stay
-        inside its scheduler)."""
+    def _first_output(self, entry: _Request, now: float) -> None:
+        """The request's first token: its engine timings."""
         if entry.timing is not None:
             entry.timing.first_output = now
             entry.timing.scheduled = entry.added
-        computed = len(entry.request.prompt) - (out.num_cached_tokens or 0)
-        if computed > 0:
-            self.speed_fit.observe(computed, max(1e-6, now - entry.added))
 
     def _step_failed(self, e: Exception) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
