@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 BENCHES = {  # kvmesh bench NAME -> its module in app.bench
     "engine": "engine", "machine": "machine", "attention": "attention", "gemm": "gemm", "transfer": "transfer",
     "mesh": "mesh", "serve": "serve", "ablation": "ablation", "routing": "routing", "load": "load",
-    "tracing": "tracing_cost", "lora": "lora", "link": "handoff_link",
+    "tracing": "tracing_cost", "lora": "lora", "link": "handoff_link", "vllm": "vllm_bench",
 }
 
 

@@ -63,6 +63,7 @@ class Engine(abc.ABC):
     # whether ``generate`` continues a request another instance started (``EngineRequest.generated``); a backend
     # that cannot is never handed one (the hosting service refuses it, and the router migrates elsewhere)
     continues_requests: bool = False
+    adopt_unit: int = 1  # ``adopt`` can use pool blocks only in whole runs of this many (vLLM: its own block)
 
     @property
     def fingerprint(self) -> str:

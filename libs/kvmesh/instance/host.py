@@ -173,6 +173,7 @@ class EngineHost:
             return 0
         bs = self.layout.block_size
         usable = min(pool_blocks, (len(prompt) - 1) // bs)  # the last token is always computed
+        usable -= usable % self.engine.adopt_unit  # what the engine cannot load would be fetched for nothing
         local = await self.engine.match_prefix(seed, prompt, len(prompt) - 1)
         span.set_attribute("kvmesh.local_blocks", local)
         if usable - local < self.cfg.pool_fetch_min_blocks:

@@ -269,6 +269,9 @@ class EngineSettings(Section):
     block_size: int = setting(16, "tokens per KV block (the router's block_size must match)")
     vllm_block_size: int = setting(0, "backend vllm: vLLM's own block size, a multiple of block_size (0 = vLLM's "
                                       "default: 128 on CPU, whose attention takes multiples of 32)")
+    vllm_lora: bool = setting(False, "backend vllm: build vLLM's LoRA layers even without lora_adapters at start, "
+                                     "so adapters can be loaded at run time (vLLM runs them on every step, adapter "
+                                     "or not: on CPU about 2x a decode step's CPU at 8-16 rows)")
     kv_cache_mb: int = setting(512, "device KV pool size (ignored when num_blocks > 0)")
     num_blocks: int = setting(0, "device KV pool size in blocks (0 = size from kv_cache_mb)")
     kv_dtype: str = setting("fp32", "KV storage dtype (attention computes in dtype)", choices=KV_DTYPES)

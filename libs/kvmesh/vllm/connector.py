@@ -78,6 +78,7 @@ class Bridge:
         self.emit: Callable[[str, ExportedKV], None] = lambda rid, kv: None  # a piece of a push, to its stream
         self.block_ids: Callable[[str], list[int]] = lambda req_id: []  # a vLLM request's blocks now
         self.loaded_blocks = 0  # vLLM blocks written from the pool or a push
+        self.scheduled = (0, 0)  # the step being run: the tokens vLLM scheduled, in how many requests
         self.refused: dict[str, str] = {}  # kvmesh request id -> why its push could not be used
         self.used: set[str] = set()  # kvmesh request ids whose push vLLM started from (loaded, or held already)
         self.lock = threading.Lock()  # staged: written on the event loop, read on the engine thread
@@ -238,6 +239,8 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._loads = KvmeshMetadata(self._loads), []
+        self.bridge.scheduled = (scheduler_output.total_num_scheduled_tokens,
+                                 len(scheduler_output.num_scheduled_tokens))
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             if (x := self._exports.get(req_id)) is not None and (save := self._save(req_id, x, n)) is not None:
                 meta.saves.append(save)

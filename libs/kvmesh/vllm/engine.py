@@ -14,6 +14,10 @@ What maps to what
   of ``vllm_block_size`` tokens (a multiple of ``block_size``; vLLM's CPU attention takes multiples of 32); the
   context is capped to what fits. Threads: ``threads`` (OpenMP, unpinned). ``dtype``, ``max_num_seqs``,
   ``max_batched_tokens``, ``enable_prefix_caching``, ``max_loras``, ``max_lora_rank`` carry over.
+- LoRA: vLLM builds its LoRA layers at start or never, and then runs them on every step, adapter or not (on CPU
+  they doubled a decode step's CPU at 8-16 rows), so they are built only for an instance that may serve adapters:
+  one given ``lora_adapters`` at start, or ``vllm_lora`` (adapters loaded at run time), as ``vllm serve`` builds
+  them only with ``--enable-lora``.
 - Adapters are given to vLLM under ``name@generation`` (the generation a digest of their files, as the native
   engine computes it), so a reload under the same name is another adapter to vLLM and its KV events name the
   kvmesh namespace directly.
@@ -96,6 +100,11 @@ def _environment(cfg: EngineSettings) -> None:
         os.environ.setdefault(name, value)
 
 
+def lora_layers(cfg: EngineSettings) -> bool:
+    """Whether vLLM builds its LoRA layers: for an instance given adapters at start or ``vllm_lora``."""
+    return cfg.max_loras > 0 and (bool(cfg.lora_adapter_paths()) or cfg.vllm_lora)
+
+
 def adapter_generation(path: str) -> str:
     """The native engine's generation of a PEFT folder: a digest of its config and weights. ValueError naming the
     file that cannot be read."""
@@ -132,6 +141,7 @@ class VLLMEngine(EngineLoop, Engine):
             raise ValueError(f"vllm_block_size {self.vllm_block_size} must be a multiple of block_size "
                              f"{cfg.block_size} (kvmesh's block keys are computed inside vLLM's blocks)")
         self.per_block = self.vllm_block_size // cfg.block_size
+        self.adopt_unit = self.per_block  # the connector loads whole vLLM blocks only
         kv_blocks = cfg.num_blocks or max(8, cfg.kv_cache_mb * 2**20 // self.layout.block_nbytes)
         self.num_vllm_blocks = max(2, kv_blocks // self.per_block)
         capacity = self.num_vllm_blocks * self.vllm_block_size
@@ -159,6 +169,7 @@ class VLLMEngine(EngineLoop, Engine):
         self._lora_ids = itertools.count(1)
         self._retired: dict[str, int] = {}  # vLLM adapter name -> its id: to remove once its requests end
         self.speed_fit = SpeedEstimator()
+        self.lora_on = lora_layers(cfg)
         self.steps = {"decode": 0, "prefill": 0}
         self.step_seconds = {"decode": 0.0, "prefill": 0.0}
 
@@ -182,7 +193,7 @@ class VLLMEngine(EngineLoop, Engine):
             enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.device == "cpu",
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_batched_tokens, self.vllm_block_size),
             seed=0, disable_log_stats=True, distributed_executor_backend="uni",
-            enable_lora=cfg.max_loras > 0, max_loras=max(1, cfg.max_loras), max_lora_rank=cfg.max_lora_rank,
+            enable_lora=self.lora_on, max_loras=max(1, cfg.max_loras), max_lora_rank=cfg.max_lora_rank,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=self.events_endpoint, replay_endpoint=self.replay_endpoint,
                                             topic=TOPIC),
@@ -319,8 +330,9 @@ class VLLMEngine(EngineLoop, Engine):
         if not name or "@" in name or name.strip() != name:
             raise ValueError(f"LoRA adapter name {name!r} is invalid: use a non-empty name without '@' or "
                              "surrounding spaces")
-        if self.cfg.max_loras <= 0:
-            raise ValueError("LoRA adapters are off on this instance: set max_loras > 0")
+        if not self.lora_on:
+            raise ValueError("LoRA adapters are off on this vLLM instance (vLLM builds its LoRA layers at start "
+                             "only): start it with lora_adapters, or with vllm_lora to load adapters at run time")
         generation = adapter_generation(path)
         request = LoRARequest(f"{name}@{generation}", next(self._lora_ids), str(Path(path).resolve()))
         try:
@@ -437,12 +449,16 @@ class VLLMEngine(EngineLoop, Engine):
     def step(self) -> None:
         began = time.monotonic()
         prefill = any(r.first for r in self._active.values())
+        self.bridge.scheduled = (0, 0)
         try:
             outs = self.llm.step()
         except Exception as e:  # noqa: BLE001 - the step's requests fail; is the engine still alive?
             self._step_failed(e)
             return
         took = time.monotonic() - began
+        tokens, rows = self.bridge.scheduled  # what this step computed (the connector saw vLLM's schedule)
+        if tokens > rows:  # prompt tokens in it, not only one per decoding row
+            self.speed_fit.observe(tokens, took)
         kind = "prefill" if prefill else "decode"
         self.steps[kind] += 1
         self.step_seconds[kind] += took
@@ -454,7 +470,7 @@ class VLLMEngine(EngineLoop, Engine):
             result = output(out, entry.first, entry.request.params.logprobs)
             if entry.first:  # its timings before the output: the caller reads them as soon as it has it
                 entry.first = False
-                self._first_output(entry, out, now)
+                self._first_output(entry, now)
             if out.finished:
                 result = dataclasses.replace(result, exported=self._last_piece(entry.request))
             self.deliver(out.request_id, result)
@@ -476,10 +492,8 @@ class VLLMEngine(EngineLoop, Engine):
         end = -(-len(request.prompt) // bs)
         return ExportedKV(memoryview(b""), 0, end, len(request.prompt), keys)
 
-    def _first_output(self, entry: _Request, out: Any, now: float) -> None:
-        """The request's first token: its engine timings, and a sample of the prefill speed (its computed
-        prompt tokens over the time from its admission to its first token: vLLM's per-step token counts stay
-        inside its scheduler)."""
+    def _first_output(self, entry: _Request, now: float) -> None:
+        """The request's first token: its engine timings (computed here, or started from its pushed KV)."""
         rid = entry.request.request_id
         used = rid in self.bridge.used
         self.bridge.used.discard(rid)
@@ -489,9 +503,6 @@ class VLLMEngine(EngineLoop, Engine):
             entry.timing.first_output = now
             if not used:  # computed here (stays 0 when vLLM started from the push: decode.load says imported)
                 entry.timing.scheduled = entry.added
-        computed = len(entry.request.prompt) - (out.num_cached_tokens or 0)
-        if computed > 0:
-            self.speed_fit.observe(computed, max(1e-6, now - entry.added))
 
     def _step_failed(self, e: Exception) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError

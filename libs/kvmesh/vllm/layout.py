@@ -43,18 +43,18 @@ class PagedLayout:
 
     def read(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
         """vLLM blocks ``block_ids`` as ``len(block_ids) * per`` wire blocks ``[n, *wire.block_shape]`` (a copy);
-        with ``layers`` (``(first, end)``) only that slice of each, ``[n, end - first, 2, ...]``."""
-        n, h, d, bv, per = len(block_ids), self.heads, self.dim, self.vllm_block_size, self.per
+        with ``layers`` (``(first, end)``) only that slice of each, ``[n, end - first, 2, ...]``. Each layer's K and
+        V go straight to their wire places (a permute of the whole result afterwards would copy it all again: it
+        was two thirds of the read-out's time, which runs on the engine thread)."""
+        n, h, d, bv, per, bs = len(block_ids), self.heads, self.dim, self.vllm_block_size, self.per, self.wire.block_size
         lo, hi = layers or (0, len(self.layers))
         ids = torch.tensor(block_ids, dtype=torch.long)
-        out = torch.empty(n, hi - lo, 2, bv, h, d, dtype=self.layers[0].dtype)
+        out = torch.empty(n, per, hi - lo, 2, bs, h, d, dtype=self.layers[0].dtype)
         for i, kv in enumerate(self.layers[lo:hi]):
             pages = kv.view(self.num_blocks, h, 2, bv * d).index_select(0, ids)
-            out[:, i, 0] = pages[:, :, 0].view(n, h, d, bv).permute(0, 3, 1, 2)
-            out[:, i, 1] = pages[:, :, 1].view(n, h, bv, d).permute(0, 2, 1, 3)
-        bs = self.wire.block_size
-        return (out.view(n, hi - lo, 2, per, bs, h, d).permute(0, 3, 1, 2, 4, 5, 6)
-                .reshape(n * per, hi - lo, 2, bs, h, d))
+            out[:, :, i, 0] = pages[:, :, 0].view(n, h, d, per, bs).permute(0, 3, 4, 1, 2)  # K^T -> [token][head]
+            out[:, :, i, 1] = pages[:, :, 1].view(n, h, per, bs, d).permute(0, 2, 3, 1, 4)
+        return out.view(n * per, hi - lo, 2, bs, h, d)
 
     def write(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Inverse of :meth:`read`: ``blocks`` (``len(block_ids) * per`` wire blocks) into vLLM blocks ``block_ids``."""
