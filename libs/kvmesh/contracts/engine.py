@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.proto.v1 import common_pb2
 
 
@@ -131,7 +132,9 @@ class ImportedKV:
 class EngineRequest:
     """One request as a service hands it to an engine. ``export``: read its KV out as it is computed (prefill:
     a push) or when it finishes (decode: the write-back); ``imported``: its prompt's KV was pushed here, decode
-    starts from it."""
+    starts from it. ``slo``: its latency targets (0 = the engine's default), which the engine sizes its steps by;
+    ``waited_s``: how long it had already waited when it reached the engine (its TTFT counts from its arrival at
+    the mesh)."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -141,6 +144,8 @@ class EngineRequest:
     retention: tuple[RetentionRange, ...] = ()
     export: ExportPlan | None = None
     imported: ImportedKV | None = None
+    slo: SLO = NO_SLO
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,8 @@ class EngineStats:
     step_seconds: dict[str, float] = field(default_factory=dict)
     step_cpu_seconds: dict[str, float] = field(default_factory=dict)
     speed: dict[str, float] = field(default_factory=dict)      # prefill_tok_per_s, prefill_overhead_s
+    # requests with a latency target that finished, by outcome: met (goodput) / missed, and which target missed
+    slo: dict[str, int] = field(default_factory=dict)          # met, missed, missed_ttft, missed_itl
 
 
 @dataclass(frozen=True)
