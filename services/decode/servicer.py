@@ -59,10 +59,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        slo = await w.request_slo(work, context)
         prompt = list(work.prompt_token_ids)
         # the conversation's blocks go back to the pool when it ends (write-back), for its next turn anywhere
         engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
-                                       export=ExportPlan() if w.pool is not None else None)
+                                       export=ExportPlan() if w.pool is not None else None, slo=slo)
         intake = Intake()
         lease, pin_asked = work.request_id, False
         reservation: Reservation | None = None
@@ -124,6 +125,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         timing = RequestTiming()
         first, last, itls = True, 0.0, []
         gen: Span | None = None
+        # its TTFT target counts from its arrival at the router: that wait, and this call's so far
+        engine_request = dataclasses.replace(engine_request, waited_s=work.waited_s + time.monotonic() - t0)
         try:
             async for out in w.engine.generate(engine_request, timing):
                 chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids, text=out.text, finished=out.finished,

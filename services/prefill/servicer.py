@@ -16,6 +16,7 @@ from kvmesh.contracts.engine import EngineRequest, ExportPieces, ExportPlan, Req
 from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
+from kvmesh.contracts.slo import SLO
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
@@ -54,6 +55,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        slo = await w.request_slo(work, context)
         prompt = list(work.prompt_token_ids)
         # decode holds (and pinned) the leading blocks the router saw there: push only the rest. At most the
         # blocks before the last token's, so at least one block moves and decode computes nothing
@@ -62,20 +64,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         transfer_id = handoff_transfer_id(work.request_id, w.instance_id)
         stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout)
         try:
-            return await self._prefill(request, context, span, attrs, prompt, params, skip, stream, t0)
+            return await self._prefill(request, context, span, attrs, prompt, params, slo, skip, stream, t0)
         finally:
             stream.cancel()  # a failed or abandoned request sends no more parts
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span,
-                       attrs: dict[str, Any], prompt: list[int], params: SamplingParams, skip: int,
+                       attrs: dict[str, Any], prompt: list[int], params: SamplingParams, slo: SLO, skip: int,
                        stream: PushStream, t0: float) -> worker_pb2.PrefillResponse:
         """Compute the prompt, pushing each chunk's KV as the engine reads it out, then announce it."""
         work, w = request.work, self.w
         final, timing, blocks = None, RequestTiming(), 0
         # from the first block decode lacks, pushed layer group by layer group as the forward pass writes them
         plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
+        # its TTFT target counts from its arrival at the router (the push and decode's first chunk come after)
         engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
-                                       export=plan)
+                                       export=plan, slo=slo,
+                                       waited_s=work.waited_s + time.monotonic() - t0)
         try:
             async for out in w.engine.generate(engine_request, timing):
                 # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady
 from kvmesh.contracts.sampling import sampling_to_proto
+from kvmesh.contracts.slo import slo_to_proto
 from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -123,10 +125,11 @@ class Router:
         return best
 
     def _choose(self, policy: str | None, role: str, instances: list[Instance], matched: dict[str, int],
-                prompt: list[int], route: Span, lora: str = "") -> Instance:
+                prompt: list[int], route: Span, lora: str = "", ttft_s: float = 0.0) -> Instance:
+        """``ttft_s``: what is left of the request's TTFT target (0 = none), which admission holds it to."""
         missing = {i.id for i in instances if not self.loras.holds(i, lora)}
         inst, decision = self.policies.choose(policy, instances, matched, len(prompt), self.cfg.block_size,
-                                              matched.get(POOL, 0), missing)
+                                              matched.get(POOL, 0), missing, ttft_s)
         if route.is_recording():
             route.set_attributes({**route_attributes(role, instances, matched, inst or instances[0]),
                                   f"kvmesh.route.{role}.policy": policy or self.policies.default,
@@ -157,7 +160,8 @@ class Router:
                 work = worker_pb2.WorkRequest(
                     request_id=request_id if attempt == 0 else f"{request_id}.retry{attempt}",
                     prompt_token_ids=prompt, sampling=sampling_to_proto(request.sampling),
-                    cache_salt=request.cache_salt, pool_blocks=matched.get(POOL, 0), lora_name=lora)
+                    cache_salt=request.cache_salt, pool_blocks=matched.get(POOL, 0), lora_name=lora,
+                    slo=slo_to_proto(request.slo), waited_s=time.monotonic() - rt.t0)
                 stream = self._route(work, matched, rt, policy, route, avoid,
                                      request.disaggregate or self.cfg.disaggregate)
                 if stream is None:
@@ -196,11 +200,12 @@ class Router:
         With prefill and decode instances, the cost model decides whether the hop pays (``disaggregation``):
         when decode already holds about as much of the prompt as prefill, decode computes the rest itself."""
         prompt = list(work.prompt_token_ids)
+        ttft_s = max(1e-3, work.slo.ttft_s - work.waited_s) if work.slo.ttft_s else 0.0  # admission's bound
         prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
         lora = work.lora_name
         if prefills and decodes:
-            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora)
+            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora, ttft_s)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
             decode = choose_decode(holders or decodes)
             if route.is_recording():
@@ -224,7 +229,7 @@ class Router:
         both = [i for i in self.registry.alive("both") if i.id not in avoid]
         if both:
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
-            return self._local(work, self._choose(policy, "both", both, matched, prompt, route, lora), rt)
+            return self._local(work, self._choose(policy, "both", both, matched, prompt, route, lora, ttft_s), rt)
         return None
 
     async def _ensure_lora(self, work: worker_pb2.WorkRequest, *instances: Instance) -> None:

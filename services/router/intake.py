@@ -13,7 +13,8 @@ calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``I
 6. the prompt → token ids (the model's chat template and tokenizer);
 7. the model: the base model or a LoRA adapter some instance serves;
 8. what the engines can serve: context length, vocabulary, seed, stop ids and strings;
-9. the cache salt (the tenant's namespace), the routing policy and the PD override.
+9. the cache salt (the tenant's namespace), the routing policy and the PD override;
+10. the latency targets (``SLO``: the router admits by the TTFT target, the engine schedules by both).
 
 The admitted request holds an admission slot until the ``async with`` block ends.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.routing.cost import DISAGGREGATE_MODES
 
 from services.router.access import Admission, Tenants, cache_salt
@@ -69,6 +71,23 @@ class Draft:
     structured_field: str = ""
     policy: str | None = None
     disaggregate: str | None = None
+    slo: tuple[float, float] = (0.0, 0.0)  # TTFT and ITL targets in seconds as given (0 = none)
+
+
+SLO_HEADERS = ("x-kvmesh-slo-ttft-s", "x-kvmesh-slo-itl-s")  # HTTP headers / gRPC metadata keys
+
+
+def slo_from_headers(headers: Mapping[str, str], given: tuple[float, float]) -> tuple[float, float]:
+    """The latency targets: ``SLO_HEADERS`` where present (a number of seconds each), else ``given`` (the body's
+    or the message's)."""
+    out = list(given)
+    for i, key in enumerate(SLO_HEADERS):
+        if (value := headers.get(key)) is not None:
+            try:
+                out[i] = float(value)
+            except ValueError:
+                raise invalid(f"{key} must be a number of seconds, not {value!r}") from None
+    return out[0], out[1]
 
 
 @dataclass(frozen=True)
@@ -77,7 +96,8 @@ class Admitted:
     ``cache_salt``: what enters its block keys (the tenant's namespace, within it the request's own salt).
     ``model``: the name its answers carry (the LoRA adapter's, else the base model's id); ``lora``: the adapter
     ("" = the base model). ``policy`` / ``disaggregate``: the request's own routing choices (None = the
-    configured ones)."""
+    configured ones). ``slo``: its latency targets (none set: the router's ``slo_ttft_s`` admits it, the
+    engine's defaults schedule it)."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -88,6 +108,7 @@ class Admitted:
     lora: str = ""
     policy: str | None = None
     disaggregate: str | None = None
+    slo: SLO = NO_SLO
 
 
 def new_request_id() -> str:
@@ -132,8 +153,10 @@ class Intake:
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
             request = Admitted(rt.request_id, tuple(prompt), draft.sampling, tenant,
                                cache_salt(tenant, draft.cache_salt), lora or self.router.model_id, lora,
-                               self.policy(draft.policy), self.disaggregate(draft.disaggregate))
+                               self.policy(draft.policy), self.disaggregate(draft.disaggregate),
+                               self.slo(draft.slo))
             rt.describe(request.model, tenant or draft.cache_salt, len(prompt))
+            rt.slo = request.slo
             yield request
         finally:
             leave()
@@ -194,6 +217,14 @@ class Intake:
         except ValueError as e:
             raise invalid(str(e)) from None
         return name
+
+    @staticmethod
+    def slo(targets: tuple[float, float]) -> SLO:
+        try:
+            return SLO(*targets)
+        except ValueError as e:
+            raise invalid(f"{e}: set by kvmesh_slo {{ttft_s, itl_s}} (HTTP body), the slo field (gRPC) or the "
+                          f"{' / '.join(SLO_HEADERS)} headers") from None
 
     @staticmethod
     def disaggregate(mode: str | None) -> str | None:
