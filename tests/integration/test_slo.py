@@ -5,28 +5,15 @@ and one out of range is a 400 naming where targets are set. Tiny random model, r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 from kvmesh.client import KvmeshClient
 
+from .test_logprobs import both, pd  # noqa: F401 - fixtures: a role both mesh, a PD one
 from .test_router_bad_input import TinyMesh, model_dir  # noqa: F401 - model_dir: a fixture
 
 PROMPT = [(i * 37) % 240 + 3 for i in range(23)]
 GREEDY = {"max_tokens": 5, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def both(nats_server, model_dir) -> Iterator[TinyMesh]:  # noqa: F811
-    with TinyMesh(nats_server.url, model_dir, roles=("both",)) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def pd(nats_server, model_dir) -> Iterator[TinyMesh]:  # noqa: F811
-    with TinyMesh(nats_server.url, model_dir, disaggregate="always") as m:
-        yield m
 
 
 def router_goodput(mesh: TinyMesh) -> dict[str, float]:
@@ -44,14 +31,14 @@ def complete(mesh: TinyMesh, extra_body: dict | None = None, headers: dict | Non
                                   extra_body={"ignore_eos": True, **(extra_body or {})}, extra_headers=headers)
 
 
-def test_targets_in_the_body_reach_the_engine_and_a_request_that_met_them_is_goodput_everywhere(both):
+def test_targets_in_the_body_reach_the_engine_and_a_request_that_met_them_is_goodput_everywhere(both):  # noqa: F811
     before, engine_before = router_goodput(both).get("met", 0), engine_goodput(both)[0].get("met", 0)
     complete(both, {"kvmesh_slo": {"ttft_s": 600, "itl_s": 60}})
     assert router_goodput(both)["met"] == before + 1
     assert engine_goodput(both)[0]["met"] == engine_before + 1
 
 
-def test_the_sdk_and_the_headers_set_targets_too(both):
+def test_the_sdk_and_the_headers_set_targets_too(both):  # noqa: F811
     engine_before = engine_goodput(both)[0].get("met", 0)
     with KvmeshClient(both.grpc_target) as c:
         c.complete(PROMPT, max_tokens=3, ignore_eos=True, ttft_s=600, itl_s=60)
@@ -59,17 +46,17 @@ def test_the_sdk_and_the_headers_set_targets_too(both):
     assert engine_goodput(both)[0]["met"] == engine_before + 2
 
 
-def test_a_ttft_target_no_instance_can_meet_is_refused_at_once(both):
+def test_a_ttft_target_no_instance_can_meet_is_refused_at_once(both):  # noqa: F811
     with pytest.raises(openai.RateLimitError, match="TTFT SLO"):  # 429
         complete(both, {"kvmesh_slo": {"ttft_s": 1e-6}})
 
 
-def test_a_target_out_of_range_is_a_400_saying_where_targets_are_set(both):
+def test_a_target_out_of_range_is_a_400_saying_where_targets_are_set(both):  # noqa: F811
     with pytest.raises(openai.BadRequestError, match="kvmesh_slo"):
         complete(both, {"kvmesh_slo": {"itl_s": -1}})
 
 
-def test_through_pd_prefill_holds_the_ttft_target_and_decode_the_itl_target(pd):
+def test_through_pd_prefill_holds_the_ttft_target_and_decode_the_itl_target(pd):  # noqa: F811
     complete(pd, {"kvmesh_slo": {"ttft_s": 600, "itl_s": 60}})
     prefill, decode = engine_goodput(pd)
     assert prefill["met"] >= 1 and decode["met"] >= 1
