@@ -38,7 +38,7 @@ from kvmesh.engine.kv_cache import Imported, KVPiece, Landed, block_bytes, block
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.scheduler import chunk_budget
 from kvmesh.engine.sequence import Sequence, Status
-from kvmesh.engine.slo import StepCost, plan_step
+from kvmesh.engine.slo import StepCost, break_even_context, plan_step
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.engines.loop import EngineLoop
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
@@ -85,6 +85,9 @@ class AsyncEngine(EngineLoop, Engine):
         # measured / predicted time of the steps that mixed prompt tokens into decode rows (a running mean): the
         # lines are fitted over every step, a mixed step's share of them is what the streams' ITL depends on
         self._mixed_error = 1.0
+        mc = engine.model_config
+        self._context = break_even_context(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                           mc.intermediate_size)
         self.start()
 
     # ---- called from the event loop: the engine's own commands ------------------------------------------------
@@ -329,7 +332,7 @@ class AsyncEngine(EngineLoop, Engine):
         decoding = [s for s in sched.running if not s.in_prefill]
         prompts = [s for s in sched.running if s.in_prefill] + list(sched.waiting)
         cost = self._step_cost(len(decoding))
-        cost = StepCost(cost.decode_s * self._mixed_error, cost.token_s * self._mixed_error)
+        cost = StepCost(cost.decode_s * self._mixed_error, cost.token_s * self._mixed_error, self._context)
         plan = plan_step(time.monotonic(), decoding, prompts, cost, sched.max_batched_tokens, best_effort)
         sched.chunk_tokens = plan.tokens
 
