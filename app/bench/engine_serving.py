@@ -78,6 +78,8 @@ def http_stream(session, url: str, model: str = "") -> Stream:
                 **({"kvmesh_slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}} if slo else {})}
         times = [time.perf_counter()]
         async with session.post(f"{url}/v1/completions", json=body, headers={"x-request-id": rid}) as r:
+            if r.status == 429:
+                raise prefill_slo.Refused(f"{rid}: {await r.text()}")
             if r.status != 200:
                 raise RuntimeError(f"{rid}: HTTP {r.status}: {await r.text()}")
             async for line in r.content:

@@ -26,7 +26,7 @@ from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
-from kvmesh.routing.cost import disaggregation
+from kvmesh.routing.cost import TTFTTarget, disaggregation, local_share
 from kvmesh.settings import RouterSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
@@ -205,7 +205,10 @@ class Router:
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
         lora = work.lora_name
         if prefills and decodes:
-            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora, ttft_s)
+            # a request's own TTFT target is held by the path choice below (prefill's queue, or decode beside its
+            # streams), not by the prefill instance alone
+            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora,
+                                   0.0 if ttft_s and disaggregate == "auto" else ttft_s)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
             decode = choose_decode(holders or decodes)
             if route.is_recording():
@@ -215,12 +218,17 @@ class Router:
             # runs: what this router has in flight there (a heartbeat lags: in a chat it still reports the
             # previous turn decoding)
             speed = CostModel.from_load(prefill.beat.load, self.policies.cost) or self.policies.cost
+            target = TTFTTarget(ttft_s, int(prefill.waiting_tokens), int(decode.waiting_tokens),
+                                local_share(decode.beat.load.get("decode_step_s", 0.0), work.slo.itl_s)) \
+                if ttft_s else None
             d = disaggregation(disaggregate, len(prompt), self.cfg.block_size, matched.get(prefill.id, 0),
-                               matched.get(decode.id, 0), speed, speed, decode.inflight)
+                               matched.get(decode.id, 0), speed, speed, decode.inflight, ttft=target)
             route.set_attributes({"kvmesh.route.path": "pd" if d.disaggregate else "local",
                                   "kvmesh.route.reason": d.reason,
                                   "kvmesh.route.pd_ms": round(d.pd_s * 1e3, 1),
                                   "kvmesh.route.local_ms": round(d.local_s * 1e3, 1)})
+            if d.refuse:
+                raise RequestError(ErrorKind.OVERLOADED, d.reason)
             if not d.disaggregate:
                 return self._local(work, decode, rt, d.reason)
             # decode waits for kv.ready its own kv_timeout_s past this estimate of prefill + push: a long cold

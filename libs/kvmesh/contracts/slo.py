@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvmesh.proto.v1 import common_pb2
 
 ITL_QUANTILE_PERCENT = 99  # the ITL target bounds this percentile of a request's inter-token gaps (p99)
+ITL_HEADROOM = 0.85  # an engine plans each step to end within this share of its streams' tightest ITL target
 MAX_TARGET_S = 3600.0
 
 

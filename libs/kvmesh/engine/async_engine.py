@@ -196,7 +196,13 @@ class AsyncEngine(EngineLoop, Engine):
                           sum(s.num_tokens for s in waiting))
 
     def speed(self) -> dict[str, float]:
-        return self.speed_fit.report()
+        """The prefill line (``prefill_tok_per_s``, ``prefill_overhead_s``) and, once decode-only steps are
+        measured, ``decode_step_s``: the decode-only step of the running batch with one more stream (what the
+        router prices prompt tokens computed beside the streams with, under their ITL targets)."""
+        out = self.speed_fit.report()
+        if (d := self.decode_speed.fit()) is not None:
+            out["decode_step_s"] = round(d.overhead_s + (len(self.engine.scheduler.running) + 1) / d.tok_per_s, 6)
+        return out
 
     def stats(self) -> EngineStats:
         """Read when scraped: racy reads of ints and containers the engine thread owns (a container that

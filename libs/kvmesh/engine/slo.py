@@ -22,10 +22,11 @@ import math
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
+from kvmesh.contracts.slo import ITL_HEADROOM
 from kvmesh.engine.scheduler import MIN_CHUNK
 from kvmesh.engine.sequence import Sequence
 
-HEADROOM = 0.85      # a step is planned to end this share of the tightest ITL target after the one before
+HEADROOM = ITL_HEADROOM  # a step is planned to end this share of the tightest ITL target after the one before
 SPENT_HEADROOM = 0.7  # ... of the target of a stream with no late gap left to lose
 TTFT_HEADROOM = 0.9  # a prompt is planned to finish within this share of the time left to its deadline
 BURST_MARGIN = 1.25  # a burst carries this much more than the bare need (the cost line is an estimate)
