@@ -139,7 +139,7 @@ class EngineCollector(Collector):
             for outcome, n in st.slo.items():
                 outcomes.add_metric([outcome], n)
             yield outcomes
-        if st.speed:  # what this instance beats to the router's cost model
+        if "prefill_tok_per_s" in st.speed:  # what this instance beats to the router's cost model
             yield GaugeMetricFamily(f"{p}_prefill_tokens_per_second", "Measured prefill speed (fit of step time = "
                                     "overhead + tokens / speed over recent forward steps)",
                                     value=st.speed["prefill_tok_per_s"])
