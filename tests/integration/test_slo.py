@@ -61,3 +61,8 @@ def test_through_pd_prefill_holds_the_ttft_target_and_decode_the_itl_target(pd):
     prefill, decode = engine_goodput(pd)
     assert prefill["met"] >= 1 and decode["met"] >= 1
     assert router_goodput(pd)["met"] >= 1
+
+
+def test_through_pd_a_ttft_target_neither_path_meets_is_refused_at_once(pd):  # noqa: F811
+    with pytest.raises(openai.RateLimitError, match="TTFT SLO"):  # 429
+        complete(pd, {"kvmesh_slo": {"ttft_s": 1e-6}})
