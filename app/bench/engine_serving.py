@@ -203,7 +203,8 @@ async def in_process(threads: int, work: Work, quantized: bool = True, engine: d
 async def through_stack(threads: int, work: Work, quantized: bool = True, engine: dict | None = None,
                         pd: bool = False) -> dict:
     """``kvmesh up --prefill 0 --decode 0 --both 1`` (``pd``: ``--prefill 1 --decode 1 --both 0``) in a temporary
-    state directory, driven over HTTP; the probes read the engine that decodes (``both`` or ``decode``)."""
+    state directory, driven over HTTP; the probes read the engine that runs those steps (``both``; through PD,
+    ``decode`` for decode-only steps and ``prefill`` for steps with prompt tokens)."""
     import aiohttp
 
     from app.launcher import Stack, StackOptions
@@ -217,9 +218,12 @@ async def through_stack(threads: int, work: Work, quantized: bool = True, engine
         try:
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-                engine = next(s for s in stack.services if s.name.startswith("decode" if pd else "both"))
+                def engine(kind: str) -> str:
+                    role = "both" if not pd else kind
+                    return next(s for s in stack.services if s.name.startswith(role)).endpoints["metrics"]
+
                 return await work(http_stream(session, f"http://127.0.0.1:{stack.http_port}"),
-                                  lambda kind: metrics_probe(session, engine.endpoints["metrics"], kind))
+                                  lambda kind: metrics_probe(session, engine(kind), kind))
         finally:
             await asyncio.to_thread(stack.stop)
 
