@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     body = "\n\n".join(parts) + f"\n\nLoad average (1, 5, 15 min) at the end: {load_average()}."
     if engine:
         body = f"`engine.mixed_step_stall` = {args.mixed_step_stall:g}.\n\n" + body
-    section = args.section or (SECTION_PREFILL.format(target=args.target_name or "no baseline")
-                               if "streams" not in scenarios
+    section = args.section or ((SECTION_PREFILL.format(target=args.target_name) if args.target
+                                else SECTION_PREFILL.split(" vs ")[0]) if "streams" not in scenarios
                                else SECTION_TARGET.format(target=args.target_name) if args.target
                                else SECTION_STACK if setups else SECTION)
     cmd = (f"kvmesh bench engine --serving --threads {args.threads}" + (" --stack" if args.stack else "")
