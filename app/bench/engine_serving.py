@@ -33,15 +33,18 @@ import numpy as np
 import torch
 from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
 
-from app.bench.report import markdown_table, publish
+from app.bench import prefill_slo
+from app.bench.report import load_average, markdown_table, publish
 
 SECTION = "Engine serving"
 SECTION_STACK = "Engine serving through the stack"
 SECTION_TARGET = "Engine serving vs {target}"  # with --target: the baseline's --target-name
+SECTION_PREFILL = "Cold prefill and scenario C vs {target}"  # --scenarios cold,slo
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -49,16 +52,16 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=g).tolist()
 
 
-Stream = Callable[[str, list[int], int], Awaitable[list[float]]]
-"""``stream(request_id, prompt, max_tokens)``: the arrival time of each token (the first one included), the
-submit time first."""
+Stream = Callable[..., Awaitable[list[float]]]
+"""``stream(request_id, prompt, max_tokens, slo=None)``: the arrival time of each token (the first one included),
+the submit time first; ``slo``: the request's latency targets."""
 
 
 def engine_stream(engine: AsyncEngine) -> Stream:
-    async def stream(rid: str, prompt: list[int], max_tokens: int) -> list[float]:
+    async def stream(rid: str, prompt: list[int], max_tokens: int, slo: SLO | None = None) -> list[float]:
         times = [time.perf_counter()]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        async for out in engine.generate(EngineRequest(rid, tuple(prompt), params)):
+        async for out in engine.generate(EngineRequest(rid, tuple(prompt), params, slo=slo or NO_SLO)):
             times.extend([time.perf_counter()] * len(out.token_ids))
         return times
     return stream
@@ -69,11 +72,14 @@ def http_stream(session, url: str, model: str = "") -> Stream:
     vLLM does; ``model`` names its model): one SSE chunk per token the engine streams. Not
     app.bench.serve.stream_request: that one times chunks with text only, and a token that completes no
     character yet (random ids, byte-level BPE) streams an empty delta that is still a token here."""
-    async def stream(rid: str, prompt: list[int], max_tokens: int) -> list[float]:
+    async def stream(rid: str, prompt: list[int], max_tokens: int, slo: SLO | None = None) -> list[float]:
         body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                "temperature": 0, **({"model": model} if model else {})}
+                "temperature": 0, **({"model": model} if model else {}),
+                **({"kvmesh_slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}} if slo else {})}
         times = [time.perf_counter()]
         async with session.post(f"{url}/v1/completions", json=body, headers={"x-request-id": rid}) as r:
+            if r.status == 429:
+                raise prefill_slo.Refused(f"{rid}: {await r.text()}")
             if r.status != 200:
                 raise RuntimeError(f"{rid}: HTTP {r.status}: {await r.text()}")
             async for line in r.content:
@@ -90,19 +96,20 @@ def _itls(runs: list[list[float]]) -> np.ndarray:
 
 
 Probe = Callable[[], Awaitable[dict[str, float]]]
-"""The engine's decode-step totals so far: ``steps``, ``rows``, ``seconds`` (wall), ``cpu`` (engine thread)."""
+"""The engine's step totals so far, of one kind (decode-only steps, or steps with prompt tokens): ``steps``,
+``rows``, ``seconds`` (wall), ``cpu`` (engine thread)."""
 
 
-def engine_probe(engine: AsyncEngine) -> Probe:
+def engine_probe(engine: AsyncEngine, kind: str = "decode") -> Probe:
     async def probe() -> dict[str, float]:
         t = engine.step_totals
-        return {"steps": t.steps["decode"], "rows": t.rows["decode"], "seconds": t.seconds["decode"],
-                "cpu": t.cpu_seconds["decode"]}
+        return {"steps": t.steps[kind], "rows": t.rows[kind], "seconds": t.seconds[kind],
+                "cpu": t.cpu_seconds[kind]}
     return probe
 
 
-def metrics_probe(session, url: str) -> Probe:
-    """The same totals from an engine's Prometheus text (``kvmesh_worker_engine_step*_total{kind="decode"}``)."""
+def metrics_probe(session, url: str, kind: str = "decode") -> Probe:
+    """The same totals from an engine's Prometheus text (``kvmesh_worker_engine_step*_total{kind=...}``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     names = {"kvmesh_worker_engine_steps_total": "steps", "kvmesh_worker_engine_step_rows_total": "rows",
@@ -113,7 +120,7 @@ def metrics_probe(session, url: str) -> Probe:
         async with session.get(url) as r:
             text = await r.text()
         return {names[smp.name]: smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
-                if smp.name in names and smp.labels.get("kind") == "decode"}
+                if smp.name in names and smp.labels.get("kind") == kind}
     return probe
 
 
@@ -179,22 +186,30 @@ class Bench:
         return {"streams": rows, "mixed": mixed}
 
 
-async def in_process(threads: int, quick: bool, quantized: bool = True, engine: dict | None = None) -> dict:
+Work = Callable[[Stream, Callable[[str], Probe] | None], Awaitable[dict]]
+"""What a run does with a setup: ``work(stream, probes)``; ``probes(kind)``: the engine's step totals of that kind
+(None against another server)."""
+
+
+async def in_process(threads: int, work: Work, quantized: bool = True, engine: dict | None = None) -> dict:
     settings = EngineSettings(threads=threads, max_num_seqs=64, quantized_weights=quantized, **(engine or {}))
     engine = AsyncEngine(LLMEngine(settings), asyncio.get_running_loop())
     try:
-        return await Bench(engine_probe(engine)).run(engine_stream(engine), quick)
+        return await work(engine_stream(engine), lambda kind: engine_probe(engine, kind))
     finally:
         await engine.close()
 
 
-async def through_stack(threads: int, quick: bool, quantized: bool = True, engine: dict | None = None) -> dict:
-    """``kvmesh up --prefill 0 --decode 0 --both 1`` in a temporary state directory, driven over HTTP."""
+async def through_stack(threads: int, work: Work, quantized: bool = True, engine: dict | None = None,
+                        pd: bool = False) -> dict:
+    """``kvmesh up --prefill 0 --decode 0 --both 1`` (``pd``: ``--prefill 1 --decode 1 --both 0``) in a temporary
+    state directory, driven over HTTP; the probes read the engine that runs those steps (``both``; through PD,
+    ``decode`` for decode-only steps and ``prefill`` for steps with prompt tokens)."""
     import aiohttp
 
     from app.launcher import Stack, StackOptions
 
-    opts = StackOptions.local("bench-serving", prefill=0, decode=0, both=1,
+    opts = StackOptions.local("bench-serving", prefill=int(pd), decode=int(pd), both=int(not pd),
                               settings={"engine": {"threads": threads, "max_num_seqs": 64,
                                                    "quantized_weights": quantized, **(engine or {})}})
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,20 +218,23 @@ async def through_stack(threads: int, quick: bool, quantized: bool = True, engin
         try:
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-                engine = next(s for s in stack.services if s.name.startswith("both"))
-                probe = metrics_probe(session, engine.endpoints["metrics"])
-                return await Bench(probe).run(http_stream(session, f"http://127.0.0.1:{stack.http_port}"), quick)
+                def engine(kind: str) -> str:
+                    role = "both" if not pd else kind
+                    return next(s for s in stack.services if s.name.startswith(role)).endpoints["metrics"]
+
+                return await work(http_stream(session, f"http://127.0.0.1:{stack.http_port}"),
+                                  lambda kind: metrics_probe(session, engine(kind), kind))
         finally:
             await asyncio.to_thread(stack.stop)
 
 
-async def against_target(url: str, model: str, quick: bool) -> dict:
+async def against_target(url: str, model: str, work: Work) -> dict:
     """The same scenarios against another server (``--target``): a baseline in the same run."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        return await Bench().run(http_stream(session, url.rstrip("/"), model), quick)
+        return await work(http_stream(session, url.rstrip("/"), model), None)
 
 
 def _fmt(row: dict) -> dict:
@@ -258,37 +276,72 @@ def render(results: dict[str, dict], threads: int, stack: bool = False) -> str:
     ])
 
 
+SCENARIOS = ("streams", "cold", "slo")  # streams: 1 / 8 / 16 streams and the mixed arrivals (app.bench.prefill_slo)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app.bench.engine_serving")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to (re)write (default: "
-                   f"{SECTION!r}, with --stack {SECTION_STACK!r}, with --target {SECTION_TARGET!r})")
+                   f"{SECTION!r}, with --stack {SECTION_STACK!r}, with --target {SECTION_TARGET!r}; with "
+                   f"--scenarios cold,slo {SECTION_PREFILL!r})")
+    p.add_argument("--scenarios", default="streams", help=f"comma-separated, of {', '.join(SCENARIOS)} "
+                   "(cold: fresh 1,500-token prompts; slo: scenario C, streams and long prompts with targets)")
+    p.add_argument("--repeats", type=int, default=3, help="cold prompts per setup")
     p.add_argument("--weights", choices=[*WEIGHTS, "both"], default="both",
                    help="which weight form(s) the engine reads (default: both, one after the other)")
     p.add_argument("--mixed-step-stall", type=float, default=None,
                    help="engine.mixed_step_stall for this run (default: the engine's)")
     p.add_argument("--stack", action="store_true",
                    help="through kvmesh up --both 1 over HTTP instead of AsyncEngine in this process")
+    p.add_argument("--pd", action="store_true", help="(also) through kvmesh up --prefill 1 --decode 1 over HTTP")
     p.add_argument("--target", default="", help="also run the scenarios against this OpenAI-compatible server "
                    "(e.g. vLLM serving the same weights), after kvmesh's, as the baseline of the run")
     p.add_argument("--target-name", default="target", help="what the tables call the --target server")
     p.add_argument("--model", default="", help="the 'model' field --target wants (e.g. its --served-model-name)")
     args = p.parse_args(argv)
+    scenarios = set(args.scenarios.split(","))
+    if unknown := scenarios - set(SCENARIOS):
+        p.error(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
     torch.set_num_threads(args.threads)
-    run = through_stack if args.stack else in_process
     forms = list(WEIGHTS) if args.weights == "both" else [args.weights]
     engine = {} if args.mixed_step_stall is None else {"mixed_step_stall": args.mixed_step_stall}
-    results = {w: asyncio.run(run(args.threads, args.quick, WEIGHTS[w], engine)) for w in forms}
+    setups = [("both", False)] * args.stack + [("pd", True)] * args.pd
+
+    async def work(stream: Stream, probes: Callable[[str], Probe] | None) -> dict:
+        out = {}
+        if "streams" in scenarios:
+            out |= await Bench(probes("decode") if probes else None).run(stream, args.quick)
+        counter = iter(range(10**9))
+        out |= await prefill_slo.run(stream, lambda: f"p{next(counter)}", scenarios, args.repeats,
+                                     probes("prefill") if probes else None)
+        return out
+
+    results = {}
+    for w in forms:
+        if not setups:
+            results[w] = asyncio.run(in_process(args.threads, work, WEIGHTS[w], engine))
+        for name, pd in setups:
+            label = w if len(setups) == 1 and "streams" in scenarios else f"kvmesh {name}, {w}"
+            results[label] = asyncio.run(through_stack(args.threads, work, WEIGHTS[w], engine, pd))
     if args.target:
-        results[f"target: {args.target_name}"] = asyncio.run(against_target(args.target, args.model, args.quick))
-    body = render(results, args.threads, args.stack)
+        results[f"target: {args.target_name}"] = asyncio.run(against_target(args.target, args.model, work))
+    parts = []
+    if "streams" in scenarios:
+        parts.append(render(results, args.threads, bool(setups)))
+    if scenarios & {"cold", "slo"}:
+        parts.append(prefill_slo.render(results, prefill_slo.fma_peak(), args.repeats))
+    body = "\n\n".join(parts) + f"\n\nLoad average (1, 5, 15 min) at the end: {load_average()}."
     if engine:
         body = f"`engine.mixed_step_stall` = {args.mixed_step_stall:g}.\n\n" + body
-    section = args.section or (SECTION_TARGET.format(target=args.target_name) if args.target
-                               else SECTION_STACK if args.stack else SECTION)
-    cmd = (f"python -m app.bench.engine_serving --threads {args.threads}" + (" --stack" if args.stack else "")
+    section = args.section or ((SECTION_PREFILL.format(target=args.target_name) if args.target
+                                else SECTION_PREFILL.split(" vs ")[0]) if "streams" not in scenarios
+                               else SECTION_TARGET.format(target=args.target_name) if args.target
+                               else SECTION_STACK if setups else SECTION)
+    cmd = (f"kvmesh bench engine --serving --threads {args.threads}" + (" --stack" if args.stack else "")
+           + (" --pd" if args.pd else "") + ("" if args.scenarios == "streams" else f" --scenarios {args.scenarios}")
            + ("" if args.weights == "both" else f" --weights {args.weights}")
            + ("" if args.mixed_step_stall is None else f" --mixed-step-stall {args.mixed_step_stall:g}")
            + (f" --target {args.target} --target-name '{args.target_name}'" if args.target else "")

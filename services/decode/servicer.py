@@ -76,6 +76,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         await refuse_continuation(context, w.engine, work)
+        slo = await w.request_slo(work, context)
         prompt = list(work.prompt_token_ids)
         # the conversation's blocks go back to the pool when it ends (write-back), for its next turn anywhere
         try:
@@ -83,7 +84,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                                            retention=retention,
                                            session=SessionHint.of(work.session_key, work.session_end),
                                            export=ExportPlan() if w.pool is not None else None,
-                                           generated=work.generated_tokens)
+                                           generated=work.generated_tokens, slo=slo)
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -180,6 +181,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         timing = RequestTiming()
         first, last, itls = True, 0.0, []
         gen: Span | None = None
+        # its TTFT target counts from its arrival at the router: that wait, and this call's so far
+        engine_request = dataclasses.replace(engine_request, waited_s=work.waited_s + time.monotonic() - t0)
         try:
             async for out in w.engine.generate(engine_request, timing):
                 chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids, text=out.text, finished=out.finished,

@@ -26,6 +26,7 @@ from kvmesh.contracts.engine import (
 from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
 from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
+from kvmesh.contracts.slo import SLO
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed, refuse_continuation
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
@@ -68,6 +69,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
+        slo = await w.request_slo(work, context)
         prompt = list(work.prompt_token_ids)
         # decode holds (and pinned) the leading blocks the router saw there: push only the rest. At most the
         # blocks before the last token's, so at least one block moves and decode computes nothing
@@ -76,12 +78,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         transfer_id = handoff_transfer_id(work.request_id, w.instance_id)
         stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout, request.push_token)
         try:
-            return await self._prefill(request, context, span, attrs, prompt, params, skip, stream, t0)
+            return await self._prefill(request, context, span, attrs, prompt, params, slo, skip, stream, t0)
         finally:
             stream.cancel()  # a failed or abandoned request sends no more parts
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span,
-                       attrs: dict[str, Any], prompt: list[int], params: SamplingParams, skip: int,
+                       attrs: dict[str, Any], prompt: list[int], params: SamplingParams, slo: SLO, skip: int,
                        stream: PushStream, t0: float) -> worker_pb2.PrefillResponse:
         """Compute the prompt, pushing each chunk's KV as the engine reads it out, then announce it."""
         work, w = request.work, self.w
@@ -92,7 +94,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
                                            retention=retention_from_proto(work.retention),
                                            session=SessionHint.of(work.session_key, work.session_end), export=plan,
-                                           generated=work.generated_tokens)
+                                           generated=work.generated_tokens, slo=slo,
+                                           # its TTFT target counts from its arrival at the router
+                                           waited_s=work.waited_s + time.monotonic() - t0)
             async for out in w.engine.generate(engine_request, timing):
                 # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes
                 if out.exported is not None and out.exported.num_blocks:

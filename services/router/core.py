@@ -25,11 +25,12 @@ from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
+from kvmesh.contracts.slo import slo_to_proto
 from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
-from kvmesh.routing.cost import disaggregation
+from kvmesh.routing.cost import TTFTTarget, disaggregation, local_share
 from kvmesh.settings import RouterSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
@@ -179,10 +180,11 @@ class Router:
         return best
 
     def _choose(self, policy: str | None, role: str, instances: list[Instance], matched: dict[str, int],
-                prompt: list[int], route: Span, lora: str = "") -> Instance:
+                prompt: list[int], route: Span, lora: str = "", ttft_s: float = 0.0) -> Instance:
+        """``ttft_s``: what is left of the request's TTFT target (0 = none), which admission holds it to."""
         missing = {i.id for i in instances if not self.loras.holds(i, lora)}
         inst, decision = self.policies.choose(policy, instances, matched, len(prompt), self.cfg.block_size,
-                                              matched.get(POOL, 0), missing)
+                                              matched.get(POOL, 0), missing, ttft_s)
         if route.is_recording():
             route.set_attributes({**route_attributes(role, instances, matched, inst or instances[0]),
                                   f"kvmesh.route.{role}.policy": policy or self.policies.default,
@@ -227,7 +229,8 @@ class Router:
                         pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(streamed),
                         session_key=request.session.key if request.session else "",
                         session_end=bool(request.session and request.session.end),
-                        retention=retention_to_proto(request.retention))
+                        retention=retention_to_proto(request.retention), slo=slo_to_proto(request.slo),
+                        waited_s=time.monotonic() - rt.t0)
                     stream = self._route(work, matched, rt, request.policy, route, avoid,
                                          request.disaggregate or self.cfg.disaggregate)
                     if stream is None:
@@ -296,12 +299,17 @@ class Router:
         With prefill and decode instances, the cost model decides whether the hop pays (``disaggregation``):
         when decode already holds about as much of the prompt as prefill, decode computes the rest itself."""
         prompt = list(work.prompt_token_ids)
+        # admission's bound; none for a migrated or resumed stream (its first token is out already)
+        ttft_s = max(1e-3, work.slo.ttft_s - work.waited_s) if work.slo.ttft_s and not work.generated_tokens else 0.0
         prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
         lora = work.lora_name
         session = SessionHint.of(work.session_key, work.session_end)
         if prefills and decodes:
-            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora)
+            # a request's own TTFT target is held by the path choice below (prefill's queue, or decode beside its
+            # streams), not by the prefill instance alone
+            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora,
+                                   0.0 if ttft_s and disaggregate == "auto" else ttft_s)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
             # a push is only ever sent where its bytes mean the same: the decode's KV layout equals prefill's
             paired = [i for i in holders or decodes if same_layout(prefill, i)]
@@ -321,8 +329,11 @@ class Router:
             # runs: what the routers have in flight there (a heartbeat lags: in a chat it still reports the
             # previous turn decoding)
             speed = CostModel.from_load(prefill.beat.load, self.policies.cost) or self.policies.cost
+            target = TTFTTarget(ttft_s, int(prefill.waiting_tokens), int(decode.waiting_tokens),
+                                local_share(decode.beat.load.get("decode_step_s", 0.0), work.slo.itl_s)) \
+                if ttft_s else None
             d = disaggregation(disaggregate, len(prompt), self.cfg.block_size, matched.get(prefill.id, 0),
-                               matched.get(decode.id, 0), speed, speed, decode.routed)
+                               matched.get(decode.id, 0), speed, speed, decode.routed, ttft=target)
             if d.disaggregate and not self.registry.bus_up():  # kv.ready would wait out decode's kv_timeout_s
                 d = d._replace(disaggregate=False,
                                reason="local: NATS is unreachable, so no kv.ready could announce a push")
@@ -330,6 +341,8 @@ class Router:
                                   "kvmesh.route.reason": d.reason,
                                   "kvmesh.route.pd_ms": round(d.pd_s * 1e3, 1),
                                   "kvmesh.route.local_ms": round(d.local_s * 1e3, 1)})
+            if d.refuse:
+                raise RequestError(ErrorKind.OVERLOADED, d.reason)
             if not d.disaggregate:
                 return self._local(work, decode, rt, d.reason)
             # decode waits for kv.ready its own kv_timeout_s past this estimate of prefill + push: a long cold
@@ -341,7 +354,7 @@ class Router:
             home, why = self.sessions.place(session, [i for i in both if self.loras.holds(i, lora)] or both)
             if why:
                 route.set_attribute("kvmesh.route.session", why)
-            inst = home or self._choose(policy, "both", both, matched, prompt, route, lora)
+            inst = home or self._choose(policy, "both", both, matched, prompt, route, lora, ttft_s)
             self.sessions.ran(session, inst.id)
             return self._local(work, inst, rt)
         if decodes:  # every prefill instance is gone: decode computes the prompt itself rather than refuse

@@ -59,7 +59,7 @@ STATUS: dict[ErrorKind, Status] = {
                                 "the body (gRPC: request message) is over `max_body_bytes`"),
     ErrorKind.OVERLOADED: Status(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error",
                                  "over `max_concurrent_requests` / `max_requests_per_tenant`, or no instance "
-                                 "meets `slo_ttft_s` (with `Retry-After: 1`)"),
+                                 "meets the request's TTFT target / `slo_ttft_s` (with `Retry-After: 1`)"),
     ErrorKind.UNAVAILABLE: Status(503, grpc.StatusCode.UNAVAILABLE, "service_unavailable",
                                   "no engine instance can serve the request, or the one serving it failed"),
     ErrorKind.INTERNAL: Status(500, grpc.StatusCode.INTERNAL, "internal_error",

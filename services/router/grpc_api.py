@@ -22,7 +22,7 @@ from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 from services.router.access import RETRY_AFTER_S
 from services.router.core import Router
 from services.router.errors import ErrorKind, RequestError, invalid
-from services.router.intake import CacheControl, Call, Draft, Intake
+from services.router.intake import CacheControl, Call, Draft, Intake, slo_from_headers
 from services.router.telemetry import RequestTrace
 
 
@@ -168,7 +168,8 @@ def _parser(message: type[Message], max_bytes: int) -> Callable[[bytes], Message
 
 async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: Call) -> Draft:
     """A ``Generate`` (text, token ids or messages) or ``Chat`` request as the intake's input; the routing
-    overrides come from the metadata keys ``x-kvmesh-policy`` and ``x-kvmesh-disaggregate``."""
+    overrides come from the metadata keys ``x-kvmesh-policy`` and ``x-kvmesh-disaggregate``, the latency targets
+    from ``slo`` or the metadata keys ``x-kvmesh-slo-ttft-s`` / ``x-kvmesh-slo-itl-s`` (which win)."""
     try:
         sampling = sampling_from_proto(request.sampling)
     except ValueError as e:
@@ -190,7 +191,8 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
                  structured_field=f"sampling.{structured.kind}" if structured else "",
                  policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"),
                  session_id=request.session_id or header, session_end=request.session_end,
-                 cache_control=_cache_control(request, "cache_control"), resume=resume)
+                 cache_control=_cache_control(request, "cache_control"), resume=resume,
+                 slo=slo_from_headers(call.headers, (request.slo.ttft_s, request.slo.itl_s)))
 
 
 def _cache_control(message, field: str) -> CacheControl | None:

@@ -16,7 +16,8 @@ calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``I
    tokens (``resume_token_ids``: ids, fewer than ``max_tokens``);
 9. the session (its id namespaced by the tenant, the end flag) and the retention hints (``cache_control``, the
    request's and each message's, as token ranges of the prompt);
-10. the cache salt (the tenant's namespace), the routing policy and the PD override.
+10. the cache salt (the tenant's namespace), the routing policy and the PD override;
+11. the latency targets (``SLO``: the router admits by the TTFT target, the engine schedules by both).
 
 The admitted request holds an admission slot until the ``async with`` block ends.
 """
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.contracts.engine import RetentionRange, SessionHint
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.sessions import check_retention, check_session_id, session_key
+from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.routing.cost import DISAGGREGATE_MODES
 
 from services.router.access import Admission, Tenants, cache_salt
@@ -78,6 +80,7 @@ class Draft:
     session_id: str = ""
     session_end: bool = False
     cache_control: CacheControl | None = None  # the whole prompt's retention hint
+    slo: tuple[float, float] = (0.0, 0.0)  # TTFT and ITL targets in seconds as given (0 = none)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,22 @@ class CacheControl:
     field: str = "cache_control"
 
 
+SLO_HEADERS = ("x-kvmesh-slo-ttft-s", "x-kvmesh-slo-itl-s")  # HTTP headers / gRPC metadata keys
+
+
+def slo_from_headers(headers: Mapping[str, str], given: tuple[float, float]) -> tuple[float, float]:
+    """The latency targets: ``SLO_HEADERS`` where present (a number of seconds each), else ``given`` (the body's
+    or the message's)."""
+    out = list(given)
+    for i, key in enumerate(SLO_HEADERS):
+        if (value := headers.get(key)) is not None:
+            try:
+                out[i] = float(value)
+            except ValueError:
+                raise invalid(f"{key} must be a number of seconds, not {value!r}") from None
+    return out[0], out[1]
+
+
 @dataclass(frozen=True)
 class Admitted:
     """A request the router accepted: everything routing and dispatch need, nothing left to check.
@@ -97,7 +116,8 @@ class Admitted:
     ``model``: the name its answers carry (the LoRA adapter's, else the base model's id); ``lora``: the adapter
     ("" = the base model). ``policy`` / ``disaggregate``: the request's own routing choices (None = the
     configured ones). ``resume``: the tokens a cut stream of this request already delivered (its client resumes
-    it here): the router streams what follows them."""
+    it here): the router streams what follows them. ``slo``: its latency targets (none set: the router's
+    ``slo_ttft_s`` admits it, the engine's defaults schedule it)."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -111,6 +131,7 @@ class Admitted:
     resume: tuple[int, ...] = ()
     session: SessionHint | None = None
     retention: tuple[RetentionRange, ...] = ()
+    slo: SLO = NO_SLO
 
 
 def new_request_id() -> str:
@@ -161,8 +182,9 @@ class Intake:
             request = Admitted(rt.request_id, tuple(prompt), draft.sampling, tenant,
                                cache_salt(tenant, draft.cache_salt), lora or self.router.model_id, lora,
                                self.policy(draft.policy), self.disaggregate(draft.disaggregate), draft.resume,
-                               session, retention)
+                               session, retention, self.slo(draft.slo))
             rt.describe(request.model, tenant or draft.cache_salt, len(prompt))
+            rt.slo = request.slo
             yield request
         finally:
             leave()
@@ -268,6 +290,14 @@ class Intake:
         except ValueError as e:
             raise invalid(str(e)) from None
         return name
+
+    @staticmethod
+    def slo(targets: tuple[float, float]) -> SLO:
+        try:
+            return SLO(*targets)
+        except ValueError as e:
+            raise invalid(f"{e}: set by kvmesh_slo {{ttft_s, itl_s}} (HTTP body), the slo field (gRPC) or the "
+                          f"{' / '.join(SLO_HEADERS)} headers") from None
 
     @staticmethod
     def disaggregate(mode: str | None) -> str | None:

@@ -19,7 +19,7 @@ from typing import Any
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
-from services.router.intake import Draft, message_cache_control
+from services.router.intake import Draft, message_cache_control, slo_from_headers
 
 
 def parse(raw: bytes) -> dict:
@@ -44,7 +44,9 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     """A chat (``messages``) or completions (``prompt``: text or token ids) body as the intake's input. The
     routing overrides come from the headers ``x-kvmesh-policy`` (or the body's ``kvmesh_policy``) and
     ``x-kvmesh-disaggregate``; the session from the body's ``session_id`` or the header ``x-session-id`` (the
-    two must agree), ``session_end`` and ``cache_control``."""
+    two must agree), ``session_end`` and ``cache_control``; the latency targets from the body's ``kvmesh_slo``
+    (``{"ttft_s": 6, "itl_s": 0.15}``) or the headers ``x-kvmesh-slo-ttft-s`` / ``x-kvmesh-slo-itl-s`` (which
+    win)."""
     sampling, structured_field = sampling_from_body(body, chat)
     if chat:
         if "messages" not in body:
@@ -62,7 +64,19 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
                  policy=headers.get("x-kvmesh-policy") or str_field(body, "kvmesh_policy") or None,
                  disaggregate=headers.get("x-kvmesh-disaggregate") or None, session_id=session_id or header,
                  session_end=bool_field(body, "session_end"),
-                 cache_control=None if control is None else message_cache_control(control, "cache_control"))
+                 cache_control=None if control is None else message_cache_control(control, "cache_control"),
+                 slo=slo_from_headers(headers, _slo(body)))
+
+
+def _slo(body: dict) -> tuple[float, float]:
+    """``kvmesh_slo``: an object of numbers of seconds, ``ttft_s`` and ``itl_s`` (either may be left out)."""
+    slo = body.get("kvmesh_slo")
+    if slo is None:
+        return 0.0, 0.0
+    if not isinstance(slo, dict) or set(slo) - {"ttft_s", "itl_s"}:
+        raise invalid('kvmesh_slo must be an object like {"ttft_s": 6, "itl_s": 0.15} (seconds; either may be '
+                      "left out)")
+    return _num(slo, "ttft_s", 0.0, "kvmesh_slo."), _num(slo, "itl_s", 0.0, "kvmesh_slo.")
 
 
 def streaming(body: dict) -> tuple[bool, bool]:
@@ -209,16 +223,16 @@ def _int(body: dict, name: str, default: int | None) -> int | None:
     return v
 
 
-def _num(body: dict, name: str, default: float) -> float:
+def _num(body: dict, name: str, default: float, prefix: str = "") -> float:
     v = body.get(name)
     if v is None:
         return default
     if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise invalid(f"{name} must be a number, not {_kind(v)}")
+        raise invalid(f"{prefix}{name} must be a number, not {_kind(v)}")
     try:
         return float(v)
     except OverflowError:
-        raise invalid(f"{name} is out of range") from None
+        raise invalid(f"{prefix}{name} is out of range") from None
 
 
 def bool_field(body: dict, name: str) -> bool:

@@ -59,14 +59,15 @@ class Policies:
         return self._policies[name]
 
     def choose(self, name: str | None, instances: list[Instance], matched: dict[str, int], prompt_tokens: int,
-               block_size: int, pool_blocks: int, lora_missing: frozenset[str] | set[str] = frozenset()
-               ) -> tuple[Instance | None, Decision]:
+               block_size: int, pool_blocks: int, lora_missing: frozenset[str] | set[str] = frozenset(),
+               ttft_s: float = 0.0) -> tuple[Instance | None, Decision]:
         """``lora_missing``: instances lacking the request's adapter. The cache-aware policy prices loading it
-        there (``CostModel.lora_load_s``); the others choose among the instances that hold it, if any do."""
+        there (``CostModel.lora_load_s``); the others choose among the instances that hold it, if any do.
+        ``ttft_s``: the request's TTFT target, which the cache-aware policy admits by (0: the configured one)."""
         policy = self.get(name)
         if lora_missing and not isinstance(policy, CacheAware) and len(lora_missing) < len(instances):
             instances = [i for i in instances if i.id not in lora_missing]
         candidates = to_candidates(instances, matched, self.cost, lora_missing)
-        decision = policy.choose(candidates, prompt_tokens, block_size, pool_blocks)
+        decision = policy.choose(candidates, prompt_tokens, block_size, pool_blocks, ttft_s)
         chosen = next((i for i in instances if decision.chosen and i.id == decision.chosen.id), None)
         return chosen, decision

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.contracts.ids import Role
+from kvmesh.contracts.slo import NO_SLO, late_gaps_allowed
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, HitRatio, new_registry
 from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT
@@ -56,6 +57,9 @@ class RouterMetrics:
                                   "over_router_limit)", ["outcome"], registry=r)
         for outcome in ("migrated", "over_request_limit", "over_router_limit"):
             self.migrations.labels(outcome)
+        self.slo = Counter(f"{P}_slo_requests", "Requests with a latency target that completed, by outcome "
+                           "(met: every target, the goodput; missed, and missed_ttft / missed_itl: which target a "
+                           "missed one missed), as the router saw them", ["outcome"], registry=r)
         for kind in ErrorKind:
             if kind != ErrorKind.CANCELLED:
                 self.rejections.labels(kind)
@@ -97,6 +101,8 @@ class RequestTrace:
                                   {**self.attrs, "kvmesh.api": api})
         self.ttft_s: float | None = None
         self._last = 0.0
+        self.slo = NO_SLO  # the request's targets, once admitted
+        self.gaps = self.late_gaps = 0  # its gaps between chunks, and those over its ITL target
         self._respond: Span | None = None
         self._done = False
         if metrics is not None:
@@ -140,8 +146,11 @@ class RequestTrace:
         now = time.monotonic()
         if self._respond is None and self.ttft_s is None:
             self._respond = self.child("router.respond")
-        elif self._last and self.metrics is not None:
-            self.metrics.itl.observe(now - self._last)
+        elif self._last:
+            self.gaps += 1
+            self.late_gaps += bool(self.slo.itl_s) and now - self._last > self.slo.itl_s
+            if self.metrics is not None:
+                self.metrics.itl.observe(now - self._last)
         self._last = now
 
     def first_token_sent(self) -> None:
@@ -192,6 +201,19 @@ class RequestTrace:
             self.metrics.requests.labels(self.api, error_kind or "ok").inc()
             if error_kind and error_kind != ErrorKind.CANCELLED:
                 self.metrics.rejections.labels(error_kind).inc()
+            if not error_kind and self.slo:
+                for outcome in self.slo_outcome():
+                    self.metrics.slo.labels(outcome).inc()
+
+    def slo_outcome(self) -> list[str]:
+        """``["met"]``, or ``"missed"`` and the targets it missed: TTFT to the first token sent, the p99 of its
+        gaps between chunks (``contracts.slo.late_gaps_allowed``)."""
+        missed = []
+        if self.slo.ttft_s and (self.ttft_s is None or self.ttft_s > self.slo.ttft_s):
+            missed.append("missed_ttft")
+        if self.slo.itl_s and self.late_gaps > late_gaps_allowed(self.gaps):
+            missed.append("missed_itl")
+        return ["missed", *missed] if missed else ["met"]
 
 
 def route_attributes(role: str, candidates: list, matched: Mapping[str, int], chosen) -> dict[str, Any]:

@@ -129,3 +129,36 @@ def test_the_chunk_cap_is_sized_against_the_batch_the_waiting_prompts_settle_at(
 
 def engine_stall() -> float:
     return EngineSettings().mixed_step_stall
+
+
+def test_streams_with_an_itl_target_cap_the_mixed_step_within_it_by_the_measured_lines(tiny_config):
+    """One stream with a 150 ms ITL target (and a late gap to lend), a prompt waiting: the cap is what fits 0.85
+    of the target after the decode row, at the measured cost of a prompt token."""
+    from kvmesh.contracts.slo import SLO
+    from kvmesh.engine.slo import HEADROOM
+
+    async def run():
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=256, block_size=4, max_batched_tokens=4096),
+                                       model_config=tiny_config), asyncio.get_running_loop())
+        try:
+            for n, seconds in [(64, 0.03 + 64 / 400), (128, 0.03 + 128 / 400)] * 4:
+                engine.speed_fit.observe(n, seconds)
+            for rows in [1, 2, 4, 8, 1, 2, 4, 8]:
+                engine.decode_speed.observe(rows, 0.02 + rows / 500)
+
+            def setup(e: LLMEngine) -> None:
+                e.add_request("stream", [1, 2, 3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True),
+                              slo=SLO(itl_s=0.15))  # 199 gaps: one may run late
+                e.step()  # its prompt: now a decode row
+                e.add_request("prompt", [i % 250 + 1 for i in range(400)], SamplingParams(max_tokens=2))
+                engine._steps = 0  # the next sizing refits
+                engine._size_chunks()
+
+            await engine.call(setup)
+            return engine.engine.scheduler.chunk_tokens, engine._fit, engine._decode_fit
+        finally:
+            await engine.close()
+
+    cap, prefill, decode = asyncio.run(asyncio.wait_for(run(), 30))
+    step = decode.overhead_s + 1 / decode.tok_per_s
+    assert cap == int((HEADROOM * 0.15 - step) * prefill.tok_per_s)

@@ -1,5 +1,6 @@
-"""The native decode kernel against torch SDPA on the same paged pool, for every storage dtype it reads; which
-backend runs where, and what a backend that cannot run here says."""
+"""The native decode and prefill kernels against torch SDPA on the same paged pool (decode: every storage dtype it
+reads; prefill: fresh prompts, chunks on a cached prefix, mixed with decode rows, any block size); which backend
+runs where, and what a backend that cannot run here says."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from .helpers import needs_kernel
 
 H, HKV, D, BS = 6, 2, 16, 4
 needs_decode_kernel = needs_kernel(native.load(), native.SOURCE)
+needs_prefill_kernel = needs_kernel(native.load_prefill(), native.PREFILL_SOURCE)
 
 
 def pool_with_random_kv(dtype: str, head_dim: int = D) -> DeviceKVPool:
@@ -60,6 +62,43 @@ def test_native_decode_matches_sdpa_with_more_query_heads_per_kv_head_than_fit_i
         backend.plan(batch, pool)
         outs.append(backend._decode(0, q, pool))
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def step_batch(parts: list[tuple[int, int]], block_size: int, g: torch.Generator) -> ForwardBatch:
+    """One step's rows: ``(cached, computed)`` tokens per sequence (computed 1 on a cached prefix: a decode row),
+    each sequence's blocks scattered over the pool."""
+    blocks = torch.randperm(64, generator=g).tolist()
+    seqs, tokens, start = [], [], 0
+    for cached, n in parts:
+        nb = -(-(cached + n) // block_size)
+        seqs.append(SeqSlice(start, n, cached + n, blocks[:nb]))
+        blocks, start = blocks[nb:], start + n
+        tokens.append([1] * n)
+    return ForwardBatch.build(seqs, tokens, block_size, [s.start + s.num_query - 1 for s in seqs])
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 32), (64, 5)])
+@pytest.mark.parametrize("parts", [[(0, 37)], [(21, 40)], [(0, 1)], [(40, 1), (0, 19), (33, 1), (16, 50)]],
+                         ids=["fresh", "on-a-prefix", "one-token", "mixed-with-decode-rows"])
+def test_native_prefill_matches_sdpa(head_dim, block_size, parts):
+    """9 query heads over 3 KV heads (the default model's grouping); rows not in 16-row tiles, prefixes not on a
+    block or tile boundary; a block size that is not a multiple of 16 takes the kernel's copying path."""
+    g = torch.Generator().manual_seed(2)
+    h, hkv = 9, 3
+    pool = DeviceKVPool(KVLayout("fp", 1, hkv, head_dim, block_size, "fp32"), num_blocks=64)
+    for t in (pool.k, pool.v):
+        t.copy_(torch.randn(t.shape, generator=g))
+    batch = step_batch(parts, block_size, g)
+    T = batch.input_ids.shape[0]
+    qkv = torch.randn(T, (h + 2 * hkv) * head_dim, generator=g)  # q a strided view, as the model hands it over
+    q, k, v = (t.view(T, -1, head_dim) for t in qkv.split([h * head_dim, hkv * head_dim, hkv * head_dim], -1))
+    outs = []
+    for backend in (TorchAttention(), NativeAttention(h, hkv, head_dim)):
+        backend.plan(batch, pool)
+        outs.append(backend.forward(0, q, k, v, pool))
+    assert backend.prefill_lib is not None
+    assert torch.allclose(outs[0], outs[1], atol=2e-5)
 
 
 @needs_decode_kernel

@@ -60,3 +60,34 @@ def test_the_metrics_probe_reads_the_decode_step_counters_from_prometheus_text()
     assert got == totals
     zero = dict.fromkeys(totals, 0.0)
     assert _step_stats(zero, got) == {"step ms": 50.0, "step CPU ms": 45.0, "rows/step": 8.0}
+
+
+def test_scenario_c_counts_goodput_and_shows_a_refusal_as_such():
+    from app.bench import prefill_slo
+
+    def row(kind, ttft, itl, refused=False):
+        return {"kind": kind, "ttft_s": ttft, "itl_p99_s": itl, "refused": refused,
+                "ttft_met": ttft <= 6.0, "itl_met": itl <= 0.15}
+
+    rows = [row("stream", 0.2, 0.12)] * 3 + [row("stream", 0.2, 0.4), row("long", 5.5, 0.1),
+                                            row("long", 9.0, 0.1), row("long", float("inf"), float("inf"), True)]
+    got = prefill_slo.slo_row("kvmesh both", rows)
+    assert got["goodput"] == "4 of 7" and got["streams met"] == 3 and got["long prompts met"] == 1
+    assert got["long prompts' TTFT s"] == "5.50 / 9.00 / 429"
+
+
+def test_the_cold_table_reads_the_prefill_as_a_share_of_the_fma_limit_and_against_the_target():
+    from app.bench import prefill_slo
+
+    flops = prefill_slo.prefill_flops(1500)
+    assert 390e9 < flops < 400e9  # SmolLM2-135M: ~212 MFLOP of matmuls a token, plus causal attention
+    text = prefill_slo.render({"kvmesh both": {"cold": {"ttft": [4.0, 4.2, 3.9], "cpu": [3.96]}},
+                               "target: vLLM": {"cold": {"ttft": [5.0, 5.1, 4.9], "cpu": []}}}, 117.0, 3)
+    assert f"| kvmesh both | 4.00 (3.90-4.20) | 0.80x | 375 | {flops / 4.0 / 1e9 / 117:.0%} | 3.96 |" in text
+    assert "| target: vLLM | 5.00 (4.90-5.10) | 1.00x |" in text
+
+
+def test_p99_is_the_nearest_rank():
+    from app.bench.prefill_slo import p99
+
+    assert p99([0.1] * 99 + [5.0]) == 0.1 and p99([0.1] * 98 + [5.0] * 2) == 5.0

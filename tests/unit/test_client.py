@@ -92,6 +92,13 @@ def test_bad_sampling_is_rejected_before_sending(bad):
         generate_request("x", **bad)
 
 
+def test_latency_targets_travel_with_the_request_and_a_bad_one_is_rejected_before_sending():
+    assert (generate_request("x", ttft_s=6, itl_s=0.15).slo.ttft_s, chat_request(
+        [{"role": "user", "content": "hi"}], itl_s=0.15).slo.itl_s) == (6.0, 0.15)
+    with pytest.raises(ValueError, match="ttft_s must be a number of seconds"):
+        generate_request("x", ttft_s=-1)
+
+
 def test_malformed_messages_are_rejected():
     with pytest.raises(ValueError, match="messages\\[0\\]"):
         generate_request(messages=[{"role": "user"}])

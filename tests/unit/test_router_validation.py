@@ -199,3 +199,55 @@ def test_bad_sampling_field_is_named(body, words):
     with pytest.raises(RequestError) as e:
         sampling_from_body(body)
     assert e.value.kind == ErrorKind.INVALID and words in e.value.message
+
+
+# ---- latency targets ---------------------------------------------------------------------------------------
+
+def test_latency_targets_come_from_the_body_and_the_headers_win():
+    from services.router.openai_body import draft
+
+    body = {"prompt": "hi", "kvmesh_slo": {"ttft_s": 6, "itl_s": 0.15}}
+    assert draft(body, False, {}).slo == (6.0, 0.15)
+    assert draft(body, False, {"x-kvmesh-slo-itl-s": "0.3"}).slo == (6.0, 0.3)
+    assert draft({"prompt": "hi"}, False, {}).slo == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("body,headers,words", [
+    ({"kvmesh_slo": 6}, {}, "kvmesh_slo must be an object"),
+    ({"kvmesh_slo": {"ttft": 6}}, {}, "kvmesh_slo must be an object"),
+    ({"kvmesh_slo": {"ttft_s": "6"}}, {}, "kvmesh_slo.ttft_s must be a number, not a string"),
+    ({}, {"x-kvmesh-slo-ttft-s": "soon"}, "x-kvmesh-slo-ttft-s must be a number of seconds"),
+])
+def test_a_malformed_latency_target_is_named(body, headers, words):
+    from services.router.openai_body import draft
+
+    with pytest.raises(RequestError) as e:
+        draft({"prompt": "hi", **body}, False, headers)
+    assert e.value.kind == ErrorKind.INVALID and words in e.value.message
+
+
+@pytest.mark.parametrize("targets", [(-1.0, 0.0), (0.0, float("nan")), (5000.0, 0.0)])
+def test_a_latency_target_out_of_range_is_refused_saying_where_targets_are_set(targets):
+    from services.router.intake import Intake
+
+    with pytest.raises(RequestError) as e:
+        Intake.slo(targets)
+    assert e.value.kind == ErrorKind.INVALID and "kvmesh_slo" in e.value.message and "x-kvmesh-slo" in e.value.message
+
+
+def test_the_router_counts_a_request_as_goodput_only_when_it_met_every_target():
+    from kvmesh.contracts.slo import SLO
+
+    from services.router.telemetry import RequestTrace
+
+    def outcome(ttft_s: float, gaps: list[float], slo: SLO) -> list[str]:
+        rt = RequestTrace(None, "r", "test")
+        rt.slo, rt.ttft_s = slo, ttft_s
+        rt.gaps, rt.late_gaps = len(gaps), sum(g > slo.itl_s for g in gaps)
+        return rt.slo_outcome()
+
+    steady, one_stall = [0.05] * 99, [0.05] * 99 + [2.0]  # 100 gaps: the p99 tolerates one late gap
+    assert outcome(1.0, one_stall, SLO(6.0, 0.15)) == ["met"]
+    assert outcome(1.0, [*one_stall, 2.0], SLO(6.0, 0.15)) == ["missed", "missed_itl"]
+    assert outcome(7.0, steady, SLO(6.0, 0.15)) == ["missed", "missed_ttft"]
+    assert outcome(7.0, steady, SLO(itl_s=0.15)) == ["met"]

@@ -53,3 +53,10 @@ def test_the_registry_is_keyed_on_the_contracts_enum_and_takes_its_strings():
     assert isinstance(make_policy("round_robin"), RoundRobin)
     slo = make_policy(RoutingPolicy.CACHE_AWARE, cost=COST, slo_ttft_s=0.5)
     assert isinstance(slo, CacheAware) and slo.slo_ttft_s == 0.5
+
+
+def test_a_requests_own_ttft_target_admits_it_where_the_configured_one_would_not_and_the_reverse():
+    busy = [Candidate("a", queued_tokens=5000)]
+    assert CacheAware(COST, slo_ttft_s=0.5).choose(busy, 1000, 16, ttft_s=3600).chosen is not None
+    refused = CacheAware(COST).choose(busy, 1000, 16, ttft_s=0.5)
+    assert refused.chosen is None and "TTFT SLO of 0.5s" in refused.reason

@@ -99,3 +99,14 @@ def test_without_decode_rows_a_prompt_gets_the_whole_token_budget():
     sched.chunk_tokens = 16
     sched.add(seq("alone", 200))
     assert [n for _, n in sched.schedule()] == [128]
+
+
+def test_a_prompt_ranked_ahead_by_its_deadline_is_admitted_before_earlier_arrivals():
+    sched = scheduler(max_batched_tokens=16)
+    first, urgent = seq("first", 40, first=1), seq("urgent", 40, first=500)
+    sched.add(first)
+    sched.add(urgent)
+    urgent.slo_rank = (0, 3.0)  # the owner's plan (engine/slo.py): a deadline it can still make
+    assert [(s.request_id, n) for s, n in sched.schedule()] == [("urgent", 16)]
+    assert list(sched.waiting) == [first]
+

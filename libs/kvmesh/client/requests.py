@@ -32,8 +32,9 @@ class SamplingOptions(TypedDict, total=False):
 
 
 class RequestOptions(SamplingOptions, total=False):
-    """Keyword arguments of ``generate``, ``complete`` and ``chat`` (defaults: ``sampling_params``, and "" for
-    the strings)."""
+    """Keyword arguments of ``generate``, ``complete`` and ``chat`` (defaults: ``sampling_params``, "" for
+    the strings, 0 = no target for the latency targets: ``ttft_s`` to the first token, ``itl_s`` the p99 of the
+    gaps between tokens, in seconds)."""
 
     cache_salt: str
     request_id: str
@@ -41,6 +42,8 @@ class RequestOptions(SamplingOptions, total=False):
     session_id: str           # the conversation / agent task it belongs to (the caches keep its KV)
     session_end: bool         # its last request: what the session holds may go first
     cache_control: Mapping[str, Any] | None  # {"ttl": seconds, "priority": 0-100}: keep the prompt cached
+    ttft_s: float
+    itl_s: float
 
 
 def cache_control(value: Mapping[str, Any] | None, field: str = "cache_control") -> common_pb2.CacheControl | None:
@@ -65,6 +68,14 @@ def _session(req: api_pb2.GenerateRequest | api_pb2.ChatRequest, session_id: str
     req.session_id, req.session_end = session_id, session_end
     if (cc := cache_control(control)) is not None:
         req.cache_control.CopyFrom(cc)
+
+
+def slo(ttft_s: float = 0.0, itl_s: float = 0.0) -> common_pb2.SLO:
+    """The latency targets (0 = none: the router's and the engine's defaults apply)."""
+    for name, value in (("ttft_s", ttft_s), ("itl_s", itl_s)):
+        if not 0 <= value <= 3600:
+            raise ValueError(f"{name} must be a number of seconds in [0, 3600] (0 = no target), got {value}")
+    return common_pb2.SLO(ttft_s=ttft_s, itl_s=itl_s)
 
 
 def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -146,13 +157,13 @@ def chat_messages(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
 
 def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequence[Message] | None = None, *,
                      cache_salt: str = "", request_id: str = "", model: str = "", session_id: str = "",
-                     session_end: bool = False, cache_control: Mapping[str, Any] | None = None,
-                     **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
+                     session_end: bool = False, cache_control: Mapping[str, Any] | None = None, ttft_s: float = 0.0,
+                     itl_s: float = 0.0, **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
     """A ``GenerateRequest`` for exactly one of ``prompt`` (text or token ids) and ``messages`` (chat)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
     req = api_pb2.GenerateRequest(request_id=request_id, model=model, cache_salt=cache_salt,
-                                  sampling=sampling_params(**sampling))
+                                  sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s))
     _session(req, session_id, session_end, cache_control)
     if messages is not None:
         req.messages.messages.extend(chat_messages(messages))
@@ -169,8 +180,8 @@ def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequen
 
 def chat_request(messages: Sequence[Message], *, cache_salt: str = "", request_id: str = "", model: str = "",
                  session_id: str = "", session_end: bool = False, cache_control: Mapping[str, Any] | None = None,
-                 **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
+                 ttft_s: float = 0.0, itl_s: float = 0.0, **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
     req = api_pb2.ChatRequest(request_id=request_id, model=model, messages=chat_messages(messages),
-                              cache_salt=cache_salt, sampling=sampling_params(**sampling))
+                              cache_salt=cache_salt, sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s))
     _session(req, session_id, session_end, cache_control)
     return req

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.proto.v1 import common_pb2
 
 
@@ -164,7 +165,9 @@ class EngineRequest:
     """One request as a service hands it to an engine. ``export``: read its KV out as it is computed (prefill:
     a push) or when it finishes (decode: the write-back); ``imported``: its prompt's KV was pushed here, decode
     starts from it. ``session``: the session it belongs to (None: none); ``retention``: token ranges to keep
-    ahead of others for a while (a TTL pin with its priority).
+    ahead of others for a while (a TTL pin with its priority). ``slo``: its latency targets (0 = the engine's
+    default), which the engine sizes its steps by; ``waited_s``: how long it had already waited when it reached
+    the engine (its TTFT counts from its arrival at the mesh).
 
     ``generated``: the last ``generated`` tokens of ``prompt`` are this request's own output so far, streamed by
     another instance before it stopped (a migrated request, continued here). They count towards
@@ -182,6 +185,8 @@ class EngineRequest:
     imported: ImportedKV | None = None
     generated: int = 0
     session: SessionHint | None = None
+    slo: SLO = NO_SLO
+    waited_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.generated < 0 or (self.generated and self.generated >= len(self.prompt)):
@@ -251,6 +256,8 @@ class EngineStats:
     speed: dict[str, float] = field(default_factory=dict)      # prefill_tok_per_s, prefill_overhead_s
     prefetch: dict[str, int] = field(default_factory=dict)     # loaded | used | wasted -> blocks warmed back
     sessions: int = 0                                          # live sessions it keeps blocks for
+    # requests with a latency target that finished, by outcome: met (goodput) / missed, and which target missed
+    slo: dict[str, int] = field(default_factory=dict)          # met, missed, missed_ttft, missed_itl
 
 
 @dataclass(frozen=True)

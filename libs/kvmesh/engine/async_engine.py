@@ -40,6 +40,7 @@ from kvmesh.engine.kv_cache import Imported, KVPiece, Landed, block_bytes, block
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.scheduler import chunk_budget
 from kvmesh.engine.sequence import Sequence, Status
+from kvmesh.engine.slo import StepCost, break_even_context, plan_step
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.engines.loop import EngineLoop
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
@@ -87,6 +88,12 @@ class AsyncEngine(EngineLoop, Engine):
         self._fit = self.speed_fit.fit()
         self._decode_fit = self.decode_speed.fit()
         self._steps = 0
+        # measured / predicted time of the steps that mixed prompt tokens into decode rows (a running mean): the
+        # lines are fitted over every step, a mixed step's share of them is what the streams' ITL depends on
+        self._mixed_error = 1.0
+        mc = engine.model_config
+        self._context = break_even_context(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                           mc.intermediate_size)
         self.start()
 
     # ---- called from the event loop: the engine's own commands ------------------------------------------------
@@ -212,7 +219,13 @@ class AsyncEngine(EngineLoop, Engine):
                           sum(s.num_tokens for s in waiting))
 
     def speed(self) -> dict[str, float]:
-        return self.speed_fit.report()
+        """The prefill line (``prefill_tok_per_s``, ``prefill_overhead_s``) and, once decode-only steps are
+        measured, ``decode_step_s``: the decode-only step of the running batch with one more stream (what the
+        router prices prompt tokens computed beside the streams with, under their ITL targets)."""
+        out = self.speed_fit.report()
+        if (d := self.decode_speed.fit()) is not None:
+            out["decode_step_s"] = round(d.overhead_s + (len(self.engine.scheduler.running) + 1) / d.tok_per_s, 6)
+        return out
 
     def stats(self) -> EngineStats:
         """Read when scraped: racy reads of ints and containers the engine thread owns (a container that
@@ -234,7 +247,7 @@ class AsyncEngine(EngineLoop, Engine):
             {"spill": st.get("spilled_host", 0), "load": st.get("loaded_host", 0)},
             e.scheduler.num_preemptions, dict(t.steps), dict(t.rows), dict(t.seconds), dict(t.cpu_seconds),
             self.speed(), {k: st.get(f"prefetch_{k}", 0) for k in ("loaded", "used", "wasted")},
-            len(e.blocks.sessions) if e.blocks.sessions is not None else 0)
+            len(e.blocks.sessions) if e.blocks.sessions is not None else 0, dict(e.slo_outcomes))
 
     async def close(self) -> None:
         await self.stop()
@@ -251,7 +264,8 @@ class AsyncEngine(EngineLoop, Engine):
         imported = self._imported(request.imported) if request.imported is not None else None
         seq = self.engine.add_request(request.request_id, list(request.prompt), request.params,
                                       request.cache_salt, request.retention, request.lora, request.export,
-                                      imported, request.generated, request.session)
+                                      imported, request.generated, request.session, request.slo,
+                                      request.waited_s)
         if timing is None:
             return
         timing.added = time.monotonic()
@@ -316,10 +330,14 @@ class AsyncEngine(EngineLoop, Engine):
                 self._abort(rid)
             return
         took, cpu = time.monotonic() - began, time.thread_time() - began_cpu
-        if self.engine.step_tokens:
-            decode_only = self.engine.step_decode_rows == self.engine.step_rows
-            self.step_totals.add(decode_only, self.engine.step_rows, took, cpu)
-            (self.decode_speed if decode_only else self.speed_fit).observe(self.engine.step_tokens, took)
+        e = self.engine
+        if e.step_tokens:
+            decode_only = e.step_decode_rows == e.step_rows
+            self.step_totals.add(decode_only, e.step_rows, took, cpu)
+            (self.decode_speed if decode_only else self.speed_fit).observe(e.step_tokens, took)
+            if not decode_only and e.step_decode_rows and (expected := self._expected_step()) is not None:
+                ratio = min(4.0, max(0.25, took / expected))
+                self._mixed_error = 0.7 * self._mixed_error + 0.3 * ratio
         self._size_chunks()
         if self._unscheduled:
             for rid, (seq, timing) in list(self._unscheduled.items()):
@@ -338,10 +356,29 @@ class AsyncEngine(EngineLoop, Engine):
             if out.finished:
                 self.engine.release(out.request_id)
 
+    def _step_cost(self, rows: int) -> StepCost:
+        """A step of ``rows`` decode rows, and what each prompt token adds to it, from the measured lines (the
+        prefill line alone until decode-only steps are measured; the configured prior before anything is)."""
+        prefill = self._fit or PRIOR
+        d = self._decode_fit
+        decode_s = d.overhead_s + rows / d.tok_per_s if d is not None else prefill.overhead_s + rows / prefill.tok_per_s
+        return StepCost(decode_s, 1.0 / prefill.tok_per_s)
+
+    def _expected_step(self) -> float | None:
+        """The plan's estimate of the mixed step just taken (from its decode rows and prompt tokens), before the
+        running correction."""
+        e = self.engine
+        if self._fit is None and self._decode_fit is None:
+            return None
+        return self._step_cost(e.step_decode_rows).step_s(e.step_tokens - e.step_decode_rows)
+
     def _size_chunks(self) -> None:
-        """Cap prefill chunks mixed into decode steps by the measured step costs (refitted every 8 steps),
-        against the decode step of the batch the waiting prompts will settle it at. Until a prompt's cost is
-        measured (the first steps with prompt tokens), the configured prior prices it."""
+        """Size the next step's prompt tokens beside the decode rows and rank the prompts (``slo.plan_step``):
+        the streams' ITL targets and the prompts' TTFT deadlines, over the measured step costs (lines refitted
+        every 8 steps, corrected by how far the mixed steps have been off them); streams without an ITL target
+        are held back by ``chunk_budget`` against the decode step of the batch the waiting prompts will settle it
+        at. Until a prompt's cost is measured (the first steps with prompt tokens), the configured prior prices
+        it."""
         self._steps += 1
         if self._steps % 8 == 1:
             self._fit, self._decode_fit = self.speed_fit.fit(), self.decode_speed.fit()
@@ -351,8 +388,14 @@ class AsyncEngine(EngineLoop, Engine):
         sched = self.engine.scheduler
         line = None if self._decode_fit is None else (self._decode_fit.overhead_s, self._decode_fit.tok_per_s)
         settled = min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
-        sched.chunk_tokens = chunk_budget(prefill.overhead_s, prefill.tok_per_s, len(sched.running), self.stall,
-                                          line, settled)
+        best_effort = chunk_budget(prefill.overhead_s, prefill.tok_per_s, len(sched.running), self.stall, line,
+                                   settled)
+        decoding = [s for s in sched.running if not s.in_prefill]
+        prompts = [s for s in sched.running if s.in_prefill] + list(sched.waiting)
+        cost = self._step_cost(len(decoding))
+        cost = StepCost(cost.decode_s * self._mixed_error, cost.token_s * self._mixed_error, self._context)
+        plan = plan_step(time.monotonic(), decoding, prompts, cost, sched.max_batched_tokens, best_effort)
+        sched.chunk_tokens = plan.tokens
 
     def _flush_events(self) -> None:
         if not self._events:

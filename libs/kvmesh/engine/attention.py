@@ -94,6 +94,10 @@ class TorchAttention(AttentionBackend):
             self.decode_lens = torch.tensor([s.kv_len for s in decode], device=device)
             self.decode_mask = (torch.arange(width, device=device)[None, :]
                                 < self.decode_lens[:, None])[:, None, None, :]
+        self._plan_prefill(kv)
+
+    def _plan_prefill(self, kv: DeviceKVPool) -> None:
+        device, bs = kv.k.device, kv.layout.block_size
         self.prefill_plan = []
         for s in self.prefill:
             if s.kv_len == s.num_query:
@@ -108,9 +112,16 @@ class TorchAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: DeviceKVPool) -> torch.Tensor:
         kv.write(layer, self._slots, k, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if len(self.decode_idx):
             out.index_copy_(0, self.decode_idx, self._decode(layer, q.index_select(0, self.decode_idx), kv))
+        if self.prefill:
+            self._prefill(layer, q, k, v, kv, out)
+        return out
+
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DeviceKVPool,
+                 out: torch.Tensor) -> None:
+        """The prefill rows' attention into their rows of ``out``: SDPA per sequence."""
         for s, table, mask in self.prefill_plan:
             qs = q[s.start:s.start + s.num_query].transpose(0, 1).unsqueeze(0)
             if table is None:
@@ -122,7 +133,6 @@ class TorchAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, kc.transpose(1, 2), vc.transpose(1, 2),
                                                    attn_mask=mask, enable_gqa=True)
             out[s.start:s.start + s.num_query] = o.squeeze(0).transpose(0, 1)
-        return out
 
     def _decode(self, layer: int, q: torch.Tensor, kv: DeviceKVPool) -> torch.Tensor:
         """One query token per row: q ``[B, H, D]`` -> ``[B, H, D]``."""
@@ -134,7 +144,9 @@ class TorchAttention(AttentionBackend):
 
 class NativeAttention(TorchAttention):
     """CPU: decode rows through the C kernel that reads the paged pool in place (no gather copy, no GQA
-    expansion); prefill rows through SDPA as in ``torch``."""
+    expansion); prefill rows, with or without a cached prefix, through the C prefill kernel over the same pool
+    (flash-style tiles, causal blocks skipped) where it builds (AVX-512, fp32, head dim 64 / 128), else SDPA as
+    in ``torch``."""
 
     name = "native"
     MAX_HEAD_DIM, MAX_GROUP = 256, 16
@@ -149,6 +161,8 @@ class NativeAttention(TorchAttention):
             raise RuntimeError(f"native kernel supports head_dim <= {self.MAX_HEAD_DIM} and "
                                f"<= {self.MAX_GROUP} query heads per KV head")
         self.lib, self.kernel = lib, native.paged_decode
+        self.prefill_lib = native.load_prefill() if head_dim in native.PREFILL_HEAD_DIMS else None
+        self.prefill_kernel = native.paged_prefill
         self.scale = head_dim ** -0.5
 
     def _decode(self, layer: int, q: torch.Tensor, kv: DeviceKVPool) -> torch.Tensor:
@@ -157,6 +171,26 @@ class NativeAttention(TorchAttention):
         return self.kernel(self.lib, q.contiguous(), kv.k[layer], kv.v[layer], self.decode_tables,
                            self.decode_lens, self.scale)
 
+    def _in_place(self, kv: DeviceKVPool) -> bool:
+        return self.prefill_lib is not None and kv.dtype == torch.float32 and kv.compute_dtype == torch.float32
+
+    def _plan_prefill(self, kv: DeviceKVPool) -> None:
+        if not self._in_place(kv):
+            return super()._plan_prefill(kv)
+        if not self.prefill:
+            return
+        bs = kv.layout.block_size
+        self.prefill_slices = [torch.tensor([getattr(s, f) for s in self.prefill], dtype=torch.long)
+                               for f in ("start", "num_query", "kv_len")]
+        self.prefill_tables = _pad_tables([s.block_table[:-(-s.kv_len // bs)] for s in self.prefill], "cpu")
+
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DeviceKVPool,
+                 out: torch.Tensor) -> None:
+        if not self._in_place(kv):
+            return super()._prefill(layer, q, k, v, kv, out)
+        starts, nqs, lens = self.prefill_slices
+        self.prefill_kernel(self.prefill_lib, q, kv.k[layer], kv.v[layer], starts, nqs, lens, self.prefill_tables,
+                            self.scale, out)
 
 
 class FlashInferAttention(AttentionBackend):

@@ -27,6 +27,7 @@ from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.errors import SequenceError
@@ -176,6 +177,9 @@ class LLMEngine:
         self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
         self.step_rows = 0  # sequences in the last step
         self.step_decode_rows = 0  # of them, those computing one generated token (== step_rows: decode-only)
+        self.default_slo = SLO(cfg.slo_ttft_s, cfg.slo_itl_s)  # for requests that set no target
+        # requests with a target that finished (stop / length), by whether they met their targets (goodput)
+        self.slo_outcomes = dict.fromkeys(("met", "missed", "missed_ttft", "missed_itl"), 0)
         # TEST HOOK, never set in production: request ids whose logits are overwritten with nan right after the
         # forward pass, so tests can show that a model going nan fails that request alone
         self.test_nan_logits: set[str] = set()
@@ -236,11 +240,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), lora: str = "",
                     export: ExportPlan | None = None, imported: Imported | None = None,
-                    generated: int = 0, session: SessionHint | None = None) -> Sequence:
+                    generated: int = 0, session: SessionHint | None = None, slo: SLO = NO_SLO,
+                    waited_s: float = 0.0) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``session``: the session it belongs to; once it finished, the session holds its blocks (a session-aware
         eviction strategy keeps them, or lets them go first when it was the session's last request).
+        ``slo``: its latency targets (``engine.slo_ttft_s`` / ``slo_itl_s`` where it sets none); its TTFT counts
+        from ``waited_s`` seconds ago (its arrival at the mesh). An imported request's first token is already
+        made: only its ITL target applies here.
 
         ``lora``: the name of a loaded adapter to run it under ("" = the base model); its KV is keyed by the
         adapter's ``name@generation``, so it never shares blocks with the base model or another adapter.
@@ -279,6 +287,10 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec,
                        earlier_outputs=generated, session=session)
+        targets = slo.or_else(self.default_slo)
+        if targets.ttft_s and imported is None and not generated:  # a migrated request's first token is out
+            seq.ttft_deadline = seq.arrival + targets.ttft_s - max(0.0, waited_s)
+        seq.itl_target = targets.itl_s
         detok = None
         if self.tokenizer is not None:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
@@ -469,6 +481,7 @@ class LLMEngine:
         tracked = self._requests[seq.request_id]
         if seq.first_token_time is None:
             seq.first_token_time = now
+        seq.record_token(now)
         seq.output_token_ids.append(token)
         if logprobs is not None:
             tracked.logprobs.append(logprobs)
@@ -495,8 +508,18 @@ class LLMEngine:
                 exported = self._readout(seq, tracked.export.at_finish(seq, self.cfg.block_size),
                                          seq.num_computed_tokens)
             self.scheduler.finish(seq, reason)
+            self._count_slo(seq)
         return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
                           exported, logprobs=[logprobs] if logprobs is not None else [])
+
+    def _count_slo(self, seq: Sequence) -> None:
+        """A request with a target finished: did it meet them (``slo_outcomes``, the engine's goodput)?"""
+        if seq.ttft_deadline is None and not seq.itl_target:
+            return
+        ttft, itl = seq.slo_met()
+        self.slo_outcomes["met" if ttft and itl else "missed"] += 1
+        self.slo_outcomes["missed_ttft"] += not ttft
+        self.slo_outcomes["missed_itl"] += not itl
 
     def _during_pass(self, scheduled: list) -> list[LayerExport]:
         """The chunks of this step whose export strategy reads them out during the pass, layer group by group."""

@@ -1,7 +1,7 @@
-"""The C kernels in ``csrc/``: the decode attention over the paged pool (``paged_decode.c``), the small-batch
-GEMM over panel-packed weights (``gemm.c``) and RMSNorm / rotary embedding (``pointwise.c``). Each is compiled on
+"""The C kernels in ``csrc/``: the decode and prefill attention over the paged pool (``paged_decode.c``,
+``paged_prefill.c``), the small-batch GEMM over panel-packed weights (``gemm.c``) and RMSNorm / rotary embedding (``pointwise.c``). Each is compiled on
 first use with the system C compiler, cached per source, flags and CPU, and loaded through ctypes. ``load()``,
-``load_gemm()`` and ``load_pointwise()`` return None when it cannot be built (no compiler), and the engine falls
+``load_prefill()``, ``load_gemm()`` and ``load_pointwise()`` return None when it cannot be built (no compiler), and the engine falls
 back to the torch paths. Each library is built and loaded once per process; whether an engine uses the GEMM
 and the pointwise kernels is its own setting (``[engine] native_gemm`` / ``native_pointwise``), read where the
 model is built (``LlamaModel``, ``Linear``), so two engines in one process may differ."""
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_decode.c"
+PREFILL_SOURCE = CSRC / "paged_prefill.c"
 GEMM_SOURCE = CSRC / "gemm.c"
 POINTWISE_SOURCE = CSRC / "pointwise.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
@@ -105,6 +106,40 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                                          lens.data_ptr(), out.data_ptr(), B, H, hkv, D, bs, maxb, scale,
                                          scratch.data_ptr())
     return out
+
+
+@lru_cache(maxsize=1)
+def load_prefill() -> ctypes.CDLL | None:
+    """The prefill attention kernel; None where it cannot be built or this CPU lacks AVX-512 (it has no other
+    copy: SDPA serves there)."""
+    lib = compile_source(PREFILL_SOURCE)
+    if lib is None or not lib.kvmesh_paged_prefill_available():
+        return None
+    lib.kvmesh_paged_prefill_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR,
+                                             _PTR, _PTR, _I64, ctypes.c_float]
+    lib.kvmesh_paged_prefill_f32.restype = ctypes.c_int
+    return lib
+
+
+PREFILL_HEAD_DIMS = (64, 128)
+
+
+def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  starts: torch.Tensor, nqs: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor, scale: float,
+                  out: torch.Tensor) -> None:
+    """Causal attention of prefill slices into ``out`` (``[T, H, D]`` fp32, contiguous; only the slices' rows
+    are written): q ``[T, H, D]`` fp32 (rows may be strided, each row's heads contiguous); caches
+    ``[blocks, block_size, Hkv, D]`` fp32 of one layer, already holding the slices' own K/V; slice i: rows
+    ``starts[i] ..`` (``nqs[i]`` of them), the last of its ``lens[i]`` tokens, blocks ``tables[i]``; int64."""
+    _, H, D = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != D:
+        raise ValueError("paged_prefill: each query row's heads must be contiguous")
+    rc = lib.kvmesh_paged_prefill_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      out.data_ptr(), H, hkv, D, bs, len(starts), starts.data_ptr(), nqs.data_ptr(),
+                                      lens.data_ptr(), tables.data_ptr(), tables.shape[1], scale)
+    if rc != 0:
+        raise ValueError(f"paged_prefill: no kernel for head dim {D} (has {PREFILL_HEAD_DIMS})")
 
 
 @lru_cache(maxsize=1)

@@ -4,10 +4,11 @@ One rule covers prefill, chunked prefill, decode and recompute: a sequence compu
 ``min(uncomputed tokens, remaining budget)`` tokens and samples when it has none left. Sarathi-style, every step
 first takes all running decode rows (one token each), then fills what is left of the token budget with prefill
 chunks: running prefills first, then waiting sequences admitted while the budget, the sequence cap and the KV pool
-allow. While decode rows run, the prefill part is further capped at ``chunk_tokens`` (set by the owner from the
-measured step cost, see ``chunk_budget``; ``AsyncEngine`` lets a mixed step cost 1.5x the decode-only step the
-batch settles at once the waiting prompts join), so a new prompt delays the running streams by a bounded amount
-instead of a whole prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
+allow, each group in ``Sequence.slo_rank`` order (the owner ranks prompts by their TTFT deadlines, ``engine/slo.py``;
+without deadlines all ranks are equal and the order is the arrival order). While decode rows run, the prefill part
+is further capped at ``chunk_tokens`` (set by the owner from the measured step cost and the streams' ITL targets,
+``slo.plan_step``; streams without one are held back as ``chunk_budget`` says), so a new prompt delays the running
+streams by a bounded amount instead of a whole prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
 the prefix cache, so recomputing it later is mostly a cache hit.
 """
 
@@ -109,6 +110,7 @@ class Scheduler:
         self._starved = starved
         if batch and self.chunk_tokens is not None:
             budget = min(budget, self.chunk_tokens)
+        prefilling.sort(key=lambda s: s.slo_rank)  # stable: the running order among equals
         for seq in prefilling:
             if budget == 0:
                 break
@@ -118,8 +120,9 @@ class Scheduler:
             if self._reserve(seq, n):
                 batch.append(Scheduled(seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in sorted(self.waiting, key=lambda s: s.slo_rank):  # stable: the queue's order among equals
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if not self._adapter_fits(seq, adapters):
                 break
             first_admission = seq.num_preemptions == 0
@@ -133,7 +136,7 @@ class Scheduler:
                 break
             if not first_admission:
                 seq.num_cached_tokens = cached
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append(Scheduled(seq, n))

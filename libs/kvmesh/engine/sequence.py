@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.contracts.engine import RetentionRange, SessionHint
 from kvmesh.contracts.sampling import SamplingParams
+from kvmesh.contracts.slo import late_gaps_allowed
 
 __all__ = ["RetentionRange", "Sequence", "Status"]
 
@@ -44,6 +45,13 @@ class Sequence:
     num_cached_tokens: int = 0       # prompt tokens served from cache at admission
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # its SLO: the TTFT deadline (monotonic; None: no target), the ITL target (0: none) and its gaps so far
+    ttft_deadline: float | None = None
+    itl_target: float = 0.0
+    last_token_time: float | None = None
+    gaps: int = 0
+    late_gaps: int = 0
+    slo_rank: tuple[int, float] = (1, 0.0)  # its place in the prefill order, set each step (lower goes first)
 
     @property
     def lora_name(self) -> str:
@@ -64,3 +72,24 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_uncomputed > 1 or not self.output_token_ids
+
+    def record_token(self, now: float) -> None:
+        """A token left at ``now``: the gap since the previous one is counted, and whether it missed the ITL
+        target."""
+        if self.last_token_time is not None:
+            self.gaps += 1
+            self.late_gaps += bool(self.itl_target) and now - self.last_token_time > self.itl_target
+        self.last_token_time = now
+
+    @property
+    def late_allowance(self) -> int:
+        """Gaps that may still exceed the ITL target with the request's p99 within it, were it to generate all
+        of ``max_tokens`` (fewer when it stops early)."""
+        return late_gaps_allowed(self.params.max_tokens - 1) - self.late_gaps
+
+    def slo_met(self) -> tuple[bool, bool]:
+        """Whether it met its TTFT and its ITL target so far (True where it has none)."""
+        ttft = self.ttft_deadline is None or (self.first_token_time is not None
+                                              and self.first_token_time <= self.ttft_deadline)
+        return ttft, not self.itl_target or self.late_gaps <= late_gaps_allowed(self.gaps)
+

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from kvmesh.contracts.ids import choices
 from kvmesh.contracts.names import DisaggregationMode
+from kvmesh.contracts.slo import ITL_HEADROOM
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,34 @@ class Disaggregation(NamedTuple):
     reason: str          # the route reason (a span attribute): which path and why
     pd_s: float = 0.0    # estimated TTFT through prefill + push
     local_s: float = 0.0  # estimated TTFT with decode computing the rest itself
+    refuse: bool = False  # neither path meets the request's TTFT target (admission control)
+
+
+class TTFTTarget(NamedTuple):
+    """A request's TTFT target as the path choice weighs it: ``left_s``, what is left of it; the prompt tokens
+    queued ahead of it at the prefill and at the decode instance; ``local_share``, the share of decode's steps its
+    prompt tokens would get beside the streams decode runs (``local_share``)."""
+
+    left_s: float
+    prefill_queued: int = 0
+    decode_queued: int = 0
+    local_share: float = 1 / 3
+
+
+def local_share(decode_step_s: float, itl_s: float) -> float:
+    """The share of each of decode's steps that a prompt computed there gets beside its streams: what is left of
+    a step planned within ``ITL_HEADROOM`` of the ITL target after its decode rows (``decode_step_s``, which
+    decode reports); without a target or a measured step, a third (a mixed step costing 1.5 decode steps, the
+    engine's best-effort cap)."""
+    if not itl_s or not decode_step_s:
+        return 1 / 3
+    return min(0.9, max(0.1, 1 - decode_step_s / (ITL_HEADROOM * itl_s)))
 
 
 def disaggregation(mode: DisaggregationMode | str, prompt_tokens: int, block_size: int,
                    prefill_hit_blocks: int, decode_hit_blocks: int, prefill: CostModel, decode: CostModel,
-                   decode_running: int = 0, hop_s: float = 0.02) -> Disaggregation:
+                   decode_running: int = 0, hop_s: float = 0.02,
+                   ttft: TTFTTarget | None = None) -> Disaggregation:
     """Whether a request goes prefill → decode (PD) or decode computes what it lacks itself.
 
     PD: prefill computes the tokens it does not hold, then pushes the blocks decode lacks (``fetch_s`` of them)
@@ -76,12 +100,36 @@ def disaggregation(mode: DisaggregationMode | str, prompt_tokens: int, block_siz
     ``always`` / ``never`` forces PD / local (experiments).
 
     ``decode`` prices decode's own compute: give it the prefill instance's measured line when decode has none
-    of its own for prompts (its steps are one token each, which pins down no speed)."""
+    of its own for prompts (its steps are one token each, which pins down no speed).
+
+    ``ttft`` (mode ``auto``, a request with a TTFT target): the path chosen so must meet it, counting the prompt
+    tokens queued at each instance and, on decode, only its share of the steps beside its streams' ITL targets;
+    else the other path if that one does (decode prefills a cold prompt while prefill is busy), else
+    ``refuse``."""
     covered = lambda blocks: min(blocks * block_size, prompt_tokens - 1)  # the last token is always computed
     pd_s = (prefill.prefill_s(prompt_tokens - covered(prefill_hit_blocks))
             + decode.fetch_s(-(-prompt_tokens // block_size) - decode_hit_blocks) + hop_s)
     lacks = prompt_tokens - covered(decode_hit_blocks)
     local_s = decode.prefill_s(lacks) * (1 + max(0, decode_running))
+    choice = _path(mode, prompt_tokens, block_size, decode_hit_blocks, lacks, decode_running, pd_s, local_s)
+    if ttft is None or mode != DisaggregationMode.AUTO:
+        return choice
+    pd_t = prefill.prefill_s(ttft.prefill_queued) + pd_s
+    local_t = decode.prefill_s(ttft.decode_queued + lacks) / ttft.local_share
+    meets = {True: pd_t <= ttft.left_s, False: local_t <= ttft.left_s}
+    if meets[choice.disaggregate]:
+        return choice
+    times = f"~{pd_t:.2f}s through prefill and its queue, ~{local_t:.2f}s on decode beside its streams"
+    if meets[not choice.disaggregate]:
+        path = "local" if choice.disaggregate else "pd"
+        return Disaggregation(not choice.disaggregate, f"{path}: only it meets the TTFT target of {ttft.left_s:.2f}s "
+                                                       f"({times})", pd_s, local_s)
+    return Disaggregation(choice.disaggregate, f"no instance meets the TTFT SLO of {ttft.left_s:.2f}s ({times})",
+                          pd_s, local_s, refuse=True)
+
+
+def _path(mode: DisaggregationMode | str, prompt_tokens: int, block_size: int, decode_hit_blocks: int, lacks: int,
+          decode_running: int, pd_s: float, local_s: float) -> Disaggregation:
     if mode == DisaggregationMode.ALWAYS:
         return Disaggregation(True, "pd: forced (disaggregate=always)", pd_s, local_s)
     if mode == DisaggregationMode.NEVER:

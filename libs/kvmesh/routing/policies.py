@@ -43,10 +43,13 @@ class Decision:
 
 
 class Policy(Protocol):
+    """``ttft_s``: the request's own TTFT target (0 = none: a policy with admission control applies its
+    configured one)."""
+
     name: RoutingPolicy
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
-               pool_blocks: int = 0) -> Decision: ...
+               pool_blocks: int = 0, ttft_s: float = 0.0) -> Decision: ...
 
 
 class RoundRobin:
@@ -56,7 +59,7 @@ class RoundRobin:
         self._next = itertools.count()
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
-               pool_blocks: int = 0) -> Decision:
+               pool_blocks: int = 0, ttft_s: float = 0.0) -> Decision:
         ordered = sorted(candidates, key=lambda c: c.id)
         return Decision(ordered[next(self._next) % len(ordered)], reason="round robin")
 
@@ -68,7 +71,7 @@ class RandomChoice:
         self._rng = random.Random(seed)
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
-               pool_blocks: int = 0) -> Decision:
+               pool_blocks: int = 0, ttft_s: float = 0.0) -> Decision:
         return Decision(self._rng.choice(sorted(candidates, key=lambda c: c.id)), reason="random")
 
 
@@ -76,7 +79,7 @@ class LeastLoaded:
     name = RoutingPolicy.LEAST_LOADED
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
-               pool_blocks: int = 0) -> Decision:
+               pool_blocks: int = 0, ttft_s: float = 0.0) -> Decision:
         best = min(candidates, key=lambda c: (c.queued_tokens, c.running, c.id))
         return Decision(best, {c.id: float(c.queued_tokens) for c in candidates}, "least queued tokens")
 
@@ -101,19 +104,22 @@ class CacheAware:
                 + (cost.lora_load_s if c.lora_missing else 0.0))
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int, block_size: int,
-               pool_blocks: int = 0) -> Decision:
+               pool_blocks: int = 0, ttft_s: float = 0.0) -> Decision:
+        """Admission control: the request's own TTFT target, else the configured ``slo_ttft_s``; none of the
+        candidates' estimates within it → no choice (the request is refused, RESOURCE_EXHAUSTED / 429)."""
         scores = {c.id: self.estimate(c, prompt_tokens, block_size, pool_blocks) for c in candidates}
         loads = [c.queued_tokens for c in candidates]
+        target = ttft_s or self.slo_ttft_s
         if max(loads) - min(loads) > self.imbalance_abs_tokens and max(loads) > self.imbalance_rel * max(1, min(loads)):
             best = min(candidates, key=lambda c: (c.queued_tokens, scores[c.id], c.id))
-            return self._admit(best, candidates, scores, "load imbalance: balancing first")
+            return self._admit(best, candidates, scores, "load imbalance: balancing first", target)
         best = min(candidates, key=lambda c: (scores[c.id], c.queued_tokens, c.id))
-        return self._admit(best, candidates, scores, "lowest estimated TTFT")
+        return self._admit(best, candidates, scores, "lowest estimated TTFT", target)
 
     def _admit(self, best: Candidate, candidates: list[Candidate], scores: dict[str, float],
-               reason: str) -> Decision:
-        if self.slo_ttft_s and scores[best.id] > self.slo_ttft_s:  # clients read this one: no instance names
-            return Decision(None, scores, f"no instance meets the TTFT SLO of {self.slo_ttft_s:g}s "
+               reason: str, target: float) -> Decision:
+        if target and scores[best.id] > target:  # clients read this one: no instance names
+            return Decision(None, scores, f"no instance meets the TTFT SLO of {target:g}s "
                                           f"(best estimate {scores[best.id]:.2f}s)")
         return Decision(best, scores, f"{reason}; {self.speeds(candidates)}")
 

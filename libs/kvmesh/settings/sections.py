@@ -295,6 +295,11 @@ class EngineSettings(Section):
     mixed_step_stall: float = setting(0.5, "a step that mixes prompt tokens into running decode rows may cost "
                                            "(1 + this) x the decode-only step (higher: waiting prompts join "
                                            "sooner, running streams' ITL spikes higher)")
+    slo_ttft_s: float = setting(0.0, "TTFT target of a request that sets none, seconds from its arrival at the mesh "
+                                     "(0 = none): prompts near their deadline go first and may take a larger "
+                                     "share of the steps")
+    slo_itl_s: float = setting(0.0, "ITL target (the p99 of a request's gaps between tokens) of a request that sets "
+                                    "none, seconds (0 = none: mixed_step_stall holds it back instead)")
     max_model_len: int = setting(0, "context limit (0 = the model's max_position_embeddings)")
     lora_adapters: str = setting("", "LoRA adapters loaded at start: NAME=PATH,... (PEFT directories)")
     max_loras: int = setting(4, "LoRA adapters resident at once (LRU swapped beyond)")
@@ -312,6 +317,10 @@ class EngineSettings(Section):
         out += self._attention_problems()
         out += self._min(("block_size", "max_batched_tokens", "max_num_seqs"), 1)
         out += self._min(("threads", "num_blocks", "host_cache_mb", "max_model_len"), 0, ENGINE_ZERO_MEANS)
+        for name in ("slo_ttft_s", "slo_itl_s"):
+            value = getattr(self, name)
+            if not 0 <= value <= 3600:
+                out.append(Problem(name, f"{name} must be in [0, 3600] seconds (0 = no target), not {value}"))
         if not self.mixed_step_stall > 0:
             out.append(Problem("mixed_step_stall", f"mixed_step_stall must be > 0 (a mixed step costs (1 + it) x a "
                                                    f"decode step), not {self.mixed_step_stall}"))

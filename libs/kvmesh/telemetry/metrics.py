@@ -140,7 +140,14 @@ class EngineCollector(Collector):
                 for kind, value in values.items():
                     family.add_metric([kind], value)
                 yield family
-        if st.speed:  # what this instance beats to the router's cost model
+        if st.slo:  # goodput: finished requests with a latency target that met all of theirs
+            outcomes = CounterMetricFamily(f"{p}_slo_requests", "Finished requests with a latency target, by "
+                                           "outcome (met: goodput; missed_ttft / missed_itl: which target a missed "
+                                           "one missed, both for some)", labels=["outcome"])
+            for outcome, n in st.slo.items():
+                outcomes.add_metric([outcome], n)
+            yield outcomes
+        if "prefill_tok_per_s" in st.speed:  # what this instance beats to the router's cost model
             yield GaugeMetricFamily(f"{p}_prefill_tokens_per_second", "Measured prefill speed (fit of step time = "
                                     "overhead + tokens / speed over recent forward steps)",
                                     value=st.speed["prefill_tok_per_s"])

@@ -20,7 +20,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control", "resume_token_ids")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control", "resume_token_ids", "slo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class GenerateRequest(_message.Message):
     SESSION_END_FIELD_NUMBER: _ClassVar[int]
     CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -43,7 +44,8 @@ class GenerateRequest(_message.Message):
     session_end: bool
     cache_control: _common_pb2.CacheControl
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    slo: _common_pb2.SLO
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "usage", "logprobs")
@@ -64,7 +66,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("request_id", "model", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control")
+    __slots__ = ("request_id", "model", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control", "slo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +75,7 @@ class ChatRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_END_FIELD_NUMBER: _ClassVar[int]
     CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
@@ -81,7 +84,8 @@ class ChatRequest(_message.Message):
     session_id: str
     session_end: bool
     cache_control: _common_pb2.CacheControl
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ...) -> None: ...
+    slo: _common_pb2.SLO
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ...) -> None: ...
 
 class ChatResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs")

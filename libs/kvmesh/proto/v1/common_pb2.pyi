@@ -117,3 +117,11 @@ class BlockLayout(_message.Message):
     tp_rank: int
     tp_size: int
     def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class SLO(_message.Message):
+    __slots__ = ("ttft_s", "itl_s")
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    ITL_S_FIELD_NUMBER: _ClassVar[int]
+    ttft_s: float
+    itl_s: float
+    def __init__(self, ttft_s: _Optional[float] = ..., itl_s: _Optional[float] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pool_blocks", "lora_name", "session_key", "session_end", "retention", "generated_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pool_blocks", "lora_name", "session_key", "session_end", "retention", "generated_tokens", "slo", "waited_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class WorkRequest(_message.Message):
     SESSION_END_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -29,7 +31,9 @@ class WorkRequest(_message.Message):
     session_end: bool
     retention: _containers.RepeatedCompositeFieldContainer[_common_pb2.Retention]
     generated_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., session_key: _Optional[str] = ..., session_end: _Optional[bool] = ..., retention: _Optional[_Iterable[_Union[_common_pb2.Retention, _Mapping]]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    slo: _common_pb2.SLO
+    waited_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., session_key: _Optional[str] = ..., session_end: _Optional[bool] = ..., retention: _Optional[_Iterable[_Union[_common_pb2.Retention, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ..., waited_s: _Optional[float] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
