@@ -217,8 +217,9 @@ def _write(args: argparse.Namespace, results: list[dict]) -> None:
     r0 = results[0]
     body = (f"{r0['requests']} requests of `{args.trace.split('/')[-1]}` on {args.instances} simulated prefill "
             f"instances, {args.capacity_blocks} blocks (512 tokens) of local cache each, global pool "
-            f"{args.pool_blocks or args.capacity_blocks * args.instances} blocks; prefill {r0['prefill_tok_per_s']:.0f} "
-            f"tok/s per instance, arrivals stretched x{r0['time_scale']:.1f} so the cluster would be exactly busy "
+            f"{args.pool_blocks or args.capacity_blocks * args.instances} blocks; prefill "
+            f"{r0['prefill_tok_per_s']:.0f} tok/s per instance, arrivals stretched x{r0['time_scale']:.1f} so the "
+            "cluster would be exactly busy "
             f"without reuse; SLO: TTFT <= {r0['slo_ttft_s']:.1f} s (5x the mean cold prefill).\n\n"
             + markdown_table(rows, ["policy", "block hit rate", "TTFT mean s", "TTFT p90 s", "SLO attainment"]))
     cmd = (f"kvmesh sim --trace {args.trace} --instances {args.instances} --policy {args.policy} "

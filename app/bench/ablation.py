@@ -281,7 +281,8 @@ def report(results: list[ScenarioResult], cfgs: dict[str, Config], slo: SLO, arg
              f"greedy, at most {args.max_tokens} output tokens, documents of ~{args.doc_words} words; every engine "
              f"has a device KV pool of {args.device_blocks} blocks of 16 tokens and (C–E) a {args.host_cache_mb} MB "
              "host tier, smaller than a hot set (2 documents, ~26 blocks), so what a hot-set switch evicts from the "
-             "device outlives the host tier only in the pool (D, E). Default model, fp32, 1 torch thread per engine (E: 2, so D and E both use 2 cores). "
+             "device outlives the host tier only in the pool (D, E). Default model, fp32, 1 torch thread per engine "
+             "(E: 2, so D and E both use 2 cores). "
              f"SLO: TTFT ≤ {slo.ttft_s:g} s and mean ITL ≤ {slo.itl_s:g} s.")
     notes = (f"Failure: the decode process (E: the only engine) got SIGKILL after {args.kill_after} answers "
              f"({'; '.join(kills) or 'never reached'}); the router retries a request on another instance when its "

@@ -273,7 +273,8 @@ def main(args) -> int:
     body = report(res, args.clients, args.decode, args.routers, args.restart_after)
     print(body)
     for o in (res.lost() + res.wrong())[:10]:
-        print(f"{o.prompt!r} at {o.start_s:.1f} s: {o.error or f'got {o.text!r}, expected {res.references[o.prompt][1]!r}'}")
+        what = o.error or f"got {o.text!r}, expected {res.references[o.prompt][1]!r}"
+        print(f"{o.prompt!r} at {o.start_s:.1f} s: {what}")
     if not args.no_write:
         command = (f"kvmesh bench load --faults {args.faults} --clients {args.clients} --duration {args.duration:g} "
                    f"--decode {args.decode} --routers {args.routers} --restart-after {args.restart_after:g} "

@@ -6,9 +6,10 @@ The same cold prompts (token ids, greedy, forced PD: ``x-kvmesh-disaggregate: al
 prefill computes and pushes the whole prompt) on three placements of 1 prefill + 1 decode, one after the other:
 ``kvmesh up`` on loopback; the services in network namespaces, one per host, over veth links (``app/netlab``); and
 the same with decode's link capped (tc tbf, each of ``--cap-mbit`` each way, one placement per cap) and lengthened
-(``--delay-ms`` each way by a delay proxy, as netem is missing here). From the client: TTFT; from the span file, per request: prefill's compute,
-the push (``kv.push``: first part to last, overlapping the compute), what of it was left after the compute (its
-``kvmesh.critical_ms``: what the hand-off adds to TTFT) and the bytes. Needs root for the namespaces.
+(``--delay-ms`` each way by a delay proxy, as netem is missing here). From the client: TTFT; from the span file, per
+request: prefill's compute, the push (``kv.push``: first part to last, overlapping the compute), what of it was left
+after the compute (its ``kvmesh.critical_ms``: what the hand-off adds to TTFT) and the bytes. Needs root for the
+namespaces.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class Phase:
     duration_s: float = 0.0
     records: list[RequestRecord] = field(default_factory=list)
     rejected_s: list[float] = field(default_factory=list)   # latency of each 429
-    mismatches: list[str] = field(default_factory=list)     # streams whose text or token count differ from the reference
+    mismatches: list[str] = field(default_factory=list)     # streams whose text or token count differ from the ref
     errors: list[str] = field(default_factory=list)         # anything else that failed (not a 429)
 
     @property

@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
              "TTFT p50 ms": f"{r['ttft_p50'] * 1000:.0f}", "TTFT p90 ms": f"{r['ttft_p90'] * 1000:.0f}"}
             for r in res.values()]
     rr, ca = res["round_robin"], res["cache_aware"]
-    rows.append({"policy": "cache_aware / round_robin", "prefix hit (tokens)": f"{ca['hit'] / max(rr['hit'], 1e-9):.2f}x",
-                 "TTFT p50 ms": f"{ca['ttft_p50'] / rr['ttft_p50']:.2f}x", "TTFT p90 ms": f"{ca['ttft_p90'] / rr['ttft_p90']:.2f}x"})
+    rows.append({"policy": "cache_aware / round_robin",
+                 "prefix hit (tokens)": f"{ca['hit'] / max(rr['hit'], 1e-9):.2f}x",
+                 "TTFT p50 ms": f"{ca['ttft_p50'] / rr['ttft_p50']:.2f}x",
+                 "TTFT p90 ms": f"{ca['ttft_p90'] / rr['ttft_p90']:.2f}x"})
     body = (f"{args.conversations} conversations x {args.turns} turns (each turn re-sends the history), "
             f"{args.max_tokens} output tokens, {args.concurrency} in flight; 2 prefill + 2 decode instances "
             "(1 thread each, on this machine's 2 cores), a fresh stack per policy, one after the other. 1-minute "

@@ -4,8 +4,9 @@
 
 ITL (the median decode step) of a batch of 1 and of 8 requests under a JSON schema against the same batch
 unconstrained (same prompts, same number of steps; the schema cannot finish within them, so every step is
-masked; three alternating rounds, the smallest median of each kept), the mask alone per step, and the compile time of schemas cold (first sight) vs cached (the same schema,
-keys in another order, served from the engine's cache). Target: constrained ITL <= 1.15x unconstrained.
+masked; three alternating rounds, the smallest median of each kept), the mask alone per step, and the compile time of
+schemas cold (first sight) vs cached (the same schema, keys in another order, served from the engine's cache). Target:
+constrained ITL <= 1.15x unconstrained.
 """
 
 from __future__ import annotations

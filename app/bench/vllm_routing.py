@@ -7,8 +7,8 @@ vLLM, on two vLLM engines with the same engine arguments (``vllm_servers.EngineS
 
 The workload: several tenants, each with its own long system prompt that all its requests share, plus a question
 of each request's own; the requests of all tenants interleaved (shuffled with a fixed seed), ``--concurrency`` in
-flight, each streamed with ``stream_options.include_usage`` (its cached tokens) and timed at the client as ``kvmesh bench
-serve`` does (TTFT: the first content chunk). The
+flight, each streamed with ``stream_options.include_usage`` (its cached tokens) and timed at the client as ``kvmesh
+bench serve`` does (TTFT: the first content chunk). The
 tenants' system prompts together hold more KV than one engine's cache and fit in two: where a tenant's requests
 go decides what is cached. A tenant is an API key on kvmesh (``router.api_keys``: the tenant salts its block keys
 and vLLM's ``cache_salt``) and the request field ``cache_salt`` on the standalone servers, so tenants never share

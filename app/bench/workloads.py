@@ -20,7 +20,18 @@ WORKLOADS = ("multi-turn", "shared-system", "rag", "low-reuse", "hot-switch", "t
 SHORT_PROMPTS = ("Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is the sun?",
                  "Count to five.", "Name an ocean.", "What do cats eat?")
 
-_WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force", "education", "river", "mountain", "garden", "engine", "bridge", "market", "winter", "summer", "signal", "window", "letter", "kitchen", "island", "forest", "ocean", "planet", "engine", "harbor", "village", "castle", "music", "paper", "stone", "metal", "glass", "light", "shadow", "field"]
+_WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state",
+          "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company",
+          "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room",
+          "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word",
+          "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game",
+          "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea",
+          "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health",
+          "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl",
+          "guy", "moment", "air", "teacher", "force", "education", "river", "mountain", "garden", "engine", "bridge",
+          "market", "winter", "summer", "signal", "window", "letter", "kitchen", "island", "forest", "ocean", "planet",
+          "engine", "harbor", "village", "castle", "music", "paper", "stone", "metal", "glass", "light", "shadow",
+          "field"]
 
 TOPICS = ("rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
           "bees", "deserts", "lighthouses", "maps", "clocks", "salt", "whales", "kites", "copper", "moss")

@@ -1,6 +1,6 @@
 """cachesvc's Prometheus metrics: RPC outcomes and latency, the index, each pool tier's occupancy and
-evictions, bytes in and out, leases, event gaps and snapshots, pushes its transfer endpoint refused. Tier and index figures are read at scrape time
-(racy reads of sizes owned by the storage thread; a scrape never blocks storage)."""
+evictions, bytes in and out, leases, event gaps and snapshots, pushes its transfer endpoint refused. Tier and index
+figures are read at scrape time (racy reads of sizes owned by the storage thread; a scrape never blocks storage)."""
 
 from __future__ import annotations
 

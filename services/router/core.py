@@ -188,7 +188,8 @@ class Router:
         if route.is_recording():
             route.set_attributes({**route_attributes(role, instances, matched, inst or instances[0]),
                                   f"kvmesh.route.{role}.policy": policy or self.policies.default,
-                                  f"kvmesh.route.{role}.estimates": [f"{k}={v:.3f}" for k, v in decision.scores.items()],
+                                  f"kvmesh.route.{role}.estimates": [f"{k}={v:.3f}"
+                                                                     for k, v in decision.scores.items()],
                                   f"kvmesh.route.{role}.reason": decision.reason})
         if inst is None:
             raise RequestError(ErrorKind.OVERLOADED, decision.reason)

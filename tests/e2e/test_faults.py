@@ -213,7 +213,8 @@ def test_a_nats_restart_costs_no_request(tmp_path_factory):
 @pytest.mark.parametrize("fault,reason", [("KVMESH_INSTANCE_FAULT_CORRUPT_PUSHES", "checksum mismatch"),
                                           ("KVMESH_INSTANCE_FAULT_STALL_PUSHES", "its blocks did not")])
 def test_bad_or_stalled_kv_is_recomputed_never_consumed(tmp_path_factory, fault, reason):
-    stack = start_stack(tmp_path_factory, fault.split("_")[-2].lower(), env={fault: "1", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
+    stack = start_stack(tmp_path_factory, fault.split("_")[-2].lower(),
+                        env={fault: "1", "KVMESH_INSTANCE_KV_TIMEOUT_S": "3"})
     try:
         q = "Write one sentence about the sea."
         t0 = time.monotonic()

@@ -329,7 +329,8 @@ def test_the_pool_endpoint_takes_only_the_pushes_it_granted(nats_server):
                 await client.push(address, grant.transfer_id, LAYOUT, blocks, KEYS[:2], 8, token="guess")
             assert forged.value.kind == Refusal.BAD_TOKEN
             await client.push(address, grant.transfer_id, LAYOUT, blocks, KEYS[:2], 8, token=grant.token)
-            put = cache_pb2.PutBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2], transfer_id=grant.transfer_id,
+            put = cache_pb2.PutBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS[:2],
+                                             transfer_id=grant.transfer_id,
                                              checksums=block_checksums(blocks, LAYOUT.block_nbytes))
             assert (await mesh.stub.PutBlocks(put)).stored == 2
             with pytest.raises(TransferRejected) as replayed:  # its grant is used up

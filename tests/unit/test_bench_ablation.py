@@ -14,7 +14,8 @@ def test_configurations_turn_the_tiers_on_one_by_one():
     c = ablation.configs(host_cache_mb=32)
     a, b, cc, d, e = (c[k].stack_options(device_blocks=40) for k in "ABCDE")
     assert a.env["KVMESH_ENGINE_ENABLE_PREFIX_CACHING"] == "0" and not a.pool
-    assert "KVMESH_ENGINE_ENABLE_PREFIX_CACHING" not in b.env and "KVMESH_ENGINE_HOST_CACHE_MB" not in b.env and not b.pool
+    assert "KVMESH_ENGINE_ENABLE_PREFIX_CACHING" not in b.env and "KVMESH_ENGINE_HOST_CACHE_MB" not in b.env
+    assert not b.pool
     assert cc.env["KVMESH_ENGINE_HOST_CACHE_MB"] == "32" and not cc.pool
     assert d.pool and (d.prefill, d.decode, d.both) == (1, 1, 0)
     assert e.pool and (e.prefill, e.decode, e.both) == (0, 0, 1) and e.env == d.env

@@ -56,7 +56,8 @@ def test_trace_replay_scales_lengths_and_time_and_equal_hash_ids_share_tokens(tm
     convs = wl.trace(path, token_scale=0.1, time_scale=0.5, max_requests=3, max_tokens=16).phases[0].conversations
     a, b, c = (cv.turns[0] for cv in convs)
     assert [cv.arrival_s for cv in convs] == [0.0, 1.0, 2.0]
-    assert len(a.prompt_ids) == 102 and a.prompt_ids[:51] == b.prompt_ids[:51] and a.prompt_ids[51:] != b.prompt_ids[51:]
+    assert len(a.prompt_ids) == 102
+    assert a.prompt_ids[:51] == b.prompt_ids[:51] and a.prompt_ids[51:] != b.prompt_ids[51:]
     assert c.prompt_ids == a.prompt_ids[:60]
     assert (a.max_tokens, b.max_tokens, c.max_tokens) == (16, 5, 1) and a.ignore_eos
 

@@ -127,7 +127,8 @@ def test_fp8_kv_storage_stays_close_to_fp32(hf, make):
     fp8, hit = prompt_logits(engine, prompt)  # reads the cached prefix back from fp8 storage
     assert hit > 0
     assert engine.kv.k.dtype == torch.float8_e4m3fn
-    assert torch.nn.functional.cosine_similarity(fp8, ref, dim=0) > 0.97  # tiny random weights are harsh on 3 mantissa bits
+    # tiny random weights are harsh on 3 mantissa bits
+    assert torch.nn.functional.cosine_similarity(fp8, ref, dim=0) > 0.97
 
 
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -292,7 +293,8 @@ def test_kv_read_out_chunk_by_chunk_continues_in_another_engine(make):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = make().generate([prompt], params)[0].token_ids
     prefill = make(max_batched_tokens=6)  # chunks end at tokens 6, 12, 18, 23
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan(ExportPieces.BY_CHUNK, 1))
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                        export=ExportPlan(ExportPieces.BY_CHUNK, 1))
     outs = run_to_end(prefill, "p")
     # after token 6 no new block past block 1; after 12 blocks 1-2; after 18 block 3; the last: 4 and the tail
     assert [(o.exported.first_block, o.exported.blocks.shape[0], o.exported.final, len(o.new_token_ids))
@@ -322,7 +324,8 @@ def test_kv_read_out_in_layer_groups_during_the_pass_continues_in_another_engine
     prefill = make(max_batched_tokens=12)  # chunks end at tokens 12 and 23
     handed = []
     prefill.on_piece = handed.append
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan(ExportPieces.BY_LAYER_GROUP, 1, 2))
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                        export=ExportPlan(ExportPieces.BY_LAYER_GROUP, 1, 2))
     outs = run_to_end(prefill, "p")
     assert [(o.exported.first_block, o.exported.blocks.shape[0], o.exported.layers, o.exported.num_tokens)
             for o in handed] == [(1, 2, (0, 1), 12), (1, 2, (1, 2), 12), (3, 3, (0, 1), 23), (3, 3, (1, 2), 23)]
@@ -340,7 +343,8 @@ def test_kv_read_out_in_layer_groups_during_the_pass_continues_in_another_engine
 
 def test_layer_group_pieces_come_with_the_step_outputs_without_a_receiver(make):
     prefill = make(max_batched_tokens=12)
-    prefill.add_request("p", list(range(40, 63)), SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2))
+    prefill.add_request("p", list(range(40, 63)), SamplingParams(max_tokens=1, ignore_eos=True),
+                        export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2))
     outs = run_to_end(prefill, "p")
     assert [o.exported.layers for o in outs] == [(0, 1), (1, 2), (0, 1), (1, 2), None]
     assert [len(o.new_token_ids) for o in outs] == [0, 0, 0, 0, 1]

@@ -62,7 +62,8 @@ def test_precedence_default_file_env_flag(tmp_path):
 def test_entry_point_defaults_sit_under_the_file():
     cfg = settings.load(["instance"], env={}, defaults={"instance": {"role": "prefill"}})
     assert cfg.instance.role == "prefill" and cfg.sources["instance"]["role"].kind == "default"
-    cfg = settings.load(["instance"], env={"KVMESH_INSTANCE_ROLE": "decode"}, defaults={"instance": {"role": "prefill"}})
+    cfg = settings.load(["instance"], env={"KVMESH_INSTANCE_ROLE": "decode"},
+                        defaults={"instance": {"role": "prefill"}})
     assert cfg.instance.role == "decode"
 
 

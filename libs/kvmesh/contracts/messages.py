@@ -1,4 +1,5 @@
-"""Bus messages (``kv.events`` batches, ``kv.ready``, heartbeats, routers' load, session signals, cluster copies) and their wire format: versioned JSON, one frozen dataclass per message type.
+"""Bus messages (``kv.events`` batches, ``kv.ready``, heartbeats, routers' load, session signals, cluster copies) and
+their wire format: versioned JSON, one frozen dataclass per message type.
 
 Every message is a JSON object with ``"v"`` (format version) and ``"type"``. A reader rejects an unknown version
 or type with ``CodecError`` and ignores fields it does not know, so a writer may add fields without a version bump.

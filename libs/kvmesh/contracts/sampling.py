@@ -122,8 +122,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
-                                    top_p=max(s.top_p, F32_TINY), stop_token_ids=list(s.stop_token_ids), stop=list(s.stop),
-                                    ignore_eos=s.ignore_eos)
+                                    top_p=max(s.top_p, F32_TINY), stop_token_ids=list(s.stop_token_ids),
+                                    stop=list(s.stop), ignore_eos=s.ignore_eos)
     if s.seed is not None:
         msg.seed = s.seed
     if s.structured is not None:

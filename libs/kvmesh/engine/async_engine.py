@@ -2,10 +2,10 @@
 
 Ownership: the engine thread is the only caller of ``LLMEngine``; coroutines send it commands through a queue
 and receive each request's outputs on an ``asyncio.Queue``, turned into the seam's types on the engine thread
-(KV read out becomes bytes in wire order there: on CUDA the device-to-host copy stays off the event loop). KV events raised during a step are handed to
-``on_events`` on the event loop after that step. Every forward step's tokens and wall time feed ``speed``, the
-instance's measured prefill speed (heartbeats report it; the router prices this instance with it), and the
-same fit sizes the scheduler's prefill chunks while streams decode (``scheduler.chunk_budget``).
+(KV read out becomes bytes in wire order there: on CUDA the device-to-host copy stays off the event loop). KV events
+raised during a step are handed to ``on_events`` on the event loop after that step. Every forward step's tokens and wall
+time feed ``speed``, the instance's measured prefill speed (heartbeats report it; the router prices this instance with
+it), and the same fit sizes the scheduler's prefill chunks while streams decode (``scheduler.chunk_budget``).
 
 Errors: a request that failed inside a step (``StepOutput.error``) gets that ``SequenceError`` raised from its
 ``generate``; the rest of the batch carries on. A step that failed as a whole fails every active request.

@@ -36,8 +36,8 @@ class Evictable(Protocol):
     # Optional (read with defaults): depth (blocks before it in its chain), fanout (cached children),
     # prev_access (the access before ``last_access``; -inf when none), extended (it has had a child: not a
     # request's tail), key (the block's hash: what ``ghost`` remembers of evicted blocks, what sessions hold),
-    # session_owner (the session that used it: "" none, ``sessions.SHARED`` several), replicated (another copy of it is in the cluster:
-    # another instance or the pool holds it), next_use (the simulator only).
+    # session_owner (the session that used it: "" none, ``sessions.SHARED`` several), replicated (another copy of it is
+    # in the cluster: another instance or the pool holds it), next_use (the simulator only).
 
 
 class EvictionPolicy(Protocol):

@@ -1,10 +1,11 @@
 """The C kernels in ``csrc/``: the decode and prefill attention over the paged pool (``paged_decode.c``,
-``paged_prefill.c``), the small-batch GEMM over panel-packed weights (``gemm.c``) and RMSNorm / rotary embedding (``pointwise.c``). Each is compiled on
-first use with the system C compiler, cached per source, flags and CPU, and loaded through ctypes. ``load()``,
-``load_prefill()``, ``load_gemm()`` and ``load_pointwise()`` return None when it cannot be built (no compiler), and the engine falls
-back to the torch paths. Each library is built and loaded once per process; whether an engine uses the GEMM
-and the pointwise kernels is its own setting (``[engine] native_gemm`` / ``native_pointwise``), read where the
-model is built (``LlamaModel``, ``Linear``), so two engines in one process may differ."""
+``paged_prefill.c``), the small-batch GEMM over panel-packed weights (``gemm.c``) and RMSNorm / rotary embedding
+(``pointwise.c``). Each is compiled on first use with the system C compiler, cached per source, flags and CPU, and
+loaded through ctypes. ``load()``, ``load_prefill()``, ``load_gemm()`` and ``load_pointwise()`` return None when it
+cannot be built (no compiler), and the engine falls back to the torch paths. Each library is built and loaded once per
+process; whether an engine uses the GEMM and the pointwise kernels is its own setting (``[engine] native_gemm`` /
+``native_pointwise``), read where the model is built (``LlamaModel``, ``Linear``), so two engines in one process may
+differ."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ allow, each group in ``Sequence.slo_rank`` order (the owner ranks prompts by the
 without deadlines all ranks are equal and the order is the arrival order). While decode rows run, the prefill part
 is further capped at ``chunk_tokens`` (set by the owner from the measured step cost and the streams' ITL targets,
 ``slo.plan_step``; streams without one are held back as ``chunk_budget`` says), so a new prompt delays the running
-streams by a bounded amount instead of a whole prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in
-the prefix cache, so recomputing it later is mostly a cache hit.
+streams by a bounded amount instead of a whole prefill. When the pool runs dry the newest running sequence is preempted;
+its computed blocks stay in the prefix cache, so recomputing it later is mostly a cache hit.
 """
 
 from __future__ import annotations

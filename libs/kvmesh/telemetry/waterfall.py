@@ -4,8 +4,8 @@ TTFT is measured at the router: from the moment its ``router.request`` span star
 span's ``first_token`` event (first token sent). Every instant of that window is attributed to exactly one
 span: among the spans active then that count as segments, the deepest in the tree (ties: one that is not
 ``kvmesh.background``, i.e. not running alongside the real work like a KV push overlapping its prefill, then
-the one that started last). So the segments always add up to the TTFT; time no finer span explains lands on its parent's own
-("self") time, e.g. ``router.dispatch`` (self) is time in transit between services. A span that waits for
+the one that started last). So the segments always add up to the TTFT; time no finer span explains lands on its parent's
+own ("self") time, e.g. ``router.dispatch`` (self) is time in transit between services. A span that waits for
 others (``kvmesh.segment = false``: decode's request span while it waits for ``kv.ready``,
 ``decode.generate``) never takes time from the spans it waits for.
 """

@@ -62,10 +62,10 @@ class TransferClient:
                    first_block: int = 0, *, token: str) -> TransferStats:
         """Send the bytes of ``n`` whole blocks in ``layout`` (``payload``: any C-contiguous buffer of
         ``n * layout.block_nbytes`` bytes; the engine passes ``kv_cache.block_bytes(tensor)``, a zero-copy
-        view) and wait until the receiver verified them. ``block_keys`` are the keys of the full blocks, in order. ``checksums``: the blocks' xxh3_64
-        when the caller has them already (e.g. stored with the blocks): the receiver verifies the bytes
-        against them and they are not computed again here. ``layers`` (``(first, end)``): each block of the
-        payload is only its slice of those layers (a hand-off pushed layer group by layer group);
+        view) and wait until the receiver verified them. ``block_keys`` are the keys of the full blocks, in order.
+        ``checksums``: the blocks' xxh3_64 when the caller has them already (e.g. stored with the blocks): the receiver
+        verifies the bytes against them and they are not computed again here. ``layers`` (``(first, end)``): each block
+        of the payload is only its slice of those layers (a hand-off pushed layer group by layer group);
         ``first_block``: where the payload's first block sits in the sender's sequence. ``token``: the push
         capability the receiver issued for this transfer. Raises TransferRejected with the receiver's reason
         (and its ``kind``); ConnectionError (or OSError/TimeoutError, ``ssl.SSLError`` among them) when it cannot

@@ -118,8 +118,9 @@ class TransferServer:
 
     @classmethod
     async def start(cls, expected_layout: KVLayout | None, host: str = "127.0.0.1", port: int = 0,
-                    backend: TransferBackend | str = TransferBackend.TCP, *, ttl: float = 60.0, max_buffered_bytes: int = 1 << 30,
-                    io_timeout: float = 30.0, tls: ssl.SSLContext | None = None) -> TransferServer:
+                    backend: TransferBackend | str = TransferBackend.TCP, *, ttl: float = 60.0,
+                    max_buffered_bytes: int = 1 << 30, io_timeout: float = 30.0,
+                    tls: ssl.SSLContext | None = None) -> TransferServer:
         """Listen on ``host:port`` (0 = any free port). ``backend`` is what :attr:`address` advertises; plain
         ``tcp`` is always accepted too. ``expected_layout`` None: accept any layout (the taker checks it).
         ``tls``: a server-side context; every connection must then speak TLS (``kvmesh.tls``).

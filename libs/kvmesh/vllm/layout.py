@@ -46,7 +46,8 @@ class PagedLayout:
         with ``layers`` (``(first, end)``) only that slice of each, ``[n, end - first, 2, ...]``. Each layer's K and
         V go straight to their wire places (a permute of the whole result afterwards would copy it all again: it
         was two thirds of the read-out's time, which runs on the engine thread)."""
-        n, h, d, bv, per, bs = len(block_ids), self.heads, self.dim, self.vllm_block_size, self.per, self.wire.block_size
+        n, h, d = len(block_ids), self.heads, self.dim
+        bv, per, bs = self.vllm_block_size, self.per, self.wire.block_size
         lo, hi = layers or (0, len(self.layers))
         ids = torch.tensor(block_ids, dtype=torch.long)
         out = torch.empty(n, per, hi - lo, 2, bs, h, d, dtype=self.layers[0].dtype)
