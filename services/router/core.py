@@ -300,8 +300,7 @@ class Router:
         With prefill and decode instances, the cost model decides whether the hop pays (``disaggregation``):
         when decode already holds about as much of the prompt as prefill, decode computes the rest itself."""
         prompt = list(work.prompt_token_ids)
-        # admission's bound; none for a migrated or resumed stream (its first token is out already)
-        ttft_s = max(1e-3, work.slo.ttft_s - work.waited_s) if work.slo.ttft_s and not work.generated_tokens else 0.0
+        ttft_s = ttft_left(work)
         prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
         decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
         lora = work.lora_name
@@ -563,6 +562,14 @@ async def _push_token(call, decode: Instance, dispatch: Span) -> tuple[str, int 
     if not token:
         raise NoGrant(f"decode {decode.id} granted no push (its call failed before accepting the request)")
     return token, exact
+
+
+def ttft_left(work: worker_pb2.WorkRequest) -> float:
+    """What is left of the request's TTFT target, which admission holds it to (0 = none): none for a migrated or
+    resumed stream, whose first token is out already."""
+    if not work.slo.ttft_s or work.generated_tokens:
+        return 0.0
+    return max(1e-3, work.slo.ttft_s - work.waited_s)
 
 
 def _dispatch_id(request: Admitted, retries: int, migrations: int) -> str:

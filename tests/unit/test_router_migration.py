@@ -33,3 +33,16 @@ def test_past_the_routers_limit_a_failed_stream_is_not_moved_until_a_slot_is_bac
     second.arrived()
     assert m.under_way == 0
     assert m.start(RequestTrace(metrics, "r4", "test"), DEAD, 0, 10) is not None
+
+
+def test_a_migrated_stream_is_held_to_no_ttft_target():
+    """Admission must not refuse a stream mid-answer because its TTFT target ran out long ago."""
+    from kvmesh.proto.v1 import common_pb2, worker_pb2
+
+    from services.router.core import ttft_left
+
+    slo = common_pb2.SLO(ttft_s=6.0, itl_s=0.15)
+    assert ttft_left(worker_pb2.WorkRequest(slo=slo, waited_s=2.0)) == 4.0
+    assert ttft_left(worker_pb2.WorkRequest(slo=slo, waited_s=9.0)) == 1e-3  # late: any estimate misses it
+    assert ttft_left(worker_pb2.WorkRequest(slo=slo, waited_s=9.0, generated_tokens=12)) == 0.0
+    assert ttft_left(worker_pb2.WorkRequest(waited_s=2.0)) == 0.0

@@ -160,6 +160,14 @@ def test_a_requests_ttft_counts_from_its_arrival_at_the_mesh_and_defaults_fill_w
     assert engine(tiny_config).add_request("x", [1, 2], SamplingParams()).ttft_deadline is None
 
 
+def test_a_migrated_request_keeps_its_itl_target_but_no_ttft_deadline(tiny_config):
+    """Its first token went out from the instance it left: a TTFT target long past must not rank it last."""
+    e = engine(tiny_config)
+    moved = e.add_request("moved", [1, 2, 3, 7, 8], SamplingParams(max_tokens=6), generated=2,
+                          slo=SLO(ttft_s=1.0, itl_s=0.5), waited_s=100.0)
+    assert moved.ttft_deadline is None and moved.itl_target == 0.5
+
+
 def test_finished_requests_with_a_target_are_counted_by_whether_they_met_it(tiny_config):
     e = engine(tiny_config)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
