@@ -325,7 +325,7 @@ class Router:
                 route.set_attributes({"kvmesh.route.path": "local",
                                       "kvmesh.route.reason": f"local: no decode shares {prefill.id}'s KV layout"})
                 return self._local(work, self._sent(keys, decode), rt,
-                                   f"local: no decode shares {prefill.id}'s KV layout")
+                                   f"local: no decode shares {prefill.id}'s KV layout", matched)
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
                 if why:
@@ -350,7 +350,7 @@ class Router:
             if d.refuse:
                 raise RequestError(ErrorKind.OVERLOADED, d.reason)
             if not d.disaggregate:
-                return self._local(work, self._sent(keys, decode), rt, d.reason)
+                return self._local(work, self._sent(keys, decode), rt, d.reason, matched)
             # decode waits for kv.ready its own kv_timeout_s past this estimate of prefill + push: a long cold
             # prompt must not time out while prefill is still computing it
             return self._disaggregated(work, self._sent(keys, prefill), self._sent(keys, decode), rt, policy, matched,
@@ -363,7 +363,7 @@ class Router:
                 route.set_attribute("kvmesh.route.session", why)
             inst = home or self._choose(policy, "both", both, matched, prompt, route, lora, ttft_s)
             self.sessions.ran(session, inst.id)
-            return self._local(work, self._sent(keys, inst), rt)
+            return self._local(work, self._sent(keys, inst), rt, matched=matched)
         if decodes:  # every prefill instance is gone: decode computes the prompt itself rather than refuse
             reason = "local: no prefill instance is up"
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": reason})
@@ -371,8 +371,15 @@ class Router:
             decode = home or choose_decode([i for i in decodes if self.loras.holds(i, lora)] or decodes,
                                            self.registry.replica_rank(self.id))
             self.sessions.ran(session, decode.id)
-            return self._local(work, self._sent(keys, decode), rt, reason)
+            return self._local(work, self._sent(keys, decode), rt, reason, matched)
         return None
+
+    def _to_compute(self, work: worker_pb2.WorkRequest, inst: Instance, matched: dict[str, int] | None) -> int:
+        """The prompt tokens ``inst`` will compute for ``work``: what the match says it does not hold, which is
+        what its prefill queue grows by (a prompt it holds costs it next to nothing)."""
+        prompt = len(work.prompt_token_ids)
+        held = (matched or {}).get(inst.id, 0) * self.cfg.block_size
+        return max(1, prompt - min(held, prompt - 1))
 
     def _sent(self, keys: Sequence[int], inst: Instance) -> Instance:
         """``inst`` gets the prompt of ``keys``: count its blocks there until the index has them."""
@@ -385,9 +392,10 @@ class Router:
             if work.lora_name:
                 await self.loras.ensure(inst, work.lora_name)
 
-    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = ""):
+    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = "",
+                     matched: dict[str, int] | None = None):
         await self._ensure_lora(work, inst)
-        done = self.registry.dispatched(inst, len(work.prompt_token_ids))
+        done = self.registry.dispatched(inst, self._to_compute(work, inst, matched))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, prefill_locally=True, route_reason=reason),
@@ -401,6 +409,7 @@ class Router:
             async for msg, first in self._chunks(call, inst, work.request_id):
                 if first:
                     cached = msg.cached_tokens
+                    done(prefilled=True)
                 yield _chunk(msg), cached_tokens
         finally:
             done()
@@ -511,7 +520,7 @@ class Router:
         while True:
             tried.add(prefill.id)
             await self._ensure_lora(work, prefill)  # a replacement prefill may lack the adapter
-            done = self.registry.dispatched(prefill, len(work.prompt_token_ids))
+            done = self.registry.dispatched(prefill, self._to_compute(work, prefill, matched))
             try:
                 return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
                     worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
