@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Admitted
 from services.router.loras import Adapters
 from services.router.migration import Migration, Migrations
+from services.router.recent import RecentPrefixes, merged
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, choose_decode
 from services.router.sessions import Sessions
@@ -90,6 +91,7 @@ class Router:
         self.max_model_len = self.source.config.max_position_embeddings
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
+        self.recent = RecentPrefixes(self.cfg.recent_prefix_ttl_s)  # prompts sent, until the index has them
         self.metrics.watch(self.registry)
         self.bus = await Bus.connect(self.shared.nats_url, name=self.id)
         self.registry.bus_up = lambda: self.bus.nc.is_connected
@@ -206,6 +208,7 @@ class Router:
         lora_id = self.loras.lora_id(request.lora) if request.lora else ""
         seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, lora_id, request.cache_salt).seed
         matched: dict[str, int] = {}
+        keys: list[int] = []  # the prompt's block keys
         matched_for = -1  # the prompt length MatchPrefix was asked for
         avoid: set[str] = set()
         failure: RequestError | None = None
@@ -220,8 +223,9 @@ class Router:
                                  **({"kvmesh.migration": migrations} if migrations else {}))
                 try:
                     if matched_for != len(prompt):
-                        matched = await self.matched_blocks(block_keys(seed, prompt, self.cfg.block_size), route,
-                                                            rt.attrs)
+                        keys = block_keys(seed, prompt, self.cfg.block_size)
+                        matched = await self.matched_blocks(keys, route, rt.attrs)
+                        matched = merged(matched, self.recent.matched(keys, [i.id for i in self.registry.alive()]))
                         matched_for = len(prompt)
                     route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
                     work = worker_pb2.WorkRequest(
@@ -233,7 +237,7 @@ class Router:
                         retention=retention_to_proto(request.retention), slo=slo_to_proto(request.slo),
                         waited_s=time.monotonic() - rt.t0)
                     stream = self._route(work, matched, rt, request.policy, route, avoid,
-                                         request.disaggregate or self.cfg.disaggregate)
+                                         request.disaggregate or self.cfg.disaggregate, keys)
                     if stream is None:
                         if failure is not None:  # nowhere else to go: the error of the last attempt stands
                             raise failure
@@ -295,7 +299,8 @@ class Router:
                 migration.failed(RequestError(ErrorKind.CANCELLED, "the request ended during its migration"))
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
-               policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto"):
+               policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto",
+               keys: Sequence[int] = ()):
         """The chosen instances' chunk stream, or None when no live instance (outside ``avoid``) can serve.
         With prefill and decode instances, the cost model decides whether the hop pays (``disaggregation``):
         when decode already holds about as much of the prompt as prefill, decode computes the rest itself."""
@@ -319,7 +324,8 @@ class Router:
             if not paired:
                 route.set_attributes({"kvmesh.route.path": "local",
                                       "kvmesh.route.reason": f"local: no decode shares {prefill.id}'s KV layout"})
-                return self._local(work, decode, rt, f"local: no decode shares {prefill.id}'s KV layout")
+                return self._local(work, self._sent(keys, decode), rt,
+                                   f"local: no decode shares {prefill.id}'s KV layout", matched)
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
                 if why:
@@ -344,10 +350,11 @@ class Router:
             if d.refuse:
                 raise RequestError(ErrorKind.OVERLOADED, d.reason)
             if not d.disaggregate:
-                return self._local(work, decode, rt, d.reason)
+                return self._local(work, self._sent(keys, decode), rt, d.reason, matched)
             # decode waits for kv.ready its own kv_timeout_s past this estimate of prefill + push: a long cold
             # prompt must not time out while prefill is still computing it
-            return self._disaggregated(work, prefill, decode, rt, policy, matched, d.pd_s)
+            return self._disaggregated(work, self._sent(keys, prefill), self._sent(keys, decode), rt, policy, matched,
+                                       d.pd_s)
         both = [i for i in self.registry.alive("both") if i.id not in avoid]
         if both:
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
@@ -356,7 +363,7 @@ class Router:
                 route.set_attribute("kvmesh.route.session", why)
             inst = home or self._choose(policy, "both", both, matched, prompt, route, lora, ttft_s)
             self.sessions.ran(session, inst.id)
-            return self._local(work, inst, rt)
+            return self._local(work, self._sent(keys, inst), rt, matched=matched)
         if decodes:  # every prefill instance is gone: decode computes the prompt itself rather than refuse
             reason = "local: no prefill instance is up"
             route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": reason})
@@ -364,8 +371,20 @@ class Router:
             decode = home or choose_decode([i for i in decodes if self.loras.holds(i, lora)] or decodes,
                                            self.registry.replica_rank(self.id))
             self.sessions.ran(session, decode.id)
-            return self._local(work, decode, rt, reason)
+            return self._local(work, self._sent(keys, decode), rt, reason, matched)
         return None
+
+    def _to_compute(self, work: worker_pb2.WorkRequest, inst: Instance, matched: dict[str, int] | None) -> int:
+        """The prompt tokens ``inst`` will compute for ``work``: what the match says it does not hold, which is
+        what its prefill queue grows by (a prompt it holds costs it next to nothing)."""
+        prompt = len(work.prompt_token_ids)
+        held = (matched or {}).get(inst.id, 0) * self.cfg.block_size
+        return max(1, prompt - min(held, prompt - 1))
+
+    def _sent(self, keys: Sequence[int], inst: Instance) -> Instance:
+        """``inst`` gets the prompt of ``keys``: count its blocks there until the index has them."""
+        self.recent.dispatched(inst.id, keys)
+        return inst
 
     async def _ensure_lora(self, work: worker_pb2.WorkRequest, *instances: Instance) -> None:
         """The request's adapter on each chosen instance (loaded there when missing: priced in routing)."""
@@ -373,9 +392,10 @@ class Router:
             if work.lora_name:
                 await self.loras.ensure(inst, work.lora_name)
 
-    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = ""):
+    async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = "",
+                     matched: dict[str, int] | None = None):
         await self._ensure_lora(work, inst)
-        done = self.registry.dispatched(inst, len(work.prompt_token_ids))
+        done = self.registry.dispatched(inst, self._to_compute(work, inst, matched))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, prefill_locally=True, route_reason=reason),
@@ -389,6 +409,7 @@ class Router:
             async for msg, first in self._chunks(call, inst, work.request_id):
                 if first:
                     cached = msg.cached_tokens
+                    done(prefilled=True)
                 yield _chunk(msg), cached_tokens
         finally:
             done()
@@ -499,7 +520,7 @@ class Router:
         while True:
             tried.add(prefill.id)
             await self._ensure_lora(work, prefill)  # a replacement prefill may lack the adapter
-            done = self.registry.dispatched(prefill, len(work.prompt_token_ids))
+            done = self.registry.dispatched(prefill, self._to_compute(work, prefill, matched))
             try:
                 return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
                     worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,

@@ -143,22 +143,28 @@ class Registry:
             inst.peer_inflight = sum(load.inflight.get(inst.id, 0) for _, load in self._peers.values())
             inst.peer_tokens = sum(load.inflight_tokens.get(inst.id, 0) for _, load in self._peers.values())
 
-    def dispatched(self, inst: Instance, prompt_tokens: int = 0) -> Callable[[], None]:
-        """Count a request we are sending to ``inst`` until the returned ``done`` is called (once)."""
+    def dispatched(self, inst: Instance, prompt_tokens: int = 0) -> Callable[..., None]:
+        """Count a request we are sending to ``inst`` until the returned ``done`` is called (once), and the
+        ``prompt_tokens`` it will compute there until ``done(prefilled=True)`` says its prompt is computed (its
+        first token came) or ``done()`` ends it: a request that is decoding queues no prefill."""
         iid = inst.id
         self._live(iid).inflight += 1
         self._live(iid).inflight_tokens += prompt_tokens
         self.on_change()
-        called = False
+        called = tokens_out = False
 
-        def done() -> None:
-            nonlocal called
-            if not called:
-                called = True
-                cur = self._live(iid)
-                cur.inflight = max(0, cur.inflight - 1)
+        def done(prefilled: bool = False) -> None:
+            nonlocal called, tokens_out
+            if called:
+                return
+            cur = self._live(iid)
+            if not tokens_out:
+                tokens_out = True
                 cur.inflight_tokens = max(0, cur.inflight_tokens - prompt_tokens)
-                self.on_change()
+            if not prefilled:
+                called = True
+                cur.inflight = max(0, cur.inflight - 1)
+            self.on_change()
         return done
 
     def role_of(self, iid: str) -> str:

@@ -38,8 +38,10 @@ def test_the_heartbeat_carries_the_measured_speed_once_the_instance_has_served(m
     assert before["kv_block_bytes"] == prefill.layout.block_nbytes
     assert not any(k in before for k in SPEED_KEYS)  # nothing measured yet: the router keeps its default
 
-    for _ in range(2):  # the instance's first forward step is its warm-up and is not counted
-        status, body, _ = mesh.post("/v1/chat/completions", {"messages": HI, "max_tokens": 3})
+    # the instance's first forward step is its warm-up and is not counted; two prompts, as the router sends a
+    # prompt decode already holds to decode
+    for messages in (HI, [{"role": "user", "content": "Hello there"}]):
+        status, body, _ = mesh.post("/v1/chat/completions", {"messages": messages, "max_tokens": 3})
         assert status == 200, body
 
     load = wait_for_speed(mesh, "prefill-0")

@@ -158,3 +158,17 @@ def test_replicas_break_ties_towards_different_instances():
     second = choose_decode(b.alive("decode"), b.replica_rank("router-1"))
     assert {first.id, second.id} == {"d0", "d1"}
     assert a.replica_rank("router-0") == 0 and Registry(5, 16, "fp").replica_rank("alone") == 0
+
+
+def test_a_request_queues_its_prompt_until_its_first_token_and_counts_until_it_ends():
+    reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
+    reg.observe(beat("b0"))
+    (inst,) = reg.alive()
+    done = reg.dispatched(inst, prompt_tokens=700)
+    assert inst.waiting_tokens == 700 and inst.inflight == 1
+    done(prefilled=True)  # its first token came: decoding, no prefill left to queue
+    assert inst.waiting_tokens == 0 and inst.inflight == 1
+    done(prefilled=True)
+    done()
+    done()
+    assert inst.waiting_tokens == 0 and inst.inflight == 0

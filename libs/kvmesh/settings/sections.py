@@ -460,6 +460,8 @@ class RouterSettings(Section):
     block_size: int = setting(16, "must equal the engines' (instances with another are ignored)")
     instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
     match_timeout_s: float = setting(0.5, "MatchPrefix deadline; past it, route by load alone")
+    recent_prefix_ttl_s: float = setting(20.0, "a prompt sent to an instance counts as held there for this long, "
+                                               "until its KV events reach the index (0 = the index alone)")
     request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
     policy: RoutingPolicy = setting(RoutingPolicy.CACHE_AWARE, "routing policy (per request: header / "
                                     "metadata x-kvmesh-policy)", choices=sorted(RoutingPolicy))
