@@ -92,12 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="--pd: cold prompts and chats, each fresh")
     p.add_argument("--backend", choices=["native", "vllm"], default="native",
                    help="--pd: the engines' backend (vllm: `make vllm` first)")
+    p.add_argument("--back-to-back", action="store_true", help="--pd: each stack's chat turns one right after the "
+                   "other (printed, not written: the bytes per turn when the next turn does not wait)")
     args = p.parse_args(argv)
     if args.pd:
         from app.bench import pd
 
         load = os.getloadavg()[0]
-        res = pd.run(turns=args.turns, repeats=args.repeats, backend=args.backend)
+        res = pd.run(turns=args.turns, repeats=args.repeats, backend=args.backend, back_to_back=args.back_to_back)
         engines = ("vLLM 0.32 (CPU build) engines, `[engine] backend = vllm` (vLLM's blocks of 128 tokens, KV for "
                    "4,224 tokens each)" if args.backend == "vllm" else "native engines")
         body = (f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 shared "
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 "pushed (one chunk each, a delta).\n\n" + pd.report(res))
         vllm = args.backend == "vllm"
         publish(SECTION_PD_VLLM if vllm else SECTION_PD, "kvmesh bench mesh --pd" + (" --backend vllm" if vllm else ""),
-                body, write=not args.no_write)
+                body, write=not args.no_write and not args.back_to_back)
         return 0
     res = run(args.requests, args.max_tokens)
     rows = []

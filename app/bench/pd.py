@@ -114,15 +114,29 @@ def setup(name: str, backend: str = "native") -> StackOptions:
     return dataclasses.replace(opts, settings=settings)
 
 
+Step = tuple[int, int, list[int]]  # (repeat, turn (0 = the cold prompt), prompt)
+
+
+def request_order(plan: list[Step], names: list[str], back_to_back: bool = False) -> list[tuple[str, Step]]:
+    """Which stack gets which request, in the order sent: each request to every stack in turn, the order rotating
+    request by request; ``back_to_back``: per repeat the cold prompts so, then each stack's whole chat in a row."""
+    order = [(name, step) for i, step in enumerate(plan) for name in names[i % len(names):] + names[:i % len(names)]]
+    if back_to_back:
+        order.sort(key=lambda x: (x[1][0], x[1][1] > 0, names.index(x[0]) if x[1][1] else 0))
+    return order
+
+
 def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, first: int = 95, per_turn: int = 107,
-        cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0, backend: str = "native") -> dict[str, Result]:
+        cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0, backend: str = "native",
+        back_to_back: bool = False) -> dict[str, Result]:
     """Every setup's stack up at once, the same requests sent to each in turn (the order rotating request by
     request), so that all of them run under the same machine load; one request in flight at a time. Each
     repeat has its own cold prompt and its own chat (fresh tokens: nothing is reused across repeats).
-    ``backend``: the engines' (native, vllm)."""
+    ``backend``: the engines' (native, vllm). ``back_to_back``: each stack gets a chat's turns one right after the
+    other (the cold prompts still rotate), so a turn arrives as soon as the one before it ended there."""
     names = [n for n in SETUPS if setups is None or n in setups]
     rng = random.Random(seed)
-    plan: list[tuple[int, int, list[int]]] = []  # (repeat, turn (0 = the cold prompt), prompt)
+    plan: list[Step] = []
     for rep in range(repeats):
         plan.append((rep, 0, _ids(rng, cold_tokens)))
         prompt = _ids(rng, first)
@@ -139,11 +153,10 @@ def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, firs
                 stacks[name] = Stack(Path(tmp) / name.replace(" ", "-"), setup(name, backend))
                 stacks[name].start(timeout_s=300)
                 completion_ttft(stacks[name].http_port, _ids(random.Random(99), 40), 4, SETUPS[name][1])  # warm
-            for i, (rep, turn, prompt) in enumerate(plan):
-                for name in names[i % len(names):] + names[:i % len(names)]:
-                    ttft, text, rid = completion_ttft(stacks[name].http_port, prompt, max_tokens, SETUPS[name][1])
-                    req = Request(ttft, rid, len(prompt), "".join(text))
-                    (res[name].chats[rep].append(req) if turn else res[name].cold.append(req))
+            for name, (rep, turn, prompt) in request_order(plan, names, back_to_back):
+                ttft, text, rid = completion_ttft(stacks[name].http_port, prompt, max_tokens, SETUPS[name][1])
+                req = Request(ttft, rid, len(prompt), "".join(text))
+                (res[name].chats[rep].append(req) if turn else res[name].cold.append(req))
         finally:
             for stack in stacks.values():
                 stack.stop()
