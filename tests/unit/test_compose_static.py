@@ -210,7 +210,7 @@ def _kvmesh_names(text: str) -> set[str]:
 
 
 @pytest.mark.parametrize("file", [*COMPOSE_FILES, "deploy/example.env", "deploy/prometheus.yml",
-                                  "docker/entrypoint.py", "docs/deploy.md"])
+                                  "docker/entrypoint.py", "docs/deploy.md", ".ci/run", "Makefile"])
 def test_every_kvmesh_name_in_the_deploy_files_is_a_setting_or_a_documented_non_setting(file):
     """Environment keys, ${...} interpolations and comments alike: an old flat name would stop a service."""
     known = settings.env_names()

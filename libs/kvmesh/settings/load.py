@@ -68,7 +68,7 @@ RENAMED: dict[str, tuple[str, ...]] = {
 }
 # KVMESH_* variables that are not settings: compose-file interpolation and CI switches, never read by a service.
 NOT_SETTINGS = frozenset({"KVMESH_TAG", "KVMESH_BASE_IMAGE", "KVMESH_HTTP_PUBLISH", "KVMESH_GRPC_PUBLISH",
-                          "KVMESH_NATS_PORT", "KVMESH_CI_DOCKER"})
+                          "KVMESH_NATS_PORT", "KVMESH_CI_DOCKER", "KVMESH_CI_VLLM"})
 # old TOML tables and where their keys went
 RENAMED_TABLES = {"worker": "instance", "tls": "shared"}
 
