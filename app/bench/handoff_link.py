@@ -15,18 +15,16 @@ namespaces.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.telemetry.spans import read_spans, trace_file
 
-from app.bench.pd import _figures, _ids
+from app.bench.pd import _figures, _ids, completion_ttft
 from app.bench.report import load_average, markdown_table, write_section
 from app.launcher import Stack, StackOptions
 from app.netlab.hosts import Lab, unavailable
@@ -45,19 +43,9 @@ class Placement:
 
 
 def _stream(url: str, prompt: list[int], salt: str) -> tuple[float, str]:
-    """(TTFT s, request id) of one streamed completion, 4 tokens."""
-    body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
-                       "cache_salt": salt}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json",
-                                                                             **PD})
-    t0 = time.perf_counter()
-    ttft = None
-    with urllib.request.urlopen(req, timeout=300) as r:
-        rid = r.headers.get("x-request-id", "")
-        for line in r:
-            if ttft is None and line.startswith(b"data: {"):
-                ttft = time.perf_counter() - t0
-    return ttft or time.perf_counter() - t0, rid
+    """(TTFT s, request id) of one streamed completion, 4 tokens, forced PD."""
+    ttft, _, rid = completion_ttft(url, prompt, 4, PD, salt)
+    return ttft, rid
 
 
 def _measure(place: Placement, send, traces: Path, prompts: list[list[int]]) -> None:

@@ -27,12 +27,12 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, VOCAB - 100) for _ in range(n)]
 
 
-def completion_ttft(port: int, prompt: list[int], max_tokens: int,
-                    headers: dict[str, str] | None = None) -> tuple[float, list[int], str]:
-    """(TTFT s, output token ids, request id) of one streamed token-id completion."""
+def completion_ttft(url: str, prompt: list[int], max_tokens: int, headers: dict[str, str] | None = None,
+                    cache_salt: str = "") -> tuple[float, list[str], str]:
+    """(TTFT s, output text pieces, request id) of one streamed token-id completion from the router at ``url``."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "logprobs": None}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                       "stream": True, "logprobs": None, **({"cache_salt": cache_salt} if cache_salt else {})}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
                                  headers={"content-type": "application/json", **(headers or {})})
     t0 = time.perf_counter()
     ttft, text = None, []
@@ -152,9 +152,9 @@ def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, firs
             for name in names:
                 stacks[name] = Stack(Path(tmp) / name.replace(" ", "-"), setup(name, backend))
                 stacks[name].start(timeout_s=300)
-                completion_ttft(stacks[name].http_port, _ids(random.Random(99), 40), 4, SETUPS[name][1])  # warm
+                completion_ttft(stacks[name].router_http, _ids(random.Random(99), 40), 4, SETUPS[name][1])  # warm
             for name, (rep, turn, prompt) in request_order(plan, names, back_to_back):
-                ttft, text, rid = completion_ttft(stacks[name].http_port, prompt, max_tokens, SETUPS[name][1])
+                ttft, text, rid = completion_ttft(stacks[name].router_http, prompt, max_tokens, SETUPS[name][1])
                 req = Request(ttft, rid, len(prompt), "".join(text))
                 (res[name].chats[rep].append(req) if turn else res[name].cold.append(req))
         finally:
