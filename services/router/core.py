@@ -92,6 +92,7 @@ class Router:
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
         self.recent = RecentPrefixes(self.cfg.recent_prefix_ttl_s)  # prompts sent, until the index has them
+        self.registry.on_drop = self.recent.forget  # one that went away holds nothing it was sent
         self.metrics.watch(self.registry)
         self.bus = await Bus.connect(self.shared.nats_url, name=self.id)
         self.registry.bus_up = lambda: self.bus.nc.is_connected

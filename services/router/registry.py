@@ -59,6 +59,7 @@ class Registry:
         self._peers: dict[str, tuple[float, RouterLoad]] = {}  # router id -> (received, monotonic; its report)
         self.bus_up: Callable[[], bool] = lambda: True  # the router's NATS connection, which heartbeats need
         self.on_change: Callable[[], None] = lambda: None  # this router's own in-flight counts changed
+        self.on_drop: Callable[[str], None] = lambda iid: None  # an instance was dropped (silent too long)
 
     def observe(self, beat: Heartbeat) -> None:
         if beat.block_size != self.block_size or beat.model != self.fingerprint:
@@ -102,6 +103,7 @@ class Registry:
             why = f"instance {iid} stopped answering: no heartbeat for {now - self._instances[iid].last_seen:.1f}s"
             log.warning("%s; dropped", why)
             del self._instances[iid]
+            self.on_drop(iid)
             for lost in list(self._watchers.pop(iid, ())):
                 lost(why)
         self._expire_peers(now)

@@ -23,6 +23,19 @@ def test_an_instance_that_stops_beating_is_dropped():
     assert reg.alive("decode") == []
 
 
+def test_a_dropped_instance_is_forgotten_by_the_routers_recent_prefixes():
+    from services.router.recent import RecentPrefixes
+
+    reg = Registry(timeout_s=0.05, block_size=16, fingerprint="fp")
+    recent = RecentPrefixes(ttl_s=60.0)
+    reg.on_drop = recent.forget
+    reg.observe(beat("d0"))
+    recent.dispatched("d0", [1, 2])
+    assert recent.matched([1, 2], ["d0"]) == {"d0": 2}
+    time.sleep(0.1)
+    assert reg.alive() == [] and recent.matched([1, 2], ["d0"]) == {}
+
+
 def test_instances_with_another_model_or_block_size_are_ignored():
     reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
     reg.observe(beat("other-model", model="xx"))
