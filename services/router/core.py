@@ -183,11 +183,12 @@ class Router:
         return best
 
     def _choose(self, policy: str | None, role: str, instances: list[Instance], matched: dict[str, int],
-                prompt: list[int], route: Span, lora: str = "", ttft_s: float = 0.0) -> Instance:
-        """``ttft_s``: what is left of the request's TTFT target (0 = none), which admission holds it to."""
+                prompt: list[int], route: Span, lora: str = "", ttft_s: float = 0.0, itl_s: float = 0.0) -> Instance:
+        """``ttft_s``: what is left of the request's TTFT target (0 = none), which admission holds it to;
+        ``itl_s``: its ITL target (role both: an instance decoding streams prefills in what their steps leave)."""
         missing = {i.id for i in instances if not self.loras.holds(i, lora)}
         inst, decision = self.policies.choose(policy, instances, matched, len(prompt), self.cfg.block_size,
-                                              matched.get(POOL, 0), missing, ttft_s)
+                                              matched.get(POOL, 0), missing, ttft_s, itl_s)
         if route.is_recording():
             route.set_attributes({**route_attributes(role, instances, matched, inst or instances[0]),
                                   f"kvmesh.route.{role}.policy": policy or self.policies.default,
@@ -362,7 +363,7 @@ class Router:
             home, why = self.sessions.place(session, [i for i in both if self.loras.holds(i, lora)] or both)
             if why:
                 route.set_attribute("kvmesh.route.session", why)
-            inst = home or self._choose(policy, "both", both, matched, prompt, route, lora, ttft_s)
+            inst = home or self._choose(policy, "both", both, matched, prompt, route, lora, ttft_s, work.slo.itl_s)
             self.sessions.ran(session, inst.id)
             return self._local(work, self._sent(keys, inst), rt, matched=matched)
         if decodes:  # every prefill instance is gone: decode computes the prompt itself rather than refuse

@@ -9,20 +9,30 @@ from __future__ import annotations
 from kvmesh.contracts.ids import choices
 from kvmesh.contracts.names import RoutingPolicy
 from kvmesh.routing import POLICIES, CacheAware, Candidate, CostModel, Decision, Policy, make_policy
+from kvmesh.routing.cost import local_share
 
 from services.router.registry import Instance
 
 
 def to_candidates(instances: list[Instance], matched: dict[str, int],
-                  cost: CostModel | None = None, lora_missing: frozenset[str] | set[str] = frozenset()
-                  ) -> list[Candidate]:
+                  cost: CostModel | None = None, lora_missing: frozenset[str] | set[str] = frozenset(),
+                  itl_s: float = 0.0) -> list[Candidate]:
     """``cost``: the configured model, which an instance's measured speed and block size override.
-    ``lora_missing``: instances that lack the request's LoRA adapter (they would load it first)."""
+    ``lora_missing``: instances that lack the request's LoRA adapter (they would load it first). ``itl_s``: the
+    request's ITL target: an instance that decodes streams computes a prompt only in what each step has left
+    beside them under such a target (``local_share`` of its measured decode step), so its prefill is priced
+    that much slower."""
     cost = cost or CostModel()
+
+    def share(i: Instance) -> float:
+        load = i.beat.load
+        return local_share(load.get("decode_step_s", 0.0), itl_s) if itl_s and load.get("running", 0) else 1.0
+
     return [Candidate(i.id, queued_tokens=int(i.waiting_tokens), running=int(i.queue_depth),
                       local_blocks=matched.get(i.id, 0),
                       free_blocks=int(i.beat.load.get("free_blocks", 0)),
-                      cost=CostModel.from_load(i.beat.load, cost), lora_missing=i.id in lora_missing)
+                      cost=CostModel.from_load(i.beat.load, cost), lora_missing=i.id in lora_missing,
+                      share=share(i))
             for i in instances]
 
 
@@ -60,14 +70,15 @@ class Policies:
 
     def choose(self, name: str | None, instances: list[Instance], matched: dict[str, int], prompt_tokens: int,
                block_size: int, pool_blocks: int, lora_missing: frozenset[str] | set[str] = frozenset(),
-               ttft_s: float = 0.0) -> tuple[Instance | None, Decision]:
+               ttft_s: float = 0.0, itl_s: float = 0.0) -> tuple[Instance | None, Decision]:
         """``lora_missing``: instances lacking the request's adapter. The cache-aware policy prices loading it
         there (``CostModel.lora_load_s``); the others choose among the instances that hold it, if any do.
-        ``ttft_s``: the request's TTFT target, which the cache-aware policy admits by (0: the configured one)."""
+        ``ttft_s``: the request's TTFT target, which the cache-aware policy admits by (0: the configured one);
+        ``itl_s``: its ITL target, under which an instance decoding streams prefills slower (``to_candidates``)."""
         policy = self.get(name)
         if lora_missing and not isinstance(policy, CacheAware) and len(lora_missing) < len(instances):
             instances = [i for i in instances if i.id not in lora_missing]
-        candidates = to_candidates(instances, matched, self.cost, lora_missing)
+        candidates = to_candidates(instances, matched, self.cost, lora_missing, itl_s)
         decision = policy.choose(candidates, prompt_tokens, block_size, pool_blocks, ttft_s)
         chosen = next((i for i in instances if decision.chosen and i.id == decision.chosen.id), None)
         return chosen, decision

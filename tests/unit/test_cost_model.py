@@ -6,6 +6,7 @@ import random
 import pytest
 from kvmesh.contracts.messages import Heartbeat
 from kvmesh.routing import CacheAware, Candidate, CostModel, SpeedEstimator
+from kvmesh.routing.cost import local_share
 
 from services.router.registry import Registry
 from services.router.scheduling import Policies, to_candidates
@@ -135,3 +136,22 @@ def test_the_router_prices_each_instance_from_its_heartbeat_and_an_old_one_at_th
     assert cands["old"].cost is None
     chosen, decision = Policies("cache_aware", CONFIGURED, 0.0).choose(None, reg.alive(), {}, 500, 16, 0)
     assert chosen.id == "measured" and "old=240 (configured)" in decision.reason
+
+
+def test_an_instance_decoding_streams_under_an_itl_target_is_priced_at_its_prompts_share_of_the_steps():
+    """Role both: a prompt there gets what each step leaves beside the streams' rows within the ITL target
+    (``local_share`` of the decode step it reports), so its estimated TTFT, which admission holds to the TTFT
+    target, is that much longer; an idle instance, or a request without an ITL target, is priced as before."""
+    reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
+    reg.observe(beat("busy", running=4, decode_step_s=0.03, prefill_tok_per_s=400.0, prefill_overhead_s=0.0))
+    reg.observe(beat("idle", decode_step_s=0.03, prefill_tok_per_s=400.0, prefill_overhead_s=0.0))
+    share = local_share(0.03, 0.15)
+    cands = {c.id: c for c in to_candidates(reg.alive(), {}, CONFIGURED, itl_s=0.15)}
+    assert cands["busy"].share == pytest.approx(share) and share < 1 and cands["idle"].share == 1.0
+    assert all(c.share == 1.0 for c in to_candidates(reg.alive(), {}, CONFIGURED))
+    scores = CacheAware(CONFIGURED).choose(list(cands.values()), prompt_tokens=1500, block_size=16).scores
+    assert scores["busy"] == pytest.approx(1500 / 400 / share) and scores["idle"] == pytest.approx(1500 / 400)
+    # admission by the TTFT target uses the same estimate: 3.75 s fits 4.5 s idle, not beside the streams
+    only_busy = [c for c in to_candidates(reg.alive(), {}, CONFIGURED, itl_s=0.15) if c.id == "busy"]
+    assert CacheAware(CONFIGURED).choose(only_busy, 1500, 16, ttft_s=4.5).chosen is None
+    assert CacheAware(CONFIGURED).choose([cands["idle"]], 1500, 16, ttft_s=4.5).chosen is not None
