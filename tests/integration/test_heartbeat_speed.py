@@ -32,14 +32,21 @@ def wait_for_speed(mesh: TinyMesh, iid: str, timeout_s: float = 10) -> dict[str,
     return load
 
 
+def test_the_heartbeat_carries_the_speed_measured_at_start_before_any_request(mesh):
+    """``engine.calibrate``: a few forward passes over dummy rows before serving; the first heartbeat prices the
+    instance at its own speed, and the passes left no KV behind (no block cached, none announced)."""
+    prefill = next(w for w in mesh.workers if w.cfg.role == "prefill")
+    load = wait_for_speed(mesh, "prefill-0")
+    assert load["kv_block_bytes"] == prefill.layout.block_nbytes
+    assert load["prefill_tok_per_s"] > 0 and "decode_step_s" in beat_load(mesh, "decode-0")
+    assert CostModel.from_load(load, CostModel()).calibrated
+    assert prefill.engine.speed_fit.fit().samples <= 4  # the calibration's passes, the first one left out
+    assert prefill.engine.engine.blocks.num_cached_blocks == 0  # (this module's first test: no request yet)
+
+
 def test_the_heartbeat_carries_the_measured_speed_once_the_instance_has_served(mesh):
     prefill = next(w for w in mesh.workers if w.cfg.role == "prefill")
-    before = beat_load(mesh, "prefill-0")
-    assert before["kv_block_bytes"] == prefill.layout.block_nbytes
-    assert not any(k in before for k in SPEED_KEYS)  # nothing measured yet: the router keeps its default
-
-    # the instance's first forward step is its warm-up and is not counted; two prompts, as the router sends a
-    # prompt decode already holds to decode
+    # two prompts, as the router sends a prompt decode already holds to decode
     for messages in (HI, [{"role": "user", "content": "Hello there"}]):
         status, body, _ = mesh.post("/v1/chat/completions", {"messages": messages, "max_tokens": 3})
         assert status == 200, body

@@ -13,6 +13,9 @@ from .test_logprobs import both, pd  # noqa: F401 - fixtures: a role both mesh, 
 from .test_router_bad_input import TinyMesh, model_dir  # noqa: F401 - model_dir: a fixture
 
 PROMPT = [(i * 37) % 240 + 3 for i in range(23)]
+# a prompt the engines, which measure their speed at start, take longer to prefill than the shortest target the
+# router holds a request to (1 ms, what is left of a target at the least)
+LONG = [(i * 37) % 240 + 3 for i in range(400)]
 GREEDY = {"max_tokens": 5, "temperature": 0}
 
 
@@ -25,9 +28,9 @@ def engine_goodput(mesh: TinyMesh) -> list[dict[str, int]]:
     return [dict(w.engine.stats().slo) for w in mesh.workers]
 
 
-def complete(mesh: TinyMesh, extra_body: dict | None = None, headers: dict | None = None):
+def complete(mesh: TinyMesh, extra_body: dict | None = None, headers: dict | None = None, prompt=PROMPT):
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="unused", max_retries=0)
-    return api.completions.create(model=mesh.router.model_id, prompt=PROMPT, **GREEDY,
+    return api.completions.create(model=mesh.router.model_id, prompt=prompt, **GREEDY,
                                   extra_body={"ignore_eos": True, **(extra_body or {})}, extra_headers=headers)
 
 
@@ -48,7 +51,7 @@ def test_the_sdk_and_the_headers_set_targets_too(both):  # noqa: F811
 
 def test_a_ttft_target_no_instance_can_meet_is_refused_at_once(both):  # noqa: F811
     with pytest.raises(openai.RateLimitError, match="TTFT SLO"):  # 429
-        complete(both, {"kvmesh_slo": {"ttft_s": 1e-6}})
+        complete(both, {"kvmesh_slo": {"ttft_s": 1e-6}}, prompt=LONG)
 
 
 def test_a_target_out_of_range_is_a_400_saying_where_targets_are_set(both):  # noqa: F811
@@ -65,4 +68,4 @@ def test_through_pd_prefill_holds_the_ttft_target_and_decode_the_itl_target(pd):
 
 def test_through_pd_a_ttft_target_neither_path_meets_is_refused_at_once(pd):  # noqa: F811
     with pytest.raises(openai.RateLimitError, match="TTFT SLO"):  # 429
-        complete(pd, {"kvmesh_slo": {"ttft_s": 1e-6}})
+        complete(pd, {"kvmesh_slo": {"ttft_s": 1e-6}}, prompt=LONG)

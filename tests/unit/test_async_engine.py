@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
@@ -133,9 +134,9 @@ def engine_stall() -> float:
 
 def test_streams_with_an_itl_target_cap_the_mixed_step_within_it_by_the_measured_lines(tiny_config):
     """One stream with a 150 ms ITL target (and a late gap to lend), a prompt waiting: the cap is what fits 0.85
-    of the target after the decode row, at the measured cost of a prompt token."""
+    of the target after the decode row, at the measured cost of a prompt token from the prompt's position."""
     from kvmesh.contracts.slo import SLO
-    from kvmesh.engine.slo import HEADROOM
+    from kvmesh.engine.slo import HEADROOM, StepCost
 
     async def run():
         engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=256, block_size=4, max_batched_tokens=4096),
@@ -143,6 +144,7 @@ def test_streams_with_an_itl_target_cap_the_mixed_step_within_it_by_the_measured
         try:
             for n, seconds in [(64, 0.03 + 64 / 400), (128, 0.03 + 128 / 400)] * 4:
                 engine.speed_fit.observe(n, seconds)
+                engine.chunk_speed.observe(n, seconds)
             for rows in [1, 2, 4, 8, 1, 2, 4, 8]:
                 engine.decode_speed.observe(rows, 0.02 + rows / 500)
 
@@ -155,10 +157,41 @@ def test_streams_with_an_itl_target_cap_the_mixed_step_within_it_by_the_measured
                 engine._size_chunks()
 
             await engine.call(setup)
-            return engine.engine.scheduler.chunk_tokens, engine._fit, engine._decode_fit
+            return engine.engine.scheduler.chunk_tokens, engine._chunk_fit, engine._decode_fit, engine._context
         finally:
             await engine.close()
 
-    cap, prefill, decode = asyncio.run(asyncio.wait_for(run(), 30))
+    cap, prefill, decode, context = asyncio.run(asyncio.wait_for(run(), 30))
     step = decode.overhead_s + 1 / decode.tok_per_s
-    assert cap == int((HEADROOM * 0.15 - step) * prefill.tok_per_s)
+    assert cap == StepCost(step, 1 / prefill.tok_per_s, context).tokens_within(HEADROOM * 0.15, 0)
+    assert cap < int((HEADROOM * 0.15 - step) * prefill.tok_per_s)  # the prompt's later tokens cost more
+
+
+def test_the_engine_measures_its_step_lines_at_start_and_leaves_no_kv_behind(tiny_config):
+    """``calibrate``: forward passes over dummy rows feed the prefill, prompt-work and decode lines, so the first
+    heartbeat and the first plan price steps at this machine's speed; nothing is cached or announced."""
+    async def run():
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=128, block_size=4), model_config=tiny_config),
+                             asyncio.get_running_loop())
+        try:
+            assert engine.speed() == {}  # nothing measured: the router keeps its configured speed
+            await engine.calibrate()
+            speed = engine.speed()
+            cached = engine.engine.blocks.num_cached_blocks + len(engine._events) + len(engine._device_keys)
+            out = [o async for o in engine.generate(EngineRequest("r", (1, 2, 3), SamplingParams(max_tokens=3)))]
+            return speed, engine._chunk_fit, engine._decode_fit, cached, out
+        finally:
+            await engine.close()
+
+    speed, chunk, decode, cached, out = asyncio.run(asyncio.wait_for(run(), 30))
+    assert speed["prefill_tok_per_s"] > 0 and speed["decode_step_s"] > 0
+    assert chunk is not None and decode is not None and cached == 0
+    assert sum(len(o.token_ids) for o in out) == 3  # it serves as before
+
+
+def test_the_calibration_passes_refuse_an_engine_that_holds_requests(tiny_config):
+    e = LLMEngine(EngineSettings(num_blocks=64, block_size=4), model_config=tiny_config)
+    assert e.time_forward([(0, 16), (0, 1)]) > 0
+    e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="holds no request"):
+        e.time_forward([(0, 16)])

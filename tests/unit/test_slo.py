@@ -8,8 +8,8 @@ import pytest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.slo import SLO, late_gaps_allowed, slo_from_proto, slo_to_proto
 from kvmesh.engine.scheduler import MIN_CHUNK
-from kvmesh.engine.sequence import Sequence
-from kvmesh.engine.slo import HEADROOM, URGENT, StepCost, plan_step
+from kvmesh.engine.sequence import Sequence, Status
+from kvmesh.engine.slo import HEADROOM, RESERVE_GAPS, URGENT, StepCost, plan_step
 
 COST = StepCost(decode_s=0.03, token_s=1 / 370)  # four streams decoding, ~370 prompt tokens a second
 
@@ -73,25 +73,27 @@ def test_a_prompt_near_its_deadline_gets_a_burst_when_every_stream_can_lend_a_la
     streams = [stream(0.15, max_tokens=256) for _ in range(4)]  # 255 gaps: 2 may run late within the p99
     p = prompt("p", 1500, 5.0)
     plan = plan_step(0.0, streams, [p], COST, 1024, None)
-    assert plan.burst and COST.step_s(plan.tokens) > 0.15
+    assert plan.burst and plan.tokens == 1024  # the late gap is spent anyway: the whole budget
     # after the burst the rest fits under the cap before the deadline
     cap = plan_step(0.0, streams, [prompt("x", 1, None)], COST, 1024, None).tokens
     rest = 1500 - plan.tokens
     assert COST.step_s(plan.tokens) + math.ceil(rest / cap) * COST.step_s(cap) <= 5.0
 
 
-def test_no_burst_when_a_stream_has_no_late_gap_left():
-    streams = [stream(0.15, max_tokens=256), stream(0.15, max_tokens=256, late=2)]
-    plan = plan_step(0.0, streams, [prompt("p", 1500, 5.0)], COST, 1024, None)
-    assert not plan.burst and COST.step_s(plan.tokens) <= 0.15
+def test_no_burst_when_a_stream_has_no_late_gap_to_lend_beyond_its_reserve():
+    for late in (2, 2 - RESERVE_GAPS):  # none left, or only the one kept for what no plan sees
+        streams = [stream(0.15, max_tokens=256), stream(0.15, max_tokens=256, late=late)]
+        plan = plan_step(0.0, streams, [prompt("p", 1500, 5.0)], COST, 1024, None)
+        assert not plan.burst and COST.step_s(plan.tokens) <= 0.15
 
 
 def simulate(arrivals: list[float], max_tokens: int, decode_s: float, token_s: float, context: float = 3072,
              horizon: float = 40.0) -> tuple[list[float], list[int]]:
     """Four streams with ITL target 150 ms decoding while 1,500-token prompts with TTFT target 6 s arrive; each
     step carries what ``plan_step`` allows, given to the prompts in rank order, and takes ``decode_s`` plus
-    ``token_s * (1 + p / context)`` for each prompt token at position p. The planner sees the cost per prompt
-    token of the step before, as the engine measures it. The prompts' TTFTs and the streams' late gaps."""
+    ``token_s * (1 + p / context)`` for each prompt token at position p. The planner sees the cost of a prompt
+    token at position 0 as the step before measured it, as the engine does. The prompts' TTFTs and the streams'
+    late gaps."""
     streams = [stream(0.15, max_tokens=max_tokens) for _ in range(4)]
     prompts = [prompt(f"p{i}", 1500, t + 6.0) for i, t in enumerate(arrivals)]
     done: dict[str, float] = {}
@@ -99,13 +101,14 @@ def simulate(arrivals: list[float], max_tokens: int, decode_s: float, token_s: f
     while len(done) < len(prompts) and now < horizon:
         waiting = [p for p, t in zip(prompts, arrivals) if t <= now and p.request_id not in done]
         plan = plan_step(now, streams, waiting, StepCost(decode_s, measured, context), 1024, None)
-        budget, took, computed = plan.tokens if plan.tokens is not None else 1024, decode_s, 0
+        budget, took, computed = plan.tokens if plan.tokens is not None else 1024, decode_s, 0.0
         for p in sorted(waiting, key=lambda p: p.slo_rank):
             n = min(budget, p.num_uncomputed)
             c = p.num_computed_tokens
             took += n * token_s * (1 + (2 * c + n - 1) / (2 * context))
             p.num_computed_tokens += n
-            budget, computed = budget - n, computed + n
+            p.status = Status.RUNNING
+            budget, computed = budget - n, computed + n * (1 + (2 * c + n - 1) / (2 * context))
             if p.num_uncomputed == 0:
                 done[p.request_id] = now
         measured = (took - decode_s) / computed if computed else measured
@@ -132,9 +135,24 @@ def test_streams_lend_late_gaps_so_the_first_of_three_long_prompts_makes_its_dea
 
 def test_a_prompts_later_tokens_count_for_more_work_than_its_first():
     cost = StepCost(0.03, 1 / 400, context=3072)
-    assert cost.work(0, 1500, at=0) == pytest.approx(1500 * (1 + 1499 / 6144))
-    assert 500 < cost.work(1000, 1500, at=1000) < cost.work(1000, 1500, at=0)
-    assert StepCost(0.03, 1 / 400).work(0, 1500, at=700) == 1500
+    assert cost.work(0, 1500) == pytest.approx(1500 * (1 + 1499 / 6144))
+    assert cost.work(1000, 1500) > cost.work(0, 500) > 500
+    assert StepCost(0.03, 1 / 400).work(700, 2200) == 1500
+
+
+def test_a_step_carries_fewer_tokens_the_further_into_its_prompt_they_sit():
+    cost = StepCost(0.03, 1 / 400, context=3072)
+    for at in (0, 700, 1400):
+        n = cost.tokens_within(0.13, at)
+        assert cost.step_s(n, at) <= 0.13 < cost.step_s(n + 1, at)
+    assert cost.tokens_within(0.13, 0) > cost.tokens_within(0.13, 1400) > 0
+    assert cost.tokens_within(0.02, 0) == 0  # not even the decode rows fit
+    # the cap follows the prompt the scheduler computes first: one far into its prompt gets fewer tokens
+    fresh, deep = prompt("fresh", 1500, None), prompt("deep", 1500, None)
+    deep.num_computed_tokens = 1200
+    deep.status = Status.RUNNING
+    alone = plan_step(0.0, [stream()], [fresh], cost, 1024, None).tokens
+    assert plan_step(0.0, [stream()], [fresh, deep], cost, 1024, None).tokens < alone
 
 
 def engine(tiny_config, **settings):

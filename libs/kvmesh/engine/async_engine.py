@@ -40,7 +40,7 @@ from kvmesh.engine.kv_cache import Imported, KVPiece, Landed, block_bytes, block
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.scheduler import chunk_budget
 from kvmesh.engine.sequence import Sequence, Status
-from kvmesh.engine.slo import StepCost, break_even_context, plan_step
+from kvmesh.engine.slo import StepCost, break_even_context, leading_position, plan_step, prompt_work
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.engines.loop import EngineLoop
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 # a prompt token's cost before any step with prompt tokens is measured
 PRIOR = SpeedFit(CostModel().prefill_overhead_s, CostModel().prefill_tok_per_s, 0)
+CALIBRATION_TOKENS = 256  # the largest prompt pass of the calibration at start
+BETWEEN_MAX_S = 0.05  # a longer pause between two decoding steps is not the loop's own cost (a stall, a GC)
 
 
 class AsyncEngine(EngineLoop, Engine):
@@ -84,13 +86,22 @@ class AsyncEngine(EngineLoop, Engine):
         # fed on the engine thread, read by heartbeats: steps with prompt tokens (a prompt token's cost, which the
         # router prices prefill with), and decode-only steps over their rows (a batch's step as it grows)
         self.speed_fit, self.decode_speed = SpeedEstimator(), SpeedEstimator()
+        # steps with prompt tokens again, over their work (a prompt token at position p counts 1 + p / context,
+        # decode rows 1): a prompt token's cost at position 0, which the step budget prices chunks with at the
+        # position they start from (engine.slo)
+        self.chunk_speed = SpeedEstimator()
         self.step_totals = StepTotals()  # fed on the engine thread, read by the metrics collector
         self._fit = self.speed_fit.fit()
         self._decode_fit = self.decode_speed.fit()
+        self._chunk_fit = self.chunk_speed.fit()
         self._steps = 0
         # measured / predicted time of the steps that mixed prompt tokens into decode rows (a running mean): the
         # lines are fitted over every step, a mixed step's share of them is what the streams' ITL depends on
         self._mixed_error = 1.0
+        # what a stream's gap adds to the step between two steps that both decode (the outputs' delivery, the
+        # next plan): a running mean, planned into each step's fixed part; the end of the last decoding step
+        self._between_s, self._decoded_until = 0.0, 0.0
+        self._burst = False  # the step being planned / just taken is a burst (engine.slo): not priced by the cap's line
         mc = engine.model_config
         self._context = break_even_context(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
                                            mc.intermediate_size)
@@ -331,11 +342,22 @@ class AsyncEngine(EngineLoop, Engine):
             return
         took, cpu = time.monotonic() - began, time.thread_time() - began_cpu
         e = self.engine
+        if e.step_decode_rows:
+            if self._decoded_until:  # the step before decoded too: the time between is part of the streams' gap
+                self._between_s = 0.9 * self._between_s + 0.1 * min(BETWEEN_MAX_S, began - self._decoded_until)
+            self._decoded_until = began + took
+        else:
+            self._decoded_until = 0.0
         if e.step_tokens:
             decode_only = e.step_decode_rows == e.step_rows
             self.step_totals.add(decode_only, e.step_rows, took, cpu)
             (self.decode_speed if decode_only else self.speed_fit).observe(e.step_tokens, took)
-            if not decode_only and e.step_decode_rows and (expected := self._expected_step()) is not None:
+            # a burst is not what the cap's steps cost (a large product runs nearer the machine's peak per token):
+            # it would bend their line and the correction after it, and the streams' next gaps with them
+            if not decode_only and not self._burst:
+                self.chunk_speed.observe(self._step_work(), took)
+            if not decode_only and e.step_decode_rows and not self._burst \
+                    and (expected := self._expected_step()) is not None:
                 ratio = min(4.0, max(0.25, took / expected))
                 self._mixed_error = 0.7 * self._mixed_error + 0.3 * ratio
         self._size_chunks()
@@ -356,21 +378,58 @@ class AsyncEngine(EngineLoop, Engine):
             if out.finished:
                 self.engine.release(out.request_id)
 
+    async def calibrate(self) -> None:
+        """Measure the step lines before the first request (``engine.calibrate``): a few forward passes over
+        dummy rows, prompt chunks of several sizes and decode batches of 1 to 8 rows, fed to the same fits the
+        steps feed, so the first heartbeat reports a measured prefill speed and the first plans price steps at
+        this machine's cost, not the configured prior. About 450 prompt tokens' worth of compute (a second or
+        two on one core for the default model); skipped where the KV pool is too small for it."""
+        await self.run(self._calibrate)
+
+    def _calibrate(self) -> None:
+        e = self.engine
+        top = min(CALIBRATION_TOKENS, e.scheduler.max_batched_tokens, e.kv.num_blocks * e.cfg.block_size * 8 // 9)
+        if top < 16:
+            log.info("no calibration: the KV pool or the step budget is too small for it")
+            return
+        began = time.monotonic()
+        # (first position, tokens) of each prompt pass; the first one pays one-off costs, and each fit skips it
+        for first, n in ((0, top // 16), (0, top // 8), (0, top * 3 // 8), (0, top), (top, top // 8)):
+            took = e.time_forward([(first, n)])
+            self.speed_fit.observe(n, took)
+            self.chunk_speed.observe(prompt_work(first, first + n, self._context), took)
+        for rows in (1, 1, 2, 4, 8):
+            self.decode_speed.observe(rows, e.time_forward([(top // 16, 1)] * rows))
+        self._fit, self._decode_fit = self.speed_fit.fit(), self.decode_speed.fit()
+        self._chunk_fit = self.chunk_speed.fit()
+        log.info("calibrated in %.2f s: prefill %s, decode %s", time.monotonic() - began,
+                 f"{self._fit.tok_per_s:.0f} tok/s + {self._fit.overhead_s * 1e3:.1f} ms" if self._fit else "-",
+                 f"{self._decode_fit.overhead_s * 1e3:.1f} ms + {1e3 / self._decode_fit.tok_per_s:.2f} ms/row"
+                 if self._decode_fit else "-")
+
+    def _step_work(self) -> float:
+        """The last step's work: its decode rows, and its prompt tokens each by its position (``prompt_work``)."""
+        e = self.engine
+        return e.step_decode_rows + sum(prompt_work(first, first + n, self._context)
+                                        for first, n in e.step_prompt_chunks)
+
     def _step_cost(self, rows: int) -> StepCost:
-        """A step of ``rows`` decode rows, and what each prompt token adds to it, from the measured lines (the
-        prefill line alone until decode-only steps are measured; the configured prior before anything is)."""
-        prefill = self._fit or PRIOR
+        """A step of ``rows`` decode rows, and what a prompt token at position 0 adds to it, from the measured
+        lines (the prompt line alone until decode-only steps are measured; the configured prior before anything
+        is)."""
+        prefill = self._chunk_fit or PRIOR
         d = self._decode_fit
         decode_s = d.overhead_s + rows / d.tok_per_s if d is not None else prefill.overhead_s + rows / prefill.tok_per_s
-        return StepCost(decode_s, 1.0 / prefill.tok_per_s)
+        return StepCost(decode_s, 1.0 / prefill.tok_per_s, self._context)
 
     def _expected_step(self) -> float | None:
-        """The plan's estimate of the mixed step just taken (from its decode rows and prompt tokens), before the
-        running correction."""
+        """The plan's estimate of the mixed step just taken (from its decode rows and its prompt tokens' work),
+        before the running correction."""
         e = self.engine
-        if self._fit is None and self._decode_fit is None:
+        if self._chunk_fit is None and self._decode_fit is None:
             return None
-        return self._step_cost(e.step_decode_rows).step_s(e.step_tokens - e.step_decode_rows)
+        cost = self._step_cost(e.step_decode_rows)
+        return cost.decode_s + (self._step_work() - e.step_decode_rows) * cost.token_s
 
     def _size_chunks(self) -> None:
         """Size the next step's prompt tokens beside the decode rows and rank the prompts (``slo.plan_step``):
@@ -380,8 +439,10 @@ class AsyncEngine(EngineLoop, Engine):
         at. Until a prompt's cost is measured (the first steps with prompt tokens), the configured prior prices
         it."""
         self._steps += 1
+        self._burst = False
         if self._steps % 8 == 1:
             self._fit, self._decode_fit = self.speed_fit.fit(), self.decode_speed.fit()
+            self._chunk_fit = self.chunk_speed.fit()
         if self._fit is None and self._decode_fit is None:
             return  # nothing measured yet: the first steps run the whole token budget
         prefill = self._fit or PRIOR
@@ -393,9 +454,14 @@ class AsyncEngine(EngineLoop, Engine):
         decoding = [s for s in sched.running if not s.in_prefill]
         prompts = [s for s in sched.running if s.in_prefill] + list(sched.waiting)
         cost = self._step_cost(len(decoding))
-        cost = StepCost(cost.decode_s * self._mixed_error, cost.token_s * self._mixed_error, self._context)
+        cost = cost._replace(decode_s=cost.decode_s * self._mixed_error + self._between_s,
+                             token_s=cost.token_s * self._mixed_error)
         plan = plan_step(time.monotonic(), decoding, prompts, cost, sched.max_batched_tokens, best_effort)
-        sched.chunk_tokens = plan.tokens
+        sched.chunk_tokens, self._burst = plan.tokens, plan.burst
+        if log.isEnabledFor(logging.DEBUG) and prompts and decoding:
+            log.debug("step plan: %d streams, %d prompts: %s (a step of it ~%.0f ms; between steps %.1f ms)",
+                      len(decoding), len(prompts), plan.reason,
+                      1e3 * cost.step_s(plan.tokens or 0, leading_position(prompts)), 1e3 * self._between_s)
 
     def _flush_events(self) -> None:
         if not self._events:
@@ -448,4 +514,7 @@ async def start_native(cfg: EngineSettings) -> AsyncEngine:
 
     loop = asyncio.get_running_loop()
     llm = await loop.run_in_executor(None, LLMEngine, cfg)
-    return AsyncEngine(llm, loop, model_name=model_name(cfg.model))
+    engine = AsyncEngine(llm, loop, model_name=model_name(cfg.model))
+    if cfg.calibrate:
+        await engine.calibrate()
+    return engine

@@ -177,6 +177,7 @@ class LLMEngine:
         self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
         self.step_rows = 0  # sequences in the last step
         self.step_decode_rows = 0  # of them, those computing one generated token (== step_rows: decode-only)
+        self.step_prompt_chunks: list[tuple[int, int]] = []  # the others: (first position, tokens) each
         self.default_slo = SLO(cfg.slo_ttft_s, cfg.slo_itl_s)  # for requests that set no target
         # requests with a target that finished (stop / length), by whether they met their targets (goodput)
         self.slo_outcomes = dict.fromkeys(("met", "missed", "missed_ttft", "missed_itl"), 0)
@@ -337,6 +338,7 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         self.step_tokens = self.step_rows = self.step_decode_rows = 0
+        self.step_prompt_chunks = []
         if self._pending:  # deliver imported first tokens before spending a forward step
             pending, self._pending = self._pending, []
             return pending
@@ -348,6 +350,7 @@ class LLMEngine:
             scheduled = sorted(scheduled, key=lambda s: s.seq.lora_name)
         slices, tokens, sample_idx, samplers = [], [], [], []
         groups: list[tuple[LoRASpec, int, int]] = []
+        chunks: list[tuple[int, int]] = []
         start = decode_rows = 0
         for seq, n in scheduled:
             if seq.lora is not None:
@@ -356,7 +359,10 @@ class LLMEngine:
                 else:
                     groups.append((seq.lora, start, start + n))
             begin = seq.num_computed_tokens
-            decode_rows += n == 1 and begin >= len(seq.prompt_token_ids)
+            if n == 1 and begin >= len(seq.prompt_token_ids):
+                decode_rows += 1
+            else:
+                chunks.append((begin, n))
             slices.append(SeqSlice(start, n, begin + n, seq.block_table))
             tokens.append(seq.all_token_ids[begin:begin + n])
             start += n
@@ -364,6 +370,7 @@ class LLMEngine:
                 sample_idx.append(start - 1)
                 samplers.append(seq)
         self.step_tokens, self.step_rows, self.step_decode_rows = start, len(scheduled), decode_rows
+        self.step_prompt_chunks = chunks
         try:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])
@@ -402,6 +409,31 @@ class LLMEngine:
             else:
                 pending.append(self._fail(seq, SequenceError(seq.request_id, fault.message, fault.client_fault)))
         return pending
+
+    def time_forward(self, rows: list[tuple[int, int]]) -> float:
+        """Seconds of one forward pass over dummy rows, each ``(first position, tokens)`` with its logits, as a
+        step of those rows takes (the engine's calibration at start: ``AsyncEngine.calibrate``). Their KV goes
+        to blocks no request holds, all rows to the same ones. Only on an engine that holds nothing yet (no
+        request, no cached block): RuntimeError otherwise."""
+        if self._requests or self.blocks.num_cached_blocks or self.blocks.num_free_blocks < self.kv.num_blocks:
+            raise RuntimeError("time_forward runs only on an engine that holds no request and no KV yet")
+        bs = self.cfg.block_size
+        table = list(range(min(self.kv.num_blocks, -(-max(a + n for a, n in rows) // bs))))
+        if len(table) * bs < max(a + n for a, n in rows):
+            raise ValueError(f"rows reach past the {self.kv.num_blocks} blocks of the KV pool")
+        slices, tokens, sample_idx, start = [], [], [], 0
+        vocab = self.model_config.vocab_size
+        for first, n in rows:
+            slices.append(SeqSlice(start, n, first + n, table))
+            tokens.append([(first + i) * 7919 % vocab for i in range(n)])
+            start += n
+            sample_idx.append(start - 1)
+        batch = ForwardBatch.build(slices, tokens, bs, sample_idx, self.cfg.device)
+        began = time.monotonic()
+        self.model(batch, self.kv, self.attn, None, None)
+        if self.kv.k.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.monotonic() - began
 
     def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int | RowFault]:
         """One token per row (or the row's fault), grammar masks applied. ``sample`` isolates its rows; should

@@ -4,14 +4,16 @@ which prompts get them first.
 The running streams' ITL targets cap a step: it is planned to end within ``HEADROOM`` of the tightest target
 (``SPENT_HEADROOM`` for a stream with no late gap left to lose; streams without a target are held back by the
 best-effort rule instead, ``scheduler.chunk_budget``). A prompt's tokens cost more the later they sit in it (their
-attention covers the ones before: ``StepCost.work``). The
-waiting prompts' TTFT targets order the prompts (earliest deadline first, among those that can still make it at
-full speed; the rest keep their arrival order behind them) and say how many tokens a step must carry for them
-to make it. When that is more than the streams' cap, the streams may lend: a step may run past their ITL
-targets only while every stream with a target can still take a late gap within its p99
-(``Sequence.late_allowance``; a stream without a target always lends). Such a step (a burst) carries what the
-prompts need for the remaining steps to fit under the cap again. Otherwise the cap holds and the prompt may miss:
-a stream's ITL is not traded for one prompt's TTFT beyond its own p99.
+attention covers the ones before: ``StepCost.work``), so the cap is sized at the position the leading prompt has
+reached. The waiting prompts' TTFT targets order the prompts (earliest deadline first, among those that can still
+make it at full speed; the rest keep their arrival order behind them) and say how many tokens a step must carry
+for them to make it. When that is more than the streams' cap, the streams may lend: a step may run past their
+ITL targets only while every stream with a target has a late gap to lend within its p99 beyond ``RESERVE_GAPS``
+kept for what no plan sees (a stolen core, a pause; ``Sequence.late_allowance``; a stream without a target
+always lends). Such a step (a burst) carries the whole step budget: the late gap is spent however long it runs,
+and a large step computes a prompt token for less than the small ones under the cap do (a large matrix
+product is nearer the machine's peak). Otherwise the cap holds and the prompt may miss: a stream's ITL is not
+traded for one prompt's TTFT beyond its own p99.
 
 Pure functions of the engine's measured step costs, so they are tested without a model.
 """
@@ -24,34 +26,50 @@ from typing import NamedTuple
 
 from kvmesh.contracts.slo import ITL_HEADROOM
 from kvmesh.engine.scheduler import MIN_CHUNK
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.sequence import Sequence, Status
 
 HEADROOM = ITL_HEADROOM  # a step is planned to end this share of the tightest ITL target after the one before
 SPENT_HEADROOM = 0.7  # ... of the target of a stream with no late gap left to lose
 TTFT_HEADROOM = 0.9  # a prompt is planned to finish within this share of the time left to its deadline
-BURST_MARGIN = 1.25  # a burst carries this much more than the bare need (the cost line is an estimate)
+RESERVE_GAPS = 1  # late gaps a stream keeps within its p99 for what no plan sees; it lends only those beyond
 URGENT, IN_TURN = 0, 1  # Sequence.slo_rank's first field: a prompt that can still make its deadline, the others
 
 
+def prompt_work(first: int, end: int, context: float) -> float:
+    """Tokens ``first .. end - 1`` of a prompt in units of a prompt token at position 0: a token at position p
+    costs ``1 + p / context`` of those (``StepCost.context``; 0: every token the same)."""
+    if not context:
+        return float(end - first)
+    return (end - first) * (1 + (first + end - 1) / (2 * context))
+
+
 class StepCost(NamedTuple):
-    """What a step costs here: ``decode_s``, the decode-only step of the running batch; ``token_s``, what each
-    prompt token adds to it at the positions the last steps computed (both measured by the engine's owner);
-    ``context``: the position at which a prompt token's attention (over the tokens before it) costs as much as
-    its matmuls, so a token at position p costs ``1 + p / context`` in units of one at position 0 (0: ignore
-    the position)."""
+    """What a step costs here: ``decode_s``, the decode-only step of the running batch; ``token_s``, what a
+    prompt token at position 0 adds to it (both measured by the engine's owner); ``context``: the position at
+    which a prompt token's attention (over the tokens before it) costs as much as its matmuls, so a token at
+    position p costs ``1 + p / context`` of those (0: ignore the position)."""
 
     decode_s: float
     token_s: float
     context: float = 0.0
 
-    def step_s(self, tokens: int) -> float:
-        return self.decode_s + tokens * self.token_s
+    def step_s(self, tokens: int, at: int = 0) -> float:
+        """A step with ``tokens`` prompt tokens from position ``at``."""
+        return self.decode_s + self.work(at, at + tokens) * self.token_s
 
-    def work(self, first: int, end: int, at: int) -> float:
-        """Tokens ``first .. end - 1`` of a prompt in units of a prompt token at position ``at``."""
+    def work(self, first: int, end: int) -> float:
+        """Tokens ``first .. end - 1`` of a prompt in units of a prompt token at position 0."""
+        return prompt_work(first, end, self.context)
+
+    def tokens_within(self, seconds: float, at: int) -> int:
+        """The most prompt tokens from position ``at`` a step may carry and end within ``seconds``."""
+        units = (seconds - self.decode_s) / self.token_s
+        if units <= 0:
+            return 0
         if not self.context:
-            return float(end - first)
-        return (end - first) * (1 + (first + end - 1) / (2 * self.context)) / (1 + at / self.context)
+            return int(units)
+        b = 1 + (2 * at - 1) / (2 * self.context)  # work(at, at + n) = n * b + n^2 / (2 context)
+        return int(self.context * (math.sqrt(b * b + 2 * units / self.context) - b))
 
 
 class Plan(NamedTuple):
@@ -81,17 +99,6 @@ def _need(pending: list[Due], cost: StepCost) -> float:
     return need
 
 
-def _burst(pending: list[Due], cost: StepCost, cap: int) -> float:
-    """Tokens of one step so that, at ``cap`` per step afterwards, every prompt in ``pending`` finishes in time."""
-    worst = 0.0
-    for d in pending:
-        per_token = cost.token_s * d.work / d.tokens  # these prompts' tokens cost this on average
-        pace = cap / (cost.decode_s + cap * per_token)  # prompt tokens a second at the cap
-        # decode_s + B * per_token + (tokens - B) / pace <= left
-        worst = max(worst, (cost.decode_s + d.tokens / pace - d.left) / (1 / pace - per_token))
-    return worst
-
-
 def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int) -> list[Due]:
     """Set each prompt's ``slo_rank`` (deadline first among those that can still make it at full speed, the
     others in arrival order behind them) and return the urgent ones' ``Due`` s, with ``TTFT_HEADROOM`` of the time
@@ -100,11 +107,10 @@ def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int
     for p in prompts:
         p.slo_rank = (IN_TURN, 0.0)
     timed = sorted((p for p in prompts if p.ttft_deadline is not None), key=lambda p: p.ttft_deadline)
-    at = timed[0].num_computed_tokens if timed else 0  # where the steps measured lately computed, about
     pending: list[Due] = []
     tokens, work = 0, 0.0
     for p in timed:
-        more = cost.work(p.num_computed_tokens, p.num_tokens, at)
+        more = cost.work(p.num_computed_tokens, p.num_tokens)
         full_speed = (work + more) * cost.token_s + math.ceil((tokens + p.num_uncomputed) / max(1, budget)) \
             * cost.decode_s
         if full_speed > p.ttft_deadline - now:
@@ -127,7 +133,7 @@ def plan_step(now: float, decoding: Seq[Sequence], prompts: Seq[Sequence], cost:
                for s in decoding if s.itl_target > 0]
     caps = []
     if targets:
-        caps.append(max(MIN_CHUNK, int((min(targets) - cost.decode_s) / cost.token_s)))
+        caps.append(max(MIN_CHUNK, cost.tokens_within(min(targets), leading_position(prompts))))
     if best_effort is not None and len(targets) < len(decoding):
         caps.append(best_effort)
     if not caps:
@@ -136,11 +142,20 @@ def plan_step(now: float, decoding: Seq[Sequence], prompts: Seq[Sequence], cost:
     need = _need(pending, cost) if pending else 0.0
     if need <= cap:
         return Plan(cap, False, f"cap {cap}: the prompts' deadlines need {math.ceil(need)} a step")
-    lenders = all(s.late_allowance > 0 for s in decoding if s.itl_target > 0)
+    lenders = all(s.late_allowance > RESERVE_GAPS for s in decoding if s.itl_target > 0)
     if not lenders:
-        return Plan(cap, False, f"cap {cap}: the prompts need {need:.0f} a step, the streams have no late gap left")
-    tokens = min(budget, max(cap + 1, math.ceil(BURST_MARGIN * _burst(pending, cost, cap))))
-    return Plan(tokens, True, f"burst of {tokens}: the prompts need {need:.0f} a step at cap {cap}")
+        return Plan(cap, False, f"cap {cap}: the prompts need {need:.0f} a step, the streams have no late gap "
+                                f"to lend")
+    return Plan(budget, True, f"burst of {budget}: the prompts need {need:.0f} a step at cap {cap}")
+
+
+def leading_position(prompts: Seq[Sequence]) -> int:
+    """The position the next step's first prompt tokens start at: the scheduler gives a step's prompt tokens to
+    the prompts it is computing first, then to the waiting ones, each in rank order."""
+    if not prompts:
+        return 0
+    lead = min(prompts, key=lambda p: (p.status is Status.WAITING, p.slo_rank))
+    return lead.num_computed_tokens
 
 
 def break_even_context(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> float:

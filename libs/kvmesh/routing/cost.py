@@ -184,11 +184,11 @@ class SpeedEstimator:
         self.outlier = outlier
         self.slope_error = slope_error
         self._skip = warmup_steps
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._steps: deque[tuple[float, float]] = deque(maxlen=window)
         self._lock = threading.Lock()
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One forward step that computed ``tokens`` tokens in ``seconds``."""
+    def observe(self, tokens: float, seconds: float) -> None:
+        """One forward step that computed ``tokens`` tokens (or units of work) in ``seconds``."""
         if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
             return
         if self._skip > 0:
@@ -222,7 +222,7 @@ class SpeedEstimator:
             return {}
         return {"prefill_tok_per_s": round(fit.tok_per_s, 3), "prefill_overhead_s": round(fit.overhead_s, 6)}
 
-    def _solve(self, steps: list[tuple[int, float]], weights: list[float],
+    def _solve(self, steps: list[tuple[float, float]], weights: list[float],
                kept: list[int]) -> tuple[tuple[float, float], bool]:
         """(overhead, seconds per token) of the kept steps, and whether the steps alone determined both."""
         w = w2 = sn = st = snn = snt = stt = 0.0
