@@ -19,14 +19,14 @@ def to_candidates(instances: list[Instance], matched: dict[str, int],
                   itl_s: float = 0.0) -> list[Candidate]:
     """``cost``: the configured model, which an instance's measured speed and block size override.
     ``lora_missing``: instances that lack the request's LoRA adapter (they would load it first). ``itl_s``: the
-    request's ITL target: an instance that decodes streams computes a prompt only in what each step has left
-    beside them under such a target (``local_share`` of its measured decode step), so its prefill is priced
-    that much slower."""
+    request's ITL target: an instance that decodes streams and sizes its steps by their targets (it reports
+    its decode step, ``decode_step_s``: the native engine) computes a prompt only in what each step has left
+    beside them (``local_share``), so its prefill is priced that much slower."""
     cost = cost or CostModel()
 
     def share(i: Instance) -> float:
-        load = i.beat.load
-        return local_share(load.get("decode_step_s", 0.0), itl_s) if itl_s and load.get("running", 0) else 1.0
+        step, running = i.beat.load.get("decode_step_s", 0.0), i.beat.load.get("running", 0)
+        return local_share(step, itl_s) if itl_s and step and running else 1.0
 
     return [Candidate(i.id, queued_tokens=int(i.waiting_tokens), running=int(i.queue_depth),
                       local_blocks=matched.get(i.id, 0),

@@ -149,6 +149,8 @@ def test_an_instance_decoding_streams_under_an_itl_target_is_priced_at_its_promp
     cands = {c.id: c for c in to_candidates(reg.alive(), {}, CONFIGURED, itl_s=0.15)}
     assert cands["busy"].share == pytest.approx(share) and share < 1 and cands["idle"].share == 1.0
     assert all(c.share == 1.0 for c in to_candidates(reg.alive(), {}, CONFIGURED))
+    reg.observe(beat("vllm", running=4, prefill_tok_per_s=400.0))  # no decode step reported: no ITL cap there
+    assert {c.id: c.share for c in to_candidates(reg.alive(), {}, CONFIGURED, itl_s=0.15)}["vllm"] == 1.0
     scores = CacheAware(CONFIGURED).choose(list(cands.values()), prompt_tokens=1500, block_size=16).scores
     assert scores["busy"] == pytest.approx(1500 / 400 / share) and scores["idle"] == pytest.approx(1500 / 400)
     # admission by the TTFT target uses the same estimate: 3.75 s fits 4.5 s idle, not beside the streams

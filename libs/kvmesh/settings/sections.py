@@ -300,10 +300,10 @@ class EngineSettings(Section):
                                      "share of the steps")
     slo_itl_s: float = setting(0.0, "ITL target (the p99 of a request's gaps between tokens) of a request that sets "
                                     "none, seconds (0 = none: mixed_step_stall holds it back instead)")
-    calibrate: bool = setting(True, "measure the prefill and decode step costs at start with a few forward "
-                                    "passes over dummy rows (about 450 prompt tokens of compute), so routing and "
-                                    "the step budget price work at this machine's speed from the first request "
-                                    "(off: the configured prior until requests are measured)")
+    calibrate: bool = setting(True, "native engine: measure the prefill and decode step costs at start with a "
+                                    "few forward passes over dummy rows (about 450 prompt tokens of compute), so "
+                                    "routing and the step budget price work at this machine's speed from the "
+                                    "first request (off: the configured prior until requests are measured)")
     max_model_len: int = setting(0, "context limit (0 = the model's max_position_embeddings)")
     lora_adapters: str = setting("", "LoRA adapters loaded at start: NAME=PATH,... (PEFT directories)")
     max_loras: int = setting(4, "LoRA adapters resident at once (LRU swapped beyond)")
