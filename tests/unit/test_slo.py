@@ -215,3 +215,15 @@ def test_the_engine_reports_its_goodput_in_its_metrics(tiny_config):
             await a.close()
 
     assert asyncio.run(asyncio.wait_for(run(), 30))["met"] == 1
+
+
+def test_a_burst_comes_at_once_when_the_cap_shrinking_along_the_prompt_would_make_it_miss():
+    """At the cap of its first position a 1,500-token prompt would make a 6 s deadline; its later tokens cost
+    more (attention), so the same step length carries fewer of them and it would miss: the streams lend now,
+    while they still can, not once the deadline is near."""
+    def plan(context: float):
+        streams = [stream(0.15, max_tokens=256) for _ in range(4)]
+        return plan_step(0.0, streams, [prompt("p", 1500, 6.0)], StepCost(0.03, 1 / 400, context), 1024, None)
+
+    assert not plan(0).burst  # every token the same: the cap makes it
+    assert plan(3072).burst and plan(3072).tokens == 1024

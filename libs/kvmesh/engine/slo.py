@@ -6,8 +6,9 @@ The running streams' ITL targets cap a step: it is planned to end within ``HEADR
 best-effort rule instead, ``scheduler.chunk_budget``). A prompt's tokens cost more the later they sit in it (their
 attention covers the ones before: ``StepCost.work``), so the cap is sized at the position the leading prompt has
 reached. The waiting prompts' TTFT targets order the prompts (earliest deadline first, among those that can still
-make it at full speed; the rest keep their arrival order behind them) and say how many tokens a step must carry
-for them to make it. When that is more than the streams' cap, the streams may lend: a step may run past their
+make it at full speed; the rest keep their arrival order behind them) and say whether steps at the cap, which
+carries fewer tokens the further a prompt has got, finish them in time. When they would not, the streams may
+lend at once (before an ordinary slow step spends what they could lend): a step may run past their
 ITL targets only while every stream with a target has a late gap to lend within its p99 beyond ``RESERVE_GAPS``
 kept for what no plan sees (a stolen core, a pause; ``Sequence.late_allowance``; a stream without a target
 always lends). Such a step (a burst) carries the whole step budget: the late gap is spent however long it runs,
@@ -21,6 +22,7 @@ Pure functions of the engine's measured step costs, so they are tested without a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -32,6 +34,7 @@ HEADROOM = ITL_HEADROOM  # a step is planned to end this share of the tightest I
 SPENT_HEADROOM = 0.7  # ... of the target of a stream with no late gap left to lose
 TTFT_HEADROOM = 0.9  # a prompt is planned to finish within this share of the time left to its deadline
 RESERVE_GAPS = 1  # late gaps a stream keeps within its p99 for what no plan sees; it lends only those beyond
+SPAN = 128  # positions over which _late_at_cap holds the cap constant
 URGENT, IN_TURN = 0, 1  # Sequence.slo_rank's first field: a prompt that can still make its deadline, the others
 
 
@@ -79,24 +82,29 @@ class Plan(NamedTuple):
 
 
 class Due(NamedTuple):
-    """The prompts up to one deadline, in deadline order: their tokens and their work (``StepCost.work``) left,
-    and the seconds left to plan with."""
+    """A prompt with a deadline, in deadline order: where its uncomputed tokens start, how many there are, and
+    the seconds left to plan with."""
 
+    start: int
     tokens: int
-    work: float
     left: float
 
 
-def _need(pending: list[Due], cost: StepCost) -> float:
-    """The tokens a step must carry, at a constant chunk per step, for every prompt in ``pending`` to finish in
-    time; inf when some cannot at any chunk."""
-    need = 0.0
+def _late_at_cap(pending: list[Due], cost: StepCost, cap_at: Callable[[int], int]) -> float:
+    """How far past its time the worst prompt in ``pending`` finishes when every step carries the cap
+    (``cap_at(position)``: fewer tokens the further into a prompt), the prompts one after another in deadline
+    order; <= 0 when they all make it."""
+    took, worst = 0.0, -math.inf
     for d in pending:
-        spare = d.left - d.work * cost.token_s  # what the steps' fixed part may take
-        if spare <= 0:
-            return math.inf
-        need = max(need, d.tokens * cost.decode_s / spare)
-    return need
+        at, end = d.start, d.start + d.tokens
+        while at < end:  # in spans of SPAN positions, each at the cap where it starts (it shrinks slowly)
+            span = min(SPAN, end - at)
+            took += math.ceil(span / max(1, cap_at(at))) * cost.decode_s + cost.work(at, at + span) * cost.token_s
+            at += span
+        worst = max(worst, took - d.left)
+        if worst > 0:
+            return worst  # this one misses: that is all the plan needs to know
+    return worst
 
 
 def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int) -> list[Due]:
@@ -117,7 +125,7 @@ def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int
             continue  # it misses whatever this step does: it keeps its turn, the others are not held up
         tokens, work = tokens + p.num_uncomputed, work + more
         p.slo_rank = (URGENT, p.ttft_deadline)
-        pending.append(Due(tokens, work, TTFT_HEADROOM * (p.ttft_deadline - now)))
+        pending.append(Due(p.num_computed_tokens, p.num_uncomputed, TTFT_HEADROOM * (p.ttft_deadline - now)))
     return pending
 
 
@@ -131,22 +139,24 @@ def plan_step(now: float, decoding: Seq[Sequence], prompts: Seq[Sequence], cost:
         return Plan(None, False, "no stream decoding: the whole budget")
     targets = [s.itl_target * (HEADROOM if s.late_allowance > 0 else SPENT_HEADROOM)
                for s in decoding if s.itl_target > 0]
-    caps = []
-    if targets:
-        caps.append(max(MIN_CHUNK, cost.tokens_within(min(targets), leading_position(prompts))))
-    if best_effort is not None and len(targets) < len(decoding):
-        caps.append(best_effort)
-    if not caps:
+    limit = min(targets) if targets else None
+    held = best_effort if best_effort is not None and len(targets) < len(decoding) else None
+    if limit is None and held is None:
         return Plan(None, False, "no cap")
-    cap = min(caps)
-    need = _need(pending, cost) if pending else 0.0
-    if need <= cap:
-        return Plan(cap, False, f"cap {cap}: the prompts' deadlines need {math.ceil(need)} a step")
+
+    def cap_at(position: int) -> int:
+        caps = [max(MIN_CHUNK, cost.tokens_within(limit, position))] if limit is not None else []
+        return min(caps + ([held] if held is not None else []))
+
+    cap = cap_at(leading_position(prompts))
+    late = _late_at_cap(pending, cost, cap_at) if pending else -math.inf
+    if late <= 0:
+        return Plan(cap, False, f"cap {cap}: the prompts make their deadlines at it")
     lenders = all(s.late_allowance > RESERVE_GAPS for s in decoding if s.itl_target > 0)
     if not lenders:
-        return Plan(cap, False, f"cap {cap}: the prompts need {need:.0f} a step, the streams have no late gap "
-                                f"to lend")
-    return Plan(budget, True, f"burst of {budget}: the prompts need {need:.0f} a step at cap {cap}")
+        return Plan(cap, False, f"cap {cap}: at it a prompt would finish {late:.2f}s late, the streams have no "
+                                f"late gap to lend")
+    return Plan(budget, True, f"burst of {budget}: at cap {cap} a prompt would finish {late:.2f}s late")
 
 
 def leading_position(prompts: Seq[Sequence]) -> int:
