@@ -355,11 +355,11 @@ class AsyncEngine(EngineLoop, Engine):
             # a burst is not what the cap's steps cost (a large product runs nearer the machine's peak per token):
             # it would bend their line and the correction after it, and the streams' next gaps with them
             if not decode_only and not self._burst:
-                self.chunk_speed.observe(self._step_work(), took)
-            if not decode_only and e.step_decode_rows and not self._burst \
-                    and (expected := self._expected_step()) is not None:
-                ratio = min(4.0, max(0.25, took / expected))
-                self._mixed_error = 0.7 * self._mixed_error + 0.3 * ratio
+                work = self._step_work()
+                self.chunk_speed.observe(work, took)
+                if e.step_decode_rows and (expected := self._expected_step(work)) is not None:
+                    ratio = min(4.0, max(0.25, took / expected))
+                    self._mixed_error = 0.7 * self._mixed_error + 0.3 * ratio
         self._size_chunks()
         if self._unscheduled:
             for rid, (seq, timing) in list(self._unscheduled.items()):
@@ -400,8 +400,7 @@ class AsyncEngine(EngineLoop, Engine):
             self.chunk_speed.observe(prompt_work(first, first + n, self._context), took)
         for rows in (1, 1, 2, 4, 8):
             self.decode_speed.observe(rows, e.time_forward([(top // 16, 1)] * rows))
-        self._fit, self._decode_fit = self.speed_fit.fit(), self.decode_speed.fit()
-        self._chunk_fit = self.chunk_speed.fit()
+        self._refit()
         log.info("calibrated in %.2f s: prefill %s, decode %s", time.monotonic() - began,
                  f"{self._fit.tok_per_s:.0f} tok/s + {self._fit.overhead_s * 1e3:.1f} ms" if self._fit else "-",
                  f"{self._decode_fit.overhead_s * 1e3:.1f} ms + {1e3 / self._decode_fit.tok_per_s:.2f} ms/row"
@@ -422,14 +421,18 @@ class AsyncEngine(EngineLoop, Engine):
         decode_s = d.overhead_s + rows / d.tok_per_s if d is not None else prefill.overhead_s + rows / prefill.tok_per_s
         return StepCost(decode_s, 1.0 / prefill.tok_per_s, self._context)
 
-    def _expected_step(self) -> float | None:
-        """The plan's estimate of the mixed step just taken (from its decode rows and its prompt tokens' work),
-        before the running correction."""
+    def _expected_step(self, work: float) -> float | None:
+        """The plan's estimate of the mixed step just taken (from its decode rows and its ``work``,
+        ``_step_work``), before the running correction."""
         e = self.engine
         if self._chunk_fit is None and self._decode_fit is None:
             return None
         cost = self._step_cost(e.step_decode_rows)
-        return cost.decode_s + (self._step_work() - e.step_decode_rows) * cost.token_s
+        return cost.decode_s + (work - e.step_decode_rows) * cost.token_s
+
+    def _refit(self) -> None:
+        self._fit, self._decode_fit = self.speed_fit.fit(), self.decode_speed.fit()
+        self._chunk_fit = self.chunk_speed.fit()
 
     def _size_chunks(self) -> None:
         """Size the next step's prompt tokens beside the decode rows and rank the prompts (``slo.plan_step``):
@@ -441,8 +444,7 @@ class AsyncEngine(EngineLoop, Engine):
         self._steps += 1
         self._burst = False
         if self._steps % 8 == 1:
-            self._fit, self._decode_fit = self.speed_fit.fit(), self.decode_speed.fit()
-            self._chunk_fit = self.chunk_speed.fit()
+            self._refit()
         if self._fit is None and self._decode_fit is None:
             return  # nothing measured yet: the first steps run the whole token budget
         prefill = self._fit or PRIOR

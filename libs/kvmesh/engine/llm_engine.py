@@ -418,9 +418,10 @@ class LLMEngine:
         if self._requests or self.blocks.num_cached_blocks or self.blocks.num_free_blocks < self.kv.num_blocks:
             raise RuntimeError("time_forward runs only on an engine that holds no request and no KV yet")
         bs = self.cfg.block_size
-        table = list(range(min(self.kv.num_blocks, -(-max(a + n for a, n in rows) // bs))))
-        if len(table) * bs < max(a + n for a, n in rows):
+        blocks = -(-max(first + n for first, n in rows) // bs)
+        if blocks > self.kv.num_blocks:
             raise ValueError(f"rows reach past the {self.kv.num_blocks} blocks of the KV pool")
+        table = list(range(blocks))
         slices, tokens, sample_idx, start = [], [], [], 0
         vocab = self.model_config.vocab_size
         for first, n in rows:
