@@ -16,6 +16,7 @@ from kvmesh.contracts.ids import NamespaceSeed, handoff_prefix
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.layout import layout_mismatch
 from kvmesh.contracts.messages import KVReady
+from kvmesh.engines.convert import convert_import
 from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import SpanKind
@@ -112,7 +113,7 @@ class KVIntake:
             transfer.discard_prefix(handoff_prefix(request_id))
             return _fallback(f"prefill {ready.prefill_instance}: {ready.error}", received_ns)
         diff = "none given" if ready.layout is None else layout_mismatch(self.w.layout, ready.layout)
-        if diff is not None:
+        if diff is not None and ready.layout not in self.w.convertible:
             transfer.discard_prefix(handoff_prefix(request_id))
             return _fallback(f"pushed KV's layout does not match this engine's: {diff}", received_ns)
         t = time.monotonic()
@@ -149,14 +150,19 @@ class KVIntake:
             lease = reservation.lease
         elif assembly.landed_bytes:  # cannot happen: a landing exists only for a reservation; never consume
             return _fallback("parts landed in place, but no reservation holds them", received_ns)
-        imported = ImportedKV(self.w.layout, len(prompt), ready.first_token, first, tuple(assembly.parts), lease,
-                              ready.first_logprobs)
+        imported = ImportedKV(ready.layout or self.w.layout, len(prompt), ready.first_token, first,
+                              tuple(assembly.parts), lease, ready.first_logprobs)
+        if diff is not None:  # pushed in a dtype this instance names (kv_convert_from): cast to its own
+            try:
+                imported = convert_import(imported, self.w.layout)
+            except ValueError as e:
+                return _fallback(f"pushed KV could not be converted: {e}", received_ns)
         self.w.metrics.transfer_bytes.labels("receive_in_place").inc(assembly.landed_bytes)
         return Intake(imported, "", received_ns, {
             "kvmesh.in_place": assembly.landed_bytes > 0, "kvmesh.landed_bytes": assembly.landed_bytes,
             "kvmesh.reserved_blocks": len(reservation.block_ids) if reservation is not None else 0,
             "kvmesh.blocks": assembly.end - first, "kvmesh.bytes": nbytes,
-            "kvmesh.first_block": first, "kvmesh.parts": len(parts),
+            "kvmesh.first_block": first, "kvmesh.parts": len(parts), "kvmesh.converted": diff is not None,
             "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
             "kvmesh.receive_ms": round(sum(got.seconds for got in parts) * 1e3, 3),
             "kvmesh.prefill_instance": ready.prefill_instance})

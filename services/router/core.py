@@ -23,6 +23,7 @@ from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
 from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA
 from kvmesh.contracts.keys import Namespace, block_keys
+from kvmesh.contracts.layout import converter
 from kvmesh.contracts.messages import Heartbeat, KVReady, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
 from kvmesh.contracts.slo import slo_to_proto
@@ -318,16 +319,17 @@ class Router:
             prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora,
                                    0.0 if ttft_s and disaggregate == "auto" else ttft_s)
             holders = [i for i in decodes if self.loras.holds(i, lora)]
-            # a push is only ever sent where its bytes mean the same: the decode's KV layout equals prefill's
-            paired = [i for i in holders or decodes if same_layout(prefill, i)]
+            # a push is only ever sent where its bytes mean the same: the decode's KV layout equals prefill's, or
+            # the decode names the converter from it
+            paired = [i for i in holders or decodes if can_hand_off(prefill, i)]
             home, why = self.sessions.place(session, paired or holders or decodes)
             decode = home or choose_decode(paired or holders or decodes, self.registry.replica_rank(self.id))
             self.sessions.ran(session, decode.id)
             if not paired:
                 route.set_attributes({"kvmesh.route.path": "local",
-                                      "kvmesh.route.reason": f"local: no decode shares {prefill.id}'s KV layout"})
+                                      "kvmesh.route.reason": f"local: no decode takes {prefill.id}'s KV layout"})
                 return self._local(work, self._sent(keys, decode), rt,
-                                   f"local: no decode shares {prefill.id}'s KV layout", matched)
+                                   f"local: no decode takes {prefill.id}'s KV layout", matched)
             if route.is_recording():
                 route.set_attributes(route_attributes("decode", decodes, {}, decode))
                 if why:
@@ -612,11 +614,17 @@ async def _cached_or_zero(cached) -> int:
         return 0
 
 
-def same_layout(a: Instance, b: Instance) -> bool:
-    """Whether a push from ``a`` means the same to ``b`` (equal KV layouts; an instance that did not say its
-    layout is taken at its word that model and block size match, as before layouts were reported)."""
+def can_hand_off(a: Instance, b: Instance) -> bool:
+    """Whether a push from ``a`` means the same to ``b``: neither says its KV cannot be converted, and their KV
+    layouts are equal or differ in the dtype alone with ``b`` naming ``a``'s (it casts on intake). An instance
+    that did not say its layout is taken at its word that model and block size match."""
+    if a.beat.kv_unconvertible or b.beat.kv_unconvertible:
+        return False
     la, lb = a.beat.kv_layout, b.beat.kv_layout
-    return la is None or lb is None or la == lb
+    if la is None or lb is None:
+        return True
+    how = converter(la, lb)
+    return how == "" or (how is not None and la.dtype in b.beat.kv_accepts)
 
 
 def _chunk(msg: worker_pb2.DecodeChunk) -> Chunk:

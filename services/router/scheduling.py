@@ -32,7 +32,7 @@ def to_candidates(instances: list[Instance], matched: dict[str, int],
                       local_blocks=matched.get(i.id, 0),
                       free_blocks=int(i.beat.load.get("free_blocks", 0)),
                       cost=CostModel.from_load(i.beat.load, cost), lora_missing=i.id in lora_missing,
-                      share=share(i))
+                      share=share(i), pool=not i.beat.kv_unconvertible)
             for i in instances]
 
 

@@ -127,6 +127,24 @@ def test_layout_mismatch_is_rejected_and_never_taken(other: KVLayout) -> None:
     run(scenario())
 
 
+def test_a_layout_named_convertible_is_received_for_its_taker_to_convert_and_others_still_refused() -> None:
+    """A receiver whose engine casts bf16 pushes (``convertible``) takes them, in their own layout, verified;
+    a layout it names no converter for is refused as before."""
+    bf16 = replace(LAYOUT, dtype="bf16")
+
+    async def scenario() -> None:
+        async with await TransferServer.start(LAYOUT, convertible=frozenset({bf16})) as server, \
+                TransferClient() as client:
+            await push(client, server, "req-1", bf16, wire_bytes(bf16), [], 12)
+            got = await server.take("req-1", timeout=5)
+            assert got.layout == bf16 and got.nbytes == 3 * bf16.block_nbytes
+            fp16 = replace(LAYOUT, dtype="fp16")
+            with pytest.raises(TransferRejected, match="layout mismatch"):
+                await push(client, server, "req-2", fp16, wire_bytes(fp16), [], 12)
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 def test_corrupted_bytes_are_rejected_and_never_taken(backend: str) -> None:
     async def scenario() -> None:

@@ -9,7 +9,7 @@ business (``kvmesh.engine.kv_cache.storage_dtype``).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property, lru_cache
 from typing import Any
 
@@ -130,6 +130,18 @@ def _checked(items: tuple[tuple[str, Any], ...]) -> KVLayout:
         if not isinstance(value, want) or isinstance(value, bool):
             raise TypeError(f"layout field {name!r} must be {want.__name__}")
     return KVLayout(**doc).check()
+
+
+def converter(src: KVLayout, dst: KVLayout) -> str | None:
+    """The explicit converter that re-lays blocks of ``src`` out as ``dst``: ``""`` when they are equal (none is
+    needed), ``"cast A->B"`` when they differ in the storage dtype alone (a float cast of every element), None when
+    no converter exists (another model, block size, head count, layout or TP shard: the bytes mean something
+    else)."""
+    if src == dst:
+        return ""
+    if replace(src, dtype=dst.dtype) == dst and src.dtype in DTYPE_ITEMSIZE and dst.dtype in DTYPE_ITEMSIZE:
+        return f"cast {src.dtype}->{dst.dtype}"
+    return None
 
 
 def layout_mismatch(expected: KVLayout, got: KVLayout) -> str | None:

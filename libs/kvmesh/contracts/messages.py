@@ -225,6 +225,11 @@ class Heartbeat:
     # what its pushed and received blocks mean (its engine converts its own memory to and from this): a prefill
     # and a decode are paired only when theirs are equal. None: an older instance that did not say
     kv_layout: KVLayout | None = None
+    # the other KV dtypes it takes a hand-off in (cast on intake, ``contracts.layout.converter``)
+    kv_accepts: tuple[str, ...] = ()
+    # why its engine's KV cannot be converted to kv_layout ("" when it can): it is never paired for a hand-off,
+    # and the router does not count on the pool for it
+    kv_unconvertible: str = ""
 
     def __post_init__(self) -> None:
         try:
@@ -237,7 +242,9 @@ class Heartbeat:
                                  "grpc_address": self.grpc_address, "transfer_address": self.transfer_address,
                                  "ts": self.ts, "load": self.load, "model": self.model,
                                  "block_size": self.block_size, "loras": [list(a) for a in self.loras],
-                                 **({"kv_layout": self.kv_layout.to_dict()} if self.kv_layout else {})})
+                                 **({"kv_layout": self.kv_layout.to_dict()} if self.kv_layout else {}),
+                                 **({"kv_accepts": list(self.kv_accepts)} if self.kv_accepts else {}),
+                                 **({"kv_unconvertible": self.kv_unconvertible} if self.kv_unconvertible else {})})
 
     @classmethod
     def decode(cls, data: bytes) -> Heartbeat:
@@ -249,7 +256,15 @@ class Heartbeat:
                    grpc_address=_get(d, "grpc_address", str), transfer_address=_get(d, "transfer_address", str),
                    ts=float(_get(d, "ts", int, float)), load=_get(d, "load", dict), model=_get(d, "model", str),
                    block_size=_get(d, "block_size", int), loras=_loras(d.get("loras", [])),
-                   kv_layout=_layout(d["kv_layout"]) if d.get("kv_layout") else None)
+                   kv_layout=_layout(d["kv_layout"]) if d.get("kv_layout") else None,
+                   kv_accepts=_strings(d.get("kv_accepts", []), "kv_accepts"),
+                   kv_unconvertible=_get(d, "kv_unconvertible", str) if "kv_unconvertible" in d else "")
+
+
+def _strings(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise CodecError(f"heartbeat {name} must be a list of strings, not {value!r}")
+    return tuple(value)
 
 
 def _loras(value: Any) -> tuple[tuple[str, str, str], ...]:

@@ -66,6 +66,12 @@ class Engine(abc.ABC):
     adopt_unit: int = 1  # ``adopt`` can use pool blocks only in whole runs of this many (vLLM: its own block)
 
     @property
+    def kv_unconvertible(self) -> str:
+        """Why this engine's KV cannot be converted to and from ``layout`` ("" when it can): such an instance
+        neither exports, imports nor adopts blocks, and says so in its heartbeat."""
+        return ""
+
+    @property
     def fingerprint(self) -> str:
         return self.layout.model_fingerprint
 

@@ -84,6 +84,9 @@ class EngineHost:
         self.engine = await start_engine(self.engine_cfg)
         self.layout = self.engine.layout
         self.fingerprint = self.engine.fingerprint
+        # pushes in these layouts are cast on intake (engines.convert); none while the engine's KV cannot be read
+        self.kv_accepts = () if self.engine.kv_unconvertible else self.engine_cfg.convert_from()
+        self.convertible = frozenset(dataclasses.replace(self.layout, dtype=d) for d in self.kv_accepts)
         self.engine.subscribe(self._event_queue.put_nowait)
         self.metrics.watch(self.engine)
         self.grpc = ServiceServer([r.grpc_service for r in self.roles] + [adapters.SERVICE])
@@ -103,11 +106,14 @@ class EngineHost:
                 self.transfer_server = await TransferServer.start(self.layout, host=self.cfg.host,
                                                                   port=self.cfg.transfer_port,
                                                                   backend=self.cfg.transfer_backend,
-                                                                  tls=tls.transfer_server_context(self.shared))
+                                                                  tls=tls.transfer_server_context(self.shared),
+                                                                  convertible=self.convertible)
         if self.transfer_server is not None:
             self.metrics.watch_transfers(self.transfer_server)
         self.pool = None
-        if self.cfg.cachesvc_address:
+        if self.cfg.cachesvc_address and self.engine.kv_unconvertible:
+            log.error("%s: the pool stays off: %s", self.cfg.role, self.engine.kv_unconvertible)
+        elif self.cfg.cachesvc_address:
             self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server,
                                    transfer_tls=tls.transfer_client_tls(self.shared),
                                    receive_at=self.advertised(self.transfer_address))
@@ -261,7 +267,8 @@ class EngineHost:
                              transfer_address=self.advertised(self.transfer_address), ts=time.time(), load=load,
                              model=self.fingerprint, block_size=self.layout.block_size,
                              loras=tuple((a.name, a.generation, a.path) for a in self.engine.adapters()),
-                             kv_layout=self.layout)
+                             kv_layout=self.layout, kv_accepts=self.kv_accepts,
+                             kv_unconvertible=self.engine.kv_unconvertible)
             try:
                 await self.bus.publish(subject, beat)
             except Exception:

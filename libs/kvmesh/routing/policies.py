@@ -30,6 +30,7 @@ class Candidate:
     cost: CostModel | None = None  # this instance's calibrated cost model (None: the policy's configured one)
     lora_missing: bool = False   # it lacks the request's LoRA adapter: it would load it before prefilling
     share: float = 1.0           # of each step, what prompts get beside the streams it decodes (cost.local_share)
+    pool: bool = True            # it can load blocks from the pool (False: its engine's KV cannot be converted)
 
     @property
     def load(self) -> int:
@@ -99,7 +100,7 @@ class CacheAware:
     def estimate(self, c: Candidate, prompt_tokens: int, block_size: int, pool_blocks: int) -> float:
         cost = c.cost or self.cost
         local = min(c.local_blocks * block_size, prompt_tokens - 1)
-        fetched = max(0, pool_blocks - c.local_blocks) if self.use_pool else 0
+        fetched = max(0, pool_blocks - c.local_blocks) if self.use_pool and c.pool else 0
         hit = min(prompt_tokens - 1, local + fetched * block_size)
         return ((cost.prefill_s(c.queued_tokens) + cost.prefill_s(prompt_tokens - hit)) / c.share
                 + cost.fetch_s(fetched) + (cost.lora_load_s if c.lora_missing else 0.0))

@@ -275,6 +275,9 @@ class EngineSettings(Section):
     kv_cache_mb: int = setting(512, "device KV pool size (ignored when num_blocks > 0)")
     num_blocks: int = setting(0, "device KV pool size in blocks (0 = size from kv_cache_mb)")
     kv_dtype: str = setting("fp32", "KV storage dtype (attention computes in dtype)", choices=KV_DTYPES)
+    kv_convert_from: str = setting("", "KV dtypes besides kv_dtype this instance takes a PD hand-off in, cast "
+                                       "on intake (comma-separated: fp32,bf16,fp16,fp8; \"\" = only its own): "
+                                       "the router pairs a prefill of another dtype with it only then")
     host_cache_mb: int = setting(0, "L2 host tier: evicted device blocks spill here (0 = off)")
     eviction: Eviction = setting(Eviction.LRU, "eviction strategy of the engine's tiers (belady is for "
                                                "kvmesh sim only; session, session_duel: the sessions' signals "
@@ -338,7 +341,13 @@ class EngineSettings(Section):
             self.lora_adapter_paths()
         except ValueError as e:
             out.append(Problem("lora_adapters", str(e)))
+        if bad := [d for d in self.convert_from() if d not in KV_DTYPES]:
+            out.append(Problem("kv_convert_from", f"kv_convert_from names {bad}: choose among {list(KV_DTYPES)}"))
         return out
+
+    def convert_from(self) -> tuple[str, ...]:
+        """The dtypes of ``kv_convert_from`` other than ``kv_dtype``, sorted."""
+        return tuple(sorted({d.strip() for d in self.kv_convert_from.split(",") if d.strip()} - {self.kv_dtype}))
 
     def _attention_problems(self) -> list[Problem]:
         """A backend the device cannot run: native is CPU only; flashinfer is CUDA only and its paged kernels

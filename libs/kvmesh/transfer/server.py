@@ -94,8 +94,10 @@ class _Slot:
 
 class TransferServer:
     def __init__(self, sock: socket.socket, expected_layout: KVLayout | None, backend: Backend, *, ttl: float,
-                 max_buffered_bytes: int, io_timeout: float, tls: ssl.SSLContext | None = None) -> None:
+                 max_buffered_bytes: int, io_timeout: float, tls: ssl.SSLContext | None = None,
+                 convertible: frozenset[KVLayout] = frozenset()) -> None:
         self.expected_layout = expected_layout
+        self.convertible = convertible  # other layouts taken (buffered, never landed in place): the taker converts
         self.ttl = ttl
         self.max_buffered_bytes = max_buffered_bytes
         self.io_timeout = io_timeout
@@ -120,10 +122,13 @@ class TransferServer:
     async def start(cls, expected_layout: KVLayout | None, host: str = "127.0.0.1", port: int = 0,
                     backend: TransferBackend | str = TransferBackend.TCP, *, ttl: float = 60.0,
                     max_buffered_bytes: int = 1 << 30, io_timeout: float = 30.0,
-                    tls: ssl.SSLContext | None = None) -> TransferServer:
+                    tls: ssl.SSLContext | None = None,
+                    convertible: frozenset[KVLayout] = frozenset()) -> TransferServer:
         """Listen on ``host:port`` (0 = any free port). ``backend`` is what :attr:`address` advertises; plain
         ``tcp`` is always accepted too. ``expected_layout`` None: accept any layout (the taker checks it).
-        ``tls``: a server-side context; every connection must then speak TLS (``kvmesh.tls``).
+        ``tls``: a server-side context; every connection must then speak TLS (``kvmesh.tls``). ``convertible``:
+        layouts besides ``expected_layout`` that the taker converts (``contracts.layout.converter``): they are
+        received into buffers, never in place.
         Raises RuntimeError when the backend cannot run here (mooncake)."""
         chosen = get_backend(backend)
         if backend == TransferBackend.MOONCAKE:
@@ -133,7 +138,7 @@ class TransferServer:
         sock = socket.create_server((host, port))
         sock.setblocking(False)
         return cls(sock, expected_layout, chosen, ttl=ttl, max_buffered_bytes=max_buffered_bytes,
-                   io_timeout=io_timeout, tls=tls)
+                   io_timeout=io_timeout, tls=tls, convertible=convertible)
 
     @property
     def buffered_bytes(self) -> int:
@@ -336,7 +341,8 @@ class TransferServer:
         landing = None
         refused, record = self._unauthorized(header)
         if refused is None:
-            landing = self._landing(tid) if isinstance(backend, ScatterBackend) else None
+            in_place = isinstance(backend, ScatterBackend) and header.layout == self.expected_layout
+            landing = self._landing(tid) if in_place else None
             refused, record = self._refusal(header, buffered=landing is None)
         if refused is not None:  # refused unread: drop an inline payload to keep the stream in sync
             if header.backend == TransferBackend.TCP:
@@ -376,7 +382,8 @@ class TransferServer:
         if header.backend not in self._backends:
             return TransferRejected(f"backend {header.backend!r} is not served here (it takes "
                                     f"{sorted(self._backends)})", Refusal.BACKEND), True
-        if self.expected_layout is not None and (diff := layout_mismatch(self.expected_layout, header.layout)):
+        if (self.expected_layout is not None and header.layout not in self.convertible
+                and (diff := layout_mismatch(self.expected_layout, header.layout))):
             return TransferRejected(f"layout mismatch: {diff}", Refusal.LAYOUT), True
         if buffered and self._buffered + header.nbytes > self.max_buffered_bytes:
             return TransferRejected(f"over capacity: {header.nbytes} bytes would exceed the "

@@ -48,7 +48,8 @@ from kvmesh.contracts.engine import ExportedKV
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.vllm.layout import TORCH_DTYPES, PagedLayout
+from kvmesh.vllm.layout import TORCH_DTYPES, LayerCache, PagedLayout, Unconvertible
+from kvmesh.vllm.mover import Mover
 
 log = logging.getLogger(__name__)
 BRIDGES: dict[str, Bridge] = {}
@@ -73,6 +74,8 @@ class Bridge:
         self.capacity = capacity_blocks
         self.staged: OrderedDict[BlockKey, memoryview] = OrderedDict()  # kvmesh block -> its wire bytes
         self.paged: PagedLayout | None = None
+        self.mover: Mover | None = None
+        self.unconvertible = ""  # why vLLM's KV cannot be converted ("" while it can, or before vLLM registered it)
         self.exports: dict[str, ExportedKV] = {}  # kvmesh request id -> its read-out
         self.imports: dict[str, Imported] = {}  # kvmesh request id -> the pushed KV it starts from
         self.emit: Callable[[str, ExportedKV], None] = lambda rid, kv: None  # a piece of a push, to its stream
@@ -110,8 +113,13 @@ class Bridge:
         """The staged wire blocks of ``keys``, as one tensor ``[len(keys), *block_shape]`` (a copy)."""
         with self.lock:
             raw = b"".join(self.staged[k] for k in keys)
-        dtype = TORCH_DTYPES[self.wire.dtype]
-        return torch.frombuffer(bytearray(raw), dtype=dtype).view(len(keys), *self.wire.block_shape)
+        return wire_tensor(bytearray(raw), self.wire).view(len(keys), *self.wire.block_shape)
+
+
+def wire_tensor(data: Any, wire: KVLayout) -> torch.Tensor:
+    """The bytes of wire blocks (a writable buffer) as a flat tensor of the wire dtype, without copying."""
+    raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return raw.view(TORCH_DTYPES[wire.dtype])
 
 
 @dataclass
@@ -270,8 +278,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._exports.pop(request.request_id, None)
         params = request.kv_transfer_params or {}
         rid = params.get("kvmesh_id")
-        paged = self.bridge.paged
-        if rid is None or not params.get("kvmesh_export") or paged is None:
+        mover = self.bridge.mover
+        if rid is None or not params.get("kvmesh_export") or mover is None:
             return False, None
         bs, bv = self.bridge.wire.block_size, self.bridge.vllm_block_size
         computed = request.num_computed_tokens
@@ -279,7 +287,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         if full == 0:
             return False, None
         try:
-            wire = paged.read(list(block_ids[:-(-full * bs // bv)]))[:full]
+            wire = mover.read_now(list(block_ids[:-(-full * bs // bv)]))[:full]
         except Exception:
             log.exception("request %s: reading its KV out of vLLM failed", rid)
             return False, None
@@ -292,52 +300,89 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     # ---- worker side ---------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's KV, described layer by layer (``layout.describe``); what cannot be converted is refused loudly:
+        said once at start, with what to set, and carried in the heartbeat (``Bridge.unconvertible``), so the
+        router neither pairs this instance for a hand-off nor counts on the pool for it."""
         ordered = sorted(kv_caches.items(), key=lambda item: int(m[1]) if (m := _LAYER.search(item[0])) else -1)
         self._layer_index = {name: i for i, (name, _) in enumerate(ordered)}
         try:
-            self.bridge.paged = PagedLayout([t for _, t in ordered], self.bridge.wire, self.bridge.vllm_block_size)
-        except ValueError as e:  # another kernel's layout: no pool for this instance, said once
-            log.warning("vLLM's KV cannot be converted, the pool stays off for this instance: %s", e)
+            layers = [vllm_cache(self._vllm_config, name, t) for name, t in ordered]
+            paged = PagedLayout(layers, self.bridge.wire, self.bridge.vllm_block_size)
+        except Unconvertible as e:
+            self.bridge.unconvertible = str(e)
+            log.error("vLLM's KV cannot be converted to kvmesh's wire layout: %s. This instance serves without the "
+                      "pool and without PD hand-offs (its heartbeat says so: the router does not pair it)", e)
+            return
+        self.bridge.paged, self.bridge.mover = paged, Mover(paged)
+        log.info("vLLM's KV: %s", paged.describe())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        paged = self.bridge.paged
-        if paged is None or not isinstance(meta, KvmeshMetadata):
+        mover = self.bridge.mover
+        if mover is None or not isinstance(meta, KvmeshMetadata) or not meta.loads:
             return
-        for load in meta.loads:
-            paged.write(load.block_ids, load.blocks)
-            self.bridge.loaded_blocks += len(load.block_ids)
+        mover.load([(load.block_ids, load.blocks) for load in meta.loads])
+        self.bridge.loaded_blocks += sum(len(load.block_ids) for load in meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        if self.bridge.mover is not None:
+            self.bridge.mover.wait_layer(self._layer_index.get(layer_name, -1))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """After layer ``layer_name`` wrote its KV: the layer groups that end here, read out and handed over."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        paged = self.bridge.paged
-        if paged is None or not isinstance(meta, KvmeshMetadata) or not meta.saves:
+        mover = self.bridge.mover
+        if mover is None or not isinstance(meta, KvmeshMetadata) or not meta.saves:
             return
         layers = self._layer_index.get(layer_name, -1) + 1
         for save in meta.saves:
             if layers in save.bounds:
-                self._read_out(paged, save, layers)
+                self._read_out(mover, save, layers)
 
-    def _read_out(self, paged: PagedLayout, save: _Save, layers: int) -> None:
-        per = self.bridge.per
-        try:
-            wire = paged.read(save.vllm_ids, (save.done, layers))
-            skip = save.first - save.first // per * per
-            part = wire[skip:skip + save.end - save.first].contiguous()
-        except Exception:  # the push is incomplete: decode will not get every layer, and recomputes
-            log.exception("request %s: reading its KV out of vLLM failed", save.kvmesh_id)
-            save.done = layers
-            return
-        data = part.view(torch.uint8).reshape(-1).numpy().data
-        self.bridge.emit(save.kvmesh_id, ExportedKV(data, save.end - save.first, save.first, save.num_tokens,
-                                                    save.keys, False, (save.done, layers)))
+    def _read_out(self, mover: Mover, save: _Save, layers: int) -> None:
+        """Layers ``save.done .. layers`` of ``save``'s blocks, read out (on CUDA off the compute stream) and
+        emitted as one piece of the push."""
+        per, group = self.bridge.per, (save.done, layers)
+        skip, n = save.first - save.first // per * per, save.end - save.first
         save.done = layers
 
+        def emit(wire: torch.Tensor) -> None:
+            part = wire[skip:skip + n].contiguous()
+            data = part.view(torch.uint8).reshape(-1).numpy().data
+            self.bridge.emit(save.kvmesh_id, ExportedKV(data, n, save.first, save.num_tokens, save.keys, False,
+                                                        group))
+        try:
+            mover.read(save.vllm_ids, group, emit)
+        except Exception:  # the push is incomplete: decode will not get every layer, and recomputes
+            log.exception("request %s: reading its KV out of vLLM failed", save.kvmesh_id)
+
     def wait_for_save(self) -> None:
-        return None
+        if self.bridge.mover is not None:
+            self.bridge.mover.settle()
+
+    def shutdown(self) -> None:
+        if self.bridge.mover is not None:
+            self.bridge.mover.close()
+
+
+def vllm_cache(vllm_config: Any, name: str, tensor: torch.Tensor) -> LayerCache:
+    """What vLLM registered for layer ``name``, with what its attention backend says of it: the backend's name,
+    its cache dtype and scales, the resolved ``KVCacheLayout``, and on a CPU the kernel that packs the pages."""
+    layer = vllm_config.compilation_config.static_forward_context.get(name)
+    backend = layer.attn_backend.get_name() if getattr(layer, "attn_backend", None) is not None else ""
+    cache_dtype = str(getattr(layer, "kv_cache_dtype", None) or vllm_config.cache_config.cache_dtype)
+    try:
+        kv_layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+    except (AttributeError, ValueError):  # not resolved: the tensor's strides alone say it
+        kv_layout = ""
+    isa = str(getattr(layer, "isa", "") or "")
+    if backend == "CPU_ATTN" and not isa:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(vllm_config.model_config.dtype, vllm_config.cache_config.block_size,
+                            getattr(layer, "head_size", None), cache_dtype)
+    return LayerCache(tensor, backend, cache_dtype, kv_layout, isa,
+                      float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)),
+                      mla=type(layer).__name__ == "MLAAttention")

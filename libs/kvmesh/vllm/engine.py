@@ -12,7 +12,9 @@ What maps to what
   folder), so both engines of one model share its fingerprint, tokenizer and block keys.
 - KV size: ``num_blocks`` (else ``kv_cache_mb``) in kvmesh blocks of ``block_size`` tokens, turned into vLLM blocks
   of ``vllm_block_size`` tokens (a multiple of ``block_size``; vLLM's CPU attention takes multiples of 32); the
-  context is capped to what fits. Threads: ``threads`` (OpenMP, unpinned). ``dtype``, ``max_num_seqs``,
+  context is capped to what fits. KV dtype: vLLM keeps its cache in the model's ``dtype`` (``kv_dtype`` fp8: in
+  e4m3 with per-tensor scales); the wire layout is ``kv_dtype``, and ``layout.py`` names the converter between
+  them (exact where they agree). Threads: ``threads`` (OpenMP, unpinned). ``dtype``, ``max_num_seqs``,
   ``max_batched_tokens``, ``enable_prefix_caching``, ``max_loras``, ``max_lora_rank`` carry over.
 - LoRA: vLLM builds its LoRA layers at start or never, and then runs them on every step, adapter or not (on CPU
   they doubled a decode step's CPU at 8-16 rows), so they are built only for an instance that may serve adapters:
@@ -173,6 +175,10 @@ class VLLMEngine(EngineLoop, Engine):
         self.steps = {"decode": 0, "prefill": 0}
         self.step_seconds = {"decode": 0.0, "prefill": 0.0}
 
+    @property
+    def kv_unconvertible(self) -> str:
+        return self.bridge.unconvertible
+
     # ---- start and stop --------------------------------------------------------------------------------------
     def build(self) -> None:
         """Start vLLM's engine (on the engine thread: every vLLM call is made from there)."""
@@ -191,6 +197,7 @@ class VLLMEngine(EngineLoop, Engine):
             num_gpu_blocks_override=self.num_vllm_blocks + 1,  # vLLM's block 0 is its null block
             kv_cache_memory_bytes=(self.num_vllm_blocks + 2) * block_bytes,
             enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.device == "cpu",
+            kv_cache_dtype="fp8_e4m3" if cfg.kv_dtype == "fp8" else "auto",  # else the model dtype (layout.py)
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_batched_tokens, self.vllm_block_size),
             seed=0, disable_log_stats=True, distributed_executor_backend="uni",
             enable_lora=self.lora_on, max_loras=max(1, cfg.max_loras), max_lora_rank=cfg.max_lora_rank,
@@ -452,6 +459,8 @@ class VLLMEngine(EngineLoop, Engine):
         self.bridge.scheduled = (0, 0)
         try:
             outs = self.llm.step()
+            if self.bridge.mover is not None:  # a push's pieces before its first token
+                self.bridge.mover.flush()
         except Exception as e:  # noqa: BLE001 - the step's requests fail; is the engine still alive?
             self._step_failed(e)
             return
@@ -519,7 +528,7 @@ def imported_blocks(kv: ImportedKV, wire: KVLayout) -> Any:
     """A verified push as the connector loads it: every pushed (block, layer) placed, as wire blocks."""
     import torch
 
-    from kvmesh.vllm.connector import Imported
+    from kvmesh.vllm.connector import Imported, wire_tensor
     from kvmesh.vllm.layout import TORCH_DTYPES
 
     if kv.layout != wire:
@@ -530,7 +539,7 @@ def imported_blocks(kv: ImportedKV, wire: KVLayout) -> Any:
         if part.data is None:
             raise ValueError("this engine cannot take KV received in place")
         lo, hi = part.layers or (0, wire.num_layers)
-        data = torch.frombuffer(part.data, dtype=blocks.dtype).view(part.num_blocks, hi - lo, *wire.block_shape[1:])
+        data = wire_tensor(part.data, wire).view(part.num_blocks, hi - lo, *wire.block_shape[1:])
         i = part.first_block - kv.first_block
         blocks[i:i + part.num_blocks, lo:hi] = data
     return Imported(kv.first_block, blocks)

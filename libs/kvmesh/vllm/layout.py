@@ -1,71 +1,283 @@
-"""The explicit converter between vLLM's paged KV on a CPU and kvmesh's wire layout.
+"""vLLM's paged KV, whatever layout and dtype its attention backend registered, as kvmesh's wire layout.
 
-vLLM 0.32's CPU attention (the ``vec`` fp32 kernel, ``LBHNC`` cache layout) gives each layer a tensor of nominal
-shape ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside it, the page of one (block, head) holds that
-head's K **transposed**, ``[head_dim][block_size]``, then its V, ``[block_size][head_dim]`` (measured: K and V
-recomputed from the weights match only this reading). kvmesh's wire layout (``KVLayout``, what the pool stores and
-the hand-off carries) is, per block of kvmesh's ``block_size`` tokens, ``[layers, 2 (K|V), block_size, heads, dim]``,
-one block after another. A vLLM block of ``per`` times kvmesh's block size is ``per`` wire blocks.
+One descriptor, one converter. ``describe`` reads what vLLM registered for a layer (the tensor's shape, strides,
+dtype and device, the attention backend's name and declared ``KVCacheLayout``, the cache dtype and its scales) into
+a ``LayerKV``: where K and where V of (block, token, head, dim) sit in that layer's storage, as an offset and four
+strides each. Every backend reduces to that, so ``PagedLayout`` reads and writes every one of them with the same
+gather (``index_select`` over the block axis of both planes) and scatter (``index_copy_``); nothing is special-cased
+past ``describe``. kvmesh's wire layout (``KVLayout``: what the pool stores and a hand-off carries) is, per block of
+kvmesh's ``block_size`` tokens, ``[layers, 2 (K|V), block_size, heads, dim]``; a vLLM block of ``per`` times that
+size is ``per`` wire blocks.
 
-Equal byte counts prove nothing, so ``PagedLayout`` checks what vLLM registered (dtype, shape, contiguity) against
-the model and refuses anything else: another kernel (bf16 on AMX, a GPU) packs its pages its own way.
+The packings vLLM 0.32 registers (its ``[B, H, N, C]`` logical page view, RFC #42082, any stride permutation):
+
+- ``content`` (FlashAttention, FlashInfer, Triton, FlexAttention, and every layer-compact or cross-layer
+  ``KVCacheLayout``): ``[blocks, heads, tokens, K dim | V dim]``, the physical order in the strides.
+- ``head-slots`` (backends that keep K and V as two head slots, ``num_head_slots=2``): ``[blocks, 2, tokens,
+  heads * dim]``.
+- ``cpu-vec`` (CPU attention, the ``vec`` kernel): nominally ``[blocks, heads, tokens, 2 * dim]``, but the kernel
+  keeps each (block, head) page as K **transposed**, ``[dim][tokens]``, then V, ``[tokens][dim]`` (measured: K and
+  V recomputed from the weights match only this reading). Other CPU kernels (``amx``, ``neon``, ``vec16``) pack
+  their pages their own way and are refused.
+
+and the layouts older vLLM releases and other connectors hand out, taken by shape: ``kv-first`` (FlashAttention's
+``[2, blocks, tokens, heads, dim]``), ``kv-inner`` (FlashInfer / Triton NHD, ``[blocks, 2, tokens, heads, dim]``)
+and ``kv-inner-hnd`` (``[blocks, 2, heads, tokens, dim]``).
+
+Dtypes: fp32, bf16, fp16 caches as they are; fp8 caches (vLLM keeps them as ``uint8`` bytes) as e4m3 or e5m2 with
+the layer's per-tensor ``k_scale`` / ``v_scale``. The wire dtype is the instance's ``kv_dtype``: where it equals the
+cache's (fp8: e4m3 with scales of 1) a block's bytes move unchanged and come back bit-exact; otherwise the
+descriptor names the converter (``cast bf16->fp32``, ``fp8 e4m3 x0.5->fp8``), which dequantises with the scales
+and casts. What cannot be converted (MLA's latent cache, per-token-head or 4-bit quantised KV, a kernel whose
+packing is unknown, strides that disagree with the declared layout) raises ``Unconvertible`` naming what to set.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvmesh.contracts.layout import KVLayout
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                        "fp8": torch.float8_e4m3fn}
+"""kvmesh's wire dtype names (``KVLayout.dtype``) as torch dtypes (fp8: e4m3 with a scale of 1)."""
+_STORED = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_FP8_NAME = {torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}
+_MEASURED_CPU_ISAS = ("vec",)
+PACKINGS = ("content", "head-slots", "cpu-vec", "kv-first", "kv-inner", "kv-inner-hnd")
+_VIEW_ORDER = {  # a KVCacheLayout's physical order of the logical per-layer page [B, H, N, C] (vLLM 0.32)
+    "LBHNC": (0, 1, 2, 3), "LBNHC": (0, 2, 1, 3), "LHBNC": (1, 0, 2, 3),
+    "BLHNC": (0, 1, 2, 3), "BLNHC": (0, 2, 1, 3), "BHLNC": (0, 1, 2, 3)}
+
+
+class Unconvertible(ValueError):
+    """vLLM's KV of this instance cannot be converted to kvmesh's wire layout; the message says what to set."""
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """What vLLM registered for one attention layer, and how its backend reads it (``vllm_cache`` reads these off
+    vLLM's layer; a test builds them by hand)."""
+
+    tensor: torch.Tensor
+    backend: str                 # vLLM's attention backend name: FLASH_ATTN, FLASHINFER, TRITON_ATTN, CPU_ATTN, ...
+    cache_dtype: str = "auto"    # the layer's kv_cache_dtype: auto, fp8, fp8_e4m3, fp8_e5m2, ...
+    kv_layout: str = ""          # vLLM's resolved KVCacheLayout name (LBHNC, LBNHC, ...); "" when not declared
+    isa: str = ""                # the CPU kernel (vec, vec16, amx, neon, ...): CPU_ATTN only
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    mla: bool = False
+
+
+@dataclass(frozen=True)
+class Plane:
+    """Where K (or V) of every (block, token, head, dim) sits in a layer's storage: an offset from the tensor's
+    own storage offset, and a stride per logical axis, in elements of the stored dtype."""
+
+    offset: int
+    strides: tuple[int, int, int, int]  # block, token, head, dim
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """The descriptor of one layer's paged KV."""
+
+    packing: str
+    num_blocks: int
+    block_size: int
+    heads: int
+    dim: int
+    stored: torch.dtype        # the values' dtype (an fp8 cache's bytes are read as this)
+    k: Plane
+    v: Plane
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    device: str = "cpu"
+
+    def planes(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer tensor ``t`` as ``[blocks, tokens, heads, dim]`` views of its storage (no copy), in a
+        dtype the index kernels take (fp8 as its bytes)."""
+        raw = t.view(torch.uint8) if self.stored.itemsize == 1 else t.view(self.stored)
+        size = (self.num_blocks, self.block_size, self.heads, self.dim)
+        return tuple(raw.as_strided(size, p.strides, raw.storage_offset() + p.offset)  # type: ignore[return-value]
+                     for p in (self.k, self.v))
+
+    def converter(self, wire_dtype: str) -> str:
+        """How a block moves between this cache and a wire block of ``wire_dtype``: ``exact`` (its bytes) or the
+        cast that converts it."""
+        if self.stored == TORCH_DTYPES[wire_dtype] and self.k_scale == self.v_scale == 1.0:
+            return "exact"
+        name = _FP8_NAME.get(self.stored) or _STORED[self.stored]
+        return f"cast {name}->{wire_dtype}" + ("" if self.k_scale == self.v_scale == 1.0 else " (scaled)")
+
+
+def describe(layer: LayerCache, heads: int, dim: int, block_size: int) -> LayerKV:
+    """The descriptor of one layer's KV; ``Unconvertible`` naming what to set when no converter fits."""
+    t, backend = layer.tensor, layer.backend
+    if layer.mla or "MLA" in backend.upper():
+        raise Unconvertible(f"attention backend {backend} keeps MLA's single latent cache, which kvmesh's wire "
+                            "layout (K and V per head) cannot carry: run this model without the pool and PD "
+                            "(instance cachesvc_address empty, role both), or a model with per-head KV")
+    stored = _stored_dtype(layer)
+    shape, s = tuple(t.shape), t.stride()
+    packing, k, v = _packing(layer, shape, s, heads, dim, block_size)
+    return LayerKV(packing, shape[1] if packing == "kv-first" else shape[0], block_size, heads, dim, stored, k, v,
+                   layer.k_scale, layer.v_scale, t.device.type)
+
+
+def _stored_dtype(layer: LayerCache) -> torch.dtype:
+    cache_dtype, t = layer.cache_dtype or "auto", layer.tensor
+    if cache_dtype == "auto":
+        if t.dtype not in _STORED:
+            raise Unconvertible(f"vLLM's KV tensor is {t.dtype} with kv_cache_dtype auto: kvmesh converts fp32, "
+                                "bf16 and fp16 caches (and fp8 ones): set the model dtype to one of those")
+        return t.dtype
+    if cache_dtype not in _FP8:
+        raise Unconvertible(f"kv_cache_dtype {cache_dtype!r} (per-token-head, 4-bit or packed quantisation) keeps "
+                            "scales or codes inside its pages that kvmesh's wire layout cannot carry: set "
+                            "kv_cache_dtype to auto, fp8 or fp8_e5m2 (per-tensor scales)")
+    if t.dtype not in (torch.uint8, torch.int8, *_FP8.values()):
+        raise Unconvertible(f"kv_cache_dtype {cache_dtype} but the KV tensor is {t.dtype}, not bytes")
+    return _FP8[cache_dtype]
+
+
+def _packing(layer: LayerCache, shape: tuple[int, ...], s: tuple[int, ...], heads: int, dim: int,
+             bs: int) -> tuple[str, Plane, Plane]:
+    backend, where = layer.backend, f"{layer.backend} registered {list(shape)} strides {list(s)}"
+    if len(shape) == 5:
+        if shape[0] == 2 and shape[2:] == (bs, heads, dim):
+            return "kv-first", Plane(0, (s[1], s[2], s[3], s[4])), Plane(s[0], (s[1], s[2], s[3], s[4]))
+        nhd, hnd = shape[1:] == (2, bs, heads, dim), shape[1:] == (2, heads, bs, dim)
+        if nhd and hnd and layer.kv_layout not in ("NHD", "HND"):
+            raise Unconvertible(f"{where}: with {heads} heads in blocks of {bs} tokens the shape does not tell NHD "
+                                "from HND and the backend declared neither; set a vLLM block size other than the "
+                                "number of KV heads")
+        if nhd and layer.kv_layout != "HND":
+            return "kv-inner", Plane(0, (s[0], s[2], s[3], s[4])), Plane(s[1], (s[0], s[2], s[3], s[4]))
+        if hnd:
+            return "kv-inner-hnd", Plane(0, (s[0], s[3], s[2], s[4])), Plane(s[1], (s[0], s[3], s[2], s[4]))
+    if len(shape) == 4 and backend == "CPU_ATTN":
+        if shape[1:] != (heads, bs, 2 * dim) or not layer.tensor.is_contiguous():
+            raise Unconvertible(f"{where}: CPU attention's pages are [blocks, {heads}, {bs}, {2 * dim}] contiguous")
+        isa = layer.isa or "vec"
+        if isa not in _MEASURED_CPU_ISAS:
+            raise Unconvertible(f"{where}: CPU attention's {isa!r} kernel packs its pages its own way; kvmesh "
+                                f"converts the {', '.join(_MEASURED_CPU_ISAS)} kernel's (fp32 or fp16 on x86 with "
+                                f"a vLLM block size that is a multiple of 32): set dtype fp32 (amx runs bf16) and "
+                                f"a vLLM block size of 32, 64, 128...")
+        page = 2 * bs * dim
+        return "cpu-vec", Plane(0, (s[0], 1, s[1], bs)), Plane(page // 2, (s[0], dim, s[1], 1))
+    if len(shape) == 4 and shape[1:3] == (heads, bs) and shape[3] == 2 * dim:
+        _check_declared(layer, s, where)
+        return "content", Plane(0, (s[0], s[2], s[1], s[3])), Plane(dim * s[3], (s[0], s[2], s[1], s[3]))
+    if len(shape) == 4 and shape[1:] == (2, bs, heads * dim):
+        return "head-slots", Plane(0, (s[0], s[2], dim * s[3], s[3])), Plane(s[1], (s[0], s[2], dim * s[3], s[3]))
+    raise Unconvertible(f"{where}: not a layout kvmesh knows for {heads} KV heads of {dim} in blocks of {bs} "
+                        f"tokens ({', '.join(PACKINGS)}); run this instance without the pool and PD, or with "
+                        "another attention backend (VLLM_ATTENTION_BACKEND)")
+
+
+def _check_declared(layer: LayerCache, s: tuple[int, ...], where: str) -> None:
+    """The tensor's strides must order the page's axes as the backend's declared ``KVCacheLayout`` says: a
+    tensor whose strides and declaration disagree is read by vLLM's kernels one way and would be by kvmesh another.
+    Axes of size 1 have no order."""
+    order = _VIEW_ORDER.get(layer.kv_layout)
+    if order is None:
+        return
+    shape = layer.tensor.shape
+    got = sorted((a for a in range(4) if shape[a] > 1), key=lambda a: -s[a])
+    want = [a for a in order if shape[a] > 1]
+    if got != want:
+        raise Unconvertible(f"{where}: its strides order the page {got}, the declared layout {layer.kv_layout} "
+                            f"{want}; leave VLLM_KV_CACHE_LAYOUT unset or let the backend choose")
 
 
 class PagedLayout:
-    """``layers``: vLLM's KV tensor of each layer, in layer order; ``wire``: kvmesh's layout of the same model."""
+    """vLLM's paged KV of every layer (``layers``, in layer order, described by ``describe``) read as, and written
+    from, kvmesh's wire layout ``wire``. Reads and writes run where the KV lives (a GPU's blocks are gathered on
+    the GPU) and the result of a read is on that device: the caller moves it (``kvmesh.vllm.mover``)."""
 
-    def __init__(self, layers: list[torch.Tensor], wire: KVLayout, vllm_block_size: int) -> None:
+    def __init__(self, layers: Sequence[LayerCache], wire: KVLayout, vllm_block_size: int) -> None:
         if not layers or len(layers) != wire.num_layers:
-            raise ValueError(f"vLLM registered {len(layers)} KV layers; the model has {wire.num_layers}")
-        want = TORCH_DTYPES.get(wire.dtype)
-        h, d, bv = wire.num_kv_heads, wire.head_dim, vllm_block_size
-        for i, t in enumerate(layers):
-            if (t.device.type != "cpu" or t.dtype != want or t.dim() != 4 or tuple(t.shape[1:]) != (h, bv, 2 * d)
-                    or not t.is_contiguous()):
-                raise ValueError(
-                    f"vLLM's KV tensor of layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}: kvmesh converts only "
-                    f"the CPU vec kernel's layout, [blocks, {h}, {bv}, {2 * d}] {want} contiguous")
-        if bv % wire.block_size:
-            raise ValueError(f"vLLM's block size {bv} is not a multiple of kvmesh's {wire.block_size}")
-        self.layers, self.wire = layers, wire
-        self.heads, self.dim, self.vllm_block_size = h, d, bv
-        self.per = bv // wire.block_size
-        self.num_blocks = layers[0].shape[0]
+            raise Unconvertible(f"vLLM registered {len(layers)} KV layers; the model has {wire.num_layers}")
+        if vllm_block_size % wire.block_size:
+            raise Unconvertible(f"vLLM's block size {vllm_block_size} is not a multiple of kvmesh's "
+                                f"{wire.block_size}")
+        self.descs = [describe(layer, wire.num_kv_heads, wire.head_dim, vllm_block_size) for layer in layers]
+        kinds = {(d.packing, d.stored, d.device) for d in self.descs}
+        if len(kinds) != 1:
+            raise Unconvertible(f"vLLM's layers differ in layout or dtype ({sorted(map(str, kinds))}): kvmesh "
+                                "converts models whose attention layers share one")
+        self.planes = [d.planes(layer.tensor) for d, layer in zip(self.descs, layers, strict=True)]
+        self.wire, self.vllm_block_size = wire, vllm_block_size
+        self.heads, self.dim = wire.num_kv_heads, wire.head_dim
+        self.per = vllm_block_size // wire.block_size
+        self.num_blocks = self.descs[0].num_blocks
+        self.device = layers[0].tensor.device
+        self.wire_dtype = TORCH_DTYPES[wire.dtype]
+        converters = {d.converter(wire.dtype) for d in self.descs}
+        self.converter = "exact" if converters == {"exact"} else max(converters)
 
-    def read(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
-        """vLLM blocks ``block_ids`` as ``len(block_ids) * per`` wire blocks ``[n, *wire.block_shape]`` (a copy);
-        with ``layers`` (``(first, end)``) only that slice of each, ``[n, end - first, 2, ...]``. Each layer's K and
-        V go straight to their wire places (a permute of the whole result afterwards would copy it all again: it
-        was two thirds of the read-out's time, which runs on the engine thread)."""
-        n, h, d = len(block_ids), self.heads, self.dim
-        bv, per, bs = self.vllm_block_size, self.per, self.wire.block_size
-        lo, hi = layers or (0, len(self.layers))
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        out = torch.empty(n, per, hi - lo, 2, bs, h, d, dtype=self.layers[0].dtype)
-        for i, kv in enumerate(self.layers[lo:hi]):
-            pages = kv.view(self.num_blocks, h, 2, bv * d).index_select(0, ids)
-            out[:, :, i, 0] = pages[:, :, 0].view(n, h, d, per, bs).permute(0, 3, 4, 1, 2)  # K^T -> [token][head]
-            out[:, :, i, 1] = pages[:, :, 1].view(n, h, per, bs, d).permute(0, 2, 3, 1, 4)
+    def describe(self) -> dict[str, Any]:
+        """The descriptor in words (logs, the instance's heartbeat and metrics)."""
+        d = self.descs[0]
+        return {"packing": d.packing, "stored": str(d.stored).removeprefix("torch."), "device": d.device,
+                "converter": self.converter, "wire": self.wire.dtype}
+
+    def read(self, block_ids: Sequence[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """vLLM blocks ``block_ids`` as ``len(block_ids) * per`` wire blocks ``[n, *wire.block_shape]`` (a copy,
+        on the KV's device); with ``layers`` (``(first, end)``) only that slice of each, ``[n, end - first, 2,
+        ...]``. Each layer's K and V go straight to their wire places (one gather, one placing copy)."""
+        n, h, d, per, bs = len(block_ids), self.heads, self.dim, self.per, self.wire.block_size
+        lo, hi = layers or (0, len(self.planes))
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        out = torch.empty(n, per, hi - lo, 2, bs, h, d, dtype=self.wire_dtype, device=self.device)
+        for i in range(lo, hi):
+            for j, plane in enumerate(self.planes[i]):
+                out[:, :, i - lo, j] = self._to_wire(plane.index_select(0, ids), i, j).view(n, per, bs, h, d)
         return out.view(n * per, hi - lo, 2, bs, h, d)
 
-    def write(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Inverse of :meth:`read`: ``blocks`` (``len(block_ids) * per`` wire blocks) into vLLM blocks ``block_ids``."""
+    def write(self, block_ids: Sequence[int], blocks: torch.Tensor, layers: tuple[int, int] | None = None) -> None:
+        """Inverse of :meth:`read`: ``blocks`` (``len(block_ids) * per`` wire blocks, on the KV's device or not)
+        into vLLM blocks ``block_ids``; with ``layers`` only that range of layers (``blocks`` holding all)."""
         n, h, d, bv, per = len(block_ids), self.heads, self.dim, self.vllm_block_size, self.per
         if blocks.shape[0] != n * per:
             raise ValueError(f"{blocks.shape[0]} wire blocks do not fill {n} vLLM blocks of {per}")
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        w = (blocks.view(n, per, len(self.layers), 2, self.wire.block_size, h, d).permute(0, 2, 3, 1, 4, 5, 6)
-             .reshape(n, len(self.layers), 2, bv, h, d))
-        for i, kv in enumerate(self.layers):
-            k = w[:, i, 0].permute(0, 2, 3, 1).reshape(n, h, bv * d)  # K^T: [head][dim][token]
-            v = w[:, i, 1].permute(0, 2, 1, 3).reshape(n, h, bv * d)
-            kv.view(self.num_blocks, h, 2 * bv * d).index_copy_(0, ids, torch.cat([k, v], dim=-1))
+        lo, hi = layers or (0, len(self.planes))
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        w = blocks.view(n, per, len(self.planes), 2, self.wire.block_size, h, d)
+        for i in range(lo, hi):
+            for j, plane in enumerate(self.planes[i]):
+                src = w[:, :, i, j].reshape(n, bv, h, d)
+                plane.index_copy_(0, ids, self._from_wire(src, i, j).to(self.device, non_blocking=True))
+
+    # ---- the converter -----------------------------------------------------------------------------------------
+    def _to_wire(self, x: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+        desc = self.descs[layer]
+        if desc.stored.itemsize == 1:
+            x = x.view(desc.stored)
+        scale = (desc.k_scale, desc.v_scale)[kv]
+        if desc.stored == self.wire_dtype and scale == 1.0:
+            return x
+        y = x.float() * scale if scale != 1.0 else x
+        return _cast(y, self.wire_dtype)
+
+    def _from_wire(self, x: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+        desc = self.descs[layer]
+        scale = (desc.k_scale, desc.v_scale)[kv]
+        if desc.stored != self.wire_dtype or scale != 1.0:
+            x = _cast(x.float() / scale if scale != 1.0 else x, desc.stored)
+        return x.view(torch.uint8) if desc.stored.itemsize == 1 else x
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as ``dtype``; into fp8, saturating (a plain cast makes out-of-range values NaN)."""
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        return x.float().clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
