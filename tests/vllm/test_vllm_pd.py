@@ -150,6 +150,41 @@ def test_a_decode_whose_kv_layout_differs_is_never_paired_and_computes_the_promp
         stack.stop()
 
 
+def test_a_decode_that_names_the_converter_takes_a_push_of_another_dtype(tmp_path_factory):
+    """A native prefill storing bf16 KV, a vLLM decode in fp32 that names bf16 (``kv_convert_from``): the router
+    pairs them, decode's intake casts the push into its layout and vLLM starts from it, nothing recomputed."""
+    stack = mixed_stack(tmp_path_factory, "convert", {**NATIVE, "KVMESH_ENGINE_KV_DTYPE": "bf16"},
+                        {**VLLM, "KVMESH_ENGINE_KV_CONVERT_FROM": "bf16"})
+    try:
+        with KvmeshClient(stack.router_grpc) as c:
+            out = c.complete(long_prompt(10, 700), max_tokens=8, temperature=0)
+        found = spans(stack, out.metadata["x-request-id"])
+        assert found["decode.load"]["kvmesh.imported"] and found["decode.load"]["kvmesh.converted"]
+        assert "decode.kv_fallback" not in found and len(out.token_ids) == 8
+        assert metric(stack, "decode-0", "kvmesh_worker_kv_fallbacks_total") == 0
+    finally:
+        stack.stop()
+
+
+def test_a_vllm_instance_whose_kv_cannot_be_converted_says_so_at_start_and_is_never_paired(tmp_path_factory):
+    """vLLM's fp8 pages on the CPU kernel are not a packing kvmesh measured: the decode refuses them at start
+    (its log says what to set, its heartbeat says why), and the router sends the request to it alone even though
+    both wire layouts are fp8."""
+    fp8 = {"KVMESH_ENGINE_KV_DTYPE": "fp8"}
+    stack = mixed_stack(tmp_path_factory, "unconvertible", {**NATIVE, **fp8}, {**VLLM, **fp8})
+    try:
+        log = (stack.log_dir / "decode-0.log").read_text()
+        assert "cannot be converted to kvmesh's wire layout" in log and "set dtype and kv_dtype fp32" in log
+        with KvmeshClient(stack.router_grpc) as c:
+            out = c.complete(PROMPTS[0], max_tokens=8, temperature=0)
+        assert len(out.token_ids) == 8
+        route = next(a for name, a in spans_any(stack, out.metadata["x-request-id"]) if name == "router.route")
+        assert route["kvmesh.route.path"] == "local" and "KV layout" in route["kvmesh.route.reason"]
+        assert metric(stack, "prefill-0", 'kvmesh_worker_kv_transfer_bytes_total{direction="push"}') == 0
+    finally:
+        stack.stop()
+
+
 def spans_any(stack, request_id: str) -> list[tuple[str, dict]]:
     deadline = time.monotonic() + 10
     while True:

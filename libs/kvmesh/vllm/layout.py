@@ -17,8 +17,8 @@ The packings vLLM 0.32 registers (its ``[B, H, N, C]`` logical page view, RFC #4
   heads * dim]``.
 - ``cpu-vec`` (CPU attention, the ``vec`` kernel): nominally ``[blocks, heads, tokens, 2 * dim]``, but the kernel
   keeps each (block, head) page as K **transposed**, ``[dim][tokens]``, then V, ``[tokens][dim]`` (measured: K and
-  V recomputed from the weights match only this reading). Other CPU kernels (``amx``, ``neon``, ``vec16``) pack
-  their pages their own way and are refused.
+  V recomputed from the weights match only this reading, in fp32). Other CPU kernels (``amx``, ``neon``,
+  ``vec16``) and the vec kernel's 16-bit and fp8 pages are not measured and are refused.
 
 and the layouts older vLLM releases and other connectors hand out, taken by shape: ``kv-first`` (FlashAttention's
 ``[2, blocks, tokens, heads, dim]``), ``kv-inner`` (FlashInfer / Triton NHD, ``[blocks, 2, tokens, heads, dim]``)
@@ -48,7 +48,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfl
 _STORED = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _FP8_NAME = {torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}
-_MEASURED_CPU_ISAS = ("vec",)
+_MEASURED_CPU = {("vec", torch.float32)}  # CPU kernels (and their dtype) whose page packing was measured
 PACKINGS = ("content", "head-slots", "cpu-vec", "kv-first", "kv-inner", "kv-inner-hnd")
 _VIEW_ORDER = {  # a KVCacheLayout's physical order of the logical per-layer page [B, H, N, C] (vLLM 0.32)
     "LBHNC": (0, 1, 2, 3), "LBNHC": (0, 2, 1, 3), "LHBNC": (1, 0, 2, 3),
@@ -165,11 +165,10 @@ def _packing(layer: LayerCache, shape: tuple[int, ...], s: tuple[int, ...], head
         if shape[1:] != (heads, bs, 2 * dim) or not layer.tensor.is_contiguous():
             raise Unconvertible(f"{where}: CPU attention's pages are [blocks, {heads}, {bs}, {2 * dim}] contiguous")
         isa = layer.isa or "vec"
-        if isa not in _MEASURED_CPU_ISAS:
-            raise Unconvertible(f"{where}: CPU attention's {isa!r} kernel packs its pages its own way; kvmesh "
-                                f"converts the {', '.join(_MEASURED_CPU_ISAS)} kernel's (fp32 or fp16 on x86 with "
-                                f"a vLLM block size that is a multiple of 32): set dtype fp32 (amx runs bf16) and "
-                                f"a vLLM block size of 32, 64, 128...")
+        if (isa, _stored_dtype(layer)) not in _MEASURED_CPU:
+            raise Unconvertible(f"{where}: CPU attention's {isa!r} kernel with {_stored_dtype(layer)} KV packs its "
+                                "pages in a way kvmesh has not measured; it converts the vec kernel's fp32 pages: "
+                                "set dtype and kv_dtype fp32 and a vLLM block size that is a multiple of 32")
         page = 2 * bs * dim
         return "cpu-vec", Plane(0, (s[0], 1, s[1], bs)), Plane(page // 2, (s[0], dim, s[1], 1))
     if len(shape) == 4 and shape[1:3] == (heads, bs) and shape[3] == 2 * dim:
