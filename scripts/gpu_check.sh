@@ -14,12 +14,20 @@
 #   RESULTS=gpu-check  GPU_VENV=.venv-gpu  TORCH_INDEX=  FLASHINFER=1 (0: do not try to install it)
 #   TEST_TIMEOUT=420  BENCH_TIMEOUT=150 (seconds per benchmark run; the whole run stays under 10 minutes
 #   once the wheels are downloaded)
+#   VLLM=1: then the vLLM stage: vLLM's CUDA build (vllm==0.32.0) into the same Python where it is missing,
+#   tests/gpu/test_vllm_cuda.py (the converter and mover on CUDA tensors; greedy ids through kvmesh's vLLM
+#   instances with the pool on equal vLLM's own; a PD hand-off between two vLLM instances on one GPU) and
+#   `kvmesh bench vllm --serving --quick --device cuda --dtype bf16`. VLLM=only: that stage alone (under 10
+#   minutes on its own); VLLM=0: not at all. VLLM_TIMEOUT=360 (its tests), VLLM_BENCH_TIMEOUT=240.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-gpu-check}
 GPU_VENV=${GPU_VENV:-.venv-gpu}
 TORCH_INDEX=${TORCH_INDEX-}
 FLASHINFER=${FLASHINFER:-1}
+VLLM=${VLLM:-1}
+VLLM_TIMEOUT=${VLLM_TIMEOUT:-360}
+VLLM_BENCH_TIMEOUT=${VLLM_BENCH_TIMEOUT:-240}
 TEST_TIMEOUT=${TEST_TIMEOUT:-420}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
 mkdir -p "$RESULTS"
@@ -78,14 +86,16 @@ except ImportError:
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), flashinfer {fi}")')"
 record "- setup: ${setup_s}s ($py)"
 
+tests_rc=0
+bench_rc=0
+if [ "$VLLM" != only ]; then
 t=$SECONDS
-timeout "$TEST_TIMEOUT" "$py" -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$RESULTS/junit.xml" \
-  >"$RESULTS/pytest.log" 2>&1
+timeout "$TEST_TIMEOUT" "$py" -m pytest -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_cuda.py \
+  --junitxml="$RESULTS/junit.xml" >"$RESULTS/pytest.log" 2>&1
 tests_rc=$?
 record "- tests/gpu: $(tail -1 "$RESULTS/pytest.log") (exit $tests_rc, $((SECONDS - t))s; pytest.log, junit.xml)"
 grep -E '^(FAILED|ERROR|SKIPPED)' "$RESULTS/pytest.log" | sed 's/^/  - /' >>"$summary"
 
-bench_rc=0
 for dtype in fp32 bf16; do
   t=$SECONDS
   timeout "$BENCH_TIMEOUT" "$py" -m app.cli bench engine --device cuda --dtype "$dtype" --no-write \
@@ -98,6 +108,44 @@ for dtype in fp32 bf16; do
   if [ $rc = 0 ]; then grep -v '^\(INFO\|WARNING\|DEBUG\)' "$RESULTS/bench-$dtype.log" >>"$summary"
   else record "failed or timed out: bench-$dtype.log"; tail -5 "$RESULTS/bench-$dtype.log" >>"$summary"; fi
 done
+fi
+
+# The vLLM stage: kvmesh's vLLM backend on the GPU (kvmesh/vllm: every layout vLLM's CUDA backends register).
+if [ "$VLLM" != 0 ]; then
+  record ""
+  record "## vLLM on CUDA"
+  record ""
+  if ! "$py" -c 'import vllm' 2>/dev/null; then
+    t=$SECONDS
+    "$py" -m pip install --quiet "vllm==0.32.0" >"$RESULTS/vllm-install.log" 2>&1 \
+      || say "vLLM's CUDA build did not install ($RESULTS/vllm-install.log)"
+    record "- vllm==0.32.0 install: $((SECONDS - t))s (vllm-install.log)"
+  fi
+  if "$py" -c 'import torch, vllm; from kvmesh.vllm import check_version; check_version(vllm.__version__)
+assert torch.cuda.is_available()' 2>"$RESULTS/vllm-check.log"; then
+    record "- $("$py" -c 'import torch, vllm; print(f"vllm {vllm.__version__}, torch {torch.__version__}")')"
+    t=$SECONDS
+    timeout "$VLLM_TIMEOUT" "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_vllm_cuda.py \
+      --junitxml="$RESULTS/vllm-junit.xml" >"$RESULTS/vllm-pytest.log" 2>&1
+    rc=$?
+    [ $rc = 0 ] || tests_rc=$rc
+    record "- tests/gpu/test_vllm_cuda.py: $(tail -1 "$RESULTS/vllm-pytest.log") (exit $rc, $((SECONDS - t))s)"
+    grep -E '^(FAILED|ERROR|SKIPPED)' "$RESULTS/vllm-pytest.log" | sed 's/^/  - /' >>"$summary"
+    t=$SECONDS
+    timeout "$VLLM_BENCH_TIMEOUT" "$py" -m app.cli bench vllm --serving --quick --device cuda --dtype bf16 \
+      --no-write >"$RESULTS/bench-vllm.log" 2>&1
+    rc=$?
+    [ $rc = 0 ] || bench_rc=$rc
+    record ""
+    record "### kvmesh bench vllm --serving --quick --device cuda --dtype bf16 (exit $rc, $((SECONDS - t))s)"
+    record ""
+    if [ $rc = 0 ]; then grep -v '^\(INFO\|WARNING\|DEBUG\)' "$RESULTS/bench-vllm.log" >>"$summary"
+    else record "failed or timed out: bench-vllm.log"; tail -5 "$RESULTS/bench-vllm.log" >>"$summary"; fi
+  else
+    record "- skipped: no CUDA build of a supported vLLM here ($(tail -1 "$RESULTS/vllm-check.log"))"
+    [ "$VLLM" = only ] && tests_rc=2
+  fi
+fi
 record ""
 record "total: $((SECONDS - start))s"
 say "done in $((SECONDS - start))s: $summary"

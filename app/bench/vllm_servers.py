@@ -45,26 +45,43 @@ class EngineShape:
     max_num_seqs: int = 32
     max_batched_tokens: int = 2048
     threads: int = 1
+    device: str = "cpu"            # cuda: vLLM's CUDA build, each server its share of the GPU's memory
+    dtype: str = "fp32"            # the model's, and the KV's (kvmesh's wire dtype the same: the exact converter)
+    gpu_share: float = 0.3         # on CUDA, vLLM's gpu_memory_utilization of each server (two share one GPU)
+
+    @property
+    def torch_dtype(self) -> str:
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.dtype]
 
     def kvmesh_engine(self) -> dict:
-        return {"backend": "vllm", "dtype": "fp32", "threads": self.threads, "block_size": self.kvmesh_block_size,
-                "vllm_block_size": self.block_size,
-                "num_blocks": self.vllm_blocks * (self.block_size // self.kvmesh_block_size),
-                "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
-                "max_batched_tokens": self.max_batched_tokens, "enable_prefix_caching": True}
+        engine = {"backend": "vllm", "dtype": self.dtype, "threads": self.threads,
+                  "block_size": self.kvmesh_block_size, "vllm_block_size": self.block_size,
+                  "num_blocks": self.vllm_blocks * (self.block_size // self.kvmesh_block_size),
+                  "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+                  "max_batched_tokens": self.max_batched_tokens, "enable_prefix_caching": True}
+        if self.dtype != "fp32":
+            engine["kv_dtype"] = self.dtype
+        if self.device != "cpu":
+            engine.update(device=self.device, vllm_gpu_memory_utilization=self.gpu_share)
+        return engine
 
     def serve_args(self, model_dir: str, block_bytes: int) -> list[str]:
-        return ["--model", model_dir, "--tokenizer", model_dir, "--dtype", "float32",
+        """``block_bytes``: one vLLM block of fp32 KV (scaled here to the dtype's)."""
+        block_bytes = block_bytes * {"fp32": 4, "bf16": 2, "fp16": 2}[self.dtype] // 4
+        device = ["--enforce-eager"] if self.device == "cpu" else ["--gpu-memory-utilization", str(self.gpu_share)]
+        return ["--model", model_dir, "--tokenizer", model_dir, "--dtype", self.torch_dtype,
                 "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
                 "--num-gpu-blocks-override", str(self.vllm_blocks + 1),
-                "--kv-cache-memory-bytes", str((self.vllm_blocks + 2) * block_bytes), "--enforce-eager",
+                "--kv-cache-memory-bytes", str((self.vllm_blocks + 2) * block_bytes), *device,
                 "--enable-prefix-caching", "--max-num-seqs", str(self.max_num_seqs),
                 "--max-num-batched-tokens", str(self.max_batched_tokens), "--seed", "0", "--disable-log-stats"]
 
     def describe(self) -> str:
+        where = (f"{self.threads} OpenMP thread(s) unpinned" if self.device == "cpu"
+                 else f"on {self.device}, {self.gpu_share:g} of its memory each")
         return (f"{self.vllm_blocks} KV blocks of {self.block_size} tokens, max_model_len {self.max_model_len}, "
                 f"max_num_seqs {self.max_num_seqs}, max_num_batched_tokens {self.max_batched_tokens}, dtype "
-                f"float32, eager, prefix caching on, {self.threads} OpenMP thread(s) unpinned")
+                f"{self.torch_dtype}, {'eager, ' if self.device == 'cpu' else ''}prefix caching on, {where}")
 
 
 def default_model() -> tuple[str, int]:

@@ -198,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                                                         "not written to the doc)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     p.add_argument("--workdir", help="keep the servers' logs and the stack's state (traces.jsonl) here")
+    p.add_argument("--device", default="cpu", help="cuda: vLLM's CUDA build on the GPU (make gpu-check)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="the model's and KV's dtype")
     args = p.parse_args(argv)
     rounds, prompts, max_tokens = (1, 2, 24) if args.quick else (args.rounds, args.prompts, 64)
-    shape = EngineShape()
+    shape = EngineShape(device=args.device, dtype=args.dtype)
     loads = [load_average()]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     body = render(figures, per_round, shape, server.command(default_model()[0]), kvmesh_command(shape), vllm_version(),
                   (loads[0], loads[1]), rounds, prompts)
     cmd = "kvmesh bench vllm --serving" + (f" --rounds {args.rounds}" if args.rounds != 3 else "") + (
-        f" --prompts {args.prompts}" if args.prompts != 3 else "")
+        f" --prompts {args.prompts}" if args.prompts != 3 else "") + (
+        f" --device {args.device} --dtype {args.dtype}" if args.device != "cpu" or args.dtype != "fp32" else "")
     publish(SECTION, cmd, body, write=not args.no_write and not args.quick)
     return 0
 

@@ -269,6 +269,9 @@ class EngineSettings(Section):
     block_size: int = setting(16, "tokens per KV block (the router's block_size must match)")
     vllm_block_size: int = setting(0, "backend vllm: vLLM's own block size, a multiple of block_size (0 = vLLM's "
                                       "default: 128 on CPU, whose attention takes multiples of 32)")
+    vllm_gpu_memory_utilization: float = setting(0.0, "backend vllm on CUDA: the share of the GPU's memory this "
+                                                      "instance's vLLM may take (0 = vLLM's default, 0.9; give "
+                                                      "each instance its share when several run on one GPU)")
     vllm_lora: bool = setting(False, "backend vllm: build vLLM's LoRA layers even without lora_adapters at start, "
                                      "so adapters can be loaded at run time (vLLM runs them on every step, adapter "
                                      "or not: on CPU about 2x a decode step's CPU at 8-16 rows)")
@@ -324,6 +327,10 @@ class EngineSettings(Section):
         out += self._attention_problems()
         out += self._min(("block_size", "max_batched_tokens", "max_num_seqs"), 1)
         out += self._min(("threads", "num_blocks", "host_cache_mb", "max_model_len"), 0, ENGINE_ZERO_MEANS)
+        if not 0 <= self.vllm_gpu_memory_utilization <= 1:
+            out.append(Problem("vllm_gpu_memory_utilization", "vllm_gpu_memory_utilization must be in [0, 1] "
+                                                              f"(0 = vLLM's default), not "
+                                                              f"{self.vllm_gpu_memory_utilization}"))
         for name in ("slo_ttft_s", "slo_itl_s"):
             value = getattr(self, name)
             if not 0 <= value <= 3600:

@@ -200,6 +200,8 @@ class VLLMEngine(EngineLoop, Engine):
             kv_cache_dtype="fp8_e4m3" if cfg.kv_dtype == "fp8" else "auto",  # else the model dtype (layout.py)
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_batched_tokens, self.vllm_block_size),
             seed=0, disable_log_stats=True, distributed_executor_backend="uni",
+            **({"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
+               if cfg.vllm_gpu_memory_utilization > 0 else {}),
             enable_lora=self.lora_on, max_loras=max(1, cfg.max_loras), max_lora_rank=cfg.max_lora_rank,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=self.events_endpoint, replay_endpoint=self.replay_endpoint,

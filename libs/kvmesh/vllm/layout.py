@@ -13,8 +13,9 @@ The packings vLLM 0.32 registers (its ``[B, H, N, C]`` logical page view, RFC #4
 
 - ``content`` (FlashAttention, FlashInfer, Triton, FlexAttention, and every layer-compact or cross-layer
   ``KVCacheLayout``): ``[blocks, heads, tokens, K dim | V dim]``, the physical order in the strides.
-- ``head-slots`` (backends that keep K and V as two head slots, ``num_head_slots=2``): ``[blocks, 2, tokens,
-  heads * dim]``.
+- ``head-slots`` (B12X, which keeps K and V as two head slots, ``num_head_slots=2``): ``[blocks, 2, tokens,
+  heads * dim]``, told from ``content`` by the backend (with two KV heads both shapes are the same). ROCm's
+  backends also use two head slots but pack K inside them their own way: refused.
 - ``cpu-vec`` (CPU attention, the ``vec`` kernel): nominally ``[blocks, heads, tokens, 2 * dim]``, but the kernel
   keeps each (block, head) page as K **transposed**, ``[dim][tokens]``, then V, ``[tokens][dim]`` (measured: K and
   V recomputed from the weights match only this reading, in fp32). Other CPU kernels (``amx``, ``neon``,
@@ -49,6 +50,7 @@ _STORED = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _FP8_NAME = {torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}
 _MEASURED_CPU = {("vec", torch.float32)}  # CPU kernels (and their dtype) whose page packing was measured
+_HEAD_SLOT_BACKENDS = ("B12X",)  # K and V as two head slots, [blocks, 2, tokens, heads * dim] (num_head_slots=2)
 PACKINGS = ("content", "head-slots", "cpu-vec", "kv-first", "kv-inner", "kv-inner-hnd")
 _VIEW_ORDER = {  # a KVCacheLayout's physical order of the logical per-layer page [B, H, N, C] (vLLM 0.32)
     "LBHNC": (0, 1, 2, 3), "LBNHC": (0, 2, 1, 3), "LHBNC": (1, 0, 2, 3),
@@ -149,6 +151,9 @@ def _stored_dtype(layer: LayerCache) -> torch.dtype:
 def _packing(layer: LayerCache, shape: tuple[int, ...], s: tuple[int, ...], heads: int, dim: int,
              bs: int) -> tuple[str, Plane, Plane]:
     backend, where = layer.backend, f"{layer.backend} registered {list(shape)} strides {list(s)}"
+    if layer.tensor.is_cuda and torch.version.hip is not None:
+        raise Unconvertible(f"{where}: vLLM's ROCm backends pack K their own way (x-packed or shuffled pages), "
+                            "which kvmesh has not measured; run this instance without the pool and PD")
     if len(shape) == 5:
         if shape[0] == 2 and shape[2:] == (bs, heads, dim):
             return "kv-first", Plane(0, (s[1], s[2], s[3], s[4])), Plane(s[0], (s[1], s[2], s[3], s[4]))
@@ -171,11 +176,11 @@ def _packing(layer: LayerCache, shape: tuple[int, ...], s: tuple[int, ...], head
                                 "set dtype and kv_dtype fp32 and a vLLM block size that is a multiple of 32")
         page = 2 * bs * dim
         return "cpu-vec", Plane(0, (s[0], 1, s[1], bs)), Plane(page // 2, (s[0], dim, s[1], 1))
-    if len(shape) == 4 and shape[1:3] == (heads, bs) and shape[3] == 2 * dim:
+    if len(shape) == 4 and backend in _HEAD_SLOT_BACKENDS and shape[1:] == (2, bs, heads * dim):
+        return "head-slots", Plane(0, (s[0], s[2], dim * s[3], s[3])), Plane(s[1], (s[0], s[2], dim * s[3], s[3]))
+    if len(shape) == 4 and backend not in _HEAD_SLOT_BACKENDS and shape[1:] == (heads, bs, 2 * dim):
         _check_declared(layer, s, where)
         return "content", Plane(0, (s[0], s[2], s[1], s[3])), Plane(dim * s[3], (s[0], s[2], s[1], s[3]))
-    if len(shape) == 4 and shape[1:] == (2, bs, heads * dim):
-        return "head-slots", Plane(0, (s[0], s[2], dim * s[3], s[3])), Plane(s[1], (s[0], s[2], dim * s[3], s[3]))
     raise Unconvertible(f"{where}: not a layout kvmesh knows for {heads} KV heads of {dim} in blocks of {bs} "
                         f"tokens ({', '.join(PACKINGS)}); run this instance without the pool and PD, or with "
                         "another attention backend (VLLM_ATTENTION_BACKEND)")
