@@ -14,8 +14,9 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from kvmesh import tls
@@ -23,7 +24,6 @@ from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
 from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA
 from kvmesh.contracts.keys import Namespace, block_keys
-from kvmesh.contracts.layout import converter
 from kvmesh.contracts.messages import Heartbeat, KVReady, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
 from kvmesh.contracts.slo import slo_to_proto
@@ -31,7 +31,7 @@ from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.routing import CostModel
-from kvmesh.routing.cost import TTFTTarget, disaggregation, local_share
+from kvmesh.routing.plan import POOL, FleetView, Local, Refuse, RouteAsk, plan
 from kvmesh.settings import RouterSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
@@ -42,12 +42,11 @@ from services.router.loras import Adapters
 from services.router.migration import Migration, Migrations
 from services.router.recent import RecentPrefixes, merged
 from services.router.registry import Instance, Registry
-from services.router.scheduling import Policies, choose_decode
+from services.router.scheduling import Policies, view
 from services.router.sessions import Sessions
-from services.router.telemetry import RequestTrace, RouterMetrics, route_attributes
+from services.router.telemetry import RequestTrace, RouterMetrics
 
 log = logging.getLogger(__name__)
-POOL = "pool"  # MatchPrefix's instance id for the cache service's own tiers
 RETRIES = 2    # re-dispatches of a request whose instance was unreachable before it streamed a token
 LOAD_REFRESH_S = 1.0  # this router's in-flight counts go to its replicas on every change, and at least this often
 
@@ -183,200 +182,156 @@ class Router:
         span.end()
         return best
 
-    def _choose(self, policy: str | None, role: str, instances: list[Instance], matched: dict[str, int],
-                prompt: list[int], route: Span, lora: str = "", ttft_s: float = 0.0, itl_s: float = 0.0) -> Instance:
-        """``ttft_s``: what is left of the request's TTFT target (0 = none), which admission holds it to;
-        ``itl_s``: its ITL target (role both: an instance decoding streams prefills in what their steps leave)."""
-        missing = {i.id for i in instances if not self.loras.holds(i, lora)}
-        inst, decision = self.policies.choose(policy, instances, matched, len(prompt), self.cfg.block_size,
-                                              matched.get(POOL, 0), missing, ttft_s, itl_s)
-        if route.is_recording():
-            route.set_attributes({**route_attributes(role, instances, matched, inst or instances[0]),
-                                  f"kvmesh.route.{role}.policy": policy or self.policies.default,
-                                  f"kvmesh.route.{role}.estimates": [f"{k}={v:.3f}"
-                                                                     for k, v in decision.scores.items()],
-                                  f"kvmesh.route.{role}.reason": decision.reason})
-        if inst is None:
-            raise RequestError(ErrorKind.OVERLOADED, decision.reason)
-        return inst
-
     async def generate(self, request: Admitted, rt: RequestTrace) -> AsyncIterator[Chunk]:
         """Route, dispatch and stream one admitted request. ``rt``: its root span and TTFT clock, which the API
         layer owns. An instance found unreachable before it streamed a token costs a retry on another one (at
         most ``RETRIES``), never the request; one that fails after it streamed some costs a migration
         (``migration.py``): the request goes on elsewhere from the tokens streamed so far, within the migration
         limits. Any other failure, or one past the limits, goes out as the error."""
-        streamed = list(request.resume)  # every token the client has: a re-dispatch continues after them
         # the engines' namespace for this adapter: name@generation (the generation the instances hold)
         lora_id = self.loras.lora_id(request.lora) if request.lora else ""
-        seed = Namespace(self.source.fingerprint, self.tokenizer.fingerprint, lora_id, request.cache_salt).seed
-        matched: dict[str, int] = {}
-        keys: list[int] = []  # the prompt's block keys
-        matched_for = -1  # the prompt length MatchPrefix was asked for
-        avoid: set[str] = set()
-        failure: RequestError | None = None
-        retries = migrations = 0
-        migration: Migration | None = None
-        first_cached: int | None = None  # the first dispatch's cached tokens, once a migration left it
-        text: list[str] = []  # a session's response so far: whether it ended in a tool call
+        tries = _Attempts(Namespace(self.source.fingerprint, self.tokenizer.fingerprint, lora_id,
+                                    request.cache_salt).seed, list(request.resume))
         try:
             while True:
-                prompt = request.prompt + tuple(streamed)
-                route = rt.child("router.route", **({"kvmesh.retry": retries} if retries else {}),
-                                 **({"kvmesh.migration": migrations} if migrations else {}))
+                stream = await self._dispatch(request, rt, tries)
                 try:
-                    if matched_for != len(prompt):
-                        keys = block_keys(seed, prompt, self.cfg.block_size)
-                        matched = await self.matched_blocks(keys, route, rt.attrs)
-                        matched = merged(matched, self.recent.matched(keys, [i.id for i in self.registry.alive()]))
-                        matched_for = len(prompt)
-                    route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
-                    work = worker_pb2.WorkRequest(
-                        request_id=_dispatch_id(request, retries, migrations), prompt_token_ids=prompt,
-                        sampling=sampling_to_proto(request.sampling), cache_salt=request.cache_salt,
-                        pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(streamed),
-                        session_key=request.session.key if request.session else "",
-                        session_end=bool(request.session and request.session.end),
-                        retention=retention_to_proto(request.retention), slo=slo_to_proto(request.slo),
-                        waited_s=time.monotonic() - rt.t0)
-                    stream = self._route(work, matched, rt, request.policy, route, avoid,
-                                         request.disaggregate or self.cfg.disaggregate, keys)
-                    if stream is None:
-                        if failure is not None:  # nowhere else to go: the error of the last attempt stands
-                            raise failure
-                        route.set_status(StatusCode.ERROR, "no engine instances are up")
-                        raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up (need a prefill and a "
-                                                                  "decode instance, or one with role both)")
-                except RequestError as e:
-                    if migration is not None:
-                        migration.failed(e)
-                    raise
-                finally:
-                    route.end()
-                delivered, cached = 0, None
-                try:
-                    async for chunk, cached in stream:
-                        if migration is not None:
-                            migration.arrived()
-                            migration = None
-                        rt.chunk_arrived()
-                        streamed += chunk.token_ids
-                        delivered += len(chunk.token_ids)
-                        if request.session is not None:
-                            text.append(chunk.text)
-                        if chunk.finished:
-                            reused = first_cached if first_cached is not None else await cached()
-                            chunk.usage = Usage(len(request.prompt), len(streamed), min(reused, len(request.prompt)))
-                            rt.usage(len(request.prompt), len(streamed), chunk.usage.cached_tokens)
-                            event = self.sessions.finished(request.session, "".join(text), chunk.finish_reason)
-                            if event is not None:
-                                rt.root.set_attribute("kvmesh.session.signal", event.value)
+                    async for chunk in self._relay(stream, request, rt, tries):
                         yield chunk
                     return
                 except RequestError as e:
-                    if e.kind == ErrorKind.INTERNAL:
-                        log.error("request %s (trace %s): %s", request.request_id, rt.trace_id, e.message)
-                    if not e.retryable or (delivered == 0 and retries == RETRIES):
-                        if migration is not None:
-                            migration.failed(e)
-                        raise
-                    if delivered == 0:  # this instance streamed nothing: another one takes the same dispatch
-                        retries += 1
-                        log.warning("request %s (trace %s): %s; retrying on another instance", request.request_id,
-                                    rt.trace_id, e.message)
-                        rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
-                    else:  # it streamed, then failed: the request goes on elsewhere after what it streamed
-                        migration = self.migrations.start(rt, e, migrations, len(streamed))
-                        if migration is None:
-                            raise
-                        migrations += 1
-                        if first_cached is None and cached is not None:
-                            first_cached = await _cached_or_zero(cached)
-                        log.warning("request %s (trace %s): %s after %d tokens; migrating (%d of at most %d)",
-                                    request.request_id, rt.trace_id, e.message, len(streamed), migrations,
-                                    self.migrations.per_request)
-                    failure = e
-                    avoid.add(e.instance)
+                    await self._next_attempt(e, request, rt, tries)
         finally:  # the client went away (or the error went out) while a migration was under way
-            if migration is not None:
-                migration.failed(RequestError(ErrorKind.CANCELLED, "the request ended during its migration"))
+            if tries.migration is not None:
+                tries.migration.failed(RequestError(ErrorKind.CANCELLED, "the request ended during its migration"))
+
+    async def _dispatch(self, request: Admitted, rt: RequestTrace, tries: _Attempts):
+        """One attempt's route, planned and started (its chunk stream); the prompt's match is asked again only
+        when the prompt grew (a migration carries the tokens streamed so far)."""
+        prompt = request.prompt + tuple(tries.streamed)
+        route = rt.child("router.route", **({"kvmesh.retry": tries.retries} if tries.retries else {}),
+                         **({"kvmesh.migration": tries.migrations} if tries.migrations else {}))
+        try:
+            if tries.matched_for != len(prompt):
+                tries.keys = block_keys(tries.seed, prompt, self.cfg.block_size)
+                matched = await self.matched_blocks(tries.keys, route, rt.attrs)
+                tries.matched = merged(matched, self.recent.matched(tries.keys, [i.id for i in self.registry.alive()]))
+                tries.matched_for = len(prompt)
+            route.set_attribute("kvmesh.pool_blocks", tries.matched.get(POOL, 0))
+            stream = self._route(self._work(request, prompt, rt, tries), tries.matched, rt, request.policy, route,
+                                 tries.avoid, request.disaggregate or self.cfg.disaggregate, tries.keys)
+            if stream is None:
+                if tries.failure is not None:  # nowhere else to go: the error of the last attempt stands
+                    raise tries.failure
+                route.set_status(StatusCode.ERROR, "no engine instances are up")
+                raise RequestError(ErrorKind.UNAVAILABLE, "no engine instances are up (need a prefill and a "
+                                                          "decode instance, or one with role both)")
+            return stream
+        except RequestError as e:
+            if tries.migration is not None:
+                tries.migration.failed(e)
+            raise
+        finally:
+            route.end()
+
+    def _work(self, request: Admitted, prompt: tuple[int, ...], rt: RequestTrace,
+              tries: _Attempts) -> worker_pb2.WorkRequest:
+        """The wire form of one attempt: the prompt with the tokens streamed so far, its own dispatch id."""
+        return worker_pb2.WorkRequest(
+            request_id=_dispatch_id(request, tries.retries, tries.migrations), prompt_token_ids=prompt,
+            sampling=sampling_to_proto(request.sampling), cache_salt=request.cache_salt,
+            pool_blocks=tries.matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(tries.streamed),
+            session_key=request.session.key if request.session else "",
+            session_end=bool(request.session and request.session.end),
+            retention=retention_to_proto(request.retention), slo=slo_to_proto(request.slo),
+            waited_s=time.monotonic() - rt.t0)
+
+    async def _relay(self, stream, request: Admitted, rt: RequestTrace, tries: _Attempts) -> AsyncIterator[Chunk]:
+        """The attempt's chunks to the client; the last one with the request's usage."""
+        tries.delivered, tries.cached = 0, None
+        async for chunk, cached in stream:
+            tries.cached = cached
+            if tries.migration is not None:
+                tries.migration.arrived()
+                tries.migration = None
+            rt.chunk_arrived()
+            tries.streamed += chunk.token_ids
+            tries.delivered += len(chunk.token_ids)
+            if request.session is not None:
+                tries.text.append(chunk.text)
+            if chunk.finished:
+                reused = tries.first_cached if tries.first_cached is not None else await cached()
+                chunk.usage = Usage(len(request.prompt), len(tries.streamed), min(reused, len(request.prompt)))
+                rt.usage(len(request.prompt), len(tries.streamed), chunk.usage.cached_tokens)
+                event = self.sessions.finished(request.session, "".join(tries.text), chunk.finish_reason)
+                if event is not None:
+                    rt.root.set_attribute("kvmesh.session.signal", event.value)
+            yield chunk
+
+    async def _next_attempt(self, e: RequestError, request: Admitted, rt: RequestTrace, tries: _Attempts) -> None:
+        """After an attempt failed with ``e``: a retry elsewhere (it streamed nothing), a migration (it streamed
+        some), or ``e`` raised (not retryable, or past the limits)."""
+        if e.kind == ErrorKind.INTERNAL:
+            log.error("request %s (trace %s): %s", request.request_id, rt.trace_id, e.message)
+        if not e.retryable or (tries.delivered == 0 and tries.retries == RETRIES):
+            if tries.migration is not None:
+                tries.migration.failed(e)
+            raise e
+        if tries.delivered == 0:  # this instance streamed nothing: another one takes the same dispatch
+            tries.retries += 1
+            log.warning("request %s (trace %s): %s; retrying on another instance", request.request_id,
+                        rt.trace_id, e.message)
+            rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
+        else:  # it streamed, then failed: the request goes on elsewhere after what it streamed
+            tries.migration = self.migrations.start(rt, e, tries.migrations, len(tries.streamed))
+            if tries.migration is None:
+                raise e
+            tries.migrations += 1
+            if tries.first_cached is None and tries.cached is not None:
+                tries.first_cached = await _cached_or_zero(tries.cached)
+            log.warning("request %s (trace %s): %s after %d tokens; migrating (%d of at most %d)",
+                        request.request_id, rt.trace_id, e.message, len(tries.streamed), tries.migrations,
+                        self.migrations.per_request)
+        tries.failure = e
+        tries.avoid.add(e.instance)
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
                policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto",
                keys: Sequence[int] = ()):
-        """The chosen instances' chunk stream, or None when no live instance (outside ``avoid``) can serve.
-        With prefill and decode instances, the cost model decides whether the hop pays (``disaggregation``):
-        when decode already holds about as much of the prompt as prefill, decode computes the rest itself."""
-        prompt = list(work.prompt_token_ids)
-        ttft_s = ttft_left(work)
-        prefills = [i for i in self.registry.alive("prefill") if i.id not in avoid]
-        decodes = [i for i in self.registry.alive("decode") if i.id not in avoid]
-        lora = work.lora_name
+        """Plan the request's route (``kvmesh.routing.plan``) and start it: the chosen instances' chunk stream,
+        or None when no live instance (outside ``avoid``) can serve."""
         session = SessionHint.of(work.session_key, work.session_end)
-        if prefills and decodes:
-            # a request's own TTFT target is held by the path choice below (prefill's queue, or decode beside its
-            # streams), not by the prefill instance alone
-            prefill = self._choose(policy, "prefill", prefills, matched, prompt, route, lora,
-                                   0.0 if ttft_s and disaggregate == "auto" else ttft_s)
-            holders = [i for i in decodes if self.loras.holds(i, lora)]
-            # a push is only ever sent where its bytes mean the same: the decode's KV layout equals prefill's, or
-            # the decode names the converter from it
-            paired = [i for i in holders or decodes if can_hand_off(prefill, i)]
-            home, why = self.sessions.place(session, paired or holders or decodes)
-            decode = home or choose_decode(paired or holders or decodes, self.registry.replica_rank(self.id))
-            self.sessions.ran(session, decode.id)
-            if not paired:
-                route.set_attributes({"kvmesh.route.path": "local",
-                                      "kvmesh.route.reason": f"local: no decode takes {prefill.id}'s KV layout"})
-                return self._local(work, self._sent(keys, decode), rt,
-                                   f"local: no decode takes {prefill.id}'s KV layout", matched)
-            if route.is_recording():
-                route.set_attributes(route_attributes("decode", decodes, {}, decode))
-                if why:
-                    route.set_attribute("kvmesh.route.session", why)
-            # one line prices both computes: the same model on the same kind of machine, and a decode
-            # instance's own fit comes from one-token steps, which pin down no prompt speed. The streams decode
-            # runs: what the routers have in flight there (a heartbeat lags: in a chat it still reports the
-            # previous turn decoding)
-            speed = CostModel.from_load(prefill.beat.load, self.policies.cost) or self.policies.cost
-            target = TTFTTarget(ttft_s, int(prefill.waiting_tokens), int(decode.waiting_tokens),
-                                local_share(decode.beat.load.get("decode_step_s", 0.0), work.slo.itl_s)) \
-                if ttft_s else None
-            d = disaggregation(disaggregate, len(prompt), self.cfg.block_size, matched.get(prefill.id, 0),
-                               matched.get(decode.id, 0), speed, speed, decode.routed, ttft=target)
-            if d.disaggregate and not self.registry.bus_up():  # kv.ready would wait out decode's kv_timeout_s
-                d = d._replace(disaggregate=False,
-                               reason="local: NATS is unreachable, so no kv.ready could announce a push")
-            route.set_attributes({"kvmesh.route.path": "pd" if d.disaggregate else "local",
-                                  "kvmesh.route.reason": d.reason,
-                                  "kvmesh.route.pd_ms": round(d.pd_s * 1e3, 1),
-                                  "kvmesh.route.local_ms": round(d.local_s * 1e3, 1)})
-            if d.refuse:
-                raise RequestError(ErrorKind.OVERLOADED, d.reason)
-            if not d.disaggregate:
-                return self._local(work, self._sent(keys, decode), rt, d.reason, matched)
-            # decode waits for kv.ready its own kv_timeout_s past this estimate of prefill + push: a long cold
-            # prompt must not time out while prefill is still computing it
-            return self._disaggregated(work, self._sent(keys, prefill), self._sent(keys, decode), rt, policy, matched,
-                                       d.pd_s)
-        both = [i for i in self.registry.alive("both") if i.id not in avoid]
-        if both:
-            route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"})
-            home, why = self.sessions.place(session, [i for i in both if self.loras.holds(i, lora)] or both)
-            if why:
-                route.set_attribute("kvmesh.route.session", why)
-            inst = home or self._choose(policy, "both", both, matched, prompt, route, lora, ttft_s, work.slo.itl_s)
-            self.sessions.ran(session, inst.id)
-            return self._local(work, self._sent(keys, inst), rt, matched=matched)
-        if decodes:  # every prefill instance is gone: decode computes the prompt itself rather than refuse
-            reason = "local: no prefill instance is up"
-            route.set_attributes({"kvmesh.route.path": "local", "kvmesh.route.reason": reason})
-            home, why = self.sessions.place(session, [i for i in decodes if self.loras.holds(i, lora)] or decodes)
-            decode = home or choose_decode([i for i in decodes if self.loras.holds(i, lora)] or decodes,
-                                           self.registry.replica_rank(self.id))
-            self.sessions.ran(session, decode.id)
-            return self._local(work, self._sent(keys, decode), rt, reason, matched)
-        return None
+        ask = RouteAsk(len(work.prompt_token_ids), policy or self.policies.default, ttft_left(work), work.slo.itl_s,
+                       disaggregate, session)
+        planned = plan(ask, self._fleet(matched, avoid, work.lora_name, session), self.policies.get(policy))
+        if planned is None:
+            return None
+        if route.is_recording():
+            route.set_attributes(dict(planned.attributes))
+        if planned.session_at is not None:
+            self.sessions.ran(session, planned.session_at)
+        self.sessions.moved += planned.session_moved
+        if isinstance(planned, Refuse):
+            raise RequestError(ErrorKind.OVERLOADED, planned.reason)
+        if isinstance(planned, Local):
+            return self._local(work, self._sent(keys, self._instance(planned.instance)), rt, planned.reason,
+                               matched)
+        # decode waits for kv.ready its own kv_timeout_s past this estimate of prefill + push: a long cold
+        # prompt must not time out while prefill is still computing it
+        return self._disaggregated(work, self._sent(keys, self._instance(planned.prefill)),
+                                   self._sent(keys, self._instance(planned.decode)), rt, policy, matched,
+                                   planned.expected_prefill_s)
+
+    def _fleet(self, matched: dict[str, int], avoid: set[str], lora: str, session: SessionHint | None) -> FleetView:
+        """The live instances outside ``avoid`` as the planner sees them, with the request's session home."""
+        views = tuple(view(i, self.policies.cost, self.loras.holds(i, lora))
+                      for i in self.registry.alive() if i.id not in avoid)
+        home = self.sessions.instance_of(session.key) if session is not None and self.sessions.affinity else None
+        return FleetView(views, matched, self.cfg.block_size, self.policies.cost,
+                         self.registry.replica_rank(self.id), self.registry.bus_up(), home, self.sessions.overload)
+
+    def _instance(self, iid: str) -> Instance:
+        return next(i for i in self.registry.alive() if i.id == iid)
 
     def _to_compute(self, work: worker_pb2.WorkRequest, inst: Instance, matched: dict[str, int] | None) -> int:
         """The prompt tokens ``inst`` will compute for ``work``: what the match says it does not hold, which is
@@ -567,6 +522,26 @@ class Router:
             log.warning("could not tell %s that request %s's prefill failed: %s", decode.id, work.request_id, e)
 
 
+@dataclass
+class _Attempts:
+    """One request's dispatches so far: what the client has, what the index said, where not to go again."""
+
+    seed: int                      # the namespace seed of the request's block keys
+    streamed: list[int]            # every token the client has: a re-dispatch continues after them
+    matched: dict[str, int] = field(default_factory=dict)
+    keys: list[int] = field(default_factory=list)  # the prompt's block keys
+    matched_for: int = -1          # the prompt length MatchPrefix was asked for
+    avoid: set[str] = field(default_factory=set)
+    failure: RequestError | None = None
+    retries: int = 0
+    migrations: int = 0
+    migration: Migration | None = None
+    first_cached: int | None = None  # the first dispatch's cached tokens, once a migration left it
+    text: list[str] = field(default_factory=list)  # a session's response so far: whether it ended in a tool call
+    delivered: int = 0             # tokens the current attempt streamed
+    cached: Any = None             # the current attempt's cached-tokens reader
+
+
 class NoGrant(RuntimeError):
     """Decode answered a Decode call without a push capability: it failed (its stream says how), so no Prefill."""
 
@@ -612,19 +587,6 @@ async def _cached_or_zero(cached) -> int:
         return await cached()
     except Exception:  # noqa: BLE001 - only the usage's cached_tokens depends on it
         return 0
-
-
-def can_hand_off(a: Instance, b: Instance) -> bool:
-    """Whether a push from ``a`` means the same to ``b``: neither says its KV cannot be converted, and their KV
-    layouts are equal or differ in the dtype alone with ``b`` naming ``a``'s (it casts on intake). An instance
-    that did not say its layout is taken at its word that model and block size match."""
-    if a.beat.kv_unconvertible or b.beat.kv_unconvertible:
-        return False
-    la, lb = a.beat.kv_layout, b.beat.kv_layout
-    if la is None or lb is None:
-        return True
-    how = converter(la, lb)
-    return how == "" or (how is not None and la.dtype in b.beat.kv_accepts)
 
 
 def _chunk(msg: worker_pb2.DecodeChunk) -> Chunk:

@@ -46,6 +46,19 @@ class Instance:
     def waiting_tokens(self) -> float:
         return max(self.beat.load.get("waiting_tokens", 0), self.inflight_tokens + self.peer_tokens)
 
+    @property
+    def running(self) -> float:
+        return self.beat.load.get("running", 0)
+
+    @property
+    def free_blocks(self) -> int:
+        return int(self.beat.load.get("free_blocks", 0))
+
+    @property
+    def decode_step_s(self) -> float:
+        """Its measured decode step (0: it reports none; vLLM's engine does not)."""
+        return self.beat.load.get("decode_step_s", 0.0)
+
 
 class Registry:
     def __init__(self, timeout_s: float, block_size: int, fingerprint: str) -> None:

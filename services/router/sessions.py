@@ -25,6 +25,8 @@ from collections.abc import Awaitable, Callable
 from kvmesh.contracts.engine import SessionHint
 from kvmesh.contracts.messages import SessionSignal
 from kvmesh.contracts.sessions import SessionEvent
+from kvmesh.routing import CostModel
+from kvmesh.routing.plan import place_session
 
 from services.router.registry import Instance
 
@@ -68,19 +70,16 @@ class Sessions:
         return self._where.get(key)
 
     def place(self, session: SessionHint | None, candidates: list[Instance]) -> tuple[Instance | None, str]:
-        """The candidate the session should stay on, and why (None: choose as for any request, and why not)."""
+        """The candidate the session should stay on, and why (None: choose as for any request, and why not):
+        ``kvmesh.routing.plan.place_session`` over registry records (the planner calls that itself)."""
+        from services.router.scheduling import view
+
         if session is None or not self.affinity:
             return None, ""
-        where = self._where.get(session.key)
-        home = next((i for i in candidates if i.id == where), None)
-        if home is None:
-            return None, "" if where is None else f"session: its instance {where} is gone"
-        least = min(i.queue_depth for i in candidates)
-        if home.queue_depth - least >= self.overload:
-            self.moved += 1
-            return None, (f"session: {home.id} is overloaded ({home.queue_depth:g} queued or running, "
-                          f"{least:g} on the least loaded): moved through the pool")
-        return home, f"session: stays on {home.id}, where its KV is"
+        views = [view(i, CostModel()) for i in candidates]
+        home, why, moved = place_session(self._where.get(session.key), views, self.overload)
+        self.moved += moved
+        return next((i for i in candidates if home is not None and i.id == home.id), None), why
 
     def ran(self, session: SessionHint | None, instance: str) -> None:
         """``session``'s request ran on ``instance`` (it is forgotten when that was its last)."""

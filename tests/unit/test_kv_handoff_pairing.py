@@ -13,20 +13,21 @@ from kvmesh.contracts.engine import ImportedKV, KVPart
 from kvmesh.contracts.layout import KVLayout, converter
 from kvmesh.contracts.messages import Heartbeat
 from kvmesh.engines.convert import cast, convert_import
+from kvmesh.routing.plan import InstanceView, can_hand_off
 from kvmesh.routing.policies import CacheAware, Candidate
-
-from services.router.core import can_hand_off
-from services.router.registry import Instance
 
 FP32 = KVLayout("m", num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="fp32")
 BF16 = replace(FP32, dtype="bf16")
 
 
-def instance(iid: str, layout: KVLayout | None, accepts: tuple[str, ...] = (), unconvertible: str = "") -> Instance:
-    beat = Heartbeat(instance_id=iid, role="decode", grpc_address="127.0.0.1:1", transfer_address="", ts=time.time(),
+def instance(iid: str, layout: KVLayout | None, accepts: tuple[str, ...] = (), unconvertible: str = "") -> InstanceView:
+    return InstanceView(iid, "decode", kv_layout=layout, kv_accepts=accepts, kv_unconvertible=unconvertible)
+
+
+def beat(layout: KVLayout, accepts: tuple[str, ...] = (), unconvertible: str = "") -> Heartbeat:
+    return Heartbeat(instance_id="d", role="decode", grpc_address="127.0.0.1:1", transfer_address="", ts=time.time(),
                      load={}, model="m", block_size=4, kv_layout=layout, kv_accepts=accepts,
                      kv_unconvertible=unconvertible)
-    return Instance(beat, time.monotonic())
 
 
 def test_converter_is_none_needed_a_cast_or_nothing():
@@ -62,10 +63,9 @@ def test_the_cost_model_counts_no_pool_hit_for_an_instance_that_cannot_load_one(
 
 
 def test_the_heartbeat_carries_the_converters_and_why_kv_cannot_be_converted():
-    beat = instance("d", FP32, accepts=("bf16", "fp8"), unconvertible="MLA").beat
-    back = Heartbeat.decode(beat.encode())
+    back = Heartbeat.decode(beat(FP32, accepts=("bf16", "fp8"), unconvertible="MLA").encode())
     assert (back.kv_accepts, back.kv_unconvertible) == (("bf16", "fp8"), "MLA")
-    plain = Heartbeat.decode(instance("d", FP32).beat.encode())
+    plain = Heartbeat.decode(beat(FP32).encode())
     assert (plain.kv_accepts, plain.kv_unconvertible) == ((), "")
 
 
