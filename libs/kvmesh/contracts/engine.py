@@ -69,6 +69,13 @@ class ExportPlan:
                              f"{self.layer_groups} >= 1")
 
 
+def layer_bounds(num_layers: int, groups: int) -> tuple[int, ...]:
+    """The end layer of each of ``groups`` (at most ``num_layers``) near-equal consecutive layer groups: how a
+    ``BY_LAYER_GROUP`` plan splits a model's layers (every backend reads its KV out in these groups)."""
+    groups = max(1, min(groups, num_layers))
+    return tuple(num_layers * (g + 1) // groups for g in range(groups))
+
+
 @dataclass(frozen=True)
 class ExportedKV:
     """Blocks ``first_block .. first_block + num_blocks - 1`` of a request, read out: ``data`` holds their bytes

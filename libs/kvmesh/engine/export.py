@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.contracts.engine import ExportPieces, ExportPlan
+from kvmesh.contracts.engine import ExportPieces, ExportPlan, layer_bounds
 from kvmesh.contracts.keys import block_keys
 from kvmesh.engine.sequence import Sequence
 
@@ -34,12 +34,6 @@ class KVReadout:
     first_block: int = 0
     final: bool = True             # False: a piece read out mid-prefill; more follow
     layers: tuple[int, int] | None = None  # (first, end): the blocks' slice of these layers only; None: all
-
-
-def layer_bounds(num_layers: int, groups: int) -> tuple[int, ...]:
-    """The end layer of each of ``groups`` (at most ``num_layers``) near-equal consecutive layer groups."""
-    groups = max(1, min(groups, num_layers))
-    return tuple(num_layers * (g + 1) // groups for g in range(groups))
 
 
 @dataclass

@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvmesh.contracts.engine import ExportedKV
+from kvmesh.contracts.engine import ExportedKV, layer_bounds
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.layout import KVLayout
@@ -54,12 +54,6 @@ from kvmesh.vllm.mover import Mover
 log = logging.getLogger(__name__)
 BRIDGES: dict[str, Bridge] = {}
 _LAYER = re.compile(r"\blayers\.(\d+)\.")
-
-
-def layer_bounds(num_layers: int, groups: int) -> tuple[int, ...]:
-    """The end layer of each of ``groups`` (at most ``num_layers``) near-equal consecutive layer groups."""
-    groups = max(1, min(groups, num_layers))
-    return tuple(num_layers * (g + 1) // groups for g in range(groups))
 
 
 class Bridge:
