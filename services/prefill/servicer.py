@@ -35,7 +35,8 @@ from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from services.prefill.handoff import PartStats, PushStream, announcer, make_handoff, push_overlap
+from services.prefill.faults import make_handoff
+from services.prefill.handoff import PartStats, PushStream, announcer, push_overlap
 
 log = logging.getLogger(__name__)
 

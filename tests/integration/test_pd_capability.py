@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from kvmesh.transfer import Refusal, TransferClient, TransferRejected
 
-from services.prefill.handoff import FaultyHandoff, announcer
+from services.prefill.faults import FaultyHandoff
+from services.prefill.handoff import announcer
 from services.prefill.servicer import PrefillServicer
 
 from .test_pd_layer_groups import decode_blocks, generate
