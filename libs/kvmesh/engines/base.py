@@ -63,6 +63,13 @@ class Engine(abc.ABC):
     # whether ``generate`` continues a request another instance started (``EngineRequest.generated``); a backend
     # that cannot is never handed one (the hosting service refuses it, and the router migrates elsewhere)
     continues_requests: bool = False
+
+    def continuation_refused(self, structured: bool) -> str:
+        """Why this engine cannot continue a request another instance started ("" when it can); ``structured``:
+        the request's output follows a grammar. The hosting service answers FAILED_PRECONDITION with it, so the
+        router migrates the request elsewhere."""
+        return "" if self.continues_requests else f"the {self.backend} engine cannot continue a request another " \
+                                                  "instance started"
     adopt_unit: int = 1  # ``adopt`` can use pool blocks only in whole runs of this many (vLLM: its own block)
 
     @property

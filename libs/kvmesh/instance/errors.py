@@ -26,6 +26,8 @@ async def abort_failed(context: grpc.aio.ServicerContext, e: SequenceError, span
 async def refuse_continuation(context: grpc.aio.ServicerContext, engine: Engine, work: worker_pb2.WorkRequest) -> None:
     """A migrated request (``generated_tokens``) on an engine that cannot continue one: FAILED_PRECONDITION, so
     the router takes it elsewhere. Nothing otherwise."""
-    if work.generated_tokens and not engine.continues_requests:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"the {engine.backend} engine cannot continue a request another instance started")
+    if not work.generated_tokens:
+        return
+    why = engine.continuation_refused(work.sampling.WhichOneof("structured") is not None)
+    if why:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)

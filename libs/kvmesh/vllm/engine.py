@@ -27,6 +27,12 @@ What maps to what
   does not make (prompt + max_tokens past the context, a duplicate id, an adapter not loaded, which would kill its
   engine) are made here first. A failed step fails the requests in flight (``SequenceError``); an engine vLLM
   declares dead fails every later one too, naming the restart it needs.
+- Migration: a request another instance started (``EngineRequest.generated``: its prompt ends with the tokens
+  already streamed) is vLLM's prompt whole, with what is left of ``max_tokens``; vLLM detokenizes the new tokens
+  with the prompt as context, so the text goes on where it stopped. Greedy streams continue with the tokens an
+  uninterrupted run gives; a seeded one restarts vLLM's generator (other tokens than uninterrupted), and a stop
+  string that spans the cut is not seen. A constrained one (structured output) is refused
+  (``continuation_refused``): vLLM's grammar would start over mid-response.
 """
 
 from __future__ import annotations
@@ -122,6 +128,7 @@ def adapter_generation(path: str) -> str:
 
 class VLLMEngine(EngineLoop, Engine):
     backend = "vllm"
+    continues_requests = True  # a migrated stream: its prompt and the tokens streamed so far, as vLLM's prompt
 
     def __init__(self, cfg: EngineSettings, loop: asyncio.AbstractEventLoop) -> None:
         EngineLoop.__init__(self, loop, name="vllm-engine")
@@ -174,6 +181,10 @@ class VLLMEngine(EngineLoop, Engine):
         self.lora_on = lora_layers(cfg)
         self.steps = {"decode": 0, "prefill": 0}
         self.step_seconds = {"decode": 0.0, "prefill": 0.0}
+
+    def continuation_refused(self, structured: bool) -> str:
+        return ("vLLM's structured output starts its grammar at the request's first token: it cannot continue a "
+                "constrained response another instance started") if structured else ""
 
     @property
     def kv_unconvertible(self) -> str:
@@ -406,9 +417,14 @@ class VLLMEngine(EngineLoop, Engine):
             raise ValueError("prompt is empty")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) + p.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
-                             f"context of {self.max_model_len} tokens")
+        if len(prompt) - request.generated + p.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt) - request.generated} tokens) + max_tokens ({p.max_tokens}) "
+                             f"exceeds the model's context of {self.max_model_len} tokens")
+        if request.generated:  # a migrated stream: vLLM gets what is left of its budget
+            if p.max_tokens <= request.generated:  # it had streamed all of it: only the end was lost
+                self.deliver(rid, EngineOutput(rid, (), "", True, "length"))
+                return
+            p = dataclasses.replace(p, max_tokens=p.max_tokens - request.generated)
         adapter = self._adapter(request.lora)
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if request.cache_salt:

@@ -1,0 +1,61 @@
+"""A vLLM instance continues a stream another instance started: on a vLLM-only mesh, the instance serving a greedy
+stream is killed at token 10 of 40 and the client's stream goes on, with the tokens of an uninterrupted run."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from kvmesh.client import KvmeshClient
+
+from tests.vllm.conftest import vllm_stack
+
+pytestmark = pytest.mark.vllm
+HANG = "fault injection: the stream hangs after"
+PROMPT = [(i * 7919) % 30000 + 100 for i in range(24)]
+
+
+def hung_instance(stack, request_id: str, within_s: float = 120.0):
+    """The instance whose stream of ``request_id`` hangs (``fault_hang_after_tokens``), once it logged so."""
+    deadline = time.monotonic() + within_s
+    while True:
+        hung = [s for s in stack.services if s.name.startswith("both-")
+                and f"request {request_id}: {HANG}" in s.log_path.read_text()]
+        if hung:
+            return hung[0]
+        assert time.monotonic() < deadline, f"no instance hung on {request_id}"
+        time.sleep(0.1)
+
+
+def test_a_vllm_instance_killed_at_token_10_of_40_costs_no_token(tmp_path_factory):
+    """Both instances' fresh streams hang after 10 tokens (test-only fault); the one serving the request is
+    SIGKILLed there. The router migrates it (prompt + the 10 tokens) to the other vLLM instance, which continues
+    it: the client gets the uninterrupted run's 40 tokens and text."""
+    stack = vllm_stack(tmp_path_factory, "vllm-migrate", both=2, instance={"fault_hang_after_tokens": 10})
+    try:
+        chunks, killed = [], ""
+        with KvmeshClient(stack.router_grpc, timeout_s=300, retries=0) as client:
+            for chunk in client.generate(PROMPT, max_tokens=40, temperature=0, ignore_eos=True,
+                                         request_id="migrate-me"):
+                chunks.append(chunk)
+                if not killed and sum(len(c.token_ids) for c in chunks) == 10:
+                    victim = hung_instance(stack, "migrate-me")
+                    victim.proc.send_signal(signal.SIGKILL)
+                    killed = victim.name
+    finally:
+        stack.stop()
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert killed and len(tokens) == 40 and chunks[-1].finished
+    assert (tokens, "".join(c.text for c in chunks)) == uninterrupted(tmp_path_factory)
+
+
+def uninterrupted(tmp_path_factory) -> tuple[list[int], str]:
+    """The same request on one vLLM instance with no fault: its 40 greedy tokens and text."""
+    stack = vllm_stack(tmp_path_factory, "vllm-reference", both=1)
+    try:
+        with KvmeshClient(stack.router_grpc, timeout_s=300) as client:
+            out = client.complete(PROMPT, max_tokens=40, temperature=0, ignore_eos=True)
+        return list(out.token_ids), out.text
+    finally:
+        stack.stop()
