@@ -13,6 +13,8 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
 
+from .helpers import req
+
 
 def test_a_cancelled_caller_and_a_failing_command_leave_the_engine_thread_serving(tiny_config):
     async def run() -> tuple[list[int], bool]:
@@ -107,10 +109,10 @@ def test_the_chunk_cap_is_sized_against_the_batch_the_waiting_prompts_settle_at(
                 engine.decode_speed.observe(rows, 0.035 + rows / 500)
 
             def setup(e: LLMEngine) -> None:
-                e.add_request("running", [1, 2, 3, 4, 5], SamplingParams(max_tokens=64, ignore_eos=True))
+                e.add_request(req("running", [1, 2, 3, 4, 5], SamplingParams(max_tokens=64, ignore_eos=True)))
                 e.step()  # its prompt: now a decode row
                 for i in range(15):
-                    e.add_request(f"w{i}", [7 + i, 2, 3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+                    e.add_request(req(f"w{i}", [7 + i, 2, 3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True)))
                 engine._steps = 0  # the next sizing refits
                 engine._size_chunks()
                 gate.set()
@@ -149,10 +151,10 @@ def test_streams_with_an_itl_target_cap_the_mixed_step_within_it_by_the_measured
                 engine.decode_speed.observe(rows, 0.02 + rows / 500)
 
             def setup(e: LLMEngine) -> None:
-                e.add_request("stream", [1, 2, 3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True),
-                              slo=SLO(itl_s=0.15))  # 199 gaps: one may run late
+                e.add_request(req("stream", [1, 2, 3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True),
+                                  slo=SLO(itl_s=0.15)))  # 199 gaps: one may run late
                 e.step()  # its prompt: now a decode row
-                e.add_request("prompt", [i % 250 + 1 for i in range(400)], SamplingParams(max_tokens=2))
+                e.add_request(req("prompt", [i % 250 + 1 for i in range(400)], SamplingParams(max_tokens=2)))
                 engine._steps = 0  # the next sizing refits
                 engine._size_chunks()
 
@@ -192,6 +194,6 @@ def test_the_engine_measures_its_step_lines_at_start_and_leaves_no_kv_behind(tin
 def test_the_calibration_passes_refuse_an_engine_that_holds_requests(tiny_config):
     e = LLMEngine(EngineSettings(num_blocks=64, block_size=4), model_config=tiny_config)
     assert e.time_forward([(0, 16), (0, 1)]) > 0
-    e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    e.add_request(req("r", [1, 2, 3], SamplingParams(max_tokens=2)))
     with pytest.raises(RuntimeError, match="holds no request"):
         e.time_forward([(0, 16)])

@@ -15,7 +15,7 @@ from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engines import SequenceError
 from kvmesh.settings import EngineSettings
 
-from .helpers import run
+from .helpers import req, run
 
 GOOD = [([5, 17, 33, 2, 99], SamplingParams(max_tokens=8, ignore_eos=True)),
         ([40, 41, 42, 43, 44, 45, 46, 47, 48], SamplingParams(max_tokens=8, temperature=0.8, seed=7,
@@ -76,7 +76,7 @@ def test_nan_logits_fail_that_request_alone_as_an_internal_error(make, params):
 def test_nan_logits_mid_decode_keep_the_tokens_so_far_and_fail_there(make):
     engine = make()
     for rid, prompt, params in [*good_reqs(), ("hostile", HOSTILE_PROMPT, GOOD[0][1])]:
-        engine.add_request(rid, prompt, params)
+        engine.add_request(req(rid, prompt, params))
     for _ in range(3):
         engine.step()
     engine.test_nan_logits.add("hostile")
@@ -113,7 +113,7 @@ def test_a_detokenizer_that_raises_fails_that_request_alone(make):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "detokenizer exploded")
 
     for rid, prompt, params in [*good_reqs(), ("hostile", HOSTILE_PROMPT, GOOD[0][1])]:
-        engine.add_request(rid, prompt, params)
+        engine.add_request(req(rid, prompt, params))
     engine._requests["hostile"].detok = Broken()
     done = run(engine, [])
     err = done["hostile"].error
@@ -153,7 +153,7 @@ def test_a_failed_kv_export_fails_that_request_alone(make):
         return export(seq, *args, **kwargs)
 
     engine.blocks.export_prefix = broken
-    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export=ExportPlan())
+    engine.add_request(req("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export=ExportPlan()))
     done = run(engine, good_reqs())
     err = done["hostile"].error
     assert err is not None and "export failed" in str(err) and done["hostile"].finish_reason == "error"
@@ -172,8 +172,8 @@ def test_a_layer_group_read_out_that_fails_during_the_pass_fails_that_request_al
         return read(block_ids, layers)
 
     engine.kv.read_blocks = broken
-    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1),
-                       export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2))
+    engine.add_request(req("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1),
+                           export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2)))
     done = run(engine, good_reqs())
     err = done["hostile"].error
     assert err is not None and "layer read-out failed" in str(err) and done["hostile"].finish_reason == "error"

@@ -27,7 +27,6 @@ from kvmesh.contracts.engine import (
     EngineRequest,
     EngineStats,
     ExportedKV,
-    ImportedKV,
     RequestTiming,
 )
 from kvmesh.contracts.events import TIER_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -36,7 +35,7 @@ from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import SessionSignal
 from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engine.errors import SequenceError
-from kvmesh.engine.kv_cache import Imported, KVPiece, Landed, block_bytes, blocks_from_bytes
+from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.scheduler import chunk_budget
 from kvmesh.engine.sequence import Sequence, Status
@@ -272,11 +271,7 @@ class AsyncEngine(EngineLoop, Engine):
     def _add(self, request: EngineRequest, timing: RequestTiming | None) -> None:
         if timing is not None:
             timing.started = time.monotonic()
-        imported = self._imported(request.imported) if request.imported is not None else None
-        seq = self.engine.add_request(request.request_id, list(request.prompt), request.params,
-                                      request.cache_salt, request.retention, request.lora, request.export,
-                                      imported, request.generated, request.session, request.slo,
-                                      request.waited_s)
+        seq = self.engine.add_request(request)
         if timing is None:
             return
         timing.added = time.monotonic()
@@ -304,16 +299,6 @@ class AsyncEngine(EngineLoop, Engine):
         still = blocks.sessions is not None and blocks.sessions.expected_return(key) == expected
         if still and (loaded := blocks.prefetch(key)):
             log.debug("session %s: %d blocks warmed back before its expected return", key, loaded)
-
-    def _imported(self, kv: ImportedKV) -> Imported:
-        """A verified push as the engine imports it: buffered parts as tensors over their bytes (no copy),
-        landed ones already in the reserved blocks."""
-        if kv.layout != self.layout:  # the service checked it; a mismatch here would be a bug, never consumed
-            raise ValueError("pushed KV is in another layout than this engine's")
-        pieces = [KVPiece(p.first_block, blocks_from_bytes(self.layout, p.data, p.layers), p.layers)
-                  for p in kv.parts if p.data is not None]
-        blocks: list[KVPiece] | Landed = pieces if kv.reservation is None else Landed(kv.reservation, pieces)
-        return Imported(blocks, kv.num_tokens, kv.first_token, kv.first_block, kv.first_logprobs)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()

@@ -22,18 +22,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.contracts.engine import ExportPlan, RetentionRange, SessionHint, TokenLogprobs
+from kvmesh.contracts.engine import EngineRequest, ImportedKV, TokenLogprobs
 from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.contracts.slo import NO_SLO, SLO
+from kvmesh.contracts.slo import SLO
 from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.export import Export, KVReadout, LayerExport, make_export
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, Imported, Landed
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed, received_blocks
 from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.sampling import RowFault, make_generator, sample, token_logprobs
@@ -238,11 +238,7 @@ class LLMEngine:
                                               sorted(self.eos_token_ids))
         return self._grammars
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), lora: str = "",
-                    export: ExportPlan | None = None, imported: Imported | None = None,
-                    generated: int = 0, session: SessionHint | None = None, slo: SLO = NO_SLO,
-                    waited_s: float = 0.0) -> Sequence:
+    def add_request(self, request: EngineRequest) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``session``: the session it belongs to; once it finished, the session holds its blocks (a session-aware
@@ -258,67 +254,87 @@ class LLMEngine:
         finish (with the last token), and with ``BY_CHUNK`` / ``BY_LAYER_GROUP`` also as outputs with no token and
         ``exported.final`` False, after each prefill chunk's pass or during it (layer groups are handed to
         ``on_piece`` as the pass writes them), so the caller can send them while the rest computes.
-        ``imported``: its prompt's KV computed by a prefill instance (``kv_cache.Imported``: the blocks from
-        ``first_block`` on; the ones before must be cached here, e.g. pinned by ``blocks.pin``); the request
-        starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        ``imported``: its prompt's KV computed by a prefill instance (blocks from ``first_block`` on, in this
+        engine's layout; the ones before must be cached here, e.g. pinned by ``blocks.pin``); the request starts
+        decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         ``generated``: the last ``generated`` prompt tokens are the request's output so far, from another
-        instance (``EngineRequest.generated``): they count towards ``max_tokens``, seeded sampling goes on from
-        their position, and the grammar, the detokenizer and the stop strings start from them.
+        instance: they count towards ``max_tokens``, seeded sampling goes on from their position, and the grammar,
+        the detokenizer and the stop strings start from them.
         """
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
+        self._check(request)
+        kv = request.imported
+        blocks = received_blocks(kv, self.layout) if kv is not None else None
+        tracked = self._track(request)
+        self._requests[request.request_id] = tracked
+        if kv is not None and blocks is not None and self._start_imported(tracked.seq, kv, blocks):
+            return tracked.seq
+        self.scheduler.add(tracked.seq)
+        return tracked.seq
+
+    def _check(self, request: EngineRequest) -> None:
+        """ValueError saying why ``request`` can never run here."""
+        prompt, params, generated = request.prompt, request.params, request.generated
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not prompt:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        if not 0 <= generated < min(len(prompt_token_ids), params.max_tokens):
+        if not 0 <= generated < min(len(prompt), params.max_tokens):
             raise ValueError(f"{generated} tokens already generated: there must be fewer than the prompt's "
-                             f"{len(prompt_token_ids)} tokens and max_tokens ({params.max_tokens})")
-        total = len(prompt_token_ids) - generated + params.max_tokens
+                             f"{len(prompt)} tokens and max_tokens ({params.max_tokens})")
+        total = len(prompt) - generated + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids) - generated} tokens) + max_tokens "
+            raise ValueError(f"prompt ({len(prompt) - generated} tokens) + max_tokens "
                              f"({params.max_tokens}) exceeds the model's context of {self.max_model_len} tokens")
         if -(-total // self.cfg.block_size) > self.kv.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV but the pool holds "
                              f"{self.kv.num_blocks * self.cfg.block_size}; raise kv_cache_mb")
-        spec = self.lora_spec(lora)  # ValueError naming the adapters served
+
+    def _track(self, request: EngineRequest) -> _Tracked:
+        """A new request's sequence (its namespace, adapter and latency targets) and the engine's state of it
+        (detokenizer, grammar, export). ValueError for an adapter not served, or earlier output its grammar
+        refuses."""
+        spec = self.lora_spec(request.lora)  # ValueError naming the adapters served
+        params, prompt, generated = request.params, list(request.prompt), request.generated
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
-        seq = Sequence(request_id, list(prompt_token_ids), params,
-                       self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec,
-                       earlier_outputs=generated, session=session)
-        targets = slo.or_else(self.default_slo)
-        if targets.ttft_s and imported is None and not generated:  # a migrated request's first token is out
-            seq.ttft_deadline = seq.arrival + targets.ttft_s - max(0.0, waited_s)
+        seq = Sequence(request.request_id, prompt, params,
+                       self.namespace_seed(request.cache_salt, spec.lora_id if spec else ""), request.retention,
+                       lora=spec, earlier_outputs=generated, session=request.session)
+        targets = request.slo.or_else(self.default_slo)
+        if targets.ttft_s and request.imported is None and not generated:  # a migrated request's first token is out
+            seq.ttft_deadline = seq.arrival + targets.ttft_s - max(0.0, request.waited_s)
         seq.itl_target = targets.itl_s
         detok = None
         if self.tokenizer is not None:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        tracked = _Tracked(seq, detok, make_export(export))
+        tracked = _Tracked(seq, detok, make_export(request.export))
         tracked.grammar = grammar
         if generated:
-            tracked.resume(prompt_token_ids[len(prompt_token_ids) - generated:])
-        self._requests[request_id] = tracked
-        if imported is not None:
-            blocks, num_tokens, first_token, first_block, first_logprobs = imported
-            seq.output_token_ids.append(first_token)
-            # a first token without the logprobs the request asks for cannot be served from here: recomputed
-            usable = params.logprobs is None or first_logprobs is not None
-            if usable and self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens,
-                                                                                  first_block):
-                seq.num_cached_tokens = num_tokens
-                self.scheduler.add_running(seq)
-                seq.output_token_ids.pop()
-                self._pending.append(self._emit(seq, first_token, time.monotonic(), first_logprobs))
-                return seq
+            tracked.resume(prompt[len(prompt) - generated:])
+        return tracked
+
+    def _start_imported(self, seq: Sequence, kv: ImportedKV, blocks: list[KVPiece] | Landed) -> bool:
+        """Start ``seq`` decoding from its pushed KV, prefill's first token out with the next step. False when the
+        pool has no room for it, or the request asks for logprobs the push did not bring (prefill computed them
+        from logits decode never sees): it is then recomputed, and the blocks it landed in go back."""
+        seq.output_token_ids.append(kv.first_token)
+        usable = seq.params.logprobs is None or kv.first_logprobs is not None
+        if usable and self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, kv.num_tokens,
+                                                                              kv.first_block):
+            seq.num_cached_tokens = kv.num_tokens
+            self.scheduler.add_running(seq)
             seq.output_token_ids.pop()
-            if isinstance(blocks, Landed):  # recomputed instead: the blocks it landed in go back now
-                self.blocks.release_reserved(blocks.lease)
-        self.scheduler.add(seq)
-        return seq
+            self._pending.append(self._emit(seq, kv.first_token, time.monotonic(), kv.first_logprobs))
+            return True
+        seq.output_token_ids.pop()
+        if isinstance(blocks, Landed):
+            self.blocks.release_reserved(blocks.lease)
+        return False
 
     def abort(self, request_id: str) -> None:
         tracked = self._requests.pop(request_id, None)
@@ -651,7 +667,7 @@ class LLMEngine:
         llist = lora if isinstance(lora, list) else [lora] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt, p, name in zip(ids, prompts, plist, llist):
-            self.add_request(rid, prompt, p, cache_salt, lora=name)
+            self.add_request(EngineRequest(rid, tuple(prompt), p, cache_salt, name))
         while any(self._requests[r].seq.status is not Status.FINISHED for r in ids):
             self.step()
         return [self.completion(r) for r in ids]
