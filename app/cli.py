@@ -64,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"kvmesh generate: {e}", file=sys.stderr)
         return 2
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if not args.json:
                 print(out.text_delta, end="", flush=True)
     result = engine.completion("cli")

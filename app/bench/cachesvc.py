@@ -297,7 +297,7 @@ def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
         # hits the local cache: a cheap read-out
         llm.add_request(EngineRequest(f"export-{i}", tuple(prompt), one, export=ExportPlan()))
         while llm.has_unfinished():
-            for out in llm.step():
+            for out in llm.step().outputs:
                 if out.exported is not None:
                     exported.append((out.exported.block_keys[:CHAIN], out.exported.blocks[:CHAIN]))
         llm.release(f"export-{i}")

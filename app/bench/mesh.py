@@ -60,7 +60,7 @@ def engine_ttft(engine: LLMEngine, question: str, max_tokens: int) -> float:
     engine.add_request(EngineRequest("b", tuple(ids), SamplingParams(max_tokens=max_tokens)))
     ttft = None
     while engine.has_unfinished():
-        if engine.step() and ttft is None:
+        if engine.step().outputs and ttft is None:
             ttft = time.perf_counter() - t0
     engine.completion("b")
     return ttft or 0.0

@@ -85,7 +85,7 @@ def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") ->
     rid = f"logits-{len(engine._requests)}-{id(prompt)}"
     seq = engine.add_request(req(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt))
     while True:
-        failed = [o.error for o in engine.step() if o.request_id == rid and o.error is not None]
+        failed = [o.error for o in engine.step().outputs if o.request_id == rid and o.error is not None]
         assert not failed, f"the request failed: {failed[0]}"
         ids, logits = engine.last_logits
         if rid in ids:
@@ -102,7 +102,7 @@ def run(engine: LLMEngine, reqs: list[tuple[str, list[int], SamplingParams]]) ->
         engine.add_request(req(rid, prompt, params))
     done = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 done[out.request_id] = engine.completion(out.request_id)
     return done

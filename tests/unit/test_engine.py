@@ -167,7 +167,7 @@ def test_bad_prompts_are_refused_with_a_reason(hf, make):
 def run_to_end(engine, rid):
     outs = []
     while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.request_id == rid]
+        outs += [o for o in engine.step().outputs if o.request_id == rid]
     return outs
 
 

@@ -43,7 +43,7 @@ def stream(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParam
     engine.add_request(req(rid, prompt, params, **kw))
     tokens, text, reason = [], "", None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == rid:
                 assert out.error is None, out.error
                 tokens += out.new_token_ids
@@ -133,7 +133,7 @@ def test_through_pd_prefill_samples_the_next_token_and_decode_goes_on(make):
     prefill.add_request(req("p", prompt, _cut(params, at + 1), export=ExportPlan(), generated=at))
     outs = []
     while prefill.has_unfinished():
-        outs += prefill.step()
+        outs += prefill.step().outputs
     kv, first = outs[-1].exported, outs[-1].new_token_ids[0]
     tokens, _, reason = stream(make(), "d", prompt, params, generated=at,
                                imported=pushed(prefill.layout, kv.blocks, kv.num_tokens, first))

@@ -82,7 +82,7 @@ def test_nan_logits_mid_decode_keep_the_tokens_so_far_and_fail_there(make):
     engine.test_nan_logits.add("hostile")
     done = {}
     while len(done) < 4:
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 done[out.request_id] = engine.completion(out.request_id)
     assert done["hostile"].error is not None and len(done["hostile"].token_ids) == 3

@@ -131,7 +131,7 @@ def test_an_imported_first_token_carries_the_logprobs_prefill_computed(make):
     prefill = make()
     prefill.add_request(req("p", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True, logprobs=N),
                             export=ExportPlan()))
-    (first,) = [o for o in prefill.step() if o.new_token_ids]
+    (first,) = [o for o in prefill.step().outputs if o.new_token_ids]
     decode = make()
     decode.add_request(req("d", PROMPT, params, imported=pushed(decode.layout, first.exported.blocks, len(PROMPT),
                                                                 first.new_token_ids[0],
@@ -151,7 +151,7 @@ def test_a_pushed_first_token_without_the_logprobs_asked_for_is_recomputed(make)
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
     prefill = make()
     prefill.add_request(req("p", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan()))
-    (first,) = [o for o in prefill.step() if o.new_token_ids]
+    (first,) = [o for o in prefill.step().outputs if o.new_token_ids]
     decode = make()
     decode.add_request(req("d", PROMPT, params, imported=pushed(decode.layout, first.exported.blocks, len(PROMPT),
                                                                 first.new_token_ids[0])))

@@ -125,7 +125,7 @@ def test_imported_first_token_continues_the_grammar(engine, tiny_config):
     prefill.add_request(req("p", prompt, constrained(spec, max_tokens=1, ignore_eos=True), export=ExportPlan()))
     outs = []
     while prefill.has_unfinished():
-        outs += prefill.step()
+        outs += prefill.step().outputs
     kv, first = outs[-1].exported, outs[-1].new_token_ids[0]
     assert first == whole.token_ids[0]
     engine.add_request(req("d", prompt, constrained(spec),
@@ -213,7 +213,7 @@ def test_a_grammar_matcher_that_raises_fails_its_request_alone(tiny_config, toke
     engine._requests["hostile"].grammar.matcher = Exploding()
     done = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 done[out.request_id] = engine.completion(out.request_id)
     err = done["hostile"].error

@@ -7,9 +7,8 @@ import math
 import pytest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.slo import SLO, late_gaps_allowed, slo_from_proto, slo_to_proto
-from kvmesh.engine.scheduler import MIN_CHUNK
 from kvmesh.engine.sequence import Sequence, Status
-from kvmesh.engine.slo import HEADROOM, RESERVE_GAPS, URGENT, StepCost, plan_step
+from kvmesh.engine.slo import HEADROOM, MIN_CHUNK, RESERVE_GAPS, URGENT, StepCost, plan_step
 
 from .helpers import req
 

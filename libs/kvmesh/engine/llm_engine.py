@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -37,7 +38,7 @@ from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed, re
 from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.sampling import RowFault, make_generator, sample, token_logprobs
-from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.scheduler import Scheduled, Scheduler
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.settings import EngineSettings
@@ -72,6 +73,34 @@ class Completion:
     decode_tokens_per_s: float
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when the request asked
     error: SequenceError | None = None
+
+
+class StepReport(NamedTuple):
+    """What one step ran, for its owner's pacing and metrics: when it began, its wall and engine-thread CPU
+    seconds, its rows, of them those computing one generated token (``decode_rows``), and the others' prompt
+    chunks, ``(first position, tokens)`` each. No rows: no forward pass (nothing to run, or imported first tokens
+    handed out)."""
+
+    began: float
+    seconds: float
+    cpu_seconds: float
+    rows: int = 0
+    decode_rows: int = 0
+    prompt_chunks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        """The tokens the step computed (0: no forward pass)."""
+        return self.decode_rows + sum(n for _, n in self.prompt_chunks)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.decode_rows == self.rows
+
+
+class Step(NamedTuple):
+    outputs: list[StepOutput]
+    report: StepReport
 
 
 class _Tracked:
@@ -174,10 +203,6 @@ class LLMEngine:
         # thread (an AsyncEngine hands them to the request's stream); None: they come with the step's outputs
         self.on_piece: Callable[[StepOutput], None] | None = None
         self._pieces: list[StepOutput] = []
-        self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
-        self.step_rows = 0  # sequences in the last step
-        self.step_decode_rows = 0  # of them, those computing one generated token (== step_rows: decode-only)
-        self.step_prompt_chunks: list[tuple[int, int]] = []  # the others: (first position, tokens) each
         self.default_slo = SLO(cfg.slo_ttft_s, cfg.slo_itl_s)  # for requests that set no target
         # requests with a target that finished (stop / length), by whether they met their targets (goodput)
         self.slo_outcomes = dict.fromkeys(("met", "missed", "missed_ttft", "missed_itl"), 0)
@@ -352,41 +377,26 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._pending)
 
     # ---- stepping ------------------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        self.step_tokens = self.step_rows = self.step_decode_rows = 0
-        self.step_prompt_chunks = []
+    def step(self, chunk_tokens: int | None = None) -> Step:
+        """One step: the imported first tokens waiting, else a forward pass over the rows the scheduler picks
+        (prompt tokens beside decode rows capped at ``chunk_tokens``, the owner's pacer's; None: the whole token
+        budget). Its outputs, and a report of what it ran."""
+        began, began_cpu = time.monotonic(), time.thread_time()
         if self._pending:  # deliver imported first tokens before spending a forward step
             pending, self._pending = self._pending, []
-            return pending
-        pending: list[StepOutput] = []
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return pending
-        if any(seq.lora is not None for seq, _ in scheduled):  # each adapter's rows one contiguous group
-            scheduled = sorted(scheduled, key=lambda s: s.seq.lora_name)
-        slices, tokens, sample_idx, samplers = [], [], [], []
-        groups: list[tuple[LoRASpec, int, int]] = []
-        chunks: list[tuple[int, int]] = []
-        start = decode_rows = 0
-        for seq, n in scheduled:
-            if seq.lora is not None:
-                if groups and groups[-1][0] is seq.lora:
-                    groups[-1] = (seq.lora, groups[-1][1], start + n)
-                else:
-                    groups.append((seq.lora, start, start + n))
-            begin = seq.num_computed_tokens
-            if n == 1 and begin >= len(seq.prompt_token_ids):
-                decode_rows += 1
-            else:
-                chunks.append((begin, n))
-            slices.append(SeqSlice(start, n, begin + n, seq.block_table))
-            tokens.append(seq.all_token_ids[begin:begin + n])
-            start += n
-            if begin + n == seq.num_tokens:
-                sample_idx.append(start - 1)
-                samplers.append(seq)
-        self.step_tokens, self.step_rows, self.step_decode_rows = start, len(scheduled), decode_rows
-        self.step_prompt_chunks = chunks
+            return Step(pending, StepReport(began, time.monotonic() - began, time.thread_time() - began_cpu))
+        rows = self.scheduler.schedule(chunk_tokens)
+        if any(seq.lora is not None for seq, _ in rows):  # each adapter's rows one contiguous group
+            rows = sorted(rows, key=lambda s: s.seq.lora_name)
+        decode_rows, chunks = _work(rows)  # before the pass moves the sequences on
+        outputs = self._forward(rows) if rows else []
+        return Step(outputs, StepReport(began, time.monotonic() - began, time.thread_time() - began_cpu,
+                                        len(rows), decode_rows, chunks))
+
+    def _forward(self, scheduled: list[Scheduled]) -> list[StepOutput]:
+        """The forward pass over ``scheduled`` and what comes of it: KV read out, tokens sampled. A failed pass
+        fails those sequences."""
+        slices, tokens, sample_idx, samplers, groups = _inputs(scheduled)
         try:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])
@@ -402,9 +412,9 @@ class LLMEngine:
             pending += failed
             keep = [i for i, s in enumerate(samplers) if s.status is not Status.FINISHED]
             samplers, logits = [samplers[i] for i in keep], logits[keep]
-        if self.test_nan_logits and (rows := [i for i, s in enumerate(samplers)
-                                              if s.request_id in self.test_nan_logits]):
-            logits = logits.index_fill(0, torch.tensor(rows, device=logits.device), float("nan"))
+        if self.test_nan_logits and (nan_rows := [i for i, s in enumerate(samplers)
+                                                  if s.request_id in self.test_nan_logits]):
+            logits = logits.index_fill(0, torch.tensor(nan_rows, device=logits.device), float("nan"))
         self.last_logits = ([s.request_id for s in samplers], logits)  # introspection for tests and tools
         for seq, n in scheduled:
             if seq.status is Status.FINISHED:  # failed while its KV was read out
@@ -413,18 +423,21 @@ class LLMEngine:
             self.blocks.cache_computed_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 pending += self._after_pass(seq)
-        if not samplers:
-            return pending
+        return pending + self._sampled(samplers, logits) if samplers else pending
+
+    def _sampled(self, samplers: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        """Each sampled row's token and logprobs, emitted; a fault in either fails that request alone."""
         new_tokens = self._sample(samplers, logits)
         logprobs = self._logprobs(samplers, logits, new_tokens)
         now = time.monotonic()
-        for seq, tok, lp in zip(samplers, new_tokens, logprobs):  # a fault in its token or its logprobs fails it
+        out = []
+        for seq, tok, lp in zip(samplers, new_tokens, logprobs):
             fault = next((f for f in (tok, lp) if isinstance(f, RowFault)), None)
             if fault is None:
-                pending.append(self._emit(seq, tok, now, lp))
+                out.append(self._emit(seq, tok, now, lp))
             else:
-                pending.append(self._fail(seq, SequenceError(seq.request_id, fault.message, fault.client_fault)))
-        return pending
+                out.append(self._fail(seq, SequenceError(seq.request_id, fault.message, fault.client_fault)))
+        return out
 
     def time_forward(self, rows: list[tuple[int, int]]) -> float:
         """Seconds of one forward pass over dummy rows, each ``(first position, tokens)`` with its logits, as a
@@ -671,6 +684,41 @@ class LLMEngine:
         while any(self._requests[r].seq.status is not Status.FINISHED for r in ids):
             self.step()
         return [self.completion(r) for r in ids]
+
+
+def _work(scheduled: list[Scheduled]) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """A step's decode rows (one generated token each) and its prompt chunks, ``(first position, tokens)``."""
+    decode_rows, chunks = 0, []
+    for seq, n in scheduled:
+        begin = seq.num_computed_tokens
+        if n == 1 and begin >= len(seq.prompt_token_ids):
+            decode_rows += 1
+        else:
+            chunks.append((begin, n))
+    return decode_rows, tuple(chunks)
+
+
+def _inputs(scheduled: list[Scheduled]) -> tuple[list[SeqSlice], list[list[int]], list[int], list[Sequence],
+                                                 list[tuple[LoRASpec, int, int]]]:
+    """The forward pass's inputs for ``scheduled``: each row's slice of the batch and its tokens, the positions
+    whose logits are sampled and their sequences, and each adapter's rows as one ``(adapter, start, end)``."""
+    slices, tokens, sample_idx, samplers = [], [], [], []
+    groups: list[tuple[LoRASpec, int, int]] = []
+    start = 0
+    for seq, n in scheduled:
+        if seq.lora is not None:
+            if groups and groups[-1][0] is seq.lora:
+                groups[-1] = (seq.lora, groups[-1][1], start + n)
+            else:
+                groups.append((seq.lora, start, start + n))
+        begin = seq.num_computed_tokens
+        slices.append(SeqSlice(start, n, begin + n, seq.block_table))
+        tokens.append(seq.all_token_ids[begin:begin + n])
+        start += n
+        if begin + n == seq.num_tokens:
+            sample_idx.append(start - 1)
+            samplers.append(seq)
+    return slices, tokens, sample_idx, samplers, groups
 
 
 def hash_config(cfg: ModelConfig) -> str:
