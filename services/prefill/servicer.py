@@ -68,25 +68,25 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         # decode holds (and pinned) the leading blocks the router saw there: push only the rest. At most the
         # blocks before the last token's, so at least one block moves and decode computes nothing
         skip = min(request.decode_cached_blocks, (len(prompt) - 1) // w.layout.block_size)
+        # the rest pushed layer group by layer group as the forward pass writes them
+        plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
+        engine_request = dataclasses.replace(engine_request, export=plan)
         await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
         transfer_id = handoff_transfer_id(work.request_id, w.instance_id)
         stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout, request.push_token)
         try:
-            return await self._prefill(request, context, span, attrs, engine_request, skip, stream, t0)
+            return await self._prefill(request, context, span, attrs, engine_request, stream, t0)
         finally:
             stream.cancel()  # a failed or abandoned request sends no more parts
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span,
-                       attrs: dict[str, Any], engine_request: EngineRequest, skip: int, stream: PushStream,
+                       attrs: dict[str, Any], engine_request: EngineRequest, stream: PushStream,
                        t0: float) -> worker_pb2.PrefillResponse:
         """Compute the prompt, pushing each chunk's KV as the engine reads it out, then announce it."""
         work, w = request.work, self.w
         final, timing, blocks = None, RequestTiming(), 0
-        # from the first block decode lacks, pushed layer group by layer group as the forward pass writes them
-        plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
         # its TTFT target counts from its arrival at the router
-        engine_request = dataclasses.replace(engine_request, export=plan,
-                                             waited_s=engine_request.waited_s + time.monotonic() - t0)
+        engine_request = dataclasses.replace(engine_request, waited_s=engine_request.waited_s + time.monotonic() - t0)
         try:
             async for out in w.engine.generate(engine_request, timing):
                 # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes
