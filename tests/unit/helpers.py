@@ -80,6 +80,20 @@ def pushed(layout: KVLayout, blocks: torch.Tensor | list[torch.Tensor] | list[KV
                       landed.lease if landed is not None else None, first_logprobs)
 
 
+class NanLogits:
+    """A logits hook (``LLMEngine(logits_hook=...)``): the rows of the requests in ``ids`` go nan right after the
+    forward pass, as a model going nan would."""
+
+    def __init__(self, *ids: str) -> None:
+        self.ids = set(ids)
+
+    def __call__(self, request_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
+        rows = [i for i, rid in enumerate(request_ids) if rid in self.ids]
+        if not rows:
+            return logits
+        return logits.index_fill(0, torch.tensor(rows, device=logits.device), float("nan"))
+
+
 def prompt_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") -> tuple[torch.Tensor, int]:
     """Logits of the first sampled position of ``prompt`` and the number of prompt tokens served from cache."""
     rid = f"logits-{len(engine._requests)}-{id(prompt)}"

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -42,6 +42,9 @@ from kvmesh.engine.scheduler import Scheduled, Scheduler
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from kvmesh.model_source.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _GRAMMARS_LOCK = threading.Lock()
@@ -73,6 +76,12 @@ class Completion:
     decode_tokens_per_s: float
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when the request asked
     error: SequenceError | None = None
+
+
+# Called on the engine thread right after each forward pass with the request ids of the rows about to be sampled
+# and their logits; returns the logits they are sampled from (the engine's one seam between the model and the
+# sampler: tests stand in a model going nan for one request with it).
+LogitsHook = Callable[[list[str], torch.Tensor], torch.Tensor]
 
 
 class StepReport(NamedTuple):
@@ -141,7 +150,7 @@ def _check_device(device: str) -> None:
 
 class LLMEngine:
     def __init__(self, cfg: EngineSettings, model_config: ModelConfig | None = None,
-                 on_event: EventSink | None = None, seed: int = 0) -> None:
+                 on_event: EventSink | None = None, seed: int = 0, logits_hook: LogitsHook | None = None) -> None:
         """Load ``cfg.model`` (default: the embedded SmolLM2), or build a random-weight model of
         ``model_config`` with no tokenizer (tests, simulations)."""
         if cfg.threads > 0:
@@ -151,41 +160,21 @@ class LLMEngine:
         _check_device(cfg.device)
         self.cfg = cfg
         dtype = COMPUTE_DTYPES[cfg.dtype]
-        self.tokenizer = None
+        self.tokenizer: Tokenizer | None = None
         if model_config is None:
-            from kvmesh.engine.loader import load_weights, resolve_model
-            from kvmesh.model_source.tokenizer import Tokenizer
-
-            source = resolve_model(cfg.model)
-            self.model_config, self.fingerprint = source.config, source.fingerprint
-            self.model = LlamaModel(source.config, dtype, cfg.device, native_gemm=cfg.native_gemm,
-                                    native_pointwise=cfg.native_pointwise)
-            self.model.load_hf_weights(load_weights(source, dtype))
-            # the quantized blocks serve the C kernel only (CPU, fp32, one thread): elsewhere the file is not read again
-            if cfg.quantized_weights and source.gguf is not None and self.model.lm_head.lib is not None:
-                from kvmesh.engine.loader import load_quantized
-
-                switched, total = self.model.use_quantized(load_quantized(source.gguf))
-                log.info("%d of %d matrices read from %s's quantized blocks", switched, total, source.gguf.name)
-            self.tokenizer = Tokenizer.from_dir(source.hf_dir)
+            self.model, self.fingerprint, self.tokenizer = _load_model(cfg, dtype)
         else:
-            self.model_config, self.fingerprint = model_config, f"random-{seed}-{hash_config(model_config)}"
+            self.fingerprint = f"random-{seed}-{hash_config(model_config)}"
             self.model = LlamaModel(model_config, dtype, cfg.device, native_gemm=cfg.native_gemm,
                                     native_pointwise=cfg.native_pointwise)
             self.model.init_random(seed)
-        mc = self.model_config
+        self.model_config = mc = self.model.cfg
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         self.layout = KVLayout(self.fingerprint, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
                                cfg.kv_dtype)
         num_blocks = cfg.num_blocks or max(8, cfg.kv_cache_mb * 2**20 // self.layout.block_nbytes)
         self.kv = DeviceKVPool(self.layout, num_blocks, dtype, cfg.device)
-        host = None
-        if cfg.host_cache_mb > 0:
-            host = HostKVPool(self.layout, max(1, cfg.host_cache_mb * 2**20 // self.layout.block_nbytes))
-        policy = make_policy(cfg.eviction)
-        if (sessions := getattr(policy, "sessions", None)) is not None:  # a session-aware strategy's table
-            sessions.default_pause_s, sessions.idle_s = cfg.session_pause_s, cfg.session_idle_s
-        self.blocks = BlockManager(self.kv, host, policy, on_event, cfg.enable_prefix_caching)
+        self.blocks = _block_manager(cfg, self.kv, on_event)
         self.scheduler = Scheduler(self.blocks, cfg.max_batched_tokens, cfg.max_num_seqs)
         self.scheduler.max_loras = cfg.max_loras
         self.loras = LoRAManager(mc, cfg.max_loras, cfg.max_lora_rank, dtype, cfg.device)
@@ -206,9 +195,7 @@ class LLMEngine:
         self.default_slo = SLO(cfg.slo_ttft_s, cfg.slo_itl_s)  # for requests that set no target
         # requests with a target that finished (stop / length), by whether they met their targets (goodput)
         self.slo_outcomes = dict.fromkeys(("met", "missed", "missed_ttft", "missed_itl"), 0)
-        # TEST HOOK, never set in production: request ids whose logits are overwritten with nan right after the
-        # forward pass, so tests can show that a model going nan fails that request alone
-        self.test_nan_logits: set[str] = set()
+        self.logits_hook = logits_hook
 
     # ---- requests ------------------------------------------------------------------------------------------
     def namespace_seed(self, cache_salt: str = "", lora_id: str = "") -> int:
@@ -412,9 +399,8 @@ class LLMEngine:
             pending += failed
             keep = [i for i, s in enumerate(samplers) if s.status is not Status.FINISHED]
             samplers, logits = [samplers[i] for i in keep], logits[keep]
-        if self.test_nan_logits and (nan_rows := [i for i, s in enumerate(samplers)
-                                                  if s.request_id in self.test_nan_logits]):
-            logits = logits.index_fill(0, torch.tensor(nan_rows, device=logits.device), float("nan"))
+        if self.logits_hook is not None:
+            logits = self.logits_hook([s.request_id for s in samplers], logits)
         self.last_logits = ([s.request_id for s in samplers], logits)  # introspection for tests and tools
         for seq, n in scheduled:
             if seq.status is Status.FINISHED:  # failed while its KV was read out
@@ -684,6 +670,36 @@ class LLMEngine:
         while any(self._requests[r].seq.status is not Status.FINISHED for r in ids):
             self.step()
         return [self.completion(r) for r in ids]
+
+
+def _load_model(cfg: EngineSettings, dtype: torch.dtype) -> tuple[LlamaModel, str, Tokenizer]:
+    """``cfg.model`` loaded: the model, its fingerprint and its tokenizer."""
+    from kvmesh.engine.loader import load_weights, resolve_model
+    from kvmesh.model_source.tokenizer import Tokenizer
+
+    source = resolve_model(cfg.model)
+    model = LlamaModel(source.config, dtype, cfg.device, native_gemm=cfg.native_gemm,
+                       native_pointwise=cfg.native_pointwise)
+    model.load_hf_weights(load_weights(source, dtype))
+    # the quantized blocks serve the C kernel only (CPU, fp32, one thread): elsewhere the file is not read again
+    if cfg.quantized_weights and source.gguf is not None and model.lm_head.lib is not None:
+        from kvmesh.engine.loader import load_quantized
+
+        switched, total = model.use_quantized(load_quantized(source.gguf))
+        log.info("%d of %d matrices read from %s's quantized blocks", switched, total, source.gguf.name)
+    return model, source.fingerprint, Tokenizer.from_dir(source.hf_dir)
+
+
+def _block_manager(cfg: EngineSettings, kv: DeviceKVPool, on_event: EventSink | None) -> BlockManager:
+    """The blocks of ``kv`` and the prefix cache over them: a host tier of ``cfg.host_cache_mb``, evicting by
+    ``cfg.eviction``."""
+    host = None
+    if cfg.host_cache_mb > 0:
+        host = HostKVPool(kv.layout, max(1, cfg.host_cache_mb * 2**20 // kv.layout.block_nbytes))
+    policy = make_policy(cfg.eviction)
+    if (sessions := getattr(policy, "sessions", None)) is not None:  # a session-aware strategy's table
+        sessions.default_pause_s, sessions.idle_s = cfg.session_pause_s, cfg.session_idle_s
+    return BlockManager(kv, host, policy, on_event, cfg.enable_prefix_caching)
 
 
 def _work(scheduled: list[Scheduled]) -> tuple[int, tuple[tuple[int, int], ...]]:
