@@ -40,6 +40,7 @@ def _build_engine(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvmesh.contracts.engine import EngineRequest
     from kvmesh.contracts.sampling import SamplingParams
 
     try:
@@ -58,12 +59,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
                   else tok.encode(args.prompt))
     try:
-        engine.add_request("cli", prompt_ids, params)
+        engine.add_request(EngineRequest("cli", tuple(prompt_ids), params))
     except ValueError as e:
         print(f"kvmesh generate: {e}", file=sys.stderr)
         return 2
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if not args.json:
                 print(out.text_delta, end="", flush=True)
     result = engine.completion("cli")

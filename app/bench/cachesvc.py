@@ -273,7 +273,7 @@ def bench_disk(disk_mb: int, work: Path, reps: int) -> list[dict]:
 # -- 3. fetch vs recompute ---------------------------------------------------------------------------------------
 
 def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
-    from kvmesh.contracts.engine import ExportPlan
+    from kvmesh.contracts.engine import EngineRequest, ExportPlan
     from kvmesh.contracts.sampling import SamplingParams
     from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes
     from kvmesh.engine.llm_engine import LLMEngine
@@ -294,9 +294,10 @@ def bench_fetch(work: Path, reps: int) -> tuple[list[dict], list[str]]:
         (done,) = llm.generate([prompt], one)
         recompute.append(time.perf_counter() - t)
         first_tokens.append(done.token_ids[0])
-        llm.add_request(f"export-{i}", prompt, one, export=ExportPlan())  # hits the local cache: a cheap read-out
+        # hits the local cache: a cheap read-out
+        llm.add_request(EngineRequest(f"export-{i}", tuple(prompt), one, export=ExportPlan()))
         while llm.has_unfinished():
-            for out in llm.step():
+            for out in llm.step().outputs:
                 if out.exported is not None:
                     exported.append((out.exported.block_keys[:CHAIN], out.exported.blocks[:CHAIN]))
         llm.release(f"export-{i}")

@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import COMPUTE_DTYPES, LLMEngine
 from kvmesh.engine.loader import resolve_model
@@ -71,7 +72,7 @@ class Ours:
         for i in range(batch):
             self.n += 1
             rid = f"d{self.n}"
-            e.add_request(rid, base + [200 + i], SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+            e.add_request(EngineRequest(rid, (*base, 200 + i), SamplingParams(max_tokens=steps + 4, ignore_eos=True)))
             ids.append(rid)
         for _ in range(2):  # admit + first decode step
             e.step()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.lora import module_shapes
@@ -64,7 +65,7 @@ def decode_speed(engine: LLMEngine, loras: list[str], tokens: int, tag: str) -> 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     ids = [f"{tag}-{i}" for i in range(len(loras))]
     for i, (rid, lora) in enumerate(zip(ids, loras)):
-        engine.add_request(rid, _prompt(1000 + i), params, lora=lora)
+        engine.add_request(EngineRequest(rid, tuple(_prompt(1000 + i)), params, lora=lora))
     seqs = [engine._requests[r].seq for r in ids]
     while any(not s.output_token_ids for s in seqs):  # prefill every stream (not timed)
         engine.step()

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
@@ -56,10 +57,10 @@ def stream_ttft(port: int, question: str, max_tokens: int) -> tuple[float, float
 def engine_ttft(engine: LLMEngine, question: str, max_tokens: int) -> float:
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
     t0 = time.perf_counter()
-    engine.add_request("b", ids, SamplingParams(max_tokens=max_tokens))
+    engine.add_request(EngineRequest("b", tuple(ids), SamplingParams(max_tokens=max_tokens)))
     ttft = None
     while engine.has_unfinished():
-        if engine.step() and ttft is None:
+        if engine.step().outputs and ttft is None:
             ttft = time.perf_counter() - t0
     engine.completion("b")
     return ttft or 0.0

@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 
+from kvmesh.contracts.engine import EngineRequest
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
@@ -53,7 +54,7 @@ def itl(engine: LLMEngine, batch: int, steps: int, structured: StructuredOutput 
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, structured=structured)
     ids = [f"b{batch}-{structured is not None}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
+        engine.add_request(EngineRequest(rid, tuple(p), params))
     while any(not engine._requests[r].seq.output_token_ids for r in ids):  # prefill + first tokens
         engine.step()
     times, masks = [], []

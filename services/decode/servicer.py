@@ -28,12 +28,10 @@ from kvmesh.contracts.engine import (
     EngineRequest,
     ExportPlan,
     RequestTiming,
-    SessionHint,
+    engine_request_from_proto,
     logprobs_to_proto,
-    retention_from_proto,
 )
 from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, handoff_prefix
-from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed, refuse_continuation
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
@@ -69,25 +67,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         work, w = request.work, self.w
         attrs = w.span_attributes(work.request_id, work.cache_salt)
         t0, t0_ns = time.monotonic(), time.time_ns()
-        try:
-            params = sampling_from_proto(work.sampling)
-            retention = retention_from_proto(work.retention)
+        try:  # the conversation's blocks go back to the pool when it ends (write-back), for its next turn anywhere
+            engine_request = engine_request_from_proto(work, ExportPlan() if w.pool is not None else None)
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         await refuse_continuation(context, w.engine, work)
-        slo = await w.request_slo(work, context)
-        prompt = list(work.prompt_token_ids)
-        # the conversation's blocks go back to the pool when it ends (write-back), for its next turn anywhere
-        try:
-            engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
-                                           retention=retention,
-                                           session=SessionHint.of(work.session_key, work.session_end),
-                                           export=ExportPlan() if w.pool is not None else None,
-                                           generated=work.generated_tokens, slo=slo)
-        except ValueError as e:
-            w.metrics.rejections.labels("invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prompt = list(engine_request.prompt)
         intake = Intake()
         lease, pin_asked = work.request_id, False
         reservation: Reservation | None = None
@@ -182,7 +168,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         first, last, itls = True, 0.0, []
         gen: Span | None = None
         # its TTFT target counts from its arrival at the router: that wait, and this call's so far
-        engine_request = dataclasses.replace(engine_request, waited_s=work.waited_s + time.monotonic() - t0)
+        engine_request = dataclasses.replace(engine_request,
+                                             waited_s=engine_request.waited_s + time.monotonic() - t0)
         try:
             async for out in w.engine.generate(engine_request, timing):
                 chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids, text=out.text, finished=out.finished,

@@ -19,14 +19,11 @@ from kvmesh.contracts.engine import (
     ExportPieces,
     ExportPlan,
     RequestTiming,
-    SessionHint,
+    engine_request_from_proto,
     logprobs_to_proto,
-    retention_from_proto,
 )
 from kvmesh.contracts.ids import handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
-from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
-from kvmesh.contracts.slo import SLO
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed, refuse_continuation
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
@@ -62,42 +59,36 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "decode_instance, decode_transfer_address and push_token (the capability decode "
                                 "issued for this request's push) are required")
-        await refuse_continuation(context, w.engine, work)
-        try:  # one token: the first, or a migrated request's next one after those it generated already
-            params = dataclasses.replace(sampling_from_proto(work.sampling), max_tokens=work.generated_tokens + 1,
-                                         ignore_eos=True, stop=(), stop_token_ids=())
-            retention_from_proto(work.retention)
+        try:
+            engine_request = _first_token_only(engine_request_from_proto(work))
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
-        slo = await w.request_slo(work, context)
-        prompt = list(work.prompt_token_ids)
+        await refuse_continuation(context, w.engine, work)
+        prompt = list(engine_request.prompt)
         # decode holds (and pinned) the leading blocks the router saw there: push only the rest. At most the
         # blocks before the last token's, so at least one block moves and decode computes nothing
         skip = min(request.decode_cached_blocks, (len(prompt) - 1) // w.layout.block_size)
+        # the rest pushed layer group by layer group as the forward pass writes them
+        plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
+        engine_request = dataclasses.replace(engine_request, export=plan)
         await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
         transfer_id = handoff_transfer_id(work.request_id, w.instance_id)
         stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout, request.push_token)
         try:
-            return await self._prefill(request, context, span, attrs, prompt, params, slo, skip, stream, t0)
+            return await self._prefill(request, context, span, attrs, engine_request, stream, t0)
         finally:
             stream.cancel()  # a failed or abandoned request sends no more parts
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span,
-                       attrs: dict[str, Any], prompt: list[int], params: SamplingParams, slo: SLO, skip: int,
-                       stream: PushStream, t0: float) -> worker_pb2.PrefillResponse:
+                       attrs: dict[str, Any], engine_request: EngineRequest, stream: PushStream,
+                       t0: float) -> worker_pb2.PrefillResponse:
         """Compute the prompt, pushing each chunk's KV as the engine reads it out, then announce it."""
         work, w = request.work, self.w
         final, timing, blocks = None, RequestTiming(), 0
-        # from the first block decode lacks, pushed layer group by layer group as the forward pass writes them
-        plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
+        # its TTFT target counts from its arrival at the router
+        engine_request = dataclasses.replace(engine_request, waited_s=engine_request.waited_s + time.monotonic() - t0)
         try:
-            engine_request = EngineRequest(work.request_id, tuple(prompt), params, work.cache_salt, work.lora_name,
-                                           retention=retention_from_proto(work.retention),
-                                           session=SessionHint.of(work.session_key, work.session_end), export=plan,
-                                           generated=work.generated_tokens, slo=slo,
-                                           # its TTFT target counts from its arrival at the router
-                                           waited_s=work.waited_s + time.monotonic() - t0)
             async for out in w.engine.generate(engine_request, timing):
                 # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes
                 if out.exported is not None and out.exported.num_blocks:
@@ -113,8 +104,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         compute_s = time.monotonic() - t0
         assert final is not None and final.exported is not None
         w.metrics.ttft.observe(timing.first_output - t0)
-        w.metrics.prefix.observe(len(prompt), final.cached_tokens)
-        w.record_engine_spans(span, timing, attrs, len(prompt), final.cached_tokens)
+        w.metrics.prefix.observe(len(engine_request.prompt), final.cached_tokens)
+        w.record_engine_spans(span, timing, attrs, len(engine_request.prompt), final.cached_tokens)
         kv = final.exported
         first_token = final.token_ids[0]
         # decode emits the first token, and never sees the logits it came from: its logprobs travel with it
@@ -167,6 +158,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def close(self) -> None:
         await self.handoff.close()
+
+
+def _first_token_only(request: EngineRequest) -> EngineRequest:
+    """Prefill samples one token: the first, or a migrated request's next one after those it generated already."""
+    params = dataclasses.replace(request.params, max_tokens=request.generated + 1, ignore_eos=True, stop=(),
+                                 stop_token_ids=())
+    return dataclasses.replace(request, params=params)
 
 
 async def _attach(host: EngineHost) -> Attached:

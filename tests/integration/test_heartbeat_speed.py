@@ -40,7 +40,7 @@ def test_the_heartbeat_carries_the_speed_measured_at_start_before_any_request(me
     assert load["kv_block_bytes"] == prefill.layout.block_nbytes
     assert load["prefill_tok_per_s"] > 0 and "decode_step_s" in beat_load(mesh, "decode-0")
     assert CostModel.from_load(load, CostModel()).calibrated
-    assert prefill.engine.speed_fit.fit().samples <= 4  # the calibration's passes, the first one left out
+    assert prefill.engine.pacer.speed_fit.fit().samples <= 4  # the calibration's passes, the first one left out
     assert prefill.engine.engine.blocks.num_cached_blocks == 0  # (this module's first test: no request yet)
 
 
@@ -52,7 +52,7 @@ def test_the_heartbeat_carries_the_measured_speed_once_the_instance_has_served(m
         assert status == 200, body
 
     load = wait_for_speed(mesh, "prefill-0")
-    fit = prefill.engine.speed_fit.fit()
+    fit = prefill.engine.pacer.speed_fit.fit()
     assert fit is not None and fit.samples >= 1
     assert load["prefill_tok_per_s"] > 0 and load["prefill_overhead_s"] >= 0
     assert load["prefill_tok_per_s"] == pytest.approx(fit.tok_per_s, rel=0.5)  # a later step may move it

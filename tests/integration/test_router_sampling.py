@@ -14,6 +14,8 @@ import grpc
 import pytest
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 
+from tests.unit.helpers import NanLogits
+
 from .test_router_bad_input import CHAT, COMPLETIONS, TinyMesh, model_dir  # noqa: F401 - model_dir: a fixture
 
 TINY = 1.401298464324817e-45  # the smallest positive float32: Hypothesis's temperature
@@ -119,9 +121,12 @@ def test_http_the_hypothesis_request_is_served(mesh):
 # ---- an internal fault in one request -------------------------------------------------------------------------
 
 def poison(mesh: TinyMesh, rid: str) -> None:
-    """Every engine's logits for ``rid`` go nan (the unit tier's test hook, reached in process)."""
+    """Every engine's logits for ``rid`` go nan (the unit tier's logits hook, set in process)."""
     for w in mesh.workers:
-        w.engine.engine.test_nan_logits.add(rid)
+        engine = w.engine.engine
+        if not isinstance(engine.logits_hook, NanLogits):
+            engine.logits_hook = NanLogits()
+        engine.logits_hook.ids.add(rid)
 
 
 def test_http_an_internal_fault_is_a_500_naming_the_request_while_its_neighbour_is_served(mesh):

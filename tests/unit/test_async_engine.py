@@ -13,6 +13,8 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
 
+from .helpers import req
+
 
 def test_a_cancelled_caller_and_a_failing_command_leave_the_engine_thread_serving(tiny_config):
     async def run() -> tuple[list[int], bool]:
@@ -83,7 +85,7 @@ def test_prompt_steps_and_decode_only_steps_feed_separate_speed_fits(tiny_config
 
             for i in range(3):
                 await one(f"r{i}", [1 + i, 2, 3, 4, 5, 6])
-            return engine.speed_fit.fit(), engine.decode_speed.fit()
+            return engine.pacer.speed_fit.fit(), engine.pacer.decode_speed.fit()
         finally:
             await engine.close()
 
@@ -94,7 +96,7 @@ def test_prompt_steps_and_decode_only_steps_feed_separate_speed_fits(tiny_config
 
 def test_the_chunk_cap_is_sized_against_the_batch_the_waiting_prompts_settle_at(tiny_config):
     """One stream running, fifteen prompts waiting: the cap follows ``chunk_budget`` with the settled batch."""
-    from kvmesh.engine.scheduler import chunk_budget
+    from kvmesh.engine.slo import chunk_budget
 
     async def run():
         engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=256, block_size=4, max_batched_tokens=4096),
@@ -102,22 +104,22 @@ def test_the_chunk_cap_is_sized_against_the_batch_the_waiting_prompts_settle_at(
         try:
             gate = threading.Event()
             for n, seconds in [(64, 0.03 + 64 / 1500)] * 4 + [(128, 0.03 + 128 / 1500)] * 4:
-                engine.speed_fit.observe(n, seconds)
+                engine.pacer.speed_fit.observe(n, seconds)
             for rows in [1, 2, 4, 8, 16, 1, 2, 4, 8]:
-                engine.decode_speed.observe(rows, 0.035 + rows / 500)
+                engine.pacer.decode_speed.observe(rows, 0.035 + rows / 500)
 
             def setup(e: LLMEngine) -> None:
-                e.add_request("running", [1, 2, 3, 4, 5], SamplingParams(max_tokens=64, ignore_eos=True))
+                e.add_request(req("running", [1, 2, 3, 4, 5], SamplingParams(max_tokens=64, ignore_eos=True)))
                 e.step()  # its prompt: now a decode row
                 for i in range(15):
-                    e.add_request(f"w{i}", [7 + i, 2, 3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
-                engine._steps = 0  # the next sizing refits
-                engine._size_chunks()
+                    e.add_request(req(f"w{i}", [7 + i, 2, 3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True)))
+                engine.pacer._steps = 0  # the next sizing refits
+                engine.pacer.plan(e.scheduler)
                 gate.set()
 
             await engine.call(setup)
             gate.wait(5)
-            return engine.engine.scheduler.chunk_tokens, engine._fit, engine._decode_fit
+            return engine.pacer.cap, engine.pacer._fit, engine.pacer._decode_fit
         finally:
             await engine.close()
 
@@ -143,21 +145,22 @@ def test_streams_with_an_itl_target_cap_the_mixed_step_within_it_by_the_measured
                                        model_config=tiny_config), asyncio.get_running_loop())
         try:
             for n, seconds in [(64, 0.03 + 64 / 400), (128, 0.03 + 128 / 400)] * 4:
-                engine.speed_fit.observe(n, seconds)
-                engine.chunk_speed.observe(n, seconds)
+                engine.pacer.speed_fit.observe(n, seconds)
+                engine.pacer.chunk_speed.observe(n, seconds)
             for rows in [1, 2, 4, 8, 1, 2, 4, 8]:
-                engine.decode_speed.observe(rows, 0.02 + rows / 500)
+                engine.pacer.decode_speed.observe(rows, 0.02 + rows / 500)
 
             def setup(e: LLMEngine) -> None:
-                e.add_request("stream", [1, 2, 3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True),
-                              slo=SLO(itl_s=0.15))  # 199 gaps: one may run late
+                e.add_request(req("stream", [1, 2, 3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True),
+                                  slo=SLO(itl_s=0.15)))  # 199 gaps: one may run late
                 e.step()  # its prompt: now a decode row
-                e.add_request("prompt", [i % 250 + 1 for i in range(400)], SamplingParams(max_tokens=2))
-                engine._steps = 0  # the next sizing refits
-                engine._size_chunks()
+                e.add_request(req("prompt", [i % 250 + 1 for i in range(400)], SamplingParams(max_tokens=2)))
+                engine.pacer._steps = 0  # the next sizing refits
+                engine.pacer.plan(e.scheduler)
 
             await engine.call(setup)
-            return engine.engine.scheduler.chunk_tokens, engine._chunk_fit, engine._decode_fit, engine._context
+            pacer = engine.pacer
+            return pacer.cap, pacer._chunk_fit, pacer._decode_fit, pacer.context
         finally:
             await engine.close()
 
@@ -179,7 +182,7 @@ def test_the_engine_measures_its_step_lines_at_start_and_leaves_no_kv_behind(tin
             speed = engine.speed()
             cached = engine.engine.blocks.num_cached_blocks + len(engine._events) + len(engine._device_keys)
             out = [o async for o in engine.generate(EngineRequest("r", (1, 2, 3), SamplingParams(max_tokens=3)))]
-            return speed, engine._chunk_fit, engine._decode_fit, cached, out
+            return speed, engine.pacer._chunk_fit, engine.pacer._decode_fit, cached, out
         finally:
             await engine.close()
 
@@ -192,6 +195,21 @@ def test_the_engine_measures_its_step_lines_at_start_and_leaves_no_kv_behind(tin
 def test_the_calibration_passes_refuse_an_engine_that_holds_requests(tiny_config):
     e = LLMEngine(EngineSettings(num_blocks=64, block_size=4), model_config=tiny_config)
     assert e.time_forward([(0, 16), (0, 1)]) > 0
-    e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    e.add_request(req("r", [1, 2, 3], SamplingParams(max_tokens=2)))
     with pytest.raises(RuntimeError, match="holds no request"):
         e.time_forward([(0, 16)])
+
+
+def test_a_step_reports_what_it_ran(tiny_config):
+    """``LLMEngine.step``'s report, which paces the next step: its rows, the decode rows among them, the prompt
+    chunks as (first position, tokens) and the tokens computed; a step with nothing to run reports no rows."""
+    e = LLMEngine(EngineSettings(num_blocks=64, block_size=4, max_batched_tokens=8), model_config=tiny_config)
+    assert e.step().report.rows == 0
+    e.add_request(req("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+    e.step()  # its prompt: now a decode row
+    e.add_request(req("b", list(range(1, 21)), SamplingParams(max_tokens=2)))
+    report = e.step().report
+    assert (report.rows, report.decode_rows, report.prompt_chunks, report.tokens) == (2, 1, ((0, 7),), 8)
+    assert not report.decode_only and report.seconds > 0
+    capped = e.step(chunk_tokens=3).report
+    assert (capped.decode_rows, capped.prompt_chunks) == (1, ((7, 3),))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.proto.v1 import worker_pb2
 
 from services.decode.servicer import DecodeServicer
@@ -55,10 +54,6 @@ class Grants:
         self.sent += metadata
 
 
-async def no_slo(work: object, context: object) -> SLO:
-    return NO_SLO
-
-
 def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
     grants = Grants()
 
@@ -66,7 +61,7 @@ def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
         engine = PinRecorder()
         host = SimpleNamespace(engine=engine, span_attributes=lambda rid, salt: {}, metrics=None, pool=None,
                                transfer_server=grants, layout=SimpleNamespace(block_size=16),
-                               cfg=SimpleNamespace(kv_timeout_s=10.0), request_slo=no_slo)
+                               cfg=SimpleNamespace(kv_timeout_s=10.0))
         servicer = DecodeServicer.__new__(DecodeServicer)
         servicer.w = host
         work = worker_pb2.WorkRequest(request_id="r1", prompt_token_ids=list(range(40)))

@@ -6,10 +6,9 @@ import pytest
 import torch
 from kvmesh.contracts.engine import ExportPieces, ExportPlan
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.engine.kv_cache import Imported
 from kvmesh.model_source.hf_config import ModelConfig
 
-from .helpers import BACKENDS, engine_from_hf, hf_greedy, hf_tiny, prompt_logits
+from .helpers import BACKENDS, engine_from_hf, hf_greedy, hf_tiny, prompt_logits, pushed, req
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -157,18 +156,18 @@ def test_cuda_without_a_gpu_says_what_to_set(cfg):
 def test_bad_prompts_are_refused_with_a_reason(hf, make):
     engine = make()
     with pytest.raises(ValueError, match="vocabulary"):
-        engine.add_request("a", [1, 999], GREEDY)
+        engine.add_request(req("a", [1, 999], GREEDY))
     with pytest.raises(ValueError, match="empty"):
-        engine.add_request("b", [], GREEDY)
+        engine.add_request(req("b", [], GREEDY))
     with pytest.raises(ValueError, match="pool holds"):
-        engine.add_request("c", [1] * 300, GREEDY)
+        engine.add_request(req("c", [1] * 300, GREEDY))
     assert not engine.has_unfinished()
 
 
 def run_to_end(engine, rid):
     outs = []
     while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.request_id == rid]
+        outs += [o for o in engine.step().outputs if o.request_id == rid]
     return outs
 
 
@@ -177,13 +176,14 @@ def test_kv_exported_by_one_engine_continues_in_another(make):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     expected = make().generate([prompt], params)[0].token_ids
     prefill = make()
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan())
+    prefill.add_request(req("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan()))
     (first,) = run_to_end(prefill, "p")
     exported = first.exported
     assert exported.num_tokens == len(prompt) and len(exported.block_keys) == len(prompt) // 4
     decode = make()
-    decode.add_request("d", prompt, params,
-                       imported=Imported(exported.blocks, exported.num_tokens, first.new_token_ids[0]))
+    decode.add_request(req("d", prompt, params,
+                           imported=pushed(decode.layout, exported.blocks, exported.num_tokens,
+                                           first.new_token_ids[0])))
     outs = run_to_end(decode, "d")
     assert [t for o in outs for t in o.new_token_ids] == expected
     assert outs[0].cached_tokens == len(prompt)
@@ -194,12 +194,12 @@ def test_imported_kv_on_top_of_a_locally_cached_prefix(make):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = make().generate([prompt], params)[0].token_ids
     prefill = make()
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan())
+    prefill.add_request(req("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan()))
     (first,) = run_to_end(prefill, "p")
     decode = make()
     decode.generate([prompt[:10]], SamplingParams(max_tokens=1))  # decode already holds 2 blocks + a tail
-    decode.add_request("d", prompt, params,
-                       imported=Imported(first.exported.blocks, len(prompt), first.new_token_ids[0]))
+    decode.add_request(req("d", prompt, params,
+                           imported=pushed(decode.layout, first.exported.blocks, len(prompt), first.new_token_ids[0])))
     assert [t for o in run_to_end(decode, "d") for t in o.new_token_ids] == expected
 
 
@@ -217,11 +217,13 @@ def test_delta_push_only_the_blocks_decode_lacks(make):
     decode.blocks.evict(100)  # everything evictable goes, the pinned blocks stay
     assert len(decode.blocks.match(seed, prompt).nodes) == 3
     prefill = make()
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan(first_block=3))
+    prefill.add_request(req("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                            export=ExportPlan(first_block=3)))
     (first,) = run_to_end(prefill, "p")
     kv = first.exported
     assert kv.first_block == 3 and kv.blocks.shape[0] == 6 - 3 and kv.num_tokens == len(prompt)
-    decode.add_request("d", prompt, params, imported=Imported(kv.blocks, kv.num_tokens, first.new_token_ids[0], 3))
+    decode.add_request(req("d", prompt, params,
+                           imported=pushed(decode.layout, kv.blocks, kv.num_tokens, first.new_token_ids[0], 3)))
     decode.blocks.unpin("d")
     outs = run_to_end(decode, "d")
     assert outs[0].cached_tokens == len(prompt)
@@ -244,11 +246,12 @@ def test_a_delta_push_landed_in_reserved_blocks_is_adopted_and_gives_the_same_to
     assert decode.blocks.pin("d", decode.namespace_seed(), prompt, 5) == 3
     ids = decode.blocks.reserve("d-reserve", 3)
     prefill = make()
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan(first_block=3))
+    prefill.add_request(req("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                            export=ExportPlan(first_block=3)))
     (first,) = run_to_end(prefill, "p")
     decode.kv.write_blocks(ids, first.exported.blocks)  # landed
-    seq = decode.add_request("d", prompt, params, imported=Imported(Landed("d-reserve", []), len(prompt),
-                                                                    first.new_token_ids[0], 3))
+    seq = decode.add_request(req("d", prompt, params, imported=pushed(decode.layout, Landed("d-reserve", []),
+                                                                      len(prompt), first.new_token_ids[0], 3)))
     assert seq.block_table[3:6] == ids
     assert decode.kv.read_blocks(ids).equal(first.exported.blocks)
     decode.blocks.unpin("d")
@@ -265,7 +268,7 @@ def test_a_reservation_the_engine_has_no_room_to_import_is_released_and_the_prom
     decode = make()
     decode.blocks.reserve("r", 6)
     decode.scheduler.has_room = lambda: False  # no room for another running sequence: queued instead
-    decode.add_request("d", prompt, params, imported=Imported(Landed("r", []), len(prompt), 0, 0))
+    decode.add_request(req("d", prompt, params, imported=pushed(decode.layout, Landed("r", []), len(prompt), 0, 0)))
     assert decode.blocks.counts()["reserved"] == 0  # freed at once, not when the request ends
     del decode.scheduler.has_room
     assert [t for o in run_to_end(decode, "d") for t in o.new_token_ids] == expected
@@ -276,11 +279,13 @@ def test_delta_import_after_the_pinned_prefix_was_lost_recomputes(make):
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     expected = make().generate([prompt], params)[0].token_ids
     prefill = make()
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan(first_block=3))
+    prefill.add_request(req("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                            export=ExportPlan(first_block=3)))
     (first,) = run_to_end(prefill, "p")
     decode = make()  # holds nothing: the import cannot attach, the request is computed here instead
-    decode.add_request("d", prompt, params,
-                       imported=Imported(first.exported.blocks, len(prompt), first.new_token_ids[0], 3))
+    decode.add_request(req("d", prompt, params,
+                           imported=pushed(decode.layout, first.exported.blocks, len(prompt),
+                                           first.new_token_ids[0], 3)))
     outs = run_to_end(decode, "d")
     assert [t for o in outs for t in o.new_token_ids] == expected
     assert decode.blocks.counts()["referenced"] == 0
@@ -293,8 +298,8 @@ def test_kv_read_out_chunk_by_chunk_continues_in_another_engine(make):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = make().generate([prompt], params)[0].token_ids
     prefill = make(max_batched_tokens=6)  # chunks end at tokens 6, 12, 18, 23
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
-                        export=ExportPlan(ExportPieces.BY_CHUNK, 1))
+    prefill.add_request(req("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                            export=ExportPlan(ExportPieces.BY_CHUNK, 1)))
     outs = run_to_end(prefill, "p")
     # after token 6 no new block past block 1; after 12 blocks 1-2; after 18 block 3; the last: 4 and the tail
     assert [(o.exported.first_block, o.exported.blocks.shape[0], o.exported.final, len(o.new_token_ids))
@@ -304,8 +309,8 @@ def test_kv_read_out_chunk_by_chunk_continues_in_another_engine(make):
     decode.generate([prompt[:5]], SamplingParams(max_tokens=1))  # decode holds block 0
     seed = decode.namespace_seed()
     assert decode.blocks.pin("d", seed, prompt, 1) == 1
-    decode.add_request("d", prompt, params, imported=Imported([o.exported.blocks for o in outs], len(prompt),
-                                                              outs[-1].new_token_ids[0], 1))
+    decode.add_request(req("d", prompt, params, imported=pushed(decode.layout, [o.exported.blocks for o in outs],
+                                                                len(prompt), outs[-1].new_token_ids[0], 1)))
     decode.blocks.unpin("d")
     got = run_to_end(decode, "d")
     assert got[0].cached_tokens == len(prompt)
@@ -324,8 +329,8 @@ def test_kv_read_out_in_layer_groups_during_the_pass_continues_in_another_engine
     prefill = make(max_batched_tokens=12)  # chunks end at tokens 12 and 23
     handed = []
     prefill.on_piece = handed.append
-    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
-                        export=ExportPlan(ExportPieces.BY_LAYER_GROUP, 1, 2))
+    prefill.add_request(req("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                            export=ExportPlan(ExportPieces.BY_LAYER_GROUP, 1, 2)))
     outs = run_to_end(prefill, "p")
     assert [(o.exported.first_block, o.exported.blocks.shape[0], o.exported.layers, o.exported.num_tokens)
             for o in handed] == [(1, 2, (0, 1), 12), (1, 2, (1, 2), 12), (3, 3, (0, 1), 23), (3, 3, (1, 2), 23)]
@@ -334,7 +339,8 @@ def test_kv_read_out_in_layer_groups_during_the_pass_continues_in_another_engine
     decode.generate([prompt[:5]], SamplingParams(max_tokens=1))  # decode holds block 0
     assert decode.blocks.pin("d", decode.namespace_seed(), prompt, 1) == 1
     pieces = [KVPiece(o.exported.first_block, o.exported.blocks, o.exported.layers) for o in handed]
-    decode.add_request("d", prompt, params, imported=Imported(pieces, len(prompt), outs[0].new_token_ids[0], 1))
+    decode.add_request(req("d", prompt, params,
+                           imported=pushed(decode.layout, pieces, len(prompt), outs[0].new_token_ids[0], 1)))
     decode.blocks.unpin("d")
     got = run_to_end(decode, "d")
     assert got[0].cached_tokens == len(prompt)
@@ -343,8 +349,8 @@ def test_kv_read_out_in_layer_groups_during_the_pass_continues_in_another_engine
 
 def test_layer_group_pieces_come_with_the_step_outputs_without_a_receiver(make):
     prefill = make(max_batched_tokens=12)
-    prefill.add_request("p", list(range(40, 63)), SamplingParams(max_tokens=1, ignore_eos=True),
-                        export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2))
+    prefill.add_request(req("p", list(range(40, 63)), SamplingParams(max_tokens=1, ignore_eos=True),
+                            export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2)))
     outs = run_to_end(prefill, "p")
     assert [o.exported.layers for o in outs] == [(0, 1), (1, 2), (0, 1), (1, 2), None]
     assert [len(o.new_token_ids) for o in outs] == [0, 0, 0, 0, 1]

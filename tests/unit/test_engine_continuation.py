@@ -11,10 +11,11 @@ import json
 import pytest
 from kvmesh.contracts.engine import ExportPlan
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
-from kvmesh.engine.kv_cache import Imported
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
 from kvmesh.settings import EngineSettings
+
+from .helpers import pushed, req
 
 PROMPT = [1, *range(68, 77)]  # the random model's greedy output: 8 bytes that are no UTF-8, then text
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -39,10 +40,10 @@ def make(tiny_config, tokenizer):
 
 def stream(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw) -> tuple[list, str, str]:
     """Run one request to its end: its tokens, the text of its deltas, and its finish reason."""
-    engine.add_request(rid, prompt, params, **kw)
+    engine.add_request(req(rid, prompt, params, **kw))
     tokens, text, reason = [], "", None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == rid:
                 assert out.error is None, out.error
                 tokens += out.new_token_ids
@@ -111,14 +112,14 @@ def test_tokens_that_break_the_grammar_are_refused(make):
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
     not_json = list(b"hello")  # ids of letters: no JSON starts with one
     with pytest.raises(ValueError, match="do not fit the output's grammar"):
-        make().add_request("r", PROMPT + not_json, SamplingParams(max_tokens=40, structured=spec),
-                           generated=len(not_json))
+        make().add_request(req("r", PROMPT + not_json, SamplingParams(max_tokens=40, structured=spec),
+                               generated=len(not_json)))
 
 
 @pytest.mark.parametrize("generated", [-1, len(PROMPT), 40])
 def test_more_tokens_generated_than_prompt_or_max_tokens_is_refused(make, generated):
     with pytest.raises(ValueError, match="already generated"):
-        make().add_request("r", PROMPT, SamplingParams(max_tokens=40), generated=generated)
+        make().add_request(req("r", PROMPT, SamplingParams(max_tokens=40), generated=generated))
 
 
 def test_through_pd_prefill_samples_the_next_token_and_decode_goes_on(make):
@@ -129,11 +130,11 @@ def test_through_pd_prefill_samples_the_next_token_and_decode_goes_on(make):
     at = 6
     prompt = PROMPT + whole[0][:at]
     prefill = make()
-    prefill.add_request("p", prompt, _cut(params, at + 1), export=ExportPlan(), generated=at)
+    prefill.add_request(req("p", prompt, _cut(params, at + 1), export=ExportPlan(), generated=at))
     outs = []
     while prefill.has_unfinished():
-        outs += prefill.step()
+        outs += prefill.step().outputs
     kv, first = outs[-1].exported, outs[-1].new_token_ids[0]
     tokens, _, reason = stream(make(), "d", prompt, params, generated=at,
-                               imported=Imported(kv.blocks, kv.num_tokens, first))
+                               imported=pushed(prefill.layout, kv.blocks, kv.num_tokens, first))
     assert whole[0][:at] + tokens == whole[0] and reason == "length"

@@ -15,7 +15,7 @@ from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engines import SequenceError
 from kvmesh.settings import EngineSettings
 
-from .helpers import run
+from .helpers import NanLogits, req, run
 
 GOOD = [([5, 17, 33, 2, 99], SamplingParams(max_tokens=8, ignore_eos=True)),
         ([40, 41, 42, 43, 44, 45, 46, 47, 48], SamplingParams(max_tokens=8, temperature=0.8, seed=7,
@@ -28,8 +28,9 @@ TINY_T = 1.401298464324817e-45  # what Hypothesis found: 1 / T overflowed and th
 
 @pytest.fixture
 def make(tiny_config):
-    return lambda: LLMEngine(EngineSettings(num_blocks=64, block_size=4, max_batched_tokens=256,
-                                          attention="torch"), model_config=tiny_config)
+    return lambda logits_hook=None: LLMEngine(EngineSettings(num_blocks=64, block_size=4, max_batched_tokens=256,
+                                                           attention="torch"), model_config=tiny_config,
+                                              logits_hook=logits_hook)
 
 
 def solo(make, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -60,8 +61,8 @@ def test_a_tiny_temperature_beside_good_requests_is_served_greedily(make):
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=8, ignore_eos=True),
                                     SamplingParams(max_tokens=8, temperature=0.9, seed=1, ignore_eos=True)])
 def test_nan_logits_fail_that_request_alone_as_an_internal_error(make, params):
-    engine = make()
-    engine.test_nan_logits.add("hostile")
+    nan = NanLogits("hostile")
+    engine = make(logits_hook=nan)
     done = run(engine, [*good_reqs()[:1], ("hostile", HOSTILE_PROMPT, params), *good_reqs()[1:]])
     err = done["hostile"].error
     assert isinstance(err, SequenceError) and not err.client_fault
@@ -69,20 +70,21 @@ def test_nan_logits_fail_that_request_alone_as_an_internal_error(make, params):
     assert done["hostile"].finish_reason == "error" and done["hostile"].token_ids == []
     assert_good_as_alone(make, done)
     assert engine.blocks.num_free_blocks + engine.blocks.num_cached_blocks == engine.kv.num_blocks
-    engine.test_nan_logits.clear()
+    nan.ids.clear()
     assert run(engine, [("next", HOSTILE_PROMPT, params)])["next"].token_ids == solo(make, HOSTILE_PROMPT, params)
 
 
 def test_nan_logits_mid_decode_keep_the_tokens_so_far_and_fail_there(make):
-    engine = make()
+    nan = NanLogits()
+    engine = make(logits_hook=nan)
     for rid, prompt, params in [*good_reqs(), ("hostile", HOSTILE_PROMPT, GOOD[0][1])]:
-        engine.add_request(rid, prompt, params)
+        engine.add_request(req(rid, prompt, params))
     for _ in range(3):
         engine.step()
-    engine.test_nan_logits.add("hostile")
+    nan.ids.add("hostile")
     done = {}
     while len(done) < 4:
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 done[out.request_id] = engine.completion(out.request_id)
     assert done["hostile"].error is not None and len(done["hostile"].token_ids) == 3
@@ -113,7 +115,7 @@ def test_a_detokenizer_that_raises_fails_that_request_alone(make):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "detokenizer exploded")
 
     for rid, prompt, params in [*good_reqs(), ("hostile", HOSTILE_PROMPT, GOOD[0][1])]:
-        engine.add_request(rid, prompt, params)
+        engine.add_request(req(rid, prompt, params))
     engine._requests["hostile"].detok = Broken()
     done = run(engine, [])
     err = done["hostile"].error
@@ -153,7 +155,7 @@ def test_a_failed_kv_export_fails_that_request_alone(make):
         return export(seq, *args, **kwargs)
 
     engine.blocks.export_prefix = broken
-    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export=ExportPlan())
+    engine.add_request(req("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1), export=ExportPlan()))
     done = run(engine, good_reqs())
     err = done["hostile"].error
     assert err is not None and "export failed" in str(err) and done["hostile"].finish_reason == "error"
@@ -172,8 +174,8 @@ def test_a_layer_group_read_out_that_fails_during_the_pass_fails_that_request_al
         return read(block_ids, layers)
 
     engine.kv.read_blocks = broken
-    engine.add_request("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1),
-                       export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2))
+    engine.add_request(req("hostile", HOSTILE_PROMPT, SamplingParams(max_tokens=1),
+                           export=ExportPlan(ExportPieces.BY_LAYER_GROUP, layer_groups=2)))
     done = run(engine, good_reqs())
     err = done["hostile"].error
     assert err is not None and "layer read-out failed" in str(err) and done["hostile"].finish_reason == "error"
@@ -202,8 +204,7 @@ def test_a_failed_forward_pass_fails_that_steps_sequences_and_the_engine_serves_
 
 def test_the_async_engine_raises_the_error_for_that_request_and_serves_the_others(make):
     async def go():
-        engine = AsyncEngine(make(), asyncio.get_running_loop())
-        engine.engine.test_nan_logits.add("hostile")
+        engine = AsyncEngine(make(logits_hook=NanLogits("hostile")), asyncio.get_running_loop())
 
         async def tokens(rid, prompt, params):
             try:

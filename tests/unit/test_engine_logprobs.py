@@ -12,10 +12,9 @@ import torch
 from kvmesh.contracts.engine import EngineRequest, ExportPlan, TokenLogprobs
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.kv_cache import Imported
 from kvmesh.model_source.hf_config import ModelConfig
 
-from .helpers import engine_from_hf, hf_tiny, prompt_logits, run
+from .helpers import engine_from_hf, hf_tiny, prompt_logits, pushed, req, run
 
 PROMPT = [11, 42, 7, 7, 130, 66, 201]
 N = 5
@@ -130,12 +129,13 @@ def test_an_imported_first_token_carries_the_logprobs_prefill_computed(make):
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=N)
     (whole,) = make().generate([PROMPT], params)
     prefill = make()
-    prefill.add_request("p", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True, logprobs=N), export=ExportPlan())
-    (first,) = [o for o in prefill.step() if o.new_token_ids]
+    prefill.add_request(req("p", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True, logprobs=N),
+                            export=ExportPlan()))
+    (first,) = [o for o in prefill.step().outputs if o.new_token_ids]
     decode = make()
-    decode.add_request("d", PROMPT, params, imported=Imported(first.exported.blocks, len(PROMPT),
-                                                              first.new_token_ids[0],
-                                                              first_logprobs=first.logprobs[0]))
+    decode.add_request(req("d", PROMPT, params, imported=pushed(decode.layout, first.exported.blocks, len(PROMPT),
+                                                                first.new_token_ids[0],
+                                                                first_logprobs=first.logprobs[0])))
     while decode.has_unfinished():
         decode.step()
     out = decode.completion("d")
@@ -150,11 +150,11 @@ def test_an_imported_first_token_carries_the_logprobs_prefill_computed(make):
 def test_a_pushed_first_token_without_the_logprobs_asked_for_is_recomputed(make):
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
     prefill = make()
-    prefill.add_request("p", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan())
-    (first,) = [o for o in prefill.step() if o.new_token_ids]
+    prefill.add_request(req("p", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True), export=ExportPlan()))
+    (first,) = [o for o in prefill.step().outputs if o.new_token_ids]
     decode = make()
-    decode.add_request("d", PROMPT, params, imported=Imported(first.exported.blocks, len(PROMPT),
-                                                              first.new_token_ids[0]))
+    decode.add_request(req("d", PROMPT, params, imported=pushed(decode.layout, first.exported.blocks, len(PROMPT),
+                                                                first.new_token_ids[0])))
     while decode.has_unfinished():
         decode.step()
     out = decode.completion("d")

@@ -14,10 +14,11 @@ import torch
 from kvmesh.contracts.engine import ExportPlan
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 from kvmesh.engine.grammar import GrammarError, pack_bitmask, unpack_bitmask
-from kvmesh.engine.kv_cache import Imported
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
 from kvmesh.settings import EngineSettings
+
+from .helpers import pushed, req
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -121,13 +122,14 @@ def test_imported_first_token_continues_the_grammar(engine, tiny_config):
     [whole] = engine.generate([prompt], constrained(spec))
     prefill = LLMEngine(engine.cfg, model_config=tiny_config)
     prefill.tokenizer, prefill.eos_token_ids = engine.tokenizer, engine.eos_token_ids
-    prefill.add_request("p", prompt, constrained(spec, max_tokens=1, ignore_eos=True), export=ExportPlan())
+    prefill.add_request(req("p", prompt, constrained(spec, max_tokens=1, ignore_eos=True), export=ExportPlan()))
     outs = []
     while prefill.has_unfinished():
-        outs += prefill.step()
+        outs += prefill.step().outputs
     kv, first = outs[-1].exported, outs[-1].new_token_ids[0]
     assert first == whole.token_ids[0]
-    engine.add_request("d", prompt, constrained(spec), imported=Imported(kv.blocks, kv.num_tokens, first))
+    engine.add_request(req("d", prompt, constrained(spec),
+                           imported=pushed(engine.layout, kv.blocks, kv.num_tokens, first)))
     while engine.has_unfinished():
         engine.step()
     c = engine.completion("d")
@@ -150,7 +152,7 @@ def test_constrained_and_free_requests_share_prefix_kv(engine):
 ])
 def test_bad_spec_is_refused_before_queueing(engine, spec, words):
     with pytest.raises(GrammarError, match=re.escape(words)):
-        engine.add_request("bad", [1, 2], constrained(spec))
+        engine.add_request(req("bad", [1, 2], constrained(spec)))
     assert not engine.has_unfinished() and "bad" not in engine.active_requests()
     assert isinstance(GrammarError("x"), ValueError)  # the servicers answer ValueError INVALID_ARGUMENT
 
@@ -158,7 +160,7 @@ def test_bad_spec_is_refused_before_queueing(engine, spec, words):
 def test_no_tokenizer_no_structured_output(tiny_config):
     e = LLMEngine(EngineSettings(num_blocks=16, block_size=4, attention="torch"), model_config=tiny_config)
     with pytest.raises(ValueError, match="tokenizer"):
-        e.add_request("r", [1, 2], constrained(StructuredOutput("regex", "a"), max_tokens=4))
+        e.add_request(req("r", [1, 2], constrained(StructuredOutput("regex", "a"), max_tokens=4)))
 
 
 def test_async_engine_compiles_off_the_engine_thread(engine):
@@ -206,12 +208,12 @@ def test_a_grammar_matcher_that_raises_fails_its_request_alone(tiny_config, toke
 
     engine = make()
     for rid, (prompt, params) in good.items():
-        engine.add_request(rid, prompt, params)
-    engine.add_request("hostile", [1, 7, 7], constrained(StructuredOutput("regex", "[ab]+"), max_tokens=6))
+        engine.add_request(req(rid, prompt, params))
+    engine.add_request(req("hostile", [1, 7, 7], constrained(StructuredOutput("regex", "[ab]+"), max_tokens=6)))
     engine._requests["hostile"].grammar.matcher = Exploding()
     done = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 done[out.request_id] = engine.completion(out.request_id)
     err = done["hostile"].error

@@ -11,7 +11,7 @@ from kvmesh.model_source.hf_config import ModelConfig
 
 from tests.lora_helpers import ATTN, MLP, make_adapter, peft_greedy
 
-from .helpers import BACKENDS, engine_from_hf, hf_greedy, hf_tiny
+from .helpers import BACKENDS, engine_from_hf, hf_greedy, hf_tiny, req
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = [[11, 42, 7, 7, 130, 66, 201], [5, 17, 33, 2, 99, 180, 7, 64, 12], [200, 3, 9], list(range(60, 75))]
@@ -62,7 +62,7 @@ def test_prefill_logits_per_adapter_match_hf_peft(make, adapters):
     prompt = PROMPTS[1]
     for name, (_, ref) in adapters.items():
         rid = f"l-{name}"
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), lora=name)
+        engine.add_request(req(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), lora=name))
         while rid not in engine.last_logits[0]:
             engine.step()
         ids, logits = engine.last_logits
@@ -144,14 +144,14 @@ def test_registration_order_does_not_change_keys(make, adapters):
 def test_unload_lets_requests_in_flight_finish(make):
     engine = make()
     solo = make().generate([PROMPTS[0]], GREEDY, lora="mlp")[0].token_ids
-    engine.add_request("r", PROMPTS[0], GREEDY, lora="mlp")
+    engine.add_request(req("r", PROMPTS[0], GREEDY, lora="mlp"))
     engine.step()
     engine.unload_lora("mlp")
     while engine.has_unfinished():
         engine.step()
     assert engine.completion("r").token_ids == solo
     with pytest.raises(ValueError, match="unknown LoRA adapter 'mlp'.*'all'"):
-        engine.add_request("r2", PROMPTS[0], GREEDY, lora="mlp")
+        engine.add_request(req("r2", PROMPTS[0], GREEDY, lora="mlp"))
 
 
 

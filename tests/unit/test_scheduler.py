@@ -4,8 +4,9 @@ from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.kv_cache import DeviceKVPool
-from kvmesh.engine.scheduler import MIN_CHUNK, Scheduled, Scheduler, chunk_budget
+from kvmesh.engine.scheduler import Scheduled, Scheduler
 from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.slo import MIN_CHUNK, chunk_budget
 
 BS = 4
 LAYOUT = KVLayout("fp", num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS)
@@ -20,10 +21,10 @@ def seq(rid: str, n: int, first: int = 1) -> Sequence:
     return Sequence(rid, list(range(first, first + n)), PARAMS)
 
 
-def run_step(sched: Scheduler) -> list[Scheduled]:
-    """Schedule one step and account it the way the engine does: computed tokens, a sampled token when a
-    sequence has none left to compute."""
-    batch = sched.schedule()
+def run_step(sched: Scheduler, chunk_tokens: int | None = None) -> list[Scheduled]:
+    """Schedule one step (prompt tokens beside decode rows capped at ``chunk_tokens``) and account it the way the
+    engine does: computed tokens, a sampled token when a sequence has none left to compute."""
+    batch = sched.schedule(chunk_tokens)
     for s, n in batch:
         s.num_computed_tokens += n
         if s.num_uncomputed == 0:
@@ -70,9 +71,8 @@ def test_the_budget_never_drops_below_the_minimum_chunk():
 def test_decode_rows_come_first_then_a_prefill_chunk_under_the_cap():
     sched = scheduler()
     running = decoding(sched, 3)
-    sched.chunk_tokens = 16
     sched.add(seq("long", 200, first=1000))
-    batch = sched.schedule()
+    batch = sched.schedule(chunk_tokens=16)
     assert [(s.request_id, n) for s, n in batch] == [("d0", 1), ("d1", 1), ("d2", 1), ("long", 16)]
     assert [s for s, _ in batch[:3]] == running
 
@@ -80,12 +80,11 @@ def test_decode_rows_come_first_then_a_prefill_chunk_under_the_cap():
 def test_a_long_prompt_does_not_starve_running_streams():
     sched = scheduler()
     running = decoding(sched, 3)
-    sched.chunk_tokens = 16
     long = seq("long", 200, first=1000)
     sched.add(long)
     steps = 0
     while long.num_uncomputed > 1 or not long.output_token_ids:
-        batch = run_step(sched)
+        batch = run_step(sched, chunk_tokens=16)
         steps += 1
         counts = {s.request_id: n for s, n in batch}
         assert all(counts.get(s.request_id) == 1 for s in running)  # every stream gets its token every step
@@ -96,9 +95,8 @@ def test_a_long_prompt_does_not_starve_running_streams():
 
 def test_without_decode_rows_a_prompt_gets_the_whole_token_budget():
     sched = scheduler(max_batched_tokens=128)
-    sched.chunk_tokens = 16
     sched.add(seq("alone", 200))
-    assert [n for _, n in sched.schedule()] == [128]
+    assert [n for _, n in sched.schedule(chunk_tokens=16)] == [128]
 
 
 def test_a_prompt_ranked_ahead_by_its_deadline_is_admitted_before_earlier_arrivals():

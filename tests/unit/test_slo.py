@@ -7,9 +7,10 @@ import math
 import pytest
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.slo import SLO, late_gaps_allowed, slo_from_proto, slo_to_proto
-from kvmesh.engine.scheduler import MIN_CHUNK
 from kvmesh.engine.sequence import Sequence, Status
-from kvmesh.engine.slo import HEADROOM, RESERVE_GAPS, URGENT, StepCost, plan_step
+from kvmesh.engine.slo import HEADROOM, MIN_CHUNK, RESERVE_GAPS, URGENT, StepCost, plan_step
+
+from .helpers import req
 
 COST = StepCost(decode_s=0.03, token_s=1 / 370)  # four streams decoding, ~370 prompt tokens a second
 
@@ -163,7 +164,7 @@ def engine(tiny_config, **settings):
 
 
 def finish(e, rid: str, prompt: list[int], params: SamplingParams, **kw) -> Sequence:
-    seq = e.add_request(rid, prompt, params, **kw)
+    seq = e.add_request(req(rid, prompt, params, **kw))
     while e.has_unfinished():
         e.step()
     return seq
@@ -171,18 +172,18 @@ def finish(e, rid: str, prompt: list[int], params: SamplingParams, **kw) -> Sequ
 
 def test_a_requests_ttft_counts_from_its_arrival_at_the_mesh_and_defaults_fill_what_it_leaves_unset(tiny_config):
     e = engine(tiny_config, slo_ttft_s=9.0, slo_itl_s=0.5)
-    own = e.add_request("own", [1, 2, 3], SamplingParams(max_tokens=2), slo=SLO(ttft_s=6.0), waited_s=1.5)
+    own = e.add_request(req("own", [1, 2, 3], SamplingParams(max_tokens=2), slo=SLO(ttft_s=6.0), waited_s=1.5))
     assert own.ttft_deadline == pytest.approx(own.arrival + 4.5) and own.itl_target == 0.5
-    plain = e.add_request("plain", [1, 2, 3], SamplingParams(max_tokens=2))
+    plain = e.add_request(req("plain", [1, 2, 3], SamplingParams(max_tokens=2)))
     assert plain.ttft_deadline == pytest.approx(plain.arrival + 9.0)
-    assert engine(tiny_config).add_request("x", [1, 2], SamplingParams()).ttft_deadline is None
+    assert engine(tiny_config).add_request(req("x", [1, 2], SamplingParams())).ttft_deadline is None
 
 
 def test_a_migrated_request_keeps_its_itl_target_but_no_ttft_deadline(tiny_config):
     """Its first token went out from the instance it left: a TTFT target long past must not rank it last."""
     e = engine(tiny_config)
-    moved = e.add_request("moved", [1, 2, 3, 7, 8], SamplingParams(max_tokens=6), generated=2,
-                          slo=SLO(ttft_s=1.0, itl_s=0.5), waited_s=100.0)
+    moved = e.add_request(req("moved", [1, 2, 3, 7, 8], SamplingParams(max_tokens=6), generated=2,
+                              slo=SLO(ttft_s=1.0, itl_s=0.5), waited_s=100.0))
     assert moved.ttft_deadline is None and moved.itl_target == 0.5
 
 

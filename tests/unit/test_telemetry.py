@@ -174,7 +174,7 @@ def test_worker_metrics_expose_engine_queues_tiers_and_counters_over_http(tiny_c
         metrics.fallbacks.labels(fallback_reason("kv.ready not received within 10s")).inc()
         metrics.prefix.observe(100, 25)
         for n in (7, 64, 256, 64, 256, 128, 32, 512):  # forward steps of 0.02 s + n / 500 s
-            engine.speed_fit.observe(n, 0.02 + n / 500)
+            engine.pacer.speed_fit.observe(n, 0.02 + n / 500)
         engine.step_totals.add(True, 8, 0.05, 0.04)
         engine.step_totals.add(False, 3, 0.25, 0.125)
         server = MetricsServer(metrics.registry, "127.0.0.1", 0)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.contracts.slo import NO_SLO, SLO
-from kvmesh.proto.v1 import common_pb2
+from kvmesh.contracts.sampling import SamplingParams, sampling_from_proto
+from kvmesh.contracts.slo import NO_SLO, SLO, slo_from_proto
+from kvmesh.proto.v1 import common_pb2, worker_pb2
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,18 @@ class EngineRequest:
         if self.generated < 0 or (self.generated and self.generated >= len(self.prompt)):
             raise ValueError(f"generated ({self.generated}) must be in [0, {len(self.prompt)}): the tokens already "
                              "generated follow at least one prompt token")
+
+
+def engine_request_from_proto(work: worker_pb2.WorkRequest, export: ExportPlan | None = None) -> EngineRequest:
+    """A work request as an engine takes it, its KV read out as ``export`` says (the service's choice, not the
+    wire's). ``waited_s`` is the wire's, its wait before the service took it: the service adds its own. ValueError
+    naming what is wrong: its sampling parameters, a retention range, its latency targets, or the tokens it says
+    were generated already."""
+    return EngineRequest(work.request_id, tuple(work.prompt_token_ids), sampling_from_proto(work.sampling),
+                         cache_salt=work.cache_salt, lora=work.lora_name,
+                         retention=retention_from_proto(work.retention), export=export,
+                         generated=work.generated_tokens, session=SessionHint.of(work.session_key, work.session_end),
+                         slo=slo_from_proto(work.slo), waited_s=work.waited_s)
 
 
 @dataclass(frozen=True)

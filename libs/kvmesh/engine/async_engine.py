@@ -3,9 +3,10 @@
 Ownership: the engine thread is the only caller of ``LLMEngine``; coroutines send it commands through a queue
 and receive each request's outputs on an ``asyncio.Queue``, turned into the seam's types on the engine thread
 (KV read out becomes bytes in wire order there: on CUDA the device-to-host copy stays off the event loop). KV events
-raised during a step are handed to ``on_events`` on the event loop after that step. Every forward step's tokens and wall
-time feed ``speed``, the instance's measured prefill speed (heartbeats report it; the router prices this instance with
-it), and the same fit sizes the scheduler's prefill chunks while streams decode (``scheduler.chunk_budget``).
+raised during a step are handed to ``on_events`` on the event loop after that step. Every step's report feeds the
+pacer (``engine/pacer.py``): its lines give ``speed``, the instance's measured prefill speed (heartbeats report it; the
+router prices this instance with it), and size the next step's prompt tokens beside the decoding streams (its cap,
+handed to ``LLMEngine.step``).
 
 Errors: a request that failed inside a step (``StepOutput.error``) gets that ``SequenceError`` raised from its
 ``generate``; the rest of the batch carries on. A step that failed as a whole fails every active request.
@@ -27,7 +28,6 @@ from kvmesh.contracts.engine import (
     EngineRequest,
     EngineStats,
     ExportedKV,
-    ImportedKV,
     RequestTiming,
 )
 from kvmesh.contracts.events import TIER_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -36,23 +36,19 @@ from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import SessionSignal
 from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engine.errors import SequenceError
-from kvmesh.engine.kv_cache import Imported, KVPiece, Landed, block_bytes, blocks_from_bytes
+from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
-from kvmesh.engine.scheduler import chunk_budget
+from kvmesh.engine.pacer import Pacer
 from kvmesh.engine.sequence import Sequence, Status
-from kvmesh.engine.slo import StepCost, break_even_context, leading_position, plan_step, prompt_work
+from kvmesh.engine.slo import break_even_context
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.engines.loop import EngineLoop
-from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
 from kvmesh.settings import EngineSettings
 from kvmesh.transfer.landing import Landing
 
 log = logging.getLogger(__name__)
 
-# a prompt token's cost before any step with prompt tokens is measured
-PRIOR = SpeedFit(CostModel().prefill_overhead_s, CostModel().prefill_tok_per_s, 0)
 CALIBRATION_TOKENS = 256  # the largest prompt pass of the calibration at start
-BETWEEN_MAX_S = 0.05  # a longer pause between two decoding steps is not the loop's own cost (a stall, a GC)
 
 
 class AsyncEngine(EngineLoop, Engine):
@@ -70,8 +66,6 @@ class AsyncEngine(EngineLoop, Engine):
         self.layout = engine.layout
         self.model_name = model_name or "SmolLM2-135M-Instruct"
         self.max_model_len = engine.max_model_len
-        # a mixed step may cost (1 + stall) x a decode-only one (scheduler.chunk_budget; engine.mixed_step_stall)
-        self.stall = engine.cfg.mixed_step_stall if stall is None else stall
         self.on_events = on_events
         self._events: list[KVEvent] = []
         # the full blocks on the device, as their keys: updated on the engine thread as blocks come and go, read
@@ -83,28 +77,12 @@ class AsyncEngine(EngineLoop, Engine):
         # engine thread only: timed requests not yet admitted by the scheduler / without a first output yet
         self._unscheduled: dict[str, tuple[Sequence, RequestTiming]] = {}
         self._timed: dict[str, tuple[Sequence, RequestTiming]] = {}
-        # fed on the engine thread, read by heartbeats: steps with prompt tokens (a prompt token's cost, which the
-        # router prices prefill with), and decode-only steps over their rows (a batch's step as it grows)
-        self.speed_fit, self.decode_speed = SpeedEstimator(), SpeedEstimator()
-        # steps with prompt tokens again, over their work (a prompt token at position p counts 1 + p / context,
-        # decode rows 1): a prompt token's cost at position 0, which the step budget prices chunks with at the
-        # position they start from (engine.slo)
-        self.chunk_speed = SpeedEstimator()
-        self.step_totals = StepTotals()  # fed on the engine thread, read by the metrics collector
-        self._fit = self.speed_fit.fit()
-        self._decode_fit = self.decode_speed.fit()
-        self._chunk_fit = self.chunk_speed.fit()
-        self._steps = 0
-        # measured / predicted time of the steps that mixed prompt tokens into decode rows (a running mean): the
-        # lines are fitted over every step, a mixed step's share of them is what the streams' ITL depends on
-        self._mixed_error = 1.0
-        # what a stream's gap adds to the step between two steps that both decode (the outputs' delivery, the
-        # next plan): a running mean, planned into each step's fixed part; the end of the last decoding step
-        self._between_s, self._decoded_until = 0.0, 0.0
-        self._burst = False  # the step being planned / just taken is a burst (engine.slo): not priced by the cap's line
+        # a mixed step may cost (1 + stall) x a decode-only one (slo.chunk_budget; engine.mixed_step_stall)
         mc = engine.model_config
-        self._context = break_even_context(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                           mc.intermediate_size)
+        self.pacer = Pacer(engine.cfg.mixed_step_stall if stall is None else stall,
+                           break_even_context(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                              mc.intermediate_size))
+        self.step_totals = StepTotals()  # fed on the engine thread, read by the metrics collector
         self.start()
 
     # ---- called from the event loop: the engine's own commands ------------------------------------------------
@@ -233,10 +211,7 @@ class AsyncEngine(EngineLoop, Engine):
         """The prefill line (``prefill_tok_per_s``, ``prefill_overhead_s``) and, once decode-only steps are
         measured, ``decode_step_s``: the decode-only step of the running batch with one more stream (what the
         router prices prompt tokens computed beside the streams with, under their ITL targets)."""
-        out = self.speed_fit.report()
-        if (d := self.decode_speed.fit()) is not None:
-            out["decode_step_s"] = round(d.overhead_s + (len(self.engine.scheduler.running) + 1) / d.tok_per_s, 6)
-        return out
+        return self.pacer.speed(len(self.engine.scheduler.running))
 
     def stats(self) -> EngineStats:
         """Read when scraped: racy reads of ints and containers the engine thread owns (a container that
@@ -272,11 +247,7 @@ class AsyncEngine(EngineLoop, Engine):
     def _add(self, request: EngineRequest, timing: RequestTiming | None) -> None:
         if timing is not None:
             timing.started = time.monotonic()
-        imported = self._imported(request.imported) if request.imported is not None else None
-        seq = self.engine.add_request(request.request_id, list(request.prompt), request.params,
-                                      request.cache_salt, request.retention, request.lora, request.export,
-                                      imported, request.generated, request.session, request.slo,
-                                      request.waited_s)
+        seq = self.engine.add_request(request)
         if timing is None:
             return
         timing.added = time.monotonic()
@@ -305,16 +276,6 @@ class AsyncEngine(EngineLoop, Engine):
         if still and (loaded := blocks.prefetch(key)):
             log.debug("session %s: %d blocks warmed back before its expected return", key, loaded)
 
-    def _imported(self, kv: ImportedKV) -> Imported:
-        """A verified push as the engine imports it: buffered parts as tensors over their bytes (no copy),
-        landed ones already in the reserved blocks."""
-        if kv.layout != self.layout:  # the service checked it; a mismatch here would be a bug, never consumed
-            raise ValueError("pushed KV is in another layout than this engine's")
-        pieces = [KVPiece(p.first_block, blocks_from_bytes(self.layout, p.data, p.layers), p.layers)
-                  for p in kv.parts if p.data is not None]
-        blocks: list[KVPiece] | Landed = pieces if kv.reservation is None else Landed(kv.reservation, pieces)
-        return Imported(blocks, kv.num_tokens, kv.first_token, kv.first_block, kv.first_logprobs)
-
     def busy(self) -> bool:
         return self.engine.has_unfinished()
 
@@ -331,40 +292,22 @@ class AsyncEngine(EngineLoop, Engine):
         self._flush_events()
 
     def step(self) -> None:
-        began, began_cpu = time.monotonic(), time.thread_time()
         try:
-            outputs = self.engine.step()
+            outputs, report = self.engine.step(self.pacer.cap)
         except Exception as e:  # not one sequence's fault (those come back as outputs with an error): fail all
             log.exception("engine step failed")
             for rid in self.engine.active_requests():
                 self._deliver(rid, SequenceError(rid, f"the engine step failed: {type(e).__name__}: {e}"))
                 self._abort(rid)
             return
-        took, cpu = time.monotonic() - began, time.thread_time() - began_cpu
-        e = self.engine
-        if e.step_decode_rows:
-            if self._decoded_until:  # the step before decoded too: the time between is part of the streams' gap
-                self._between_s = 0.9 * self._between_s + 0.1 * min(BETWEEN_MAX_S, began - self._decoded_until)
-            self._decoded_until = began + took
-        else:
-            self._decoded_until = 0.0
-        if e.step_tokens:
-            decode_only = e.step_decode_rows == e.step_rows
-            self.step_totals.add(decode_only, e.step_rows, took, cpu)
-            (self.decode_speed if decode_only else self.speed_fit).observe(e.step_tokens, took)
-            # a burst is not what the cap's steps cost (a large product runs nearer the machine's peak per token):
-            # it would bend their line and the correction after it, and the streams' next gaps with them
-            if not decode_only and not self._burst:
-                work = self._step_work()
-                self.chunk_speed.observe(work, took)
-                if e.step_decode_rows and (expected := self._expected_step(work)) is not None:
-                    ratio = min(4.0, max(0.25, took / expected))
-                    self._mixed_error = 0.7 * self._mixed_error + 0.3 * ratio
-        self._size_chunks()
+        self.pacer.observe(report)
+        if report.tokens:
+            self.step_totals.add(report.decode_only, report.rows, report.seconds, report.cpu_seconds)
+        self.pacer.plan(self.engine.scheduler)
         if self._unscheduled:
             for rid, (seq, timing) in list(self._unscheduled.items()):
                 if seq.status is not Status.WAITING:
-                    timing.scheduled = began
+                    timing.scheduled = report.began
                     del self._unscheduled[rid]
         if self._timed:
             now = time.monotonic()
@@ -392,78 +335,7 @@ class AsyncEngine(EngineLoop, Engine):
         if top < 16:
             log.info("no calibration: the KV pool or the step budget is too small for it")
             return
-        began = time.monotonic()
-        # (first position, tokens) of each prompt pass; the first one pays one-off costs, and each fit skips it
-        for first, n in ((0, top // 16), (0, top // 8), (0, top * 3 // 8), (0, top), (top, top // 8)):
-            took = e.time_forward([(first, n)])
-            self.speed_fit.observe(n, took)
-            self.chunk_speed.observe(prompt_work(first, first + n, self._context), took)
-        for rows in (1, 1, 2, 4, 8):
-            self.decode_speed.observe(rows, e.time_forward([(top // 16, 1)] * rows))
-        self._refit()
-        log.info("calibrated in %.2f s: prefill %s, decode %s", time.monotonic() - began,
-                 f"{self._fit.tok_per_s:.0f} tok/s + {self._fit.overhead_s * 1e3:.1f} ms" if self._fit else "-",
-                 f"{self._decode_fit.overhead_s * 1e3:.1f} ms + {1e3 / self._decode_fit.tok_per_s:.2f} ms/row"
-                 if self._decode_fit else "-")
-
-    def _step_work(self) -> float:
-        """The last step's work: its decode rows, and its prompt tokens each by its position (``prompt_work``)."""
-        e = self.engine
-        return e.step_decode_rows + sum(prompt_work(first, first + n, self._context)
-                                        for first, n in e.step_prompt_chunks)
-
-    def _step_cost(self, rows: int) -> StepCost:
-        """A step of ``rows`` decode rows, and what a prompt token at position 0 adds to it, from the measured
-        lines (the prompt line alone until decode-only steps are measured; the configured prior before anything
-        is)."""
-        prefill = self._chunk_fit or PRIOR
-        d = self._decode_fit
-        decode_s = d.overhead_s + rows / d.tok_per_s if d is not None else prefill.overhead_s + rows / prefill.tok_per_s
-        return StepCost(decode_s, 1.0 / prefill.tok_per_s, self._context)
-
-    def _expected_step(self, work: float) -> float | None:
-        """The plan's estimate of the mixed step just taken (from its decode rows and its ``work``,
-        ``_step_work``), before the running correction."""
-        e = self.engine
-        if self._chunk_fit is None and self._decode_fit is None:
-            return None
-        cost = self._step_cost(e.step_decode_rows)
-        return cost.decode_s + (work - e.step_decode_rows) * cost.token_s
-
-    def _refit(self) -> None:
-        self._fit, self._decode_fit = self.speed_fit.fit(), self.decode_speed.fit()
-        self._chunk_fit = self.chunk_speed.fit()
-
-    def _size_chunks(self) -> None:
-        """Size the next step's prompt tokens beside the decode rows and rank the prompts (``slo.plan_step``):
-        the streams' ITL targets and the prompts' TTFT deadlines, over the measured step costs (lines refitted
-        every 8 steps, corrected by how far the mixed steps have been off them); streams without an ITL target
-        are held back by ``chunk_budget`` against the decode step of the batch the waiting prompts will settle it
-        at. Until a prompt's cost is measured (the first steps with prompt tokens), the configured prior prices
-        it."""
-        self._steps += 1
-        self._burst = False
-        if self._steps % 8 == 1:
-            self._refit()
-        if self._fit is None and self._decode_fit is None:
-            return  # nothing measured yet: the first steps run the whole token budget
-        prefill = self._fit or PRIOR
-        sched = self.engine.scheduler
-        line = None if self._decode_fit is None else (self._decode_fit.overhead_s, self._decode_fit.tok_per_s)
-        settled = min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
-        best_effort = chunk_budget(prefill.overhead_s, prefill.tok_per_s, len(sched.running), self.stall, line,
-                                   settled)
-        decoding = [s for s in sched.running if not s.in_prefill]
-        prompts = [s for s in sched.running if s.in_prefill] + list(sched.waiting)
-        cost = self._step_cost(len(decoding))
-        cost = cost._replace(decode_s=cost.decode_s * self._mixed_error + self._between_s,
-                             token_s=cost.token_s * self._mixed_error)
-        plan = plan_step(time.monotonic(), decoding, prompts, cost, sched.max_batched_tokens, best_effort)
-        sched.chunk_tokens, self._burst = plan.tokens, plan.burst
-        if log.isEnabledFor(logging.DEBUG) and prompts and decoding:
-            log.debug("step plan: %d streams, %d prompts: %s (a step of it ~%.0f ms; between steps %.1f ms)",
-                      len(decoding), len(prompts), plan.reason,
-                      1e3 * cost.step_s(plan.tokens or 0, leading_position(prompts)), 1e3 * self._between_s)
+        self.pacer.calibrate(e.time_forward, top)
 
     def _flush_events(self) -> None:
         if not self._events:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvmesh.contracts.engine import TokenLogprobs
+from kvmesh.contracts.engine import ImportedKV
 from kvmesh.contracts.layout import KVLayout
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -75,18 +75,15 @@ class Landed(NamedTuple):
     pieces: list[KVPiece]
 
 
-class Imported(NamedTuple):
-    """A prompt's KV computed by a prefill instance, for ``LLMEngine.add_request``: ``blocks`` hold its blocks from
-    ``first_block`` on, up to token ``num_tokens`` (one tensor, or tensors in order, or ``KVPiece`` s placed by
-    block and layer range, or ``Landed``: already in blocks reserved by ``BlockManager.reserve``, adopted without
-    a copy); ``first_token``: the token prefill sampled after the prompt, ``first_logprobs`` its logprobs (when
-    the request asks for them)."""
-
-    blocks: torch.Tensor | list[torch.Tensor] | list[KVPiece] | Landed
-    num_tokens: int
-    first_token: int
-    first_block: int = 0
-    first_logprobs: TokenLogprobs | None = None
+def received_blocks(kv: ImportedKV, layout: KVLayout) -> list[KVPiece] | Landed:
+    """A verified push's blocks as ``BlockManager.import_prefix`` takes them: its buffered parts as tensors over
+    their bytes (no copy), and with a reservation the blocks the rest landed in. ValueError when the push is in
+    another layout than ``layout`` (the service checked it: a mismatch here would be a bug, never consumed)."""
+    if kv.layout != layout:
+        raise ValueError("pushed KV is in another layout than this engine's")
+    pieces = [KVPiece(p.first_block, blocks_from_bytes(layout, p.data, p.layers), p.layers)
+              for p in kv.parts if p.data is not None]
+    return pieces if kv.reservation is None else Landed(kv.reservation, pieces)
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -19,28 +19,32 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from kvmesh.contracts.engine import ExportPlan, RetentionRange, SessionHint, TokenLogprobs
+from kvmesh.contracts.engine import EngineRequest, ImportedKV, TokenLogprobs
 from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.contracts.slo import NO_SLO, SLO
+from kvmesh.contracts.slo import SLO
 from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.export import Export, KVReadout, LayerExport, make_export
-from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, Imported, Landed
+from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed, received_blocks
 from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
 from kvmesh.engine.sampling import RowFault, make_generator, sample, token_logprobs
-from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.scheduler import Scheduled, Scheduler
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from kvmesh.model_source.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _GRAMMARS_LOCK = threading.Lock()
@@ -72,6 +76,40 @@ class Completion:
     decode_tokens_per_s: float
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when the request asked
     error: SequenceError | None = None
+
+
+# Called on the engine thread right after each forward pass with the request ids of the rows about to be sampled
+# and their logits; returns the logits they are sampled from (the engine's one seam between the model and the
+# sampler: tests stand in a model going nan for one request with it).
+LogitsHook = Callable[[list[str], torch.Tensor], torch.Tensor]
+
+
+class StepReport(NamedTuple):
+    """What one step ran, for its owner's pacing and metrics: when it began, its wall and engine-thread CPU
+    seconds, its rows, of them those computing one generated token (``decode_rows``), and the others' prompt
+    chunks, ``(first position, tokens)`` each. No rows: no forward pass (nothing to run, or imported first tokens
+    handed out)."""
+
+    began: float
+    seconds: float
+    cpu_seconds: float
+    rows: int = 0
+    decode_rows: int = 0
+    prompt_chunks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        """The tokens the step computed (0: no forward pass)."""
+        return self.decode_rows + sum(n for _, n in self.prompt_chunks)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.decode_rows == self.rows
+
+
+class Step(NamedTuple):
+    outputs: list[StepOutput]
+    report: StepReport
 
 
 class _Tracked:
@@ -112,7 +150,7 @@ def _check_device(device: str) -> None:
 
 class LLMEngine:
     def __init__(self, cfg: EngineSettings, model_config: ModelConfig | None = None,
-                 on_event: EventSink | None = None, seed: int = 0) -> None:
+                 on_event: EventSink | None = None, seed: int = 0, logits_hook: LogitsHook | None = None) -> None:
         """Load ``cfg.model`` (default: the embedded SmolLM2), or build a random-weight model of
         ``model_config`` with no tokenizer (tests, simulations)."""
         if cfg.threads > 0:
@@ -122,41 +160,21 @@ class LLMEngine:
         _check_device(cfg.device)
         self.cfg = cfg
         dtype = COMPUTE_DTYPES[cfg.dtype]
-        self.tokenizer = None
+        self.tokenizer: Tokenizer | None = None
         if model_config is None:
-            from kvmesh.engine.loader import load_weights, resolve_model
-            from kvmesh.model_source.tokenizer import Tokenizer
-
-            source = resolve_model(cfg.model)
-            self.model_config, self.fingerprint = source.config, source.fingerprint
-            self.model = LlamaModel(source.config, dtype, cfg.device, native_gemm=cfg.native_gemm,
-                                    native_pointwise=cfg.native_pointwise)
-            self.model.load_hf_weights(load_weights(source, dtype))
-            # the quantized blocks serve the C kernel only (CPU, fp32, one thread): elsewhere the file is not read again
-            if cfg.quantized_weights and source.gguf is not None and self.model.lm_head.lib is not None:
-                from kvmesh.engine.loader import load_quantized
-
-                switched, total = self.model.use_quantized(load_quantized(source.gguf))
-                log.info("%d of %d matrices read from %s's quantized blocks", switched, total, source.gguf.name)
-            self.tokenizer = Tokenizer.from_dir(source.hf_dir)
+            self.model, self.fingerprint, self.tokenizer = _load_model(cfg, dtype)
         else:
-            self.model_config, self.fingerprint = model_config, f"random-{seed}-{hash_config(model_config)}"
+            self.fingerprint = f"random-{seed}-{hash_config(model_config)}"
             self.model = LlamaModel(model_config, dtype, cfg.device, native_gemm=cfg.native_gemm,
                                     native_pointwise=cfg.native_pointwise)
             self.model.init_random(seed)
-        mc = self.model_config
+        self.model_config = mc = self.model.cfg
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         self.layout = KVLayout(self.fingerprint, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
                                cfg.kv_dtype)
         num_blocks = cfg.num_blocks or max(8, cfg.kv_cache_mb * 2**20 // self.layout.block_nbytes)
         self.kv = DeviceKVPool(self.layout, num_blocks, dtype, cfg.device)
-        host = None
-        if cfg.host_cache_mb > 0:
-            host = HostKVPool(self.layout, max(1, cfg.host_cache_mb * 2**20 // self.layout.block_nbytes))
-        policy = make_policy(cfg.eviction)
-        if (sessions := getattr(policy, "sessions", None)) is not None:  # a session-aware strategy's table
-            sessions.default_pause_s, sessions.idle_s = cfg.session_pause_s, cfg.session_idle_s
-        self.blocks = BlockManager(self.kv, host, policy, on_event, cfg.enable_prefix_caching)
+        self.blocks = _block_manager(cfg, self.kv, on_event)
         self.scheduler = Scheduler(self.blocks, cfg.max_batched_tokens, cfg.max_num_seqs)
         self.scheduler.max_loras = cfg.max_loras
         self.loras = LoRAManager(mc, cfg.max_loras, cfg.max_lora_rank, dtype, cfg.device)
@@ -174,16 +192,10 @@ class LLMEngine:
         # thread (an AsyncEngine hands them to the request's stream); None: they come with the step's outputs
         self.on_piece: Callable[[StepOutput], None] | None = None
         self._pieces: list[StepOutput] = []
-        self.step_tokens = 0  # tokens the last step computed (0: no forward), for the measured prefill speed
-        self.step_rows = 0  # sequences in the last step
-        self.step_decode_rows = 0  # of them, those computing one generated token (== step_rows: decode-only)
-        self.step_prompt_chunks: list[tuple[int, int]] = []  # the others: (first position, tokens) each
         self.default_slo = SLO(cfg.slo_ttft_s, cfg.slo_itl_s)  # for requests that set no target
         # requests with a target that finished (stop / length), by whether they met their targets (goodput)
         self.slo_outcomes = dict.fromkeys(("met", "missed", "missed_ttft", "missed_itl"), 0)
-        # TEST HOOK, never set in production: request ids whose logits are overwritten with nan right after the
-        # forward pass, so tests can show that a model going nan fails that request alone
-        self.test_nan_logits: set[str] = set()
+        self.logits_hook = logits_hook
 
     # ---- requests ------------------------------------------------------------------------------------------
     def namespace_seed(self, cache_salt: str = "", lora_id: str = "") -> int:
@@ -238,11 +250,7 @@ class LLMEngine:
                                               sorted(self.eos_token_ids))
         return self._grammars
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str = "", retention: tuple[RetentionRange, ...] = (), lora: str = "",
-                    export: ExportPlan | None = None, imported: Imported | None = None,
-                    generated: int = 0, session: SessionHint | None = None, slo: SLO = NO_SLO,
-                    waited_s: float = 0.0) -> Sequence:
+    def add_request(self, request: EngineRequest) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) when it can never run.
 
         ``session``: the session it belongs to; once it finished, the session holds its blocks (a session-aware
@@ -258,67 +266,87 @@ class LLMEngine:
         finish (with the last token), and with ``BY_CHUNK`` / ``BY_LAYER_GROUP`` also as outputs with no token and
         ``exported.final`` False, after each prefill chunk's pass or during it (layer groups are handed to
         ``on_piece`` as the pass writes them), so the caller can send them while the rest computes.
-        ``imported``: its prompt's KV computed by a prefill instance (``kv_cache.Imported``: the blocks from
-        ``first_block`` on; the ones before must be cached here, e.g. pinned by ``blocks.pin``); the request
-        starts decoding at once. When the pool has no room for it, it is queued and recomputed instead
+        ``imported``: its prompt's KV computed by a prefill instance (blocks from ``first_block`` on, in this
+        engine's layout; the ones before must be cached here, e.g. pinned by ``blocks.pin``); the request starts
+        decoding at once. When the pool has no room for it, it is queued and recomputed instead
         (``seq.num_cached_tokens`` then tells what was reused locally).
         ``generated``: the last ``generated`` prompt tokens are the request's output so far, from another
-        instance (``EngineRequest.generated``): they count towards ``max_tokens``, seeded sampling goes on from
-        their position, and the grammar, the detokenizer and the stop strings start from them.
+        instance: they count towards ``max_tokens``, seeded sampling goes on from their position, and the grammar,
+        the detokenizer and the stop strings start from them.
         """
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
+        self._check(request)
+        kv = request.imported
+        blocks = received_blocks(kv, self.layout) if kv is not None else None
+        tracked = self._track(request)
+        self._requests[request.request_id] = tracked
+        if kv is not None and blocks is not None and self._start_imported(tracked.seq, kv, blocks):
+            return tracked.seq
+        self.scheduler.add(tracked.seq)
+        return tracked.seq
+
+    def _check(self, request: EngineRequest) -> None:
+        """ValueError saying why ``request`` can never run here."""
+        prompt, params, generated = request.prompt, request.params, request.generated
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not prompt:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        if not 0 <= generated < min(len(prompt_token_ids), params.max_tokens):
+        if not 0 <= generated < min(len(prompt), params.max_tokens):
             raise ValueError(f"{generated} tokens already generated: there must be fewer than the prompt's "
-                             f"{len(prompt_token_ids)} tokens and max_tokens ({params.max_tokens})")
-        total = len(prompt_token_ids) - generated + params.max_tokens
+                             f"{len(prompt)} tokens and max_tokens ({params.max_tokens})")
+        total = len(prompt) - generated + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids) - generated} tokens) + max_tokens "
+            raise ValueError(f"prompt ({len(prompt) - generated} tokens) + max_tokens "
                              f"({params.max_tokens}) exceeds the model's context of {self.max_model_len} tokens")
         if -(-total // self.cfg.block_size) > self.kv.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV but the pool holds "
                              f"{self.kv.num_blocks * self.cfg.block_size}; raise kv_cache_mb")
-        spec = self.lora_spec(lora)  # ValueError naming the adapters served
+
+    def _track(self, request: EngineRequest) -> _Tracked:
+        """A new request's sequence (its namespace, adapter and latency targets) and the engine's state of it
+        (detokenizer, grammar, export). ValueError for an adapter not served, or earlier output its grammar
+        refuses."""
+        spec = self.lora_spec(request.lora)  # ValueError naming the adapters served
+        params, prompt, generated = request.params, list(request.prompt), request.generated
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
-        seq = Sequence(request_id, list(prompt_token_ids), params,
-                       self.namespace_seed(cache_salt, spec.lora_id if spec else ""), retention, lora=spec,
-                       earlier_outputs=generated, session=session)
-        targets = slo.or_else(self.default_slo)
-        if targets.ttft_s and imported is None and not generated:  # a migrated request's first token is out
-            seq.ttft_deadline = seq.arrival + targets.ttft_s - max(0.0, waited_s)
+        seq = Sequence(request.request_id, prompt, params,
+                       self.namespace_seed(request.cache_salt, spec.lora_id if spec else ""), request.retention,
+                       lora=spec, earlier_outputs=generated, session=request.session)
+        targets = request.slo.or_else(self.default_slo)
+        if targets.ttft_s and request.imported is None and not generated:  # a migrated request's first token is out
+            seq.ttft_deadline = seq.arrival + targets.ttft_s - max(0.0, request.waited_s)
         seq.itl_target = targets.itl_s
         detok = None
         if self.tokenizer is not None:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        tracked = _Tracked(seq, detok, make_export(export))
+        tracked = _Tracked(seq, detok, make_export(request.export))
         tracked.grammar = grammar
         if generated:
-            tracked.resume(prompt_token_ids[len(prompt_token_ids) - generated:])
-        self._requests[request_id] = tracked
-        if imported is not None:
-            blocks, num_tokens, first_token, first_block, first_logprobs = imported
-            seq.output_token_ids.append(first_token)
-            # a first token without the logprobs the request asks for cannot be served from here: recomputed
-            usable = params.logprobs is None or first_logprobs is not None
-            if usable and self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, num_tokens,
-                                                                                  first_block):
-                seq.num_cached_tokens = num_tokens
-                self.scheduler.add_running(seq)
-                seq.output_token_ids.pop()
-                self._pending.append(self._emit(seq, first_token, time.monotonic(), first_logprobs))
-                return seq
+            tracked.resume(prompt[len(prompt) - generated:])
+        return tracked
+
+    def _start_imported(self, seq: Sequence, kv: ImportedKV, blocks: list[KVPiece] | Landed) -> bool:
+        """Start ``seq`` decoding from its pushed KV, prefill's first token out with the next step. False when the
+        pool has no room for it, or the request asks for logprobs the push did not bring (prefill computed them
+        from logits decode never sees): it is then recomputed, and the blocks it landed in go back."""
+        seq.output_token_ids.append(kv.first_token)
+        usable = seq.params.logprobs is None or kv.first_logprobs is not None
+        if usable and self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, kv.num_tokens,
+                                                                              kv.first_block):
+            seq.num_cached_tokens = kv.num_tokens
+            self.scheduler.add_running(seq)
             seq.output_token_ids.pop()
-            if isinstance(blocks, Landed):  # recomputed instead: the blocks it landed in go back now
-                self.blocks.release_reserved(blocks.lease)
-        self.scheduler.add(seq)
-        return seq
+            self._pending.append(self._emit(seq, kv.first_token, time.monotonic(), kv.first_logprobs))
+            return True
+        seq.output_token_ids.pop()
+        if isinstance(blocks, Landed):
+            self.blocks.release_reserved(blocks.lease)
+        return False
 
     def abort(self, request_id: str) -> None:
         tracked = self._requests.pop(request_id, None)
@@ -336,41 +364,26 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._pending)
 
     # ---- stepping ------------------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        self.step_tokens = self.step_rows = self.step_decode_rows = 0
-        self.step_prompt_chunks = []
+    def step(self, chunk_tokens: int | None = None) -> Step:
+        """One step: the imported first tokens waiting, else a forward pass over the rows the scheduler picks
+        (prompt tokens beside decode rows capped at ``chunk_tokens``, the owner's pacer's; None: the whole token
+        budget). Its outputs, and a report of what it ran."""
+        began, began_cpu = time.monotonic(), time.thread_time()
         if self._pending:  # deliver imported first tokens before spending a forward step
             pending, self._pending = self._pending, []
-            return pending
-        pending: list[StepOutput] = []
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return pending
-        if any(seq.lora is not None for seq, _ in scheduled):  # each adapter's rows one contiguous group
-            scheduled = sorted(scheduled, key=lambda s: s.seq.lora_name)
-        slices, tokens, sample_idx, samplers = [], [], [], []
-        groups: list[tuple[LoRASpec, int, int]] = []
-        chunks: list[tuple[int, int]] = []
-        start = decode_rows = 0
-        for seq, n in scheduled:
-            if seq.lora is not None:
-                if groups and groups[-1][0] is seq.lora:
-                    groups[-1] = (seq.lora, groups[-1][1], start + n)
-                else:
-                    groups.append((seq.lora, start, start + n))
-            begin = seq.num_computed_tokens
-            if n == 1 and begin >= len(seq.prompt_token_ids):
-                decode_rows += 1
-            else:
-                chunks.append((begin, n))
-            slices.append(SeqSlice(start, n, begin + n, seq.block_table))
-            tokens.append(seq.all_token_ids[begin:begin + n])
-            start += n
-            if begin + n == seq.num_tokens:
-                sample_idx.append(start - 1)
-                samplers.append(seq)
-        self.step_tokens, self.step_rows, self.step_decode_rows = start, len(scheduled), decode_rows
-        self.step_prompt_chunks = chunks
+            return Step(pending, StepReport(began, time.monotonic() - began, time.thread_time() - began_cpu))
+        rows = self.scheduler.schedule(chunk_tokens)
+        if any(seq.lora is not None for seq, _ in rows):  # each adapter's rows one contiguous group
+            rows = sorted(rows, key=lambda s: s.seq.lora_name)
+        decode_rows, chunks = _work(rows)  # before the pass moves the sequences on
+        outputs = self._forward(rows) if rows else []
+        return Step(outputs, StepReport(began, time.monotonic() - began, time.thread_time() - began_cpu,
+                                        len(rows), decode_rows, chunks))
+
+    def _forward(self, scheduled: list[Scheduled]) -> list[StepOutput]:
+        """The forward pass over ``scheduled`` and what comes of it: KV read out, tokens sampled. A failed pass
+        fails those sequences."""
+        slices, tokens, sample_idx, samplers, groups = _inputs(scheduled)
         try:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])
@@ -386,9 +399,8 @@ class LLMEngine:
             pending += failed
             keep = [i for i, s in enumerate(samplers) if s.status is not Status.FINISHED]
             samplers, logits = [samplers[i] for i in keep], logits[keep]
-        if self.test_nan_logits and (rows := [i for i, s in enumerate(samplers)
-                                              if s.request_id in self.test_nan_logits]):
-            logits = logits.index_fill(0, torch.tensor(rows, device=logits.device), float("nan"))
+        if self.logits_hook is not None:
+            logits = self.logits_hook([s.request_id for s in samplers], logits)
         self.last_logits = ([s.request_id for s in samplers], logits)  # introspection for tests and tools
         for seq, n in scheduled:
             if seq.status is Status.FINISHED:  # failed while its KV was read out
@@ -397,18 +409,21 @@ class LLMEngine:
             self.blocks.cache_computed_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 pending += self._after_pass(seq)
-        if not samplers:
-            return pending
+        return pending + self._sampled(samplers, logits) if samplers else pending
+
+    def _sampled(self, samplers: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        """Each sampled row's token and logprobs, emitted; a fault in either fails that request alone."""
         new_tokens = self._sample(samplers, logits)
         logprobs = self._logprobs(samplers, logits, new_tokens)
         now = time.monotonic()
-        for seq, tok, lp in zip(samplers, new_tokens, logprobs):  # a fault in its token or its logprobs fails it
+        out = []
+        for seq, tok, lp in zip(samplers, new_tokens, logprobs):
             fault = next((f for f in (tok, lp) if isinstance(f, RowFault)), None)
             if fault is None:
-                pending.append(self._emit(seq, tok, now, lp))
+                out.append(self._emit(seq, tok, now, lp))
             else:
-                pending.append(self._fail(seq, SequenceError(seq.request_id, fault.message, fault.client_fault)))
-        return pending
+                out.append(self._fail(seq, SequenceError(seq.request_id, fault.message, fault.client_fault)))
+        return out
 
     def time_forward(self, rows: list[tuple[int, int]]) -> float:
         """Seconds of one forward pass over dummy rows, each ``(first position, tokens)`` with its logits, as a
@@ -651,10 +666,75 @@ class LLMEngine:
         llist = lora if isinstance(lora, list) else [lora] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt, p, name in zip(ids, prompts, plist, llist):
-            self.add_request(rid, prompt, p, cache_salt, lora=name)
+            self.add_request(EngineRequest(rid, tuple(prompt), p, cache_salt, name))
         while any(self._requests[r].seq.status is not Status.FINISHED for r in ids):
             self.step()
         return [self.completion(r) for r in ids]
+
+
+def _load_model(cfg: EngineSettings, dtype: torch.dtype) -> tuple[LlamaModel, str, Tokenizer]:
+    """``cfg.model`` loaded: the model, its fingerprint and its tokenizer."""
+    from kvmesh.engine.loader import load_weights, resolve_model
+    from kvmesh.model_source.tokenizer import Tokenizer
+
+    source = resolve_model(cfg.model)
+    model = LlamaModel(source.config, dtype, cfg.device, native_gemm=cfg.native_gemm,
+                       native_pointwise=cfg.native_pointwise)
+    model.load_hf_weights(load_weights(source, dtype))
+    # the quantized blocks serve the C kernel only (CPU, fp32, one thread): elsewhere the file is not read again
+    if cfg.quantized_weights and source.gguf is not None and model.lm_head.lib is not None:
+        from kvmesh.engine.loader import load_quantized
+
+        switched, total = model.use_quantized(load_quantized(source.gguf))
+        log.info("%d of %d matrices read from %s's quantized blocks", switched, total, source.gguf.name)
+    return model, source.fingerprint, Tokenizer.from_dir(source.hf_dir)
+
+
+def _block_manager(cfg: EngineSettings, kv: DeviceKVPool, on_event: EventSink | None) -> BlockManager:
+    """The blocks of ``kv`` and the prefix cache over them: a host tier of ``cfg.host_cache_mb``, evicting by
+    ``cfg.eviction``."""
+    host = None
+    if cfg.host_cache_mb > 0:
+        host = HostKVPool(kv.layout, max(1, cfg.host_cache_mb * 2**20 // kv.layout.block_nbytes))
+    policy = make_policy(cfg.eviction)
+    if (sessions := getattr(policy, "sessions", None)) is not None:  # a session-aware strategy's table
+        sessions.default_pause_s, sessions.idle_s = cfg.session_pause_s, cfg.session_idle_s
+    return BlockManager(kv, host, policy, on_event, cfg.enable_prefix_caching)
+
+
+def _work(scheduled: list[Scheduled]) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """A step's decode rows (one generated token each) and its prompt chunks, ``(first position, tokens)``."""
+    decode_rows, chunks = 0, []
+    for seq, n in scheduled:
+        begin = seq.num_computed_tokens
+        if n == 1 and begin >= len(seq.prompt_token_ids):
+            decode_rows += 1
+        else:
+            chunks.append((begin, n))
+    return decode_rows, tuple(chunks)
+
+
+def _inputs(scheduled: list[Scheduled]) -> tuple[list[SeqSlice], list[list[int]], list[int], list[Sequence],
+                                                 list[tuple[LoRASpec, int, int]]]:
+    """The forward pass's inputs for ``scheduled``: each row's slice of the batch and its tokens, the positions
+    whose logits are sampled and their sequences, and each adapter's rows as one ``(adapter, start, end)``."""
+    slices, tokens, sample_idx, samplers = [], [], [], []
+    groups: list[tuple[LoRASpec, int, int]] = []
+    start = 0
+    for seq, n in scheduled:
+        if seq.lora is not None:
+            if groups and groups[-1][0] is seq.lora:
+                groups[-1] = (seq.lora, groups[-1][1], start + n)
+            else:
+                groups.append((seq.lora, start, start + n))
+        begin = seq.num_computed_tokens
+        slices.append(SeqSlice(start, n, begin + n, seq.block_table))
+        tokens.append(seq.all_token_ids[begin:begin + n])
+        start += n
+        if begin + n == seq.num_tokens:
+            sample_idx.append(start - 1)
+            samplers.append(seq)
+    return slices, tokens, sample_idx, samplers, groups
 
 
 def hash_config(cfg: ModelConfig) -> str:

@@ -6,10 +6,10 @@ first takes all running decode rows (one token each), then fills what is left of
 chunks: running prefills first, then waiting sequences admitted while the budget, the sequence cap and the KV pool
 allow, each group in ``Sequence.slo_rank`` order (the owner ranks prompts by their TTFT deadlines, ``engine/slo.py``;
 without deadlines all ranks are equal and the order is the arrival order). While decode rows run, the prefill part
-is further capped at ``chunk_tokens`` (set by the owner from the measured step cost and the streams' ITL targets,
-``slo.plan_step``; streams without one are held back as ``chunk_budget`` says), so a new prompt delays the running
-streams by a bounded amount instead of a whole prefill. When the pool runs dry the newest running sequence is preempted;
-its computed blocks stay in the prefix cache, so recomputing it later is mostly a cache hit.
+is further capped at the step's ``chunk_tokens`` (the pacer's cap, ``engine/pacer.py``, from the measured step cost
+and the streams' ITL targets), so a new prompt delays the running streams by a bounded amount instead of a whole
+prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in the prefix
+cache, so recomputing it later is mostly a cache hit.
 """
 
 from __future__ import annotations
@@ -20,37 +20,10 @@ from typing import NamedTuple
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.sequence import Sequence, Status
 
-MIN_CHUNK = 16  # prefill tokens a step always grants a waiting prompt, however slow the machine
-
 
 class Scheduled(NamedTuple):
     seq: Sequence
     num_tokens: int
-
-
-def chunk_budget(overhead_s: float, tok_per_s: float, decode_rows: int, stall: float = 1.0,
-                 decode_line: tuple[float, float] | None = None, settled_rows: int = 0) -> int:
-    """Prefill tokens a mixed step may carry: the running streams together are held back at most ``stall``
-    times the decode-only step of the batch the waiting prompts settle it at, times that batch's rows.
-
-    - Nobody waiting beyond the running rows (``settled_rows <= decode_rows``): the step costs at most
-      ``1 + stall`` times today's decode-only step.
-    - Prompts waiting to join a small batch: the delay is shared by few streams, so each may wait longer, up to
-      the total the settled batch would bear. Sixteen short prompts arriving together then join in a step or
-      two instead of about one per step (which leaves the batch part-empty for as many steps at the end).
-
-    ``overhead_s``, ``tok_per_s``: the line ``step = overhead + tokens / speed`` fitted over steps with prompt
-    tokens (a prompt token costs ``1 / tok_per_s``). ``decode_line``: ``(overhead_s, rows_per_s)`` fitted over
-    decode-only steps; without it the decode-only step is read off the prefill line, and the cap without
-    waiting prompts is ``stall * (overhead * speed + decode_rows)``."""
-    overhead, rows_per_s = decode_line or (overhead_s, tok_per_s)
-
-    def step(rows: int) -> float:
-        return overhead + rows / rows_per_s
-
-    settled = max(settled_rows, decode_rows, 1)
-    held_back = stall * step(settled) * settled / max(1, decode_rows)  # seconds each running stream may wait
-    return max(MIN_CHUNK, int(held_back * tok_per_s))
 
 
 class Scheduler:
@@ -61,7 +34,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.chunk_tokens: int | None = None  # prefill cap while decode rows run (None: the whole budget)
         self.max_loras = 0  # distinct LoRA adapters one step may run (0: no cap); the base model is free
         self._starved: set[str] = set()  # adapters whose decode rows waited last step: they go first now
 
@@ -89,27 +61,42 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Scheduled]:
-        budget = self.max_batched_tokens
-        batch: list[Scheduled] = []
+    def schedule(self, chunk_tokens: int | None = None) -> list[Scheduled]:
+        """The next step's rows: the running decode rows, then the running prefills' chunks, then waiting
+        sequences admitted; while decode rows run, the prefill part carries at most ``chunk_tokens`` (None: the
+        whole token budget)."""
         adapters: set[str] = set()
-        decoding = [s for s in self.running if s.num_uncomputed == 1]
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        decode = self._decode_rows(adapters)
+        budget = self.max_batched_tokens - len(decode)
+        if decode and chunk_tokens is not None:
+            budget = min(budget, chunk_tokens)
+        chunks = self._prefill_chunks(prefilling, budget, adapters)
+        admitted = self._admit(budget - sum(n for _, n in chunks), adapters)
+        return decode + chunks + admitted
+
+    def _decode_rows(self, adapters: set[str]) -> list[Scheduled]:
+        """One token for each running decode row, within the token budget and the adapter cap; the adapters whose
+        rows waited last step go first."""
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
         if self._starved:
             decoding.sort(key=lambda s: s.lora_name not in self._starved)
+        batch: list[Scheduled] = []
         starved: set[str] = set()
         for seq in decoding:
-            if budget == 0:
+            if len(batch) == self.max_batched_tokens:
                 break
             if not self._adapter_fits(seq, adapters):
                 starved.add(seq.lora_name)
                 continue
             if seq.status is Status.RUNNING and self._reserve(seq, 1):  # not preempted earlier in this loop
                 batch.append(Scheduled(seq, 1))
-                budget -= 1
         self._starved = starved
-        if batch and self.chunk_tokens is not None:
-            budget = min(budget, self.chunk_tokens)
+        return batch
+
+    def _prefill_chunks(self, prefilling: list[Sequence], budget: int, adapters: set[str]) -> list[Scheduled]:
+        """The next chunk of each running prefill in rank order, within ``budget`` tokens."""
+        batch: list[Scheduled] = []
         prefilling.sort(key=lambda s: s.slo_rank)  # stable: the running order among equals
         for seq in prefilling:
             if budget == 0:
@@ -120,6 +107,12 @@ class Scheduler:
             if self._reserve(seq, n):
                 batch.append(Scheduled(seq, n))
                 budget -= n
+        return batch
+
+    def _admit(self, budget: int, adapters: set[str]) -> list[Scheduled]:
+        """Waiting sequences in rank order, each with its first chunk, while ``budget`` tokens, the sequence cap,
+        the adapter cap and the KV pool allow (the first that does not fit stops the admissions)."""
+        batch: list[Scheduled] = []
         for seq in sorted(self.waiting, key=lambda s: s.slo_rank):  # stable: the queue's order among equals
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break

@@ -3,7 +3,7 @@ which prompts get them first.
 
 The running streams' ITL targets cap a step: it is planned to end within ``HEADROOM`` of the tightest target
 (``SPENT_HEADROOM`` for a stream with no late gap left to lose; streams without a target are held back by the
-best-effort rule instead, ``scheduler.chunk_budget``). A prompt's tokens cost more the later they sit in it (their
+best-effort rule instead, ``chunk_budget``). A prompt's tokens cost more the later they sit in it (their
 attention covers the ones before: ``StepCost.work``), so the cap is sized at the position the leading prompt has
 reached. The waiting prompts' TTFT targets order the prompts (earliest deadline first, among those that can still
 make it at full speed; the rest keep their arrival order behind them) and say whether steps at the cap, which
@@ -16,7 +16,8 @@ and a large step computes a prompt token for less than the small ones under the 
 product is nearer the machine's peak). Otherwise the cap holds and the prompt may miss: a stream's ITL is not
 traded for one prompt's TTFT beyond its own p99.
 
-Pure functions of the engine's measured step costs, so they are tested without a model.
+Pure functions of the engine's measured step costs, so they are tested without a model; the pacer
+(``engine/pacer.py``) measures those costs and plans each step with them.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from kvmesh.contracts.slo import ITL_HEADROOM
-from kvmesh.engine.scheduler import MIN_CHUNK
 from kvmesh.engine.sequence import Sequence, Status
 
+MIN_CHUNK = 16  # prefill tokens a step always grants a waiting prompt, however slow the machine
 HEADROOM = ITL_HEADROOM  # a step is planned to end this share of the tightest ITL target after the one before
 SPENT_HEADROOM = 0.7  # ... of the target of a stream with no late gap left to lose
 TTFT_HEADROOM = 0.9  # a prompt is planned to finish within this share of the time left to its deadline
@@ -46,9 +47,34 @@ def prompt_work(first: int, end: int, context: float) -> float:
     return (end - first) * (1 + (first + end - 1) / (2 * context))
 
 
+def chunk_budget(overhead_s: float, tok_per_s: float, decode_rows: int, stall: float = 1.0,
+                 decode_line: tuple[float, float] | None = None, settled_rows: int = 0) -> int:
+    """Prefill tokens a mixed step may carry: the running streams together are held back at most ``stall``
+    times the decode-only step of the batch the waiting prompts settle it at, times that batch's rows.
+
+    - Nobody waiting beyond the running rows (``settled_rows <= decode_rows``): the step costs at most
+      ``1 + stall`` times today's decode-only step.
+    - Prompts waiting to join a small batch: the delay is shared by few streams, so each may wait longer, up to
+      the total the settled batch would bear. Sixteen short prompts arriving together then join in a step or
+      two instead of about one per step (which leaves the batch part-empty for as many steps at the end).
+
+    ``overhead_s``, ``tok_per_s``: the line ``step = overhead + tokens / speed`` fitted over steps with prompt
+    tokens (a prompt token costs ``1 / tok_per_s``). ``decode_line``: ``(overhead_s, rows_per_s)`` fitted over
+    decode-only steps; without it the decode-only step is read off the prefill line, and the cap without
+    waiting prompts is ``stall * (overhead * speed + decode_rows)``."""
+    overhead, rows_per_s = decode_line or (overhead_s, tok_per_s)
+
+    def step(rows: int) -> float:
+        return overhead + rows / rows_per_s
+
+    settled = max(settled_rows, decode_rows, 1)
+    held_back = stall * step(settled) * settled / max(1, decode_rows)  # seconds each running stream may wait
+    return max(MIN_CHUNK, int(held_back * tok_per_s))
+
+
 class StepCost(NamedTuple):
     """What a step costs here: ``decode_s``, the decode-only step of the running batch; ``token_s``, what a
-    prompt token at position 0 adds to it (both measured by the engine's owner); ``context``: the position at
+    prompt token at position 0 adds to it (both measured by the pacer); ``context``: the position at
     which a prompt token's attention (over the tokens before it) costs as much as its matmuls, so a token at
     position p costs ``1 + p / context`` of those (0: ignore the position)."""
 

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import grpc
 from opentelemetry.trace import Span, StatusCode
 
 from kvmesh import tls
@@ -25,14 +24,13 @@ from kvmesh.contracts.engine import RequestTiming
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import Heartbeat, KVCopies, KVEventBatch, Message, SessionSignal
-from kvmesh.contracts.slo import SLO, slo_from_proto
 from kvmesh.engines import Engine, start_engine
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
 from kvmesh.instance.metrics import WorkerMetrics
 from kvmesh.instance.pool_client import PoolClient, PoolError
 from kvmesh.model_source.resolve import model_name
-from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.proto.v1 import worker_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.settings import EngineSettings, InstanceSettings, SharedSettings, TelemetrySettings
 from kvmesh.telemetry import tracing
@@ -152,15 +150,6 @@ class EngineHost:
     def span_attributes(self, request_id: str, cache_salt: str) -> dict[str, Any]:
         return {tracing.REQUEST_ID: request_id, tracing.MODEL: self.model_name, tracing.TENANT: cache_salt,
                 "kvmesh.instance": self.instance_id}
-
-    async def request_slo(self, work: worker_pb2.WorkRequest, context: grpc.aio.ServicerContext) -> SLO:
-        """The work request's latency targets; a target out of range ends the call INVALID_ARGUMENT naming it."""
-        try:
-            return slo_from_proto(work.slo)
-        except ValueError as e:
-            self.metrics.rejections.labels("invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise  # abort raises; for the type checker
 
     async def warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int,
                              parent: Span | None = None, attrs: dict[str, Any] | None = None,
