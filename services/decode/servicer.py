@@ -31,7 +31,6 @@ from kvmesh.contracts.engine import (
     engine_request_from_proto,
     logprobs_to_proto,
 )
-from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, handoff_prefix
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed, refuse_continuation
 from kvmesh.instance.host import Attached, EngineHost, RolePlugin
@@ -39,12 +38,11 @@ from kvmesh.instance.metrics import fallback_reason
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
-from kvmesh.transfer import Grant
 from opentelemetry.trace import Span
 
 from services.decode.faults import hang_after_tokens
+from services.decode.handoff import HandoffReceiver
 from services.decode.intake import Intake, KVIntake
-from services.decode.reservation import Reservation
 from services.decode.write_back import write_back
 
 log = logging.getLogger(__name__)
@@ -73,44 +71,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         await refuse_continuation(context, w.engine, work)
-        prompt = list(engine_request.prompt)
-        intake = Intake()
-        lease, pin_asked = work.request_id, False
-        reservation: Reservation | None = None
-        grant: Grant | None = None
+        handoff = None if request.prefill_locally else HandoffReceiver(w, self.intake, request, engine_request,
+                                                                       context, span)
         try:
-            if request.prefill_locally:
+            if handoff is None:
                 if request.route_reason:
                     span.set_attribute("kvmesh.route.reason", request.route_reason)
-                await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
+                await w.warm_from_pool(list(engine_request.prompt), work.cache_salt, work.pool_blocks, span, attrs,
+                                       work.lora_name)
+                intake = Intake()
             else:
-                try:  # under the adapter's name@generation: KV pushed under another generation never matches
-                    namespace = w.engine.namespace(work.cache_salt, work.lora_name)
-                except ValueError as e:  # an adapter this instance does not serve: nothing to wait for
-                    w.transfer_server.discard_prefix(handoff_prefix(work.request_id))
-                    w.metrics.rejections.labels("invalid").inc()
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                # what this instance holds of the prompt now, not what the index says (it lags when turns come
-                # back to back): prefill pushes from the first block decode lacks, at least the last token's
-                first = w.engine.holds(namespace, prompt, (len(prompt) - 1) // w.layout.block_size)
-                wait_s = request.kv_timeout_s or w.cfg.kv_timeout_s + 2 * request.expected_prefill_s
-                deadline = time.monotonic() + wait_s
-                grant = await self._grant(context, work.request_id, first, len(prompt), wait_s)
-                pinned = 0
-                span.set_attributes({"kvmesh.cached_blocks": request.cached_blocks, "kvmesh.held_blocks": first})
-                if first:  # prefill pushes only past these: hold them until imported
-                    pin_asked = True  # from here the lease may be held, even if this call is cancelled
-                    pinned = await w.engine.pin(lease, namespace, prompt, first)
-                    span.set_attribute("kvmesh.pinned_blocks", pinned)
-                if pinned >= first:  # else the push cannot be used anyway (intake says why)
-                    reservation = Reservation(w, engine_request, first)
-                    await reservation.acquire()
-                    span.set_attribute("kvmesh.reserved_blocks", len(reservation.block_ids))
-                intake = await self.intake.receive(work.request_id, prompt, namespace,
-                                                   deadline - time.monotonic(), pinned, reservation)
-                self._revoke(work.request_id, grant)  # taken, or given up on: nothing more is pushed
-                if intake.imported is None and reservation is not None:  # recomputed: its blocks are needed now
-                    reservation.release()
+                intake = await handoff.receive()
                 engine_request = dataclasses.replace(engine_request, imported=intake.imported)
             chunks = self._stream(request, context, span, attrs, engine_request, intake, t0, t0_ns)
             if w.cfg.fault_hang_after_tokens and not work.generated_tokens:  # a fault test's dying decode
@@ -118,38 +89,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             async for chunk in chunks:
                 yield chunk
         finally:
-            if grant is not None:
-                self._revoke(work.request_id, grant)
-            if reservation is not None:  # nothing lands any more; its blocks freed unless the import adopted them
-                reservation.release()
-            # after the request was added (commands run in order): the sequence holds its own references.
-            # Whenever a pin was asked for: a call cancelled while it waited gets no count back, but the engine
-            # may have pinned
-            if pin_asked:
-                w.engine.unpin(lease)
-
-    async def _grant(self, context: grpc.aio.ServicerContext, request_id: str, first_block: int,
-                     prompt_tokens: int, wait_s: float) -> Grant:
-        """The push's capability: the request's hand-off parts, blocks ``first_block`` to the prompt's last, for
-        ``wait_s``; sent to the router in the call's initial metadata at once, with ``first_block`` (the blocks
-        held here, which prefill does not push), before the pin and the
-        reservation (engine commands, queued behind a step), so the router's Prefill call leaves as early as
-        it would without one. A part that arrives before the reservation is received into a buffer."""
-        transfer = self.w.transfer_server
-        assert transfer is not None  # RolePlugin(receives_kv=True): the host started one
-        end = -(-prompt_tokens // self.w.layout.block_size)
-        try:
-            grant = transfer.grant(handoff_prefix(request_id), first_block, end, wait_s)
-        except ValueError as e:  # no block to push: an empty prompt, a wait of 0
-            self.w.metrics.rejections.labels("invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nothing to wait for: {e}")
-        await context.send_initial_metadata(((PUSH_TOKEN_METADATA, grant.token),
-                                             (HELD_BLOCKS_METADATA, str(first_block))))
-        return grant
-
-    def _revoke(self, request_id: str, grant: Grant) -> None:
-        if self.w.transfer_server is not None:
-            self.w.transfer_server.revoke(handoff_prefix(request_id), grant)
+            if handoff is not None:
+                handoff.close()
 
     async def _stream(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span,
                       attrs: dict[str, Any], engine_request: EngineRequest, intake: Intake, t0: float,

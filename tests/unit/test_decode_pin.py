@@ -64,6 +64,7 @@ def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
                                cfg=SimpleNamespace(kv_timeout_s=10.0))
         servicer = DecodeServicer.__new__(DecodeServicer)
         servicer.w = host
+        servicer.intake = None  # never reached: the call is cancelled at its pin
         work = worker_pb2.WorkRequest(request_id="r1", prompt_token_ids=list(range(40)))
         request = worker_pb2.DecodeRequest(work=work, cached_blocks=2)
 
