@@ -17,6 +17,7 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import grpc
@@ -139,7 +140,7 @@ class PoolClient:
         except grpc.aio.AioRpcError as e:
             raise PoolError(f"{type(request).__name__[:-7]}: {e.code().name}: {e.details()}") from None
 
-    async def _push(self, blocks: memoryview, keys: list[BlockKey], checksums: list[int],
+    async def _push(self, blocks: memoryview, keys: list[BlockKey], checksums: Sequence[int],
                     metadata: Metadata) -> str:
         """Push ``blocks`` to cachesvc's transfer endpoint under the capability it granted; returns the transfer
         id PutBlocks names."""

@@ -135,7 +135,9 @@ class EngineCollector(Collector):
                     CounterMetricFamily(f"{p}_engine_step_cpu_seconds", "CPU time the engine thread spent in "
                                         "those steps (below the wall time: it waited for the GIL or a core)",
                                         labels=["kind"]))
-        for family, values in zip(families, (st.steps, st.step_rows, st.step_seconds, st.step_cpu_seconds)):
+        per_kind: tuple[Mapping[str, float], ...] = (
+            st.steps, st.step_rows, st.step_seconds, st.step_cpu_seconds)
+        for family, values in zip(families, per_kind):
             if values:
                 for kind, value in values.items():
                     family.add_metric([kind], value)
