@@ -260,7 +260,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         try:
             if blocks is not None:
                 await self._push(request.transfer_address, request.transfer_id, request.transfer_token, layout,
-                                 blocks, [b.key for b in got.blocks], [b.checksum for b in got.blocks])
+                                 blocks, [BlockKey(b.key) for b in got.blocks], [b.checksum for b in got.blocks])
         finally:
             if got.lease_id and not lease_s:
                 await self._storage(self.pool.leases.release, got.lease_id)
@@ -379,7 +379,7 @@ class CacheServer:
     @property
     def transfers_refused(self) -> dict[str, int]:
         """Pushes the transfer endpoint refused so far, by reason (none before it started)."""
-        return dict(self._transfer.refused) if self._transfer is not None else {}
+        return {reason.value: n for reason, n in self._transfer.refused.items()} if self._transfer is not None else {}
 
     @property
     def transfer(self) -> TransferServer:

@@ -22,9 +22,9 @@ import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
-from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA
+from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, BlockKey, RequestId, TransferId
 from kvmesh.contracts.keys import Namespace, block_keys
-from kvmesh.contracts.messages import Heartbeat, KVReady, RouterLoad
+from kvmesh.contracts.messages import Heartbeat, KVReady, Message, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
 from kvmesh.contracts.slo import slo_to_proto
 from kvmesh.model_source.resolve import resolve_model
@@ -115,13 +115,13 @@ class Router:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _on_heartbeat(self, beat: Heartbeat, headers: dict[str, str]) -> None:
-        if beat.role.is_engine:
+    async def _on_heartbeat(self, beat: Message, headers: dict[str, str]) -> None:
+        if isinstance(beat, Heartbeat) and beat.role.is_engine:
             self.registry.observe(beat)
 
     # ---- the router replicas' shared view of what is in flight where ---------------------------------------------
-    async def _on_router_load(self, load: RouterLoad, headers: dict[str, str]) -> None:
-        if load.router_id != self.id:
+    async def _on_router_load(self, load: Message, headers: dict[str, str]) -> None:
+        if isinstance(load, RouterLoad) and load.router_id != self.id:
             self.registry.peer_load(load)
 
     def _load_changed(self) -> None:
@@ -156,7 +156,7 @@ class Router:
         return self._channels[address]
 
     # ---- routing ---------------------------------------------------------------------------------------------
-    async def matched_blocks(self, keys: list[int], parent: Span | None = None,
+    async def matched_blocks(self, keys: Sequence[BlockKey], parent: Span | None = None,
                              attrs: dict | None = None) -> dict[str, int]:
         """Per instance, the longest run of leading blocks it holds in any tier. Traced as the client span
         ``cachesvc.match_prefix`` under ``parent``, whose context the call carries to cachesvc."""
@@ -209,8 +209,8 @@ class Router:
         """One attempt's route, planned and started (its chunk stream); the prompt's match is asked again only
         when the prompt grew (a migration carries the tokens streamed so far)."""
         prompt = request.prompt + tuple(tries.streamed)
-        route = rt.child("router.route", **({"kvmesh.retry": tries.retries} if tries.retries else {}),
-                         **({"kvmesh.migration": tries.migrations} if tries.migrations else {}))
+        route = rt.child("router.route", attrs={**({"kvmesh.retry": tries.retries} if tries.retries else {}),
+                                                **({"kvmesh.migration": tries.migrations} if tries.migrations else {})})
         try:
             if tries.matched_for != len(prompt):
                 tries.keys = block_keys(tries.seed, prompt, self.cfg.block_size)
@@ -355,7 +355,7 @@ class Router:
                      matched: dict[str, int] | None = None):
         await self._ensure_lora(work, inst)
         done = self.registry.dispatched(inst, self._to_compute(work, inst, matched))
-        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
+        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, prefill_locally=True, route_reason=reason),
             metadata=tracing.grpc_metadata(dispatch), timeout=self.cfg.request_timeout_s)
@@ -379,8 +379,8 @@ class Router:
                              expected_prefill_s: float = 0.0):
         await self._ensure_lora(work, decode, prefill)
         decode_done = self.registry.dispatched(decode)
-        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
-                                                                   "kvmesh.decode_instance": decode.id})
+        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.prefill_instance": prefill.id,
+                                                                 "kvmesh.decode_instance": decode.id})
         md = tracing.grpc_metadata(dispatch)
         held = self._decode_holds(work, decode, matched)  # decode pins them; prefill pushes only the rest
         dispatch.set_attribute("kvmesh.decode_cached_blocks", held)
@@ -506,16 +506,16 @@ class Router:
         others = [i for i in self.registry.alive("prefill") if i.id not in tried]
         if not others:
             return None
-        missing = {i.id for i in others if not self.loras.holds(i, work.lora_name)}
+        missing: set[str] = {i.id for i in others if not self.loras.holds(i, work.lora_name)}
         inst, _ = self.policies.choose(policy, others, matched, len(work.prompt_token_ids), self.cfg.block_size,
                                        matched.get(POOL, 0), missing)
         return inst or min(others, key=lambda i: (i.queue_depth, i.id))  # an SLO miss beats a recompute
 
     async def _tell_decode(self, work: worker_pb2.WorkRequest, decode: Instance, prefill: Instance,
                            error: str) -> None:
-        ready = KVReady(request_id=work.request_id, decode_instance=decode.id, transfer_id="", block_keys=(),
-                        num_tokens=0, first_token=0, layout=None, prefill_instance=prefill.id, ok=False,
-                        error=error)
+        ready = KVReady(request_id=RequestId(work.request_id), decode_instance=decode.id,
+                        transfer_id=TransferId(""), block_keys=(), num_tokens=0, first_token=0, layout=None,
+                        prefill_instance=prefill.id, ok=False, error=error)
         try:
             await self.bus.publish(self.subjects.kv_ready(decode.id), ready)
         except Exception as e:  # noqa: BLE001 - decode still falls back after kv_timeout_s
@@ -529,7 +529,7 @@ class _Attempts:
     seed: int                      # the namespace seed of the request's block keys
     streamed: list[int]            # every token the client has: a re-dispatch continues after them
     matched: dict[str, int] = field(default_factory=dict)
-    keys: list[int] = field(default_factory=list)  # the prompt's block keys
+    keys: list[BlockKey] = field(default_factory=list)  # the prompt's block keys
     matched_for: int = -1          # the prompt length MatchPrefix was asked for
     avoid: set[str] = field(default_factory=set)
     failure: RequestError | None = None

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from kvmesh.contracts.engine import logprobs_to_proto
+from kvmesh.contracts.engine import TokenLogprobs, logprobs_to_proto
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.contracts.sessions import check_session_id, session_key
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
@@ -51,7 +51,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         rt = self.intake.trace(call)
         context.set_trailing_metadata(tuple(rt.headers().items()))
         try:
-            async with self.intake.admit(call, rt, lambda: _draft(request, call)) as req:
+            async with self.intake.admit(call, rt, _reader(request, call)) as req:
                 async for c in self.router.generate(req, rt):
                     msg = api_pb2.GenerateChunk(request_id=req.request_id, token_ids=c.token_ids, text=c.text,
                                                 finished=c.finished, finish_reason=c.finish_reason,
@@ -72,9 +72,12 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         call = self._call(request, context, "grpc.chat")
         rt = self.intake.trace(call)
         context.set_trailing_metadata(tuple(rt.headers().items()))
-        text, ids, logprobs, reason, usage = [], [], [], "", None
+        text: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        reason, usage = "", None
         try:
-            async with self.intake.admit(call, rt, lambda: _draft(request, call)) as req:
+            async with self.intake.admit(call, rt, _reader(request, call)) as req:
                 async for c in self.router.generate(req, rt):
                     rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                     text.append(c.text)
@@ -166,6 +169,18 @@ def _parser(message: type[Message], max_bytes: int) -> Callable[[bytes], Message
     return parse
 
 
+def _reader(request: api_pb2.GenerateRequest | api_pb2.ChatRequest | RequestError,
+            call: Call) -> Callable[[], Awaitable[Draft]]:
+    """What the intake reads once the caller holds a slot. A request the deserializer refused is never read:
+    ``Intake.admit`` raises ``call.refused`` (this same error) first."""
+    async def read() -> Draft:
+        if isinstance(request, RequestError):
+            raise request
+        return await _draft(request, call)
+
+    return read
+
+
 async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: Call) -> Draft:
     """A ``Generate`` (text, token ids or messages) or ``Chat`` request as the intake's input; the routing
     overrides come from the metadata keys ``x-kvmesh-policy`` and ``x-kvmesh-disaggregate``, the latency targets
@@ -174,20 +189,26 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
         sampling = sampling_from_proto(request.sampling)
     except ValueError as e:
         raise invalid(f"sampling: {e}") from None
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: list[dict[str, Any]] | None = None
     if isinstance(request, api_pb2.ChatRequest):
-        prompt = {"messages": _messages(request.messages)}
+        messages = _messages(request.messages)
     else:
         which = request.WhichOneof("prompt")
-        prompt = {"text": request.text} if which == "text" else \
-            {"token_ids": tuple(request.token_ids.ids)} if which == "token_ids" else \
-            {"messages": _messages(request.messages.messages)} if which == "messages" else {}
+        if which == "text":
+            text = request.text
+        elif which == "token_ids":
+            token_ids = tuple(request.token_ids.ids)
+        elif which == "messages":
+            messages = _messages(request.messages.messages)
     structured = sampling.structured
     resume = tuple(request.resume_token_ids) if isinstance(request, api_pb2.GenerateRequest) else ()
     header = call.headers.get("x-session-id", "")
     if request.session_id and header and request.session_id != header:
         raise invalid(f"the x-session-id metadata ({header!r}) and session_id ({request.session_id!r}) differ: "
                       "send one")
-    return Draft(sampling, **prompt, model=request.model, cache_salt=request.cache_salt,
+    return Draft(sampling, text, token_ids, messages, model=request.model, cache_salt=request.cache_salt,
                  structured_field=f"sampling.{structured.kind}" if structured else "",
                  policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"),
                  session_id=request.session_id or header, session_end=request.session_end,

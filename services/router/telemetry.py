@@ -126,8 +126,9 @@ class RequestTrace:
         self.root.set_attributes({tracing.MODEL: model, tracing.TENANT: tenant,
                                   "kvmesh.tokens.prompt": prompt_tokens})
 
-    def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attrs: Any) -> Span:
-        return tracing.start(name, self.root, kind, {**self.attrs, **attrs})
+    def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, attrs: Mapping[str, Any] | None = None) -> Span:
+        """A span under the root with the request's attributes and ``attrs``."""
+        return tracing.start(name, self.root, kind, {**self.attrs, **(attrs or {})})
 
     @contextmanager
     def segment(self, name: str) -> Iterator[Span]:
