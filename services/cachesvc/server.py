@@ -43,7 +43,7 @@ from kvmesh.settings import CacheServiceSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
-from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer import Refusal, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
@@ -377,9 +377,9 @@ class CacheServer:
                 "metrics": self.metrics_server.url if self.metrics_server else ""}
 
     @property
-    def transfers_refused(self) -> dict[str, int]:
+    def transfers_refused(self) -> dict[Refusal, int]:
         """Pushes the transfer endpoint refused so far, by reason (none before it started)."""
-        return {reason.value: n for reason, n in self._transfer.refused.items()} if self._transfer is not None else {}
+        return dict(self._transfer.refused) if self._transfer is not None else {}
 
     @property
     def transfer(self) -> TransferServer:
