@@ -45,7 +45,7 @@ from kvmesh.settings import EngineSettings
 
 if TYPE_CHECKING:
     from kvmesh.engine.grammar import Grammars, GrammarState
-    from kvmesh.model_source.tokenizer import Tokenizer
+    from kvmesh.model_source.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 _GRAMMARS_LOCK = threading.Lock()
@@ -116,7 +116,7 @@ class Step(NamedTuple):
 class _Tracked:
     """Per-request state owned by the engine: incremental detokenizer, stop-string matching, grammar, export."""
 
-    def __init__(self, seq: Sequence, detok, export: Export | None = None) -> None:
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer | None, export: Export | None = None) -> None:
         self.seq = seq
         self.detok = detok
         self.text = ""
@@ -237,7 +237,7 @@ class LLMEngine:
         return spec
 
     @property
-    def grammars(self):
+    def grammars(self) -> Grammars:
         """The structured-output compiler and cache (xgrammar is loaded on first use). Thread-safe, like
         ``grammars.compile``: a service compiles a request's grammar off the engine thread before adding it."""
         if self._grammars is None:
