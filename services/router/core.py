@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,11 @@ class Chunk:
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
 
 
+CachedTokens = Callable[[], Awaitable[int]]  # a dispatch's prompt tokens reused, once it can tell
+ChunkStream = AsyncIterator[tuple[Chunk, CachedTokens]]  # one dispatch's chunks, each with its reader of those
+Metadata = tuple[tuple[str, str], ...]  # a gRPC call's metadata
+
+
 class Router:
     def __init__(self, cfg: RouterSettings, shared: SharedSettings | None = None) -> None:
         self.cfg = cfg
@@ -110,7 +115,7 @@ class Router:
         for ch in self._channels.values():
             await ch.close()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -205,7 +210,7 @@ class Router:
             if tries.migration is not None:
                 tries.migration.failed(RequestError(ErrorKind.CANCELLED, "the request ended during its migration"))
 
-    async def _dispatch(self, request: Admitted, rt: RequestTrace, tries: _Attempts):
+    async def _dispatch(self, request: Admitted, rt: RequestTrace, tries: _Attempts) -> ChunkStream:
         """One attempt's route, planned and started (its chunk stream); the prompt's match is asked again only
         when the prompt grew (a migration carries the tokens streamed so far)."""
         prompt = request.prompt + tuple(tries.streamed)
@@ -246,7 +251,8 @@ class Router:
             retention=retention_to_proto(request.retention), slo=slo_to_proto(request.slo),
             waited_s=time.monotonic() - rt.t0)
 
-    async def _relay(self, stream, request: Admitted, rt: RequestTrace, tries: _Attempts) -> AsyncIterator[Chunk]:
+    async def _relay(self, stream: ChunkStream, request: Admitted, rt: RequestTrace,
+                     tries: _Attempts) -> AsyncIterator[Chunk]:
         """The attempt's chunks to the client; the last one with the request's usage."""
         tries.delivered, tries.cached = 0, None
         async for chunk, cached in stream:
@@ -297,7 +303,7 @@ class Router:
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
                policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto",
-               keys: Sequence[int] = ()):
+               keys: Sequence[int] = ()) -> ChunkStream | None:
         """Plan the request's route (``kvmesh.routing.plan``) and start it: the chosen instances' chunk stream,
         or None when no live instance (outside ``avoid``) can serve."""
         session = SessionHint.of(work.session_key, work.session_end)
@@ -352,7 +358,7 @@ class Router:
                 await self.loras.ensure(inst, work.lora_name)
 
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = "",
-                     matched: dict[str, int] | None = None):
+                     matched: dict[str, int] | None = None) -> ChunkStream:
         await self._ensure_lora(work, inst)
         done = self.registry.dispatched(inst, self._to_compute(work, inst, matched))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.decode_instance": inst.id})
@@ -376,7 +382,7 @@ class Router:
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
                              rt: RequestTrace, policy: str | None, matched: dict[str, int],
-                             expected_prefill_s: float = 0.0):
+                             expected_prefill_s: float = 0.0) -> ChunkStream:
         await self._ensure_lora(work, decode, prefill)
         decode_done = self.registry.dispatched(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.prefill_instance": prefill.id,
@@ -420,7 +426,8 @@ class Router:
             if not prefill_call.done():
                 prefill_call.cancel()
 
-    async def _chunks(self, call, inst: Instance, request_id: str):
+    async def _chunks(self, call: grpc.aio.UnaryStreamCall, inst: Instance,
+                      request_id: str) -> AsyncIterator[tuple[worker_pb2.DecodeChunk, bool]]:
         """The call's messages (and whether each is the first); its failure as a ``RequestError``: INVALID_ARGUMENT
         is the request's fault, INTERNAL the instance's (a 500 naming the request, never retried: the request may
         be what breaks it), anything else makes the instance unavailable for it: retryable (elsewhere) when it
@@ -468,7 +475,7 @@ class Router:
         before the one holding the last prompt token (so a push always carries at least one block)."""
         return min(matched.get(decode.id, 0), (len(work.prompt_token_ids) - 1) // self.cfg.block_size)
 
-    async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md,
+    async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md: Metadata,
                        rt: RequestTrace, policy: str | None, matched: dict[str, int], held: int,
                        token: str) -> worker_pb2.PrefillResponse:
         """The request's Prefill call, while decode waits for its ``kv.ready``; ``token``: the push capability
@@ -539,14 +546,14 @@ class _Attempts:
     first_cached: int | None = None  # the first dispatch's cached tokens, once a migration left it
     text: list[str] = field(default_factory=list)  # a session's response so far: whether it ended in a tool call
     delivered: int = 0             # tokens the current attempt streamed
-    cached: Any = None             # the current attempt's cached-tokens reader
+    cached: CachedTokens | None = None  # the current attempt's cached-tokens reader
 
 
 class NoGrant(RuntimeError):
     """Decode answered a Decode call without a push capability: it failed (its stream says how), so no Prefill."""
 
 
-async def _push_token(call, decode: Instance, dispatch: Span) -> tuple[str, int | None]:
+async def _push_token(call: grpc.aio.UnaryStreamCall, decode: Instance, dispatch: Span) -> tuple[str, int | None]:
     """The push capability decode sent in the Decode call's initial metadata, and the prompt's leading blocks
     it holds (None from a decode that does not say: the index's count stands) (``kvmesh.push_grant_ms`` on the
     dispatch span: what waiting for it adds before Prefill leaves). NoGrant when the call ended without one."""
@@ -581,7 +588,7 @@ def _dispatch_id(request: Admitted, retries: int, migrations: int) -> str:
     return rid + (f".migrate{migrations}" if migrations else "") + (f".retry{retries}" if retries else "")
 
 
-async def _cached_or_zero(cached) -> int:
+async def _cached_or_zero(cached: CachedTokens) -> int:
     """A failed dispatch's cached tokens, where it can still tell them."""
     try:
         return await cached()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -33,20 +33,21 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         self.intake = intake or Intake(router)
 
     @staticmethod
-    def _call(request: Message | RequestError, context, api: str) -> Call:
+    def _call(request: Message | RequestError, context: grpc.aio.ServicerContext, api: str) -> Call:
         metadata = dict(context.invocation_metadata() or ())
         if isinstance(request, RequestError):
             return Call(api, metadata, refused=request)
         return Call(api, metadata, request.request_id)
 
-    async def _abort(self, context, rt: RequestTrace, e: RequestError) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, rt: RequestTrace, e: RequestError) -> None:
         rt.finish(e.kind, e.message)
         trailer = tuple(rt.headers().items())
         if e.kind == ErrorKind.OVERLOADED:
             trailer += (("retry-after", str(RETRY_AFTER_S)),)
         await context.abort(e.kind.grpc, e.message, trailing_metadata=trailer)
 
-    async def Generate(self, request: api_pb2.GenerateRequest | RequestError, context):
+    async def Generate(self, request: api_pb2.GenerateRequest | RequestError,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateChunk]:
         call = self._call(request, context, "grpc.generate")
         rt = self.intake.trace(call)
         context.set_trailing_metadata(tuple(rt.headers().items()))
@@ -68,7 +69,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         finally:
             rt.finish()
 
-    async def Chat(self, request: api_pb2.ChatRequest | RequestError, context):
+    async def Chat(self, request: api_pb2.ChatRequest | RequestError,
+                   context: grpc.aio.ServicerContext) -> api_pb2.ChatResponse:
         call = self._call(request, context, "grpc.chat")
         rt = self.intake.trace(call)
         context.set_trailing_metadata(tuple(rt.headers().items()))
@@ -97,7 +99,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))
         return resp
 
-    async def ListModels(self, request, context):
+    async def ListModels(self, request: api_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> api_pb2.ListModelsResponse:
         try:
             self.intake.tenants.authenticate(dict(context.invocation_metadata() or ()))
         except RequestError as e:
@@ -108,7 +111,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             api_pb2.Model(id=name, fingerprint=r.source.fingerprint, max_model_len=r.max_model_len,
                           parent=r.model_id) for name in r.loras.served()])
 
-    async def CloseSession(self, request: api_pb2.CloseSessionRequest, context) -> api_pb2.CloseSessionResponse:
+    async def CloseSession(self, request: api_pb2.CloseSessionRequest,
+                           context: grpc.aio.ServicerContext) -> api_pb2.CloseSessionResponse:
         """The caller's session is over (its tenant's session of that id only)."""
         try:
             tenant = self.intake.tenants.authenticate(dict(context.invocation_metadata() or ()))
@@ -121,7 +125,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         await self.router.sessions.close(session_key(tenant, request.session_id))
         return api_pb2.CloseSessionResponse(session_id=request.session_id)
 
-    async def Health(self, request, context):
+    async def Health(self, request: api_pb2.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> api_pb2.HealthResponse:
         now = time.monotonic()
         instances = self.router.registry.alive()
         roles = {i.beat.role for i in instances}
@@ -216,7 +221,8 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
                  slo=slo_from_headers(call.headers, (request.slo.ttft_s, request.slo.itl_s)))
 
 
-def _cache_control(message, field: str) -> CacheControl | None:
+def _cache_control(message: api_pb2.GenerateRequest | api_pb2.ChatRequest | common_pb2.ChatMessage,
+                   field: str) -> CacheControl | None:
     """A message's ``cache_control`` (None: unset); a TTL of 0 is the default one."""
     if not message.HasField("cache_control"):
         return None
@@ -224,7 +230,7 @@ def _cache_control(message, field: str) -> CacheControl | None:
     return CacheControl(cc.ttl_s or None, cc.priority if cc.HasField("priority") else None, field)
 
 
-def _messages(messages) -> list[dict[str, Any]]:
+def _messages(messages: Iterable[common_pb2.ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
