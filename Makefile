@@ -54,8 +54,8 @@ up: $(BASE)
 
 dev: $(DEV)
 
-# The packages mypy checks ([tool.mypy] in pyproject.toml); add one once it is clean.
-MYPY_PATHS ?= libs/kvmesh/contracts libs/kvmesh/transfer libs/kvmesh/routing libs/kvmesh/settings libs/kvmesh/engines
+# What mypy checks ([tool.mypy] in pyproject.toml): every library package and every service.
+MYPY_PATHS ?= libs/kvmesh services
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check libs services app tests docker

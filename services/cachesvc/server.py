@@ -43,7 +43,7 @@ from kvmesh.settings import CacheServiceSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
-from kvmesh.transfer import TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer import Refusal, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
@@ -260,7 +260,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         try:
             if blocks is not None:
                 await self._push(request.transfer_address, request.transfer_id, request.transfer_token, layout,
-                                 blocks, [b.key for b in got.blocks], [b.checksum for b in got.blocks])
+                                 blocks, [BlockKey(b.key) for b in got.blocks], [b.checksum for b in got.blocks])
         finally:
             if got.lease_id and not lease_s:
                 await self._storage(self.pool.leases.release, got.lease_id)
@@ -377,7 +377,7 @@ class CacheServer:
                 "metrics": self.metrics_server.url if self.metrics_server else ""}
 
     @property
-    def transfers_refused(self) -> dict[str, int]:
+    def transfers_refused(self) -> dict[Refusal, int]:
         """Pushes the transfer endpoint refused so far, by reason (none before it started)."""
         return dict(self._transfer.refused) if self._transfer is not None else {}
 

@@ -15,7 +15,7 @@ from kvmesh.contracts.engine import ImportedKV
 from kvmesh.contracts.ids import NamespaceSeed, handoff_prefix
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.layout import layout_mismatch
-from kvmesh.contracts.messages import KVReady
+from kvmesh.contracts.messages import KVReady, Message
 from kvmesh.engines.convert import convert_import
 from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
@@ -79,7 +79,9 @@ class KVIntake:
         self.w = host
         self.board = KVReadyBoard()
 
-    async def on_kv_ready(self, msg: KVReady, headers: dict[str, str]) -> None:
+    async def on_kv_ready(self, msg: Message, headers: dict[str, str]) -> None:
+        if not isinstance(msg, KVReady):  # only prefill's kv.ready goes to this subject
+            return
         received = time.time_ns()
         try:
             sent = int(headers.get(tracing.SENT_HEADER, received))

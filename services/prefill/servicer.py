@@ -22,7 +22,7 @@ from kvmesh.contracts.engine import (
     engine_request_from_proto,
     logprobs_to_proto,
 )
-from kvmesh.contracts.ids import handoff_transfer_id
+from kvmesh.contracts.ids import InstanceId, RequestId, handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed, refuse_continuation
@@ -111,7 +111,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         # decode emits the first token, and never sees the logits it came from: its logprobs travel with it
         first_logprobs = final.logprobs[0] if final.logprobs else None
         first_block = stream.first_block  # the first part's
-        ready = KVReady(request_id=work.request_id, decode_instance=request.decode_instance,
+        ready = KVReady(request_id=RequestId(work.request_id), decode_instance=InstanceId(request.decode_instance),
                         transfer_id=stream.transfer_id, block_keys=tuple(kv.block_keys[first_block:]),
                         num_tokens=kv.num_tokens, first_token=first_token, layout=w.layout,
                         prefill_instance=w.instance_id, first_block=first_block, parts=stream.parts,

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,9 @@ import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
-from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA
+from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, BlockKey, RequestId, TransferId
 from kvmesh.contracts.keys import Namespace, block_keys
-from kvmesh.contracts.messages import Heartbeat, KVReady, RouterLoad
+from kvmesh.contracts.messages import Heartbeat, KVReady, Message, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
 from kvmesh.contracts.slo import slo_to_proto
 from kvmesh.model_source.resolve import resolve_model
@@ -66,6 +66,11 @@ class Chunk:
     finish_reason: str = ""
     usage: Usage | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
+
+
+CachedTokens = Callable[[], Awaitable[int]]  # a dispatch's prompt tokens reused, once it can tell
+ChunkStream = AsyncIterator[tuple[Chunk, CachedTokens]]  # one dispatch's chunks, each with its reader of those
+Metadata = tuple[tuple[str, str], ...]  # a gRPC call's metadata
 
 
 class Router:
@@ -110,18 +115,18 @@ class Router:
         for ch in self._channels.values():
             await ch.close()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _on_heartbeat(self, beat: Heartbeat, headers: dict[str, str]) -> None:
-        if beat.role.is_engine:
+    async def _on_heartbeat(self, beat: Message, headers: dict[str, str]) -> None:
+        if isinstance(beat, Heartbeat) and beat.role.is_engine:
             self.registry.observe(beat)
 
     # ---- the router replicas' shared view of what is in flight where ---------------------------------------------
-    async def _on_router_load(self, load: RouterLoad, headers: dict[str, str]) -> None:
-        if load.router_id != self.id:
+    async def _on_router_load(self, load: Message, headers: dict[str, str]) -> None:
+        if isinstance(load, RouterLoad) and load.router_id != self.id:
             self.registry.peer_load(load)
 
     def _load_changed(self) -> None:
@@ -156,7 +161,7 @@ class Router:
         return self._channels[address]
 
     # ---- routing ---------------------------------------------------------------------------------------------
-    async def matched_blocks(self, keys: list[int], parent: Span | None = None,
+    async def matched_blocks(self, keys: Sequence[BlockKey], parent: Span | None = None,
                              attrs: dict | None = None) -> dict[str, int]:
         """Per instance, the longest run of leading blocks it holds in any tier. Traced as the client span
         ``cachesvc.match_prefix`` under ``parent``, whose context the call carries to cachesvc."""
@@ -205,12 +210,12 @@ class Router:
             if tries.migration is not None:
                 tries.migration.failed(RequestError(ErrorKind.CANCELLED, "the request ended during its migration"))
 
-    async def _dispatch(self, request: Admitted, rt: RequestTrace, tries: _Attempts):
+    async def _dispatch(self, request: Admitted, rt: RequestTrace, tries: _Attempts) -> ChunkStream:
         """One attempt's route, planned and started (its chunk stream); the prompt's match is asked again only
         when the prompt grew (a migration carries the tokens streamed so far)."""
         prompt = request.prompt + tuple(tries.streamed)
-        route = rt.child("router.route", **({"kvmesh.retry": tries.retries} if tries.retries else {}),
-                         **({"kvmesh.migration": tries.migrations} if tries.migrations else {}))
+        route = rt.child("router.route", attrs={**({"kvmesh.retry": tries.retries} if tries.retries else {}),
+                                                **({"kvmesh.migration": tries.migrations} if tries.migrations else {})})
         try:
             if tries.matched_for != len(prompt):
                 tries.keys = block_keys(tries.seed, prompt, self.cfg.block_size)
@@ -246,7 +251,8 @@ class Router:
             retention=retention_to_proto(request.retention), slo=slo_to_proto(request.slo),
             waited_s=time.monotonic() - rt.t0)
 
-    async def _relay(self, stream, request: Admitted, rt: RequestTrace, tries: _Attempts) -> AsyncIterator[Chunk]:
+    async def _relay(self, stream: ChunkStream, request: Admitted, rt: RequestTrace,
+                     tries: _Attempts) -> AsyncIterator[Chunk]:
         """The attempt's chunks to the client; the last one with the request's usage."""
         tries.delivered, tries.cached = 0, None
         async for chunk, cached in stream:
@@ -297,7 +303,7 @@ class Router:
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
                policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto",
-               keys: Sequence[int] = ()):
+               keys: Sequence[int] = ()) -> ChunkStream | None:
         """Plan the request's route (``kvmesh.routing.plan``) and start it: the chosen instances' chunk stream,
         or None when no live instance (outside ``avoid``) can serve."""
         session = SessionHint.of(work.session_key, work.session_end)
@@ -352,10 +358,10 @@ class Router:
                 await self.loras.ensure(inst, work.lora_name)
 
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = "",
-                     matched: dict[str, int] | None = None):
+                     matched: dict[str, int] | None = None) -> ChunkStream:
         await self._ensure_lora(work, inst)
         done = self.registry.dispatched(inst, self._to_compute(work, inst, matched))
-        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.decode_instance": inst.id})
+        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.decode_instance": inst.id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, prefill_locally=True, route_reason=reason),
             metadata=tracing.grpc_metadata(dispatch), timeout=self.cfg.request_timeout_s)
@@ -376,11 +382,11 @@ class Router:
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
                              rt: RequestTrace, policy: str | None, matched: dict[str, int],
-                             expected_prefill_s: float = 0.0):
+                             expected_prefill_s: float = 0.0) -> ChunkStream:
         await self._ensure_lora(work, decode, prefill)
         decode_done = self.registry.dispatched(decode)
-        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, **{"kvmesh.prefill_instance": prefill.id,
-                                                                   "kvmesh.decode_instance": decode.id})
+        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.prefill_instance": prefill.id,
+                                                                 "kvmesh.decode_instance": decode.id})
         md = tracing.grpc_metadata(dispatch)
         held = self._decode_holds(work, decode, matched)  # decode pins them; prefill pushes only the rest
         dispatch.set_attribute("kvmesh.decode_cached_blocks", held)
@@ -420,7 +426,8 @@ class Router:
             if not prefill_call.done():
                 prefill_call.cancel()
 
-    async def _chunks(self, call, inst: Instance, request_id: str):
+    async def _chunks(self, call: grpc.aio.UnaryStreamCall, inst: Instance,
+                      request_id: str) -> AsyncIterator[tuple[worker_pb2.DecodeChunk, bool]]:
         """The call's messages (and whether each is the first); its failure as a ``RequestError``: INVALID_ARGUMENT
         is the request's fault, INTERNAL the instance's (a 500 naming the request, never retried: the request may
         be what breaks it), anything else makes the instance unavailable for it: retryable (elsewhere) when it
@@ -468,7 +475,7 @@ class Router:
         before the one holding the last prompt token (so a push always carries at least one block)."""
         return min(matched.get(decode.id, 0), (len(work.prompt_token_ids) - 1) // self.cfg.block_size)
 
-    async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md,
+    async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md: Metadata,
                        rt: RequestTrace, policy: str | None, matched: dict[str, int], held: int,
                        token: str) -> worker_pb2.PrefillResponse:
         """The request's Prefill call, while decode waits for its ``kv.ready``; ``token``: the push capability
@@ -506,16 +513,16 @@ class Router:
         others = [i for i in self.registry.alive("prefill") if i.id not in tried]
         if not others:
             return None
-        missing = {i.id for i in others if not self.loras.holds(i, work.lora_name)}
+        missing: set[str] = {i.id for i in others if not self.loras.holds(i, work.lora_name)}
         inst, _ = self.policies.choose(policy, others, matched, len(work.prompt_token_ids), self.cfg.block_size,
                                        matched.get(POOL, 0), missing)
         return inst or min(others, key=lambda i: (i.queue_depth, i.id))  # an SLO miss beats a recompute
 
     async def _tell_decode(self, work: worker_pb2.WorkRequest, decode: Instance, prefill: Instance,
                            error: str) -> None:
-        ready = KVReady(request_id=work.request_id, decode_instance=decode.id, transfer_id="", block_keys=(),
-                        num_tokens=0, first_token=0, layout=None, prefill_instance=prefill.id, ok=False,
-                        error=error)
+        ready = KVReady(request_id=RequestId(work.request_id), decode_instance=decode.id,
+                        transfer_id=TransferId(""), block_keys=(), num_tokens=0, first_token=0, layout=None,
+                        prefill_instance=prefill.id, ok=False, error=error)
         try:
             await self.bus.publish(self.subjects.kv_ready(decode.id), ready)
         except Exception as e:  # noqa: BLE001 - decode still falls back after kv_timeout_s
@@ -529,7 +536,7 @@ class _Attempts:
     seed: int                      # the namespace seed of the request's block keys
     streamed: list[int]            # every token the client has: a re-dispatch continues after them
     matched: dict[str, int] = field(default_factory=dict)
-    keys: list[int] = field(default_factory=list)  # the prompt's block keys
+    keys: list[BlockKey] = field(default_factory=list)  # the prompt's block keys
     matched_for: int = -1          # the prompt length MatchPrefix was asked for
     avoid: set[str] = field(default_factory=set)
     failure: RequestError | None = None
@@ -539,14 +546,14 @@ class _Attempts:
     first_cached: int | None = None  # the first dispatch's cached tokens, once a migration left it
     text: list[str] = field(default_factory=list)  # a session's response so far: whether it ended in a tool call
     delivered: int = 0             # tokens the current attempt streamed
-    cached: Any = None             # the current attempt's cached-tokens reader
+    cached: CachedTokens | None = None  # the current attempt's cached-tokens reader
 
 
 class NoGrant(RuntimeError):
     """Decode answered a Decode call without a push capability: it failed (its stream says how), so no Prefill."""
 
 
-async def _push_token(call, decode: Instance, dispatch: Span) -> tuple[str, int | None]:
+async def _push_token(call: grpc.aio.UnaryStreamCall, decode: Instance, dispatch: Span) -> tuple[str, int | None]:
     """The push capability decode sent in the Decode call's initial metadata, and the prompt's leading blocks
     it holds (None from a decode that does not say: the index's count stands) (``kvmesh.push_grant_ms`` on the
     dispatch span: what waiting for it adds before Prefill leaves). NoGrant when the call ended without one."""
@@ -581,7 +588,7 @@ def _dispatch_id(request: Admitted, retries: int, migrations: int) -> str:
     return rid + (f".migrate{migrations}" if migrations else "") + (f".retry{retries}" if retries else "")
 
 
-async def _cached_or_zero(cached) -> int:
+async def _cached_or_zero(cached: CachedTokens) -> int:
     """A failed dispatch's cached tokens, where it can still tell them."""
     try:
         return await cached()

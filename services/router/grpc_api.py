@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from kvmesh.contracts.engine import logprobs_to_proto
+from kvmesh.contracts.engine import TokenLogprobs, logprobs_to_proto
 from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.contracts.sessions import check_session_id, session_key
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
@@ -33,25 +33,26 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         self.intake = intake or Intake(router)
 
     @staticmethod
-    def _call(request: Message | RequestError, context, api: str) -> Call:
+    def _call(request: Message | RequestError, context: grpc.aio.ServicerContext, api: str) -> Call:
         metadata = dict(context.invocation_metadata() or ())
         if isinstance(request, RequestError):
             return Call(api, metadata, refused=request)
         return Call(api, metadata, request.request_id)
 
-    async def _abort(self, context, rt: RequestTrace, e: RequestError) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, rt: RequestTrace, e: RequestError) -> None:
         rt.finish(e.kind, e.message)
         trailer = tuple(rt.headers().items())
         if e.kind == ErrorKind.OVERLOADED:
             trailer += (("retry-after", str(RETRY_AFTER_S)),)
         await context.abort(e.kind.grpc, e.message, trailing_metadata=trailer)
 
-    async def Generate(self, request: api_pb2.GenerateRequest | RequestError, context):
+    async def Generate(self, request: api_pb2.GenerateRequest | RequestError,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateChunk]:
         call = self._call(request, context, "grpc.generate")
         rt = self.intake.trace(call)
         context.set_trailing_metadata(tuple(rt.headers().items()))
         try:
-            async with self.intake.admit(call, rt, lambda: _draft(request, call)) as req:
+            async with self.intake.admit(call, rt, _reader(request, call)) as req:
                 async for c in self.router.generate(req, rt):
                     msg = api_pb2.GenerateChunk(request_id=req.request_id, token_ids=c.token_ids, text=c.text,
                                                 finished=c.finished, finish_reason=c.finish_reason,
@@ -68,13 +69,17 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         finally:
             rt.finish()
 
-    async def Chat(self, request: api_pb2.ChatRequest | RequestError, context):
+    async def Chat(self, request: api_pb2.ChatRequest | RequestError,
+                   context: grpc.aio.ServicerContext) -> api_pb2.ChatResponse:
         call = self._call(request, context, "grpc.chat")
         rt = self.intake.trace(call)
         context.set_trailing_metadata(tuple(rt.headers().items()))
-        text, ids, logprobs, reason, usage = [], [], [], "", None
+        text: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        reason, usage = "", None
         try:
-            async with self.intake.admit(call, rt, lambda: _draft(request, call)) as req:
+            async with self.intake.admit(call, rt, _reader(request, call)) as req:
                 async for c in self.router.generate(req, rt):
                     rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                     text.append(c.text)
@@ -94,7 +99,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))
         return resp
 
-    async def ListModels(self, request, context):
+    async def ListModels(self, request: api_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> api_pb2.ListModelsResponse:
         try:
             self.intake.tenants.authenticate(dict(context.invocation_metadata() or ()))
         except RequestError as e:
@@ -105,7 +111,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             api_pb2.Model(id=name, fingerprint=r.source.fingerprint, max_model_len=r.max_model_len,
                           parent=r.model_id) for name in r.loras.served()])
 
-    async def CloseSession(self, request: api_pb2.CloseSessionRequest, context) -> api_pb2.CloseSessionResponse:
+    async def CloseSession(self, request: api_pb2.CloseSessionRequest,
+                           context: grpc.aio.ServicerContext) -> api_pb2.CloseSessionResponse:
         """The caller's session is over (its tenant's session of that id only)."""
         try:
             tenant = self.intake.tenants.authenticate(dict(context.invocation_metadata() or ()))
@@ -118,7 +125,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         await self.router.sessions.close(session_key(tenant, request.session_id))
         return api_pb2.CloseSessionResponse(session_id=request.session_id)
 
-    async def Health(self, request, context):
+    async def Health(self, request: api_pb2.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> api_pb2.HealthResponse:
         now = time.monotonic()
         instances = self.router.registry.alive()
         roles = {i.beat.role for i in instances}
@@ -166,6 +174,18 @@ def _parser(message: type[Message], max_bytes: int) -> Callable[[bytes], Message
     return parse
 
 
+def _reader(request: api_pb2.GenerateRequest | api_pb2.ChatRequest | RequestError,
+            call: Call) -> Callable[[], Awaitable[Draft]]:
+    """What the intake reads once the caller holds a slot. A request the deserializer refused is never read:
+    ``Intake.admit`` raises ``call.refused`` (this same error) first."""
+    async def read() -> Draft:
+        if isinstance(request, RequestError):
+            raise request
+        return await _draft(request, call)
+
+    return read
+
+
 async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: Call) -> Draft:
     """A ``Generate`` (text, token ids or messages) or ``Chat`` request as the intake's input; the routing
     overrides come from the metadata keys ``x-kvmesh-policy`` and ``x-kvmesh-disaggregate``, the latency targets
@@ -174,20 +194,26 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
         sampling = sampling_from_proto(request.sampling)
     except ValueError as e:
         raise invalid(f"sampling: {e}") from None
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: list[dict[str, Any]] | None = None
     if isinstance(request, api_pb2.ChatRequest):
-        prompt = {"messages": _messages(request.messages)}
+        messages = _messages(request.messages)
     else:
         which = request.WhichOneof("prompt")
-        prompt = {"text": request.text} if which == "text" else \
-            {"token_ids": tuple(request.token_ids.ids)} if which == "token_ids" else \
-            {"messages": _messages(request.messages.messages)} if which == "messages" else {}
+        if which == "text":
+            text = request.text
+        elif which == "token_ids":
+            token_ids = tuple(request.token_ids.ids)
+        elif which == "messages":
+            messages = _messages(request.messages.messages)
     structured = sampling.structured
     resume = tuple(request.resume_token_ids) if isinstance(request, api_pb2.GenerateRequest) else ()
     header = call.headers.get("x-session-id", "")
     if request.session_id and header and request.session_id != header:
         raise invalid(f"the x-session-id metadata ({header!r}) and session_id ({request.session_id!r}) differ: "
                       "send one")
-    return Draft(sampling, **prompt, model=request.model, cache_salt=request.cache_salt,
+    return Draft(sampling, text, token_ids, messages, model=request.model, cache_salt=request.cache_salt,
                  structured_field=f"sampling.{structured.kind}" if structured else "",
                  policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"),
                  session_id=request.session_id or header, session_end=request.session_end,
@@ -195,7 +221,8 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
                  slo=slo_from_headers(call.headers, (request.slo.ttft_s, request.slo.itl_s)))
 
 
-def _cache_control(message, field: str) -> CacheControl | None:
+def _cache_control(message: api_pb2.GenerateRequest | api_pb2.ChatRequest | common_pb2.ChatMessage,
+                   field: str) -> CacheControl | None:
     """A message's ``cache_control`` (None: unset); a TTL of 0 is the default one."""
     if not message.HasField("cache_control"):
         return None
@@ -203,7 +230,7 @@ def _cache_control(message, field: str) -> CacheControl | None:
     return CacheControl(cc.ttl_s or None, cc.priority if cc.HasField("priority") else None, field)
 
 
-def _messages(messages) -> list[dict[str, Any]]:
+def _messages(messages: Iterable[common_pb2.ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": m.role, "content": m.content}

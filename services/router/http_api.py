@@ -13,10 +13,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import NamedTuple
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from kvmesh.contracts.sessions import check_session_id, session_key
 
 from services.router import openai_body
@@ -44,7 +45,7 @@ def error_response(e: RequestError, headers: Mapping[str, str]) -> web.Response:
 
 
 @web.middleware
-async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own 4xx answers (unknown path, wrong method, ...) in the OpenAI error shape, not as text."""
     try:
         return await handler(request)
@@ -172,7 +173,7 @@ class OpenAIApi:
             return chat_logprobs([lp for c in chunks for lp in c.logprobs], text)
         return completion_logprobs([(c.logprobs, c.text) for c in chunks], text, offset)
 
-    async def _whole(self, answer: Answer, stream, rt: RequestTrace) -> web.Response:
+    async def _whole(self, answer: Answer, stream: AsyncIterator[Chunk], rt: RequestTrace) -> web.Response:
         kind = answer.kind
         chunks: list[Chunk] = []
         async for c in stream:
@@ -186,7 +187,7 @@ class OpenAIApi:
         choice["finish_reason"] = last.finish_reason or "stop"
         return web.json_response(self._envelope(answer, kind, [choice], self._usage(last)), headers=rt.headers())
 
-    async def _sse(self, request: web.Request, answer: Answer, stream, include_usage: bool,
+    async def _sse(self, request: web.Request, answer: Answer, stream: AsyncIterator[Chunk], include_usage: bool,
                    rt: RequestTrace) -> web.StreamResponse:
         rid, kind = answer.rid, answer.kind
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
@@ -267,7 +268,7 @@ class OpenAIApi:
         return web.json_response({"id": session_id, "object": "session", "closed": True},
                                  headers={"x-request-id": rid})
 
-    async def _admin(self, request: web.Request, operation) -> web.Response:
+    async def _admin(self, request: web.Request, operation: Callable[[dict], Awaitable[str]]) -> web.Response:
         """An admin operation (vLLM's runtime LoRA API): the admin key first, the body only then, so a caller
         without the key gets the same answer whatever the body names. 200 with a plain-text "Success: ..." or
         an OpenAI JSON error."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import Message
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 
 from services.router.errors import ErrorKind, RequestError, invalid
@@ -87,7 +88,7 @@ class Adapters:
             inst.loras_ts = reply.ts
         self._registry().update_loras(inst.id, loras, reply.ts)
 
-    async def _call(self, inst: Instance, method: str, request) -> worker_pb2.LoRAAdapters:
+    async def _call(self, inst: Instance, method: str, request: Message) -> worker_pb2.LoRAAdapters:
         stub = worker_pb2_grpc.AdaptersStub(self._channel(inst.beat.grpc_address))
         reply = await getattr(stub, method)(request, timeout=LOAD_TIMEOUT_S)
         self._update(inst, reply)

@@ -75,9 +75,9 @@ class Migrations:
             return None
         self.under_way += 1
         self.metrics.migrations.labels("migrated").inc()
-        span = rt.child("router.migrate", **{"kvmesh.reason": e.message, "kvmesh.migration.from": e.instance,
-                                             "kvmesh.migration.tokens": carried,
-                                             "kvmesh.migration.number": done + 1})
+        span = rt.child("router.migrate", attrs={"kvmesh.reason": e.message, "kvmesh.migration.from": e.instance,
+                                                 "kvmesh.migration.tokens": carried,
+                                                 "kvmesh.migration.number": done + 1})
         rt.root.add_event("migrate", {"kvmesh.reason": e.message, "kvmesh.instance": e.instance,
                                       "kvmesh.migration.tokens": carried})
         return Migration(span, self._leave)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
@@ -214,6 +214,10 @@ def _prompt(prompt: Any) -> dict[str, Any]:
 
 # ---- one field of a type -------------------------------------------------------------------------------------
 
+@overload
+def _int(body: dict, name: str, default: int) -> int: ...
+@overload
+def _int(body: dict, name: str, default: None) -> int | None: ...
 def _int(body: dict, name: str, default: int | None) -> int | None:
     v = body.get(name)
     if v is None:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvmesh.contracts.ids import InstanceId, Role
 from kvmesh.contracts.messages import Heartbeat, RouterLoad
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class Instance:
     peer_tokens: int = 0
 
     @property
-    def id(self) -> str:
+    def id(self) -> InstanceId:
         return self.beat.instance_id
 
     @property
@@ -190,5 +191,5 @@ class Registry:
     def _live(self, iid: str) -> Instance:
         """The current record of an instance (heartbeats replace records); a dropped one gets a scratch record."""
         return self._instances.get(iid) or self._gone.setdefault(iid, Instance(Heartbeat(
-            instance_id=iid, role="decode", grpc_address="", transfer_address="", ts=0.0, load={}, model="",
-            block_size=0), 0.0))
+            instance_id=InstanceId(iid), role=Role.DECODE, grpc_address="", transfer_address="", ts=0.0, load={},
+            model="", block_size=0), 0.0))

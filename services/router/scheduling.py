@@ -57,7 +57,7 @@ class Policies:
             return self._policies[self.default]
         if name not in self._policies:
             raise _unknown(name)
-        return self._policies[name]
+        return self._policies[RoutingPolicy(name)]
 
     def choose(self, name: str | None, instances: list[Instance], matched: dict[str, int], prompt_tokens: int,
                block_size: int, pool_blocks: int, lora_missing: frozenset[str] | set[str] = frozenset(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvmesh.contracts.sampling import StructuredOutput
@@ -114,7 +115,7 @@ _UNSUPPORTED = {"ASSERT": "lookahead/lookbehind", "ASSERT_NOT": "negative lookah
                 "GROUPREF": "a backreference", "GROUPREF_EXISTS": "a conditional group"}
 
 
-def _unsupported(items) -> str | None:
+def _unsupported(items: Iterable[tuple[Any, Any]]) -> str | None:
     """The first construct of a parsed regex xgrammar cannot compile, in words."""
     from re import _constants as c  # type: ignore[attr-defined]
 
@@ -142,5 +143,5 @@ def _unsupported(items) -> str | None:
     return None
 
 
-def _pointer(path) -> str:
+def _pointer(path: Collection[str | int]) -> str:
     return "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path) if path else "the root"

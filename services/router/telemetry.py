@@ -126,8 +126,9 @@ class RequestTrace:
         self.root.set_attributes({tracing.MODEL: model, tracing.TENANT: tenant,
                                   "kvmesh.tokens.prompt": prompt_tokens})
 
-    def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attrs: Any) -> Span:
-        return tracing.start(name, self.root, kind, {**self.attrs, **attrs})
+    def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, attrs: Mapping[str, Any] | None = None) -> Span:
+        """A span under the root with the request's attributes and ``attrs``."""
+        return tracing.start(name, self.root, kind, {**self.attrs, **(attrs or {})})
 
     @contextmanager
     def segment(self, name: str) -> Iterator[Span]:
@@ -214,13 +215,3 @@ class RequestTrace:
         if self.slo.itl_s and self.late_gaps > late_gaps_allowed(self.gaps):
             missed.append("missed_itl")
         return ["missed", *missed] if missed else ["met"]
-
-
-def route_attributes(role: str, candidates: list, matched: Mapping[str, int], chosen) -> dict[str, Any]:
-    """``router.route`` attributes for one choice: the candidates, their scores (the policy's sort key:
-    leading blocks cached there, queue depth, waiting tokens) and the one chosen."""
-    return {f"kvmesh.route.{role}.candidates": [c.id for c in candidates],
-            f"kvmesh.route.{role}.scores": [f"cached_blocks={matched.get(c.id, 0)} queue={c.queue_depth:g} "
-                                            f"waiting_tokens={c.waiting_tokens:g}"
-                                            for c in candidates],
-            f"kvmesh.route.{role}.choice": chosen.id}

@@ -130,7 +130,7 @@ class Bus:
                               discard=DiscardPolicy.OLD, max_age=max_age_s, max_bytes=max_bytes,
                               num_replicas=replicas)
         try:
-            await self.js.stream_info(config.name)
+            await self.js.stream_info(subjects.events_stream)
         except nats.js.errors.NotFoundError:
             try:
                 await self.js.add_stream(config)

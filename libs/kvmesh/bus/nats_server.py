@@ -81,7 +81,7 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self) -> NatsServer:
+    def start(self) -> Self:
         if self.running:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +184,7 @@ class NatsServer:
             self._proc.wait()
         self.stop()
 
-    async def astart(self) -> NatsServer:
+    async def astart(self) -> Self:
         return await asyncio.to_thread(self.start)
 
     async def astop(self) -> None:

@@ -348,14 +348,18 @@ class AsyncEngine(EngineLoop, Engine):
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
         if request_id not in self._streams:
             return
-        if isinstance(item, StepOutput):
-            readout = item.exported
-            exported = None if readout is None else ExportedKV(
-                block_bytes(readout.blocks), int(readout.blocks.shape[0]), readout.first_block, readout.num_tokens,
-                tuple(BlockKey(k) for k in readout.block_keys), readout.final, readout.layers)
-            item = EngineOutput(item.request_id, tuple(item.new_token_ids), item.text_delta, item.finished,
-                                item.finish_reason, item.cached_tokens, exported, tuple(item.logprobs))
-        self.deliver(request_id, item)
+        out: EngineOutput | BaseException = item if isinstance(item, BaseException) else self._output(item)
+        self.deliver(request_id, out)
+
+    @staticmethod
+    def _output(step: StepOutput) -> EngineOutput:
+        """A step's output for one request as the engine seam gives it."""
+        readout = step.exported
+        exported = None if readout is None else ExportedKV(
+            block_bytes(readout.blocks), int(readout.blocks.shape[0]), readout.first_block, readout.num_tokens,
+            tuple(readout.block_keys), readout.final, readout.layers)
+        return EngineOutput(step.request_id, tuple(step.new_token_ids), step.text_delta, step.finished,
+                            step.finish_reason, step.cached_tokens, exported, tuple(step.logprobs))
 
 
 class StepTotals:

@@ -98,7 +98,8 @@ class TorchAttention(AttentionBackend):
 
     def _plan_prefill(self, kv: DeviceKVPool) -> None:
         device, bs = kv.k.device, kv.layout.block_size
-        self.prefill_plan = []
+        # (the slice, its block table and mask; both None: nothing cached before it, plain causal attention)
+        self.prefill_plan: list[tuple[SeqSlice, torch.Tensor | None, torch.Tensor | None]] = []
         for s in self.prefill:
             if s.kv_len == s.num_query:
                 self.prefill_plan.append((s, None, None))
@@ -186,10 +187,11 @@ class NativeAttention(TorchAttention):
 
     def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DeviceKVPool,
                  out: torch.Tensor) -> None:
-        if not self._in_place(kv):
+        lib = self.prefill_lib
+        if lib is None or not self._in_place(kv):
             return super()._prefill(layer, q, k, v, kv, out)
         starts, nqs, lens = self.prefill_slices
-        self.prefill_kernel(self.prefill_lib, q, kv.k[layer], kv.v[layer], starts, nqs, lens, self.prefill_tables,
+        self.prefill_kernel(lib, q, kv.k[layer], kv.v[layer], starts, nqs, lens, self.prefill_tables,
                             self.scale, out)
 
 
@@ -228,9 +230,10 @@ class FlashInferAttention(AttentionBackend):
             indices.extend(s.block_table[:nblocks])
             kv_indptr.append(len(indices))
             last_len.append(s.kv_len - (nblocks - 1) * bs)
-        i32 = {"dtype": torch.int32, "device": device}
-        self.wrapper.plan(torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32),
-                          torch.tensor(indices, **i32), torch.tensor(last_len, **i32),
+        def i32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        self.wrapper.plan(i32(qo_indptr), i32(kv_indptr), i32(indices), i32(last_len),
                           self.num_heads, self.num_kv_heads, self.head_dim, bs, causal=True,
                           q_data_type=kv.compute_dtype, kv_data_type=kv.dtype)
         self._slots = batch.slots

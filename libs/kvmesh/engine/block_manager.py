@@ -206,15 +206,16 @@ class BlockManager:
         if ids is None:
             return False
         m = self.match(seq.namespace_seed, seq.all_token_ids, first_block * self.block_size)
+        held = [node.block_id for node in m.nodes if node.block_id is not None]
         if (len(ids) != -(-num_tokens // self.block_size) - first_block or len(m.nodes) < first_block
-                or any(node.block_id is None for node in m.nodes)):
+                or len(held) < len(m.nodes)):
             self.free_blocks.extend(ids)
             return False
         for node in m.nodes:
             node.ref_count += 1
         self._record_hits(m.nodes)
         seq.nodes = list(m.nodes)
-        seq.block_table = [node.block_id for node in m.nodes] + ids  # type: ignore[misc]
+        seq.block_table = held + ids
         self._write_pieces(seq, landed.pieces, first_block, num_tokens)
         seq.num_computed_tokens = num_tokens
         self.cache_computed_blocks(seq)  # a block another request cached meanwhile is shared, ours freed
@@ -334,10 +335,10 @@ class BlockManager:
         if private and 0 < tail < self.block_size and self.enable_prefix_caching:
             parent = seq.nodes[-1] if seq.nodes else self.tree.root(seq.namespace_seed)
             start = len(seq.nodes) * self.block_size
-            node = self.tree.add_partial(parent, tuple(seq.all_token_ids[start:start + tail]), private[0], t)
-            if node is not None:  # else a cached sibling already covers these tokens: the block is freed
-                self.tiers.on_device(node, private[0])
-                self.tiers.queue.push(node, t)
+            partial = self.tree.add_partial(parent, tuple(seq.all_token_ids[start:start + tail]), private[0], t)
+            if partial is not None:  # else a cached sibling already covers these tokens: the block is freed
+                self.tiers.on_device(partial, private[0])
+                self.tiers.queue.push(partial, t)
                 private = private[1:]
         self.free_blocks.extend(private)
         seq.block_table, seq.nodes = [], []

@@ -20,7 +20,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 if TYPE_CHECKING:  # eviction.py uses this queue (``duel``'s shadow caches): no import at run time
     from kvmesh.engine.eviction import Evictable, EvictionPolicy
@@ -34,7 +34,8 @@ class EvictionQueue(Generic[T]):
     def __init__(self, policy: EvictionPolicy, state: Callable[[T], Evictable] | None = None) -> None:
         """``state`` maps an item to what the strategy ranks (default: the item itself)."""
         self.policy = policy
-        self.state = state or (lambda item: item)  # type: ignore[assignment, return-value]
+        # without ``state`` the items are what is ranked
+        self.state: Callable[[T], Evictable] = state or (lambda item: cast("Evictable", item))
         self.dynamic = getattr(policy, "dynamic", False)
         self._heap: list[tuple[tuple, int, T]] = []
         self._live: dict[T, int] = {}   # item -> the sequence number of its current heap entry

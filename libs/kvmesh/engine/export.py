@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.contracts.engine import ExportPieces, ExportPlan, layer_bounds
-from kvmesh.contracts.keys import block_keys
+from kvmesh.contracts.keys import BlockKey, block_keys
 from kvmesh.engine.sequence import Sequence
 
 
@@ -30,7 +30,7 @@ class KVReadout:
 
     blocks: torch.Tensor
     num_tokens: int                # tokens of the request whose KV is computed (from its start)
-    block_keys: list[int]          # keys of all its full blocks up to num_tokens, from the first
+    block_keys: list[BlockKey]     # keys of all its full blocks up to num_tokens, from the first
     first_block: int = 0
     final: bool = True             # False: a piece read out mid-prefill; more follow
     layers: tuple[int, int] | None = None  # (first, end): the blocks' slice of these layers only; None: all
@@ -45,7 +45,7 @@ class LayerExport:
     first: int
     end: int
     num_tokens: int        # tokens of the request whose KV the chunk completes (from its start)
-    block_keys: list[int]  # keys of the request's full blocks up to num_tokens
+    block_keys: list[BlockKey]  # keys of the request's full blocks up to num_tokens
     bounds: tuple[int, ...]
     done: int = 0
     error: Exception | None = None

@@ -145,12 +145,13 @@ class Grammars:
         """For the rows of a sampling batch (None: unconstrained), the function that masks their logits
         ``[rows, vocab]``: one bitmask for the constrained rows, filled in one batched call, unpacked and applied
         on the logits' device. None when no row is constrained."""
-        rows = [i for i, s in enumerate(states) if s is not None]
-        if not rows:
+        constrained = [(i, s) for i, s in enumerate(states) if s is not None]
+        if not constrained:
             return None
+        rows = [i for i, _ in constrained]
         bitmask = self._xg.allocate_token_bitmask(len(rows), self.vocab_size)
-        self.batch.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask)
-        if json_rows := [j for j, i in enumerate(rows) if states[i].json]:
+        self.batch.batch_fill_next_token_bitmask([s.matcher for _, s in constrained], bitmask)
+        if json_rows := [j for j, (_, s) in enumerate(constrained) if s.json]:
             bitmask[json_rows] &= self.json_safe
 
         def apply(logits: torch.Tensor) -> torch.Tensor:

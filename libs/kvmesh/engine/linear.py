@@ -50,7 +50,8 @@ class Linear:
         self.out_features, self.in_features = w.shape
         self.lookup = lookup
         self.q: torch.Tensor | None = None  # quantized panels (use_quantized), read instead of ``panels``
-        self.q_type, self.q_scratch = 0, None
+        self.q_type = 0
+        self.q_scratch: torch.Tensor | None = None  # the quantized kernel's scratch, made with ``q``
         self.lib = _gemm_lib(w, native_gemm)
         self.panels = native.gemm_pack(self.lib, w.contiguous()) if self.lib is not None else None
         cpu_fp32 = w.device.type == "cpu" and w.dtype == torch.float32
@@ -63,22 +64,27 @@ class Linear:
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual``: returned with the product added to it in place (``residual + x @ W.T (+ bias)``, the
         same rounding as the separate add; the kernel fuses it, saving an allocation and a pass)."""
-        if self.lib is not None and (self.onednn is None or x.shape[0] <= NATIVE_ROWS):
+        lib = self.lib
+        if lib is not None and (self.onednn is None or x.shape[0] <= NATIVE_ROWS):
             if x.stride(-1) != 1 or x.dtype != torch.float32:
                 x = x.float().contiguous()
             if residual is not None and not residual.is_contiguous():
-                return residual.add_(self._kernel(x, bias, None))
-            return self._kernel(x, bias, residual)
+                return residual.add_(self._kernel(lib, x, bias, None))
+            return self._kernel(lib, x, bias, residual)
         if self.onednn is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
         else:
+            assert self.dense is not None  # no kernel and no oneDNN copy: the dense matrix is kept
             y = F.linear(x, self.dense, bias)
         return y if residual is None else residual.add_(y)
 
-    def _kernel(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None) -> torch.Tensor:
         if self.q is not None:
-            return native.gemm_q(self.lib, x, self.q, self.q_type, self.out_features, self.q_scratch, bias, out)
-        return native.gemm(self.lib, x, self.panels, self.out_features, bias, out=out)
+            assert self.q_scratch is not None  # made with ``q`` (use_quantized)
+            return native.gemm_q(lib, x, self.q, self.q_type, self.out_features, self.q_scratch, bias, out)
+        assert self.panels is not None  # with the kernel and no ``q``, the panels are kept
+        return native.gemm(lib, x, self.panels, self.out_features, bias, out=out)
 
     def use_quantized(self, kind: str, rows: np.ndarray) -> bool:
         """Read this matrix from its GGUF blocks (``rows``: the file's rows of type ``kind``, in this matrix's
@@ -102,8 +108,10 @@ class Linear:
         """``W[ids]`` ``[len(ids), K]`` (an embedding lookup)."""
         if self.dense is not None:
             return self.dense.index_select(0, ids)
-        nr = self.panels.shape[2]
-        return self.panels[ids // nr, :, ids % nr]
+        panels = self.panels
+        assert panels is not None  # without the dense matrix, a lookup's panels are kept (``lookup``)
+        nr = panels.shape[2]
+        return panels[ids // nr, :, ids % nr]
 
     def nbytes(self) -> int:
         """Bytes held by every form kept (the oneDNN copy counted at the dense size it reorders)."""

@@ -44,7 +44,8 @@ from kvmesh.model_source.hf_config import ModelConfig
 from kvmesh.settings import EngineSettings
 
 if TYPE_CHECKING:
-    from kvmesh.model_source.tokenizer import Tokenizer
+    from kvmesh.engine.grammar import Grammars, GrammarState
+    from kvmesh.model_source.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 _GRAMMARS_LOCK = threading.Lock()
@@ -115,13 +116,13 @@ class Step(NamedTuple):
 class _Tracked:
     """Per-request state owned by the engine: incremental detokenizer, stop-string matching, grammar, export."""
 
-    def __init__(self, seq: Sequence, detok, export: Export | None = None) -> None:
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer | None, export: Export | None = None) -> None:
         self.seq = seq
         self.detok = detok
         self.text = ""
         self.export = export  # how its KV leaves (None: it does not)
         self.error: SequenceError | None = None
-        self.grammar = None  # GrammarState of a structured-output request (engine/grammar.py)
+        self.grammar: GrammarState | None = None  # a structured-output request's matcher
         self.logprobs: list[TokenLogprobs] = []  # of the tokens so far, when the request asked
 
     def resume(self, earlier: list[int]) -> None:
@@ -184,7 +185,7 @@ class LLMEngine:
                                  self.kv.dtype)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self._requests: dict[str, _Tracked] = {}
-        self._grammars = None  # engine/grammar.Grammars, built at the first constrained request
+        self._grammars: Grammars | None = None  # built at the first constrained request
         self._namespaces: dict[tuple[str, str], int] = {}
         self.last_logits: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
         self._pending: list[StepOutput] = []  # outputs produced outside a forward step (imported first tokens)
@@ -236,7 +237,7 @@ class LLMEngine:
         return spec
 
     @property
-    def grammars(self):
+    def grammars(self) -> Grammars:
         """The structured-output compiler and cache (xgrammar is loaded on first use). Thread-safe, like
         ``grammars.compile``: a service compiles a request's grammar off the engine thread before adding it."""
         if self._grammars is None:
@@ -418,11 +419,14 @@ class LLMEngine:
         now = time.monotonic()
         out = []
         for seq, tok, lp in zip(samplers, new_tokens, logprobs):
-            fault = next((f for f in (tok, lp) if isinstance(f, RowFault)), None)
-            if fault is None:
-                out.append(self._emit(seq, tok, now, lp))
+            if isinstance(tok, RowFault):
+                fault = tok
+            elif isinstance(lp, RowFault):
+                fault = lp
             else:
-                out.append(self._fail(seq, SequenceError(seq.request_id, fault.message, fault.client_fault)))
+                out.append(self._emit(seq, tok, now, lp))
+                continue
+            out.append(self._fail(seq, SequenceError(seq.request_id, fault.message, fault.client_fault)))
         return out
 
     def time_forward(self, rows: list[tuple[int, int]]) -> float:

@@ -118,9 +118,10 @@ def save_hf_dir(
     (out / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
     skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
     save_file({k: v.contiguous() for k, v in weights.items() if k not in skip}, out / "model.safetensors")
-    for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
-        if (Path(tokenizer_dir) / name).is_file():
-            shutil.copyfile(Path(tokenizer_dir) / name, out / name)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, out / name)
     return out
 
 

@@ -6,7 +6,8 @@ Logits are computed only for the positions the caller samples from.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -76,7 +77,9 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.native_gemm = native_gemm
         self.dtype, self.device = dtype, torch.device(device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        # a ModuleList (registered as the model's submodules) that holds only decoder layers
+        self.layers = cast(Sequence[DecoderLayer],
+                           nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers)))
         self.norm = _param(cfg.hidden_size, dtype=dtype, fill=1)
         self.to(device)
         self.cos, self.sin = _rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
@@ -117,8 +120,8 @@ class LlamaModel(nn.Module):
         ``loader.load_quantized``) where they are all of one supported type and hold exactly its values
         (``Linear.use_quantized``). Returns (matrices switched, matrices)."""
         def fused(names: list[str]) -> tuple[str, np.ndarray] | None:
-            parts = [blocks.get(n) for n in names]
-            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+            parts = [blocks[n] for n in names if n in blocks]
+            if len(parts) < len(names) or len({p[0] for p in parts}) != 1:
                 return None
             return parts[0][0], np.concatenate([p[1] for p in parts])
 
@@ -189,6 +192,7 @@ class LlamaModel(nn.Module):
         """q, k (rotated) and v ``[T, heads, D]`` out of the fused projection ``qkv``: rotated in place by the C
         kernel, or by torch ops with ``rows``, the cos/sin rows of ``positions``."""
         if rows is None:
+            assert self.pointwise is not None  # no cos/sin rows: the C kernel rotates (forward)
             native.rope_(self.pointwise, qkv, self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.head_dim,
                          self.cos, self.sin, positions)
         q, k, v = (t.reshape(qkv.shape[0], -1, self.cfg.head_dim) for t in qkv.split(self.layers[0].splits, -1))
@@ -208,9 +212,11 @@ class LlamaModel(nn.Module):
         cfg = self.cfg
         attn.plan(batch, kv)
         h = self.lm_head.rows(batch.input_ids) if self.embed is None else self.embed.index_select(0, batch.input_ids)
-        rope_rows = None  # the torch path's cos/sin rows, gathered once for all layers
+        # the torch path's cos/sin rows, gathered once for all layers
+        rope_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.pointwise is None:
-            rope_rows = tuple(t.index_select(0, batch.positions)[:, None, :] for t in (self.cos, self.sin))
+            rope_rows = (self.cos.index_select(0, batch.positions)[:, None, :],
+                         self.sin.index_select(0, batch.positions)[:, None, :])
         T = h.shape[0]
         inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):

@@ -140,18 +140,18 @@ def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int
     can lend). Full speed: steps of ``budget`` tokens beside the decode rows."""
     for p in prompts:
         p.slo_rank = (IN_TURN, 0.0)
-    timed = sorted((p for p in prompts if p.ttft_deadline is not None), key=lambda p: p.ttft_deadline)
+    timed = sorted(((p.ttft_deadline, p) for p in prompts if p.ttft_deadline is not None), key=lambda dp: dp[0])
     pending: list[Due] = []
     tokens, work = 0, 0.0
-    for p in timed:
+    for deadline, p in timed:
         more = cost.work(p.num_computed_tokens, p.num_tokens)
         full_speed = (work + more) * cost.token_s + math.ceil((tokens + p.num_uncomputed) / max(1, budget)) \
             * cost.decode_s
-        if full_speed > p.ttft_deadline - now:
+        if full_speed > deadline - now:
             continue  # it misses whatever this step does: it keeps its turn, the others are not held up
         tokens, work = tokens + p.num_uncomputed, work + more
-        p.slo_rank = (URGENT, p.ttft_deadline)
-        pending.append(Due(p.num_computed_tokens, p.num_uncomputed, TTFT_HEADROOM * (p.ttft_deadline - now)))
+        p.slo_rank = (URGENT, deadline)
+        pending.append(Due(p.num_computed_tokens, p.num_uncomputed, TTFT_HEADROOM * (deadline - now)))
     return pending
 
 

@@ -22,6 +22,7 @@ from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
 from kvmesh.contracts.engine import RequestTiming
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
+from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import Heartbeat, KVCopies, KVEventBatch, Message, SessionSignal
 from kvmesh.engines import Engine, start_engine
@@ -67,7 +68,7 @@ class EngineHost:
         self.engine_cfg = engine_cfg
         self.shared = shared or SharedSettings()
         self.subjects = Subjects(self.shared.cluster)
-        self.instance_id = cfg.id
+        self.instance_id = InstanceId(cfg.id)
         self.model_name = model_name(engine_cfg.model)
         self.engine: Engine
         self.metrics = WorkerMetrics()
@@ -91,7 +92,7 @@ class EngineHost:
         worker_pb2_grpc.add_AdaptersServicer_to_server(adapters.AdaptersServicer(self), self.grpc.server)
         self.grpc_address = self.grpc.bind(self.cfg.host, self.cfg.port)  # 0: any free port, read back
         if not self.instance_id:
-            self.instance_id = f"{self.cfg.role}-{self.grpc.port}"
+            self.instance_id = InstanceId(f"{self.cfg.role}-{self.grpc.port}")
         self.bus = await Bus.connect(self.shared.nats_url, name=self.instance_id)
         await self.bus.ensure_events_stream(self.subjects)
         self._event_queue.put_nowait([AllBlocksCleared()])  # a fresh instance holds nothing, whatever it held
@@ -162,7 +163,7 @@ class EngineHost:
         span = tracing.start("prefill.fetch", parent, attributes={**(attrs or {}), "kvmesh.tier": "pool",
                                                                  "kvmesh.pool_blocks": pool_blocks})
         try:
-            n = await self._warm_from_pool(prompt, cache_salt, pool_blocks, span, attrs, lora)
+            n = await self._warm_from_pool(self.pool, prompt, cache_salt, pool_blocks, span, attrs, lora)
         except BaseException as e:
             span.set_status(StatusCode.ERROR, str(e))
             raise
@@ -170,8 +171,8 @@ class EngineHost:
             span.end()
         return n
 
-    async def _warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int, span: Span,
-                              attrs: dict[str, Any] | None = None, lora: str = "") -> int:
+    async def _warm_from_pool(self, pool: PoolClient, prompt: list[int], cache_salt: str, pool_blocks: int,
+                              span: Span, attrs: dict[str, Any] | None = None, lora: str = "") -> int:
         try:
             seed = self.engine.namespace(cache_salt, lora)
         except ValueError as e:  # an adapter this instance does not serve: the engine refuses the request
@@ -187,7 +188,7 @@ class EngineHost:
             return 0
         keys = block_keys(seed, prompt[:usable * bs], bs)[local:]
         try:
-            fetched = await self.pool.fetch(keys, tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
+            fetched = await pool.fetch(keys, tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
         except PoolError as e:
             log.warning("pool fetch failed, computing instead: %s", e)
             span.set_status(StatusCode.ERROR, f"pool fetch failed: {e}")
@@ -226,7 +227,7 @@ class EngineHost:
         if isinstance(msg, KVCopies) and msg.instance_id == self.instance_id:
             self.engine.cluster_copies(msg.shared, msg.sole)
 
-    async def _snapshot(self) -> tuple[int, list[tuple[int, str]]]:
+    async def _snapshot(self) -> tuple[int, list[tuple[BlockKey, str]]]:
         """What cachesvc asks for after a gap in our events: the sequence number first, then the blocks."""
         seq = self._event_seq
         return seq, await self.engine.held_blocks()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvmesh.telemetry.metrics import (
@@ -12,6 +14,10 @@ from kvmesh.telemetry.metrics import (
     HitRatio,
     new_registry,
 )
+
+if TYPE_CHECKING:
+    from kvmesh.engines import Engine
+    from kvmesh.transfer import TransferServer
 
 P = "kvmesh_worker"
 FALLBACK_REASONS = ("timeout", "prefill_failed", "blocks_missing", "rejected", "mismatch", "other")
@@ -41,11 +47,11 @@ class WorkerMetrics:
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason)
 
-    def watch(self, async_engine) -> None:
+    def watch(self, async_engine: Engine) -> None:
         self.registry.register(EngineCollector(async_engine, P))
 
-    def watch_transfers(self, server) -> None:
-        """Export the bytes ``server`` (a ``TransferServer``) holds (received and not taken yet, or arriving) and
+    def watch_transfers(self, server: TransferServer) -> None:
+        """Export the bytes ``server`` holds (received and not taken yet, or arriving) and
         the transfers it refused, by reason (``kv_transfer_refused_total``)."""
         Gauge(f"{P}_kv_transfer_buffered_bytes", "KV bytes the transfer endpoint holds: being received, or "
               "verified and not yet taken", registry=self.registry).set_function(lambda: server.buffered_bytes)

@@ -17,9 +17,11 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from kvmesh import tls
 from kvmesh.contracts.engine import SessionHint
@@ -32,6 +34,7 @@ from kvmesh.transfer.header import block_checksums
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 2**20
 Metadata = tuple[tuple[str, str], ...]
+R = TypeVar("R")
 
 
 class PoolError(Exception):
@@ -133,13 +136,14 @@ class PoolClient:
             await self.transfer.close()
         await self.channel.close()
 
-    async def _call(self, method, request, metadata: Metadata):
+    async def _call(self, method: Callable[..., Awaitable[R]], request: Message, metadata: Metadata) -> R:
+        """``method`` (a stub's RPC) on ``request``; its gRPC errors as PoolError."""
         try:
             return await method(request, metadata=metadata, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise PoolError(f"{type(request).__name__[:-7]}: {e.code().name}: {e.details()}") from None
 
-    async def _push(self, blocks: memoryview, keys: list[BlockKey], checksums: list[int],
+    async def _push(self, blocks: memoryview, keys: list[BlockKey], checksums: Sequence[int],
                     metadata: Metadata) -> str:
         """Push ``blocks`` to cachesvc's transfer endpoint under the capability it granted; returns the transfer
         id PutBlocks names."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 from kvmesh.contracts.engine import EngineStats
 
 log = logging.getLogger(__name__)
+Label = TypeVar("Label", bound=str)  # a label value: a string, or a StrEnum of the values
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -135,7 +136,9 @@ class EngineCollector(Collector):
                     CounterMetricFamily(f"{p}_engine_step_cpu_seconds", "CPU time the engine thread spent in "
                                         "those steps (below the wall time: it waited for the GIL or a core)",
                                         labels=["kind"]))
-        for family, values in zip(families, (st.steps, st.step_rows, st.step_seconds, st.step_cpu_seconds)):
+        per_kind: tuple[Mapping[str, float], ...] = (
+            st.steps, st.step_rows, st.step_seconds, st.step_cpu_seconds)
+        for family, values in zip(families, per_kind):
             if values:
                 for kind, value in values.items():
                     family.add_metric([kind], value)
@@ -155,11 +158,12 @@ class EngineCollector(Collector):
                                     value=st.speed["prefill_overhead_s"])
 
 
-class CountsCollector(Collector):
+class CountsCollector(Collector, Generic[Label]):
     """A counter family with one label, read at scrape time from counts another object keeps (``counts()``:
-    label value -> count since start; every value it lists is exported, zeros included)."""
+    label value -> count since start, keyed by a string or a StrEnum; every value it lists is exported, zeros
+    included)."""
 
-    def __init__(self, name: str, documentation: str, label: str, counts: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, name: str, documentation: str, label: str, counts: Callable[[], Mapping[Label, int]]) -> None:
         self.name, self.documentation, self.label, self.counts = name, documentation, label, counts
 
     def collect(self) -> Iterator[CounterMetricFamily]:

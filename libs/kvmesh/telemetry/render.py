@@ -7,10 +7,13 @@ import html
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.telemetry.spans import SpanRecord
 from kvmesh.telemetry.waterfall import Segment, Waterfall, depths
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
 
 BAR = 40
 SERVICE_COLORS = {"router": "#4e79a7", "cachesvc": "#76b7b2", "prefill": "#f28e2b", "decode": "#59a14f",
@@ -112,17 +115,14 @@ def text(wf: Waterfall, spans_tree: bool = False) -> str:
     lines = header(wf)
     if wf.ttft_ns:
         dom = wf.dominant
-        rows = [("segment", "service", "start ms", "ms", "share", "")]
-        for g in wf.segments:
-            rows.append((g.label, g.span.instance or g.span.service, ms(g.first_ns - wf.t0_ns), ms(g.ttft_ns),
-                         f"{g.share * 100:.1f}%", g))
-        w0 = max(len(r[0]) for r in rows) + 2
-        w1 = max(len(r[1]) for r in rows)
+        rows = [(g.label, g.span.instance or g.span.service, ms(g.first_ns - wf.t0_ns), ms(g.ttft_ns),
+                 f"{g.share * 100:.1f}%") for g in wf.segments]
+        w0 = max(len(r[0]) for r in [("segment", "service"), *rows]) + 2
+        w1 = max(len(r[1]) for r in [("segment", "service"), *rows])
         lines.append("")
         lines.append(f"  {'segment':<{w0}} {'instance':<{w1}} {'start ms':>9} {'ms':>8} {'share':>6}  "
                      f"|{'0 → TTFT':^{BAR}}|")
-        for name, inst, start, dur, share, g in rows[1:]:
-            assert isinstance(g, Segment)
+        for (name, inst, start, dur, share), g in zip(rows, wf.segments):
             mark = " ◀ dominant" if g is dom else ""
             note = detail(g.span)
             lines.append(f"  {name:<{w0}} {inst:<{w1}} {start:>9} {dur:>8} {share:>6}  |{_bar(wf, g)}|{mark}"
@@ -219,7 +219,7 @@ def spans_json(spans: list[SpanRecord]) -> str:
 ROW, LABEL_W, CHART_W, TOP = 22, 330, 760, 86
 
 
-def _layout(wf: Waterfall) -> tuple[list[SpanRecord], dict[str, int], int, int, Callable[[int], float]]:
+def _layout(wf: Waterfall) -> tuple[list[SpanRecord], dict[str, int], int, int, Callable[[float], float]]:
     """Rows in tree order and the time axis: zoomed on TTFT (+25%) when there is one; later parts clipped."""
     spans = _tree_order(wf.spans)
     depth = depths(wf.spans)
@@ -238,7 +238,7 @@ def html_page(wf: Waterfall) -> str:
     spans, depth, t0, t1, x = _layout(wf)
     height = TOP + ROW * len(spans) + 30
     width = LABEL_W + CHART_W + 20
-    crit = {}
+    crit: dict[str, list[tuple[int, int]]] = {}
     for a, b, s in wf.pieces:
         crit.setdefault(s.span_id, []).append((a, b))
     svg = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -327,7 +327,8 @@ def png(wf: Waterfall, path: str | Path) -> Path:
             ax.barh(i, at(b) - at(a), left=at(a), height=0.7, color=color)
         ax.annotate(("▸ " if s.end_ns > t1 else "") + ms(s.duration_ns), (at(s.end_ns), i),
                     xytext=(4, 0), textcoords="offset points", va="center", fontsize=8, color="#333")
-    handles = [Patch(color=c, label=n) for n, c in SERVICE_COLORS.items() if any(s.service == n for s in spans)]
+    handles: list[Artist] = [Patch(color=c, label=n) for n, c in SERVICE_COLORS.items()
+                             if any(s.service == n for s in spans)]
     if wf.ttft_ns:
         handles.append(ax.axvline(wf.ttft_ns / 1e6, color="#e15759", linestyle="--", linewidth=2,
                                   label=f"first token ({ms(wf.ttft_ns)} ms)"))

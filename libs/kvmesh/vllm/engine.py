@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import xxhash
 
@@ -75,7 +75,8 @@ from kvmesh.vllm.events import Subscriber, Translator, endpoints
 from kvmesh.vllm.requests import client_fault, output, sampling_params
 
 log = logging.getLogger(__name__)
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES: dict[str, Literal["float32", "bfloat16", "float16"]] = {"fp32": "float32", "bf16": "bfloat16",
+                                                                 "fp16": "float16"}
 CPU_BLOCK_SIZE = 128  # vLLM's default on CPU (its attention takes multiples of 32)
 TOPIC = "kvmesh"
 
@@ -211,9 +212,12 @@ class VLLMEngine(EngineLoop, Engine):
             kv_cache_dtype="fp8_e4m3" if cfg.kv_dtype == "fp8" else "auto",  # else the model dtype (layout.py)
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_batched_tokens, self.vllm_block_size),
             seed=0, disable_log_stats=True, distributed_executor_backend="uni",
-            **({"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
-               if cfg.vllm_gpu_memory_utilization > 0 else {}),
-            enable_lora=self.lora_on, max_loras=max(1, cfg.max_loras), max_lora_rank=cfg.max_lora_rank,
+            gpu_memory_utilization=(cfg.vllm_gpu_memory_utilization if cfg.vllm_gpu_memory_utilization > 0
+                                    else EngineArgs.gpu_memory_utilization),  # 0: vLLM's default
+            enable_lora=self.lora_on, max_loras=max(1, cfg.max_loras),
+            # vLLM types the rank as a Literal of the ranks it takes and checks the int itself; unused where vLLM
+            # is not installed (then untyped)
+            max_lora_rank=cfg.max_lora_rank,  # type: ignore[arg-type, unused-ignore]
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=self.events_endpoint, replay_endpoint=self.replay_endpoint,
                                             topic=TOPIC),

@@ -18,9 +18,12 @@ def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None) -
     structured = None
     if p.structured is not None:
         s = p.structured
-        kind = {"json_schema": "json", "regex": "regex", "grammar": "grammar"}.get(s.kind)
-        if kind is not None:
-            structured = StructuredOutputsParams(**{kind: s.spec})
+        if s.kind == "json_schema":
+            structured = StructuredOutputsParams(json=s.spec)
+        elif s.kind == "regex":
+            structured = StructuredOutputsParams(regex=s.spec)
+        elif s.kind == "grammar":
+            structured = StructuredOutputsParams(grammar=s.spec)
         elif s.kind == "choice":
             structured = StructuredOutputsParams(choice=s.options)
         else:
