@@ -88,6 +88,19 @@ record "- setup: ${setup_s}s ($py)"
 
 tests_rc=0
 bench_rc=0
+# bench HEADING TIMEOUT LOG ARGS...: `kvmesh bench ARGS --no-write` into $RESULTS/LOG, its tables into the summary
+bench() {
+  local heading=$1 limit=$2 log=$3 t=$SECONDS rc
+  shift 3
+  timeout "$limit" "$py" -m app.cli bench "$@" --no-write >"$RESULTS/$log" 2>&1
+  rc=$?
+  [ $rc = 0 ] || bench_rc=$rc
+  record ""
+  record "$heading kvmesh bench $* (exit $rc, $((SECONDS - t))s)"
+  record ""
+  if [ $rc = 0 ]; then grep -v '^\(INFO\|WARNING\|DEBUG\)' "$RESULTS/$log" >>"$summary"
+  else record "failed or timed out: $log"; tail -5 "$RESULTS/$log" >>"$summary"; fi
+}
 if [ "$VLLM" != only ]; then
 t=$SECONDS
 timeout "$TEST_TIMEOUT" "$py" -m pytest -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_cuda.py \
@@ -97,16 +110,7 @@ record "- tests/gpu: $(tail -1 "$RESULTS/pytest.log") (exit $tests_rc, $((SECOND
 grep -E '^(FAILED|ERROR|SKIPPED)' "$RESULTS/pytest.log" | sed 's/^/  - /' >>"$summary"
 
 for dtype in fp32 bf16; do
-  t=$SECONDS
-  timeout "$BENCH_TIMEOUT" "$py" -m app.cli bench engine --device cuda --dtype "$dtype" --no-write \
-    >"$RESULTS/bench-$dtype.log" 2>&1
-  rc=$?
-  [ $rc = 0 ] || bench_rc=$rc
-  record ""
-  record "## kvmesh bench engine --device cuda --dtype $dtype (exit $rc, $((SECONDS - t))s)"
-  record ""
-  if [ $rc = 0 ]; then grep -v '^\(INFO\|WARNING\|DEBUG\)' "$RESULTS/bench-$dtype.log" >>"$summary"
-  else record "failed or timed out: bench-$dtype.log"; tail -5 "$RESULTS/bench-$dtype.log" >>"$summary"; fi
+  bench "##" "$BENCH_TIMEOUT" "bench-$dtype.log" engine --device cuda --dtype "$dtype"
 done
 fi
 
@@ -131,16 +135,7 @@ assert torch.cuda.is_available()' 2>"$RESULTS/vllm-check.log"; then
     [ $rc = 0 ] || tests_rc=$rc
     record "- tests/gpu/test_vllm_cuda.py: $(tail -1 "$RESULTS/vllm-pytest.log") (exit $rc, $((SECONDS - t))s)"
     grep -E '^(FAILED|ERROR|SKIPPED)' "$RESULTS/vllm-pytest.log" | sed 's/^/  - /' >>"$summary"
-    t=$SECONDS
-    timeout "$VLLM_BENCH_TIMEOUT" "$py" -m app.cli bench vllm --serving --quick --device cuda --dtype bf16 \
-      --no-write >"$RESULTS/bench-vllm.log" 2>&1
-    rc=$?
-    [ $rc = 0 ] || bench_rc=$rc
-    record ""
-    record "### kvmesh bench vllm --serving --quick --device cuda --dtype bf16 (exit $rc, $((SECONDS - t))s)"
-    record ""
-    if [ $rc = 0 ]; then grep -v '^\(INFO\|WARNING\|DEBUG\)' "$RESULTS/bench-vllm.log" >>"$summary"
-    else record "failed or timed out: bench-vllm.log"; tail -5 "$RESULTS/bench-vllm.log" >>"$summary"; fi
+    bench "###" "$VLLM_BENCH_TIMEOUT" bench-vllm.log vllm --serving --quick --device cuda --dtype bf16
   else
     record "- skipped: no CUDA build of a supported vLLM here ($(tail -1 "$RESULTS/vllm-check.log"))"
     [ "$VLLM" = only ] && tests_rc=2
