@@ -29,6 +29,7 @@ from kvmesh.routing import CostModel
 from kvmesh.routing.plan import place_session
 
 from services.router.registry import Instance
+from services.router.scheduling import view
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,6 @@ class Sessions:
     def place(self, session: SessionHint | None, candidates: list[Instance]) -> tuple[Instance | None, str]:
         """The candidate the session should stay on, and why (None: choose as for any request, and why not):
         ``kvmesh.routing.plan.place_session`` over registry records (the planner calls that itself)."""
-        from services.router.scheduling import view
-
         if session is None or not self.affinity:
             return None, ""
         views = [view(i, CostModel()) for i in candidates]

@@ -6,10 +6,13 @@ and the router pairs a prefill with a decode only then; anything else is refused
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.contracts.engine import ImportedKV, KVPart
 from kvmesh.contracts.layout import KVLayout, converter
+
+if TYPE_CHECKING:
+    import torch
 
 _TORCH = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
 
@@ -37,11 +40,15 @@ def cast(data: Any, src: str, dst: str) -> memoryview:
     import torch
 
     raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    x = raw.view(getattr(torch, _TORCH[src]))
-    want = getattr(torch, _TORCH[dst])
-    if want.itemsize == 1:
-        limit = torch.finfo(want).max
-        y = x.float().clamp(-limit, limit).to(want)
-    else:
-        y = x.to(want)
+    y = cast_tensor(raw.view(getattr(torch, _TORCH[src])), getattr(torch, _TORCH[dst]))
     return memoryview(y.contiguous().view(torch.uint8).numpy().data)
+
+
+def cast_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as ``dtype``; into fp8, saturating (a plain cast makes out-of-range values NaN)."""
+    import torch
+
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        return x.float().clamp(-limit, limit).to(dtype)
+    return x.to(dtype)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.engines.convert import cast_tensor
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                                         "fp8": torch.float8_e4m3fn}
@@ -269,19 +270,12 @@ class PagedLayout:
         if desc.stored == self.wire_dtype and scale == 1.0:
             return x
         y = x.float() * scale if scale != 1.0 else x
-        return _cast(y, self.wire_dtype)
+        return cast_tensor(y, self.wire_dtype)
 
     def _from_wire(self, x: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
         desc = self.descs[layer]
         scale = (desc.k_scale, desc.v_scale)[kv]
         if desc.stored != self.wire_dtype or scale != 1.0:
-            x = _cast(x.float() / scale if scale != 1.0 else x, desc.stored)
+            x = cast_tensor(x.float() / scale if scale != 1.0 else x, desc.stored)
         return x.view(torch.uint8) if desc.stored.itemsize == 1 else x
 
-
-def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as ``dtype``; into fp8, saturating (a plain cast makes out-of-range values NaN)."""
-    if dtype.itemsize == 1:
-        limit = torch.finfo(dtype).max
-        return x.float().clamp(-limit, limit).to(dtype)
-    return x.to(dtype)
