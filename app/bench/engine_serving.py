@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from kvmesh.contracts.engine import EngineRequest
+from kvmesh.contracts.engine import EngineRequest, StepCounts
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.engine.async_engine import AsyncEngine
@@ -102,9 +102,8 @@ Probe = Callable[[], Awaitable[dict[str, float]]]
 
 def engine_probe(engine: AsyncEngine, kind: str = "decode") -> Probe:
     async def probe() -> dict[str, float]:
-        t = engine.step_totals
-        return {"steps": t.steps[kind], "rows": t.rows[kind], "seconds": t.seconds[kind],
-                "cpu": t.cpu_seconds[kind]}
+        t: StepCounts = getattr(engine.step_totals, kind)
+        return {"steps": t.steps, "rows": t.rows, "seconds": t.seconds, "cpu": t.cpu_seconds}
     return probe
 
 

@@ -133,7 +133,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         ok = "both" in roles or {"prefill", "decode"} <= roles
         return api_pb2.HealthResponse(ok=ok, instances=[
             api_pb2.Instance(instance_id=i.id, role=i.beat.role, grpc_address=i.beat.grpc_address,
-                             age_s=now - i.last_seen, load={k: float(v) for k, v in i.beat.load.items()})
+                             age_s=now - i.last_seen, load=i.beat.load.to_dict())
             for i in instances])
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.contracts.ids import InstanceId, Role
-from kvmesh.contracts.messages import Heartbeat, RouterLoad
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad, RouterLoad
 
 log = logging.getLogger(__name__)
 
@@ -41,24 +41,24 @@ class Instance:
         """The larger of what the instance last reported and what the routers know they sent it: a heartbeat
         sent before a request reached its engine must not make a busy instance look idle."""
         load = self.beat.load
-        return max(load.get("running", 0) + load.get("waiting", 0), self.routed)
+        return max(load.running + load.waiting, self.routed)
 
     @property
     def waiting_tokens(self) -> float:
-        return max(self.beat.load.get("waiting_tokens", 0), self.inflight_tokens + self.peer_tokens)
+        return max(self.beat.load.waiting_tokens, self.inflight_tokens + self.peer_tokens)
 
     @property
     def running(self) -> float:
-        return self.beat.load.get("running", 0)
+        return self.beat.load.running
 
     @property
     def free_blocks(self) -> int:
-        return int(self.beat.load.get("free_blocks", 0))
+        return self.beat.load.free_blocks
 
     @property
     def decode_step_s(self) -> float:
         """Its measured decode step (0: it reports none; vLLM's engine does not)."""
-        return self.beat.load.get("decode_step_s", 0.0)
+        return self.beat.load.speed.decode_step_s or 0.0
 
 
 class Registry:
@@ -191,5 +191,5 @@ class Registry:
     def _live(self, iid: str) -> Instance:
         """The current record of an instance (heartbeats replace records); a dropped one gets a scratch record."""
         return self._instances.get(iid) or self._gone.setdefault(iid, Instance(Heartbeat(
-            instance_id=InstanceId(iid), role=Role.DECODE, grpc_address="", transfer_address="", ts=0.0, load={},
-            model="", block_size=0), 0.0))
+            instance_id=InstanceId(iid), role=Role.DECODE, grpc_address="", transfer_address="", ts=0.0,
+            load=InstanceLoad(), model="", block_size=0), 0.0))

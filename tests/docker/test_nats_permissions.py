@@ -19,7 +19,15 @@ from kvmesh.bus import Bus, Subjects, find_nats_server
 from kvmesh.bus.nats_server import read_ports_file
 from kvmesh.bus.snapshot import answer_snapshots, request_snapshot
 from kvmesh.contracts.events import AllBlocksCleared
-from kvmesh.contracts.messages import Heartbeat, KVCopies, KVEventBatch, KVReady, RouterLoad, SessionSignal
+from kvmesh.contracts.messages import (
+    Heartbeat,
+    InstanceLoad,
+    KVCopies,
+    KVEventBatch,
+    KVReady,
+    RouterLoad,
+    SessionSignal,
+)
 from kvmesh.contracts.sessions import SessionEvent
 
 CONF = Path(__file__).resolve().parents[2] / "docker" / "nats.conf"
@@ -64,7 +72,7 @@ def url(user: str, port: int, password: str | None = None) -> str:
 
 def beat(instance: str) -> Heartbeat:
     return Heartbeat(instance_id=instance, role="decode", grpc_address="127.0.0.1:1", transfer_address="",
-                     ts=time.time(), load={}, model="m", block_size=16)
+                     ts=time.time(), load=InstanceLoad(), model="m", block_size=16)
 
 
 def test_each_service_user_can_do_what_its_service_does(port):

@@ -11,7 +11,7 @@ from kvmesh.bus import Bus, NatsServer, Subjects
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVReady, Message
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad, KVEventBatch, KVReady, Message
 from nats.js.api import StorageType
 
 from tests.ports import refusing_port
@@ -60,7 +60,7 @@ def test_every_message_type_round_trips_with_headers(nats_server, subjects):
         KVReady(request_id="r1", decode_instance="d0", transfer_id="t1", block_keys=(BlockKey(2**64 - 1),),
                 num_tokens=20, first_token=7, layout=KVLayout("m", 2, 2, 8, 16, "fp16"), prefill_instance="p0"),
         Heartbeat(instance_id="d0", role="decode", grpc_address="127.0.0.1:1", transfer_address="127.0.0.1:2",
-                  ts=1.5, load={"running": 1, "free_blocks": 10}, model="m", block_size=16),
+                  ts=1.5, load=InstanceLoad(running=1, free_blocks=10), model="m", block_size=16),
         KVEventBatch(instance_id="p0", seq=3, ts=2.0, events=(AllBlocksCleared(),)),
     ]
 
@@ -81,7 +81,7 @@ def test_every_message_type_round_trips_with_headers(nats_server, subjects):
 
 def test_malformed_message_does_not_stop_the_subscriber(nats_server, subjects):
     hb = Heartbeat(instance_id="p0", role="prefill", grpc_address="a", transfer_address="b", ts=0.0,
-                   load={}, model="m", block_size=16)
+                   load=InstanceLoad(), model="m", block_size=16)
 
     async def body() -> None:
         bus = await Bus.connect(nats_server.url, "test")
@@ -242,7 +242,7 @@ def test_the_bus_reconnects_and_the_stream_survives_a_server_restart(tmp_path, s
             await server.astop()
             await server.astart()  # same port, same store
             hb = Heartbeat(instance_id="p0", role="prefill", grpc_address="a", transfer_address="b", ts=0.0,
-                           load={}, model="m", block_size=16)
+                           load=InstanceLoad(), model="m", block_size=16)
             for _ in range(100):  # publishes are buffered while reconnecting; resubscription follows reconnect
                 if bus.nc.is_connected:
                     break

@@ -7,11 +7,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from kvmesh.contracts.messages import InstanceLoad
 from kvmesh.routing import CostModel
 
 from tests.integration.test_router_bad_input import HI, TinyMesh, tiny_model_dir
 
-SPEED_KEYS = ("prefill_tok_per_s", "prefill_overhead_s")
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +20,13 @@ def mesh(nats_server, tmp_path_factory) -> Iterator[TinyMesh]:
         yield m
 
 
-def beat_load(mesh: TinyMesh, iid: str) -> dict[str, float]:
+def beat_load(mesh: TinyMesh, iid: str) -> InstanceLoad:
     return next(i.beat.load for i in mesh.router.registry.alive() if i.id == iid)
 
 
-def wait_for_speed(mesh: TinyMesh, iid: str, timeout_s: float = 10) -> dict[str, float]:
+def wait_for_speed(mesh: TinyMesh, iid: str, timeout_s: float = 10) -> InstanceLoad:
     deadline = time.monotonic() + timeout_s
-    while not all(k in (load := beat_load(mesh, iid)) for k in SPEED_KEYS):
+    while (load := beat_load(mesh, iid)).speed.prefill_tok_per_s is None:
         assert time.monotonic() < deadline, f"{iid} never reported a prefill speed: {load}"
         time.sleep(0.1)
     return load
@@ -37,8 +37,8 @@ def test_the_heartbeat_carries_the_speed_measured_at_start_before_any_request(me
     instance at its own speed, and the passes left no KV behind (no block cached, none announced)."""
     prefill = next(w for w in mesh.workers if w.cfg.role == "prefill")
     load = wait_for_speed(mesh, "prefill-0")
-    assert load["kv_block_bytes"] == prefill.layout.block_nbytes
-    assert load["prefill_tok_per_s"] > 0 and "decode_step_s" in beat_load(mesh, "decode-0")
+    assert load.kv_block_bytes == prefill.layout.block_nbytes
+    assert load.speed.prefill_tok_per_s > 0 and beat_load(mesh, "decode-0").speed.decode_step_s is not None
     assert CostModel.from_load(load, CostModel()).calibrated
     assert prefill.engine.pacer.speed_fit.fit().samples <= 4  # the calibration's passes, the first one left out
     assert prefill.engine.engine.blocks.num_cached_blocks == 0  # (this module's first test: no request yet)
@@ -56,16 +56,16 @@ def test_the_heartbeat_carries_the_measured_speed_once_the_instance_has_served(m
     fit = prefill.engine.pacer.speed_fit.fit()
     assert fit is not None and fit.samples >= 1
     deadline = time.monotonic() + 10
-    while (load := wait_for_speed(mesh, "prefill-0"))["prefill_tok_per_s"] != round(fit.tok_per_s, 3):
+    while (load := wait_for_speed(mesh, "prefill-0")).speed.prefill_tok_per_s != round(fit.tok_per_s, 3):
         assert time.monotonic() < deadline, f"no heartbeat carried the fitted {fit.tok_per_s:.3f} tok/s: {load}"
         time.sleep(0.1)
         fit = prefill.engine.pacer.speed_fit.fit()
         assert fit is not None
-    assert load["prefill_tok_per_s"] > 0 and load["prefill_overhead_s"] == round(fit.overhead_s, 6)
+    assert load.speed.prefill_overhead_s == round(fit.overhead_s, 6)
 
     cost = CostModel.from_load(load, CostModel())
-    assert cost.calibrated and cost.prefill_tok_per_s == load["prefill_tok_per_s"]
+    assert cost.calibrated and cost.prefill_tok_per_s == load.speed.prefill_tok_per_s
     prefills = mesh.router.registry.alive("prefill")
     chosen, decision = mesh.router.policies.choose("cache_aware", prefills, {}, 100, mesh.cfg.block_size, 0)
     assert chosen.id == "prefill-0" and "configured" not in decision.reason
-    assert f"prefill-0={load['prefill_tok_per_s']:.0f}" in decision.reason
+    assert f"prefill-0={load.speed.prefill_tok_per_s:.0f}" in decision.reason

@@ -58,12 +58,12 @@ def pd_call(mesh: TinyMesh, call):
     """``call()`` through the PD path, checked to have used the pushed KV: decode computed no prompt token
     (no fallback, no step with prompt tokens) while prefill computed one."""
     prefill, decode = mesh.workers
-    decode_prefills = decode.engine.stats().steps.get("prefill", 0)
-    prefill_steps, fallbacks = prefill.engine.stats().steps.get("prefill", 0), decode.metrics_fallbacks
+    decode_prefills = decode.engine.stats().prefill_steps.steps
+    prefill_steps, fallbacks = prefill.engine.stats().prefill_steps.steps, decode.metrics_fallbacks
     out = call()
     assert decode.metrics_fallbacks == fallbacks
-    assert decode.engine.stats().steps.get("prefill", 0) == decode_prefills
-    assert prefill.engine.stats().steps.get("prefill", 0) > prefill_steps
+    assert decode.engine.stats().prefill_steps.steps == decode_prefills
+    assert prefill.engine.stats().prefill_steps.steps > prefill_steps
     return out
 
 

@@ -5,6 +5,8 @@ and one out of range is a 400 naming where targets are set. Tiny random model, r
 
 from __future__ import annotations
 
+import dataclasses
+
 import openai
 import pytest
 from kvmesh.client import KvmeshClient
@@ -25,7 +27,7 @@ def router_goodput(mesh: TinyMesh) -> dict[str, float]:
 
 
 def engine_goodput(mesh: TinyMesh) -> list[dict[str, int]]:
-    return [dict(w.engine.stats().slo) for w in mesh.workers]
+    return [dataclasses.asdict(w.engine.stats().slo) for w in mesh.workers]
 
 
 def complete(mesh: TinyMesh, extra_body: dict | None = None, headers: dict | None = None, prompt=PROMPT):

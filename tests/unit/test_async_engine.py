@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 import pytest
-from kvmesh.contracts.engine import EngineRequest
+from kvmesh.contracts.engine import EngineRequest, Speed
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import LLMEngine
@@ -65,10 +65,11 @@ def test_step_totals_count_prompt_steps_apart_from_decode_only_steps(tiny_config
             await engine.close()
 
     totals = asyncio.run(asyncio.wait_for(run(), 30))
-    assert totals.steps == {"prefill": 1, "decode": 3}  # the prompt's step samples token 1, then one per step
-    assert totals.rows == {"prefill": 1, "decode": 3}
-    assert totals.seconds["decode"] > 0 and totals.seconds["prefill"] > 0
-    assert all(0 < totals.cpu_seconds[k] <= totals.seconds[k] * 1.05 + 1e-3 for k in totals.KINDS)
+    # the prompt's step samples token 1, then one per step
+    assert (totals.prefill.steps, totals.decode.steps) == (1, 3)
+    assert (totals.prefill.rows, totals.decode.rows) == (1, 3)
+    assert totals.decode.seconds > 0 and totals.prefill.seconds > 0
+    assert all(0 < c.cpu_seconds <= c.seconds * 1.05 + 1e-3 for c in (totals.prefill, totals.decode))
 
 
 def test_prompt_steps_and_decode_only_steps_feed_separate_speed_fits(tiny_config):
@@ -177,7 +178,7 @@ def test_the_engine_measures_its_step_lines_at_start_and_leaves_no_kv_behind(tin
         engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=128, block_size=4), model_config=tiny_config),
                              asyncio.get_running_loop())
         try:
-            assert engine.speed() == {}  # nothing measured: the router keeps its configured speed
+            assert engine.speed() == Speed()  # nothing measured: the router keeps its configured speed
             await engine.calibrate()
             speed = engine.speed()
             cached = engine.engine.blocks.num_cached_blocks + len(engine._events) + len(engine._device_keys)
@@ -187,7 +188,7 @@ def test_the_engine_measures_its_step_lines_at_start_and_leaves_no_kv_behind(tin
             await engine.close()
 
     speed, chunk, decode, cached, out = asyncio.run(asyncio.wait_for(run(), 30))
-    assert speed["prefill_tok_per_s"] > 0 and speed["decode_step_s"] > 0
+    assert speed.prefill_tok_per_s and speed.prefill_tok_per_s > 0 and speed.decode_step_s and speed.decode_step_s > 0
     assert chunk is not None and decode is not None and cached == 0
     assert sum(len(o.token_ids) for o in out) == 3  # it serves as before
 

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from kvmesh.contracts.engine import Speed
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey, Role
 from kvmesh.contracts.layout import KVLayout
@@ -8,6 +9,7 @@ from kvmesh.contracts.messages import (
     VERSION,
     CodecError,
     Heartbeat,
+    InstanceLoad,
     KVCopies,
     KVEventBatch,
     KVReady,
@@ -41,8 +43,8 @@ def make_ready(**over) -> KVReady:
 def make_heartbeat() -> Heartbeat:
     return Heartbeat(instance_id="decode-0", role="decode", grpc_address="127.0.0.1:50051",
                      transfer_address="127.0.0.1:50052", ts=1700000000.5,
-                     load={"running": 3, "waiting": 1, "free_blocks": 900, "total_blocks": 1024,
-                           "queued_prefill_tokens": 0},
+                     load=InstanceLoad(running=3, waiting=1, free_blocks=900, total_blocks=1024,
+                                       speed=Speed(prefill_tok_per_s=812.5)),
                      model="smollm2-135m", block_size=16)
 
 
@@ -122,7 +124,7 @@ def test_decoding_as_the_wrong_type_is_rejected():
 
 def test_heartbeat_role_must_be_known():
     with pytest.raises(ValueError, match="role 'router'"):
-        Heartbeat(instance_id="r", role="router", grpc_address="", transfer_address="", ts=0.0, load={},
+        Heartbeat(instance_id="r", role="router", grpc_address="", transfer_address="", ts=0.0, load=InstanceLoad(),
                   model="m", block_size=16)
 
 
@@ -204,3 +206,19 @@ def test_a_session_signal_names_a_known_event():
     with pytest.raises(CodecError, match="session event 'stop'"):
         decode(json.dumps({"v": VERSION, "type": "session_signal", "session": "t/s", "event": "stop",
                            "ts": 1}).encode())
+
+
+def test_a_heartbeats_load_travels_as_flat_numbers_and_comes_back_typed():
+    load = InstanceLoad(running=2, waiting_tokens=300, kv_block_bytes=4096, lora_load_s=0.02,
+                        speed=Speed(prefill_tok_per_s=900.0, prefill_overhead_s=0.01))
+    wire = load.to_dict()
+    assert wire["prefill_tok_per_s"] == 900.0 and "decode_step_s" not in wire  # unmeasured: not said
+    assert InstanceLoad.from_dict(wire) == load
+
+
+def test_a_load_from_another_version_keeps_what_it_can_read():
+    """Unknown keys (a newer instance) are ignored; a known one that is not a finite number >= 0 stays at its
+    default, so one bad field does not drop the instance from routing."""
+    load = InstanceLoad.from_dict({"running": 3, "queue_depth_v9": 7, "waiting": -1, "free_blocks": "many",
+                                   "prefill_tok_per_s": float("nan"), "decode_step_s": 0.05, "kv_fallbacks": True})
+    assert load == InstanceLoad(running=3, speed=Speed(decode_step_s=0.05))

@@ -4,7 +4,8 @@ and cache_aware pricing each candidate at its own speed."""
 import random
 
 import pytest
-from kvmesh.contracts.messages import Heartbeat
+from kvmesh.contracts.engine import Speed
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad
 from kvmesh.routing import CacheAware, Candidate, CostModel, SpeedEstimator
 from kvmesh.routing.cost import local_share
 
@@ -36,12 +37,12 @@ def test_the_fit_converges_on_a_noisy_linear_series():
 
 def test_nothing_is_reported_before_a_step_was_measured_and_the_warmup_step_is_skipped():
     est = SpeedEstimator()
-    assert est.report() == {}
+    assert est.report() == Speed()
     est.observe(100, 50.0)  # the first step: lazy init, kernel compilation
     est.observe(0, 0.01)    # no forward ran
-    assert est.fit() is None and est.report() == {}
+    assert est.fit() is None and est.report() == Speed()
     est.observe(100, 0.22)
-    assert set(est.report()) == {"prefill_tok_per_s", "prefill_overhead_s"}
+    assert est.report().prefill_tok_per_s and est.report().prefill_overhead_s is not None
 
 
 @pytest.mark.parametrize("outlier_x", [30.0, 1 / 30])
@@ -77,21 +78,21 @@ def test_one_long_step_sets_the_speed_not_the_overhead():
 
 
 def test_from_load_overrides_what_the_instance_measured_and_keeps_the_rest():
-    measured = CostModel.from_load({"prefill_tok_per_s": 900.0, "prefill_overhead_s": 0.0,
-                                    "kv_block_bytes": 4096, "running": 0}, CONFIGURED)
+    measured = CostModel.from_load(InstanceLoad.from_dict({"prefill_tok_per_s": 900.0, "prefill_overhead_s": 0.0,
+                                    "kv_block_bytes": 4096, "running": 0}), CONFIGURED)
     assert measured == CostModel(900.0, 0.0, CONFIGURED.fetch_gbps, 4096, calibrated=True)
-    assert CostModel.from_load({"running": 0, "waiting": 1}, CONFIGURED) is None  # an old engine
-    block_only = CostModel.from_load({"kv_block_bytes": 4096}, CONFIGURED)
+    assert CostModel.from_load(InstanceLoad(waiting=1), CONFIGURED) is None  # an old engine
+    block_only = CostModel.from_load(InstanceLoad.from_dict({"kv_block_bytes": 4096}), CONFIGURED)
     assert block_only == CostModel(240.0, 0.03, CONFIGURED.fetch_gbps, 4096, calibrated=False)
 
 
 @pytest.mark.parametrize("bad", [0, -5.0, float("nan"), float("inf"), "fast", None, True])
 def test_from_load_ignores_a_speed_that_is_not_a_positive_number(bad):
-    assert CostModel.from_load({"prefill_tok_per_s": bad}, CONFIGURED) is None
+    assert CostModel.from_load(InstanceLoad.from_dict({"prefill_tok_per_s": bad}), CONFIGURED) is None
 
 
 def measured(tok_per_s: float) -> CostModel | None:
-    return CostModel.from_load({"prefill_tok_per_s": tok_per_s}, CONFIGURED)
+    return CostModel.from_load(InstanceLoad.from_dict({"prefill_tok_per_s": tok_per_s}), CONFIGURED)
 
 
 def test_cache_aware_prefers_the_fast_instance_when_hits_are_equal():
@@ -124,7 +125,7 @@ def test_the_reason_marks_a_candidate_priced_at_the_configured_speed():
 
 def beat(iid: str, **load: float) -> Heartbeat:
     return Heartbeat(instance_id=iid, role="prefill", grpc_address="127.0.0.1:1", transfer_address="", ts=0.0,
-                     load={"running": 0, "waiting": 0, "free_blocks": 100, **load}, model="fp", block_size=16)
+                     load=InstanceLoad.from_dict({"free_blocks": 100, **load}), model="fp", block_size=16)
 
 
 def test_the_router_prices_each_instance_from_its_heartbeat_and_an_old_one_at_the_configured_speed():

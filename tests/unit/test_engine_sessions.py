@@ -225,10 +225,10 @@ def test_a_pause_warms_the_sessions_demoted_blocks_back_before_it_is_expected(ti
             assert on_host > 0
             engine.signal_session(SessionSignal("t/agent", SessionEvent.PAUSE, 0.0))  # its response: a tool call
             for _ in range(200):  # the timer fires 0.4 s on (the expected pause less the lead)
-                if engine.stats().prefetch["loaded"]:
+                if engine.stats().prefetch_loaded:
                     break
                 await asyncio.sleep(0.05)
-            assert engine.stats().prefetch["loaded"] > 0
+            assert engine.stats().prefetch_loaded > 0
             on_device = await engine.call(lambda e: sum(n.block_id is not None for n in e.blocks.match(
                 engine.namespace(), agent).nodes))
             assert on_device == 5

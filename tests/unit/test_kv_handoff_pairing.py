@@ -11,7 +11,7 @@ import pytest
 import torch
 from kvmesh.contracts.engine import ImportedKV, KVPart
 from kvmesh.contracts.layout import KVLayout, converter
-from kvmesh.contracts.messages import Heartbeat
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad
 from kvmesh.engines.convert import cast, convert_import
 from kvmesh.routing.plan import InstanceView, can_hand_off
 from kvmesh.routing.policies import CacheAware, Candidate
@@ -26,7 +26,7 @@ def instance(iid: str, layout: KVLayout | None, accepts: tuple[str, ...] = (), u
 
 def beat(layout: KVLayout, accepts: tuple[str, ...] = (), unconvertible: str = "") -> Heartbeat:
     return Heartbeat(instance_id="d", role="decode", grpc_address="127.0.0.1:1", transfer_address="", ts=time.time(),
-                     load={}, model="m", block_size=4, kv_layout=layout, kv_accepts=accepts,
+                     load=InstanceLoad(), model="m", block_size=4, kv_layout=layout, kv_accepts=accepts,
                      kv_unconvertible=unconvertible)
 
 

@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from kvmesh.contracts.messages import Heartbeat, RouterLoad
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad, RouterLoad
 from kvmesh.routing import CostModel
 
 from services.router.registry import Registry
@@ -12,7 +12,7 @@ from services.router.scheduling import Policies, choose_decode
 
 def beat(iid: str, role: str = "decode", model: str = "fp", block_size: int = 16, waiting: int = 0) -> Heartbeat:
     return Heartbeat(instance_id=iid, role=role, grpc_address="127.0.0.1:1", transfer_address="", ts=time.time(),
-                     load={"running": 0, "waiting": waiting}, model=model, block_size=block_size)
+                     load=InstanceLoad(waiting=waiting), model=model, block_size=block_size)
 
 
 def test_an_instance_that_stops_beating_is_dropped():

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from kvmesh.contracts.engine import SessionHint
-from kvmesh.contracts.messages import Heartbeat, SessionSignal
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad, SessionSignal
 from kvmesh.contracts.sessions import SessionEvent
 
 from services.router.errors import RequestError
@@ -123,7 +123,7 @@ def test_a_response_that_ends_in_a_tool_call_is_told_apart(text, reason, yes):
 
 def inst(iid: str, running: int) -> Instance:
     beat = Heartbeat(instance_id=iid, role="both", grpc_address="", transfer_address="", ts=0.0,
-                     load={"running": running}, model="m", block_size=16)
+                     load=InstanceLoad(running=running), model="m", block_size=16)
     return Instance(beat, 0.0)
 
 

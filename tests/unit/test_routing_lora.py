@@ -2,7 +2,7 @@
 adapter where it is missing is priced, so a much shorter queue elsewhere can still win; the router's view of who
 holds what comes from heartbeats (name, generation, path)."""
 
-from kvmesh.contracts.messages import Heartbeat
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad
 from kvmesh.proto.v1 import worker_pb2
 from kvmesh.routing import CacheAware, Candidate, CostModel
 
@@ -23,12 +23,12 @@ def test_cache_aware_prices_loading_a_missing_adapter():
 
 
 def test_the_measured_load_time_from_heartbeats_overrides_the_configured_one():
-    assert CostModel.from_load({"lora_load_s": 0.02}, COST).lora_load_s == 0.02
+    assert CostModel.from_load(InstanceLoad(lora_load_s=0.02), COST).lora_load_s == 0.02
 
 
 def beat(iid: str, loras=(), ts: float = 0.0) -> Heartbeat:
     return Heartbeat(instance_id=iid, role="both", grpc_address=f"{iid}:1", transfer_address="", ts=ts,
-                     load={}, model="fp", block_size=16, loras=tuple(loras))
+                     load=InstanceLoad(), model="fp", block_size=16, loras=tuple(loras))
 
 
 def test_heartbeats_carry_adapters_and_round_trip():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
@@ -257,26 +257,73 @@ class EngineLoad:
 
 
 @dataclass(frozen=True)
+class Speed:
+    """What an instance measured of itself, which the router's cost model prices it with (None: not measured yet,
+    the router keeps its configured value): the prefill line (step time = ``prefill_overhead_s`` + tokens /
+    ``prefill_tok_per_s``) and ``decode_step_s``, the decode-only step of its running batch with one more stream."""
+
+    prefill_tok_per_s: float | None = None
+    prefill_overhead_s: float | None = None
+    decode_step_s: float | None = None
+
+
+UNMEASURED = Speed()
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Forward steps of one kind so far: how many, their rows (the batch, summed), wall seconds and the engine
+    thread's CPU seconds in them (wall well above CPU: the thread waited for the GIL or a core)."""
+
+    steps: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class BlockStates:
+    """Device blocks by state: referenced (by sequences or leases), pinned (by leases: decode's delta push),
+    reserved (decode: a push landing in place)."""
+
+    referenced: int = 0
+    pinned: int = 0
+    reserved: int = 0
+
+
+@dataclass(frozen=True)
+class SloOutcomes:
+    """Finished requests with a latency target: met all of them (goodput) or missed; which target a missed one
+    missed (both for some)."""
+
+    met: int = 0
+    missed: int = 0
+    missed_ttft: int = 0
+    missed_itl: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """Counters and gauges of an engine for its metrics (``kvmesh_worker_*``); a backend that cannot tell one
-    reports 0. ``blocks``: device blocks by state (referenced, pinned, reserved); ``steps`` etc.: per step kind
-    ("decode": decode rows only, "prefill": with prompt tokens), how many, their rows, wall and CPU seconds."""
+    leaves it at its zero (None where zero would be a claim: block states, SLO outcomes). Steps are split into
+    decode-only ones and those with prompt tokens (prefill)."""
 
     load: EngineLoad
+    speed: Speed = UNMEASURED
     host_capacity: int = 0
-    blocks: dict[str, int] = field(default_factory=dict)
-    evicted: dict[str, int] = field(default_factory=dict)       # tier -> blocks evicted
-    host_moves: dict[str, int] = field(default_factory=dict)    # spill | load -> blocks
+    blocks: BlockStates | None = None
+    evicted_device: int = 0
+    evicted_host: int = 0
+    spilled_host: int = 0          # device -> host tier moves, in blocks
+    loaded_host: int = 0           # host -> device
     preemptions: int = 0
-    steps: dict[str, int] = field(default_factory=dict)
-    step_rows: dict[str, int] = field(default_factory=dict)
-    step_seconds: dict[str, float] = field(default_factory=dict)
-    step_cpu_seconds: dict[str, float] = field(default_factory=dict)
-    speed: dict[str, float] = field(default_factory=dict)      # prefill_tok_per_s, prefill_overhead_s
-    prefetch: dict[str, int] = field(default_factory=dict)     # loaded | used | wasted -> blocks warmed back
-    sessions: int = 0                                          # live sessions it keeps blocks for
-    # requests with a latency target that finished, by outcome: met (goodput) / missed, and which target missed
-    slo: dict[str, int] = field(default_factory=dict)          # met, missed, missed_ttft, missed_itl
+    decode_steps: StepCounts = StepCounts()
+    prefill_steps: StepCounts = StepCounts()
+    prefetch_loaded: int = 0       # blocks of paused sessions warmed back before their return
+    prefetch_used: int = 0         # ... then hit by the session
+    prefetch_wasted: int = 0       # ... or evicted first
+    sessions: int = 0              # live sessions it keeps blocks for
+    slo: SloOutcomes | None = None
 
 
 @dataclass(frozen=True)

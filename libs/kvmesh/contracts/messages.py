@@ -8,12 +8,14 @@ Block keys travel as JSON integers: exact for all 64 bits in Python (never throu
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from kvmesh.contracts.engine import TokenLogprobs
+from kvmesh.contracts.engine import UNMEASURED, EngineLoad, Speed, TokenLogprobs
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
@@ -207,9 +209,54 @@ class KVReady:
 
 
 @dataclass(frozen=True)
+class InstanceLoad:
+    """How loaded an instance is and what it measured of itself, as its heartbeat says. On the wire a flat JSON
+    object of numbers (``to_dict``); a reader ignores keys it does not know and leaves a known one whose value is
+    not a finite number >= 0 at its default, so the instances of another version still route (a bad speed is
+    the configured speed, as if the instance had not measured one)."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    cached_blocks: int = 0
+    host_blocks: int = 0
+    waiting_tokens: int = 0
+    kv_fallbacks: int = 0              # pushes it recomputed instead of importing
+    kv_block_bytes: int = 0            # one block as its engine stores it (0: not said)
+    lora_load_s: float | None = None   # its measured time to load an adapter (None: not measured)
+    speed: Speed = UNMEASURED
+
+    COUNTS: ClassVar[tuple[str, ...]] = ("running", "waiting", "free_blocks", "total_blocks", "cached_blocks",
+                                         "host_blocks", "waiting_tokens", "kv_fallbacks", "kv_block_bytes")
+    SPEEDS: ClassVar[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(Speed))
+
+    @classmethod
+    def of(cls, load: EngineLoad, speed: Speed, *, kv_fallbacks: int = 0, kv_block_bytes: int = 0,
+           lora_load_s: float | None = None) -> InstanceLoad:
+        """An engine's load and speed, with what its instance adds."""
+        return cls(**dataclasses.asdict(load), kv_fallbacks=kv_fallbacks, kv_block_bytes=kv_block_bytes,
+                   lora_load_s=lora_load_s, speed=speed)
+
+    def to_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {name: getattr(self, name) for name in self.COUNTS}
+        if self.lora_load_s is not None:
+            out["lora_load_s"] = self.lora_load_s
+        out.update({k: v for k, v in dataclasses.asdict(self.speed).items() if v is not None})
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> InstanceLoad:
+        numbers = {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v) and v >= 0}
+        return cls(**{k: int(numbers[k]) for k in cls.COUNTS if k in numbers},
+                   lora_load_s=numbers.get("lora_load_s"),
+                   speed=Speed(**{k: numbers[k] for k in cls.SPEEDS if k in numbers}))
+
+
+@dataclass(frozen=True)
 class Heartbeat:
-    """An instance is alive, where to reach it, and how loaded it is (``load``: running, waiting, free_blocks,
-    total_blocks, queued_prefill_tokens, ...)."""
+    """An instance is alive, where to reach it, how loaded it is and how fast it measured itself (``load``)."""
 
     TYPE: ClassVar[str] = "heartbeat"
     instance_id: InstanceId
@@ -217,7 +264,7 @@ class Heartbeat:
     grpc_address: str
     transfer_address: str
     ts: float
-    load: dict[str, float]
+    load: InstanceLoad
     model: str
     block_size: int
     # the LoRA adapters it serves: (name, generation, path); a request's block keys use name@generation
@@ -240,7 +287,7 @@ class Heartbeat:
     def encode(self) -> bytes:
         return _dump(self.TYPE, {"instance_id": self.instance_id, "role": self.role,
                                  "grpc_address": self.grpc_address, "transfer_address": self.transfer_address,
-                                 "ts": self.ts, "load": self.load, "model": self.model,
+                                 "ts": self.ts, "load": self.load.to_dict(), "model": self.model,
                                  "block_size": self.block_size, "loras": [list(a) for a in self.loras],
                                  **({"kv_layout": self.kv_layout.to_dict()} if self.kv_layout else {}),
                                  **({"kv_accepts": list(self.kv_accepts)} if self.kv_accepts else {}),
@@ -254,7 +301,8 @@ class Heartbeat:
     def _from_json(cls, d: dict[str, Any]) -> Heartbeat:
         return cls(instance_id=InstanceId(_get(d, "instance_id", str)), role=_get(d, "role", str),
                    grpc_address=_get(d, "grpc_address", str), transfer_address=_get(d, "transfer_address", str),
-                   ts=float(_get(d, "ts", int, float)), load=_get(d, "load", dict), model=_get(d, "model", str),
+                   ts=float(_get(d, "ts", int, float)), load=InstanceLoad.from_dict(_get(d, "load", dict)),
+                   model=_get(d, "model", str),
                    block_size=_get(d, "block_size", int), loras=_loras(d.get("loras", [])),
                    kv_layout=_layout(d["kv_layout"]) if d.get("kv_layout") else None,
                    kv_accepts=_strings(d.get("kv_accepts", []), "kv_accepts"),

@@ -23,12 +23,16 @@ from typing import Any
 
 from kvmesh.contracts.engine import (
     AdapterInfo,
+    BlockStates,
     EngineLoad,
     EngineOutput,
     EngineRequest,
     EngineStats,
     ExportedKV,
     RequestTiming,
+    SloOutcomes,
+    Speed,
+    StepCounts,
 )
 from kvmesh.contracts.events import TIER_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
@@ -207,10 +211,10 @@ class AsyncEngine(EngineLoop, Engine):
                           e.blocks.num_cached_blocks, e.blocks.num_host_blocks,
                           sum(s.num_tokens for s in waiting))
 
-    def speed(self) -> dict[str, float]:
-        """The prefill line (``prefill_tok_per_s``, ``prefill_overhead_s``) and, once decode-only steps are
-        measured, ``decode_step_s``: the decode-only step of the running batch with one more stream (what the
-        router prices prompt tokens computed beside the streams with, under their ITL targets)."""
+    def speed(self) -> Speed:
+        """The prefill line and, once decode-only steps are measured, the decode-only step of the running batch
+        with one more stream (what the router prices prompt tokens computed beside the streams with, under their
+        ITL targets)."""
         return self.pacer.speed(len(self.engine.scheduler.running))
 
     def stats(self) -> EngineStats:
@@ -225,15 +229,15 @@ class AsyncEngine(EngineLoop, Engine):
                 continue
         else:
             raise RuntimeError("the engine's state kept changing while it was read")
-        st, t = dict(e.blocks.stats), self.step_totals
+        st = dict(e.blocks.stats)
         return EngineStats(
-            load, e.blocks.host.num_blocks if e.blocks.host is not None else 0,
-            {k: counts[k] for k in ("referenced", "pinned", "reserved")},
-            {"device": st.get("evicted_device", 0), "host": st.get("evicted_host", 0)},
-            {"spill": st.get("spilled_host", 0), "load": st.get("loaded_host", 0)},
-            e.scheduler.num_preemptions, dict(t.steps), dict(t.rows), dict(t.seconds), dict(t.cpu_seconds),
-            self.speed(), {k: st.get(f"prefetch_{k}", 0) for k in ("loaded", "used", "wasted")},
-            len(e.blocks.sessions) if e.blocks.sessions is not None else 0, dict(e.slo_outcomes))
+            load, self.speed(), e.blocks.host.num_blocks if e.blocks.host is not None else 0,
+            BlockStates(counts["referenced"], counts["pinned"], counts["reserved"]),
+            st.get("evicted_device", 0), st.get("evicted_host", 0), st.get("spilled_host", 0),
+            st.get("loaded_host", 0), e.scheduler.num_preemptions, self.step_totals.decode,
+            self.step_totals.prefill, st.get("prefetch_loaded", 0), st.get("prefetch_used", 0),
+            st.get("prefetch_wasted", 0), len(e.blocks.sessions) if e.blocks.sessions is not None else 0,
+            SloOutcomes(**e.slo_outcomes))
 
     async def close(self) -> None:
         await self.stop()
@@ -363,25 +367,18 @@ class AsyncEngine(EngineLoop, Engine):
 
 
 class StepTotals:
-    """Forward steps so far, decode-only ones apart from those with prompt tokens: how many, their rows (the
-    batch), wall seconds and the engine thread's CPU seconds in them, for the metrics (a mean step time and
-    batch over any window, from rates; wall well above CPU means the thread waited: for the GIL, or for a core
-    another process held)."""
-
-    KINDS = ("decode", "prefill")
+    """Forward steps so far, decode-only ones apart from those with prompt tokens, for the metrics (a mean step
+    time and batch over any window, from rates). Written by the engine thread, read by the metrics collector: each
+    kind's counts are replaced whole, so a reader sees one step's counts or the next's."""
 
     def __init__(self) -> None:
-        self.steps = dict.fromkeys(self.KINDS, 0)
-        self.rows = dict.fromkeys(self.KINDS, 0)
-        self.seconds = dict.fromkeys(self.KINDS, 0.0)
-        self.cpu_seconds = dict.fromkeys(self.KINDS, 0.0)
+        self.decode = StepCounts()
+        self.prefill = StepCounts()
 
     def add(self, decode_only: bool, rows: int, seconds: float, cpu_seconds: float = 0.0) -> None:
         kind = "decode" if decode_only else "prefill"
-        self.steps[kind] += 1
-        self.rows[kind] += rows
-        self.seconds[kind] += seconds
-        self.cpu_seconds[kind] += cpu_seconds
+        c: StepCounts = getattr(self, kind)
+        setattr(self, kind, StepCounts(c.steps + 1, c.rows + rows, c.seconds + seconds, c.cpu_seconds + cpu_seconds))
 
 
 

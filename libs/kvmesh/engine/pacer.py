@@ -14,11 +14,13 @@ threads (racy but safe snapshots).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvmesh.contracts.engine import Speed
 from kvmesh.engine.slo import StepCost, chunk_budget, leading_position, plan_step, prompt_work
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
 
@@ -101,13 +103,13 @@ class Pacer:
                  f"{self._decode_fit.overhead_s * 1e3:.1f} ms + {1e3 / self._decode_fit.tok_per_s:.2f} ms/row"
                  if self._decode_fit else "-")
 
-    def speed(self, running: int) -> dict[str, float]:
-        """The prefill line (``prefill_tok_per_s``, ``prefill_overhead_s``) and, once decode-only steps are
-        measured, ``decode_step_s``: the decode-only step of ``running`` streams and one more."""
-        out = self.speed_fit.report()
-        if (d := self.decode_speed.fit()) is not None:
-            out["decode_step_s"] = round(d.overhead_s + (running + 1) / d.tok_per_s, 6)
-        return out
+    def speed(self, running: int) -> Speed:
+        """The prefill line and, once decode-only steps are measured, the decode-only step of ``running`` streams
+        and one more."""
+        prefill = self.speed_fit.report()
+        if (d := self.decode_speed.fit()) is None:
+            return prefill
+        return dataclasses.replace(prefill, decode_step_s=round(d.overhead_s + (running + 1) / d.tok_per_s, 6))
 
     # ---- planning ------------------------------------------------------------------------------------------------
     def plan(self, sched: Scheduler) -> None:

@@ -31,6 +31,7 @@ from kvmesh.contracts.engine import (
     EngineRequest,
     EngineStats,
     RequestTiming,
+    Speed,
 )
 from kvmesh.contracts.events import KVEvent
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
@@ -169,9 +170,8 @@ class Engine(abc.ABC):
         """Queues and KV occupancy now (heartbeats, admission)."""
 
     @abc.abstractmethod
-    def speed(self) -> dict[str, float]:
-        """The measured speed the router prices this instance with: ``prefill_tok_per_s`` and
-        ``prefill_overhead_s`` once measured (empty before)."""
+    def speed(self) -> Speed:
+        """The measured speed the router prices this instance with (unmeasured fields None)."""
 
     @abc.abstractmethod
     def stats(self) -> EngineStats:

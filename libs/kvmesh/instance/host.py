@@ -24,7 +24,7 @@ from kvmesh.contracts.engine import RequestTiming
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.keys import block_keys
-from kvmesh.contracts.messages import Heartbeat, KVCopies, KVEventBatch, Message, SessionSignal
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad, KVCopies, KVEventBatch, Message, SessionSignal
 from kvmesh.engines import Engine, start_engine
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
@@ -246,12 +246,8 @@ class EngineHost:
     async def _heartbeat(self) -> None:
         subject = self.subjects.heartbeat(self.cfg.role, self.instance_id)
         while True:
-            load = dataclasses.asdict(self.engine.load())
-            load["kv_fallbacks"] = self.metrics_fallbacks
-            load["kv_block_bytes"] = self.layout.block_nbytes
-            if self.lora_load_s is not None:
-                load["lora_load_s"] = self.lora_load_s
-            load.update(self.engine.speed())  # prefill_tok_per_s, prefill_overhead_s once measured
+            load = InstanceLoad.of(self.engine.load(), self.engine.speed(), kv_fallbacks=self.metrics_fallbacks,
+                                   kv_block_bytes=self.layout.block_nbytes, lora_load_s=self.lora_load_s)
             beat = Heartbeat(instance_id=self.instance_id, role=self.cfg.role,
                              grpc_address=self.advertised(self.grpc_address),
                              transfer_address=self.advertised(self.transfer_address), ts=time.time(), load=load,

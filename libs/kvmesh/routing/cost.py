@@ -13,11 +13,12 @@ import dataclasses
 import math
 import threading
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from kvmesh.contracts.engine import Speed
 from kvmesh.contracts.ids import choices
+from kvmesh.contracts.messages import InstanceLoad
 from kvmesh.contracts.names import DisaggregationMode
 from kvmesh.contracts.slo import ITL_HEADROOM
 
@@ -38,18 +39,18 @@ class CostModel:
         return blocks * self.block_bytes / (self.fetch_gbps * 1e9)
 
     @classmethod
-    def from_load(cls, load: Mapping[str, Any], default: CostModel) -> CostModel | None:
-        """An instance's model from its heartbeat ``load``: ``default`` with what the instance measured in
-        place of the configured values; None when it reports nothing usable (an old engine)."""
+    def from_load(cls, load: InstanceLoad, default: CostModel) -> CostModel | None:
+        """An instance's model from its heartbeat's load: ``default`` with what the instance measured in place of
+        the configured values; None when it reports nothing usable (an old engine)."""
         fields: dict[str, Any] = {}
-        if (speed := _number(load, "prefill_tok_per_s")) is not None and speed > 0:
+        if (speed := load.speed.prefill_tok_per_s) is not None and speed > 0:
             fields.update(prefill_tok_per_s=speed, calibrated=True)
-            if (overhead := _number(load, "prefill_overhead_s")) is not None:
+            if (overhead := load.speed.prefill_overhead_s) is not None:
                 fields["prefill_overhead_s"] = overhead
-        if (nbytes := _number(load, "kv_block_bytes")) is not None and nbytes >= 1:
-            fields["block_bytes"] = int(nbytes)
-        if (lora_s := _number(load, "lora_load_s")) is not None and lora_s >= 0:
-            fields["lora_load_s"] = lora_s
+        if load.kv_block_bytes >= 1:
+            fields["block_bytes"] = load.kv_block_bytes
+        if load.lora_load_s is not None:
+            fields["lora_load_s"] = load.lora_load_s
         return dataclasses.replace(default, **fields) if fields else None
 
 
@@ -146,14 +147,6 @@ def _path(mode: DisaggregationMode | str, prompt_tokens: int, block_size: int, d
                           pd_s, local_s)
 
 
-def _number(load: Mapping[str, Any], key: str) -> float | None:
-    """``load[key]`` when it is a finite number >= 0 (heartbeats come from other processes)."""
-    x = load.get(key)
-    if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0:
-        return float(x)
-    return None
-
-
 class SpeedFit(NamedTuple):
     overhead_s: float      # per forward step
     tok_per_s: float       # per computed token beyond that
@@ -215,12 +208,13 @@ class SpeedEstimator:
             self._line = (overhead, slope)
         return SpeedFit(overhead, 1.0 / slope, len(kept))
 
-    def report(self) -> dict[str, float]:
-        """The heartbeat ``load`` keys (none before the first measured step: the router keeps its default)."""
+    def report(self) -> Speed:
+        """The prefill line as the heartbeat carries it (unmeasured before the first step: the router keeps its
+        configured speed)."""
         fit = self.fit()
         if fit is None:
-            return {}
-        return {"prefill_tok_per_s": round(fit.tok_per_s, 3), "prefill_overhead_s": round(fit.overhead_s, 6)}
+            return Speed()
+        return Speed(round(fit.tok_per_s, 3), round(fit.overhead_s, 6))
 
     def _solve(self, steps: list[tuple[float, float]], weights: list[float],
                kept: list[int]) -> tuple[tuple[float, float], bool]:

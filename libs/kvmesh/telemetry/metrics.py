@@ -3,6 +3,7 @@ collector that reads an engine's queues, KV tiers and eviction counters at scrap
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
@@ -97,11 +98,9 @@ class EngineCollector(Collector):
         blocks.add_metric(["device", "cached"], load.cached_blocks)
         blocks.add_metric(["host", "capacity"], st.host_capacity)
         blocks.add_metric(["host", "used"], load.host_blocks)
-        # referenced: by sequences or leases; pinned: by leases (decode: a delta push); reserved: decode, a push
-        # landing in place
-        for state in ("referenced", "pinned", "reserved"):
-            if state in st.blocks:
-                blocks.add_metric(["device", state], st.blocks[state])
+        if st.blocks is not None:  # (contracts.engine.BlockStates says what each state means)
+            for state, n in dataclasses.asdict(st.blocks).items():
+                blocks.add_metric(["device", state], n)
         yield blocks
         yield GaugeMetricFamily(f"{p}_kv_block_bytes", "Bytes of one KV block (every layer, K and V) as stored: "
                                 "blocks moved times this is bytes moved", value=self.engine.layout.block_nbytes)
@@ -110,21 +109,22 @@ class EngineCollector(Collector):
         occ.add_metric(["host"], load.host_blocks / st.host_capacity if st.host_capacity else 0.0)
         yield occ
         ev = CounterMetricFamily(f"{p}_kv_evictions", "KV blocks evicted from a tier", labels=["tier"])
-        ev.add_metric(["device"], st.evicted.get("device", 0))
-        ev.add_metric(["host"], st.evicted.get("host", 0))
+        ev.add_metric(["device"], st.evicted_device)
+        ev.add_metric(["host"], st.evicted_host)
         yield ev
         moves = CounterMetricFamily(f"{p}_kv_host_moves", "KV blocks moved between device and host tiers",
                                     labels=["direction"])
-        moves.add_metric(["spill"], st.host_moves.get("spill", 0))
-        moves.add_metric(["load"], st.host_moves.get("load", 0))
+        moves.add_metric(["spill"], st.spilled_host)
+        moves.add_metric(["load"], st.loaded_host)
         yield moves
         yield CounterMetricFamily(f"{p}_preemptions", "Sequences preempted for lack of KV blocks",
                                   value=st.preemptions)
         prefetch = CounterMetricFamily(f"{p}_kv_prefetch_blocks", "KV blocks of paused sessions warmed back from "
                                        "the host tier before the session's expected return (loaded), then hit by "
                                        "it (used) or evicted first (wasted)", labels=["outcome"])
-        for outcome in ("loaded", "used", "wasted"):
-            prefetch.add_metric([outcome], st.prefetch.get(outcome, 0))
+        prefetch.add_metric(["loaded"], st.prefetch_loaded)
+        prefetch.add_metric(["used"], st.prefetch_used)
+        prefetch.add_metric(["wasted"], st.prefetch_wasted)
         yield prefetch
         yield GaugeMetricFamily(f"{p}_sessions", "Live sessions whose blocks the session-aware eviction keeps",
                                 value=st.sessions)
@@ -136,26 +136,25 @@ class EngineCollector(Collector):
                     CounterMetricFamily(f"{p}_engine_step_cpu_seconds", "CPU time the engine thread spent in "
                                         "those steps (below the wall time: it waited for the GIL or a core)",
                                         labels=["kind"]))
-        per_kind: tuple[Mapping[str, float], ...] = (
-            st.steps, st.step_rows, st.step_seconds, st.step_cpu_seconds)
-        for family, values in zip(families, per_kind):
-            if values:
-                for kind, value in values.items():
-                    family.add_metric([kind], value)
-                yield family
-        if st.slo:  # goodput: finished requests with a latency target that met all of theirs
+        for kind, counts in (("decode", st.decode_steps), ("prefill", st.prefill_steps)):
+            for family, value in zip(families, dataclasses.astuple(counts)):
+                family.add_metric([kind], value)
+        yield from families
+        if st.slo is not None:  # goodput: finished requests with a latency target that met all of theirs
             outcomes = CounterMetricFamily(f"{p}_slo_requests", "Finished requests with a latency target, by "
                                            "outcome (met: goodput; missed_ttft / missed_itl: which target a missed "
                                            "one missed, both for some)", labels=["outcome"])
-            for outcome, n in st.slo.items():
+            for outcome, n in dataclasses.asdict(st.slo).items():
                 outcomes.add_metric([outcome], n)
             yield outcomes
-        if "prefill_tok_per_s" in st.speed:  # what this instance beats to the router's cost model
+        speed = st.speed  # what this instance beats to the router's cost model
+        if speed.prefill_tok_per_s is not None:
             yield GaugeMetricFamily(f"{p}_prefill_tokens_per_second", "Measured prefill speed (fit of step time = "
                                     "overhead + tokens / speed over recent forward steps)",
-                                    value=st.speed["prefill_tok_per_s"])
+                                    value=speed.prefill_tok_per_s)
+        if speed.prefill_overhead_s is not None:
             yield GaugeMetricFamily(f"{p}_prefill_overhead_seconds", "Measured fixed cost of one forward step",
-                                    value=st.speed["prefill_overhead_s"])
+                                    value=speed.prefill_overhead_s)
 
 
 class CountsCollector(Collector, Generic[Label]):

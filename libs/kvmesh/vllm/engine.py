@@ -60,6 +60,8 @@ from kvmesh.contracts.engine import (
     ExportPieces,
     ImportedKV,
     RequestTiming,
+    Speed,
+    StepCounts,
 )
 from kvmesh.contracts.events import AllBlocksCleared
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
@@ -180,8 +182,7 @@ class VLLMEngine(EngineLoop, Engine):
         self._retired: dict[str, int] = {}  # vLLM adapter name -> its id: to remove once its requests end
         self.speed_fit = SpeedEstimator()
         self.lora_on = lora_layers(cfg)
-        self.steps = {"decode": 0, "prefill": 0}
-        self.step_seconds = {"decode": 0.0, "prefill": 0.0}
+        self.steps = {"decode": StepCounts(), "prefill": StepCounts()}  # replaced whole: read by the metrics
 
     def continuation_refused(self, structured: bool) -> str:
         return ("vLLM's structured output starts its grammar at the request's first token: it cannot continue a "
@@ -396,12 +397,12 @@ class VLLMEngine(EngineLoop, Engine):
                           (pool.num_gpu_blocks - 1) * self.per_block, len(self.translator.held), 0,
                           sum(r.num_tokens for r in waiting))
 
-    def speed(self) -> dict[str, float]:
+    def speed(self) -> Speed:
         return self.speed_fit.report()
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.load(), steps=dict(self.steps), step_seconds=dict(self.step_seconds),
-                           speed=self.speed())
+        return EngineStats(self.load(), self.speed(), decode_steps=self.steps["decode"],
+                           prefill_steps=self.steps["prefill"])
 
     # ---- the engine thread -------------------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -491,8 +492,8 @@ class VLLMEngine(EngineLoop, Engine):
         if tokens > rows:  # prompt tokens in it, not only one per decoding row
             self.speed_fit.observe(tokens, took)
         kind = "prefill" if prefill else "decode"
-        self.steps[kind] += 1
-        self.step_seconds[kind] += took
+        c = self.steps[kind]
+        self.steps[kind] = StepCounts(c.steps + 1, c.rows + rows, c.seconds + took)
         now = time.monotonic()
         for out in outs:
             entry = self._active.get(out.request_id)
