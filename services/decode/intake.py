@@ -19,6 +19,8 @@ from kvmesh.contracts.messages import KVReady, Message
 from kvmesh.engines.convert import convert_import
 from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
+from kvmesh.transfer import TransferServer
+from kvmesh.transfer.server import ReceivedBlocks
 from opentelemetry.trace import SpanKind
 
 from services.decode.assembly import Assembly
@@ -102,69 +104,96 @@ class KVIntake:
         the request; a push that starts past them (a delta) is usable only when they cover the gap.
         ``reservation``: the blocks reserved for the push (parts landed in them in place); once the push
         verified, they are handed to the import, which adopts them (the caller releases the reservation as the
-        call ends, whatever happened)."""
+        call ends, whatever happened). A push that cannot be used is dropped whole (its parts discarded)."""
         deadline = time.monotonic() + timeout_s
-        transfer = self.w.transfer_server
-        assert transfer is not None  # RolePlugin(receives_kv=True): the host started one
+        received_ns = 0
         try:
-            ready, received_ns = await self.board.wait(request_id, timeout_s)
-        except TimeoutError:  # parts a prefill pushed before it died or stalled are dropped, never used
-            transfer.discard_prefix(handoff_prefix(request_id))
-            return _fallback(f"kv.ready not received within {timeout_s:g}s")
-        if not ready.ok:
-            transfer.discard_prefix(handoff_prefix(request_id))
-            return _fallback(f"prefill {ready.prefill_instance}: {ready.error}", received_ns)
-        diff = "none given" if ready.layout is None else layout_mismatch(self.w.layout, ready.layout)
-        if diff is not None and ready.layout not in self.w.convertible:
-            transfer.discard_prefix(handoff_prefix(request_id))
-            return _fallback(f"pushed KV's layout does not match this engine's: {diff}", received_ns)
-        t = time.monotonic()
-        parts = []
-        for part in ready.part_ids():  # pushed in order while prefill computed; most are here already
-            try:
-                parts.append(await transfer.take(part, max(0.1, deadline - time.monotonic())))
-            except TimeoutError:
-                transfer.discard_prefix(handoff_prefix(request_id))
-                return _fallback("kv.ready arrived but its blocks did not", received_ns)
-            except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute
-                transfer.discard_prefix(handoff_prefix(request_id))
-                return _fallback(f"pushed KV rejected: {e}", received_ns)
-        nbytes = sum(got.nbytes for got in parts)
-        self.w.metrics.transfer_bytes.labels("receive").inc(nbytes)
-        first = ready.first_block
-        assembly = Assembly(self.w.layout, first, len(prompt), block_keys(namespace, prompt, self.w.layout.block_size))
-        try:
-            for got in parts:
-                assembly.add(got)
-        except ValueError as e:
-            return _fallback(f"pushed KV does not match this prompt: {e}", received_ns)
-        if gap := assembly.missing():
-            return _fallback(f"pushed KV did not all arrive: {gap}", received_ns)
-        if pinned < first:
-            return _fallback(f"the push starts at block {first} but only {pinned} leading blocks are held here "
-                             "(evicted before the request arrived)", received_ns)
-        lease = None
-        if reservation is not None and reservation.block_ids:
-            if reservation.first_block != first:
-                return _fallback(f"the push starts at block {first}, decode reserved blocks from "
-                                 f"{reservation.first_block}", received_ns)
-            reservation.hand_over()  # no byte lands in those blocks any more: the import adopts them
-            lease = reservation.lease
-        elif assembly.landed_bytes:  # cannot happen: a landing exists only for a reservation; never consume
-            return _fallback("parts landed in place, but no reservation holds them", received_ns)
-        imported = ImportedKV(ready.layout or self.w.layout, len(prompt), ready.first_token, first,
-                              tuple(assembly.parts), lease, ready.first_logprobs)
-        if diff is not None:  # pushed in a dtype this instance names (kv_convert_from): cast to its own
-            try:
-                imported = convert_import(imported, self.w.layout)
-            except ValueError as e:
-                return _fallback(f"pushed KV could not be converted: {e}", received_ns)
+            ready, received_ns = await self._ready(request_id, timeout_s)
+            t = time.monotonic()
+            parts = await self._take(ready, deadline)
+            assembly = Assembly(self.w.layout, ready.first_block, len(prompt),
+                                block_keys(namespace, prompt, self.w.layout.block_size))
+            imported = self._imported(ready, parts, assembly, pinned, reservation)
+        except _Unusable as e:
+            self._transfer().discard_prefix(handoff_prefix(request_id))
+            return _fallback(str(e), e.received_ns or received_ns)
         self.w.metrics.transfer_bytes.labels("receive_in_place").inc(assembly.landed_bytes)
         return Intake(imported, "", received_ns, {
             "kvmesh.in_place": assembly.landed_bytes > 0, "kvmesh.landed_bytes": assembly.landed_bytes,
             "kvmesh.reserved_blocks": len(reservation.block_ids) if reservation is not None else 0,
-            "kvmesh.blocks": assembly.end - first, "kvmesh.bytes": nbytes,
-            "kvmesh.first_block": first, "kvmesh.parts": len(parts), "kvmesh.converted": diff is not None,
+            "kvmesh.blocks": assembly.end - ready.first_block, "kvmesh.bytes": sum(got.nbytes for got in parts),
+            "kvmesh.first_block": ready.first_block, "kvmesh.parts": len(parts),
+            "kvmesh.converted": ready.layout != self.w.layout,
             "kvmesh.take_ms": round((time.monotonic() - t) * 1e3, 3),
             "kvmesh.receive_ms": round(sum(got.seconds for got in parts) * 1e3, 3),
             "kvmesh.prefill_instance": ready.prefill_instance})
+
+    async def _ready(self, request_id: str, timeout_s: float) -> tuple[KVReady, int]:
+        """The request's ``kv.ready`` (and when it was received), if it announces a push this engine can use."""
+        try:
+            ready, received_ns = await self.board.wait(request_id, timeout_s)
+        except TimeoutError:  # parts a prefill pushed before it died or stalled are dropped, never used
+            raise _Unusable(f"kv.ready not received within {timeout_s:g}s") from None
+        if not ready.ok:
+            raise _Unusable(f"prefill {ready.prefill_instance}: {ready.error}", received_ns)
+        diff = "none given" if ready.layout is None else layout_mismatch(self.w.layout, ready.layout)
+        if diff is not None and ready.layout not in self.w.convertible:
+            raise _Unusable(f"pushed KV's layout does not match this engine's: {diff}", received_ns)
+        return ready, received_ns
+
+    async def _take(self, ready: KVReady, deadline: float) -> list[ReceivedBlocks]:
+        """The announced parts, pushed in order while prefill computed (most are here already)."""
+        parts = []
+        for part in ready.part_ids():
+            try:
+                parts.append(await self._transfer().take(part, max(0.1, deadline - time.monotonic())))
+            except TimeoutError:
+                raise _Unusable("kv.ready arrived but its blocks did not") from None
+            except Exception as e:  # noqa: BLE001 - TransferRejected and friends: never consume, recompute
+                raise _Unusable(f"pushed KV rejected: {e}") from None
+        self.w.metrics.transfer_bytes.labels("receive").inc(sum(got.nbytes for got in parts))
+        return parts
+
+    def _imported(self, ready: KVReady, parts: list[ReceivedBlocks], assembly: Assembly, pinned: int,
+                  reservation: Reservation | None) -> ImportedKV:
+        """The parts verified and assembled into the KV to import, in this engine's layout."""
+        first = ready.first_block
+        try:
+            for got in parts:
+                assembly.add(got)
+        except ValueError as e:
+            raise _Unusable(f"pushed KV does not match this prompt: {e}") from None
+        if gap := assembly.missing():
+            raise _Unusable(f"pushed KV did not all arrive: {gap}")
+        if pinned < first:
+            raise _Unusable(f"the push starts at block {first} but only {pinned} leading blocks are held here "
+                            "(evicted before the request arrived)")
+        lease = None
+        if reservation is not None and reservation.block_ids:
+            if reservation.first_block != first:
+                raise _Unusable(f"the push starts at block {first}, decode reserved blocks from "
+                                f"{reservation.first_block}")
+            reservation.hand_over()  # no byte lands in those blocks any more: the import adopts them
+            lease = reservation.lease
+        elif assembly.landed_bytes:  # cannot happen: a landing exists only for a reservation; never consume
+            raise _Unusable("parts landed in place, but no reservation holds them")
+        imported = ImportedKV(ready.layout or self.w.layout, assembly.prompt_tokens, ready.first_token, first,
+                              tuple(assembly.parts), lease, ready.first_logprobs)
+        if imported.layout == self.w.layout:
+            return imported
+        try:  # pushed in a dtype this instance names (kv_convert_from): cast to its own
+            return convert_import(imported, self.w.layout)
+        except ValueError as e:
+            raise _Unusable(f"pushed KV could not be converted: {e}") from None
+
+    def _transfer(self) -> TransferServer:
+        assert self.w.transfer_server is not None  # RolePlugin(receives_kv=True): the host started one
+        return self.w.transfer_server
+
+
+class _Unusable(Exception):
+    """Why a push cannot be used (the prompt is recomputed), with when its ``kv.ready`` was received."""
+
+    def __init__(self, why: str, received_ns: int = 0) -> None:
+        super().__init__(why)
+        self.received_ns = received_ns

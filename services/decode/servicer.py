@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
@@ -96,15 +96,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                       attrs: dict[str, Any], engine_request: EngineRequest, intake: Intake, t0: float,
                       t0_ns: int) -> AsyncIterator[worker_pb2.DecodeChunk]:
         """The engine's outputs as chunks, once the KV is here (or the fallback decided)."""
-        work, w = request.work, self.w
-        fallback = intake.fallback
+        w, fallback = self.w, intake.fallback
         if fallback:
-            log.warning("request %s (trace %s): recomputing the prompt locally: %s", work.request_id,
-                        tracing.trace_id(span), fallback)
-            w.metrics_fallbacks += 1
-            w.metrics.fallbacks.labels(fallback_reason(fallback)).inc()
-            tracing.record("decode.kv_fallback", span, t0_ns, time.time_ns(),
-                           {**attrs, "kvmesh.reason": fallback})
+            self._fell_back(request.work.request_id, fallback, span, attrs, t0_ns)
         timing = RequestTiming()
         first, last, itls = True, 0.0, []
         gen: Span | None = None
@@ -117,9 +111,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                                                finish_reason=out.finish_reason or "",
                                                logprobs=[logprobs_to_proto(lp) for lp in out.logprobs])
                 if out.exported is not None:  # the conversation so far, for the next turn on any instance
-                    task = asyncio.create_task(write_back(w, out.exported, span, attrs, engine_request.session))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
+                    self._in_background(write_back(w, out.exported, span, attrs, engine_request.session))
                 now = time.monotonic()
                 if first:
                     chunk.cached_tokens = out.cached_tokens
@@ -147,6 +139,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             if gen is not None:
                 gen.set_attributes(tracing.itl_attributes(itls))
                 gen.end()
+
+    def _fell_back(self, request_id: str, fallback: str, span: Span, attrs: dict[str, Any], t0_ns: int) -> None:
+        """The pushed KV is not used: the prompt is recomputed here (logged, counted by reason, traced)."""
+        log.warning("request %s (trace %s): recomputing the prompt locally: %s", request_id, tracing.trace_id(span),
+                    fallback)
+        self.w.metrics_fallbacks += 1
+        self.w.metrics.fallbacks.labels(fallback_reason(fallback)).inc()
+        tracing.record("decode.kv_fallback", span, t0_ns, time.time_ns(), {**attrs, "kvmesh.reason": fallback})
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` past the call (a write-back), kept until done so ``close`` can wait for it."""
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _first_token_spans(self, span: Span, attrs: dict[str, Any], timing: RequestTiming, imported: bool,
                            received_ns: int, load_attrs: dict[str, Any], prompt_tokens: int,
