@@ -1,30 +1,51 @@
 """Docker HEALTHCHECK of every kvmesh image: asks the address docker/entrypoint.py put in the service's
 environment (``HEALTHCHECK_ADDRESS``): gRPC health SERVING for kvmesh services, an INFO line with JetStream on
-for nats-server. Exit 0 = healthy, 1 = not (with the reason on stdout, which ``docker inspect`` shows)."""
+for nats-server. Exit 0 = healthy, 1 = not (with the reason on stdout, which ``docker inspect`` shows). A service
+with a certificate (``KVMESH_TLS_CERT``) is asked over mutual TLS with its own certificate, verified against
+``KVMESH_TLS_CA`` as ``KVMESH_TLS_SERVER_NAME`` (Kubernetes' exec probes, deploy/k8s/components/tls)."""
 
 from __future__ import annotations
 
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-
-def target() -> str:
-    environ = Path("/proc/1/environ").read_bytes().split(b"\0")
-    for item in environ:
-        key, _, value = item.decode(errors="replace").partition("=")
-        if key == "HEALTHCHECK_ADDRESS":
-            return value
-    raise RuntimeError("HEALTHCHECK_ADDRESS is not set: start the container through docker/entrypoint.py")
+if TYPE_CHECKING:
+    import grpc
 
 
-def check_grpc(address: str) -> str | None:
+def service_environ() -> dict[str, str]:
+    """The environment of the service (PID 1: the entrypoint execs it), not this probe's."""
+    items = Path("/proc/1/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in items if item)
+
+
+def target(env: dict[str, str]) -> str:
+    if "HEALTHCHECK_ADDRESS" not in env:
+        raise RuntimeError("HEALTHCHECK_ADDRESS is not set: start the container through docker/entrypoint.py")
+    return env["HEALTHCHECK_ADDRESS"]
+
+
+def channel(address: str, env: dict[str, str]) -> grpc.Channel:
+    import grpc
+
+    if not env.get("KVMESH_TLS_CERT"):
+        return grpc.insecure_channel(address)
+    ca = Path(env["KVMESH_TLS_CA"]).read_bytes() if env.get("KVMESH_TLS_CA") else None
+    creds = grpc.ssl_channel_credentials(ca, Path(env["KVMESH_TLS_KEY"]).read_bytes(),
+                                         Path(env["KVMESH_TLS_CERT"]).read_bytes())
+    name = env.get("KVMESH_TLS_SERVER_NAME")
+    return grpc.secure_channel(address, creds, [("grpc.ssl_target_name_override", name)] if name else None)
+
+
+def check_grpc(address: str, env: dict[str, str]) -> str | None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as ch:
+        with channel(address, env) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3.0)
     except grpc.RpcError as e:
         return f"gRPC health of {address}: {e.code().name}"
@@ -58,13 +79,14 @@ def ready_grpc_address(path: str) -> str:
 
 def main() -> int:
     try:
-        url = urlsplit(target())
+        env = service_environ()
+        url = urlsplit(target(env))
         if url.scheme == "nats":
             problem = check_nats(url.hostname or "127.0.0.1", url.port or 4222)
         elif url.scheme == "ready":
-            problem = check_grpc(ready_grpc_address(url.path))
+            problem = check_grpc(ready_grpc_address(url.path), env)
         else:
-            problem = check_grpc(url.netloc)
+            problem = check_grpc(url.netloc, env)
     except (OSError, RuntimeError, ValueError) as e:
         problem = str(e)
     if problem:

