@@ -23,8 +23,10 @@ def check_grpc(address: str) -> str | None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvmesh import tls  # the container's own mesh certificate (KVMESH_TLS_*), when it has one
+
     try:
-        with grpc.insecure_channel(address) as ch:
+        with tls.channel(address) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3.0)
     except grpc.RpcError as e:
         return f"gRPC health of {address}: {e.code().name}"

@@ -32,6 +32,7 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvmesh import tls
+from kvmesh.authz import Authorizer
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.contracts.ids import BlockKey
@@ -346,6 +347,8 @@ class CacheServer:
         self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
         self.pool: Pool | None = None
         self.health = health.aio.HealthServicer()
+        # inside a mesh with mutual TLS every call is authorised by the caller's role (kvmesh.authz)
+        self.authorizer = Authorizer("cachesvc") if tls.mutual(self.shared) else None
         self.metrics = CacheMetrics(self)
         self.metrics_server: MetricsServer | None = None
         self.port = 0
@@ -358,7 +361,8 @@ class CacheServer:
         self._last_seen: dict[str, float] = {}  # instance -> monotonic time of its last heartbeat
         self._reaper: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
-        self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message),
+        self.grpc = grpc.aio.server(interceptors=[self.authorizer] if self.authorizer else None,
+                                    options=[("grpc.max_receive_message_length", max_message),
                                              ("grpc.max_send_message_length", max_message),
                                              ("grpc.so_reuseport", 0)])  # a port in use fails, not shared
         add_cache_service(CacheService(self), self.grpc)

@@ -16,6 +16,7 @@ from kvmesh.telemetry.metrics import (
 )
 
 if TYPE_CHECKING:
+    from kvmesh.authz import Authorizer
     from kvmesh.engines import Engine
     from kvmesh.transfer import TransferServer
 
@@ -49,6 +50,12 @@ class WorkerMetrics:
 
     def watch(self, async_engine: Engine) -> None:
         self.registry.register(EngineCollector(async_engine, P))
+
+    def watch_authorizer(self, authorizer: Authorizer) -> None:
+        """Export the calls the mesh authorizer refused, by RPC (``calls_refused_total``)."""
+        self.registry.register(CountsCollector(
+            f"{P}_calls_refused", "gRPC calls refused for the caller's mesh identity (none, or a role the RPC is "
+            "not for), by RPC", "rpc", lambda: authorizer.refused))
 
     def watch_transfers(self, server: TransferServer) -> None:
         """Export the bytes ``server`` holds (received and not taken yet, or arriving) and
