@@ -617,6 +617,10 @@ class CacheServiceSettings(Section):
     disk_capacity_mb: int = setting(10240, "bytes of segment files at most")
     disk_segment_mb: int = setting(64, "one segment file; eviction drops whole segments")
     max_lease_s: float = setting(300.0, "longest lease a reader may ask for")
+    max_leases_per_caller: int = setting(1024, "leases one caller (mesh identity) may hold at once; past it "
+                                               "RESOURCE_EXHAUSTED (0 = no cap; plaintext callers: none)")
+    max_retention_s: float = setting(3600.0, "longest a writer's retention priority holds; a put asking longer, "
+                                             "or 0 (forever), gets this")
     snapshot_timeout_s: float = setting(5.0, "wait this long for an instance's snapshot after a gap in its "
                                              "events")
     external: str = setting("", "an external store as the last tier (\"\" = none)", choices=EXTERNAL_STORES)
@@ -643,7 +647,8 @@ class CacheServiceSettings(Section):
         out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
         out += self._positive(("session_idle_s",))
         out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",
-                               "transfer_timeout_s"))
+                               "transfer_timeout_s", "max_retention_s"))
+        out += self._min(("max_leases_per_caller",), 0, {"max_leases_per_caller": "no cap"})
         if self.disk_dir and not 0 < self.disk_segment_mb <= self.disk_capacity_mb:
             out.append(Problem("disk_segment_mb", f"disk_segment_mb ({self.disk_segment_mb}) must be in "
                                                   f"[1, disk_capacity_mb ({self.disk_capacity_mb})]"))
