@@ -22,7 +22,6 @@ def target() -> str:
 def check_grpc(address: str) -> str | None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     from kvmesh import tls  # the container's own mesh certificate (KVMESH_TLS_*), when it has one
 
     try:

@@ -39,6 +39,9 @@ class WorkerMetrics:
                                       ["direction"], registry=r)
         self.requests = Counter(f"{P}_requests", "Requests handled, by RPC and outcome", ["rpc", "outcome"],
                                 registry=r)
+        self.kv_ready_dropped = Counter(f"{P}_kv_ready_dropped", "kv.ready announcements decode dropped: not MACed "
+                                        "under the request's push capability (unauthenticated), or naming another "
+                                        "request's transfer (transfer_id)", ["reason"], registry=r)
         self.rejections = Counter(f"{P}_rejections", "Requests refused (invalid input, no room)", ["reason"],
                                   registry=r)
         self.fallbacks = Counter(f"{P}_kv_fallbacks", "Decode recomputed the prompt instead of using the "
