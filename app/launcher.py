@@ -7,7 +7,11 @@ environment as ``KVMESH_<SECTION>_<FIELD>`` variables, along with what only the 
 cachesvc address, each engine's id, its ready file).
 
 Everything the stack writes (logs, NATS data, stack.json, ready files, the span file traces.jsonl) goes to the state
-directory. Services bind the ports given (0 = any free one) and report the ports bound in their ready files;
+directory. So does the mesh's identity: unless ``mesh_tls`` is off or a certificate is configured (``tls_cert``),
+``tls/`` holds a mesh CA and one certificate per service naming its role and instance (``kvmesh.mesh_ca``), and
+every service gets its own, so every internal hop is mutual TLS and every call is authorised by role
+(``kvmesh.authz``); ``Stack.mesh_settings("admin")`` is what an operator's tool (or a test) dials them with.
+Services bind the ports given (0 = any free one) and report the ports bound in their ready files;
 stack.json holds those actual addresses.
 Each service runs in its own session, so Ctrl-C / SIGTERM reaches the launcher alone and it stops the services in
 order: routers, engines, cachesvc, then NATS.
@@ -33,6 +37,8 @@ from typing import Any, Self
 
 from kvmesh import settings
 from kvmesh.bus import NatsServer
+from kvmesh.identity import Identity, MeshRole
+from kvmesh.mesh_ca import MeshCA
 from kvmesh.ready import ServiceFailed, poll_ready
 from kvmesh.state import StackInfo
 from kvmesh.telemetry.spans import trace_file
@@ -113,6 +119,17 @@ class Stack:
             raise ValueError(f"--routers must be at least 1, not {opts.routers}")
         self.cfg = opts.load(state_dir)  # a bad setting stops here, before anything starts
         self.child_env = _passed_on(self.cfg)
+        shared = self.cfg.shared
+        # a mesh CA of the stack's own, unless TLS is off (mesh_tls = false) or brought (tls_cert)
+        self.mesh = MeshCA.open(state_dir / "tls") if shared.mesh_tls and not shared.tls_cert else None
+
+    def mesh_settings(self, role: str = "admin", instance: str = "operator") -> settings.SharedSettings:
+        """The ``[shared]`` TLS settings that dial this stack's services as ``role/instance`` (plaintext
+        settings when the stack runs without its own mesh CA)."""
+        if self.mesh is None:
+            return self.cfg.shared
+        files = self.mesh.issue(Identity(MeshRole(role), instance))
+        return settings.SharedSettings(**{k.removeprefix("KVMESH_").lower(): v for k, v in files.env().items()})
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -224,8 +241,8 @@ class Stack:
         ready_path.unlink(missing_ok=True)  # one from an earlier run is not this process's
         env = {**os.environ, **self.opts.env, "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(self.cfg.engine.threads or os.cpu_count() or 1),
-               **self.child_env, "KVMESH_STATE_DIR": str(self.state_dir), "KVMESH_READY_FILE": str(ready_path),
-               **env}
+               **self.child_env, **self._identity(name), "KVMESH_STATE_DIR": str(self.state_dir),
+               "KVMESH_READY_FILE": str(ready_path), **env}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", module], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -233,6 +250,13 @@ class Stack:
                           env={k: v for k, v in env.items() if k.startswith("KVMESH_")}, module=module, given=given)
         self.services.append(service)
         return service
+
+    def _identity(self, name: str) -> dict[str, str]:
+        """The TLS variables of service ``name`` (``prefill-0``: role prefill, instance prefill-0)."""
+        if self.mesh is None:
+            return {}
+        role = "router" if name.startswith("router") else name.split("-", 1)[0]
+        return self.mesh.issue(Identity(MeshRole(role), name)).env()
 
     def _wait_ready(self, services: list[Service], deadline: float) -> None:
         """Until each has written its ready file (it serves): read what it bound."""

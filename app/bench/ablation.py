@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from kvmesh import tls
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.bench import workloads as wl
@@ -119,7 +120,7 @@ def pool_bytes(stack: Stack) -> int | None:
 
     address = next(s.grpc_address for s in stack.services if s.name == "cachesvc")
     try:
-        with grpc.insecure_channel(address) as ch:
+        with tls.channel(address, cfg=stack.mesh_settings()) as ch:
             return cache_pb2_grpc.CacheServiceStub(ch).Stats(cache_pb2.StatsRequest(), timeout=5).pool_bytes
     except grpc.RpcError:
         return None

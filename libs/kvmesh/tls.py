@@ -56,9 +56,41 @@ def server_credentials(cfg: SharedSettings | None = None) -> grpc.ServerCredenti
                                        require_client_auth=ca is not None)
 
 
-def add_port(server: grpc.Server | grpc.aio.Server, address: str, cfg: SharedSettings | None = None) -> int:
-    """Bind ``address`` on ``server``, with TLS when this process has a certificate. Returns the port (0: failed)."""
-    creds = server_credentials(cfg)
+def mutual(cfg: SharedSettings | None = None) -> bool:
+    """Whether this process's servers require mesh certificates (a certificate and a CA): then every call is
+    authorised by the caller's role (``kvmesh.authz``)."""
+    cfg = cfg or settings()
+    return cfg.tls_server and cfg.tls_client
+
+
+def public_server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials | None:
+    """The router's client-facing port: its own certificate, and client certificates from its own client CA
+    when one is set (never the mesh CA). None: plaintext."""
+    if not cert:
+        return None
+    ca = _read(client_ca)
+    return grpc.ssl_server_credentials([(_read(key), _read(cert))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def public_ssl_context(cert: str, key: str) -> ssl.SSLContext | None:
+    """HTTPS on the router's client-facing HTTP port (None: plain HTTP)."""
+    if not cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+MESH = object()  # add_port's default credentials: this process's mesh certificate
+
+
+def add_port(server: grpc.Server | grpc.aio.Server, address: str, cfg: SharedSettings | None = None,
+             credentials: object = MESH) -> int:
+    """Bind ``address`` on ``server``, with TLS when this process has a certificate (or with ``credentials``:
+    None = plaintext). Returns the port (0: failed)."""
+    creds = server_credentials(cfg) if credentials is MESH else credentials
+    assert creds is None or isinstance(creds, grpc.ServerCredentials)
     try:
         return server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError:  # newer grpcio raises "Failed to bind to address ..." instead of returning 0

@@ -57,6 +57,10 @@ class CacheMetrics:
         self.bytes = Counter(f"{P}_block_bytes", "Block bytes stored (put) and served (get)", ["direction"],
                              registry=self.registry)
         self.registry.register(_StateCollector(server))
+        if server.authorizer is not None:
+            self.registry.register(CountsCollector(
+                f"{P}_calls_refused", "gRPC calls refused for the caller's mesh identity (none, or a role the RPC "
+                "is not for), by RPC", "rpc", lambda: server.authorizer.refused if server.authorizer else {}))
         self.registry.register(CountsCollector(
             f"{P}_transfer_refused", "Pushes the transfer endpoint refused, by reason (unsolicited / bad_token / "
             "expired / blocks: no valid capability from GrantPut; tls: TLS on one end only; checksum, layout...)",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -43,6 +44,7 @@ from services.cachesvc.store import (
     PoolFull,
     PutResult,
     Retention,
+    Shadowing,
     StoredBlock,
     StoreUnavailable,
     Tier,
@@ -51,6 +53,7 @@ from services.cachesvc.store import (
 )
 
 log = logging.getLogger(__name__)
+WRITERS_REMEMBERED = 1 << 20  # the writer and checksum of the last this many blocks stored (about 150 MB at most)
 
 
 @runtime_checkable
@@ -72,6 +75,8 @@ class Pool:
         self.tiers = list(tiers)
         self.leases = leases
         self.sessions = sessions  # the tiers' session-aware strategy's table (None: the strategy reads none)
+        # (key, layout) -> (checksum, writer) of what was stored: a second writer cannot shadow a block
+        self.writers: OrderedDict[tuple[int, KVLayout], tuple[int, str]] = OrderedDict()
 
     @classmethod
     def from_config(cls, cfg: CacheServiceSettings, clock: Callable[[], float] = monotonic,
@@ -82,7 +87,7 @@ class Pool:
         sessions: SessionTable | None = getattr(policy, "sessions", None)
         if sessions is not None:
             sessions.idle_s = cfg.session_idle_s
-        leases = Leases(clock)
+        leases = Leases(clock, cfg.max_leases_per_caller)
         tiers: list[Tier] = []
         if cfg.pool_capacity_mb > 0:
             tiers.append(DramTier(cfg.pool_capacity_mb << 20, policy, leases.pinned, clock))
@@ -122,13 +127,15 @@ class Pool:
 
     def put(self, layout: KVLayout, keys: Sequence[int], checksums: Sequence[int], data: bytes | memoryview,
             priority: int = 0, priority_s: float = 0.0, verified: bool = False, session: str = "",
-            session_end: bool = False, session_blocks: Sequence[int] = ()) -> PutResult:
+            session_end: bool = False, session_blocks: Sequence[int] = (), writer: str = "") -> PutResult:
         """Store the blocks of ``data`` (back to back, in ``keys`` order) after verifying every checksum; keys
         already held under ``layout`` are skipped. All or nothing: any bad block rejects the whole put.
         ``priority`` (the ``priority`` eviction policy) holds for ``priority_s`` seconds (0: forever).
         ``verified``: the bytes were already checked against ``checksums`` (a transfer the transfer engine
         verified), so they are not hashed again. ``session``: the session whose request wrote them, which holds
-        ``session_blocks`` (default ``keys``) now, or nothing when ``session_end``."""
+        ``session_blocks`` (default ``keys``) now, or nothing when ``session_end``. ``writer``: who writes (the
+        caller's mesh identity), remembered with each block stored; a put of a held key whose bytes differ from
+        its writer's raises Shadowing (nothing stored), the same bytes are skipped as before."""
         nbytes = check_layout(layout)
         if len(checksums) != len(keys):
             raise ValueError(f"checksums has {len(checksums)} entries for {len(keys)} block_keys")
@@ -145,10 +152,21 @@ class Pool:
         if not self.tiers:
             raise PoolFull("the pool has no tier: set pool_capacity_mb, disk_dir or external")
         new = {b.key: b for b in blocks if not any(t.holds(b.key, layout) for t in self.tiers)}
+        for b in blocks:
+            first = self.writers.get((b.key, layout)) if b.key not in new else None
+            if first is not None and first[0] != b.checksum:
+                raise Shadowing(f"block {b.key:#018x} is held as {first[1] or 'its first writer'} wrote it; "
+                                f"{writer or 'this caller'} sent other bytes, which cannot replace them: nothing "
+                                "was stored")
         if new:
             self.leases.reap()
             until = self.leases.clock() + priority_s if priority_s > 0 else float("inf")
             self._store(0, layout, list(new.values()), Retention(priority, until, session))
+            for b in new.values():
+                self.writers[(b.key, layout)] = (b.checksum, writer)
+                self.writers.move_to_end((b.key, layout))
+            while len(self.writers) > WRITERS_REMEMBERED:
+                self.writers.popitem(last=False)
         if session:
             self.session_request(session, list(session_blocks or keys), session_end)
         return PutResult(stored=len(new), skipped=len(keys) - len(new))
@@ -194,7 +212,7 @@ class Pool:
                     tier.rerank(key)
 
     def get(self, layout: KVLayout, keys: Sequence[int], max_bytes: int | None = None,
-            lease_s: float = 0.0) -> GetResult:
+            lease_s: float = 0.0, holder: str = "") -> GetResult:
         """The leading run of ``keys`` held under ``layout``, cut to ``max_bytes``; with ``lease_s`` > 0 the
         whole run is leased first. LayoutMismatch when the first key is held only under other layouts."""
         nbytes = check_layout(layout)
@@ -206,7 +224,7 @@ class Pool:
                     self._refuse_other_layouts(key, layout)
                 break
             run.append((key, where))
-        lease_id = self.leases.grant([k for k, _ in run], lease_s) if lease_s > 0 and run else 0
+        lease_id = self.leases.grant([k for k, _ in run], lease_s, holder) if lease_s > 0 and run else 0
         limit = len(run) if max_bytes is None else min(len(run), max_bytes // nbytes)
         blocks: list[StoredBlock] = []
         names: list[str] = []
@@ -220,10 +238,11 @@ class Pool:
         self._promote(layout, [b for b, name in zip(blocks, names) if name != self.tiers[0].name])
         return GetResult(blocks, names, lease_id, len(run) if lease_id else 0)
 
-    def lease(self, keys: Sequence[int], lease_s: float) -> tuple[int, int]:
-        """Pin the leading run of ``keys`` the pool holds (any layout): ``(lease id, keys pinned)``."""
+    def lease(self, keys: Sequence[int], lease_s: float, holder: str = "") -> tuple[int, int]:
+        """Pin the leading run of ``keys`` the pool holds (any layout): ``(lease id, keys pinned)``; ``holder``
+        (the caller's mesh identity) holds at most ``max_leases_per_caller`` at once (TooManyLeases)."""
         run = list(itertools.takewhile(lambda k: any(t.has(k) for t in self.tiers), keys))
-        return (self.leases.grant(run, lease_s), len(run)) if run else (0, 0)
+        return (self.leases.grant(run, lease_s, holder), len(run)) if run else (0, 0)
 
     def drain(self) -> int:
         """Spill the DRAM tier to the next one (a graceful stop); returns the blocks that went."""

@@ -32,11 +32,13 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvmesh import tls
+from kvmesh.authz import Authorizer, caller
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch, Message, SessionSignal
+from kvmesh.identity import Identity
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.settings import CacheServiceSettings, SharedSettings
@@ -52,7 +54,7 @@ from services.cachesvc.index import BlockIndex
 from services.cachesvc.metrics import CacheMetrics
 from services.cachesvc.pool import GetResult, Pool
 from services.cachesvc.resync import Resync
-from services.cachesvc.store import LayoutMismatch, PoolFull, StoredBlock, StoreUnavailable
+from services.cachesvc.store import LayoutMismatch, PoolFull, Shadowing, StoredBlock, StoreUnavailable, TooManyLeases
 
 log = logging.getLogger("cachesvc")
 
@@ -67,6 +69,16 @@ class TransferFailed(RuntimeError):
     """Block bytes did not move: a push that failed or timed out, or pushed blocks that never arrived."""
 
 
+class ForeignAddress(ValueError):
+    """GetBlocks named a transfer endpoint that is not the caller's own."""
+
+
+def _holder(context: grpc.aio.ServicerContext) -> str:
+    """Who calls, as leases and stored blocks record it: the mesh identity (\"\" on a plaintext server)."""
+    who = caller(context)
+    return str(who) if who else ""
+
+
 def _request_layout(request: Any) -> KVLayout:
     if not request.HasField("layout"):
         raise ValueError("layout is required: set the BlockLayout the blocks were written with")
@@ -79,6 +91,9 @@ CALL_ERRORS = {
     LayoutMismatch: ("layout_mismatch", grpc.StatusCode.FAILED_PRECONDITION),
     TransferRejected: ("transfer_rejected", grpc.StatusCode.FAILED_PRECONDITION),
     TransferFailed: ("transfer_failed", grpc.StatusCode.UNAVAILABLE),
+    Shadowing: ("shadowing", grpc.StatusCode.PERMISSION_DENIED),
+    TooManyLeases: ("too_many_leases", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ForeignAddress: ("foreign_address", grpc.StatusCode.PERMISSION_DENIED),
     PoolFull: ("full", grpc.StatusCode.RESOURCE_EXHAUSTED),
     StoreUnavailable: ("unavailable", grpc.StatusCode.UNAVAILABLE),
     ValueError: ("invalid", grpc.StatusCode.INVALID_ARGUMENT),
@@ -164,7 +179,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def PutBlocks(self, request: cache_pb2.PutBlocksRequest,
                         context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.PutBlocksResponse:
         if request.priority_duration_s < 0:
-            raise ValueError(f"priority_duration_s must be >= 0 (0 = forever), got {request.priority_duration_s}")
+            raise ValueError(f"priority_duration_s must be >= 0 (0 = the longest, max_retention_s), got "
+                             f"{request.priority_duration_s}")
+        # a writer's retention is capped: 0 or longer than max_retention_s is max_retention_s, never forever
+        retention_s = min(request.priority_duration_s or self.cfg.max_retention_s, self.cfg.max_retention_s)
         layout = _request_layout(request)
         data: bytes | memoryview = request.data
         if request.transfer_id:
@@ -180,8 +198,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             raise ValueError("session_blocks must hold every one of block_keys: the session's context includes "
                              "the blocks its request wrote")
         result = await self._storage(self.pool.put, layout, request.block_keys, request.checksums, data,
-                                     request.priority, request.priority_duration_s, bool(request.transfer_id),
-                                     request.session_key, request.session_end, list(request.session_blocks))
+                                     request.priority, retention_s, bool(request.transfer_id),
+                                     request.session_key, request.session_end, list(request.session_blocks),
+                                     _holder(context))
         self.server.metrics.bytes.labels("put").inc(len(data))
         if result.stored:
             await self.server.tell_copies(self.server.copies.after_put(request.block_keys))
@@ -223,11 +242,13 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                         context: grpc.aio.ServicerContext, _span: Span) -> bytes | cache_pb2.GetBlocksResponse:
         layout = _request_layout(request)
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=False)
+        holder = _holder(context)
         if request.transfer_address or request.transfer_id:
-            return await self._push_blocks(request, layout, lease_s)
+            self.server.check_own_address(caller(context), request.transfer_address)
+            return await self._push_blocks(request, layout, lease_s, holder)
 
         def get() -> bytes:  # on the storage thread: the bytes are copied there too
-            got = self.pool.get(layout, request.block_keys, self.max_reply_bytes, lease_s)
+            got = self.pool.get(layout, request.block_keys, self.max_reply_bytes, lease_s, holder)
             head = cache_pb2.GetBlocksResponse(
                 block_keys=[b.key for b in got.blocks], checksums=[b.checksum for b in got.blocks],
                 tiers=got.tiers, lease_id=got.lease_id, leased_blocks=got.leased)
@@ -238,7 +259,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         return reply
 
     async def _push_blocks(self, request: cache_pb2.GetBlocksRequest, layout: KVLayout,
-                           lease_s: float) -> cache_pb2.GetBlocksResponse:
+                           lease_s: float, holder: str) -> cache_pb2.GetBlocksResponse:
         """GetBlocks through the transfer engine: lease the hit run (the caller's lease, else one for the push
         alone), copy it into one buffer, push it to the reader under the capability it named, release, answer
         without data."""
@@ -253,7 +274,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
         def get() -> tuple[GetResult, memoryview | None]:  # on the storage thread: the copy too
             got = self.pool.get(layout, request.block_keys, self.cfg.max_transfer_mb << 20,
-                                lease_s or 2 * timeout)
+                                lease_s or 2 * timeout, holder if lease_s else "")
             return got, _joined(layout, got.blocks) if got.blocks else None
 
         got, blocks = await self._storage(get)
@@ -302,7 +323,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def LeaseBlocks(self, request: cache_pb2.LeaseBlocksRequest,
                           context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.LeaseBlocksResponse:
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=True)
-        lease_id, n = await self._storage(self.pool.lease, list(request.block_keys), lease_s)
+        lease_id, n = await self._storage(self.pool.lease, list(request.block_keys), lease_s, _holder(context))
         return cache_pb2.LeaseBlocksResponse(lease_id=lease_id, num_blocks=n)
 
     @_statuses
@@ -346,6 +367,8 @@ class CacheServer:
         self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
         self.pool: Pool | None = None
         self.health = health.aio.HealthServicer()
+        # inside a mesh with mutual TLS every call is authorised by the caller's role (kvmesh.authz)
+        self.authorizer = Authorizer("cachesvc") if tls.mutual(self.shared) else None
         self.metrics = CacheMetrics(self)
         self.metrics_server: MetricsServer | None = None
         self.port = 0
@@ -356,9 +379,11 @@ class CacheServer:
                                               tls=tls.transfer_client_tls(self.shared))
         self.caught_up = False
         self._last_seen: dict[str, float] = {}  # instance -> monotonic time of its last heartbeat
+        self._transfer_addresses: dict[str, str] = {}  # instance -> the transfer endpoint it announced
         self._reaper: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
-        self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message),
+        self.grpc = grpc.aio.server(interceptors=[self.authorizer] if self.authorizer else None,
+                                    options=[("grpc.max_receive_message_length", max_message),
                                              ("grpc.max_send_message_length", max_message),
                                              ("grpc.so_reuseport", 0)])  # a port in use fails, not shared
         add_cache_service(CacheService(self), self.grpc)
@@ -492,6 +517,17 @@ class CacheServer:
     async def _on_heartbeat(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, Heartbeat):
             self._last_seen[msg.instance_id] = time.monotonic()
+            if msg.transfer_address:
+                self._transfer_addresses[msg.instance_id] = msg.transfer_address
+
+    def check_own_address(self, who: Identity | None, address: str) -> None:
+        """A GetBlocks push goes only to the transfer endpoint the calling instance announced (its heartbeat):
+        cachesvc never dials a host:port a caller merely names. No check on a plaintext server (who: None)."""
+        if who is None or self._transfer_addresses.get(who.instance) == address:
+            return
+        own = self._transfer_addresses.get(who.instance)
+        raise ForeignAddress(f"transfer_address {address!r} is not {who}'s own transfer endpoint "
+                             f"({own!r} by its heartbeats): blocks are pushed only to the caller's endpoint")
 
     async def _reap(self) -> None:
         """Drop the blocks of every instance silent for longer than ``instance_timeout_s``; end expired leases and

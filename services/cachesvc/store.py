@@ -28,6 +28,14 @@ class LayoutMismatch(ValueError):
     """The requested layout differs from the stored one (a precondition, not a malformed request)."""
 
 
+class Shadowing(ValueError):
+    """A put of a key the pool holds, with other bytes than its writer's: the first writer's block stands."""
+
+
+class TooManyLeases(ValueError):
+    """A caller holds ``max_leases_per_caller`` leases already."""
+
+
 class PoolFull(ValueError):
     """No room: the blocks are larger than the tier, or what would have to go is leased."""
 
@@ -189,10 +197,14 @@ class Leases:
     when released or when it expires; expired ones are reclaimed by ``reap`` (the pool calls it before every
     eviction pass, the server once a second)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], per_holder: int = 0) -> None:
+        """``per_holder``: the most leases one named holder (a caller's mesh identity) may hold (0: no cap)."""
         self.clock = clock
+        self.per_holder = per_holder
         self._leases: dict[int, tuple[float, tuple[int, ...]]] = {}  # id -> (deadline, keys)
         self._pins: Counter[int] = Counter()                          # key -> leases holding it
+        self._holders: dict[int, str] = {}                            # id -> its named holder
+        self._held: Counter[str] = Counter()                          # holder -> leases it holds
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -205,8 +217,16 @@ class Leases:
     def pinned(self, key: int) -> bool:
         return key in self._pins
 
-    def grant(self, keys: Sequence[int], ttl_s: float) -> int:
+    def grant(self, keys: Sequence[int], ttl_s: float, holder: str = "") -> int:
+        if holder and self.per_holder and self._held[holder] >= self.per_holder:
+            self.reap()
+            if self._held[holder] >= self.per_holder:
+                raise TooManyLeases(f"{holder} holds {self._held[holder]} leases, the most one caller may "
+                                    f"(max_leases_per_caller): release leases it no longer needs")
         lease_id = next(self._ids)
+        if holder:
+            self._holders[lease_id] = holder
+            self._held[holder] += 1
         self._leases[lease_id] = (self.clock() + ttl_s, tuple(keys))
         self._pins.update(keys)
         return lease_id
@@ -215,6 +235,11 @@ class Leases:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        holder = self._holders.pop(lease_id, "")
+        if holder:
+            self._held[holder] -= 1
+            if self._held[holder] <= 0:
+                del self._held[holder]
         self._pins.subtract(lease[1])
         for key in lease[1]:
             if self._pins[key] <= 0:

@@ -6,7 +6,8 @@
    early as it would without one;
 2. those held blocks pinned until the import (``Engine.pin``);
 3. blocks reserved for the push to land in (``Reservation``; a part that arrives before is buffered);
-4. ``kv.ready`` awaited and the parts taken and verified (``KVIntake``); the grant revoked;
+4. ``kv.ready`` awaited (only one MACed under the grant's token and naming this request's transfer: a forged one is
+   dropped and counted) and the parts taken and verified (``KVIntake``); the grant revoked;
 5. what became of it: ``Intake`` (the KV to import, or why the prompt is recomputed here).
 
 ``close`` always runs once the request's stream ended (after the request was added, its sequence holds its own
@@ -61,7 +62,7 @@ class HandoffReceiver:
             await self.reservation.acquire()
             self.span.set_attribute("kvmesh.reserved_blocks", len(self.reservation.block_ids))
         intake = await self.intake.receive(self.request_id, prompt, namespace, deadline - time.monotonic(), pinned,
-                                           self.reservation)
+                                           self.reservation, self.grant.token)
         self._revoke()  # taken, or given up on: nothing more is pushed
         if intake.imported is None and self.reservation is not None:  # recomputed: its blocks are needed now
             self.reservation.release()

@@ -6,7 +6,9 @@ Anything that cannot be used is a reason to recompute, never a consumed block: t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,8 @@ from services.decode.assembly import Assembly
 from services.decode.reservation import Reservation
 
 EARLY_TTL_S = 60.0
+EARLY_PER_REQUEST = 4  # announcements kept for one request id before its Decode call waits
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,12 @@ def _fallback(why: str, received_ns: int = 0) -> Intake:
 
 class KVReadyBoard:
     """Matches ``kv.ready`` announcements with the Decode calls waiting for them (either may come first).
-    Each announcement travels with the time it was received (epoch ns)."""
+    Each announcement travels with the time it was received (epoch ns). A waiter accepts only what its
+    ``accept`` says (the MAC under the request's push capability): anything else is dropped and it waits on."""
 
     def __init__(self) -> None:
         self._waiting: dict[str, asyncio.Future[tuple[KVReady, int]]] = {}
-        self._early: dict[str, tuple[float, KVReady, int]] = {}
+        self._early: dict[str, tuple[float, list[tuple[KVReady, int]]]] = {}
 
     def post(self, ready: KVReady, received_ns: int | None = None) -> None:
         received_ns = time.time_ns() if received_ns is None else received_ns
@@ -60,18 +65,25 @@ class KVReadyBoard:
             return
         now = time.monotonic()
         self._early = {k: v for k, v in self._early.items() if now - v[0] < EARLY_TTL_S}
-        self._early[ready.request_id] = (now, ready, received_ns)
+        early = self._early.setdefault(ready.request_id, (now, []))[1]
+        if len(early) < EARLY_PER_REQUEST:  # a flood of forgeries for one id cannot grow it
+            early.append((ready, received_ns))
 
-    async def wait(self, request_id: str, timeout_s: float) -> tuple[KVReady, int]:
-        early = self._early.pop(request_id, None)
-        if early is not None:
-            return early[1], early[2]
-        fut: asyncio.Future[tuple[KVReady, int]] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = fut
-        try:
-            return await asyncio.wait_for(fut, timeout_s)
-        finally:
-            self._waiting.pop(request_id, None)
+    async def wait(self, request_id: str, timeout_s: float,
+                   accept: Callable[[KVReady], bool] = lambda _: True) -> tuple[KVReady, int]:
+        deadline = time.monotonic() + timeout_s
+        for ready, received_ns in self._early.pop(request_id, (0.0, []))[1]:
+            if accept(ready):
+                return ready, received_ns
+        while True:
+            fut: asyncio.Future[tuple[KVReady, int]] = asyncio.get_running_loop().create_future()
+            self._waiting[request_id] = fut
+            try:
+                got = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+            finally:
+                self._waiting.pop(request_id, None)
+            if accept(got[0]):
+                return got
 
 
 class KVIntake:
@@ -96,8 +108,22 @@ class KVIntake:
                         "kvmesh.blocks": len(msg.block_keys)}, SpanKind.CONSUMER)
         self.board.post(msg, received)
 
+    def authentic(self, request_id: str, token: str) -> Callable[[KVReady], bool]:
+        """Whether a ``kv.ready`` is the request's: MACed under its push capability ``token`` (which only the
+        router and the chosen prefill hold) and naming a transfer of this request; what is not is counted and
+        dropped."""
+        def accept(ready: KVReady) -> bool:
+            why = ("unauthenticated" if not ready.verify(token) else
+                   "transfer_id" if ready.transfer_id and not ready.transfer_id.startswith(handoff_prefix(request_id))
+                   else "")
+            if why:
+                self.w.metrics.kv_ready_dropped.labels(why).inc()
+                log.warning("request %s: kv.ready from %r dropped (%s)", request_id, ready.prefill_instance, why)
+            return not why
+        return accept
+
     async def receive(self, request_id: str, prompt: list[int], namespace: NamespaceSeed, timeout_s: float,
-                      pinned: int = 0, reservation: Reservation | None = None) -> Intake:
+                      pinned: int = 0, reservation: Reservation | None = None, token: str = "") -> Intake:
         """Wait for the request's ``kv.ready``, take its parts and verify them against this prompt's block keys
         (``namespace``: the request's, under its salt and its adapter's ``name@generation``, so KV pushed under
         another generation never matches). ``pinned``: the leading blocks of the prompt this instance holds for
@@ -108,7 +134,7 @@ class KVIntake:
         deadline = time.monotonic() + timeout_s
         received_ns = 0
         try:
-            ready, received_ns = await self._ready(request_id, timeout_s)
+            ready, received_ns = await self._ready(request_id, timeout_s, token)
             t = time.monotonic()
             parts = await self._take(ready, deadline)
             assembly = Assembly(self.w.layout, ready.first_block, len(prompt),
@@ -128,10 +154,11 @@ class KVIntake:
             "kvmesh.receive_ms": round(sum(got.seconds for got in parts) * 1e3, 3),
             "kvmesh.prefill_instance": ready.prefill_instance})
 
-    async def _ready(self, request_id: str, timeout_s: float) -> tuple[KVReady, int]:
-        """The request's ``kv.ready`` (and when it was received), if it announces a push this engine can use."""
+    async def _ready(self, request_id: str, timeout_s: float, token: str) -> tuple[KVReady, int]:
+        """The request's authentic ``kv.ready`` (and when it was received), if it announces a push this engine can
+        use."""
         try:
-            ready, received_ns = await self.board.wait(request_id, timeout_s)
+            ready, received_ns = await self.board.wait(request_id, timeout_s, self.authentic(request_id, token))
         except TimeoutError:  # parts a prefill pushed before it died or stalled are dropped, never used
             raise _Unusable(f"kv.ready not received within {timeout_s:g}s") from None
         if not ready.ok:

@@ -121,7 +121,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                       "kvmesh.tokens": kv.num_tokens, "kvmesh.first_block": first_block,
                       "kvmesh.decode_cached_blocks": request.decode_cached_blocks, "kvmesh.parts": stream.parts,
                       tracing.BACKGROUND: True}
-        parts = await self._hand_off(context, span, stream, ready, push_attrs, timing.first_output)
+        # the announcement is MACed with the push's capability: decode drops one it cannot verify
+        parts = await self._hand_off(context, span, stream, ready, push_attrs, timing.first_output,
+                                     request.push_token)
         nbytes = sum(p.nbytes for p in parts)
         response = worker_pb2.PrefillResponse(first_token=first_token, cached_tokens=final.cached_tokens,
                                               num_blocks=blocks, transfer_bytes=nbytes,
@@ -132,7 +134,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         return response
 
     async def _hand_off(self, context: grpc.aio.ServicerContext, span: Span, stream: PushStream, ready: KVReady,
-                        push_attrs: dict[str, Any], compute_end: float) -> list[PartStats]:
+                        push_attrs: dict[str, Any], compute_end: float, token: str) -> list[PartStats]:
         """Wait for the parts still on their way, trace the push (``kv.push``), then announce it on
         ``kv.ready``; a failed part is announced as a failure and ends the call (ABORTED)."""
         try:
@@ -146,14 +148,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 tracing.mono_ns(sent[0].start if sent else time.monotonic()))
             push.set_status(StatusCode.ERROR, f"KV push failed: {e}")
             push.end()
-            await self.handoff.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}"), span)
+            await self.handoff.announce(dataclasses.replace(ready, ok=False, error=f"KV push failed: {e}").signed(
+                token), span)
             # ABORTED, not UNAVAILABLE: decode was told and recomputes, so the router must not retry elsewhere
             await context.abort(grpc.StatusCode.ABORTED, f"KV push to {ready.decode_instance} failed: {e}")
         overlap = push_overlap(parts, compute_end)
         tracing.record("kv.push", span, tracing.mono_ns(parts[0].start), tracing.mono_ns(parts[-1].end),
                        {**push_attrs, **overlap}, SpanKind.CLIENT)
         self.w.metrics.transfer_bytes.labels("push").inc(overlap["kvmesh.bytes"])
-        await self.handoff.announce(ready, span)
+        await self.handoff.announce(ready.signed(token), span)
         return parts
 
     async def close(self) -> None:

@@ -35,11 +35,15 @@ async def serve(cfg: RouterSettings, telemetry_cfg: TelemetrySettings | None = N
     tracing.setup("router", "router", telemetry_cfg)
     # Both ports are bound first, so a port in use fails at once (PortInUse names the setting to change).
     grpc_server = ServiceServer(["kvmesh.v1.Kvmesh"])
-    grpc_address = grpc_server.bind(cfg.host, cfg.grpc_port, "--grpc-port / KVMESH_ROUTER_GRPC_PORT")
+    # the client-facing port has TLS of its own (public_tls_*, public_client_ca), never the mesh's certificate
+    grpc_address = grpc_server.bind(cfg.host, cfg.grpc_port, "--grpc-port / KVMESH_ROUTER_GRPC_PORT",
+                                    tls.public_server_credentials(cfg.public_tls_cert, cfg.public_tls_key,
+                                                                  cfg.public_client_ca))
     with binding("HTTP", cfg.host, cfg.http_port, "--http-port / KVMESH_ROUTER_HTTP_PORT"):
         http_sock = socket.create_server((cfg.host, cfg.http_port),
                                          family=socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
-    http = f"http://{cfg.host}:{http_sock.getsockname()[1]}"  # the port bound (0: any free one)
+    https = tls.public_ssl_context(cfg.public_tls_cert, cfg.public_tls_key)
+    http = f"{'https' if https else 'http'}://{cfg.host}:{http_sock.getsockname()[1]}"  # 0: any free port
     router = Router(cfg, shared)
     await router.start()
     intake = Intake(router, tenants, admission)
@@ -48,7 +52,7 @@ async def serve(cfg: RouterSettings, telemetry_cfg: TelemetrySettings | None = N
     admin = AdminKey.from_config(cfg)
     runner = web.AppRunner(OpenAIApi(router, intake, admin).app, access_log=None)
     await runner.setup()
-    await web.SockSite(runner, http_sock).start()
+    await web.SockSite(runner, http_sock, ssl_context=https).start()
     await grpc_server.set_serving(True)
     log.info("router serving gRPC on %s and HTTP on %s (metrics on %s/metrics); API keys %s, admin operations "
              "%s, at most %d requests in flight", grpc_address, http, http,

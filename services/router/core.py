@@ -501,7 +501,7 @@ class Router:
                 nxt = self._another_prefill(tried, policy, matched, work) \
                     if e.code() == grpc.StatusCode.UNAVAILABLE else None
                 if nxt is None:
-                    await self._tell_decode(work, decode, prefill, why)
+                    await self._tell_decode(work, decode, prefill, why, token)
                     raise
                 rt.retry("prefill", prefill.id, why)
                 prefill = nxt
@@ -519,10 +519,10 @@ class Router:
         return inst or min(others, key=lambda i: (i.queue_depth, i.id))  # an SLO miss beats a recompute
 
     async def _tell_decode(self, work: worker_pb2.WorkRequest, decode: Instance, prefill: Instance,
-                           error: str) -> None:
+                           error: str, token: str) -> None:
         ready = KVReady(request_id=RequestId(work.request_id), decode_instance=decode.id,
                         transfer_id=TransferId(""), block_keys=(), num_tokens=0, first_token=0, layout=None,
-                        prefill_instance=prefill.id, ok=False, error=error)
+                        prefill_instance=prefill.id, ok=False, error=error).signed(token)  # decode checks it
         try:
             await self.bus.publish(self.subjects.kv_ready(decode.id), ready)
         except Exception as e:  # noqa: BLE001 - decode still falls back after kv_timeout_s

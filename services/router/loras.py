@@ -2,7 +2,8 @@
 generation, path) from heartbeats and from the replies to its own load/unload calls; the generation a request's
 block keys use; loading and unloading on every engine instance (vLLM's /v1/load_lora_adapter semantics), from
 adapter folders under ``lora_root`` only; and loading an adapter on an instance that a request was routed to but
-that lacks it (from the path its holders use)."""
+that lacks it, from the path this router loaded it from (or its holders' path when under ``lora_root``): never a
+path a heartbeat alone advertises, which anyone on the bus could forge."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Adapters:
         self._registry = registry
         self._channel = channel
         self.root = root
+        self.loaded: dict[str, str] = {}  # name -> path this router's admin path loaded it from
 
     def engines(self) -> list[Instance]:
         return [i for i in self._registry().alive() if i.beat.role.is_engine]
@@ -119,6 +121,7 @@ class Adapters:
                 raise invalid(err.details() or "the adapter was refused")
             detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else repr(err)
             raise RequestError(ErrorKind.UNAVAILABLE, f"instance {inst.id} could not load the adapter: {detail}")
+        self.loaded[name] = path
         log.info("LoRA adapter %s loaded from %s on %d instances", name, path, len(engines))
         return [i.id for i in engines]
 
@@ -139,9 +142,15 @@ class Adapters:
         served = self.served()
         if name not in served:
             raise RequestError(ErrorKind.NOT_FOUND, self.unknown(name, served), inst.id)
+        # the path comes from this router's own loads (or lora_root), never from what a heartbeat advertises
         try:
-            await self._call(inst, "LoadLoRA", worker_pb2.LoadLoRARequest(lora_name=name,
-                                                                          lora_path=served[name][1]))
+            path = self.loaded.get(name) or under_root(served[name][1], self.root)
+        except RequestError as e:
+            raise RequestError(ErrorKind.UNAVAILABLE, f"instance {inst.id} lacks LoRA adapter {name!r}, and this "
+                                                      f"router did not load it: {e.message}", inst.id,
+                               retryable=True) from None
+        try:
+            await self._call(inst, "LoadLoRA", worker_pb2.LoadLoRARequest(lora_name=name, lora_path=path))
         except grpc.aio.AioRpcError as e:
             raise RequestError(ErrorKind.UNAVAILABLE, f"instance {inst.id} could not load LoRA adapter {name!r}: "
                                                       f"{e.code().name}: {e.details()}", inst.id,

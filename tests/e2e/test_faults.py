@@ -9,8 +9,8 @@ import time
 import urllib.error
 import urllib.request
 
-import grpc
 import pytest
+from kvmesh import tls
 from kvmesh.client import KvmeshClient, Unavailable
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 
@@ -171,7 +171,7 @@ def test_unreachable_instances_cost_a_retry_not_the_request(tmp_path_factory):
 
 
 def cache_stats(stack):
-    with grpc.insecure_channel(service(stack, "cachesvc").grpc_address) as ch:
+    with tls.channel(service(stack, "cachesvc").grpc_address, cfg=stack.mesh_settings()) as ch:
         return cache_pb2_grpc.CacheServiceStub(ch).Stats(cache_pb2.StatsRequest(), timeout=10)
 
 

@@ -1,6 +1,7 @@
-"""The whole stack with TLS on every gRPC hop and every KV transfer connection (mutual TLS with a mesh CA):
-requests are served with their KV pushed (no fallback), the pool still fills and serves, and a plaintext peer
-cannot talk to any service or transfer endpoint."""
+"""The whole stack as ``kvmesh up`` starts it by default, with mutual TLS on every gRPC hop and every KV transfer
+connection (its own mesh CA, a certificate per service): requests are served with their KV pushed (no
+fallback), the pool still fills and serves, a plaintext peer cannot talk to any service or transfer endpoint,
+and the router's client-facing port is not the mesh's (plaintext unless given a certificate of its own)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh import tls
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc
-from kvmesh.settings import SharedSettings
 from kvmesh.transfer import TransferClient, TransferRejected
-
-from tests.certs import make_certs, tls_env
 
 from .conftest import start_stack
 
@@ -34,21 +32,23 @@ def chat(stack, content: str) -> dict:
 
 
 def test_a_tls_mesh_serves_and_refuses_plaintext_peers(tmp_path_factory):
-    certs = make_certs(tmp_path_factory.mktemp("certs"))
-    stack = start_stack(tmp_path_factory, "tls", env=tls_env(certs))
+    stack = start_stack(tmp_path_factory, "tls")
     try:
         first = chat(stack, "Name a planet.")
         second = chat(stack, "Name a planet.")
         assert second["choices"][0]["message"] == first["choices"][0]["message"]
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        member = SharedSettings(tls_cert=certs["cert"], tls_key=certs["key"], tls_ca=certs["ca"])
-        with tls.channel(f"127.0.0.1:{stack.grpc_port}", cfg=member) as ch:
+        with grpc.insecure_channel(stack.router_grpc) as ch:  # clients need no mesh certificate
             info = api_pb2_grpc.KvmeshStub(ch).ListModels(api_pb2.ListModelsRequest(), timeout=10)
             assert info.models
+        internal = [s for s in stack.services if s.name != "router"]
+        for s in internal:  # a mesh member (an operator's certificate) reaches every internal service
+            with tls.channel(s.grpc_address, cfg=stack.mesh_settings()) as ch:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert "kvmesh_router_kv_fallbacks_total 0.0" in metrics  # the KV went prefill -> decode over TLS
-        for s in stack.services:
+        for s in internal:
             with grpc.insecure_channel(s.grpc_address) as ch, pytest.raises(grpc.RpcError):
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
             if "transfer" in s.endpoints:

@@ -13,7 +13,6 @@ from kvmesh.routing import CostModel
 from tests.integration.test_router_bad_input import HI, TinyMesh, tiny_model_dir
 
 
-
 @pytest.fixture(scope="module")
 def mesh(nats_server, tmp_path_factory) -> Iterator[TinyMesh]:
     with TinyMesh(nats_server.url, tiny_model_dir(tmp_path_factory.mktemp("model"))) as m:

@@ -9,11 +9,12 @@ import sys
 import uuid
 from pathlib import Path
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvmesh import tls
 from kvmesh.bus import NatsServer
 from kvmesh.ready import EXIT_BIND, ServiceFailed, wait_ready
+from kvmesh.settings import SharedSettings
 from kvmesh.state import StackInfo
 
 from app.launcher import Stack, StackOptions
@@ -42,8 +43,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as ch:
+def serving(address: str, cfg: SharedSettings | None = None) -> bool:
+    """Health SERVING at ``address``; ``cfg``: the TLS to dial it with (a stack's mesh_settings())."""
+    with tls.channel(address, cfg=cfg or SharedSettings()) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -108,7 +110,7 @@ def test_a_stack_on_port_0_writes_the_addresses_its_services_bound(tmp_path: Pat
         assert StackInfo.read(tmp_path) == info
         assert info.router_http == stack.router_http and stack.http_port > 0
         assert info.router_grpc == stack.router_grpc == info.endpoints["router"]["grpc"] and serving(info.router_grpc)
-        assert serving(info.endpoints["cachesvc"]["grpc"])
+        assert serving(info.endpoints["cachesvc"]["grpc"], stack.mesh_settings())
         router_env = stack.service("router").env  # cachesvc's actual address, passed on with the new names
         assert router_env["KVMESH_ROUTER_CACHESVC_ADDRESS"] == info.endpoints["cachesvc"]["grpc"]
         assert info.nats_url == stack.nats.url and stack.nats.port > 0

@@ -9,6 +9,8 @@ Block keys travel as JSON integers: exact for all 64 bits in Python (never throu
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -172,9 +174,24 @@ class KVReady:
     first_block: int = 0  # the pushed blocks are the prompt's blocks from this index on (decode holds the rest)
     parts: int = 1  # pushed as this many transfers, ``part_transfer_id(transfer_id, 0..parts-1)``, in block order
     first_logprobs: TokenLogprobs | None = None  # ``first_token``'s, when the request asked for logprobs
+    # HMAC-SHA256 (hex) of the message without it, keyed by the push's capability (the token decode issued for this
+    # request, which only the router and the chosen prefill hold): decode drops a kv.ready it does not verify
+    mac: str = ""
 
     def part_ids(self) -> tuple[TransferId, ...]:
         return tuple(part_transfer_id(self.transfer_id, i) for i in range(self.parts))
+
+    def signed(self, push_token: str) -> KVReady:
+        """This message with its MAC under ``push_token``."""
+        return dataclasses.replace(self, mac=self._mac(push_token))
+
+    def verify(self, push_token: str) -> bool:
+        """Whether the MAC is this message's under ``push_token`` (constant time)."""
+        return bool(self.mac) and bool(push_token) and hmac.compare_digest(self.mac, self._mac(push_token))
+
+    def _mac(self, push_token: str) -> str:
+        body = dataclasses.replace(self, mac="").encode()
+        return hmac.new(push_token.encode(), body, hashlib.sha256).hexdigest()
 
     def encode(self) -> bytes:
         return _dump(self.TYPE, {"request_id": self.request_id, "decode_instance": self.decode_instance,
@@ -184,7 +201,8 @@ class KVReady:
                                  "layout": {} if self.layout is None else self.layout.to_dict(),
                                  "prefill_instance": self.prefill_instance,
                                  "ok": self.ok, "error": self.error,
-                                 "first_logprobs": _logprobs_to_json(self.first_logprobs)})
+                                 "first_logprobs": _logprobs_to_json(self.first_logprobs),
+                                 **({"mac": self.mac} if self.mac else {})})
 
     @classmethod
     def decode(cls, data: bytes) -> KVReady:
@@ -205,7 +223,8 @@ class KVReady:
                    error=_get(d, "error", str) if "error" in d else "",
                    first_block=_get(d, "first_block", int) if "first_block" in d else 0,
                    parts=_get(d, "parts", int) if "parts" in d else 1,
-                   first_logprobs=_logprobs(d.get("first_logprobs")))
+                   first_logprobs=_logprobs(d.get("first_logprobs")),
+                   mac=_get(d, "mac", str) if "mac" in d else "")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Span, StatusCode
 
 from kvmesh import tls
+from kvmesh.authz import Authorizer
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
 from kvmesh.contracts.engine import RequestTiming
@@ -88,7 +89,10 @@ class EngineHost:
         self.convertible = frozenset(dataclasses.replace(self.layout, dtype=d) for d in self.kv_accepts)
         self.engine.subscribe(self._event_queue.put_nowait)
         self.metrics.watch(self.engine)
-        self.grpc = ServiceServer([r.grpc_service for r in self.roles] + [adapters.SERVICE])
+        self.grpc = ServiceServer([r.grpc_service for r in self.roles] + [adapters.SERVICE],
+                                  Authorizer(self.cfg.role) if tls.mutual(self.shared) else None)
+        if self.grpc.authorizer is not None:
+            self.metrics.watch_authorizer(self.grpc.authorizer)
         worker_pb2_grpc.add_AdaptersServicer_to_server(adapters.AdaptersServicer(self), self.grpc.server)
         self.grpc_address = self.grpc.bind(self.cfg.host, self.cfg.port)  # 0: any free port, read back
         if not self.instance_id:

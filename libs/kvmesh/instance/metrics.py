@@ -16,6 +16,7 @@ from kvmesh.telemetry.metrics import (
 )
 
 if TYPE_CHECKING:
+    from kvmesh.authz import Authorizer
     from kvmesh.engines import Engine
     from kvmesh.transfer import TransferServer
 
@@ -38,6 +39,9 @@ class WorkerMetrics:
                                       ["direction"], registry=r)
         self.requests = Counter(f"{P}_requests", "Requests handled, by RPC and outcome", ["rpc", "outcome"],
                                 registry=r)
+        self.kv_ready_dropped = Counter(f"{P}_kv_ready_dropped", "kv.ready announcements decode dropped: not MACed "
+                                        "under the request's push capability (unauthenticated), or naming another "
+                                        "request's transfer (transfer_id)", ["reason"], registry=r)
         self.rejections = Counter(f"{P}_rejections", "Requests refused (invalid input, no room)", ["reason"],
                                   registry=r)
         self.fallbacks = Counter(f"{P}_kv_fallbacks", "Decode recomputed the prompt instead of using the "
@@ -49,6 +53,12 @@ class WorkerMetrics:
 
     def watch(self, async_engine: Engine) -> None:
         self.registry.register(EngineCollector(async_engine, P))
+
+    def watch_authorizer(self, authorizer: Authorizer) -> None:
+        """Export the calls the mesh authorizer refused, by RPC (``calls_refused_total``)."""
+        self.registry.register(CountsCollector(
+            f"{P}_calls_refused", "gRPC calls refused for the caller's mesh identity (none, or a role the RPC is "
+            "not for), by RPC", "rpc", lambda: authorizer.refused))
 
     def watch_transfers(self, server: TransferServer) -> None:
         """Export the bytes ``server`` holds (received and not taken yet, or arriving) and

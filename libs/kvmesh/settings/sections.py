@@ -206,6 +206,9 @@ class SharedSettings(Section):
     tls_ca: str = setting("", "PEM CA bundle: clients verify servers with it, servers then require client "
                               "certificates it signed (mutual TLS)")
     tls_server_name: str = setting("", "name expected in servers' certificates when it is not the host dialled")
+    mesh_tls: bool = setting(True, "kvmesh up (and compose's init step) generate a mesh CA and a certificate per "
+                                   "service into the state directory when tls_cert is unset (mutual TLS between "
+                                   "services, every call authorised by role); false: plaintext inside the mesh")
     state_dir: str = setting("", "where a stack writes logs, ready files and stack.json (\"\" = ./.kvmesh)")
     cache_dir: str = setting("", "converted model weights and compiled kernels (\"\" = ~/.cache/kvmesh)")
     ready_file: str = setting("", "write the bound endpoints here as JSON once serving (\"\" = none)")
@@ -501,6 +504,11 @@ class RouterSettings(Section):
     lora_root: str = setting("", "the folder runtime LoRA loads may read adapters from; a lora_path outside it is "
                                  "refused (\"\" = runtime loads refused; --lora adapters at start are not "
                                  "affected)")
+    public_tls_cert: str = setting("", "PEM certificate of the client-facing gRPC and HTTP ports (\"\" = "
+                                       "plaintext there; the mesh's certificates never serve clients)")
+    public_tls_key: str = setting("", "its PEM private key (goes with public_tls_cert)")
+    public_client_ca: str = setting("", "PEM CA of client certificates the public gRPC port then requires "
+                                        "(a client CA of its own, not the mesh CA; \"\" = API keys alone)")
     max_body_bytes: int = setting(4 * 2**20, "larger HTTP bodies / gRPC requests are refused (413)")
     max_concurrent_requests: int = setting(256, "requests in flight at once; more are refused at once (429)")
     max_requests_per_tenant: int = setting(0, "requests in flight per tenant (0 = only the global cap)")
@@ -545,6 +553,16 @@ class RouterSettings(Section):
         elif self.admin_key and (self.admin_key == self.api_key or self.admin_key in self.api_keys):
             out.append(Problem("admin_key", "admin_key is also a tenant key (api_key or api_keys): give the admin "
                                             "a key of its own"))
+        if bool(self.public_tls_cert) != bool(self.public_tls_key):
+            out.append(Problem("public_tls_cert", "public_tls_cert and public_tls_key go together: set both or "
+                                                  "neither"))
+        if self.public_client_ca and not self.public_tls_cert:
+            out.append(Problem("public_client_ca", "public_client_ca needs public_tls_cert and public_tls_key "
+                                                   "(client certificates are checked over TLS only)"))
+        for name in ("public_tls_cert", "public_tls_key", "public_client_ca"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                out.append(Problem(name, f"{name} {path!r} is not a readable file"))
         if self.lora_root and not Path(self.lora_root).is_absolute():
             out.append(Problem("lora_root", f"lora_root must be an absolute path, not {self.lora_root!r}"))
         return out
@@ -599,6 +617,10 @@ class CacheServiceSettings(Section):
     disk_capacity_mb: int = setting(10240, "bytes of segment files at most")
     disk_segment_mb: int = setting(64, "one segment file; eviction drops whole segments")
     max_lease_s: float = setting(300.0, "longest lease a reader may ask for")
+    max_leases_per_caller: int = setting(1024, "leases one caller (mesh identity) may hold at once; past it "
+                                               "RESOURCE_EXHAUSTED (0 = no cap; plaintext callers: none)")
+    max_retention_s: float = setting(3600.0, "longest a writer's retention priority holds; a put asking longer, "
+                                             "or 0 (forever), gets this")
     snapshot_timeout_s: float = setting(5.0, "wait this long for an instance's snapshot after a gap in its "
                                              "events")
     external: str = setting("", "an external store as the last tier (\"\" = none)", choices=EXTERNAL_STORES)
@@ -625,7 +647,8 @@ class CacheServiceSettings(Section):
         out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
         out += self._positive(("session_idle_s",))
         out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",
-                               "transfer_timeout_s"))
+                               "transfer_timeout_s", "max_retention_s"))
+        out += self._min(("max_leases_per_caller",), 0, {"max_leases_per_caller": "no cap"})
         if self.disk_dir and not 0 < self.disk_segment_mb <= self.disk_capacity_mb:
             out.append(Problem("disk_segment_mb", f"disk_segment_mb ({self.disk_segment_mb}) must be in "
                                                   f"[1, disk_capacity_mb ({self.disk_capacity_mb})]"))
