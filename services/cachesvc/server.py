@@ -43,7 +43,7 @@ from kvmesh.settings import CacheServiceSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
-from kvmesh.transfer import Refusal, TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer import Limits, Refusal, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
@@ -402,7 +402,7 @@ class CacheServer:
             self._transfer = await TransferServer.start(
                 None, cfg.host, cfg.transfer_port, cfg.transfer_backend,
                 ttl=max(30.0, 3 * cfg.transfer_timeout_s), max_buffered_bytes=cfg.transfer_buffer_mb << 20,
-                tls=tls.transfer_server_context(self.shared))
+                tls=tls.transfer_server_context(self.shared), limits=Limits.of(self.shared))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()

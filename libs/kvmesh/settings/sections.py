@@ -210,6 +210,14 @@ class SharedSettings(Section):
     cache_dir: str = setting("", "converted model weights and compiled kernels (\"\" = ~/.cache/kvmesh)")
     ready_file: str = setting("", "write the bound endpoints here as JSON once serving (\"\" = none)")
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS)
+    transfer_idle_timeout_s: float = setting(60.0, "a transfer endpoint closes a connection that sends no frame "
+                                                   "for this long (>= 30: senders reuse an idle connection for up "
+                                                   "to 20 s)")
+    transfer_max_connections: int = setting(1024, "connections a transfer endpoint holds open at once (at most "
+                                                  "half the process's file-descriptor limit); past it a new one "
+                                                  "replaces the one idle longest, or is closed unread")
+    transfer_max_connections_per_peer: int = setting(128, "connections a transfer endpoint holds open from one "
+                                                          "host; past it a new one is closed unread")
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -232,6 +240,8 @@ class SharedSettings(Section):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 out.append(Problem(name, f"{name} {path!r} is not a readable file"))
+        out += self._min(("transfer_idle_timeout_s",), 30)
+        out += self._min(("transfer_max_connections", "transfer_max_connections_per_peer"), 1)
         return out
 
     @property
