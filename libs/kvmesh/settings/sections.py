@@ -608,6 +608,8 @@ class CacheServiceSettings(Section):
     disk_dir: str = setting("", "disk tier directory (\"\" = no disk tier); survives restarts")
     disk_capacity_mb: int = setting(10240, "bytes of segment files at most")
     disk_segment_mb: int = setting(64, "one segment file; eviction drops whole segments")
+    disk_reserve_mb: int = setting(1024, "free space the disk tier leaves on its filesystem: a write that would "
+                                         "leave less drops cold segments, or is refused (counted)")
     max_lease_s: float = setting(300.0, "longest lease a reader may ask for")
     snapshot_timeout_s: float = setting(5.0, "wait this long for an instance's snapshot after a gap in its "
                                              "events")
@@ -632,6 +634,7 @@ class CacheServiceSettings(Section):
         out = super().problems()
         out += self._ports(("port", "metrics_port", "transfer_port"))
         out += self._min(("pool_capacity_mb",), 0, {"pool_capacity_mb": "no DRAM tier"})
+        out += self._min(("disk_reserve_mb",), 0)
         out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
         out += self._positive(("session_idle_s",))
         out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",
