@@ -356,6 +356,7 @@ class CacheServer:
                                               tls=tls.transfer_client_tls(self.shared))
         self.caught_up = False
         self._last_seen: dict[str, float] = {}  # instance -> monotonic time of its last heartbeat
+        self.bus_outage = False  # NATS was seen down and has not been seen back yet
         self._reaper: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
         self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message),
@@ -495,12 +496,24 @@ class CacheServer:
 
     async def _reap(self) -> None:
         """Drop the blocks of every instance silent for longer than ``instance_timeout_s``; end expired leases and
-        write the external tier's manifest when it is due (``Pool.maintain``)."""
+        write the external tier's manifest when it is due (``Pool.maintain``). While NATS is down nobody is
+        dropped (no heartbeat could arrive); once it is back (reconnected), every instance gets
+        ``instance_timeout_s`` to be heard again and is asked for a snapshot (``Resync.refresh``)."""
         timeout = self.cfg.instance_timeout_s
         loop = asyncio.get_running_loop()
+        reconnects = self._reconnects()
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
             now = time.monotonic()
+            if not self._bus_up():
+                self._last_seen = dict.fromkeys(self._last_seen, now)
+                self.bus_outage = True
+            elif self.bus_outage or self._reconnects() != reconnects:  # back (a short outage between two ticks too)
+                reconnects, self.bus_outage = self._reconnects(), False
+                self._last_seen = dict.fromkeys(self._last_seen, now)
+                log.warning("NATS is back: resyncing the %d indexed instances from their snapshots",
+                            len(self.index.instances()))
+                self.resync.refresh(self.index.instances())
             for inst, seen in list(self._last_seen.items()):
                 if now - seen > timeout:
                     del self._last_seen[inst]
@@ -510,6 +523,12 @@ class CacheServer:
                                     inst, now - seen, dropped)
             if self.pool is not None:
                 await loop.run_in_executor(self.storage, self.pool.maintain)
+
+    def _bus_up(self) -> bool:
+        return self.bus is not None and self.bus.nc.is_connected
+
+    def _reconnects(self) -> int:
+        return int(self.bus.nc.stats["reconnects"]) if self.bus is not None else 0
 
 
 async def serve(cfg: CacheServiceSettings, shared: SharedSettings | None = None) -> None:
