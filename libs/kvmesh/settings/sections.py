@@ -519,7 +519,11 @@ class RouterSettings(Section):
     migration_limit: int = setting(3, "times one request may move to another instance after its own failed "
                                       "mid-stream (0 = never: the stream ends with the error)")
     max_concurrent_migrations: int = setting(32, "migrations under way at once on this router; past it a failed "
-                                                 "stream ends with its error")
+                                                 "stream waits for one to end (queued)")
+    inter_token_timeout_s: float = setting(10.0, "a stream that sent its first token and then none for this long "
+                                                 "migrates, as if its instance had died (an engine that stalls "
+                                                 "while its heartbeats go on; 0 = off); the wait for the first "
+                                                 "token (a long prefill) is not watched")
     session_affinity: bool = setting(True, "a session's requests go where its last one ran (its KV is there), "
                                            "unless that instance is overloaded (session_overload)")
     session_overload: int = setting(2, "a session leaves its instance for one with this many fewer requests "
@@ -543,6 +547,7 @@ class RouterSettings(Section):
         out += self._min(("max_requests_per_tenant",), 0, {"max_requests_per_tenant": "off"})
         out += self._min(("migration_limit",), 0, {"migration_limit": "never"})
         out += self._min(("max_concurrent_migrations",), 1)
+        out += self._min(("inter_token_timeout_s",), 0, {"inter_token_timeout_s": "off"})
         if self.id and not (self.id.isascii() and self.id.replace("-", "").replace("_", "").isalnum()):
             out.append(Problem("id", f"id must be letters, digits, '-' and '_' (it names a NATS subject), "
                                      f"not {self.id!r}"))
