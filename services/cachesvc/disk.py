@@ -11,6 +11,12 @@ buffer). A segment is fsynced when it is sealed and at close, so a power loss ca
 open segments; the scan at start stops at the first record whose header, length or (last record) checksum is
 wrong, and truncates the file there. Every read verifies each block's checksum again; a bad block is dropped.
 
+A put writes before it indexes: a record is found by reads only once ``os.write`` took all its bytes. A write that
+fails (``ENOSPC``, ``EIO``) is cut off where the segment's last indexed record ends and retires the segment (it
+stays readable; the next put opens a new one); its blocks are not indexed, the put is refused (``PoolFull``) and
+counted (``failed["write_error"]``). Before writing, the filesystem's free space is checked: a put that would leave
+less than ``reserve_bytes`` free drops cold segments for it, or is refused (``failed["no_space"]``).
+
 Capacity is the bytes of the segment files. Making room drops whole segments: the one whose hottest block
 ranks lowest under the eviction strategy (older segments first on ties), never one holding a leased key.
 Small segments make this closer to per-block eviction; large ones make reads and writes more sequential.
@@ -18,9 +24,11 @@ Small segments make this closer to per-block eviction; large ones make reads and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +73,8 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, directory: str | Path, capacity_bytes: int, segment_bytes: int, policy: EvictionPolicy,
-                 pinned: Callable[[int], bool], clock: Callable[[], float], fsync: bool = True) -> None:
+                 pinned: Callable[[int], bool], clock: Callable[[], float], fsync: bool = True,
+                 reserve_bytes: int = 0) -> None:
         if segment_bytes > capacity_bytes:
             raise ValueError(f"disk segment size ({segment_bytes} bytes) must not exceed the disk capacity "
                              f"({capacity_bytes} bytes)")
@@ -77,6 +86,8 @@ class DiskTier:
         self.pinned = pinned
         self.clock = clock
         self.fsync = fsync
+        self.reserve_bytes = reserve_bytes  # free space on the filesystem a put must leave
+        self.failed: Counter[str] = Counter()  # puts refused: no_space (the reserve), write_error (os.write)
         self.used_bytes = 0
         self.evicted = 0
         self.dropped_corrupt = 0
@@ -109,50 +120,94 @@ class DiskTier:
             raise PoolFull(f"the new blocks take {need} bytes on disk but the disk tier holds at most "
                            f"{self.capacity_bytes}")
         self._make_room(need)
+        self._make_free(need)
         t = self.clock()
-        pending: list[bytes] = []
-        for block, record in zip(blocks, records):
-            seg_id, seg = self._writable(len(record), pending)
-            offset = seg.size + len(record) - len(block.data)
-            seg.size += len(record)
-            self.used_bytes += len(record)
-            pending.append(record)
-            self._order += 1
-            usage = retention.usage(self._order, t, block.key)
-            self._index(block.key, layout, _Record(seg_id, offset, len(block.data), block.checksum, usage))
-        self._flush(pending)
+        i = 0
+        while i < len(records):  # one write per segment the records fill
+            seg_id, seg = self._writable(len(records[i]))
+            j, size = i + 1, len(records[i])
+            while j < len(records) and seg.size + size + len(records[j]) <= self.segment_bytes:
+                size += len(records[j])
+                j += 1
+            start = self._append(seg_id, seg, records[i:j])
+            for block, record in zip(blocks[i:j], records[i:j]):
+                start += len(record)
+                self._order += 1
+                self._index(block.key, layout, _Record(seg_id, start - len(block.data), len(block.data),
+                                                       block.checksum, retention.usage(self._order, t, block.key)))
+            i = j
         return []
 
-    def _writable(self, nbytes: int, pending: list[bytes]) -> tuple[int, _Segment]:
+    def _append(self, seg_id: int, seg: _Segment, records: Sequence[bytes]) -> int:
+        """Write ``records`` at the end of segment ``seg_id``; returns where they start. A failed write is cut off
+        (the segment keeps only what is indexed) and retires the segment: PoolFull, counted."""
+        start = seg.size
+        joined = b"".join(records)
+        data = memoryview(joined)
+        try:
+            while data:
+                data = data[os.write(seg.fd, data):]
+        except OSError as e:
+            self.failed["write_error"] += 1
+            with contextlib.suppress(OSError):
+                os.ftruncate(seg.fd, start)
+            self._active = None  # appends go to a new segment; this one stays readable as indexed
+            log.error("disk tier: writing %d blocks to %s failed (%s); not stored", len(records), seg.path.name, e)
+            raise PoolFull(f"the disk tier could not write {len(records)} blocks: {e}") from None
+        seg.size += len(joined)
+        self.used_bytes += len(joined)
+        return start
+
+    def _writable(self, nbytes: int) -> tuple[int, _Segment]:
         """The active segment, rolled over to a fresh one when ``nbytes`` more would overflow it."""
         seg_id = self._active
         seg = self._segments.get(seg_id) if seg_id is not None else None
         if seg_id is None or seg is None or (seg.size and seg.size + nbytes > self.segment_bytes):
-            self._flush(pending)
             self._seal()
             seg_id = max(self._segments, default=0) + 1
             seg = _Segment(self.dir / f"seg-{seg_id:08d}.kvb")
-            seg.fd = os.open(seg.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_APPEND, 0o644)
+            try:
+                seg.fd = os.open(seg.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_APPEND, 0o644)
+            except OSError as e:
+                self.failed["write_error"] += 1
+                raise PoolFull(f"the disk tier could not open a new segment: {e}") from None
             self._segments[seg_id] = seg
             self._active = seg_id
         return seg_id, seg
 
-    def _flush(self, pending: list[bytes]) -> None:
-        if pending and self._active is not None:
-            data = memoryview(b"".join(pending))
-            while data:
-                data = data[os.write(self._segments[self._active].fd, data):]
-            pending.clear()
-
     def _seal(self) -> None:
         if self._active is not None and self._active in self._segments and self.fsync:
-            os.fsync(self._segments[self._active].fd)
+            try:
+                os.fsync(self._segments[self._active].fd)
+            except OSError as e:  # a full disk: what the page cache holds is still read back until a crash
+                log.error("disk tier: fsync of %s failed: %s", self._segments[self._active].path.name, e)
         self._active = None
 
-    def _make_room(self, nbytes: int) -> None:
-        """Drop whole segments, coldest first, until ``nbytes`` more fit; PoolFull (nothing dropped) when
-        leases keep too much."""
-        over = self.used_bytes + nbytes - self.capacity_bytes
+    def free_bytes(self) -> int:
+        """What the tier's filesystem has free for an unprivileged writer."""
+        st = os.statvfs(self.dir)
+        return st.f_bavail * st.f_frsize
+
+    def _make_free(self, nbytes: int) -> None:
+        """Leave ``reserve_bytes`` free on the filesystem after writing ``nbytes``: drop cold segments for it, or
+        PoolFull (counted as ``no_space``) when even that is not enough."""
+        short = nbytes + self.reserve_bytes - self.free_bytes()
+        if short <= 0:
+            return
+        try:
+            self._make_room(short, over=short)
+        except PoolFull:
+            pass
+        if (free := self.free_bytes()) < nbytes + self.reserve_bytes:
+            self.failed["no_space"] += 1
+            raise PoolFull(f"the disk tier's filesystem has {free} bytes free: {nbytes} more would leave less than "
+                           f"the {self.reserve_bytes} reserved (disk_reserve_mb)")
+
+    def _make_room(self, nbytes: int, over: int | None = None) -> None:
+        """Drop whole segments, coldest first, until ``nbytes`` more fit (``over``: until that many bytes are
+        dropped); PoolFull (nothing dropped) when leases keep too much."""
+        target = self.used_bytes - over if over is not None else self.capacity_bytes - nbytes
+        over = self.used_bytes - target
         if over <= 0:
             return
         t = self.clock()
@@ -164,7 +219,7 @@ class DiskTier:
             raise PoolFull(f"the disk tier needs {over} more bytes but what it holds is leased; "
                            "retry when leases end")
         for _, seg_id in ranked:
-            if self.used_bytes + nbytes <= self.capacity_bytes:
+            if self.used_bytes <= target:
                 break
             self._drop(seg_id)
 

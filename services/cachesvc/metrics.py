@@ -37,14 +37,19 @@ class _StateCollector:
         evicted = GaugeMetricFamily(f"{P}_pool_evictions", "Blocks evicted per pool tier since start",
                                     labels=["tier"])
         leased = GaugeMetricFamily(f"{P}_leased_blocks", "Blocks pinned by live leases")
+        failed = GaugeMetricFamily(f"{P}_pool_write_failures", "Puts a pool tier refused since start, by reason "
+                                   "(disk: no_space = the free-space reserve, write_error = a write that failed)",
+                                   labels=["tier", "reason"])
         if s.pool is not None:
             for t in s.pool.tiers:
                 blocks.add_metric([t.name], len(t))
                 used.add_metric([t.name], t.used_bytes)
                 occupancy.add_metric([t.name], t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0)
                 evicted.add_metric([t.name], t.evicted)
+                for reason, n in getattr(t, "failed", {}).items():
+                    failed.add_metric([t.name, reason], n)
             leased.add_metric([], s.pool.leases.pinned_keys)
-        yield from (blocks, used, occupancy, evicted, leased)
+        yield from (blocks, used, occupancy, evicted, leased, failed)
 
 
 class CacheMetrics:

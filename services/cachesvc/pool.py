@@ -93,7 +93,7 @@ class Pool:
             tiers.append(DramTier(cfg.pool_capacity_mb << 20, policy, leases.pinned, clock))
         if cfg.disk_dir:
             tiers.append(DiskTier(Path(cfg.disk_dir), cfg.disk_capacity_mb << 20, cfg.disk_segment_mb << 20,
-                                  policy, leases.pinned, clock))
+                                  policy, leases.pinned, clock, reserve_bytes=cfg.disk_reserve_mb << 20))
         if cfg.external == "mooncake":
             from services.cachesvc.mooncake import MooncakeSettings, MooncakeTier
 

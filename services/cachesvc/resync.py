@@ -9,6 +9,9 @@ the instance for a snapshot (``kvmesh.bus.snapshot``) and holds back that instan
 - no snapshot (the instance is gone, or does not answer snapshots): the held batches are applied as they are.
   A held batch with seq 1 is taken as a restart (numbering starts again), a gap is counted and applied anyway.
 
+After a NATS outage cachesvc asks every instance it indexes for a snapshot the same way (:meth:`Resync.refresh`):
+what an instance evicted or stored while the bus was down, and published nowhere, is then in the index again.
+
 Runs on the event loop, like the index.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from kvmesh.bus.snapshot import Snapshot
 from kvmesh.contracts.messages import KVEventBatch
@@ -36,6 +39,7 @@ class Resync:
         self.stale = 0        # stale batches detected
         self.applied = 0      # snapshots applied
         self.failed = 0       # resyncs that got no snapshot
+        self.refreshed = 0    # resyncs asked for after a NATS outage
         self._held: dict[str, list[KVEventBatch]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -57,7 +61,18 @@ class Resync:
         else:
             self.stale += 1
         log.info("kv events of %s: %s batch seq %d; asking for a snapshot", inst, order.value, batch.seq)
-        self._held[inst] = [batch]
+        self._start(inst, [batch])
+
+    def refresh(self, instances: Iterable[str]) -> None:
+        """Resync ``instances`` from snapshots (the bus was down: their events may not all have been published);
+        an instance that sends none keeps what the index holds."""
+        for inst in instances:
+            if inst not in self._held:
+                self.refreshed += 1
+                self._start(inst, [])
+
+    def _start(self, inst: str, held: list[KVEventBatch]) -> None:
+        self._held[inst] = held
         task = asyncio.create_task(self._resync(inst), name=f"resync-{inst}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

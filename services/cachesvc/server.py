@@ -45,7 +45,7 @@ from kvmesh.settings import CacheServiceSettings, SharedSettings
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
-from kvmesh.transfer import Refusal, TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer import Limits, Refusal, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
@@ -380,6 +380,7 @@ class CacheServer:
         self.caught_up = False
         self._last_seen: dict[str, float] = {}  # instance -> monotonic time of its last heartbeat
         self._transfer_addresses: dict[str, str] = {}  # instance -> the transfer endpoint it announced
+        self.bus_outage = False  # NATS was seen down and has not been seen back yet
         self._reaper: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
         self.grpc = grpc.aio.server(interceptors=[self.authorizer] if self.authorizer else None,
@@ -427,7 +428,7 @@ class CacheServer:
             self._transfer = await TransferServer.start(
                 None, cfg.host, cfg.transfer_port, cfg.transfer_backend,
                 ttl=max(30.0, 3 * cfg.transfer_timeout_s), max_buffered_bytes=cfg.transfer_buffer_mb << 20,
-                tls=tls.transfer_server_context(self.shared))
+                tls=tls.transfer_server_context(self.shared), limits=Limits.of(self.shared))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
@@ -531,12 +532,24 @@ class CacheServer:
 
     async def _reap(self) -> None:
         """Drop the blocks of every instance silent for longer than ``instance_timeout_s``; end expired leases and
-        write the external tier's manifest when it is due (``Pool.maintain``)."""
+        write the external tier's manifest when it is due (``Pool.maintain``). While NATS is down nobody is
+        dropped (no heartbeat could arrive); once it is back (reconnected), every instance gets
+        ``instance_timeout_s`` to be heard again and is asked for a snapshot (``Resync.refresh``)."""
         timeout = self.cfg.instance_timeout_s
         loop = asyncio.get_running_loop()
+        reconnects = self._reconnects()
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
             now = time.monotonic()
+            if not self._bus_up():
+                self._last_seen = dict.fromkeys(self._last_seen, now)
+                self.bus_outage = True
+            elif self.bus_outage or self._reconnects() != reconnects:  # back (a short outage between two ticks too)
+                reconnects, self.bus_outage = self._reconnects(), False
+                self._last_seen = dict.fromkeys(self._last_seen, now)
+                log.warning("NATS is back: resyncing the %d indexed instances from their snapshots",
+                            len(self.index.instances()))
+                self.resync.refresh(self.index.instances())
             for inst, seen in list(self._last_seen.items()):
                 if now - seen > timeout:
                     del self._last_seen[inst]
@@ -546,6 +559,12 @@ class CacheServer:
                                     inst, now - seen, dropped)
             if self.pool is not None:
                 await loop.run_in_executor(self.storage, self.pool.maintain)
+
+    def _bus_up(self) -> bool:
+        return self.bus is not None and self.bus.nc.is_connected
+
+    def _reconnects(self) -> int:
+        return int(self.bus.nc.stats["reconnects"]) if self.bus is not None else 0
 
 
 async def serve(cfg: CacheServiceSettings, shared: SharedSettings | None = None) -> None:

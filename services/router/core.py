@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from kvmesh import tls
@@ -289,7 +289,7 @@ class Router:
                         rt.trace_id, e.message)
             rt.retry(self.registry.role_of(e.instance), e.instance, e.message)
         else:  # it streamed, then failed: the request goes on elsewhere after what it streamed
-            tries.migration = self.migrations.start(rt, e, tries.migrations, len(tries.streamed))
+            tries.migration = await self.migrations.start(rt, e, tries.migrations, len(tries.streamed))
             if tries.migration is None:
                 raise e
             tries.migrations += 1
@@ -428,7 +428,9 @@ class Router:
 
     async def _chunks(self, call: grpc.aio.UnaryStreamCall, inst: Instance,
                       request_id: str) -> AsyncIterator[tuple[worker_pb2.DecodeChunk, bool]]:
-        """The call's messages (and whether each is the first); its failure as a ``RequestError``: INVALID_ARGUMENT
+        """The call's messages (and whether each is the first); once the first came, a gap of
+        ``inter_token_timeout_s`` ends it as the instance's failure (stalled: the stream migrates). Its failure as a
+        ``RequestError``: INVALID_ARGUMENT
         is the request's fault, INTERNAL the instance's (a 500 naming the request, never retried: the request may
         be what breaks it), anything else makes the instance unavailable for it: retryable (elsewhere) when it
         could not be reached, was dropped for silence while streaming (the call is cancelled then), or cannot
@@ -440,9 +442,9 @@ class Router:
             call.cancel()
 
         unwatch = self.registry.watch(inst.id, on_lost)
-        first = True
+        first, limit = True, self.cfg.inter_token_timeout_s
         try:
-            async for msg in call:
+            while (msg := await _next_chunk(call, None if first or not limit else limit, inst.id)) is not None:
                 yield msg, first
                 first = False
         except asyncio.CancelledError:
@@ -586,6 +588,19 @@ def _dispatch_id(request: Admitted, retries: int, migrations: int) -> str:
     if request.resume:  # a resumed stream: its dead router's dispatch may still be winding down somewhere
         rid = f"{rid}.resume{len(request.resume)}"
     return rid + (f".migrate{migrations}" if migrations else "") + (f".retry{retries}" if retries else "")
+
+
+async def _next_chunk(call: grpc.aio.UnaryStreamCall, limit: float | None,
+                      instance: str) -> worker_pb2.DecodeChunk | None:
+    """The call's next message (None at its end), within ``limit`` seconds when given: past it, the instance
+    stalled (UNAVAILABLE, retryable: the stream moves elsewhere)."""
+    try:
+        async with asyncio.timeout(limit):
+            msg = await call.read()
+    except TimeoutError:
+        raise RequestError(ErrorKind.UNAVAILABLE, f"instance {instance} stalled: no token for {limit:g}s "
+                                                  "(inter_token_timeout_s)", instance, retryable=True) from None
+    return None if msg is grpc.aio.EOF else cast(worker_pb2.DecodeChunk, msg)
 
 
 async def _cached_or_zero(cached: CachedTokens) -> int:

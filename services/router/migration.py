@@ -9,14 +9,17 @@ same greedy text, seeded sampling continuing its sequence, grammar and stop stri
 same way.
 
 Limits: ``migration_limit`` per request, ``max_concurrent_migrations`` across the router (a decode that dies with a
-hundred streams must not turn into a hundred recomputes at once on the survivors: past the cap the stream ends
-with its error). Each migration is a ``router.migrate`` span, from the failure to the first token after it, with
-the reason, the instance left and the tokens carried over; ``kvmesh_router_migrations_total{outcome}`` counts
-them.
+hundred streams must not turn into a hundred recomputes at once on the survivors: past the cap a stream waits, in
+order, for a migration under way to end, and is counted ``queued``; its client sees a longer gap, not an error).
+A stream also moves when its instance stalls: no token for ``inter_token_timeout_s`` once the first came
+(``core.Router._chunks``), however its heartbeats go. Each migration is a ``router.migrate`` span, from the
+failure to the first token after it, with the reason, the instance left and the tokens carried over;
+``kvmesh_router_migrations_total{outcome}`` counts them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,18 +64,19 @@ class Migrations:
         self.concurrent = concurrent
         self.metrics = metrics
         self.under_way = 0
+        self._slots = asyncio.Semaphore(concurrent)  # FIFO: the streams queued first move first
 
-    def start(self, rt: RequestTrace, e: RequestError, done: int, carried: int) -> Migration | None:
-        """Move a request whose instance failed (``e``) after ``done`` migrations, carrying ``carried`` tokens;
-        None when a limit says the error stands."""
+    async def start(self, rt: RequestTrace, e: RequestError, done: int, carried: int) -> Migration | None:
+        """Move a request whose instance failed (``e``) after ``done`` migrations, carrying ``carried`` tokens,
+        once a slot is free (waits past ``concurrent``); None when the per-request limit says the error stands."""
         if done >= self.per_request:
             self.metrics.migrations.labels("over_request_limit").inc()
             return None
-        if self.under_way >= self.concurrent:
-            self.metrics.migrations.labels("over_router_limit").inc()
-            log.warning("request %s: %d migrations under way (max_concurrent_migrations): not migrated",
+        if self._slots.locked():
+            self.metrics.migrations.labels("queued").inc()
+            log.warning("request %s: %d migrations under way (max_concurrent_migrations): queued for a slot",
                         rt.request_id, self.under_way)
-            return None
+        await self._slots.acquire()
         self.under_way += 1
         self.metrics.migrations.labels("migrated").inc()
         span = rt.child("router.migrate", attrs={"kvmesh.reason": e.message, "kvmesh.migration.from": e.instance,
@@ -84,3 +88,4 @@ class Migrations:
 
     def _leave(self) -> None:
         self.under_way -= 1
+        self._slots.release()

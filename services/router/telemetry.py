@@ -53,9 +53,9 @@ class RouterMetrics:
         self.retries = Counter(f"{P}_retries", "Calls re-sent to another instance after one was unreachable, "
                                "by the role of the instance that failed", ["role"], registry=r)
         self.migrations = Counter(f"{P}_migrations", "Streams whose instance failed mid-stream: moved to another "
-                                  "one (migrated) or ended with the error (over_request_limit, "
-                                  "over_router_limit)", ["outcome"], registry=r)
-        for outcome in ("migrated", "over_request_limit", "over_router_limit"):
+                                  "one (migrated; queued: it first waited for a slot, max_concurrent_migrations) "
+                                  "or ended with the error (over_request_limit)", ["outcome"], registry=r)
+        for outcome in ("migrated", "queued", "over_request_limit"):
             self.migrations.labels(outcome)
         self.slo = Counter(f"{P}_slo_requests", "Requests with a latency target that completed, by outcome "
                            "(met: every target, the goodput; missed, and missed_ttft / missed_itl: which target a "

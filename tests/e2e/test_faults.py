@@ -97,6 +97,39 @@ def test_a_decode_killed_at_token_10_of_40_costs_no_token(tmp_path_factory):
         stack.stop()
 
 
+def test_a_decode_frozen_mid_stream_is_left_after_the_inter_token_timeout(tmp_path_factory):
+    """The decode serving the stream stops after 10 tokens and is SIGSTOPped there (frozen: a stalled engine).
+    The router's heartbeat timeout is far off (120 s); its inter-token watchdog (2 s) moves the stream to the
+    other decode, and the client gets all 40 tokens, the uninterrupted greedy run's. The wait for the first
+    token is not watched: the stream's prefill does not trip it."""
+    stack = start_stack(tmp_path_factory, "stall", decode=2,
+                        env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_TOKENS": "10", "KVMESH_ROUTER_INSTANCE_TIMEOUT_S": "120",
+                             "KVMESH_ROUTER_INTER_TOKEN_TIMEOUT_S": "2"})
+    frozen = None
+    try:
+        chunks, t_frozen, t_done = [], 0.0, 0.0
+        with KvmeshClient(stack.router_grpc, timeout_s=240, retries=0) as client:
+            for chunk in client.generate(PROMPT, max_tokens=40, temperature=0, ignore_eos=True,
+                                         request_id="freeze-me"):
+                chunks.append(chunk)
+                if frozen is None and sum(len(c.token_ids) for c in chunks) == 10:
+                    frozen = hung_decode(stack, "freeze-me")
+                    frozen.proc.send_signal(signal.SIGSTOP)
+                    t_frozen = time.monotonic()
+            t_done = time.monotonic()
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert (tokens, "".join(c.text for c in chunks)) == greedy_reference(PROMPT, 40)
+        assert t_done - t_frozen < 60  # moved by the watchdog, long before the 120 s heartbeat timeout
+        _, tree = spans_of(stack, "freeze-me")
+        [migrate] = [s for s in tree if s.name == "router.migrate"]
+        assert migrate.attributes["kvmesh.migration.from"] == frozen.name
+        assert "inter_token_timeout_s" in migrate.attributes["kvmesh.reason"]
+    finally:
+        if frozen is not None:
+            frozen.proc.send_signal(signal.SIGCONT)
+        stack.stop()
+
+
 def test_with_migration_off_a_killed_decode_fails_only_its_stream(tmp_path_factory):
     """``migration_limit = 0``: the stream whose decode dies ends with an error naming that instance; new
     requests are served by the other decode."""

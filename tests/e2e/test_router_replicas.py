@@ -52,8 +52,9 @@ def test_two_routers_under_concurrent_load_do_not_herd(tmp_path_factory):
     """Three streams through each router at once, each held open by its decode (it hangs after one token: the
     fault), so every one is in flight at the end: the two decodes hold them within 1.5x of each other, so 3 and
     3. (Replicas blind to each other that break ties alike would each send 2 + 1 to the same pair: 4 and 2.)"""
-    stack = start_stack(tmp_path_factory, "replicas-load", decode=2, routers=2,
-                        env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_TOKENS": "1"})
+    stack = start_stack(tmp_path_factory, "replicas-load", decode=2, routers=2,  # held open: no watchdog
+                        env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_TOKENS": "1",
+                             "KVMESH_ROUTER_INTER_TOKEN_TIMEOUT_S": "0"})
     opened: list = []
     try:
         threads = [threading.Thread(target=stream_and_hang, args=(r.endpoints["http"], f"Tell story {i}.", opened))

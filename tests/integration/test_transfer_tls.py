@@ -59,7 +59,7 @@ def test_a_push_over_tls_arrives_bit_exact(member, backend: str) -> None:
                 token = server.grant(f"r{i}", 0, 5, timeout_s=30.0).token
                 await client.push(server.address, f"r{i}", LAYOUT, block_bytes(blocks), [], 20, token=token)
                 assert same_bits(tensor(await server.take(f"r{i}", timeout=5)), blocks)
-            (conn,), = client._idle.values()  # one connection, pooled: TLS
+            ((conn, _),), = client._idle.values()  # one connection, pooled: TLS
             assert conn.tls
 
     run(scenario())

@@ -1,6 +1,8 @@
 """The router's migration limits (``services/router/migration.py``): per request, at once across the router, and
 the slot a migration holds given back exactly once, whether its stream delivered again or failed."""
 
+import asyncio
+
 from services.router.errors import ErrorKind, RequestError
 from services.router.migration import Migrations
 from services.router.telemetry import RequestTrace, RouterMetrics
@@ -16,23 +18,36 @@ def test_a_request_moves_at_most_migration_limit_times():
     metrics = RouterMetrics()
     m = Migrations(per_request=2, concurrent=10, metrics=metrics)
     rt = RequestTrace(metrics, "r1", "test")
-    for done in range(2):
-        m.start(rt, DEAD, done, carried=5).arrived()
-    assert m.start(rt, DEAD, 2, carried=5) is None
+
+    async def scenario() -> None:
+        for done in range(2):
+            (await m.start(rt, DEAD, done, carried=5)).arrived()
+        assert await m.start(rt, DEAD, 2, carried=5) is None
+
+    asyncio.run(scenario())
     assert counted(metrics, "migrated") == 2 and counted(metrics, "over_request_limit") == 1
 
 
-def test_past_the_routers_limit_a_failed_stream_is_not_moved_until_a_slot_is_back():
+def test_past_the_routers_limit_a_failed_stream_waits_for_a_slot_in_order_and_still_moves():
     metrics = RouterMetrics()
     m = Migrations(per_request=3, concurrent=2, metrics=metrics)
-    first, second = (m.start(RequestTrace(metrics, f"r{i}", "test"), DEAD, 0, 10) for i in range(2))
-    assert m.start(RequestTrace(metrics, "r3", "test"), DEAD, 0, 10) is None
-    assert counted(metrics, "over_router_limit") == 1
-    first.failed(DEAD)
-    first.failed(DEAD)  # once only
-    second.arrived()
-    assert m.under_way == 0
-    assert m.start(RequestTrace(metrics, "r4", "test"), DEAD, 0, 10) is not None
+
+    async def scenario() -> None:
+        first, second = [await m.start(RequestTrace(metrics, f"r{i}", "test"), DEAD, 0, 10) for i in range(2)]
+        third = asyncio.create_task(m.start(RequestTrace(metrics, "r3", "test"), DEAD, 0, 10))
+        fourth = asyncio.create_task(m.start(RequestTrace(metrics, "r4", "test"), DEAD, 0, 10))
+        await asyncio.sleep(0)
+        assert not third.done() and not fourth.done() and counted(metrics, "queued") == 2
+        first.failed(DEAD)
+        first.failed(DEAD)  # once only: one slot back, the first queued takes it
+        assert (await third) is not None and not fourth.done()
+        second.arrived()
+        (await fourth).arrived()
+        (await third).arrived()
+        assert m.under_way == 0
+
+    asyncio.run(scenario())
+    assert counted(metrics, "migrated") == 4
 
 
 def test_a_migrated_stream_is_held_to_no_ttft_target():

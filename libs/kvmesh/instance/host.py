@@ -37,7 +37,7 @@ from kvmesh.ready import binding, report_ready
 from kvmesh.settings import EngineSettings, InstanceSettings, SharedSettings, TelemetrySettings
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
-from kvmesh.transfer import TransferServer
+from kvmesh.transfer import Limits, TransferServer
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class EngineHost:
                                                                   port=self.cfg.transfer_port,
                                                                   backend=self.cfg.transfer_backend,
                                                                   tls=tls.transfer_server_context(self.shared),
-                                                                  convertible=self.convertible)
+                                                                  convertible=self.convertible,
+                                                                  limits=Limits.of(self.shared))
         if self.transfer_server is not None:
             self.metrics.watch_transfers(self.transfer_server)
         self.pool = None

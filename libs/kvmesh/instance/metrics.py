@@ -68,7 +68,8 @@ class WorkerMetrics:
         self.registry.register(CountsCollector(
             f"{P}_kv_transfer_refused", "Transfers the transfer endpoint refused, by reason: unsolicited / "
             "bad_token / expired / blocks (no valid push capability), tls (TLS on one end only), and checksum, layout, "
-            "capacity, duplicate, discarded...", "reason", lambda: server.refused))
+            "capacity, duplicate, discarded..., connections / idle (connections closed: over a cap, or silent)",
+            "reason", lambda: server.refused))
 
 
 def fallback_reason(message: str) -> str:

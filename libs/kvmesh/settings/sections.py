@@ -213,6 +213,14 @@ class SharedSettings(Section):
     cache_dir: str = setting("", "converted model weights and compiled kernels (\"\" = ~/.cache/kvmesh)")
     ready_file: str = setting("", "write the bound endpoints here as JSON once serving (\"\" = none)")
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS)
+    transfer_idle_timeout_s: float = setting(60.0, "a transfer endpoint closes a connection that sends no frame "
+                                                   "for this long (>= 30: senders reuse an idle connection for up "
+                                                   "to 20 s)")
+    transfer_max_connections: int = setting(1024, "connections a transfer endpoint holds open at once (at most "
+                                                  "half the process's file-descriptor limit); past it a new one "
+                                                  "replaces the one idle longest, or is closed unread")
+    transfer_max_connections_per_peer: int = setting(128, "connections a transfer endpoint holds open from one "
+                                                          "host; past it a new one is closed unread")
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -235,6 +243,8 @@ class SharedSettings(Section):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 out.append(Problem(name, f"{name} {path!r} is not a readable file"))
+        out += self._min(("transfer_idle_timeout_s",), 30)
+        out += self._min(("transfer_max_connections", "transfer_max_connections_per_peer"), 1)
         return out
 
     @property
@@ -517,7 +527,11 @@ class RouterSettings(Section):
     migration_limit: int = setting(3, "times one request may move to another instance after its own failed "
                                       "mid-stream (0 = never: the stream ends with the error)")
     max_concurrent_migrations: int = setting(32, "migrations under way at once on this router; past it a failed "
-                                                 "stream ends with its error")
+                                                 "stream waits for one to end (queued)")
+    inter_token_timeout_s: float = setting(10.0, "a stream that sent its first token and then none for this long "
+                                                 "migrates, as if its instance had died (an engine that stalls "
+                                                 "while its heartbeats go on; 0 = off); the wait for the first "
+                                                 "token (a long prefill) is not watched")
     session_affinity: bool = setting(True, "a session's requests go where its last one ran (its KV is there), "
                                            "unless that instance is overloaded (session_overload)")
     session_overload: int = setting(2, "a session leaves its instance for one with this many fewer requests "
@@ -541,6 +555,7 @@ class RouterSettings(Section):
         out += self._min(("max_requests_per_tenant",), 0, {"max_requests_per_tenant": "off"})
         out += self._min(("migration_limit",), 0, {"migration_limit": "never"})
         out += self._min(("max_concurrent_migrations",), 1)
+        out += self._min(("inter_token_timeout_s",), 0, {"inter_token_timeout_s": "off"})
         if self.id and not (self.id.isascii() and self.id.replace("-", "").replace("_", "").isalnum()):
             out.append(Problem("id", f"id must be letters, digits, '-' and '_' (it names a NATS subject), "
                                      f"not {self.id!r}"))
@@ -616,6 +631,8 @@ class CacheServiceSettings(Section):
     disk_dir: str = setting("", "disk tier directory (\"\" = no disk tier); survives restarts")
     disk_capacity_mb: int = setting(10240, "bytes of segment files at most")
     disk_segment_mb: int = setting(64, "one segment file; eviction drops whole segments")
+    disk_reserve_mb: int = setting(1024, "free space the disk tier leaves on its filesystem: a write that would "
+                                         "leave less drops cold segments, or is refused (counted)")
     max_lease_s: float = setting(300.0, "longest lease a reader may ask for")
     max_leases_per_caller: int = setting(1024, "leases one caller (mesh identity) may hold at once; past it "
                                                "RESOURCE_EXHAUSTED (0 = no cap; plaintext callers: none)")
@@ -644,6 +661,7 @@ class CacheServiceSettings(Section):
         out = super().problems()
         out += self._ports(("port", "metrics_port", "transfer_port"))
         out += self._min(("pool_capacity_mb",), 0, {"pool_capacity_mb": "no DRAM tier"})
+        out += self._min(("disk_reserve_mb",), 0)
         out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
         out += self._positive(("session_idle_s",))
         out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",

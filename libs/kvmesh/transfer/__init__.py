@@ -17,7 +17,7 @@ from kvmesh.transfer.client import TransferClient, TransferStats
 from kvmesh.transfer.conn import ClientTLS
 from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.grants import Grant
-from kvmesh.transfer.server import ReceivedBlocks, TransferServer
+from kvmesh.transfer.server import Limits, ReceivedBlocks, TransferServer
 
-__all__ = ["ClientTLS", "Grant", "ReceivedBlocks", "Refusal", "TransferClient", "TransferRejected",
+__all__ = ["ClientTLS", "Grant", "Limits", "ReceivedBlocks", "Refusal", "TransferClient", "TransferRejected",
            "TransferServer", "TransferStats"]

@@ -3,8 +3,10 @@
 Connections are pooled per address: a push takes an idle connection (or opens one), owns it exclusively until
 the reply, then returns it, so concurrent pushes are safe and each uses its own connection (at most
 ``max_connections_per_address`` at once; further pushes wait). A connection that failed mid-push is closed,
-never reused. With ``tls`` (``kvmesh.tls.transfer_client_tls``) every connection is TLS, the server's
-certificate verified against the CA (and the client's own presented).
+never reused; one idle for ``IDLE_REUSE_S`` is closed too, well before the receiver's idle timeout
+(``[shared] transfer_idle_timeout_s``, at least 30 s) could close it under a push. With ``tls``
+(``kvmesh.tls.transfer_client_tls``) every connection is TLS, the server's certificate verified against the CA
+(and the client's own presented).
 
 Every push carries the capability (``token``) its receiver issued for it (:mod:`kvmesh.transfer.grants`): the
 receiver refuses a push without it.
@@ -37,6 +39,8 @@ from kvmesh.transfer.wire import (
     read_reply,
 )
 
+IDLE_REUSE_S = 20.0
+
 
 class TransferStats(NamedTuple):
     nbytes: int
@@ -52,7 +56,7 @@ class TransferClient:
         self.connect_timeout = connect_timeout
         self.reply_timeout = reply_timeout
         self.tls = tls
-        self._idle: dict[Address, list[Conn]] = {}
+        self._idle: dict[Address, list[tuple[Conn, float]]] = {}  # -> (connection, idle since)
         self._slots: dict[Address, asyncio.Semaphore] = {}  # bounds the pushes in flight per address
         self._backends: dict[str, Backend] = {}
 
@@ -106,7 +110,7 @@ class TransferClient:
         for backend in self._backends.values():
             backend.close()
         for conns in self._idle.values():
-            for conn in conns:
+            for conn, _ in conns:
                 conn.close()
         self._idle.clear()
 
@@ -146,8 +150,8 @@ class TransferClient:
     async def _checkout(self, addr: Address) -> Conn:
         idle = self._idle.get(addr, [])
         while idle:
-            conn = idle.pop()
-            if conn.reusable():
+            conn, since = idle.pop()
+            if time.monotonic() - since < IDLE_REUSE_S and conn.reusable():
                 return conn
             conn.close()
         loop = asyncio.get_running_loop()
@@ -172,7 +176,7 @@ class TransferClient:
     def _checkin(self, addr: Address, conn: Conn) -> None:
         idle = self._idle.setdefault(addr, [])
         if len(idle) < self.max_idle_per_address:
-            idle.append(conn)
+            idle.append((conn, time.monotonic()))
         else:
             conn.close()
 

@@ -22,6 +22,8 @@ class Refusal(enum.StrEnum):
     CAPACITY = "capacity"        # it would exceed the receive buffer
     DUPLICATE = "duplicate"      # a transfer id (or blocks and layers) received before
     DISCARDED = "discarded"      # the receiver gave up on it
+    CONNECTIONS = "connections"  # a connection over the endpoint's caps (per peer, in all): closed unread
+    IDLE = "idle"                # a connection that sent no frame within the idle timeout: closed
     OTHER = "other"              # a sender's view of a reason it does not know
 
 

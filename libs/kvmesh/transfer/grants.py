@@ -60,9 +60,16 @@ class Grants:
         self.linger_s = linger_s
         self._by_prefix: dict[str, Grant] = {}
         self._lengths: Counter[int] = Counter()  # prefix lengths in use: what a lookup tries
+        self._spans: Counter[int] = Counter()    # blocks each grant held covers: the largest push expected
 
     def __len__(self) -> int:
         return sum(not g.revoked for g in self._by_prefix.values())
+
+    @property
+    def widest(self) -> int:
+        """The most blocks one grant held covers (lingering ones included, so a late part is still told why it
+        is refused); 0 when none is held. A header describing more blocks than this cannot be admitted."""
+        return max(self._spans, default=0)
 
     def issue(self, prefix: str, first_block: int, end_block: int, timeout_s: float) -> Grant:
         """A fresh capability for pushes under ``prefix`` of blocks ``first_block .. end_block - 1``, valid for
@@ -129,6 +136,7 @@ class Grants:
             grant._drop.cancel()
         if self._by_prefix.get(grant.prefix) is not grant:
             self._lengths[len(grant.prefix)] += 1
+            self._spans[grant.end_block - grant.first_block] += 1
         self._by_prefix[grant.prefix] = grant
         grant._drop = asyncio.get_running_loop().call_later(for_s, self._forget, grant.prefix, grant)
 
@@ -139,5 +147,9 @@ class Grants:
             self._lengths[len(prefix)] -= 1
             if not self._lengths[len(prefix)]:
                 del self._lengths[len(prefix)]
+            span = held.end_block - held.first_block
+            self._spans[span] -= 1
+            if not self._spans[span]:
+                del self._spans[span]
             if held._drop is not None:
                 held._drop.cancel()

@@ -24,7 +24,12 @@ from kvmesh.contracts.layout import KVLayout
 from kvmesh.transfer.errors import Refusal, TransferRejected
 
 VERSION = 2  # 2: carries the push capability (token)
-MAX_HEADER_BYTES = 4 << 20
+# A header's size is what its blocks add (each block's key and checksum: two quoted 16-digit hex strings and their
+# commas, 38 bytes) on top of the rest. The rest of the largest header a sender can write (a 1024-character
+# transfer id, a mooncake source, layers) measures 1.5 KiB; HEADER_BASE keeps a margin over it.
+HEADER_BASE = 4096
+HEADER_PER_BLOCK = 38
+MAX_BLOCKS = 32768  # blocks in one push at most: a 512k-token sequence of 16-token blocks
 MAX_TRANSFER_ID = 1024  # characters (a hand-off's: a request id of at most 128, an instance id, a part number)
 T = TypeVar("T")
 
@@ -54,6 +59,14 @@ class TransferHeader:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_nbytes
+
+
+def header_limit(num_blocks: int) -> int:
+    """The most bytes a header describing up to ``num_blocks`` blocks takes."""
+    return HEADER_BASE + HEADER_PER_BLOCK * num_blocks
+
+
+MAX_HEADER_BYTES = header_limit(MAX_BLOCKS)
 
 
 def block_checksums(payload: memoryview, stride: int) -> tuple[int, ...]:

@@ -21,6 +21,16 @@ those parts are received straight into it (tcp, shm), verified where they landed
 ``discard_prefix``) revokes it: from then on nothing is written into that memory (see ``landing``). Without a
 landing, or over a backend that cannot scatter (mooncake), a part is buffered as before.
 
+Hostile peers (:class:`Limits`): a connection that sends no frame within ``idle_timeout_s`` (before its first
+byte, or between frames) is closed; one past ``max_connections_per_peer`` from its host is closed unread, and one
+past ``max_connections`` (at most half the process's file-descriptor limit) takes the place of the connection idle
+longest, or is closed unread when none is idle. When the process runs out of file descriptors (``EMFILE`` /
+``ENFILE``) the accept loop closes the connection idle longest and backs off (up to 1 s) instead of ending.
+A header is read only when it is no larger than the pushes its grants expect
+(:func:`~kvmesh.transfer.header.header_limit` of the widest grant held): no JSON is parsed for a peer nobody asked
+to push that much. These refusals are counted (``connections``, ``idle``, ``malformed``) and logged once per
+peer and reason a minute.
+
 Concurrency: all state lives on the event loop that called :meth:`TransferServer.start`; one task per
 connection, each connection carrying one transfer at a time.
 """
@@ -28,17 +38,22 @@ connection, each connection carrying one transfer at a time.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import resource
 import socket
 import ssl
 import time
+from collections import Counter
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Self, TypeVar
 
 import numpy as np
 
 from kvmesh.contracts.ids import BlockKey, TransferBackend, TransferId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
+from kvmesh.settings import SharedSettings
 from kvmesh.transfer.backends import Backend, ScatterBackend, TcpBackend
 from kvmesh.transfer.conn import TLS_RECORD, Conn, TlsConn, first_byte
 from kvmesh.transfer.errors import Refusal, TransferRejected
@@ -49,12 +64,39 @@ from kvmesh.transfer.header import (
     corrupt_blocks,
     corrupt_landed_blocks,
     decode_header,
+    header_limit,
 )
 from kvmesh.transfer.landing import Landing
 from kvmesh.transfer.registry import get_backend
 from kvmesh.transfer.wire import MAGIC, PREFIX, Address, Reply, configure, encode_reply, refusal_reply
 
 log = logging.getLogger(__name__)
+
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_MAX_BACKOFF_S = 1.0
+T = TypeVar("T")
+_WARN_EVERY_S = 60.0  # a peer's refusals of one kind are logged at most this often (and counted always)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one transfer endpoint holds open for its peers (``[shared] transfer_*``)."""
+
+    idle_timeout_s: float = 60.0       # no frame (first byte, or the next one) within this: closed
+    max_connections: int = 1024        # in all (at most half the file-descriptor limit)
+    max_connections_per_peer: int = 128  # from one host
+
+    @classmethod
+    def of(cls, shared: SharedSettings) -> Limits:
+        return cls(shared.transfer_idle_timeout_s, shared.transfer_max_connections,
+                   shared.transfer_max_connections_per_peer)
+
+    def total(self) -> int:
+        """``max_connections``, or half the process's soft ``RLIMIT_NOFILE`` when that is lower: the rest is
+        for everything else the process opens."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return self.max_connections if soft == resource.RLIM_INFINITY else max(1, min(self.max_connections,
+                                                                                      soft // 2))
 
 
 @dataclass(frozen=True, eq=False)  # eq would compare buffers
@@ -95,13 +137,15 @@ class _Slot:
 class TransferServer:
     def __init__(self, sock: socket.socket, expected_layout: KVLayout | None, backend: Backend, *, ttl: float,
                  max_buffered_bytes: int, io_timeout: float, tls: ssl.SSLContext | None = None,
-                 convertible: frozenset[KVLayout] = frozenset()) -> None:
+                 convertible: frozenset[KVLayout] = frozenset(), limits: Limits = Limits()) -> None:
         self.expected_layout = expected_layout
         self.convertible = convertible  # other layouts taken (buffered, never landed in place): the taker converts
         self.ttl = ttl
         self.max_buffered_bytes = max_buffered_bytes
         self.io_timeout = io_timeout
         self.tls = tls
+        self.limits = limits
+        self.max_connections = limits.total()
         self.grants = Grants(linger_s=ttl)
         self.refused: dict[Refusal, int] = dict.fromkeys(Refusal, 0)  # transfers refused, by why
         self._sock = sock
@@ -116,6 +160,9 @@ class TransferServer:
         self._landings: dict[str, Landing] = {}  # transfer-id prefix -> where those parts land in place
         self._buffered = 0
         self._connections: set[asyncio.Task[None]] = set()
+        self._per_peer: Counter[str] = Counter()  # open connections by the peer's host
+        self._idle: dict[asyncio.Task[None], float] = {}  # connections waiting for a frame -> since (monotonic)
+        self._warned: dict[tuple[str, Refusal], tuple[float, int]] = {}  # -> (last logged, refusals since)
         self._accepting = asyncio.create_task(self._accept())
 
     @classmethod
@@ -123,12 +170,12 @@ class TransferServer:
                     backend: TransferBackend | str = TransferBackend.TCP, *, ttl: float = 60.0,
                     max_buffered_bytes: int = 1 << 30, io_timeout: float = 30.0,
                     tls: ssl.SSLContext | None = None,
-                    convertible: frozenset[KVLayout] = frozenset()) -> TransferServer:
+                    convertible: frozenset[KVLayout] = frozenset(), limits: Limits = Limits()) -> TransferServer:
         """Listen on ``host:port`` (0 = any free port). ``backend`` is what :attr:`address` advertises; plain
         ``tcp`` is always accepted too. ``expected_layout`` None: accept any layout (the taker checks it).
         ``tls``: a server-side context; every connection must then speak TLS (``kvmesh.tls``). ``convertible``:
         layouts besides ``expected_layout`` that the taker converts (``contracts.layout.converter``): they are
-        received into buffers, never in place.
+        received into buffers, never in place. ``limits``: the connections held open (see the module).
         Raises RuntimeError when the backend cannot run here (mooncake)."""
         chosen = get_backend(backend)
         if backend == TransferBackend.MOONCAKE:
@@ -138,7 +185,7 @@ class TransferServer:
         sock = socket.create_server((host, port))
         sock.setblocking(False)
         return cls(sock, expected_layout, chosen, ttl=ttl, max_buffered_bytes=max_buffered_bytes,
-                   io_timeout=io_timeout, tls=tls, convertible=convertible)
+                   io_timeout=io_timeout, tls=tls, convertible=convertible, limits=limits)
 
     @property
     def buffered_bytes(self) -> int:
@@ -254,26 +301,98 @@ class TransferServer:
 
     # -- connections -----------------------------------------------------------------------------------------
 
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._connections)
+
     async def _accept(self) -> None:
+        """Accept forever. Out of file descriptors, it frees the connection idle longest and backs off, doubling
+        up to 1 s (the waiting peers stay in the listen backlog), instead of ending: asyncio's ``sock_accept``
+        raises ``EMFILE`` to its caller, which would end this task and with it the endpoint."""
         loop = asyncio.get_running_loop()
+        backoff = 0.0
         while True:
-            sock, _ = await loop.sock_accept(self._sock)
-            configure(sock)
-            task = asyncio.create_task(self._serve(sock))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            try:
+                sock, addr = await loop.sock_accept(self._sock)
+            except OSError as e:
+                if e.errno not in _OUT_OF_FDS:
+                    if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):  # the peer left: next one
+                        continue
+                    raise
+                backoff = min(_MAX_BACKOFF_S, max(0.01, 2 * backoff))
+                self._warn("", Refusal.CONNECTIONS, f"cannot accept a connection ({errno.errorcode[e.errno]}: "
+                           f"{len(self._connections)} open here); closing the one idle longest, retrying in "
+                           f"{backoff:g} s")
+                self._evict_idle()
+                await asyncio.sleep(backoff)
+                continue
+            backoff = 0.0
+            self._admit(sock, str(addr[0]))
+
+    def _admit(self, sock: socket.socket, host: str) -> None:
+        """Serve ``sock`` from ``host``, or close it unread when it is over a cap."""
+        over = None
+        if self._per_peer[host] >= self.limits.max_connections_per_peer:
+            over = f"{self._per_peer[host]} connections from this peer (max_connections_per_peer)"
+        elif len(self._connections) >= self.max_connections and not self._evict_idle():
+            over = f"{len(self._connections)} connections open, none idle (max_connections {self.max_connections})"
+        if over is not None:
+            sock.close()
+            self.refused[Refusal.CONNECTIONS] += 1
+            self._warn(host, Refusal.CONNECTIONS, f"connection closed unread: {over}")
+            return
+        configure(sock)
+        task = asyncio.create_task(self._serve(sock))
+        self._per_peer[host] += 1
+        self._connections.add(task)
+        task.add_done_callback(lambda t: self._closed(t, host))
+
+    def _closed(self, task: asyncio.Task[None], host: str) -> None:
+        self._connections.discard(task)
+        self._idle.pop(task, None)
+        self._per_peer[host] -= 1
+        if self._per_peer[host] <= 0:
+            del self._per_peer[host]
+
+    def _evict_idle(self) -> bool:
+        """Close the connection waiting longest for a frame (its peer reconnects when it has one to send);
+        False when none is idle."""
+        if not self._idle:
+            return False
+        task = min(self._idle, key=self._idle.__getitem__)
+        del self._idle[task]
+        task.cancel()
+        self.refused[Refusal.IDLE] += 1
+        self._warn("", Refusal.IDLE, "closed the connection idle longest to make room for a new one")
+        return True
+
+    def _warn(self, peer: str, kind: Refusal, message: str) -> None:
+        """Log ``message`` for ``peer`` once per ``kind`` and minute, with how many more came meanwhile."""
+        now = time.monotonic()
+        last, since = self._warned.get((peer, kind), (-_WARN_EVERY_S, 0))
+        if now - last < _WARN_EVERY_S:
+            self._warned[(peer, kind)] = (last, since + 1)
+            return
+        if len(self._warned) > 4096:  # a scan of many hosts must not grow this without bound
+            self._warned.clear()
+        self._warned[(peer, kind)] = (now, 0)
+        more = f" ({since} more like it in the last {_WARN_EVERY_S:g} s)" if since else ""
+        log.warning("transfer endpoint %s, peer %s: %s%s", self.address, peer or "-", message, more)
 
     async def _serve(self, sock: socket.socket) -> None:
         """One connection: header, payload, reply; repeat. A broken or stalled sender only loses its own
-        transfer in progress."""
+        transfer in progress; one that sends nothing for ``idle_timeout_s`` loses its connection."""
         conn = Conn(sock)
         try:
             if self.tls is not None:
+                if await self._idle_wait(first_byte(sock), conn) is None:
+                    return
                 async with asyncio.timeout(self.io_timeout):
                     if (tls := await self._secure(sock)) is None:
                         return
                 conn = tls
-            while (prefix := await self._first_bytes(conn, PREFIX.size)) is not None:
+            while (prefix := await self._next_prefix(conn)) is not None:
                 try:
                     async with asyncio.timeout(self.io_timeout):
                         header = await self._read_header(conn, prefix)
@@ -288,6 +407,34 @@ class TransferServer:
             log.exception("transfer connection from %s failed", conn.peer)
         finally:
             conn.close()
+
+    async def _next_prefix(self, conn: Conn) -> bytearray | None:
+        """The next frame's prefix; None when the peer closed between frames or went idle (:meth:`_idle_wait`)."""
+        buf = bytearray(PREFIX.size)
+        got = await self._idle_wait(conn.read_some(memoryview(buf)), conn)
+        if not got:
+            return None
+        async with asyncio.timeout(self.io_timeout):
+            await conn.recv_into(memoryview(buf)[got:])
+        return buf
+
+    async def _idle_wait(self, first: Awaitable[T], conn: Conn) -> T | None:
+        """``first`` (the wait for a frame's first byte), given at most ``idle_timeout_s``; None past it (the
+        connection is then closed, counted as ``idle``). Meanwhile the connection is idle: the first one closed
+        when the endpoint needs room."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._idle[task] = time.monotonic()
+        try:
+            async with asyncio.timeout(self.limits.idle_timeout_s):
+                return await first
+        except TimeoutError:
+            self.refused[Refusal.IDLE] += 1
+            self._warn(conn.peer.rpartition(":")[0], Refusal.IDLE,
+                       f"connection closed: no frame within idle_timeout_s ({self.limits.idle_timeout_s:g} s)")
+            return None
+        finally:
+            self._idle.pop(task, None)
 
     async def _secure(self, sock: socket.socket) -> TlsConn | None:
         """The TLS connection over ``sock``; None when the peer speaks plain text (told so in plain text), fails
@@ -309,26 +456,18 @@ class TransferServer:
             self._count(Conn(sock), "?", TransferRejected(f"TLS handshake failed: {e}", Refusal.TLS))
             return None
 
-    @staticmethod
-    async def _first_bytes(conn: Conn, n: int) -> bytearray | None:
-        """The next ``n`` bytes, or None when the peer closed cleanly between frames."""
-        buf = bytearray(n)
-        got = await conn.read_some(memoryview(buf))
-        if got == 0:
-            return None
-        await conn.recv_into(memoryview(buf)[got:])
-        return buf
-
-    @staticmethod
-    async def _read_header(conn: Conn, prefix: bytearray) -> TransferHeader:
+    async def _read_header(self, conn: Conn, prefix: bytearray) -> TransferHeader:
+        """The frame's header, read and parsed only when no larger than the widest push a grant expects."""
         magic, length = PREFIX.unpack(prefix)
         if magic[:2] == bytes((TLS_RECORD, 3)):  # a ClientHello
             raise TransferRejected("a TLS client at a plain-text transfer endpoint: give this endpoint's process "
                                    "the mesh's certificate ([shared] tls_cert, tls_key)", Refusal.TLS)
         if magic != MAGIC:
             raise TransferRejected(f"not a kvmesh transfer frame (magic {bytes(magic)!r})", Refusal.MALFORMED)
-        if length > MAX_HEADER_BYTES:
-            raise TransferRejected(f"header of {length} bytes exceeds the {MAX_HEADER_BYTES}-byte limit",
+        limit = min(MAX_HEADER_BYTES, header_limit(self.grants.widest))
+        if length > limit:
+            raise TransferRejected(f"header of {length} bytes exceeds the {limit}-byte limit (the largest a push "
+                                   f"of the {self.grants.widest} blocks granted at most can take)",
                                    Refusal.MALFORMED)
         return decode_header(bytes(await conn.recv_bytes(length)))
 

@@ -1,0 +1,68 @@
+"""cachesvc keeps its index through a NATS outage and resyncs after it: a real nats-server of the test's own is
+stopped for longer than ``instance_timeout_s``; the instance's blocks stay indexed meanwhile (no heartbeat could
+arrive), and once the server is back cachesvc asks the instance for a snapshot, which replaces what the instance
+changed while nothing could be published."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvmesh.bus import Bus, NatsServer, Subjects
+from kvmesh.bus.snapshot import answer_snapshots
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch
+from kvmesh.proto.v1 import cache_pb2
+
+from tests.integration.test_cachesvc import KEYS, InProcess, cluster, matches, run, stored, until  # noqa: F401
+
+TIMEOUT_S = 1.0
+
+
+def test_an_outage_longer_than_the_instance_timeout_keeps_the_index_and_a_snapshot_resyncs_it(tmp_path, cluster):  # noqa: F811
+    subjects = Subjects(cluster)
+    nats = NatsServer(tmp_path / "nats").start()
+    held = {"seq": 1, "keys": list(KEYS)}  # what the instance holds: its snapshot source
+
+    async def current() -> tuple[int, list[tuple[int, str]]]:
+        return held["seq"], [(k, "device") for k in held["keys"]]
+
+    async def body() -> None:
+        cachesvc = InProcess(nats.url, cluster, instance_timeout_s=TIMEOUT_S)
+        async with cachesvc as stub:
+            server = cachesvc.server
+            bus = await Bus.connect(nats.url, "inst", reconnect_wait_s=0.1)
+            await bus.ensure_events_stream(subjects)
+            await answer_snapshots(bus, subjects, "inst", current)
+            await bus.publish_event(subjects.kv_events("inst"), KVEventBatch("inst", 1, 0.0, (stored(KEYS),)))
+
+            async def beat() -> None:
+                while True:
+                    if bus.nc.is_connected:
+                        await bus.publish(subjects.heartbeat("decode", "inst"), Heartbeat(
+                            "inst", "decode", "127.0.0.1:1", "127.0.0.1:2", time.time(), {}, "tiny", 2))
+                    await asyncio.sleep(0.2)
+
+            beating = asyncio.create_task(beat())
+
+            async def indexed(n: int) -> bool:
+                reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))
+                return matches(reply) == {("inst", "device", n)}
+
+            await until(lambda: indexed(len(KEYS)))
+            await asyncio.to_thread(nats.stop)
+            await until(lambda: asyncio.sleep(0, not server.bus.nc.is_connected))
+            held["keys"] = KEYS[:2]  # it evicted while nothing could be published
+            await asyncio.sleep(3 * TIMEOUT_S)  # past the timeout, and its reaper's ticks, many times over
+            assert await indexed(len(KEYS))  # kept: silence without a bus is no death
+            await asyncio.to_thread(nats.start)
+            await until(lambda: indexed(2), timeout_s=20.0)  # the snapshot asked for after the outage
+            assert server.resync.refreshed >= 1
+            await asyncio.sleep(3 * TIMEOUT_S)  # it beats again: still there
+            assert await indexed(2)
+            beating.cancel()
+            await bus.close()
+
+    try:
+        run(body(), timeout_s=60)
+    finally:
+        nats.stop()
