@@ -3,8 +3,9 @@ per-instance speed (the SLA arithmetic of Dynamo's planner, with llm-d's queuein
 
 Prefill: requests queue for n identical servers; a request's service time is its prefill of the tokens the
 caches do not hold. The mean wait is M/G/n's (Erlang C's M/M/n wait scaled by (1 + cs²)/2, the Lee-Longton
-approximation), or the time to clear the backlog the instances report now, whichever is longer. A pool meets the
-TTFT target when the mean request's service plus that wait fits within ``headroom`` of it.
+approximation). A backlog the instances report now counts as extra arrivals that must be served within the time
+new instances take to start. A pool meets the TTFT target when the mean request's service plus that wait fits
+within ``headroom`` of it.
 
 Decode: a stream's tokens come one per step, a step of B streams costs ``step_base_s + B * step_per_stream_s``.
 One instance holds at most the B whose step fits ``headroom`` of the ITL target, and whose KV fits; Little's law
@@ -15,6 +16,7 @@ n is the least whose prefill, slowed so, meets the TTFT target."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -64,17 +66,30 @@ def prefill_wait_s(servers: int, traffic: Traffic, speed: Speed, slowdown: float
     return erlang_c(servers, offered) * mean / (servers - offered) * (1 + cs2) / 2
 
 
-def ttft_s(servers: int, traffic: Traffic, speed: Speed, backlog_tokens: float = 0.0, slowdown: float = 1.0) -> float:
-    """The modelled TTFT of the mean request on ``servers`` prefill instances holding ``backlog_tokens``."""
+def ttft_s(servers: int, traffic: Traffic, speed: Speed, slowdown: float = 1.0) -> float:
+    """The modelled TTFT of the mean request on ``servers`` prefill instances."""
     computed = traffic.prompt_tokens * (1 - traffic.hit_rate)
-    drain = backlog_tokens * slowdown / (servers * speed.prefill_tok_per_s)
-    return speed.prefill_s(computed) * slowdown + max(prefill_wait_s(servers, traffic, speed, slowdown), drain)
+    return speed.prefill_s(computed) * slowdown + prefill_wait_s(servers, traffic, speed, slowdown)
+
+
+def with_backlog(traffic: Traffic, backlog_tokens: float, drain_s: float) -> Traffic:
+    """``traffic`` plus the prompts it would take to bring ``backlog_tokens`` (queued now) in ``drain_s``: a
+    backlog the model did not foresee is work the pool must clear by the time new instances could help."""
+    computed = traffic.prompt_tokens * (1 - traffic.hit_rate)
+    if backlog_tokens <= 0 or drain_s <= 0:
+        return traffic
+    if computed <= 0:
+        return dataclasses.replace(traffic, rate=traffic.rate + 1 / drain_s, prompt_tokens=backlog_tokens,
+                                   hit_rate=0.0, prompt_sq_tokens=0.0)
+    return dataclasses.replace(traffic, rate=traffic.rate + backlog_tokens / computed / drain_s)
 
 
 def prefill_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: float,
-                 backlog_tokens: float = 0.0) -> Need:
-    """The least prefill instances whose modelled TTFT fits ``headroom`` x the target."""
+                 backlog_tokens: float = 0.0, drain_s: float = 60.0) -> Need:
+    """The least prefill instances whose modelled TTFT fits ``headroom`` x the target, for ``traffic`` and
+    ``backlog_tokens`` queued now, cleared within ``drain_s`` (``with_backlog``)."""
     goal = headroom * targets.ttft_s
+    traffic = with_backlog(traffic, backlog_tokens, drain_s)
     alone = speed.prefill_s(traffic.prompt_tokens * (1 - traffic.hit_rate))
     if traffic.rate <= 0 and backlog_tokens <= 0:
         return Need(1, "no prefill traffic")
@@ -83,7 +98,7 @@ def prefill_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: flo
                                                    f"{headroom:.0%} of the TTFT target ({targets.ttft_s:g}s): "
                                                    "sized to keep up only", feasible=False)
     for n in range(1, MAX_INSTANCES + 1):
-        t = ttft_s(n, traffic, speed, backlog_tokens)
+        t = ttft_s(n, traffic, speed)
         if t <= goal:
             work = traffic.rate * speed.prefill_s(traffic.prompt_tokens * (1 - traffic.hit_rate))
             return Need(n, f"{traffic.rate:.2f} req/s x {traffic.prompt_tokens:.0f} prompt tokens "
@@ -127,9 +142,10 @@ def decode_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: floa
 
 
 def both_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: float, itl_headroom: float = ITL_HEADROOM,
-              backlog_tokens: float = 0.0, running: float = 0.0) -> Need:
+              backlog_tokens: float = 0.0, running: float = 0.0, drain_s: float = 60.0) -> Need:
     """The least ``both`` instances: their streams take ``streams / (n x batch)`` of each one's time, and the
-    prefills, slowed by what is left, meet ``headroom`` of the TTFT target."""
+    prefills (and the backlog, ``with_backlog``), slowed by what is left, meet ``headroom`` of the TTFT target."""
+    traffic = with_backlog(traffic, backlog_tokens, drain_s)
     batch = streams_per_instance(traffic, speed, targets, itl_headroom)
     if batch < 1:
         return decode_need(traffic, speed, targets, itl_headroom, running)
@@ -140,7 +156,7 @@ def both_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: float,
         if decode_share >= 0.95:
             continue
         slowdown = 1 / (1 - decode_share)
-        t = ttft_s(n, traffic, speed, backlog_tokens, slowdown)
+        t = ttft_s(n, traffic, speed, slowdown)
         if t <= goal:
             return Need(n, f"{streams:.1f} streams take {decode_share:.0%} of each of {n} instance(s); the rest "
                            f"prefills {traffic.rate:.2f} req/s x {traffic.prompt_tokens:.0f} tokens "

@@ -30,17 +30,19 @@ class PlannerConfig:
     spread the model does not see; the ITL target's share is ``ITL_HEADROOM``, what an engine plans its steps
     to); ``down_headroom``: the tighter share fewer instances must meet before the pool scales in (the ITL
     share tightens in proportion). ``startup_s``: how long a new instance takes to serve; ``window_s``: one
-    observation's window (the forecast looks ``startup_s + window_s`` ahead). ``kv_high``: the KV utilisation
+    observation's window (the forecast looks ``startup_s + window_s`` ahead, along the trend of the last
+    ``trend_windows``). ``kv_high``: the KV utilisation
     above which a decode pool grows whatever the model says (KV the model does not see: long sessions, pinned
     prefixes)."""
 
     speed: Speed = field(default_factory=Speed)
-    headroom: float = 0.6
-    down_headroom: float = 0.45
-    down_delay_s: float = 60.0
+    headroom: float = 0.45
+    down_headroom: float = 0.35
+    down_delay_s: float = 120.0
     cooldown_s: float = 30.0
     startup_s: float = 30.0
     window_s: float = 15.0
+    trend_windows: int = 6
     kv_high: float = 0.85
     min_instances: Mapping[Role, int] = field(default_factory=lambda: {r: 1 for r in POOL_ROLES})
     max_instances: Mapping[Role, int] = field(default_factory=lambda: {r: 64 for r in POOL_ROLES})
@@ -114,17 +116,18 @@ def pools_of(fleet: Sequence[InstanceLoad]) -> dict[Role, int]:
 
 
 def need(role: Role, obs: Observation, traffic: Traffic, speed: Speed, headroom: float,
-         itl_headroom: float = ITL_HEADROOM) -> Need:
+         itl_headroom: float = ITL_HEADROOM, drain_s: float = 60.0) -> Need:
     """What ``role``'s pool needs for ``traffic`` (the forecast) at ``headroom`` of the TTFT target and
-    ``itl_headroom`` of the ITL target, counting the backlog and streams its instances report now."""
+    ``itl_headroom`` of the ITL target, counting the streams its instances report now and their backlog,
+    cleared within ``drain_s``."""
     members = [i for i in obs.fleet if i.role is role]
     backlog = sum(i.waiting_tokens for i in members)
     running = sum(i.running for i in members)
     if role is Role.PREFILL:
-        return prefill_need(traffic, speed, obs.targets, headroom, backlog)
+        return prefill_need(traffic, speed, obs.targets, headroom, backlog, drain_s)
     if role is Role.DECODE:
         return decode_need(traffic, speed, obs.targets, itl_headroom, running)
-    return both_need(traffic, speed, obs.targets, headroom, itl_headroom, backlog, running)
+    return both_need(traffic, speed, obs.targets, headroom, itl_headroom, backlog, running, drain_s)
 
 
 def _kv_floor(role: Role, obs: Observation, current: int, kv_high: float) -> tuple[int, str]:
@@ -146,13 +149,14 @@ def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
     current = dict(current) if current is not None else pools_of(obs.fleet)
     speed = config.speed.measured(obs.fleet)
     ahead = (config.startup_s + config.window_s) / config.window_s
-    rate = max(obs.traffic.rate, forecast([*obs.rates, obs.traffic.rate], ahead))
+    rate = forecast([*obs.rates, obs.traffic.rate][-config.trend_windows:], ahead)
     traffic = dataclasses.replace(obs.traffic, rate=rate)
     pools: list[PoolPlan] = []
     states: dict[Role, PoolState] = dict(state.pools)
     for role in (r for r in POOL_ROLES if r in current):
         cur, mem = current[role], state.of(role)
-        up = need(role, obs, traffic, speed, config.headroom)
+        drain = config.startup_s + config.window_s
+        up = need(role, obs, traffic, speed, config.headroom, drain_s=drain)
         floor, kv_note = _kv_floor(role, obs, cur, config.kv_high)
         want = config.clamp(role, max(up.instances, floor))
         forecast_note = f" (forecast {rate:.2f} req/s over the next {config.startup_s + config.window_s:g}s)" \
@@ -163,7 +167,7 @@ def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
             states[role] = PoolState(last_change=obs.now)
             continue
         down = need(role, obs, traffic, speed, config.down_headroom,
-                    ITL_HEADROOM * config.down_headroom / config.headroom)
+                    ITL_HEADROOM * config.down_headroom / config.headroom, drain)
         fewer = config.clamp(role, max(down.instances, floor, want))
         if fewer >= cur:
             pools.append(PoolPlan(role, cur, cur, "hold", f"hold: {up.reason}{forecast_note}{kv_note}",

@@ -111,13 +111,15 @@ class Speed:
 
 def forecast(rates: Sequence[float], ahead: float) -> float:
     """The request rate ``ahead`` windows after the last of ``rates`` (one per window, oldest first): a
-    least-squares line through them, never below the last window nor below 0 (a planner must not scale in on a
-    trend, only on what it sees). Fewer than three windows: the last."""
+    least-squares line through them, never below the level now (the mean of the last two windows: one window
+    is noisy) nor below 0 — a planner must not scale in on a trend, only on what it sees. Fewer than three
+    windows: the level."""
     if not rates:
         return 0.0
+    level = statistics.fmean(rates[-2:])
     if len(rates) < 3:
-        return rates[-1]
+        return level
     n = len(rates)
     xm, ym = (n - 1) / 2, statistics.fmean(rates)
     slope = sum((x - xm) * (y - ym) for x, y in enumerate(rates)) / sum((x - xm) ** 2 for x in range(n))
-    return max(rates[-1], ym + slope * (n - 1 - xm + ahead), 0.0)
+    return max(level, ym + slope * (n - 1 - xm + ahead), 0.0)
