@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 BENCHES = {  # kvmesh bench NAME -> its module in app.bench
     "engine": "engine", "machine": "machine", "attention": "attention", "gemm": "gemm", "transfer": "transfer",
     "mesh": "mesh", "serve": "serve", "ablation": "ablation", "routing": "routing", "load": "load",
-    "tracing": "tracing_cost", "lora": "lora", "link": "handoff_link", "vllm": "vllm_bench",
+    "tracing": "tracing_cost", "lora": "lora", "link": "handoff_link", "vllm": "vllm_bench", "planner": "planner",
 }
 
 
@@ -172,6 +172,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return trace_cli.main(args.rest)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from app import plan
+
+    return plan.main(args.rest)
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from app import config_show
 
@@ -233,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_trace)
 
+    pl = sub.add_parser("plan", help="how many prefill / decode instances the running stack needs for its TTFT / "
+                                     "ITL targets (--serve: keep planning and scale)", add_help=False)
+    pl.add_argument("rest", nargs=argparse.REMAINDER)
+    pl.set_defaults(func=cmd_plan)
+
     cf = sub.add_parser("config", help="kvmesh config show: the effective settings of every service",
                         add_help=False)
     cf.add_argument("rest", nargs=argparse.REMAINDER)
@@ -252,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim, "trace": cmd_trace, "config": cmd_config}
+PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim, "trace": cmd_trace, "config": cmd_config, "plan": cmd_plan}
 
 
 if __name__ == "__main__":

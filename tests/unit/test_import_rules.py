@@ -63,9 +63,11 @@ def test_every_import_linter_contract_is_kept() -> None:
      "settings import only the contracts"),
     ("libs/kvmesh/settings/_leak.py", "from kvmesh.bus.subjects import token\n",
      "settings import only the contracts"),
+    ("libs/kvmesh/planning/_leak.py", "def f():\n    from kvmesh.bus.subjects import token\n",
+     "the planner only decides"),
 ], ids=["router-via-engine", "cachesvc-lazy-torch", "service-to-service", "prefill-to-decode", "library-to-service",
         "instance-host-to-servicer", "library-to-app", "service-to-app", "contracts-numpy", "settings-engine",
-        "settings-lazy-routing", "settings-bus"])
+        "settings-lazy-routing", "settings-bus", "planner-bus"])
 def test_a_forbidden_import_breaks_its_contract(tree_copy: Path, module: str, source: str, contract: str) -> None:
     leak = tree_copy / module
     leak.write_text(source)

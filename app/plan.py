@@ -1,0 +1,211 @@
+"""``kvmesh plan``: how many prefill and decode (or both) instances the running stack needs for its TTFT / ITL
+targets, from one window of its heartbeats (NATS) and its routers' counters (``/metrics``), by
+``kvmesh.planning.plan``. ``--serve`` plans every window and hands each change to an actuator:
+
+- ``print`` (default): say it;
+- ``kubernetes``: set the pool's Deployment ``spec.replicas`` through the API server's ``scale`` subresource
+  (``PATCH .../deployments/NAME/scale``, what ``kubectl scale`` does), with the pod's service-account token —
+  the planner is the autoscaler, so the pools must not also have an HPA.
+
+The stack is found as ``kvmesh trace`` finds it (``--state-dir``, ``$KVMESH_STATE_DIR``, ``.kvmesh/``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import ssl
+import sys
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.contracts.ids import Role
+from kvmesh.planning import InstanceLoad, Observation, Plan, PlannerConfig, PlannerState, Speed, Targets, Traffic, plan
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+COUNTERS = ("kvmesh_router_requests_total", "kvmesh_router_prompt_tokens_total",
+            "kvmesh_router_prefix_hit_tokens_total")
+
+
+def counters(text: str) -> dict[str, float]:
+    """The sums of ``COUNTERS`` over their labels in a Prometheus text exposition."""
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+        if m and m.group(1) in out:
+            out[m.group(1)] += float(m.group(2))
+    return out
+
+
+def traffic(before: Mapping[str, float], after: Mapping[str, float], window_s: float,
+            output_tokens: float) -> Traffic:
+    """The window's traffic from two scrapes of the routers' counters (finished requests, their prompt and
+    cached tokens); ``output_tokens``: the mean output the routers do not count."""
+    d = {k: max(0.0, after[k] - before[k]) for k in COUNTERS}
+    n = d["kvmesh_router_requests_total"]
+    if n <= 0:
+        return Traffic(0.0, 0.0, output_tokens)
+    prompt = d["kvmesh_router_prompt_tokens_total"]
+    return Traffic(n / window_s, prompt / n, output_tokens,
+                   min(0.99, d["kvmesh_router_prefix_hit_tokens_total"] / prompt) if prompt else 0.0)
+
+
+def scrape(urls: list[str]) -> dict[str, float]:
+    total = dict.fromkeys(COUNTERS, 0.0)
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            for k, v in counters(r.read().decode()).items():
+                total[k] += v
+    return total
+
+
+async def heartbeats(nats_url: str, cluster: str, window_s: float) -> list[InstanceLoad]:
+    """The last heartbeat of every engine instance heard within ``window_s``."""
+    from kvmesh.bus.bus import Bus
+    from kvmesh.bus.subjects import Subjects
+    from kvmesh.contracts.messages import Heartbeat
+
+    seen: dict[str, InstanceLoad] = {}
+
+    async def on_beat(beat: object, headers: dict[str, str]) -> None:
+        if isinstance(beat, Heartbeat) and beat.role.is_engine:
+            seen[beat.instance_id] = InstanceLoad.from_beat(beat.instance_id, beat.role, beat.load, beat.block_size)
+
+    bus = await Bus.connect(nats_url, "kvmesh-plan")
+    try:
+        await bus.subscribe(Subjects(cluster).heartbeats_all, on_beat)
+        await asyncio.sleep(window_s)
+    finally:
+        await bus.close()
+    return list(seen.values())
+
+
+@dataclass
+class Kubernetes:
+    """Scales a pool's Deployment through the API server (the ``scale`` subresource, a JSON merge patch of
+    ``spec.replicas``). ``deployments``: pool role -> Deployment name. In a pod: the service-account token, CA
+    and namespace under ``SA_DIR`` and the API server from ``KUBERNETES_SERVICE_HOST``/``_PORT``."""
+
+    server: str
+    namespace: str
+    deployments: Mapping[Role, str]
+    token: str = ""
+    context: ssl.SSLContext | None = None
+
+    @classmethod
+    def in_cluster(cls, deployments: Mapping[Role, str], namespace: str | None = None) -> Kubernetes:
+        import os
+
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise RuntimeError("not in a Kubernetes pod: KUBERNETES_SERVICE_HOST is unset (pass --k8s-server)")
+        ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
+        return cls(f"https://{host}:{port}", namespace or (SA_DIR / "namespace").read_text().strip(), deployments,
+                   (SA_DIR / "token").read_text().strip(), ctx)
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(f"{self.server}{path}", method=method,
+                                     data=json.dumps(body).encode() if body is not None else None)
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        if body is not None:
+            req.add_header("Content-Type", "application/merge-patch+json")
+        req.add_header("Accept", "application/json")
+        with urllib.request.urlopen(req, timeout=10, context=self.context) as r:
+            result: dict = json.loads(r.read())
+            return result
+
+    def _path(self, role: Role) -> str:
+        return f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{self.deployments[role]}/scale"
+
+    def replicas(self, role: Role) -> int:
+        return int(self._call("GET", self._path(role)).get("spec", {}).get("replicas", 0))
+
+    def scale(self, role: Role, replicas: int) -> None:
+        self._call("PATCH", self._path(role), {"spec": {"replicas": replicas}})
+
+
+def act(p: Plan, scale: Callable[[Role, int], None]) -> list[str]:
+    """Hand each pool whose target differs from its size to ``scale``; what was done, in words."""
+    done = []
+    for pool in p.pools:
+        if pool.target != pool.current:
+            scale(pool.role, pool.target)
+            done.append(f"{pool.role}: {pool.current} -> {pool.target}")
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvmesh plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--state-dir", help="the stack's state directory (default: $KVMESH_STATE_DIR, else .kvmesh/)")
+    p.add_argument("--ttft-s", type=float, default=2.0, help="TTFT target, seconds")
+    p.add_argument("--itl-s", type=float, default=0.1, help="ITL target, seconds")
+    p.add_argument("--window-s", type=float, default=15.0, help="one observation's window")
+    p.add_argument("--output-tokens", type=float, default=256.0,
+                   help="mean output tokens per request (the routers do not count them)")
+    p.add_argument("--startup-s", type=float, default=30.0, help="how long a new instance takes to serve")
+    p.add_argument("--min", type=int, default=1, help="fewest instances per pool")
+    p.add_argument("--max", type=int, default=16, help="most instances per pool")
+    p.add_argument("--serve", action="store_true", help="plan every window and act on each change")
+    p.add_argument("--actuator", default="print", choices=("print", "kubernetes"))
+    p.add_argument("--k8s-server", help="API server URL (default: in-cluster)")
+    p.add_argument("--k8s-namespace", help="default: the pod's namespace")
+    p.add_argument("--k8s-deployment", action="append", default=[], metavar="ROLE=NAME",
+                   help="the Deployment of a pool (repeatable), e.g. prefill=kvmesh-prefill")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from kvmesh import state
+
+    try:
+        info = state.StackInfo.read(state.state_dir(args.state_dir))
+        actuator = _actuator(args)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"kvmesh plan: {e}", file=sys.stderr)
+        return 2
+    metrics = [e["metrics"] for name, e in info.endpoints.items() if name.startswith("router") and "metrics" in e]
+    config = PlannerConfig(speed=Speed(), startup_s=args.startup_s, window_s=args.window_s,
+                           min_instances={r: args.min for r in Role if r.is_engine},
+                           max_instances={r: args.max for r in Role if r.is_engine})
+    targets, plan_state, rates = Targets(args.ttft_s, args.itl_s), PlannerState(), deque[float](maxlen=8)
+    while True:
+        before = scrape(metrics)
+        fleet = asyncio.run(heartbeats(info.nats_url, info.cluster, args.window_s))
+        window = traffic(before, scrape(metrics), args.window_s, args.output_tokens)
+        out = plan(Observation(time.monotonic(), fleet, window, targets, tuple(rates)), config, plan_state)
+        plan_state = out.state
+        rates.append(window.rate)
+        if args.json:
+            print(json.dumps({"traffic": window.__dict__, "instances": len(fleet),
+                              "pools": [{"role": str(x.role), "current": x.current, "target": x.target,
+                                         "action": x.action, "reason": x.reason} for x in out.pools]}), flush=True)
+        else:
+            print(out.describe(), flush=True)
+        if not args.serve:
+            return 0
+        for line in act(out, actuator):
+            print(f"kvmesh plan: scaled {line}", flush=True)
+
+
+def _actuator(args: argparse.Namespace) -> Callable[[Role, int], None]:
+    if args.actuator == "print":
+        return lambda role, n: None
+    deployments = {}
+    for entry in args.k8s_deployment:
+        role, sep, name = entry.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--k8s-deployment {entry!r}: expected ROLE=NAME")
+        deployments[Role(role)] = name
+    if not deployments:
+        raise ValueError("--actuator kubernetes needs --k8s-deployment ROLE=NAME for each pool")
+    k8s = Kubernetes(args.k8s_server, args.k8s_namespace or "default", deployments) if args.k8s_server \
+        else Kubernetes.in_cluster(deployments, args.k8s_namespace)
+    return k8s.scale
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The planner's decision: how many instances each pool should have now, and why, from one observation of the
+fleet (``Observation``) and the planner's own memory (``PlannerState``). A pure function: the caller owns the
+clock, the heartbeats and the actuator; the same inputs give the same plan.
+
+Scaling out is immediate, sized for the forecast rate over the time a new instance takes to start. Scaling in
+needs three things: fewer instances meet the targets with a tighter headroom (``down_headroom``, a band that
+keeps the two decisions apart), that has held for ``down_delay_s`` (sized for the most needed while it held),
+and the last change is ``cooldown_s`` old. So a pool neither flaps on noise nor scales in on a dip that an
+instance's start-up could not follow back."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.contracts.ids import Role
+from kvmesh.contracts.slo import ITL_HEADROOM
+from kvmesh.planning.capacity import Need, both_need, decode_need, prefill_need
+from kvmesh.planning.signals import InstanceLoad, Speed, Targets, Traffic, forecast
+
+POOL_ROLES = (Role.PREFILL, Role.DECODE, Role.BOTH)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The planner's knobs. ``headroom``: the share of the TTFT target a pool is sized to (the rest absorbs the
+    spread the model does not see; the ITL target's share is ``ITL_HEADROOM``, what an engine plans its steps
+    to); ``down_headroom``: the tighter share fewer instances must meet before the pool scales in (the ITL
+    share tightens in proportion). ``startup_s``: how long a new instance takes to serve; ``window_s``: one
+    observation's window (the forecast looks ``startup_s + window_s`` ahead, along the trend of the last
+    ``trend_windows``). ``kv_high``: the KV utilisation
+    above which a decode pool grows whatever the model says (KV the model does not see: long sessions, pinned
+    prefixes)."""
+
+    speed: Speed = field(default_factory=Speed)
+    headroom: float = 0.45
+    down_headroom: float = 0.35
+    down_delay_s: float = 120.0
+    cooldown_s: float = 30.0
+    startup_s: float = 30.0
+    window_s: float = 15.0
+    trend_windows: int = 6
+    kv_high: float = 0.85
+    min_instances: Mapping[Role, int] = field(default_factory=lambda: {r: 1 for r in POOL_ROLES})
+    max_instances: Mapping[Role, int] = field(default_factory=lambda: {r: 64 for r in POOL_ROLES})
+
+    def clamp(self, role: Role, n: int) -> int:
+        return max(self.min_instances.get(role, 1), min(self.max_instances.get(role, 64), n))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the planner sees at ``now``: the live instances (their last heartbeats), the traffic of the last
+    window, the request rate of each window before it (oldest first; the forecast's history), the targets."""
+
+    now: float
+    fleet: Sequence[InstanceLoad]
+    traffic: Traffic
+    targets: Targets
+    rates: Sequence[float] = ()
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """A pool's memory between plans: when it last changed size, since when fewer instances would do (None:
+    not now) and the most needed since then."""
+
+    last_change: float = -math.inf
+    low_since: float | None = None
+    low_peak: int = 0
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    pools: Mapping[Role, PoolState] = field(default_factory=dict)
+
+    def of(self, role: Role) -> PoolState:
+        return self.pools.get(role, PoolState())
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One pool's answer: ``current`` instances (live and starting) → ``target``; ``action`` is ``out``,
+    ``in`` or ``hold``; ``reason`` says why in words."""
+
+    role: Role
+    current: int
+    target: int
+    action: str
+    reason: str
+    feasible: bool = True
+
+
+@dataclass(frozen=True)
+class Plan:
+    pools: tuple[PoolPlan, ...]
+    state: PlannerState
+
+    def target(self, role: Role) -> int | None:
+        return next((p.target for p in self.pools if p.role is role), None)
+
+    def describe(self) -> str:
+        return "\n".join(f"{p.role}: {p.current} -> {p.target} ({p.action}): {p.reason}" for p in self.pools)
+
+
+def pools_of(fleet: Sequence[InstanceLoad]) -> dict[Role, int]:
+    """The size of each pool the fleet has (instances by role)."""
+    out: dict[Role, int] = {}
+    for i in fleet:
+        if i.role in POOL_ROLES:
+            out[i.role] = out.get(i.role, 0) + 1
+    return out
+
+
+def need(role: Role, obs: Observation, traffic: Traffic, speed: Speed, headroom: float,
+         itl_headroom: float = ITL_HEADROOM, drain_s: float = 60.0) -> Need:
+    """What ``role``'s pool needs for ``traffic`` (the forecast) at ``headroom`` of the TTFT target and
+    ``itl_headroom`` of the ITL target, counting the streams its instances report now and their backlog,
+    cleared within ``drain_s``."""
+    members = [i for i in obs.fleet if i.role is role]
+    backlog = sum(i.waiting_tokens for i in members)
+    running = sum(i.running for i in members)
+    if role is Role.PREFILL:
+        return prefill_need(traffic, speed, obs.targets, headroom, backlog, drain_s)
+    if role is Role.DECODE:
+        return decode_need(traffic, speed, obs.targets, itl_headroom, running)
+    return both_need(traffic, speed, obs.targets, headroom, itl_headroom, backlog, running, drain_s)
+
+
+def _kv_floor(role: Role, obs: Observation, current: int, kv_high: float) -> tuple[int, str]:
+    """The size that brings the pool's mean KV utilisation under ``kv_high`` (0 when it is under already)."""
+    if role is Role.PREFILL:
+        return 0, ""
+    used = [i.kv_used for i in obs.fleet if i.role is role]
+    mean = statistics.fmean(used) if used else 0.0
+    if mean <= kv_high:
+        return 0, ""
+    n = math.ceil(current * mean / kv_high)
+    return n, f"; KV {mean:.0%} used, above {kv_high:.0%}: at least {n}"
+
+
+def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
+         current: Mapping[Role, int] | None = None) -> Plan:
+    """Each pool's target size. ``current``: each pool's size now, starting instances included (default: the
+    live fleet's); a pool is planned when it has a size here."""
+    current = dict(current) if current is not None else pools_of(obs.fleet)
+    speed = config.speed.measured(obs.fleet)
+    ahead = (config.startup_s + config.window_s) / config.window_s
+    rate = forecast([*obs.rates, obs.traffic.rate][-config.trend_windows:], ahead)
+    traffic = dataclasses.replace(obs.traffic, rate=rate)
+    pools: list[PoolPlan] = []
+    states: dict[Role, PoolState] = dict(state.pools)
+    for role in (r for r in POOL_ROLES if r in current):
+        cur, mem = current[role], state.of(role)
+        drain = config.startup_s + config.window_s
+        up = need(role, obs, traffic, speed, config.headroom, drain_s=drain)
+        floor, kv_note = _kv_floor(role, obs, cur, config.kv_high)
+        want = config.clamp(role, max(up.instances, floor))
+        forecast_note = f" (forecast {rate:.2f} req/s over the next {config.startup_s + config.window_s:g}s)" \
+            if rate > obs.traffic.rate else ""
+        if want > cur:
+            pools.append(PoolPlan(role, cur, want, "out", f"scale out: {up.reason}{forecast_note}{kv_note}",
+                                  up.feasible))
+            states[role] = PoolState(last_change=obs.now)
+            continue
+        down = need(role, obs, traffic, speed, config.down_headroom,
+                    ITL_HEADROOM * config.down_headroom / config.headroom, drain)
+        fewer = config.clamp(role, max(down.instances, floor, want))
+        if fewer >= cur:
+            pools.append(PoolPlan(role, cur, cur, "hold", f"hold: {up.reason}{forecast_note}{kv_note}",
+                                  up.feasible))
+            states[role] = PoolState(mem.last_change)
+            continue
+        since = mem.low_since if mem.low_since is not None else obs.now
+        peak = max(mem.low_peak, fewer)
+        waited, calm = obs.now - since, obs.now - mem.last_change
+        if waited >= config.down_delay_s and calm >= config.cooldown_s and peak < cur:
+            pools.append(PoolPlan(role, cur, peak, "in", f"scale in: {peak} instance(s) have met the targets "
+                                  f"within {config.down_headroom:.0%} for {waited:.0f}s: {down.reason}"))
+            states[role] = PoolState(last_change=obs.now)
+            continue
+        wait = max(config.down_delay_s - waited, config.cooldown_s - calm)
+        pools.append(PoolPlan(role, cur, cur, "hold", f"hold: {peak} instance(s) would do; scaling in if that "
+                              f"holds {max(0.0, wait):.0f}s more: {down.reason}"))
+        states[role] = PoolState(mem.last_change, since, peak)
+    return Plan(tuple(pools), PlannerState(states))

@@ -1,0 +1,99 @@
+"""``kvmesh plan``'s edges: the routers' counters turned into a window's traffic, the Kubernetes actuator against
+a fake API server (the ``scale`` subresource, bearer token, merge patch), and the command's help and errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import ClassVar
+
+import pytest
+from kvmesh.contracts.ids import Role
+from kvmesh.planning import Plan, PlannerState, PoolPlan
+
+from app import plan as plan_cli
+from app.cli import main
+
+METRICS = """# HELP kvmesh_router_requests_total Finished requests
+kvmesh_router_requests_total{api="openai",outcome="ok"} 30.0
+kvmesh_router_requests_total{api="grpc",outcome="ok"} 10.0
+kvmesh_router_prompt_tokens_total 8000.0
+kvmesh_router_prefix_hit_tokens_total 2000.0
+kvmesh_router_ttft_seconds_sum 3.5
+"""
+
+
+def test_router_counters_become_the_window_traffic() -> None:
+    before = plan_cli.counters(METRICS)
+    after = {k: v * 2 for k, v in before.items()}
+    t = plan_cli.traffic(before, after, window_s=10.0, output_tokens=128)
+    assert t.rate == 4.0 and t.prompt_tokens == 200.0 and t.hit_rate == 0.25 and t.output_tokens == 128
+
+
+class FakeApiServer(BaseHTTPRequestHandler):
+    calls: ClassVar[list[tuple[str, str, str, dict]]] = []
+    replicas = 2
+
+    def _reply(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        FakeApiServer.calls.append(("GET", self.path, self.headers.get("Authorization", ""), {}))
+        self._reply({"kind": "Scale", "spec": {"replicas": FakeApiServer.replicas}})
+
+    def do_PATCH(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeApiServer.calls.append(("PATCH", self.path, self.headers.get("Content-Type", ""), body))
+        FakeApiServer.replicas = body["spec"]["replicas"]
+        self._reply({"kind": "Scale", "spec": {"replicas": FakeApiServer.replicas}})
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def api_server() -> Iterator[str]:
+    FakeApiServer.calls, FakeApiServer.replicas = [], 2
+    server = HTTPServer(("127.0.0.1", 0), FakeApiServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_kubernetes_actuator_patches_the_pools_deployment_scale(api_server: str) -> None:
+    k8s = plan_cli.Kubernetes(api_server, "serving", {Role.PREFILL: "kvmesh-prefill", Role.DECODE: "kvmesh-decode"},
+                              token="sa-token")
+    assert k8s.replicas(Role.PREFILL) == 2
+    p = Plan((PoolPlan(Role.PREFILL, 2, 5, "out", "ttft"), PoolPlan(Role.DECODE, 3, 3, "hold", "ok")),
+             PlannerState())
+    assert plan_cli.act(p, k8s.scale) == ["prefill: 2 -> 5"]
+    get, patch = FakeApiServer.calls
+    assert get == ("GET", "/apis/apps/v1/namespaces/serving/deployments/kvmesh-prefill/scale", "Bearer sa-token", {})
+    assert patch == ("PATCH", "/apis/apps/v1/namespaces/serving/deployments/kvmesh-prefill/scale",
+                     "application/merge-patch+json", {"spec": {"replicas": 5}})
+    assert k8s.replicas(Role.PREFILL) == 5
+
+
+def test_plan_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--help"])
+    assert e.value.code == 0 and "--serve" in capsys.readouterr().out
+
+
+def test_plan_without_a_stack_says_how_to_start_one(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--state-dir", str(tmp_path)]) == 2
+    assert "kvmesh up" in capsys.readouterr().err
+
+
+def test_the_kubernetes_actuator_needs_the_pools_deployments(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "stack.json").write_text(json.dumps({"router_grpc": "", "router_http": "", "nats_url": "",
+                                                     "cluster": "c"}))
+    assert main(["plan", "--state-dir", str(tmp_path), "--actuator", "kubernetes", "--k8s-server", "http://x"]) == 2
+    assert "--k8s-deployment" in capsys.readouterr().err

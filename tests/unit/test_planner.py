@@ -1,0 +1,188 @@
+"""The planner's decision (``kvmesh.planning``): each case is a fleet, a traffic and targets, and the pool sizes
+the planner must answer, with the hysteresis that keeps it from flapping. No processes, no clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from kvmesh.contracts.ids import Role
+from kvmesh.planning import (
+    InstanceLoad,
+    Observation,
+    PlannerConfig,
+    PlannerState,
+    Speed,
+    Targets,
+    Traffic,
+    decode_need,
+    forecast,
+    plan,
+    prefill_need,
+)
+from kvmesh.planning.capacity import erlang_c, streams_per_instance
+
+# one instance: 1,000 prefill tok/s + 10 ms; a decode step 10 ms + 1 ms per stream; 100k tokens of KV
+SPEED = Speed(prefill_tok_per_s=1000.0, prefill_overhead_s=0.01, step_base_s=0.01, step_per_stream_s=0.001,
+              kv_tokens=100_000.0)
+TARGETS = Targets(ttft_s=2.0, itl_s=0.05)
+CONFIG = PlannerConfig(speed=SPEED, down_delay_s=60, cooldown_s=30, startup_s=30, window_s=15)
+
+
+def pd_fleet(prefill: int, decode: int, **load: float) -> list[InstanceLoad]:
+    return ([InstanceLoad(f"p{k}", Role.PREFILL, **load) for k in range(prefill)]
+            + [InstanceLoad(f"d{k}", Role.DECODE) for k in range(decode)])
+
+
+def traffic(rate: float, prompt: float = 500.0, output: float = 100.0, hit: float = 0.0) -> Traffic:
+    return Traffic(rate, prompt, output, hit)
+
+
+def test_erlang_c_is_the_textbook_value() -> None:
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: the chance to wait is the utilisation
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(3, 3.0) == 1.0
+
+
+def test_prefill_pool_grows_with_the_rate_and_shrinks_with_the_hit_rate() -> None:
+    # 500 tokens at 1,000 tok/s = 0.51 s a request: 4 req/s is 2.04 instances of work, so at least 3
+    assert prefill_need(traffic(4.0), SPEED, TARGETS, 0.6).instances == 3
+    assert prefill_need(traffic(8.0), SPEED, TARGETS, 0.6).instances == 5
+    # half the prompt from cache halves the work
+    assert prefill_need(traffic(8.0, hit=0.5), SPEED, TARGETS, 0.6).instances == 3
+
+
+def test_a_backlog_the_model_did_not_expect_adds_prefill_instances() -> None:
+    calm = prefill_need(traffic(1.0), SPEED, TARGETS, 0.6).instances
+    # 60,000 queued tokens cleared within the 60 s new instances take: 1,000 tok/s more work, one more instance
+    # at least; cleared within 10 s, six more
+    assert prefill_need(traffic(1.0), SPEED, TARGETS, 0.6, backlog_tokens=60_000).instances >= calm + 1
+    assert prefill_need(traffic(1.0), SPEED, TARGETS, 0.6, backlog_tokens=60_000, drain_s=10).instances >= calm + 6
+
+
+def test_a_prompt_too_long_for_the_target_is_sized_to_keep_up_and_says_so() -> None:
+    need = prefill_need(traffic(1.0, prompt=5000.0), SPEED, TARGETS, 0.6)
+    assert not need.feasible and "exceeds" in need.reason and need.instances == math.ceil(5.01 / 0.9)
+
+
+def test_decode_batch_is_bounded_by_the_itl_target_and_by_kv() -> None:
+    # step 10 ms + 1 ms a stream within 0.85 x 50 ms: 32 streams
+    assert streams_per_instance(traffic(1.0), SPEED, TARGETS) == 32
+    # 10,000-token contexts: only 10 fit 100k tokens of KV
+    assert streams_per_instance(traffic(1.0, prompt=9900.0), SPEED, TARGETS) == 10
+
+
+def test_decode_pool_holds_the_streams_littles_law_keeps_alive() -> None:
+    # 10 req/s x 100 tokens x 42 ms a step = 42 streams alive; 32 an instance: 2
+    assert decode_need(traffic(10.0), SPEED, TARGETS).instances == 2
+    # more running now than the model expects (long outputs in flight): sized for those
+    assert decode_need(traffic(10.0), SPEED, TARGETS, running=100).instances == 4
+
+
+def test_an_itl_target_no_batch_meets_is_infeasible() -> None:
+    need = decode_need(traffic(1.0), SPEED, Targets(ttft_s=2.0, itl_s=0.01))
+    assert not need.feasible and "does not fit" in need.reason
+
+
+def test_forecast_extends_a_rising_trend_and_never_predicts_a_fall() -> None:
+    assert forecast([1.0, 2.0, 3.0], ahead=2) == pytest.approx(5.0)
+    assert forecast([3.0, 2.0, 1.0], ahead=2) == 1.5  # the level: the mean of the last two windows
+    assert forecast([2.0], ahead=5) == 2.0
+
+
+def test_plan_scales_a_pd_fleet_out_at_once_and_says_why() -> None:
+    obs = Observation(0.0, pd_fleet(1, 1), traffic(8.0), TARGETS)
+    out = plan(obs, CONFIG, PlannerState())
+    prefill = next(p for p in out.pools if p.role is Role.PREFILL)
+    assert prefill.action == "out" and prefill.target == 5 and "TTFT" in prefill.reason
+    assert out.target(Role.DECODE) == 2
+
+
+def test_a_rising_rate_is_planned_for_the_start_up_time_ahead() -> None:
+    flat = plan(Observation(0.0, pd_fleet(1, 1), traffic(4.0), TARGETS, rates=[4.0, 4.0, 4.0]), CONFIG,
+                PlannerState())
+    rising = plan(Observation(0.0, pd_fleet(1, 1), traffic(4.0), TARGETS, rates=[1.0, 2.0, 3.0]), CONFIG,
+                  PlannerState())
+    assert rising.target(Role.PREFILL) > flat.target(Role.PREFILL)  # type: ignore[operator]
+    assert "forecast" in rising.describe()
+
+
+def test_scale_in_waits_for_the_delay_then_drops_to_the_peak_need_of_the_wait() -> None:
+    fleet, state = pd_fleet(6, 2), PlannerState()
+    steps = [(0.0, 1.0), (30.0, 2.0), (59.0, 1.0), (61.0, 1.0)]
+    targets = []
+    for now, rate in steps:
+        out = plan(Observation(now, fleet, traffic(rate), TARGETS), CONFIG, state)
+        state = out.state
+        targets.append(out.target(Role.PREFILL))
+    assert targets[:3] == [6, 6, 6]  # fewer would do, but not for 60 s yet
+    assert targets[3] == prefill_need(traffic(2.0), SPEED, TARGETS, CONFIG.down_headroom).instances < 6
+
+
+def test_a_dip_shorter_than_the_delay_does_not_scale_in() -> None:
+    fleet, state = pd_fleet(3, 1), PlannerState()
+    for now, rate in [(0.0, 0.1), (40.0, 4.0), (70.0, 0.1), (100.0, 0.1)]:
+        out = plan(Observation(now, fleet, traffic(rate), TARGETS), CONFIG, state)
+        state = out.state
+        assert out.target(Role.PREFILL) == 3, out.describe()
+
+
+def test_no_scale_in_within_the_cooldown_after_a_scale_out() -> None:
+    config = PlannerConfig(speed=SPEED, down_delay_s=0, cooldown_s=30)
+    state = plan(Observation(0.0, pd_fleet(1, 1), traffic(8.0), TARGETS), config, PlannerState()).state
+    held = plan(Observation(10.0, pd_fleet(5, 1), traffic(0.5), TARGETS), config, state)
+    assert held.target(Role.PREFILL) == 5 and "more" in held.describe()
+    later = plan(Observation(31.0, pd_fleet(5, 1), traffic(0.5), TARGETS), config, held.state)
+    assert later.target(Role.PREFILL) == 1
+
+
+def test_kv_pressure_grows_a_decode_pool_the_model_thinks_is_enough() -> None:
+    fleet = pd_fleet(1, 0) + [InstanceLoad(f"d{k}", Role.DECODE, kv_used=0.95) for k in range(2)]
+    out = plan(Observation(0.0, fleet, traffic(0.5), TARGETS), CONFIG, PlannerState())
+    assert out.target(Role.DECODE) == 3 and "KV 95% used" in out.describe()
+
+
+def test_pool_bounds_clamp_the_target() -> None:
+    config = PlannerConfig(speed=SPEED, max_instances={Role.PREFILL: 3, Role.DECODE: 8},
+                           min_instances={Role.PREFILL: 1, Role.DECODE: 4})
+    out = plan(Observation(0.0, pd_fleet(1, 1), traffic(20.0), TARGETS), config, PlannerState())
+    assert decode_need(traffic(20.0), SPEED, TARGETS).instances == 3
+    assert out.target(Role.PREFILL) == 3 and out.target(Role.DECODE) == 4
+
+
+def test_a_both_pool_is_sized_for_prefill_and_decode_sharing_each_instance() -> None:
+    fleet = [InstanceLoad("b0", Role.BOTH)]
+    out = plan(Observation(0.0, fleet, traffic(4.0), TARGETS), CONFIG, PlannerState())
+    pd = plan(Observation(0.0, pd_fleet(1, 1), traffic(4.0), TARGETS), CONFIG, PlannerState())
+    both, prefill, decode = out.target(Role.BOTH), pd.target(Role.PREFILL), pd.target(Role.DECODE)
+    assert both is not None and prefill is not None and decode is not None
+    assert prefill <= both <= prefill + decode
+
+
+def test_starting_instances_count_so_a_second_plan_does_not_add_more() -> None:
+    first = plan(Observation(0.0, pd_fleet(1, 1), traffic(8.0), TARGETS), CONFIG, PlannerState())
+    second = plan(Observation(5.0, pd_fleet(1, 1), traffic(8.0), TARGETS), CONFIG, first.state,
+                  current={Role.PREFILL: 5, Role.DECODE: 2})
+    assert [p.action for p in second.pools] == ["hold", "hold"]
+
+
+def test_measured_speed_replaces_the_configured_one() -> None:
+    fleet = [InstanceLoad("p0", Role.PREFILL, prefill_tok_per_s=4000.0, prefill_overhead_s=0.02),
+             InstanceLoad("d0", Role.DECODE, running=9, decode_step_s=2 * SPEED.step_s(10))]
+    measured = SPEED.measured(fleet)
+    assert measured.prefill_tok_per_s == 4000.0 and measured.prefill_overhead_s == 0.02
+    assert measured.step_s(10) == pytest.approx(2 * SPEED.step_s(10))
+
+
+def test_a_heartbeat_load_is_read_once_into_a_typed_record() -> None:
+    beat = {"running": 3, "waiting": 1, "free_blocks": 25, "total_blocks": 100, "waiting_tokens": 640,
+            "prefill_tok_per_s": 900.0, "decode_step_s": float("nan"), "bogus": "x"}
+    load = InstanceLoad.from_beat("i1", "decode", beat, block_size=16)
+    assert load.role is Role.DECODE and load.kv_used == 0.75 and load.kv_tokens == 1600
+    assert load.waiting_tokens == 640 and load.prefill_tok_per_s == 900.0 and load.decode_step_s == 0.0
+
+
+def test_traffic_of_a_window() -> None:
+    t = Traffic.of(10.0, [100, 300], [10, 30], hit_tokens=100)
+    assert t.rate == 0.2 and t.prompt_tokens == 200 and t.output_tokens == 20 and t.hit_rate == 0.25
+    assert Traffic.of(10.0, [], []).rate == 0.0
