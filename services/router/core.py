@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 from kvmesh import tls
@@ -44,6 +44,7 @@ from services.router.recent import RecentPrefixes, merged
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, view
 from services.router.sessions import Sessions
+from services.router.stalls import StallWatch
 from services.router.telemetry import RequestTrace, RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Router:
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
         self.loras = Adapters(lambda: self.registry, self._channel, cfg.lora_root)
         self.migrations = Migrations(cfg.migration_limit, cfg.max_concurrent_migrations, self.metrics)
+        self.stalls = StallWatch(lambda: self.registry, cfg.inter_token_timeout_s)
         self._tasks: set[asyncio.Task] = set()
         self._load_pending = False
         self.sessions = Sessions(lambda msg: self.bus.publish(self.subjects.sessions, msg), cfg.session_affinity,
@@ -151,6 +153,7 @@ class Router:
         while True:
             await asyncio.sleep(every)
             self.registry.expire()
+            self.stalls.check()
             if time.monotonic() - last >= LOAD_REFRESH_S:
                 last = time.monotonic()
                 await self._publish_load()
@@ -428,8 +431,8 @@ class Router:
 
     async def _chunks(self, call: grpc.aio.UnaryStreamCall, inst: Instance,
                       request_id: str) -> AsyncIterator[tuple[worker_pb2.DecodeChunk, bool]]:
-        """The call's messages (and whether each is the first); once the first came, a gap of
-        ``inter_token_timeout_s`` ends it as the instance's failure (stalled: the stream migrates). Its failure as a
+        """The call's messages (and whether each is the first), watched for stalls from the first on
+        (``services.router.stalls``: given up on like a dropped instance's, it migrates). Its failure as a
         ``RequestError``: INVALID_ARGUMENT
         is the request's fault, INTERNAL the instance's (a 500 naming the request, never retried: the request may
         be what breaks it), anything else makes the instance unavailable for it: retryable (elsewhere) when it
@@ -442,9 +445,13 @@ class Router:
             call.cancel()
 
         unwatch = self.registry.watch(inst.id, on_lost)
-        first, limit = True, self.cfg.inter_token_timeout_s
+        first, watched = True, None
         try:
-            while (msg := await _next_chunk(call, None if first or not limit else limit, inst.id)) is not None:
+            async for msg in call:
+                if first:
+                    watched = self.stalls.arm(inst.id, on_lost)  # from the first token on
+                elif watched is not None:
+                    watched.tick()
                 yield msg, first
                 first = False
         except asyncio.CancelledError:
@@ -470,6 +477,7 @@ class Router:
                                                                grpc.StatusCode.FAILED_PRECONDITION)) from None
         finally:
             unwatch()
+            self.stalls.disarm(watched)
             call.cancel()
 
     def _decode_holds(self, work: worker_pb2.WorkRequest, decode: Instance, matched: dict[str, int]) -> int:
@@ -588,19 +596,6 @@ def _dispatch_id(request: Admitted, retries: int, migrations: int) -> str:
     if request.resume:  # a resumed stream: its dead router's dispatch may still be winding down somewhere
         rid = f"{rid}.resume{len(request.resume)}"
     return rid + (f".migrate{migrations}" if migrations else "") + (f".retry{retries}" if retries else "")
-
-
-async def _next_chunk(call: grpc.aio.UnaryStreamCall, limit: float | None,
-                      instance: str) -> worker_pb2.DecodeChunk | None:
-    """The call's next message (None at its end), within ``limit`` seconds when given: past it, the instance
-    stalled (UNAVAILABLE, retryable: the stream moves elsewhere)."""
-    try:
-        async with asyncio.timeout(limit):
-            msg = await call.read()
-    except TimeoutError:
-        raise RequestError(ErrorKind.UNAVAILABLE, f"instance {instance} stalled: no token for {limit:g}s "
-                                                  "(inter_token_timeout_s)", instance, retryable=True) from None
-    return None if msg is grpc.aio.EOF else cast(worker_pb2.DecodeChunk, msg)
 
 
 async def _cached_or_zero(cached: CachedTokens) -> int:

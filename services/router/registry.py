@@ -26,6 +26,7 @@ class Instance:
     loras_ts: float = 0.0        # the instance's clock when a reply to our LoRA call listed beat.loras
     peer_inflight: int = 0       # what the other router replicas last reported in flight there
     peer_tokens: int = 0
+    progressed: float = 0.0      # when a heartbeat last showed its engine stepping (monotonic; joined: first beat)
 
     @property
     def id(self) -> InstanceId:
@@ -89,9 +90,12 @@ class Registry:
         loras_ts = old.loras_ts if old else 0.0
         if old is not None and beat.ts < loras_ts:  # built before our LoRA call's reply: its adapters are stale
             beat = dataclasses.replace(beat, loras=old.beat.loras)
-        self._instances[beat.instance_id] = Instance(beat, time.monotonic(), old.inflight if old else 0,
+        now = time.monotonic()
+        progressed = old.progressed if old is not None and beat.load.steps == old.beat.load.steps else now
+        self._instances[beat.instance_id] = Instance(beat, now, old.inflight if old else 0,
                                                      old.inflight_tokens if old else 0, loras_ts,
-                                                     old.peer_inflight if old else 0, old.peer_tokens if old else 0)
+                                                     old.peer_inflight if old else 0, old.peer_tokens if old else 0,
+                                                     progressed)
 
     def update_loras(self, iid: str, loras: tuple[tuple[str, str, str], ...], ts: float) -> None:
         """An instance's adapters as the reply to a LoRA call lists them (taken at ``ts``, its clock): fresher
@@ -121,6 +125,12 @@ class Registry:
             for lost in list(self._watchers.pop(iid, ())):
                 lost(why)
         self._expire_peers(now)
+
+    def stepping(self, iid: str, within_s: float) -> bool:
+        """Whether ``iid``'s heartbeats showed its engine stepping within the last ``within_s`` seconds (a stream
+        that waits its turn there, preempted or queued, is not stalled)."""
+        inst = self._instances.get(iid)
+        return inst is not None and time.monotonic() - inst.progressed < within_s
 
     def watch(self, iid: str, lost: Callable[[str], None]) -> Callable[[], None]:
         """Call ``lost(reason)`` once if ``iid`` is dropped (a dispatch there then moves elsewhere); returns the

@@ -254,6 +254,7 @@ class EngineLoad:
     cached_blocks: int
     host_blocks: int
     waiting_tokens: int
+    steps: int = 0  # forward steps run so far: an engine that stops stepping with streams in it has stalled
 
 
 @dataclass(frozen=True)

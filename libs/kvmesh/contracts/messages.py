@@ -241,13 +241,15 @@ class InstanceLoad:
     cached_blocks: int = 0
     host_blocks: int = 0
     waiting_tokens: int = 0
+    steps: int = 0                     # forward steps run so far (progress, whether or not a token left)
     kv_fallbacks: int = 0              # pushes it recomputed instead of importing
     kv_block_bytes: int = 0            # one block as its engine stores it (0: not said)
     lora_load_s: float | None = None   # its measured time to load an adapter (None: not measured)
     speed: Speed = UNMEASURED
 
     COUNTS: ClassVar[tuple[str, ...]] = ("running", "waiting", "free_blocks", "total_blocks", "cached_blocks",
-                                         "host_blocks", "waiting_tokens", "kv_fallbacks", "kv_block_bytes")
+                                         "host_blocks", "waiting_tokens", "steps", "kv_fallbacks",
+                                         "kv_block_bytes")
     SPEEDS: ClassVar[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(Speed))
 
     @classmethod

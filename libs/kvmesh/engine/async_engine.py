@@ -209,7 +209,8 @@ class AsyncEngine(EngineLoop, Engine):
         waiting = list(sched.waiting)
         return EngineLoad(len(sched.running), len(waiting), e.blocks.num_free_blocks, e.kv.num_blocks,
                           e.blocks.num_cached_blocks, e.blocks.num_host_blocks,
-                          sum(s.num_tokens for s in waiting))
+                          sum(s.num_tokens for s in waiting),
+                          self.step_totals.decode.steps + self.step_totals.prefill.steps)
 
     def speed(self) -> Speed:
         """The prefill line and, once decode-only steps are measured, the decode-only step of the running batch

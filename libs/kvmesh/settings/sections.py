@@ -528,10 +528,11 @@ class RouterSettings(Section):
                                       "mid-stream (0 = never: the stream ends with the error)")
     max_concurrent_migrations: int = setting(32, "migrations under way at once on this router; past it a failed "
                                                  "stream waits for one to end (queued)")
-    inter_token_timeout_s: float = setting(10.0, "a stream that sent its first token and then none for this long "
-                                                 "migrates, as if its instance had died (an engine that stalls "
-                                                 "while its heartbeats go on; 0 = off); the wait for the first "
-                                                 "token (a long prefill) is not watched")
+    inter_token_timeout_s: float = setting(10.0, "a stream that sent its first token and then none for this long, "
+                                                 "while its instance's heartbeats show no engine step either, "
+                                                 "migrates as if the instance had died (an engine that stalls while "
+                                                 "its process beats on; 0 = off); a stream that waits while its "
+                                                 "engine steps, and the wait for the first token, are not timed")
     session_affinity: bool = setting(True, "a session's requests go where its last one ran (its KV is there), "
                                            "unless that instance is overloaded (session_overload)")
     session_overload: int = setting(2, "a session leaves its instance for one with this many fewer requests "

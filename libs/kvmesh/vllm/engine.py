@@ -395,7 +395,7 @@ class VLLMEngine(EngineLoop, Engine):
         waiting = list(sched.waiting)
         return EngineLoad(len(sched.running), len(waiting), pool.get_num_free_blocks() * self.per_block,
                           (pool.num_gpu_blocks - 1) * self.per_block, len(self.translator.held), 0,
-                          sum(r.num_tokens for r in waiting))
+                          sum(r.num_tokens for r in waiting), sum(c.steps for c in self.steps.values()))
 
     def speed(self) -> Speed:
         return self.speed_fit.report()
