@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvmesh.bus import Bus, NatsServer, Subjects
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad, KVEventBatch
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from kvmesh.ready import wait_ready
 from kvmesh.settings import CacheServiceSettings, SharedSettings
@@ -311,7 +311,7 @@ def test_an_instance_that_stops_beating_is_dropped(nats_server, cluster):
             async def beat() -> None:
                 while True:
                     await bus.publish(subjects.heartbeat("prefill", "alive"), Heartbeat(
-                        "alive", "prefill", "127.0.0.1:1", "127.0.0.1:2", time.time(), {}, "tiny", 2))
+                        "alive", "prefill", "127.0.0.1:1", "127.0.0.1:2", time.time(), InstanceLoad(), "tiny", 2))
                     await asyncio.sleep(0.2)
 
             beating = asyncio.create_task(beat())

@@ -10,7 +10,7 @@ import time
 
 from kvmesh.bus import Bus, NatsServer, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad, KVEventBatch
 from kvmesh.proto.v1 import cache_pb2
 
 from tests.integration.test_cachesvc import KEYS, InProcess, cluster, matches, run, stored, until  # noqa: F401
@@ -39,7 +39,7 @@ def test_an_outage_longer_than_the_instance_timeout_keeps_the_index_and_a_snapsh
                 while True:
                     if bus.nc.is_connected:
                         await bus.publish(subjects.heartbeat("decode", "inst"), Heartbeat(
-                            "inst", "decode", "127.0.0.1:1", "127.0.0.1:2", time.time(), {}, "tiny", 2))
+                            "inst", "decode", "127.0.0.1:1", "127.0.0.1:2", time.time(), InstanceLoad(), "tiny", 2))
                     await asyncio.sleep(0.2)
 
             beating = asyncio.create_task(beat())
