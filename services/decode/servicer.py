@@ -38,11 +38,11 @@ from kvmesh.instance.metrics import fallback_reason
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
+from kvmesh.transfer.receiver import Intake
 from opentelemetry.trace import Span
 
 from services.decode.faults import hang_after_tokens
-from services.decode.handoff import HandoffReceiver
-from services.decode.intake import Intake, KVIntake
+from services.decode.handoff import Handoff, KVReadySubscription
 from services.decode.write_back import write_back
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ WRITE_BACK_DRAIN_S = 5.0  # how long a graceful stop waits for the write-backs i
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     def __init__(self, host: EngineHost) -> None:
         self.w = host
-        self.intake = KVIntake(host)
+        self.kv_ready = KVReadySubscription(host)
         self._background: set[asyncio.Task] = set()
 
     @traced_rpc("decode.request", rpc="decode", metrics=lambda self: self.w.metrics,
@@ -71,8 +71,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         await refuse_continuation(context, w.engine, work)
-        handoff = None if request.prefill_locally else HandoffReceiver(w, self.intake, request, engine_request,
-                                                                       context, span)
+        handoff = None if request.prefill_locally else Handoff(w, self.kv_ready, request, engine_request, context,
+                                                               span)
         try:
             if handoff is None:
                 if request.route_reason:
@@ -190,7 +190,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 async def _attach(host: EngineHost) -> Attached:
     servicer = DecodeServicer(host)
     worker_pb2_grpc.add_DecodeServicer_to_server(servicer, host.grpc.server)
-    await host.bus.subscribe(host.subjects.kv_ready(host.instance_id), servicer.intake.on_kv_ready)
+    await host.bus.subscribe(host.subjects.kv_ready(host.instance_id), servicer.kv_ready.on_kv_ready)
     return servicer
 
 

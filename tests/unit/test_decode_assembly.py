@@ -8,9 +8,8 @@ import torch
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.kv_cache import DeviceKVPool, block_bytes, blocks_from_bytes
+from kvmesh.transfer.assembly import Assembly
 from kvmesh.transfer.server import ReceivedBlocks
-
-from services.decode.assembly import Assembly
 
 LAYOUT = KVLayout("t", 4, 1, 2, 4)
 PROMPT = list(range(10, 24))  # 14 tokens: blocks 0-2 full, block 3 holds 2

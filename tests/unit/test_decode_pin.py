@@ -59,12 +59,14 @@ def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
 
     async def main() -> tuple[set[str], set[str]]:
         engine = PinRecorder()
-        host = SimpleNamespace(engine=engine, span_attributes=lambda rid, salt: {}, metrics=None, pool=None,
-                               transfer_server=grants, layout=SimpleNamespace(block_size=16),
-                               cfg=SimpleNamespace(kv_timeout_s=10.0))
+        counter = SimpleNamespace(labels=lambda *_: SimpleNamespace(inc=lambda n=1: None))
+        metrics = SimpleNamespace(transfer_bytes=counter, kv_ready_dropped=counter, rejections=counter)
+        host = SimpleNamespace(engine=engine, span_attributes=lambda rid, salt: {}, metrics=metrics, pool=None,
+                               transfer_server=grants, layout=SimpleNamespace(block_size=16), convertible=frozenset(),
+                               cfg=SimpleNamespace(kv_timeout_s=10.0, receive_in_place=True))
         servicer = DecodeServicer.__new__(DecodeServicer)
         servicer.w = host
-        servicer.intake = None  # never reached: the call is cancelled at its pin
+        servicer.kv_ready = SimpleNamespace(board=None)  # never reached: the call is cancelled at its pin
         work = worker_pb2.WorkRequest(request_id="r1", prompt_token_ids=list(range(40)))
         request = worker_pb2.DecodeRequest(work=work, cached_blocks=2)
 

@@ -1,4 +1,5 @@
-"""A Decode call's reservation: its blocks are lent to the transfer server as a landing, and releasing it
+"""A Decode call's reservation (``kvmesh.transfer.receiver.Reservation``): its blocks are lent to the transfer
+server as a landing, and releasing it
 revokes the landing before the engine may free (and reuse) the blocks, whatever ended the call."""
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.engine.block_manager import BlockManager
 from kvmesh.engine.kv_cache import DeviceKVPool
 from kvmesh.engines import Reserved
-from kvmesh.settings import InstanceSettings
 from kvmesh.transfer.landing import Landing
-
-from services.decode.reservation import Reservation
+from kvmesh.transfer.receiver import Reservation
 
 LAYOUT = KVLayout("t", 2, 1, 4, 4)
 
@@ -58,15 +57,16 @@ def request(tokens: int) -> EngineRequest:
     return EngineRequest("req", tuple(range(tokens)), SamplingParams())
 
 
-def host(**cfg) -> SimpleNamespace:
+def host() -> SimpleNamespace:
     server = FakeServer()
-    return SimpleNamespace(cfg=InstanceSettings(**cfg), transfer_server=server, engine=FakeEngine(server),
+    return SimpleNamespace(transfer_server=server, engine=FakeEngine(server),
                            layout=LAYOUT)
 
 
 def test_a_reservation_lends_the_prompts_blocks_past_the_pinned_ones_and_release_revokes_before_freeing():
     h = host()
-    r = Reservation(h, request(14), 1)  # 14 tokens: blocks 0-3, block 0 pinned
+    # 14 tokens: blocks 0-3, block 0 pinned
+    r = Reservation(h.transfer_server, h.engine, request(14), 1, LAYOUT.block_size)
     assert asyncio.run(r.acquire())
     blocks = h.engine.blocks
     assert len(r.block_ids) == 3 and blocks.counts()["reserved"] == 3
@@ -80,7 +80,7 @@ def test_a_reservation_lends_the_prompts_blocks_past_the_pinned_ones_and_release
 
 def test_a_reservation_handed_over_lands_nothing_more_and_its_release_frees_nothing_adopted():
     h = host()
-    r = Reservation(h, request(8), 0)
+    r = Reservation(h.transfer_server, h.engine, request(8), 0, LAYOUT.block_size)
     asyncio.run(r.acquire())
     r.hand_over()
     assert not h.transfer_server.lent[0].open
@@ -90,15 +90,9 @@ def test_a_reservation_handed_over_lands_nothing_more_and_its_release_frees_noth
     assert h.engine.blocks.num_free_blocks == free
 
 
-def test_with_receive_in_place_off_nothing_is_reserved():
-    h = host(receive_in_place=False)
-    assert not asyncio.run(Reservation(h, request(8), 0).acquire())
-    assert h.engine.blocks.counts()["reserved"] == 0 and h.transfer_server.lent == []
-
-
 def test_a_pool_without_room_reserves_nothing_and_lends_nothing():
     h = host()
-    r = Reservation(h, request(40), 0)  # 10 blocks; the pool has 8
+    r = Reservation(h.transfer_server, h.engine, request(40), 0, LAYOUT.block_size)  # 10 blocks; the pool has 8
     assert not asyncio.run(r.acquire())
     r.release()
     assert h.transfer_server.lent == [] and h.engine.blocks.num_free_blocks == 8

@@ -12,6 +12,7 @@ it only covers its cells. A buffered one is handed to the engine with its bytes 
 from __future__ import annotations
 
 import numpy as np
+
 from kvmesh.contracts.engine import KVPart
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
