@@ -228,3 +228,19 @@ def test_a_burst_comes_at_once_when_the_cap_shrinking_along_the_prompt_would_mak
 
     assert not plan(0).burst  # every token the same: the cap makes it
     assert plan(3072).burst and plan(3072).tokens == 1024
+
+
+def test_a_tracked_request_meets_its_ttft_by_its_deadline_and_its_itl_by_the_p99_of_its_gaps():
+    from kvmesh.contracts.slo import NO_TARGET_HORIZON_S, SloTrack
+
+    track = SloTrack(SLO(ttft_s=1.0, itl_s=0.1), arrival=100.0)
+    assert track.due == 101.0
+    for t in (100.9, 101.0, 101.05, 101.3):  # first token in time; one late gap of three (p99 of 3: the largest)
+        track.token(t)
+    assert track.met() == (True, False)
+    late = SloTrack(SLO(ttft_s=1.0), arrival=100.0)
+    late.token(101.5)
+    assert late.met() == (False, True)
+    continued = SloTrack(SLO(ttft_s=1.0), arrival=100.0, continued=True)  # its first token was another's
+    continued.token(500.0)
+    assert continued.met() == (True, True) and continued.due == 100.0 + NO_TARGET_HORIZON_S

@@ -57,3 +57,37 @@ def test_the_prefill_speed_is_fitted_from_what_each_step_computed_not_from_each_
 
     seen = asyncio.run(run())
     assert seen == [600]
+
+
+def test_requests_are_served_earliest_deadline_first_and_counted_against_their_targets():
+    """vLLM's priority scheduling runs the request due first (its TTFT deadline; one without a target is due a
+    minute after it arrived), and the engine counts who met their targets, as the native engine does (goodput)."""
+    from kvmesh.contracts.slo import SLO
+    from kvmesh.vllm.engine import start_vllm
+
+    async def run() -> tuple[list[str], dict[str, int]]:
+        engine = await start_vllm(EngineSettings(**ENGINE, max_num_seqs=1))
+        try:
+            order: list[str] = []
+
+            async def one(rid: str, slo: SLO) -> None:
+                params = SamplingParams(max_tokens=3, ignore_eos=True)
+                async for out in engine.generate(EngineRequest(rid, (101, 102, 103, 104 + len(rid)), params,
+                                                               slo=slo)):
+                    if out.token_ids and rid not in order:
+                        order.append(rid)
+
+            gate = threading.Event()
+            engine.queue(gate.wait)  # the three queue up while the engine thread waits
+            tasks = [asyncio.create_task(one("none", SLO())), asyncio.create_task(one("lax", SLO(ttft_s=40))),
+                     asyncio.create_task(one("tight", SLO(ttft_s=20, itl_s=30)))]
+            await asyncio.sleep(0.1)
+            gate.set()
+            await asyncio.gather(*tasks)
+            return order, dict(vars(engine.stats().slo))
+        finally:
+            await engine.close()
+
+    order, slo = asyncio.run(run())
+    assert order == ["tight", "lax", "none"]  # due in 20 s, 40 s, and 60 s (no target)
+    assert slo["met"] + slo["missed"] == 2  # the one without a target is not counted

@@ -54,3 +54,35 @@ def slo_to_proto(slo: SLO) -> common_pb2.SLO:
 def slo_from_proto(msg: common_pb2.SLO) -> SLO:
     """ValueError naming the target that is out of range."""
     return SLO(msg.ttft_s, msg.itl_s)
+
+
+NO_TARGET_HORIZON_S = 60.0  # a request with no TTFT target is ordered as if due this long after its arrival
+
+
+class SloTrack:
+    """One request against its targets as its tokens leave an engine that does not track them itself (vLLM): its
+    TTFT deadline (``arrival + ttft_s``, None without a target, or for a migrated stream, whose first token came
+    from another instance), and its gaps between tokens, late ones counted against ``itl_s``. ``due``: when it
+    is due (its deadline, or ``NO_TARGET_HORIZON_S`` after arrival), the order an earliest-deadline-first
+    scheduler serves requests in."""
+
+    def __init__(self, targets: SLO, arrival: float, continued: bool = False) -> None:
+        self.targets = targets
+        self.deadline = arrival + targets.ttft_s if targets.ttft_s and not continued else None
+        self.due = self.deadline if self.deadline is not None else arrival + NO_TARGET_HORIZON_S
+        self.first: float | None = None
+        self.last = 0.0
+        self.gaps = self.late = 0
+
+    def token(self, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps += 1
+            self.late += bool(self.targets.itl_s) and now - self.last > self.targets.itl_s
+        self.last = now
+
+    def met(self) -> tuple[bool, bool]:
+        """Whether it met its TTFT and its ITL target (True where it has none)."""
+        ttft = self.deadline is None or (self.first is not None and self.first <= self.deadline)
+        return ttft, not self.targets.itl_s or self.late <= late_gaps_allowed(self.gaps)

@@ -60,6 +60,7 @@ from kvmesh.contracts.engine import (
     ExportPieces,
     ImportedKV,
     RequestTiming,
+    SloOutcomes,
     Speed,
     StepCounts,
 )
@@ -67,6 +68,7 @@ from kvmesh.contracts.events import AllBlocksCleared
 from kvmesh.contracts.ids import BlockKey, NamespaceSeed
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.slo import SLO, SloTrack
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.engines.errors import SequenceError
 from kvmesh.engines.loop import EngineLoop
@@ -90,6 +92,7 @@ class _Request:
     lora: str = ""        # the vLLM name of its adapter ("" = the base model)
     first: bool = True    # no output delivered yet
     added: float = 0.0    # when vLLM took it (time.monotonic())
+    slo: SloTrack | None = None  # against its targets (the engine's defaults where it sets none), when it has any
 
 
 @dataclass
@@ -183,6 +186,8 @@ class VLLMEngine(EngineLoop, Engine):
         self.speed_fit = SpeedEstimator()
         self.lora_on = lora_layers(cfg)
         self.steps = {"decode": StepCounts(), "prefill": StepCounts()}  # replaced whole: read by the metrics
+        self.default_slo = SLO(cfg.slo_ttft_s, cfg.slo_itl_s)  # for requests that set no target
+        self.slo_outcomes = dict.fromkeys(("met", "missed", "missed_ttft", "missed_itl"), 0)
 
     def continuation_refused(self, structured: bool) -> str:
         return ("vLLM's structured output starts its grammar at the request's first token: it cannot continue a "
@@ -213,6 +218,8 @@ class VLLMEngine(EngineLoop, Engine):
             kv_cache_dtype="fp8_e4m3" if cfg.kv_dtype == "fp8" else "auto",  # else the model dtype (layout.py)
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_batched_tokens, self.vllm_block_size),
             seed=0, disable_log_stats=True, distributed_executor_backend="uni",
+            # requests are served earliest deadline first: each one's priority is when it is due (SloTrack.due)
+            scheduling_policy="priority",
             gpu_memory_utilization=(cfg.vllm_gpu_memory_utilization if cfg.vllm_gpu_memory_utilization > 0
                                     else EngineArgs.gpu_memory_utilization),  # 0: vLLM's default
             enable_lora=self.lora_on, max_loras=max(1, cfg.max_loras),
@@ -402,7 +409,7 @@ class VLLMEngine(EngineLoop, Engine):
 
     def stats(self) -> EngineStats:
         return EngineStats(self.load(), self.speed(), decode_steps=self.steps["decode"],
-                           prefill_steps=self.steps["prefill"])
+                           prefill_steps=self.steps["prefill"], slo=SloOutcomes(**self.slo_outcomes))
 
     # ---- the engine thread -------------------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -434,9 +441,12 @@ class VLLMEngine(EngineLoop, Engine):
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if request.cache_salt:
             tokens["cache_salt"] = request.cache_salt
+        # its TTFT counts from its arrival at the mesh: the wait before it reached this engine included
+        slo = SloTrack(request.slo.or_else(self.default_slo), time.monotonic() - request.waited_s,
+                       continued=request.generated > 0)
         try:
             self.llm.add_request(rid, tokens, sampling_params(p, self._transfer(request)),
-                                 lora_request=adapter.vllm if adapter else None)
+                                 lora_request=adapter.vllm if adapter else None, priority=int(slo.due * 1000))
         except ValueError:
             raise
         except Exception as e:
@@ -444,7 +454,8 @@ class VLLMEngine(EngineLoop, Engine):
                 raise ValueError(str(e)) from None
             raise
         added = time.monotonic()
-        self._active[rid] = _Request(request, timing, adapter.vllm.lora_name if adapter else "", added=added)
+        self._active[rid] = _Request(request, timing, adapter.vllm.lora_name if adapter else "", added=added,
+                                     slo=slo if slo.targets else None)
         if timing is not None:
             timing.added = added
 
@@ -500,6 +511,8 @@ class VLLMEngine(EngineLoop, Engine):
             if entry is None:
                 continue
             result = output(out, entry.first, entry.request.params.logprobs)
+            if entry.slo is not None and result.token_ids:
+                entry.slo.token(now)
             if entry.first:  # its timings before the output: the caller reads them as soon as it has it
                 entry.first = False
                 self._first_output(entry, now)
@@ -508,8 +521,18 @@ class VLLMEngine(EngineLoop, Engine):
             self.deliver(out.request_id, result)
             if out.finished:
                 del self._active[out.request_id]
+                self._count_slo(entry.slo)
                 if entry.lora:
                     self._drop_retired(entry.lora)
+
+    def _count_slo(self, slo: SloTrack | None) -> None:
+        """A request with a target finished: did it meet them (the engine's goodput, as the native engine's)?"""
+        if slo is None:
+            return
+        ttft, itl = slo.met()
+        self.slo_outcomes["met" if ttft and itl else "missed"] += 1
+        self.slo_outcomes["missed_ttft"] += not ttft
+        self.slo_outcomes["missed_itl"] += not itl
 
     def _last_piece(self, request: EngineRequest) -> ExportedKV | None:
         """What the finished request's export plan leaves for its last output: the write-back's read-out, or for
