@@ -232,9 +232,14 @@ def test_a_nats_restart_costs_no_request(tmp_path_factory):
                 assert time.monotonic() < deadline, "the stack did not recover from the NATS restart"
                 time.sleep(0.5)
         assert answer["choices"][0]["message"]["content"]
-        deadline = time.monotonic() + 15
-        while cache_stats(stack).events_applied <= before:  # cachesvc's JetStream consumer resumed
+        # cachesvc's JetStream consumer resumed: a new prompt's kv.events are applied. (Back on the bus, cachesvc
+        # resyncs every instance from a snapshot, which may already hold the blocks of a prompt sent meanwhile;
+        # a prompt sent after that snapshot is applied as events.)
+        deadline, n = time.monotonic() + 30, 0
+        while cache_stats(stack).events_applied <= before:
             assert time.monotonic() < deadline, "cachesvc applies no kv.events after the NATS restart"
+            n += 1
+            chat(stack, f"Count to {n + 3}.")
             time.sleep(0.5)
         again = chat(stack, "Name three mountains.")  # kv.ready flows again: no fallback, a prefix hit
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
