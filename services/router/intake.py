@@ -4,8 +4,9 @@ Both APIs (OpenAI HTTP; gRPC ``Generate`` and ``Chat``) translate their wire for
 calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``Intake.admit``, which yields an
 ``Admitted`` request or raises ``RequestError``. The steps, in order; the first that fails answers:
 
-1. the caller's key → tenant (``access.Tenants``); what the wire itself could not accept (a message over the
-   size limit, one that does not parse) is answered only after this;
+1. the caller's key → tenant (``access.Tenants``); what the wire itself could not accept (a message that does
+   not parse) is answered only after this (a gRPC message over ``max_body_bytes`` never gets here: gRPC refuses
+   it as it arrives, before the key is looked at);
 2. the request id the caller gave: printable ASCII, at most 128 characters;
 3. the in-flight caps (``access.Admission``): over one, refused at once, never queued;
 4. the fields (``Draft``: an HTTP body is read and parsed here), inside the ``router.tokenize`` span;

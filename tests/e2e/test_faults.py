@@ -173,7 +173,7 @@ def test_a_dead_prefill_costs_latency_not_the_answer(tmp_path_factory):
 
 
 def router_metric(stack, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(stack.router_metrics, timeout=10) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 

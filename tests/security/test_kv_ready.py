@@ -36,7 +36,7 @@ async def forge(stack) -> None:
 
 def test_a_forged_kv_ready_is_dropped_and_the_hand_off_still_completes(stack):
     decode_metrics = stack.service("decode-0").endpoints["metrics"] + "/metrics"
-    router_metrics = f"{stack.router_http}/metrics"
+    router_metrics = stack.router_metrics
     fallbacks = metric(router_metrics, "kvmesh_router_kv_fallbacks_total")
     asyncio.run(forge(stack))  # before the request: they wait for its Decode call on decode's board
     body = json.dumps({"messages": [{"role": "user", "content": "a prompt long enough to push " * 4}],

@@ -488,7 +488,10 @@ class RouterSettings(Section):
     model_name: str = setting("", "id served in /v1/models (\"\" = the model's file or folder name)")
     host: str = setting("127.0.0.1", "listen address")
     grpc_port: int = setting(50051, "kvmesh.v1 gRPC API port (0 = a free one)")
-    http_port: int = setting(8000, "OpenAI-compatible HTTP, /health, /metrics port (0 = a free one)")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP and /health port (0 = a free one)")
+    metrics_port: int = setting(0, "the internal port: Prometheus /metrics and /health with every instance's "
+                                   "address (0 = a free one, named in the ready line / file); keep it off the "
+                                   "clients' network")
     cachesvc_address: str = setting("127.0.0.1:50060", "cachesvc for MatchPrefix (\"\" = route by load only)")
     block_size: int = setting(16, "must equal the engines' (instances with another are ignored)")
     instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
@@ -546,7 +549,7 @@ class RouterSettings(Section):
 
     def problems(self) -> list[Problem]:
         out = super().problems()
-        out += self._ports(("grpc_port", "http_port"))
+        out += self._ports(("grpc_port", "http_port", "metrics_port"))
         out += self._positive(("instance_timeout_s", "match_timeout_s", "request_timeout_s",
                                "prefill_tok_per_s"))
         if not self.slo_ttft_s >= 0:
