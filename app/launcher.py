@@ -150,6 +150,11 @@ class Stack:
         return self.routers[0].endpoints["http"]
 
     @property
+    def router_metrics(self) -> str:
+        """The (first) router's Prometheus URL, on its internal port (never the clients' HTTP port)."""
+        return self.routers[0].endpoints["metrics"]
+
+    @property
     def grpc_port(self) -> int:
         return int(self.router_grpc.rsplit(":", 1)[1])
 

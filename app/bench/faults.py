@@ -194,17 +194,17 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
                 return time.monotonic() - t0
 
             took = asyncio.run(both())
-            migrations = sum(_metric(r.endpoints["http"], 'kvmesh_router_migrations_total{outcome="migrated"}')
+            migrations = sum(_metric(r.endpoints["metrics"], 'kvmesh_router_migrations_total{outcome="migrated"}')
                              for r in stack.routers)
             return FaultRun(outcomes, windows, refs, migrations, took, load_before, load_average())
         finally:
             stack.stop()
 
 
-def _metric(http: str, name: str) -> float:
+def _metric(url: str, name: str) -> float:
     import urllib.request
 
-    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=10) as r:
         lines = r.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
 

@@ -15,13 +15,16 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 class ServiceServer:
-    def __init__(self, service_names: list[str], authorizer: Authorizer | None = None) -> None:
+    def __init__(self, service_names: list[str], authorizer: Authorizer | None = None,
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
         """``authorizer``: checks every call's mesh role (an internal service whose process requires client
-        certificates); None: any caller that gets through the port's TLS (a public port, a plaintext mesh)."""
+        certificates); None: any caller that gets through the port's TLS (a public port, a plaintext mesh).
+        ``max_receive_bytes``: a larger request message is refused by gRPC itself (RESOURCE_EXHAUSTED) as it
+        arrives, before any servicer or interceptor sees it (a public port: its body limit)."""
         self.authorizer = authorizer
         self.server = grpc.aio.server(interceptors=[authorizer] if authorizer else None,
                                       options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                               ("grpc.max_receive_message_length", max_receive_bytes),
                                                ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

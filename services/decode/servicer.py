@@ -57,13 +57,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     @traced_rpc("decode.request", rpc="decode", metrics=lambda self: self.w.metrics,
                 attributes=lambda self, request, context: {
-                    **self.w.span_attributes(request.work.request_id, request.work.cache_salt),
+                    **self.w.span_attributes(request.work, context),
                     tracing.SEGMENT: False, "kvmesh.prefill_locally": request.prefill_locally,
                     "kvmesh.tokens.prompt": len(request.work.prompt_token_ids)})
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
                      span: Span) -> AsyncIterator[worker_pb2.DecodeChunk]:
         work, w = request.work, self.w
-        attrs = w.span_attributes(work.request_id, work.cache_salt)
+        attrs = w.span_attributes(work, context)
         t0, t0_ns = time.monotonic(), time.time_ns()
         try:  # the conversation's blocks go back to the pool when it ends (write-back), for its next turn anywhere
             engine_request = engine_request_from_proto(work, ExportPlan() if w.pool is not None else None)

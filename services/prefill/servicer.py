@@ -46,13 +46,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     @traced_rpc("prefill.request", rpc="prefill", metrics=lambda self: self.w.metrics,
                 attributes=lambda self, request, context: {
-                    **self.w.span_attributes(request.work.request_id, request.work.cache_salt),
+                    **self.w.span_attributes(request.work, context),
                     "kvmesh.decode_instance": request.decode_instance,
                     "kvmesh.tokens.prompt": len(request.work.prompt_token_ids)})
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
                       span: Span) -> worker_pb2.PrefillResponse:
         work, w = request.work, self.w
-        attrs = w.span_attributes(work.request_id, work.cache_salt)
+        attrs = w.span_attributes(work, context)
         t0 = time.monotonic()
         if not request.decode_instance or not request.decode_transfer_address or not request.push_token:
             w.metrics.rejections.labels("invalid").inc()

@@ -1,6 +1,7 @@
 """Who may call the router and how many calls it takes at once: API keys → tenants, the tenant's cache salt,
-the in-flight caps (global and per tenant) that refuse at once with 429 instead of queueing, and the admin key
-of the operations that change what the router serves.
+the in-flight caps (global and per tenant) that refuse at once with 429 instead of queueing, what else a tenant
+may ask for (its retention caps, its SLO class's targets), and the admin key of the operations that change what
+the router serves.
 
 A tenant's salt is ``tenant NUL cache_salt``; a request's own ``cache_salt`` may not contain NUL, so no
 request can name another tenant's namespace, and a request without a tenant keeps its plain ``cache_salt``.
@@ -8,11 +9,14 @@ request can name another tenant's namespace, and a request without a tenant keep
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from kvmesh.settings import RouterSettings, parse_api_keys
+from kvmesh.contracts.slo import SLO
+from kvmesh.settings import RouterSettings, parse_api_keys, slo_targets
 
 from services.router.errors import ErrorKind, RequestError, invalid
 
@@ -119,9 +123,51 @@ def cache_salt(tenant: str, requested: str) -> str:
     return f"{tenant}\x00{requested}" if tenant else requested
 
 
+def dispatch_id(tenant: str, request_id: str) -> str:
+    """The id one request carries inside the mesh: ``<tenant hash>.<client's id>.<nonce>``. Clients choose their
+    ids and tenants share them, so the client's id alone could name another tenant's request in flight on the
+    same instance (its reservation, push capability, ``kv.ready``); with the tenant and a fresh nonce no two
+    requests share one. The client still sees and traces its own id."""
+    tag = hashlib.blake2b(tenant.encode(), digest_size=4).hexdigest()
+    return f"{tag}.{request_id}.{secrets.token_hex(8)}"
+
+
+class TenantTerms:
+    """What each tenant may ask beyond its key: the SLO class whose targets its requests get when they name none
+    (``slo_classes``, ``tenant_classes``, ``default_slo_class``), and the retention caps on its ``cache_control``
+    hints (``max_retention_s_per_tenant``, ``max_priority_per_tenant``)."""
+
+    def __init__(self, classes: Mapping[str, SLO], of_tenant: Mapping[str, str], default_class: str,
+                 max_retention_s: float = float("inf"), max_priority: int = 100) -> None:
+        self.classes, self.of_tenant, self.default_class = dict(classes), dict(of_tenant), default_class
+        self.max_retention_s, self.max_priority = max_retention_s, max_priority
+
+    @classmethod
+    def from_config(cls, cfg: RouterSettings) -> TenantTerms:
+        classes = {name: SLO(*targets) for name, text in cfg.slo_classes.items()
+                   if (targets := slo_targets(text)) is not None}  # the settings' problems refused the rest
+        return cls(classes, cfg.tenant_classes, cfg.default_slo_class, cfg.max_retention_s_per_tenant,
+                   cfg.max_priority_per_tenant)
+
+    def slo(self, tenant: str, given: SLO) -> SLO:
+        """``given``'s targets, the tenant's class's where it names none."""
+        return given.or_else(self.classes.get(self.of_tenant.get(tenant, self.default_class), SLO()))
+
+    def check_retention(self, ttl_s: float, priority: int, field: str) -> None:
+        """Refuse a retention hint over the tenant caps, naming the field and the cap."""
+        if ttl_s > self.max_retention_s:
+            raise invalid(f"{field}.ttl {ttl_s:g} s is over a tenant's retention cap of {self.max_retention_s:g} s "
+                          "(max_retention_s_per_tenant): ask for less")
+        if priority > self.max_priority:
+            raise invalid(f"{field}.priority {priority} is over a tenant's cap of {self.max_priority} "
+                          "(max_priority_per_tenant): ask for less")
+
+
 class Admission:
     """Caps on requests in flight, checked on arrival: over a cap the request is refused at once (429 /
-    RESOURCE_EXHAUSTED with a retry hint) rather than queued. One event loop; not thread-safe."""
+    RESOURCE_EXHAUSTED with a retry hint) rather than queued. The per-tenant cap counts each key's tenant; the
+    tenant-less caller (keys off, or ``api_key``) is one caller of the whole router and has the global cap alone.
+    One event loop; not thread-safe."""
 
     def __init__(self, max_total: int, max_per_tenant: int = 0) -> None:
         self.max_total = max_total
@@ -139,10 +185,10 @@ class Admission:
             raise RequestError(ErrorKind.OVERLOADED, f"the router is at its limit of {self.max_total} requests "
                                                      f"in flight; retry after {RETRY_AFTER_S} s")
         held = self.per_tenant.get(tenant, 0)
-        if self.max_per_tenant and held >= self.max_per_tenant:
-            raise RequestError(ErrorKind.OVERLOADED, f"tenant {tenant or '(none)'} is at its limit of "
-                                                     f"{self.max_per_tenant} requests in flight; retry after "
-                                                     f"{RETRY_AFTER_S} s")
+        if tenant and self.max_per_tenant and held >= self.max_per_tenant:
+            raise RequestError(ErrorKind.OVERLOADED, f"tenant {tenant} is at its quota of {self.max_per_tenant} "
+                                                     f"requests in flight (max_requests_per_tenant); retry after "
+                                                     f"{RETRY_AFTER_S} s, or send fewer at once")
         self.total += 1
         self.per_tenant[tenant] = held + 1
         done = False

@@ -364,10 +364,11 @@ class Router:
                      matched: dict[str, int] | None = None) -> ChunkStream:
         await self._ensure_lora(work, inst)
         done = self.registry.dispatched(inst, self._to_compute(work, inst, matched))
-        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.decode_instance": inst.id})
+        dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.decode_instance": inst.id,
+                                                                 tracing.DISPATCH_ID: work.request_id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
             worker_pb2.DecodeRequest(work=work, prefill_locally=True, route_reason=reason),
-            metadata=tracing.grpc_metadata(dispatch), timeout=self.cfg.request_timeout_s)
+            metadata=_metadata(dispatch, rt), timeout=self.cfg.request_timeout_s)
         cached = 0
 
         async def cached_tokens() -> int:
@@ -389,8 +390,9 @@ class Router:
         await self._ensure_lora(work, decode, prefill)
         decode_done = self.registry.dispatched(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.prefill_instance": prefill.id,
-                                                                 "kvmesh.decode_instance": decode.id})
-        md = tracing.grpc_metadata(dispatch)
+                                                                 "kvmesh.decode_instance": decode.id,
+                                                                 tracing.DISPATCH_ID: work.request_id})
+        md = _metadata(dispatch, rt)
         held = self._decode_holds(work, decode, matched)  # decode pins them; prefill pushes only the rest
         dispatch.set_attribute("kvmesh.decode_cached_blocks", held)
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
@@ -589,10 +591,17 @@ def ttft_left(work: worker_pb2.WorkRequest) -> float:
     return max(1e-3, work.slo.ttft_s - work.waited_s)
 
 
+def _metadata(dispatch: Span, rt: RequestTrace) -> tuple[tuple[str, str], ...]:
+    """A dispatch's call metadata: its trace context and the client's request id (the instances label their
+    spans with it, so ``kvmesh trace <client id>`` finds them; the work's id is the dispatch id)."""
+    return tracing.grpc_metadata(dispatch) + tracing.request_metadata({tracing.REQUEST_ID: rt.request_id})
+
+
 def _dispatch_id(request: Admitted, retries: int, migrations: int) -> str:
-    """The request id a dispatch carries to the instances: each dispatch its own, so a retry or migration never
-    meets its predecessor's leases or transfers on an instance both reached."""
-    rid = request.request_id
+    """The request id a dispatch carries to the instances: each request its own (``Admitted.dispatch_id``: never
+    another tenant's, even under the same client id), each dispatch its own, so a retry or migration never meets
+    its predecessor's leases or transfers on an instance both reached."""
+    rid = request.dispatch_id or request.request_id
     if request.resume:  # a resumed stream: its dead router's dispatch may still be winding down somewhere
         rid = f"{rid}.resume{len(request.resume)}"
     return rid + (f".migrate{migrations}" if migrations else "") + (f".retry{retries}" if retries else "")

@@ -1,9 +1,10 @@
 """The client gRPC API (``kvmesh.v1.Kvmesh``) over ``Router``. Every call's trailing metadata carries
 ``x-request-id`` and ``traceparent``; a ``traceparent`` in the call's metadata is honoured.
 
-Requests are parsed by ``add_to_server``'s own deserializers, so a request that is too large or not a valid
-message (e.g. a string that is not UTF-8) is answered RESOURCE_EXHAUSTED / INVALID_ARGUMENT with a message,
-not grpc's generic INTERNAL."""
+A request message over ``max_body_bytes`` is refused by gRPC as it arrives (the server's receive limit, which
+``serve`` sets to it), RESOURCE_EXHAUSTED, before its key is looked at. Requests are parsed by
+``add_to_server``'s own deserializers, so one that is not a valid message (e.g. a string that is not UTF-8) is
+answered INVALID_ARGUMENT with a message, not grpc's generic INTERNAL."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kvmesh.contracts.sampling import sampling_from_proto
 from kvmesh.contracts.sessions import check_session_id, session_key
 from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 
-from services.router.access import RETRY_AFTER_S
+from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.core import Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import CacheControl, Call, Draft, Intake, slo_from_headers
@@ -27,10 +28,12 @@ from services.router.telemetry import RequestTrace
 
 
 class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
-    def __init__(self, router: Router, intake: Intake | None = None) -> None:
-        """``intake``: shared with the HTTP API, and so are its caps (default: from the router's settings)."""
+    def __init__(self, router: Router, intake: Intake | None = None, admin: AdminKey | None = None) -> None:
+        """``intake``: shared with the HTTP API, and so are its caps (default: from the router's settings);
+        ``admin``: the key that sees ``Health``'s instance list (default: the router's ``admin_key``)."""
         self.router = router
         self.intake = intake or Intake(router)
+        self.admin = admin or AdminKey.from_config(router.cfg)
 
     @staticmethod
     def _call(request: Message | RequestError, context: grpc.aio.ServicerContext, api: str) -> Call:
@@ -127,10 +130,16 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
 
     async def Health(self, request: api_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> api_pb2.HealthResponse:
+        """Whether the router can serve, open to anyone; the instances (ids, roles, internal addresses, load)
+        only to a caller with the admin key (and on the internal port's ``/health``)."""
         now = time.monotonic()
         instances = self.router.registry.alive()
         roles = {i.beat.role for i in instances}
         ok = "both" in roles or {"prefill", "decode"} <= roles
+        try:
+            self.admin.authorize(dict(context.invocation_metadata() or ()))
+        except RequestError:
+            return api_pb2.HealthResponse(ok=ok)
         return api_pb2.HealthResponse(ok=ok, instances=[
             api_pb2.Instance(instance_id=i.id, role=i.beat.role, grpc_address=i.beat.grpc_address,
                              age_s=now - i.last_seen, load=i.beat.load.to_dict())

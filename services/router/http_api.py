@@ -3,8 +3,12 @@
 Accepts the sampling extensions vLLM does (top_k, seed, ignore_eos, stop_token_ids), so tools written for vLLM
 drive kvmesh unchanged; structured output (``response_format``, vLLM's ``guided_*`` / ``structured_outputs``):
 services/router/structured.py. Every response carries ``x-request-id`` and ``traceparent`` (the request's span; a
-``traceparent`` the caller sent is honoured, so its trace continues here). ``GET /metrics``: Prometheus.
-Every error, ours or aiohttp's (unknown path, body too large), is OpenAI's JSON error shape.
+``traceparent`` the caller sent is honoured, so its trace continues here). ``GET /health`` says whether the
+router can serve and how many instances it sees, never where they are. Every error, ours or aiohttp's (unknown
+path, body too large), is OpenAI's JSON error shape.
+
+``InternalApi`` is the router's other port (``metrics_port``), for the operator's network only: Prometheus
+``GET /metrics`` and ``GET /health`` with every instance's id, role, address and load.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
             raise
         message = (f"no route for {request.method} {request.path}; this API serves "
                    "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
-                   "GET /metrics, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, "
-                   "DELETE /v1/sessions/{session_id}"
+                   "POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, DELETE /v1/sessions/{session_id} "
+                   "(Prometheus /metrics is on the router's internal metrics_port)"
                    if e.status in (404, 405) else e.text or e.reason)
         kept = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
         return web.json_response(error_body(e.status, "invalid_request_error", message), status=e.status,
@@ -107,7 +111,6 @@ class OpenAIApi:
         self.app = web.Application(client_max_size=router.cfg.max_body_bytes, middlewares=[json_errors])
         self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
-                             web.get("/metrics", self.metrics),
                              web.post("/v1/load_lora_adapter", self.load_lora),
                              web.post("/v1/unload_lora_adapter", self.unload_lora),
                              web.delete("/v1/sessions/{session_id}", self.close_session)])
@@ -235,10 +238,6 @@ class OpenAIApi:
         await resp.write_eof()
         return resp
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        body, content_type = self.router.metrics.exposition()
-        return web.Response(body=body, headers={"Content-Type": content_type})
-
     async def models(self, request: web.Request) -> web.Response:
         try:
             self.intake.tenants.authenticate(request.headers)
@@ -306,3 +305,28 @@ class OpenAIApi:
         ok = "both" in roles or {"prefill", "decode"} <= roles
         return web.json_response({"ok": ok, "instances": len(self.router.registry.alive())},
                                  status=200 if ok else 503)
+
+
+class InternalApi:
+    """The router's internal port: what an operator's tools read and a client must not (the instances'
+    addresses, the counters). No keys: the port is kept off the clients' network (compose publishes only the
+    public ports; in Kubernetes a NetworkPolicy admits the monitoring namespace alone)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.app = web.Application()
+        self.app.add_routes([web.get("/metrics", self.metrics), web.get("/health", self.health)])
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.router.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def health(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        alive = self.router.registry.alive()
+        roles = {i.beat.role for i in alive}
+        ok = "both" in roles or {"prefill", "decode"} <= roles
+        return web.json_response({"ok": ok, "instances": [
+            {"instance_id": i.id, "role": i.beat.role, "grpc_address": i.beat.grpc_address,
+             "age_s": round(now - i.last_seen, 3), "load": i.beat.load.to_dict()} for i in alive]},
+            status=200 if ok else 503)

@@ -4,8 +4,9 @@ Both APIs (OpenAI HTTP; gRPC ``Generate`` and ``Chat``) translate their wire for
 calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``Intake.admit``, which yields an
 ``Admitted`` request or raises ``RequestError``. The steps, in order; the first that fails answers:
 
-1. the caller's key → tenant (``access.Tenants``); what the wire itself could not accept (a message over the
-   size limit, one that does not parse) is answered only after this;
+1. the caller's key → tenant (``access.Tenants``); what the wire itself could not accept (a message that does
+   not parse) is answered only after this (a gRPC message over ``max_body_bytes`` never gets here: gRPC refuses
+   it as it arrives, before the key is looked at);
 2. the request id the caller gave: printable ASCII, at most 128 characters;
 3. the in-flight caps (``access.Admission``): over one, refused at once, never queued;
 4. the fields (``Draft``: an HTTP body is read and parsed here), inside the ``router.tokenize`` span;
@@ -15,9 +16,10 @@ calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``I
 8. what the engines can serve: context length, vocabulary, seed, stop ids and strings; a resumed stream's
    tokens (``resume_token_ids``: ids, fewer than ``max_tokens``);
 9. the session (its id namespaced by the tenant, the end flag) and the retention hints (``cache_control``, the
-   request's and each message's, as token ranges of the prompt);
+   request's and each message's, as token ranges of the prompt, within the tenant's retention caps);
 10. the cache salt (the tenant's namespace), the routing policy and the PD override;
-11. the latency targets (``SLO``: the router admits by the TTFT target, the engine schedules by both).
+11. the latency targets (``SLO``: the router admits by the TTFT target, the engine schedules by both): the
+    request's own, else its tenant's SLO class's (``access.TenantTerms``).
 
 The admitted request holds an admission slot until the ``async with`` block ends.
 """
@@ -36,7 +38,7 @@ from kvmesh.contracts.sessions import check_retention, check_session_id, session
 from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.routing.cost import DISAGGREGATE_MODES
 
-from services.router.access import Admission, Tenants, cache_salt
+from services.router.access import Admission, Tenants, TenantTerms, cache_salt, dispatch_id
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.structured import check_structured
 from services.router.telemetry import RequestTrace
@@ -117,7 +119,8 @@ class Admitted:
     ("" = the base model). ``policy`` / ``disaggregate``: the request's own routing choices (None = the
     configured ones). ``resume``: the tokens a cut stream of this request already delivered (its client resumes
     it here): the router streams what follows them. ``slo``: its latency targets (none set: the router's
-    ``slo_ttft_s`` admits it, the engine's defaults schedule it)."""
+    ``slo_ttft_s`` admits it, the engine's defaults schedule it). ``dispatch_id``: the id the instances know it
+    by (``access.dispatch_id``: unique per request, whatever id the client chose; "" = ``request_id``)."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -132,6 +135,7 @@ class Admitted:
     session: SessionHint | None = None
     retention: tuple[RetentionRange, ...] = ()
     slo: SLO = NO_SLO
+    dispatch_id: str = ""
 
 
 def new_request_id() -> str:
@@ -145,10 +149,12 @@ def valid_request_id(rid: str) -> bool:
 class Intake:
     """The pipeline; one per router, shared by both APIs (so are its caps)."""
 
-    def __init__(self, router: Router, tenants: Tenants | None = None, admission: Admission | None = None) -> None:
+    def __init__(self, router: Router, tenants: Tenants | None = None, admission: Admission | None = None,
+                 terms: TenantTerms | None = None) -> None:
         self.router = router
         self.tenants = tenants or Tenants.from_config(router.cfg)
         self.admission = admission or Admission.from_config(router.cfg)
+        self.terms = terms or TenantTerms.from_config(router.cfg)
 
     def trace(self, call: Call) -> RequestTrace:
         """The request's root span and TTFT clock, under the id the caller gave when it is valid, else a new
@@ -182,7 +188,8 @@ class Intake:
             request = Admitted(rt.request_id, tuple(prompt), draft.sampling, tenant,
                                cache_salt(tenant, draft.cache_salt), lora or self.router.model_id, lora,
                                self.policy(draft.policy), self.disaggregate(draft.disaggregate), draft.resume,
-                               session, retention, self.slo(draft.slo))
+                               session, retention, self.terms.slo(tenant, self.slo(draft.slo)),
+                               dispatch_id(tenant, rt.request_id))
             rt.describe(request.model, tenant or draft.cache_salt, len(prompt))
             rt.slo = request.slo
             yield request
@@ -280,6 +287,7 @@ class Intake:
                 ttl_s, priority = check_retention(hint.ttl_s, hint.priority, hint.field)
             except ValueError as e:
                 raise invalid(str(e)) from None
+            self.terms.check_retention(ttl_s, priority, hint.field)
             if end > 0 and priority > 0:
                 out.append(RetentionRange(0, end, priority, ttl_s))
         return tuple(out)

@@ -31,7 +31,7 @@ WORKLOADS = ("Deployment", "StatefulSet")
 SERVICES = {"services.router": "router", "services.prefill": "prefill", "services.decode": "decode",
             "services.cachesvc": "cachesvc"}
 HEALTHCHECK = ["python", "/opt/kvmesh/docker/healthcheck.py"]
-ROUTER_HTTP_PATHS = {"/health", "/metrics"}  # services/router/http_api.py's GET routes the probes may use
+ROUTER_HTTP_PATHS = {"/health"}  # services/router/http_api.py's GET routes the probes may use
 
 # The flows of one request and of the cache (DESIGN.md; the e2e tests run each through `kvmesh up`):
 # (from, to, the port's name on the receiving pod)
@@ -46,7 +46,7 @@ MESH_FLOWS = {
     ("cachesvc", "prefill", "transfer"), ("cachesvc", "decode", "transfer"),  # pool fetches pushed to the asker
 }
 CLIENT_FLOWS = {("router", "http"), ("router", "grpc")}  # from any namespace
-SCRAPES = CLIENT_FLOWS | {(role, "metrics") for role in ("prefill", "decode", "cachesvc")}  # from `monitoring`
+SCRAPES = CLIENT_FLOWS | {(role, "metrics") for role in ("router", "prefill", "decode", "cachesvc")}  # `monitoring`
 
 
 def kubectl() -> str:
@@ -134,7 +134,7 @@ def served_ports(container: Container, files: Path) -> dict[int, str]:
         return ports
     cfg = loaded(container, files)
     if container.service == "router":
-        return {cfg.router.grpc_port: "grpc", cfg.router.http_port: "http"}
+        return {cfg.router.grpc_port: "grpc", cfg.router.http_port: "http", cfg.router.metrics_port: "http"}
     own = cfg.cachesvc if container.service == "cachesvc" else cfg.instance
     ports = {own.port: "grpc", own.metrics_port: "http"}
     if container.service == "cachesvc" or own.role in ("decode", "both") or own.cachesvc_address:

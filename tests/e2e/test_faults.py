@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -41,8 +42,9 @@ def hung_decode(stack, request_id: str, within_s: float = 120.0):
     """The decode instance whose stream of ``request_id`` hangs (``fault_hang_after_tokens``), once it logged so."""
     deadline = time.monotonic() + within_s
     while True:
-        hung = [s for s in stack.services if "decode" in s.name and f"request {request_id}: {HANG}"
-                in s.log_path.read_text()]
+        # decode knows the request by its dispatch id, <tenant hash>.<client id>.<nonce>
+        hung = [s for s in stack.services if "decode" in s.name and re.search(
+            rf"request [0-9a-f]+\.{re.escape(request_id)}\.[0-9a-f]+: {HANG}", s.log_path.read_text())]
         if hung:
             return hung[0]
         assert time.monotonic() < deadline, f"no decode instance hung on {request_id}"
@@ -173,7 +175,7 @@ def test_a_dead_prefill_costs_latency_not_the_answer(tmp_path_factory):
 
 
 def router_metric(stack, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(stack.router_metrics, timeout=10) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 

@@ -45,7 +45,7 @@ def test_a_tls_mesh_serves_and_refuses_plaintext_peers(tmp_path_factory):
         for s in internal:  # a mesh member (an operator's certificate) reaches every internal service
             with tls.channel(s.grpc_address, cfg=stack.mesh_settings()) as ch:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(stack.router_metrics, timeout=10) as r:
             metrics = r.read().decode()
         assert "kvmesh_router_kv_fallbacks_total 0.0" in metrics  # the KV went prefill -> decode over TLS
         for s in internal:

@@ -128,7 +128,7 @@ def test_grpc_responses_carry_request_id_and_traceparent(mesh):
 def test_every_services_metrics_move_after_a_request(mesh):
     stream_chat(mesh, "What color is the sky?", 6)
     stream_chat(mesh, "What color is the sky?", 6)  # the second reuses the first's prefix, whatever ran before
-    router = scrape(f"http://127.0.0.1:{mesh.http_port}/metrics")
+    router = scrape(mesh.router_metrics)
     assert router["kvmesh_router_ttft_seconds_count"] > 0 and router["kvmesh_router_itl_seconds_count"] > 0
     assert router["kvmesh_router_prompt_tokens_total"] > 0 and "kvmesh_router_prefix_hit_ratio" in router
     assert router['kvmesh_router_instances{role="prefill"}'] == 1 and "kvmesh_router_in_flight" in router

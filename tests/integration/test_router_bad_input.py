@@ -109,7 +109,7 @@ class TinyMesh:
         await self.router.start()
         self.intake = Intake(self.router)
         self.admission = self.intake.admission
-        self.grpc = ServiceServer(["kvmesh.v1.Kvmesh"])
+        self.grpc = ServiceServer(["kvmesh.v1.Kvmesh"], max_receive_bytes=self.cfg.max_body_bytes)
         add_to_server(KvmeshServicer(self.router, self.intake), self.grpc.server, self.cfg.max_body_bytes)
         self.grpc_target = self.grpc.bind("127.0.0.1", 0)
         await self.grpc.start()
@@ -374,8 +374,8 @@ def test_grpc_undecodable_request_gets_invalid_argument(mesh, stub, method, raw,
 
 def test_grpc_oversized_request_gets_resource_exhausted(mesh, stub):
     big = api_pb2.GenerateRequest(text="x" * (mesh.cfg.max_body_bytes + 1))
-    err = grpc_error(lambda: stub.Generate(big, timeout=30))
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_body_bytes" in err.details()
+    err = grpc_error(lambda: stub.Generate(big, timeout=30))  # gRPC's receive limit: "larger than max (N vs. M)"
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(mesh.cfg.max_body_bytes) in err.details()
     grpc_still_serves(stub)
 
 

@@ -146,7 +146,7 @@ def test_a_tenant_over_its_cap_is_refused_while_others_are_served(mesh):
         refused, bob_status = asyncio.run(hold_and_probe())
     finally:
         mesh.admission.max_per_tenant = old
-    assert isinstance(refused, Overloaded) and "tenant alice is at its limit of 1" in refused.message
+    assert isinstance(refused, Overloaded) and "tenant alice is at its quota of 1" in refused.message
     assert bob_status == 200
 
 

@@ -14,12 +14,21 @@ from kvmesh.identity import MeshRole
 from app.launcher import Stack, StackOptions
 from tests.integration.test_router_bad_input import tiny_model_dir
 
+# two tenants and the admin: the router's keys (every other setting is the default)
+KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+ADMIN_KEY = "sk-admin"
+
+
+def auth(key: str = "sk-alice") -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
 
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     model = tiny_model_dir(tmp_path_factory.mktemp("model"))
     s = Stack(tmp_path_factory.mktemp("secure"), StackOptions.local("secure", settings={
-        "engine": {"model": str(model)}, "instance": {"kv_timeout_s": 20.0}}))
+        "engine": {"model": str(model)}, "instance": {"kv_timeout_s": 20.0},
+        "router": {"api_keys": KEYS, "admin_key": ADMIN_KEY}}))
     s.start(timeout_s=180)
     yield s
     s.stop()

@@ -12,7 +12,7 @@ from kvmesh.authz import allowed
 from kvmesh.identity import MeshRole
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from tests.security.conftest import channel
+from tests.security.conftest import auth, channel
 
 # (service in the stack, stub, method, an empty request) for every internal RPC
 RPCS = [
@@ -81,6 +81,6 @@ def test_the_stack_serves_through_the_mesh(stack):
     body = json.dumps({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
                        "temperature": 0}).encode()
     req = urllib.request.Request(f"{stack.router_http}/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json", **auth()})
     with urllib.request.urlopen(req, timeout=120) as r:
         assert json.load(r)["usage"]["completion_tokens"] >= 1

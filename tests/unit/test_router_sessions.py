@@ -9,7 +9,9 @@ import pytest
 from kvmesh.contracts.engine import SessionHint
 from kvmesh.contracts.messages import Heartbeat, InstanceLoad, SessionSignal
 from kvmesh.contracts.sessions import SessionEvent
+from kvmesh.settings import RouterSettings
 
+from services.router.access import TenantTerms
 from services.router.errors import RequestError
 from services.router.intake import CacheControl, Draft, Intake, message_cache_control
 from services.router.openai_body import draft
@@ -60,6 +62,7 @@ class FakeRouter:
 def intake() -> Intake:
     i = Intake.__new__(Intake)
     i.router = FakeRouter()  # type: ignore[assignment]
+    i.terms = TenantTerms.from_config(RouterSettings())
     return i
 
 

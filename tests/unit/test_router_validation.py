@@ -157,7 +157,7 @@ def test_admission_refuses_over_the_global_cap_and_frees_on_leave():
 def test_admission_per_tenant_cap_leaves_room_for_others():
     gate = Admission(max_total=10, max_per_tenant=1)
     gate.enter("alice")
-    with pytest.raises(RequestError, match="tenant alice is at its limit of 1"):
+    with pytest.raises(RequestError, match="tenant alice is at its quota of 1"):
         gate.enter("alice")
     gate.enter("bob")
     assert gate.total == 2

@@ -32,7 +32,7 @@ from kvmesh.instance import adapters
 from kvmesh.instance.metrics import WorkerMetrics
 from kvmesh.instance.pool_client import PoolClient, PoolError
 from kvmesh.model_source.resolve import model_name
-from kvmesh.proto.v1 import worker_pb2_grpc
+from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.settings import EngineSettings, InstanceSettings, SharedSettings, TelemetrySettings
 from kvmesh.telemetry import tracing
@@ -153,9 +153,12 @@ class EngineHost:
         scheme, sep, where = address.rpartition("://")  # a transfer address is <backend>://host:port
         return f"{scheme}{sep}{self.cfg.advertise_host}:{where.rsplit(':', 1)[1]}"
 
-    def span_attributes(self, request_id: str, cache_salt: str) -> dict[str, Any]:
-        return {tracing.REQUEST_ID: request_id, tracing.MODEL: self.model_name, tracing.TENANT: cache_salt,
-                "kvmesh.instance": self.instance_id}
+    def span_attributes(self, work: worker_pb2.WorkRequest, context: Any = None) -> dict[str, Any]:
+        """A request's span labels: the client's request id as the router's call metadata names it (else the
+        work's), the dispatch id (the work's: what this instance knows the request by), model, tenant salt."""
+        client = tracing.request_attributes(context).get(tracing.REQUEST_ID) if context is not None else None
+        return {tracing.REQUEST_ID: client or work.request_id, tracing.DISPATCH_ID: work.request_id,
+                tracing.MODEL: self.model_name, tracing.TENANT: work.cache_salt, "kvmesh.instance": self.instance_id}
 
     async def warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int,
                              parent: Span | None = None, attrs: dict[str, Any] | None = None,

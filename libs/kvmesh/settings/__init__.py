@@ -47,6 +47,7 @@ from kvmesh.settings.sections import (
     SharedSettings,
     TelemetrySettings,
     parse_api_keys,
+    slo_targets,
 )
 
 __all__ = [
@@ -55,4 +56,5 @@ __all__ = [
     "SettingsError", "SharedSettings", "Source", "TelemetrySettings", "add_flags", "as_env",
     "check_environment", "entry_point_defaults", "env_names", "env_value", "flag_name", "flag_overrides",
     "load", "load_entry_point", "masked", "parse_api_keys", "parse_args", "read_file", "reference", "show",
+    "slo_targets",
 ]

@@ -488,7 +488,10 @@ class RouterSettings(Section):
     model_name: str = setting("", "id served in /v1/models (\"\" = the model's file or folder name)")
     host: str = setting("127.0.0.1", "listen address")
     grpc_port: int = setting(50051, "kvmesh.v1 gRPC API port (0 = a free one)")
-    http_port: int = setting(8000, "OpenAI-compatible HTTP, /health, /metrics port (0 = a free one)")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP and /health port (0 = a free one)")
+    metrics_port: int = setting(0, "the internal port: Prometheus /metrics and /health with every instance's "
+                                   "address (0 = a free one, named in the ready line / file); keep it off the "
+                                   "clients' network")
     cachesvc_address: str = setting("127.0.0.1:50060", "cachesvc for MatchPrefix (\"\" = route by load only)")
     block_size: int = setting(16, "must equal the engines' (instances with another are ignored)")
     instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
@@ -521,7 +524,22 @@ class RouterSettings(Section):
                                         "(a client CA of its own, not the mesh CA; \"\" = API keys alone)")
     max_body_bytes: int = setting(4 * 2**20, "larger HTTP bodies / gRPC requests are refused (413)")
     max_concurrent_requests: int = setting(256, "requests in flight at once; more are refused at once (429)")
-    max_requests_per_tenant: int = setting(0, "requests in flight per tenant (0 = only the global cap)")
+    max_requests_per_tenant: int = setting(64, "requests in flight per tenant (a key's tenant; the tenant-less "
+                                               "caller, keys off or api_key, has the global cap alone; 0 = only "
+                                               "the global cap)")
+    max_retention_s_per_tenant: float = setting(3600.0, "longest retention TTL a tenant's request may ask "
+                                                        "(cache_control ttl; longer is refused with 400)")
+    max_priority_per_tenant: int = setting(90, "highest retention priority a tenant's request may ask "
+                                               "(cache_control priority, 0-100; higher is refused with 400)")
+    slo_classes: Annotated[dict[str, str], NoDecode] = setting(
+        {"interactive": "6/0.15", "standard": "0/0"},
+        "SLO class -> its TTFT/ITL p99 targets in seconds (0 = none; TOML table; env and flag: "
+        "\"interactive:6/0.15,standard:0/0\")")
+    tenant_classes: Annotated[dict[str, str], NoDecode] = setting(
+        {}, "tenant -> its SLO class, whose targets a request of the tenant that names none gets (TOML table; "
+            "env and flag: \"alice:interactive,bob:standard\")")
+    default_slo_class: str = setting("standard", "the SLO class of a tenant not in tenant_classes (and of the "
+                                                 "tenant-less caller)")
     id: str = setting("", "this router's name among its replicas: the key of the in-flight counts it shares "
                           "over NATS (\"\" = router-<hostname>-<pid>)")
     migration_limit: int = setting(3, "times one request may move to another instance after its own failed "
@@ -544,9 +562,14 @@ class RouterSettings(Section):
     def _parse_keys(cls, value: object) -> object:
         return parse_api_keys(value, "api_keys") if isinstance(value, str) else value
 
+    @field_validator("slo_classes", "tenant_classes", mode="before")
+    @classmethod
+    def _parse_pairs(cls, value: object) -> object:
+        return parse_pairs(value) if isinstance(value, str) else value
+
     def problems(self) -> list[Problem]:
         out = super().problems()
-        out += self._ports(("grpc_port", "http_port"))
+        out += self._ports(("grpc_port", "http_port", "metrics_port"))
         out += self._positive(("instance_timeout_s", "match_timeout_s", "request_timeout_s",
                                "prefill_tok_per_s"))
         if not self.slo_ttft_s >= 0:
@@ -554,6 +577,21 @@ class RouterSettings(Section):
                                              f"not {self.slo_ttft_s}"))
         out += self._min(("block_size", "max_body_bytes", "max_concurrent_requests"), 1)
         out += self._min(("max_requests_per_tenant",), 0, {"max_requests_per_tenant": "off"})
+        out += self._positive(("max_retention_s_per_tenant",))
+        if not 0 <= self.max_priority_per_tenant <= 100:
+            out.append(Problem("max_priority_per_tenant", f"max_priority_per_tenant must be in [0, 100], not "
+                                                          f"{self.max_priority_per_tenant}"))
+        for name, targets in self.slo_classes.items():
+            if slo_targets(targets) is None:
+                out.append(Problem("slo_classes", f"slo_classes: class {name!r} must be TTFT/ITL seconds, each in "
+                                                  f"[0, 3600] (0 = none), like \"6/0.15\", not {targets!r}"))
+        for tenant, name in self.tenant_classes.items():
+            if name not in self.slo_classes:
+                out.append(Problem("tenant_classes", f"tenant_classes: tenant {tenant!r} names class {name!r}, "
+                                                     f"not one of slo_classes ({', '.join(self.slo_classes)})"))
+        if self.default_slo_class not in self.slo_classes:
+            out.append(Problem("default_slo_class", f"default_slo_class {self.default_slo_class!r} is not one of "
+                                                    f"slo_classes ({', '.join(self.slo_classes)})"))
         out += self._min(("migration_limit",), 0, {"migration_limit": "never"})
         out += self._min(("max_concurrent_migrations",), 1)
         out += self._min(("inter_token_timeout_s",), 0, {"inter_token_timeout_s": "off"})
@@ -599,6 +637,27 @@ def parse_api_keys(text: str, where: str) -> dict[str, str]:
             raise ValueError(f"{where}: key {key[:4]}... is given to two tenants ({keys[key]!r}, {tenant!r})")
         keys[key] = tenant
     return keys
+
+
+def parse_pairs(text: str) -> dict[str, str]:
+    """``name:value`` pairs separated by commas ("" = none); a malformed entry is kept whole under its text, for
+    ``problems`` to name."""
+    out: dict[str, str] = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if entry:
+            name, _, value = entry.partition(":")
+            out[name.strip()] = value.strip()
+    return out
+
+
+def slo_targets(text: str) -> tuple[float, float] | None:
+    """``"TTFT/ITL"`` seconds (each in [0, 3600], 0 = none) as a pair; None when it is not that."""
+    ttft, sep, itl = text.partition("/")
+    try:
+        pair = (float(ttft), float(itl))
+    except ValueError:
+        return None
+    return pair if sep and all(0 <= v <= 3600 for v in pair) else None
 
 
 def key_problems(key: object, tenant: object, where: str) -> list[str]:

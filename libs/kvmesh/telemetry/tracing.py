@@ -31,6 +31,7 @@ TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 # Attribute names every kvmesh span may carry.
 REQUEST_ID, MODEL, TENANT = "kvmesh.request_id", "kvmesh.model", "kvmesh.tenant"
+DISPATCH_ID = "kvmesh.dispatch_id"  # the id the instances know a request by (the router's, unique per dispatch)
 # Set to False on a span that is not a TTFT segment: one that waits for others (their spans explain its time)
 # or that runs after the first token. The waterfall never attributes TTFT to such a span.
 SEGMENT = "kvmesh.segment"
