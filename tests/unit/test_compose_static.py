@@ -63,8 +63,15 @@ def variants() -> list[tuple[str, dict[str, dict]]]:
 
 
 def kvmesh_services(services: dict[str, dict]) -> dict[str, dict]:
-    """The services built from docker/Dockerfile that `up` starts (none parked in a profile)."""
-    return {n: s for n, s in services.items() if "build" in s and not s.get("profiles")}
+    """The services built from docker/Dockerfile that `up` starts and keeps running (none parked in a profile, no
+    init step)."""
+    steps = init_steps(services)
+    return {n: s for n, s in services.items() if "build" in s and not s.get("profiles") and n not in steps}
+
+
+def init_steps(services: dict[str, dict]) -> set[str]:
+    """Services that run once before the others and exit (``restart: "no"``): the mesh certificates."""
+    return {n for n, s in services.items() if isinstance(s, dict) and s.get("restart") == "no"}
 
 
 def dockerfile_stages(path: Path) -> dict[str, str]:
@@ -182,12 +189,31 @@ def test_the_nats_command_and_config_are_accepted_by_nats_server():
     assert "COPY docker/nats.conf /etc/kvmesh/nats.conf" in (ROOT / "docker/Dockerfile").read_text()
 
 
+def init_step_holders(services: dict[str, dict]) -> list[str]:
+    """The ``ROLE/INSTANCE`` arguments of the mesh-certs step's ``python -m kvmesh.mesh_ca /certs ...``."""
+    (step,) = init_steps(services)
+    script = " ".join(services[step]["command"])
+    args = script.split("python -m kvmesh.mesh_ca /certs ", 1)[1].split("&&")[0].split()
+    return args
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    """What compose's mesh-certs step writes into the /certs volume, written here by the same command."""
+    from kvmesh import mesh_ca
+
+    out = tmp_path_factory.mktemp("certs")
+    mesh_ca.main([str(out), *init_step_holders(load("compose.yaml")["services"])])
+    return out
+
+
 @pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
-def test_every_environment_key_is_a_known_setting_and_its_value_is_valid(variant, services):
+def test_every_environment_key_is_a_known_setting_and_its_value_is_valid(variant, services, certs):
     secrets = {v: "s3cret" for v in SECRET_VARS}
     for name, svc in kvmesh_services(services).items():
         argv = svc["command"]
         env = {k: interpolate(str(v), secrets) for k, v in svc.get("environment", {}).items()}
+        env = {k: str(certs) + v.removeprefix("/certs") if v.startswith("/certs/") else v for k, v in env.items()}
         if argv[0] == "nats-server":
             # an unquoted $NAME in nats.conf is a variable (quoted ones, like "$JS.API.>", are subjects)
             refs = set(re.findall(r":\s*\$([A-Z_]+)", (ROOT / "docker/nats.conf").read_text()))
@@ -231,7 +257,7 @@ def test_only_the_router_publishes_ports():
         for port in svc["ports"]:
             assert str(port).startswith("127.0.0.1:"), f"{name}: {port} must stay on the host's loopback"
     running = {n: s for n, s in merged_services().items() if not s.get("profiles")}
-    assert "router" not in running and "router-host" in running
+    assert "router" not in running and "router-host" in running and "mesh-certs" in init_steps(running)
     for name, svc in running.items():
         assert not svc.get("ports") and svc["network_mode"] == "host", name
 
@@ -255,16 +281,53 @@ def test_secrets_come_from_the_environment_never_from_the_files():
 @pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
 def test_services_start_in_order_of_health(variant, services):
     running = kvmesh_services(services)
+    steps = init_steps(services)
     for name, svc in running.items():
         for dep, cond in svc.get("depends_on", {}).items():
+            if dep in steps:  # the certificates are written before anything that presents them starts
+                assert cond == {"condition": "service_completed_successfully"}, f"{name} -> {dep}"
+                continue
             assert dep in running and cond == {"condition": "service_healthy"}, f"{name} -> {dep}"
     router = running.get("router") or running["router-host"]
-    assert set(router["depends_on"]) == {"nats", "cachesvc", "prefill", "decode"}
+    assert set(router["depends_on"]) - steps == {"nats", "cachesvc", "prefill", "decode"}
     assert "container_name" not in services["prefill"] and "container_name" not in services["decode"]
 
 
 def test_prometheus_scrapes_every_kvmesh_service():
     scraped = {n for job in load("deploy/prometheus.yml")["scrape_configs"] for sd in job["dns_sd_configs"]
                for n in sd["names"]}
-    built = {n for n, s in load("compose.yaml")["services"].items() if "build" in s}  # profiles' too
-    assert scraped == built - {"nats"}
+    services = load("compose.yaml")["services"]
+    built = {n for n, s in services.items() if "build" in s}  # profiles' too
+    assert scraped == built - {"nats"} - init_steps(services)
+    for job in load("deploy/prometheus.yml")["scrape_configs"]:  # on the port each serves /metrics on
+        for sd in job["dns_sd_configs"]:
+            for name in sd["names"]:
+                env = services[name]["environment"]
+                port = next(str(v) for k, v in env.items() if k.endswith("_METRICS_PORT"))
+                assert str(sd["port"]) == port, f"{name}: scraped on {sd['port']}, serves /metrics on {port}"
+
+
+@pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
+def test_every_service_that_calls_the_mesh_presents_a_certificate_of_the_init_step(variant, services):
+    """mTLS is on by default: each kvmesh service mounts the certificates the mesh-certs step writes, presents its
+    role's, and starts after the step; the step writes each of them (role/instance names the certificate)."""
+    from kvmesh.identity import MeshRole
+
+    (step,) = init_steps(services)
+    written = set(init_step_holders(services))
+    assert all(MeshRole(a.split("/")[0]) for a in written)
+
+    def after_step(name: str) -> bool:  # started after the step, directly or through what it waits for
+        deps = services[name].get("depends_on", {})
+        return deps.get(step) == {"condition": "service_completed_successfully"} or any(
+            after_step(d) for d in deps if d != step)
+
+    for name, svc in kvmesh_services(services).items():
+        if svc["command"][0] == "nats-server":
+            continue
+        env = svc.get("environment", {})
+        cert = env.get("KVMESH_TLS_CERT", "")
+        assert cert.startswith("/certs/") and env.get("KVMESH_TLS_CA") == "/certs/ca.pem", f"{variant} {name}"
+        assert cert.removeprefix("/certs/").removesuffix(".pem").replace("-", "/", 1) in written, (name, cert)
+        assert any(str(v).startswith("mesh-certs:/certs") for v in svc.get("volumes", [])), name
+        assert after_step(name), f"{name} may start before {step} wrote the certificates"
