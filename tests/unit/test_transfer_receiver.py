@@ -55,9 +55,9 @@ class FakeEngine:
 
 
 def ready(**fields) -> KVReady:
-    base = dict(request_id=RequestId(RID), decode_instance=InstanceId("decode-0"),
-                transfer_id=TransferId(f"{RID}@prefill-0"), block_keys=(), num_tokens=10, first_token=7,
-                layout=None, prefill_instance=InstanceId("prefill-0"))
+    base = {"request_id": RequestId(RID), "decode_instance": InstanceId("decode-0"),
+            "transfer_id": TransferId(f"{RID}@prefill-0"), "block_keys": (), "num_tokens": 10, "first_token": 7,
+            "layout": None, "prefill_instance": InstanceId("prefill-0")}
     return KVReady(**{**base, **fields})
 
 
