@@ -65,7 +65,9 @@ def scrape(urls: list[str]) -> dict[str, float]:
 
 
 async def heartbeats(nats_url: str, cluster: str, window_s: float) -> list[InstanceLoad]:
-    """The last heartbeat of every engine instance heard within ``window_s``."""
+    """The last heartbeat of every engine instance heard within ``window_s`` (on a mesh NATS server, as the
+    mesh identity of ``KVMESH_TLS_*``: an admin certificate may read heartbeats)."""
+    from kvmesh import tls
     from kvmesh.bus.bus import Bus
     from kvmesh.bus.subjects import Subjects
     from kvmesh.contracts.messages import Heartbeat
@@ -76,7 +78,7 @@ async def heartbeats(nats_url: str, cluster: str, window_s: float) -> list[Insta
         if isinstance(beat, Heartbeat) and beat.role.is_engine:
             seen[beat.instance_id] = InstanceLoad.from_beat(beat.instance_id, beat.role, beat.load, beat.block_size)
 
-    bus = await Bus.connect(nats_url, "kvmesh-plan")
+    bus = await Bus.connect(nats_url, "kvmesh-plan", tls=tls.bus_tls())
     try:
         await bus.subscribe(Subjects(cluster).heartbeats_all, on_beat)
         await asyncio.sleep(window_s)
