@@ -72,7 +72,8 @@ def test_each_identity_can_do_what_its_service_does(mesh, caplog):
 
         await decode.publish(SUBJECTS.heartbeat("decode", "decode-0"), beat("decode", "decode-0"))
         assert (await asyncio.wait_for(beats.get(), 5)).instance_id == "decode-0"
-        await router.publish(SUBJECTS.router_load("router-0"), RouterLoad("router-0", 1.0, {"decode-0": 1}, {}))
+        load = RouterLoad("router-vm-4242", 1.0, {"decode-0": 1}, {})  # a router id is host and pid by default
+        await router.publish(SUBJECTS.router_load(load.router_id), load)
         assert (await asyncio.wait_for(loads.get(), 5)).inflight == {"decode-0": 1}
         msg = KVReady(request_id="r1", decode_instance="decode-0", transfer_id="t1", block_keys=(), num_tokens=3,
                       first_token=1, layout=None, prefill_instance="prefill-0")

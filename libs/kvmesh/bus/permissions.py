@@ -12,8 +12,9 @@ What each role may do (``permissions``; ``<i>`` is the holder's own instance; su
 - decode: publishes ``heartbeat.decode.<i>`` and ``kv.events.<i>``; subscribes what prefill does and
   ``kv.ready.<i>``, its own only;
 - both: what prefill and decode may;
-- router: publishes ``router.load.<i>``, ``sessions`` and ``kv.ready.*`` (a failed prefill: decode computes the
-  prompt itself); subscribes ``heartbeat.>`` and ``router.load.*``;
+- router: publishes ``router.load.*`` (under its router id, which is not its certificate's instance),
+  ``sessions`` and ``kv.ready.*`` (a failed prefill: decode computes the prompt itself); subscribes
+  ``heartbeat.>`` and ``router.load.*``;
 - cachesvc: publishes ``kv.snapshot.*`` (requests), ``kv.copies.*`` and its durable consumer's API and acks;
   subscribes ``heartbeat.>`` and ``sessions``;
 - admin (an operator's tool): subscribes ``heartbeat.>`` and ``router.load.*``, publishes nothing;
@@ -64,7 +65,9 @@ def permissions(identity: Identity, subjects: Subjects) -> Permissions:
             subscribe.append(subjects.kv_ready(i))
         return Permissions(tuple(publish), tuple(subscribe), responses=True)
     if role == MeshRole.ROUTER:
-        return Permissions((subjects.router_load(i), subjects.sessions, f"{p}kv.ready.*"),
+        # a router's load goes out under its router id (KVMESH_ROUTER_ID, by default host and pid), not its
+        # certificate's instance; receivers still match each load to the id its subject names
+        return Permissions((subjects.router_load_all, subjects.sessions, f"{p}kv.ready.*"),
                            (subjects.heartbeats_all, subjects.router_load_all, inbox))
     if role == MeshRole.CACHESVC:
         consumer = "$JS.API.CONSUMER"  # CREATE / INFO / DELETE.<stream>.<durable>, DURABLE.CREATE / MSG.NEXT
