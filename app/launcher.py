@@ -266,6 +266,7 @@ class Stack:
                  *(name for name, _ in _router_replicas(o.routers, 0, 0))]
         identities = [Identity(MeshRole(_role_of(name)), name) for name in names]
         server = self.mesh.issue(Identity(MeshRole.CLIENT, "nats"))  # serves only: no NATS user
+        self.mesh.issue(Identity(MeshRole.ADMIN, "operator"))  # what `kvmesh plan` reads heartbeats with
         (self.state_dir / "nats").mkdir(parents=True, exist_ok=True)
         return permissions.write_config(self.state_dir / "nats" / "nats.conf",
                                         [*identities, Identity(MeshRole.ADMIN, "operator")],

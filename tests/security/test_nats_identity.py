@@ -160,3 +160,29 @@ def test_an_engine_cannot_subscribe_to_another_decodes_kv_ready(stack, caplog):
     assert "permissions violation for subscription" in caplog.text.lower()
     assert reply["usage"]["completion_tokens"] >= 1
     assert not [m for m in heard if isinstance(m, KVReady)]
+
+
+
+def test_kvmesh_plan_reads_heartbeats_with_the_operators_certificate_of_the_state_dir(stack):
+    from kvmesh import tls
+    from kvmesh.bus import Bus
+
+    from app.plan import operator_settings
+
+    async def listen() -> set[str]:
+        creds = tls.bus_tls(operator_settings(stack.state_dir))
+        plan = await Bus.connect(stack.info().nats_url, "kvmesh-plan", tls=creds)
+        seen: set[str] = set()
+
+        async def on_beat(beat: Message, headers: dict[str, str]) -> None:
+            if isinstance(beat, Heartbeat):
+                seen.add(beat.instance_id)
+
+        try:
+            await plan.subscribe(subjects(stack).heartbeats_all, on_beat)
+            await asyncio.sleep(2.5)
+        finally:
+            await plan.close()
+        return seen
+
+    assert asyncio.run(listen()) == {"decode-0", "prefill-0"}
