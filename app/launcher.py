@@ -11,6 +11,9 @@ directory. So does the mesh's identity: unless ``mesh_tls`` is off or a certific
 ``tls/`` holds a mesh CA and one certificate per service naming its role and instance (``kvmesh.mesh_ca``), and
 every service gets its own, so every internal hop is mutual TLS and every call is authorised by role
 (``kvmesh.authz``); ``Stack.mesh_settings("admin")`` is what an operator's tool (or a test) dials them with.
+NATS too: the stack's nats-server (``nats/nats.conf``) takes mesh certificates only and maps each to a user of its
+own that may publish and subscribe only that service's subjects (``kvmesh.bus.permissions``), so an instance
+cannot beat, or read kv.ready, as another.
 Services bind the ports given (0 = any free one) and report the ports bound in their ready files;
 stack.json holds those actual addresses.
 Each service runs in its own session, so Ctrl-C / SIGTERM reaches the launcher alone and it stops the services in
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from kvmesh import settings
-from kvmesh.bus import NatsServer
+from kvmesh.bus import NatsServer, Subjects, permissions
 from kvmesh.identity import Identity, MeshRole
 from kvmesh.mesh_ca import MeshCA
 from kvmesh.ready import ServiceFailed, poll_ready
@@ -173,7 +176,7 @@ class Stack:
         try:
             nats_url = cfg.shared.nats_url
             if cfg.sources["shared"]["nats_url"].kind == "default":
-                self.nats = NatsServer(self.state_dir / "nats").start()  # any free port, read back
+                self.nats = NatsServer(self.state_dir / "nats", config=self._nats_config()).start()  # any free port
                 nats_url = self.nats.url
             self.child_env["KVMESH_NATS_URL"] = nats_url
             cache = self._spawn("cachesvc", "services.cachesvc", {})
@@ -256,12 +259,30 @@ class Stack:
         self.services.append(service)
         return service
 
+    def _nats_config(self) -> Path | None:
+        """With the stack's own mesh CA: a nats-server configuration that requires mesh certificates and maps
+        each to its own user, allowed only its own subjects (``kvmesh.bus.permissions``): one per service this
+        stack starts, and the operator's admin identity. None: NATS as before (plaintext, open)."""
+        if self.mesh is None:
+            return None
+        o = self.opts
+        names = ["cachesvc", *(f"{role}-{i}" for role, n in (("prefill", o.prefill), ("decode", o.decode),
+                                                             ("both", o.both)) for i in range(n)),
+                 *(name for name, _ in _router_replicas(o.routers, 0, 0))]
+        identities = [Identity(MeshRole(_role_of(name)), name) for name in names]
+        server = self.mesh.issue(Identity(MeshRole.CLIENT, "nats"))  # serves only: no NATS user
+        self.mesh.issue(Identity(MeshRole.ADMIN, "operator"))  # what `kvmesh plan` reads heartbeats with
+        (self.state_dir / "nats").mkdir(parents=True, exist_ok=True)
+        return permissions.write_config(self.state_dir / "nats" / "nats.conf",
+                                        [*identities, Identity(MeshRole.ADMIN, "operator")],
+                                        Subjects(self.cfg.shared.cluster), str(server.cert), str(server.key),
+                                        str(server.ca))
+
     def _identity(self, name: str) -> dict[str, str]:
         """The TLS variables of service ``name`` (``prefill-0``: role prefill, instance prefill-0)."""
         if self.mesh is None:
             return {}
-        role = "router" if name.startswith("router") else name.split("-", 1)[0]
-        return self.mesh.issue(Identity(MeshRole(role), name)).env()
+        return self.mesh.issue(Identity(MeshRole(_role_of(name)), name)).env()
 
     def _wait_ready(self, services: list[Service], deadline: float) -> None:
         """Until each has written its ready file (it serves): read what it bound."""
@@ -317,6 +338,11 @@ def _same_ports(service: Service) -> dict[str, str]:
     if service.name == "router" or service.name.startswith("router-"):
         return {"KVMESH_ROUTER_GRPC_PORT": port["grpc"], "KVMESH_ROUTER_HTTP_PORT": port["http"]}
     return {}
+
+
+def _role_of(name: str) -> str:
+    """The mesh role of service ``name`` (``prefill-0``: prefill; ``router-1``: router)."""
+    return "router" if name.startswith("router") else name.split("-", 1)[0]
 
 
 def _router_replicas(n: int, http_port: int, grpc_port: int) -> list[tuple[str, dict[str, str]]]:

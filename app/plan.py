@@ -23,9 +23,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.contracts.ids import Role
 from kvmesh.planning import InstanceLoad, Observation, Plan, PlannerConfig, PlannerState, Speed, Targets, Traffic, plan
+
+if TYPE_CHECKING:
+    from kvmesh.settings import SharedSettings
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 COUNTERS = ("kvmesh_router_requests_total", "kvmesh_router_prompt_tokens_total",
@@ -64,8 +68,23 @@ def scrape(urls: list[str]) -> dict[str, float]:
     return total
 
 
-async def heartbeats(nats_url: str, cluster: str, window_s: float) -> list[InstanceLoad]:
-    """The last heartbeat of every engine instance heard within ``window_s``."""
+def operator_settings(state_dir: Path | None) -> SharedSettings | None:
+    """The operator's mesh certificate ``kvmesh up`` made in ``state_dir`` (``tls/admin-operator.*``), as
+    ``[shared]`` TLS settings; None: it made none."""
+    from kvmesh.mesh_ca import CertFiles
+    from kvmesh.settings import SharedSettings
+
+    if state_dir is None or not (state_dir / "tls" / "admin-operator.pem").is_file():
+        return None
+    files = CertFiles(*(state_dir / "tls" / f for f in ("admin-operator.pem", "admin-operator.key", "ca.pem")))
+    return SharedSettings(**{k.removeprefix("KVMESH_").lower(): v for k, v in files.env().items()})
+
+
+async def heartbeats(nats_url: str, cluster: str, window_s: float, state_dir: Path | None = None) -> list[InstanceLoad]:
+    """The last heartbeat of every engine instance heard within ``window_s``. A mesh NATS server takes mesh
+    certificates only: the operator's one of ``state_dir`` (``operator_settings``), else that of ``KVMESH_TLS_*``
+    (an admin certificate may read heartbeats)."""
+    from kvmesh import tls
     from kvmesh.bus.bus import Bus
     from kvmesh.bus.subjects import Subjects
     from kvmesh.contracts.messages import Heartbeat
@@ -76,7 +95,7 @@ async def heartbeats(nats_url: str, cluster: str, window_s: float) -> list[Insta
         if isinstance(beat, Heartbeat) and beat.role.is_engine:
             seen[beat.instance_id] = InstanceLoad.from_beat(beat.instance_id, beat.role, beat.load, beat.block_size)
 
-    bus = await Bus.connect(nats_url, "kvmesh-plan")
+    bus = await Bus.connect(nats_url, "kvmesh-plan", tls=tls.bus_tls(operator_settings(state_dir)))
     try:
         await bus.subscribe(Subjects(cluster).heartbeats_all, on_beat)
         await asyncio.sleep(window_s)
@@ -162,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvmesh import state
 
     try:
-        info = state.StackInfo.read(state.state_dir(args.state_dir))
+        directory = state.state_dir(args.state_dir)
+        info = state.StackInfo.read(directory)
         actuator = _actuator(args)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"kvmesh plan: {e}", file=sys.stderr)
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     targets, plan_state, rates = Targets(args.ttft_s, args.itl_s), PlannerState(), deque[float](maxlen=8)
     while True:
         before = scrape(metrics)
-        fleet = asyncio.run(heartbeats(info.nats_url, info.cluster, args.window_s))
+        fleet = asyncio.run(heartbeats(info.nats_url, info.cluster, args.window_s, directory))
         window = traffic(before, scrape(metrics), args.window_s, args.output_tokens)
         out = plan(Observation(time.monotonic(), fleet, window, targets, tuple(rates)), config, plan_state)
         plan_state = out.state

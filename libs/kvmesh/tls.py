@@ -7,7 +7,8 @@ it, and servers also require client certificates it signed (mutual TLS: only hol
 Unset, gRPC and transfers are plaintext, as on a single host where everything binds 127.0.0.1.
 
 Transfers use the same files through ``ssl`` (TLS 1.3): :func:`transfer_server_context` for a
-``TransferServer``, :func:`transfer_client_tls` for a ``TransferClient``.
+``TransferServer``, :func:`transfer_client_tls` for a ``TransferClient``; so does the NATS connection
+(:func:`bus_tls`), whose certificate nats-server maps to the holder's own NATS user (``kvmesh.bus.permissions``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import grpc
 
+from kvmesh.bus.bus import BusTLS
+from kvmesh.bus.permissions import inbox_prefix
+from kvmesh.identity import SPIFFE_PREFIX, Identity
 from kvmesh.settings import SharedSettings, load
 from kvmesh.transfer.conn import ClientTLS
 
@@ -155,3 +159,34 @@ def transfer_client_tls(cfg: SharedSettings | None = None) -> ClientTLS | None:
     if cfg.tls_cert:
         context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
     return ClientTLS(context, cfg.tls_server_name)
+
+
+def identity_of(cert_path: str) -> Identity | None:
+    """The mesh identity a PEM certificate names (its ``spiffe://kvmesh/...`` URI SAN); None: it names none."""
+    from cryptography import x509  # only where a certificate is read
+
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    uris = [u for u in sans.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(SPIFFE_PREFIX)]
+    try:
+        return Identity.parse(uris[0]) if uris else None
+    except ValueError:
+        return None
+
+
+def bus_tls(cfg: SharedSettings | None = None) -> BusTLS | None:
+    """The NATS connection's TLS: the server verified against the CA, this process's certificate presented and,
+    when it names a mesh identity, replies on that identity's own inbox. None: no CA, plaintext."""
+    cfg = cfg or settings()
+    if not cfg.tls_client:
+        return None
+    context = ssl.create_default_context(cafile=cfg.tls_ca)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    who = None
+    if cfg.tls_cert:
+        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        who = identity_of(cfg.tls_cert)
+    return BusTLS(context, cfg.tls_server_name, inbox_prefix(who) if who else "")

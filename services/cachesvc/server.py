@@ -436,7 +436,8 @@ class CacheServer:
         log.info("gRPC on %s (NOT_SERVING until the events stream is replayed); transfer on %s; metrics on %s",
                  self.address, self.transfer.address, self.metrics_server.url)
 
-        self.bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.cfg.durable_name}")
+        self.bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.cfg.durable_name}",
+                                    tls=tls.bus_tls(self.shared))
         await self.bus.ensure_events_stream(self.subjects)
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         await self.bus.subscribe(self.subjects.sessions, self._on_session)

@@ -101,7 +101,7 @@ class Router:
         self.recent = RecentPrefixes(self.cfg.recent_prefix_ttl_s)  # prompts sent, until the index has them
         self.registry.on_drop = self.recent.forget  # one that went away holds nothing it was sent
         self.metrics.watch(self.registry)
-        self.bus = await Bus.connect(self.shared.nats_url, name=self.id)
+        self.bus = await Bus.connect(self.shared.nats_url, name=self.id, tls=tls.bus_tls(self.shared))
         self.registry.bus_up = lambda: self.bus.nc.is_connected
         self.registry.on_change = self._load_changed
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)

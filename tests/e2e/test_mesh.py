@@ -202,14 +202,16 @@ def test_an_unreachable_ttft_slo_is_refused_at_once_with_429(tmp_path_factory):
 
 
 def test_an_engine_answers_a_snapshot_request_with_the_blocks_it_holds(mesh):
+    from kvmesh import tls
     from kvmesh.bus import Bus, Subjects
     from kvmesh.bus.snapshot import request_snapshot
     from kvmesh.state import StackInfo
 
     info = StackInfo.read(mesh.state_dir)
 
-    async def ask():
-        bus = await Bus.connect(info.nats_url, name="snapshot-test")
+    async def ask():  # as cachesvc: only it may ask an instance for its blocks
+        creds = tls.bus_tls(mesh.mesh_settings("cachesvc", "cachesvc"))
+        bus = await Bus.connect(info.nats_url, name="snapshot-test", tls=creds)
         try:
             return await request_snapshot(bus, Subjects(info.cluster), "decode-0", timeout_s=10)
         finally:

@@ -28,7 +28,7 @@ def subjects() -> Subjects:
     return Subjects(f"t{uuid.uuid4().hex[:10]}")
 
 
-def batch(seq: int, instance: str = "prefill-0") -> KVEventBatch:
+def batch(seq: int, instance: str = "p0") -> KVEventBatch:  # on kv.events.p0: its own subject
     return KVEventBatch(instance_id=instance, seq=seq, ts=1000.0 + seq, events=(
         BlockStored(block_keys=(BlockKey(2**64 - 1 - seq),), parent_key=None, token_count=16, tier="device"),
         BlockRemoved(block_keys=(BlockKey(seq),), tier="host"),

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from kvmesh import tls
+from kvmesh.bus import Bus
 from kvmesh.identity import MeshRole
 
 from app.launcher import Stack, StackOptions
@@ -39,3 +40,10 @@ def channel(stack: Stack, address: str, role: MeshRole | None, instance: str = "
     if role is None:
         return grpc.insecure_channel(address)
     return tls.channel(address, cfg=stack.mesh_settings(role, instance))
+
+
+async def bus(stack: Stack, role: MeshRole | None, instance: str = "attacker", **kw: float) -> Bus:
+    """A NATS connection to the stack's server holding the mesh certificate of ``role/instance`` (None: none);
+    the stack's own instance names (``prefill-0``) get those instances' NATS permissions."""
+    creds = None if role is None else tls.bus_tls(stack.mesh_settings(role, instance))
+    return await Bus.connect(stack.info().nats_url, f"{role}-{instance}", tls=creds, **kw)

@@ -1,5 +1,5 @@
-"""A forged ``kv.ready`` (anyone on the bus can publish one: it names a request and a first token) is never taken
-by decode, and the request's real hand-off still completes: its KV is imported, nothing recomputed. A forger
+"""A forged ``kv.ready`` (any prefill may publish one: it names a request and a first token; NATS lets prefills
+publish to every decode) is never taken by decode, and the request's real hand-off still completes: its KV is imported, nothing recomputed. A forger
 knows the client's request id at best; decode knows the request by the router's dispatch id (tenant hash, client id,
 nonce), so a forgery naming the client's id meets no request at all; one naming the right id without the MAC
 under the push capability is dropped and counted (``KVIntake.authentic``; the MAC: tests/unit/test_kv_ready_mac.py)."""
@@ -10,11 +10,13 @@ import asyncio
 import json
 import urllib.request
 
-from kvmesh.bus import Bus, Subjects
+from kvmesh.bus import Subjects
 from kvmesh.contracts.ids import InstanceId, RequestId, TransferId
 from kvmesh.contracts.messages import KVReady
+from kvmesh.identity import MeshRole
 
 from tests.security.conftest import auth
+from tests.security.conftest import bus as connect
 
 REQUEST_ID = "sec-forged-kv-ready"
 
@@ -26,7 +28,7 @@ def metric(url: str, name: str) -> float:
 
 
 async def forge(stack) -> None:
-    bus = await Bus.connect(stack.info().nats_url, "attacker")
+    bus = await connect(stack, MeshRole.PREFILL, "prefill-0")  # a prefill gone bad
     try:
         subject = Subjects(stack.cfg.shared.cluster).kv_ready("decode-0")
         common: dict = {"request_id": RequestId(REQUEST_ID), "decode_instance": InstanceId("decode-0"),

@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import logging
 import re
+import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
@@ -21,13 +23,41 @@ from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageT
 
 from kvmesh.bus.subjects import Subjects
 from kvmesh.bus.trace_headers import extract_trace_headers, inject_trace_headers
-from kvmesh.contracts.messages import CodecError, KVEventBatch, Message, decode
+from kvmesh.contracts.messages import CodecError, Heartbeat, KVEventBatch, Message, RouterLoad, decode
 
 log = logging.getLogger(__name__)
 _STREAM_NAME_IN_USE = 10058  # JetStream API error code
 
 Handler = Callable[[Message, dict[str, str]], Awaitable[None]]
 EventsHandler = Callable[[KVEventBatch, dict[str, str]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class BusTLS:
+    """How a mesh member connects: nats-server verified against the mesh CA (its certificate naming
+    ``server_name``), this process's certificate presented (nats-server maps it to this identity's user:
+    ``kvmesh.bus.permissions``), replies on ``inbox_prefix``, the only inbox that user may read."""
+
+    context: ssl.SSLContext
+    server_name: str = ""
+    inbox_prefix: str = ""
+
+
+def from_its_sender(subject: str, msg: Message) -> bool:
+    """Whether a message on a subject that names its sender is that sender's: on ``kvmesh.<cluster>.heartbeat.
+    <role>.<instance>`` a heartbeat of that role and instance, on ``...kv.events.<instance>`` a KV events batch of
+    that instance, on ``...router.load.<router>`` that router's load. NATS lets each instance publish on its own
+    subjects only (``kvmesh.bus.permissions``), so this keeps one from speaking as another even where a permission
+    is wider than it should be. Subjects that name no sender take anything."""
+    kind = subject.split(".")[2:]
+    match kind:
+        case ["heartbeat", role, instance]:
+            return isinstance(msg, Heartbeat) and (msg.role, msg.instance_id) == (role, instance)
+        case ["kv", "events", instance]:
+            return isinstance(msg, KVEventBatch) and msg.instance_id == instance
+        case ["router", "load", router]:
+            return isinstance(msg, RouterLoad) and msg.router_id == router
+    return True
 
 
 def redact(url: str | list[str]) -> str:
@@ -60,10 +90,14 @@ class Bus:
         self.nc = nc
         self.js = nc.jetstream()
         self._consumers: list[EventsConsumer] = []
+        self.misaddressed = 0  # messages dropped because they named another sender than their subject's
+        self._misaddressed_on: set[str] = set()  # subjects already logged
 
     @classmethod
-    async def connect(cls, url: str | list[str], name: str, connect_timeout_s: float = 10.0,
-                      reconnect_wait_s: float = 0.5) -> Bus:
+    async def connect(cls, url: str | list[str], name: str, tls: BusTLS | None = None,
+                      connect_timeout_s: float = 10.0, reconnect_wait_s: float = 0.5) -> Bus:
+        """``tls``: this process's mesh certificate (TLS is used when the server requires it, which a mesh
+        server does: ``kvmesh up`` by default)."""
         async def on_error(e: Exception) -> None:
             log.warning("nats %s: %s", name, e)
 
@@ -79,8 +113,13 @@ class Bus:
             log.info("nats %s: connection closed", name)
 
         nc = Client()
+        secure: dict[str, object] = {}
+        if tls is not None:
+            secure = {"tls": tls.context, "tls_hostname": tls.server_name or None}
+            if tls.inbox_prefix:
+                secure["inbox_prefix"] = tls.inbox_prefix
         connecting = nc.connect(
-            servers=url, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
+            servers=url, name=name, allow_reconnect=True, max_reconnect_attempts=-1, **secure,  # type: ignore[arg-type]
             reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]  # typed int, only slept on
             connect_timeout=2, ping_interval=10, max_outstanding_pings=3,
             error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, closed_cb=on_closed)
@@ -110,6 +149,9 @@ class Bus:
             except CodecError as e:
                 log.warning("dropping undecodable message on %s: %s", msg.subject, e)
                 return
+            if not from_its_sender(msg.subject, obj):
+                self._drop_misaddressed(msg.subject, obj)
+                return
             try:
                 await handler(obj, extract_trace_headers(msg))
             except Exception:
@@ -119,18 +161,29 @@ class Bus:
         await self.nc.flush()
         return sub
 
+    def _drop_misaddressed(self, subject: str, msg: Message) -> None:
+        self.misaddressed += 1
+        if subject not in self._misaddressed_on:  # once per subject: a forger repeats itself
+            self._misaddressed_on.add(subject)
+            log.warning("dropping a %s on %s: it names another sender (a forgery, or a misconfigured publisher)",
+                        type(msg).TYPE, subject)
+
     # -- JetStream: the KV events stream ------------------------------------------------------------------------
 
     async def ensure_events_stream(self, subjects: Subjects, max_age_s: float = 24 * 3600.0,
                                    max_bytes: int = 1 << 30, replicas: int = 1) -> None:
-        """Create the stream that captures ``kv.events.>``, or update its limits; safe to call from every
+        """Create the stream that captures ``kv.events.>``, or update its limits where they differ (engines may
+        not change the stream on a mesh NATS server: ``kvmesh.bus.permissions``); safe to call from every
         service at start. File storage; the oldest events go first when a limit is hit."""
         config = StreamConfig(name=subjects.events_stream, subjects=[subjects.kv_events_all],
                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                               discard=DiscardPolicy.OLD, max_age=max_age_s, max_bytes=max_bytes,
                               num_replicas=replicas)
         try:
-            await self.js.stream_info(subjects.events_stream)
+            have = (await self.js.stream_info(subjects.events_stream)).config
+            if (have.subjects, have.max_age, have.max_bytes, have.num_replicas, have.discard) == (
+                    config.subjects, config.max_age, config.max_bytes, config.num_replicas, config.discard):
+                return
         except nats.js.errors.NotFoundError:
             try:
                 await self.js.add_stream(config)
@@ -182,6 +235,8 @@ class Bus:
             obj = decode(msg.data)
             if not isinstance(obj, KVEventBatch):
                 raise CodecError(f"expected a kv_event_batch, got {type(obj).TYPE}")
+            if not from_its_sender(msg.subject, obj):
+                raise CodecError(f"a batch of {obj.instance_id!r} is not that instance's to publish")
         except CodecError as e:
             log.warning("terminating undecodable event on %s: %s", msg.subject, e)
             await msg.term()

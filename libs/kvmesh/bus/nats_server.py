@@ -53,13 +53,16 @@ class NatsServer:
     ``port`` None or 0: the server binds any free port itself (``-p -1``) and reports it in a ports file
     (``--ports_file_dir``), which ``start()`` reads back into :attr:`port` -- no port is picked beforehand, which
     another process could take first. ``start()`` returns once the server answers with JetStream enabled;
-    ``stop()`` sends SIGTERM, then kills. It can be started again after ``stop()`` on the same port and store
+    ``stop()`` sends SIGTERM, then kills. ``config``: a configuration file it starts with (``kvmesh up``'s mesh
+    TLS and one user per identity, ``kvmesh.bus.permissions``); readiness is checked on the plain socket (the
+    server's INFO line comes before any TLS). It can be started again after ``stop()`` on the same port and store
     (to test restarts and reconnects). Use it as ``with NatsServer(dir) as srv:`` or, in async code, ``async with``.
     """
 
     def __init__(self, state_dir: str | Path, port: int | None = None, host: str = "127.0.0.1",
-                 start_timeout_s: float = 10.0) -> None:
+                 start_timeout_s: float = 10.0, config: Path | None = None) -> None:
         self.state_dir = Path(state_dir)
+        self.config = config  # a configuration file (kvmesh.bus.permissions: TLS and users); flags override it
         self.host = host
         self.port = port or 0  # 0 until the first start has bound one
         self._port_is_ours = False  # True once a start on port 0 bound self.port (restarts reuse it)
@@ -102,7 +105,7 @@ class NatsServer:
     def _start_once(self) -> None:
         ports_dir = self.state_dir / "ports"
         cmd = [str(find_nats_server()), "-a", self.host, "-p", str(self.port or -1), "-js", "-sd",
-               str(self.store_dir), "-n", self.name]
+               str(self.store_dir), "-n", self.name, *(["-c", str(self.config)] if self.config else [])]
         if not self.port:
             ports_dir.mkdir(parents=True, exist_ok=True)
             cmd += ["--ports_file_dir", str(ports_dir)]

@@ -97,7 +97,7 @@ class EngineHost:
         self.grpc_address = self.grpc.bind(self.cfg.host, self.cfg.port)  # 0: any free port, read back
         if not self.instance_id:
             self.instance_id = InstanceId(f"{self.cfg.role}-{self.grpc.port}")
-        self.bus = await Bus.connect(self.shared.nats_url, name=self.instance_id)
+        self.bus = await Bus.connect(self.shared.nats_url, name=self.instance_id, tls=tls.bus_tls(self.shared))
         await self.bus.ensure_events_stream(self.subjects)
         self._event_queue.put_nowait([AllBlocksCleared()])  # a fresh instance holds nothing, whatever it held
         await answer_snapshots(self.bus, self.subjects, self.instance_id, self._snapshot)

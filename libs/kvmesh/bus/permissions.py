@@ -1,0 +1,100 @@
+"""Who may publish and subscribe what on NATS: one nats-server user per mesh identity, limited to its own subjects.
+
+nats-server maps a client's verified mesh certificate to a user (``tls { verify_and_map: true }``): the user whose
+name is the certificate's URI SAN, ``spiffe://kvmesh/<role>/<instance>`` (``kvmesh.identity``). So the identity on
+the bus is the one kvmesh already issues for gRPC and transfers: no password to hand out, and a process cannot
+claim a user it holds no key for. A certificate that names no user, or no certificate, is refused at connect.
+
+What each role may do (``permissions``; ``<i>`` is the holder's own instance; subjects under ``kvmesh.<cluster>.``):
+
+- prefill: publishes ``heartbeat.prefill.<i>``, ``kv.events.<i>`` and ``kv.ready.*`` (to any decode); subscribes
+  ``kv.snapshot.<i>``, ``kv.copies.<i>`` and ``sessions``;
+- decode: publishes ``heartbeat.decode.<i>`` and ``kv.events.<i>``; subscribes what prefill does and
+  ``kv.ready.<i>``, its own only;
+- both: what prefill and decode may;
+- router: publishes ``router.load.*`` (under its router id, which is not its certificate's instance),
+  ``sessions`` and ``kv.ready.*`` (a failed prefill: decode computes the prompt itself); subscribes
+  ``heartbeat.>`` and ``router.load.*``;
+- cachesvc: publishes ``kv.snapshot.*`` (requests), ``kv.copies.*`` and its durable consumer's API and acks;
+  subscribes ``heartbeat.>`` and ``sessions``;
+- admin (an operator's tool): subscribes ``heartbeat.>`` and ``router.load.*``, publishes nothing;
+- client: nothing.
+
+Every user subscribes to its own inbox only, ``_INBOX.<role>.<instance>.>`` (``inbox_prefix``: ``kvmesh.tls``
+connects with it), so no one reads another's replies. Engines answer snapshot requests on the asker's inbox through
+``allow_responses`` (only requests they received), and may look up and create the KV events stream but not change
+it; cachesvc also updates it. Subjects are exact for the cluster given (``kvmesh.<cluster>.``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.bus.subjects import Subjects
+from kvmesh.identity import Identity, MeshRole
+
+SNAPSHOT_CHUNKS = 10_000  # answers one snapshot request may take (a chunk fills the server's max payload)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    responses: bool = False  # may answer requests it received, on their reply subjects
+
+
+def inbox_prefix(identity: Identity) -> str:
+    """The inbox a holder of ``identity`` connects with, the only one it may subscribe to."""
+    return f"_INBOX.{identity.role}.{identity.instance}"
+
+
+def permissions(identity: Identity, subjects: Subjects) -> Permissions:
+    role, i, p = identity.role, identity.instance, subjects.prefix
+    inbox = f"{inbox_prefix(identity)}.>"
+    stream = subjects.events_stream
+    find_stream = (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}")
+    if role.is_engine:
+        publish = [subjects.heartbeat(role, i), subjects.kv_events(i), *find_stream]
+        subscribe = [f"{p}kv.snapshot.{i}", subjects.kv_copies(i), subjects.sessions, inbox]
+        if role in (MeshRole.PREFILL, MeshRole.BOTH):
+            publish.append(f"{p}kv.ready.*")
+        if role in (MeshRole.DECODE, MeshRole.BOTH):
+            subscribe.append(subjects.kv_ready(i))
+        return Permissions(tuple(publish), tuple(subscribe), responses=True)
+    if role == MeshRole.ROUTER:
+        # a router's load goes out under its router id (KVMESH_ROUTER_ID, by default host and pid), not its
+        # certificate's instance; receivers still match each load to the id its subject names
+        return Permissions((subjects.router_load_all, subjects.sessions, f"{p}kv.ready.*"),
+                           (subjects.heartbeats_all, subjects.router_load_all, inbox))
+    if role == MeshRole.CACHESVC:
+        consumer = "$JS.API.CONSUMER"  # CREATE / INFO / DELETE.<stream>.<durable>, DURABLE.CREATE / MSG.NEXT
+        return Permissions((f"{p}kv.snapshot.*", f"{p}kv.copies.*", *find_stream, f"$JS.API.STREAM.UPDATE.{stream}",
+                            f"{consumer}.*.{stream}", f"{consumer}.*.{stream}.>", f"{consumer}.*.*.{stream}.>",
+                            f"$JS.ACK.{stream}.>"),
+                           (subjects.heartbeats_all, subjects.sessions, inbox))
+    if role == MeshRole.ADMIN:
+        return Permissions((), (subjects.heartbeats_all, subjects.router_load_all, inbox))
+    return Permissions()
+
+
+def user(identity: Identity, subjects: Subjects) -> dict[str, object]:
+    """One nats-server user: named by the identity's URI (what ``verify_and_map`` matches), its permissions."""
+    perms = permissions(identity, subjects)
+    out: dict[str, object] = {"publish": {"allow": list(perms.publish)},
+                              "subscribe": {"allow": list(perms.subscribe)}}
+    if perms.responses:
+        out["allow_responses"] = {"max": SNAPSHOT_CHUNKS, "expires": "1m"}
+    return {"user": identity.uri, "permissions": out}
+
+
+def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects, cert: str, key: str,
+                 ca: str) -> Path:
+    """A nats-server configuration (JSON is valid nats-server configuration): mutual TLS with the mesh CA, each
+    certificate mapped to its user, one user per identity. Listen address, JetStream and store come as flags."""
+    config = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
+              "authorization": {"users": [user(who, subjects) for who in identities]}}
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path

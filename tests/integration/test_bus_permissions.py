@@ -1,0 +1,150 @@
+"""The nats-server configuration ``kvmesh up`` writes (``kvmesh.bus.permissions``) against a real nats-server:
+each service's certificate maps to its own user, which can do what that service does on the bus and no more."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+from kvmesh import tls
+from kvmesh.bus import Bus, NatsServer, Subjects, permissions
+from kvmesh.bus.bus import from_its_sender
+from kvmesh.bus.snapshot import answer_snapshots, request_snapshot
+from kvmesh.contracts.events import AllBlocksCleared
+from kvmesh.contracts.messages import Heartbeat, InstanceLoad, KVCopies, KVEventBatch, KVReady, RouterLoad
+from kvmesh.identity import Identity, MeshRole
+from kvmesh.mesh_ca import MeshCA
+from kvmesh.settings import SharedSettings
+
+from tests.docker.test_nats_permissions import _snapshot, run
+
+SUBJECTS = Subjects("perm")
+IDENTITIES = [Identity(MeshRole.ROUTER, "router-0"), Identity(MeshRole.CACHESVC, "cachesvc"),
+              Identity(MeshRole.PREFILL, "prefill-0"), Identity(MeshRole.DECODE, "decode-0"),
+              Identity(MeshRole.DECODE, "decode-1"), Identity(MeshRole.ADMIN, "operator")]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MeshCA, NatsServer]]:
+    d = tmp_path_factory.mktemp("nats-perm")
+    ca = MeshCA.open(d / "tls")
+    server = ca.issue(Identity(MeshRole.CLIENT, "nats"))
+    config = permissions.write_config(d / "nats.conf", IDENTITIES, SUBJECTS, str(server.cert), str(server.key),
+                                      str(server.ca))
+    with NatsServer(d / "nats", config=config) as nats:
+        yield ca, nats
+
+
+async def connect(mesh: tuple[MeshCA, NatsServer], role: MeshRole, instance: str) -> Bus:
+    ca, nats = mesh
+    files = ca.issue(Identity(role, instance))
+    cfg = SharedSettings(**{k.removeprefix("KVMESH_").lower(): v for k, v in files.env().items()})
+    return await Bus.connect(nats.url, instance, tls=tls.bus_tls(cfg), connect_timeout_s=3.0)
+
+
+def beat(role: str, instance: str) -> Heartbeat:
+    return Heartbeat(instance_id=instance, role=role, grpc_address="127.0.0.1:1", transfer_address="",
+                     ts=time.time(), load=InstanceLoad(), model="m", block_size=16)
+
+
+def test_each_identity_can_do_what_its_service_does(mesh, caplog):
+    async def body() -> None:
+        router = await connect(mesh, MeshRole.ROUTER, "router-0")
+        cachesvc = await connect(mesh, MeshRole.CACHESVC, "cachesvc")
+        prefill = await connect(mesh, MeshRole.PREFILL, "prefill-0")
+        decode = await connect(mesh, MeshRole.DECODE, "decode-0")
+        beats: asyncio.Queue = asyncio.Queue()
+        ready: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue()
+        copies: asyncio.Queue = asyncio.Queue()
+        loads: asyncio.Queue = asyncio.Queue()
+        await router.subscribe(SUBJECTS.heartbeats_all, lambda m, h: beats.put(m))
+        await router.subscribe(SUBJECTS.router_load_all, lambda m, h: loads.put(m))
+        await decode.subscribe(SUBJECTS.kv_ready("decode-0"), lambda m, h: ready.put(m))
+        await decode.subscribe(SUBJECTS.kv_copies("decode-0"), lambda m, h: copies.put(m))
+        await cachesvc.ensure_events_stream(SUBJECTS)
+        await prefill.ensure_events_stream(SUBJECTS)  # finds it as it is: no update needed, none allowed
+        await cachesvc.durable_events_consumer(SUBJECTS, "cachesvc", lambda b, h: events.put(b))
+        await answer_snapshots(prefill, SUBJECTS, "prefill-0", _snapshot)
+
+        await decode.publish(SUBJECTS.heartbeat("decode", "decode-0"), beat("decode", "decode-0"))
+        assert (await asyncio.wait_for(beats.get(), 5)).instance_id == "decode-0"
+        load = RouterLoad("router-vm-4242", 1.0, {"decode-0": 1}, {})  # a router id is host and pid by default
+        await router.publish(SUBJECTS.router_load(load.router_id), load)
+        assert (await asyncio.wait_for(loads.get(), 5)).inflight == {"decode-0": 1}
+        msg = KVReady(request_id="r1", decode_instance="decode-0", transfer_id="t1", block_keys=(), num_tokens=3,
+                      first_token=1, layout=None, prefill_instance="prefill-0")
+        await prefill.publish(SUBJECTS.kv_ready("decode-0"), msg)
+        assert (await asyncio.wait_for(ready.get(), 5)).request_id == "r1"
+        batch = KVEventBatch(instance_id="prefill-0", seq=1, ts=1.0, events=(AllBlocksCleared(),))
+        assert await prefill.publish_event(SUBJECTS.kv_events("prefill-0"), batch) >= 1
+        assert (await asyncio.wait_for(events.get(), 10)).seq == 1
+        snap = await request_snapshot(cachesvc, SUBJECTS, "prefill-0", timeout_s=5)
+        assert snap is not None and snap.seq == 7 and snap.blocks == {"device": [11, 12]}
+        await cachesvc.publish(SUBJECTS.kv_copies("decode-0"), KVCopies("decode-0", shared=(11,)))
+        assert (await asyncio.wait_for(copies.get(), 5)).shared == (11,)
+        for bus in (router, cachesvc, prefill, decode):
+            await bus.close()
+
+    with caplog.at_level(logging.WARNING, logger="kvmesh.bus.bus"):
+        run(body())
+    assert "permissions violation" not in caplog.text.lower()
+
+
+def test_an_engine_can_neither_beat_as_another_nor_read_anothers_kv_ready(mesh, caplog):
+    async def body() -> None:
+        router = await connect(mesh, MeshRole.ROUTER, "router-0")
+        decode = await connect(mesh, MeshRole.DECODE, "decode-0")
+        beats: asyncio.Queue = asyncio.Queue()
+        await router.subscribe(SUBJECTS.heartbeats_all, lambda m, h: beats.put(m))
+        await decode.publish(SUBJECTS.heartbeat("decode", "decode-1"), beat("decode", "decode-1"))
+        await decode.publish(SUBJECTS.heartbeat("prefill", "prefill-0"), beat("prefill", "prefill-0"))
+        await decode.subscribe(SUBJECTS.kv_ready("decode-1"), lambda m, h: beats.put(m))
+        await router.publish(SUBJECTS.kv_ready("decode-1"), beat("decode", "decode-1"))  # would reach the spy
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(beats.get(), 0.5)
+        await router.close()
+        await decode.close()
+
+    with caplog.at_level(logging.WARNING, logger="kvmesh.bus.bus"):
+        run(body())
+    text = caplog.text.lower()
+    assert text.count("permissions violation for publish") == 2
+    assert "permissions violation for subscription" in text
+
+
+@pytest.mark.parametrize("who", [None, Identity(MeshRole.DECODE, "decode-7")], ids=["no-certificate", "no-user"])
+def test_a_connection_without_a_known_identity_is_refused(mesh, who):
+    async def body() -> None:
+        if who is None:
+            await Bus.connect(mesh[1].url, "anonymous", connect_timeout_s=2.0)
+        else:
+            await connect(mesh, who.role, who.instance)
+
+    with pytest.raises(ConnectionError):
+        run(body())
+
+
+@pytest.mark.parametrize(("subject", "msg", "ok"), [
+    ("kvmesh.c.heartbeat.decode.decode-0", beat("decode", "decode-0"), True),
+    ("kvmesh.c.heartbeat.decode.decode-0", beat("decode", "decode-1"), False),
+    ("kvmesh.c.heartbeat.decode.decode-0", beat("prefill", "decode-0"), False),
+    ("kvmesh.c.kv.events.p0", KVEventBatch(instance_id="p1", seq=1, ts=1.0, events=()), False),
+    ("kvmesh.c.router.load.r0", RouterLoad("r1", 1.0, {}, {}), False),
+    ("kvmesh.c.router.load.r0", beat("decode", "r0"), False),
+    ("kvmesh.c.kv.ready.decode-0", beat("decode", "x"), True),  # names no sender: the handler decides
+])
+def test_a_message_must_come_from_the_sender_its_subject_names(subject, msg, ok):
+    assert from_its_sender(subject, msg) is ok
+
+
+def test_the_permissions_of_one_instance_name_no_other_instance():
+    for who in IDENTITIES:
+        perms = permissions.permissions(who, SUBJECTS)
+        for other in IDENTITIES:
+            if other.instance != who.instance:
+                assert not [s for s in perms.publish + perms.subscribe if other.instance in s.split(".")], (who, other)
+
