@@ -1,8 +1,9 @@
 """A forged ``kv.ready`` (any prefill may publish one: it names a request and a first token; NATS lets prefills
-publish to every decode) is never taken by decode, and the request's real hand-off still completes: its KV is imported, nothing recomputed. A forger
-knows the client's request id at best; decode knows the request by the router's dispatch id (tenant hash, client id,
-nonce), so a forgery naming the client's id meets no request at all; one naming the right id without the MAC
-under the push capability is dropped and counted (``KVIntake.authentic``; the MAC: tests/unit/test_kv_ready_mac.py)."""
+publish to every decode) is never taken by decode, and the request's real hand-off still completes: its KV is
+imported, nothing recomputed. A forger knows the client's request id at best; decode knows the request by the
+router's dispatch id (tenant hash, client id, nonce), so a forgery naming the client's id meets no request at all;
+one naming the right id without the MAC under the push capability is dropped and counted (the receiver's
+``forged``: tests/unit/test_transfer_receiver.py; the MAC: tests/unit/test_kv_ready_mac.py)."""
 
 from __future__ import annotations
 
