@@ -3,6 +3,9 @@ targets, from one window of its heartbeats (NATS) and its routers' counters (``/
 ``kvmesh.planning.plan``. ``--serve`` plans every window and hands each change to an actuator:
 
 - ``print`` (default): say it;
+- ``local``: ask the ``kvmesh up`` running in the state directory for the pool's size (``pools.json``, which it
+  reconciles: it starts ``<role>-<next index>``, or SIGTERMs its newest instance, whose routers retry and migrate
+  what it held, ``app/launcher.py``);
 - ``kubernetes``: set the pool's Deployment ``spec.replicas`` through the API server's ``scale`` subresource
   (``PATCH .../deployments/NAME/scale``, what ``kubectl scale`` does), with the pod's service-account token —
   the planner is the autoscaler, so the pools must not also have an HPA.
@@ -25,7 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.contracts.ids import Role
-from kvmesh.planning import InstanceLoad, Observation, Plan, PlannerConfig, PlannerState, Speed, Targets, Traffic, plan
+from kvmesh.planning import (
+    InstanceLoad,
+    Observation,
+    Plan,
+    PlannerConfig,
+    PlannerState,
+    Speed,
+    Targets,
+    Traffic,
+    plan,
+    pools_of,
+)
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 COUNTERS = ("kvmesh_router_requests_total", "kvmesh_router_prompt_tokens_total",
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min", type=int, default=1, help="fewest instances per pool")
     p.add_argument("--max", type=int, default=16, help="most instances per pool")
     p.add_argument("--serve", action="store_true", help="plan every window and act on each change")
-    p.add_argument("--actuator", default="print", choices=("print", "kubernetes"))
+    p.add_argument("--actuator", default="print", choices=("print", "local", "kubernetes"))
     p.add_argument("--k8s-server", help="API server URL (default: in-cluster)")
     p.add_argument("--k8s-namespace", help="default: the pod's namespace")
     p.add_argument("--k8s-deployment", action="append", default=[], metavar="ROLE=NAME",
@@ -161,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from kvmesh import state
 
+    directory = state.state_dir(args.state_dir)
     try:
-        info = state.StackInfo.read(state.state_dir(args.state_dir))
-        actuator = _actuator(args)
+        info = state.StackInfo.read(directory)
+        actuator = _actuator(args, directory)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"kvmesh plan: {e}", file=sys.stderr)
         return 2
@@ -176,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         before = scrape(metrics)
         fleet = asyncio.run(heartbeats(info.nats_url, info.cluster, args.window_s))
         window = traffic(before, scrape(metrics), args.window_s, args.output_tokens)
-        out = plan(Observation(time.monotonic(), fleet, window, targets, tuple(rates)), config, plan_state)
+        out = plan(Observation(time.monotonic(), fleet, window, targets, tuple(rates)), config, plan_state,
+                   sizes(fleet, directory) if args.actuator == "local" else None)
         plan_state = out.state
         rates.append(window.rate)
         if args.json:
@@ -191,9 +207,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvmesh plan: scaled {line}", flush=True)
 
 
-def _actuator(args: argparse.Namespace) -> Callable[[Role, int], None]:
+def sizes(fleet: list[InstanceLoad], directory: Path) -> dict[Role, int]:
+    """Each pool's size for a local stack: what was last asked of it (instances still starting count), else
+    what the heartbeats show."""
+    from app.launcher import want_pools
+
+    return {**pools_of(fleet), **{Role(r): n for r, n in want_pools(directory).items()}}
+
+
+def _actuator(args: argparse.Namespace, directory: Path) -> Callable[[Role, int], None]:
     if args.actuator == "print":
         return lambda role, n: None
+    if args.actuator == "local":
+        from app.launcher import ask_pools
+
+        return lambda role, n: ask_pools(directory, {str(role): n})
     deployments = {}
     for entry in args.k8s_deployment:
         role, sep, name = entry.partition("=")

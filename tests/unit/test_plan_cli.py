@@ -97,3 +97,27 @@ def test_the_kubernetes_actuator_needs_the_pools_deployments(tmp_path, capsys: p
                                                      "cluster": "c"}))
     assert main(["plan", "--state-dir", str(tmp_path), "--actuator", "kubernetes", "--k8s-server", "http://x"]) == 2
     assert "--k8s-deployment" in capsys.readouterr().err
+
+
+def test_the_local_actuator_asks_the_running_stack_for_the_pools_size(tmp_path) -> None:
+    from kvmesh.planning import InstanceLoad
+
+    from app.launcher import want_pools
+
+    fleet = [InstanceLoad("prefill-0", Role.PREFILL), InstanceLoad("decode-0", Role.DECODE)]
+    assert plan_cli.sizes(fleet, tmp_path) == {Role.PREFILL: 1, Role.DECODE: 1}
+    scale = plan_cli._actuator(plan_cli.argparse.Namespace(actuator="local"), tmp_path)
+    p = Plan((PoolPlan(Role.PREFILL, 1, 3, "out", "ttft"), PoolPlan(Role.DECODE, 1, 1, "hold", "ok")),
+             PlannerState())
+    assert plan_cli.act(p, scale) == ["prefill: 1 -> 3"]
+    assert want_pools(tmp_path) == {"prefill": 3}
+    # instances still starting count: the next plan sees the size asked, not the heartbeats'
+    assert plan_cli.sizes(fleet, tmp_path) == {Role.PREFILL: 3, Role.DECODE: 1}
+
+
+def test_a_bad_pools_file_is_refused_with_what_it_should_hold(tmp_path) -> None:
+    from app.launcher import want_pools
+
+    (tmp_path / "pools.json").write_text('{"router": 2}')
+    with pytest.raises(ValueError, match="expected \\{role: instances\\}"):
+        want_pools(tmp_path)
