@@ -43,7 +43,8 @@ from kvmesh.planning import (
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 COUNTERS = ("kvmesh_router_requests_total", "kvmesh_router_prompt_tokens_total",
-            "kvmesh_router_prefix_hit_tokens_total")
+            "kvmesh_router_prefix_hit_tokens_total", "kvmesh_router_ttft_seconds_sum",
+            "kvmesh_router_ttft_seconds_count")
 
 
 def counters(text: str) -> dict[str, float]:
@@ -69,6 +70,13 @@ def traffic(before: Mapping[str, float], after: Mapping[str, float], window_s: f
                    min(0.99, d["kvmesh_router_prefix_hit_tokens_total"] / prompt) if prompt else 0.0)
 
 
+def mean_ttft(before: Mapping[str, float], after: Mapping[str, float]) -> float:
+    """The mean TTFT of the window's first tokens, from two scrapes of the routers' histogram (0: none)."""
+    n = after["kvmesh_router_ttft_seconds_count"] - before["kvmesh_router_ttft_seconds_count"]
+    return max(0.0, after["kvmesh_router_ttft_seconds_sum"] - before["kvmesh_router_ttft_seconds_sum"]) / n \
+        if n > 0 else 0.0
+
+
 def scrape(urls: list[str]) -> dict[str, float]:
     total = dict.fromkeys(COUNTERS, 0.0)
     for url in urls:
@@ -88,7 +96,8 @@ async def heartbeats(nats_url: str, cluster: str, window_s: float) -> list[Insta
 
     async def on_beat(beat: object, headers: dict[str, str]) -> None:
         if isinstance(beat, Heartbeat) and beat.role.is_engine:
-            seen[beat.instance_id] = InstanceLoad.from_beat(beat.instance_id, beat.role, beat.load, beat.block_size)
+            seen[beat.instance_id] = InstanceLoad.from_beat(beat.instance_id, beat.role, beat.load.to_dict(),
+                                                              beat.block_size)
 
     bus = await Bus.connect(nats_url, "kvmesh-plan")
     try:
@@ -190,13 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         before = scrape(metrics)
         fleet = asyncio.run(heartbeats(info.nats_url, info.cluster, args.window_s))
-        window = traffic(before, scrape(metrics), args.window_s, args.output_tokens)
-        out = plan(Observation(time.monotonic(), fleet, window, targets, tuple(rates)), config, plan_state,
+        after = scrape(metrics)
+        window = traffic(before, after, args.window_s, args.output_tokens)
+        obs = Observation(time.monotonic(), fleet, window, targets, tuple(rates), mean_ttft(before, after))
+        out = plan(obs, config, plan_state,
                    sizes(fleet, directory) if args.actuator == "local" else None)
         plan_state = out.state
         rates.append(window.rate)
         if args.json:
-            print(json.dumps({"traffic": window.__dict__, "instances": len(fleet),
+            print(json.dumps({"traffic": window.__dict__, "instances": len(fleet), "ttft_s": obs.ttft_s,
                               "pools": [{"role": str(x.role), "current": x.current, "target": x.target,
                                          "action": x.action, "reason": x.reason} for x in out.pools]}), flush=True)
         else:

@@ -121,3 +121,10 @@ def test_a_bad_pools_file_is_refused_with_what_it_should_hold(tmp_path) -> None:
     (tmp_path / "pools.json").write_text('{"router": 2}')
     with pytest.raises(ValueError, match="expected \\{role: instances\\}"):
         want_pools(tmp_path)
+
+
+def test_the_window_mean_ttft_comes_from_the_routers_histogram() -> None:
+    before = plan_cli.counters(METRICS + "kvmesh_router_ttft_seconds_count 10\n")
+    after = {**before, "kvmesh_router_ttft_seconds_sum": 5.5, "kvmesh_router_ttft_seconds_count": 14.0}
+    assert plan_cli.mean_ttft(before, after) == pytest.approx(0.5)
+    assert plan_cli.mean_ttft(before, before) == 0.0
