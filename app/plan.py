@@ -10,7 +10,10 @@ targets, from one window of its heartbeats (NATS) and its routers' counters (``/
   (``PATCH .../deployments/NAME/scale``, what ``kubectl scale`` does), with the pod's service-account token —
   the planner is the autoscaler, so the pools must not also have an HPA.
 
-The stack is found as ``kvmesh trace`` finds it (``--state-dir``, ``$KVMESH_STATE_DIR``, ``.kvmesh/``)."""
+The stack is found as ``kvmesh trace`` finds it (``--state-dir``, ``$KVMESH_STATE_DIR``, ``.kvmesh/``), or, in a
+cluster, named: ``--nats-url``, ``--cluster`` and ``--router-metrics`` (a name that resolves to every router pod,
+a headless Service: each is scraped). ``--health-port`` serves ``GET /health`` (200 once a plan was made) for a
+pod's probes."""
 
 from __future__ import annotations
 
@@ -77,9 +80,24 @@ def mean_ttft(before: Mapping[str, float], after: Mapping[str, float]) -> float:
         if n > 0 else 0.0
 
 
+def fan_out(url: str) -> list[str]:
+    """``url`` once per address its host resolves to (a headless Service: every router pod), in order."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        found = socket.getaddrinfo(parts.hostname or "", parts.port or 80, type=socket.SOCK_STREAM)
+    except OSError:
+        return [url]  # unresolvable now: the scrape says so
+    hosts = list(dict.fromkeys(str(a[4][0]) for a in found))
+    return [parts._replace(netloc=f"[{h}]:{parts.port or 80}" if ":" in h else f"{h}:{parts.port or 80}").geturl()
+            for h in hosts] or [url]
+
+
 def scrape(urls: list[str]) -> dict[str, float]:
     total = dict.fromkeys(COUNTERS, 0.0)
-    for url in urls:
+    for url in (u for named in urls for u in fan_out(named)):
         with urllib.request.urlopen(url, timeout=5) as r:
             for k, v in counters(r.read().decode()).items():
                 total[k] += v
@@ -153,6 +171,40 @@ class Kubernetes:
         self._call("PATCH", self._path(role), {"spec": {"replicas": replicas}})
 
 
+@dataclass
+class Health:
+    """``GET /health`` for a planner pod's probes: 200 with the plans made so far once there is one, else 503."""
+
+    plans: int = 0
+    port: int = 0  # the port bound
+
+    @classmethod
+    def serve(cls, port: int, host: str = "0.0.0.0") -> Health:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        health = cls()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                ok = self.path.partition("?")[0] == "/health"
+                code = 404 if not ok else 200 if health.plans else 503
+                body = json.dumps({"plans": health.plans}).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer((host, port), Handler)
+        health.port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True, name="plan-health").start()
+        return health
+
+
 def act(p: Plan, scale: Callable[[Role, int], None]) -> list[str]:
     """Hand each pool whose target differs from its size to ``scale``; what was done, in words."""
     done = []
@@ -180,25 +232,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k8s-namespace", help="default: the pod's namespace")
     p.add_argument("--k8s-deployment", action="append", default=[], metavar="ROLE=NAME",
                    help="the Deployment of a pool (repeatable), e.g. prefill=kvmesh-prefill")
+    p.add_argument("--nats-url", help="the fleet's NATS (in a cluster; default: the stack's, from stack.json)")
+    p.add_argument("--cluster", default="default", help="with --nats-url: the kvmesh cluster name")
+    p.add_argument("--router-metrics", action="append", default=[], metavar="URL",
+                   help="with --nats-url: the routers' /metrics (repeatable); a host that resolves to several "
+                        "addresses (a headless Service) is scraped at each")
+    p.add_argument("--health-port", type=int, default=0, help="serve GET /health on this port (0: not)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from kvmesh import state
 
     directory = state.state_dir(args.state_dir)
     try:
-        info = state.StackInfo.read(directory)
+        if args.nats_url:
+            if not args.router_metrics:
+                raise ValueError("--nats-url needs --router-metrics URL (the routers' /metrics)")
+            nats_url, cluster, metrics = args.nats_url, args.cluster, list(args.router_metrics)
+        else:
+            info = state.StackInfo.read(directory)
+            nats_url, cluster = info.nats_url, info.cluster
+            metrics = [e["metrics"] for name, e in info.endpoints.items()
+                       if name.startswith("router") and "metrics" in e]
         actuator = _actuator(args, directory)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"kvmesh plan: {e}", file=sys.stderr)
         return 2
-    metrics = [e["metrics"] for name, e in info.endpoints.items() if name.startswith("router") and "metrics" in e]
+    health = Health.serve(args.health_port) if args.health_port else None
     config = PlannerConfig(speed=Speed(), startup_s=args.startup_s, window_s=args.window_s,
                            min_instances={r: args.min for r in Role if r.is_engine},
                            max_instances={r: args.max for r in Role if r.is_engine})
     targets, plan_state, rates = Targets(args.ttft_s, args.itl_s), PlannerState(), deque[float](maxlen=8)
     while True:
         before = scrape(metrics)
-        fleet = asyncio.run(heartbeats(info.nats_url, info.cluster, args.window_s))
+        fleet = asyncio.run(heartbeats(nats_url, cluster, args.window_s))
         after = scrape(metrics)
         window = traffic(before, after, args.window_s, args.output_tokens)
         obs = Observation(time.monotonic(), fleet, window, targets, tuple(rates), mean_ttft(before, after))
@@ -206,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                    sizes(fleet, directory) if args.actuator == "local" else None)
         plan_state = out.state
         rates.append(window.rate)
+        if health is not None:
+            health.plans += 1
         if args.json:
             print(json.dumps({"traffic": window.__dict__, "instances": len(fleet), "ttft_s": obs.ttft_s,
                               "pools": [{"role": str(x.role), "current": x.current, "target": x.target,

@@ -128,3 +128,27 @@ def test_the_window_mean_ttft_comes_from_the_routers_histogram() -> None:
     after = {**before, "kvmesh_router_ttft_seconds_sum": 5.5, "kvmesh_router_ttft_seconds_count": 14.0}
     assert plan_cli.mean_ttft(before, after) == pytest.approx(0.5)
     assert plan_cli.mean_ttft(before, before) == 0.0
+
+
+def test_a_metrics_url_is_scraped_at_every_address_its_name_resolves_to() -> None:
+    assert "http://127.0.0.1:8000/metrics" in plan_cli.fan_out("http://localhost:8000/metrics")
+    assert plan_cli.fan_out("http://10.1.2.3:8000/metrics") == ["http://10.1.2.3:8000/metrics"]
+
+
+def test_in_a_cluster_the_planner_needs_the_routers_metrics(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--state-dir", str(tmp_path), "--nats-url", "nats://nats:4222"]) == 2
+    assert "--router-metrics" in capsys.readouterr().err
+
+
+def test_the_health_endpoint_is_ready_once_a_plan_was_made() -> None:
+    import urllib.error
+    import urllib.request
+
+    health = plan_cli.Health.serve(0, host="127.0.0.1")
+    url = f"http://127.0.0.1:{health.port}/health"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url, timeout=5)
+    assert e.value.code == 503
+    health.plans = 1
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert r.status == 200 and json.load(r) == {"plans": 1}
