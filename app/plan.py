@@ -215,7 +215,8 @@ def act(p: Plan, scale: Callable[[Role, int], None]) -> list[str]:
     return done
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``kvmesh plan`` (the planner pod's manifest is checked against it)."""
     p = argparse.ArgumentParser(prog="kvmesh plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--state-dir", help="the stack's state directory (default: $KVMESH_STATE_DIR, else .kvmesh/)")
     p.add_argument("--ttft-s", type=float, default=2.0, help="TTFT target, seconds")
@@ -239,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                         "addresses (a headless Service) is scraped at each")
     p.add_argument("--health-port", type=int, default=0, help="serve GET /health on this port (0: not)")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from kvmesh import state
 
     directory = state.state_dir(args.state_dir)
