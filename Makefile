@@ -109,13 +109,13 @@ proto: $(DEV)
 clean-venv:
 	rm -rf $(VENV)
 
-# Containers (docs/deploy.md). `make image`: kvmesh/<service>:$(TAG) for the five services, on the base
+# Containers (docs/deploy.md). `make image`: kvmesh/<service>:$(TAG) for the five services and the planner, on the base
 # docker/prepare.sh picks (python:3.11-slim, else a local debootstrap image). Without buildx, the legacy builder.
 TAG ?= latest
 image:
 	@base=$$(docker/prepare.sh) && \
 	{ docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0; } && \
-	for t in nats cachesvc prefill decode router; do \
+	for t in nats cachesvc prefill decode router planner; do \
 	  docker build -q --network host --build-arg BASE=$$base -f docker/Dockerfile --target $$t \
 	    -t kvmesh/$$t:$(TAG) . || exit 1; \
 	done

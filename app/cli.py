@@ -140,6 +140,7 @@ def cmd_up(args: argparse.Namespace) -> int:
           f"  NATS         {info.nats_url}\n  logs         {directory / 'logs'}\n"
           "Try: kvmesh chat    (Ctrl-C here stops the stack)", flush=True)
     told: set[str] = set()
+    seen = 0.0
     while not stop.is_set():  # a dead instance or replica leaves the others serving (migration, failover)
         dead = {s.name for s in stack.services if s.proc.poll() is not None}
         if dead - told:
@@ -148,6 +149,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         if all(r.name in dead for r in stack.routers):
             print("kvmesh up: no router is left; stopping", file=sys.stderr)
             break
+        asked = stack.pools_asked()
+        try:  # the pools' sizes `kvmesh plan --actuator local` asks for: tried once per change of pools.json
+            for line in (stack.reconcile() if asked != seen else []):
+                print(f"kvmesh up: {line}", flush=True)
+        except (ValueError, RuntimeError, TimeoutError, OSError) as e:
+            print(f"kvmesh up: scaling failed: {e}", file=sys.stderr)
+        seen = asked
         stop.wait(1.0)
     print("stopping ...", flush=True)
     stack.stop()

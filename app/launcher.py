@@ -23,6 +23,12 @@ With ``routers`` > 1 the router runs as replicas ``router-0``, ``router-1``, ...
 own ports (the configured ones + its index; 0 stays any free one) and id, sharing their in-flight counts over
 NATS. ``kill`` and ``restart`` act on one service (the fault benchmark's schedule): a restarted cachesvc or NATS
 binds the address it had, which the other services keep dialling.
+
+A running stack also changes its engine pools' sizes: ``scale(role, n)`` starts instances (``<role>-<next index>``,
+as the first ones were started) or stops the newest ones with SIGTERM. A stopped instance loses no request: its
+routers retry elsewhere what it had not answered yet and migrate the streams it was decoding
+(``services/router/migration.py``), the tokens already sent kept. ``kvmesh up`` reconciles the pools with
+``pools.json`` in the state directory (``want_pools``), which ``kvmesh plan --actuator local`` writes.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from kvmesh.telemetry.spans import trace_file
 # what `python -m` runs for each engine role; `both` is composed in the application layer (app/both.py)
 ENGINE_MODULES = {"prefill": "services.prefill", "decode": "services.decode", "both": "app.both"}
 
+
+POOLS_FILE = "pools.json"  # in the state directory: {"prefill": 2, "decode": 1}, the sizes the pools should have
 
 # what the launcher sets itself for each child: not flags of `kvmesh up`
 LAUNCHER_SET = ("shared.state_dir", "shared.ready_file", "instance.role", "instance.id", "instance.cachesvc_address",
@@ -173,6 +181,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ready_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / POOLS_FILE).unlink(missing_ok=True)  # an earlier run's wishes are not this one's
         try:
             nats_url = cfg.shared.nats_url
             if cfg.sources["shared"]["nats_url"].kind == "default":
@@ -242,6 +251,64 @@ class Stack:
                 time.sleep(0.5)
         self.info().write(self.state_dir)
 
+    # ---- the engine pools' sizes (the planner's local actuator) --------------------------------------------
+    def pool(self, role: str) -> list[Service]:
+        """The running instances of ``role``'s pool, oldest first."""
+        return sorted((s for s in self.services if s.name.startswith(f"{role}-") and s.proc.poll() is None),
+                      key=lambda s: int(s.name.rsplit("-", 1)[1]))
+
+    def scale(self, role: str, n: int, timeout_s: float = 180.0) -> list[str]:
+        """Start or stop ``role`` instances until its pool has ``n``: a new one is ``<role>-<next index>`` with the
+        settings the first ones got, and this returns once it serves and every router sees it; the newest go
+        first, each stopped with SIGTERM (its routers retry and migrate its requests). What changed, in words."""
+        if role not in ENGINE_MODULES or n < 0:
+            raise ValueError(f"cannot scale {role!r} to {n}: a pool is one of {', '.join(ENGINE_MODULES)}, n >= 0")
+        done, deadline = [], time.monotonic() + timeout_s
+        while len(self.pool(role)) < n:
+            done.append(f"started {self._add(role, deadline).name}")
+        while len(self.pool(role)) > n:
+            done.append(f"stopped {self._remove(role).name}")
+        if done:
+            self.info().write(self.state_dir)
+        return done
+
+    def _add(self, role: str, deadline: float) -> Service:
+        used = [int(s.name.rsplit("-", 1)[1]) for s in self.services if s.name.startswith(f"{role}-")]
+        name = f"{role}-{max(used, default=-1) + 1}"
+        cache = self.service("cachesvc").grpc_address
+        new = self._spawn(name, ENGINE_MODULES[role],
+                          {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": name,
+                           "KVMESH_INSTANCE_CACHESVC_ADDRESS": cache if self.opts.pool else "",
+                           **self.opts.instance_env.get(name, {})})
+        self._wait_ready([new], deadline)
+        self._wait_instances(deadline)
+        return new
+
+    def _remove(self, role: str) -> Service:
+        gone = self.pool(role)[-1]
+        gone.proc.send_signal(signal.SIGTERM)
+        try:
+            gone.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            gone.proc.kill()
+            gone.proc.wait()
+        self.services.remove(gone)
+        return gone
+
+    def pools_asked(self) -> float:
+        """When ``pools.json`` last changed (0: there is none)."""
+        try:
+            return (self.state_dir / POOLS_FILE).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def reconcile(self) -> list[str]:
+        """Bring each pool named in ``pools.json`` to its size (nothing when there is no such file)."""
+        done = []
+        for role, n in want_pools(self.state_dir).items():
+            done += self.scale(role, n)
+        return done
+
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> Service:
         given = dict(env)
         log_path = self.log_dir / f"{name}.log"
@@ -298,7 +365,7 @@ class Stack:
             time.sleep(0.1)
 
     def _wait_instances(self, deadline: float) -> None:
-        want = self.opts.prefill + self.opts.decode + self.opts.both
+        want = sum(len(self.pool(role)) for role in ENGINE_MODULES)
         for router in self.routers:
             while _router_instances(router.endpoints["http"]) < want:  # heartbeats reached the router
                 if time.monotonic() > deadline:
@@ -321,6 +388,7 @@ class Stack:
         if self.nats is not None:
             self.nats.stop()
         (self.state_dir / "stack.json").unlink(missing_ok=True)
+        (self.state_dir / POOLS_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> Self:
         self.start()
@@ -328,6 +396,29 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def want_pools(directory: Path) -> dict[str, int]:
+    """The pool sizes ``pools.json`` asks for (role -> instances); {} when there is none. A bad file:
+    ValueError."""
+    try:
+        raw = json.loads((directory / POOLS_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+    if not isinstance(raw, dict) or not all(r in ENGINE_MODULES and isinstance(n, int) and n >= 0
+                                            for r, n in raw.items()):
+        raise ValueError(f"{directory / POOLS_FILE}: expected {{role: instances}} with roles among "
+                         f"{', '.join(ENGINE_MODULES)}, not {raw!r}")
+    return raw
+
+
+def ask_pools(directory: Path, sizes: dict[str, int]) -> None:
+    """Ask a running ``kvmesh up`` for these pool sizes (merged into ``pools.json``, written atomically)."""
+    path = directory / POOLS_FILE
+    merged = {**want_pools(directory), **sizes}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(merged))
+    tmp.replace(path)
 
 
 def _same_ports(service: Service) -> dict[str, str]:

@@ -3,11 +3,17 @@ targets, from one window of its heartbeats (NATS) and its routers' counters (``/
 ``kvmesh.planning.plan``. ``--serve`` plans every window and hands each change to an actuator:
 
 - ``print`` (default): say it;
+- ``local``: ask the ``kvmesh up`` running in the state directory for the pool's size (``pools.json``, which it
+  reconciles: it starts ``<role>-<next index>``, or SIGTERMs its newest instance, whose routers retry and migrate
+  what it held, ``app/launcher.py``);
 - ``kubernetes``: set the pool's Deployment ``spec.replicas`` through the API server's ``scale`` subresource
   (``PATCH .../deployments/NAME/scale``, what ``kubectl scale`` does), with the pod's service-account token —
   the planner is the autoscaler, so the pools must not also have an HPA.
 
-The stack is found as ``kvmesh trace`` finds it (``--state-dir``, ``$KVMESH_STATE_DIR``, ``.kvmesh/``)."""
+The stack is found as ``kvmesh trace`` finds it (``--state-dir``, ``$KVMESH_STATE_DIR``, ``.kvmesh/``), or, in a
+cluster, named: ``--nats-url``, ``--cluster`` and ``--router-metrics`` (a name that resolves to every router pod,
+a headless Service: each is scraped). ``--health-port`` serves ``GET /health`` (200 once a plan was made) for a
+pod's probes."""
 
 from __future__ import annotations
 
@@ -26,14 +32,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvmesh.contracts.ids import Role
-from kvmesh.planning import InstanceLoad, Observation, Plan, PlannerConfig, PlannerState, Speed, Targets, Traffic, plan
+from kvmesh.planning import (
+    InstanceLoad,
+    Observation,
+    Plan,
+    PlannerConfig,
+    PlannerState,
+    Speed,
+    Targets,
+    Traffic,
+    plan,
+    pools_of,
+)
 
 if TYPE_CHECKING:
     from kvmesh.settings import SharedSettings
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 COUNTERS = ("kvmesh_router_requests_total", "kvmesh_router_prompt_tokens_total",
-            "kvmesh_router_prefix_hit_tokens_total")
+            "kvmesh_router_prefix_hit_tokens_total", "kvmesh_router_ttft_seconds_sum",
+            "kvmesh_router_ttft_seconds_count")
 
 
 def counters(text: str) -> dict[str, float]:
@@ -59,9 +77,31 @@ def traffic(before: Mapping[str, float], after: Mapping[str, float], window_s: f
                    min(0.99, d["kvmesh_router_prefix_hit_tokens_total"] / prompt) if prompt else 0.0)
 
 
+def mean_ttft(before: Mapping[str, float], after: Mapping[str, float]) -> float:
+    """The mean TTFT of the window's first tokens, from two scrapes of the routers' histogram (0: none)."""
+    n = after["kvmesh_router_ttft_seconds_count"] - before["kvmesh_router_ttft_seconds_count"]
+    return max(0.0, after["kvmesh_router_ttft_seconds_sum"] - before["kvmesh_router_ttft_seconds_sum"]) / n \
+        if n > 0 else 0.0
+
+
+def fan_out(url: str) -> list[str]:
+    """``url`` once per address its host resolves to (a headless Service: every router pod), in order."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        found = socket.getaddrinfo(parts.hostname or "", parts.port or 80, type=socket.SOCK_STREAM)
+    except OSError:
+        return [url]  # unresolvable now: the scrape says so
+    hosts = list(dict.fromkeys(str(a[4][0]) for a in found))
+    return [parts._replace(netloc=f"[{h}]:{parts.port or 80}" if ":" in h else f"{h}:{parts.port or 80}").geturl()
+            for h in hosts] or [url]
+
+
 def scrape(urls: list[str]) -> dict[str, float]:
     total = dict.fromkeys(COUNTERS, 0.0)
-    for url in urls:
+    for url in (u for named in urls for u in fan_out(named)):
         with urllib.request.urlopen(url, timeout=5) as r:
             for k, v in counters(r.read().decode()).items():
                 total[k] += v
@@ -150,6 +190,40 @@ class Kubernetes:
         self._call("PATCH", self._path(role), {"spec": {"replicas": replicas}})
 
 
+@dataclass
+class Health:
+    """``GET /health`` for a planner pod's probes: 200 with the plans made so far once there is one, else 503."""
+
+    plans: int = 0
+    port: int = 0  # the port bound
+
+    @classmethod
+    def serve(cls, port: int, host: str = "0.0.0.0") -> Health:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        health = cls()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                ok = self.path.partition("?")[0] == "/health"
+                code = 404 if not ok else 200 if health.plans else 503
+                body = json.dumps({"plans": health.plans}).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer((host, port), Handler)
+        health.port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True, name="plan-health").start()
+        return health
+
+
 def act(p: Plan, scale: Callable[[Role, int], None]) -> list[str]:
     """Hand each pool whose target differs from its size to ``scale``; what was done, in words."""
     done = []
@@ -160,7 +234,8 @@ def act(p: Plan, scale: Callable[[Role, int], None]) -> list[str]:
     return done
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``kvmesh plan`` (the planner pod's manifest is checked against it)."""
     p = argparse.ArgumentParser(prog="kvmesh plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--state-dir", help="the stack's state directory (default: $KVMESH_STATE_DIR, else .kvmesh/)")
     p.add_argument("--ttft-s", type=float, default=2.0, help="TTFT target, seconds")
@@ -172,36 +247,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min", type=int, default=1, help="fewest instances per pool")
     p.add_argument("--max", type=int, default=16, help="most instances per pool")
     p.add_argument("--serve", action="store_true", help="plan every window and act on each change")
-    p.add_argument("--actuator", default="print", choices=("print", "kubernetes"))
+    p.add_argument("--actuator", default="print", choices=("print", "local", "kubernetes"))
     p.add_argument("--k8s-server", help="API server URL (default: in-cluster)")
     p.add_argument("--k8s-namespace", help="default: the pod's namespace")
     p.add_argument("--k8s-deployment", action="append", default=[], metavar="ROLE=NAME",
                    help="the Deployment of a pool (repeatable), e.g. prefill=kvmesh-prefill")
+    p.add_argument("--nats-url", help="the fleet's NATS (in a cluster; default: the stack's, from stack.json)")
+    p.add_argument("--cluster", default="default", help="with --nats-url: the kvmesh cluster name")
+    p.add_argument("--router-metrics", action="append", default=[], metavar="URL",
+                   help="with --nats-url: the routers' /metrics (repeatable); a host that resolves to several "
+                        "addresses (a headless Service) is scraped at each")
+    p.add_argument("--health-port", type=int, default=0, help="serve GET /health on this port (0: not)")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from kvmesh import state
 
+    directory = state.state_dir(args.state_dir)
     try:
-        directory = state.state_dir(args.state_dir)
-        info = state.StackInfo.read(directory)
-        actuator = _actuator(args)
+        if args.nats_url:
+            if not args.router_metrics:
+                raise ValueError("--nats-url needs --router-metrics URL (the routers' /metrics)")
+            nats_url, cluster, metrics = args.nats_url, args.cluster, list(args.router_metrics)
+        else:
+            info = state.StackInfo.read(directory)
+            nats_url, cluster = info.nats_url, info.cluster
+            metrics = [e["metrics"] for name, e in info.endpoints.items()
+                       if name.startswith("router") and "metrics" in e]
+        actuator = _actuator(args, directory)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"kvmesh plan: {e}", file=sys.stderr)
         return 2
-    metrics = [e["metrics"] for name, e in info.endpoints.items() if name.startswith("router") and "metrics" in e]
+    health = Health.serve(args.health_port) if args.health_port else None
     config = PlannerConfig(speed=Speed(), startup_s=args.startup_s, window_s=args.window_s,
                            min_instances={r: args.min for r in Role if r.is_engine},
                            max_instances={r: args.max for r in Role if r.is_engine})
     targets, plan_state, rates = Targets(args.ttft_s, args.itl_s), PlannerState(), deque[float](maxlen=8)
     while True:
         before = scrape(metrics)
-        fleet = asyncio.run(heartbeats(info.nats_url, info.cluster, args.window_s, directory))
-        window = traffic(before, scrape(metrics), args.window_s, args.output_tokens)
-        out = plan(Observation(time.monotonic(), fleet, window, targets, tuple(rates)), config, plan_state)
+        fleet = asyncio.run(heartbeats(nats_url, cluster, args.window_s, None if args.nats_url else directory))
+        after = scrape(metrics)
+        window = traffic(before, after, args.window_s, args.output_tokens)
+        obs = Observation(time.monotonic(), fleet, window, targets, tuple(rates), mean_ttft(before, after))
+        out = plan(obs, config, plan_state,
+                   sizes(fleet, directory) if args.actuator == "local" else None)
         plan_state = out.state
         rates.append(window.rate)
+        if health is not None:
+            health.plans += 1
         if args.json:
-            print(json.dumps({"traffic": window.__dict__, "instances": len(fleet),
+            print(json.dumps({"traffic": window.__dict__, "instances": len(fleet), "ttft_s": obs.ttft_s,
                               "pools": [{"role": str(x.role), "current": x.current, "target": x.target,
                                          "action": x.action, "reason": x.reason} for x in out.pools]}), flush=True)
         else:
@@ -212,9 +310,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvmesh plan: scaled {line}", flush=True)
 
 
-def _actuator(args: argparse.Namespace) -> Callable[[Role, int], None]:
+def sizes(fleet: list[InstanceLoad], directory: Path) -> dict[Role, int]:
+    """Each pool's size for a local stack: what was last asked of it (instances still starting count), else
+    what the heartbeats show."""
+    from app.launcher import want_pools
+
+    return {**pools_of(fleet), **{Role(r): n for r, n in want_pools(directory).items()}}
+
+
+def _actuator(args: argparse.Namespace, directory: Path) -> Callable[[Role, int], None]:
     if args.actuator == "print":
         return lambda role, n: None
+    if args.actuator == "local":
+        from app.launcher import ask_pools
+
+        return lambda role, n: ask_pools(directory, {str(role): n})
     deployments = {}
     for entry in args.k8s_deployment:
         role, sep, name = entry.partition("=")

@@ -213,6 +213,30 @@ def report(res: LoadResult, max_concurrent: int) -> str:
             + markdown_table(mem_rows, ["service", "RSS at start MiB", "peak MiB", "at end MiB"]))
 
 
+def ramp(spec: str, directory: str | None, max_tokens: int) -> int:
+    """Closed-loop phases against a running stack (its router's HTTP API, from stack.json): each phase's
+    outcome on one line, with the time since the start, so what a planner did meanwhile can be set beside it."""
+    from kvmesh import state
+
+    try:
+        phases = [(int(c), float(s)) for c, _, s in (part.partition(":") for part in spec.split(","))]
+        url = state.StackInfo.read(state.state_dir(directory)).router_http
+    except (ValueError, OSError) as e:
+        print(f"kvmesh bench load: --ramp {spec!r}: {e} (expected CLIENTS:SECONDS,...)")
+        return 2
+    refs = asyncio.run(references(url, max_tokens))
+    t0, lost = time.monotonic(), 0
+    for clients, seconds in phases:
+        start = time.monotonic() - t0
+        s = asyncio.run(run_phase(url, clients, seconds, max_tokens, refs)).summary()
+        lost += s["errors"] + s["mismatches"] + s["timeouts"]
+        print(f"{start:6.0f}-{time.monotonic() - t0:4.0f} s  {clients:3d} clients: {s['completed']} completed, "
+              f"{s['errors']} errors, {s['mismatches']} lost/dup, {s['rejected_429']} 429, "
+              f"{s['requests_per_s']:.1f} req/s, TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms "
+              f"p99 {s['ttft_p99_s'] * 1e3:.0f} ms", flush=True)
+    return 1 if lost else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh bench load")
     p.add_argument("--clients", type=int, default=64)
@@ -220,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-concurrent", type=int, default=32, help="the router's max_concurrent_requests")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--ramp", metavar="CLIENTS:SECONDS,...",
+                   help="phases of closed-loop clients (e.g. 1:60,12:120,1:90) against the stack already running "
+                        "in --state-dir (`kvmesh up`), one line per phase; nothing is written")
+    p.add_argument("--state-dir", help="with --ramp: the running stack's state directory")
     p.add_argument("--faults", metavar="SERVICE@SECONDS,...",
                    help="kill -9 these services at these times into the load (decode-0, prefill-0, router-1, "
                         "cachesvc, nats, ...), each started again --restart-after seconds later")
@@ -228,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-after", type=float, default=8.0, help="with --faults: seconds until a killed "
                                                                         "service is started again")
     args = p.parse_args(argv)
+    if args.ramp:
+        return ramp(args.ramp, args.state_dir, args.max_tokens)
     if args.faults:
         from app.bench import faults
 

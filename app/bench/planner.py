@@ -24,7 +24,7 @@ from kvmesh.planning import Observation, PlannerConfig, PlannerState, Speed, Tar
 from app.bench.trace import TraceRequest, load_trace
 from app.fleet_sim import FleetModel, Result, Scaler, Sizes, Window, replay
 
-SECTION = "Planner on the simulated fleet (Mooncake trace, load ramp + tenant surge)"
+SECTION = "Planner on the simulated fleet (Mooncake trace, load ramp + tenant surge)"  # and the steps
 TRACE = "/work/shared/data/traces/conversation_trace.jsonl"
 TENANT_ID_OFFSET = 10**9  # the surging tenant's block ids: another cache salt, so nothing is shared
 
@@ -36,6 +36,24 @@ TARGETS = Targets(ttft_s=4.0, itl_s=0.05)
 
 
 RAMP = ((300, 1, 1), (150, 1, 2), (150, 2, 2), (150, 2, 4), (300, 4, 4), (300, 4, 1), (300, 1, 1))
+# a second shape, so the planner is not judged on the scenario its defaults were chosen on: steps no trend
+# foresees (1x to 3x and back at once), a ramp, and the tenant's surge in the middle instead of at the end
+STEPS = ((240, 1, 1), (240, 3, 3), (240, 1.5, 1.5), (120, 1.5, 3.5), (240, 3.5, 3.5), (240, 1, 1), (200, 1, 1))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A scenario: the phases ``(seconds, rate multiple at start, at end)``, and where the tenant surge falls
+    (``surge_at``: its start as a share of the run, and its length in seconds; its rate is ``--surge``)."""
+
+    name: str
+    phases: tuple[tuple[float, float, float], ...]
+    surge_at: float
+    surge_s: float
+
+
+SHAPES = {"ramp": Shape("ramp", RAMP, (1650 - 225) / 1650, 150),
+          "steps": Shape("steps", STEPS, 600 / 1520, 120)}
 
 
 def _elapsed(d_tau: float, seconds: float, m0: float, m1: float) -> float:
@@ -95,15 +113,25 @@ def opening_sizes(trace: Sequence[TraceRequest], config: PlannerConfig, targets:
 
 def utilisation_scaler(target: float, batch_cap: int, window_s: float, stabilise_s: float = 300.0,
                        tolerance: float = 0.1) -> Scaler:
-    """Kubernetes' HPA rule on each pool's utilisation."""
+    """Kubernetes' HPA rule on each pool's utilisation, as the HPA controller applies it: utilisation is
+    measured on the ready pods, a pod still starting counts as capacity using nothing (so desired = ceil(ready
+    pods' total utilisation / target), not the pool's size times the ready pods' mean: a pool is not grown
+    again for the pods it is already starting), a scale-in is skipped while pods are starting, and scale-in is
+    stabilised over the last ``stabilise_s`` (the highest recommendation wins)."""
     history: deque[Sizes] = deque(maxlen=max(1, round(stabilise_s / window_s)))
 
-    def desired(n: int, used: float) -> int:
-        ratio = used / target
-        return n if abs(ratio - 1) <= tolerance else max(1, math.ceil(n * ratio))
+    def desired(n: int, ready: int, used: float) -> int:
+        if ready == 0:
+            return n
+        ratio = used * ready / (target * n)  # the pods starting count at 0% utilisation
+        want = n if abs(ratio - 1) <= tolerance else max(1, math.ceil(n * ratio))
+        return n if want < n and ready < n else want
 
     def scale(w: Window) -> Sizes:
-        want = Sizes(desired(w.sizes.prefill, w.prefill_busy), desired(w.sizes.decode, w.decode_busy / batch_cap))
+        ready_p = sum(i.role is Role.PREFILL for i in w.fleet)
+        ready_d = sum(i.role is Role.DECODE for i in w.fleet)
+        want = Sizes(desired(w.sizes.prefill, ready_p, w.prefill_busy),
+                     desired(w.sizes.decode, ready_d, w.decode_busy / batch_cap))
         history.append(want)
         return Sizes(max(s.prefill for s in history), max(s.decode for s in history))
 
@@ -166,27 +194,59 @@ def best_static(trace: list[TraceRequest], model: FleetModel, targets: Targets, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh bench planner", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=TRACE, help="Mooncake-format JSONL trace")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="stretch the ramp's phases (1: 1x 300 s, to 2x 150 s, 2x 150 s, to 4x 150 s, 4x 300 s, "
-                        "down to 1x 300 s, 1x 300 s; the trace has 3,537 s)")
+    p.add_argument("--scenario", choices=(*SHAPES, "all"), default="all",
+                   help="ramp: 1x 300 s, to 2x 150 s, 2x 150 s, to 4x 150 s, 4x 300 s, down to 1x 300 s, 1x 300 s, "
+                        "the surge near the end; steps: 1x 240 s, 3x 240 s, 1.5x 240 s, to 3.5x 120 s, 3.5x 240 s, "
+                        "1x 440 s, the surge at 600 s (the trace has 3,537 s)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="stretch the phases")
     p.add_argument("--surge", type=float, default=1.0, metavar="X",
-                   help="the tenant surge's rate, a multiple of the trace's (0: none); it spans the middle half "
-                        "of the last phase")
+                   help="the tenant surge's rate, a multiple of the trace's (0: none)")
     p.add_argument("--goal", type=float, default=0.95, help="the SLO attainment the static allocation must reach")
     p.add_argument("--startup-s", type=float, default=60.0, help="how long a new instance takes to serve")
     p.add_argument("--util-target", type=float, default=0.6, help="the utilisation autoscaler's target")
     p.add_argument("--batch-cap", type=int, default=64, help="decode streams per instance at 100%% utilisation")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--write", action="store_true", help="also write the table into docs/benchmarks.md")
+    p.add_argument("--write", action="store_true", help="also write the tables into docs/benchmarks.md")
     args = p.parse_args(argv)
     try:
         base = load_trace(args.trace)
     except (OSError, ValueError) as e:
         print(f"kvmesh bench planner: {e}", file=sys.stderr)
         return 2
-    phases = [(seconds * args.time_scale, m0, m1) for seconds, m0, m1 in RAMP]
-    end, last = sum(p[0] for p in phases), phases[-1][0]
-    surge = (end - 0.75 * last, 0.5 * last, args.surge) if args.surge > 0 else None
+    shapes = list(SHAPES.values()) if args.scenario == "all" else [SHAPES[args.scenario]]
+    results = [run_shape(base, shape, args) for shape in shapes]
+    if args.json:
+        print(json.dumps([{"scenario": r.shape.name, "rows": r.rows, "verdict": r.verdict, "requests": r.requests}
+                          for r in results], indent=2))
+    else:
+        for r in results:
+            print(f"scenario {r.shape.name}: {r.requests} requests")
+            for row in r.rows:
+                print(f"{row['scaler']:>55}: SLO {row['SLO attainment']:6.1%} (TTFT {row['TTFT met']:6.1%}, ITL "
+                      f"{row['ITL met']:6.1%})  {row['instance-hours']:6.2f} instance-h ({row['vs static hours']})"
+                      f"  P {row['prefill min-max']}  D {row['decode min-max']}")
+            for name, ok in r.verdict.items():
+                print(f"{name}: {'yes' if ok else 'NO'}")
+    if args.write:
+        _write(args, results)
+    return 0
+
+
+@dataclass
+class ShapeResult:
+    shape: Shape
+    phases: list[tuple[float, float, float]]
+    surge: tuple[float, float, float] | None
+    requests: int
+    rows: list[dict]
+    verdict: dict[str, bool]
+
+
+def run_shape(base: Sequence[TraceRequest], shape: Shape, args: argparse.Namespace) -> ShapeResult:
+    """The three scalers on one scenario: the rows of its table and the verdicts."""
+    phases = [(seconds * args.time_scale, m0, m1) for seconds, m0, m1 in shape.phases]
+    end = sum(p[0] for p in phases)
+    surge = (shape.surge_at * end, shape.surge_s * args.time_scale, args.surge) if args.surge > 0 else None
     trace = scenario(base, phases, surge)
     model = FleetModel(SPEED, startup_s=args.startup_s)
     config = PlannerConfig(speed=SPEED, startup_s=args.startup_s, window_s=model.window_s)
@@ -207,44 +267,36 @@ def main(argv: list[str] | None = None) -> int:
     }
     for row in rows:
         row["vs static hours"] = f"{row['instance-hours'] / s_row['instance-hours']:.2f}x"
-    if args.json:
-        print(json.dumps({"rows": rows, "verdict": verdict, "requests": len(trace)}, indent=2))
-    else:
-        for row in rows:
-            print(f"{row['scaler']:>55}: SLO {row['SLO attainment']:6.1%} (TTFT {row['TTFT met']:6.1%}, ITL "
-                  f"{row['ITL met']:6.1%})  {row['instance-hours']:6.2f} instance-h ({row['vs static hours']})  "
-                  f"P {row['prefill min-max']}  D {row['decode min-max']}")
-        for name, ok in verdict.items():
-            print(f"{name}: {'yes' if ok else 'NO'}")
-    if args.write:
-        _write(args, rows, verdict, len(trace), surge)
-    return 0
+    return ShapeResult(shape, phases, surge, len(trace), rows, verdict)
 
 
-def _write(args: argparse.Namespace, rows: list[dict], verdict: dict[str, bool], requests: int,
-           surge: tuple[float, float, float] | None) -> None:
+def _write(args: argparse.Namespace, results: list[ShapeResult]) -> None:
     from app.bench.report import markdown_table, write_section
 
-    table = [{**r, "SLO attainment": f"{r['SLO attainment']:.1%}", "TTFT met": f"{r['TTFT met']:.1%}",
-              "ITL met": f"{r['ITL met']:.1%}", "instance-hours": f"{r['instance-hours']:.2f}"} for r in rows]
     cols = ["scaler", "SLO attainment", "TTFT met", "ITL met", "instance-hours", "vs static hours",
             "prefill min-max", "decode min-max"]
     s = SPEED
-    phases = ", ".join(f"{m0:g}x" if m0 == m1 else f"{m0:g}x to {m1:g}x" for _, m0, m1 in RAMP)
-    body = (f"{requests} requests: `conversation_trace.jsonl` replayed with its rate ramped ({phases}; phases of "
-            f"{', '.join(f'{s * args.time_scale:.0f}' for s, _, _ in RAMP)} s)"
-            + (f", plus another tenant's surge at {surge[2]:g}x the trace's rate for {surge[1]:.0f} s from "
-               f"{surge[0]:.0f} s (no prefix shared with the rest)" if surge else "")
-            + f". Simulated PD fleet (`app/fleet_sim.py`: the real cache-aware routing and LRU eviction, the router's "
-            f"decode choice): prefill {s.prefill_tok_per_s:.0f} tok/s + {s.prefill_overhead_s * 1e3:.0f} ms, decode "
-            f"step {s.step_base_s * 1e3:.0f} ms + {s.step_per_stream_s * 1e3:.1f} ms a stream, "
-            f"{s.kv_tokens / 1e6:g}M tokens of KV; a new instance serves {args.startup_s:.0f} s after it is asked "
-            f"for; an instance scaled in drains. Targets: TTFT <= {TARGETS.ttft_s:g} s, mean ITL <= "
-            f"{TARGETS.itl_s * 1e3:g} ms; a request attains its SLO when it meets both. Static: the cheapest fixed "
-            f"pair reaching {args.goal:.0%} attainment, found by replaying. Every scaler is asked every 15 s.\n\n"
-            + markdown_table(table, cols) + "\n\n"
-            + "\n".join(f"- {name}: **{'yes' if ok else 'no'}**" for name, ok in verdict.items()))
-    write_section(SECTION, "kvmesh bench planner --write", body)
+    parts = [(f"Simulated PD fleet (`app/fleet_sim.py`: the real cache-aware routing and LRU eviction, the router's "
+             f"decode choice): prefill {s.prefill_tok_per_s:.0f} tok/s + {s.prefill_overhead_s * 1e3:.0f} ms, decode "
+             f"step {s.step_base_s * 1e3:.0f} ms + {s.step_per_stream_s * 1e3:.1f} ms a stream, "
+             f"{s.kv_tokens / 1e6:g}M tokens of KV; a new instance serves {args.startup_s:.0f} s after it is asked "
+             f"for; an instance scaled in drains. Targets: TTFT <= {TARGETS.ttft_s:g} s, mean ITL <= "
+             f"{TARGETS.itl_s * 1e3:g} ms; a request attains its SLO when it meets both. Static: the cheapest fixed "
+             f"pair reaching {args.goal:.0%} attainment, found by replaying. The utilisation autoscaler counts a "
+             "starting pod as capacity at 0% (as the HPA controller does) rather than multiplying the ready pods' "
+             "utilisation by the pool's size. Every scaler is asked every 15 s.")]
+    for r in results:
+        table = [{**row, "SLO attainment": f"{row['SLO attainment']:.1%}", "TTFT met": f"{row['TTFT met']:.1%}",
+                  "ITL met": f"{row['ITL met']:.1%}", "instance-hours": f"{row['instance-hours']:.2f}"}
+                 for row in r.rows]
+        phases = ", ".join(f"{m0:g}x {sec:.0f} s" if m0 == m1 else f"{m0:g}x to {m1:g}x {sec:.0f} s"
+                           for sec, m0, m1 in r.phases)
+        surge = (f", plus another tenant's surge at {r.surge[2]:g}x the trace's rate for {r.surge[1]:.0f} s from "
+                 f"{r.surge[0]:.0f} s (no prefix shared with the rest)" if r.surge else "")
+        parts.append(f"**{r.shape.name}** ({r.requests} requests: `conversation_trace.jsonl` replayed at {phases}"
+                     f"{surge}):\n\n" + markdown_table(table, cols) + "\n\n"
+                     + "\n".join(f"- {name}: **{'yes' if ok else 'no'}**" for name, ok in r.verdict.items()))
+    write_section(SECTION, "kvmesh bench planner --write", "\n\n".join(parts))
 
 
 if __name__ == "__main__":

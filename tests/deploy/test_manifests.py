@@ -29,7 +29,7 @@ CUSTOM = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"
           ("monitoring.coreos.com/v1", "ServiceMonitor")}
 WORKLOADS = ("Deployment", "StatefulSet")
 SERVICES = {"services.router": "router", "services.prefill": "prefill", "services.decode": "decode",
-            "services.cachesvc": "cachesvc"}
+            "services.cachesvc": "cachesvc", "app.plan": "planner"}
 HEALTHCHECK = ["python", "/opt/kvmesh/docker/healthcheck.py"]
 ROUTER_HTTP_PATHS = {"/health"}  # services/router/http_api.py's GET routes the probes may use
 
@@ -45,6 +45,8 @@ MESH_FLOWS = {
     ("prefill", "cachesvc", "transfer"), ("decode", "cachesvc", "transfer"),  # write-back pushes
     ("cachesvc", "prefill", "transfer"), ("cachesvc", "decode", "transfer"),  # pool fetches pushed to the asker
 }
+# the planner (components/planner), where an overlay has it: heartbeats, and every router's counters
+PLANNER_FLOWS = {("planner", "nats", "client"), ("planner", "router", "metrics")}
 CLIENT_FLOWS = {("router", "http"), ("router", "grpc")}  # from any namespace
 SCRAPES = CLIENT_FLOWS | {(role, "metrics") for role in ("router", "prefill", "decode", "cachesvc")}  # `monitoring`
 
@@ -78,7 +80,7 @@ class Container(NamedTuple):
 
     @property
     def service(self) -> str:
-        """router, prefill, decode, cachesvc or nats, from the command it runs."""
+        """router, prefill, decode, cachesvc, planner or nats, from the command it runs."""
         args = self.spec["args"]
         return "nats" if args[0] == "nats-server" else SERVICES[args[2]]
 
@@ -124,6 +126,9 @@ def loaded(container: Container, files: Path) -> settings.Settings:
 def served_ports(container: Container, files: Path) -> dict[int, str]:
     """What the process binds, by port: ``grpc``, ``http``, ``transfer``, ``metrics`` (0 = a free port, which no
     manifest can name)."""
+    if container.service == "planner":  # its flags are its configuration (app/plan.py): /health only
+        args = container.spec["args"]
+        return {int(args[args.index("--health-port") + 1]): "http"}
     if container.service == "nats":
         args = container.spec["args"]
         listen = re.search(r'^listen:\s*"[^"]*:(\d+)"', (ROOT / "docker" / "nats.conf").read_text(), re.MULTILINE)
@@ -168,8 +173,19 @@ def test_every_object_is_valid_for_the_kubernetes_api(overlay: str) -> None:
 
 def test_every_container_environment_loads_as_its_services_settings(overlay: str, tmp_path: Path) -> None:
     for c in containers(overlay):
-        if c.service != "nats":
+        if c.service == "planner":
+            assert not [v for v in c.spec.get("env", []) if v["name"].startswith("KVMESH_")], "the planner has flags"
+            parse_planner(c.spec["args"])
+        elif c.service != "nats":
             loaded(c, tmp_path)  # an unknown KVMESH_* variable or a bad value raises, naming it
+
+
+def parse_planner(args: list[str]) -> None:
+    """The planner's command line as `kvmesh plan` parses it (an unknown flag or a bad value fails)."""
+    from app import plan
+
+    parsed = plan.parser().parse_args(args[3:])
+    assert parsed.serve and parsed.actuator == "kubernetes" and parsed.nats_url and parsed.router_metrics
 
 
 def test_every_kvmesh_variable_set_is_documented_in_configuration_md(overlay: str) -> None:
@@ -267,7 +283,8 @@ def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def peer_matches(peer: dict[str, Any], pod: Pod, policy_ns: str) -> bool:
-    assert "ipBlock" not in peer, "the manifests name peers by label only"
+    if "ipBlock" in peer:  # an address outside the pod network (the API server): no pod here is in it
+        return False
     if "namespaceSelector" in peer:
         ns_ok = matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod.namespace})
     else:
@@ -305,8 +322,9 @@ def test_network_policies_admit_exactly_the_mesh_flows(overlay: str) -> None:
     policies, pods = mesh(overlay)
     admitted = {(s.component, d.component, port) for s in pods for d in pods for port in d.ports
                 if allowed(policies, s, d, port)}
-    assert admitted == MESH_FLOWS, (f"admitted but not a flow: {sorted(admitted - MESH_FLOWS)}; "
-                                    f"a flow not admitted: {sorted(MESH_FLOWS - admitted)}")
+    flows = MESH_FLOWS | (PLANNER_FLOWS if any(p.component == "planner" for p in pods) else set())
+    assert admitted == flows, (f"admitted but not a flow: {sorted(admitted - flows)}; "
+                               f"a flow not admitted: {sorted(flows - admitted)}")
 
 
 def test_network_policies_admit_clients_to_the_router_and_prometheus_to_metrics_only(overlay: str) -> None:
@@ -360,3 +378,51 @@ def test_engine_pools_are_headless_and_vllm_pools_ask_for_gpus_on_gpu_nodes(over
         assert spec["containers"][0]["resources"]["requests"], w["metadata"]["name"]
     backends = {w["metadata"]["labels"].get("kvmesh.io/backend") for w in workloads(overlay)} - {None}
     assert backends == ({"vllm"} if overlay == "gpu-vllm" else {"native"})
+
+
+# -- the planner (components/planner) -------------------------------------------------------------------------------
+
+
+def planner_overlays() -> list[str]:
+    return [o for o in OVERLAYS if any(c.service == "planner" for c in containers(o))]
+
+
+def test_the_pd_overlay_runs_one_planner() -> None:
+    assert "pd" in planner_overlays()
+    [planner] = [w for w in workloads("pd") if w["metadata"]["name"] == "planner"]
+    assert planner["spec"]["replicas"] == 1 and planner["spec"]["strategy"]["type"] == "Recreate"
+
+
+@pytest.mark.parametrize("overlay", planner_overlays())
+def test_the_planner_may_only_get_and_patch_the_scale_of_the_pools_it_sizes(overlay: str) -> None:
+    from app import plan
+
+    objs = render(overlay)
+    [planner] = [c for c in containers(overlay) if c.service == "planner"]
+    args = plan.parser().parse_args(planner.spec["args"][3:])
+    pools = {entry.partition("=")[2] for entry in args.k8s_deployment}
+    deployments = {o["metadata"]["name"] for o in objs if o["kind"] == "Deployment"}
+    assert pools == {"prefill", "decode"} and pools <= deployments
+    [pod] = [w for w in workloads(overlay) if w["metadata"]["name"] == planner.workload]
+    account = pod["spec"]["template"]["spec"]["serviceAccountName"]
+    bindings = [b for b in objs if b["kind"] == "RoleBinding"
+                and {"kind": "ServiceAccount", "name": account} in [{k: s[k] for k in ("kind", "name")}
+                                                                    for s in b["subjects"]]]
+    roles = {b["roleRef"]["name"] for b in bindings}
+    rules = [r for o in objs if o["kind"] == "Role" and o["metadata"]["name"] in roles for r in o["rules"]]
+    [rule] = rules
+    assert (rule["apiGroups"], rule["resources"], rule["verbs"]) == (["apps"], ["deployments/scale"], ["get", "patch"])
+    assert set(rule["resourceNames"]) == pools
+    assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding", "HorizontalPodAutoscaler")]
+
+
+@pytest.mark.parametrize("overlay", planner_overlays())
+def test_the_only_address_a_pod_may_reach_is_the_api_server_from_the_planner(overlay: str) -> None:
+    policies = [o for o in render(overlay) if o["kind"] == "NetworkPolicy"]
+    blocks = [(p["metadata"]["name"], p["spec"]["podSelector"], rule) for p in policies
+              for rule in p["spec"].get("egress", []) if any("ipBlock" in peer for peer in rule.get("to", []))]
+    [(name, selector, rule)] = blocks
+    assert selector["matchLabels"]["app.kubernetes.io/component"] == "planner", name
+    assert sorted(p["port"] for p in rule["ports"]) == [443, 6443], name
+    assert not any("ipBlock" in peer for p in policies for r in p["spec"].get("ingress", [])
+                   for peer in r.get("from", []))

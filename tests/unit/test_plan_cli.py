@@ -97,3 +97,58 @@ def test_the_kubernetes_actuator_needs_the_pools_deployments(tmp_path, capsys: p
                                                      "cluster": "c"}))
     assert main(["plan", "--state-dir", str(tmp_path), "--actuator", "kubernetes", "--k8s-server", "http://x"]) == 2
     assert "--k8s-deployment" in capsys.readouterr().err
+
+
+def test_the_local_actuator_asks_the_running_stack_for_the_pools_size(tmp_path) -> None:
+    from kvmesh.planning import InstanceLoad
+
+    from app.launcher import want_pools
+
+    fleet = [InstanceLoad("prefill-0", Role.PREFILL), InstanceLoad("decode-0", Role.DECODE)]
+    assert plan_cli.sizes(fleet, tmp_path) == {Role.PREFILL: 1, Role.DECODE: 1}
+    scale = plan_cli._actuator(plan_cli.argparse.Namespace(actuator="local"), tmp_path)
+    p = Plan((PoolPlan(Role.PREFILL, 1, 3, "out", "ttft"), PoolPlan(Role.DECODE, 1, 1, "hold", "ok")),
+             PlannerState())
+    assert plan_cli.act(p, scale) == ["prefill: 1 -> 3"]
+    assert want_pools(tmp_path) == {"prefill": 3}
+    # instances still starting count: the next plan sees the size asked, not the heartbeats'
+    assert plan_cli.sizes(fleet, tmp_path) == {Role.PREFILL: 3, Role.DECODE: 1}
+
+
+def test_a_bad_pools_file_is_refused_with_what_it_should_hold(tmp_path) -> None:
+    from app.launcher import want_pools
+
+    (tmp_path / "pools.json").write_text('{"router": 2}')
+    with pytest.raises(ValueError, match="expected \\{role: instances\\}"):
+        want_pools(tmp_path)
+
+
+def test_the_window_mean_ttft_comes_from_the_routers_histogram() -> None:
+    before = plan_cli.counters(METRICS + "kvmesh_router_ttft_seconds_count 10\n")
+    after = {**before, "kvmesh_router_ttft_seconds_sum": 5.5, "kvmesh_router_ttft_seconds_count": 14.0}
+    assert plan_cli.mean_ttft(before, after) == pytest.approx(0.5)
+    assert plan_cli.mean_ttft(before, before) == 0.0
+
+
+def test_a_metrics_url_is_scraped_at_every_address_its_name_resolves_to() -> None:
+    assert "http://127.0.0.1:8000/metrics" in plan_cli.fan_out("http://localhost:8000/metrics")
+    assert plan_cli.fan_out("http://10.1.2.3:8000/metrics") == ["http://10.1.2.3:8000/metrics"]
+
+
+def test_in_a_cluster_the_planner_needs_the_routers_metrics(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--state-dir", str(tmp_path), "--nats-url", "nats://nats:4222"]) == 2
+    assert "--router-metrics" in capsys.readouterr().err
+
+
+def test_the_health_endpoint_is_ready_once_a_plan_was_made() -> None:
+    import urllib.error
+    import urllib.request
+
+    health = plan_cli.Health.serve(0, host="127.0.0.1")
+    url = f"http://127.0.0.1:{health.port}/health"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url, timeout=5)
+    assert e.value.code == 503
+    health.plans = 1
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert r.status == 200 and json.load(r) == {"plans": 1}

@@ -186,3 +186,18 @@ def test_traffic_of_a_window() -> None:
     t = Traffic.of(10.0, [100, 300], [10, 30], hit_tokens=100)
     assert t.rate == 0.2 and t.prompt_tokens == 200 and t.output_tokens == 20 and t.hit_rate == 0.25
     assert Traffic.of(10.0, [], []).rate == 0.0
+
+
+def test_a_measured_ttft_past_the_goal_grows_prefill_whatever_the_model_says() -> None:
+    calm = traffic(0.5, prompt=50.0)  # the model: one instance, a TTFT of some 60 ms
+    slipping = plan(Observation(0.0, pd_fleet(1, 1), calm, TARGETS, ttft_s=1.5), CONFIG, PlannerState())
+    assert slipping.target(Role.PREFILL) == 2 and "measured TTFT 1.50s" in slipping.describe()
+    assert slipping.target(Role.DECODE) == 1  # TTFT is not decode's to fix
+    fine = plan(Observation(0.0, pd_fleet(1, 1), calm, TARGETS, ttft_s=0.5), CONFIG, PlannerState())
+    assert fine.target(Role.PREFILL) == 1
+
+
+def test_the_measured_ttft_grows_a_pool_at_most_twofold_a_plan() -> None:
+    out = plan(Observation(0.0, pd_fleet(2, 1), traffic(0.5, prompt=50.0), TARGETS, ttft_s=60.0), CONFIG,
+               PlannerState())
+    assert out.target(Role.PREFILL) == 4

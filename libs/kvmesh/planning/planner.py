@@ -61,6 +61,7 @@ class Observation:
     traffic: Traffic
     targets: Targets
     rates: Sequence[float] = ()
+    ttft_s: float = 0.0  # the mean TTFT the routers measured over the window (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,17 @@ def _kv_floor(role: Role, obs: Observation, current: int, kv_high: float) -> tup
     return n, f"; KV {mean:.0%} used, above {kv_high:.0%}: at least {n}"
 
 
+def _ttft_floor(role: Role, obs: Observation, current: int, headroom: float) -> tuple[int, str]:
+    """The size the measured TTFT asks of a prefill (or both) pool (0 when it meets ``headroom`` of the target or
+    is not measured): time the model does not see (a busy host, an engine's queue, the hand-off) is still TTFT,
+    so the pool grows in proportion to how far the window's mean is past the goal, at most doubling a plan."""
+    goal = headroom * obs.targets.ttft_s
+    if role is Role.DECODE or obs.ttft_s <= goal:
+        return 0, ""
+    n = min(2 * current, max(current + 1, math.ceil(current * obs.ttft_s / goal)))
+    return n, f"; measured TTFT {obs.ttft_s:.2f}s, past {goal:.2f}s: at least {n}"
+
+
 def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
          current: Mapping[Role, int] | None = None) -> Plan:
     """Each pool's target size. ``current``: each pool's size now, starting instances included (default: the
@@ -157,7 +169,9 @@ def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
         cur, mem = current[role], state.of(role)
         drain = config.startup_s + config.window_s
         up = need(role, obs, traffic, speed, config.headroom, drain_s=drain)
-        floor, kv_note = _kv_floor(role, obs, cur, config.kv_high)
+        kv_floor, kv_note = _kv_floor(role, obs, cur, config.kv_high)
+        ttft_floor, ttft_note = _ttft_floor(role, obs, cur, config.headroom)
+        floor, kv_note = max(kv_floor, ttft_floor), kv_note + ttft_note
         want = config.clamp(role, max(up.instances, floor))
         forecast_note = f" (forecast {rate:.2f} req/s over the next {config.startup_s + config.window_s:g}s)" \
             if rate > obs.traffic.rate else ""
