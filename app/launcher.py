@@ -124,6 +124,7 @@ class Stack:
         self.opts = opts
         self.services: list[Service] = []
         self.nats: NatsServer | None = None
+        self._nats_users: list[Identity] = []  # the NATS users of its nats-server (with its own mesh CA)
         self.log_dir = state_dir / "logs"
         self.ready_dir = state_dir / "ready"
         if opts.routers < 1:
@@ -275,6 +276,7 @@ class Stack:
     def _add(self, role: str, deadline: float) -> Service:
         used = [int(s.name.rsplit("-", 1)[1]) for s in self.services if s.name.startswith(f"{role}-")]
         name = f"{role}-{max(used, default=-1) + 1}"
+        self._admit_to_nats(Identity(MeshRole(role), name))
         cache = self.service("cachesvc").grpc_address
         new = self._spawn(name, ENGINE_MODULES[role],
                           {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": name,
@@ -336,14 +338,27 @@ class Stack:
         names = ["cachesvc", *(f"{role}-{i}" for role, n in (("prefill", o.prefill), ("decode", o.decode),
                                                              ("both", o.both)) for i in range(n)),
                  *(name for name, _ in _router_replicas(o.routers, 0, 0))]
-        identities = [Identity(MeshRole(_role_of(name)), name) for name in names]
-        server = self.mesh.issue(Identity(MeshRole.CLIENT, "nats"))  # serves only: no NATS user
         self.mesh.issue(Identity(MeshRole.ADMIN, "operator"))  # what `kvmesh plan` reads heartbeats with
+        self._nats_users = [*(Identity(MeshRole(_role_of(name)), name) for name in names),
+                            Identity(MeshRole.ADMIN, "operator")]
         (self.state_dir / "nats").mkdir(parents=True, exist_ok=True)
-        return permissions.write_config(self.state_dir / "nats" / "nats.conf",
-                                        [*identities, Identity(MeshRole.ADMIN, "operator")],
+        return self._write_nats_config()
+
+    def _write_nats_config(self) -> Path:
+        assert self.mesh is not None
+        server = self.mesh.issue(Identity(MeshRole.CLIENT, "nats"))  # serves only: no NATS user
+        return permissions.write_config(self.state_dir / "nats" / "nats.conf", self._nats_users,
                                         Subjects(self.cfg.shared.cluster), str(server.cert), str(server.key),
                                         str(server.ca))
+
+    def _admit_to_nats(self, who: Identity) -> None:
+        """A user of its own on the stack's NATS for an instance started after it (a scale-out), before it starts:
+        the configuration rewritten, nats-server told to reload it."""
+        if self.mesh is None or self.nats is None or who in self._nats_users:
+            return
+        self._nats_users.append(who)
+        self._write_nats_config()
+        self.nats.reload()
 
     def _identity(self, name: str) -> dict[str, str]:
         """The TLS variables of service ``name`` (``prefill-0``: role prefill, instance prefill-0)."""

@@ -166,6 +166,18 @@ class NatsServer:
         except OSError:
             return "(no log)"
 
+    def reload(self) -> None:
+        """Re-read its configuration file (SIGHUP: nats-server applies changed users and permissions to new
+        connections and to the ones whose permissions changed, without dropping the others). The file is JSON
+        (``kvmesh.bus.permissions``); it gets the server name given on the command line, which a reload must not
+        see change."""
+        if self.config is None or self._proc is None or self._proc.poll() is not None:
+            return
+        config = json.loads(self.config.read_text())
+        config["server_name"] = self.name
+        self.config.write_text(json.dumps(config, indent=2) + "\n")
+        self._proc.send_signal(signal.SIGHUP)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
