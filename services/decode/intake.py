@@ -42,6 +42,7 @@ class Intake:
     fallback: str = ""
     received_ns: int = 0
     attributes: dict[str, Any] = field(default_factory=dict)
+    pool_fetch: str = ""  # a local prefill's fetch from the pool: its outcome (``EngineHost.warm_from_pool``)
 
 
 def _fallback(why: str, received_ns: int = 0) -> Intake:
