@@ -7,7 +7,8 @@ The router puts each finished request's attribution on its root span (``kvmesh.h
 ``services/router/hits.py``): predicted and delivered hit, missed tokens by cause, and the prompt's block keys.
 The report sums the causes (they add up to the missed prefill tokens exactly, request by request) and replays
 the recorded block keys, in arrival order, through the offline optimum: an infinite cache shared by the fleet
-(every block any earlier request had), and, with ``--capacity-blocks``, Belady's cache of that many blocks.
+(every block any earlier request had), and, with ``--capacity-blocks``, Belady's cache of that many blocks
+(``kvmesh.routing.hits``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh import state
-from kvmesh.routing.hits import infinite_cache_hits
+from kvmesh.routing.hits import belady_hits, infinite_cache_hits
 from kvmesh.telemetry.spans import SpanRecord, find, read_spans, roots, trace_file
 
 
@@ -86,27 +87,6 @@ def summary(requests: int, prompt: int, predicted: int, delivered: int, causes: 
     if capacity_blocks is not None:
         out["capacity_blocks"] = capacity_blocks
         out["optimum_belady_hit_tokens"] = sum(belady_hits(stream, block_size, capacity_blocks))
-    return out
-
-
-def belady_hits(stream: list[tuple[list[int], int]], block_size: int, capacity: int) -> list[int]:
-    """Per request: the tokens one cache of ``capacity`` blocks, evicting the block used furthest in the future
-    (Belady), would have served on the recorded stream (the simulator's exact cache and strategy)."""
-    from app.sim import BlockCache
-
-    nexts: list[tuple[float, ...]] = [()] * len(stream)
-    seen: dict[int, float] = {}
-    for n in range(len(stream) - 1, -1, -1):
-        nexts[n] = tuple(seen.get(k, float("inf")) for k in stream[n][0])
-        for k in stream[n][0]:
-            seen[k] = n
-    cache = BlockCache(capacity, "belady")
-    out = []
-    for (keys, prompt), nxt in zip(stream, nexts, strict=True):
-        ids = tuple(keys)
-        hit = cache.prefix(ids)
-        out.append(min(hit * block_size, max(0, prompt - 1)))
-        cache.touch(ids, hit, nxt)
     return out
 
 

@@ -12,6 +12,7 @@ from kvmesh.routing.hits import (
     Explainer,
     RouteView,
     attribute,
+    belady_hits,
     infinite_cache_hits,
 )
 
@@ -112,3 +113,9 @@ def test_a_block_held_past_a_gap_in_its_chain_was_evicted_with_the_gap():
     att = _why(RouteView("a", {"b": 1}, at=3.0), h)
     assert att.by_cause() == {"routed_elsewhere": 4, "evicted": 12, "partial_block": 2}
     assert "block 1 of its prefix, from b's device tier" in att.lines()[2]
+
+
+def test_beladys_cache_keeps_the_block_used_soonest():
+    stream = [([1], 5), ([2], 5), ([1], 5), ([2], 5), ([1], 5)]
+    assert belady_hits(stream, 4, 1) == [0, 0, 4, 0, 4]  # 1 is used again sooner than 2 each time
+    assert belady_hits(stream, 4, 2) == infinite_cache_hits(stream, 4)

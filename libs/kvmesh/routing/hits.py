@@ -14,6 +14,8 @@ Pure: the router (``services/router/hits.py``) and the simulator (``app/sim.py``
 from __future__ import annotations
 
 import enum
+import heapq
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -312,4 +314,33 @@ def infinite_cache_hits(stream: Iterable[tuple[Sequence[int], int]], block_size:
             n += 1
         out.append(min(n * block_size, max(0, prompt - 1)))
         seen.update(keys)
+    return out
+
+
+def belady_hits(stream: Sequence[tuple[Sequence[int], int]], block_size: int, capacity: int) -> list[int]:
+    """Per request: the tokens one fleet-wide cache of ``capacity`` blocks would have served, evicting the block
+    used furthest in the future (Belady's rule; a block no later request uses is not kept at all)."""
+    nexts: list[list[float]] = [[] for _ in stream]
+    seen: dict[int, float] = {}
+    for n in range(len(stream) - 1, -1, -1):
+        nexts[n] = [seen.get(k, math.inf) for k in stream[n][0]]
+        for k in stream[n][0]:
+            seen[k] = n
+    cache: dict[int, float] = {}  # key -> its next use
+    heap: list[tuple[float, int]] = []  # (-next use, key); stale entries are skipped
+    out = []
+    for (keys, prompt), uses in zip(stream, nexts, strict=True):
+        hit = 0
+        for k in keys:
+            if k not in cache:
+                break
+            hit += 1
+        out.append(min(hit * block_size, max(0, prompt - 1)))
+        for k, use in zip(keys, uses, strict=True):
+            cache[k] = use
+            heapq.heappush(heap, (-use, k))
+        while len(cache) > capacity:
+            use, k = heapq.heappop(heap)
+            if cache.get(k) == -use:
+                del cache[k]
     return out
