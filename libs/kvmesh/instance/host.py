@@ -25,7 +25,15 @@ from kvmesh.contracts.engine import RequestTiming
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.keys import block_keys
-from kvmesh.contracts.messages import Heartbeat, InstanceLoad, KVCopies, KVEventBatch, Message, SessionSignal
+from kvmesh.contracts.messages import (
+    Heartbeat,
+    InstanceLoad,
+    KVCopies,
+    KVEventBatch,
+    KVQuarantine,
+    Message,
+    SessionSignal,
+)
 from kvmesh.engines import Engine, start_engine
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
@@ -86,6 +94,7 @@ class EngineHost:
         self._event_seq = 0
         self._event_queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
         self.lora_load_s: float | None = None  # the last LoRA adapter load, measured (heartbeat: lora_load_s)
 
     async def start(self) -> None:
@@ -133,6 +142,7 @@ class EngineHost:
         # another copy elsewhere (cachesvc)
         await self.bus.subscribe(self.subjects.sessions, self._on_session)
         await self.bus.subscribe(self.subjects.kv_copies(self.instance_id), self._on_copies)
+        self.engine.on_quarantine(self._quarantined)
         for role in self.roles:
             self.attached.append(await role.attach(self))
         await self.grpc.start()
@@ -236,6 +246,20 @@ class EngineHost:
     async def _on_session(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, SessionSignal):
             self.engine.signal_session(msg)
+
+    def _quarantined(self, keys: list[BlockKey], path: str) -> None:
+        """The engine's KV canary quarantined ``keys``: the pool must not serve its copies either."""
+        msg = KVQuarantine(self.instance_id, tuple(keys), path)
+
+        async def tell() -> None:
+            try:
+                await self.bus.publish(self.subjects.kv_quarantine, msg)
+            except Exception as e:  # noqa: BLE001 - the instance's own cache is quarantined regardless
+                log.error("could not tell the pool of %d quarantined blocks: %s", len(keys), e)
+
+        task = asyncio.ensure_future(tell())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _on_copies(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, KVCopies) and msg.instance_id == self.instance_id:
