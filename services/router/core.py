@@ -284,18 +284,21 @@ class Router:
                 reused = tries.first_cached if tries.first_cached is not None else await cached()
                 chunk.usage = Usage(len(request.prompt), len(tries.streamed), min(reused, len(request.prompt)))
                 rt.usage(len(request.prompt), len(tries.streamed), chunk.usage.cached_tokens)
-                self._attribute(request, rt, tries.first_routed or tries.routed, chunk.usage.cached_tokens)
+                self._attribute(request, rt, tries, chunk.usage.cached_tokens)
                 event = self.sessions.finished(request.session, "".join(tries.text), chunk.finish_reason)
                 if event is not None:
                     rt.root.set_attribute("kvmesh.session.signal", event.value)
             yield chunk
 
-    def _attribute(self, request: Admitted, rt: RequestTrace, routed: Routed | None, delivered: int) -> None:
+    def _attribute(self, request: Admitted, rt: RequestTrace, tries: _Attempts, delivered: int) -> None:
         """The finished request's hit attribution: on its root span and in the missed-token metrics."""
+        routed = tries.first_routed or tries.routed
         if routed is None:
             return
         att = self.hits.settle(routed, len(request.prompt), delivered)
-        record(rt.root, att, routed.keys[:len(request.prompt) // self.cfg.block_size], self.cfg.block_size)
+        # the blocks it leaves, its output's too: what the report's offline optimum replays
+        left = block_keys(tries.seed, list(request.prompt) + tries.streamed, self.cfg.block_size)
+        record(rt.root, att, left, self.cfg.block_size)
         tenant = str(rt.attrs.get(tracing.TENANT, ""))
         self.metrics.hits(att, tenant)
 

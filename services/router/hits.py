@@ -78,7 +78,8 @@ class HitLedger:
 
 
 def record(span: Span, att: Attribution, keys: Sequence[int], block_size: int) -> None:
-    """The attribution as the root span's ``kvmesh.hit.*`` attributes."""
+    """The attribution as the root span's ``kvmesh.hit.*`` attributes; ``keys``: the blocks the request left
+    (prompt and output), which ``kvmesh report hits`` replays through the offline optimum."""
     if not span.is_recording():
         return
     span.set_attributes({

@@ -130,6 +130,7 @@ def test_a_prompt_whose_blocks_were_evicted_says_evicted_and_where(mesh, spans, 
 def test_a_pool_fetch_that_fails_is_named(pool_mesh, spans, capsys, monkeypatch):
     text = _prompt()
     _send(pool_mesh, text)  # its blocks go back to the pool as it ends
+    time.sleep(1.5)  # the write-back runs after the request ended
 
     async def refused(*args, **kwargs):
         raise PoolError("the pool refused the fetch")

@@ -303,12 +303,15 @@ def _when(t: float, route: float) -> str:
 
 def infinite_cache_hits(stream: Iterable[tuple[Sequence[int], int]], block_size: int) -> list[int]:
     """Per request of ``(block keys, prompt tokens)`` in arrival order: the tokens an infinite cache shared by
-    the whole fleet would have served (every block any earlier request had; the last token always computed)."""
+    the whole fleet would have served (every block any earlier request had; the last token always computed).
+    ``block keys``: the request's blocks as it left them, its output's included (the next turn of a conversation
+    hits those); its lookup reads those of its prompt. Whole blocks: an engine that reuses a partial block can
+    beat it by less than a block per request."""
     seen: set[int] = set()
     out = []
     for keys, prompt in stream:
         n = 0
-        for k in keys:
+        for k in keys[:-(-prompt // block_size)]:
             if k not in seen:
                 break
             n += 1
@@ -331,7 +334,7 @@ def belady_hits(stream: Sequence[tuple[Sequence[int], int]], block_size: int, ca
     out = []
     for (keys, prompt), uses in zip(stream, nexts, strict=True):
         hit = 0
-        for k in keys:
+        for k in keys[:-(-prompt // block_size)]:
             if k not in cache:
                 break
             hit += 1
