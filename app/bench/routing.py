@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                  "gap": r["hits"]["optimum_infinite_hit_tokens"] - r["hits"]["delivered_hit_tokens"]}
                 for r in res.values()]
     body += ("\n\nHit attribution (`kvmesh report hits` on each stack's span file): prompt tokens computed, by "
-             "cause, and the offline optimum's hit on the same recorded stream (one infinite cache for the fleet).\n\n"
+             "cause, and the offline optimum's hit on the same recorded stream (one infinite cache for the fleet, "
+             "in whole blocks of 16 tokens). The native engine also reuses the matching part of a partly filled "
+             "block, which a whole-block optimum cannot count: a negative gap is that, at most 15 tokens a "
+             "request.\n\n"
              + markdown_table(hit_rows, ["policy", "requests", "missed tokens", *causes, "causes add up",
                                          "delivered hit", "optimum (infinite cache)", "gap"]))
     cmd = (f"kvmesh bench routing --conversations {args.conversations} --turns {args.turns} "
