@@ -88,6 +88,7 @@ BENCHES = {  # kvmesh bench NAME -> its module in app.bench
     "engine": "engine", "machine": "machine", "attention": "attention", "gemm": "gemm", "transfer": "transfer",
     "mesh": "mesh", "serve": "serve", "ablation": "ablation", "routing": "routing", "load": "load",
     "tracing": "tracing_cost", "lora": "lora", "link": "handoff_link", "vllm": "vllm_bench", "planner": "planner",
+    "canary": "canary",
 }
 
 
@@ -180,6 +181,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return trace_cli.main(args.rest)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    if not args.rest or args.rest[0] != "hits":
+        print("usage: kvmesh report hits [--state-dir D] [--last S] [--capacity-blocks N] [--json]", file=sys.stderr)
+        return 2
+    from app import hits_cli
+
+    return hits_cli.main(args.rest[1:])
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from app import plan
 
@@ -247,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_trace)
 
+    rp = sub.add_parser("report", help="kvmesh report hits: the fleet's missed prefill tokens by cause and the gap "
+                                       "to the offline optimum, from the span file", add_help=False)
+    rp.add_argument("rest", nargs=argparse.REMAINDER)
+    rp.set_defaults(func=cmd_report)
+
     pl = sub.add_parser("plan", help="how many prefill / decode instances the running stack needs for its TTFT / "
                                      "ITL targets (--serve: keep planning and scale)", add_help=False)
     pl.add_argument("rest", nargs=argparse.REMAINDER)
@@ -271,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim, "trace": cmd_trace, "config": cmd_config, "plan": cmd_plan}
+PASSTHROUGH = {"chat": cmd_chat, "sim": cmd_sim, "trace": cmd_trace, "config": cmd_config, "plan": cmd_plan,
+               "report": cmd_report}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.contracts.names import Eviction
@@ -21,6 +22,7 @@ from kvmesh.engine.eviction import make_policy as make_eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.engine.sessions import owner_after
 from kvmesh.routing import CacheAware, Candidate, CostModel, make_policy
+from kvmesh.routing.hits import POOL, BlockHistory, Explainer, RouteView, attribute
 
 from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace, with_sessions
 
@@ -48,8 +50,10 @@ class BlockCache:
         key: int | None = None  # the block id (what a strategy's ghost list of evicted blocks remembers)
         session_owner: str = ""  # the session that used it ("" none, ``sessions.SHARED`` several)
 
-    def __init__(self, capacity: int, eviction: Eviction | str = Eviction.LRU) -> None:
+    def __init__(self, capacity: int, eviction: Eviction | str = Eviction.LRU,
+                 on_evict: Callable[[int], None] | None = None) -> None:
         self.capacity = capacity
+        self.on_evict = on_evict  # told each evicted block id (hit attribution's record of evictions)
         self.strategy = make_eviction(eviction, online=False)
         self.items: dict[int, BlockCache.Entry] = {}
         self.queue: EvictionQueue[int] = EvictionQueue(self.strategy, self.items.__getitem__)
@@ -113,6 +117,8 @@ class BlockCache:
         assert victim is not None
         e = self.items.pop(victim)
         self.strategy.on_evict(e, self.clock)
+        if self.on_evict is not None:
+            self.on_evict(victim)
         parent = self.items.get(e.parent) if e.parent is not None else None
         if parent is not None:
             parent.fanout = max(0, parent.fanout - 1)
@@ -131,6 +137,44 @@ def next_uses(trace: list[TraceRequest]) -> list[tuple[float, ...]]:
     return out
 
 
+class SimHits:
+    """Hit attribution of the simulated fleet: each request's missed tokens by cause (``kvmesh.routing.hits``,
+    the router's own rules, fed the simulator's exact view: no index lag, no namespaces, every fetch works) and
+    the recorded stream the offline optimum replays. The clock is the request's index."""
+
+    def __init__(self) -> None:
+        self.history = BlockHistory(max_keys=10**9)
+        self.causes: dict[str, int] = {}
+        self.stream: list[tuple[list[int], int]] = []
+        self.prompt = self.delivered = self.predicted = 0
+        self.now = 0.0
+
+    def evicted(self, where: str) -> Callable[[int], None]:
+        return lambda block: self.history.removed(where, "device" if where != POOL else POOL, (block,), self.now)
+
+    def served(self, r: TraceRequest, n: int, chosen: str, matched: dict[str, int], reason: str,
+               delivered: int) -> None:
+        self.now = float(n)
+        view = RouteView(chosen, matched, reason=reason, at=self.now, pool_outcome="adopted")
+        att = attribute(r.input_length, TRACE_BLOCK_TOKENS, r.hash_ids, delivered,
+                        Explainer(view, self.history, r.hash_ids), view.predicted_blocks() * TRACE_BLOCK_TOKENS)
+        for c, t in att.by_cause().items():
+            self.causes[c] = self.causes.get(c, 0) + t
+        self.prompt += att.prompt_tokens
+        self.delivered += att.delivered_tokens
+        self.predicted += att.predicted_tokens
+        self.stream.append((list(r.hash_ids), r.input_length))
+
+    def stored(self, where: str, ids: tuple[int, ...], n: int) -> None:
+        self.history.stored(where, "device" if where != POOL else POOL, ids, float(n) + 0.5)
+
+    def report(self, capacity_blocks: int) -> dict:
+        from app.hits_cli import summary
+
+        return summary(len(self.stream), self.prompt, self.predicted, self.delivered, self.causes, self.stream,
+                       TRACE_BLOCK_TOKENS, capacity_blocks)
+
+
 @dataclass
 class Instance:
     id: str
@@ -140,7 +184,7 @@ class Instance:
 
 def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_blocks: int,
              pool_blocks: int | None = None, cost: CostModel | None = None, time_scale: float | str = "auto",
-             slo_ttft_s: float | None = None, eviction: str = "lru", seed: int = 0) -> dict:
+             slo_ttft_s: float | None = None, eviction: str = "lru", seed: int = 0, hits: bool = False) -> dict:
     if policy not in SIM_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(SIM_POLICIES)}")
     cost = cost or CostModel(block_bytes=CostModel().block_bytes * TRACE_BLOCK_TOKENS // 16)
@@ -149,9 +193,13 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
         work = sum(cost.prefill_s(r.input_length) for r in trace)
         time_scale = work / (instances * duration)
     scale = float(time_scale)
-    insts = [Instance(f"i{k:03d}", BlockCache(capacity_blocks, eviction)) for k in range(instances)]
+    ledger = SimHits() if hits else None
+    insts = [Instance(f"i{k:03d}", BlockCache(capacity_blocks, eviction,
+                                              ledger.evicted(f"i{k:03d}") if ledger else None))
+             for k in range(instances)]
     use_pool = policy == "cache_aware"
-    pool = BlockCache(pool_blocks if pool_blocks is not None else capacity_blocks * instances, eviction)
+    pool = BlockCache(pool_blocks if pool_blocks is not None else capacity_blocks * instances, eviction,
+                      ledger.evicted(POOL) if ledger else None)
     chooser = CacheAware(cost, use_pool=use_pool) if policy.startswith("cache_aware") else make_policy(policy)
     future = next_uses(trace) if pool.strategy.name.needs_future else None
     ttfts, served_blocks, total_blocks, computed_tokens = [], 0, 0, 0
@@ -173,14 +221,25 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
         fetched = max(0, pool_prefix - local)
         hit_blocks = local + fetched
         hit_tokens = min(r.input_length - 1, hit_blocks * TRACE_BLOCK_TOKENS)
+        if ledger is not None:
+            matched = {c.id: c.local_blocks for c in cands if c.local_blocks}
+            if pool_prefix:
+                matched[POOL] = pool_prefix
+            ledger.served(r, n, chosen.id, matched, decision.reason, hit_tokens)
         compute = cost.prefill_s(r.input_length - hit_tokens) + cost.fetch_s(fetched)
         start = max(t, inst.free_at)
         inst.free_at = start + compute
         ttfts.append(inst.free_at - t)
         nexts = future[n] if future is not None else None
+        if ledger is not None:
+            ledger.now = float(n)
         inst.cache.touch(r.hash_ids, local, nexts, r.session_id, r.session_end)
         if use_pool:
             pool.touch(r.hash_ids, pool_prefix, nexts, r.session_id, r.session_end)
+        if ledger is not None:
+            ledger.stored(inst.id, r.hash_ids, n)
+            if use_pool:
+                ledger.stored(POOL, r.hash_ids, n)
         if r.pause:
             inst.cache.pause(r.session_id)
             if use_pool:
@@ -194,6 +253,8 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
     ttfts_sorted = sorted(ttfts)
     slo = slo_ttft_s if slo_ttft_s is not None else 5 * statistics.mean(cost.prefill_s(r.input_length) for r in trace)
     return {
+        **({"hits": ledger.report(capacity_blocks * instances + (pool.capacity if use_pool else 0))}
+           if ledger is not None else {}),
         "policy": policy, "instances": instances, "requests": len(trace), "capacity_blocks": capacity_blocks,
         "eviction": eviction, "hit_rate": served_blocks / total_blocks if total_blocks else 0.0,
         "hit_rate_first_half": (served_blocks - held_served) / max(1, total_blocks - held_total),
@@ -227,6 +288,37 @@ def _write(args: argparse.Namespace, results: list[dict]) -> None:
     write_section(SECTION.format(instances=args.instances), cmd, body)
 
 
+HITS_SECTION = "Hit attribution on the simulated fleet, {instances} instances"
+
+
+def _write_hits(args: argparse.Namespace, results: list[dict]) -> None:
+    from app.bench.report import markdown_table, write_section
+
+    rows, causes = [], sorted({c for r in results for c in r["hits"]["missed_by_cause"]})
+    for r in results:
+        h = r["hits"]
+        p = max(1, h["prompt_tokens"])
+        rows.append({"policy": r["policy"], "delivered hit": f"{h['delivered_hit_tokens'] / p:.1%}",
+                     **{f"{c} (of missed)": f"{h['missed_share_by_cause'].get(c, 0):.1%}" for c in causes},
+                     "causes add up": "yes" if h["causes_add_up"] else "NO",
+                     "optimum: infinite": f"{h['optimum_infinite_hit_tokens'] / p:.1%}",
+                     "optimum: Belady": f"{h['optimum_belady_hit_tokens'] / p:.1%}",
+                     "gap to Belady": f"{(h['optimum_belady_hit_tokens'] - h['delivered_hit_tokens']) / p:.1%}"})
+    h0 = results[0]["hits"]
+    body = (f"{h0['requests']} requests, {h0['prompt_tokens']} prompt tokens of `{args.trace.split('/')[-1]}` on "
+            f"{args.instances} simulated instances of {args.capacity_blocks} blocks (512 tokens) each. Every "
+            "missed prefill token attributed to one cause by the router's rules (`kvmesh.routing.hits`); the "
+            "shares are of the missed tokens, and they add up to the missed tokens exactly. The optimum replays "
+            "the same block stream through one cache shared by the fleet: infinite, and Belady's over the fleet's "
+            "capacity (instances' caches + the pool where the policy uses one); the gap to it is the hit a perfect "
+            "router with perfect eviction could still win.\n\n"
+            + markdown_table(rows, ["policy", "delivered hit", *(f"{c} (of missed)" for c in causes), "causes add up",
+                                    "optimum: infinite", "optimum: Belady", "gap to Belady"]))
+    cmd = (f"kvmesh sim --trace {args.trace} --instances {args.instances} --policy {args.policy} "
+           f"--capacity-blocks {args.capacity_blocks} --hits --write")
+    write_section(HITS_SECTION.format(instances=args.instances), cmd, body)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
@@ -247,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", default="auto", help="multiply arrival times; 'auto' = cluster exactly busy "
                    "without reuse")
     p.add_argument("--slo-ttft-s", type=float, help="default: 5 × the mean cold prefill time")
+    p.add_argument("--hits", action="store_true", help="also attribute every missed prefill token to a cause and "
+                   "compare with the offline optimum (kvmesh report hits on the simulated fleet)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--write", action="store_true", help="also write the table into docs/benchmarks.md")
+    p.add_argument("--write", action="store_true", help="also write the table into docs/benchmarks.md (with --hits: "
+                   "the hit attribution's table)")
     args = p.parse_args(argv)
     try:
         trace = with_sessions(load_trace(args.trace, args.max_requests), args.session_end_share, args.unsignalled)
@@ -261,13 +356,17 @@ def main(argv: list[str] | None = None) -> int:
     scale = args.time_scale if args.time_scale == "auto" else float(args.time_scale)
     policies = SIM_POLICIES if args.policy == "all" else (args.policy,)
     results = [simulate(trace, args.instances, pol, args.capacity_blocks, args.pool_blocks, cost, scale,
-                        args.slo_ttft_s, args.eviction) for pol in policies]
-    if args.write:
-        _write(args, results)
+                        args.slo_ttft_s, args.eviction, hits=args.hits) for pol in policies]
+    if args.write:  # with --hits, the hit attribution's section alone
+        (_write_hits if args.hits else _write)(args, results)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
     else:
         for r in results:
             print(f"{r['policy']:>18}: hit {r['hit_rate'] * 100:5.1f}%  TTFT mean {r['ttft_mean_s']:8.2f}s  "
                   f"p90 {r['ttft_p90_s']:8.2f}s  SLO {r['slo_attainment'] * 100:5.1f}%")
+            if "hits" in r:
+                from app.hits_cli import text
+
+                print(text(r["hits"]))
     return 0

@@ -2,6 +2,7 @@
 
     kvmesh trace [ID] [--state-dir D | --file F] [--spans] [--json] [--html FILE] [--png FILE]
     kvmesh trace --slowest N [--json]
+    kvmesh trace --why ID      (the request's predicted and delivered hit, and why each missed token was computed)
 
 ID is a request id (``x-request-id``) or a trace id (from ``traceparent``), or a unique prefix of either;
 without one, the latest request. The span file is ``traces.jsonl`` in the state directory (``--state-dir``,
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir",
                    help="the stack's state directory (default: $KVMESH_STATE_DIR, else .kvmesh/)")
     p.add_argument("--file", help="read this span file instead of <state dir>/traces.jsonl")
+    p.add_argument("--why", metavar="ID", help="the request's hit attribution in words (ID: its x-request-id or "
+                                               "the response's id)")
     p.add_argument("--slowest", type=int, metavar="N", help="list the N requests with the worst TTFT")
     p.add_argument("--spans", action="store_true", help="also print every span of the request as a tree")
     p.add_argument("--json", action="store_true",
@@ -64,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="wait up to S seconds for spans still being written (default 2)")
     args = p.parse_args(argv)
     path = Path(args.file) if args.file else trace_file(state.state_dir(args.state_dir))
+    if args.why:
+        from app.hits_cli import why_main
+
+        return why_main(args.why, path, args.wait)
 
     if args.slowest is not None:
         spans = _load(path)

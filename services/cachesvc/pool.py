@@ -77,6 +77,7 @@ class Pool:
         self.sessions = sessions  # the tiers' session-aware strategy's table (None: the strategy reads none)
         # (key, layout) -> (checksum, writer) of what was stored: a second writer cannot shadow a block
         self.writers: OrderedDict[tuple[int, KVLayout], tuple[int, str]] = OrderedDict()
+        self.quarantined: set[int] = set()  # keys an instance's KV canary caught diverging: never served
 
     @classmethod
     def from_config(cls, cfg: CacheServiceSettings, clock: Callable[[], float] = monotonic,
@@ -115,6 +116,8 @@ class Pool:
         counts = [0] * len(self.tiers)
         slowest = 0
         for key in keys:
+            if key in self.quarantined:
+                break
             fastest = next((i for i, t in enumerate(self.tiers) if t.has(key)), None)
             if fastest is None:
                 break
@@ -173,6 +176,11 @@ class Pool:
 
     # -- sessions and copies (storage thread) ----------------------------------------------------------------
 
+    def quarantine(self, keys: Sequence[int]) -> None:
+        """An instance's KV canary caught these blocks diverging: never served again (until cachesvc restarts:
+        the tiers cannot overwrite what they hold, so a later put of the same key does not lift it)."""
+        self.quarantined.update(keys)
+
     def session_request(self, session: str, blocks: Sequence[int], end: bool = False) -> None:
         """A request of ``session`` used ``blocks`` (its context): the session holds them now (nothing, when
         ``end``); what it let go of, and what it holds, are ranked again. A write-back comes after its request
@@ -218,7 +226,8 @@ class Pool:
         nbytes = check_layout(layout)
         run: list[tuple[int, int]] = []  # (key, index of the fastest tier holding it)
         for key in keys:
-            where = next((i for i, t in enumerate(self.tiers) if t.holds(key, layout)), None)
+            where = None if key in self.quarantined else \
+                next((i for i, t in enumerate(self.tiers) if t.holds(key, layout)), None)
             if where is None:
                 if not run:
                     self._refuse_other_layouts(key, layout)

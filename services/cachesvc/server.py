@@ -37,7 +37,7 @@ from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch, Message, SessionSignal
+from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVQuarantine, Message, SessionSignal
 from kvmesh.identity import Identity
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
@@ -441,6 +441,7 @@ class CacheServer:
         await self.bus.ensure_events_stream(self.subjects)
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         await self.bus.subscribe(self.subjects.sessions, self._on_session)
+        await self.bus.subscribe(self.subjects.kv_quarantine, self._on_quarantine)
         # The index lives in memory only, so a (re)started cachesvc replays the whole stream: reset the
         # durable's position first. It stays durable for the process's life (survives NATS reconnects).
         with contextlib.suppress(nats.js.errors.NotFoundError):
@@ -515,6 +516,12 @@ class CacheServer:
         if isinstance(msg, SessionSignal) and self.pool is not None:
             await asyncio.get_running_loop().run_in_executor(self.storage, self.pool.session_signal, msg.session,
                                                              msg.event)
+
+    async def _on_quarantine(self, msg: Message, headers: dict[str, str]) -> None:
+        if isinstance(msg, KVQuarantine) and self.pool is not None:
+            log.warning("instance %s's KV canary quarantined %d blocks (%s reuse): the pool no longer serves them",
+                        msg.instance_id, len(msg.block_keys), msg.path)
+            await asyncio.get_running_loop().run_in_executor(self.storage, self.pool.quarantine, msg.block_keys)
 
     async def _on_heartbeat(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, Heartbeat):

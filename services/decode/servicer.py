@@ -77,9 +77,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             if handoff is None:
                 if request.route_reason:
                     span.set_attribute("kvmesh.route.reason", request.route_reason)
-                await w.warm_from_pool(list(engine_request.prompt), work.cache_salt, work.pool_blocks, span, attrs,
-                                       work.lora_name)
-                intake = Intake()
+                warmed = await w.warm_from_pool(list(engine_request.prompt), work.cache_salt, work.pool_blocks, span,
+                                                attrs, work.lora_name)
+                intake = Intake(pool_fetch=warmed.outcome)
             else:
                 intake = await handoff.receive()
                 engine_request = dataclasses.replace(engine_request, imported=intake.imported)
@@ -117,6 +117,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     chunk.cached_tokens = out.cached_tokens
                     chunk.kv_fallback = bool(fallback)
                     chunk.fallback_reason = fallback
+                    chunk.pool_fetch = intake.pool_fetch
                     self._first_token_spans(span, attrs, timing, engine_request.imported is not None,
                                             max(intake.received_ns, t0_ns), intake.attributes,
                                             len(engine_request.prompt), out.cached_tokens)

@@ -72,11 +72,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         # the rest pushed layer group by layer group as the forward pass writes them
         plan = ExportPlan(ExportPieces.BY_LAYER_GROUP, skip, w.cfg.push_layer_groups)
         engine_request = dataclasses.replace(engine_request, export=plan)
-        await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
+        warmed = await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
         transfer_id = handoff_transfer_id(work.request_id, w.instance_id)
         stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout, request.push_token)
         try:
-            return await self._prefill(request, context, span, attrs, engine_request, stream, t0)
+            response = await self._prefill(request, context, span, attrs, engine_request, stream, t0)
+            response.pool_fetch = warmed.outcome
+            return response
         finally:
             stream.cancel()  # a failed or abandoned request sends no more parts
 

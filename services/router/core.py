@@ -37,6 +37,7 @@ from kvmesh.telemetry import tracing
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.router.errors import ErrorKind, RequestError, invalid
+from services.router.hits import HitLedger, Routed, record
 from services.router.intake import Admitted
 from services.router.loras import Adapters
 from services.router.migration import Migration, Migrations
@@ -99,13 +100,15 @@ class Router:
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
         self.recent = RecentPrefixes(self.cfg.recent_prefix_ttl_s)  # prompts sent, until the index has them
-        self.registry.on_drop = self.recent.forget  # one that went away holds nothing it was sent
+        self.hits = HitLedger(self.cfg.block_size)  # what it heard of each block: why a request missed
+        self.registry.on_drop = self._dropped
         self.metrics.watch(self.registry)
         self.bus = await Bus.connect(self.shared.nats_url, name=self.id, tls=tls.bus_tls(self.shared))
         self.registry.bus_up = lambda: self.bus.nc.is_connected
         self.registry.on_change = self._load_changed
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         await self.bus.subscribe(self.subjects.router_load_all, self._on_router_load)
+        await self.bus.subscribe(self.subjects.kv_events_all, self.hits.on_events)
         self.cache = (cache_pb2_grpc.CacheServiceStub(self._channel(self.cfg.cachesvc_address))
                       if self.cfg.cachesvc_address else None)
         self._spawn(self._tend())
@@ -121,6 +124,11 @@ class Router:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _dropped(self, instance_id: str) -> None:
+        """An instance went away (or restarted): it holds nothing it was sent, nor any block it stored."""
+        self.recent.forget(instance_id)
+        self.hits.history.cleared(instance_id)
 
     async def _on_heartbeat(self, beat: Message, headers: dict[str, str]) -> None:
         if isinstance(beat, Heartbeat) and beat.role.is_engine:
@@ -223,11 +231,15 @@ class Router:
             if tries.matched_for != len(prompt):
                 tries.keys = block_keys(tries.seed, prompt, self.cfg.block_size)
                 matched = await self.matched_blocks(tries.keys, route, rt.attrs)
-                tries.matched = merged(matched, self.recent.matched(tries.keys, [i.id for i in self.registry.alive()]))
+                recent = self.recent.matched(tries.keys, [i.id for i in self.registry.alive()])
+                tries.matched = merged(matched, recent)
                 tries.matched_for = len(prompt)
+                tries.routed = self.hits.routing(tries.seed, prompt, tries.keys)
+                tries.routed.indexed, tries.routed.recent = matched, recent
             route.set_attribute("kvmesh.pool_blocks", tries.matched.get(POOL, 0))
             stream = self._route(self._work(request, prompt, rt, tries), tries.matched, rt, request.policy, route,
-                                 tries.avoid, request.disaggregate or self.cfg.disaggregate, tries.keys)
+                                 tries.avoid, request.disaggregate or self.cfg.disaggregate, tries.keys,
+                                 tries.routed)
             if stream is None:
                 if tries.failure is not None:  # nowhere else to go: the error of the last attempt stands
                     raise tries.failure
@@ -272,10 +284,23 @@ class Router:
                 reused = tries.first_cached if tries.first_cached is not None else await cached()
                 chunk.usage = Usage(len(request.prompt), len(tries.streamed), min(reused, len(request.prompt)))
                 rt.usage(len(request.prompt), len(tries.streamed), chunk.usage.cached_tokens)
+                self._attribute(request, rt, tries, chunk.usage.cached_tokens)
                 event = self.sessions.finished(request.session, "".join(tries.text), chunk.finish_reason)
                 if event is not None:
                     rt.root.set_attribute("kvmesh.session.signal", event.value)
             yield chunk
+
+    def _attribute(self, request: Admitted, rt: RequestTrace, tries: _Attempts, delivered: int) -> None:
+        """The finished request's hit attribution: on its root span and in the missed-token metrics."""
+        routed = tries.first_routed or tries.routed
+        if routed is None:
+            return
+        att = self.hits.settle(routed, len(request.prompt), delivered)
+        # the blocks it leaves, its output's too: what the report's offline optimum replays
+        left = block_keys(tries.seed, list(request.prompt) + tries.streamed, self.cfg.block_size)
+        record(rt.root, att, left, self.cfg.block_size)
+        tenant = str(rt.attrs.get(tracing.TENANT, ""))
+        self.metrics.hits(att, tenant)
 
     async def _next_attempt(self, e: RequestError, request: Admitted, rt: RequestTrace, tries: _Attempts) -> None:
         """After an attempt failed with ``e``: a retry elsewhere (it streamed nothing), a migration (it streamed
@@ -298,6 +323,7 @@ class Router:
             tries.migrations += 1
             if tries.first_cached is None and tries.cached is not None:
                 tries.first_cached = await _cached_or_zero(tries.cached)
+                tries.first_routed = tries.routed
             log.warning("request %s (trace %s): %s after %d tokens; migrating (%d of at most %d)",
                         request.request_id, rt.trace_id, e.message, len(tries.streamed), tries.migrations,
                         self.migrations.per_request)
@@ -306,7 +332,7 @@ class Router:
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
                policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto",
-               keys: Sequence[int] = ()) -> ChunkStream | None:
+               keys: Sequence[int] = (), routed: Routed | None = None) -> ChunkStream | None:
         """Plan the request's route (``kvmesh.routing.plan``) and start it: the chosen instances' chunk stream,
         or None when no live instance (outside ``avoid``) can serve."""
         session = SessionHint.of(work.session_key, work.session_end)
@@ -322,14 +348,23 @@ class Router:
         self.sessions.moved += planned.session_moved
         if isinstance(planned, Refuse):
             raise RequestError(ErrorKind.OVERLOADED, planned.reason)
+        routed = routed or Routed(keys, (), 0)
+        attrs = planned.attributes
         if isinstance(planned, Local):
+            routed.compute = planned.instance
+            routed.reason = str(planned.reason or attrs.get("kvmesh.route.both.reason")
+                                or attrs.get("kvmesh.route.reason", ""))
+            routed.unconvertible = self._instance(planned.instance).beat.kv_unconvertible
             return self._local(work, self._sent(keys, self._instance(planned.instance)), rt, planned.reason,
-                               matched)
+                               matched, routed)
+        routed.compute = planned.prefill
+        routed.reason = str(attrs.get("kvmesh.route.prefill.reason") or planned.reason)
+        routed.unconvertible = self._instance(planned.prefill).beat.kv_unconvertible
         # decode waits for kv.ready its own kv_timeout_s past this estimate of prefill + push: a long cold
         # prompt must not time out while prefill is still computing it
         return self._disaggregated(work, self._sent(keys, self._instance(planned.prefill)),
                                    self._sent(keys, self._instance(planned.decode)), rt, policy, matched,
-                                   planned.expected_prefill_s)
+                                   planned.expected_prefill_s, routed)
 
     def _fleet(self, matched: dict[str, int], avoid: set[str], lora: str, session: SessionHint | None) -> FleetView:
         """The live instances outside ``avoid`` as the planner sees them, with the request's session home."""
@@ -361,7 +396,7 @@ class Router:
                 await self.loras.ensure(inst, work.lora_name)
 
     async def _local(self, work: worker_pb2.WorkRequest, inst: Instance, rt: RequestTrace, reason: str = "",
-                     matched: dict[str, int] | None = None) -> ChunkStream:
+                     matched: dict[str, int] | None = None, routed: Routed | None = None) -> ChunkStream:
         await self._ensure_lora(work, inst)
         done = self.registry.dispatched(inst, self._to_compute(work, inst, matched))
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.decode_instance": inst.id,
@@ -378,6 +413,8 @@ class Router:
             async for msg, first in self._chunks(call, inst, work.request_id):
                 if first:
                     cached = msg.cached_tokens
+                    if routed is not None:
+                        routed.pool_fetch = msg.pool_fetch
                     done(prefilled=True)
                 yield _chunk(msg), cached_tokens
         finally:
@@ -386,7 +423,7 @@ class Router:
 
     async def _disaggregated(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance,
                              rt: RequestTrace, policy: str | None, matched: dict[str, int],
-                             expected_prefill_s: float = 0.0) -> ChunkStream:
+                             expected_prefill_s: float = 0.0, routed: Routed | None = None) -> ChunkStream:
         await self._ensure_lora(work, decode, prefill)
         decode_done = self.registry.dispatched(decode)
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.prefill_instance": prefill.id,
@@ -416,6 +453,8 @@ class Router:
                 return decode_cached
             done, _ = await asyncio.wait([prefill_call], timeout=1.0)
             ok = done and not prefill_call.cancelled() and not prefill_call.exception()
+            if ok and routed is not None:
+                routed.pool_fetch = prefill_call.result().pool_fetch
             return prefill_call.result().cached_tokens if ok else 0
 
         try:
@@ -424,6 +463,8 @@ class Router:
                     decode_cached, fallback = msg.cached_tokens, msg.kv_fallback
                     if fallback:
                         rt.fallback(msg.fallback_reason)
+                        if routed is not None:
+                            routed.fallback = msg.fallback_reason or "the pushed KV did not arrive or verify"
                 yield _chunk(msg), cached_tokens
         finally:
             decode_done()
@@ -556,6 +597,8 @@ class _Attempts:
     migrations: int = 0
     migration: Migration | None = None
     first_cached: int | None = None  # the first dispatch's cached tokens, once a migration left it
+    routed: Routed | None = None   # the current dispatch's route, as hit attribution needs it
+    first_routed: Routed | None = None  # the first dispatch's, once a migration left it
     text: list[str] = field(default_factory=list)  # a session's response so far: whether it ended in a tool call
     delivered: int = 0             # tokens the current attempt streamed
     cached: CachedTokens | None = None  # the current attempt's cached-tokens reader

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.contracts.ids import Role
 from kvmesh.contracts.slo import NO_SLO, late_gaps_allowed
+from kvmesh.routing.hits import Attribution
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, HitRatio, new_registry
 from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT
@@ -60,9 +61,23 @@ class RouterMetrics:
         self.slo = Counter(f"{P}_slo_requests", "Requests with a latency target that completed, by outcome "
                            "(met: every target, the goodput; missed, and missed_ttft / missed_itl: which target a "
                            "missed one missed), as the router saw them", ["outcome"], registry=r)
+        self.missed = Counter(f"{P}_missed_prefill_tokens", "Prompt tokens computed rather than reused, by why "
+                              "(kvmesh.routing.hits.Cause), the instance that computed them and the tenant",
+                              ["cause", "instance", "tenant"], registry=r)
+        self.predicted = Counter(f"{P}_predicted_hit_tokens", "Prompt tokens the router expected the chosen "
+                                 "instance (or the pool) to reuse, when it routed", ["instance", "tenant"], registry=r)
+        self.delivered = Counter(f"{P}_delivered_hit_tokens", "Prompt tokens the engines reported reused",
+                                 ["instance", "tenant"], registry=r)
         for kind in ErrorKind:
             if kind != ErrorKind.CANCELLED:
                 self.rejections.labels(kind)
+
+    def hits(self, att: Attribution, tenant: str) -> None:
+        """A finished request's hit attribution."""
+        self.predicted.labels(att.instance, tenant).inc(att.predicted_tokens)
+        self.delivered.labels(att.instance, tenant).inc(att.delivered_tokens)
+        for cause, tokens in att.by_cause().items():
+            self.missed.labels(cause, att.instance, tenant).inc(tokens)
 
     def watch(self, registry: Registry) -> None:
         self.registry.register(_InstancesCollector(registry))

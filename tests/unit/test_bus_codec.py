@@ -12,6 +12,7 @@ from kvmesh.contracts.messages import (
     InstanceLoad,
     KVCopies,
     KVEventBatch,
+    KVQuarantine,
     KVReady,
     RouterLoad,
     SessionSignal,
@@ -50,7 +51,8 @@ def make_heartbeat() -> Heartbeat:
 
 @pytest.mark.parametrize("msg", [make_batch(), make_ready(), make_ready(ok=False, error="transfer timed out"),
                                  make_heartbeat(), SessionSignal("tenant/s-1", SessionEvent.PAUSE, 1.5, "both-0"),
-                                 KVCopies("decode-0", shared=(BlockKey(1), MAX_KEY), sole=(BlockKey(9),))])
+                                 KVCopies("decode-0", shared=(BlockKey(1), MAX_KEY), sole=(BlockKey(9),)),
+                                 KVQuarantine("both-0", (BlockKey(3), MAX_KEY), "pool")])
 def test_every_message_type_round_trips(msg):
     assert type(msg).decode(msg.encode()) == msg
     assert decode(msg.encode()) == msg

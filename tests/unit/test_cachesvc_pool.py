@@ -278,3 +278,12 @@ def test_drain_spills_dram_to_disk(tmp_path):
     p.put(LAYOUT, *blocks(1, 2, 3))
     assert p.drain() == 3
     assert held(p, 1, 2, 3, tier="disk") == [1, 2, 3] and len(p.tiers[0]) == 0
+
+
+def test_quarantined_blocks_are_never_matched_nor_served():
+    p = make_pool()
+    p.put(LAYOUT, *blocks(1, 2, 3))
+    p.quarantine([2])  # an instance's KV canary caught block 2 diverging
+    assert got(p, 1, 2, 3) == [1] and p.leading([1, 2, 3]) == [("dram", 1)]
+    p.put(LAYOUT, *blocks(2))
+    assert got(p, 1, 2, 3) == [1]

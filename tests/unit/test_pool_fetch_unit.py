@@ -41,7 +41,7 @@ def fetch(unit: int, local: int, pool_blocks: int, prompt_len: int) -> tuple[int
     host = EngineHost(InstanceSettings(), EngineSettings(), [RolePlugin("test", attach=None)])
     host.engine, host.pool = Engine(unit, local), Pool()
     host.layout = KVLayout("m", 2, 1, 4, BS)
-    n = asyncio.run(host.warm_from_pool(list(range(prompt_len)), "", pool_blocks))
+    n = asyncio.run(host.warm_from_pool(list(range(prompt_len)), "", pool_blocks)).blocks
     return n, host.engine, host.pool
 
 

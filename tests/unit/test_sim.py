@@ -81,3 +81,14 @@ def test_sim_cli_runs_every_eviction_it_lists(tmp_path, capsys):
         assert main(["--trace", str(path), "--instances", "1", "--policy", "round_robin", "--capacity-blocks",
                      "8", "--pool-blocks", "0", "--eviction", name, "--json"]) == 0
         assert 0 <= json.loads(capsys.readouterr().out)["hit_rate"] <= 1
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_the_simulated_fleets_miss_causes_add_up_and_the_optimum_bounds_the_hit(policy):
+    r = simulate(shared_prefix_trace(), 4, policy, capacity_blocks=5, hits=True)["hits"]
+    assert r["causes_add_up"] and sum(r["missed_by_cause"].values()) == r["missed_tokens"]
+    assert r["missed_tokens"] == r["prompt_tokens"] - r["delivered_hit_tokens"]
+    assert r["delivered_hit_tokens"] <= r["optimum_belady_hit_tokens"] <= r["optimum_infinite_hit_tokens"]
+    assert {"never_computed", "evicted"} <= set(r["missed_by_cause"])
+    if policy == "round_robin":
+        assert r["missed_by_cause"]["routed_elsewhere"] > 0

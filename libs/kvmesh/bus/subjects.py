@@ -53,6 +53,11 @@ class Subjects:
         return f"{self.prefix}kv.copies.{token(instance, 'instance')}"
 
     @property
+    def kv_quarantine(self) -> str:
+        """Block keys an instance's KV canary caught diverging: cachesvc's pool never serves them again."""
+        return f"{self.prefix}kv.quarantine"
+
+    @property
     def events_stream(self) -> str:
         """The JetStream stream that captures ``kv_events_all`` (cluster names are case-sensitive, so is this)."""
         return f"KVMESH_{self.cluster}_KV_EVENTS"

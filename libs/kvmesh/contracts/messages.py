@@ -434,9 +434,34 @@ class KVCopies:
                    shared=tuple(_keys(_get(d, "shared", list))), sole=tuple(_keys(_get(d, "sole", list))))
 
 
-Message = KVEventBatch | KVReady | Heartbeat | RouterLoad | SessionSignal | KVCopies
+@dataclass(frozen=True)
+class KVQuarantine:
+    """An instance's KV canary caught these blocks' KV diverging from a recompute (``kv.quarantine``): the pool
+    never serves them again (cachesvc), whatever copy it holds. ``path``: how the bad KV was reused (local, pool,
+    handoff)."""
+
+    TYPE: ClassVar[str] = "kv_quarantine"
+    instance_id: InstanceId
+    block_keys: tuple[BlockKey, ...]
+    path: str = ""
+
+    def encode(self) -> bytes:
+        return _dump(self.TYPE, {"instance_id": self.instance_id, "block_keys": _keys(self.block_keys),
+                                 "path": self.path})
+
+    @classmethod
+    def decode(cls, data: bytes) -> KVQuarantine:
+        return _expect(cls, decode(data))
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> KVQuarantine:
+        return cls(instance_id=InstanceId(_get(d, "instance_id", str)),
+                   block_keys=tuple(_keys(_get(d, "block_keys", list))), path=_get(d, "path", str))
+
+
+Message = KVEventBatch | KVReady | Heartbeat | RouterLoad | SessionSignal | KVCopies | KVQuarantine
 _TYPES: dict[str, type[Message]] = {
-    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies)}
+    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies, KVQuarantine)}
 
 
 def decode(data: bytes) -> Message:
@@ -460,7 +485,7 @@ def decode(data: bytes) -> Message:
         raise CodecError(f"bad {kind} message: {e}") from e
 
 
-M = TypeVar("M", KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies)
+M = TypeVar("M", KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies, KVQuarantine)
 
 
 def _expect(cls: type[M], msg: Message) -> M:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from collections.abc import Sequence as Sequence_
 from typing import Any
 
@@ -169,7 +169,14 @@ class AsyncEngine(EngineLoop, Engine):
                     num_blocks: int) -> bool:
         blocks = blocks_from_bytes(self.layout, data)[:num_blocks]
         end = (first_block + num_blocks) * self.layout.block_size
-        return await self.call(lambda e: e.blocks.adopt(namespace, list(tokens[:end]), blocks, first_block))
+
+        def adopt(e: LLMEngine) -> bool:
+            ok = e.blocks.adopt(namespace, list(tokens[:end]), blocks, first_block)
+            if ok and e.canary.share > 0:  # a check of a reuse of these says it came from the pool
+                e.canary.from_pool(block_keys(namespace, tokens[:end], self.layout.block_size)[first_block:])
+            return ok
+
+        return await self.call(adopt)
 
     async def held_blocks(self) -> list[tuple[BlockKey, str]]:
         return await self.call(lambda e: e.blocks.held_blocks())
@@ -283,6 +290,21 @@ class AsyncEngine(EngineLoop, Engine):
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()
+
+    def canary_counts(self) -> Mapping[tuple[str, str], int]:
+        return dict(self.engine.canary.counts)
+
+    def on_quarantine(self, sink: Callable[[list[BlockKey], str], None]) -> None:
+        def on_loop(keys: list[BlockKey], path: str) -> None:
+            self.loop.call_soon_threadsafe(sink, keys, path)
+
+        self.engine.canary.on_quarantine = on_loop
+
+    def idle_in(self) -> float | None:
+        return self.engine.canary.due_in()
+
+    def idle(self) -> None:
+        self.engine.canary_step()
 
     def _on_event(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored) and event.tier == TIER_DEVICE:

@@ -22,7 +22,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from kvmesh.contracts.engine import RetentionRange
-from kvmesh.contracts.events import TIER_DEVICE, TIER_HOST, BlockStored, EventSink, KVEvent
+from kvmesh.contracts.events import TIER_DEVICE, TIER_HOST, BlockRemoved, BlockStored, EventSink, KVEvent
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engine.eviction import LRU, EvictionPolicy, now
@@ -294,8 +294,15 @@ class BlockManager:
                 self.tiers.on_device(node, seq.block_table[i])
                 stored.append(node.key)
             elif node.block_id is None:  # only on the host: our fresh copy becomes the device copy
+                self.tree.quarantined.discard(node.chain)
                 self.tiers.release_host(node)
                 self.tiers.on_device(node, seq.block_table[i])
+                stored.append(node.key)
+            elif node.chain in self.tree.quarantined:  # our fresh KV rewrites the quarantined block
+                self.device.copy_tokens(seq.block_table[i], node.block_id, bs)
+                self.tree.quarantined.discard(node.chain)
+                self.free_blocks.append(seq.block_table[i])
+                seq.block_table[i] = node.block_id
                 stored.append(node.key)
             else:  # computed twice concurrently: share the cached block, free ours
                 self.free_blocks.append(seq.block_table[i])
@@ -344,6 +351,36 @@ class BlockManager:
         seq.block_table, seq.nodes = [], []
 
     # ---- sessions and the cluster's copies -------------------------------------------------------------------
+    def quarantine(self, keys: Seq[int]) -> list[BlockKey]:
+        """The canary caught these blocks' KV diverging: they and every block cached after them in their chains
+        are never matched again until a request rewrites them (``RadixTree.quarantined``); those no one holds are
+        deleted now, the index is told the rest are gone too. Returns the keys quarantined."""
+        doomed: list[Node] = []
+        for key in keys:
+            stack = [self.tree.by_key[key]] if key in self.tree.by_key else []
+            while stack:
+                node = stack.pop()
+                doomed.append(node)
+                if node.full:
+                    self.tree.quarantined.add(node.chain)
+                stack.extend(node.children.values())
+        quarantined = [n.key for n in doomed if n.full]
+        kept = []
+        for node in reversed(doomed):  # descendants before their ancestors
+            if node.ref_count == 0 and not node.children and node.parent is not None \
+                    and node.parent.children.get(node.tokens) is node:
+                if node.block_id is not None:  # scrubbed: a bad dtype leaves inf / nan a later masked read spreads
+                    self.device.k[:, node.block_id].zero_()
+                    self.device.v[:, node.block_id].zero_()
+                self.tiers.delete(node)  # tells the index
+                if node.full:
+                    self.tree.quarantined.discard(node.chain)
+            elif node.full:
+                kept.append(node.key)
+        if kept:
+            self._emit(BlockRemoved(tuple(kept), TIER_DEVICE))
+        return quarantined
+
     def session_signal(self, key: str, event: SessionEvent) -> None:
         """Session ``key`` paused (its response ended in a tool call) or ended (an explicit close)."""
         if self.sessions is None:

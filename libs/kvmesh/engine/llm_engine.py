@@ -31,6 +31,7 @@ from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.slo import SLO
 from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
 from kvmesh.engine.block_manager import BlockManager
+from kvmesh.engine.canary import Canary, Check, Verdict
 from kvmesh.engine.errors import SequenceError
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.export import Export, KVReadout, LayerExport, make_export
@@ -197,6 +198,7 @@ class LLMEngine:
         # requests with a target that finished (stop / length), by whether they met their targets (goodput)
         self.slo_outcomes = dict.fromkeys(("met", "missed", "missed_ttft", "missed_itl"), 0)
         self.logits_hook = logits_hook
+        self.canary = Canary(cfg.canary_share, cfg.canary_budget, cfg.canary_chunk_tokens, seed=seed)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def namespace_seed(self, cache_salt: str = "", lora_id: str = "") -> int:
@@ -340,6 +342,7 @@ class LLMEngine:
         if usable and self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, kv.num_tokens,
                                                                               kv.first_block):
             seq.num_cached_tokens = kv.num_tokens
+            self._offer_reuse(seq, imported=True)
             self.scheduler.add_running(seq)
             seq.output_token_ids.pop()
             self._pending.append(self._emit(seq, kv.first_token, time.monotonic(), kv.first_logprobs))
@@ -390,6 +393,8 @@ class LLMEngine:
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])
                     if groups else None)
             exports = self._during_pass(scheduled)
+            for seq, _ in scheduled:
+                self._offer_reuse(seq)
             logits = self.model(batch, self.kv, self.attn, lora, self._layer_hook(exports) if exports else None)
         except Exception as e:  # this step's sequences fail; the engine serves the next step
             log.exception("forward pass failed for %d sequences", len(scheduled))
@@ -411,6 +416,62 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.num_tokens:
                 pending += self._after_pass(seq)
         return pending + self._sampled(samplers, logits) if samplers else pending
+
+    # ---- the KV canary (engine/canary.py) -------------------------------------------------------------------
+    def _offer_reuse(self, seq: Sequence, imported: bool = False) -> None:
+        """A sequence's first pass starts on a reused prefix (or its pushed KV was just imported): maybe check
+        it later, against a copy of the blocks as they are now."""
+        if seq.reuse_offered or seq.lora is not None:  # an adapter may be unloaded before the check runs
+            return
+        seq.reuse_offered = True
+        bs = self.cfg.block_size
+        n = seq.num_cached_tokens // bs
+        if n == 0 or (not imported and seq.num_computed_tokens != seq.num_cached_tokens) or not self.canary.wants():
+            return
+        tokens = seq.prompt_token_ids[:n * bs]
+        keys = block_keys(seq.namespace_seed, tokens, bs)
+        served = self.kv.read_blocks(seq.block_table[:n])
+        self.canary.pending.append(Check(seq.request_id, self.canary.path_of(keys, imported), tokens, keys, served))
+
+    def canary_step(self) -> None:
+        """One chunk of the oldest pending check (on the engine thread, while it has nothing else to do); the
+        check's verdict once its last chunk ran."""
+        c = self.canary.pending[0]
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        try:
+            self._canary_chunk(c)
+        except Exception:  # the check is dropped, the engine serves on
+            log.exception("KV canary: the check of request %s failed", c.request_id)
+            self.canary.pending.remove(c)
+        self.canary.spent(time.monotonic() - t0, time.thread_time() - cpu0)
+
+    def _canary_chunk(self, c: Check) -> None:
+        bs, n_blocks = self.cfg.block_size, len(c.keys)
+        if c.scratch is None:
+            c.scratch = DeviceKVPool(self.layout, n_blocks, self.kv.compute_dtype, self.cfg.device)
+        scratch = c.scratch
+        assert isinstance(scratch, DeviceKVPool)
+        n = min(self.canary.chunk_tokens, len(c.tokens) - c.done)
+        table = list(range(n_blocks))
+        batch = ForwardBatch.build([SeqSlice(0, n, c.done + n, table)], [c.tokens[c.done:c.done + n]], bs, [n - 1],
+                                   self.cfg.device)
+        self.model(batch, scratch, self.attn)
+        c.done += n
+        if c.done >= len(c.tokens):
+            self.canary.pending.pop(0)
+            verdict = self.canary.judge(c, scratch.read_blocks(table))
+            if verdict.bad_blocks:
+                self._diverged(verdict)
+
+    def _diverged(self, verdict: Verdict) -> None:
+        c = verdict.check
+        first = verdict.bad_blocks[0]
+        bad = [c.keys[i] for i in verdict.bad_blocks]
+        quarantined = self.blocks.quarantine(c.keys[first:])
+        log.error("KV canary: request %s's reused prefix (%s) diverged from a recompute: blocks %s (keys %s), "
+                  "relative error %.3g; %d keys quarantined", c.request_id, c.path.value, verdict.bad_blocks,
+                  ", ".join(f"{k:016x}" for k in bad), verdict.error, len(quarantined))
+        self.canary.quarantined(quarantined, c.path)
 
     def _sampled(self, samplers: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         """Each sampled row's token and logprobs, emitted; a fault in either fails that request alone."""

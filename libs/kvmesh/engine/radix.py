@@ -81,6 +81,7 @@ class RadixTree:
         self.block_size = block_size
         self._roots: dict[int, Node] = {}
         self.by_key: dict[int, Node] = {}  # every full node by its block key (what sessions and cachesvc name)
+        self.quarantined: set[int] = set()  # keys whose KV the canary caught diverging, until they are rewritten
 
     def root(self, seed: int) -> Node:
         root = self._roots.get(seed)
@@ -101,6 +102,8 @@ class RadixTree:
             child = node.children.get(tuple(tokens[pos:pos + bs]))
             if child is None:
                 break
+            if child.chain in self.quarantined:  # its KV diverged from a recompute: never served again
+                return PrefixMatch(nodes, None, 0, bs)
             nodes.append(child)
             node, pos = child, pos + bs
         best, best_len = None, 0
@@ -119,6 +122,7 @@ class RadixTree:
         parent.children[tokens] = node
         parent.extended = True
         self.by_key[node.chain] = node
+        self.quarantined.discard(node.chain)  # a fresh block under that key: rewritten
         return node
 
     def remove(self, node: Node) -> Node:

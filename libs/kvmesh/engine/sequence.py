@@ -43,6 +43,7 @@ class Sequence:
     nodes: list[Node] = field(default_factory=list)  # cached blocks held, aligned with block_table's prefix
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0       # prompt tokens served from cache at admission
+    reuse_offered: bool = False      # its reused prefix was offered to the KV canary (engine/canary.py)
     first_token_time: float | None = None
     num_preemptions: int = 0
     # its SLO: the TTFT deadline (monotonic; None: no target), the ITL target (0: none) and its gaps so far

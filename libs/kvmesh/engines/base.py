@@ -21,7 +21,7 @@ unless an import adopted them (``ImportedKV.reservation``).
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.contracts.engine import (
@@ -150,6 +150,15 @@ class Engine(abc.ABC):
     def cluster_copies(self, shared: Sequence[BlockKey], sole: Sequence[BlockKey]) -> None:
         """Of its blocks, ``shared`` have another copy in the cluster now and ``sole`` no longer do (cachesvc's
         word): it evicts the former first. Queued, never waits; an engine that cannot use it ignores it."""
+
+    # ---- the KV correctness canary (the native engine's: engine/canary.py) ------------------------------------
+    def canary_counts(self) -> Mapping[tuple[str, str], int]:
+        """Reused prefixes recomputed and compared, by (path, outcome: ok | diverged); racy read. An engine
+        without a canary has none."""
+        return {}
+
+    def on_quarantine(self, sink: Callable[[list[BlockKey], str], None]) -> None:
+        """``sink(keys, path)`` on the event loop when the canary quarantines blocks (the host tells the pool)."""
 
     # ---- LoRA adapters ---------------------------------------------------------------------------------------
     @abc.abstractmethod

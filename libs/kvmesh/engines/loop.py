@@ -44,6 +44,13 @@ class EngineLoop:
     def after_round(self) -> None:
         """After the commands that arrived and the step they led to."""
 
+    def idle_in(self) -> float | None:
+        """While not busy: seconds until ``idle`` has work (None: none), e.g. the KV canary's next recompute."""
+        return None
+
+    def idle(self) -> None:
+        """One short piece of background work, run only when the engine has nothing else to do."""
+
     # ---- called from the event loop ------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
@@ -96,7 +103,11 @@ class EngineLoop:
         cmd: Callable[[], Any] | object | None
         while True:
             try:
-                cmd = self._commands.get_nowait() if self.busy() else self._commands.get()
+                wait = None if self.busy() else self.idle_in()
+                if self.busy() or wait == 0:
+                    cmd = self._commands.get_nowait()
+                else:
+                    cmd = self._commands.get(timeout=wait)
             except queue.Empty:
                 cmd = _NOTHING
             while cmd is not _NOTHING:  # run every command that arrived, then step once
@@ -112,4 +123,9 @@ class EngineLoop:
                     cmd = _NOTHING
             if self.busy():
                 self.step()
+            elif self.idle_in() == 0:
+                try:
+                    self.idle()
+                except Exception:
+                    log.exception("idle work failed")
             self.after_round()

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from opentelemetry.trace import Span, StatusCode
 
@@ -25,7 +25,15 @@ from kvmesh.contracts.engine import RequestTiming
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.keys import block_keys
-from kvmesh.contracts.messages import Heartbeat, InstanceLoad, KVCopies, KVEventBatch, Message, SessionSignal
+from kvmesh.contracts.messages import (
+    Heartbeat,
+    InstanceLoad,
+    KVCopies,
+    KVEventBatch,
+    KVQuarantine,
+    Message,
+    SessionSignal,
+)
 from kvmesh.engines import Engine, start_engine
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
@@ -40,6 +48,14 @@ from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.transfer import Limits, TransferServer
 
 log = logging.getLogger(__name__)
+
+
+class Warmed(NamedTuple):
+    """A pool fetch before a prompt: the blocks adopted, and the outcome ("" none tried, "adopted", "local cache
+    suffices", "below pool_fetch_min_blocks", or "failed: why")."""
+
+    blocks: int
+    outcome: str
 
 
 class Attached(Protocol):
@@ -78,6 +94,7 @@ class EngineHost:
         self._event_seq = 0
         self._event_queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
         self.lora_load_s: float | None = None  # the last LoRA adapter load, measured (heartbeat: lora_load_s)
 
     async def start(self) -> None:
@@ -125,6 +142,7 @@ class EngineHost:
         # another copy elsewhere (cachesvc)
         await self.bus.subscribe(self.subjects.sessions, self._on_session)
         await self.bus.subscribe(self.subjects.kv_copies(self.instance_id), self._on_copies)
+        self.engine.on_quarantine(self._quarantined)
         for role in self.roles:
             self.attached.append(await role.attach(self))
         await self.grpc.start()
@@ -162,12 +180,12 @@ class EngineHost:
 
     async def warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int,
                              parent: Span | None = None, attrs: dict[str, Any] | None = None,
-                             lora: str = "") -> int:
+                             lora: str = "") -> Warmed:
         """Before computing a prompt: when the pool holds a longer prefix than our cache (by at least
-        ``pool_fetch_min_blocks``), fetch the difference into our cache. Returns the blocks fetched.
-        Traced as ``prefill.fetch`` under ``parent``."""
+        ``pool_fetch_min_blocks``), fetch the difference into our cache. Returns the blocks fetched and the
+        outcome in words (what the router's hit attribution reads). Traced as ``prefill.fetch`` under ``parent``."""
         if self.pool is None or pool_blocks == 0:
-            return 0
+            return Warmed(0, "")
         span = tracing.start("prefill.fetch", parent, attributes={**(attrs or {}), "kvmesh.tier": "pool",
                                                                  "kvmesh.pool_blocks": pool_blocks})
         try:
@@ -180,37 +198,38 @@ class EngineHost:
         return n
 
     async def _warm_from_pool(self, pool: PoolClient, prompt: list[int], cache_salt: str, pool_blocks: int,
-                              span: Span, attrs: dict[str, Any] | None = None, lora: str = "") -> int:
+                              span: Span, attrs: dict[str, Any] | None = None, lora: str = "") -> Warmed:
         try:
             seed = self.engine.namespace(cache_salt, lora)
         except ValueError as e:  # an adapter this instance does not serve: the engine refuses the request
             span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": str(e)})
-            return 0
+            return Warmed(0, f"failed: {e}")
         bs = self.layout.block_size
         usable = min(pool_blocks, (len(prompt) - 1) // bs)  # the last token is always computed
         usable -= usable % self.engine.adopt_unit  # what the engine cannot load would be fetched for nothing
         local = await self.engine.match_prefix(seed, prompt, len(prompt) - 1)
         span.set_attribute("kvmesh.local_blocks", local)
         if usable - local < self.cfg.pool_fetch_min_blocks:
-            span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": "local cache suffices"})
-            return 0
+            outcome = "local cache suffices" if usable <= local else "below pool_fetch_min_blocks"
+            span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": outcome})
+            return Warmed(0, outcome)
         keys = block_keys(seed, prompt[:usable * bs], bs)[local:]
         try:
             fetched = await pool.fetch(keys, tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
         except PoolError as e:
             log.warning("pool fetch failed, computing instead: %s", e)
             span.set_status(StatusCode.ERROR, f"pool fetch failed: {e}")
-            return 0
+            return Warmed(0, f"failed: {e}")
         if fetched is None:
             span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": "pool had none"})
-            return 0
+            return Warmed(0, "failed: the pool had none of them")
         n = fetched.num_blocks
         nbytes = n * self.layout.block_nbytes
         self.metrics.transfer_bytes.labels("pool_fetch").inc(nbytes)
         ok = await self.engine.adopt(seed, prompt, local, fetched.data, n)
         span.set_attributes({"kvmesh.blocks": n if ok else 0, "kvmesh.bytes": nbytes,
                              "kvmesh.outcome": "adopted" if ok else "no room"})
-        return n if ok else 0
+        return Warmed(n, "adopted") if ok else Warmed(0, "failed: no room in the cache for the fetched blocks")
 
     def record_engine_spans(self, parent: Span, timing: RequestTiming, attrs: dict[str, Any], prompt_tokens: int,
                             cached_tokens: int) -> None:
@@ -230,6 +249,20 @@ class EngineHost:
     async def _on_session(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, SessionSignal):
             self.engine.signal_session(msg)
+
+    def _quarantined(self, keys: list[BlockKey], path: str) -> None:
+        """The engine's KV canary quarantined ``keys``: the pool must not serve its copies either."""
+        msg = KVQuarantine(self.instance_id, tuple(keys), path)
+
+        async def tell() -> None:
+            try:
+                await self.bus.publish(self.subjects.kv_quarantine, msg)
+            except Exception as e:  # noqa: BLE001 - the instance's own cache is quarantined regardless
+                log.error("could not tell the pool of %d quarantined blocks: %s", len(keys), e)
+
+        task = asyncio.ensure_future(tell())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _on_copies(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, KVCopies) and msg.instance_id == self.instance_id:

@@ -53,6 +53,10 @@ class WorkerMetrics:
 
     def watch(self, async_engine: Engine) -> None:
         self.registry.register(EngineCollector(async_engine, P))
+        self.registry.register(CountsCollector(
+            f"{P}_kv_canary_checks", "Reused prefixes the KV canary recomputed and compared with what was served, "
+            "by path (local, pool, handoff) and outcome (ok, diverged: its blocks were quarantined)", "check",
+            lambda: {f"{path}:{outcome}": n for (path, outcome), n in async_engine.canary_counts().items()}))
 
     def watch_authorizer(self, authorizer: Authorizer) -> None:
         """Export the calls the mesh authorizer refused, by RPC (``calls_refused_total``)."""

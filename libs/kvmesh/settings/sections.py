@@ -295,6 +295,12 @@ class EngineSettings(Section):
                                        "on intake (comma-separated: fp32,bf16,fp16,fp8; \"\" = only its own): "
                                        "the router pairs a prefill of another dtype with it only then")
     host_cache_mb: int = setting(0, "L2 host tier: evicted device blocks spill here (0 = off)")
+    canary_share: float = setting(0.0, "KV canary (native engine): the share of reused prefixes (local hit, "
+                                       "pool fetch, PD hand-off) recomputed while the engine is idle and compared "
+                                       "with what was served; a divergence quarantines the blocks (0 = off)")
+    canary_budget: float = setting(0.1, "KV canary: the most of the engine's idle time its recomputes take")
+    canary_chunk_tokens: int = setting(64, "KV canary: tokens recomputed per idle round (what a request "
+                                           "arriving meanwhile may wait for)")
     eviction: Eviction = setting(Eviction.LRU, "eviction strategy of the engine's tiers (belady is for "
                                                "kvmesh sim only; session, session_duel: the sessions' signals "
                                                "first)", choices=Eviction.online())
@@ -340,6 +346,10 @@ class EngineSettings(Section):
         out += self._attention_problems()
         out += self._min(("block_size", "max_batched_tokens", "max_num_seqs"), 1)
         out += self._min(("threads", "num_blocks", "host_cache_mb", "max_model_len"), 0, ENGINE_ZERO_MEANS)
+        out += self._min(("canary_chunk_tokens",), 1)
+        for name in ("canary_share", "canary_budget"):
+            if not 0 <= getattr(self, name) <= 1:
+                out.append(Problem(name, f"{name} must be in [0, 1], not {getattr(self, name)}"))
         if not 0 <= self.vllm_gpu_memory_utilization <= 1:
             out.append(Problem("vllm_gpu_memory_utilization", "vllm_gpu_memory_utilization must be in [0, 1] "
                                                               f"(0 = vLLM's default), not "

@@ -88,7 +88,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., decode_instance: _Optional[str] = ..., decode_transfer_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., push_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "cached_tokens", "num_blocks", "transfer_bytes", "transfer_s", "transfer_id", "compute_s", "first_logprobs")
+    __slots__ = ("first_token", "cached_tokens", "num_blocks", "transfer_bytes", "transfer_s", "transfer_id", "compute_s", "first_logprobs", "pool_fetch")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FETCH_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     cached_tokens: int
     num_blocks: int
@@ -105,7 +106,8 @@ class PrefillResponse(_message.Message):
     transfer_id: str
     compute_s: float
     first_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    pool_fetch: str
+    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., pool_fetch: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("work", "prefill_locally", "kv_timeout_s", "cached_blocks", "route_reason", "expected_prefill_s")
@@ -124,7 +126,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., kv_timeout_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ..., route_reason: _Optional[str] = ..., expected_prefill_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finished", "finish_reason", "cached_tokens", "kv_fallback", "fallback_reason", "logprobs")
+    __slots__ = ("token_ids", "text", "finished", "finish_reason", "cached_tokens", "kv_fallback", "fallback_reason", "logprobs", "pool_fetch")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +135,7 @@ class DecodeChunk(_message.Message):
     KV_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FETCH_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
@@ -141,4 +144,5 @@ class DecodeChunk(_message.Message):
     kv_fallback: bool
     fallback_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    pool_fetch: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., pool_fetch: _Optional[str] = ...) -> None: ...

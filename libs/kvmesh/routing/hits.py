@@ -1,0 +1,349 @@
+"""Hit attribution: for one request, the hit the router predicted, the hit the engine delivered, and why every
+prompt token it computed was not served from a cache.
+
+``attribute`` walks the prompt token by token range: the tokens the engine reused are the delivered hit, every
+other one gets exactly one ``Cause``, so the causes add up to the missed prefill tokens (prompt − delivered) by
+construction. The tokens past the last full block (a partial block has no key) and the prompt's last token (an
+engine always computes it, for the first output's logits) are ``PARTIAL_BLOCK``; each other missed block asks
+``explain`` (block index, key) → (cause, words) what the router knew. ``Explainer`` is that judgement from a
+``RouteView`` (what the router saw when it routed) and a ``BlockHistory`` (the KV events it heard since).
+
+Pure: the router (``services/router/hits.py``) and the simulator (``app/sim.py``) feed it their own facts.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+POOL = "pool"  # the cache service's own tiers, as the index names them
+
+
+class Cause(enum.StrEnum):
+    """Why a prompt token was computed rather than reused (one per token)."""
+
+    NEVER_COMPUTED = "never_computed"      # no instance or tier of the cluster had its block before
+    EVICTED = "evicted"                    # its block was stored, then removed (where, when, which tier)
+    ROUTED_ELSEWHERE = "routed_elsewhere"  # another instance held it; the plan chose this one (its reason)
+    INDEX_LAG = "index_lag"                # stored (or being computed) where the index did not yet say, at route
+    STALE_INDEX = "stale_index"            # the index said the chosen instance held it; it no longer did
+    NAMESPACE = "namespace"                # the same tokens are cached under another namespace (tenant, adapter)
+    PARTIAL_BLOCK = "partial_block"        # past the last full block, or the last token (always computed)
+    FETCH_FAILED = "fetch_failed"          # the pool (or a PD hand-off) had it; the transfer failed or was refused
+    FETCH_SKIPPED = "fetch_skipped"        # the pool had it; fetching it was judged slower than recomputing
+    LAYOUT = "layout"                      # held where its KV layout does not convert to the chosen instance's
+
+
+WORDS = {
+    Cause.NEVER_COMPUTED: "never computed in the cluster before",
+    Cause.EVICTED: "evicted",
+    Cause.ROUTED_ELSEWHERE: "held on another instance, routed elsewhere",
+    Cause.INDEX_LAG: "index lag (stored after the route saw the index)",
+    Cause.STALE_INDEX: "the index said the instance held it; it did not",
+    Cause.NAMESPACE: "cached under another namespace (tenant salt, adapter or model)",
+    Cause.PARTIAL_BLOCK: "partial last block / the last token (always computed)",
+    Cause.FETCH_FAILED: "pool fetch or PD hand-off failed",
+    Cause.FETCH_SKIPPED: "pool fetch judged slower than recompute",
+    Cause.LAYOUT: "KV layout could not convert",
+}
+
+
+class Miss(NamedTuple):
+    """A run of missed prompt tokens with one cause: blocks ``[first_block, last_block]``."""
+
+    cause: Cause
+    tokens: int
+    first_block: int
+    last_block: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Attribution:
+    prompt_tokens: int
+    predicted_tokens: int   # the router's view: what the chosen instance (and the pool) would reuse
+    delivered_tokens: int   # what the engine reported it reused (cached_tokens)
+    misses: tuple[Miss, ...]
+    instance: str = ""
+
+    @property
+    def missed_tokens(self) -> int:
+        return self.prompt_tokens - self.delivered_tokens
+
+    def by_cause(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.misses:
+            out[m.cause.value] = out.get(m.cause.value, 0) + m.tokens
+        return out
+
+    def lines(self) -> list[str]:
+        """One line per miss run, in words."""
+        out = []
+        for m in self.misses:
+            blocks = f"block {m.first_block}" if m.first_block == m.last_block else \
+                f"blocks {m.first_block}-{m.last_block}"
+            out.append(f"{m.tokens} tokens ({blocks}): {WORDS[m.cause]}" + (f" — {m.detail}" if m.detail else ""))
+        return out
+
+
+Explain = Callable[[int, int], tuple[Cause, str]]  # (block index, block key) -> cause, words
+
+
+def attribute(prompt_tokens: int, block_size: int, keys: Sequence[int], delivered: int, explain: Explain,
+              predicted: int = 0, instance: str = "") -> Attribution:
+    """The causes of the ``prompt_tokens - delivered`` missed tokens (they add up exactly). ``keys``: the keys
+    of the prompt's full blocks; ``delivered``: the tokens the engine reused (clipped to the prompt)."""
+    delivered = max(0, min(delivered, prompt_tokens))
+    full = min(len(keys), prompt_tokens // block_size)
+    # tokens [partial_from, prompt) are the partial block's, or the last token
+    partial_from = min(full * block_size, prompt_tokens - 1) if prompt_tokens else 0
+    runs: list[Miss] = []
+
+    def add(cause: Cause, tokens: int, block: int, detail: str) -> None:
+        if tokens <= 0:
+            return
+        last = runs[-1] if runs else None
+        if last is not None and last.cause == cause and last.detail == detail and last.last_block + 1 >= block:
+            runs[-1] = last._replace(tokens=last.tokens + tokens, last_block=block)
+        else:
+            runs.append(Miss(cause, tokens, block, block, detail))
+
+    for i in range(delivered // block_size, full):
+        lo, hi = max(i * block_size, delivered), min((i + 1) * block_size, partial_from)
+        if hi > lo:
+            cause, detail = explain(i, keys[i])
+            add(cause, hi - lo, i, detail)
+    add(Cause.PARTIAL_BLOCK, prompt_tokens - max(partial_from, delivered), full, "")
+    att = Attribution(prompt_tokens, min(predicted, max(0, prompt_tokens - 1)), delivered, tuple(runs), instance)
+    assert sum(m.tokens for m in runs) == att.missed_tokens, (runs, prompt_tokens, delivered)
+    return att
+
+
+# ---- what the router heard of each block ------------------------------------------------------------------------
+
+class Held(NamedTuple):
+    instance: str
+    tier: str
+    at: float  # wall clock
+
+
+class BlockHistory:
+    """Per block key, where it is held now and where it was last removed, from the KV events (bounded: at most
+    ``max_keys`` keys, the least recently touched forgotten first, so "never computed" means "not within the
+    last ``max_keys`` blocks heard of"). One event loop; not thread-safe."""
+
+    def __init__(self, max_keys: int = 200_000, clock: Callable[[], float] = time.time) -> None:
+        self.max_keys = max_keys
+        self.clock = clock
+        self._held: OrderedDict[int, dict[tuple[str, str], float]] = OrderedDict()
+        self._removed: dict[int, Held] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def stored(self, instance: str, tier: str, keys: Iterable[int], at: float | None = None) -> None:
+        t = self.clock() if at is None else at
+        for k in keys:
+            self._touch(k)[(instance, tier)] = t
+
+    def removed(self, instance: str, tier: str, keys: Iterable[int], at: float | None = None) -> None:
+        t = self.clock() if at is None else at
+        for k in keys:
+            self._touch(k).pop((instance, tier), None)
+            self._removed[k] = Held(instance, tier, t)
+
+    def cleared(self, instance: str, at: float | None = None) -> None:
+        """``instance`` dropped everything (``AllBlocksCleared``, or it went away)."""
+        t = self.clock() if at is None else at
+        for k, where in self._held.items():
+            for w in [w for w in where if w[0] == instance]:
+                del where[w]
+                self._removed[k] = Held(instance, w[1], t)
+
+    def seen(self, key: int) -> bool:
+        return key in self._held
+
+    def holders(self, key: int) -> list[Held]:
+        return [Held(i, tier, t) for (i, tier), t in self._held.get(key, {}).items()]
+
+    def last_removal(self, key: int) -> Held | None:
+        return self._removed.get(key)
+
+    def _touch(self, key: int) -> dict[tuple[str, str], float]:
+        where = self._held.get(key)
+        if where is None:
+            where = self._held[key] = {}
+            while len(self._held) > self.max_keys:
+                old, _ = self._held.popitem(last=False)
+                self._removed.pop(old, None)
+        else:
+            self._held.move_to_end(key)
+        return where
+
+
+class Namespaces:
+    """Which namespace seeds each namespace-free block key (the same tokens) was seen under (bounded)."""
+
+    def __init__(self, max_keys: int = 200_000) -> None:
+        self.max_keys = max_keys
+        self._seeds: OrderedDict[int, set[int]] = OrderedDict()
+
+    def saw(self, plain_keys: Iterable[int], seed: int) -> None:
+        for k in plain_keys:
+            seeds = self._seeds.setdefault(k, set())
+            seeds.add(seed)
+            self._seeds.move_to_end(k)
+            if len(seeds) > 8:
+                seeds.pop()
+        while len(self._seeds) > self.max_keys:
+            self._seeds.popitem(last=False)
+
+    def others(self, plain_key: int, seed: int) -> int:
+        """How many other namespaces these tokens were seen under."""
+        return len(self._seeds.get(plain_key, set()) - {seed})
+
+
+@dataclass(frozen=True)
+class RouteView:
+    """What the router knew of one request when it routed it, and what the dispatch reported back."""
+
+    compute: str                       # the instance that computed the prompt (prefill, or the local one)
+    indexed: Mapping[str, int]         # the index's leading blocks per instance (``POOL``: the pool's)
+    recent: Mapping[str, int] = field(default_factory=dict)  # the router's table of prompts just sent
+    reason: str = ""                   # the plan's reason for the route
+    at: float = 0.0                    # wall clock of the route
+    pool_outcome: str = ""             # the engine's pool fetch: "" none tried, "adopted", "failed: ...", ...
+    fallback: str = ""                 # a PD hand-off that failed (decode recomputed): why
+    unconvertible: str = ""            # the compute instance's KV cannot take pool blocks: why
+    other_namespaces: Callable[[int], int] = lambda i: 0  # block index -> namespaces its tokens were seen under
+
+    def predicted_blocks(self) -> int:
+        here = max(self.indexed.get(self.compute, 0), self.recent.get(self.compute, 0))
+        pool = 0 if self.unconvertible else self.indexed.get(POOL, 0)
+        return max(here, pool)
+
+
+SKIPPED = ("local cache suffices", "below pool_fetch_min_blocks")
+
+
+class Explainer:
+    """Why block ``i`` (``key``) of a prompt with ``keys``, routed as ``view``, was computed: called by
+    ``attribute`` for each missed full block (see the module docstring for the order of the checks)."""
+
+    def __init__(self, view: RouteView, history: BlockHistory, keys: Sequence[int]) -> None:
+        self.view, self.history, self.keys = view, history, keys
+        self._runs: dict[str, int] = {}
+
+    def run_on(self, instance: str) -> int:
+        """The leading blocks of the prompt ``instance`` holds by the events heard (a block past a gap is no use
+        to a prefix match)."""
+        if instance not in self._runs:
+            n = 0
+            while n < len(self.keys) and any(h.instance == instance for h in self.history.holders(self.keys[n])):
+                n += 1
+            self._runs[instance] = n
+        return self._runs[instance]
+
+    def __call__(self, i: int, key: int) -> tuple[Cause, str]:
+        view, history = self.view, self.history
+        at = view.compute
+        here_index, here_recent = view.indexed.get(at, 0) > i, view.recent.get(at, 0) > i
+        pool = view.indexed.get(POOL, 0) > i
+        if view.fallback and (here_index or here_recent or pool):
+            return Cause.FETCH_FAILED, f"the hand-off to decode failed ({view.fallback}); decode recomputed"
+        if here_index or here_recent:
+            gone = history.last_removal(key)
+            if gone is not None and gone.instance == at:
+                return Cause.EVICTED, f"from {at}'s {gone.tier} tier {_when(gone.at, view.at)}"
+            if not here_index:
+                return Cause.INDEX_LAG, f"an earlier request sent to {at} had not stored it yet"
+            return Cause.STALE_INDEX, f"the index listed it on {at}"
+        if pool:
+            if view.unconvertible:
+                return Cause.LAYOUT, f"in the pool; {at}: {view.unconvertible}"
+            if view.pool_outcome.startswith(SKIPPED):
+                return Cause.FETCH_SKIPPED, f"in the pool; {at}: {view.pool_outcome}"
+            return Cause.FETCH_FAILED, f"in the pool; fetch: {view.pool_outcome or 'not attempted'}"
+        elsewhere = sorted(x for x in {*view.indexed, *view.recent}
+                           if x not in (at, POOL) and max(view.indexed.get(x, 0), view.recent.get(x, 0)) > i)
+        if elsewhere:
+            return Cause.ROUTED_ELSEWHERE, f"held on {', '.join(elsewhere)}; routed to {at}: {view.reason or 'plan'}"
+        holders = [h for h in history.holders(key) if h.instance != at or h.at < view.at]
+        lag = [h for h in holders if self.run_on(h.instance) > i]
+        if lag:
+            h = min(lag, key=lambda h: h.at)
+            return Cause.INDEX_LAG, f"stored on {h.instance} ({h.tier}) {_when(h.at, view.at)}, not in the index then"
+        for h in holders:  # held, but an earlier block of its chain is gone there
+            gap = self.run_on(h.instance)
+            gone = history.last_removal(self.keys[gap])
+            if gone is not None and gone.instance == h.instance:
+                return Cause.EVICTED, (f"block {gap} of its prefix, from {h.instance}'s {gone.tier} tier "
+                                       f"{_when(gone.at, view.at)}")
+        gone = history.last_removal(key)
+        if gone is not None:
+            return Cause.EVICTED, f"from {gone.instance}'s {gone.tier} tier {_when(gone.at, view.at)}"
+        others = view.other_namespaces(i)
+        if others:
+            return Cause.NAMESPACE, f"the same tokens are cached under {others} other namespace(s)"
+        return Cause.NEVER_COMPUTED, ""
+
+
+def _when(t: float, route: float) -> str:
+    d = route - t
+    return f"{d:.2f} s before the route" if d >= 0 else f"{-d:.2f} s after the route"
+
+
+# ---- the offline optimum on a recorded stream ------------------------------------------------------------------
+
+def infinite_cache_hits(stream: Iterable[tuple[Sequence[int], int]], block_size: int) -> list[int]:
+    """Per request of ``(block keys, prompt tokens)`` in arrival order: the tokens an infinite cache shared by
+    the whole fleet would have served (every block any earlier request had; the last token always computed).
+    ``block keys``: the request's blocks as it left them, its output's included (the next turn of a conversation
+    hits those); its lookup reads those of its prompt. Whole blocks: an engine that reuses a partial block can
+    beat it by less than a block per request."""
+    seen: set[int] = set()
+    out = []
+    for keys, prompt in stream:
+        n = 0
+        for k in keys[:-(-prompt // block_size)]:
+            if k not in seen:
+                break
+            n += 1
+        out.append(min(n * block_size, max(0, prompt - 1)))
+        seen.update(keys)
+    return out
+
+
+def belady_hits(stream: Sequence[tuple[Sequence[int], int]], block_size: int, capacity: int) -> list[int]:
+    """Per request: the tokens one fleet-wide cache of ``capacity`` blocks would have served, evicting the block
+    used furthest in the future (Belady's rule; a block no later request uses is not kept at all)."""
+    nexts: list[list[float]] = [[] for _ in stream]
+    seen: dict[int, float] = {}
+    for n in range(len(stream) - 1, -1, -1):
+        nexts[n] = [seen.get(k, math.inf) for k in stream[n][0]]
+        for k in stream[n][0]:
+            seen[k] = n
+    cache: dict[int, float] = {}  # key -> its next use
+    heap: list[tuple[float, int]] = []  # (-next use, key); stale entries are skipped
+    out = []
+    for (keys, prompt), uses in zip(stream, nexts, strict=True):
+        hit = 0
+        for k in keys[:-(-prompt // block_size)]:
+            if k not in cache:
+                break
+            hit += 1
+        out.append(min(hit * block_size, max(0, prompt - 1)))
+        for k, use in zip(keys, uses, strict=True):
+            cache[k] = use
+            heapq.heappush(heap, (-use, k))
+        while len(cache) > capacity:
+            use, k = heapq.heappop(heap)
+            if cache.get(k) == -use:
+                del cache[k]
+    return out
