@@ -73,17 +73,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         await refuse_continuation(context, w.engine, work)
         handoff = None if request.prefill_locally else Handoff(w, self.kv_ready, request, engine_request, context,
                                                                span)
+        pool_fetch = ""  # a local prefill's fetch from the pool: its outcome (EngineHost.warm_from_pool)
         try:
             if handoff is None:
                 if request.route_reason:
                     span.set_attribute("kvmesh.route.reason", request.route_reason)
                 warmed = await w.warm_from_pool(list(engine_request.prompt), work.cache_salt, work.pool_blocks, span,
                                                 attrs, work.lora_name)
-                intake = Intake(pool_fetch=warmed.outcome)
+                intake, pool_fetch = Intake(), warmed.outcome
             else:
                 intake = await handoff.receive()
                 engine_request = dataclasses.replace(engine_request, imported=intake.imported)
-            chunks = self._stream(request, context, span, attrs, engine_request, intake, t0, t0_ns)
+            chunks = self._stream(request, context, span, attrs, engine_request, intake, t0, t0_ns, pool_fetch)
             if w.cfg.fault_hang_after_tokens and not work.generated_tokens:  # a fault test's dying decode
                 chunks = hang_after_tokens(chunks, w.cfg.fault_hang_after_tokens, work.request_id)
             async for chunk in chunks:
@@ -94,8 +95,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     async def _stream(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span,
                       attrs: dict[str, Any], engine_request: EngineRequest, intake: Intake, t0: float,
-                      t0_ns: int) -> AsyncIterator[worker_pb2.DecodeChunk]:
-        """The engine's outputs as chunks, once the KV is here (or the fallback decided)."""
+                      t0_ns: int, pool_fetch: str = "") -> AsyncIterator[worker_pb2.DecodeChunk]:
+        """The engine's outputs as chunks, once the KV is here (or the fallback decided); the first says how the
+        prompt's KV came: ``cached_tokens``, the hand-off's fallback, the pool fetch's outcome."""
         w, fallback = self.w, intake.fallback
         if fallback:
             self._fell_back(request.work.request_id, fallback, span, attrs, t0_ns)
@@ -117,7 +119,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     chunk.cached_tokens = out.cached_tokens
                     chunk.kv_fallback = bool(fallback)
                     chunk.fallback_reason = fallback
-                    chunk.pool_fetch = intake.pool_fetch
+                    chunk.pool_fetch = pool_fetch
                     self._first_token_spans(span, attrs, timing, engine_request.imported is not None,
                                             max(intake.received_ns, t0_ns), intake.attributes,
                                             len(engine_request.prompt), out.cached_tokens)

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from kvmesh import tls
 from kvmesh.contracts.engine import (
+    EngineOutput,
     EngineRequest,
     ExportPieces,
     ExportPlan,
@@ -82,18 +83,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         finally:
             stream.cancel()  # a failed or abandoned request sends no more parts
 
-    async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span,
-                       attrs: dict[str, Any], engine_request: EngineRequest, stream: PushStream,
-                       t0: float) -> worker_pb2.PrefillResponse:
-        """Compute the prompt, pushing each chunk's KV as the engine reads it out, then announce it."""
-        work, w = request.work, self.w
-        final, timing, blocks = None, RequestTiming(), 0
-        # its TTFT target counts from its arrival at the router
-        engine_request = dataclasses.replace(engine_request, waited_s=engine_request.waited_s + time.monotonic() - t0)
+    async def _compute(self, context: grpc.aio.ServicerContext, span: Span, engine_request: EngineRequest,
+                       stream: PushStream) -> tuple[EngineOutput, RequestTiming, int]:
+        """The prompt through the engine, each chunk's blocks (or a layer group of them, or the last ones) pushed
+        as they are read out: its last output, its timings, and the blocks pushed."""
+        w, final, timing, blocks = self.w, None, RequestTiming(), 0
         try:
             async for out in w.engine.generate(engine_request, timing):
-                # a chunk's blocks (or a layer group of them, or the last ones): on their way while it computes
-                if out.exported is not None and out.exported.num_blocks:
+                if out.exported is not None and out.exported.num_blocks:  # on their way while it computes
                     stream.add(out.exported)
                     if out.exported.layers is None or out.exported.layers[1] == w.layout.num_layers:
                         blocks += out.exported.num_blocks  # each block once, at its last layer group
@@ -103,8 +100,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SequenceError as e:  # this request failed inside the engine; the rest of its batch did not
             await abort_failed(context, e, span)
-        compute_s = time.monotonic() - t0
         assert final is not None and final.exported is not None
+        return final, timing, blocks
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span,
+                       attrs: dict[str, Any], engine_request: EngineRequest, stream: PushStream,
+                       t0: float) -> worker_pb2.PrefillResponse:
+        """Compute the prompt, pushing each chunk's KV as the engine reads it out, then announce it."""
+        work, w = request.work, self.w
+        # its TTFT target counts from its arrival at the router
+        engine_request = dataclasses.replace(engine_request, waited_s=engine_request.waited_s + time.monotonic() - t0)
+        final, timing, blocks = await self._compute(context, span, engine_request, stream)
+        compute_s = time.monotonic() - t0
         w.metrics.ttft.observe(timing.first_output - t0)
         w.metrics.prefix.observe(len(engine_request.prompt), final.cached_tokens)
         w.record_engine_spans(span, timing, attrs, len(engine_request.prompt), final.cached_tokens)

@@ -7,16 +7,17 @@ claim a user it holds no key for. A certificate that names no user, or no certif
 
 What each role may do (``permissions``; ``<i>`` is the holder's own instance; subjects under ``kvmesh.<cluster>.``):
 
-- prefill: publishes ``heartbeat.prefill.<i>``, ``kv.events.<i>`` and ``kv.ready.*`` (to any decode); subscribes
+- prefill: publishes ``heartbeat.prefill.<i>``, ``kv.events.<i>``, ``kv.quarantine`` (the canary's divergences) and
+  ``kv.ready.*`` (to any decode); subscribes
   ``kv.snapshot.<i>``, ``kv.copies.<i>`` and ``sessions``;
-- decode: publishes ``heartbeat.decode.<i>`` and ``kv.events.<i>``; subscribes what prefill does and
+- decode: publishes ``heartbeat.decode.<i>``, ``kv.events.<i>`` and ``kv.quarantine``; subscribes what prefill does and
   ``kv.ready.<i>``, its own only;
 - both: what prefill and decode may;
 - router: publishes ``router.load.*`` (under its router id, which is not its certificate's instance),
   ``sessions`` and ``kv.ready.*`` (a failed prefill: decode computes the prompt itself); subscribes
-  ``heartbeat.>`` and ``router.load.*``;
+  ``heartbeat.>``, ``router.load.*`` and ``kv.events.>`` (hit attribution: where blocks went);
 - cachesvc: publishes ``kv.snapshot.*`` (requests), ``kv.copies.*`` and its durable consumer's API and acks;
-  subscribes ``heartbeat.>`` and ``sessions``;
+  subscribes ``heartbeat.>``, ``sessions`` and ``kv.quarantine`` (it stops serving those blocks);
 - admin (an operator's tool): subscribes ``heartbeat.>`` and ``router.load.*``, publishes nothing;
 - client: nothing.
 
@@ -57,7 +58,7 @@ def permissions(identity: Identity, subjects: Subjects) -> Permissions:
     stream = subjects.events_stream
     find_stream = (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}")
     if role.is_engine:
-        publish = [subjects.heartbeat(role, i), subjects.kv_events(i), *find_stream]
+        publish = [subjects.heartbeat(role, i), subjects.kv_events(i), subjects.kv_quarantine, *find_stream]
         subscribe = [f"{p}kv.snapshot.{i}", subjects.kv_copies(i), subjects.sessions, inbox]
         if role in (MeshRole.PREFILL, MeshRole.BOTH):
             publish.append(f"{p}kv.ready.*")
@@ -68,13 +69,13 @@ def permissions(identity: Identity, subjects: Subjects) -> Permissions:
         # a router's load goes out under its router id (KVMESH_ROUTER_ID, by default host and pid), not its
         # certificate's instance; receivers still match each load to the id its subject names
         return Permissions((subjects.router_load_all, subjects.sessions, f"{p}kv.ready.*"),
-                           (subjects.heartbeats_all, subjects.router_load_all, inbox))
+                           (subjects.heartbeats_all, subjects.router_load_all, subjects.kv_events_all, inbox))
     if role == MeshRole.CACHESVC:
         consumer = "$JS.API.CONSUMER"  # CREATE / INFO / DELETE.<stream>.<durable>, DURABLE.CREATE / MSG.NEXT
         return Permissions((f"{p}kv.snapshot.*", f"{p}kv.copies.*", *find_stream, f"$JS.API.STREAM.UPDATE.{stream}",
                             f"{consumer}.*.{stream}", f"{consumer}.*.{stream}.>", f"{consumer}.*.*.{stream}.>",
                             f"$JS.ACK.{stream}.>"),
-                           (subjects.heartbeats_all, subjects.sessions, inbox))
+                           (subjects.heartbeats_all, subjects.sessions, subjects.kv_quarantine, inbox))
     if role == MeshRole.ADMIN:
         return Permissions((), (subjects.heartbeats_all, subjects.router_load_all, inbox))
     return Permissions()
