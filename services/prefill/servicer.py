@@ -116,6 +116,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         w.metrics.prefix.observe(len(engine_request.prompt), final.cached_tokens)
         w.record_engine_spans(span, timing, attrs, len(engine_request.prompt), final.cached_tokens)
         kv = final.exported
+        assert kv is not None  # (_compute checked it)
         first_token = final.token_ids[0]
         # decode emits the first token, and never sees the logits it came from: its logprobs travel with it
         first_logprobs = final.logprobs[0] if final.logprobs else None
