@@ -14,7 +14,8 @@ service command (so the service is PID 1 and gets the signals).
   gets ``<role>-<hostname>-<port>`` (port 0: a random suffix instead): replicas on a bridge network share the
   port, replicas on the host network the hostname, so the default ``<role>-<port>`` could collide.
 - ``HEALTHCHECK_ADDRESS`` (``grpc://host:port``, ``nats://host:port`` or ``ready:///path/to/ready.json``) tells
-  docker/healthcheck.py what to ask.
+  docker/healthcheck.py what to ask, and ``HEALTHCHECK_TLS`` how: ``mesh`` (the default: the service's own mesh
+  certificate when it has one), ``public`` (the router's client-facing TLS) or ``none``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def prepare_service(service: str, argv: list[str], env: dict[str, str]) -> str:
         fail(f"bad settings for {service}: {e}")
         raise
     cfg = loaded[own]
+    if service == "router":  # its health is asked on the clients' port, which the mesh certificate does not serve
+        env["HEALTHCHECK_TLS"] = "public" if loaded.router.public_tls_cert else "none"
     port = cfg.grpc_port if service == "router" else cfg.port
     if port == 0:  # bound as the service starts: the healthcheck reads it from the service's ready file
         ready = loaded.shared.ready_file

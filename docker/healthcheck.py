@@ -31,7 +31,12 @@ def target(env: dict[str, str]) -> str:
 def channel(address: str, env: dict[str, str]) -> grpc.Channel:
     import grpc
 
-    if not env.get("KVMESH_TLS_CERT"):
+    mode = env.get("HEALTHCHECK_TLS", "mesh")
+    if mode == "public":  # the router's client-facing port: its own certificate (a client CA it may require is
+        # not the probe's to satisfy: set none there and probe HTTP /health instead)
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(
+            Path(env["KVMESH_ROUTER_PUBLIC_TLS_CERT"]).read_bytes()))
+    if mode == "none" or not env.get("KVMESH_TLS_CERT"):
         return grpc.insecure_channel(address)
     ca = Path(env["KVMESH_TLS_CA"]).read_bytes() if env.get("KVMESH_TLS_CA") else None
     creds = grpc.ssl_channel_credentials(ca, Path(env["KVMESH_TLS_KEY"]).read_bytes(),

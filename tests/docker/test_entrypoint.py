@@ -51,6 +51,7 @@ def test_an_engine_on_a_fixed_port_is_checked_there():
 def test_the_router_is_checked_on_its_grpc_port_through_loopback():
     env = {"KVMESH_ROUTER_HOST": "0.0.0.0", "KVMESH_ROUTER_GRPC_PORT": "50999"}
     assert entrypoint.prepare_service("router", [], env) == "grpc://127.0.0.1:50999"
+    assert env["HEALTHCHECK_TLS"] == "none"  # the clients' port: plaintext here, whatever mesh certificate it has
     assert entrypoint.nats_address(["nats-server", "-c", "x.conf", "-a", "127.0.0.1", "-p", "4333"]) == \
         "nats://127.0.0.1:4333"
 
