@@ -82,13 +82,15 @@ def pushed(layout: KVLayout, blocks: torch.Tensor | list[torch.Tensor] | list[KV
 
 class NanLogits:
     """A logits hook (``LLMEngine(logits_hook=...)``): the rows of the requests in ``ids`` go nan right after the
-    forward pass, as a model going nan would."""
+    forward pass, as a model going nan would. Through a router an engine knows a request by its dispatch id
+    (``<tenant hash>.<client id>.<nonce>``): a client's id matches that too."""
 
     def __init__(self, *ids: str) -> None:
         self.ids = set(ids)
 
     def __call__(self, request_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
-        rows = [i for i, rid in enumerate(request_ids) if rid in self.ids]
+        rows = [i for i, rid in enumerate(request_ids)
+                if rid in self.ids or any(f".{client}." in rid for client in self.ids)]
         if not rows:
             return logits
         return logits.index_fill(0, torch.tensor(rows, device=logits.device), float("nan"))
