@@ -16,7 +16,7 @@ from kvmesh.bus import Subjects
 from kvmesh.contracts.messages import Heartbeat, KVReady, Message
 from kvmesh.identity import MeshRole
 
-from tests.security.conftest import bus
+from tests.security.conftest import auth, bus
 from tests.security.test_kv_ready import metric
 
 FORGER = "127.0.0.1:1"  # where a forged heartbeat sends prefill-0's requests: nothing listens there
@@ -49,7 +49,8 @@ def disaggregated(stack, request_id: str) -> dict:
     body = json.dumps({"messages": [{"role": "user", "content": "a prompt to hand from prefill to decode " * 4}],
                        "max_tokens": 4, "temperature": 0}).encode()
     req = urllib.request.Request(f"{stack.router_http}/v1/chat/completions", data=body, headers={
-        "content-type": "application/json", "x-request-id": request_id, "x-kvmesh-disaggregate": "always"})
+        "content-type": "application/json", "x-request-id": request_id, "x-kvmesh-disaggregate": "always",
+        **auth()})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)
 
@@ -86,12 +87,12 @@ def serve_while_forging(stack, role: MeshRole, instance: str, subject: str, beat
 def test_a_heartbeat_for_another_instance_is_refused_by_nats_and_requests_reach_the_real_one(stack, caplog):
     real = asyncio.run(real_beat(stack, "prefill-0"))
     forged = dataclasses.replace(real, grpc_address=FORGER, transfer_address=FORGER)
-    fallbacks = metric(f"{stack.router_http}/metrics", "kvmesh_router_kv_fallbacks_total")
+    fallbacks = metric(stack.router_metrics, "kvmesh_router_kv_fallbacks_total")
     with caplog.at_level(logging.WARNING, logger="kvmesh.bus.bus"):
         reply = serve_while_forging(stack, MeshRole.DECODE, "decode-0",
                                     subjects(stack).heartbeat("prefill", "prefill-0"), forged, "sec-forged-beat-nats")
     assert reply["usage"]["completion_tokens"] >= 1
-    assert metric(f"{stack.router_http}/metrics", "kvmesh_router_kv_fallbacks_total") == fallbacks  # handed off
+    assert metric(stack.router_metrics, "kvmesh_router_kv_fallbacks_total") == fallbacks  # handed off
     assert "permissions violation for publish" in caplog.text.lower()
 
 
@@ -100,12 +101,12 @@ def test_a_heartbeat_naming_another_instance_on_the_senders_own_subject_is_dropp
     match the beat's instance to the subject it came on."""
     real = asyncio.run(real_beat(stack, "prefill-0"))
     forged = dataclasses.replace(real, grpc_address=FORGER, transfer_address=FORGER)
-    fallbacks = metric(f"{stack.router_http}/metrics", "kvmesh_router_kv_fallbacks_total")
+    fallbacks = metric(stack.router_metrics, "kvmesh_router_kv_fallbacks_total")
     reply = serve_while_forging(stack, MeshRole.PREFILL, "prefill-0",
                                 subjects(stack).heartbeat("prefill", "prefill-0"),
                                 dataclasses.replace(forged, instance_id="prefill-1"), "sec-forged-beat-own-subject")
     assert reply["usage"]["completion_tokens"] >= 1
-    assert metric(f"{stack.router_http}/metrics", "kvmesh_router_kv_fallbacks_total") == fallbacks
+    assert metric(stack.router_metrics, "kvmesh_router_kv_fallbacks_total") == fallbacks
     assert instances(stack) == 2  # no prefill-1 appeared
     for log in ("router.log", "cachesvc.log"):
         assert "names another sender" in (stack.log_dir / log).read_text(), log
