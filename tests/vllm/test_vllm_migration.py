@@ -3,6 +3,7 @@ stream is killed at token 10 of 40 and the client's stream goes on, with the tok
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -20,8 +21,9 @@ def hung_instance(stack, request_id: str, within_s: float = 120.0):
     """The instance whose stream of ``request_id`` hangs (``fault_hang_after_tokens``), once it logged so."""
     deadline = time.monotonic() + within_s
     while True:
-        hung = [s for s in stack.services if s.name.startswith("both-")
-                and f"request {request_id}: {HANG}" in s.log_path.read_text()]
+        # an instance knows the request by its dispatch id, <tenant hash>.<client id>.<nonce>
+        hung = [s for s in stack.services if s.name.startswith("both-") and re.search(
+            rf"request [0-9a-f]+\.{re.escape(request_id)}\.[0-9a-f]+: {HANG}", s.log_path.read_text())]
         if hung:
             return hung[0]
         assert time.monotonic() < deadline, f"no instance hung on {request_id}"

@@ -12,8 +12,8 @@ import time
 import urllib.error
 import urllib.request
 
-import grpc
 import pytest
+from kvmesh import tls
 from kvmesh.client import KvmeshClient
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
@@ -60,7 +60,7 @@ def matches(stack, prompt: list[int], tenant: str = "t0") -> list:
 
     source = resolve_model(None)
     seed = Namespace(source.fingerprint, Tokenizer.from_dir(source.hf_dir).fingerprint, "", f"{tenant}\x00").seed
-    with grpc.insecure_channel(stack.service("cachesvc").grpc_address) as ch:
+    with tls.channel(stack.service("cachesvc").grpc_address, cfg=stack.mesh_settings()) as ch:  # as the operator
         return list(cache_pb2_grpc.CacheServiceStub(ch).MatchPrefix(
             cache_pb2.MatchPrefixRequest(block_keys=block_keys(seed, prompt, 16)), timeout=10).matches)
 
