@@ -50,7 +50,7 @@ def test_every_import_linter_contract_is_kept() -> None:
     ("services/router/_leak.py", "from kvmesh.engine import kv_cache\n", "router and cachesvc load no torch"),
     ("services/cachesvc/_leak.py", "def f():\n    import torch\n", "router and cachesvc load no torch"),
     ("services/router/_leak.py", "import services.cachesvc.store\n", "services never import each other"),
-    ("services/prefill/_leak.py", "from services.decode import intake\n", "services never import each other"),
+    ("services/prefill/_leak.py", "from services.decode import handoff\n", "services never import each other"),
     ("libs/kvmesh/transfer/_leak.py", "from services.cachesvc import store\n", "libraries never import services"),
     ("libs/kvmesh/instance/_leak.py", "def f():\n    from services.prefill import servicer\n",
      "libraries never import services"),
