@@ -133,8 +133,7 @@ async def heartbeats(nats_url: str, cluster: str, window_s: float, state_dir: Pa
 
     async def on_beat(beat: object, headers: dict[str, str]) -> None:
         if isinstance(beat, Heartbeat) and beat.role.is_engine:
-            seen[beat.instance_id] = InstanceLoad.from_beat(beat.instance_id, beat.role, beat.load.to_dict(),
-                                                            beat.block_size)
+            seen[beat.instance_id] = InstanceLoad.from_beat(beat.instance_id, beat.role, beat.load, beat.block_size)
 
     bus = await Bus.connect(nats_url, "kvmesh-plan", tls=tls.bus_tls(operator_settings(state_dir)))
     try:

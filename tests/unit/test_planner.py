@@ -7,6 +7,7 @@ import math
 
 import pytest
 from kvmesh.contracts.ids import Role
+from kvmesh.contracts.messages import InstanceLoad as HeartbeatLoad
 from kvmesh.planning import (
     InstanceLoad,
     Observation,
@@ -177,7 +178,7 @@ def test_measured_speed_replaces_the_configured_one() -> None:
 def test_a_heartbeat_load_is_read_once_into_a_typed_record() -> None:
     beat = {"running": 3, "waiting": 1, "free_blocks": 25, "total_blocks": 100, "waiting_tokens": 640,
             "prefill_tok_per_s": 900.0, "decode_step_s": float("nan"), "bogus": "x"}
-    load = InstanceLoad.from_beat("i1", "decode", beat, block_size=16)
+    load = InstanceLoad.from_beat("i1", "decode", HeartbeatLoad.from_dict(beat), block_size=16)
     assert load.role is Role.DECODE and load.kv_used == 0.75 and load.kv_tokens == 1600
     assert load.waiting_tokens == 640 and load.prefill_tok_per_s == 900.0 and load.decode_step_s == 0.0
 

@@ -4,20 +4,12 @@ function of these, with no clock and no I/O of its own."""
 
 from __future__ import annotations
 
-import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.contracts.ids import Role
-
-
-def _num(load: Mapping[str, object], key: str, default: float = 0.0) -> float:
-    """``load[key]`` when it is a finite number >= 0 (heartbeats come from other processes), else ``default``."""
-    value = load.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        return default
-    return float(value)
+from kvmesh.contracts.messages import InstanceLoad as HeartbeatLoad
 
 
 @dataclass(frozen=True)
@@ -35,15 +27,13 @@ class InstanceLoad:
     decode_step_s: float = 0.0        # its measured decode step with ``running`` + 1 streams
 
     @classmethod
-    def from_beat(cls, instance_id: str, role: Role | str, load: Mapping[str, object],
-                  block_size: int = 16) -> InstanceLoad:
-        """A heartbeat's ``load`` dict (``EngineLoad`` fields and the engine's ``speed()``), read once."""
-        total = _num(load, "total_blocks")
-        free = _num(load, "free_blocks", total)
-        return cls(instance_id, Role(role), waiting_tokens=_num(load, "waiting_tokens"),
-                   running=_num(load, "running"), kv_used=min(1.0, max(0.0, 1 - free / total)) if total else 0.0,
-                   kv_tokens=total * block_size, prefill_tok_per_s=_num(load, "prefill_tok_per_s"),
-                   prefill_overhead_s=_num(load, "prefill_overhead_s"), decode_step_s=_num(load, "decode_step_s"))
+    def from_beat(cls, instance_id: str, role: Role | str, load: HeartbeatLoad, block_size: int = 16) -> InstanceLoad:
+        """A heartbeat's load (typed and checked as the heartbeat was decoded) in the planner's terms."""
+        total, speed = load.total_blocks, load.speed
+        return cls(instance_id, Role(role), waiting_tokens=load.waiting_tokens, running=load.running,
+                   kv_used=min(1.0, max(0.0, 1 - load.free_blocks / total)) if total else 0.0,
+                   kv_tokens=total * block_size, prefill_tok_per_s=speed.prefill_tok_per_s or 0.0,
+                   prefill_overhead_s=speed.prefill_overhead_s or 0.0, decode_step_s=speed.decode_step_s or 0.0)
 
 
 @dataclass(frozen=True)
