@@ -124,6 +124,7 @@ class Stack:
         self.opts = opts
         self.services: list[Service] = []
         self.nats: NatsServer | None = None
+        self._frozen: set[str] = set()  # services SIGSTOPped (stop() thaws them first, or SIGTERM waits forever)
         self._nats_users: list[Identity] = []  # the NATS users of its nats-server (with its own mesh CA)
         self.log_dir = state_dir / "logs"
         self.ready_dir = state_dir / "ready"
@@ -228,6 +229,17 @@ class Stack:
         proc = self.service(name).proc
         proc.kill()
         proc.wait()
+
+    def freeze(self, name: str) -> None:
+        """SIGSTOP a service: its process stays, its sockets stay open, and it does nothing at all (no step, no
+        heartbeat, no reply) until :meth:`thaw`; an engine that hangs whole, as the router sees it."""
+        self.service(name).proc.send_signal(signal.SIGSTOP)
+        self._frozen.add(name)
+
+    def thaw(self, name: str) -> None:
+        """SIGCONT a frozen service: it goes on where it stopped."""
+        self._frozen.discard(name)
+        self.service(name).proc.send_signal(signal.SIGCONT)
 
     def restart(self, name: str, timeout_s: float = 120.0) -> None:
         """Start a killed service again with the settings it had; NATS, cachesvc and a router on the addresses
@@ -388,6 +400,8 @@ class Stack:
                 time.sleep(0.2)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        for name in list(self._frozen):
+            self.thaw(name)
         routers = [s.name for s in self.routers]
         for group in (routers, [s.name for s in self.services if s.name not in (*routers, "cachesvc")],
                       ["cachesvc"]):

@@ -1,30 +1,40 @@
-"""``kvmesh bench load --faults``: the load test with processes killed (SIGKILL) at set times during the run.
+"""``kvmesh bench load --faults``: the load test with processes killed (SIGKILL) or frozen (SIGSTOP) at set
+times during the run.
 
     kvmesh bench load --faults decode-0@20,prefill-0@40,router-1@60,cachesvc@80,nats@100 --duration 120
                       [--clients 16] [--decode 2] [--routers 2] [--restart-after 8] [--max-tokens 16]
+    kvmesh bench load --faults decode-0@20:stop30 ...      (SIGSTOP decode-0 at 20 s, SIGCONT at 50 s)
 
 A stack of 1 prefill, ``--decode`` decode instances and ``--routers`` router replicas; closed-loop streaming
 clients of the SDK (``AsyncKvmeshClient``, every router's address, each client starting at another one), so a
 client fails over when its router dies and resumes a cut stream on the other one. Before the load every prompt is
 answered once, greedy and alone: the reference. At each time of the schedule a service is SIGKILLed (``nats``:
 the NATS server), and started again ``--restart-after`` seconds later (a supervisor's restart; cachesvc, NATS and
-a router on the address they had). Reported: requests lost (ended in an error, after the client's failover and
-resume), outputs that differ from their reference (token ids or text), the router's migrations, and TTFT / ITL
-p99 of the load before the first fault against each fault's recovery window (from the kill until 5 s after the
-service serves again).
+a router on the address they had); or, written ``SERVICE@SECONDS:stopSECONDS``, SIGSTOPped for that long and
+SIGCONTed (no restart: a process that hangs whole, heartbeats and all). Reported: requests lost (ended in an error,
+after the client's failover and resume), outputs that differ from their reference (token ids or text), the
+router's migrations, and TTFT / ITL p99 of the load before the first fault against each fault's recovery window
+(from the signal until 5 s after the service serves again). Per fault, too: what the victim's engine held just
+before the signal (its ``/metrics`` queue depth), the streams the routers moved off it (their ``router.migrate``
+spans in the stack's span file), how those ended, and how long after the signal each was re-dispatched and got
+its next token, against the routers' limits (``instance_timeout_s``, ``inter_token_timeout_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.client import AsyncKvmeshClient, KvmeshError, Overloaded
+from kvmesh.telemetry.spans import SpanRecord, read_spans, trace_file
 
 from app.bench.report import load_average, markdown_table, write_section
 from app.bench.stats import percentile
@@ -37,25 +47,45 @@ SETTLE_S = 5.0  # a fault's recovery window ends this long after the service ser
 
 @dataclass(frozen=True)
 class Fault:
-    service: str    # a service of the stack (decode-0, router-1, cachesvc, ...) or "nats"
-    at_s: float     # seconds into the load
+    service: str           # a service of the stack (decode-0, router-1, cachesvc, ...) or "nats"
+    at_s: float            # seconds into the load
+    freeze_s: float = 0.0  # > 0: SIGSTOP for this long, then SIGCONT; 0: SIGKILL, then a restart
+
+    def __str__(self) -> str:
+        return f"SIGSTOP {self.service} for {self.freeze_s:g} s" if self.freeze_s else f"kill -9 {self.service}"
+
+
+FORMAT = "SERVICE@SECONDS or SERVICE@SECONDS:stopSECONDS (e.g. decode-0@20, decode-0@20:stop30)"
 
 
 def parse_schedule(text: str) -> list[Fault]:
-    """``SERVICE@SECONDS,...`` in time order; ValueError naming what to fix."""
+    """``SERVICE@SECONDS[:stopSECONDS],...`` in time order; ValueError naming what to fix."""
     faults = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        service, sep, at = part.partition("@")
-        try:
-            at_s = float(at)
-        except ValueError:
-            at_s = -1.0
+        service, sep, when = part.partition("@")
+        at, colon, how = when.partition(":")
+        at_s = _seconds(at)
+        freeze_s = _seconds(how.removeprefix("stop")) if how.startswith("stop") else -1.0
         if not sep or not service or at_s < 0:
-            raise ValueError(f"--faults: {part!r} is not SERVICE@SECONDS (e.g. decode-0@20)")
-        faults.append(Fault(service, at_s))
+            raise ValueError(f"--faults: {part!r} is not {FORMAT}")
+        if colon and freeze_s <= 0:
+            raise ValueError(f"--faults: {part!r}: after the ':' write stop and the freeze's seconds, > 0 (e.g. "
+                             f"{service}@{at}:stop30)")
+        if colon and service == "nats":
+            raise ValueError(f"--faults: {part!r}: only the stack's own services freeze (nats@SECONDS kills NATS)")
+        faults.append(Fault(service, at_s, freeze_s if colon else 0.0))
     if not faults or [f.at_s for f in faults] != sorted(f.at_s for f in faults):
-        raise ValueError("--faults: give at least one SERVICE@SECONDS, in time order")
+        raise ValueError(f"--faults: give at least one {FORMAT}, in time order")
     return faults
+
+
+def _seconds(text: str) -> float:
+    """``text`` as seconds; -1 when it is not a number."""
+    try:
+        value = float(text)
+    except ValueError:
+        return -1.0
+    return value if math.isfinite(value) else -1.0
 
 
 @dataclass
@@ -69,23 +99,55 @@ class Outcome:
     text: str = ""
     error: str = ""
     rejected: int = 0       # 429s before it was admitted (the client backs off and sends it again)
+    request_ids: set[str] = field(default_factory=set)  # the routers' ids (a stream resumed elsewhere has two)
 
     @property
     def ttft_s(self) -> float | None:
         return self.chunk_s[0] - self.start_s if self.chunk_s else None
 
 
+@dataclass(frozen=True)
+class Held:
+    """What the victim's engine held just before the signal (its ``kvmesh_worker_queue_depth``)."""
+
+    running: int
+    waiting: int
+
+    def __str__(self) -> str:
+        return f"{self.running} running, {self.waiting} waiting"
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A stream a router moved off an instance (its ``router.migrate`` span): when, and why."""
+
+    request_id: str
+    instance: str
+    wall_s: float   # the span's start (time.time()): the re-dispatch, once a migration slot was free
+    reason: str
+
+
 @dataclass
 class Window:
-    """A fault's recovery window: the kill, the moment the service served again, and the window's end."""
+    """A fault's recovery window: the signal, the moment the service served again, and the window's end."""
 
     fault: Fault
-    killed_s: float
+    hit_s: float
     back_s: float = float("nan")
+    wall_s: float = 0.0         # the signal, as time.time() (what the span file's clock reads)
+    held: Held | None = None    # an engine's queue just before the signal
 
     @property
     def end_s(self) -> float:
         return self.back_s + SETTLE_S
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The routers' limits on a silent or stalled instance (``[router]`` settings)."""
+
+    instance_timeout_s: float      # no heartbeat for this long: the instance is dropped, its streams move
+    inter_token_timeout_s: float   # no token and no engine step for this long: the stream moves (the watchdog)
 
 
 @dataclass
@@ -97,12 +159,20 @@ class FaultRun:
     duration_s: float
     load_before: str
     load_after: str
+    moved: list[Moved]
+    limits: Limits
+    max_num_seqs: int   # the engines' cap on running sequences
 
     def wrong(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.error and (o.tokens, o.text) != self.references[o.prompt]]
 
     def lost(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.error]
+
+    def moved_off(self, w: Window) -> list[Moved]:
+        """The streams moved off the window's victim from its signal to the window's end."""
+        until = w.wall_s + (w.end_s - w.hit_s)
+        return [m for m in self.moved if m.instance == w.fault.service and w.wall_s <= m.wall_s < until]
 
 
 async def _references(targets: list[str], max_tokens: int) -> dict[str, tuple[list[int], str]]:
@@ -135,6 +205,7 @@ async def _clients(targets: list[str], clients: int, duration_s: float, max_toke
                             async for chunk in stream:
                                 o.chunk_s.append(time.monotonic() - t0)
                                 o.tokens += chunk.token_ids
+                                o.request_ids.add(chunk.request_id)
                                 o.text += chunk.text
                         break
                     except Overloaded:
@@ -157,23 +228,55 @@ async def _schedule(stack: Stack, faults: list[Fault], restart_after_s: float, t
 
     async def one(fault: Fault) -> None:
         await asyncio.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
-        window = Window(fault, time.monotonic() - t0)
+        held = await loop.run_in_executor(None, _held, stack, fault.service)
+        window = Window(fault, time.monotonic() - t0, wall_s=time.time(), held=held)
         windows.append(window)
+        if fault.freeze_s:
+            stack.freeze(fault.service)
+            print(f"[{window.hit_s:6.1f} s] froze {fault.service}{_holding(held)}", flush=True)
+            await asyncio.sleep(fault.freeze_s)
+            stack.thaw(fault.service)
+            window.back_s = time.monotonic() - t0
+            print(f"[{window.back_s:6.1f} s] thawed {fault.service}", flush=True)
+            return
         await loop.run_in_executor(None, stack.kill, fault.service)
-        print(f"[{window.killed_s:6.1f} s] killed {fault.service}", flush=True)
+        print(f"[{window.hit_s:6.1f} s] killed {fault.service}{_holding(held)}", flush=True)
         await asyncio.sleep(restart_after_s)
         await loop.run_in_executor(None, stack.restart, fault.service)
         window.back_s = time.monotonic() - t0
         print(f"[{window.back_s:6.1f} s] {fault.service} serves again", flush=True)
 
     await asyncio.gather(*(one(f) for f in faults))
-    windows.sort(key=lambda w: w.killed_s)
+    windows.sort(key=lambda w: w.hit_s)
+
+
+def _held(stack: Stack, name: str) -> Held | None:
+    """An engine's running and waiting sequences, from its /metrics (None for a service that is no engine)."""
+    if name == "nats" or not (url := stack.service(name).endpoints.get("metrics", "")):
+        return None
+    depth = 'kvmesh_worker_queue_depth{state="%s"}'
+    try:
+        return Held(int(_metric(url, depth % "running")), int(_metric(url, depth % "waiting")))
+    except OSError:
+        return None
+
+
+def _holding(held: Held | None) -> str:
+    return f" holding {held}" if held else ""
+
+
+def _moved(spans: list[SpanRecord]) -> list[Moved]:
+    return [Moved(s.request_id, str(s.attributes.get("kvmesh.migration.from", "")), s.start_ns / 1e9,
+                  str(s.attributes.get("kvmesh.reason", ""))) for s in spans if s.name == "router.migrate"]
 
 
 def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_tokens: int = 16, decode: int = 2,
-        routers: int = 2, restart_after_s: float = 8.0, state_dir: Path | None = None) -> FaultRun:
+        routers: int = 2, restart_after_s: float = 8.0, state_dir: Path | None = None,
+        max_num_seqs: int | None = None) -> FaultRun:
+    engine = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", decode=decode, routers=routers))
+        stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", decode=decode, routers=routers,
+                                                                 settings={"engine": engine}))
         names = {"nats", "cachesvc", "prefill-0"} | {f"decode-{i}" for i in range(decode)} | \
             ({f"router-{i}" for i in range(routers)} if routers > 1 else {"router"})
         unknown = [f.service for f in faults if f.service not in names]
@@ -196,14 +299,17 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
             took = asyncio.run(both())
             migrations = sum(_metric(r.endpoints["metrics"], 'kvmesh_router_migrations_total{outcome="migrated"}')
                              for r in stack.routers)
-            return FaultRun(outcomes, windows, refs, migrations, took, load_before, load_average())
+            load_after = load_average()
         finally:
             stack.stop()
+        router = stack.cfg.router
+        return FaultRun(outcomes, windows, refs, migrations, took, load_before, load_after,
+                        _moved(read_spans(trace_file(stack.state_dir))),
+                        Limits(router.instance_timeout_s, router.inter_token_timeout_s),
+                        stack.cfg.engine.max_num_seqs)
 
 
 def _metric(url: str, name: str) -> float:
-    import urllib.request
-
     with urllib.request.urlopen(url, timeout=10) as r:
         lines = r.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
@@ -224,31 +330,80 @@ def _figures(outcomes: list[Outcome], inside: Callable[[float], bool]) -> dict[s
 
 def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after_s: float) -> str:
     wrong, lost = res.wrong(), res.lost()
-    first = res.windows[0].killed_s if res.windows else res.duration_s
+    first = res.windows[0].hit_s if res.windows else res.duration_s
     before = _figures(res.outcomes, lambda t: t < first)
     rows = [{"window": f"before the first fault (0-{first:.0f} s)", **before,
              "TTFT p99 vs before": "1.00x", "ITL p99 vs before": "1.00x"}]
     for w in res.windows:
-        fig = _figures(res.outcomes, lambda t, w=w: w.killed_s <= t < w.end_s)
-        rows.append({"window": f"kill -9 {w.fault.service} at {w.killed_s:.0f} s, back at {w.back_s:.0f} s",
+        fig = _figures(res.outcomes, lambda t, w=w: w.hit_s <= t < w.end_s)
+        back = "SIGCONT" if w.fault.freeze_s else "back"
+        rows.append({"window": f"{w.fault} at {w.hit_s:.0f} s, {back} at {w.back_s:.0f} s",
                      **fig, "TTFT p99 vs before": _ratio(fig["TTFT p99 ms"], before["TTFT p99 ms"]),
                      "ITL p99 vs before": _ratio(fig["ITL p99 ms"], before["ITL p99 ms"])})
     done = [o for o in res.outcomes if not o.error]
     summary = [{"requests": len(res.outcomes), "completed": len(done), "lost": len(lost), "wrong outputs": len(wrong),
                 "migrations": f"{res.migrations:.0f}", "429s (retried)": sum(o.rejected for o in res.outcomes),
                 "tokens/s": f"{sum(len(o.tokens) for o in done) / max(res.duration_s, 1e-9):.1f}"}]
+    victims = [_victim(res, w) for w in res.windows]
+    lim = res.limits
     body = (f"{clients} closed-loop streaming clients (the SDK, every router's address; a client fails over and "
             f"resumes a cut stream on another router) for {res.duration_s:.0f} s against 1 prefill + {decode} decode "
-            f"instances and {routers} routers (the real model, 1 thread each); greedy, {len(PROMPTS)} short prompts, "
-            f"each answer compared with its reference taken alone before the load (token ids and text). Each "
-            f"service of the schedule is SIGKILLed at its time and started again {restart_after_s:g} s later (NATS, "
-            f"cachesvc and a router on their old address); a fault's recovery window runs from the kill until "
-            f"{SETTLE_S:g} s after the service serves again. Load average (1, 5, 15 min) {res.load_before} at the "
-            f"start, {res.load_after} at the end (the machine is shared).\n\n"
+            f"instances (max_num_seqs {res.max_num_seqs} each) and {routers} routers (the real model, 1 thread "
+            f"each); greedy, {len(PROMPTS)} short prompts, each answer compared with its reference taken alone "
+            f"before the load (token ids and text). Each service of the schedule is "
+            f"{_actions([w.fault for w in res.windows], restart_after_s)}; a fault's recovery "
+            f"window runs from the signal until {SETTLE_S:g} s after the service serves again. Load average (1, 5, "
+            f"15 min) {res.load_before} at the start, {res.load_after} at the end (the machine is shared).\n\n"
             + markdown_table(summary, list(summary[0])) + "\n\n"
             + markdown_table(rows, ["window", "requests", "lost", "TTFT p99 ms", "TTFT p99 vs before", "ITL p99 ms",
-                                    "ITL p99 vs before"]))
+                                    "ITL p99 vs before"]) + "\n\n"
+            f"Each fault's victim: what its engine held just before the signal (its /metrics), the streams the "
+            f"routers moved off it once it had sent them tokens (their `router.migrate` spans), how those ended, "
+            f"and how long after the signal each was dispatched again and got its next token. The routers drop an "
+            f"instance silent for instance_timeout_s ({lim.instance_timeout_s:g} s without a heartbeat) and move a "
+            f"stream that got no token while its instance showed no engine step for inter_token_timeout_s "
+            f"({lim.inter_token_timeout_s:g} s, the inter-token watchdog).\n\n"
+            + markdown_table(victims, list(victims[0]) if victims else []))
     return body
+
+
+def _actions(faults: list[Fault], restart_after_s: float) -> str:
+    kill = (f"SIGKILLed at its time and started again {restart_after_s:g} s later (NATS, cachesvc and a router on "
+            "their old address)")
+    freeze = "SIGSTOPped at its time and SIGCONTed when its freeze is over (no restart)"
+    return " or ".join(a for a, used in ((kill, any(not f.freeze_s for f in faults)),
+                                         (freeze, any(f.freeze_s for f in faults))) if used)
+
+
+def _victim(res: FaultRun, w: Window) -> dict[str, str | int]:
+    """One fault's victim: what it held, the streams moved off it, how they ended and how soon they moved."""
+    moved = res.moved_off(w)
+    by_id = {rid: o for o in res.outcomes for rid in o.request_ids}
+    outcomes = {id(o): o for m in moved if (o := by_id.get(m.request_id)) is not None}.values()
+    redispatched = [m.wall_s - w.wall_s for m in moved]
+    next_token = [next(t for t in o.chunk_s if t > w.hit_s) - w.hit_s
+                  for o in outcomes if any(t > w.hit_s for t in o.chunk_s)]
+    held = f"{w.held.running} + {w.held.waiting}" if w.held else "-"
+    return {"fault": f"{w.fault} at {w.hit_s:.0f} s", "held (running + waiting)": held,
+            "streams moved": len(moved), "of them completed": sum(not o.error for o in outcomes),
+            "lost": sum(bool(o.error) for o in outcomes),
+            "wrong": sum(not o.error and (o.tokens, o.text) != res.references[o.prompt] for o in outcomes),
+            "moved because": ", ".join(f"{n} {why}" for why, n in Counter(_why(m.reason) for m in moved).items())
+                             or "-",
+            "dispatched again after s (p50 / max)": _p50_max(redispatched),
+            "next token after s (p50 / max)": _p50_max(next_token)}
+
+
+def _why(reason: str) -> str:
+    if "no heartbeat" in reason:
+        return "heartbeats stopped"
+    if "inter_token_timeout_s" in reason:
+        return "watchdog"
+    return "call failed"
+
+
+def _p50_max(values: list[float]) -> str:
+    return f"{percentile(values, 50):.1f} / {max(values):.1f}" if values else "-"
 
 
 def _ratio(x: str | int, base: str | int) -> str:
@@ -265,19 +420,24 @@ def main(args) -> int:
     except ValueError as e:
         print(f"kvmesh bench load: {e}")
         return 2
-    if faults[-1].at_s + args.restart_after >= args.duration:
-        print(f"kvmesh bench load: the last fault's restart ({faults[-1].at_s:g} + {args.restart_after:g} s) must "
-              f"fall within --duration ({args.duration:g} s)")
+    last = max(faults, key=lambda f: f.at_s + (f.freeze_s or args.restart_after))
+    if last.at_s + (last.freeze_s or args.restart_after) >= args.duration:
+        print(f"kvmesh bench load: the last fault's end ({last.at_s:g} + {last.freeze_s or args.restart_after:g} s) "
+              f"must fall within --duration ({args.duration:g} s)")
         return 2
-    res = run(faults, args.clients, args.duration, args.max_tokens, args.decode, args.routers, args.restart_after)
+    res = run(faults, args.clients, args.duration, args.max_tokens, args.decode, args.routers, args.restart_after,
+              Path(args.state_dir) if args.state_dir else None, args.max_num_seqs)
     body = report(res, args.clients, args.decode, args.routers, args.restart_after)
     print(body)
     for o in (res.lost() + res.wrong())[:10]:
         what = o.error or f"got {o.text!r}, expected {res.references[o.prompt][1]!r}"
         print(f"{o.prompt!r} at {o.start_s:.1f} s: {what}")
     if not args.no_write:
+        section = args.section or SECTION
         command = (f"kvmesh bench load --faults {args.faults} --clients {args.clients} --duration {args.duration:g} "
                    f"--decode {args.decode} --routers {args.routers} --restart-after {args.restart_after:g} "
-                   f"--max-tokens {args.max_tokens}")
-        print(f"\nwritten to {write_section(SECTION, command, body)}")
+                   f"--max-tokens {args.max_tokens}"
+                   + (f" --max-num-seqs {args.max_num_seqs}" if args.max_num_seqs else "")
+                   + (f" --section '{section}'" if args.section else ""))
+        print(f"\nwritten to {write_section(section, command, body)}")
     return 0 if not res.lost() and not res.wrong() else 1

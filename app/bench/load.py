@@ -1,10 +1,12 @@
 """A bounded load test on a real stack: many concurrent streaming clients for a fixed time, on loopback.
 
     kvmesh bench load [--clients 64] [--duration 60] [--max-concurrent 32] [--max-tokens 16] [--no-write]
-    kvmesh bench load --faults SERVICE@SECONDS,... [--decode 2] [--routers 2] [--restart-after 8] ...
+    kvmesh bench load --faults SERVICE@SECONDS[:stopSECONDS],... [--decode 2] [--routers 2] [--restart-after 8]
+                      [--max-num-seqs N] [--section NAME] ...
 
-With ``--faults`` it is the load under a fault schedule (``app/bench/faults.py``): processes SIGKILLed at set
-times, the requests lost and the wrong outputs counted, the latency of each recovery against before.
+With ``--faults`` it is the load under a fault schedule (``app/bench/faults.py``): processes SIGKILLed or frozen
+(SIGSTOP) at set times, the requests lost and the wrong outputs counted, the latency of each recovery against
+before, and per fault the victim's streams: how many, how they ended, how soon they moved.
 
 Before the load, each prompt is answered once, greedy and alone: the reference. Under load every stream must give
 exactly that text and token count (a lost or duplicated token shows as a mismatch), the router must refuse what is
@@ -247,14 +249,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ramp", metavar="CLIENTS:SECONDS,...",
                    help="phases of closed-loop clients (e.g. 1:60,12:120,1:90) against the stack already running "
                         "in --state-dir (`kvmesh up`), one line per phase; nothing is written")
-    p.add_argument("--state-dir", help="with --ramp: the running stack's state directory")
-    p.add_argument("--faults", metavar="SERVICE@SECONDS,...",
+    p.add_argument("--state-dir", help="with --ramp: the running stack's state directory; with --faults: where "
+                                       "the stack keeps its logs and span file (default: a temporary directory)")
+    p.add_argument("--faults", metavar="SERVICE@SECONDS[:stopSECONDS],...",
                    help="kill -9 these services at these times into the load (decode-0, prefill-0, router-1, "
-                        "cachesvc, nats, ...), each started again --restart-after seconds later")
+                        "cachesvc, nats, ...), each started again --restart-after seconds later; with :stopN, "
+                        "SIGSTOP it instead and SIGCONT it N seconds later (decode-0@20:stop30)")
     p.add_argument("--decode", type=int, default=2, help="with --faults: decode instances")
     p.add_argument("--routers", type=int, default=2, help="with --faults: router replicas")
     p.add_argument("--restart-after", type=float, default=8.0, help="with --faults: seconds until a killed "
                                                                         "service is started again")
+    p.add_argument("--max-num-seqs", type=int, help="with --faults: each engine's cap on running sequences "
+                                                     "(engine.max_num_seqs; default: the engine's own)")
+    p.add_argument("--section", help="with --faults: the docs/benchmarks.md section to (re)write (default: "
+                                     "Load under faults)")
     args = p.parse_args(argv)
     if args.ramp:
         return ramp(args.ramp, args.state_dir, args.max_tokens)
