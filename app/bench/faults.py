@@ -100,10 +100,15 @@ class Outcome:
     error: str = ""
     rejected: int = 0       # 429s before it was admitted (the client backs off and sends it again)
     request_ids: set[str] = field(default_factory=set)  # the routers' ids (a stream resumed elsewhere has two)
+    chunk_n: list[int] = field(default_factory=list)    # the tokens received by each chunk's arrival
 
     @property
     def ttft_s(self) -> float | None:
         return self.chunk_s[0] - self.start_s if self.chunk_s else None
+
+    def after(self, carried: int) -> float | None:
+        """When the first token past the first ``carried`` arrived (a migration's seam; None: none did)."""
+        return next((t for t, n in zip(self.chunk_s, self.chunk_n, strict=True) if n > carried), None)
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,7 @@ class Moved:
     instance: str
     wall_s: float   # the span's start (time.time()): the re-dispatch, once a migration slot was free
     reason: str
+    carried: int    # the tokens the client had before the seam
 
 
 @dataclass
@@ -205,6 +211,7 @@ async def _clients(targets: list[str], clients: int, duration_s: float, max_toke
                             async for chunk in stream:
                                 o.chunk_s.append(time.monotonic() - t0)
                                 o.tokens += chunk.token_ids
+                                o.chunk_n.append(len(o.tokens))
                                 o.request_ids.add(chunk.request_id)
                                 o.text += chunk.text
                         break
@@ -267,7 +274,8 @@ def _holding(held: Held | None) -> str:
 
 def _moved(spans: list[SpanRecord]) -> list[Moved]:
     return [Moved(s.request_id, str(s.attributes.get("kvmesh.migration.from", "")), s.start_ns / 1e9,
-                  str(s.attributes.get("kvmesh.reason", ""))) for s in spans if s.name == "router.migrate"]
+                  str(s.attributes.get("kvmesh.reason", "")), int(s.attributes.get("kvmesh.migration.tokens", 0)))
+            for s in spans if s.name == "router.migrate"]
 
 
 def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_tokens: int = 16, decode: int = 2,
@@ -357,11 +365,12 @@ def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after
             + markdown_table(summary, list(summary[0])) + "\n\n"
             + markdown_table(rows, ["window", "requests", "lost", "TTFT p99 ms", "TTFT p99 vs before", "ITL p99 ms",
                                     "ITL p99 vs before"]) + "\n\n"
-            f"Each fault's victim: what its engine held just before the signal (its /metrics), the streams the "
-            f"routers moved off it once it had sent them tokens (their `router.migrate` spans), how those ended, "
-            f"and how long after the signal each was dispatched again and got its next token. The routers drop an "
-            f"instance silent for instance_timeout_s ({lim.instance_timeout_s:g} s without a heartbeat) and move a "
-            f"stream that got no token while its instance showed no engine step for inter_token_timeout_s "
+            "Each fault's victim: what its engine held just before the signal (its /metrics), the streams the "
+            "routers moved off it once it had sent them tokens (their `router.migrate` spans), how those ended, and "
+            "how long after the signal each was dispatched again and its client got the first token past the seam "
+            "(the client's clock: its loop runs every stream). The routers drop an instance silent for "
+            f"instance_timeout_s ({lim.instance_timeout_s:g} s without a heartbeat) and move a stream that got no "
+            "token while its instance showed no engine step for inter_token_timeout_s "
             f"({lim.inter_token_timeout_s:g} s, the inter-token watchdog).\n\n"
             + markdown_table(victims, list(victims[0]) if victims else []))
     return body
@@ -379,10 +388,10 @@ def _victim(res: FaultRun, w: Window) -> dict[str, str | int]:
     """One fault's victim: what it held, the streams moved off it, how they ended and how soon they moved."""
     moved = res.moved_off(w)
     by_id = {rid: o for o in res.outcomes for rid in o.request_ids}
-    outcomes = {id(o): o for m in moved if (o := by_id.get(m.request_id)) is not None}.values()
+    pairs = [(m, o) for m in moved if (o := by_id.get(m.request_id)) is not None]
+    outcomes = {id(o): o for _, o in pairs}.values()
     redispatched = [m.wall_s - w.wall_s for m in moved]
-    next_token = [next(t for t in o.chunk_s if t > w.hit_s) - w.hit_s
-                  for o in outcomes if any(t > w.hit_s for t in o.chunk_s)]
+    next_token = [t - w.hit_s for m, o in pairs if (t := o.after(m.carried)) is not None]
     held = f"{w.held.running} + {w.held.waiting}" if w.held else "-"
     return {"fault": f"{w.fault} at {w.hit_s:.0f} s", "held (running + waiting)": held,
             "streams moved": len(moved), "of them completed": sum(not o.error for o in outcomes),

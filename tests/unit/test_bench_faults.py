@@ -45,7 +45,8 @@ def test_nats_is_killed_never_frozen():
 
 
 def outcome(prompt: str, start: float, ttft: float, tokens: list[int], text: str, error: str = "") -> Outcome:
-    return Outcome(prompt, start, [start + ttft + 0.1 * i for i in range(len(tokens))], tokens, text, error)
+    return Outcome(prompt, start, [start + ttft + 0.1 * i for i in range(len(tokens))], tokens, text, error,
+                   chunk_n=list(range(1, len(tokens) + 1)))
 
 
 def test_the_report_counts_lost_and_wrong_and_compares_each_recovery_with_before():
@@ -66,17 +67,18 @@ def test_the_report_counts_lost_and_wrong_and_compares_each_recovery_with_before
 
 def test_a_victims_row_says_what_it_held_and_how_soon_each_moved_stream_went_on():
     """The freeze at 10 s (wall clock 1000 s): two streams moved off decode-0, re-dispatched 3.5 and 4 s after
-    it, their next tokens 4 and 5 s after it; both completed, one of them wrong. A stream moved off decode-1 and one
-    moved off decode-0 after the window are not its."""
-    refs = {"a": ([1, 2], "xy")}
-    right = Outcome("a", 9.0, [9.5, 14.0, 14.1], [1, 2], "xy", request_ids={"r1"})
-    wrong = Outcome("a", 9.0, [9.6, 15.0], [1, 3], "xz", request_ids={"r2", "r2-resumed"})
-    elsewhere = Outcome("a", 9.0, [9.7, 11.0], [1, 2], "xy", request_ids={"r3"})
-    moved = [Moved("r1", "decode-0", 1003.5, "instance decode-0 stopped answering: no heartbeat for 3.2s"),
+    it; their first tokens past the seam came 4 and 5 s after it (a token sent before the seam that reached the
+    client just after the signal does not count); both completed, one of them wrong. A stream moved off decode-1
+    and one moved off decode-0 after the window are not its."""
+    refs = {"a": ([1, 2, 3], "xyz")}
+    right = Outcome("a", 9.0, [9.5, 10.05, 14.0], [1, 2, 3], "xyz", request_ids={"r1"}, chunk_n=[1, 2, 3])
+    wrong = Outcome("a", 9.0, [9.6, 15.0], [1, 3, 3], "xzz", request_ids={"r2", "r2-resumed"}, chunk_n=[1, 3])
+    elsewhere = Outcome("a", 9.0, [9.7, 11.0], [1, 2, 3], "xyz", request_ids={"r3"}, chunk_n=[1, 3])
+    moved = [Moved("r1", "decode-0", 1003.5, "instance decode-0 stopped answering: no heartbeat for 3.2s", 2),
              Moved("r2-resumed", "decode-0", 1004.0, "instance decode-0 stalled: no token and no engine step for "
-                                                     "10.1s (inter_token_timeout_s)"),
-             Moved("r3", "decode-1", 1003.0, "instance decode-1 failed: UNAVAILABLE"),
-             Moved("r9", "decode-0", 1100.0, "instance decode-0 failed: UNAVAILABLE")]
+                                                     "10.1s (inter_token_timeout_s)", 1),
+             Moved("r3", "decode-1", 1003.0, "instance decode-1 failed: UNAVAILABLE", 1),
+             Moved("r9", "decode-0", 1100.0, "instance decode-0 failed: UNAVAILABLE", 1)]
     run = FaultRun(outcomes=[right, wrong, elsewhere],
                    windows=[Window(Fault("decode-0", 10.0, freeze_s=30.0), 10.0, 40.0, wall_s=1000.0,
                                    held=Held(64, 7))],
