@@ -236,3 +236,38 @@ def test_a_pause_warms_the_sessions_demoted_blocks_back_before_it_is_expected(ti
             await engine.close()
 
     asyncio.run(body())
+
+
+def test_a_resume_warms_the_sessions_demoted_blocks_back_at_once(tiny_config):
+    """Through the seam: the session's next request reached a router (``RESUME``): its blocks on the host tier
+    are loaded back onto the device now, long before its announced pause would have (a 1-hour pause)."""
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.settings import EngineSettings
+
+    async def body() -> None:
+        cfg = EngineSettings(num_blocks=16, block_size=4, eviction="session", host_cache_mb=1)
+        engine = AsyncEngine(LLMEngine(cfg, model_config=tiny_config), asyncio.get_running_loop())
+        try:
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            agent = tuple(range(1, 22))  # 5 full blocks
+            async for _ in engine.generate(EngineRequest("a", agent, params, session=SessionHint("t/agent"))):
+                pass
+            engine.signal_session(SessionSignal("t/agent", SessionEvent.DEMOTE, 0.0, expected_s=3600.0))
+            for i in range(2):  # other work fills the device: the demoted session's blocks go to the host
+                other = tuple(range(100 + 60 * i, 160 + 60 * i))
+                async for _ in engine.generate(EngineRequest(f"o{i}", other, params)):
+                    pass
+
+            def where(e) -> list[bool]:
+                return [n.block_id is not None for n in e.blocks.match(engine.namespace(), agent).nodes]
+
+            assert not all(await engine.call(where))
+            assert engine.stats().prefetch_loaded == 0  # the timer is an hour away
+            engine.signal_session(SessionSignal("t/agent", SessionEvent.RESUME, 0.0, "both-0"))
+            await engine.call(lambda e: None)  # commands run in order: the resume was applied
+            assert engine.stats().prefetch_loaded > 0 and all(await engine.call(where))
+        finally:
+            await engine.close()
+
+    asyncio.run(body())

@@ -381,12 +381,12 @@ class BlockManager:
             self._emit(BlockRemoved(tuple(kept), TIER_DEVICE))
         return quarantined
 
-    def session_signal(self, key: str, event: SessionEvent) -> None:
-        """Session ``key`` paused (its response ended in a tool call) or ended (an explicit close)."""
+    def session_signal(self, key: str, event: SessionEvent, expected_s: float = 0.0) -> None:
+        """Session ``key`` paused, demoted, released or ended (``SessionTable.signal``); ``expected_s``: the
+        pause the client announced (0: none)."""
         if self.sessions is None:
             return
-        t = now()
-        self._rerank(self.sessions.pause(key, t) if event is SessionEvent.PAUSE else self.sessions.end(key))
+        self._rerank(self.sessions.signal(key, event, now(), expected_s))
 
     def expire_sessions(self, t: float, force: bool = False) -> None:
         """Drop the sessions silent past the table's ``idle_s`` (looked for every ``EXPIRE_EVERY_S``)."""

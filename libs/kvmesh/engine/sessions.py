@@ -31,6 +31,8 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.contracts.sessions import SessionEvent
+
 PAUSE_HISTORY = 8     # pause gaps a session remembers (its cadence)
 GLOBAL_HISTORY = 256  # recent pause gaps of every session (the cadence of a session that has not paused yet)
 OVERDUE = 2.0         # a paused session is overdue past this many times its expected pause
@@ -60,6 +62,8 @@ class Session:
     blocks: tuple[int, ...] = ()
     paused_at: float | None = None
     pause_gaps: list[float] = field(default_factory=list)  # its own pauses: tool call -> next request
+    announced_s: float = 0.0  # the current pause's length as the client announced it (0: none; its cadence)
+    demoted: bool = False     # the current pause let its blocks move down the tiers (they rank as LIVE)
 
     @property
     def paused(self) -> bool:
@@ -123,20 +127,46 @@ class SessionTable:
             del self._sessions[key]
         return changed
 
-    def pause(self, key: str, now: float, create: bool = False) -> set[int]:
-        """Session ``key``'s last response ended in a tool call: it is back once the tool ran. A session not
-        known here is ignored, or with ``create`` recorded as paused (a write-back of its blocks may come after
-        the signal); one paused already is paused afresh from ``now``."""
+    def signal(self, key: str, event: SessionEvent, now: float, expected_s: float = 0.0,
+               create: bool = False) -> set[int]:
+        """Apply a session signal (``contracts.sessions.SessionEvent``): pause, demote, release or end; the
+        others (``RESUME``, ``ROUTED``) say nothing of what the session holds. ``expected_s``: the pause's
+        length as the client announced it (0: none); ``create``: as for :meth:`pause`."""
+        if event is SessionEvent.PAUSE or event is SessionEvent.DEMOTE:
+            return self.pause(key, now, create, expected_s, demote=event is SessionEvent.DEMOTE)
+        if event is SessionEvent.RELEASE:
+            return self.release(key)
+        if event is SessionEvent.END:
+            return self.end(key)
+        return set()
+
+    def pause(self, key: str, now: float, create: bool = False, expected_s: float = 0.0,
+              demote: bool = False) -> set[int]:
+        """Session ``key``'s last response ended in a tool call (or it said it pauses): it is back once the tool
+        ran, after ``expected_s`` when the client announced that, else its cadence. A session not known here is
+        ignored, or with ``create`` recorded as paused (a write-back of its blocks may come after the signal);
+        one paused already is paused afresh from ``now``. ``demote``: its blocks keep ranking as a live
+        session's (they may move down the tiers; the engine warms them back before it returns)."""
         s = self._sessions.get(key)
         if s is None:
             if not create:
                 return set()
             s = self._sessions[key] = Session(key, now)
-        if s.paused_at is None:
+        if s.paused_at is not None and not s.demoted:
+            self._unpause(s.blocks)
+        s.paused_at, s.announced_s, s.demoted = now, expected_s, demote
+        if not demote:
             self._paused.update(s.blocks)
-        s.paused_at = now
-        self._hold_paused(s.blocks, now + OVERDUE * self.expected_pause(s))
+            self._hold_paused(s.blocks, now + OVERDUE * self.expected_pause(s))
         return set(s.blocks)
+
+    def release(self, key: str) -> set[int]:
+        """Session ``key`` goes on, but nothing it holds now is worth keeping: it holds nothing until its next
+        request."""
+        s = self._sessions.get(key)
+        if s is None:
+            return set()
+        return self._resume(s, s.last_seen, count=False) | self._hold(s, ())
 
     def end(self, key: str) -> set[int]:
         """Session ``key`` is over (an explicit close): it holds nothing any more."""
@@ -159,8 +189,10 @@ class SessionTable:
 
     # ---- cadence -------------------------------------------------------------------------------------------
     def expected_pause(self, s: Session) -> float:
-        """How long the session's pauses last: the median of its own, else of every session's recent ones,
-        else ``default_pause_s``."""
+        """How long the session's current pause lasts: what the client announced, else the median of its own
+        pauses, else of every session's recent ones, else ``default_pause_s``."""
+        if s.paused_at is not None and s.announced_s > 0:
+            return s.announced_s
         gaps = s.pause_gaps or self._recent
         return statistics.median(gaps) if gaps else self.default_pause_s
 
@@ -175,14 +207,17 @@ class SessionTable:
         return (s for s in self._sessions.values() if s.paused)
 
     # ---- internals -----------------------------------------------------------------------------------------
-    def _resume(self, s: Session, now: float) -> set[int]:
+    def _resume(self, s: Session, now: float, count: bool = True) -> set[int]:
+        """``s`` is no longer paused; ``count``: the pause ended with its next request (a cadence sample)."""
         if s.paused_at is None:
             return set()
-        gap = max(0.0, now - s.paused_at)
-        s.pause_gaps = [*s.pause_gaps[-(PAUSE_HISTORY - 1):], gap]
-        self._recent.append(gap)
-        s.paused_at = None
-        self._unpause(s.blocks)
+        if count:
+            gap = max(0.0, now - s.paused_at)
+            s.pause_gaps = [*s.pause_gaps[-(PAUSE_HISTORY - 1):], gap]
+            self._recent.append(gap)
+        if not s.demoted:
+            self._unpause(s.blocks)
+        s.paused_at, s.announced_s, s.demoted = None, 0.0, False
         return set(s.blocks)
 
     def _hold_paused(self, blocks: Iterable[int], until: float) -> None:
@@ -205,7 +240,7 @@ class SessionTable:
                 del self._held[b]
         for b in new - old:
             self._held[b] += 1
-        if s.paused_at is not None:
+        if s.paused_at is not None and not s.demoted:
             self._unpause(old - new)
             self._paused.update(new - old)
             self._hold_paused(new - old, s.paused_at + OVERDUE * self.expected_pause(s))
