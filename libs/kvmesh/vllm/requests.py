@@ -7,7 +7,6 @@ from typing import Any
 from kvmesh.contracts.engine import EngineOutput, SessionHint, TokenLogprobs
 from kvmesh.contracts.sampling import SamplingParams
 
-
 SESSION_ACTION = "kvmesh.session"  # the KV-hint action a kvmesh request's session travels in, version "1"
 
 
