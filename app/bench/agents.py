@@ -14,16 +14,18 @@ from the parent's context plus its own instructions, runs two steps with tool pa
 all are back, with their results in its context. Responses are forced tool calls (the response format), the last
 step's a short answer.
 
-``hints``: the same workload on two fresh stacks at the same time (so the machine's load weighs on both alike). "without hints": requests carry no session fields (routing
-is cache-aware only, eviction ranks as its base strategies). "with hints": every request carries its
-``session_id`` (sub-agents their ``parent_session_id``), the pause its tool will take as the harness knows it
-(``session_pause_s``: the tool kind's median), ``session_retention: demote`` before a long tool (a build; the
-device goes to the other agents meanwhile) and the last step's ``session_end``.
+``hints``: the same workload on two fresh stacks at the same time (so the machine's load weighs on both alike).
+"without hints": requests carry no session fields (routing is cache-aware only, eviction ranks as its base
+strategies). "with hints": every request carries its ``session_id`` (sub-agents their ``parent_session_id``), the
+pause its tool will take as the harness knows it (``session_pause_s``: the tool kind's median),
+``session_retention: demote`` before a long tool (a build; the device goes to the other agents meanwhile) and the
+last step's ``session_end``.
 
-``overload``: with hints, two stacks side by side again, while a hog streams long prompts straight into instance both-0 (its Decode RPC, as a
-router would, so the router sees that instance's queue only through its heartbeats): "keep" leaves every session
-on its instance however loaded (``session_overload`` 1000), "move" lets it go to the other one (the default, 2:
-sticky until saturated; its KV follows through the pool).
+``overload``: with hints, two stacks side by side again, while a hog streams long prompts straight into instance
+both-0 (its Decode RPC, as a router would, so the router sees that instance's queue only through its heartbeats):
+"keep" leaves every session on its instance however loaded (``session_overload`` 1000 and no margin the cost model
+could beat), "move" lets it go to the other one (the defaults: sticky until saturated, by the queue or by the cost
+model's estimate; its KV follows through the pool).
 
 Reported for the resumed steps (every step after an agent's first): TTFT p50 / p90 at the client, the share of
 their prompt tokens served from cache, the blocks warmed back before a step returned (prefetched, then used or
@@ -46,7 +48,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from kvmesh.contracts.keys import block_keys
 from kvmesh.routing.hits import belady_hits, infinite_cache_hits
@@ -208,7 +210,7 @@ class Hog:
         self.served = 0
         self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(streams)]
 
-    def __enter__(self) -> Hog:
+    def __enter__(self) -> Self:
         for t in self.threads:
             t.start()
         return self
@@ -259,7 +261,9 @@ def run(mode: str, systems: list[tuple[int, ...]], agents: list[Agent], hints: s
     from app.launcher import Stack, StackOptions
 
     result = Run(mode)
-    router = {"session_overload": overload} if overload is not None else {}
+    # keep: neither a queue (session_overload) nor an estimate (session_move_margin_s) moves a session
+    router = {"session_overload": overload, "session_move_margin_s": 1e6 if overload >= 1000 else 0.25} \
+        if overload is not None else {}
     opts = StackOptions.local(f"agents{abs(hash(mode)) % 10_000}", prefill=0, decode=0, both=2, pool=True,
                               settings={"engine": dict(ENGINE), "cachesvc": dict(POOL), "router": router})
     with tempfile.TemporaryDirectory(prefix="kvmesh-agents-") as d:

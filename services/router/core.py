@@ -376,7 +376,8 @@ class Router:
                       for i in self.registry.alive() if i.id not in avoid)
         home = self.sessions.home(session) if self.sessions.affinity else None
         return FleetView(views, matched, self.cfg.block_size, self.policies.cost,
-                         self.registry.replica_rank(self.id), self.registry.bus_up(), home, self.sessions.overload)
+                         self.registry.replica_rank(self.id), self.registry.bus_up(), home, self.sessions.overload,
+                         self.cfg.session_move_margin_s)
 
     def _instance(self, iid: str) -> Instance:
         return next(i for i in self.registry.alive() if i.id == iid)

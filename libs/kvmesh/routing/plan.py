@@ -16,7 +16,8 @@ The rules, in order:
 - **Only role-both instances**: the session's instance, else the policy's choice among them. Sticky until
   saturated: when the policy prices each instance's TTFT (``cache_aware``: its queue, and what it holds of the
   prompt, the session's KV at home included), the session leaves its instance for one the policy expects to
-  serve it sooner; under the other policies, when its instance has ``session_overload`` more requests.
+  serve it ``session_move_margin_s`` sooner; under any policy, when its instance has ``session_overload`` more
+  requests.
 - **Only decode instances**: the session's instance, else the least loaded decode.
 
 Pure but for the policy object, which may keep state of its own (round robin's turn).
@@ -67,6 +68,7 @@ class FleetView:
     bus_up: bool = True          # NATS reachable: a push can be announced
     session_home: str | None = None  # the instance the request's session last ran on
     session_overload: int = 2    # queued or running more than the least loaded by this much: the session moves
+    session_move_margin_s: float = 0.25  # cache_aware: another instance this much sooner (estimated): it moves
 
     def of_role(self, role: str) -> list[InstanceView]:
         return [i for i in self.instances if i.role == role]
@@ -264,7 +266,7 @@ def _sooner_elsewhere(home: InstanceView, why: str, policy: Policy, both: list[I
     chosen, est = decision.chosen, decision.scores
     if chosen is None or chosen.id == home.id or home.id not in est or chosen.id not in est:
         return home, why, False
-    if est[chosen.id] < est[home.id]:
+    if est[chosen.id] + fleet.session_move_margin_s < est[home.id]:
         return None, (f"session: {chosen.id} serves it sooner ({est[chosen.id]:.3f} s estimated, "
                       f"{est[home.id]:.3f} s on {home.id}, its KV counted)"), True
     return home, why, False
