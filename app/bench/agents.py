@@ -61,8 +61,8 @@ SECTION_OVERLOAD = "Agents on the stack, one instance overloaded"
 VOCAB = 49152  # SmolLM2's
 BLOCK = 16
 TOOL_CALL = '<tool_call>{"name": "run", "arguments": {}}</tool_call>'
-ENGINE = {"threads": 1, "num_blocks": 96, "host_cache_mb": 32, "eviction": "session_duel", "session_pause_s": 3.0}
-POOL = {"pool_capacity_mb": 256, "pool_eviction": "session"}
+ENGINE = {"threads": 1, "num_blocks": 64, "host_cache_mb": 16, "eviction": "session_duel", "session_pause_s": 3.0}
+POOL = {"pool_capacity_mb": 64, "pool_eviction": "session"}
 # a tool kind: its median seconds and the spread of log(duration); how often an agent calls it
 TOOLS = {"search": (1.5, 0.5, 0.5), "tests": (4.0, 0.4, 0.35), "build": (10.0, 0.3, 0.15)}
 LONG_TOOL_S = 8.0  # a tool announced at least this long: the harness lets the session's KV move down meanwhile

@@ -153,6 +153,23 @@ def test_a_paused_sessions_demoted_blocks_are_warmed_back_and_counted_when_used(
     assert bm.stats["prefetch_wasted"] == 0 and bm.prefetch("t/nobody") == 0
 
 
+def test_a_demoted_sessions_blocks_make_room_then_are_kept_once_warmed_back(clock):
+    """A demoted session's blocks rank as if no session held them, so live work pushes them to the host; warmed
+    back for its return they rank as a paused session's and count as just used, so other work evicts its own
+    blocks first (before, warmed blocks ranked by their old recency: loaded, then the first to go)."""
+    bm = manager(num_blocks=4, policy="session", host_blocks=8)
+    turn(bm, A, "t/agent")
+    bm.session_signal("t/agent", SessionEvent.DEMOTE, expected_s=5.0)
+    for i in range(2):  # live sessions' work outranks a demoted one's blocks: they go to the host
+        turn(bm, [100 + i] * BS * 2, f"t/live{i}")
+    assert all(n.block_id is None for n in bm.match(1, A).nodes)
+    assert bm.prefetch("t/agent") == 2  # about to return: warmed back, and kept from now on
+    turn(bm, [200] * BS * 2, "t/live2")  # more live work: two blocks must go, and they are not the agent's
+    assert all(n.block_id is not None for n in bm.match(1, A).nodes)
+    turn(bm, A + [3] * BS, "t/agent")
+    assert bm.stats["prefetch_used"] == 2 and bm.stats["prefetch_wasted"] == 0
+
+
 def test_blocks_with_another_copy_in_the_cluster_go_before_last_copies(clock):
     bm = manager(num_blocks=4, policy="session")
     turn(bm, A)

@@ -249,10 +249,15 @@ def test_a_demoted_pause_keeps_the_cadence_but_not_the_blocks_rank():
     t.signal("t/b", SessionEvent.PAUSE, 0.0)
     t.signal("t/a", SessionEvent.DEMOTE, 0.0, expected_s=4.0)
     assert t.expected_return("t/a") == 4.0
-    assert t.mark(1, "t/a", 1.0) == Mark.LIVE  # may move down the tiers
+    assert t.mark(1, "t/a", 1.0) == Mark.UNKNOWN  # as if no session held it: it may move down the tiers
     assert t.mark(2, SHARED, 1.0) == Mark.PAUSED  # b's pause still keeps the block they share
+    assert t.retain("t/a") == {1, 2} and t.mark(1, "t/a", 1.5) == Mark.PAUSED  # about to return: kept
+    assert t.retain("t/a") == set()
     t.request("t/a", [1, 2], 3.0)  # back: b's pause is untouched
     assert t.mark(2, SHARED, 3.5) == Mark.PAUSED and t.mark(1, "t/a", 3.5) == Mark.LIVE
+    t.signal("t/a", SessionEvent.DEMOTE, 4.0)
+    t.request("t/a", [1, 2, 5], 5.0)  # back again without a warm-up: every count is undone
+    assert t.mark(5, "t/a", 5.0) == Mark.LIVE and not t._demoted and t.mark(1, "t/a", 5.0) == Mark.LIVE
 
 
 def test_a_release_lets_go_of_what_the_session_holds_but_keeps_it():

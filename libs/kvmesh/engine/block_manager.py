@@ -410,6 +410,7 @@ class BlockManager:
         s = self.sessions.get(key) if self.sessions is not None else None
         if s is None or self.host is None:
             return 0
+        self._rerank(self.sessions.retain(key))  # type: ignore[union-attr] - a demoted session's KV is kept now
         chain = []
         for block in s.blocks:
             node = self.tree.by_key.get(block)
@@ -424,8 +425,11 @@ class BlockManager:
         fresh = self.tiers.allocate(len(to_load))
         if fresh is not None:
             self.tiers.load_from_host(to_load, fresh)
+        t = now()
         for node in to_load:
             node.prefetched = fresh is not None
+            if fresh is not None:  # warmed for a use that is coming: not the next victim by its old recency
+                node.last_access = t
             self.tiers.unref(node)
         if fresh is None:
             return 0
