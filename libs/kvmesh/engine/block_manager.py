@@ -408,9 +408,9 @@ class BlockManager:
         from the first block, as far as the tree holds it), evicting what ranks lowest to make room. How many
         were loaded (0 when none was on the host, or there is no room)."""
         s = self.sessions.get(key) if self.sessions is not None else None
-        if s is None or self.host is None:
+        if s is None or self.sessions is None or self.host is None:
             return 0
-        self._rerank(self.sessions.retain(key))  # type: ignore[union-attr] - a demoted session's KV is kept now
+        self._rerank(self.sessions.retain(key))  # a demoted session's KV is kept from now on
         chain = []
         for block in s.blocks:
             node = self.tree.by_key.get(block)
