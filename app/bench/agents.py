@@ -206,6 +206,7 @@ class Hog:
 
     def __init__(self, stack: Any, instance: str, streams: int = 3, prompt_tokens: int = 700) -> None:
         self.stack, self.instance, self.streams, self.prompt_tokens = stack, instance, streams, prompt_tokens
+        self.tls = stack.mesh_settings("router", "hog")  # issued once, here: the threads only read the files
         self.stop = threading.Event()
         self.served = 0
         self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(streams)]
@@ -227,7 +228,7 @@ class Hog:
 
         rng = random.Random(100 + i)
         address = self.stack.service(self.instance).grpc_address
-        with tls.channel(address, cfg=self.stack.mesh_settings("router", "hog")) as ch:
+        with tls.channel(address, cfg=self.tls) as ch:
             stub = worker_pb2_grpc.DecodeStub(ch)
             n = 0
             while not self.stop.is_set():
