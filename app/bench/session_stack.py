@@ -85,7 +85,7 @@ class Run:
     logs: str = ""  # where the services' logs were kept (a run with errors)
 
 
-async def drive(url: str, plan: list[Task], signals: bool, max_tokens: int = 24) -> tuple[list[RequestRecord],
+async def drive(url: str, plan: list[Task], signals: bool, max_tokens: int = 48) -> tuple[list[RequestRecord],
                                                                                            list[str]]:
     import aiohttp
 

@@ -194,12 +194,11 @@ class Pool:
                     usage.session_owner = owner_after(usage.session_owner, session)
         self._rerank(changed | set(blocks))
 
-    def session_signal(self, session: str, event: SessionEvent) -> None:
-        """``session`` paused (its response ended in a tool call) or ended (an explicit close)."""
+    def session_signal(self, session: str, event: SessionEvent, expected_s: float = 0.0) -> None:
+        """``session`` paused, demoted, released or ended (``SessionTable.signal``; a pause of a session not
+        seen yet is recorded: its write-back may come after the signal)."""
         if self.sessions is not None:
-            t = self.leases.clock()
-            self._rerank(self.sessions.pause(session, t, create=True) if event is SessionEvent.PAUSE
-                         else self.sessions.end(session))
+            self._rerank(self.sessions.signal(session, event, self.leases.clock(), expected_s, create=True))
 
     def mark_replicated(self, shared: Sequence[int], sole: Sequence[int]) -> None:
         """Of the pool's blocks, ``shared`` are held by an engine instance too (they go first), ``sole`` no

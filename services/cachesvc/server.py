@@ -515,7 +515,7 @@ class CacheServer:
     async def _on_session(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, SessionSignal) and self.pool is not None:
             await asyncio.get_running_loop().run_in_executor(self.storage, self.pool.session_signal, msg.session,
-                                                             msg.event)
+                                                             msg.event, msg.expected_s)
 
     async def _on_quarantine(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, KVQuarantine) and self.pool is not None:

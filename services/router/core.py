@@ -90,7 +90,8 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         self._load_pending = False
         self.sessions = Sessions(lambda msg: self.bus.publish(self.subjects.sessions, msg), cfg.session_affinity,
-                                 cfg.session_overload, cfg.max_sessions)
+                                 cfg.session_overload, cfg.max_sessions,
+                                 share=lambda msg: self.bus.publish(self.subjects.router_sessions, msg))
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -103,12 +104,15 @@ class Router:
         self.hits = HitLedger(self.cfg.block_size)  # what it heard of each block: why a request missed
         self.registry.on_drop = self._dropped
         self.metrics.watch(self.registry)
+        self.metrics.watch_sessions(self.sessions)
         self.bus = await Bus.connect(self.shared.nats_url, name=self.id, tls=tls.bus_tls(self.shared))
         self.registry.bus_up = lambda: self.bus.nc.is_connected
         self.registry.on_change = self._load_changed
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         await self.bus.subscribe(self.subjects.router_load_all, self._on_router_load)
         await self.bus.subscribe(self.subjects.kv_events_all, self.hits.on_events)
+        await self.bus.subscribe(self.subjects.sessions, self.sessions.heard)
+        await self.bus.subscribe(self.subjects.router_sessions, self.sessions.heard)
         self.cache = (cache_pb2_grpc.CacheServiceStub(self._channel(self.cfg.cachesvc_address))
                       if self.cfg.cachesvc_address else None)
         self._spawn(self._tend())
@@ -239,7 +243,7 @@ class Router:
             route.set_attribute("kvmesh.pool_blocks", tries.matched.get(POOL, 0))
             stream = self._route(self._work(request, prompt, rt, tries), tries.matched, rt, request.policy, route,
                                  tries.avoid, request.disaggregate or self.cfg.disaggregate, tries.keys,
-                                 tries.routed)
+                                 tries.routed, request.session)
             if stream is None:
                 if tries.failure is not None:  # nowhere else to go: the error of the last attempt stands
                     raise tries.failure
@@ -332,10 +336,10 @@ class Router:
 
     def _route(self, work: worker_pb2.WorkRequest, matched: dict[str, int], rt: RequestTrace,
                policy: str | None, route: Span, avoid: set[str], disaggregate: str = "auto",
-               keys: Sequence[int] = (), routed: Routed | None = None) -> ChunkStream | None:
+               keys: Sequence[int] = (), routed: Routed | None = None,
+               session: SessionHint | None = None) -> ChunkStream | None:
         """Plan the request's route (``kvmesh.routing.plan``) and start it: the chosen instances' chunk stream,
-        or None when no live instance (outside ``avoid``) can serve."""
-        session = SessionHint.of(work.session_key, work.session_end)
+        or None when no live instance (outside ``avoid``) can serve. ``session``: the request's, with its hints."""
         ask = RouteAsk(len(work.prompt_token_ids), policy or self.policies.default, ttft_left(work), work.slo.itl_s,
                        disaggregate, session)
         planned = plan(ask, self._fleet(matched, avoid, work.lora_name, session), self.policies.get(policy))
@@ -370,9 +374,10 @@ class Router:
         """The live instances outside ``avoid`` as the planner sees them, with the request's session home."""
         views = tuple(view(i, self.policies.cost, self.loras.holds(i, lora))
                       for i in self.registry.alive() if i.id not in avoid)
-        home = self.sessions.instance_of(session.key) if session is not None and self.sessions.affinity else None
+        home = self.sessions.home(session) if self.sessions.affinity else None
         return FleetView(views, matched, self.cfg.block_size, self.policies.cost,
-                         self.registry.replica_rank(self.id), self.registry.bus_up(), home, self.sessions.overload)
+                         self.registry.replica_rank(self.id), self.registry.bus_up(), home, self.sessions.overload,
+                         self.cfg.session_move_margin_s)
 
     def _instance(self, iid: str) -> Instance:
         return next(i for i in self.registry.alive() if i.id == iid)

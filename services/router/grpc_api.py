@@ -23,7 +23,7 @@ from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.core import Router
 from services.router.errors import ErrorKind, RequestError, invalid
-from services.router.intake import CacheControl, Call, Draft, Intake, slo_from_headers
+from services.router.intake import CacheControl, Call, Draft, Intake, session_fields, slo_from_headers
 from services.router.telemetry import RequestTrace
 
 
@@ -218,14 +218,14 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
             messages = _messages(request.messages.messages)
     structured = sampling.structured
     resume = tuple(request.resume_token_ids) if isinstance(request, api_pb2.GenerateRequest) else ()
-    header = call.headers.get("x-session-id", "")
-    if request.session_id and header and request.session_id != header:
-        raise invalid(f"the x-session-id metadata ({header!r}) and session_id ({request.session_id!r}) differ: "
-                      "send one")
+    sessions = session_fields({"session_id": request.session_id, "session_end": request.session_end,
+                               "parent_session_id": request.parent_session_id,
+                               "session_pause_s": request.session_pause_s,
+                               "session_retention": request.session_retention}, call.headers)
     return Draft(sampling, text, token_ids, messages, model=request.model, cache_salt=request.cache_salt,
                  structured_field=f"sampling.{structured.kind}" if structured else "",
                  policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"),
-                 session_id=request.session_id or header, session_end=request.session_end,
+                 **sessions,
                  cache_control=_cache_control(request, "cache_control"), resume=resume,
                  slo=slo_from_headers(call.headers, (request.slo.ttft_s, request.slo.itl_s)))
 

@@ -15,8 +15,9 @@ calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``I
 7. the model: the base model or a LoRA adapter some instance serves;
 8. what the engines can serve: context length, vocabulary, seed, stop ids and strings; a resumed stream's
    tokens (``resume_token_ids``: ids, fewer than ``max_tokens``);
-9. the session (its id namespaced by the tenant, the end flag) and the retention hints (``cache_control``, the
-   request's and each message's, as token ranges of the prompt, within the tenant's retention caps);
+9. the session (its id namespaced by the tenant, the end flag, the agent hints: parent session, announced pause,
+   retention through it; ``session_fields``) and the retention hints (``cache_control``, the request's and each
+   message's, as token ranges of the prompt, within the tenant's retention caps);
 10. the cache salt (the tenant's namespace), the routing policy and the PD override;
 11. the latency targets (``SLO``: the router admits by the TTFT target, the engine schedules by both): the
     request's own, else its tenant's SLO class's (``access.TenantTerms``).
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.contracts.engine import RetentionRange, SessionHint
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.contracts.sessions import check_retention, check_session_id, session_key
+from kvmesh.contracts.sessions import check_pause, check_retention, check_retention_hint, check_session_id, session_key
 from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.routing.cost import DISAGGREGATE_MODES
 
@@ -81,6 +82,9 @@ class Draft:
     resume: tuple[int, ...] = ()
     session_id: str = ""
     session_end: bool = False
+    parent_session_id: str = ""   # the session this one was forked from (a sub-agent)
+    session_pause_s: float = 0.0  # the pause announced after this request (0 = none)
+    session_retention: str = ""   # what the caches do with the session's KV through that pause ("" = default)
     cache_control: CacheControl | None = None  # the whole prompt's retention hint
     slo: tuple[float, float] = (0.0, 0.0)  # TTFT and ITL targets in seconds as given (0 = none)
 
@@ -96,6 +100,59 @@ class CacheControl:
 
 
 SLO_HEADERS = ("x-kvmesh-slo-ttft-s", "x-kvmesh-slo-itl-s")  # HTTP headers / gRPC metadata keys
+
+# The agent hints' headers / gRPC metadata keys, each the request field it stands for: kvmesh's own spelling,
+# then Dynamo's (its frontend's canonical session headers), so a harness written for either works unchanged.
+SESSION_HEADERS = {
+    "x-session-id": "session_id", "x-dynamo-session-id": "session_id",
+    "x-parent-session-id": "parent_session_id", "x-dynamo-parent-session-id": "parent_session_id",
+    "x-session-end": "session_end", "x-dynamo-session-final": "session_end",
+    "x-session-pause-s": "session_pause_s", "x-session-retention": "session_retention",
+}
+
+
+def session_fields(given: Mapping[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
+    """The ``Draft``'s session fields from a request's own (``given``: field -> value as the wire typed it, a
+    falsy value = not given) and its headers (``SESSION_HEADERS``). A header and a field that say different
+    things are refused (send one); two headers that stand for one field likewise."""
+    out: dict[str, Any] = {"session_id": "", "parent_session_id": "", "session_end": False,
+                           "session_pause_s": 0.0, "session_retention": ""}
+    from_header: dict[str, tuple[str, str]] = {}
+    for header, name in SESSION_HEADERS.items():
+        sent = headers.get(header, "")
+        if not sent:
+            continue
+        seen = from_header.get(name)
+        if seen is not None and seen[1] != sent:
+            raise invalid(f"the {seen[0]} and {header} headers differ ({seen[1]!r}, {sent!r}): send one")
+        from_header[name] = (header, sent)
+    for name, default in list(out.items()):
+        field, (header, text) = given.get(name), from_header.get(name, ("", ""))
+        value: Any = _header_value(name, header, text) if header else None
+        if field and value is not None and field != value:
+            raise invalid(f"the {header} header ({text!r}) and {name} ({field!r}) differ: send one")
+        out[name] = field or value or default
+    try:
+        check_pause(out["session_pause_s"])
+        check_retention_hint(out["session_retention"])
+        if out["parent_session_id"]:
+            check_session_id(out["parent_session_id"], "parent_session_id")
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    return out
+
+
+def _header_value(name: str, header: str, text: str) -> Any:
+    if name == "session_end":
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise invalid(f"the {header} header must be true or false, not {text[:40]!r}")
+        return text.lower() in ("true", "1")
+    if name == "session_pause_s":
+        try:
+            return float(text)
+        except ValueError:
+            raise invalid(f"the {header} header must be a number of seconds, not {text[:40]!r}") from None
+    return text
 
 
 def slo_from_headers(headers: Mapping[str, str], given: tuple[float, float]) -> tuple[float, float]:
@@ -176,11 +233,12 @@ class Intake:
             with rt.segment("router.tokenize") as span:
                 draft = await read()
                 check_constraint(draft)
+                session = self.session(draft, tenant)
+                self.router.sessions.arrived(session)  # a paused session's instance warms its KV meanwhile
                 prompt = self.prompt_ids(draft)
                 lora = self.model(draft.model)
                 self.check(prompt, draft.sampling)
                 self.check_resume(draft.resume, draft.sampling)
-                session = self.session(draft, tenant)
                 retention = self.retention(draft, len(prompt))
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
                 if session is not None:
@@ -259,16 +317,20 @@ class Intake:
 
     @staticmethod
     def session(draft: Draft, tenant: str) -> SessionHint | None:
-        """The request's session, its id namespaced by ``tenant`` (so no tenant reaches another's)."""
+        """The request's session and its agent hints, ids namespaced by ``tenant`` (so no tenant reaches
+        another's, nor forks from another's)."""
         if not draft.session_id:
-            if draft.session_end:
-                raise invalid("session_end needs a session_id (the session it ends)")
+            for name in ("session_end", "parent_session_id", "session_pause_s", "session_retention"):
+                if getattr(draft, name):
+                    raise invalid(f"{name} needs a session_id (the session it is about)")
             return None
         try:
             check_session_id(draft.session_id)
         except ValueError as e:
             raise invalid(str(e)) from None
-        return SessionHint(session_key(tenant, draft.session_id), draft.session_end)
+        parent = session_key(tenant, draft.parent_session_id) if draft.parent_session_id else ""
+        return SessionHint(session_key(tenant, draft.session_id), draft.session_end, parent, draft.session_pause_s,
+                           draft.session_retention)
 
     def retention(self, draft: Draft, prompt_tokens: int) -> tuple[RetentionRange, ...]:
         """The retention hints as prompt token ranges: the request's covers the whole prompt, a message's the

@@ -19,7 +19,7 @@ from typing import Any, overload
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
-from services.router.intake import Draft, message_cache_control, slo_from_headers
+from services.router.intake import Draft, message_cache_control, session_fields, slo_from_headers
 
 
 def parse(raw: bytes) -> dict:
@@ -43,8 +43,10 @@ def parse(raw: bytes) -> dict:
 def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     """A chat (``messages``) or completions (``prompt``: text or token ids) body as the intake's input. The
     routing overrides come from the headers ``x-kvmesh-policy`` (or the body's ``kvmesh_policy``) and
-    ``x-kvmesh-disaggregate``; the session from the body's ``session_id`` or the header ``x-session-id`` (the
-    two must agree), ``session_end`` and ``cache_control``; the latency targets from the body's ``kvmesh_slo``
+    ``x-kvmesh-disaggregate``; the session and its agent hints from the body's ``session_id``,
+    ``parent_session_id``, ``session_end``, ``session_pause_s``, ``session_retention`` or their headers
+    (``intake.SESSION_HEADERS``; a header and a field must agree), and ``cache_control``; the latency targets
+    from the body's ``kvmesh_slo``
     (``{"ttft_s": 6, "itl_s": 0.15}``) or the headers ``x-kvmesh-slo-ttft-s`` / ``x-kvmesh-slo-itl-s`` (which
     win)."""
     sampling, structured_field = sampling_from_body(body, chat)
@@ -54,16 +56,16 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
         prompt = {"messages": body["messages"]}
     else:
         prompt = _prompt(body.get("prompt"))
-    session_id = str_field(body, "session_id")
-    header = headers.get("x-session-id", "")
-    if session_id and header and session_id != header:
-        raise invalid(f"the x-session-id header ({header!r}) and session_id ({session_id!r}) differ: send one")
+    sessions = session_fields({"session_id": str_field(body, "session_id"),
+                               "session_end": bool_field(body, "session_end"),
+                               "parent_session_id": str_field(body, "parent_session_id"),
+                               "session_pause_s": _num(body, "session_pause_s", 0.0),
+                               "session_retention": str_field(body, "session_retention")}, headers)
     control = body.get("cache_control")
     return Draft(sampling, **prompt, model=str_field(body, "model"),
                  cache_salt=str_field(body, "cache_salt") or str_field(body, "user"), structured_field=structured_field,
                  policy=headers.get("x-kvmesh-policy") or str_field(body, "kvmesh_policy") or None,
-                 disaggregate=headers.get("x-kvmesh-disaggregate") or None, session_id=session_id or header,
-                 session_end=bool_field(body, "session_end"),
+                 disaggregate=headers.get("x-kvmesh-disaggregate") or None, **sessions,
                  cache_control=None if control is None else message_cache_control(control, "cache_control"),
                  slo=slo_from_headers(headers, _slo(body)))
 

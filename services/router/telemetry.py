@@ -22,13 +22,14 @@ from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, HitRatio, new_re
 from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.router.errors import ErrorKind
 
 if TYPE_CHECKING:
     from services.router.registry import Registry
+    from services.router.sessions import Sessions
 
 P = "kvmesh_router"
 
@@ -82,6 +83,9 @@ class RouterMetrics:
     def watch(self, registry: Registry) -> None:
         self.registry.register(_InstancesCollector(registry))
 
+    def watch_sessions(self, sessions: Sessions) -> None:
+        self.registry.register(_SessionsCollector(sessions))
+
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -99,6 +103,25 @@ class _InstancesCollector(Collector):
         for role in Role.engines():
             g.add_metric([role], roles.count(role))
         yield g
+
+
+class _SessionsCollector(Collector):
+    """The sessions this router knows and what it did for them (scraped on the router's event loop)."""
+
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily(f"{P}_sessions", "Sessions whose instance this router knows (its own placements "
+                                "and the other replicas')", value=len(self.sessions))
+        c = CounterMetricFamily(f"{P}_session_placements", "Session requests placed by what the router knew: "
+                                "resumed (a paused session back; its instance told to warm its KV at once), moved "
+                                "(its instance was overloaded), forked (a sub-agent sent where its parent ran)",
+                                labels=["kind"])
+        s = self.sessions
+        for kind, n in (("resumed", s.resumed), ("moved", s.moved), ("forked", s.forked)):
+            c.add_metric([kind], n)
+        yield c
 
 
 class RequestTrace:

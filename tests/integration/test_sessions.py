@@ -1,18 +1,29 @@
 """Sessions through a real stack (router, an engine instance serving both roles, cachesvc and its pool, real
 nats-server, the tiny model): the session id and its end reach the engine's and the pool's session tables, a
 close and a tool-call pause reach every cache, retention hints pin blocks in the engine, each tenant's sessions
-and pins are its own, and bad values are 400s naming the field."""
+and pins are its own, and bad values are 400s naming the field. With two instances: affinity, sub-agents, a
+second router replica that keeps the first one's sessions, and a paused session's instance warming its KV when
+the session is back at either router."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import http.client
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+from aiohttp import web
 from kvmesh.client import KvmeshClient
 from kvmesh.proto.v1 import api_pb2, common_pb2
+
+from services.router.core import Router
+from services.router.http_api import OpenAIApi
+from services.router.intake import Intake
 
 from .test_router_bad_input import CHAT, TinyMesh, model_dir  # noqa: F401 - model_dir is a fixture
 
@@ -197,3 +208,81 @@ def test_blocks_with_another_copy_in_the_cluster_are_marked_on_the_instance(pair
         return [n.replicated for n in engine.engine.blocks.match(engine.namespace(""), tokens).nodes]
 
     assert eventually(lambda: all(replicated(w) and all(replicated(w)) for w in pair.workers))
+
+
+@contextlib.contextmanager
+def replica(mesh: TinyMesh) -> Iterator[Callable[..., tuple[int, dict]]]:
+    """A second router replica over the same instances and bus (its own id and HTTP port); yields a POST."""
+    async def start() -> tuple[Router, web.AppRunner]:
+        router = Router(mesh.cfg.model_copy(update={"id": f"replica-{uuid.uuid4().hex[:6]}"}), mesh.shared)
+        await router.start()
+        runner = web.AppRunner(OpenAIApi(router, Intake(router)).app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        while len(router.registry.alive()) < len(mesh.workers):
+            await asyncio.sleep(0.05)
+        return router, runner
+
+    async def stop() -> None:
+        await runner.cleanup()
+        await router.stop()
+
+    router, runner = mesh.call(start(), timeout=60)
+    port = runner.addresses[0][1]
+
+    def post(body: dict, headers: dict | None = None) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            conn.request("POST", CHAT, body=json.dumps(body), headers={"content-type": "application/json",
+                                                                        **(headers or {})})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    post.router = router  # type: ignore[attr-defined]
+    try:
+        yield post
+    finally:
+        mesh.call(stop(), timeout=30)
+
+
+def test_a_session_alternating_between_two_routers_keeps_its_instance(pair):
+    """Round robin would move every request; the session stays where its first request ran whichever replica
+    takes it, and a tool-call pause seen by one replica is a resume at the other (its instance warms its KV)."""
+    rr = {"x-kvmesh-policy": "round_robin"}
+    with replica(pair) as other:
+        s = sid()
+        history = f"{s} an agent's task " * 6
+        resumed_before = pair.router.sessions.resumed + other.router.sessions.resumed
+        for turn in range(4):
+            body = {"messages": [{"role": "user", "content": f"{history} step {turn}"}], "max_tokens": 2,
+                    "temperature": 0, "session_id": s, "session_pause_s": 30}
+            sent = time.time()
+            if turn % 2 == 0:
+                status, _, _ = pair.post(CHAT, body, rr)
+            else:
+                status, _ = other(body, rr)
+            assert status == 200
+            # the next request goes to the other replica: wait until it heard of this request's pause
+            there = other.router if turn % 2 == 0 else pair.router
+            assert eventually(lambda r=there, t=sent: (r.sessions.paused_at(f"/{s}") or 0.0) >= t)
+        assert len(holders(pair, f"/{s}")) == 1  # every step ran on one instance
+        home = holders(pair, f"/{s}")[0]
+        assert pair.router.sessions.instance_of(f"/{s}") == home == other.router.sessions.instance_of(f"/{s}")
+        assert pair.router.sessions.resumed + other.router.sessions.resumed == resumed_before + 3
+
+
+def test_a_sub_agent_starts_on_its_parents_instance(pair):
+    rr = {"x-kvmesh-policy": "round_robin"}
+    parent, children = sid(), [sid() for _ in range(3)]
+    prefix = f"{parent} shared context of the task " * 6
+    assert pair.post(CHAT, {"messages": [{"role": "user", "content": prefix}], "max_tokens": 2,
+                            "session_id": parent}, rr)[0] == 200
+    home = holders(pair, f"/{parent}")
+    for child in children:  # round robin alone would spread them over both instances
+        status, _, _ = pair.post(CHAT, {"messages": [{"role": "user", "content": f"{prefix} subtask {child}"}],
+                                        "max_tokens": 2}, {**rr, "x-dynamo-session-id": child,
+                                                           "x-dynamo-parent-session-id": parent})
+        assert status == 200
+        assert holders(pair, f"/{child}") == home

@@ -237,3 +237,16 @@ def test_from_state_dir_reads_router_address(tmp_path):
 def test_from_state_dir_without_stack_says_how_to_start_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="kvmesh up"):
         KvmeshClient.from_state_dir(tmp_path / "nothing")
+
+
+def test_the_agent_hints_go_on_the_request_and_bad_ones_say_what_to_fix():
+    req = chat_request([{"role": "user", "content": "go"}], session_id="run:researcher", parent_session_id="run",
+                       session_pause_s=2.5, session_retention="demote")
+    assert (req.session_id, req.parent_session_id, req.session_pause_s, req.session_retention) == (
+        "run:researcher", "run", 2.5, "demote")
+    with pytest.raises(ValueError, match="parent_session_id needs a session_id"):
+        generate_request("x", parent_session_id="run")
+    with pytest.raises(ValueError, match=r"session_pause_s must be a number of seconds in \[0, 86400\]"):
+        generate_request("x", session_id="s", session_pause_s=-1)
+    with pytest.raises(ValueError, match="session_retention must be one of retain, demote, release"):
+        generate_request("x", session_id="s", session_retention="keep")

@@ -153,6 +153,23 @@ def test_a_paused_sessions_demoted_blocks_are_warmed_back_and_counted_when_used(
     assert bm.stats["prefetch_wasted"] == 0 and bm.prefetch("t/nobody") == 0
 
 
+def test_a_demoted_sessions_blocks_make_room_then_are_kept_once_warmed_back(clock):
+    """A demoted session's blocks rank as if no session held them, so live work pushes them to the host; warmed
+    back for its return they rank as a paused session's and count as just used, so other work evicts its own
+    blocks first (before, warmed blocks ranked by their old recency: loaded, then the first to go)."""
+    bm = manager(num_blocks=4, policy="session", host_blocks=8)
+    turn(bm, A, "t/agent")
+    bm.session_signal("t/agent", SessionEvent.DEMOTE, expected_s=5.0)
+    for i in range(2):  # live sessions' work outranks a demoted one's blocks: they go to the host
+        turn(bm, [100 + i] * BS * 2, f"t/live{i}")
+    assert all(n.block_id is None for n in bm.match(1, A).nodes)
+    assert bm.prefetch("t/agent") == 2  # about to return: warmed back, and kept from now on
+    turn(bm, [200] * BS * 2, "t/live2")  # more live work: two blocks must go, and they are not the agent's
+    assert all(n.block_id is not None for n in bm.match(1, A).nodes)
+    turn(bm, A + [3] * BS, "t/agent")
+    assert bm.stats["prefetch_used"] == 2 and bm.stats["prefetch_wasted"] == 0
+
+
 def test_blocks_with_another_copy_in_the_cluster_go_before_last_copies(clock):
     bm = manager(num_blocks=4, policy="session")
     turn(bm, A)
@@ -232,6 +249,41 @@ def test_a_pause_warms_the_sessions_demoted_blocks_back_before_it_is_expected(ti
             on_device = await engine.call(lambda e: sum(n.block_id is not None for n in e.blocks.match(
                 engine.namespace(), agent).nodes))
             assert on_device == 5
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
+
+
+def test_a_resume_warms_the_sessions_demoted_blocks_back_at_once(tiny_config):
+    """Through the seam: the session's next request reached a router (``RESUME``): its blocks on the host tier
+    are loaded back onto the device now, long before its announced pause would have (a 1-hour pause)."""
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.settings import EngineSettings
+
+    async def body() -> None:
+        cfg = EngineSettings(num_blocks=16, block_size=4, eviction="session", host_cache_mb=1)
+        engine = AsyncEngine(LLMEngine(cfg, model_config=tiny_config), asyncio.get_running_loop())
+        try:
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            agent = tuple(range(1, 22))  # 5 full blocks
+            async for _ in engine.generate(EngineRequest("a", agent, params, session=SessionHint("t/agent"))):
+                pass
+            engine.signal_session(SessionSignal("t/agent", SessionEvent.DEMOTE, 0.0, expected_s=3600.0))
+            for i in range(2):  # other work fills the device: the demoted session's blocks go to the host
+                other = tuple(range(100 + 60 * i, 160 + 60 * i))
+                async for _ in engine.generate(EngineRequest(f"o{i}", other, params)):
+                    pass
+
+            def where(e) -> list[bool]:
+                return [n.block_id is not None for n in e.blocks.match(engine.namespace(), agent).nodes]
+
+            assert not all(await engine.call(where))
+            assert engine.stats().prefetch_loaded == 0  # the timer is an hour away
+            engine.signal_session(SessionSignal("t/agent", SessionEvent.RESUME, 0.0, "both-0"))
+            await engine.call(lambda e: None)  # commands run in order: the resume was applied
+            assert engine.stats().prefetch_loaded > 0 and all(await engine.call(where))
         finally:
             await engine.close()
 

@@ -75,6 +75,21 @@ def test_a_session_stays_where_its_kv_is_until_that_instance_is_overloaded():
     assert moved.instance == "b0" and moved.session_moved and "overloaded" in moved.attributes["kvmesh.route.session"]
 
 
+def test_a_session_moves_when_the_policy_expects_another_instance_to_serve_it_sooner_its_kv_counted():
+    session = SessionHint("tenant/s1")
+    busy = replace(B1, queue_depth=1, waiting_tokens=3000)  # 3 s of prompts ahead of it at home
+    moved = route(fleet(B0, busy, session_home="b1"), ask(session=session))
+    assert moved.instance == "b0" and moved.session_moved
+    assert "b0 serves it sooner" in moved.attributes["kvmesh.route.session"]
+    # its KV at home (the prompt but one block) outweighs a shorter queue: it stays
+    stays = route(fleet(B0, replace(busy, waiting_tokens=1000), session_home="b1", matched={"b1": 99}),
+                  ask(session=session))
+    assert stays.instance == "b1" and not stays.session_moved
+    # a policy that prices nothing keeps the queue-depth rule alone
+    rr = route(fleet(B0, busy, session_home="b1"), ask(session=session), policy="round_robin")
+    assert rr.instance == "b1"
+
+
 def test_mixed_engines_pair_only_where_the_decode_takes_the_prefills_layout():
     native, vllm = replace(P0, kv_layout=BF16), replace(D0, kv_layout=FP32)
     local = route(fleet(native, vllm))

@@ -171,3 +171,109 @@ def test_signals_are_published_for_ends_pauses_and_closes():
     asyncio.run(body())
     assert [(m.session, m.event) for m in sent] == [("t/a", SessionEvent.PAUSE), ("t/b", SessionEvent.END),
                                                     ("t/c", SessionEvent.END)]
+
+
+def test_the_agent_hints_come_from_the_body_or_kvmesh_or_dynamo_headers():
+    d = draft({**CHAT, "session_id": "a", "parent_session_id": "p", "session_pause_s": 2.5,
+               "session_retention": "demote"}, True, {})
+    assert (d.parent_session_id, d.session_pause_s, d.session_retention) == ("p", 2.5, "demote")
+    d = draft(CHAT, True, {"x-dynamo-session-id": "run:researcher", "x-dynamo-parent-session-id": "run",
+                           "x-dynamo-session-final": "true"})
+    assert (d.session_id, d.parent_session_id, d.session_end) == ("run:researcher", "run", True)
+    d = draft(CHAT, True, {"x-session-id": "a", "x-session-pause-s": "3", "x-session-retention": "release"})
+    assert (d.session_pause_s, d.session_retention) == (3.0, "release")
+    assert Intake.session(d, "t") == SessionHint("t/a", False, "", 3.0, "release")
+    assert Intake.session(draft({**CHAT, "session_id": "c", "parent_session_id": "p"}, True, {}), "t").parent == "t/p"
+
+
+@pytest.mark.parametrize("body,headers,words", [
+    ({}, {"x-session-id": "a", "x-dynamo-session-id": "b"}, "x-session-id and x-dynamo-session-id headers differ"),
+    ({"session_pause_s": 3}, {"x-session-id": "a", "x-session-pause-s": "4"}, "header .* and session_pause_s"),
+    ({"session_id": "a", "session_pause_s": -1}, {}, r"session_pause_s must be a number of seconds in \[0, 86400\]"),
+    ({"session_id": "a", "session_retention": "forever"}, {}, "session_retention must be one of retain, demote"),
+    ({"session_id": "a", "parent_session_id": "x/y"}, {}, "parent_session_id must be 1 to 128"),
+    ({}, {"x-session-id": "a", "x-dynamo-session-final": "maybe"}, "x-dynamo-session-final header must be true"),
+    ({}, {"x-session-id": "a", "x-session-pause-s": "soon"}, "x-session-pause-s header must be a number"),
+])
+def test_a_bad_agent_hint_is_a_400_naming_it(body, headers, words):
+    with pytest.raises(RequestError, match=words) as e:
+        draft({**CHAT, **body}, True, headers)
+    assert e.value.kind.http == 400
+
+
+@pytest.mark.parametrize("field", ["parent_session_id", "session_pause_s", "session_retention"])
+def test_an_agent_hint_needs_a_session(field):
+    value = {"parent_session_id": "p", "session_pause_s": 2.0, "session_retention": "demote"}[field]
+    with pytest.raises(RequestError, match=f"{field} needs a session_id"):
+        Intake.session(Draft(sampling=None, text="x", **{field: value}), "t")  # type: ignore[arg-type]
+
+
+class Sent(list):
+    async def __call__(self, msg: SessionSignal) -> None:
+        self.append(msg)
+
+
+def test_a_paused_session_back_at_the_router_has_its_instance_warm_its_kv():
+    async def run() -> tuple[Sent, Sent]:
+        signals, shared = Sent(), Sent()
+        s = Sessions(signals, share=shared)
+        hint = SessionHint("t/a", pause_s=4.0)
+        assert s.arrived(hint) is None  # never seen: nothing to warm
+        s.ran(hint, "i1")
+        assert s.finished(hint, "no tool call here", "stop") is SessionEvent.PAUSE  # the announced pause
+        assert s.paused_at("t/a") is not None
+        assert s.arrived(SessionHint("t/a")) == "i1" and s.paused_at("t/a") is None
+        assert s.arrived(SessionHint("t/a")) is None  # told once per pause
+        await asyncio.sleep(0)
+        return signals, shared
+
+    signals, shared = asyncio.run(run())
+    assert [(m.event, m.instance, m.expected_s) for m in signals] == [
+        (SessionEvent.PAUSE, "i1", 4.0), (SessionEvent.RESUME, "i1", 0.0)]
+    assert [(m.event, m.instance) for m in shared] == [(SessionEvent.ROUTED, "i1")]
+
+
+@pytest.mark.parametrize("hint,text,event", [
+    (SessionHint("t/a", retention="demote"), "plain answer", SessionEvent.DEMOTE),
+    (SessionHint("t/a", pause_s=2.0, retention="demote"), "", SessionEvent.DEMOTE),
+    (SessionHint("t/a", retention="release"), '<tool_call>{"name": "x", "arguments": {}}</tool_call>',
+     SessionEvent.RELEASE),
+    (SessionHint("t/a", retention="retain"), '<tool_call>{"name": "x", "arguments": {}}</tool_call>',
+     SessionEvent.PAUSE),
+    (SessionHint("t/a", True, pause_s=3.0), "", SessionEvent.END),
+    (SessionHint("t/a", retention="retain"), "plain answer", None),
+])
+def test_what_a_finished_request_says_of_its_session(hint, text, event):
+    async def run():
+        return Sessions(Sent()).finished(hint, text, "stop")
+
+    assert asyncio.run(run()) is event
+
+
+def test_replicas_share_placements_pauses_and_ends():
+    async def run() -> Sessions:
+        other = Sessions(Sent())
+        await other.heard(SessionSignal("t/a", SessionEvent.ROUTED, 1.0, "i2"), {})
+        await other.heard(SessionSignal("t/b", SessionEvent.ROUTED, 1.0, "i1"), {})
+        await other.heard(SessionSignal("t/a", SessionEvent.PAUSE, 2.0, "i2"), {})
+        await other.heard(SessionSignal("t/b", SessionEvent.END, 3.0), {})
+        return other
+
+    other = asyncio.run(run())
+    assert other.instance_of("t/a") == "i2" and other.paused_at("t/a") == 2.0
+    assert other.instance_of("t/b") is None and len(other) == 1
+
+
+def test_a_sub_agent_starts_where_its_parent_ran():
+    async def run() -> Sessions:
+        s = Sessions(Sent())
+        s.ran(SessionHint("t/parent"), "b")
+        child = SessionHint("t/child", parent="t/parent")
+        home, why = s.place(child, [inst("a", 0), inst("b", 1)])
+        assert home is not None and home.id == "b" and "stays on b" in why
+        s.ran(child, "b")
+        assert s.home(SessionHint("t/orphan", parent="t/nobody")) is None
+        return s
+
+    s = asyncio.run(run())
+    assert s.forked == 1 and s.instance_of("t/child") == "b"

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import pytest
+from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engine.eviction import SessionAware, SessionDuel, make_policy
 from kvmesh.engine.eviction_queue import EvictionQueue
 from kvmesh.engine.sessions import SHARED, Mark, SessionTable, owner_after
@@ -228,3 +229,42 @@ def test_every_eviction_the_sim_lists_runs_with_a_session_end_share(tmp_path, ca
                          "20", "--pool-blocks", "0", "--eviction", name, "--session-end-share", share,
                          "--json"]) == 0
             assert 0 <= json.loads(capsys.readouterr().out)["hit_rate"] <= 1
+
+
+def test_an_announced_pause_sets_the_expected_return_until_the_session_is_back():
+    t = SessionTable(default_pause_s=100.0)
+    t.request("t/a", [1], 0.0)
+    t.signal("t/a", SessionEvent.PAUSE, 0.0, expected_s=7.0)
+    assert t.expected_return("t/a") == 7.0
+    assert t.mark(1, "t/a", 13.0) == Mark.PAUSED and t.mark(1, "t/a", 15.0) == Mark.LIVE  # overdue past 2 x 7
+    t.request("t/a", [1, 2], 5.0)  # back: its cadence learns the 5 s it really took
+    t.pause("t/a", 10.0)
+    assert t.expected_return("t/a") == 15.0
+
+
+def test_a_demoted_pause_keeps_the_cadence_but_not_the_blocks_rank():
+    t = SessionTable(default_pause_s=10.0)
+    t.request("t/a", [1, 2], 0.0)
+    t.request("t/b", [2, 3], 0.0)
+    t.signal("t/b", SessionEvent.PAUSE, 0.0)
+    t.signal("t/a", SessionEvent.DEMOTE, 0.0, expected_s=4.0)
+    assert t.expected_return("t/a") == 4.0
+    assert t.mark(1, "t/a", 1.0) == Mark.UNKNOWN  # as if no session held it: it may move down the tiers
+    assert t.mark(2, SHARED, 1.0) == Mark.PAUSED  # b's pause still keeps the block they share
+    assert t.retain("t/a") == {1, 2} and t.mark(1, "t/a", 1.5) == Mark.PAUSED  # about to return: kept
+    assert t.retain("t/a") == set()
+    t.request("t/a", [1, 2], 3.0)  # back: b's pause is untouched
+    assert t.mark(2, SHARED, 3.5) == Mark.PAUSED and t.mark(1, "t/a", 3.5) == Mark.LIVE
+    t.signal("t/a", SessionEvent.DEMOTE, 4.0)
+    t.request("t/a", [1, 2, 5], 5.0)  # back again without a warm-up: every count is undone
+    assert t.mark(5, "t/a", 5.0) == Mark.LIVE and not t._demoted and t.mark(1, "t/a", 5.0) == Mark.LIVE
+
+
+def test_a_release_lets_go_of_what_the_session_holds_but_keeps_it():
+    t = SessionTable()
+    t.request("t/a", [1, 2], 0.0)
+    t.signal("t/a", SessionEvent.PAUSE, 0.0)
+    assert t.signal("t/a", SessionEvent.RELEASE, 1.0) == {1, 2}
+    assert t.mark(1, "t/a", 1.0) == Mark.RELEASED and "t/a" in t
+    assert t.expected_return("t/a") is None
+    assert t.signal("t/a", SessionEvent.RESUME, 1.0) == set() and t.signal("t/a", SessionEvent.ROUTED, 1.0) == set()

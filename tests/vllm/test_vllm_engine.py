@@ -91,3 +91,40 @@ def test_requests_are_served_earliest_deadline_first_and_counted_against_their_t
     order, slo = asyncio.run(run())
     assert order == ["tight", "lax", "none"]  # due in 20 s, 40 s, and 60 s (no target)
     assert slo["met"] + slo["missed"] == 2  # the one without a target is not counted
+
+
+def test_a_requests_session_reaches_vllm_as_its_session_id_and_a_kv_hint(monkeypatch):
+    """The agent hint contract on vLLM: a request's session (and a sub-agent's parent) is on vLLM's own
+    ``Request`` (its ``session_id``, which vLLM's KV events carry, and an orchestrator's ``KvHintsEnvelope``), as
+    the KV connector sees it when vLLM admits the request."""
+    from kvmesh.contracts.engine import SessionHint
+    from kvmesh.vllm.connector import KvmeshConnector
+    from kvmesh.vllm.engine import start_vllm
+    from kvmesh.vllm.requests import SESSION_ACTION
+
+    seen: dict[str, tuple] = {}
+    admitted = KvmeshConnector.get_num_new_matched_tokens
+
+    def record(self, request, num_computed_tokens):
+        seen[request.request_id] = (request.session_id, request.kv_hints)
+        return admitted(self, request, num_computed_tokens)
+
+    monkeypatch.setattr(KvmeshConnector, "get_num_new_matched_tokens", record)
+
+    async def run() -> None:
+        engine = await start_vllm(EngineSettings(**ENGINE))
+        try:
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            for rid, session in (("agent", SessionHint("t/run:sub", parent="t/run")), ("plain", None)):
+                async for _ in engine.generate(EngineRequest(rid, (101, 102, 103, 104), params, session=session)):
+                    pass
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+    (agent_sid, agent_hints), = [v for k, v in seen.items() if "agent" in k]
+    (plain_sid, plain_hints), = [v for k, v in seen.items() if "plain" in k]
+    assert agent_sid == "t/run:sub" and plain_sid is None and plain_hints is None
+    (action,) = agent_hints.actions
+    assert (action.action_type, action.action_version) == (SESSION_ACTION, "1")
+    assert action.payload == {"session_id": "t/run:sub", "parent_session_id": "t/run", "session_end": False}

@@ -45,8 +45,15 @@ class Subjects:
 
     @property
     def sessions(self) -> str:
-        """Session signals (ended, paused) from the routers, for every engine instance and cachesvc."""
+        """Session signals (ended, paused, back) from the routers, for every engine instance, cachesvc and the
+        other routers."""
         return f"{self.prefix}sessions"
+
+    @property
+    def router_sessions(self) -> str:
+        """Router to router: where each session's request was sent (``SessionEvent.ROUTED``), so every replica
+        keeps a session where its KV is."""
+        return f"{self.prefix}router.sessions"
 
     def kv_copies(self, instance: str) -> str:
         """cachesvc tells an instance which of its blocks have another copy in the cluster."""

@@ -41,6 +41,9 @@ class RequestOptions(SamplingOptions, total=False):
     model: str
     session_id: str           # the conversation / agent task it belongs to (the caches keep its KV)
     session_end: bool         # its last request: what the session holds may go first
+    parent_session_id: str    # the session it was forked from (a sub-agent: it starts where its parent's KV is)
+    session_pause_s: float    # a pause of about this long follows (a tool call): its KV is back before then
+    session_retention: str    # through that pause: "retain" (default), "demote" (may move down the tiers), "release"
     cache_control: Mapping[str, Any] | None  # {"ttl": seconds, "priority": 0-100}: keep the prompt cached
     ttft_s: float
     itl_s: float
@@ -62,12 +65,29 @@ def cache_control(value: Mapping[str, Any] | None, field: str = "cache_control")
 
 
 def _session(req: api_pb2.GenerateRequest | api_pb2.ChatRequest, session_id: str, session_end: bool,
-             control: Mapping[str, Any] | None) -> None:
-    if session_end and not session_id:
-        raise ValueError("session_end needs a session_id (the session it ends)")
+             control: Mapping[str, Any] | None, hints: AgentHints) -> None:
+    for name, value in (("session_end", session_end), *hints.items()):
+        if value and not session_id:
+            raise ValueError(f"{name} needs a session_id (the session it is about)")
+    pause = hints.get("session_pause_s", 0.0)
+    if isinstance(pause, bool) or not isinstance(pause, (int, float)) or not 0 <= pause <= 86400:
+        raise ValueError(f"session_pause_s must be a number of seconds in [0, 86400], not {pause!r}")
+    retention = hints.get("session_retention", "")
+    if retention not in ("", "retain", "demote", "release"):
+        raise ValueError(f"session_retention must be one of retain, demote, release, not {retention!r}")
     req.session_id, req.session_end = session_id, session_end
+    req.parent_session_id, req.session_pause_s = hints.get("parent_session_id", ""), float(pause)
+    req.session_retention = retention
     if (cc := cache_control(control)) is not None:
         req.cache_control.CopyFrom(cc)
+
+
+class AgentHints(TypedDict, total=False):
+    """The agent hints of a request (README, "Sessions"), beside its ``session_id``."""
+
+    parent_session_id: str
+    session_pause_s: float
+    session_retention: str
 
 
 def slo(ttft_s: float = 0.0, itl_s: float = 0.0) -> common_pb2.SLO:
@@ -158,13 +178,15 @@ def chat_messages(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
 def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequence[Message] | None = None, *,
                      cache_salt: str = "", request_id: str = "", model: str = "", session_id: str = "",
                      session_end: bool = False, cache_control: Mapping[str, Any] | None = None, ttft_s: float = 0.0,
-                     itl_s: float = 0.0, **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
+                     itl_s: float = 0.0, parent_session_id: str = "", session_pause_s: float = 0.0,
+                     session_retention: str = "", **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
     """A ``GenerateRequest`` for exactly one of ``prompt`` (text or token ids) and ``messages`` (chat)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
     req = api_pb2.GenerateRequest(request_id=request_id, model=model, cache_salt=cache_salt,
                                   sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s))
-    _session(req, session_id, session_end, cache_control)
+    _session(req, session_id, session_end, cache_control, AgentHints(
+        parent_session_id=parent_session_id, session_pause_s=session_pause_s, session_retention=session_retention))
     if messages is not None:
         req.messages.messages.extend(chat_messages(messages))
     elif isinstance(prompt, str):
@@ -180,8 +202,10 @@ def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequen
 
 def chat_request(messages: Sequence[Message], *, cache_salt: str = "", request_id: str = "", model: str = "",
                  session_id: str = "", session_end: bool = False, cache_control: Mapping[str, Any] | None = None,
-                 ttft_s: float = 0.0, itl_s: float = 0.0, **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
+                 ttft_s: float = 0.0, itl_s: float = 0.0, parent_session_id: str = "", session_pause_s: float = 0.0,
+                 session_retention: str = "", **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
     req = api_pb2.ChatRequest(request_id=request_id, model=model, messages=chat_messages(messages),
                               cache_salt=cache_salt, sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s))
-    _session(req, session_id, session_end, cache_control)
+    _session(req, session_id, session_end, cache_control, AgentHints(
+        parent_session_id=parent_session_id, session_pause_s=session_pause_s, session_retention=session_retention))
     return req

@@ -156,10 +156,17 @@ class ImportedKV:
 class SessionHint:
     """The session a request belongs to: ``key`` is the tenant-namespaced id (``contracts.sessions.session_key``);
     ``end``: the client says this is the session's last request, so what it holds can go first once it
-    finished."""
+    finished. What the router alone reads (engines hear it as signals once the request finished): ``parent``, the
+    key of the session this one was forked from (a sub-agent: it starts where its parent's prefix is);
+    ``pause_s``, the pause the client announces after this request (a tool call of about that long; 0: none
+    announced); ``retention``, what the caches do with its KV through that pause (``contracts.sessions.Retention``
+    value, "" = the default)."""
 
     key: str
     end: bool = False
+    parent: str = ""
+    pause_s: float = 0.0
+    retention: str = ""
 
     @classmethod
     def of(cls, key: str, end: bool = False) -> SessionHint | None:

@@ -379,15 +379,19 @@ def _counts(value: dict[str, Any], name: str) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class SessionSignal:
-    """What the router learnt about a session outside a request, for every cache (``sessions`` subject): it
-    ended (an explicit close) or paused (its response ended in a tool call). ``session``: the tenant-namespaced
-    key (``contracts.sessions.session_key``); ``instance``: where its last request ran ("" = unknown)."""
+    """What the router learnt about a session outside a request, for every cache and router (``sessions``
+    subject; ``ROUTED`` goes to routers only, on ``sessions.routed``): it ended, paused (its response ended in a
+    tool call, or the client said so), is back (``RESUME``), and so on (``SessionEvent``). ``session``: the
+    tenant-namespaced key (``contracts.sessions.session_key``); ``instance``: where its last request ran, or
+    for ``RESUME`` / ``ROUTED`` where the next one goes ("" = unknown); ``expected_s``: a pause's expected length
+    as the client announced it (0: not announced; caches use the session's own cadence)."""
 
     TYPE: ClassVar[str] = "session_signal"
     session: str
     event: SessionEvent
     ts: float
     instance: str = ""
+    expected_s: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -397,7 +401,7 @@ class SessionSignal:
 
     def encode(self) -> bytes:
         return _dump(self.TYPE, {"session": self.session, "event": self.event, "ts": self.ts,
-                                 "instance": self.instance})
+                                 "instance": self.instance, "expected_s": self.expected_s})
 
     @classmethod
     def decode(cls, data: bytes) -> SessionSignal:
@@ -405,8 +409,12 @@ class SessionSignal:
 
     @classmethod
     def _from_json(cls, d: dict[str, Any]) -> SessionSignal:
+        expected = float(_get(d, "expected_s", int, float)) if "expected_s" in d else 0.0
+        if not 0 <= expected < float("inf"):
+            raise CodecError(f"field 'expected_s' must be a number of seconds >= 0, not {expected!r}")
         return cls(session=_get(d, "session", str), event=_get(d, "event", str),
-                   ts=float(_get(d, "ts", int, float)), instance=_get(d, "instance", str) if "instance" in d else "")
+                   ts=float(_get(d, "ts", int, float)), instance=_get(d, "instance", str) if "instance" in d else "",
+                   expected_s=expected)
 
 
 @dataclass(frozen=True)

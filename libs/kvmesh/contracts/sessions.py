@@ -22,8 +22,42 @@ DEFAULT_TTL_PRIORITY = 50     # the priority of a TTL given without one
 class SessionEvent(enum.StrEnum):
     """What a ``SessionSignal`` says."""
 
-    PAUSE = "pause"  # its last response ended in a tool call: it is back once the tool ran
-    END = "end"      # it is over (an explicit close)
+    PAUSE = "pause"      # its last response ended in a tool call (or said it pauses): keep its KV, it is back
+    DEMOTE = "demote"    # it pauses, and its KV may leave the device meanwhile: warm it back before it returns
+    RELEASE = "release"  # it goes on, but nothing it holds now is worth keeping (it starts over, say)
+    END = "end"          # it is over (an explicit close)
+    RESUME = "resume"    # its next request reached a router: ``instance`` should warm its KV back now
+    ROUTED = "routed"    # router to router (``sessions.routed``): its request was sent to ``instance``
+
+
+class Retention(enum.StrEnum):
+    """What a request asks the caches to do with its session's KV once it finished (``session_retention``)."""
+
+    RETAIN = "retain"    # keep it where it is through the pause (the default when the session pauses)
+    DEMOTE = "demote"    # let it move down the tiers (host, pool) through the pause; back before the next step
+    RELEASE = "release"  # nothing of it needs keeping
+
+
+MAX_PAUSE_S = 24 * 3600.0  # the longest pause a request may announce
+
+
+def check_pause(value: object, field: str = "session_pause_s") -> float:
+    """An announced pause in seconds: a number in [0, ``MAX_PAUSE_S``] (0: none announced); ValueError naming
+    ``field`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_PAUSE_S:
+        raise ValueError(f"{field} must be a number of seconds in [0, {MAX_PAUSE_S:.0f}], not {value!r}")
+    return float(value)
+
+
+def check_retention_hint(value: str, field: str = "session_retention") -> Retention | None:
+    """A ``session_retention`` value ("" = none given); ValueError naming ``field`` and the choices."""
+    if not value:
+        return None
+    try:
+        return Retention(value)
+    except ValueError:
+        raise ValueError(f"{field} must be one of {', '.join(r.value for r in Retention)}, not {value[:40]!r}") \
+            from None
 
 
 def check_session_id(value: str, field: str = "session_id") -> str:

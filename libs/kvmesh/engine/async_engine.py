@@ -187,8 +187,10 @@ class AsyncEngine(EngineLoop, Engine):
     # ---- the seam: what the cluster says about the cached blocks ----------------------------------------------
     def signal_session(self, signal: SessionSignal) -> None:
         """Queued on the engine thread; a pause also sets a timer that warms the session's demoted blocks back
-        ``session_prefetch_lead_s`` before it is expected (its own cadence), if it is still paused then."""
-        self.queue(lambda: self._session_signal(signal.session, signal.event))
+        ``session_prefetch_lead_s`` before it is expected (the pause the client announced, else its own
+        cadence), if it is still paused then; ``RESUME`` (its next request reached the router) warms them at
+        once."""
+        self.queue(lambda: self._session_signal(signal))
 
     def cluster_copies(self, shared: Sequence_[BlockKey], sole: Sequence_[BlockKey]) -> None:
         self.queue(lambda: self.engine.blocks.cluster_copies(shared, sole))
@@ -267,10 +269,15 @@ class AsyncEngine(EngineLoop, Engine):
         if seq.status is Status.WAITING:
             self._unscheduled[request.request_id] = (seq, timing)
 
-    def _session_signal(self, key: str, event: SessionEvent) -> None:
+    def _session_signal(self, signal: SessionSignal) -> None:
         blocks, cfg = self.engine.blocks, self.engine.cfg
-        blocks.session_signal(key, event)
-        if event is not SessionEvent.PAUSE or not cfg.session_prefetch or blocks.host is None:
+        key, event = signal.session, signal.event
+        if event is SessionEvent.RESUME:
+            if blocks.host is not None and (loaded := blocks.prefetch(key)):
+                log.debug("session %s is back: %d blocks warmed back from the host", key, loaded)
+            return
+        blocks.session_signal(key, event, signal.expected_s)
+        if event not in (SessionEvent.PAUSE, SessionEvent.DEMOTE) or not cfg.session_prefetch or blocks.host is None:
             return
         expected = blocks.sessions.expected_return(key) if blocks.sessions is not None else None
         if expected is not None:

@@ -381,12 +381,12 @@ class BlockManager:
             self._emit(BlockRemoved(tuple(kept), TIER_DEVICE))
         return quarantined
 
-    def session_signal(self, key: str, event: SessionEvent) -> None:
-        """Session ``key`` paused (its response ended in a tool call) or ended (an explicit close)."""
+    def session_signal(self, key: str, event: SessionEvent, expected_s: float = 0.0) -> None:
+        """Session ``key`` paused, demoted, released or ended (``SessionTable.signal``); ``expected_s``: the
+        pause the client announced (0: none)."""
         if self.sessions is None:
             return
-        t = now()
-        self._rerank(self.sessions.pause(key, t) if event is SessionEvent.PAUSE else self.sessions.end(key))
+        self._rerank(self.sessions.signal(key, event, now(), expected_s))
 
     def expire_sessions(self, t: float, force: bool = False) -> None:
         """Drop the sessions silent past the table's ``idle_s`` (looked for every ``EXPIRE_EVERY_S``)."""
@@ -408,8 +408,9 @@ class BlockManager:
         from the first block, as far as the tree holds it), evicting what ranks lowest to make room. How many
         were loaded (0 when none was on the host, or there is no room)."""
         s = self.sessions.get(key) if self.sessions is not None else None
-        if s is None or self.host is None:
+        if s is None or self.sessions is None or self.host is None:
             return 0
+        self._rerank(self.sessions.retain(key))  # a demoted session's KV is kept from now on
         chain = []
         for block in s.blocks:
             node = self.tree.by_key.get(block)
@@ -424,8 +425,11 @@ class BlockManager:
         fresh = self.tiers.allocate(len(to_load))
         if fresh is not None:
             self.tiers.load_from_host(to_load, fresh)
+        t = now()
         for node in to_load:
             node.prefetched = fresh is not None
+            if fresh is not None:  # warmed for a use that is coming: not the next victim by its old recency
+                node.last_access = t
             self.tiers.unref(node)
         if fresh is None:
             return 0

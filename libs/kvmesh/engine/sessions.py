@@ -13,6 +13,10 @@ once none does it is ``UNKNOWN`` (the next session may well want it), like the b
 session id: they rank as they would without sessions. What a cache records per block for this is its
 ``session_owner`` (:func:`owner_after`): "" for none, the session's key, or ``SHARED``.
 
+A session paused with its KV demoted (the client's ``session_retention: demote``) holds its blocks without
+raising their mark: held by it alone they are ``UNKNOWN``, free to move down the tiers, until the engine warms
+them back for its return (``retain``: from then on they are ``PAUSED``).
+
 A paused session's blocks are ``PAUSED`` until it is overdue: twice its expected pause after the tool call (its
 own median pause, else the median of every session's recent pauses, else ``default_pause_s``); a tool that runs
 far longer than usual (a build, a crawl) leaves its session merely ``LIVE``.
@@ -30,6 +34,8 @@ import statistics
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from kvmesh.contracts.sessions import SessionEvent
 
 PAUSE_HISTORY = 8     # pause gaps a session remembers (its cadence)
 GLOBAL_HISTORY = 256  # recent pause gaps of every session (the cadence of a session that has not paused yet)
@@ -60,6 +66,8 @@ class Session:
     blocks: tuple[int, ...] = ()
     paused_at: float | None = None
     pause_gaps: list[float] = field(default_factory=list)  # its own pauses: tool call -> next request
+    announced_s: float = 0.0  # the current pause's length as the client announced it (0: none; its cadence)
+    demoted: bool = False     # the current pause let its blocks move down the tiers (they rank as LIVE)
 
     @property
     def paused(self) -> bool:
@@ -77,6 +85,7 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._held: Counter[int] = Counter()    # block -> live sessions holding it (paused ones included)
         self._paused: Counter[int] = Counter()  # block -> paused sessions holding it
+        self._demoted: Counter[int] = Counter()  # block -> demoted (paused, KV let down the tiers) sessions holding it
         self._paused_until: dict[int, float] = {}  # block -> when its paused holders are overdue (the latest)
         self._recent: deque[float] = deque(maxlen=GLOBAL_HISTORY)  # every session's recent pauses
 
@@ -91,8 +100,11 @@ class SessionTable:
 
     def mark(self, block: int | None, owner: str, now: float) -> Mark:
         """The mark of ``block`` at ``now``; ``owner``: its ``session_owner``."""
-        if block is not None and self._held.get(block):
-            return Mark.PAUSED if now < self._paused_until.get(block, -math.inf) else Mark.LIVE
+        held = self._held.get(block, 0) if block is not None else 0
+        if held > self._demoted.get(block, 0):  # type: ignore[arg-type]
+            return Mark.PAUSED if now < self._paused_until.get(block, -math.inf) else Mark.LIVE  # type: ignore[arg-type]
+        if held:  # only demoted sessions hold it: ranked as if none did, until they are about to return
+            return Mark.UNKNOWN
         return Mark.RELEASED if owner and owner != SHARED else Mark.UNKNOWN
 
     def mark_drops_at(self, block: int | None, now: float) -> float:
@@ -123,20 +135,55 @@ class SessionTable:
             del self._sessions[key]
         return changed
 
-    def pause(self, key: str, now: float, create: bool = False) -> set[int]:
-        """Session ``key``'s last response ended in a tool call: it is back once the tool ran. A session not
-        known here is ignored, or with ``create`` recorded as paused (a write-back of its blocks may come after
-        the signal); one paused already is paused afresh from ``now``."""
+    def signal(self, key: str, event: SessionEvent, now: float, expected_s: float = 0.0,
+               create: bool = False) -> set[int]:
+        """Apply a session signal (``contracts.sessions.SessionEvent``): pause, demote, release or end; the
+        others (``RESUME``, ``ROUTED``) say nothing of what the session holds. ``expected_s``: the pause's
+        length as the client announced it (0: none); ``create``: as for :meth:`pause`."""
+        if event is SessionEvent.PAUSE or event is SessionEvent.DEMOTE:
+            return self.pause(key, now, create, expected_s, demote=event is SessionEvent.DEMOTE)
+        if event is SessionEvent.RELEASE:
+            return self.release(key)
+        if event is SessionEvent.END:
+            return self.end(key)
+        return set()
+
+    def pause(self, key: str, now: float, create: bool = False, expected_s: float = 0.0,
+              demote: bool = False) -> set[int]:
+        """Session ``key``'s last response ended in a tool call (or it said it pauses): it is back once the tool
+        ran, after ``expected_s`` when the client announced that, else its cadence. A session not known here is
+        ignored, or with ``create`` recorded as paused (a write-back of its blocks may come after the signal);
+        one paused already is paused afresh from ``now``. ``demote``: its blocks rank as if no session held
+        them (they may move down the tiers; the engine warms them back before it returns, ``retain``)."""
         s = self._sessions.get(key)
         if s is None:
             if not create:
                 return set()
             s = self._sessions[key] = Session(key, now)
-        if s.paused_at is None:
-            self._paused.update(s.blocks)
-        s.paused_at = now
-        self._hold_paused(s.blocks, now + OVERDUE * self.expected_pause(s))
+        if s.paused_at is not None:
+            self._unmark_pause(s, s.blocks)
+        s.paused_at, s.announced_s, s.demoted = now, expected_s, demote
+        self._mark_pause(s, s.blocks)
         return set(s.blocks)
+
+    def retain(self, key: str) -> set[int]:
+        """Demoted session ``key`` is about to return (its KV is being warmed back): from now on its pause keeps
+        its blocks as a retained one does. The blocks whose mark changed (none when it is not demoted)."""
+        s = self._sessions.get(key)
+        if s is None or not s.demoted:
+            return set()
+        self._unmark_pause(s, s.blocks)
+        s.demoted = False
+        self._mark_pause(s, s.blocks)
+        return set(s.blocks)
+
+    def release(self, key: str) -> set[int]:
+        """Session ``key`` goes on, but nothing it holds now is worth keeping: it holds nothing until its next
+        request."""
+        s = self._sessions.get(key)
+        if s is None:
+            return set()
+        return self._resume(s, s.last_seen, count=False) | self._hold(s, ())
 
     def end(self, key: str) -> set[int]:
         """Session ``key`` is over (an explicit close): it holds nothing any more."""
@@ -159,8 +206,10 @@ class SessionTable:
 
     # ---- cadence -------------------------------------------------------------------------------------------
     def expected_pause(self, s: Session) -> float:
-        """How long the session's pauses last: the median of its own, else of every session's recent ones,
-        else ``default_pause_s``."""
+        """How long the session's current pause lasts: what the client announced, else the median of its own
+        pauses, else of every session's recent ones, else ``default_pause_s``."""
+        if s.paused_at is not None and s.announced_s > 0:
+            return s.announced_s
         gaps = s.pause_gaps or self._recent
         return statistics.median(gaps) if gaps else self.default_pause_s
 
@@ -175,15 +224,35 @@ class SessionTable:
         return (s for s in self._sessions.values() if s.paused)
 
     # ---- internals -----------------------------------------------------------------------------------------
-    def _resume(self, s: Session, now: float) -> set[int]:
+    def _resume(self, s: Session, now: float, count: bool = True) -> set[int]:
+        """``s`` is no longer paused; ``count``: the pause ended with its next request (a cadence sample)."""
         if s.paused_at is None:
             return set()
-        gap = max(0.0, now - s.paused_at)
-        s.pause_gaps = [*s.pause_gaps[-(PAUSE_HISTORY - 1):], gap]
-        self._recent.append(gap)
-        s.paused_at = None
-        self._unpause(s.blocks)
+        if count:
+            gap = max(0.0, now - s.paused_at)
+            s.pause_gaps = [*s.pause_gaps[-(PAUSE_HISTORY - 1):], gap]
+            self._recent.append(gap)
+        self._unmark_pause(s, s.blocks)
+        s.paused_at, s.announced_s, s.demoted = None, 0.0, False
         return set(s.blocks)
+
+    def _mark_pause(self, s: Session, blocks: Iterable[int]) -> None:
+        """Paused ``s`` holds ``blocks``: demoted, they rank as held by no one; retained, as paused."""
+        if s.demoted:
+            self._demoted.update(blocks)
+        else:
+            blocks = list(blocks)
+            self._paused.update(blocks)
+            self._hold_paused(blocks, s.paused_at + OVERDUE * self.expected_pause(s))  # type: ignore[operator]
+
+    def _unmark_pause(self, s: Session, blocks: Iterable[int]) -> None:
+        if s.demoted:
+            self._demoted.subtract(blocks)
+            for b in set(blocks):
+                if self._demoted[b] <= 0:
+                    del self._demoted[b]
+        else:
+            self._unpause(blocks)
 
     def _hold_paused(self, blocks: Iterable[int], until: float) -> None:
         for b in blocks:
@@ -206,8 +275,7 @@ class SessionTable:
         for b in new - old:
             self._held[b] += 1
         if s.paused_at is not None:
-            self._unpause(old - new)
-            self._paused.update(new - old)
-            self._hold_paused(new - old, s.paused_at + OVERDUE * self.expected_pause(s))
+            self._unmark_pause(s, old - new)
+            self._mark_pause(s, new - old)
         s.blocks = blocks
         return old ^ new

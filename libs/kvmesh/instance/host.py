@@ -34,6 +34,7 @@ from kvmesh.contracts.messages import (
     Message,
     SessionSignal,
 )
+from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engines import Engine, start_engine
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
@@ -247,7 +248,11 @@ class EngineHost:
                         "kvmesh.preemptions": timing.preemptions})
 
     async def _on_session(self, msg: Message, headers: dict[str, str]) -> None:
-        if isinstance(msg, SessionSignal):
+        """A session signal for every cache; ``RESUME`` only for the instance it names (where the request
+        goes)."""
+        if not isinstance(msg, SessionSignal):
+            return
+        if msg.event is not SessionEvent.RESUME or msg.instance == self.instance_id:
             self.engine.signal_session(msg)
 
     def _quarantined(self, keys: list[BlockKey], path: str) -> None:

@@ -13,7 +13,11 @@ The rules, in order:
   adapter and can take the prefill's KV (``can_hand_off``: equal layouts, or the cast the decode names). No such
   decode: ``Local`` on a decode, which computes the prompt itself. Otherwise the cost model weighs the hop
   (``disaggregation``): ``PD``, ``Local`` (decode holds about as much as prefill), or ``Refuse``.
-- **Only role-both instances**: the session's instance, else the policy's choice among them.
+- **Only role-both instances**: the session's instance, else the policy's choice among them. Sticky until
+  saturated: when the policy prices each instance's TTFT (``cache_aware``: its queue, and what it holds of the
+  prompt, the session's KV at home included), the session leaves its instance for one the policy expects to
+  serve it ``session_move_margin_s`` sooner; under any policy, when its instance has ``session_overload`` more
+  requests.
 - **Only decode instances**: the session's instance, else the least loaded decode.
 
 Pure but for the policy object, which may keep state of its own (round robin's turn).
@@ -64,6 +68,7 @@ class FleetView:
     bus_up: bool = True          # NATS reachable: a push can be announced
     session_home: str | None = None  # the instance the request's session last ran on
     session_overload: int = 2    # queued or running more than the least loaded by this much: the session moves
+    session_move_margin_s: float = 0.25  # cache_aware: another instance this much sooner (estimated): it moves
 
     def of_role(self, role: str) -> list[InstanceView]:
         return [i for i in self.instances if i.role == role]
@@ -128,6 +133,8 @@ def plan(ask: RouteAsk, fleet: FleetView, policy: Policy) -> Plan | None:
     if both:
         attrs: dict[str, Any] = {"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"}
         home, why, moved = place_session(fleet.session_home, _with_lora(both), fleet.session_overload)
+        if home is not None and isinstance(policy, CacheAware):
+            home, why, moved = _sooner_elsewhere(home, why, policy, both, fleet, ask)
         if why:
             attrs["kvmesh.route.session"] = why
         if home is None:
@@ -248,6 +255,21 @@ def place_session(home_id: str | None, candidates: Sequence[InstanceView],
         return None, (f"session: {home.id} is overloaded ({home.queue_depth:g} queued or running, "
                       f"{least:g} on the least loaded): moved through the pool"), True
     return home, f"session: stays on {home.id}, where its KV is", False
+
+
+def _sooner_elsewhere(home: InstanceView, why: str, policy: Policy, both: list[InstanceView], fleet: FleetView,
+                      ask: RouteAsk) -> tuple[InstanceView | None, str, bool]:
+    """A session's ``home`` that is not overloaded, weighed by the policy's TTFT estimates (what each instance
+    holds of the prompt counted): it moves (None) when another instance is expected to serve it sooner."""
+    decision = policy.choose(candidates(both, fleet.matched, fleet.cost, {i.id for i in both if not i.has_lora},
+                                        ask.itl_s), ask.prompt_tokens, fleet.block_size, fleet.matched.get(POOL, 0))
+    chosen, est = decision.chosen, decision.scores
+    if chosen is None or chosen.id == home.id or home.id not in est or chosen.id not in est:
+        return home, why, False
+    if est[chosen.id] + fleet.session_move_margin_s < est[home.id]:
+        return None, (f"session: {chosen.id} serves it sooner ({est[chosen.id]:.3f} s estimated, "
+                      f"{est[home.id]:.3f} s on {home.id}, its KV counted)"), True
+    return home, why, False
 
 
 def can_hand_off(a: InstanceView, b: InstanceView) -> bool:

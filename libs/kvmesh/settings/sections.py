@@ -565,6 +565,10 @@ class RouterSettings(Section):
                                            "unless that instance is overloaded (session_overload)")
     session_overload: int = setting(2, "a session leaves its instance for one with this many fewer requests "
                                        "queued or running (its KV follows through the pool)")
+    session_move_margin_s: float = setting(0.25, "under the cache_aware policy a session also leaves its instance "
+                                                 "when another is expected to serve it this many seconds sooner "
+                                                 "(its KV at home counted; the margin covers the fetch the "
+                                                 "estimate leaves out)")
     max_sessions: int = setting(100_000, "sessions whose instance the router remembers (least recent forgotten)")
 
     @field_validator("api_keys", mode="before")
@@ -609,6 +613,7 @@ class RouterSettings(Section):
             out.append(Problem("id", f"id must be letters, digits, '-' and '_' (it names a NATS subject), "
                                      f"not {self.id!r}"))
         out += self._min(("session_overload", "max_sessions"), 1)
+        out += self._min(("session_move_margin_s",), 0)
         out += self._address("cachesvc_address", "none")
         for key, tenant in self.api_keys.items():
             out += [Problem("api_keys", m) for m in key_problems(key, tenant, "api_keys")]

@@ -76,7 +76,7 @@ from kvmesh.routing.cost import SpeedEstimator
 from kvmesh.settings import EngineSettings
 from kvmesh.vllm import check_version
 from kvmesh.vllm.events import Subscriber, Translator, endpoints
-from kvmesh.vllm.requests import client_fault, output, sampling_params
+from kvmesh.vllm.requests import client_fault, kv_hints, output, sampling_params
 
 log = logging.getLogger(__name__)
 DTYPES: dict[str, Literal["float32", "bfloat16", "float16"]] = {"fp32": "float32", "bf16": "bfloat16",
@@ -445,8 +445,11 @@ class VLLMEngine(EngineLoop, Engine):
         slo = SloTrack(request.slo.or_else(self.default_slo), time.monotonic() - request.waited_s,
                        continued=request.generated > 0)
         try:
+            # the session reaches vLLM as its own session id (in its KV events) and as an orchestrator's KV hint
             self.llm.add_request(rid, tokens, sampling_params(p, self._transfer(request)),
-                                 lora_request=adapter.vllm if adapter else None, priority=int(slo.due * 1000))
+                                 lora_request=adapter.vllm if adapter else None, priority=int(slo.due * 1000),
+                                 session_id=request.session.key if request.session else None,
+                                 kv_hints=kv_hints(rid, request.session))
         except ValueError:
             raise
         except Exception as e:

@@ -4,8 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.contracts.engine import EngineOutput, TokenLogprobs
+from kvmesh.contracts.engine import EngineOutput, SessionHint, TokenLogprobs
 from kvmesh.contracts.sampling import SamplingParams
+
+SESSION_ACTION = "kvmesh.session"  # the KV-hint action a kvmesh request's session travels in, version "1"
+
+
+def kv_hints(request_id: str, session: SessionHint | None) -> Any:
+    """The request's session as vLLM 0.32 carries an orchestrator's hints (``KvHintsEnvelope``: whatever KV
+    offload or connector reads ``Request.kv_hints`` sees it): one ``kvmesh.session`` action naming the session,
+    the sub-agent's parent and whether this is its last request. None for a request without a session."""
+    if session is None:
+        return None
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    payload = {"session_id": session.key, "parent_session_id": session.parent, "session_end": session.end}
+    return KvHintsEnvelope(protocol_version="1", message_id=request_id,
+                           actions=[KvHintAction(f"{request_id}/session", SESSION_ACTION, "1", payload)])
 
 
 def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None) -> Any:

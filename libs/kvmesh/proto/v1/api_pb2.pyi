@@ -20,7 +20,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control", "resume_token_ids", "slo")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control", "parent_session_id", "session_pause_s", "session_retention", "resume_token_ids", "slo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,9 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_END_FIELD_NUMBER: _ClassVar[int]
     CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_RETENTION_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -43,9 +46,12 @@ class GenerateRequest(_message.Message):
     session_id: str
     session_end: bool
     cache_control: _common_pb2.CacheControl
+    parent_session_id: str
+    session_pause_s: float
+    session_retention: str
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     slo: _common_pb2.SLO
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ..., parent_session_id: _Optional[str] = ..., session_pause_s: _Optional[float] = ..., session_retention: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "usage", "logprobs")
@@ -66,7 +72,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("request_id", "model", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control", "slo")
+    __slots__ = ("request_id", "model", "messages", "sampling", "cache_salt", "session_id", "session_end", "cache_control", "parent_session_id", "session_pause_s", "session_retention", "slo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +81,9 @@ class ChatRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_END_FIELD_NUMBER: _ClassVar[int]
     CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_RETENTION_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
@@ -84,8 +93,11 @@ class ChatRequest(_message.Message):
     session_id: str
     session_end: bool
     cache_control: _common_pb2.CacheControl
+    parent_session_id: str
+    session_pause_s: float
+    session_retention: str
     slo: _common_pb2.SLO
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., session_end: _Optional[bool] = ..., cache_control: _Optional[_Union[_common_pb2.CacheControl, _Mapping]] = ..., parent_session_id: _Optional[str] = ..., session_pause_s: _Optional[float] = ..., session_retention: _Optional[str] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ...) -> None: ...
 
 class ChatResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs")
