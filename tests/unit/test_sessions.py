@@ -268,3 +268,14 @@ def test_a_release_lets_go_of_what_the_session_holds_but_keeps_it():
     assert t.mark(1, "t/a", 1.0) == Mark.RELEASED and "t/a" in t
     assert t.expected_return("t/a") is None
     assert t.signal("t/a", SessionEvent.RESUME, 1.0) == set() and t.signal("t/a", SessionEvent.ROUTED, 1.0) == set()
+
+
+def test_a_paused_sessions_request_waiting_to_run_keeps_its_blocks_as_paused():
+    t = SessionTable(default_pause_s=2.0)
+    t.request("t/a", [1, 2], 0.0)
+    t.signal("t/a", SessionEvent.DEMOTE, 0.0)
+    assert t.mark(1, "t/a", 1.0) == Mark.UNKNOWN
+    assert t.back("t/a", 10.0) == {1, 2}  # overdue long ago, and demoted: kept again while its request waits
+    assert t.mark(1, "t/a", 10.5) == Mark.PAUSED and t.mark(1, "t/a", 14.5) == Mark.LIVE
+    t.request("t/a", [1, 2, 3], 11.0)
+    assert t.get("t/a").pause_gaps == [11.0] and t.back("t/a", 12.0) == set()  # not paused: nothing to keep

@@ -388,6 +388,12 @@ class BlockManager:
             return
         self._rerank(self.sessions.signal(key, event, now(), expected_s))
 
+    def session_back(self, key: str) -> None:
+        """A request of session ``key`` was queued: a paused session's blocks are kept while it waits
+        (``SessionTable.back``)."""
+        if self.sessions is not None:
+            self._rerank(self.sessions.back(key, now()))
+
     def expire_sessions(self, t: float, force: bool = False) -> None:
         """Drop the sessions silent past the table's ``idle_s`` (looked for every ``EXPIRE_EVERY_S``)."""
         if self.sessions is not None and (force or t - self._expired_at >= EXPIRE_EVERY_S):

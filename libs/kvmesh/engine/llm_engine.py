@@ -284,6 +284,8 @@ class LLMEngine:
         self._requests[request.request_id] = tracked
         if kv is not None and blocks is not None and self._start_imported(tracked.seq, kv, blocks):
             return tracked.seq
+        if request.session is not None:  # a paused session is back: its KV is kept while the request queues
+            self.blocks.session_back(request.session.key)
         self.scheduler.add(tracked.seq)
         return tracked.seq
 

@@ -177,6 +177,18 @@ class SessionTable:
         self._mark_pause(s, s.blocks)
         return set(s.blocks)
 
+    def back(self, key: str, now: float) -> set[int]:
+        """A request of paused session ``key`` arrived and waits to run: what the session holds is kept as a
+        paused session's (a demoted one's too) for another ``OVERDUE`` times its expected pause from ``now``, so
+        the queue it waits in does not evict the KV it is about to reuse. It is back (the pause ends, its cadence
+        learns the gap) when that request finishes. The blocks whose mark changed."""
+        s = self._sessions.get(key)
+        if s is None or s.paused_at is None:
+            return set()
+        changed = self.retain(key)
+        self._hold_paused(s.blocks, now + OVERDUE * self.expected_pause(s))
+        return changed | set(s.blocks)
+
     def release(self, key: str) -> set[int]:
         """Session ``key`` goes on, but nothing it holds now is worth keeping: it holds nothing until its next
         request."""
