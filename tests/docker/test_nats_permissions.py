@@ -100,6 +100,13 @@ def test_each_service_user_can_do_what_its_service_does(port):
         await replica.subscribe(subjects.router_load_all, lambda m, h: loads.put(m))
         await router.publish(subjects.router_load("router-0"), RouterLoad("router-0", 1.0, {"decode-0": 2}, {}))
         assert (await asyncio.wait_for(loads.get(), 5)).inflight == {"decode-0": 2}
+        heard: asyncio.Queue = asyncio.Queue()  # replicas share placements and hear each other's signals
+        await replica.subscribe(subjects.router_sessions, lambda m, h: heard.put(m))
+        await replica.subscribe(subjects.sessions, lambda m, h: heard.put(m))
+        await router.publish(subjects.router_sessions, SessionSignal("t/s0", SessionEvent.ROUTED, 1.0, "both-0"))
+        await router.publish(subjects.sessions, SessionSignal("t/s0", SessionEvent.PAUSE, 2.0, "both-0", 3.0))
+        got = [await asyncio.wait_for(heard.get(), 5) for _ in range(2)]
+        assert sorted(m.event for m in got) == [SessionEvent.PAUSE, SessionEvent.ROUTED]
         await replica.close()
         await decode.publish(subjects.heartbeat("decode", "decode-0"), beat("decode-0"))
         assert (await asyncio.wait_for(beats_router.get(), 5)).instance_id == "decode-0"
