@@ -67,9 +67,10 @@ def engine_stream(engine: AsyncEngine) -> Stream:
     return stream
 
 
-def http_stream(session, url: str, model: str = "") -> Stream:
+def http_stream(session, url: str, model: str = "", headers: dict[str, str] | None = None) -> Stream:
     """Through the router (or any OpenAI-compatible server that takes token-id prompts and ``ignore_eos``, as
-    vLLM does; ``model`` names its model): one SSE chunk per token the engine streams. Not
+    vLLM does; ``model`` names its model; ``headers`` go with every request, an API key): one SSE chunk per token
+    the engine streams. Not
     app.bench.serve.stream_request: that one times chunks with text only, and a token that completes no
     character yet (random ids, byte-level BPE) streams an empty delta that is still a token here."""
     async def stream(rid: str, prompt: list[int], max_tokens: int, slo: SLO | None = None) -> list[float]:
@@ -77,7 +78,8 @@ def http_stream(session, url: str, model: str = "") -> Stream:
                 "temperature": 0, **({"model": model} if model else {}),
                 **({"kvmesh_slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}} if slo else {})}
         times = [time.perf_counter()]
-        async with session.post(f"{url}/v1/completions", json=body, headers={"x-request-id": rid}) as r:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                headers={"x-request-id": rid, **(headers or {})}) as r:
             if r.status == 429:
                 raise prefill_slo.Refused(f"{rid}: {await r.text()}")
             if r.status != 200:

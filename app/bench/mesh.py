@@ -2,6 +2,7 @@
 
     kvmesh bench mesh [--requests N] [--max-tokens N] [--no-write]
     kvmesh bench mesh --pd [--turns N] [--repeats N] [--no-write]   (PD vs role both: app/bench/pd.py)
+    kvmesh bench mesh --pd --tls-compare [...]   (the same workload with the mesh's mTLS on and off, same run)
 
 The stack is 1 prefill + 1 decode (each 1 thread) + router + cachesvc + nats-server on this machine; TTFT is
 measured at an HTTP client streaming from the router (SSE), one request at a time. The engine alone runs in this
@@ -30,6 +31,7 @@ from app.launcher import Stack, StackOptions
 SECTION = "Mesh vs the engine alone"
 SECTION_PD = "PD vs role both"
 SECTION_PD_VLLM = "PD vs role both, vLLM instances"
+SECTION_TLS = "Mesh mTLS on vs off"
 
 TOPICS = ["rivers", "volcanoes", "owls", "bread", "comets", "chess", "glaciers", "violins", "tea", "bridges",
           "deserts", "bees", "clocks", "whales", "maps", "salt", "kites", "coral", "lamps", "ferns"]
@@ -95,12 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="--pd: the engines' backend (vllm: `make vllm` first)")
     p.add_argument("--back-to-back", action="store_true", help="--pd: each stack's chat turns one right after the "
                    "other (printed, not written: the bytes per turn when the next turn does not wait)")
+    p.add_argument("--tls-compare", action="store_true", help="--pd: role both and forced PD, each with the mesh's "
+                   "mutual TLS (kvmesh up's default) and with [shared] mesh_tls = false, side by side")
     args = p.parse_args(argv)
     if args.pd:
         from app.bench import pd
 
         load = os.getloadavg()[0]
-        res = pd.run(turns=args.turns, repeats=args.repeats, backend=args.backend, back_to_back=args.back_to_back)
+        res = pd.run(pd.TLS_SETUPS if args.tls_compare else pd.SETUPS, turns=args.turns, repeats=args.repeats,
+                     backend=args.backend, back_to_back=args.back_to_back)
         engines = ("vLLM 0.32 (CPU build) engines, `[engine] backend = vllm` (vLLM's blocks of 128 tokens, KV for "
                    "4,224 tokens each)" if args.backend == "vllm" else "native engines")
         body = (f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 shared "
@@ -109,7 +114,22 @@ def main(argv: list[str] | None = None) -> int:
                 "stacks run side by side and each prompt goes to each of them in turn (the order rotating prompt by "
                 "prompt), one "
                 "request in flight at a time, so all see the same machine load. Chat: 95 tokens, then "
-                "+107 per turn (a stand-in of the reply's length plus the next question). `pd auto`: the router's "
+                f"+107 per turn (a stand-in of the reply's length plus the next question), {args.turns} turns. ")
+        vllm = args.backend == "vllm"
+        command = ("kvmesh bench mesh --pd" + (" --backend vllm" if vllm else "")
+                   + (f" --turns {args.turns}" if args.turns != 10 else "")
+                   + (f" --repeats {args.repeats}" if args.repeats != 3 else ""))
+        if args.tls_compare:
+            body += ("`on`: the stack as `kvmesh up` runs it, mutual TLS on every internal hop (gRPC router → "
+                     "prefill / decode / cachesvc, NATS, and the KV push prefill → decode, TLS 1.3 with the payload "
+                     "encrypted); `off`: `[shared] mesh_tls = false`, all of it plaintext. `pd always`: header "
+                     "`x-kvmesh-disaggregate: always`, every request through prefill, a push and decode. `cold "
+                     "hand-off GB/s`: the cold prompt's KV push (`kv.push`'s `kvmesh.bytes`) over its parts' own "
+                     "push times (`kvmesh.push_ms`), while prefill computes the next layers; `push after compute`: "
+                     "what of it was left on the TTFT path (`kvmesh.critical_ms`).\n\n" + pd.tls_report(res))
+            publish(SECTION_TLS, command + " --tls-compare", body, write=not args.no_write and not args.back_to_back)
+            return 0
+        body += ("`pd auto`: the router's "
                 "cost model picks PD or decode-computes-the-rest per request; `pd always`: header "
                 "`x-kvmesh-disaggregate: always`; both push the KV in layer groups (`instance.push_layer_groups`, "
                 "its default) while the forward pass computes, `pd always, chunk parts` in whole blocks after each "
@@ -118,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 "(`kvmesh.push_ms`, "
                 "the parts' own push times added up); `chat push after compute`: the same over the chat turns that "
                 "pushed (one chunk each, a delta).\n\n" + pd.report(res))
-        vllm = args.backend == "vllm"
-        publish(SECTION_PD_VLLM if vllm else SECTION_PD, "kvmesh bench mesh --pd" + (" --backend vllm" if vllm else ""),
-                body, write=not args.no_write and not args.back_to_back)
+        publish(SECTION_PD_VLLM if vllm else SECTION_PD, command, body,
+                write=not args.no_write and not args.back_to_back)
         return 0
     res = run(args.requests, args.max_tokens)
     rows = []

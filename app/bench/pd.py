@@ -89,14 +89,28 @@ def _figures(spans: list, rid: str) -> dict:
     }
 
 
+Setup = tuple[StackOptions, dict[str, str] | None]  # a stack, and the headers each of its requests carries
+FORCED_PD = {"x-kvmesh-disaggregate": "always"}
+
 # pd auto / pd always push in layer groups (instance.push_layer_groups, its default); "chunk parts" pushes whole
 # blocks after each chunk (push_layer_groups 1), what the layer groups are measured against in the same run
-SETUPS = {
+SETUPS: dict[str, Setup] = {
     "both": (StackOptions.local("pdb", prefill=0, decode=0, both=1), None),
     "pd auto": (StackOptions.local("pdp"), None),
-    "pd always": (StackOptions.local("pda"), {"x-kvmesh-disaggregate": "always"}),
+    "pd always": (StackOptions.local("pda"), FORCED_PD),
     "pd always, chunk parts": (StackOptions.local("pdc", settings={"instance": {"push_layer_groups": 1}}),
-                               {"x-kvmesh-disaggregate": "always"}),
+                               FORCED_PD),
+}
+
+# --tls-compare: role both and forced PD with the mesh's mutual TLS (kvmesh up's default: gRPC, NATS and the KV
+# push all TLS 1.3) and without it ([shared] mesh_tls = false: plaintext inside the mesh)
+MTLS_OFF = ", mTLS off"
+PLAINTEXT = {"shared": {"mesh_tls": False}}
+TLS_SETUPS: dict[str, Setup] = {
+    "both": SETUPS["both"],
+    "both" + MTLS_OFF: (StackOptions.local("pdbx", prefill=0, decode=0, both=1, settings=PLAINTEXT), None),
+    "pd always": SETUPS["pd always"],
+    "pd always" + MTLS_OFF: (StackOptions.local("pdax", settings=PLAINTEXT), FORCED_PD),
 }
 
 
@@ -105,9 +119,8 @@ SETUPS = {
 VLLM_ENGINE = {"backend": "vllm", "num_blocks": 264, "max_model_len": 2048, "threads": 1}
 
 
-def setup(name: str, backend: str = "native") -> StackOptions:
-    """``name``'s stack options, with the engines of ``backend``."""
-    opts = SETUPS[name][0]
+def with_backend(opts: StackOptions, backend: str = "native") -> StackOptions:
+    """``opts`` with the engines of ``backend``."""
     if backend == "native":
         return opts
     settings = {**opts.settings, "engine": {**opts.settings.get("engine", {}), **VLLM_ENGINE}}
@@ -126,7 +139,7 @@ def request_order(plan: list[Step], names: list[str], back_to_back: bool = False
     return order
 
 
-def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, first: int = 95, per_turn: int = 107,
+def run(setups: dict[str, Setup] = SETUPS, turns: int = 10, repeats: int = 3, first: int = 95, per_turn: int = 107,
         cold_tokens: int = 1500, max_tokens: int = 16, seed: int = 0, backend: str = "native",
         back_to_back: bool = False) -> dict[str, Result]:
     """Every setup's stack up at once, the same requests sent to each in turn (the order rotating request by
@@ -134,7 +147,7 @@ def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, firs
     repeat has its own cold prompt and its own chat (fresh tokens: nothing is reused across repeats).
     ``backend``: the engines' (native, vllm). ``back_to_back``: each stack gets a chat's turns one right after the
     other (the cold prompts still rotate), so a turn arrives as soon as the one before it ended there."""
-    names = [n for n in SETUPS if setups is None or n in setups]
+    names = list(setups)
     rng = random.Random(seed)
     plan: list[Step] = []
     for rep in range(repeats):
@@ -150,11 +163,11 @@ def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, firs
         stacks: dict[str, Stack] = {}
         try:
             for name in names:
-                stacks[name] = Stack(Path(tmp) / name.replace(" ", "-"), setup(name, backend))
+                stacks[name] = Stack(_state_dir(Path(tmp), name), with_backend(setups[name][0], backend))
                 stacks[name].start(timeout_s=300)
-                completion_ttft(stacks[name].router_http, _ids(random.Random(99), 40), 4, SETUPS[name][1])  # warm
+                completion_ttft(stacks[name].router_http, _ids(random.Random(99), 40), 4, setups[name][1])  # warm
             for name, (rep, turn, prompt) in request_order(plan, names, back_to_back):
-                ttft, text, rid = completion_ttft(stacks[name].router_http, prompt, max_tokens, SETUPS[name][1])
+                ttft, text, rid = completion_ttft(stacks[name].router_http, prompt, max_tokens, setups[name][1])
                 req = Request(ttft, rid, len(prompt), "".join(text))
                 (res[name].chats[rep].append(req) if turn else res[name].cold.append(req))
         finally:
@@ -162,10 +175,14 @@ def run(setups: list[str] | None = None, turns: int = 10, repeats: int = 3, firs
                 stack.stop()
         time.sleep(0.5)
         for name, r in res.items():
-            spans = read_spans(trace_file(Path(tmp) / name.replace(" ", "-")))
+            spans = read_spans(trace_file(_state_dir(Path(tmp), name)))
             r.spans = {q.request_id: _figures(spans, q.request_id)
                        for q in [*r.cold, *(t for chat in r.chats for t in chat)]}
     return res
+
+
+def _state_dir(tmp: Path, name: str) -> Path:
+    return tmp / name.replace(" ", "-").replace(",", "")
 
 
 BLOCK_NBYTES = 737_280  # SmolLM2-135M fp32, 16-token blocks
@@ -228,6 +245,51 @@ def report(res: dict[str, Result]) -> str:
     return (markdown_table(rows, list(rows[0])) + f"\n\nMedians over {len(ref.cold)} repeats (range in brackets). "
             "Per turn, first repeat (route in brackets; pushed bytes from the kv.push spans, against the KV of the "
             "prompt tokens decode lacked):\n\n" + markdown_table(turns, cols))
+
+
+def _handoff_gbps(sp: dict) -> float:
+    """GB/s of one request's KV push: its bytes over the parts' own push times added up."""
+    return sp["push_bytes"] / sp["push_ms"] / 1e6
+
+
+def tls_report(res: dict[str, Result]) -> str:
+    """The markdown body of ``--tls-compare``: each setup with the mesh's mTLS on against its twin with it off
+    (``<setup>, mTLS off``), medians over the repeats of the paired ratios (each request against the same request
+    sent to the twin right next to it)."""
+    from app.bench.report import markdown_table
+
+    rows = []
+    for name, on in res.items():
+        off = res.get(name + MTLS_OFF)
+        if off is None:
+            continue
+        on_sums = [sum(t.ttft for t in chat) for chat in on.chats]
+        off_sums = [sum(t.ttft for t in chat) for chat in off.chats]
+        every = [a.ttft / b.ttft for a, b in zip([*on.cold, *(t for c in on.chats for t in c)],
+                                                [*off.cold, *(t for c in off.chats for t in c)], strict=True)]
+        row = {"setup": name,
+               "cold TTFT s, on / off": f"{statistics.median(q.ttft for q in on.cold):.2f} / "
+                                        f"{statistics.median(q.ttft for q in off.cold):.2f}",
+               "cold on / off": _spread([a.ttft / b.ttft for a, b in zip(on.cold, off.cold)], unit="x"),
+               f"{len(on.chats[0])}-turn chat TTFT sum s, on / off": f"{statistics.median(on_sums):.2f} / "
+                                                                     f"{statistics.median(off_sums):.2f}",
+               "chat on / off": _spread([a / b for a, b in zip(on_sums, off_sums)], unit="x"),
+               "every request on / off": _spread(every, unit="x")}
+        cold_on = [on.spans[q.request_id] for q in on.cold]
+        cold_off = [off.spans[q.request_id] for q in off.cold]
+        if all(sp["push_ms"] for sp in [*cold_on, *cold_off]):
+            row["cold hand-off GB/s, on / off"] = (f"{statistics.median(map(_handoff_gbps, cold_on)):.2f} / "
+                                                   f"{statistics.median(map(_handoff_gbps, cold_off)):.2f}")
+            row["hand-off on / off"] = _spread([_handoff_gbps(a) / _handoff_gbps(b)
+                                                for a, b in zip(cold_on, cold_off)], unit="x")
+            row["cold push after compute ms, on / off"] = (
+                f"{statistics.median(sp['critical_ms'] for sp in cold_on):.1f} / "
+                f"{statistics.median(sp['critical_ms'] for sp in cold_off):.1f}")
+        rows.append(row | {"greedy text on = off": on.outputs == off.outputs})
+    columns = list(max(rows, key=len))
+    return (markdown_table(rows, columns) + f"\n\nMedians over {len(next(iter(res.values())).cold)} repeats "
+            "(range in brackets); `every request`: the cold prompts and every chat turn, each against the same "
+            "request to the twin stack.")
 
 
 def main() -> None:

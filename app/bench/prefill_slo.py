@@ -81,11 +81,12 @@ async def cold(stream: Stream, rid: Callable[[], str], repeats: int, probe: Prob
     return {"ttft": ttfts, "cpu": cpus}
 
 
-async def scenario_c(stream: Stream, rid: Callable[[], str]) -> list[dict]:
-    """Scenario C; one row per request: kind, TTFT, ITL p99, whether it met each target."""
+async def scenario_c(stream: Stream, rid: Callable[[], str], sent: SLO | None = TARGETS) -> list[dict]:
+    """Scenario C; one row per request: kind, TTFT, ITL p99, whether it met each target. ``sent``: the targets each
+    request carries (None: none, the server's defaults apply); it is judged against ``TARGETS`` either way."""
     async def timed(kind: str, p: list[int], n: int) -> dict:
         try:
-            times = await stream(rid(), p, n, TARGETS)
+            times = await stream(rid(), p, n, sent)
         except Refused:  # admission control: it would not have met its target
             return {"kind": kind, "ttft_s": math.inf, "itl_p99_s": math.inf, "tokens": 0, "refused": True,
                     "ttft_met": False, "itl_met": False}

@@ -1,11 +1,17 @@
 """Transfer benchmark: GB/s of one push (header, payload, verify, reply) per backend and payload size, against
 raw Python sockets measured in the same run.
 
-    kvmesh bench transfer [--backends tcp,shm,mooncake] [--repeats N] [--rounds 3] [--quick] [--no-write]
+    kvmesh bench transfer [--backends tcp,shm,mooncake] [--repeats N] [--rounds 3] [--tls-compare] [--quick]
+                          [--no-write]
 
 Sender and receiver are separate processes (in one process they would share the GIL). Each push is one block
 of the given size, sent after the previous one was verified; the baseline does the same exchange with blocking
 ``sendall`` / ``recv_into`` into a preallocated buffer and a one-byte ack, the ceiling Python reaches here.
+
+``--tls-compare``: each backend also with the mesh's mutual TLS, as ``kvmesh up`` runs it (``[shared] mesh_tls``,
+its default): certificates from a mesh CA of the run's own, the receiver a decode instance, the sender a prefill
+instance; TLS 1.3 on the connection (for ``tcp`` the payload too, for ``shm`` only the control connection),
+interleaved with the plain runs, and a table of each one's GB/s against its plain twin, round by round.
 """
 
 from __future__ import annotations
@@ -16,20 +22,28 @@ import multiprocessing as mp
 import socket
 import statistics
 import struct
+import tempfile
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
+from kvmesh import tls
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.engine.kv_cache import block_bytes
+from kvmesh.identity import Identity, MeshRole
+from kvmesh.mesh_ca import MESH_SERVER_NAME, CertFiles, MeshCA
+from kvmesh.settings import SharedSettings
 from kvmesh.transfer import TransferClient, TransferServer
 
-from app.bench.report import markdown_table, publish
+from app.bench.report import load_average, markdown_table, publish
 
 SECTION = "Transfer"
+SECTION_TLS = "Transfer, mTLS on vs off"
 
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 RAW = "raw socket"
+MTLS = " + mTLS"  # a backend's name with this suffix: the same backend under the mesh's mutual TLS
 _LEN = struct.Struct("<Q")
 
 
@@ -42,14 +56,22 @@ def auto_repeats(size: int) -> int:
     return max(8, min(400, (256 << 20) // size))
 
 
+def mesh_settings(files: CertFiles) -> SharedSettings:
+    """The ``[shared]`` TLS settings of a holder of ``files``, as ``kvmesh up`` hands them to a service."""
+    return SharedSettings(tls_cert=str(files.cert), tls_key=str(files.key), tls_ca=str(files.ca),
+                          tls_server_name=MESH_SERVER_NAME)
+
+
 # -- receivers (child processes) -----------------------------------------------------------------------------
 
-def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: list[int]) -> None:
+def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: list[int],
+                     certs: CertFiles | None) -> None:
     torch.set_num_threads(1)
+    context = tls.transfer_server_context(mesh_settings(certs)) if certs else None
 
     async def serve() -> None:
         for size, count in zip(sizes, counts, strict=True):
-            async with await TransferServer.start(layout_for(size), backend=backend) as server:
+            async with await TransferServer.start(layout_for(size), backend=backend, tls=context) as server:
                 grant = server.grant("t", 0, 1, timeout_s=3600.0)  # every push t<i>: one block each
                 conn.send((server.address, grant.token))
                 for i in range(count):
@@ -84,10 +106,10 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 # -- senders (this process) ----------------------------------------------------------------------------------
 
-async def _push_all(address: str, token: str, size: int, count: int) -> float:
+async def _push_all(address: str, token: str, size: int, count: int, certs: CertFiles | None) -> float:
     layout = layout_for(size)
     blocks = block_bytes(torch.randn((1, *layout.block_shape)))
-    async with TransferClient() as client:
+    async with TransferClient(tls=tls.transfer_client_tls(mesh_settings(certs)) if certs else None) as client:
         await client.push(address, "t0", layout, blocks, [1], layout.block_size, token=token)  # connect, warm up
         started = time.perf_counter()
         for i in range(1, count):
@@ -111,22 +133,30 @@ def _send_raw(address: str, size: int, count: int) -> float:
         return time.perf_counter() - started
 
 
-def _measure(backend: str, sizes: tuple[int, ...], counts: list[int]) -> list[dict]:
+def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA | None = None) -> list[dict]:
+    """One round of ``name`` (a backend, ``RAW``, or a backend + ``MTLS`` with certificates from ``mesh``)."""
+    backend = name.removesuffix(MTLS)
+    receiver = sender = None
+    if name.endswith(MTLS):
+        assert mesh is not None, f"{name} needs a mesh CA"
+        receiver = mesh.issue(Identity(MeshRole.DECODE, "decode-0"))
+        sender = mesh.issue(Identity(MeshRole.PREFILL, "prefill-0"))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     if backend == RAW:
         proc = ctx.Process(target=_raw_receiver, args=(child, list(sizes), counts), daemon=True)
     else:
-        proc = ctx.Process(target=_engine_receiver, args=(child, backend, list(sizes), counts), daemon=True)
+        proc = ctx.Process(target=_engine_receiver, args=(child, backend, list(sizes), counts, receiver),
+                           daemon=True)
     proc.start()
     rows = []
     try:
         for size, count in zip(sizes, counts, strict=True):
             address, token = _reply(parent, proc)
             seconds = _send_raw(address, size, count) if backend == RAW else asyncio.run(
-                _push_all(address, token, size, count))
+                _push_all(address, token, size, count, sender))
             parent.send("done")
-            rows.append({"backend": backend, "size": size, "pushes": count - 1, "seconds": seconds,
+            rows.append({"backend": name, "size": size, "pushes": count - 1, "seconds": seconds,
                          "gbps": size * (count - 1) / seconds / 1e9})
     finally:
         proc.join(timeout=30)
@@ -156,24 +186,36 @@ def _mooncake_loads() -> bool:
 
 
 def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm", "mooncake"),
-        repeats: int | None = None, rounds: int = 3) -> list[dict]:
+        repeats: int | None = None, rounds: int = 3, tls_compare: bool = False) -> list[dict]:
     """One row per (backend, size): ``backend, size, pushes, gbps, gbps_min, gbps_max, vs_raw``, the
-    raw-socket baseline first. Each round measures every backend once (interleaved, so load drifts hit all
+    raw-socket baseline first; with ``tls_compare`` each backend is followed by itself under mutual TLS
+    (``<backend> + mTLS``), whose rows also have ``vs_plain``: the median over rounds of its GB/s over the plain
+    backend's in the same round. Each round measures every backend once (interleaved, so load drifts hit all
     alike); ``gbps`` is the median over rounds. ``repeats`` pushes per size and round (None: ~256 MiB worth,
     8..400). Backends that cannot be imported here (mooncake) are skipped."""
     torch.set_num_threads(1)
     counts = [1 + (repeats or auto_repeats(s)) for s in sizes]
-    usable = [RAW] + [b for b in backends if b != "mooncake" or _mooncake_loads()]
+    usable = [RAW]
+    for b in backends:
+        if b != "mooncake" or _mooncake_loads():
+            usable += [b, b + MTLS] if tls_compare else [b]
     samples: dict[tuple[str, int], list[float]] = {}
-    for _ in range(rounds):
-        for backend in usable:
-            for r in _measure(backend, sizes, counts):
-                samples.setdefault((backend, r["size"]), []).append(r["gbps"])
+    with tempfile.TemporaryDirectory() as tmp:
+        mesh = MeshCA.open(Path(tmp)) if tls_compare else None
+        for _ in range(rounds):
+            for name in usable:
+                for r in _measure(name, sizes, counts, mesh):
+                    samples.setdefault((name, r["size"]), []).append(r["gbps"])
     raw = {size: statistics.median(samples[RAW, size]) for size in sizes}
-    return [{"backend": b, "size": size, "pushes": count - 1, "gbps": statistics.median(samples[b, size]),
+    rows = [{"backend": b, "size": size, "pushes": count - 1, "gbps": statistics.median(samples[b, size]),
              "gbps_min": min(samples[b, size]), "gbps_max": max(samples[b, size]),
              "vs_raw": statistics.median(samples[b, size]) / raw[size]}
             for b in usable for size, count in zip(sizes, counts, strict=True)]
+    for r in rows:
+        if r["backend"].endswith(MTLS):
+            plain = samples[r["backend"].removesuffix(MTLS), r["size"]]
+            r["vs_plain"] = statistics.median(t / p for t, p in zip(samples[r["backend"], r["size"]], plain))
+    return rows
 
 
 def _size_name(n: int) -> str:
@@ -189,22 +231,46 @@ def table(rows: list[dict]) -> str:
     return markdown_table(list(cells.values()), ["backend", *map(_size_name, sizes)])
 
 
+def tls_table(rows: list[dict]) -> str:
+    """Each backend under mutual TLS against itself in plain text: its GB/s over the plain backend's."""
+    sizes = sorted({r["size"] for r in rows})
+    cells: dict[str, dict[str, str]] = {}
+    for r in rows:
+        if "vs_plain" in r:
+            cells.setdefault(r["backend"], {"backend": f"{r['backend']} vs {r['backend'].removesuffix(MTLS)}"})[
+                _size_name(r["size"])] = f"{r['vs_plain']:.2f}x"
+    return markdown_table(list(cells.values()), ["backend", *map(_size_name, sizes)])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh bench transfer")
     p.add_argument("--backends", default="tcp,shm,mooncake",
                    help="comma-separated (mooncake is skipped where it is not installed)")
     p.add_argument("--repeats", type=int, default=None, help="pushes per size (default: ~256 MiB worth)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
+    p.add_argument("--tls-compare", action="store_true",
+                   help="each backend also under the mesh's mutual TLS (kvmesh up's default), interleaved")
     p.add_argument("--quick", action="store_true", help="one round of 8 pushes per size (a smoke run)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = p.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     rows = run(backends=tuple(args.backends.split(",")), repeats=8 if args.quick else args.repeats,
-               rounds=rounds)
+               rounds=rounds, tls_compare=args.tls_compare)
     body = ("GB/s of one verified push (one block per push, sequential, sender and receiver in separate "
             f"processes on loopback), median of {rounds} interleaved rounds; in brackets the ratio to raw "
             "Python sockets in the same run.\n\n" + table(rows))
-    publish(SECTION, "kvmesh bench transfer", body, write=not args.no_write and not args.quick)
+    if args.tls_compare:
+        body += ("\n\n`+ mTLS`: the same backend with the mesh's mutual TLS as `kvmesh up` runs it (TLS 1.3, "
+                 "certificates from a mesh CA of the run's own: the receiver a decode instance's, the sender a "
+                 "prefill instance's; one connection, its handshake in the warm-up push). tcp's payload is "
+                 "encrypted, shm's travels in the shared-memory segment (only the header and reply are). Its GB/s "
+                 "over the plain backend's, the median of the rounds' ratios:\n\n" + tls_table(rows)
+                 + f"\n\nLoad average (1, 5, 15 min) at the end: {load_average()}.")
+    command = " ".join(["kvmesh bench transfer", *([f"--backends {args.backends}", "--tls-compare"]
+                                                   if args.tls_compare else []),
+                        *([f"--rounds {args.rounds}"] if args.rounds != 3 else []),
+                        *([f"--repeats {args.repeats}"] if args.repeats else [])])
+    publish(SECTION_TLS if args.tls_compare else SECTION, command, body, write=not args.no_write and not args.quick)
     return 0
 
 
