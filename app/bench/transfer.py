@@ -26,6 +26,7 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 from kvmesh import tls
@@ -74,8 +75,11 @@ def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: l
             async with await TransferServer.start(layout_for(size), backend=backend, tls=context) as server:
                 grant = server.grant("t", 0, 1, timeout_s=3600.0)  # every push t<i>: one block each
                 conn.send((server.address, grant.token))
-                for i in range(count):
+                await server.take("t0", timeout=120)  # the warm-up push
+                cpu = time.process_time()
+                for i in range(1, count):
                     await server.take(f"t{i}", timeout=120)
+                conn.send(time.process_time() - cpu)
                 conn.recv()  # the sender has its last reply: safe to close
 
     asyncio.run(serve())
@@ -89,10 +93,14 @@ def _raw_receiver(conn: Connection, sizes: list[int], counts: list[int]) -> None
             buf = memoryview(bytearray(size))
             with peer:
                 peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                for _ in range(count):
+                cpu = 0.0
+                for i in range(count):
+                    if i == 1:
+                        cpu = time.process_time()
                     _recv_exactly(peer, memoryview(bytearray(_LEN.size)))
                     _recv_exactly(peer, buf)
                     peer.sendall(b"\x01")
+                conn.send(time.process_time() - cpu)
             conn.recv()
 
 
@@ -106,31 +114,33 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 # -- senders (this process) ----------------------------------------------------------------------------------
 
-async def _push_all(address: str, token: str, size: int, count: int, certs: CertFiles | None) -> float:
+async def _push_all(address: str, token: str, size: int, count: int,
+                    certs: CertFiles | None) -> tuple[float, float]:
+    """(wall, CPU) seconds of pushes 1 .. count - 1, after a warm-up push that connects."""
     layout = layout_for(size)
     blocks = block_bytes(torch.randn((1, *layout.block_shape)))
     async with TransferClient(tls=tls.transfer_client_tls(mesh_settings(certs)) if certs else None) as client:
         await client.push(address, "t0", layout, blocks, [1], layout.block_size, token=token)  # connect, warm up
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for i in range(1, count):
             await client.push(address, f"t{i}", layout, blocks, [i], layout.block_size, token=token)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu
 
 
-def _send_raw(address: str, size: int, count: int) -> float:
+def _send_raw(address: str, size: int, count: int) -> tuple[float, float]:
     host, port = address.removeprefix("raw://").rsplit(":", 1)
     payload = memoryview(bytearray(size))
     ack = bytearray(1)
     with socket.create_connection((host, int(port))) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        started = 0.0
+        started = cpu = 0.0
         for i in range(count):
             if i == 1:
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
             sock.sendall(_LEN.pack(size))
             sock.sendall(payload)
             _recv_exactly(sock, memoryview(ack))
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu
 
 
 def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA | None = None) -> list[dict]:
@@ -153,11 +163,13 @@ def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA 
     try:
         for size, count in zip(sizes, counts, strict=True):
             address, token = _reply(parent, proc)
-            seconds = _send_raw(address, size, count) if backend == RAW else asyncio.run(
+            seconds, cpu = _send_raw(address, size, count) if backend == RAW else asyncio.run(
                 _push_all(address, token, size, count, sender))
+            cpu += _reply(parent, proc)  # the receiver's CPU seconds over the same pushes
             parent.send("done")
-            rows.append({"backend": name, "size": size, "pushes": count - 1, "seconds": seconds,
-                         "gbps": size * (count - 1) / seconds / 1e9})
+            gb = size * (count - 1) / 1e9
+            rows.append({"backend": name, "size": size, "pushes": count - 1, "seconds": seconds, "gbps": gb / seconds,
+                         "cpu_per_gb": cpu / gb})
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -165,9 +177,9 @@ def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA 
     return rows
 
 
-def _reply(conn: Connection, proc: mp.process.BaseProcess, timeout_s: float = 120.0) -> tuple[str, str]:
-    """The receiver's next message (its address and the push token it granted); fails instead of hanging when
-    the receiver died."""
+def _reply(conn: Connection, proc: mp.process.BaseProcess, timeout_s: float = 120.0) -> Any:
+    """The receiver's next message (its address and the push token it granted; after the pushes, its CPU
+    seconds); fails instead of hanging when the receiver died."""
     deadline = time.monotonic() + timeout_s
     while not conn.poll(0.2):
         if not proc.is_alive() or time.monotonic() > deadline:
@@ -187,12 +199,13 @@ def _mooncake_loads() -> bool:
 
 def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm", "mooncake"),
         repeats: int | None = None, rounds: int = 3, tls_compare: bool = False) -> list[dict]:
-    """One row per (backend, size): ``backend, size, pushes, gbps, gbps_min, gbps_max, vs_raw``, the
-    raw-socket baseline first; with ``tls_compare`` each backend is followed by itself under mutual TLS
-    (``<backend> + mTLS``), whose rows also have ``vs_plain``: the median over rounds of its GB/s over the plain
-    backend's in the same round. Each round measures every backend once (interleaved, so load drifts hit all
-    alike); ``gbps`` is the median over rounds. ``repeats`` pushes per size and round (None: ~256 MiB worth,
-    8..400). Backends that cannot be imported here (mooncake) are skipped."""
+    """One row per (backend, size): ``backend, size, pushes, gbps, gbps_min, gbps_max, vs_raw, cpu_per_gb`` (the
+    sender's and the receiver's CPU seconds per GB moved, median over rounds), the raw-socket baseline first; with
+    ``tls_compare`` each backend is followed by itself under mutual TLS (``<backend> + mTLS``), whose rows also
+    have ``vs_plain``: the median over rounds of its GB/s over the plain backend's in the same round. Each round
+    measures every backend once (interleaved, so load drifts hit all alike); ``gbps`` is the median over rounds.
+    ``repeats`` pushes per size and round (None: ~256 MiB worth, 8..400). Backends that cannot be imported here
+    (mooncake) are skipped."""
     torch.set_num_threads(1)
     counts = [1 + (repeats or auto_repeats(s)) for s in sizes]
     usable = [RAW]
@@ -200,16 +213,19 @@ def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm
         if b != "mooncake" or _mooncake_loads():
             usable += [b, b + MTLS] if tls_compare else [b]
     samples: dict[tuple[str, int], list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         mesh = MeshCA.open(Path(tmp)) if tls_compare else None
         for _ in range(rounds):
             for name in usable:
                 for r in _measure(name, sizes, counts, mesh):
                     samples.setdefault((name, r["size"]), []).append(r["gbps"])
+                    cpu.setdefault((name, r["size"]), []).append(r["cpu_per_gb"])
     raw = {size: statistics.median(samples[RAW, size]) for size in sizes}
     rows = [{"backend": b, "size": size, "pushes": count - 1, "gbps": statistics.median(samples[b, size]),
              "gbps_min": min(samples[b, size]), "gbps_max": max(samples[b, size]),
-             "vs_raw": statistics.median(samples[b, size]) / raw[size]}
+             "vs_raw": statistics.median(samples[b, size]) / raw[size],
+             "cpu_per_gb": statistics.median(cpu[b, size])}
             for b in usable for size, count in zip(sizes, counts, strict=True)]
     for r in rows:
         if r["backend"].endswith(MTLS):
@@ -232,13 +248,17 @@ def table(rows: list[dict]) -> str:
 
 
 def tls_table(rows: list[dict]) -> str:
-    """Each backend under mutual TLS against itself in plain text: its GB/s over the plain backend's."""
+    """Each backend under mutual TLS against itself in plain text: its GB/s over the plain backend's, and the
+    CPU seconds per GB (sender and receiver together) of each."""
     sizes = sorted({r["size"] for r in rows})
+    plain = {(r["backend"], r["size"]): r for r in rows}
     cells: dict[str, dict[str, str]] = {}
     for r in rows:
         if "vs_plain" in r:
-            cells.setdefault(r["backend"], {"backend": f"{r['backend']} vs {r['backend'].removesuffix(MTLS)}"})[
-                _size_name(r["size"])] = f"{r['vs_plain']:.2f}x"
+            base = plain[r["backend"].removesuffix(MTLS), r["size"]]
+            cells.setdefault(r["backend"], {"backend": f"{r['backend']} vs {base['backend']}"})[
+                _size_name(r["size"])] = (f"{r['vs_plain']:.2f}x (CPU {r['cpu_per_gb']:.2f} / "
+                                          f"{base['cpu_per_gb']:.2f} s/GB)")
     return markdown_table(list(cells.values()), ["backend", *map(_size_name, sizes)])
 
 
@@ -264,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                  "certificates from a mesh CA of the run's own: the receiver a decode instance's, the sender a "
                  "prefill instance's; one connection, its handshake in the warm-up push). tcp's payload is "
                  "encrypted, shm's travels in the shared-memory segment (only the header and reply are). Its GB/s "
-                 "over the plain backend's, the median of the rounds' ratios:\n\n" + tls_table(rows)
+                 "over the plain backend's, the median of the rounds' ratios; in brackets the CPU seconds the "
+                 "sender and the receiver spent per GB moved, with TLS / without (medians of the rounds: what a "
+                 "shared machine's other jobs do not inflate as they do the wall time):\n\n" + tls_table(rows)
                  + f"\n\nLoad average (1, 5, 15 min) at the end: {load_average()}.")
     command = " ".join(["kvmesh bench transfer", *([f"--backends {args.backends}", "--tls-compare"]
                                                    if args.tls_compare else []),
