@@ -12,6 +12,7 @@ import random
 import statistics
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,11 @@ def completion_ttft(url: str, prompt: list[int], max_tokens: int, headers: dict[
                                  headers={"content-type": "application/json", **(headers or {})})
     t0 = time.perf_counter()
     ttft, text = None, []
-    with urllib.request.urlopen(req, timeout=300) as r:
+    try:
+        r = urllib.request.urlopen(req, timeout=300)
+    except urllib.error.HTTPError as e:  # what the router said, not only its status
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+    with r:
         rid = r.headers.get("x-request-id", "")
         for line in r:
             if line.startswith(b"data: {"):
