@@ -217,6 +217,23 @@ def test_the_engine_takes_a_requests_session_and_its_signals(tiny_config):
     asyncio.run(body())
 
 
+AGENT = tuple(range(1, 22))  # 5 full blocks of 4 tokens
+
+
+async def serve(engine, rid: str, prompt: tuple[int, ...], session: str = "") -> None:
+    """One greedy 1-token request through the engine's seam, to its end."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    async for _ in engine.generate(EngineRequest(rid, prompt, params, session=SessionHint(session) if session
+                                                 else None)):
+        pass
+
+
+async def crowd_out(engine) -> None:
+    """Other work fills a 16-block device: what a session left there is demoted to the host."""
+    for i in range(2):
+        await serve(engine, f"o{i}", tuple(range(100 + 60 * i, 160 + 60 * i)))
+
+
 def test_a_pause_warms_the_sessions_demoted_blocks_back_before_it_is_expected(tiny_config):
     """Through the seam: the pause signal sets a timer (the session's expected pause less the lead), which loads
     the blocks other work demoted to the host tier back onto the device."""
@@ -229,14 +246,9 @@ def test_a_pause_warms_the_sessions_demoted_blocks_back_before_it_is_expected(ti
                              session_pause_s=0.5, session_prefetch_lead_s=0.1)
         engine = AsyncEngine(LLMEngine(cfg, model_config=tiny_config), asyncio.get_running_loop())
         try:
-            params = SamplingParams(max_tokens=1, temperature=0.0)
-            agent = tuple(range(1, 22))  # 5 full blocks
-            async for _ in engine.generate(EngineRequest("a", agent, params, session=SessionHint("t/agent"))):
-                pass
-            for i in range(2):  # other work fills the device: the session's blocks are demoted to the host
-                other = tuple(range(100 + 60 * i, 160 + 60 * i))
-                async for _ in engine.generate(EngineRequest(f"o{i}", other, params)):
-                    pass
+            agent = AGENT
+            await serve(engine, "a", agent, "t/agent")
+            await crowd_out(engine)
             on_host = await engine.call(lambda e: sum(n.block_id is None for n in e.blocks.match(
                 engine.namespace(), agent).nodes))
             assert on_host > 0
@@ -266,15 +278,10 @@ def test_a_resume_warms_the_sessions_demoted_blocks_back_at_once(tiny_config):
         cfg = EngineSettings(num_blocks=16, block_size=4, eviction="session", host_cache_mb=1)
         engine = AsyncEngine(LLMEngine(cfg, model_config=tiny_config), asyncio.get_running_loop())
         try:
-            params = SamplingParams(max_tokens=1, temperature=0.0)
-            agent = tuple(range(1, 22))  # 5 full blocks
-            async for _ in engine.generate(EngineRequest("a", agent, params, session=SessionHint("t/agent"))):
-                pass
+            agent = AGENT
+            await serve(engine, "a", agent, "t/agent")
             engine.signal_session(SessionSignal("t/agent", SessionEvent.DEMOTE, 0.0, expected_s=3600.0))
-            for i in range(2):  # other work fills the device: the demoted session's blocks go to the host
-                other = tuple(range(100 + 60 * i, 160 + 60 * i))
-                async for _ in engine.generate(EngineRequest(f"o{i}", other, params)):
-                    pass
+            await crowd_out(engine)  # the demoted session's blocks go to the host
 
             def where(e) -> list[bool]:
                 return [n.block_id is not None for n in e.blocks.match(engine.namespace(), agent).nodes]
