@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
+from kvmesh.contracts.sessions import check_pause, check_retention_hint
 from kvmesh.proto.v1 import api_pb2, common_pb2
 
 Message = Mapping[str, Any]         # {"role": "user", "content": "...", "cache_control": {"ttl": 300}}
@@ -69,14 +70,11 @@ def _session(req: api_pb2.GenerateRequest | api_pb2.ChatRequest, session_id: str
     for name, value in (("session_end", session_end), *hints.items()):
         if value and not session_id:
             raise ValueError(f"{name} needs a session_id (the session it is about)")
-    pause = hints.get("session_pause_s", 0.0)
-    if isinstance(pause, bool) or not isinstance(pause, (int, float)) or not 0 <= pause <= 86400:
-        raise ValueError(f"session_pause_s must be a number of seconds in [0, 86400], not {pause!r}")
+    pause = check_pause(hints.get("session_pause_s", 0.0))  # the router's own checks, before the call
     retention = hints.get("session_retention", "")
-    if retention not in ("", "retain", "demote", "release"):
-        raise ValueError(f"session_retention must be one of retain, demote, release, not {retention!r}")
+    check_retention_hint(retention)
     req.session_id, req.session_end = session_id, session_end
-    req.parent_session_id, req.session_pause_s = hints.get("parent_session_id", ""), float(pause)
+    req.parent_session_id, req.session_pause_s = hints.get("parent_session_id", ""), pause
     req.session_retention = retention
     if (cc := cache_control(control)) is not None:
         req.cache_control.CopyFrom(cc)

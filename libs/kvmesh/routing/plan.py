@@ -133,12 +133,14 @@ def plan(ask: RouteAsk, fleet: FleetView, policy: Policy) -> Plan | None:
     if both:
         attrs: dict[str, Any] = {"kvmesh.route.path": "local", "kvmesh.route.reason": "local: role both"}
         home, why, moved = place_session(fleet.session_home, _with_lora(both), fleet.session_overload)
-        if home is not None and isinstance(policy, CacheAware):
-            home, why, moved = _sooner_elsewhere(home, why, policy, both, fleet, ask)
+        picked: tuple[InstanceView | None, Decision, dict[str, Any]] | None = None
+        if home is not None and isinstance(policy, CacheAware):  # priced: the one choice serves both questions
+            picked = choose(policy, "both", both, fleet, ask, ask.ttft_s, ask.itl_s)
+            home, why, moved = _sooner_elsewhere(home, why, picked[0], picked[1], fleet.session_move_margin_s)
         if why:
             attrs["kvmesh.route.session"] = why
         if home is None:
-            chosen, decision, choice = choose(policy, "both", both, fleet, ask, ask.ttft_s, ask.itl_s)
+            chosen, decision, choice = picked or choose(policy, "both", both, fleet, ask, ask.ttft_s, ask.itl_s)
             attrs.update(choice)
             if chosen is None:
                 return Refuse(decision.reason, attrs, None, moved)
@@ -257,16 +259,15 @@ def place_session(home_id: str | None, candidates: Sequence[InstanceView],
     return home, f"session: stays on {home.id}, where its KV is", False
 
 
-def _sooner_elsewhere(home: InstanceView, why: str, policy: Policy, both: list[InstanceView], fleet: FleetView,
-                      ask: RouteAsk) -> tuple[InstanceView | None, str, bool]:
-    """A session's ``home`` that is not overloaded, weighed by the policy's TTFT estimates (what each instance
-    holds of the prompt counted): it moves (None) when another instance is expected to serve it sooner."""
-    decision = policy.choose(candidates(both, fleet.matched, fleet.cost, {i.id for i in both if not i.has_lora},
-                                        ask.itl_s), ask.prompt_tokens, fleet.block_size, fleet.matched.get(POOL, 0))
-    chosen, est = decision.chosen, decision.scores
+def _sooner_elsewhere(home: InstanceView, why: str, chosen: InstanceView | None, decision: Decision,
+                      margin_s: float) -> tuple[InstanceView | None, str, bool]:
+    """A session's ``home`` that is not overloaded, weighed by the policy's choice and TTFT estimates (what each
+    instance holds of the prompt counted): it moves (None) when ``chosen`` is expected to serve it ``margin_s``
+    sooner."""
+    est = decision.scores
     if chosen is None or chosen.id == home.id or home.id not in est or chosen.id not in est:
         return home, why, False
-    if est[chosen.id] + fleet.session_move_margin_s < est[home.id]:
+    if est[chosen.id] + margin_s < est[home.id]:
         return None, (f"session: {chosen.id} serves it sooner ({est[chosen.id]:.3f} s estimated, "
                       f"{est[home.id]:.3f} s on {home.id}, its KV counted)"), True
     return home, why, False
