@@ -1,12 +1,12 @@
 """A projection matrix ``W [N, K]`` kept only in the forms the forward pass reads on this device.
 
-CPU, fp32, one torch thread, the C GEMM built (``native.load_gemm``) and wanted (the engine's
-``native_gemm``): panels for the kernel, which streams the weights once for all the rows of a step (a decode
-step of 8 rows costs little more than one), plus, for steps of more than ``NATIVE_ROWS`` rows (prefill),
-oneDNN's blocked copy, which is faster there. A matrix loaded from a GGUF may instead keep its Q4_1 / Q8_0
-blocks for the kernel (``use_quantized``: only when they dequantize to exactly its fp32 values; the kernel
-then computes the same products from a 4-6x smaller stream). CPU fp32 without the kernel: the oneDNN copy
-alone. Elsewhere (CUDA, bf16): the dense matrix and ``F.linear``. The dense fp32 matrix is not kept beside a
+CPU, fp32, one torch thread, the C GEMM built for AVX-512 (``native.load_gemm``, ``native.gemm_fast``) and wanted
+(the engine's ``native_gemm``): panels for the kernel, which streams the weights once for all the rows of a step
+(a decode step of 8 rows costs little more than one), plus, for steps of more than ``NATIVE_ROWS`` rows (prefill),
+oneDNN's blocked copy, which is faster there. A matrix loaded from a GGUF may instead keep its Q4_1 / Q8_0 blocks
+for the kernel (``use_quantized``: only when they dequantize to exactly its fp32 values; the kernel then computes
+the same products from a 4-6x smaller stream). CPU fp32 without the kernel: the oneDNN copy alone. Elsewhere
+(CUDA, bf16): the dense matrix and ``F.linear``. The dense fp32 matrix is not kept beside a
 packed form; ``rows`` (an embedding lookup) reads the panels.
 """
 
@@ -38,7 +38,10 @@ def _onednn(w: torch.Tensor) -> torch.Tensor | None:
 
 def _gemm_lib(w: torch.Tensor, wanted: bool) -> ctypes.CDLL | None:
     cpu_fp32 = w.device.type == "cpu" and w.dtype == torch.float32
-    return native.load_gemm() if wanted and cpu_fp32 and torch.get_num_threads() == 1 else None
+    if not (wanted and cpu_fp32 and torch.get_num_threads() == 1):
+        return None
+    lib = native.load_gemm()
+    return lib if lib is not None and native.gemm_fast(lib) else None
 
 
 class Linear:

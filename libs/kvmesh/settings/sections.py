@@ -333,7 +333,8 @@ class EngineSettings(Section):
     lora_adapters: str = setting("", "LoRA adapters loaded at start: NAME=PATH,... (PEFT directories)")
     max_loras: int = setting(4, "LoRA adapters resident at once (LRU swapped beyond)")
     max_lora_rank: int = setting(64, "highest LoRA rank accepted at load time")
-    native_gemm: bool = setting(True, "CPU fp32 on one thread: the C GEMM (csrc/gemm.c) where it builds; "
+    native_gemm: bool = setting(True, "CPU fp32 on one thread: the C GEMM (csrc/gemm.c) where it builds "
+                                      "with AVX-512 (elsewhere oneDNN is faster); "
                                       "off = torch's (oneDNN) for every projection (A/B runs, the fallback's "
                                       "tests)")
     native_pointwise: bool = setting(True, "CPU fp32: RMSNorm, RoPE and SiLU-and-multiply in C "

@@ -86,6 +86,17 @@ static void tile_rows(int mr, int nv, const float *x, int64_t ldx, const float *
 
 int64_t kvmesh_gemm_panel_width(void) { return NR; }
 
+/* Whether the tile fits the registers: 24 accumulators of 16 floats are 24 zmm of AVX-512's 32. Built without
+ * AVX-512 (AVX2: 16 ymm), each v16 is two ymm and the tile spills; measured on an AVX2 EPYC (SmolLM2-135M, one
+ * thread) a decode step took 3.4x oneDNN's time, so the engine leaves the products to oneDNN there. */
+int kvmesh_gemm_fast(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* W [N, K] row-major (row stride ldw) -> panels [ceil(N / NR), K, NR], zero-padded. */
 void kvmesh_gemm_pack(const float *w, int64_t N, int64_t K, int64_t ldw, float *panels) {
     int64_t np = (N + NR - 1) / NR;
