@@ -127,3 +127,19 @@ def test_the_share_samples_reuses_and_the_budget_spaces_the_checks():
     c.pending.append(object())  # type: ignore[arg-type]
     c.spent(0.01)
     assert c.due_in() == pytest.approx(0.03)
+
+
+def test_the_vllm_canarys_logprob_comparison():
+    """The vLLM canary's verdict (kvmesh.vllm.canary, no vLLM needed): equal distributions agree, noise within
+    tolerance agrees, a moved distribution or a different most likely token does not, and a token missing from
+    the served top counts by how far above the served top's last it should have ranked."""
+    from kvmesh.vllm.canary import TOLERANCE, VLLMCanary, divergence
+
+    ref = {1: -0.1, 2: -2.5, 3: -4.0}
+    assert divergence(ref, ref) == 0.0
+    assert divergence({1: -0.1001, 2: -2.5002, 3: -3.9995}, ref) < TOLERANCE["fp32"]
+    assert divergence({1: -1.3, 2: -0.4, 3: -4.0}, ref) > 1.0
+    assert divergence({2: -0.1, 3: -2.5, 4: -4.0}, ref) == float("inf")  # the recompute's top token was not served
+    assert divergence({1: -0.1, 2: -2.5, 4: -3.9}, ref) == pytest.approx(0.0, abs=0.11)  # 3 just below the cut
+    assert divergence({1: -0.1, 2: -2.5, 4: -9.0}, ref) == pytest.approx(5.0)  # 3 should have ranked well above
+    assert VLLMCanary(1.0, 1.0, "fp32", "fp8").tolerance == TOLERANCE["fp8"]  # the coarser dtype decides

@@ -102,6 +102,10 @@ class Canary:
         """Seconds until the next chunk may run (None: nothing to check)."""
         if not self.pending:
             return None
+        return self.wait_s()
+
+    def wait_s(self) -> float:
+        """Seconds until the budget allows the next recompute."""
         return max(0.0, self._next - self.clock())
 
     def spent(self, seconds: float, cpu_seconds: float = 0.0) -> None:

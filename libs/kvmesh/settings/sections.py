@@ -295,12 +295,13 @@ class EngineSettings(Section):
                                        "on intake (comma-separated: fp32,bf16,fp16,fp8; \"\" = only its own): "
                                        "the router pairs a prefill of another dtype with it only then")
     host_cache_mb: int = setting(0, "L2 host tier: evicted device blocks spill here (0 = off)")
-    canary_share: float = setting(0.0, "KV canary (native engine): the share of reused prefixes (local hit, "
-                                       "pool fetch, PD hand-off) recomputed while the engine is idle and compared "
-                                       "with what was served; a divergence quarantines the blocks (0 = off)")
+    canary_share: float = setting(0.0, "KV canary: the share of reused prefixes (local hit, pool fetch, PD "
+                                       "hand-off) recomputed while the engine is idle and compared with what was "
+                                       "served (native: the KV; vllm: the first token's logprobs, the share drawn "
+                                       "over all requests); a divergence quarantines the blocks (0 = off)")
     canary_budget: float = setting(0.1, "KV canary: the most of the engine's idle time its recomputes take")
-    canary_chunk_tokens: int = setting(64, "KV canary: tokens recomputed per idle round (what a request "
-                                           "arriving meanwhile may wait for)")
+    canary_chunk_tokens: int = setting(64, "KV canary (native): tokens recomputed per idle round (what a "
+                                           "request arriving meanwhile may wait for)")
     eviction: Eviction = setting(Eviction.LRU, "eviction strategy of the engine's tiers (belady is for "
                                                "kvmesh sim only; session, session_duel: the sessions' signals "
                                                "first)", choices=Eviction.online())

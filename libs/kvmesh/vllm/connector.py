@@ -78,6 +78,7 @@ class Bridge:
         self.scheduled = (0, 0)  # the step being run: the tokens vLLM scheduled, in how many requests
         self.refused: dict[str, str] = {}  # kvmesh request id -> why its push could not be used
         self.used: set[str] = set()  # kvmesh request ids whose push vLLM started from (loaded, or held already)
+        self.pool_loaded: set[str] = set()  # kvmesh request ids that were given blocks from the pool
         self.lock = threading.Lock()  # staged: written on the event loop, read on the engine thread
 
     def stage(self, seed: int, tokens: Sequence[int], first_block: int, data: memoryview, n: int) -> int:
@@ -186,7 +187,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if params.get("kvmesh_import"):
             return self._import_tokens(request, params["kvmesh_id"], num_computed_tokens), False
-        if not self.bridge.staged:
+        if not self.bridge.staged or request.skip_reading_prefix_cache:  # the canary's recompute reads nothing
             return 0, False
         start = num_computed_tokens // self.bridge.vllm_block_size
         n = self.bridge.hits(self._keys(request), start)
@@ -225,6 +226,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         ids = list(blocks.get_block_ids()[0][start:start + n])
         keys = self._keys(request)[start * self.bridge.per:(start + n) * self.bridge.per]
         self._loads.append(_Load(ids, self.bridge.take(keys)))
+        if (rid := params.get("kvmesh_id")) is not None:
+            self.bridge.pool_loaded.add(rid)
 
     def _load_import(self, request: Any, rid: str, blocks: Any, num_external_tokens: int) -> None:
         """The pushed blocks that cover the external tokens, as whole vLLM blocks (the tail of the last one,

@@ -33,6 +33,7 @@ What maps to what
   uninterrupted run gives; a seeded one restarts vLLM's generator (other tokens than uninterrupted), and a stop
   string that spans the cut is not seen. A constrained one (structured output) is refused
   (``continuation_refused``): vLLM's grammar would start over mid-response.
+- KV canary: ``canary.py`` (a sampled reuse's first-token logprobs against a recompute that reads no cached KV).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -69,12 +70,14 @@ from kvmesh.contracts.ids import BlockKey, NamespaceSeed
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.slo import SLO, SloTrack
+from kvmesh.engine.canary import ReusePath
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.engines.errors import SequenceError
 from kvmesh.engines.loop import EngineLoop
 from kvmesh.routing.cost import SpeedEstimator
 from kvmesh.settings import EngineSettings
 from kvmesh.vllm import check_version
+from kvmesh.vllm.canary import REFERENCE_PRIORITY, TOP, Check, VLLMCanary, top_logprobs
 from kvmesh.vllm.events import Subscriber, Translator, endpoints
 from kvmesh.vllm.requests import client_fault, kv_hints, output, sampling_params
 
@@ -93,6 +96,7 @@ class _Request:
     first: bool = True    # no output delivered yet
     added: float = 0.0    # when vLLM took it (time.monotonic())
     slo: SloTrack | None = None  # against its targets (the engine's defaults where it sets none), when it has any
+    canary: list[bytes] | None = None  # sampled by the KV canary: its prompt's vLLM block hashes
 
 
 @dataclass
@@ -188,6 +192,7 @@ class VLLMEngine(EngineLoop, Engine):
         self.steps = {"decode": StepCounts(), "prefill": StepCounts()}  # replaced whole: read by the metrics
         self.default_slo = SLO(cfg.slo_ttft_s, cfg.slo_itl_s)  # for requests that set no target
         self.slo_outcomes = dict.fromkeys(("met", "missed", "missed_ttft", "missed_itl"), 0)
+        self.canary = VLLMCanary(cfg.canary_share, cfg.canary_budget, cfg.dtype, cfg.kv_dtype)
 
     def continuation_refused(self, structured: bool) -> str:
         return ("vLLM's structured output starts its grammar at the request's first token: it cannot continue a "
@@ -444,9 +449,13 @@ class VLLMEngine(EngineLoop, Engine):
         # its TTFT counts from its arrival at the mesh: the wait before it reached this engine included
         slo = SloTrack(request.slo.or_else(self.default_slo), time.monotonic() - request.waited_s,
                        continued=request.generated > 0)
+        sampled = self.canary.wants()
         try:
+            vparams = sampling_params(p, self._transfer(request))
+            if sampled:  # the first token's top logprobs, for the canary (the client gets what it asked for)
+                vparams.logprobs = max(vparams.logprobs or 0, TOP)
             # the session reaches vLLM as its own session id (in its KV events) and as an orchestrator's KV hint
-            self.llm.add_request(rid, tokens, sampling_params(p, self._transfer(request)),
+            internal = self.llm.add_request(rid, tokens, vparams,
                                  lora_request=adapter.vllm if adapter else None, priority=int(slo.due * 1000),
                                  session_id=request.session.key if request.session else None,
                                  kv_hints=kv_hints(rid, request.session))
@@ -457,8 +466,12 @@ class VLLMEngine(EngineLoop, Engine):
                 raise ValueError(str(e)) from None
             raise
         added = time.monotonic()
+        hashes = None
+        if sampled:  # in process, vLLM's scheduler holds the request now, its block hashes computed
+            req = self.llm.engine_core.engine_core.scheduler.requests.get(internal)
+            hashes = list(req.block_hashes) if req is not None else None
         self._active[rid] = _Request(request, timing, adapter.vllm.lora_name if adapter else "", added=added,
-                                     slo=slo if slo.targets else None)
+                                     slo=slo if slo.targets else None, canary=hashes)
         if timing is not None:
             timing.added = added
 
@@ -485,6 +498,7 @@ class VLLMEngine(EngineLoop, Engine):
         for table in (self.bridge.imports, self.bridge.refused):
             table.pop(rid, None)
         self.bridge.used.discard(rid)
+        self.bridge.pool_loaded.discard(rid)
         if entry is not None and not self.dead:
             self.llm.abort_request([rid])
             if entry.lora:
@@ -512,12 +526,16 @@ class VLLMEngine(EngineLoop, Engine):
         for out in outs:
             entry = self._active.get(out.request_id)
             if entry is None:
+                if self.canary.running is not None and out.request_id == self.canary.running.request_id:
+                    self._reference_output(out)
                 continue
             result = output(out, entry.first, entry.request.params.logprobs)
             if entry.slo is not None and result.token_ids:
                 entry.slo.token(now)
             if entry.first:  # its timings before the output: the caller reads them as soon as it has it
                 entry.first = False
+                if entry.canary is not None:
+                    self._sampled(entry, out)
                 self._first_output(entry, now)
             if out.finished:
                 result = dataclasses.replace(result, exported=self._last_piece(entry.request))
@@ -555,6 +573,7 @@ class VLLMEngine(EngineLoop, Engine):
         rid = entry.request.request_id
         used = rid in self.bridge.used
         self.bridge.used.discard(rid)
+        self.bridge.pool_loaded.discard(rid)
         if (why := self.bridge.refused.pop(rid, None)) is not None:
             log.warning("request %s: its pushed KV was not used, vLLM computed the prompt: %s", rid, why)
         if entry.timing is not None:
@@ -562,12 +581,102 @@ class VLLMEngine(EngineLoop, Engine):
             if not used:  # computed here (stays 0 when vLLM started from the push: decode.load says imported)
                 entry.timing.scheduled = entry.added
 
+    # ---- the KV canary (canary.py) -----------------------------------------------------------------------------
+    def canary_counts(self) -> Mapping[tuple[str, str], int]:
+        return dict(self.canary.core.counts)
+
+    def on_quarantine(self, sink: Callable[[list[BlockKey], str], None]) -> None:
+        def on_loop(keys: list[BlockKey], path: str) -> None:  # told on the engine thread
+            self.loop.call_soon_threadsafe(sink, keys, path)
+
+        self.canary.core.on_quarantine = on_loop
+
+    def idle_in(self) -> float | None:
+        return self.canary.due() if self.llm is not None and not self.dead else None
+
+    def idle(self) -> None:
+        """Start the reference recompute of the oldest check: its prompt again, nothing read from any cache."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        ref = self.canary.start()
+        c = ref.check
+        tokens = TokensPrompt(prompt_token_ids=c.prompt)
+        if c.cache_salt:
+            tokens["cache_salt"] = c.cache_salt
+        params = VSamplingParams(max_tokens=1, temperature=0.0, logprobs=TOP, skip_reading_prefix_cache=True,
+                                 output_kind=RequestOutputKind.DELTA)
+        try:
+            self.llm.add_request(ref.request_id, tokens, params, lora_request=c.lora, priority=REFERENCE_PRIORITY)
+        except Exception:
+            log.exception("KV canary: the recompute of request %s could not start", c.request_id)
+            self.canary.abandon()
+
+    def _sampled(self, entry: _Request, out: Any) -> None:
+        """A sampled request's first output: when it reused whole blocks, its check waits for an idle engine."""
+        request, rid = entry.request, entry.request.request_id
+        cached = out.num_cached_tokens or 0
+        bs = self.layout.block_size
+        served = top_logprobs(out.outputs[0].logprobs) if out.outputs else {}
+        if cached < bs or not served or entry.canary is None:
+            return
+        prompt = list(request.prompt)
+        keys = block_keys(self.namespace(request.cache_salt, request.lora), prompt, bs)
+        if rid in self.bridge.used:
+            path = ReusePath.HANDOFF
+        elif rid in self.bridge.pool_loaded:
+            path = ReusePath.POOL
+        else:
+            path = ReusePath.LOCAL
+        adapter = self._adapter(request.lora)
+        self.canary.pending.append(Check(rid, path, prompt, keys[:cached // bs], served, request.cache_salt,
+                                         adapter.vllm if adapter else None, keys, entry.canary))
+
+    def _reference_output(self, out: Any) -> None:
+        ref = self.canary.running
+        assert ref is not None
+        if out.outputs and out.outputs[0].logprobs:
+            ref.logprobs = top_logprobs(out.outputs[0].logprobs)
+        if not out.finished:
+            return
+        check, err, bad = self.canary.finish()
+        if not bad:
+            return
+        removed = self._evict_hashes(check.hashes)
+        log.error("KV canary: request %s's reused prefix (%s, %d blocks: keys %s) gave a first token other than a "
+                  "recompute's (largest logprob difference %.3g, tolerance %.3g); its prompt's %d kvmesh blocks "
+                  "quarantined, %d vLLM blocks dropped from the prefix cache", check.request_id, check.path.value,
+                  len(check.keys), ", ".join(f"{k:016x}" for k in check.keys), err, self.canary.tolerance,
+                  len(check.prompt_keys), removed)
+        self.canary.core.quarantined(check.prompt_keys, check.path)
+
+    def _evict_hashes(self, hashes: Sequence[bytes]) -> int:
+        """Drop every block cached under these vLLM block hashes from vLLM's prefix cache (a block in use keeps
+        its KV for its request, but nothing matches it again); vLLM reports them removed (KV events: the index
+        forgets them). Returns how many blocks were dropped."""
+        from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+        pool = self.llm.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        ids: set[int] = set()
+        for h in hashes:
+            key = make_block_hash_with_group_id(BlockHash(h), 0)
+            while (block := pool.cached_block_hash_to_block.get_one_block(key)) is not None:
+                ids.add(block.block_id)
+                pool.evict_blocks({block.block_id})
+        return len(ids)
+
     def _step_failed(self, e: Exception) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         log.exception("vLLM engine step failed")
         if isinstance(e, EngineDeadError):
             self.dead = f"{type(e).__name__}: {e}"
+        if self.canary.running is not None:
+            rid = self.canary.running.request_id
+            self.canary.abandon()
+            if not self.dead:
+                self.llm.abort_request([rid])
         for rid in list(self._active):
             self.deliver(rid, SequenceError(rid, f"the engine step failed: {type(e).__name__}: {e}"))
             self._abort(rid)
