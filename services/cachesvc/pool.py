@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import xxhash
+from kvmesh.contracts.events import BlockRemoved, BlockStored
+from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.engine.eviction import make_policy
@@ -78,6 +80,8 @@ class Pool:
         # (key, layout) -> (checksum, writer) of what was stored: a second writer cannot shadow a block
         self.writers: OrderedDict[tuple[int, KVLayout], tuple[int, str]] = OrderedDict()
         self.quarantined: set[int] = set()  # keys an instance's KV canary caught diverging: never served
+        # told (on the storage thread) what each tier stored and removed: the server publishes it (pool.events)
+        self.on_events: Callable[[list[BlockStored | BlockRemoved]], None] | None = None
 
     @classmethod
     def from_config(cls, cfg: CacheServiceSettings, clock: Callable[[], float] = monotonic,
@@ -180,6 +184,11 @@ class Pool:
         """An instance's KV canary caught these blocks diverging: never served again (until cachesvc restarts:
         the tiers cannot overwrite what they hold, so a later put of the same key does not lift it)."""
         self.quarantined.update(keys)
+        if self.on_events is not None:
+            events = [BlockRemoved(held, t.name) for t in self.tiers
+                      if (held := tuple(BlockKey(k) for k in keys if t.has(k)))]
+            if events:
+                self.on_events(list(events))
 
     def session_request(self, session: str, blocks: Sequence[int], end: bool = False) -> None:
         """A request of ``session`` used ``blocks`` (its context): the session holds them now (nothing, when
@@ -257,7 +266,9 @@ class Pool:
         if len(self.tiers) < 2 or not isinstance(self.tiers[0], DramTier):
             return 0
         before = sum(len(t) for t in self.tiers[1:])
-        self._spill(1, self.tiers[0].drain())
+        drained = self.tiers[0].drain()
+        self._told(self.tiers[0], None, [], drained)
+        self._spill(1, drained)
         return sum(len(t) for t in self.tiers[1:]) - before
 
     def maintain(self) -> None:
@@ -283,6 +294,7 @@ class Pool:
             except PoolFull as e:
                 refused = e
                 continue
+            self._told(self.tiers[i], layout, [b.key for b in blocks], evicted)
             self._spill(i + 1, evicted)
             return
         raise refused or PoolFull("no tier below can take the blocks")
@@ -303,9 +315,25 @@ class Pool:
         if not todo:
             return
         try:
-            self._spill(1, self.tiers[0].put(layout, todo, Retention()))
+            evicted = self.tiers[0].put(layout, todo, Retention())
+            self._told(self.tiers[0], layout, [b.key for b in todo], evicted)
+            self._spill(1, evicted)
         except (PoolFull, StoreUnavailable) as e:
             log.debug("no promotion of %d blocks: %s", len(todo), e)
+
+    def _told(self, tier: Tier, layout: KVLayout | None, stored: Sequence[int], evicted: Sequence[Evicted]) -> None:
+        """Tell ``on_events`` that ``tier`` stored ``stored`` and let go of ``evicted`` (a key it still holds in
+        another layout is not gone)."""
+        if self.on_events is None:
+            return
+        events: list[BlockStored | BlockRemoved] = []
+        if stored and layout is not None:
+            events.append(BlockStored(tuple(map(BlockKey, stored)), None, layout.block_size, tier.name))
+        gone = tuple(dict.fromkeys(BlockKey(e.block.key) for e in evicted if not tier.has(e.block.key)))
+        if gone:
+            events.append(BlockRemoved(gone, tier.name))
+        if events:
+            self.on_events(events)
 
     def _refuse_other_layouts(self, key: int, layout: KVLayout) -> None:
         for t in self.tiers:

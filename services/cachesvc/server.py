@@ -34,8 +34,10 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh import tls
 from kvmesh.authz import Authorizer, caller
 from kvmesh.bus import Bus, Subjects
+from kvmesh.bus.bus import POOL_EVENTS_SENDER
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
-from kvmesh.contracts.ids import BlockKey
+from kvmesh.contracts.events import BlockRemoved, BlockStored
+from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVQuarantine, Message, SessionSignal
 from kvmesh.identity import Identity
@@ -60,7 +62,9 @@ log = logging.getLogger("cachesvc")
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name  # kvmesh.v1.CacheService
 R = TypeVar("R")
-POOL_INSTANCE = "pool"
+POOL_INSTANCE = POOL_EVENTS_SENDER  # the index's name for the pool; its events on pool.events carry it
+POOL_EVENTS_PER_MESSAGE = 4096  # block keys in one pool.events message (well under NATS's 1 MB payload)
+POOL_EVENTS_HELD = 200_000  # block keys kept for pool.events while NATS is down (the oldest go first)
 _MESSAGE_OVERHEAD = 64 << 10  # room for keys and checksums next to the data of a GetBlocks reply
 
 
@@ -366,6 +370,8 @@ class CacheServer:
             t.has(key) for t in self.pool.tiers))
         self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
         self.pool: Pool | None = None
+        self._pool_events: list[BlockStored | BlockRemoved] = []  # for pool.events, in order
+        self._pool_seq = 0
         self.health = health.aio.HealthServicer()
         # inside a mesh with mutual TLS every call is authorised by the caller's role (kvmesh.authz)
         self.authorizer = Authorizer("cachesvc") if tls.mutual(self.shared) else None
@@ -424,6 +430,10 @@ class CacheServer:
         self.pool = await loop.run_in_executor(self.storage, Pool.from_config, cfg, time.monotonic,
                                                self.shared.cluster)
         log.info("pool tiers: %s", ", ".join(f"{t.name} ({len(t)} blocks)" for t in self.pool.tiers) or "none")
+        def pool_events(events: list[BlockStored | BlockRemoved]) -> None:  # the storage thread
+            loop.call_soon_threadsafe(self._pool_events.extend, events)
+
+        self.pool.on_events = pool_events
         with binding("transfer", cfg.host, cfg.transfer_port, "--transfer-port / KVMESH_CACHESVC_TRANSFER_PORT"):
             self._transfer = await TransferServer.start(
                 None, cfg.host, cfg.transfer_port, cfg.transfer_backend,
@@ -567,6 +577,32 @@ class CacheServer:
                                     inst, now - seen, dropped)
             if self.pool is not None:
                 await loop.run_in_executor(self.storage, self.pool.maintain)
+                await self._publish_pool_events()
+
+    async def _publish_pool_events(self) -> None:
+        """What the pool's tiers stored and removed since the last tick, on ``pool.events`` (the routers' hit
+        attribution names a block evicted from the pool). While NATS is down they wait, the oldest dropped past
+        ``POOL_EVENTS_HELD`` keys (a gap only blurs an explanation)."""
+        held = sum(len(e.block_keys) for e in self._pool_events)
+        while held > POOL_EVENTS_HELD and self._pool_events:
+            held -= len(self._pool_events.pop(0).block_keys)
+        if not self._pool_events or self.bus is None or not self._bus_up():
+            return
+        events, self._pool_events = self._pool_events, []
+        batch: list[BlockStored | BlockRemoved] = []
+        size = 0
+        for i, e in enumerate(events):
+            batch.append(e)
+            size += len(e.block_keys)
+            if size >= POOL_EVENTS_PER_MESSAGE or i == len(events) - 1:
+                self._pool_seq += 1
+                msg = KVEventBatch(InstanceId(POOL_INSTANCE), self._pool_seq, time.time(), tuple(batch))
+                try:
+                    await self.bus.publish(self.subjects.pool_events, msg)
+                except Exception as e:  # noqa: BLE001 - attribution only: never fails the pool
+                    log.debug("pool events not published: %s", e)
+                    return
+                batch, size = [], 0
 
     def _bus_up(self) -> bool:
         return self.bus is not None and self.bus.nc.is_connected

@@ -111,6 +111,7 @@ class Router:
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         await self.bus.subscribe(self.subjects.router_load_all, self._on_router_load)
         await self.bus.subscribe(self.subjects.kv_events_all, self.hits.on_events)
+        await self.bus.subscribe(self.subjects.pool_events, self.hits.on_events)  # the pool's evictions too
         await self.bus.subscribe(self.subjects.sessions, self.sessions.heard)
         await self.bus.subscribe(self.subjects.router_sessions, self.sessions.heard)
         self.cache = (cache_pb2_grpc.CacheServiceStub(self._channel(self.cfg.cachesvc_address))

@@ -54,6 +54,13 @@ def pool_mesh(nats_server, model_dir, spans, mesh) -> Iterator[TinyMesh]:
         yield m
 
 
+@pytest.fixture(scope="module")
+def small_pool_mesh(nats_server, model_dir, spans, pool_mesh) -> Iterator[TinyMesh]:
+    with TinyMesh(nats_server.url, model_dir, cachesvc=True, roles=("both", "both"), engine=ENGINE,
+                  pool={"pool_capacity_mb": 1}, **STACK) as m:  # 128 blocks of the tiny model's 8 KiB
+        yield m
+
+
 def _send(mesh: TinyMesh, text: str, salt: str = "") -> str:
     rid = f"hits-{uuid.uuid4().hex[:12]}"
     status, body, _ = mesh.post("/v1/completions", {"model": mesh.router.model_id, "prompt": text, "max_tokens": 2,
@@ -125,6 +132,17 @@ def test_a_prompt_whose_blocks_were_evicted_says_evicted_and_where(mesh, spans, 
     out = _why(spans, _send(mesh, text), capsys)
     assert "evicted — from " in out and "device tier" in out, out
     assert _instance(spans, first) in out
+
+
+def test_a_prompt_whose_blocks_the_pool_evicted_says_evicted_from_the_pool(small_pool_mesh, spans, capsys):
+    """The instances evict the prompt's blocks first (40 blocks each), the pool later (128): its removal, heard on
+    pool.events, is the last, and the explanation names the pool's tier."""
+    text = _prompt()
+    _send(small_pool_mesh, text)
+    for _ in range(8):  # 8 prompts of ~25 blocks written back: more than the pool holds
+        _send(small_pool_mesh, _prompt(400))
+    out = _why(spans, _send(small_pool_mesh, text), capsys)
+    assert "evicted — from pool's dram tier" in out, out
 
 
 def test_a_pool_fetch_that_fails_is_named(pool_mesh, spans, capsys, monkeypatch):

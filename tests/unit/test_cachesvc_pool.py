@@ -287,3 +287,23 @@ def test_quarantined_blocks_are_never_matched_nor_served():
     assert got(p, 1, 2, 3) == [1] and p.leading([1, 2, 3]) == [("dram", 1)]
     p.put(LAYOUT, *blocks(2))
     assert got(p, 1, 2, 3) == [1]
+
+
+def test_the_pool_tells_what_each_tier_stored_and_removed(tmp_path):
+    """``Pool.on_events`` (published on pool.events for the routers' hit attribution): a store per tier, an
+    eviction as a removal from the tier it left (and a store in the one it spilled to), a quarantine as a
+    removal from every tier that held the keys."""
+    from kvmesh.contracts.events import BlockRemoved, BlockStored
+
+    p = make_pool(dram_blocks=2, disk_blocks=10, disk=tmp_path)
+    events: list = []
+    p.on_events = events.extend
+    p.put(LAYOUT, *blocks(1, 2))
+    assert events == [BlockStored((1, 2), None, LAYOUT.block_size, "dram")]
+    events.clear()
+    p.put(LAYOUT, *blocks(3))  # 2 (the chain's tail goes first) leaves DRAM for the disk
+    assert events == [BlockStored((3,), None, LAYOUT.block_size, "dram"), BlockRemoved((2,), "dram"),
+                      BlockStored((2,), None, LAYOUT.block_size, "disk")]
+    events.clear()
+    p.quarantine([2, 3, 99])
+    assert events == [BlockRemoved((3,), "dram"), BlockRemoved((2,), "disk")]

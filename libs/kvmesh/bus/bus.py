@@ -43,6 +43,9 @@ class BusTLS:
     inbox_prefix: str = ""
 
 
+POOL_EVENTS_SENDER = "pool"  # the instance id cachesvc's pool events carry (the index's name for the pool)
+
+
 def from_its_sender(subject: str, msg: Message) -> bool:
     """Whether a message on a subject that names its sender is that sender's: on ``kvmesh.<cluster>.heartbeat.
     <role>.<instance>`` a heartbeat of that role and instance, on ``...kv.events.<instance>`` a KV events batch of
@@ -57,6 +60,8 @@ def from_its_sender(subject: str, msg: Message) -> bool:
             return isinstance(msg, KVEventBatch) and msg.instance_id == instance
         case ["router", "load", router]:
             return isinstance(msg, RouterLoad) and msg.router_id == router
+        case ["pool", "events"]:
+            return isinstance(msg, KVEventBatch) and msg.instance_id == POOL_EVENTS_SENDER
     return True
 
 

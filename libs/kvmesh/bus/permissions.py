@@ -16,9 +16,10 @@ What each role may do (``permissions``; ``<i>`` is the holder's own instance; su
 - router: publishes ``router.load.*`` (under its router id, which is not its certificate's instance),
   ``sessions``, ``router.sessions`` (where each session's request went, for the other replicas) and ``kv.ready.*``
   (a failed prefill: decode computes the prompt itself); subscribes ``heartbeat.>``, ``router.load.*``,
-  ``kv.events.>`` (hit attribution: where blocks went), ``sessions`` and ``router.sessions`` (the other replicas'
-  pauses, ends and placements);
-- cachesvc: publishes ``kv.snapshot.*`` (requests), ``kv.copies.*`` and its durable consumer's API and acks;
+  ``kv.events.>`` and ``pool.events`` (hit attribution: where blocks went), ``sessions`` and ``router.sessions``
+  (the other replicas' pauses, ends and placements);
+- cachesvc: publishes ``kv.snapshot.*`` (requests), ``kv.copies.*``, ``pool.events`` (what its tiers stored and
+  removed) and its durable consumer's API and acks;
   subscribes ``heartbeat.>``, ``sessions`` and ``kv.quarantine`` (it stops serving those blocks);
 - admin (an operator's tool): subscribes ``heartbeat.>`` and ``router.load.*``, publishes nothing;
 - client: nothing.
@@ -72,10 +73,11 @@ def permissions(identity: Identity, subjects: Subjects) -> Permissions:
         # certificate's instance; receivers still match each load to the id its subject names
         return Permissions((subjects.router_load_all, subjects.sessions, subjects.router_sessions, f"{p}kv.ready.*"),
                            (subjects.heartbeats_all, subjects.router_load_all, subjects.kv_events_all,
-                            subjects.sessions, subjects.router_sessions, inbox))
+                            subjects.pool_events, subjects.sessions, subjects.router_sessions, inbox))
     if role == MeshRole.CACHESVC:
         consumer = "$JS.API.CONSUMER"  # CREATE / INFO / DELETE.<stream>.<durable>, DURABLE.CREATE / MSG.NEXT
-        return Permissions((f"{p}kv.snapshot.*", f"{p}kv.copies.*", *find_stream, f"$JS.API.STREAM.UPDATE.{stream}",
+        return Permissions((f"{p}kv.snapshot.*", f"{p}kv.copies.*", subjects.pool_events, *find_stream,
+                            f"$JS.API.STREAM.UPDATE.{stream}",
                             f"{consumer}.*.{stream}", f"{consumer}.*.{stream}.>", f"{consumer}.*.*.{stream}.>",
                             f"$JS.ACK.{stream}.>"),
                            (subjects.heartbeats_all, subjects.sessions, subjects.kv_quarantine, inbox))

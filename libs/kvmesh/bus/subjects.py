@@ -65,6 +65,12 @@ class Subjects:
         return f"{self.prefix}kv.quarantine"
 
     @property
+    def pool_events(self) -> str:
+        """cachesvc's pool: blocks each tier stored and removed (``KVEventBatch`` of instance ``pool``), for the
+        routers' hit attribution (a block evicted from the pool is a miss with a cause)."""
+        return f"{self.prefix}pool.events"
+
+    @property
     def events_stream(self) -> str:
         """The JetStream stream that captures ``kv_events_all`` (cluster names are case-sensitive, so is this)."""
         return f"KVMESH_{self.cluster}_KV_EVENTS"
