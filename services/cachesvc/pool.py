@@ -185,7 +185,7 @@ class Pool:
         the tiers cannot overwrite what they hold, so a later put of the same key does not lift it)."""
         self.quarantined.update(keys)
         if self.on_events is not None:
-            events = [BlockRemoved(held, t.name) for t in self.tiers
+            events = [BlockRemoved(held, t.name, "quarantine") for t in self.tiers
                       if (held := tuple(BlockKey(k) for k in keys if t.has(k)))]
             if events:
                 self.on_events(list(events))
@@ -331,7 +331,7 @@ class Pool:
             events.append(BlockStored(tuple(map(BlockKey, stored)), None, layout.block_size, tier.name))
         gone = tuple(dict.fromkeys(BlockKey(e.block.key) for e in evicted if not tier.has(e.block.key)))
         if gone:
-            events.append(BlockRemoved(gone, tier.name))
+            events.append(BlockRemoved(gone, tier.name, str(getattr(getattr(tier, "policy", None), "name", ""))))
         if events:
             self.on_events(events)
 

@@ -53,7 +53,7 @@ class HitLedger:
             if isinstance(e, BlockStored):
                 self.history.stored(msg.instance_id, e.tier, e.block_keys, msg.ts)
             elif isinstance(e, BlockRemoved):
-                self.history.removed(msg.instance_id, e.tier, e.block_keys, msg.ts)
+                self.history.removed(msg.instance_id, e.tier, e.block_keys, msg.ts, e.reason)
             elif isinstance(e, AllBlocksCleared):
                 self.history.cleared(msg.instance_id, msg.ts)
 

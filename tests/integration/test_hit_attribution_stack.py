@@ -130,7 +130,7 @@ def test_a_prompt_whose_blocks_were_evicted_says_evicted_and_where(mesh, spans, 
     for _ in range(4):  # two prompts of 24 blocks on each instance of 40 blocks
         _send(mesh, _prompt(400))
     out = _why(spans, _send(mesh, text), capsys)
-    assert "evicted — from " in out and "device tier" in out, out
+    assert "evicted — from " in out and "device tier (lru)" in out, out  # where, and by which policy
     assert _instance(spans, first) in out
 
 
@@ -142,7 +142,7 @@ def test_a_prompt_whose_blocks_the_pool_evicted_says_evicted_from_the_pool(small
     for _ in range(8):  # 8 prompts of ~25 blocks written back: more than the pool holds
         _send(small_pool_mesh, _prompt(400))
     out = _why(spans, _send(small_pool_mesh, text), capsys)
-    assert "evicted — from pool's dram tier" in out, out
+    assert "evicted — from pool's dram tier (" in out, out  # and the pool's eviction policy
 
 
 def test_a_pool_fetch_that_fails_is_named(pool_mesh, spans, capsys, monkeypatch):

@@ -224,3 +224,17 @@ def test_a_load_from_another_version_keeps_what_it_can_read():
     load = InstanceLoad.from_dict({"running": 3, "queue_depth_v9": 7, "waiting": -1, "free_blocks": "many",
                                    "prefill_tok_per_s": float("nan"), "decode_step_s": 0.05, "kv_fallbacks": True})
     assert load == InstanceLoad(running=3, speed=Speed(decode_step_s=0.05))
+
+
+def test_a_removal_says_why_and_an_older_peers_removal_reads_as_not_said():
+    """``BlockRemoved.reason`` (the eviction policy, or "quarantine") travels when set; a batch from a peer that
+    does not send it decodes with it empty."""
+    from kvmesh.contracts.events import BlockRemoved
+    from kvmesh.contracts.ids import BlockKey, InstanceId
+    from kvmesh.contracts.messages import KVEventBatch
+
+    batch = KVEventBatch(InstanceId("i"), 1, 0.0, (BlockRemoved((BlockKey(5),), "device", "lru"),
+                                                   BlockRemoved((BlockKey(6),), "host")))
+    data = batch.encode()
+    assert KVEventBatch.decode(data) == batch
+    assert b'"reason"' in data and data.count(b'"reason"') == 1

@@ -302,8 +302,8 @@ def test_the_pool_tells_what_each_tier_stored_and_removed(tmp_path):
     assert events == [BlockStored((1, 2), None, LAYOUT.block_size, "dram")]
     events.clear()
     p.put(LAYOUT, *blocks(3))  # 2 (the chain's tail goes first) leaves DRAM for the disk
-    assert events == [BlockStored((3,), None, LAYOUT.block_size, "dram"), BlockRemoved((2,), "dram"),
+    assert events == [BlockStored((3,), None, LAYOUT.block_size, "dram"), BlockRemoved((2,), "dram", "lru"),
                       BlockStored((2,), None, LAYOUT.block_size, "disk")]
     events.clear()
     p.quarantine([2, 3, 99])
-    assert events == [BlockRemoved((3,), "dram"), BlockRemoved((2,), "disk")]
+    assert events == [BlockRemoved((3,), "dram", "quarantine"), BlockRemoved((2,), "disk", "quarantine")]

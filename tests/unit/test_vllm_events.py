@@ -70,7 +70,7 @@ def test_a_removal_names_the_kvmesh_keys_of_the_vllm_block_and_forgets_them():
     tokens = list(range(16))
     t.translate([BlockStored([1, 2], None, tokens)])
     want = block_keys(seed(), tokens, BS)
-    assert t.translate([BlockRemoved([2])]) == [kv.BlockRemoved(tuple(want[2:]), "device")]
+    assert t.translate([BlockRemoved([2])]) == [kv.BlockRemoved(tuple(want[2:]), "device", "vllm lru")]
     assert t.holds(seed(), tokens, 16) == 2
     assert t.translate([BlockRemoved([2])]) == []  # unknown now: nothing to say
 

@@ -25,6 +25,7 @@ class BlockStored:
 class BlockRemoved:
     block_keys: tuple[BlockKey, ...]
     tier: str
+    reason: str = ""  # what removed them: the eviction policy's name, "quarantine", "replaced"; "" not said
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ def _event_to_json(e: KVEvent) -> dict[str, Any]:
                 "token_count": e.token_count, "tier": e.tier, "lora": e.lora,
                 "extra_keys": list(_strs(e.extra_keys, "extra_keys"))}
     if isinstance(e, BlockRemoved):
-        return {"type": "block_removed", "block_keys": _keys(e.block_keys), "tier": e.tier}
+        out = {"type": "block_removed", "block_keys": _keys(e.block_keys), "tier": e.tier}
+        return out | {"reason": e.reason} if e.reason else out
     if isinstance(e, AllBlocksCleared):
         return {"type": "all_blocks_cleared"}
     raise CodecError(f"not a KV event: {e!r}")
@@ -116,7 +117,8 @@ def _event_from_json(d: Any) -> KVEvent:
                            lora=_get(d, "lora", str, type(None)) if "lora" in d else None,
                            extra_keys=_strs(d.get("extra_keys", []), "extra_keys"))
     if kind == "block_removed":
-        return BlockRemoved(block_keys=tuple(_keys(_get(d, "block_keys", list))), tier=_get(d, "tier", str))
+        return BlockRemoved(block_keys=tuple(_keys(_get(d, "block_keys", list))), tier=_get(d, "tier", str),
+                            reason=_get(d, "reason", str) if "reason" in d else "")
     if kind == "all_blocks_cleared":
         return AllBlocksCleared()
     raise CodecError(f"unknown KV event type {kind!r}")

@@ -289,7 +289,7 @@ class BlockManager:
             node = parent.children.get(block_tokens)
             if node is None:
                 for dominated in self.tree.dominated_partials(parent, block_tokens):
-                    self.tiers.delete(dominated)
+                    self.tiers.delete(dominated, "replaced")
                 node = self.tree.add_full(parent, block_tokens, seq.block_table[i], t, i)
                 self.tiers.on_device(node, seq.block_table[i])
                 stored.append(node.key)
@@ -372,13 +372,13 @@ class BlockManager:
                 if node.block_id is not None:  # scrubbed: a bad dtype leaves inf / nan a later masked read spreads
                     self.device.k[:, node.block_id].zero_()
                     self.device.v[:, node.block_id].zero_()
-                self.tiers.delete(node)  # tells the index
+                self.tiers.delete(node, "quarantine")  # tells the index
                 if node.full:
                     self.tree.quarantined.discard(node.chain)
             elif node.full:
                 kept.append(node.key)
         if kept:
-            self._emit(BlockRemoved(tuple(kept), TIER_DEVICE))
+            self._emit(BlockRemoved(tuple(kept), TIER_DEVICE, "quarantine"))
         return quarantined
 
     def session_signal(self, key: str, event: SessionEvent, expected_s: float = 0.0) -> None:

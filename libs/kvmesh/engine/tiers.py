@@ -122,7 +122,7 @@ class Tiers:
                 self.host_queue.push(node, node.last_access)
             self.stats["spilled_host"] += 1
             self.stats["evicted_device"] += 1
-            self._emit(BlockRemoved((node.key,), TIER_DEVICE))
+            self._emit(BlockRemoved((node.key,), TIER_DEVICE, self.policy.name))
             self._emit(BlockStored((node.key,), node.parent_key, self.block_size, TIER_HOST))
             return True
         if node.children:
@@ -169,8 +169,9 @@ class Tiers:
         self.host_queue.discard(node)
 
     # ---- leaving the tree ------------------------------------------------------------------------------------
-    def delete(self, node: Node) -> None:
-        """Remove an unreferenced leaf from the tree and free its block wherever it is."""
+    def delete(self, node: Node, reason: str = "") -> None:
+        """Remove an unreferenced leaf from the tree and free its block wherever it is; ``reason`` (for the KV
+        event): why, when not evicted by the policy."""
         assert node.ref_count == 0
         parent = self.tree.remove(node)
         self.queue.discard(node)
@@ -188,4 +189,4 @@ class Tiers:
             self.release_host(node)
             tier = TIER_HOST
         if node.full:
-            self._emit(BlockRemoved((node.key,), tier))
+            self._emit(BlockRemoved((node.key,), tier, reason or self.policy.name))

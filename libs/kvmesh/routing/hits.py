@@ -131,6 +131,10 @@ class Held(NamedTuple):
     instance: str
     tier: str
     at: float  # wall clock
+    reason: str = ""  # a removal's: the eviction policy, "quarantine", ...
+
+    def tier_and_why(self) -> str:
+        return f"{self.tier} tier" + (f" ({self.reason})" if self.reason else "")
 
 
 class BlockHistory:
@@ -152,11 +156,12 @@ class BlockHistory:
         for k in keys:
             self._touch(k)[(instance, tier)] = t
 
-    def removed(self, instance: str, tier: str, keys: Iterable[int], at: float | None = None) -> None:
+    def removed(self, instance: str, tier: str, keys: Iterable[int], at: float | None = None,
+                reason: str = "") -> None:
         t = self.clock() if at is None else at
         for k in keys:
             self._touch(k).pop((instance, tier), None)
-            self._removed[k] = Held(instance, tier, t)
+            self._removed[k] = Held(instance, tier, t, reason)
 
     def cleared(self, instance: str, at: float | None = None) -> None:
         """``instance`` dropped everything (``AllBlocksCleared``, or it went away)."""
@@ -260,7 +265,7 @@ class Explainer:
         if here_index or here_recent:
             gone = history.last_removal(key)
             if gone is not None and gone.instance == at:
-                return Cause.EVICTED, f"from {at}'s {gone.tier} tier {_when(gone.at, view.at)}"
+                return Cause.EVICTED, f"from {at}'s {gone.tier_and_why()} {_when(gone.at, view.at)}"
             if not here_index:
                 return Cause.INDEX_LAG, f"an earlier request sent to {at} had not stored it yet"
             return Cause.STALE_INDEX, f"the index listed it on {at}"
@@ -283,11 +288,11 @@ class Explainer:
             gap = self.run_on(h.instance)
             gone = history.last_removal(self.keys[gap])
             if gone is not None and gone.instance == h.instance:
-                return Cause.EVICTED, (f"block {gap} of its prefix, from {h.instance}'s {gone.tier} tier "
+                return Cause.EVICTED, (f"block {gap} of its prefix, from {h.instance}'s {gone.tier_and_why()} "
                                        f"{_when(gone.at, view.at)}")
         gone = history.last_removal(key)
         if gone is not None:
-            return Cause.EVICTED, f"from {gone.instance}'s {gone.tier} tier {_when(gone.at, view.at)}"
+            return Cause.EVICTED, f"from {gone.instance}'s {gone.tier_and_why()} {_when(gone.at, view.at)}"
         others = view.other_namespaces(i)
         if others:
             return Cause.NAMESPACE, f"the same tokens are cached under {others} other namespace(s)"

@@ -46,6 +46,8 @@ def endpoints() -> tuple[str, str]:
     return f"ipc://{base}.sock", f"ipc://{base}-replay.sock"
 
 
+VLLM_EVICTION = "vllm lru"  # what vLLM's prefix cache evicts by (its free queue: least recently freed first)
+
 class Translator:
     """vLLM events -> kvmesh events, with the map that makes ``BlockRemoved`` translatable. Runs on the event
     loop; ``held`` (every kvmesh key held, counted) answers prefix matches and snapshots."""
@@ -123,7 +125,7 @@ class Translator:
             for key in keys:
                 if self.held[key] <= 0:
                     del self.held[key]
-            out.append(BlockRemoved(keys, tier))
+            out.append(BlockRemoved(keys, tier, VLLM_EVICTION))
         return out
 
 
