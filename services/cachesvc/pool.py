@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +59,8 @@ from services.cachesvc.store import (
 log = logging.getLogger(__name__)
 WRITERS_REMEMBERED = 1 << 20  # the writer and checksum of the last this many blocks stored (about 150 MB at most)
 
+QUARANTINE_FILE = "quarantined.keys"  # in disk_dir: the quarantined block keys, 8 bytes each (little endian)
+
 
 @runtime_checkable
 class Flushes(Protocol):
@@ -73,13 +77,19 @@ class GetResult(NamedTuple):
 
 
 class Pool:
-    def __init__(self, tiers: Sequence[Tier], leases: Leases, sessions: SessionTable | None = None) -> None:
+    def __init__(self, tiers: Sequence[Tier], leases: Leases, sessions: SessionTable | None = None,
+                 quarantine_file: Path | None = None) -> None:
         self.tiers = list(tiers)
         self.leases = leases
         self.sessions = sessions  # the tiers' session-aware strategy's table (None: the strategy reads none)
         # (key, layout) -> (checksum, writer) of what was stored: a second writer cannot shadow a block
         self.writers: OrderedDict[tuple[int, KVLayout], tuple[int, str]] = OrderedDict()
         self.quarantined: set[int] = set()  # keys an instance's KV canary caught diverging: never served
+        # where they are kept across restarts (beside the disk tier, whose copies outlive a restart too)
+        self.quarantine_file = quarantine_file
+        if quarantine_file is not None and quarantine_file.exists():
+            raw = quarantine_file.read_bytes()
+            self.quarantined.update(k for (k,) in struct.iter_unpack("<Q", raw[:len(raw) // 8 * 8]))
         # told (on the storage thread) what each tier stored and removed: the server publishes it (pool.events)
         self.on_events: Callable[[list[BlockStored | BlockRemoved]], None] | None = None
 
@@ -94,6 +104,7 @@ class Pool:
             sessions.idle_s = cfg.session_idle_s
         leases = Leases(clock, cfg.max_leases_per_caller)
         tiers: list[Tier] = []
+        quarantine_file = Path(cfg.disk_dir) / QUARANTINE_FILE if cfg.disk_dir else None
         if cfg.pool_capacity_mb > 0:
             tiers.append(DramTier(cfg.pool_capacity_mb << 20, policy, leases.pinned, clock))
         if cfg.disk_dir:
@@ -106,7 +117,7 @@ class Pool:
                                         cfg.mooncake_segment_mb << 20, cfg.external_capacity_mb << 20,
                                         cfg.mooncake_replicas, cfg.mooncake_manifest_s, cfg.durable_name)
             tiers.append(MooncakeTier(settings, f"kvmesh/{cluster}", policy, leases.pinned, clock))
-        return cls(tiers, leases, sessions)
+        return cls(tiers, leases, sessions, quarantine_file)
 
     def tier(self, name: str) -> Tier | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -182,8 +193,19 @@ class Pool:
 
     def quarantine(self, keys: Sequence[int]) -> None:
         """An instance's KV canary caught these blocks diverging: never served again (until cachesvc restarts:
-        the tiers cannot overwrite what they hold, so a later put of the same key does not lift it)."""
-        self.quarantined.update(keys)
+        the tiers cannot overwrite what they hold, so a later put of the same key does not lift it). With a disk
+        tier the keys are appended to ``QUARANTINE_FILE`` in its directory, read back at start: its copies
+        outlive a restart, so must their quarantine."""
+        new = [k for k in dict.fromkeys(keys) if k not in self.quarantined]
+        self.quarantined.update(new)
+        if new and self.quarantine_file is not None:
+            try:
+                with self.quarantine_file.open("ab") as f:
+                    f.write(b"".join(struct.pack("<Q", k & 0xFFFF_FFFF_FFFF_FFFF) for k in new))
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:  # still quarantined in memory; a restart would forget these
+                log.error("could not record %d quarantined keys in %s: %s", len(new), self.quarantine_file, e)
         if self.on_events is not None:
             events = [BlockRemoved(held, t.name, "quarantine") for t in self.tiers
                       if (held := tuple(BlockKey(k) for k in keys if t.has(k)))]

@@ -307,3 +307,22 @@ def test_the_pool_tells_what_each_tier_stored_and_removed(tmp_path):
     events.clear()
     p.quarantine([2, 3, 99])
     assert events == [BlockRemoved((3,), "dram", "quarantine"), BlockRemoved((2,), "disk", "quarantine")]
+
+
+def test_a_quarantine_outlives_a_restart_beside_the_disk_tier(tmp_path):
+    """The disk tier's copies survive a restart, so its quarantine does: kept in ``quarantined.keys``."""
+    from services.cachesvc.pool import QUARANTINE_FILE
+
+    def pool() -> Pool:
+        base = make_pool(dram_blocks=0, disk_blocks=10, disk=tmp_path / "disk")
+        return Pool(base.tiers, base.leases, quarantine_file=tmp_path / "disk" / QUARANTINE_FILE)
+
+    p = pool()
+    p.put(LAYOUT, *blocks(1, 2, 3))
+    p.quarantine([2])
+    p.quarantine([2, 3])  # a key already quarantined is not written again
+    assert got(p, 1, 2, 3) == [1]
+    p.close()
+    again = pool()
+    assert held(again, 1, 2, 3) == [1, 2, 3] and got(again, 1, 2, 3) == [1]
+    assert again.quarantined == {2, 3} and (tmp_path / "disk" / QUARANTINE_FILE).stat().st_size == 16
