@@ -53,6 +53,13 @@ class Probe:
             return bool(self.engine.canary.pending) or self.engine.canary.running is not None
         return bool(self.engine.engine.canary.pending)
 
+    async def settled(self) -> None:
+        """After the engine thread's current round: what the canary spent in it is counted by then."""
+        if self.vllm:
+            await self.engine.run(lambda: None)
+        else:
+            await self.engine.call(lambda e: None)
+
     def serving_cpu(self) -> float:
         """The engine thread's CPU seconds in forward steps so far (vLLM: its steps' wall seconds, the canary's
         own recompute steps included, so they are taken out by the caller)."""
@@ -94,6 +101,7 @@ async def _phase(probe: Probe, share: float, prompts: list[list[int]], concurren
         serving_cpu -= canary_s
     while probe.busy():  # the checks left run now, outside the measured time
         await asyncio.sleep(0.05)
+    await probe.settled()  # the last check's chunk is counted once its idle round ends (not when it leaves pending)
     counts = engine.canary_counts()
     canary_cpu = canary_s if probe.vllm else probe.core().cpu_seconds - cpu
     return {"share": share, "tokens": tokens, "seconds": seconds, "reuses": len(prompts),
