@@ -279,3 +279,22 @@ def test_a_paused_sessions_request_waiting_to_run_keeps_its_blocks_as_paused():
     assert t.mark(1, "t/a", 10.5) == Mark.PAUSED and t.mark(1, "t/a", 14.5) == Mark.LIVE
     t.request("t/a", [1, 2, 3], 11.0)
     assert t.get("t/a").pause_gaps == [11.0] and t.back("t/a", 12.0) == set()  # not paused: nothing to keep
+
+
+def test_the_sim_hears_a_requests_pause_before_making_room_for_it():
+    # b is back in 100; a's request ends in a tool call and a is back in 10: as a paused session's, a's blocks
+    # stay and b's goes (heard after making room, a's would have gone first, as a live session's)
+    c = BlockCache(3, "session")
+    c.sessions.default_pause_s = 10.0  # the clock counts block accesses
+    c.touch((10,), 0, session="b")
+    c.pause("b", expected_s=100.0)
+    c.touch((1, 2, 3), 0, session="a", pause=True)
+    assert c.prefix((1, 2, 3)) == 3 and c.prefix((10,)) == 0
+
+
+def test_simulate_tells_each_cache_of_the_requests_pause():
+    # a pauses; a request without a session needs room: a's prefix stays (LRU breaks it) and a's return hits it
+    trace = [TraceRequest(0, 1000, 5, (1, 2), "a", pause=True), TraceRequest(1, 1500, 5, (3, 4, 5)),
+             TraceRequest(2, 1500, 5, (1, 2, 6), "a", session_end=True)]
+    hits = {name: simulate(trace, 1, "round_robin", 4, 0, eviction=name)["hit_rate"] for name in ("lru", "session")}
+    assert hits == {"lru": 0.0, "session": 2 / 8}
