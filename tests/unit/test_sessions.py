@@ -298,3 +298,55 @@ def test_simulate_tells_each_cache_of_the_requests_pause():
              TraceRequest(2, 1500, 5, (1, 2, 6), "a", session_end=True)]
     hits = {name: simulate(trace, 1, "round_robin", 4, 0, eviction=name)["hit_rate"] for name in ("lru", "session")}
     assert hits == {"lru": 0.0, "session": 2 / 8}
+
+
+# ---- among paused sessions: the one expected back last goes first ----------------------------------------------
+
+def test_among_paused_sessions_the_block_needed_last_goes_first_even_when_more_recent():
+    # a waits on quick tools (its pauses: 2 s), b on slow ones (30 s); paused together, b is back last, so its
+    # block goes first although a's was used longer ago (LRU would take a's)
+    p = SessionAware(sessions=SessionTable(default_pause_s=10.0))
+    t = p.sessions
+    for key, block, gap in (("t/a", 1, 2.0), ("t/b", 2, 30.0)):
+        t.request(key, [block], 0.0)
+        t.pause(key, 0.0)
+        t.request(key, [block], gap)
+    t.pause("t/a", 31.0)
+    t.pause("t/b", 31.0)
+    assert t.expected_back(1) == 33.0 and t.expected_back(2) == 61.0
+    assert ranked(p, [Blk(1, 2.0, "t/a"), Blk(2, 30.0, "t/b")], 32.0) == [2, 1]
+
+
+def test_a_block_paused_sessions_share_is_needed_when_the_first_of_them_is_back():
+    t = SessionTable(default_pause_s=10.0)
+    t.request("t/a", [0, 1], 0.0)
+    t.request("t/b", [0, 2], 0.0)
+    t.pause("t/a", 0.0, expected_s=5.0)
+    t.pause("t/b", 0.0, expected_s=50.0)
+    assert t.expected_back(0) == 5.0 and t.expected_back(1) == 5.0 and t.expected_back(2) == 50.0
+    t.request("t/a", [0, 1, 3], 6.0)  # a is back: the shared block is needed when b is
+    assert t.expected_back(0) == 50.0 and t.expected_back(1) == math.inf
+    t.back("t/b", 20.0)  # b's next request waits to run: it is needed now
+    assert t.expected_back(2) == 20.0
+    t.end("t/b")
+    assert t.expected_back(2) == math.inf and t.expected_back(None) == math.inf
+
+
+def test_a_paused_session_that_moves_past_a_block_no_longer_expects_it():
+    t = SessionTable(default_pause_s=10.0)
+    t.pause("t/a", 0.0, create=True)
+    t.request("t/a", [1, 2], 0.5, resume=False)  # the pool hears the paused turn's blocks after the pause
+    assert t.expected_back(2) == 10.0
+    t.request("t/a", [1, 3], 1.0, resume=False)
+    assert t.expected_back(2) == math.inf and t.expected_back(3) == 10.0
+
+
+def test_the_sim_cache_keeps_the_paused_session_expected_back_first():
+    c = BlockCache(3, "session")
+    c.sessions.default_pause_s = 10.0  # the clock counts block accesses
+    c.touch((1, 2), 0, session="a")
+    c.pause("a", expected_s=50.0)  # back at 52
+    c.touch((3,), 0, session="b")
+    c.pause("b", expected_s=20.0)  # back at 23
+    c.touch((5,), 0, session="c", pause=True)  # back at 14; a, back last, loses its chain's tail
+    assert (c.prefix((1, 2)), c.prefix((3,)), c.prefix((5,))) == (1, 1, 1)

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from kvmesh.contracts.names import Eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
-from kvmesh.engine.sessions import SessionTable
+from kvmesh.engine.sessions import Mark, SessionTable
 
 
 class Evictable(Protocol):
@@ -303,9 +303,11 @@ class SessionAware(Policy):
     (a TTL pin) outranks every block with a lower one until it expires; then a block held by a paused session
     (waiting on a tool, and not overdue) outranks one held by a live session, which outranks one no session
     holds (shared, or of requests without a session), which outranks one whose one session ended or moved past
-    it (``kvmesh.engine.sessions.Mark``); within a mark, a
-    block that has another copy in the cluster goes before the last copy of anything. Without any signal the
-    order is ``base``'s.
+    it (``kvmesh.engine.sessions.Mark``); within a mark, a block that has another copy in the cluster goes
+    before the last copy of anything, and among paused sessions' blocks the one needed latest (whose first
+    paused holder is expected back last, ``SessionTable.expected_back``) goes first, and of blocks needed at
+    the same time a chain's tail before its head (a block is of use only with its whole chain in front of it).
+    Without any signal the order is ``base``'s.
 
     ``sessions`` is the cache's :class:`~kvmesh.engine.sessions.SessionTable`: the cache tells it of every
     session's requests, pauses and ends, and ranks again the blocks whose mark changed (the table returns them).
@@ -330,8 +332,14 @@ class SessionAware(Policy):
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         retained = item.priority if now < item.priority_until else 0
-        mark = self.sessions.mark(getattr(item, "key", None), getattr(item, "session_owner", ""), now)
-        return (retained, int(mark), not getattr(item, "replicated", False), *self.base.sort_key(item, now))
+        key = getattr(item, "key", None)
+        mark = self.sessions.mark(key, getattr(item, "session_owner", ""), now)
+        if mark is Mark.PAUSED:  # needed latest goes first; of blocks needed together, a chain's tail first
+            later, depth = -self.sessions.expected_back(key), -_depth(item)
+        else:
+            later, depth = 0.0, 0
+        return (retained, int(mark), not getattr(item, "replicated", False), later, depth,
+                *self.base.sort_key(item, now))
 
     def on_hit(self, item: Evictable, now: float) -> None:
         self.base.on_hit(item, now)
