@@ -85,6 +85,16 @@ def test_a_paused_sessions_blocks_outrank_live_ones_until_it_is_overdue():
     assert q.pop(22.0) is paused  # overdue (past twice its expected pause): ranked by its age again
 
 
+def test_an_overdue_pause_says_nothing_more_but_a_live_holder_still_does():
+    t = SessionTable(default_pause_s=10.0)
+    t.request("t/a", [0, 1], 0.0)
+    t.request("t/b", [0, 2], 0.0)
+    t.pause("t/a", 0.0)
+    assert t.mark(1, "t/a", 5.0) is Mark.PAUSED and t.mark_drops_at(1, 5.0) == 20.0
+    assert t.mark(1, "t/a", 21.0) is Mark.UNKNOWN  # twice its expected pause gone by: slow, or gone
+    assert t.mark(0, SHARED, 21.0) is Mark.LIVE  # b, which is not paused, still holds the shared block
+
+
 def test_a_session_learns_its_own_pause_length():
     t = SessionTable(default_pause_s=100.0)
     t.request("t/a", [1], 0.0)
@@ -214,7 +224,7 @@ def test_a_pause_heard_before_the_write_back_is_kept_and_a_write_back_does_not_e
     t.request("t/a", [1, 2], 0.5, resume=False)
     assert t.get("t/a").paused and t.mark(1, "t/a", 1.0) is Mark.PAUSED
     t.pause("t/a", 30.0)  # paused again later: held afresh from then
-    assert t.mark(1, "t/a", 40.0) is Mark.PAUSED and t.mark(1, "t/a", 51.0) is Mark.LIVE
+    assert t.mark(1, "t/a", 40.0) is Mark.PAUSED and t.mark(1, "t/a", 51.0) is Mark.UNKNOWN
 
 
 def test_every_eviction_the_sim_lists_runs_with_a_session_end_share(tmp_path, capsys):
@@ -236,7 +246,7 @@ def test_an_announced_pause_sets_the_expected_return_until_the_session_is_back()
     t.request("t/a", [1], 0.0)
     t.signal("t/a", SessionEvent.PAUSE, 0.0, expected_s=7.0)
     assert t.expected_return("t/a") == 7.0
-    assert t.mark(1, "t/a", 13.0) == Mark.PAUSED and t.mark(1, "t/a", 15.0) == Mark.LIVE  # overdue past 2 x 7
+    assert t.mark(1, "t/a", 13.0) == Mark.PAUSED and t.mark(1, "t/a", 15.0) == Mark.UNKNOWN  # overdue past 2 x 7
     t.request("t/a", [1, 2], 5.0)  # back: its cadence learns the 5 s it really took
     t.pause("t/a", 10.0)
     assert t.expected_return("t/a") == 15.0
@@ -276,7 +286,7 @@ def test_a_paused_sessions_request_waiting_to_run_keeps_its_blocks_as_paused():
     t.signal("t/a", SessionEvent.DEMOTE, 0.0)
     assert t.mark(1, "t/a", 1.0) == Mark.UNKNOWN
     assert t.back("t/a", 10.0) == {1, 2}  # overdue long ago, and demoted: kept again while its request waits
-    assert t.mark(1, "t/a", 10.5) == Mark.PAUSED and t.mark(1, "t/a", 14.5) == Mark.LIVE
+    assert t.mark(1, "t/a", 10.5) == Mark.PAUSED and t.mark(1, "t/a", 14.5) == Mark.UNKNOWN
     t.request("t/a", [1, 2, 3], 11.0)
     assert t.get("t/a").pause_gaps == [11.0] and t.back("t/a", 12.0) == set()  # not paused: nothing to keep
 

@@ -302,12 +302,12 @@ class SessionAware(Policy):
     """What the clients said about their sessions first, then ``base`` (LRU): a block under a retention hint
     (a TTL pin) outranks every block with a lower one until it expires; then a block held by a paused session
     (waiting on a tool, and not overdue) outranks one held by a live session, which outranks one no session
-    holds (shared, or of requests without a session), which outranks one whose one session ended or moved past
-    it (``kvmesh.engine.sessions.Mark``); within a mark, a block that has another copy in the cluster goes
-    before the last copy of anything, and among paused sessions' blocks the one needed latest (whose first
-    paused holder is expected back last, ``SessionTable.expected_back``) goes first, and of blocks needed at
-    the same time a chain's tail before its head (a block is of use only with its whole chain in front of it).
-    Without any signal the order is ``base``'s.
+    speaks for (shared, of requests without a session, or held only by overdue paused sessions), which outranks
+    one whose one session ended or moved past it (``kvmesh.engine.sessions.Mark``); within a mark, a block that
+    has another copy in the cluster goes before the last copy of anything, and among paused sessions' blocks
+    the one needed latest (whose first paused holder is expected back last, ``SessionTable.expected_back``)
+    goes first, and of blocks needed at the same time a chain's tail before its head (a block is of use only
+    with its whole chain in front of it). Without any signal the order is ``base``'s.
 
     ``sessions`` is the cache's :class:`~kvmesh.engine.sessions.SessionTable`: the cache tells it of every
     session's requests, pauses and ends, and ranks again the blocks whose mark changed (the table returns them).

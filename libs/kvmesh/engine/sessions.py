@@ -18,11 +18,15 @@ raising their mark: held by it alone they are ``UNKNOWN``, free to move down the
 them back for its return (``retain``: from then on they are ``PAUSED``).
 
 A paused session's blocks are ``PAUSED`` until it is overdue: twice its expected pause after the tool call (its
-own median pause, else the median of every session's recent pauses, else ``default_pause_s``); a tool that runs
-far longer than usual (a build, a crawl) leaves its session merely ``LIVE``. Among ``PAUSED`` blocks, the one
-needed latest goes first: a block is needed when the first of the paused sessions holding it is expected back
-(:meth:`SessionTable.expected_back`), so a cache too small for every paused session keeps those that return
-soonest, as the offline optimum would with the expected returns for the real ones.
+own median pause, else the median of every session's recent pauses, else ``default_pause_s``). A session that
+is overdue (a tool that runs far longer than usual, a build, a crawl; or a user who walked away) says nothing
+more: the blocks only overdue sessions hold are ``UNKNOWN``, ranked as if no session held them, so neither a
+slow session nor an abandoned one keeps its blocks over those of requests without a session.
+
+Among ``PAUSED`` blocks, the one needed latest goes first: a block is needed when the first of the paused
+sessions holding it is expected back (:meth:`SessionTable.expected_back`), so a cache too small for every paused
+session keeps those that return soonest, as the offline optimum would with the expected returns for the real
+ones.
 
 Torch-free and keyed on block keys (ints), so the native engine's tiers, cachesvc's tiers and ``kvmesh sim``
 share it; not thread-safe (one owner each, like the eviction queue). Every method that changes marks returns the
@@ -59,7 +63,7 @@ class Mark(enum.IntEnum):
     """What the sessions say about a block; a lower mark is evicted first."""
 
     RELEASED = 0  # sessions used it; none holds it now (ended, or moved past it)
-    UNKNOWN = 1   # no session ever held it: ranked as without sessions
+    UNKNOWN = 1   # no session speaks for it (none held it; only overdue or demoted ones hold it): as without
     LIVE = 2      # a live session holds it
     PAUSED = 3    # a paused session holds it: it will be back after its tool runs
 
@@ -111,8 +115,13 @@ class SessionTable:
     def mark(self, block: int | None, owner: str, now: float) -> Mark:
         """The mark of ``block`` at ``now``; ``owner``: its ``session_owner``."""
         held = self._held.get(block, 0) if block is not None else 0
-        if held > self._demoted.get(block, 0):  # type: ignore[arg-type]
-            return Mark.PAUSED if now < self._paused_until.get(block, -math.inf) else Mark.LIVE  # type: ignore[arg-type]
+        demoted = self._demoted.get(block, 0)  # type: ignore[arg-type]
+        if held > demoted:
+            if now < self._paused_until.get(block, -math.inf):  # type: ignore[arg-type]
+                return Mark.PAUSED
+            if held > demoted + self._paused.get(block, 0):  # type: ignore[arg-type]
+                return Mark.LIVE  # a session that is not paused holds it
+            return Mark.UNKNOWN  # only overdue paused sessions hold it: slow or gone, they say nothing more
         if held:  # only demoted sessions hold it: ranked as if none did, until they are about to return
             return Mark.UNKNOWN
         return Mark.RELEASED if owner and owner != SHARED else Mark.UNKNOWN
