@@ -323,32 +323,34 @@ def test_among_paused_sessions_the_block_needed_last_goes_first_even_when_more_r
         t.request(key, [block], gap)
     t.pause("t/a", 31.0)
     t.pause("t/b", 31.0)
-    assert t.expected_back(1) == 33.0 and t.expected_back(2) == 61.0
+    assert t.expected_back("t/a") == 33.0 and t.expected_back("t/b") == 61.0
     assert ranked(p, [Blk(1, 2.0, "t/a"), Blk(2, 30.0, "t/b")], 32.0) == [2, 1]
 
 
-def test_a_block_paused_sessions_share_is_needed_when_the_first_of_them_is_back():
-    t = SessionTable(default_pause_s=10.0)
+def test_a_block_several_sessions_used_outlasts_every_paused_sessions_own_blocks():
+    # whichever of a and b is back first reads block 0, and so may the next session to start with it
+    p = SessionAware(sessions=SessionTable(default_pause_s=10.0))
+    t = p.sessions
     t.request("t/a", [0, 1], 0.0)
     t.request("t/b", [0, 2], 0.0)
     t.pause("t/a", 0.0, expected_s=5.0)
-    t.pause("t/b", 0.0, expected_s=50.0)
-    assert t.expected_back(0) == 5.0 and t.expected_back(1) == 5.0 and t.expected_back(2) == 50.0
-    t.request("t/a", [0, 1, 3], 6.0)  # a is back: the shared block is needed when b is
-    assert t.expected_back(0) == 50.0 and t.expected_back(1) == math.inf
-    t.back("t/b", 20.0)  # b's next request waits to run: it is needed now
-    assert t.expected_back(2) == 20.0
-    t.end("t/b")
-    assert t.expected_back(2) == math.inf and t.expected_back(None) == math.inf
+    t.pause("t/b", 1.0, expected_s=50.0)
+    blocks = [Blk(0, 0.0, SHARED), Blk(1, 1.0, "t/a"), Blk(2, 1.0, "t/b")]
+    assert ranked(p, blocks, 2.0) == [2, 1, 0]  # b is back last, then a; the block both read goes last
+    blocks[0].session_owner = "t/a"  # evicted and brought back by a: one session used this copy, both hold it
+    assert ranked(p, blocks, 2.0) == [2, 1, 0]
 
 
-def test_a_paused_session_that_moves_past_a_block_no_longer_expects_it():
+def test_a_paused_session_is_expected_back_after_its_pause_or_as_soon_as_its_request_arrived():
     t = SessionTable(default_pause_s=10.0)
-    t.pause("t/a", 0.0, create=True)
-    t.request("t/a", [1, 2], 0.5, resume=False)  # the pool hears the paused turn's blocks after the pause
-    assert t.expected_back(2) == 10.0
-    t.request("t/a", [1, 3], 1.0, resume=False)
-    assert t.expected_back(2) == math.inf and t.expected_back(3) == 10.0
+    t.request("t/a", [1], 0.0)
+    assert t.expected_back("t/a") == math.inf  # not paused
+    t.pause("t/a", 2.0)
+    assert t.expected_back("t/a") == 12.0
+    t.back("t/a", 5.0)  # its next request waits to run: needed now
+    assert t.expected_back("t/a") == 5.0
+    t.request("t/a", [1, 2], 6.0)
+    assert t.expected_back("t/a") == math.inf and t.expected_back("t/nobody") == math.inf
 
 
 def test_the_sim_cache_keeps_the_paused_session_expected_back_first():

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from kvmesh.contracts.names import Eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
-from kvmesh.engine.sessions import Mark, SessionTable
+from kvmesh.engine.sessions import SHARED, Mark, SessionTable
 
 
 class Evictable(Protocol):
@@ -304,10 +304,12 @@ class SessionAware(Policy):
     (waiting on a tool, and not overdue) outranks one held by a live session, which outranks one no session
     speaks for (shared, of requests without a session, or held only by overdue paused sessions), which outranks
     one whose one session ended or moved past it (``kvmesh.engine.sessions.Mark``); within a mark, a block that
-    has another copy in the cluster goes before the last copy of anything, and among paused sessions' blocks
-    the one needed latest (whose first paused holder is expected back last, ``SessionTable.expected_back``)
-    goes first, and of blocks needed at the same time a chain's tail before its head (a block is of use only
-    with its whole chain in front of it). Without any signal the order is ``base``'s.
+    has another copy in the cluster goes before the last copy of anything. Among paused sessions' blocks, those
+    of one session alone go first, the session expected back last first (``SessionTable.expected_back``) and a
+    chain's tail before its head (a block is of use only with its whole chain in front of it); a block several
+    sessions hold or used (a preamble, a parent's context its sub-agents read) goes after all of those, since
+    whichever of them comes first needs it, and so may the next session to start with it. Without any signal
+    the order is ``base``'s.
 
     ``sessions`` is the cache's :class:`~kvmesh.engine.sessions.SessionTable`: the cache tells it of every
     session's requests, pauses and ends, and ranks again the blocks whose mark changed (the table returns them).
@@ -332,12 +334,13 @@ class SessionAware(Policy):
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         retained = item.priority if now < item.priority_until else 0
-        key = getattr(item, "key", None)
-        mark = self.sessions.mark(key, getattr(item, "session_owner", ""), now)
-        if mark is Mark.PAUSED:  # needed latest goes first; of blocks needed together, a chain's tail first
-            later, depth = -self.sessions.expected_back(key), -_depth(item)
-        else:
-            later, depth = 0.0, 0
+        key, owner = getattr(item, "key", None), getattr(item, "session_owner", "")
+        mark = self.sessions.mark(key, owner, now)
+        later, depth = 0.0, 0
+        if mark is Mark.PAUSED and owner and owner != SHARED and self.sessions.holders(key) <= 1:
+            later, depth = -self.sessions.expected_back(owner), -_depth(item)  # one session's: back last, tail first
+        elif mark is Mark.PAUSED:  # read by several sessions (and the next to start may): after all of those
+            later = math.inf
         return (retained, int(mark), not getattr(item, "replicated", False), later, depth,
                 *self.base.sort_key(item, now))
 

@@ -23,10 +23,8 @@ is overdue (a tool that runs far longer than usual, a build, a crawl; or a user 
 more: the blocks only overdue sessions hold are ``UNKNOWN``, ranked as if no session held them, so neither a
 slow session nor an abandoned one keeps its blocks over those of requests without a session.
 
-Among ``PAUSED`` blocks, the one needed latest goes first: a block is needed when the first of the paused
-sessions holding it is expected back (:meth:`SessionTable.expected_back`), so a cache too small for every paused
-session keeps those that return soonest, as the offline optimum would with the expected returns for the real
-ones.
+A cache too small for every paused session keeps those expected back soonest (:meth:`SessionTable.expected_back`),
+as the offline optimum would with the real returns (``eviction.SessionAware``).
 
 Torch-free and keyed on block keys (ints), so the native engine's tiers, cachesvc's tiers and ``kvmesh sim``
 share it; not thread-safe (one owner each, like the eviction queue). Every method that changes marks returns the
@@ -36,8 +34,6 @@ blocks whose mark changed, for the cache to rank again.
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
 import math
 import statistics
 from collections import Counter, deque
@@ -76,7 +72,7 @@ class Session:
     paused_at: float | None = None
     pause_gaps: list[float] = field(default_factory=list)  # its own pauses: tool call -> next request
     announced_s: float = 0.0  # the current pause's length as the client announced it (0: none; its cadence)
-    pause_id: int = 0         # names the current pause (0: not paused): what its ``_due`` entries are checked on
+    due: float = math.inf     # when it is expected back (paused; a request of it waiting to run: then)
     demoted: bool = False     # the current pause let its blocks move down the tiers (they rank as LIVE)
 
     @property
@@ -97,10 +93,6 @@ class SessionTable:
         self._paused: Counter[int] = Counter()  # block -> paused sessions holding it
         self._demoted: Counter[int] = Counter()  # block -> demoted (paused, KV let down the tiers) sessions holding it
         self._paused_until: dict[int, float] = {}  # block -> when its paused holders are overdue (the latest)
-        # block -> heap of (when a paused holder is expected back, its pause_id, its key); entries of pauses that
-        # are over go stale and are dropped when they surface (``expected_back``) or the heap is compacted
-        self._due: dict[int, list[tuple[float, int, str]]] = {}
-        self._pause_ids = itertools.count(1)
         self._recent: deque[float] = deque(maxlen=GLOBAL_HISTORY)  # every session's recent pauses
 
     def __len__(self) -> int:
@@ -131,19 +123,11 @@ class SessionTable:
         until = self._paused_until.get(block, -math.inf) if block is not None else -math.inf
         return until if now < until and self._held.get(block) else math.inf  # type: ignore[arg-type]
 
-    def expected_back(self, block: int | None) -> float:
-        """When the first of the paused sessions that hold ``block`` (demoted ones aside) is expected back:
-        when the block is needed next, as far as the sessions say (``inf``: no paused session holds it, or
-        none has an expected pause yet)."""
-        if block is None or (heap := self._due.get(block)) is None:
-            return math.inf
-        while heap:
-            due, pause_id, key = heap[0]
-            if self._current(pause_id, key):
-                return due
-            heapq.heappop(heap)  # that pause is over
-        del self._due[block]
-        return math.inf
+    def expected_back(self, key: str) -> float:
+        """When paused session ``key`` is expected back: its expected return, or when its next request arrived
+        (:meth:`back`); ``inf`` when it is not paused, or has no expected pause yet."""
+        s = self._sessions.get(key)
+        return s.due if s is not None and s.paused_at is not None else math.inf
 
     def holders(self, block: int) -> int:
         return self._held.get(block, 0)
@@ -196,7 +180,7 @@ class SessionTable:
         if s.paused_at is not None:
             self._unmark_pause(s, s.blocks)
         s.paused_at, s.announced_s, s.demoted = now, expected_s, demote
-        s.pause_id = next(self._pause_ids)
+        s.due = now + self.expected_pause(s)
         self._mark_pause(s, s.blocks)
         return set(s.blocks)
 
@@ -221,7 +205,7 @@ class SessionTable:
             return set()
         changed = self.retain(key)
         self._hold_paused(s.blocks, now + OVERDUE * self.expected_pause(s))
-        self._expect(s, s.blocks, now)  # needed as soon as it runs
+        s.due = now  # needed as soon as it runs
         return changed | set(s.blocks)
 
     def release(self, key: str) -> set[int]:
@@ -280,7 +264,7 @@ class SessionTable:
             s.pause_gaps = [*s.pause_gaps[-(PAUSE_HISTORY - 1):], gap]
             self._recent.append(gap)
         self._unmark_pause(s, s.blocks)
-        s.paused_at, s.announced_s, s.demoted, s.pause_id = None, 0.0, False, 0
+        s.paused_at, s.announced_s, s.demoted, s.due = None, 0.0, False, math.inf
         return set(s.blocks)
 
     def _mark_pause(self, s: Session, blocks: Iterable[int]) -> None:
@@ -291,22 +275,6 @@ class SessionTable:
             blocks = list(blocks)
             self._paused.update(blocks)
             self._hold_paused(blocks, s.paused_at + OVERDUE * self.expected_pause(s))  # type: ignore[operator]
-            self._expect(s, blocks, s.paused_at + self.expected_pause(s))  # type: ignore[operator]
-
-    def _expect(self, s: Session, blocks: Iterable[int], due: float) -> None:
-        """Paused ``s`` is expected back at ``due`` for ``blocks``."""
-        entry = (due, s.pause_id, s.key)
-        for b in blocks:
-            heap = self._due.setdefault(b, [])
-            heapq.heappush(heap, entry)
-            if len(heap) > 2 * self._paused.get(b, 0) + 8:
-                heap[:] = [e for e in heap if self._current(e[1], e[2])]
-                heapq.heapify(heap)
-
-    def _current(self, pause_id: int, key: str) -> bool:
-        """Whether pause ``pause_id`` of session ``key`` is still going on."""
-        s = self._sessions.get(key)
-        return s is not None and s.pause_id == pause_id
 
     def _unmark_pause(self, s: Session, blocks: Iterable[int]) -> None:
         if s.demoted:
@@ -327,7 +295,6 @@ class SessionTable:
             if self._paused[b] <= 0:
                 del self._paused[b]
                 self._paused_until.pop(b, None)
-                self._due.pop(b, None)
 
     def _hold(self, s: Session, blocks: tuple[int, ...]) -> set[int]:
         """``s`` holds ``blocks`` instead of what it held; the blocks whose holders changed."""
@@ -340,11 +307,6 @@ class SessionTable:
             self._held[b] += 1
         if s.paused_at is not None:
             self._unmark_pause(s, old - new)
-            for b in old - new:  # still paused, it no longer holds these: its pause says nothing of them
-                heap = self._due.get(b)
-                if heap:
-                    heap[:] = [e for e in heap if e[2] != s.key]
-                    heapq.heapify(heap)
             self._mark_pause(s, new - old)
         s.blocks = blocks
         return old ^ new
