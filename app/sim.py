@@ -71,10 +71,12 @@ class BlockCache:
         return n
 
     def touch(self, ids: tuple[int, ...], hits: int, next_uses: tuple[float, ...] | None = None,
-              session: str = "", end: bool = False) -> None:
+              session: str = "", end: bool = False, pause: bool = False) -> None:
         """Insert ``ids`` (the first ``hits`` were cache hits) as most recently used; ``next_uses``: when each is
         used next (what ``belady`` reads); ``session``: the request's session ("" = none), ``end``: its last
-        request."""
+        request, ``pause``: its response ends in a tool call. The pause is heard before the cache makes room:
+        an engine cannot evict a running request's blocks, and once it is done they are a paused session's, so
+        they compete for the room as such (heard after it, they would go first, as a live session's)."""
         policy, items = self.strategy, self.items
         parent, parent_new = None, False
         for n, i in enumerate(ids):
@@ -96,16 +98,19 @@ class BlockCache:
             e.session_owner = owner_after(e.session_owner, session)
             parent, parent_new = i, new
         if session and self.sessions is not None:
-            self._rerank(self.sessions.request(session, ids, self.clock, end))
+            changed = self.sessions.request(session, ids, self.clock, end)
+            if pause and not end:
+                changed |= self.sessions.pause(session, self.clock)
+            self._rerank(changed)
         for i in ids:
             self.queue.push(i, self.clock)
         while len(items) > self.capacity:
             self._evict_one()
 
-    def pause(self, session: str) -> None:
-        """``session``'s last response ended in a tool call."""
+    def pause(self, session: str, expected_s: float = 0.0) -> None:
+        """``session``'s last response ended in a tool call (``expected_s``: the pause it announced, 0 none)."""
         if session and self.sessions is not None:
-            self._rerank(self.sessions.pause(session, self.clock))
+            self._rerank(self.sessions.pause(session, self.clock, expected_s=expected_s))
 
     def _rerank(self, blocks: set[int]) -> None:
         for i in blocks:
@@ -233,17 +238,13 @@ def simulate(trace: list[TraceRequest], instances: int, policy: str, capacity_bl
         nexts = future[n] if future is not None else None
         if ledger is not None:
             ledger.now = float(n)
-        inst.cache.touch(r.hash_ids, local, nexts, r.session_id, r.session_end)
+        inst.cache.touch(r.hash_ids, local, nexts, r.session_id, r.session_end, r.pause)
         if use_pool:
-            pool.touch(r.hash_ids, pool_prefix, nexts, r.session_id, r.session_end)
+            pool.touch(r.hash_ids, pool_prefix, nexts, r.session_id, r.session_end, r.pause)
         if ledger is not None:
             ledger.stored(inst.id, r.hash_ids, n)
             if use_pool:
                 ledger.stored(POOL, r.hash_ids, n)
-        if r.pause:
-            inst.cache.pause(r.session_id)
-            if use_pool:
-                pool.pause(r.session_id)
         served_blocks += min(hit_blocks, len(r.hash_ids))
         total_blocks += len(r.hash_ids)
         if n >= half:

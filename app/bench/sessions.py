@@ -83,6 +83,29 @@ def measure(trace: list[TraceRequest], capacity: int) -> dict[str, dict[str, flo
     return out
 
 
+def capacity_table(hits: dict[str, dict[str, float]], title: str) -> str:
+    """One capacity's table of :func:`measure`'s hit rates, with the share of the LRU→Belady gap each
+    session-aware strategy closes per column."""
+    lru, opt = hits[Eviction.LRU]["*"], hits[Eviction.BELADY]["*"]
+    rows = []
+    for name, cells in hits.items():
+        if "*" in cells:
+            rows.append(f"| {name} | " + " | ".join([_pct(cells["*"])] * 3) + " | |")
+        else:
+            rows.append(f"| {name} | " + " | ".join(_pct(cells[f"{s:g}"]) for s in SHARES)
+                        + f" | {_pct(cells['0.5 named'])} |")
+    for name in SESSION_AWARE:
+        rows.append(f"| gap closed, {name} | " + " | ".join(
+            f"{gap_closed(hits[name][f'{s:g}'], lru, opt) * 100:.0f}%" if opt > lru else "-" for s in SHARES) + " | |")
+    return (f"{title}:\n\n| eviction | all ends signalled | half | none | half, named |\n|---|---|---|---|---|\n"
+            + "\n".join(rows) + "\n")
+
+
+def gap_closed(hit: float, lru: float, belady: float) -> float:
+    """The share of the LRU→Belady gap a hit rate closes."""
+    return (hit - lru) / (belady - lru)
+
+
 def table(trace_path: str, capacities: list[int], max_requests: int | None = None) -> str:
     trace = load_trace(trace_path, max_requests)
     sessions = with_sessions(trace)
@@ -93,24 +116,10 @@ def table(trace_path: str, capacities: list[int], max_requests: int | None = Non
     head = (f"{len(trace):,} requests, {len(turns):,} sessions ({multi:,} with more than one request{rebuilt}), "
             f"{sum(r.pause for r in sessions):,} tool-call pauses. Block hit rate of one cache; the columns say "
             "which share of the sessions' clients signal their end (the others' requests carry no session id; "
-            "`0.5 named`: they carry it, and pauses, but never an end). Gap closed: (hit - lru) / (belady - lru), "
-            "for the best session-aware strategy.\n")
+            "`0.5 named`: they carry it, and pauses, but never an end). Gap closed: (hit - lru) / (belady - lru).\n")
     parts = [head]
     for cap in capacities:
-        hits = measure(trace, cap)
-        lru, opt = hits[Eviction.LRU]["*"], hits[Eviction.BELADY]["*"]
-        rows = []
-        for name, cells in hits.items():
-            if "*" in cells:
-                rows.append(f"| {name} | " + " | ".join([_pct(cells["*"])] * 3) + " | |")
-            else:
-                rows.append(f"| {name} | " + " | ".join(_pct(cells[f"{s:g}"]) for s in SHARES)
-                            + f" | {_pct(cells['0.5 named'])} |")
-        best = {f"{s:g}": max(hits[n][f"{s:g}"] for n in SESSION_AWARE) for s in SHARES}
-        gap = " | ".join(f"{(best[f'{s:g}'] - lru) / (opt - lru) * 100:.0f}%" if opt > lru else "-"
-                         for s in SHARES)
-        parts.append(f"{cap:,} blocks:\n\n| eviction | all ends signalled | half | none | half, named |\n"
-                     "|---|---|---|---|---|\n" + "\n".join(rows) + f"\n| gap closed | {gap} | |\n")
+        parts.append(capacity_table(measure(trace, cap), f"{cap:,} blocks"))
     parts.append(f"Took {time.monotonic() - t0:.0f} s; load average {load0} at the start, {load_average()} at "
                  "the end (the figures do not depend on it).")
     return "\n".join(parts)

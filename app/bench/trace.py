@@ -3,8 +3,9 @@
 
 Optional session fields (kvmesh's, read where present): ``session_id`` (a string: the conversation or agent task
 the request belongs to), ``session_end`` (true on a session's last request: the client says it is over) and
-``pause`` (true when the response ends in a tool call: the session is back after the tool runs). A trace without
-session ids (Mooncake's) gets them rebuilt from its prefix chains (:func:`rebuild_sessions`).
+``pause`` (true when the response ends in a tool call: the session is back after the tool runs) and
+``parent_session_id`` (a sub-agent's request: the session it was forked from, whose context it starts with). A trace
+without session ids (Mooncake's) gets them rebuilt from its prefix chains (:func:`rebuild_sessions`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class TraceRequest:
     session_id: str = ""
     session_end: bool = False
     pause: bool = False
+    parent_session_id: str = ""
 
 
 def load_trace(path: str | Path, max_requests: int | None = None) -> list[TraceRequest]:
@@ -41,12 +43,13 @@ def load_trace(path: str | Path, max_requests: int | None = None) -> list[TraceR
                 continue
             d = json.loads(line)
             try:
-                session = d.get("session_id", "")
-                if not isinstance(session, str):
-                    raise TypeError(f"session_id must be a string, not {session!r}")
+                session, parent = d.get("session_id", ""), d.get("parent_session_id", "")
+                for name, value in (("session_id", session), ("parent_session_id", parent)):
+                    if not isinstance(value, str):
+                        raise TypeError(f"{name} must be a string, not {value!r}")
                 out.append(TraceRequest(d["timestamp"] / 1000.0, int(d["input_length"]), int(d["output_length"]),
                                         tuple(d["hash_ids"]), session, bool(d.get("session_end", False)),
-                                        bool(d.get("pause", False))))
+                                        bool(d.get("pause", False)), parent))
             except (KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{n + 1}: not a Mooncake trace line ({e})") from None
     return out
@@ -64,6 +67,8 @@ def dump_trace(trace: list[TraceRequest], path: str | Path) -> None:
                 d["session_end"] = True
             if r.pause:
                 d["pause"] = True
+            if r.parent_session_id:
+                d["parent_session_id"] = r.parent_session_id
             f.write(json.dumps(d) + "\n")
 
 
@@ -124,7 +129,8 @@ def with_sessions(trace: list[TraceRequest], end_share: float = 1.0, unsignalled
         elif unsignalled == "named":
             out.append(dataclasses.replace(r, session_end=False))
         else:
-            out.append(dataclasses.replace(r, session_id="", session_end=False, pause=False))
+            out.append(dataclasses.replace(r, session_id="", session_end=False, pause=False,
+                                           parent_session_id=""))
     return out
 
 

@@ -85,6 +85,16 @@ def test_a_paused_sessions_blocks_outrank_live_ones_until_it_is_overdue():
     assert q.pop(22.0) is paused  # overdue (past twice its expected pause): ranked by its age again
 
 
+def test_an_overdue_pause_says_nothing_more_but_a_live_holder_still_does():
+    t = SessionTable(default_pause_s=10.0)
+    t.request("t/a", [0, 1], 0.0)
+    t.request("t/b", [0, 2], 0.0)
+    t.pause("t/a", 0.0)
+    assert t.mark(1, "t/a", 5.0) is Mark.PAUSED and t.mark_drops_at(1, 5.0) == 20.0
+    assert t.mark(1, "t/a", 21.0) is Mark.UNKNOWN  # twice its expected pause gone by: slow, or gone
+    assert t.mark(0, SHARED, 21.0) is Mark.LIVE  # b, which is not paused, still holds the shared block
+
+
 def test_a_session_learns_its_own_pause_length():
     t = SessionTable(default_pause_s=100.0)
     t.request("t/a", [1], 0.0)
@@ -214,7 +224,7 @@ def test_a_pause_heard_before_the_write_back_is_kept_and_a_write_back_does_not_e
     t.request("t/a", [1, 2], 0.5, resume=False)
     assert t.get("t/a").paused and t.mark(1, "t/a", 1.0) is Mark.PAUSED
     t.pause("t/a", 30.0)  # paused again later: held afresh from then
-    assert t.mark(1, "t/a", 40.0) is Mark.PAUSED and t.mark(1, "t/a", 51.0) is Mark.LIVE
+    assert t.mark(1, "t/a", 40.0) is Mark.PAUSED and t.mark(1, "t/a", 51.0) is Mark.UNKNOWN
 
 
 def test_every_eviction_the_sim_lists_runs_with_a_session_end_share(tmp_path, capsys):
@@ -236,7 +246,7 @@ def test_an_announced_pause_sets_the_expected_return_until_the_session_is_back()
     t.request("t/a", [1], 0.0)
     t.signal("t/a", SessionEvent.PAUSE, 0.0, expected_s=7.0)
     assert t.expected_return("t/a") == 7.0
-    assert t.mark(1, "t/a", 13.0) == Mark.PAUSED and t.mark(1, "t/a", 15.0) == Mark.LIVE  # overdue past 2 x 7
+    assert t.mark(1, "t/a", 13.0) == Mark.PAUSED and t.mark(1, "t/a", 15.0) == Mark.UNKNOWN  # overdue past 2 x 7
     t.request("t/a", [1, 2], 5.0)  # back: its cadence learns the 5 s it really took
     t.pause("t/a", 10.0)
     assert t.expected_return("t/a") == 15.0
@@ -276,6 +286,79 @@ def test_a_paused_sessions_request_waiting_to_run_keeps_its_blocks_as_paused():
     t.signal("t/a", SessionEvent.DEMOTE, 0.0)
     assert t.mark(1, "t/a", 1.0) == Mark.UNKNOWN
     assert t.back("t/a", 10.0) == {1, 2}  # overdue long ago, and demoted: kept again while its request waits
-    assert t.mark(1, "t/a", 10.5) == Mark.PAUSED and t.mark(1, "t/a", 14.5) == Mark.LIVE
+    assert t.mark(1, "t/a", 10.5) == Mark.PAUSED and t.mark(1, "t/a", 14.5) == Mark.UNKNOWN
     t.request("t/a", [1, 2, 3], 11.0)
     assert t.get("t/a").pause_gaps == [11.0] and t.back("t/a", 12.0) == set()  # not paused: nothing to keep
+
+
+def test_the_sim_hears_a_requests_pause_before_making_room_for_it():
+    # b is back in 100; a's request ends in a tool call and a is back in 10: as a paused session's, a's blocks
+    # stay and b's goes (heard after making room, a's would have gone first, as a live session's)
+    c = BlockCache(3, "session")
+    c.sessions.default_pause_s = 10.0  # the clock counts block accesses
+    c.touch((10,), 0, session="b")
+    c.pause("b", expected_s=100.0)
+    c.touch((1, 2, 3), 0, session="a", pause=True)
+    assert c.prefix((1, 2, 3)) == 3 and c.prefix((10,)) == 0
+
+
+def test_simulate_tells_each_cache_of_the_requests_pause():
+    # a pauses; a request without a session needs room: a's prefix stays (LRU breaks it) and a's return hits it
+    trace = [TraceRequest(0, 1000, 5, (1, 2), "a", pause=True), TraceRequest(1, 1500, 5, (3, 4, 5)),
+             TraceRequest(2, 1500, 5, (1, 2, 6), "a", session_end=True)]
+    hits = {name: simulate(trace, 1, "round_robin", 4, 0, eviction=name)["hit_rate"] for name in ("lru", "session")}
+    assert hits == {"lru": 0.0, "session": 2 / 8}
+
+
+# ---- among paused sessions: the one expected back last goes first ----------------------------------------------
+
+def test_among_paused_sessions_the_block_needed_last_goes_first_even_when_more_recent():
+    # a waits on quick tools (its pauses: 2 s), b on slow ones (30 s); paused together, b is back last, so its
+    # block goes first although a's was used longer ago (LRU would take a's)
+    p = SessionAware(sessions=SessionTable(default_pause_s=10.0))
+    t = p.sessions
+    for key, block, gap in (("t/a", 1, 2.0), ("t/b", 2, 30.0)):
+        t.request(key, [block], 0.0)
+        t.pause(key, 0.0)
+        t.request(key, [block], gap)
+    t.pause("t/a", 31.0)
+    t.pause("t/b", 31.0)
+    assert t.expected_back("t/a") == 33.0 and t.expected_back("t/b") == 61.0
+    assert ranked(p, [Blk(1, 2.0, "t/a"), Blk(2, 30.0, "t/b")], 32.0) == [2, 1]
+
+
+def test_a_block_several_sessions_used_outlasts_every_paused_sessions_own_blocks():
+    # whichever of a and b is back first reads block 0, and so may the next session to start with it
+    p = SessionAware(sessions=SessionTable(default_pause_s=10.0))
+    t = p.sessions
+    t.request("t/a", [0, 1], 0.0)
+    t.request("t/b", [0, 2], 0.0)
+    t.pause("t/a", 0.0, expected_s=5.0)
+    t.pause("t/b", 1.0, expected_s=50.0)
+    blocks = [Blk(0, 0.0, SHARED), Blk(1, 1.0, "t/a"), Blk(2, 1.0, "t/b")]
+    assert ranked(p, blocks, 2.0) == [2, 1, 0]  # b is back last, then a; the block both read goes last
+    blocks[0].session_owner = "t/a"  # evicted and brought back by a: one session used this copy, both hold it
+    assert ranked(p, blocks, 2.0) == [2, 1, 0]
+
+
+def test_a_paused_session_is_expected_back_after_its_pause_or_as_soon_as_its_request_arrived():
+    t = SessionTable(default_pause_s=10.0)
+    t.request("t/a", [1], 0.0)
+    assert t.expected_back("t/a") == math.inf  # not paused
+    t.pause("t/a", 2.0)
+    assert t.expected_back("t/a") == 12.0
+    t.back("t/a", 5.0)  # its next request waits to run: needed now
+    assert t.expected_back("t/a") == 5.0
+    t.request("t/a", [1, 2], 6.0)
+    assert t.expected_back("t/a") == math.inf and t.expected_back("t/nobody") == math.inf
+
+
+def test_the_sim_cache_keeps_the_paused_session_expected_back_first():
+    c = BlockCache(3, "session")
+    c.sessions.default_pause_s = 10.0  # the clock counts block accesses
+    c.touch((1, 2), 0, session="a")
+    c.pause("a", expected_s=50.0)  # back at 52
+    c.touch((3,), 0, session="b")
+    c.pause("b", expected_s=20.0)  # back at 23
+    c.touch((5,), 0, session="c", pause=True)  # back at 14; a, back last, loses its chain's tail
+    assert (c.prefix((1, 2)), c.prefix((3,)), c.prefix((5,))) == (1, 1, 1)

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from kvmesh.contracts.names import Eviction
 from kvmesh.engine.eviction_queue import EvictionQueue
-from kvmesh.engine.sessions import SessionTable
+from kvmesh.engine.sessions import SHARED, Mark, SessionTable
 
 
 class Evictable(Protocol):
@@ -302,10 +302,14 @@ class SessionAware(Policy):
     """What the clients said about their sessions first, then ``base`` (LRU): a block under a retention hint
     (a TTL pin) outranks every block with a lower one until it expires; then a block held by a paused session
     (waiting on a tool, and not overdue) outranks one held by a live session, which outranks one no session
-    holds (shared, or of requests without a session), which outranks one whose one session ended or moved past
-    it (``kvmesh.engine.sessions.Mark``); within a mark, a
-    block that has another copy in the cluster goes before the last copy of anything. Without any signal the
-    order is ``base``'s.
+    speaks for (shared, of requests without a session, or held only by overdue paused sessions), which outranks
+    one whose one session ended or moved past it (``kvmesh.engine.sessions.Mark``); within a mark, a block that
+    has another copy in the cluster goes before the last copy of anything. Among paused sessions' blocks, those
+    of one session alone go first, the session expected back last first (``SessionTable.expected_back``) and a
+    chain's tail before its head (a block is of use only with its whole chain in front of it); a block several
+    sessions hold or used (a preamble, a parent's context its sub-agents read) goes after all of those, since
+    whichever of them comes first needs it, and so may the next session to start with it. Without any signal
+    the order is ``base``'s.
 
     ``sessions`` is the cache's :class:`~kvmesh.engine.sessions.SessionTable`: the cache tells it of every
     session's requests, pauses and ends, and ranks again the blocks whose mark changed (the table returns them).
@@ -330,8 +334,15 @@ class SessionAware(Policy):
 
     def sort_key(self, item: Evictable, now: float) -> tuple:
         retained = item.priority if now < item.priority_until else 0
-        mark = self.sessions.mark(getattr(item, "key", None), getattr(item, "session_owner", ""), now)
-        return (retained, int(mark), not getattr(item, "replicated", False), *self.base.sort_key(item, now))
+        key, owner = getattr(item, "key", None), getattr(item, "session_owner", "")
+        mark = self.sessions.mark(key, owner, now)
+        later, depth = 0.0, 0
+        if mark is Mark.PAUSED and owner and owner != SHARED and self.sessions.holders(key) <= 1:
+            later, depth = -self.sessions.expected_back(owner), -_depth(item)  # one session's: back last, tail first
+        elif mark is Mark.PAUSED:  # read by several sessions (and the next to start may): after all of those
+            later = math.inf
+        return (retained, int(mark), not getattr(item, "replicated", False), later, depth,
+                *self.base.sort_key(item, now))
 
     def on_hit(self, item: Evictable, now: float) -> None:
         self.base.on_hit(item, now)

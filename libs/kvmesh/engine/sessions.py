@@ -18,8 +18,13 @@ raising their mark: held by it alone they are ``UNKNOWN``, free to move down the
 them back for its return (``retain``: from then on they are ``PAUSED``).
 
 A paused session's blocks are ``PAUSED`` until it is overdue: twice its expected pause after the tool call (its
-own median pause, else the median of every session's recent pauses, else ``default_pause_s``); a tool that runs
-far longer than usual (a build, a crawl) leaves its session merely ``LIVE``.
+own median pause, else the median of every session's recent pauses, else ``default_pause_s``). A session that
+is overdue (a tool that runs far longer than usual, a build, a crawl; or a user who walked away) says nothing
+more: the blocks only overdue sessions hold are ``UNKNOWN``, ranked as if no session held them, so neither a
+slow session nor an abandoned one keeps its blocks over those of requests without a session.
+
+A cache too small for every paused session keeps those expected back soonest (:meth:`SessionTable.expected_back`),
+as the offline optimum would with the real returns (``eviction.SessionAware``).
 
 Torch-free and keyed on block keys (ints), so the native engine's tiers, cachesvc's tiers and ``kvmesh sim``
 share it; not thread-safe (one owner each, like the eviction queue). Every method that changes marks returns the
@@ -54,7 +59,7 @@ class Mark(enum.IntEnum):
     """What the sessions say about a block; a lower mark is evicted first."""
 
     RELEASED = 0  # sessions used it; none holds it now (ended, or moved past it)
-    UNKNOWN = 1   # no session ever held it: ranked as without sessions
+    UNKNOWN = 1   # no session speaks for it (none held it; only overdue or demoted ones hold it): as without
     LIVE = 2      # a live session holds it
     PAUSED = 3    # a paused session holds it: it will be back after its tool runs
 
@@ -67,6 +72,7 @@ class Session:
     paused_at: float | None = None
     pause_gaps: list[float] = field(default_factory=list)  # its own pauses: tool call -> next request
     announced_s: float = 0.0  # the current pause's length as the client announced it (0: none; its cadence)
+    due: float = math.inf     # when it is expected back (paused; a request of it waiting to run: then)
     demoted: bool = False     # the current pause let its blocks move down the tiers (they rank as LIVE)
 
     @property
@@ -101,8 +107,13 @@ class SessionTable:
     def mark(self, block: int | None, owner: str, now: float) -> Mark:
         """The mark of ``block`` at ``now``; ``owner``: its ``session_owner``."""
         held = self._held.get(block, 0) if block is not None else 0
-        if held > self._demoted.get(block, 0):  # type: ignore[arg-type]
-            return Mark.PAUSED if now < self._paused_until.get(block, -math.inf) else Mark.LIVE  # type: ignore[arg-type]
+        demoted = self._demoted.get(block, 0)  # type: ignore[arg-type]
+        if held > demoted:
+            if now < self._paused_until.get(block, -math.inf):  # type: ignore[arg-type]
+                return Mark.PAUSED
+            if held > demoted + self._paused.get(block, 0):  # type: ignore[arg-type]
+                return Mark.LIVE  # a session that is not paused holds it
+            return Mark.UNKNOWN  # only overdue paused sessions hold it: slow or gone, they say nothing more
         if held:  # only demoted sessions hold it: ranked as if none did, until they are about to return
             return Mark.UNKNOWN
         return Mark.RELEASED if owner and owner != SHARED else Mark.UNKNOWN
@@ -111,6 +122,12 @@ class SessionTable:
         """When ``block``'s mark falls by itself (its paused holders become overdue); ``inf``: never."""
         until = self._paused_until.get(block, -math.inf) if block is not None else -math.inf
         return until if now < until and self._held.get(block) else math.inf  # type: ignore[arg-type]
+
+    def expected_back(self, key: str) -> float:
+        """When paused session ``key`` is expected back: its expected return, or when its next request arrived
+        (:meth:`back`); ``inf`` when it is not paused, or has no expected pause yet."""
+        s = self._sessions.get(key)
+        return s.due if s is not None and s.paused_at is not None else math.inf
 
     def holders(self, block: int) -> int:
         return self._held.get(block, 0)
@@ -163,6 +180,7 @@ class SessionTable:
         if s.paused_at is not None:
             self._unmark_pause(s, s.blocks)
         s.paused_at, s.announced_s, s.demoted = now, expected_s, demote
+        s.due = now + self.expected_pause(s)
         self._mark_pause(s, s.blocks)
         return set(s.blocks)
 
@@ -187,6 +205,7 @@ class SessionTable:
             return set()
         changed = self.retain(key)
         self._hold_paused(s.blocks, now + OVERDUE * self.expected_pause(s))
+        s.due = now  # needed as soon as it runs
         return changed | set(s.blocks)
 
     def release(self, key: str) -> set[int]:
@@ -245,7 +264,7 @@ class SessionTable:
             s.pause_gaps = [*s.pause_gaps[-(PAUSE_HISTORY - 1):], gap]
             self._recent.append(gap)
         self._unmark_pause(s, s.blocks)
-        s.paused_at, s.announced_s, s.demoted = None, 0.0, False
+        s.paused_at, s.announced_s, s.demoted, s.due = None, 0.0, False, math.inf
         return set(s.blocks)
 
     def _mark_pause(self, s: Session, blocks: Iterable[int]) -> None:
