@@ -337,7 +337,7 @@ class SessionAware(Policy):
         key, owner = getattr(item, "key", None), getattr(item, "session_owner", "")
         mark = self.sessions.mark(key, owner, now)
         later, depth = 0.0, 0
-        if mark is Mark.PAUSED and owner and owner != SHARED and self.sessions.holders(key) <= 1:
+        if mark is Mark.PAUSED and owner and owner != SHARED and (key is None or self.sessions.holders(key) <= 1):
             later, depth = -self.sessions.expected_back(owner), -_depth(item)  # one session's: back last, tail first
         elif mark is Mark.PAUSED:  # read by several sessions (and the next to start may): after all of those
             later = math.inf
