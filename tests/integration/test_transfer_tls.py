@@ -65,9 +65,11 @@ def test_a_push_over_tls_arrives_bit_exact(member, backend: str) -> None:
     run(scenario())
 
 
-def test_parts_land_in_place_over_tls_bit_exact(member) -> None:
-    """Under TLS the payload is decrypted straight into each reserved view in turn (no recvmsg_into scatter)."""
-    layout = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 8 KiB per view
+@pytest.mark.parametrize("block_size", [16, 256])  # a 96 KiB push, a 1.5 MiB one (many staging buffers)
+def test_parts_land_in_place_over_tls_bit_exact(member, block_size: int) -> None:
+    """Under TLS the payload is decrypted into a staging buffer and copied into each reserved view (no
+    recvmsg_into scatter)."""
+    layout = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=64, block_size=block_size)
     pool, sent, reserved = DeviceKVPool(layout, 8), make_blocks(layout, n=3), [6, 1, 4]
 
     async def scenario() -> None:
@@ -76,7 +78,7 @@ def test_parts_land_in_place_over_tls_bit_exact(member) -> None:
             token = server.grant("r@", 0, 3, timeout_s=30.0).token
             k, v = pool.landing_arrays()
             server.land("r@", land := Landing(k, v, reserved, 0))
-            await client.push(server.address, "r@p#0", layout, block_bytes(sent), [], 48, token=token)
+            await client.push(server.address, "r@p#0", layout, block_bytes(sent), [], 3 * block_size, token=token)
             got = await server.take("r@p#0", timeout=5)
             assert got.landed and land.landed_bytes == sent.numel() * sent.element_size()
 
