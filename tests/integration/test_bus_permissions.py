@@ -148,3 +148,53 @@ def test_the_permissions_of_one_instance_name_no_other_instance():
             if other.instance != who.instance:
                 assert not [s for s in perms.publish + perms.subscribe if other.instance in s.split(".")], (who, other)
 
+
+
+def test_a_member_configured_for_tls_sends_nothing_to_a_server_that_does_not_ask_for_it(mesh, nats_server):
+    """A plain-text server on the mesh's address (a misconfiguration or an impostor): the member's CONNECT, and
+    any message, would go in clear; it is refused before anything is sent, saying why."""
+    ca, _ = mesh
+    files = ca.issue(Identity(MeshRole.DECODE, "decode-0"))
+    cfg = SharedSettings(**{k.removeprefix("KVMESH_").lower(): v for k, v in files.env().items()})
+    with pytest.raises(ConnectionError, match="did not ask for TLS"):
+        run(Bus.connect(nats_server.url, "decode-0", tls=tls.bus_tls(cfg), connect_timeout_s=2.0))
+
+
+def test_nothing_reaches_a_listener_that_answers_with_a_plain_text_info(mesh):
+    """What the refusal leaves unsent: a listener that speaks NATS's INFO without ``tls_required`` and records
+    every byte the member sends after it."""
+    import json
+    import socket
+    import threading
+
+    ca, _ = mesh
+    files = ca.issue(Identity(MeshRole.DECODE, "decode-0"))
+    cfg = SharedSettings(**{k.removeprefix("KVMESH_").lower(): v for k, v in files.env().items()})
+    listener = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def serve() -> None:
+        listener.settimeout(5)
+        try:
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    info = {"server_id": "x", "version": "2.10.0", "max_payload": 1048576, "auth_required": True}
+                    conn.sendall(b"INFO " + json.dumps(info).encode() + b"\r\n")
+                    conn.settimeout(0.5)
+                    try:
+                        while chunk := conn.recv(4096):
+                            received.append(chunk)
+                    except OSError:
+                        pass
+        except OSError:
+            return
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"nats://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(ConnectionError, match="did not ask for TLS"):
+            run(Bus.connect(url, "decode-0", tls=tls.bus_tls(cfg), connect_timeout_s=2.0))
+    finally:
+        listener.close()
+    assert received == []

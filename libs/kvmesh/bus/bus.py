@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
+import inspect
 import logging
 import re
 import ssl
@@ -30,6 +32,31 @@ _STREAM_NAME_IN_USE = 10058  # JetStream API error code
 
 Handler = Callable[[Message, dict[str, str]], Awaitable[None]]
 EventsHandler = Callable[[KVEventBatch, dict[str, str]], Awaitable[None]]
+
+
+class _Client(Client):
+    """nats-py's client that, with TLS configured, refuses a server whose INFO does not require TLS, before
+    anything is sent: nats-py upgrades to TLS only when the server asks, and would otherwise send CONNECT (a
+    password, if any) and every message in clear to whatever answered on the address. Rides on nats-py's
+    ``_process_info`` (2.16), called with ``initial_connection=True`` for the INFO of every (re)connect, before
+    the TLS upgrade and CONNECT; its signature is checked at import."""
+
+    require_tls = False
+    refused = ""  # why the last connect was refused ("" = none was)
+
+    async def _process_info(self, info: dict[str, object], initial_connection: bool = False) -> None:
+        if initial_connection and self.require_tls and not info.get("tls_required"):
+            self.refused = ("the NATS server did not ask for TLS, and this process is configured for it (mesh "
+                            "TLS): nothing was sent to it; enable TLS on the server (`tls {...}` with "
+                            "`verify_and_map`, as `kvmesh up` and docker/nats.conf's mesh setup do) or point "
+                            "nats_url at the one that has it")
+            raise nats.errors.Error(self.refused)
+        await super()._process_info(info, initial_connection)
+
+
+if "initial_connection" not in inspect.signature(Client._process_info).parameters:  # pragma: no cover
+    raise ImportError(f"kvmesh.bus needs nats-py's Client._process_info(info, initial_connection) (2.16); "
+                      f"nats-py {importlib.metadata.version('nats-py')} has none: install nats-py 2.16")
 
 
 @dataclass(frozen=True)
@@ -117,7 +144,8 @@ class Bus:
         async def on_closed() -> None:
             log.info("nats %s: connection closed", name)
 
-        nc = Client()
+        nc = _Client()
+        nc.require_tls = tls is not None
         secure: dict[str, object] = {}
         if tls is not None:
             secure = {"tls": tls.context, "tls_hostname": tls.server_name or None}
@@ -134,6 +162,8 @@ class Bus:
         except TimeoutError:
             with contextlib.suppress(Exception):
                 await nc.close()
+            if nc.refused:
+                raise ConnectionError(f"NATS at {redact(url)}: {nc.refused}") from None
             raise ConnectionError(f"cannot reach NATS at {redact(url)} within {connect_timeout_s}s") from None
         log.info("nats %s: connected to %s", name, redact(url))
         return cls(nc)
