@@ -373,3 +373,26 @@ def test_a_grant_for_no_block_says_what_to_fix(nats_server):
             assert "num_blocks must be > 0" in err.value.details()
 
     run(body())
+
+
+def test_a_session_write_back_in_several_puts_names_the_session_in_each(nats_server, monkeypatch):
+    """A write-back larger than one call is several PutBlocks: each names the session and its context (the pool
+    makes room before each put, and blocks an earlier put stored under no session would be nobody's, so the next
+    put's first victims); only the last ends it."""
+    from kvmesh.contracts.engine import SessionHint
+    from kvmesh.instance import pool_client
+
+    monkeypatch.setattr(pool_client, "MAX_MESSAGE_BYTES", 4 * LAYOUT.block_nbytes)  # 2 blocks a call
+
+    async def body() -> None:
+        async with Mesh(nats_server.url, pool_eviction="session") as mesh:
+            writer = await mesh.instance()
+            writes = recorded(writer, mesh.server.address)
+            session = SessionHint("t/agent", end=True)
+            assert await writer.write_back(KEYS, block_bytes(make_blocks(len(KEYS))), session=session) == 6
+            puts = [req for req, _ in writes.of("PutBlocks")]
+            assert [len(p.block_keys) for p in puts] == [2, 2, 2]
+            assert all(p.session_key == "t/agent" and list(p.session_blocks) == KEYS for p in puts)
+            assert [p.session_end for p in puts] == [False, False, True]
+
+    run(body())

@@ -101,3 +101,18 @@ def test_a_move_between_an_instances_own_tiers_tells_nobody():
     move = batch("a", 2, BlockRemoved((1,), "device"), BlockStored((1,), None, 16, "host"))
     index.apply(move)
     assert not tracker.after_batch(move)
+
+
+def test_a_paused_sessions_write_back_in_two_puts_keeps_the_first_puts_blocks():
+    """The first put's blocks, which the instance also holds (replicated), are not the second put's victims when
+    both puts name the session; stored under no session they would be (the defect a vLLM instance's write-backs
+    showed: a paused session's pool copy cut to its first blocks)."""
+    for first_session, survivors in (("t/agent", [1, 2, 3]), ("", [1])):
+        pool = session_pool(6)
+        put(pool, 10, 11, 12)  # older blocks of no session, not held elsewhere
+        pool.session_signal("t/agent", SessionEvent.PAUSE, 60.0)
+        context = [1, 2, 3, 4, 5] if first_session else []
+        pool.put(LAYOUT, *blocks(1, 2, 3), session=first_session, session_blocks=context)
+        pool.mark_replicated([1, 2, 3], [])  # the instance that wrote them holds them too
+        pool.put(LAYOUT, *blocks(4, 5), session="t/agent", session_blocks=[1, 2, 3, 4, 5])
+        assert held(pool, 1, 2, 3) == survivors, first_session

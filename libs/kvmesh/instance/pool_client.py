@@ -73,7 +73,10 @@ class PoolClient:
         """Store the blocks the pool does not have from us yet (``data``: the bytes of ``keys``' blocks, whole,
         in wire order); returns how many were sent. ``metadata``: gRPC call metadata (the trace context).
         ``session``: the request's, which holds ``context`` (its blocks in order; default ``keys``) in the
-        pool's tiers now: the last call says so, and one call without blocks does when none is left to send."""
+        pool's tiers now: every call says so (a write-back of more blocks than one call carries is several
+        puts, and each put makes room first: blocks an earlier call stored under no session would rank as
+        nobody's and could be the next call's victims), the last one ending the session when ``session.end``;
+        one call without blocks says so when none is left to send."""
         todo = [i for i, k in enumerate(keys) if k not in self._written]
         per_call = max(1, MAX_MESSAGE_BYTES // 2 // self.block_nbytes)
         nb = self.block_nbytes
@@ -81,8 +84,8 @@ class PoolClient:
         for start in starts:
             idx = todo[start:start + per_call]
             request = cache_pb2.PutBlocksRequest(layout=self.proto_layout, block_keys=[keys[i] for i in idx])
-            if session is not None and start == starts[-1]:
-                request.session_key, request.session_end = session.key, session.end
+            if session is not None:
+                request.session_key, request.session_end = session.key, session.end and start == starts[-1]
                 request.session_blocks.extend(context if context is not None else keys)
             if idx:  # else only the session's word
                 chunk = _gather(data, idx, nb)
