@@ -198,3 +198,11 @@ def test_nothing_reaches_a_listener_that_answers_with_a_plain_text_info(mesh):
     finally:
         listener.close()
     assert received == []
+
+
+def test_tls_is_required_of_a_certificate_members_server_not_of_a_password_one():
+    from kvmesh.bus.bus import tls_required
+
+    assert tls_required("nats://127.0.0.1:4222") and tls_required(["nats://a:4222", "nats://b:4222"])
+    assert tls_required("tls://worker:pw@nats:4222")
+    assert not tls_required("nats://worker:pw@nats:4222")  # compose / Kubernetes: password users

@@ -35,11 +35,11 @@ EventsHandler = Callable[[KVEventBatch, dict[str, str]], Awaitable[None]]
 
 
 class _Client(Client):
-    """nats-py's client that, with TLS configured, refuses a server whose INFO does not require TLS, before
-    anything is sent: nats-py upgrades to TLS only when the server asks, and would otherwise send CONNECT (a
-    password, if any) and every message in clear to whatever answered on the address. Rides on nats-py's
-    ``_process_info`` (2.16), called with ``initial_connection=True`` for the INFO of every (re)connect, before
-    the TLS upgrade and CONNECT; its signature is checked at import."""
+    """nats-py's client that, when told to require TLS, refuses a server whose INFO does not ask for it, before
+    anything is sent: nats-py upgrades to TLS only when the server asks, and would otherwise send CONNECT and
+    every message in clear to whatever answered on the address. Rides on nats-py's ``_process_info`` (2.16),
+    called with ``initial_connection=True`` for the INFO of every (re)connect, before the TLS upgrade and
+    CONNECT; its signature is checked at import."""
 
     require_tls = False
     refused = ""  # why the last connect was refused ("" = none was)
@@ -90,6 +90,15 @@ def from_its_sender(subject: str, msg: Message) -> bool:
         case ["pool", "events"]:
             return isinstance(msg, KVEventBatch) and msg.instance_id == POOL_EVENTS_SENDER
     return True
+
+
+def tls_required(url: str | list[str]) -> bool:
+    """Whether a member with mesh TLS must refuse a NATS server that does not ask for TLS: when it authenticates
+    by its certificate (no user or token in any URL: ``kvmesh up``'s servers map certificates to users) or a URL
+    says ``tls://``. A URL with a password is a server that authenticates by password, perhaps in clear (the
+    compose and Kubernetes manifests' NATS today): allowed, with a warning once connected."""
+    urls = [url] if isinstance(url, str) else url
+    return any(u.startswith("tls://") for u in urls) or not any("@" in u.split("//", 1)[-1] for u in urls)
 
 
 def redact(url: str | list[str]) -> str:
@@ -145,7 +154,7 @@ class Bus:
             log.info("nats %s: connection closed", name)
 
         nc = _Client()
-        nc.require_tls = tls is not None
+        nc.require_tls = tls is not None and tls_required(url)
         secure: dict[str, object] = {}
         if tls is not None:
             secure = {"tls": tls.context, "tls_hostname": tls.server_name or None}
@@ -166,6 +175,10 @@ class Bus:
                 raise ConnectionError(f"NATS at {redact(url)}: {nc.refused}") from None
             raise ConnectionError(f"cannot reach NATS at {redact(url)} within {connect_timeout_s}s") from None
         log.info("nats %s: connected to %s", name, redact(url))
+        if tls is not None and not nc._server_info.get("tls_required"):
+            log.warning("nats %s: %s does not ask for TLS: the password in the URL and every message travel in "
+                        "clear (enable TLS on the server: `kvmesh up` does, with a user per certificate)", name,
+                        redact(url))
         return cls(nc)
 
     # -- core NATS ---------------------------------------------------------------------------------------------
