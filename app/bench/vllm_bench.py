@@ -3,6 +3,8 @@
     kvmesh bench vllm --serving [...]   the mesh's cost over standalone `vllm serve` (app.bench.vllm_serving)
     kvmesh bench vllm --routing [...]   routing from vLLM's KV events vs vllm-router, sglang-router
                                         (app.bench.vllm_routing)
+    kvmesh bench vllm --sessions [...]  a paused session's KV on a vLLM instance, with the session's signals
+                                        and without (app.bench.vllm_sessions)
 
 Both need vLLM (`make vllm`) and run with the Python it is installed in.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-MODES = {"--serving": "vllm_serving", "--routing": "vllm_routing"}
+MODES = {"--serving": "vllm_serving", "--routing": "vllm_routing", "--sessions": "vllm_sessions"}
 
 
 def main(argv: list[str] | None = None) -> int:
