@@ -385,6 +385,7 @@ class CacheServer:
                                               tls=tls.transfer_client_tls(self.shared))
         self.caught_up = False
         self._last_seen: dict[str, float] = {}  # instance -> monotonic time of its last heartbeat
+        self._dropped: set[str] = set()  # instances dropped for silence, until heard again
         self._transfer_addresses: dict[str, str] = {}  # instance -> the transfer endpoint it announced
         self.bus_outage = False  # NATS was seen down and has not been seen back yet
         self._reaper: asyncio.Task[None] | None = None
@@ -535,6 +536,11 @@ class CacheServer:
 
     async def _on_heartbeat(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, Heartbeat):
+            if msg.instance_id in self._dropped:  # silent a while (a busy host, a stalled loop), not gone
+                self._dropped.discard(msg.instance_id)
+                log.warning("instance %s: heard again after it was dropped; resyncing from its snapshot",
+                            msg.instance_id)
+                self.resync.refresh([msg.instance_id])
             self._last_seen[msg.instance_id] = time.monotonic()
             if msg.transfer_address:
                 self._transfer_addresses[msg.instance_id] = msg.transfer_address
@@ -552,7 +558,8 @@ class CacheServer:
         """Drop the blocks of every instance silent for longer than ``instance_timeout_s``; end expired leases and
         write the external tier's manifest when it is due (``Pool.maintain``). While NATS is down nobody is
         dropped (no heartbeat could arrive); once it is back (reconnected), every instance gets
-        ``instance_timeout_s`` to be heard again and is asked for a snapshot (``Resync.refresh``)."""
+        ``instance_timeout_s`` to be heard again and is asked for a snapshot (``Resync.refresh``). A dropped
+        instance heard again (it was slow, not gone) is asked for its snapshot too (``_on_heartbeat``)."""
         timeout = self.cfg.instance_timeout_s
         loop = asyncio.get_running_loop()
         reconnects = self._reconnects()
@@ -572,6 +579,7 @@ class CacheServer:
                 if now - seen > timeout:
                     del self._last_seen[inst]
                     if inst in self.index.instances():
+                        self._dropped.add(inst)
                         dropped = self.index.drop_instance(inst)
                         log.warning("instance %s: no heartbeat for %.1fs; dropped its %d indexed blocks",
                                     inst, now - seen, dropped)

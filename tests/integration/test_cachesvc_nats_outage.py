@@ -66,3 +66,55 @@ def test_an_outage_longer_than_the_instance_timeout_keeps_the_index_and_a_snapsh
         run(body(), timeout_s=60)
     finally:
         nats.stop()
+
+
+def test_an_instance_silent_past_the_timeout_is_dropped_and_resynced_once_heard_again(tmp_path, cluster):  # noqa: F811
+    """A busy host or a stalled loop delays an instance's heartbeats past ``instance_timeout_s`` while NATS is up:
+    its blocks are dropped (nothing should be routed to an instance that may be gone), and when it beats again
+    cachesvc asks it for a snapshot, which brings its blocks back; without that they stayed unindexed until each
+    was stored again."""
+    subjects = Subjects(cluster)
+    nats = NatsServer(tmp_path / "nats").start()
+
+    async def current() -> tuple[int, list[tuple[int, str]]]:
+        return 1, [(k, "device") for k in KEYS]
+
+    async def body() -> None:
+        cachesvc = InProcess(nats.url, cluster, instance_timeout_s=TIMEOUT_S)
+        async with cachesvc as stub:
+            bus = await Bus.connect(nats.url, "inst", reconnect_wait_s=0.1)
+            await bus.ensure_events_stream(subjects)
+            await answer_snapshots(bus, subjects, "inst", current)
+            await bus.publish_event(subjects.kv_events("inst"), KVEventBatch("inst", 1, 0.0, (stored(KEYS),)))
+            beating = asyncio.Event()
+
+            async def beat() -> None:
+                while True:
+                    if beating.is_set():
+                        await bus.publish(subjects.heartbeat("decode", "inst"), Heartbeat(
+                            "inst", "decode", "127.0.0.1:1", "127.0.0.1:2", time.time(), InstanceLoad(), "tiny", 2))
+                    await asyncio.sleep(0.2)
+
+            task = asyncio.create_task(beat())
+
+            async def indexed() -> int:
+                reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))
+                return next((n for inst, _, n in matches(reply) if inst == "inst"), 0)
+
+            beating.set()
+            await until(lambda: _equals(indexed(), len(KEYS)))
+            beating.clear()  # silent: dropped
+            await until(lambda: _equals(indexed(), 0), timeout_s=20.0)
+            beating.set()  # heard again: its snapshot
+            await until(lambda: _equals(indexed(), len(KEYS)), timeout_s=20.0)
+            task.cancel()
+            await bus.close()
+
+    try:
+        run(body(), timeout_s=60.0)
+    finally:
+        nats.stop()
+
+
+async def _equals(value, want) -> bool:
+    return await value == want
