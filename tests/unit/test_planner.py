@@ -86,9 +86,16 @@ def test_an_itl_target_no_batch_meets_is_infeasible() -> None:
 
 
 def test_forecast_extends_a_rising_trend_and_never_predicts_a_fall() -> None:
-    assert forecast([1.0, 2.0, 3.0], ahead=2) == pytest.approx(5.0)
+    assert forecast([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], ahead=1) == pytest.approx(7.0)
     assert forecast([3.0, 2.0, 1.0], ahead=2) == 1.5  # the level: the mean of the last two windows
     assert forecast([2.0], ahead=5) == 2.0
+
+
+def test_forecast_does_not_extrapolate_a_rise_past_what_the_windows_show() -> None:
+    # the line says 5 two windows on; the windows rose by 1.5 to a level of 2.5: at most 4
+    assert forecast([1.0, 2.0, 3.0], ahead=2) == pytest.approx(4.0)
+    # a ramp that has ended: the line through it would still climb (to 8.3); the level and its rise cap it
+    assert forecast([4.0, 5.0, 6.0, 6.0, 6.0, 6.0], ahead=5) == pytest.approx(6.0 + 2.0)
 
 
 def test_plan_scales_a_pd_fleet_out_at_once_and_says_why() -> None:

@@ -102,8 +102,10 @@ class Speed:
 def forecast(rates: Sequence[float], ahead: float) -> float:
     """The request rate ``ahead`` windows after the last of ``rates`` (one per window, oldest first): a
     least-squares line through them, never below the level now (the mean of the last two windows: one window
-    is noisy) nor below 0 — a planner must not scale in on a trend, only on what it sees. Fewer than three
-    windows: the level."""
+    is noisy) nor below 0 — a planner must not scale in on a trend, only on what it sees — and never above the
+    level plus the rise the windows show (level - their least): a rise is not extrapolated past what has been
+    seen to rise, so a trend fitted over a ramp does not run on past the ramp's end. Fewer than three windows:
+    the level."""
     if not rates:
         return 0.0
     level = statistics.fmean(rates[-2:])
@@ -112,4 +114,5 @@ def forecast(rates: Sequence[float], ahead: float) -> float:
     n = len(rates)
     xm, ym = (n - 1) / 2, statistics.fmean(rates)
     slope = sum((x - xm) * (y - ym) for x, y in enumerate(rates)) / sum((x - xm) ** 2 for x in range(n))
-    return max(level, ym + slope * (n - 1 - xm + ahead), 0.0)
+    trend = ym + slope * (n - 1 - xm + ahead)
+    return max(level, min(trend, level + max(0.0, level - min(rates))), 0.0)
