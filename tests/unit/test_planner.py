@@ -245,3 +245,17 @@ def test_a_prompt_whose_prefill_alone_misses_is_not_counted_against_the_pool() -
 
 def test_an_overloaded_pool_misses_every_prompt_that_could_have_made_it() -> None:
     assert ttft_miss(1, traffic(4.0), SPEED, TARGETS.ttft_s) == pytest.approx(0.98)  # 49 of 50 exponential
+
+
+def test_a_decode_pool_scales_in_when_one_fewer_holds_the_streams_at_the_same_itl_share() -> None:
+    # 15 req/s x 100 tokens: 63 streams at the 32-stream batch (42 ms of 0.85 x 50 ms): 2 instances; the band is
+    # one instance fewer meeting that share for the delay, not a tighter ITL share (23 streams: 3 instances)
+    assert decode_need(traffic(15.0), SPEED, TARGETS).instances == 2
+    assert decode_need(traffic(15.0), SPEED, TARGETS, 0.85 * CONFIG.down_headroom / CONFIG.headroom).instances == 3
+    fleet, state = pd_fleet(8, 3), PlannerState()
+    targets = []
+    for now in (0.0, 30.0, 61.0):
+        out = plan(Observation(now, fleet, traffic(15.0), TARGETS), CONFIG, state)
+        state = out.state
+        targets.append(out.target(Role.DECODE))
+    assert targets == [3, 3, 2]

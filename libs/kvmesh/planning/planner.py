@@ -3,8 +3,8 @@ fleet (``Observation``) and the planner's own memory (``PlannerState``). A pure 
 clock, the heartbeats and the actuator; the same inputs give the same plan.
 
 Scaling out is immediate, sized for the forecast rate over the time a new instance takes to start. Scaling in
-needs three things: fewer instances meet the targets with a tighter headroom (``down_headroom``, a band that
-keeps the two decisions apart; the TTFT tail is held to the target tightened in proportion), that has held for
+needs three things: fewer instances meet the targets with a tighter TTFT headroom (``down_headroom``, a band
+that keeps the two decisions apart; the TTFT tail is held to the target tightened in proportion), that has held for
 ``down_delay_s`` (sized for the most needed while it held), and the last change is ``cooldown_s`` old. So a
 pool neither flaps on noise nor scales in on a dip that an instance's start-up could not follow back."""
 
@@ -28,8 +28,10 @@ POOL_ROLES = (Role.PREFILL, Role.DECODE, Role.BOTH)
 class PlannerConfig:
     """The planner's knobs. ``headroom``: the share of the TTFT target a pool is sized to (the rest absorbs the
     spread the model does not see; the ITL target's share is ``ITL_HEADROOM``, what an engine plans its steps
-    to); ``down_headroom``: the tighter share fewer instances must meet before the pool scales in (the ITL
-    share tightens in proportion). ``startup_s``: how long a new instance takes to serve; ``window_s``: one
+    to); ``down_headroom``: the tighter share of the TTFT target fewer instances must meet before the pool
+    scales in (the TTFT tail's target tightens in proportion; the ITL share does not: a decode pool's size is
+    already a whole batch of streams per instance, so one fewer meeting the same share for ``down_delay_s`` is
+    the band). ``startup_s``: how long a new instance takes to serve; ``window_s``: one
     observation's window (the forecast looks ``startup_s + window_s`` ahead, along the trend of the last
     ``trend_windows``). ``kv_high``: the KV utilisation
     above which a decode pool grows whatever the model says (KV the model does not see: long sessions, pinned
@@ -184,9 +186,8 @@ def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
                                   up.feasible))
             states[role] = PoolState(last_change=obs.now)
             continue
-        tighter = config.down_headroom / config.headroom
-        down = need(role, obs, traffic, speed, config.down_headroom, ITL_HEADROOM * tighter, drain,
-                    config.ttft_miss, obs.targets.ttft_s * tighter)
+        down = need(role, obs, traffic, speed, config.down_headroom, ITL_HEADROOM, drain, config.ttft_miss,
+                    obs.targets.ttft_s * config.down_headroom / config.headroom)
         fewer = config.clamp(role, max(down.instances, floor, want))
         if fewer >= cur:
             pools.append(PoolPlan(role, cur, cur, "hold", f"hold: {up.reason}{forecast_note}{kv_note}",
