@@ -5,7 +5,9 @@ Prefill: requests queue for n identical servers; a request's service time is its
 caches do not hold. The mean wait is M/G/n's (Erlang C's M/M/n wait scaled by (1 + cs²)/2, the Lee-Longton
 approximation). A backlog the instances report now counts as extra arrivals that must be served within the time
 new instances take to start. A pool meets the TTFT target when the mean request's service plus that wait fits
-within ``headroom`` of it.
+within ``headroom`` of it, and when the queue pushes at most a share ``miss`` of the requests past the target
+(``ttft_miss``: the wait's tail, Erlang C's probability of waiting times an exponential with M/G/n's mean wait,
+over the window's spread of prompt lengths) — the mean alone does not see the heavy-tailed prompts' tail.
 
 Decode: a stream's tokens come one per step, a step of B streams costs ``step_base_s + B * step_per_stream_s``.
 One instance holds at most the B whose step fits ``headroom`` of the ITL target, and whose KV fits; Little's law
@@ -21,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from kvmesh.contracts.slo import ITL_HEADROOM
-from kvmesh.planning.signals import Speed, Targets, Traffic
+from kvmesh.planning.signals import QUANTILES, Speed, Targets, Traffic
 
 MAX_INSTANCES = 1024  # a search bound, not a policy: the planner's configured maximum applies on top
 
@@ -66,6 +68,29 @@ def prefill_wait_s(servers: int, traffic: Traffic, speed: Speed, slowdown: float
     return erlang_c(servers, offered) * mean / (servers - offered) * (1 + cs2) / 2
 
 
+def ttft_miss(servers: int, traffic: Traffic, speed: Speed, target_s: float, slowdown: float = 1.0) -> float:
+    """The share of requests whose wait for a prefill instance pushes their TTFT past ``target_s``: over the
+    prompt lengths (``traffic.prompt_quantiles``, else exponential with the mean), P(W > target - own prefill),
+    W's tail M/G/n's (wait with Erlang C's probability, then exponential with the mean of ``prefill_wait_s``).
+    A prompt whose prefill alone exceeds the target misses whatever the pool: not counted (no size helps)."""
+    computed = traffic.prompt_tokens * (1 - traffic.hit_rate)
+    mean = speed.prefill_s(computed) * slowdown
+    if traffic.rate <= 0 or mean <= 0:
+        return 0.0
+    sizes = traffic.prompt_quantiles or tuple(-computed * math.log(1 - (i + 0.5) / QUANTILES)
+                                              for i in range(QUANTILES))
+    offered = traffic.rate * mean
+    feasible = [target_s - speed.prefill_s(x) * slowdown for x in sizes]
+    feasible = [t for t in feasible if t >= 0]
+    if offered >= servers:
+        return len(feasible) / len(sizes)
+    waits = erlang_c(servers, offered)
+    if waits <= 0:
+        return 0.0
+    theta = prefill_wait_s(servers, traffic, speed, slowdown) / waits  # the mean wait of those that wait
+    return sum(waits * math.exp(-t / theta) for t in feasible) / len(sizes)
+
+
 def ttft_s(servers: int, traffic: Traffic, speed: Speed, slowdown: float = 1.0) -> float:
     """The modelled TTFT of the mean request on ``servers`` prefill instances."""
     computed = traffic.prompt_tokens * (1 - traffic.hit_rate)
@@ -85,10 +110,13 @@ def with_backlog(traffic: Traffic, backlog_tokens: float, drain_s: float) -> Tra
 
 
 def prefill_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: float,
-                 backlog_tokens: float = 0.0, drain_s: float = 60.0) -> Need:
-    """The least prefill instances whose modelled TTFT fits ``headroom`` x the target, for ``traffic`` and
-    ``backlog_tokens`` queued now, cleared within ``drain_s`` (``with_backlog``)."""
+                 backlog_tokens: float = 0.0, drain_s: float = 60.0, miss: float = 0.0,
+                 tail_s: float | None = None) -> Need:
+    """The least prefill instances whose modelled TTFT fits ``headroom`` x the target and, when ``miss`` > 0,
+    whose queue pushes at most that share of the requests past ``tail_s`` (default: the target; ``ttft_miss``),
+    for ``traffic`` and ``backlog_tokens`` queued now, cleared within ``drain_s`` (``with_backlog``)."""
     goal = headroom * targets.ttft_s
+    tail = tail_s if tail_s is not None else targets.ttft_s
     traffic = with_backlog(traffic, backlog_tokens, drain_s)
     alone = speed.prefill_s(traffic.prompt_tokens * (1 - traffic.hit_rate))
     if traffic.rate <= 0 and backlog_tokens <= 0:
@@ -99,13 +127,17 @@ def prefill_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: flo
                                                    "sized to keep up only", feasible=False)
     for n in range(1, MAX_INSTANCES + 1):
         t = ttft_s(n, traffic, speed)
-        if t <= goal:
+        if t > goal:
+            continue
+        late = ttft_miss(n, traffic, speed, tail) if miss > 0 else 0.0
+        if late <= miss:
             work = traffic.rate * speed.prefill_s(traffic.prompt_tokens * (1 - traffic.hit_rate))
+            tail_note = f", {late:.2%} pushed past {tail:.2f}s by the queue (<= {miss:.2%})" if miss > 0 else ""
             return Need(n, f"{traffic.rate:.2f} req/s x {traffic.prompt_tokens:.0f} prompt tokens "
                            f"({traffic.hit_rate:.0%} cached) = {work:.2f} instance-s/s of prefill at "
                            f"{speed.prefill_tok_per_s:.0f} tok/s; backlog {backlog_tokens:.0f} tokens; "
                            f"{n} instance(s) give a modelled TTFT of {t:.2f}s <= {goal:.2f}s "
-                           f"({headroom:.0%} of {targets.ttft_s:g}s)")
+                           f"({headroom:.0%} of {targets.ttft_s:g}s){tail_note}")
     return Need(MAX_INSTANCES, "no instance count meets the TTFT target", feasible=False)
 
 
@@ -142,9 +174,11 @@ def decode_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: floa
 
 
 def both_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: float, itl_headroom: float = ITL_HEADROOM,
-              backlog_tokens: float = 0.0, running: float = 0.0, drain_s: float = 60.0) -> Need:
+              backlog_tokens: float = 0.0, running: float = 0.0, drain_s: float = 60.0, miss: float = 0.0,
+              tail_s: float | None = None) -> Need:
     """The least ``both`` instances: their streams take ``streams / (n x batch)`` of each one's time, and the
-    prefills (and the backlog, ``with_backlog``), slowed by what is left, meet ``headroom`` of the TTFT target."""
+    prefills (and the backlog, ``with_backlog``), slowed by what is left, meet ``headroom`` of the TTFT target
+    and the tail of ``prefill_need`` (``miss``, ``tail_s``)."""
     traffic = with_backlog(traffic, backlog_tokens, drain_s)
     batch = streams_per_instance(traffic, speed, targets, itl_headroom)
     if batch < 1:
@@ -157,7 +191,8 @@ def both_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: float,
             continue
         slowdown = 1 / (1 - decode_share)
         t = ttft_s(n, traffic, speed, slowdown)
-        if t <= goal:
+        tail = tail_s if tail_s is not None else targets.ttft_s
+        if t <= goal and (miss <= 0 or ttft_miss(n, traffic, speed, tail, slowdown) <= miss):
             return Need(n, f"{streams:.1f} streams take {decode_share:.0%} of each of {n} instance(s); the rest "
                            f"prefills {traffic.rate:.2f} req/s x {traffic.prompt_tokens:.0f} tokens "
                            f"({traffic.hit_rate:.0%} cached) with a modelled TTFT of {t:.2f}s <= {goal:.2f}s")

@@ -3,10 +3,10 @@ fleet (``Observation``) and the planner's own memory (``PlannerState``). A pure 
 clock, the heartbeats and the actuator; the same inputs give the same plan.
 
 Scaling out is immediate, sized for the forecast rate over the time a new instance takes to start. Scaling in
-needs three things: fewer instances meet the targets with a tighter headroom (``down_headroom``, a band that
-keeps the two decisions apart), that has held for ``down_delay_s`` (sized for the most needed while it held),
-and the last change is ``cooldown_s`` old. So a pool neither flaps on noise nor scales in on a dip that an
-instance's start-up could not follow back."""
+needs three things: fewer instances meet the targets with a tighter TTFT headroom (``down_headroom``, a band
+that keeps the two decisions apart; the TTFT tail is held to the target tightened in proportion), that has held for
+``down_delay_s`` (sized for the most needed while it held), and the last change is ``cooldown_s`` old. So a
+pool neither flaps on noise nor scales in on a dip that an instance's start-up could not follow back."""
 
 from __future__ import annotations
 
@@ -28,12 +28,16 @@ POOL_ROLES = (Role.PREFILL, Role.DECODE, Role.BOTH)
 class PlannerConfig:
     """The planner's knobs. ``headroom``: the share of the TTFT target a pool is sized to (the rest absorbs the
     spread the model does not see; the ITL target's share is ``ITL_HEADROOM``, what an engine plans its steps
-    to); ``down_headroom``: the tighter share fewer instances must meet before the pool scales in (the ITL
-    share tightens in proportion). ``startup_s``: how long a new instance takes to serve; ``window_s``: one
+    to); ``down_headroom``: the tighter share of the TTFT target fewer instances must meet before the pool
+    scales in (the TTFT tail's target tightens in proportion; the ITL share does not: a decode pool's size is
+    already a whole batch of streams per instance, so one fewer meeting the same share for ``down_delay_s`` is
+    the band). ``startup_s``: how long a new instance takes to serve; ``window_s``: one
     observation's window (the forecast looks ``startup_s + window_s`` ahead, along the trend of the last
     ``trend_windows``). ``kv_high``: the KV utilisation
     above which a decode pool grows whatever the model says (KV the model does not see: long sessions, pinned
-    prefixes)."""
+    prefixes). ``ttft_miss``: the share of requests a prefill pool's queue may push past the TTFT target (the
+    wait's tail over the window's prompt lengths; prompts whose prefill alone exceeds the target are not counted,
+    no size helps them); 0 sizes on the mean TTFT alone."""
 
     speed: Speed = field(default_factory=Speed)
     headroom: float = 0.45
@@ -44,6 +48,7 @@ class PlannerConfig:
     window_s: float = 15.0
     trend_windows: int = 6
     kv_high: float = 0.85
+    ttft_miss: float = 0.01
     min_instances: Mapping[Role, int] = field(default_factory=lambda: {r: 1 for r in POOL_ROLES})
     max_instances: Mapping[Role, int] = field(default_factory=lambda: {r: 64 for r in POOL_ROLES})
 
@@ -117,18 +122,19 @@ def pools_of(fleet: Sequence[InstanceLoad]) -> dict[Role, int]:
 
 
 def need(role: Role, obs: Observation, traffic: Traffic, speed: Speed, headroom: float,
-         itl_headroom: float = ITL_HEADROOM, drain_s: float = 60.0) -> Need:
+         itl_headroom: float = ITL_HEADROOM, drain_s: float = 60.0, miss: float = 0.0,
+         tail_s: float | None = None) -> Need:
     """What ``role``'s pool needs for ``traffic`` (the forecast) at ``headroom`` of the TTFT target and
-    ``itl_headroom`` of the ITL target, counting the streams its instances report now and their backlog,
-    cleared within ``drain_s``."""
+    ``itl_headroom`` of the ITL target, with at most ``miss`` of the requests queued past ``tail_s`` (default the
+    TTFT target), counting the streams its instances report now and their backlog, cleared within ``drain_s``."""
     members = [i for i in obs.fleet if i.role is role]
     backlog = sum(i.waiting_tokens for i in members)
     running = sum(i.running for i in members)
     if role is Role.PREFILL:
-        return prefill_need(traffic, speed, obs.targets, headroom, backlog, drain_s)
+        return prefill_need(traffic, speed, obs.targets, headroom, backlog, drain_s, miss, tail_s)
     if role is Role.DECODE:
         return decode_need(traffic, speed, obs.targets, itl_headroom, running)
-    return both_need(traffic, speed, obs.targets, headroom, itl_headroom, backlog, running, drain_s)
+    return both_need(traffic, speed, obs.targets, headroom, itl_headroom, backlog, running, drain_s, miss, tail_s)
 
 
 def _kv_floor(role: Role, obs: Observation, current: int, kv_high: float) -> tuple[int, str]:
@@ -168,7 +174,7 @@ def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
     for role in (r for r in POOL_ROLES if r in current):
         cur, mem = current[role], state.of(role)
         drain = config.startup_s + config.window_s
-        up = need(role, obs, traffic, speed, config.headroom, drain_s=drain)
+        up = need(role, obs, traffic, speed, config.headroom, drain_s=drain, miss=config.ttft_miss)
         kv_floor, kv_note = _kv_floor(role, obs, cur, config.kv_high)
         ttft_floor, ttft_note = _ttft_floor(role, obs, cur, config.headroom)
         floor, kv_note = max(kv_floor, ttft_floor), kv_note + ttft_note
@@ -180,8 +186,8 @@ def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
                                   up.feasible))
             states[role] = PoolState(last_change=obs.now)
             continue
-        down = need(role, obs, traffic, speed, config.down_headroom,
-                    ITL_HEADROOM * config.down_headroom / config.headroom, drain)
+        down = need(role, obs, traffic, speed, config.down_headroom, ITL_HEADROOM, drain, config.ttft_miss,
+                    obs.targets.ttft_s * config.down_headroom / config.headroom)
         fewer = config.clamp(role, max(down.instances, floor, want))
         if fewer >= cur:
             pools.append(PoolPlan(role, cur, cur, "hold", f"hold: {up.reason}{forecast_note}{kv_note}",

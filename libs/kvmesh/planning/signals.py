@@ -36,17 +36,23 @@ class InstanceLoad:
                    prefill_overhead_s=speed.prefill_overhead_s or 0.0, decode_step_s=speed.decode_step_s or 0.0)
 
 
+QUANTILES = 50  # how many evenly spaced prompt lengths ``Traffic.of`` keeps (the TTFT tail's shape)
+
+
 @dataclass(frozen=True)
 class Traffic:
     """Requests over the last window: their rate, prompt and output lengths, and the share of prompt tokens the
     caches served. ``prompt_sq_tokens``: the mean of the squared computed prompt lengths (the spread of prefill
-    times, which sets queueing delay); 0 = treat as exponential."""
+    times, which sets queueing delay); 0 = treat as exponential. ``prompt_quantiles``: the computed prompt lengths
+    at evenly spaced quantiles (each stands for as many requests; the shape of the TTFT tail); empty = exponential
+    with the mean."""
 
     rate: float                   # requests/s
     prompt_tokens: float          # mean prompt length
     output_tokens: float          # mean output length
     hit_rate: float = 0.0         # share of prompt tokens served from a cache, [0, 1)
     prompt_sq_tokens: float = 0.0
+    prompt_quantiles: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, window_s: float, prompts: Sequence[int], outputs: Sequence[int], hit_tokens: int = 0) -> Traffic:
@@ -55,8 +61,11 @@ class Traffic:
             return cls(0.0, 0.0, 0.0)
         total = sum(prompts)
         hit = min(0.99, hit_tokens / total) if total else 0.0
+        computed = sorted(p * (1 - hit) for p in prompts)
+        k = min(QUANTILES, len(computed))
         return cls(len(prompts) / window_s, total / len(prompts), statistics.fmean(outputs) if outputs else 0.0,
-                   hit, statistics.fmean((p * (1 - hit)) ** 2 for p in prompts))
+                   hit, statistics.fmean(c * c for c in computed),
+                   tuple(computed[int((i + 0.5) * len(computed) / k)] for i in range(k)))
 
 
 @dataclass(frozen=True)
@@ -102,8 +111,10 @@ class Speed:
 def forecast(rates: Sequence[float], ahead: float) -> float:
     """The request rate ``ahead`` windows after the last of ``rates`` (one per window, oldest first): a
     least-squares line through them, never below the level now (the mean of the last two windows: one window
-    is noisy) nor below 0 — a planner must not scale in on a trend, only on what it sees. Fewer than three
-    windows: the level."""
+    is noisy) nor below 0 — a planner must not scale in on a trend, only on what it sees — and never above the
+    level plus the rise the windows show (level - their least): a rise is not extrapolated past what has been
+    seen to rise, so a trend fitted over a ramp does not run on past the ramp's end. Fewer than three windows:
+    the level."""
     if not rates:
         return 0.0
     level = statistics.fmean(rates[-2:])
@@ -112,4 +123,5 @@ def forecast(rates: Sequence[float], ahead: float) -> float:
     n = len(rates)
     xm, ym = (n - 1) / 2, statistics.fmean(rates)
     slope = sum((x - xm) * (y - ym) for x, y in enumerate(rates)) / sum((x - xm) ** 2 for x in range(n))
-    return max(level, ym + slope * (n - 1 - xm + ahead), 0.0)
+    trend = ym + slope * (n - 1 - xm + ahead)
+    return max(level, min(trend, level + max(0.0, level - min(rates))), 0.0)
