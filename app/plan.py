@@ -243,6 +243,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=float, default=256.0,
                    help="mean output tokens per request (the routers do not count them)")
     p.add_argument("--startup-s", type=float, default=30.0, help="how long a new instance takes to serve")
+    p.add_argument("--ttft-miss", type=float, default=0.01,
+                   help="share of requests a prefill pool's queue may push past the TTFT target (its tail; 0: size "
+                        "on the mean TTFT alone)")
     p.add_argument("--min", type=int, default=1, help="fewest instances per pool")
     p.add_argument("--max", type=int, default=16, help="most instances per pool")
     p.add_argument("--serve", action="store_true", help="plan every window and act on each change")
@@ -262,7 +265,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if not 0 <= args.ttft_miss < 1:
+        p.error(f"--ttft-miss {args.ttft_miss} must be in [0, 1) (a share of requests)")
     from kvmesh import state
 
     directory = state.state_dir(args.state_dir)
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvmesh plan: {e}", file=sys.stderr)
         return 2
     health = Health.serve(args.health_port) if args.health_port else None
-    config = PlannerConfig(speed=Speed(), startup_s=args.startup_s, window_s=args.window_s,
+    config = PlannerConfig(speed=Speed(), startup_s=args.startup_s, window_s=args.window_s, ttft_miss=args.ttft_miss,
                            min_instances={r: args.min for r in Role if r.is_engine},
                            max_instances={r: args.max for r in Role if r.is_engine})
     targets, plan_state, rates = Targets(args.ttft_s, args.itl_s), PlannerState(), deque[float](maxlen=8)

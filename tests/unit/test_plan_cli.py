@@ -152,3 +152,9 @@ def test_the_health_endpoint_is_ready_once_a_plan_was_made() -> None:
     health.plans = 1
     with urllib.request.urlopen(url, timeout=5) as r:
         assert r.status == 200 and json.load(r) == {"plans": 1}
+
+
+def test_a_ttft_miss_outside_0_1_is_refused_saying_what_it_is(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--state-dir", str(tmp_path), "--ttft-miss", "1.5"])
+    assert e.value.code == 2 and "--ttft-miss 1.5 must be in [0, 1)" in capsys.readouterr().err
