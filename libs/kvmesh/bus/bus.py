@@ -46,10 +46,10 @@ class _Client(Client):
 
     async def _process_info(self, info: dict[str, object], initial_connection: bool = False) -> None:
         if initial_connection and self.require_tls and not info.get("tls_required"):
-            self.refused = ("the NATS server did not ask for TLS, and this process is configured for it (mesh "
-                            "TLS): nothing was sent to it; enable TLS on the server (`tls {...}` with "
-                            "`verify_and_map`, as `kvmesh up` and docker/nats.conf's mesh setup do) or point "
-                            "nats_url at the one that has it")
+            self.refused = ("the NATS server did not ask for TLS, and this process authenticates by its mesh "
+                            "certificate: nothing was sent to it; enable TLS on the server (`tls {...}` with "
+                            "`verify_and_map`, as the nats.conf `kvmesh up` writes has) or point nats_url at the "
+                            "one that has it")
             raise nats.errors.Error(self.refused)
         await super()._process_info(info, initial_connection)
 
