@@ -30,9 +30,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.bench.report import load_average, markdown_table, publish
 from app.bench.vllm_servers import EngineShape, instance_metric, kvmesh_stack
+
+if TYPE_CHECKING:
+    from kvmesh.client import KvmeshClient
 
 SECTION = "Sessions on vLLM instances: a paused session's KV from the pool"
 POOL_FETCH = ("kvmesh_worker_kv_transfer_bytes_total", {"direction": "pool_fetch"})
@@ -67,10 +71,8 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, VOCAB - 100) for _ in range(n)]
 
 
-def one_arm(client, metrics_url: str, rng: random.Random, signals: bool, context_len: int, others: int,
-            new: int, pause_s: float, settle_s: float) -> Turn:
-    from kvmesh.client import KvmeshClient  # noqa: F401 - the type of ``client``
-
+def one_arm(client: KvmeshClient, metrics_url: str, rng: random.Random, signals: bool, context_len: int,
+            others: int, new: int, pause_s: float, settle_s: float) -> Turn:
     context = tokens(rng, context_len)
     session = {"session_id": f"bench-{uuid.uuid4().hex[:12]}"} if signals else {}
     first = client.complete(context, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True, **session,
