@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from kvmesh.bus import Bus, NatsServer, Subjects
 from kvmesh.bus.snapshot import answer_snapshots
@@ -16,6 +17,21 @@ from kvmesh.proto.v1 import cache_pb2
 from tests.integration.test_cachesvc import KEYS, InProcess, cluster, matches, run, stored, until  # noqa: F401
 
 TIMEOUT_S = 1.0
+
+
+async def beat(bus: Bus, subjects: Subjects, on: Callable[[], bool]) -> None:
+    """The instance's heartbeats, every 0.2 s while ``on()`` says so."""
+    while True:
+        if on():
+            await bus.publish(subjects.heartbeat("decode", "inst"), Heartbeat(
+                "inst", "decode", "127.0.0.1:1", "127.0.0.1:2", time.time(), InstanceLoad(), "tiny", 2))
+        await asyncio.sleep(0.2)
+
+
+async def indexed(stub, n: int) -> bool:
+    """Whether cachesvc's index holds exactly the first ``n`` of KEYS for the instance (0: none)."""
+    reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))
+    return matches(reply) == ({("inst", "device", n)} if n else set())
 
 
 def test_an_outage_longer_than_the_instance_timeout_keeps_the_index_and_a_snapshot_resyncs_it(tmp_path, cluster):  # noqa: F811
@@ -35,30 +51,18 @@ def test_an_outage_longer_than_the_instance_timeout_keeps_the_index_and_a_snapsh
             await answer_snapshots(bus, subjects, "inst", current)
             await bus.publish_event(subjects.kv_events("inst"), KVEventBatch("inst", 1, 0.0, (stored(KEYS),)))
 
-            async def beat() -> None:
-                while True:
-                    if bus.nc.is_connected:
-                        await bus.publish(subjects.heartbeat("decode", "inst"), Heartbeat(
-                            "inst", "decode", "127.0.0.1:1", "127.0.0.1:2", time.time(), InstanceLoad(), "tiny", 2))
-                    await asyncio.sleep(0.2)
-
-            beating = asyncio.create_task(beat())
-
-            async def indexed(n: int) -> bool:
-                reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))
-                return matches(reply) == {("inst", "device", n)}
-
-            await until(lambda: indexed(len(KEYS)))
+            beating = asyncio.create_task(beat(bus, subjects, lambda: bus.nc.is_connected))
+            await until(lambda: indexed(stub, len(KEYS)))
             await asyncio.to_thread(nats.stop)
             await until(lambda: asyncio.sleep(0, not server.bus.nc.is_connected))
             held["keys"] = KEYS[:2]  # it evicted while nothing could be published
             await asyncio.sleep(3 * TIMEOUT_S)  # past the timeout, and its reaper's ticks, many times over
-            assert await indexed(len(KEYS))  # kept: silence without a bus is no death
+            assert await indexed(stub, len(KEYS))  # kept: silence without a bus is no death
             await asyncio.to_thread(nats.start)
-            await until(lambda: indexed(2), timeout_s=20.0)  # the snapshot asked for after the outage
+            await until(lambda: indexed(stub, 2), timeout_s=20.0)  # the snapshot asked for after the outage
             assert server.resync.refreshed >= 1
             await asyncio.sleep(3 * TIMEOUT_S)  # it beats again: still there
-            assert await indexed(2)
+            assert await indexed(stub, 2)
             beating.cancel()
             await bus.close()
 
@@ -87,26 +91,13 @@ def test_an_instance_silent_past_the_timeout_is_dropped_and_resynced_once_heard_
             await answer_snapshots(bus, subjects, "inst", current)
             await bus.publish_event(subjects.kv_events("inst"), KVEventBatch("inst", 1, 0.0, (stored(KEYS),)))
             beating = asyncio.Event()
-
-            async def beat() -> None:
-                while True:
-                    if beating.is_set():
-                        await bus.publish(subjects.heartbeat("decode", "inst"), Heartbeat(
-                            "inst", "decode", "127.0.0.1:1", "127.0.0.1:2", time.time(), InstanceLoad(), "tiny", 2))
-                    await asyncio.sleep(0.2)
-
-            task = asyncio.create_task(beat())
-
-            async def indexed() -> int:
-                reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))
-                return next((n for inst, _, n in matches(reply) if inst == "inst"), 0)
-
+            task = asyncio.create_task(beat(bus, subjects, beating.is_set))
             beating.set()
-            await until(lambda: _equals(indexed(), len(KEYS)))
+            await until(lambda: indexed(stub, len(KEYS)))
             beating.clear()  # silent: dropped
-            await until(lambda: _equals(indexed(), 0), timeout_s=20.0)
+            await until(lambda: indexed(stub, 0), timeout_s=20.0)
             beating.set()  # heard again: its snapshot
-            await until(lambda: _equals(indexed(), len(KEYS)), timeout_s=20.0)
+            await until(lambda: indexed(stub, len(KEYS)), timeout_s=20.0)
             task.cancel()
             await bus.close()
 
@@ -114,7 +105,3 @@ def test_an_instance_silent_past_the_timeout_is_dropped_and_resynced_once_heard_
         run(body(), timeout_s=60.0)
     finally:
         nats.stop()
-
-
-async def _equals(value, want) -> bool:
-    return await value == want
