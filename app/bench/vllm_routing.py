@@ -53,6 +53,7 @@ from app.bench.report import load_average, markdown_table, publish
 from app.bench.serve import stream_request
 from app.bench.stats import SLO, RequestRecord, percentile, summarize
 from app.bench.vllm_servers import (
+    POOL_FETCH,
     EngineShape,
     Router,
     VLLMServer,
@@ -66,7 +67,6 @@ from app.bench.vllm_servers import (
 from app.bench.workloads import prose
 
 SECTION = "Routing vLLM instances: kvmesh vs vllm-router and sglang-router"
-POOL_FETCH = ("kvmesh_worker_kv_transfer_bytes_total", {"direction": "pool_fetch"})
 
 
 @dataclass(frozen=True)

@@ -259,6 +259,9 @@ def kvmesh_stack(workdir: Path, name: str, shape: EngineShape, both: int, pool: 
     return stack
 
 
+POOL_FETCH = ("kvmesh_worker_kv_transfer_bytes_total", {"direction": "pool_fetch"})  # an instance's pool fetches
+
+
 def instance_metric(url: str, name: str, labels: dict[str, str], attempts: int = 5) -> float:
     """One sample of an instance's Prometheus text (0 when the instance has none yet); RuntimeError when its
     /metrics does not answer (a before / after difference must not take a missing reading for 0)."""

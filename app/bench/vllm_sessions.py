@@ -33,13 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.bench.report import load_average, markdown_table, publish
-from app.bench.vllm_servers import EngineShape, instance_metric, kvmesh_stack
+from app.bench.vllm_servers import POOL_FETCH, EngineShape, instance_metric, kvmesh_stack
 
 if TYPE_CHECKING:
     from kvmesh.client import KvmeshClient
 
 SECTION = "Sessions on vLLM instances: a paused session's KV from the pool"
-POOL_FETCH = ("kvmesh_worker_kv_transfer_bytes_total", {"direction": "pool_fetch"})
 VOCAB = 49152  # SmolLM2's
 ANSWER_TOKENS = 8
 # vLLM's cache: 17 blocks of 128 tokens (2,176 tokens, under two contexts of 1,200); the pool: 128 MB, about two

@@ -9,13 +9,12 @@ import random
 import pytest
 from kvmesh.client import KvmeshClient
 
-from app.bench.vllm_servers import instance_metric
+from app.bench.vllm_servers import POOL_FETCH, instance_metric
 from tests.vllm.conftest import vllm_stack
 from tests.vllm.test_vllm_stack import eventually, matches
 
 pytestmark = pytest.mark.vllm
 CONTEXT = 512  # tokens: 4 vLLM blocks of 128, 32 kvmesh blocks (23.6 MB of fp32 KV)
-POOL_FETCH = ("kvmesh_worker_kv_transfer_bytes_total", {"direction": "pool_fetch"})
 
 
 @pytest.fixture(scope="module")
