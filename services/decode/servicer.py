@@ -113,7 +113,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                                                finish_reason=out.finish_reason or "",
                                                logprobs=[logprobs_to_proto(lp) for lp in out.logprobs])
                 if out.exported is not None:  # the conversation so far, for the next turn on any instance
-                    self._in_background(write_back(w, out.exported, span, attrs, engine_request.session))
+                    self._in_background(write_back(w, out.exported, span, attrs, engine_request.session,
+                                                   request.work.pool_blocks))
                 now = time.monotonic()
                 if first:
                     chunk.cached_tokens = out.cached_tokens

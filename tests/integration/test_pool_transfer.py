@@ -396,3 +396,22 @@ def test_a_session_write_back_in_several_puts_names_the_session_in_each(nats_ser
             assert [p.session_end for p in puts] == [False, False, True]
 
     run(body())
+
+
+def test_a_block_written_back_long_ago_is_sent_again_and_one_the_router_saw_held_is_not(nats_server, monkeypatch):
+    """The pool evicts: a block this instance wrote back a while ago may be gone, so it is sent again (the pool
+    skips what it still holds); within WRITTEN_TRUST_S it is not (requests sharing a prefix write it once); nor
+    are the leading blocks the router saw the pool hold when it routed the request."""
+    from kvmesh.instance import pool_client
+
+    async def body() -> None:
+        async with Mesh(nats_server.url) as mesh:
+            writer = await mesh.instance()
+            data = block_bytes(make_blocks(len(KEYS)))
+            assert await writer.write_back(KEYS, data) == 6
+            assert await writer.write_back(KEYS, data) == 0  # just written: trusted
+            monkeypatch.setattr(pool_client, "WRITTEN_TRUST_S", 0.0)
+            assert await writer.write_back(KEYS, data) == 6  # written a while ago: sent again, the pool skips
+            assert await writer.write_back(KEYS, data, held=4) == 2  # the router saw 4 held
+
+    run(body())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,6 +34,9 @@ from kvmesh.transfer.header import block_checksums
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 2**20
+# a block this instance wrote back this recently is taken as still in the pool (concurrent requests sharing a
+# prefix write it once); after that only the router's word counts (``write_back``'s ``held``): the pool evicts
+WRITTEN_TRUST_S = 10.0
 Metadata = tuple[tuple[str, str], ...]
 R = TypeVar("R")
 
@@ -65,19 +69,26 @@ class PoolClient:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.channel = tls.aio_channel(address, opts)
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
-        self._written: OrderedDict[int, None] = OrderedDict()  # keys this instance already stored
+        self._written: OrderedDict[int, float] = OrderedDict()  # keys this instance stored -> when
         self._remember = remember
 
     async def write_back(self, keys: list[BlockKey], data: memoryview, metadata: Metadata = (),
-                         session: SessionHint | None = None, context: list[BlockKey] | None = None) -> int:
+                         session: SessionHint | None = None, context: list[BlockKey] | None = None,
+                         held: int = 0) -> int:
         """Store the blocks the pool does not have from us yet (``data``: the bytes of ``keys``' blocks, whole,
-        in wire order); returns how many were sent. ``metadata``: gRPC call metadata (the trace context).
+        in wire order); returns how many were sent. Not sent: the first ``held`` blocks of ``context`` (default
+        ``keys``), which the pool held when the request was routed (the router's MatchPrefix), and blocks this
+        instance wrote in the last ``WRITTEN_TRUST_S``; a block written earlier is sent again, since the pool may
+        have evicted it since (it skips what it still holds). ``metadata``: gRPC call metadata (the trace context).
         ``session``: the request's, which holds ``context`` (its blocks in order; default ``keys``) in the
         pool's tiers now: every call says so (a write-back of more blocks than one call carries is several
         puts, and each put makes room first: blocks an earlier call stored under no session would rank as
         nobody's and could be the next call's victims), the last one ending the session when ``session.end``;
         one call without blocks says so when none is left to send."""
-        todo = [i for i, k in enumerate(keys) if k not in self._written]
+        now = time.monotonic()
+        known = set((context if context is not None else keys)[:held])
+        todo = [i for i, k in enumerate(keys)
+                if k not in known and now - self._written.get(k, float("-inf")) >= WRITTEN_TRUST_S]
         per_call = max(1, MAX_MESSAGE_BYTES // 2 // self.block_nbytes)
         nb = self.block_nbytes
         starts = list(range(0, len(todo), per_call)) or ([0] if session is not None else [])
@@ -97,8 +108,10 @@ class PoolClient:
                     request.transfer_id = await self._push(chunk, list(request.block_keys), sums, metadata)
             await self._call(self.stub.PutBlocks, request, metadata)
             for i in idx:
-                self._written[keys[i]] = None
-        while len(self._written) > self._remember:
+                self._written[keys[i]] = now
+                self._written.move_to_end(keys[i])
+        while self._written and (len(self._written) > self._remember
+                                 or now - next(iter(self._written.values())) >= WRITTEN_TRUST_S):
             self._written.popitem(last=False)
         return len(todo)
 
