@@ -48,6 +48,7 @@ from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
 from kvmesh.transfer import Limits, Refusal, TransferClient, TransferRejected, TransferServer
+from kvmesh.transfer.header import Versions, parse_versions
 from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
@@ -274,6 +275,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             raise ValueError("transfer_token is required with transfer_address: the push capability the reader's "
                              "transfer endpoint granted for transfer_id (it refuses a push without one)")
         parse_address(request.transfer_address)  # ValueError saying what a transfer address looks like
+        versions = parse_versions(request.transfer_versions)  # the reader's: ValueError saying what they look like
         timeout = self.cfg.transfer_timeout_s
 
         def get() -> tuple[GetResult, memoryview | None]:  # on the storage thread: the copy too
@@ -284,8 +286,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         got, blocks = await self._storage(get)
         try:
             if blocks is not None:
-                await self._push(request.transfer_address, request.transfer_id, request.transfer_token, layout,
-                                 blocks, [BlockKey(b.key) for b in got.blocks], [b.checksum for b in got.blocks])
+                await self._push(request.transfer_address, request.transfer_id, request.transfer_token, versions,
+                                 layout, blocks, [BlockKey(b.key) for b in got.blocks],
+                                 [b.checksum for b in got.blocks])
         finally:
             if got.lease_id and not lease_s:
                 await self._storage(self.pool.leases.release, got.lease_id)
@@ -295,15 +298,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             block_keys=[b.key for b in got.blocks], checksums=[b.checksum for b in got.blocks], tiers=got.tiers,
             lease_id=got.lease_id if keep else 0, leased_blocks=got.leased if keep else 0)
 
-    async def _push(self, address: str, transfer_id: str, token: str, layout: KVLayout, blocks: memoryview,
-                    keys: list[BlockKey], checksums: list[int]) -> None:
+    async def _push(self, address: str, transfer_id: str, token: str, versions: Versions, layout: KVLayout,
+                    blocks: memoryview, keys: list[BlockKey], checksums: list[int]) -> None:
         """Push ``blocks`` with the checksums stored with them: the reader verifies the bytes against those,
         so a block damaged in storage or on the way is caught there, and nothing is hashed here."""
         timeout = self.cfg.transfer_timeout_s
         try:
             async with asyncio.timeout(timeout):
                 await self.server.transfer_client.push(address, transfer_id, layout, blocks, keys,
-                                                       len(keys) * layout.block_size, checksums, token=token)
+                                                       len(keys) * layout.block_size, checksums, token=token,
+                                                       versions=versions)
         except TransferRejected as e:
             raise TransferRejected(f"{address} refused the push of {len(keys)} blocks: {e.reason}") from None
         except TimeoutError:
@@ -321,7 +325,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         transfer_id = f"pool-put-{uuid.uuid4().hex}"
         grant = transfer.grant(transfer_id, 0, request.num_blocks, timeout)
         return cache_pb2.GrantPutResponse(transfer_address=transfer.address, transfer_id=transfer_id,
-                                          token=grant.token, expires_in_s=timeout)
+                                          token=grant.token, expires_in_s=timeout,
+                                          transfer_versions=str(transfer.versions))
 
     @_statuses
     async def LeaseBlocks(self, request: cache_pb2.LeaseBlocksRequest,

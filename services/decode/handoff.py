@@ -10,7 +10,7 @@ import time
 import grpc
 from kvmesh.bus.trace_headers import trace_context
 from kvmesh.contracts.engine import EngineRequest
-from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, handoff_prefix
+from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, TRANSFER_VERSIONS_METADATA, handoff_prefix
 from kvmesh.contracts.messages import KVReady, Message
 from kvmesh.engines.convert import convert_import
 from kvmesh.instance.host import EngineHost
@@ -86,6 +86,7 @@ class Handoff:
 
     async def _send_grant(self, grant: Grant, held_blocks: int) -> None:
         await self.context.send_initial_metadata(((PUSH_TOKEN_METADATA, grant.token),
+                                                  (TRANSFER_VERSIONS_METADATA, str(self._transfer().versions)),
                                                   (HELD_BLOCKS_METADATA, str(held_blocks))))
 
     async def _invalid(self, why: str) -> None:

@@ -19,7 +19,7 @@ from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.client import TransferStats
 from opentelemetry.trace import Span
 
-from services.prefill.handoff import Announce, Handoff, PushStream
+from services.prefill.handoff import Announce, Handoff, PushStream, Target
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +43,18 @@ class FaultyHandoff(Handoff):
         self.forgeries = forge
         self._stalled: set[str] = set()
 
-    def open(self, transfer_id: TransferId, address: str, layout: KVLayout, token: str) -> PushStream:
+    def open(self, transfer_id: TransferId, target: Target, layout: KVLayout) -> PushStream:
         if self.forgeries > 0:
             self.forgeries -= 1
             log.warning("transfer %s: fault injection: pushed under a forged token", transfer_id)
-            token = secrets.token_urlsafe(24)  # never issued
+            target = target._replace(token=secrets.token_urlsafe(24))  # never issued
         if self.stalls > 0:
             self.stalls -= 1
             self._stalled.add(transfer_id)
-            return _WithheldStream(self, transfer_id, address, layout, token)
+            return _WithheldStream(self, transfer_id, target, layout)
         if self.hang_after > 0:
-            return _HangingStream(self, transfer_id, address, layout, token, self.hang_after)
-        return super().open(transfer_id, address, layout, token)
+            return _HangingStream(self, transfer_id, target, layout, self.hang_after)
+        return super().open(transfer_id, target, layout)
 
     async def announce(self, ready: KVReady, span: Span | None) -> None:
         if self.drop_ready and ready.ok:
@@ -80,9 +80,9 @@ class _WithheldStream(PushStream):
 class _HangingStream(PushStream):
     """Sends the first ``hang_after`` parts, then never another (``FaultyHandoff``'s half-way push)."""
 
-    def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout, token: str,
+    def __init__(self, handoff: Handoff, transfer_id: TransferId, target: Target, layout: KVLayout,
                  hang_after: int) -> None:
-        super().__init__(handoff, transfer_id, address, layout, token)
+        super().__init__(handoff, transfer_id, target, layout)
         self.hang_after = hang_after
 
     async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],

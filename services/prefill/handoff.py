@@ -18,6 +18,7 @@ from kvmesh.instance.host import EngineHost
 from kvmesh.telemetry import tracing
 from kvmesh.transfer import TransferClient
 from kvmesh.transfer.client import TransferStats
+from kvmesh.transfer.header import Versions
 from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,14 @@ def announcer(host: EngineHost) -> Announce:
         headers = tracing.inject(parent, {tracing.SENT_HEADER: str(time.time_ns())})
         await host.bus.publish(host.subjects.kv_ready(ready.decode_instance), ready, headers)
     return announce
+
+
+class Target(NamedTuple):
+    """Where a request's KV goes, as decode said when it accepted the request (through the router)."""
+
+    address: str        # decode's transfer endpoint
+    token: str          # the push capability decode issued: every part carries it
+    versions: Versions  # the transfer header versions decode reads
 
 
 class PartStats(NamedTuple):
@@ -53,10 +62,8 @@ class PushStream:
     layers). ``finish`` waits for all of them; a failed part fails it, and the parts after it are never sent.
     ``cancel`` stops what has not been sent."""
 
-    def __init__(self, handoff: Handoff, transfer_id: TransferId, address: str, layout: KVLayout,
-                 token: str) -> None:
-        self.handoff, self.transfer_id, self.address, self.layout = handoff, transfer_id, address, layout
-        self.token = token  # the push capability decode issued: every part carries it
+    def __init__(self, handoff: Handoff, transfer_id: TransferId, target: Target, layout: KVLayout) -> None:
+        self.handoff, self.transfer_id, self.target, self.layout = handoff, transfer_id, target, layout
         self.done: list[PartStats] = []  # the parts verified so far, in order
         self.first_block = 0  # the request's first block pushed (the first part's)
         self._tasks: list[asyncio.Task[PartStats]] = []
@@ -94,9 +101,9 @@ class PushStream:
 
     async def _send(self, transfer_id: TransferId, blocks: memoryview, keys: Sequence[BlockKey],
                     num_tokens: int, first_block: int, layers: tuple[int, int] | None) -> TransferStats:
-        return await self.handoff.transfer.push(self.address, transfer_id, self.layout, blocks, list(keys),
+        return await self.handoff.transfer.push(self.target.address, transfer_id, self.layout, blocks, list(keys),
                                                 num_tokens, layers=layers, first_block=first_block,
-                                                token=self.token)
+                                                token=self.target.token, versions=self.target.versions)
 
 
 def push_overlap(parts: list[PartStats], compute_end: float) -> dict[str, Any]:
@@ -129,10 +136,9 @@ class Handoff:
         self._announce = announce
         self.transfer = transfer or TransferClient()
 
-    def open(self, transfer_id: TransferId, address: str, layout: KVLayout, token: str) -> PushStream:
-        """A push of one request's KV to the transfer endpoint at ``address``, in ``layout``, under the
-        capability ``token`` decode issued for it."""
-        return PushStream(self, transfer_id, address, layout, token)
+    def open(self, transfer_id: TransferId, target: Target, layout: KVLayout) -> PushStream:
+        """A push of one request's KV to decode's ``target``, in ``layout``."""
+        return PushStream(self, transfer_id, target, layout)
 
     async def announce(self, ready: KVReady, span: Span | None) -> None:
         await self._announce(ready, span)

@@ -31,10 +31,11 @@ from kvmesh.instance.host import Attached, EngineHost, RolePlugin
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.rpc import traced_rpc
+from kvmesh.transfer.header import parse_versions
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.prefill.faults import make_handoff
-from services.prefill.handoff import PartStats, PushStream, announcer, push_overlap
+from services.prefill.handoff import PartStats, PushStream, Target, announcer, push_overlap
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                                 "decode_instance, decode_transfer_address and push_token (the capability decode "
                                 "issued for this request's push) are required")
         try:
+            target = Target(request.decode_transfer_address, request.push_token, parse_versions(request.push_versions))
+        except ValueError as e:
+            w.metrics.rejections.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"push_versions: {e}")
+        try:
             engine_request = _first_token_only(engine_request_from_proto(work))
         except ValueError as e:
             w.metrics.rejections.labels("invalid").inc()
@@ -75,7 +81,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         engine_request = dataclasses.replace(engine_request, export=plan)
         warmed = await w.warm_from_pool(prompt, work.cache_salt, work.pool_blocks, span, attrs, work.lora_name)
         transfer_id = handoff_transfer_id(work.request_id, w.instance_id)
-        stream = self.handoff.open(transfer_id, request.decode_transfer_address, w.layout, request.push_token)
+        stream = self.handoff.open(transfer_id, target, w.layout)
         try:
             response = await self._prefill(request, context, span, attrs, engine_request, stream, t0)
             response.pool_fetch = warmed.outcome

@@ -16,13 +16,20 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
 from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
-from kvmesh.contracts.ids import HELD_BLOCKS_METADATA, PUSH_TOKEN_METADATA, BlockKey, RequestId, TransferId
+from kvmesh.contracts.ids import (
+    HELD_BLOCKS_METADATA,
+    PUSH_TOKEN_METADATA,
+    TRANSFER_VERSIONS_METADATA,
+    BlockKey,
+    RequestId,
+    TransferId,
+)
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady, Message, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
@@ -445,9 +452,9 @@ class Router:
         async def prefill_once_granted() -> worker_pb2.PrefillResponse:
             # decode's first response headers carry the push's capability, before it waits for the KV, and the
             # blocks decode holds exactly (the index's count above may lag): prefill pushes only past those
-            token, exact = await _push_token(call, decode, dispatch)
+            grant = await _push_grant(call, decode, dispatch)
             return await self._prefill(work, prefill, decode, md, rt, policy, matched,
-                                       held if exact is None else exact, token)
+                                       held if grant.held is None else grant.held, grant)
 
         prefill_call = asyncio.ensure_future(prefill_once_granted())
         prefill_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are logged inside
@@ -536,11 +543,12 @@ class Router:
 
     async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md: Metadata,
                        rt: RequestTrace, policy: str | None, matched: dict[str, int], held: int,
-                       token: str) -> worker_pb2.PrefillResponse:
-        """The request's Prefill call, while decode waits for its ``kv.ready``; ``token``: the push capability
-        decode granted, which prefill's every part carries. An unreachable prefill instance is replaced by
-        another one; when none is left (or prefill failed otherwise), decode is told at once (``kv.ready``
-        with ok=False) and recomputes the prompt instead of waiting out ``kv_timeout_s``."""
+                       grant: PushGrant) -> worker_pb2.PrefillResponse:
+        """The request's Prefill call, while decode waits for its ``kv.ready``; ``grant``: the push capability
+        decode granted, which prefill's every part carries, and the header versions decode reads. An unreachable
+        prefill instance is replaced by another one; when none is left (or prefill failed otherwise), decode is
+        told at once (``kv.ready`` with ok=False) and recomputes the prompt instead of waiting out
+        ``kv_timeout_s``."""
         tried: set[str] = set()
         while True:
             tried.add(prefill.id)
@@ -550,7 +558,8 @@ class Router:
                 return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
                     worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
                                               decode_transfer_address=decode.beat.transfer_address,
-                                              decode_cached_blocks=held, push_token=token),
+                                              decode_cached_blocks=held, push_token=grant.token,
+                                              push_versions=grant.versions),
                     metadata=md, timeout=self.cfg.request_timeout_s)
             except grpc.aio.AioRpcError as e:
                 why = f"prefill on {prefill.id} failed: {e.code().name}: {e.details()}"
@@ -560,7 +569,7 @@ class Router:
                 nxt = self._another_prefill(tried, policy, matched, work) \
                     if e.code() == grpc.StatusCode.UNAVAILABLE else None
                 if nxt is None:
-                    await self._tell_decode(work, decode, prefill, why, token)
+                    await self._tell_decode(work, decode, prefill, why, grant.token)
                     raise
                 rt.retry("prefill", prefill.id, why)
                 prefill = nxt
@@ -614,9 +623,17 @@ class NoGrant(RuntimeError):
     """Decode answered a Decode call without a push capability: it failed (its stream says how), so no Prefill."""
 
 
-async def _push_token(call: grpc.aio.UnaryStreamCall, decode: Instance, dispatch: Span) -> tuple[str, int | None]:
-    """The push capability decode sent in the Decode call's initial metadata, and the prompt's leading blocks
-    it holds (None from a decode that does not say: the index's count stands) (``kvmesh.push_grant_ms`` on the
+class PushGrant(NamedTuple):
+    """What decode's Decode call's initial metadata hands prefill through the router."""
+
+    token: str       # the push capability
+    versions: str    # the transfer header versions decode reads, passed on as it came ("": an older decode)
+    held: int | None  # the prompt's leading blocks decode holds (None from a decode that does not say)
+
+
+async def _push_grant(call: grpc.aio.UnaryStreamCall, decode: Instance, dispatch: Span) -> PushGrant:
+    """The push capability decode sent in the Decode call's initial metadata, the header versions it reads, and
+    the prompt's leading blocks it holds (None: the index's count stands) (``kvmesh.push_grant_ms`` on the
     dispatch span: what waiting for it adds before Prefill leaves). NoGrant when the call ended without one."""
     t0 = time.monotonic()
     metadata = dict(await call.initial_metadata() or ())
@@ -629,7 +646,7 @@ async def _push_token(call: grpc.aio.UnaryStreamCall, decode: Instance, dispatch
             dispatch.set_attribute("kvmesh.decode_held_blocks", exact)
     if not token:
         raise NoGrant(f"decode {decode.id} granted no push (its call failed before accepting the request)")
-    return token, exact
+    return PushGrant(token, metadata.get(TRANSFER_VERSIONS_METADATA, ""), exact)
 
 
 def ttft_left(work: worker_pb2.WorkRequest) -> float:

@@ -19,7 +19,7 @@ from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.settings import CacheServiceSettings, SharedSettings
 from kvmesh.transfer import Refusal, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.backends import Backend, Staged
-from kvmesh.transfer.header import block_checksums
+from kvmesh.transfer.header import CODEC, HeaderCodec, block_checksums
 
 from services.cachesvc.server import CacheServer
 from services.cachesvc.store import StoredBlock
@@ -93,10 +93,13 @@ class Mesh:
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
         return self
 
-    async def instance(self, layout: KVLayout = LAYOUT) -> PoolClient:
-        """An engine instance's pool client with its own transfer endpoint."""
-        receiver = await TransferServer.start(layout, backend=self.backend)
+    async def instance(self, layout: KVLayout = LAYOUT, codec: HeaderCodec = CODEC) -> PoolClient:
+        """An engine instance's pool client with its own transfer endpoint (both speaking ``codec``'s header
+        versions)."""
+        receiver = await TransferServer.start(layout, backend=self.backend, codec=codec)
         pool = PoolClient(self.server.address, layout, receiver, timeout_s=10.0)
+        assert pool.transfer is not None
+        pool.transfer.codec = codec
         self.closers += [pool.close, receiver.close]
         return pool
 

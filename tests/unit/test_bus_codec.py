@@ -49,10 +49,14 @@ def make_heartbeat() -> Heartbeat:
                      model="smollm2-135m", block_size=16)
 
 
-@pytest.mark.parametrize("msg", [make_batch(), make_ready(), make_ready(ok=False, error="transfer timed out"),
-                                 make_heartbeat(), SessionSignal("tenant/s-1", SessionEvent.PAUSE, 1.5, "both-0"),
-                                 KVCopies("decode-0", shared=(BlockKey(1), MAX_KEY), sole=(BlockKey(9),)),
-                                 KVQuarantine("both-0", (BlockKey(3), MAX_KEY), "pool")])
+MESSAGES = [make_batch(), make_ready(), make_ready(ok=False, error="transfer timed out"), make_heartbeat(),
+            SessionSignal("tenant/s-1", SessionEvent.PAUSE, 1.5, "both-0"),
+            KVCopies("decode-0", shared=(BlockKey(1), MAX_KEY), sole=(BlockKey(9),)),
+            KVQuarantine("both-0", (BlockKey(3), MAX_KEY), "pool"),
+            RouterLoad("router-1", 12.5, {"decode-0": 3}, {"decode-0": 800})]
+
+
+@pytest.mark.parametrize("msg", MESSAGES)
 def test_every_message_type_round_trips(msg):
     assert type(msg).decode(msg.encode()) == msg
     assert decode(msg.encode()) == msg
@@ -81,9 +85,21 @@ def test_unknown_type_is_rejected():
         decode(b'{"v": 1, "type": "gossip"}')
 
 
-def test_unknown_fields_are_ignored():
-    body = json.loads(make_ready().encode()) | {"priority": 5}
-    assert KVReady.decode(json.dumps(body).encode()) == make_ready()
+@pytest.mark.parametrize("msg", MESSAGES)
+def test_every_message_type_reads_past_a_field_a_newer_writer_added(msg):
+    """A newer build adds fields without a version bump: this one reads its messages as before."""
+    body = json.loads(msg.encode()) | {"added_later": {"of": ["any", 1, "shape"]}}
+    assert decode(json.dumps(body).encode()) == msg
+
+
+def test_an_event_and_a_load_with_fields_a_newer_writer_added_read_as_before():
+    batch = json.loads(make_batch().encode())
+    for event in batch["events"]:
+        event["added_later"] = [1]
+    assert decode(json.dumps(batch).encode()) == make_batch()
+    beat = json.loads(make_heartbeat().encode())
+    beat["load"]["added_later"] = 2.5
+    assert decode(json.dumps(beat).encode()) == make_heartbeat()
 
 
 def test_unknown_event_type_inside_a_batch_is_rejected():

@@ -8,6 +8,7 @@ import asyncio
 from types import SimpleNamespace
 
 from kvmesh.proto.v1 import worker_pb2
+from kvmesh.transfer.header import SPOKEN
 
 from services.decode.servicer import DecodeServicer
 
@@ -38,6 +39,8 @@ class PinRecorder:
 
 class Grants:
     """The transfer server's part in the call: the push granted as the call is accepted, revoked as it ends."""
+
+    versions = SPOKEN  # advertised beside each grant
 
     def __init__(self) -> None:
         self.open: set[str] = set()
@@ -86,5 +89,6 @@ def test_a_call_cancelled_while_its_pin_is_answered_still_unpins():
     assert held_during == {"r1"}  # the engine pinned for the call...
     assert held_after == set()  # ...and the cancelled call released it
     # sent to the router before the pin, with the blocks decode holds (which prefill then does not push)
-    assert grants.sent == [("x-kvmesh-push-token", "token-r1@"), ("x-kvmesh-held-blocks", "2")]
+    assert grants.sent == [("x-kvmesh-push-token", "token-r1@"), ("x-kvmesh-transfer-versions", str(SPOKEN)),
+                           ("x-kvmesh-held-blocks", "2")]
     assert grants.open == set()  # and revoked as the call ended

@@ -1,4 +1,4 @@
-"""The transfer header codec and the checks a receiver runs on it (no sockets)."""
+"""The transfer header codec, its version negotiation and the checks a receiver runs on it (no sockets)."""
 
 import json
 from dataclasses import replace
@@ -7,13 +7,20 @@ import pytest
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import (
+    SPOKEN,
+    UNSAID,
     TransferHeader,
+    Versions,
     block_checksums,
     corrupt_blocks,
     decode_header,
     encode_header,
+    negotiate,
+    parse_versions,
 )
 from kvmesh.transfer.wire import Address, flat_bytes, parse_address
+
+from tests.wire_next import NEXT, NextCodec, Recording
 
 LAYOUT = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 
@@ -87,11 +94,75 @@ def test_unparseable_header_is_rejected_as_malformed(raw: bytes) -> None:
         decode_header(raw)
 
 
-def test_unknown_header_version_is_rejected() -> None:
-    doc = doc_of(header()) | {"v": 99}
-    with pytest.raises(TransferRejected, match="unsupported header version 99") as e:
+def test_a_header_version_outside_the_receivers_range_is_refused_naming_both_ranges() -> None:
+    doc = doc_of(header()) | {"v": 99, "speaks": "98-99"}
+    with pytest.raises(TransferRejected, match=f"unsupported header version 99 \\(the sender speaks 98-99\\); "
+                                               f"this receiver speaks {SPOKEN}") as e:
         decode_header(json.dumps(doc).encode())
     assert e.value.kind == Refusal.VERSION
+
+
+def test_a_header_names_its_senders_versions() -> None:
+    assert doc_of(header())["speaks"] == str(SPOKEN)
+    assert doc_of(header())["v"] == SPOKEN.high
+
+
+def test_the_sender_writes_the_highest_version_both_speak() -> None:
+    assert negotiate(Versions(2, 3), Versions(2, 2)) == 2   # an N+1 sender, an N receiver
+    assert negotiate(Versions(2, 2), Versions(2, 3)) == 2   # an N sender, an N+1 receiver
+    assert negotiate(Versions(2, 3), Versions(3, 4)) == 3
+    assert negotiate(Versions(2, 4), Versions(1, 9)) == 4
+
+
+@pytest.mark.parametrize(("ours", "theirs", "upgrade"), [(Versions(2, 2), Versions(3, 4), "this sender"),
+                                                         (Versions(3, 4), Versions(2, 2), "the receiver")])
+def test_disjoint_ranges_are_refused_naming_both_and_which_end_to_upgrade(ours, theirs, upgrade) -> None:
+    with pytest.raises(TransferRejected, match=f"this sender speaks {ours}, the receiver {theirs}; "
+                                               f"upgrade {upgrade}") as e:
+        negotiate(ours, theirs)
+    assert e.value.kind == Refusal.VERSION
+
+
+def test_a_receiver_that_advertises_nothing_speaks_2_only() -> None:
+    assert parse_versions("") == UNSAID == Versions(2, 2)
+    assert negotiate(NextCodec.speaks, parse_versions("")) == 2
+
+
+def test_an_advertised_range_round_trips_as_text() -> None:
+    assert parse_versions(str(Versions(2, 3))) == Versions(2, 3)
+
+
+@pytest.mark.parametrize("text", ["3", "3-2", "a-b", "2-", "-3", "2-3-4"])
+def test_a_malformed_range_is_refused_saying_what_one_looks_like(text) -> None:
+    with pytest.raises(ValueError, match="'<low>-<high>'"):
+        parse_versions(text)
+
+
+def test_an_n_plus_1_receiver_reads_both_versions_and_uses_the_newer_ones_field() -> None:
+    n, n1 = Recording(), NextCodec()
+    h = header(token="t")
+    assert n1.decode(n1.encode(h, NEXT)) == h and len(n1.sent) == 1
+    assert n1.decode(n.encode(h, SPOKEN.high)) == h and len(n1.sent) == 1  # an N header: nothing more to use
+    assert [v for v, _ in n1.read] == [NEXT, SPOKEN.high]
+
+
+def test_an_n_receiver_never_sees_the_newer_field_and_refuses_the_newer_version() -> None:
+    n, n1 = Recording(), NextCodec()
+    assert n.decode(n1.encode(header(), negotiate(n1.speaks, n.speaks))) == header()
+    assert "sent_ns" not in n.read[0][1]
+    with pytest.raises(TransferRejected, match=f"version {NEXT} \\(the sender speaks {n1.speaks}\\)") as e:
+        n.decode(n1.encode(header(), NEXT))
+    assert e.value.kind == Refusal.VERSION
+
+
+def test_a_receiver_ignores_fields_it_does_not_know() -> None:
+    doc = doc_of(header()) | {"priority": 5, "sent_ns": 1}
+    assert decode_header(json.dumps(doc).encode()) == header()
+
+
+def test_a_sender_writes_only_versions_it_speaks() -> None:
+    with pytest.raises(ValueError, match=f"version {NEXT} is not one this sender speaks"):
+        encode_header(header(), NEXT)
 
 
 def test_the_push_token_travels_in_the_header() -> None:
@@ -100,11 +171,11 @@ def test_the_push_token_travels_in_the_header() -> None:
 
 
 def test_a_version_1_sender_is_refused_with_what_to_do() -> None:
-    """Version 1 predates the push capability: its pushes could never carry one."""
+    """Version 1 predates the push capability (and negotiation: it names no range of its own)."""
     doc = doc_of(header()) | {"v": 1}
-    del doc["token"]
-    with pytest.raises(TransferRejected, match="this receiver speaks 2, which carries the push capability its "
-                                               "receiver issued: upgrade the sender") as e:
+    del doc["token"], doc["speaks"]
+    with pytest.raises(TransferRejected, match="version 1 \\(the sender speaks 1\\); this receiver speaks 2-2: "
+                                               "upgrade the sender, to one that carries the push capability") as e:
         decode_header(json.dumps(doc).encode())
     assert e.value.kind == Refusal.VERSION
 

@@ -65,6 +65,9 @@ PUSH_TOKEN_METADATA = "x-kvmesh-push-token"
 HELD_BLOCKS_METADATA = "x-kvmesh-held-blocks"  # beside it: the prompt's leading blocks decode holds, exactly
 """The gRPC initial-metadata key under which decode hands the router a hand-off's push capability (the router
 passes it on to prefill in ``PrefillRequest.push_token``)."""
+TRANSFER_VERSIONS_METADATA = "x-kvmesh-transfer-versions"
+"""Beside it: the transfer header versions decode's endpoint reads, ``"<low>-<high>"`` (passed on verbatim in
+``PrefillRequest.push_versions``; ``kvmesh.transfer.header`` reads it)."""
 
 
 class Role(enum.StrEnum):

@@ -30,7 +30,7 @@ from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.transfer import ClientTLS, TransferClient, TransferRejected, TransferServer
-from kvmesh.transfer.header import block_checksums
+from kvmesh.transfer.header import block_checksums, parse_versions
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -123,6 +123,7 @@ class PoolClient:
             request.transfer_address = self.receive_at or receiver.address
             request.transfer_id = f"pool-get-{uuid.uuid4().hex}"
             request.transfer_token = receiver.grant(request.transfer_id, 0, len(keys), self.timeout_s).token
+            request.transfer_versions = str(receiver.versions)
         try:
             resp = await self._call(self.stub.GetBlocks, request, metadata)
             n = len(resp.block_keys)
@@ -166,9 +167,14 @@ class PoolClient:
         assert self.transfer is not None
         grant = await self._call(self.stub.GrantPut, cache_pb2.GrantPutRequest(num_blocks=len(keys)), metadata)
         try:
+            versions = parse_versions(grant.transfer_versions)
+        except ValueError as e:
+            raise PoolError(f"cachesvc's GrantPut reply: {e}") from None
+        try:
             async with asyncio.timeout(self.timeout_s):
                 await self.transfer.push(grant.transfer_address, grant.transfer_id, self.layout, blocks, keys,
-                                         len(keys) * self.layout.block_size, checksums, token=grant.token)
+                                         len(keys) * self.layout.block_size, checksums, token=grant.token,
+                                         versions=versions)
         except TransferRejected as e:
             raise PoolError(f"cachesvc refused the pushed blocks: {e.reason}") from None
         except OSError as e:  # ConnectionError and TimeoutError included

@@ -9,7 +9,8 @@ never reused; one idle for ``IDLE_REUSE_S`` is closed too, well before the recei
 (and the client's own presented).
 
 Every push carries the capability (``token``) its receiver issued for it (:mod:`kvmesh.transfer.grants`): the
-receiver refuses a push without it.
+receiver refuses a push without it. Its header is written in the highest version both ends speak: the client's
+``codec`` and the ``versions`` its receiver advertised beside the token (:mod:`kvmesh.transfer.header`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvmesh.contracts.layout import KVLayout
 from kvmesh.transfer.backends import Backend, Staged
 from kvmesh.transfer.conn import ClientTLS, Conn, TlsConn
 from kvmesh.transfer.errors import TransferRejected
-from kvmesh.transfer.header import TransferHeader, block_checksums, encode_header
+from kvmesh.transfer.header import CODEC, UNSAID, HeaderCodec, TransferHeader, Versions, block_checksums, negotiate
 from kvmesh.transfer.registry import get_backend
 from kvmesh.transfer.wire import (
     MAGIC,
@@ -50,12 +51,14 @@ class TransferStats(NamedTuple):
 
 class TransferClient:
     def __init__(self, *, max_connections_per_address: int = 8, max_idle_per_address: int = 4,
-                 connect_timeout: float = 5.0, reply_timeout: float = 60.0, tls: ClientTLS | None = None) -> None:
+                 connect_timeout: float = 5.0, reply_timeout: float = 60.0, tls: ClientTLS | None = None,
+                 codec: HeaderCodec = CODEC) -> None:
         self.max_connections_per_address = max_connections_per_address
         self.max_idle_per_address = max_idle_per_address
         self.connect_timeout = connect_timeout
         self.reply_timeout = reply_timeout
         self.tls = tls
+        self.codec = codec
         self._idle: dict[Address, list[tuple[Conn, float]]] = {}  # -> (connection, idle since)
         self._slots: dict[Address, asyncio.Semaphore] = {}  # bounds the pushes in flight per address
         self._backends: dict[str, Backend] = {}
@@ -63,7 +66,7 @@ class TransferClient:
     async def push(self, address: str, transfer_id: TransferId | str, layout: KVLayout,
                    payload: bytes | bytearray | memoryview, block_keys: Sequence[BlockKey], num_tokens: int,
                    checksums: Sequence[int] | None = None, layers: tuple[int, int] | None = None,
-                   first_block: int = 0, *, token: str) -> TransferStats:
+                   first_block: int = 0, *, token: str, versions: Versions = UNSAID) -> TransferStats:
         """Send the bytes of ``n`` whole blocks in ``layout`` (``payload``: any C-contiguous buffer of
         ``n * layout.block_nbytes`` bytes; the engine passes ``kv_cache.block_bytes(tensor)``, a zero-copy
         view) and wait until the receiver verified them. ``block_keys`` are the keys of the full blocks, in order.
@@ -71,10 +74,13 @@ class TransferClient:
         verifies the bytes against them and they are not computed again here. ``layers`` (``(first, end)``): each block
         of the payload is only its slice of those layers (a hand-off pushed layer group by layer group);
         ``first_block``: where the payload's first block sits in the sender's sequence. ``token``: the push
-        capability the receiver issued for this transfer. Raises TransferRejected with the receiver's reason
-        (and its ``kind``); ConnectionError (or OSError/TimeoutError, ``ssl.SSLError`` among them) when it cannot
+        capability the receiver issued for this transfer; ``versions``: the header versions the receiver advertised
+        with it (none advertised: :data:`~kvmesh.transfer.header.UNSAID`). Raises TransferRejected with the
+        receiver's reason (and its ``kind``; ``version`` before connecting when no header version is common);
+        ConnectionError (or OSError/TimeoutError, ``ssl.SSLError`` among them) when it cannot
         be reached, the TLS handshake fails or the connection breaks."""
         started = time.perf_counter()
+        version = negotiate(self.codec.speaks, versions)
         addr = parse_address(address)
         backend = self._backend(addr.backend)
         payload = flat_bytes(payload)
@@ -91,7 +97,7 @@ class TransferClient:
                 staged = self._stage(backend, payload, conn.local_host)
                 header = TransferHeader(TransferId(transfer_id), backend.name, layout, tuple(block_keys), num_tokens,
                                         tuple(checksums), staged.source, layers, first_block, token)
-                reply = await self._exchange(conn, header, staged)
+                reply = await self._exchange(conn, self.codec.encode(header, version), staged)
             except BaseException as e:
                 conn.close()
                 if staged is not None:
@@ -125,8 +131,7 @@ class TransferClient:
         bytes in flight."""
         return backend.stage(payload, local_host)
 
-    async def _exchange(self, conn: Conn, header: TransferHeader, staged: Staged) -> Reply:
-        raw = encode_header(header)
+    async def _exchange(self, conn: Conn, raw: bytes, staged: Staged) -> Reply:
         try:
             await conn.sendall(PREFIX.pack(MAGIC, len(raw)) + raw)
             if staged.inline is not None:

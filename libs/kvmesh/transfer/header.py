@@ -8,14 +8,21 @@ A payload holds whole blocks, or (``layers``) each block's slice of a range of l
 pushed layer group by layer group. Checksums are then over each block's slice. ``first_block`` places the
 payload in the sender's sequence of blocks (a hand-off's parts; 0 for anything else). ``token`` is the push
 capability the receiver issued for it (:mod:`kvmesh.transfer.grants`); version 2 of the header is the first
-that carries one, and a receiver refuses any other version.
+that carries one.
+
+Versions are negotiated, and this module is the one place that knows them. Each end speaks a range
+(:class:`Versions`, :class:`HeaderCodec.speaks`); a receiver advertises its range where it hands out the push's
+capability (beside the token: decode's Decode call metadata, ``GetBlocksRequest``, ``GrantPutResponse``), the
+sender writes the highest version both speak (:func:`negotiate`), and the receiver reads any version in its range
+and refuses the rest naming both ranges. A receiver that advertises nothing (a build before negotiation) speaks
+2 only (:data:`UNSAID`). A later version adds its fields in a :class:`HeaderCodec` subclass.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import xxhash
 
@@ -23,7 +30,6 @@ from kvmesh.contracts.ids import BlockKey, TransferId
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.transfer.errors import Refusal, TransferRejected
 
-VERSION = 2  # 2: carries the push capability (token)
 # A header's size is what its blocks add (each block's key and checksum: two quoted 16-digit hex strings and their
 # commas, 38 bytes) on top of the rest. The rest of the largest header a sender can write (a 1024-character
 # transfer id, a mooncake source, layers) measures 1.5 KiB; HEADER_BASE keeps a margin over it.
@@ -61,6 +67,140 @@ class TransferHeader:
         return self.num_blocks * self.block_nbytes
 
 
+class Versions(NamedTuple):
+    """The header versions one end speaks, ``low`` to ``high``. Travels as ``"<low>-<high>"``."""
+
+    low: int
+    high: int
+
+    def __str__(self) -> str:
+        return f"{self.low}-{self.high}"
+
+    def speaks(self, version: int) -> bool:
+        return self.low <= version <= self.high
+
+
+SPOKEN = Versions(2, 2)  # this build's (2: the first that carries the push capability, ``token``)
+UNSAID = Versions(2, 2)  # a receiver that advertises nothing: the builds before negotiation spoke 2 only
+
+
+def parse_versions(text: str) -> Versions:
+    """A peer's advertised range (``"2-3"``); empty (a build before negotiation, or a router of one between
+    us) is :data:`UNSAID`. ValueError when it is no range."""
+    if not text:
+        return UNSAID
+    low, sep, high = text.partition("-")
+    if not sep or not low.isdigit() or not high.isdigit() or int(low) > int(high):
+        raise ValueError(f"transfer header versions {text!r} are not '<low>-<high>' (e.g. '2-3')")
+    return Versions(int(low), int(high))
+
+
+def negotiate(ours: Versions, theirs: Versions) -> int:
+    """The highest header version both ends speak; refused (``version``) naming both ranges when none."""
+    high = min(ours.high, theirs.high)
+    if high < max(ours.low, theirs.low):
+        older = "this sender" if theirs.low > ours.high else "the receiver"
+        raise TransferRejected(f"no transfer header version in common: this sender speaks {ours}, the receiver "
+                               f"{theirs}; upgrade {older} (docs/deploy.md, Upgrades)", Refusal.VERSION)
+    return high
+
+
+class HeaderCodec:
+    """How one build writes and reads headers: the versions it speaks, and each version's fields. A later
+    version subclasses it: widen ``speaks``, add the new fields in :meth:`to_doc` and read them in
+    :meth:`from_doc`, both given the version in hand (a receiver of an older version never sees them)."""
+
+    speaks: Versions = SPOKEN
+
+    def encode(self, header: TransferHeader, version: int) -> bytes:
+        """``header`` as ``version`` (one both ends speak: :func:`negotiate`); it names the sender's range,
+        which older receivers ignore, so a refusal can say both."""
+        if not self.speaks.speaks(version):
+            raise ValueError(f"header version {version} is not one this sender speaks ({self.speaks})")
+        doc = {"v": version, "speaks": str(self.speaks)} | self.to_doc(header, version)
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def decode(self, raw: bytes) -> TransferHeader:
+        """Parse and sanity-check a header; raises :class:`TransferRejected` saying what is wrong."""
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TransferRejected(f"malformed header: not JSON ({e})", Refusal.MALFORMED) from None
+        if not isinstance(doc, dict):
+            raise TransferRejected("malformed header: not a JSON object", Refusal.MALFORMED)
+        version = doc.get("v")
+        if type(version) is not int or not self.speaks.speaks(version):
+            raise self._unspoken(version, doc.get("speaks"))
+        try:
+            header = self.from_doc(doc, version)
+            _check_counts(header, _typed(doc, "nbytes", int))
+        except (TypeError, ValueError) as e:
+            raise TransferRejected(f"malformed header: {e}", Refusal.MALFORMED) from None
+        return header
+
+    def to_doc(self, header: TransferHeader, version: int) -> dict[str, Any]:
+        """The fields of ``version`` (2: every field there is today)."""
+        doc = {
+            "transfer_id": header.transfer_id,
+            "backend": header.backend,
+            "layout": header.layout.to_dict(),
+            "block_keys": [f"{k:016x}" for k in header.block_keys],
+            "num_tokens": header.num_tokens,
+            "checksums": [f"{c:016x}" for c in header.checksums],
+            "nbytes": header.nbytes,
+            "source": header.source,
+            "first_block": header.first_block,
+            "token": header.token,
+        }
+        if header.layers is not None:
+            doc["layers"] = list(header.layers)
+        return doc
+
+    def from_doc(self, doc: dict[str, Any], version: int) -> TransferHeader:
+        """The header of a ``version`` document (one :attr:`speaks`); TypeError / ValueError when a field is
+        missing or wrong."""
+        return TransferHeader(
+            transfer_id=TransferId(_typed(doc, "transfer_id", str)),
+            backend=_typed(doc, "backend", str),
+            layout=KVLayout.from_dict(_typed(doc, "layout", dict)),
+            block_keys=tuple(map(BlockKey, _hex64s(_typed(doc, "block_keys", list)))),
+            num_tokens=_typed(doc, "num_tokens", int),
+            checksums=_hex64s(_typed(doc, "checksums", list)),
+            source=_typed(doc, "source", dict),
+            layers=_layers(doc),
+            first_block=_typed(doc, "first_block", int) if "first_block" in doc else 0,
+            token=_typed(doc, "token", str),
+        )
+
+    def _unspoken(self, version: object, theirs: object) -> TransferRejected:
+        """The refusal of a header in a version outside :attr:`speaks`, naming both ranges (a sender before
+        negotiation names none: it speaks the version it sent)."""
+        try:
+            sender = str(parse_versions(theirs)) if isinstance(theirs, str) and theirs else repr(version)
+        except ValueError:
+            sender = repr(version)
+        if type(version) is int and version < self.speaks.low:
+            what = "upgrade the sender" + (", to one that carries the push capability its receiver issued"
+                                           if version < 2 else "")
+        else:
+            what = "a sender keeps to the range its receiver advertised with the push's capability"
+        return TransferRejected(f"unsupported header version {version!r} (the sender speaks {sender}); this "
+                                f"receiver speaks {self.speaks}: {what}", Refusal.VERSION)
+
+
+CODEC = HeaderCodec()  # this build's
+
+
+def encode_header(header: TransferHeader, version: int = SPOKEN.high) -> bytes:
+    """``header`` as this build writes ``version`` (:class:`HeaderCodec`)."""
+    return CODEC.encode(header, version)
+
+
+def decode_header(raw: bytes) -> TransferHeader:
+    """A header as this build reads it (:meth:`HeaderCodec.decode`)."""
+    return CODEC.decode(raw)
+
+
 def header_limit(num_blocks: int) -> int:
     """The most bytes a header describing up to ``num_blocks`` blocks takes."""
     return HEADER_BASE + HEADER_PER_BLOCK * num_blocks
@@ -93,57 +233,6 @@ def corrupt_landed_blocks(header: TransferHeader, views: list[memoryview]) -> li
         if h.intdigest() != expected:
             bad.append(i)
     return bad
-
-
-def encode_header(header: TransferHeader) -> bytes:
-    doc = {
-        "v": VERSION,
-        "transfer_id": header.transfer_id,
-        "backend": header.backend,
-        "layout": header.layout.to_dict(),
-        "block_keys": [f"{k:016x}" for k in header.block_keys],
-        "num_tokens": header.num_tokens,
-        "checksums": [f"{c:016x}" for c in header.checksums],
-        "nbytes": header.nbytes,
-        "source": header.source,
-        "first_block": header.first_block,
-        "token": header.token,
-    }
-    if header.layers is not None:
-        doc["layers"] = list(header.layers)
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def decode_header(raw: bytes) -> TransferHeader:
-    """Parse and sanity-check a header; raises :class:`TransferRejected` saying what is wrong."""
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TransferRejected(f"malformed header: not JSON ({e})", Refusal.MALFORMED) from None
-    if not isinstance(doc, dict):
-        raise TransferRejected("malformed header: not a JSON object", Refusal.MALFORMED)
-    if doc.get("v") != VERSION:
-        older = isinstance(doc.get("v"), int) and doc["v"] < VERSION
-        raise TransferRejected(f"unsupported header version {doc.get('v')!r}; this receiver speaks {VERSION}"
-                               + (", which carries the push capability its receiver issued: upgrade the sender"
-                                  if older else ""), Refusal.VERSION)
-    try:
-        header = TransferHeader(
-            transfer_id=TransferId(_typed(doc, "transfer_id", str)),
-            backend=_typed(doc, "backend", str),
-            layout=KVLayout.from_dict(_typed(doc, "layout", dict)),
-            block_keys=tuple(map(BlockKey, _hex64s(_typed(doc, "block_keys", list)))),
-            num_tokens=_typed(doc, "num_tokens", int),
-            checksums=_hex64s(_typed(doc, "checksums", list)),
-            source=_typed(doc, "source", dict),
-            layers=_layers(doc),
-            first_block=_typed(doc, "first_block", int) if "first_block" in doc else 0,
-            token=_typed(doc, "token", str),
-        )
-        _check_counts(header, _typed(doc, "nbytes", int))
-    except (TypeError, ValueError) as e:
-        raise TransferRejected(f"malformed header: {e}", Refusal.MALFORMED) from None
-    return header
 
 
 def _check_counts(h: TransferHeader, nbytes: int) -> None:

@@ -31,6 +31,9 @@ A header is read only when it is no larger than the pushes its grants expect
 to push that much. These refusals are counted (``connections``, ``idle``, ``malformed``) and logged once per
 peer and reason a minute.
 
+Header versions: the server reads those its ``codec`` speaks (:attr:`TransferServer.versions`, which its owner
+advertises with each capability it issues) and refuses the rest as ``version``.
+
 Concurrency: all state lives on the event loop that called :meth:`TransferServer.start`; one task per
 connection, each connection carrying one transfer at a time.
 """
@@ -59,11 +62,13 @@ from kvmesh.transfer.conn import TLS_RECORD, Conn, TlsConn, first_byte
 from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.grants import Grant, Grants
 from kvmesh.transfer.header import (
+    CODEC,
     MAX_HEADER_BYTES,
+    HeaderCodec,
     TransferHeader,
+    Versions,
     corrupt_blocks,
     corrupt_landed_blocks,
-    decode_header,
     header_limit,
 )
 from kvmesh.transfer.landing import Landing
@@ -137,7 +142,8 @@ class _Slot:
 class TransferServer:
     def __init__(self, sock: socket.socket, expected_layout: KVLayout | None, backend: Backend, *, ttl: float,
                  max_buffered_bytes: int, io_timeout: float, tls: ssl.SSLContext | None = None,
-                 convertible: frozenset[KVLayout] = frozenset(), limits: Limits = Limits()) -> None:
+                 convertible: frozenset[KVLayout] = frozenset(), limits: Limits = Limits(),
+                 codec: HeaderCodec = CODEC) -> None:
         self.expected_layout = expected_layout
         self.convertible = convertible  # other layouts taken (buffered, never landed in place): the taker converts
         self.ttl = ttl
@@ -145,6 +151,7 @@ class TransferServer:
         self.io_timeout = io_timeout
         self.tls = tls
         self.limits = limits
+        self.codec = codec
         self.max_connections = limits.total()
         self.grants = Grants(linger_s=ttl)
         self.refused: dict[Refusal, int] = dict.fromkeys(Refusal, 0)  # transfers refused, by why
@@ -170,13 +177,15 @@ class TransferServer:
                     backend: TransferBackend | str = TransferBackend.TCP, *, ttl: float = 60.0,
                     max_buffered_bytes: int = 1 << 30, io_timeout: float = 30.0,
                     tls: ssl.SSLContext | None = None,
-                    convertible: frozenset[KVLayout] = frozenset(), limits: Limits = Limits()) -> TransferServer:
+                    convertible: frozenset[KVLayout] = frozenset(), limits: Limits = Limits(),
+                    codec: HeaderCodec = CODEC) -> TransferServer:
         """Listen on ``host:port`` (0 = any free port). ``backend`` is what :attr:`address` advertises; plain
         ``tcp`` is always accepted too. ``expected_layout`` None: accept any layout (the taker checks it).
         ``tls``: a server-side context; every connection must then speak TLS (``kvmesh.tls``). ``convertible``:
         layouts besides ``expected_layout`` that the taker converts (``contracts.layout.converter``): they are
         received into buffers, never in place. ``limits``: the connections held open (see the module).
-        Raises RuntimeError when the backend cannot run here (mooncake)."""
+        ``codec``: the header versions it reads (this build's by default). Raises RuntimeError when the backend
+        cannot run here (mooncake)."""
         chosen = get_backend(backend)
         if backend == TransferBackend.MOONCAKE:
             from kvmesh.transfer.mooncake_backend import engine
@@ -185,7 +194,13 @@ class TransferServer:
         sock = socket.create_server((host, port))
         sock.setblocking(False)
         return cls(sock, expected_layout, chosen, ttl=ttl, max_buffered_bytes=max_buffered_bytes,
-                   io_timeout=io_timeout, tls=tls, convertible=convertible, limits=limits)
+                   io_timeout=io_timeout, tls=tls, convertible=convertible, limits=limits, codec=codec)
+
+    @property
+    def versions(self) -> Versions:
+        """The header versions this server reads: advertise them beside each capability issued, as
+        ``str(versions)``, so the sender writes one of them."""
+        return self.codec.speaks
 
     @property
     def buffered_bytes(self) -> int:
@@ -469,7 +484,7 @@ class TransferServer:
             raise TransferRejected(f"header of {length} bytes exceeds the {limit}-byte limit (the largest a push "
                                    f"of the {self.grants.widest} blocks granted at most can take)",
                                    Refusal.MALFORMED)
-        return decode_header(bytes(await conn.recv_bytes(length)))
+        return self.codec.decode(bytes(await conn.recv_bytes(length)))
 
     async def _receive(self, conn: Conn, header: TransferHeader) -> None:
         """Admit, receive and verify one transfer, then reply. Whoever holds no capability for it is refused

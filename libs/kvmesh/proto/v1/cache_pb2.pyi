@@ -62,20 +62,22 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys", "lease_s", "transfer_address", "transfer_id", "transfer_token")
+    __slots__ = ("layout", "block_keys", "lease_s", "transfer_address", "transfer_id", "transfer_token", "transfer_versions")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
     transfer_address: str
     transfer_id: str
     transfer_token: str
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+    transfer_versions: str
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., transfer_versions: _Optional[str] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("block_keys", "checksums", "data", "tiers", "lease_id", "leased_blocks")
@@ -164,16 +166,18 @@ class GrantPutRequest(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class GrantPutResponse(_message.Message):
-    __slots__ = ("transfer_address", "transfer_id", "token", "expires_in_s")
+    __slots__ = ("transfer_address", "transfer_id", "token", "expires_in_s", "transfer_versions")
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     transfer_address: str
     transfer_id: str
     token: str
     expires_in_s: float
-    def __init__(self, transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token: _Optional[str] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    transfer_versions: str
+    def __init__(self, transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token: _Optional[str] = ..., expires_in_s: _Optional[float] = ..., transfer_versions: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "evicted")

@@ -74,18 +74,20 @@ class LoRAAdapters(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., ts: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("work", "decode_instance", "decode_transfer_address", "decode_cached_blocks", "push_token")
+    __slots__ = ("work", "decode_instance", "decode_transfer_address", "decode_cached_blocks", "push_token", "push_versions")
     WORK_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PUSH_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     work: WorkRequest
     decode_instance: str
     decode_transfer_address: str
     decode_cached_blocks: int
     push_token: str
-    def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., decode_instance: _Optional[str] = ..., decode_transfer_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., push_token: _Optional[str] = ...) -> None: ...
+    push_versions: str
+    def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., decode_instance: _Optional[str] = ..., decode_transfer_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., push_token: _Optional[str] = ..., push_versions: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "cached_tokens", "num_blocks", "transfer_bytes", "transfer_s", "transfer_id", "compute_s", "first_logprobs", "pool_fetch")
