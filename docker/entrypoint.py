@@ -1,8 +1,7 @@
 """Container entrypoint: fills in what only the running container knows, checks the settings, then execs the
 service command (so the service is PID 1 and gets the signals).
 
-- ``<NAME>_FILE`` for ``KVMESH_*`` and ``NATS_*`` variables: ``<NAME>`` is read from that file (docker
-  secrets).
+- ``<NAME>_FILE`` for ``KVMESH_*`` variables: ``<NAME>`` is read from that file (docker secrets).
 - ``KVMESH_<SECTION>_HOST=auto`` (``KVMESH_INSTANCE_HOST``, ``KVMESH_ROUTER_HOST``, ``KVMESH_CACHESVC_HOST``):
   this container's own address. Engines advertise the address they bind, so on a bridge network each replica
   binds its own address, not 0.0.0.0.
@@ -37,7 +36,7 @@ def fail(message: str) -> None:
 
 
 def read_secret_files(env: dict[str, str]) -> None:
-    for key in [k for k in env if k.endswith("_FILE") and k.startswith(("KVMESH_", "NATS_"))]:
+    for key in [k for k in env if k.endswith("_FILE") and k.startswith("KVMESH_")]:
         name, path = key[:-len("_FILE")], env[key]
         try:
             env[name] = Path(path).read_text().strip()

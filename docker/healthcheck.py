@@ -2,7 +2,8 @@
 environment (``HEALTHCHECK_ADDRESS``): gRPC health SERVING for kvmesh services, an INFO line with JetStream on
 for nats-server. Exit 0 = healthy, 1 = not (with the reason on stdout, which ``docker inspect`` shows). A service
 with a certificate (``KVMESH_TLS_CERT``) is asked over mutual TLS with its own certificate, verified against
-``KVMESH_TLS_CA`` as ``KVMESH_TLS_SERVER_NAME`` (Kubernetes' exec probes, deploy/k8s/components/tls)."""
+``KVMESH_TLS_CA`` as ``KVMESH_TLS_SERVER_NAME`` (Kubernetes' exec probes, deploy/k8s/components/tls); so is a
+nats-server that asks for TLS (compose's), which gets a TLS handshake after its INFO."""
 
 from __future__ import annotations
 
@@ -59,15 +60,29 @@ def check_grpc(address: str, env: dict[str, str]) -> str | None:
     return None
 
 
-def check_nats(host: str, port: int) -> str | None:
+def check_nats(host: str, port: int, env: dict[str, str]) -> str | None:
+    """Its INFO line says JetStream is on; a server that asks for TLS (compose's: mutual, a user per certificate)
+    must then complete the handshake with the container's own certificate (``KVMESH_TLS_*``: nats-server's), which
+    checks its certificate and key as clients will, and leaves nothing in its log above debug (a client that
+    stops after INFO is logged as a TLS handshake error)."""
+    import ssl
+
     try:
         with socket.create_connection((host, port), timeout=3.0) as s:
             info = s.recv(4096)
-    except OSError as e:
+            if not info.startswith(b"INFO ") or b'"jetstream":true' not in info:
+                return f"nats-server on {host}:{port} answers without JetStream: {info[:120]!r}"
+            if b'"tls_required":true' not in info:
+                return None
+            if not env.get("KVMESH_TLS_CERT"):
+                return (f"nats-server on {host}:{port} asks for TLS: give its container KVMESH_TLS_CERT / KEY / CA "
+                        "(its own certificate) to probe it")
+            context = ssl.create_default_context(cafile=env.get("KVMESH_TLS_CA") or None)
+            context.load_cert_chain(env["KVMESH_TLS_CERT"], env.get("KVMESH_TLS_KEY") or None)
+            with context.wrap_socket(s, server_hostname=env.get("KVMESH_TLS_SERVER_NAME") or host):
+                return None
+    except OSError as e:  # ssl.SSLError included
         return f"nats-server on {host}:{port}: {e}"
-    if not info.startswith(b"INFO ") or b'"jetstream":true' not in info:
-        return f"nats-server on {host}:{port} answers without JetStream: {info[:120]!r}"
-    return None
 
 
 def ready_grpc_address(path: str) -> str:
@@ -87,7 +102,7 @@ def main() -> int:
         env = service_environ()
         url = urlsplit(target(env))
         if url.scheme == "nats":
-            problem = check_nats(url.hostname or "127.0.0.1", url.port or 4222)
+            problem = check_nats(url.hostname or "127.0.0.1", url.port or 4222, env)
         elif url.scheme == "ready":
             problem = check_grpc(ready_grpc_address(url.path), env)
         else:

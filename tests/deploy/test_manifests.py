@@ -173,8 +173,10 @@ def test_every_object_is_valid_for_the_kubernetes_api(overlay: str) -> None:
 
 def test_every_container_environment_loads_as_its_services_settings(overlay: str, tmp_path: Path) -> None:
     for c in containers(overlay):
-        if c.service == "planner":
-            assert not [v for v in c.spec.get("env", []) if v["name"].startswith("KVMESH_")], "the planner has flags"
+        if c.service == "planner":  # flags, but for its certificate ([shared] TLS, read from the environment)
+            env = [v["name"] for v in c.spec.get("env", []) if v["name"].startswith("KVMESH_")]
+            assert not [n for n in env if not n.startswith("KVMESH_TLS_")], "the planner has flags"
+            settings.load([], env=environment(c, tmp_path))  # an unknown KVMESH_* variable or a bad value raises
             parse_planner(c.spec["args"])
         elif c.service != "nats":
             loaded(c, tmp_path)  # an unknown KVMESH_* variable or a bad value raises, naming it
@@ -426,3 +428,84 @@ def test_the_only_address_a_pod_may_reach_is_the_api_server_from_the_planner(ove
     assert sorted(p["port"] for p in rule["ports"]) == [443, 6443], name
     assert not any("ipBlock" in peer for p in policies for r in p["spec"].get("ingress", [])
                    for peer in r.get("from", []))
+
+
+# -- NATS identity: no passwords; with components/tls, mutual TLS and one user per role certificate -------------
+
+TLS_COMPONENT = K8S / "components" / "tls"
+
+
+def nats_url(container: Container) -> str:
+    args = container.spec["args"]
+    if container.service == "planner":
+        return args[args.index("--nats-url") + 1]
+    return env_of(container)["KVMESH_NATS_URL"]
+
+
+def test_no_nats_url_carries_a_password_and_no_secret_holds_one(overlay: str) -> None:
+    for c in containers(overlay):
+        names = {v["name"] for v in c.spec.get("env", [])}
+        assert not [n for n in names if n.startswith("NATS_")], f"{c.workload}: {sorted(names)}"
+        if c.service != "nats":
+            assert "@" not in nats_url(c), f"{c.workload}: {nats_url(c)} (NATS authenticates by certificate)"
+    refs = re.findall(r"secretKeyRef: \{[^}]*name: (\S+?),", yaml.safe_dump_all(render(overlay), width=1000,
+                                                                                  default_flow_style=True))
+    assert "kvmesh-nats" not in refs
+
+
+def mounted(container: Container, workload: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volume (its Secret or ConfigMap source) mounted where ``path`` lies."""
+    (mount,) = [m for m in container.spec.get("volumeMounts", []) if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+def test_nats_requires_tls_and_maps_each_role_certificate_to_its_user(overlay: str) -> None:
+    """Where the services present certificates (components/tls), nats-server runs the ConfigMap's nats.conf:
+    mutual TLS with the mesh CA, ``verify_and_map``, and a user named by each certificate's URI SAN
+    (cert-manager's ``uris``) for every container that connects to NATS, under the cluster they all use; its own
+    certificate names kvmesh.mesh, the server name clients expect. Without TLS no service presents one."""
+    objects = render(overlay)
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    members = [c for c in containers(overlay) if c.service != "nats"]
+    if not any(env_of(c).get("KVMESH_TLS_CERT") for c in members):
+        assert not any("tls" in str(c.spec.get("volumeMounts")) for c in containers(overlay)), overlay
+        return
+    certificates = {o["spec"]["secretName"]: o["spec"] for o in objects if o["kind"] == "Certificate"}
+    workload = {w["metadata"]["name"]: w for w in workloads(overlay)}
+    (nats,) = [c for c in containers(overlay) if c.service == "nats"]
+    conf_path = nats.spec["args"][nats.spec["args"].index("-c") + 1]
+    source = mounted(nats, workload[nats.workload], conf_path)["configMap"]["name"]
+    conf = by_name[("ConfigMap", source)]["data"][Path(conf_path).name]
+    tls = yaml.safe_load("{" + conf.split("tls: {", 1)[1].split("}", 1)[0] + "}")
+    assert tls["verify_and_map"] is True, "nats-server must require and map client certificates"
+    secret = mounted(nats, workload[nats.workload], tls["cert_file"])["secret"]["secretName"]
+    assert "kvmesh.mesh" in certificates[secret]["dnsNames"]
+    users = set(re.findall(r'"user": "(spiffe://kvmesh/[^"]+)"', conf))
+    clusters = set(re.findall(r'"kvmesh\.([^.]+)\.', conf))
+    for c in members:
+        env = env_of(c)
+        assert env.get("KVMESH_TLS_CERT"), f"{c.workload}: connects to NATS without a certificate"
+        secret = mounted(c, workload[c.workload], env["KVMESH_TLS_CERT"])["secret"]["secretName"]
+        uris = certificates[secret].get("uris", [])
+        assert uris and uris[0] in users, f"{c.workload}: {secret} names {uris}, no NATS user ({sorted(users)})"
+        args = c.spec["args"]
+        cluster = args[args.index("--cluster") + 1] if c.service == "planner" else env["KVMESH_CLUSTER"]
+        assert clusters == {cluster}, f"{c.workload}: cluster {cluster}, nats.conf's users {clusters}"
+
+
+def test_the_tls_components_nats_conf_is_what_its_command_writes(tmp_path: Path) -> None:
+    """components/tls/nats.conf is generated (python -m kvmesh.bus.permissions, the command in its
+    kustomization.yaml): run again, it writes the same, so it follows docker/nats.conf and the role permissions."""
+    import shlex
+
+    from kvmesh.bus import permissions
+
+    text = (TLS_COMPONENT / "kustomization.yaml").read_text()
+    lines = text.split("#   python -m kvmesh.bus.permissions ", 1)[1].split("\napiVersion", 1)[0]
+    argv = shlex.split(lines.replace("\\\n#    ", " ").replace("\\\n#", " "))
+    assert argv[0] == "deploy/k8s/components/tls/nats.conf", argv
+    argv[argv.index("docker/nats.conf")] = str(ROOT / "docker" / "nats.conf")
+    permissions.main([str(tmp_path / "nats.conf"), *argv[1:]])
+    assert (tmp_path / "nats.conf").read_text() == (TLS_COMPONENT / "nats.conf").read_text(), (
+        "deploy/k8s/components/tls/nats.conf is stale: rerun the command in its kustomization.yaml")

@@ -100,9 +100,7 @@ class Stack:
         self.project = f"kvmeshtest{uuid.uuid4().hex[:8]}"
         self.api_key = "sk-" + uuid.uuid4().hex
         self.env = {
-            **os.environ,
-            "NATS_ROUTER_PASSWORD": uuid.uuid4().hex, "NATS_WORKER_PASSWORD": uuid.uuid4().hex,
-            "NATS_CACHESVC_PASSWORD": uuid.uuid4().hex, "KVMESH_ROUTER_API_KEY": self.api_key,
+            **os.environ, "KVMESH_ROUTER_API_KEY": self.api_key,
             "KVMESH_CLUSTER": "dockertest",
         }
         self.guess_ports()

@@ -26,9 +26,9 @@ def test_a_secret_file_becomes_the_variable(tmp_path):
 
 def test_a_missing_secret_file_stops_with_what_to_fix(capsys):
     with pytest.raises(SystemExit) as exit_:
-        entrypoint.read_secret_files({"NATS_WORKER_PASSWORD_FILE": "/run/secrets/none"})
+        entrypoint.read_secret_files({"KVMESH_ROUTER_API_KEY_FILE": "/run/secrets/none"})
     assert exit_.value.code == 2
-    assert "NATS_WORKER_PASSWORD_FILE='/run/secrets/none': cannot read the secret file" in capsys.readouterr().err
+    assert "KVMESH_ROUTER_API_KEY_FILE='/run/secrets/none': cannot read the secret file" in capsys.readouterr().err
 
 
 def test_an_engine_on_port_0_is_checked_through_its_ready_file_and_gets_a_unique_instance_id():

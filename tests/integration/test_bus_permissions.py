@@ -141,6 +141,13 @@ def test_a_message_must_come_from_the_sender_its_subject_names(subject, msg, ok)
     assert from_its_sender(subject, msg) is ok
 
 
+def test_a_role_certificate_held_by_every_replica_speaks_for_any_instance_of_its_role_only():
+    perms = permissions.permissions(Identity(MeshRole.DECODE, "decode"), SUBJECTS, any_instance=True)
+    assert {"kvmesh.perm.heartbeat.decode.*", "kvmesh.perm.kv.events.*"} <= set(perms.publish)
+    assert {"kvmesh.perm.kv.ready.*", "_INBOX.decode.decode.>"} <= set(perms.subscribe)
+    assert not [s for s in perms.publish if "prefill" in s or "ready" in s]
+
+
 def test_the_permissions_of_one_instance_name_no_other_instance():
     for who in IDENTITIES:
         perms = permissions.permissions(who, SUBJECTS)

@@ -21,7 +21,7 @@ KVMESH_MODULES = {"services.router": "router", "services.prefill": "prefill", "s
                   "services.cachesvc": "cachesvc"}
 OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
-SECRET_VARS = {"NATS_ROUTER_PASSWORD", "NATS_WORKER_PASSWORD", "NATS_CACHESVC_PASSWORD", "KVMESH_ROUTER_API_KEY"}
+SECRET_VARS = {"KVMESH_ROUTER_API_KEY"}  # NATS takes none: each service's certificate is its user
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -173,20 +173,22 @@ def test_each_container_command_is_a_real_kvmesh_command_line(variant, services)
             parse_service_command(argv[2], [interpolate(a, {}) for a in argv[3:]])
 
 
-def test_the_nats_command_and_config_are_accepted_by_nats_server():
+def test_the_nats_command_and_config_are_accepted_by_nats_server(certs):
+    """nats-server runs the nats.conf the mesh-certs step writes (docker/nats.conf, then TLS and the users)."""
     try:
         binary = find_nats_server()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    env = {v: "x" for v in SECRET_VARS}
     for _, services in variants():
         argv = [interpolate(a, {}) for a in services["nats"]["command"]]
-        assert argv[:3] == ["nats-server", "-c", "/etc/kvmesh/nats.conf"]
-        out = subprocess.run([str(binary), "-c", str(ROOT / "docker/nats.conf"), *argv[3:], "-t"], env=env,
+        assert argv[:3] == ["nats-server", "-c", "/certs/nats.conf"]
+        out = subprocess.run([str(binary), "-c", str(certs / "nats.conf"), *argv[3:], "-t"], env={},
                              capture_output=True, text=True, timeout=30, check=False)
         text = out.stdout + out.stderr
         assert out.returncode == 0 and "is valid" in text and "not defined" not in text, text
     assert "COPY docker/nats.conf /etc/kvmesh/nats.conf" in (ROOT / "docker/Dockerfile").read_text()
+    conf = (certs / "nats.conf").read_text()
+    assert '"verify_and_map": true' in conf and "password" not in conf
 
 
 def init_step_holders(services: dict[str, dict]) -> list[str]:
@@ -199,11 +201,12 @@ def init_step_holders(services: dict[str, dict]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    """What compose's mesh-certs step writes into the /certs volume, written here by the same command."""
-    from kvmesh import mesh_ca
+    """What compose's mesh-certs step writes into the /certs volume (certificates, nats.conf), written here by the
+    same commands."""
+    from tests.docker.test_nats_permissions import mesh_certs_step
 
     out = tmp_path_factory.mktemp("certs")
-    mesh_ca.main([str(out), *init_step_holders(load("compose.yaml")["services"])])
+    mesh_certs_step(out, ROOT / "docker" / "nats.conf")
     return out
 
 
@@ -214,10 +217,9 @@ def test_every_environment_key_is_a_known_setting_and_its_value_is_valid(variant
         argv = svc["command"]
         env = {k: interpolate(str(v), secrets) for k, v in svc.get("environment", {}).items()}
         env = {k: str(certs) + v.removeprefix("/certs") if v.startswith("/certs/") else v for k, v in env.items()}
-        if argv[0] == "nats-server":
-            # an unquoted $NAME in nats.conf is a variable (quoted ones, like "$JS.API.>", are subjects)
-            refs = set(re.findall(r":\s*\$([A-Z_]+)", (ROOT / "docker/nats.conf").read_text()))
-            assert set(env) == refs, f"nats: environment {sorted(env)} vs nats.conf's {sorted(refs)}"
+        if argv[0] == "nats-server":  # its own certificate, for its healthcheck (docker/healthcheck.py)
+            assert set(env) == {"KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA", "KVMESH_TLS_SERVER_NAME"}
+            assert all(Path(env[k]).is_file() for k in ("KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA"))
             continue
         service = KVMESH_MODULES[argv[2]]
         reads = {"shared", *settings.ENTRY_POINT_SECTIONS[service]}
@@ -267,15 +269,32 @@ def test_secrets_come_from_the_environment_never_from_the_files():
         for name, svc in load(file)["services"].items():
             for key, value in svc.get("environment", {}).items():
                 value = str(value)
-                if "://" in value and "@" in value:  # credentials in a URL
-                    password = value.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
-                    assert re.fullmatch(r"\$\{NATS_[A-Z]+_PASSWORD(:\?[^}]*)?\}", password), (file, name, key)
+                assert not ("://" in value and "@" in value), f"{file} {name} {key}: credentials in a URL"
+                assert "PASSWORD" not in value, f"{file} {name} {key}: NATS authenticates by certificate"
                 if key in SECRET_VARS:
                     ref = _VAR.fullmatch(value)
                     assert ref and ref.group(1) == key, (file, name, key)
-    conf = (ROOT / "docker/nats.conf").read_text()
-    assert re.findall(r"password:\s*(\S+)", conf) == ["$NATS_ROUTER_PASSWORD", "$NATS_WORKER_PASSWORD",
-                                                       "$NATS_CACHESVC_PASSWORD"]
+    assert "password" not in (ROOT / "docker/nats.conf").read_text()
+
+
+def test_every_nats_url_has_no_password_and_nats_requires_tls(certs):
+    """Each service authenticates to NATS by its certificate: the step's nats.conf asks every client for one
+    (``verify_and_map``) and names one user per certificate of a service that connects to NATS."""
+    from kvmesh.bus.bus import tls_required
+
+    conf = (certs / "nats.conf").read_text()
+    assert re.search(r'"verify_and_map": true', conf) and '"ca_file"' in conf
+    users = set(re.findall(r'"user": "spiffe://kvmesh/([^"]+)"', conf))
+    for variant, services in variants():
+        for name, svc in kvmesh_services(services).items():
+            env = {k: str(v) for k, v in svc.get("environment", {}).items()}
+            if "KVMESH_NATS_URL" not in env:
+                assert svc["command"][0] == "nats-server", f"{variant} {name}: no KVMESH_NATS_URL"
+                continue
+            url = interpolate(env["KVMESH_NATS_URL"], {})
+            assert tls_required(url) and "@" not in url, f"{variant} {name}: {url}"
+            holder = env["KVMESH_TLS_CERT"].removeprefix("/certs/").removesuffix(".pem").replace("-", "/", 1)
+            assert holder in users, f"{variant} {name}: its certificate {holder} is no NATS user"
 
 
 @pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
@@ -314,7 +333,7 @@ def test_every_service_that_calls_the_mesh_presents_a_certificate_of_the_init_st
     from kvmesh.identity import MeshRole
 
     (step,) = init_steps(services)
-    written = set(init_step_holders(services))
+    written = {a.split("=")[0] for a in init_step_holders(services)}
     assert all(MeshRole(a.split("/")[0]) for a in written)
 
     def after_step(name: str) -> bool:  # started after the step, directly or through what it waits for
@@ -323,8 +342,6 @@ def test_every_service_that_calls_the_mesh_presents_a_certificate_of_the_init_st
             after_step(d) for d in deps if d != step)
 
     for name, svc in kvmesh_services(services).items():
-        if svc["command"][0] == "nats-server":
-            continue
         env = svc.get("environment", {})
         cert = env.get("KVMESH_TLS_CERT", "")
         assert cert.startswith("/certs/") and env.get("KVMESH_TLS_CA") == "/certs/ca.pem", f"{variant} {name}"

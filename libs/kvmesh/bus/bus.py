@@ -95,8 +95,8 @@ def from_its_sender(subject: str, msg: Message) -> bool:
 def tls_required(url: str | list[str]) -> bool:
     """Whether a member with mesh TLS must refuse a NATS server that does not ask for TLS: when it authenticates
     by its certificate (no user or token in any URL: ``kvmesh up``'s servers map certificates to users) or a URL
-    says ``tls://``. A URL with a password is a server that authenticates by password, perhaps in clear (the
-    compose and Kubernetes manifests' NATS today): allowed, with a warning once connected."""
+    says ``tls://``. A URL with a password is a server that authenticates by password, perhaps in clear (a NATS
+    of your own): allowed, with a warning once connected."""
     urls = [url] if isinstance(url, str) else url
     return any(u.startswith("tls://") for u in urls) or not any("@" in u.split("//", 1)[-1] for u in urls)
 

@@ -24,6 +24,11 @@ What each role may do (``permissions``; ``<i>`` is the holder's own instance; su
 - admin (an operator's tool): subscribes ``heartbeat.>`` and ``router.load.*``, publishes nothing;
 - client: nothing.
 
+Where every replica of a role holds its role's one certificate (compose's ``mesh-certs`` step, Kubernetes' Secret
+``kvmesh-tls-<role>``), its user speaks for any instance of its role (``any_instance``): ``<i>`` above is ``*``, so a
+role still cannot beat as another role or read another role's subjects, but one replica can beat as another of its
+role (receivers drop a message whose sender differs from its subject's, ``kvmesh.bus.bus.from_its_sender``).
+
 Every user subscribes to its own inbox only, ``_INBOX.<role>.<instance>.>`` (``inbox_prefix``: ``kvmesh.tls``
 connects with it), so no one reads another's replies. Engines answer snapshot requests on the asker's inbox through
 ``allow_responses`` (only requests they received), and may look up and create the KV events stream but not change
@@ -32,13 +37,15 @@ it; cachesvc also updates it. Subjects are exact for the cluster given (``kvmesh
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.bus.subjects import Subjects
-from kvmesh.identity import Identity, MeshRole
+from kvmesh.contracts.ids import subject_token
+from kvmesh.identity import SPIFFE_PREFIX, Identity, MeshRole
 
 SNAPSHOT_CHUNKS = 10_000  # answers one snapshot request may take (a chunk fills the server's max payload)
 
@@ -55,18 +62,20 @@ def inbox_prefix(identity: Identity) -> str:
     return f"_INBOX.{identity.role}.{identity.instance}"
 
 
-def permissions(identity: Identity, subjects: Subjects) -> Permissions:
-    role, i, p = identity.role, identity.instance, subjects.prefix
+def permissions(identity: Identity, subjects: Subjects, any_instance: bool = False) -> Permissions:
+    """What the holder of ``identity`` may do; ``any_instance``: the role's certificate, held by every replica."""
+    role, p = identity.role, subjects.prefix
+    i = "*" if any_instance else subject_token(identity.instance, "instance")
     inbox = f"{inbox_prefix(identity)}.>"
     stream = subjects.events_stream
     find_stream = (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}")
     if role.is_engine:
-        publish = [subjects.heartbeat(role, i), subjects.kv_events(i), subjects.kv_quarantine, *find_stream]
-        subscribe = [f"{p}kv.snapshot.{i}", subjects.kv_copies(i), subjects.sessions, inbox]
+        publish = [f"{p}heartbeat.{role}.{i}", f"{p}kv.events.{i}", subjects.kv_quarantine, *find_stream]
+        subscribe = [f"{p}kv.snapshot.{i}", f"{p}kv.copies.{i}", subjects.sessions, inbox]
         if role in (MeshRole.PREFILL, MeshRole.BOTH):
             publish.append(f"{p}kv.ready.*")
         if role in (MeshRole.DECODE, MeshRole.BOTH):
-            subscribe.append(subjects.kv_ready(i))
+            subscribe.append(f"{p}kv.ready.{i}")
         return Permissions(tuple(publish), tuple(subscribe), responses=True)
     if role == MeshRole.ROUTER:
         # a router's load goes out under its router id (KVMESH_ROUTER_ID, by default host and pid), not its
@@ -86,9 +95,9 @@ def permissions(identity: Identity, subjects: Subjects) -> Permissions:
     return Permissions()
 
 
-def user(identity: Identity, subjects: Subjects) -> dict[str, object]:
+def user(identity: Identity, subjects: Subjects, any_instance: bool = False) -> dict[str, object]:
     """One nats-server user: named by the identity's URI (what ``verify_and_map`` matches), its permissions."""
-    perms = permissions(identity, subjects)
+    perms = permissions(identity, subjects, any_instance)
     out: dict[str, object] = {"publish": {"allow": list(perms.publish)},
                               "subscribe": {"allow": list(perms.subscribe)}}
     if perms.responses:
@@ -96,11 +105,40 @@ def user(identity: Identity, subjects: Subjects) -> dict[str, object]:
     return {"user": identity.uri, "permissions": out}
 
 
-def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects, cert: str, key: str,
-                 ca: str) -> Path:
-    """A nats-server configuration (JSON is valid nats-server configuration): mutual TLS with the mesh CA, each
-    certificate mapped to its user, one user per identity. Listen address, JetStream and store come as flags."""
+def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects, cert: str, key: str, ca: str,
+                 any_instance: bool = False, settings: str = "") -> Path:
+    """A nats-server configuration: mutual TLS with the mesh CA, each certificate mapped to its user, one user per
+    identity (``any_instance``: each speaks for every replica of its role). Without ``settings`` it is JSON (valid
+    nats-server configuration) and listen address, JetStream and store come as flags; ``settings`` (configuration
+    text: listen, JetStream, max_payload, with no ``tls`` or ``authorization`` of its own) is written first."""
     config = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
-              "authorization": {"users": [user(who, subjects) for who in identities]}}
-    path.write_text(json.dumps(config, indent=2) + "\n")
+              "authorization": {"users": [user(who, subjects, any_instance) for who in identities]}}
+    if not settings:
+        path.write_text(json.dumps(config, indent=2) + "\n")
+        return path
+    blocks = "".join(f"{name}: {json.dumps(value, indent=2)}\n" for name, value in config.items())
+    path.write_text(f"{settings.rstrip()}\n\n# written by kvmesh.bus.permissions\n{blocks}")
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvmesh.bus.permissions CONF --cert C --key K --ca CA ROLE/INSTANCE ...``: a nats-server
+    configuration with a user per mesh identity (compose's ``mesh-certs`` step; deploy/k8s/components/tls)."""
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.bus.permissions", description=main.__doc__)
+    parser.add_argument("conf", type=Path, help="the configuration to write")
+    parser.add_argument("identities", nargs="+", metavar="ROLE/INSTANCE", help="one NATS user each")
+    parser.add_argument("--cluster", default="default", help="the cluster whose subjects the users may use")
+    for name, what in (("cert", "certificate"), ("key", "key"), ("ca", "the mesh CA")):
+        parser.add_argument(f"--{name}", required=True, help=f"nats-server's {what}, as a path where it runs")
+    parser.add_argument("--settings", type=Path, help="nats-server configuration to start from (listen, JetStream)")
+    parser.add_argument("--any-instance", action="store_true",
+                        help="every replica of a role holds its role's one certificate")
+    args = parser.parse_args(argv)
+    who = [Identity.parse(f"{SPIFFE_PREFIX}{name}") for name in args.identities]
+    write_config(args.conf, who, Subjects(args.cluster), args.cert, args.key, args.ca, args.any_instance,
+                 args.settings.read_text() if args.settings else "")
+    print(f"{args.conf}: {len(who)} NATS users")
+
+
+if __name__ == "__main__":
+    main()
