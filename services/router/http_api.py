@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -78,26 +78,28 @@ async def read_body(request: web.Request) -> dict:
 
 class Answer(NamedTuple):
     """What every chunk of one response repeats: the request id, the object kind and the model it names; and
-    whether its choices carry logprobs."""
+    whether its choices carry logprobs. ``prompt``: the prompt's token ids when the body asked for them
+    (``return_token_ids``: then every choice carries its ``token_ids`` too), else None."""
 
     rid: str
     kind: str
     model: str  # the LoRA adapter's name when one was asked for, else the base model's id
     logprobs: bool = False
+    prompt: tuple[int, ...] | None = None
 
 
 class Body:
     """One completions or chat request's body, read when the intake asks for its fields; what it says about
-    the answer (``stream``, ``stream_options``) is kept for the handler."""
+    the answer (``stream``, ``stream_options``, ``return_token_ids``) is kept for the handler."""
 
     def __init__(self, request: web.Request, chat: bool) -> None:
         self.request, self.chat = request, chat
-        self.streaming = self.include_usage = False
+        self.shape = openai_body.Shape(False, False, False)
 
     async def draft(self) -> Draft:
         body = await read_body(self.request)
         draft = openai_body.draft(body, self.chat, self.request.headers)
-        self.streaming, self.include_usage = openai_body.streaming(body)
+        self.shape = openai_body.shape(body)
         return draft
 
 
@@ -131,10 +133,10 @@ class OpenAIApi:
         try:
             async with self.intake.admit(call, rt, body.draft) as req:
                 answer = Answer(rid, "chat.completion" if chat else "text_completion", req.model,
-                                req.sampling.logprobs is not None)
+                                req.sampling.logprobs is not None, req.prompt if body.shape.token_ids else None)
                 stream = self.router.generate(req, rt)
-                if body.streaming:
-                    return await self._sse(request, answer, stream, body.include_usage, rt)
+                if body.shape.stream:
+                    return await self._sse(request, answer, stream, body.shape.include_usage, rt)
                 return await self._whole(answer, stream, rt)
         except RequestError as e:
             rt.finish(e.kind, e.message)
@@ -188,7 +190,11 @@ class OpenAIApi:
                         if kind == "chat.completion" else {"index": 0, "text": content})
         choice["logprobs"] = self._logprobs(answer, chunks)
         choice["finish_reason"] = last.finish_reason or "stop"
-        return web.json_response(self._envelope(answer, kind, [choice], self._usage(last)), headers=rt.headers())
+        out = self._envelope(answer, kind, [choice], self._usage(last))
+        if answer.prompt is not None:  # vLLM's places: a chat's prompt ids on the response, a completion's choice
+            choice["token_ids"] = [t for c in chunks for t in c.token_ids]
+            (out if kind == "chat.completion" else choice)["prompt_token_ids"] = list(answer.prompt)
+        return web.json_response(out, headers=rt.headers())
 
     async def _sse(self, request: web.Request, answer: Answer, stream: AsyncIterator[Chunk], include_usage: bool,
                    rt: RequestTrace) -> web.StreamResponse:
@@ -204,18 +210,25 @@ class OpenAIApi:
         async def send(obj: dict | str) -> None:
             await resp.write(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
 
+        # return_token_ids (vLLM's shape): the prompt's ids once, in the first chunk (a chat's on the chunk, a
+        # completion's on its choice), and each chunk's own token ids on its choice
+        prompt = None if answer.prompt is None else {"prompt_token_ids": list(answer.prompt)}
         if chunk_kind == "chat.completion.chunk":
             await send(self._envelope(answer, chunk_kind, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}]))
+                                                         "logprobs": None, "finish_reason": None}]) | (prompt or {}))
+            prompt = None
         c: Chunk | None = first
         sent = 0  # characters of text streamed so far: where the next chunk's tokens start
         try:
             while c is not None:
                 delta = ({"delta": {"content": c.text}} if chunk_kind == "chat.completion.chunk"
                          else {"text": c.text})
-                await send(self._envelope(answer, chunk_kind, [{"index": 0, **delta,
-                                                             "logprobs": self._logprobs(answer, [c], sent),
-                                                             "finish_reason": c.finish_reason or None}]))
+                choice: dict[str, Any] = {"index": 0, **delta, "logprobs": self._logprobs(answer, [c], sent),
+                          "finish_reason": c.finish_reason or None}
+                if answer.prompt is not None:
+                    choice |= (prompt or {}) | {"token_ids": list(c.token_ids)}
+                    prompt = None
+                await send(self._envelope(answer, chunk_kind, [choice]))
                 sent += len(c.text)
                 rt.first_token_sent()
                 if c.finished:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
@@ -81,12 +81,20 @@ def _slo(body: dict) -> tuple[float, float]:
     return _num(slo, "ttft_s", 0.0, "kvmesh_slo."), _num(slo, "itl_s", 0.0, "kvmesh_slo.")
 
 
-def streaming(body: dict) -> tuple[bool, bool]:
-    """``stream`` and ``stream_options.include_usage``."""
+class Shape(NamedTuple):
+    """What a body asks of its answer's shape: ``stream``, ``stream_options.include_usage``, and vLLM's
+    ``return_token_ids`` (the prompt's and the completion's token ids beside the text)."""
+
+    stream: bool
+    include_usage: bool
+    token_ids: bool
+
+
+def shape(body: dict) -> Shape:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise invalid("stream_options must be an object like {\"include_usage\": true}")
-    return bool_field(body, "stream"), bool_field(options, "include_usage")
+    return Shape(bool_field(body, "stream"), bool_field(options, "include_usage"), bool_field(body, "return_token_ids"))
 
 
 def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, str]:
