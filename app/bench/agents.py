@@ -12,7 +12,8 @@ run or a build, each with a lognormal duration around its own median (heavy-tail
 output joins the context of the next step. Every other task forks sub-agents after its second step: each starts
 from the parent's context plus its own instructions, runs two steps with tool pauses, and the parent resumes once
 all are back, with their results in its context. Responses are forced tool calls (the response format), the last
-step's a short answer.
+step's a short answer; each response joins the context as its token ids (``return_token_ids``), before the
+tool's output.
 
 ``hints``: the same workload on two fresh stacks at the same time (so the machine's load weighs on both alike).
 "without hints": requests carry no session fields (routing is cache-aware only, eviction ranks as its base
@@ -150,8 +151,9 @@ HINT_SETS = ("none", "ids", "full")  # no session fields; session_id and session
 def body(prompt: tuple[int, ...], step: Step, agent: Agent, parent: str, hints: str) -> dict[str, Any]:
     # the forced tool call is 43 tokens under the grammar: a smaller budget cuts it ("length"), and a cut call is
     # no pause
+    # return_token_ids: the response joins the next step's context as the tokens the engine computed
     out: dict[str, Any] = {"prompt": list(prompt), "max_tokens": 48, "temperature": 0, "stream": True,
-                           "stream_options": {"include_usage": True}}
+                           "stream_options": {"include_usage": True}, "return_token_ids": True}
     if step.last:
         out.update(ignore_eos=True, max_tokens=4)
     else:
@@ -187,6 +189,7 @@ async def drive(url: str, systems: list[tuple[int, ...]], agents: list[Agent], h
             sent.append(Sent(context, rec, n > 0))
             await stream_request(http, f"{url}/v1/completions", body(context, step, agent, parent, hints), rec,
                                  600.0, {})
+            context = context + tuple(rec.token_ids)  # the model's response, as an agent's transcript keeps it
             if n == agent.fork_after:
                 results = await asyncio.gather(*(run_agent(http, c, context, agent.name) for c in agent.children))
                 context = context + tuple(t for r in results for t in r[-16:])  # each sub-agent's result
@@ -300,8 +303,9 @@ def run(mode: str, systems: list[tuple[int, ...]], agents: list[Agent], hints: s
 
 def optimum(r: Run, capacity: int) -> tuple[float, float]:
     """The resumed steps' cached share an offline optimum would have served on ``r``'s request stream, in the
-    order sent: Belady over ``capacity`` blocks, and an unbounded cache."""
-    stream = [(block_keys(0, list(s.prompt), BLOCK), len(s.prompt)) for s in r.sent]
+    order sent: Belady over ``capacity`` blocks, and an unbounded cache. Each request leaves its prompt's and
+    its response's blocks (the next step's prompt holds the response)."""
+    stream = [(block_keys(0, [*s.prompt, *s.record.token_ids], BLOCK), len(s.prompt)) for s in r.sent]
     resumed = [i for i, s in enumerate(r.sent) if s.resumed]
     total = sum(len(r.sent[i].prompt) for i in resumed) or 1
     bel, inf = belady_hits(stream, BLOCK, capacity), infinite_cache_hits(stream, BLOCK)
@@ -340,7 +344,8 @@ def _ratio(runs: list[Run], q: int) -> str:
 def describe(tasks: int, steps: int, load0: str) -> str:
     tools = ", ".join(f"{k} ~{m:g} s ({w:.0%})" for k, (m, _, w) in TOOLS.items())
     return (f"{tasks} agent tasks of {steps} steps, started 2 s apart, two agent kinds (a 256-token system prompt "
-            f"each), 96 tokens of instructions, 64 tokens of tool output a step; tools: {tools}, lognormal, capped "
+            f"each), 96 tokens of instructions, then a step's response (its token ids) and 64 tokens of tool output "
+            f"join the context; tools: {tools}, lognormal, capped "
             f"at {MAX_TOOL_S:g} s; every other task forks 2 sub-agents of 2 steps after its second step. Stack: 2 "
             f"role-both instances of the default model (1 thread each, {ENGINE['num_blocks']} device blocks = "
             f"{ENGINE['num_blocks'] * BLOCK} tokens each, {ENGINE['host_cache_mb']} MB host tier, a "

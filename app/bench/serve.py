@@ -130,6 +130,8 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict, r
                         rec.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
                         break
                     now = time.perf_counter()
+                    for c in obj.get("choices") or []:  # return_token_ids: each chunk's own tokens
+                        rec.token_ids.extend(c.get("token_ids") or ())
                     text = "".join(_chunk_text(c) for c in obj.get("choices") or [])
                     if text:
                         if rec.ttft_s is None:

@@ -38,6 +38,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the output's, when the request asked (return_token_ids)
     error: str | None = None
     timed_out: bool = False
     phase: str = ""                            # workload phase (e.g. hot-set switch: "X", "Y", "X again")
