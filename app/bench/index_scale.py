@@ -1,6 +1,7 @@
 """Index and router scale: MatchPrefix and one router's per-request CPU as instances and indexed blocks grow.
 
-    kvmesh bench index [--instances 64,256,1024] [--blocks 1M,10M] [--calls N] [--quick] [--no-write]
+    kvmesh bench index [--instances 64,256,1024] [--blocks 1M,10M,100M] [--calls N] [--max-rss-gb G] [--quick]
+                       [--no-write]
 
 1. **Index.** For each (instances, blocks) size, a fresh ``services.cachesvc.index.BlockIndex`` in a child process
    is filled through its real ``apply`` with the KV event batches of a simulated fleet (``Fleet``): 64 system
