@@ -56,7 +56,7 @@ from app.bench.stats import percentile
 
 SECTION = "Index, disk tier and pool fetch"
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]  # <repo>/app/bench/cachesvc.py
 CHAIN = 64
 FETCH_PATHS = (("inline gRPC (baseline)", None), ("transfer engine, tcp", "tcp"), ("transfer engine, shm", "shm"))
 FETCH_COLUMNS = ["path", "median", "best", "bytes", "vs recompute", "vs inline gRPC"]

@@ -2,9 +2,10 @@
 
 Layout in memory: one dict ``block key -> holder bitmask``. A holder is an ``(instance_id, tier)`` pair
 interned to a small id; its bit is ``1 << id``. With up to 8 holders every mask is one of CPython's cached
-small ints, so a block costs little more than its dict slot and its key. Removing a whole instance scans the
-dict once (rare: ``AllBlocksCleared`` or an instance that stopped beating) instead of keeping a reverse index
-per holder.
+small ints, so a block costs little more than its dict slot and its key; with more, a mask is an int as wide as
+its highest holder id (1,024 instances, 2,048 holders: ~240 B a block against ~120 B at 64 instances).
+Removing a whole instance scans the dict once (rare: ``AllBlocksCleared`` or an instance that stopped beating)
+instead of keeping a reverse index per holder.
 
 Not thread-safe: the owner (the cache server) calls it from its event loop only.
 """
@@ -12,10 +13,12 @@ Not thread-safe: the owner (the cache server) calls it from its event loop only.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.contracts.messages import KVEventBatch
 
@@ -33,6 +36,11 @@ class PrefixMatch(NamedTuple):
     num_blocks: int
 
 
+# PrefixMatch from a ready tuple without a Python frame (``PrefixMatch(...)`` and ``_make`` each run one): an
+# answer on a large fleet makes one per holder of a shared prefix
+_new_match = functools.partial(tuple.__new__, PrefixMatch)
+
+
 class Order(enum.Enum):
     """Where a batch falls in its instance's sequence."""
 
@@ -41,8 +49,15 @@ class Order(enum.Enum):
     GAP = "gap"      # batches are missing (from an unknown instance: seq > 1, its beginning is not in the stream)
 
 
+_FEW_BITS = 16  # up to this many set bits, peeling them off one by one is faster than unpacking the mask
+
+
 def _bits(mask: int) -> list[int]:
-    """Holder ids set in ``mask``, lowest first."""
+    """Holder ids set in ``mask``, lowest first. A mask of many holders (a prefix shared across a large fleet)
+    is unpacked by numpy: peeling ``k`` bits off a mask of ``n`` holders makes ``k`` big ints of ``n`` bits."""
+    if mask.bit_count() > _FEW_BITS:
+        packed = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+        return np.flatnonzero(np.unpackbits(packed, bitorder="little")).tolist()
     ids = []
     while mask:
         low = mask & -mask
@@ -175,23 +190,23 @@ class BlockIndex:
 
     def match_prefix(self, keys: Sequence[int]) -> list[PrefixMatch]:
         """For every holder of ``keys[0]``: how many leading keys it holds (its count stops at its first
-        missing key). Walks ``keys`` once with the set of holders still matching; stops when none is left."""
-        counts: dict[int, int] = {}
-        mask = self._masks.get(keys[0], 0) if keys else 0
-        position = 0
-        for position, key in enumerate(keys):
-            still = mask & self._masks.get(key, 0)
-            for hid in _bits(mask & ~still):
-                counts[hid] = position
-            mask = still
-            if not mask:
-                break
-        else:
-            for hid in _bits(mask):
-                counts[hid] = len(keys)
-        out = []
-        for hid, n in counts.items():
-            holder = self._holders[hid]
-            if n and holder is not None:
-                out.append(PrefixMatch(holder.instance_id, holder.tier, n))
-        return sorted(out, key=lambda m: (-m.num_blocks, m.instance_id, m.tier))
+        missing key), most first, then by instance and tier. Walks ``keys`` once with the set of holders still
+        matching, noting where each group of them drops out; stops when none is left. The answer is as long as
+        the holders of ``keys[0]`` (on a large fleet, of a shared system prompt: most of it)."""
+        masks = self._masks
+        mask = masks.get(keys[0], 0) if keys else 0
+        dropped: list[tuple[int, int]] = []  # (position, holders whose run ends just before it), in walk order
+        for position in range(1, len(keys) if mask else 0):
+            still = mask & masks.get(keys[position], 0)
+            if still != mask:
+                dropped.append((position, mask ^ still))
+                mask = still
+                if not mask:
+                    break
+        if mask:
+            dropped.append((len(keys), mask))
+        out: list[PrefixMatch] = []
+        for n, group in reversed(dropped):
+            holders = sorted(h for hid in _bits(group) if (h := self._holders[hid]) is not None)
+            out += [_new_match((*holder, n)) for holder in holders]
+        return out

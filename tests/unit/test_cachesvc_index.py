@@ -1,12 +1,13 @@
 """BlockIndex: which (instance, tier) holds how many leading blocks, fed by KV event batches."""
 
+import random
 import tracemalloc
 
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.messages import KVEventBatch
 
-from services.cachesvc.index import BlockIndex, Order, PrefixMatch
+from services.cachesvc.index import BlockIndex, Holder, Order, PrefixMatch
 
 KEYS = [BlockKey(k) for k in (11, 22, 33, 44, 55)]
 
@@ -182,3 +183,27 @@ def test_bytes_per_block_at_100k_blocks():
     print(f"\nBlockIndex: {per_block:.0f} bytes per block at {n} blocks, 6 holders each")
     assert len(index) == n
     assert per_block < 200
+
+
+def held_runs(stores: dict[Holder, set[int]], keys: list[int]) -> list[PrefixMatch]:
+    """The answer by definition: each holder's run of leading keys, most first, then by instance and tier."""
+    runs = []
+    for holder, held in stores.items():
+        n = next((i for i, k in enumerate(keys) if k not in held), len(keys))
+        if n:
+            runs.append(PrefixMatch(holder.instance_id, holder.tier, n))
+    return sorted(runs, key=lambda m: (-m.num_blocks, m.instance_id, m.tier))
+
+
+def test_match_on_a_large_fleet_is_every_holders_run_in_order():
+    rng = random.Random(7)
+    chain = [BlockKey(rng.getrandbits(64)) for _ in range(64)]
+    index, stores = BlockIndex(), {}
+    feed = Feed(index)
+    for i in range(300):  # 600 holders: their masks are unpacked whole, not bit by bit
+        for tier in ("device", "host"):
+            held = chain[:rng.randint(0, len(chain))] + chain[rng.randint(0, 63):][:rng.randint(0, 8)]
+            feed(f"i{i:03d}", stored(held, tier))
+            stores[Holder(f"i{i:03d}", tier)] = set(held)
+    for keys in (chain, chain[:1], chain[:10] + [BlockKey(1)], chain[5:]):
+        assert index.match_prefix(keys) == held_runs(stores, keys)
