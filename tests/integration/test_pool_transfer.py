@@ -286,6 +286,9 @@ def test_a_layer_group_part_pushed_to_the_pool_is_refused_and_nothing_is_stored(
      "is not '<backend>://<host>:<port>'"),
     (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="tcp://127.0.0.1:1", transfer_id="t"),
      "transfer_token is required with transfer_address"),
+    (cache_pb2.GetBlocksRequest(block_keys=KEYS, transfer_address="tcp://127.0.0.1:1", transfer_id="t",
+                                transfer_token="x", transfer_versions="two"),
+     "transfer header versions 'two' are not '<low>-<high>'"),
     (cache_pb2.PutBlocksRequest(block_keys=KEYS[:1], checksums=[1], data=b"x", transfer_id="t"),
      "set either data (inline blocks) or transfer_id (pushed blocks), not both"),
 ])

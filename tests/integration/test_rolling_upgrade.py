@@ -124,3 +124,20 @@ def test_the_pool_fetches_and_takes_write_backs_between_builds_intact(nats_serve
 
     run(body())
     assert versions_read(theirs) == versions_read(ours) == versions_expected(instance, pool)
+
+
+# -- a range that is no range -------------------------------------------------------------------------------
+
+def test_a_prefill_told_a_malformed_range_refuses_the_request_naming_the_field(mesh) -> None:  # noqa: F811
+    import grpc
+    from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
+
+    prefill, decode = mesh.workers
+    request = worker_pb2.PrefillRequest(
+        work=worker_pb2.WorkRequest(request_id="bad-range", prompt_token_ids=prompt(4)),
+        decode_instance=decode.instance_id, decode_transfer_address=decode.transfer_address, push_token="t",
+        push_versions="3-2")
+    with grpc.insecure_channel(prefill.grpc_address) as ch, pytest.raises(grpc.RpcError) as e:
+        worker_pb2_grpc.PrefillStub(ch).Prefill(request, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "push_versions: transfer header versions '3-2' are not '<low>-<high>'" in e.value.details()
