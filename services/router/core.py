@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -96,6 +97,8 @@ class Router:
         self.stalls = StallWatch(lambda: self.registry, cfg.inter_token_timeout_s)
         self._tasks: set[asyncio.Task] = set()
         self._load_pending = False
+        # long prompts are tokenized here, off the event loop and several at once (the tokenizer releases the GIL)
+        self.tokenize_pool = ThreadPoolExecutor(cfg.tokenize_threads or os.cpu_count() or 1, "tokenize")
         self.sessions = Sessions(lambda msg: self.bus.publish(self.subjects.sessions, msg), cfg.session_affinity,
                                  cfg.session_overload, cfg.max_sessions,
                                  share=lambda msg: self.bus.publish(self.subjects.router_sessions, msg))
@@ -128,6 +131,7 @@ class Router:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         await self.bus.close()
         for ch in self._channels.values():
             await ch.close()

@@ -27,6 +27,7 @@ The admitted request holds an admission slot until the ``async with`` block ends
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -37,6 +38,7 @@ from kvmesh.contracts.engine import RetentionRange, SessionHint
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.sessions import check_pause, check_retention, check_retention_hint, check_session_id, session_key
 from kvmesh.contracts.slo import NO_SLO, SLO
+from kvmesh.model_source.tokenizer import RELEASE_GIL_CHARS
 from kvmesh.routing.cost import DISAGGREGATE_MODES
 
 from services.router.access import Admission, Tenants, TenantTerms, cache_salt, dispatch_id
@@ -235,7 +237,7 @@ class Intake:
                 check_constraint(draft)
                 session = self.session(draft, tenant)
                 self.router.sessions.arrived(session)  # a paused session's instance warms its KV meanwhile
-                prompt = self.prompt_ids(draft)
+                prompt = await self.prompt_ids(draft)
                 lora = self.model(draft.model)
                 self.check(prompt, draft.sampling)
                 self.check_resume(draft.resume, draft.sampling)
@@ -255,10 +257,14 @@ class Intake:
             leave()
 
     # ---- the steps ---------------------------------------------------------------------------------------
-    def prompt_ids(self, draft: Draft) -> list[int]:
-        """The prompt's token ids; the error names the field to fix."""
+    async def prompt_ids(self, draft: Draft) -> list[int]:
+        """The prompt's token ids; the error names the field to fix. A long text (or chat) is tokenized on the
+        router's tokenize threads: the event loop keeps serving the other requests meanwhile, and several long
+        prompts are tokenized on several cores (``Tokenizer`` releases the GIL for them)."""
+        tok = self.router.tokenizer
         if draft.messages is not None:
-            return self.router.tokenizer.apply_chat_template(chat_messages(draft.messages))
+            chat = chat_messages(draft.messages)
+            return await self._tokenize(sum(len(m["content"]) for m in chat), tok.apply_chat_template, chat)
         if draft.token_ids is not None:
             vocab = self.router.source.config.vocab_size
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in draft.token_ids):
@@ -267,8 +273,15 @@ class Intake:
         if draft.text is not None:
             if not draft.text.strip():
                 raise invalid("the prompt is blank (empty or whitespace): give the model some text")
-            return self.router.tokenizer.encode(draft.text)
+            return await self._tokenize(len(draft.text), tok.encode, draft.text)
         raise invalid("a prompt is required (text, token ids or messages)")
+
+    async def _tokenize(self, chars: int, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
+        """``fn(arg)`` here when the text is short (a thread hop costs more than it saves), else on the tokenize
+        threads."""
+        if chars < RELEASE_GIL_CHARS:
+            return fn(arg)
+        return await asyncio.get_running_loop().run_in_executor(self.router.tokenize_pool, fn, arg)
 
     def model(self, model: str) -> str:
         """The LoRA adapter ``model`` names ("" for the base model)."""

@@ -41,6 +41,25 @@ def test_encode_adds_bos_when_the_tokenizer_says_so(tok_dir: Path) -> None:
     assert Tokenizer.from_dir(tok_dir).encode("hi")[0] == 1
 
 
+def test_a_long_text_gets_the_ids_it_gets_with_the_gil_held(tok_dir: Path) -> None:
+    """Long texts go through encode_batch (the GIL released): the ids are the plain encode's, with and without
+    special tokens, a BOS post-processor and special-token text inside the prompt."""
+    from kvmesh.model_source.tokenizer import RELEASE_GIL_CHARS
+
+    data = json.loads((tok_dir / "tokenizer.json").read_text())
+    bos = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    data["post_processor"] = json.loads(bos.__getstate__())
+    (tok_dir / "tokenizer.json").write_text(json.dumps(data))
+    tok = Tokenizer.from_dir(tok_dir)
+    text = (MULTIBYTE + " <|im_end|>\n") * (RELEASE_GIL_CHARS // len(MULTIBYTE) + 1)
+    assert len(text) >= RELEASE_GIL_CHARS
+    raw = tok._tok
+    assert tok.encode(text) == raw.encode(text, add_special_tokens=True).ids
+    chat = [{"role": "user", "content": text}]
+    rendered = tok.decode(tok.apply_chat_template(chat), skip_special_tokens=False)
+    assert tok.apply_chat_template(chat) == raw.encode(rendered, add_special_tokens=False).ids
+
+
 def test_apply_chat_template_renders_chatml_with_generation_prompt(tok: Tokenizer) -> None:
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

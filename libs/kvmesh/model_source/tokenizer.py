@@ -23,6 +23,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+RELEASE_GIL_CHARS = 2048  # texts this long are encoded with the GIL released (``Tokenizer._ids``): ~500 tokens
 
 
 class Tokenizer:
@@ -61,7 +62,15 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens (e.g. BOS) only where the model's tokenizer adds them."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+        return self._ids(text, True)
+
+    def _ids(self, text: str, special: bool) -> list[int]:
+        """The ids of ``text``. A long text goes through ``encode_batch``, which releases the GIL while it
+        runs (``encode`` holds it throughout): other threads, and an event loop that handed the work to a
+        thread, keep running, and several prompts are tokenized on several cores. Same ids either way."""
+        if len(text) >= RELEASE_GIL_CHARS:
+            return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
+        return self._tok.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -84,7 +93,7 @@ class Tokenizer:
                              "chat_template.jinja): send a plain prompt instead of messages")
         text = _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._ids(text, False)
 
 
 def _token_text(value: Any) -> str | None:

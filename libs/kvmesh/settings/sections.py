@@ -511,6 +511,8 @@ class RouterSettings(Section):
     recent_prefix_ttl_s: float = setting(20.0, "a prompt sent to an instance counts as held there for this long, "
                                                "until its KV events reach the index (0 = the index alone)")
     request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
+    tokenize_threads: int = setting(0, "threads that tokenize long prompts off the event loop, several at once "
+                                       "(0 = one per CPU core)")
     policy: RoutingPolicy = setting(RoutingPolicy.CACHE_AWARE, "routing policy (per request: header / "
                                     "metadata x-kvmesh-policy)", choices=sorted(RoutingPolicy))
     disaggregate: DisaggregationMode = setting(
@@ -609,6 +611,7 @@ class RouterSettings(Section):
             out.append(Problem("default_slo_class", f"default_slo_class {self.default_slo_class!r} is not one of "
                                                     f"slo_classes ({', '.join(self.slo_classes)})"))
         out += self._min(("migration_limit",), 0, {"migration_limit": "never"})
+        out += self._min(("tokenize_threads",), 0, {"tokenize_threads": "one per CPU core"})
         out += self._min(("max_concurrent_migrations",), 1)
         out += self._min(("inter_token_timeout_s",), 0, {"inter_token_timeout_s": "off"})
         if self.id and not (self.id.isascii() and self.id.replace("-", "").replace("_", "").isalnum()):
