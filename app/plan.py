@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import ssl
+import statistics
 import sys
 import time
 import urllib.request
@@ -44,6 +46,7 @@ from kvmesh.planning import (
     plan,
     pools_of,
 )
+from kvmesh.planning.signals import QUANTILES
 
 if TYPE_CHECKING:
     from kvmesh.settings import SharedSettings
@@ -54,14 +57,45 @@ COUNTERS = ("kvmesh_router_requests_total", "kvmesh_router_prompt_tokens_total",
             "kvmesh_router_ttft_seconds_count")
 
 
+PROMPTS = "kvmesh_router_computed_prompt_tokens_bucket"  # the routers' histogram of computed prompt lengths
+
+
 def counters(text: str) -> dict[str, float]:
-    """The sums of ``COUNTERS`` over their labels in a Prometheus text exposition."""
+    """The sums of ``COUNTERS`` over their labels in a Prometheus text exposition, and each bucket of the
+    computed-prompt histogram (``PROMPTS``, keyed ``PROMPTS:<le>``) summed over its other labels."""
     out = dict.fromkeys(COUNTERS, 0.0)
     for line in text.splitlines():
-        m = re.match(r"^([a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if m and m.group(1) in out:
-            out[m.group(1)] += float(m.group(2))
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+        if not m:
+            continue
+        if m.group(1) in COUNTERS:
+            out[m.group(1)] += float(m.group(3))
+        elif m.group(1) == PROMPTS and (le := re.search(r'le="([^"]+)"', m.group(2) or "")):
+            key = f"{PROMPTS}:{le.group(1)}"
+            out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
+
+
+def prompt_spread(before: Mapping[str, float], after: Mapping[str, float]) -> tuple[float, tuple[float, ...]]:
+    """The window's computed prompt lengths from the histogram's buckets: the mean of their squares and
+    ``QUANTILES`` evenly spaced quantiles (linear within a bucket; the last finite bound for the open one), as
+    ``Traffic`` takes them; ``(0.0, ())`` without the histogram or requests (the planner then assumes
+    exponential lengths)."""
+    edges = sorted((float(k.split(":", 1)[1]), k) for k in after if k.startswith(PROMPTS + ":"))
+    cumulative = [max(0.0, after[k] - before.get(k, 0.0)) for _, k in edges]
+    if not cumulative or cumulative[-1] <= 0:
+        return 0.0, ()
+    bounds = [b for b, _ in edges]
+    finite = max((b for b in bounds if math.isfinite(b)), default=0.0)
+    out = []
+    for i in range(QUANTILES):
+        target = (i + 0.5) / QUANTILES * cumulative[-1]
+        j = next(j for j, c in enumerate(cumulative) if c >= target)
+        low, high = (bounds[j - 1], cumulative[j - 1]) if j else (0.0, 0.0)
+        top = bounds[j] if math.isfinite(bounds[j]) else finite
+        share = (target - high) / (cumulative[j] - high) if cumulative[j] > high else 1.0
+        out.append(low + share * (top - low))
+    return statistics.fmean(q * q for q in out), tuple(out)
 
 
 def traffic(before: Mapping[str, float], after: Mapping[str, float], window_s: float,
@@ -73,8 +107,9 @@ def traffic(before: Mapping[str, float], after: Mapping[str, float], window_s: f
     if n <= 0:
         return Traffic(0.0, 0.0, output_tokens)
     prompt = d["kvmesh_router_prompt_tokens_total"]
+    sq, quantiles = prompt_spread(before, after)
     return Traffic(n / window_s, prompt / n, output_tokens,
-                   min(0.99, d["kvmesh_router_prefix_hit_tokens_total"] / prompt) if prompt else 0.0)
+                   min(0.99, d["kvmesh_router_prefix_hit_tokens_total"] / prompt) if prompt else 0.0, sq, quantiles)
 
 
 def mean_ttft(before: Mapping[str, float], after: Mapping[str, float]) -> float:
@@ -104,7 +139,7 @@ def scrape(urls: list[str]) -> dict[str, float]:
     for url in (u for named in urls for u in fan_out(named)):
         with urllib.request.urlopen(url, timeout=5) as r:
             for k, v in counters(r.read().decode()).items():
-                total[k] += v
+                total[k] = total.get(k, 0.0) + v
     return total
 
 

@@ -18,7 +18,7 @@ from kvmesh.contracts.ids import Role
 from kvmesh.contracts.slo import NO_SLO, late_gaps_allowed
 from kvmesh.routing.hits import Attribution
 from kvmesh.telemetry import tracing
-from kvmesh.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, HitRatio, new_registry
+from kvmesh.telemetry.metrics import ITL_BUCKETS, PROMPT_TOKEN_BUCKETS, TTFT_BUCKETS, HitRatio, new_registry
 from kvmesh.telemetry.spans import FIRST_TOKEN, ROOT
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
@@ -48,6 +48,9 @@ class RouterMetrics:
         self.in_flight = Gauge(f"{P}_in_flight", "Requests being served (the router's queue depth)",
                                registry=r)
         self.prefix = HitRatio(P, r, "served through this router (cached_tokens of the usage)")
+        self.computed_prompt = Histogram(f"{P}_computed_prompt_tokens", "Prompt tokens each finished request "
+                                         "computed (its prompt less its cached tokens): the spread of prefill work "
+                                         "kvmesh plan sizes prefill for", buckets=PROMPT_TOKEN_BUCKETS, registry=r)
         self.fallbacks = Counter(f"{P}_kv_fallbacks", "Requests whose decode instance recomputed the prompt "
                                  "because pushed KV did not arrive or verify", registry=r)
         self.match_errors = Counter(f"{P}_match_prefix_errors",
@@ -222,6 +225,7 @@ class RequestTrace:
                                   "kvmesh.tokens.cached": cached_tokens})
         if self.metrics is not None:
             self.metrics.prefix.observe(prompt_tokens, cached_tokens)
+            self.metrics.computed_prompt.observe(max(0, prompt_tokens - cached_tokens))
 
     def finish(self, error_kind: ErrorKind | None = None, message: str = "") -> None:
         """End the request (idempotent): ``error_kind`` is how it failed (``CANCELLED``: the client went away),

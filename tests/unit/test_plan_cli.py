@@ -158,3 +158,24 @@ def test_a_ttft_miss_outside_0_1_is_refused_saying_what_it_is(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--state-dir", str(tmp_path), "--ttft-miss", "1.5"])
     assert e.value.code == 2 and "--ttft-miss 1.5 must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_the_routers_prompt_histogram_gives_the_window_its_spread() -> None:
+    """Two routers' buckets summed; the window's quantiles read back from the cumulative counts (linear inside
+    a bucket), so the planner sizes prefill for the prompts it saw, not for exponential ones."""
+    def buckets(counts: dict[str, int]) -> str:
+        return "".join(f'kvmesh_router_computed_prompt_tokens_bucket{{le="{le}",router="{r}"}} {n}\n'
+                       for r in ("a", "b") for le, n in counts.items())
+
+    before = plan_cli.counters(METRICS + buckets({"100.0": 0, "1000.0": 0, "+Inf": 0}))
+    doubled = "".join(f"{line.rsplit(' ', 1)[0]} {2 * float(line.rsplit(' ', 1)[1])}\n"
+                      for line in METRICS.splitlines() if not line.startswith("#"))
+    # each router: 10 of its 20 requests in the window computed 0-100 tokens, 10 computed 100-1000
+    after = plan_cli.counters(doubled + buckets({"100.0": 10, "1000.0": 20, "+Inf": 20}))
+    t = plan_cli.traffic(before, after, window_s=10.0, output_tokens=128)
+    assert t.rate == 4.0 and len(t.prompt_quantiles) == plan_cli.QUANTILES
+    assert t.prompt_quantiles[0] == pytest.approx(2.0)                # 1% into the lower half's 0-100
+    assert t.prompt_quantiles[24] == pytest.approx(98.0)              # the 49th percentile
+    assert t.prompt_quantiles[-1] == pytest.approx(100 + 0.98 * 900)  # the 99th
+    assert t.prompt_sq_tokens == pytest.approx(sum(q * q for q in t.prompt_quantiles) / plan_cli.QUANTILES)
+    assert plan_cli.prompt_spread(before, before) == (0.0, ())        # no requests: exponential

@@ -19,6 +19,9 @@ Label = TypeVar("Label", bound=str)  # a label value: a string, or a StrEnum of 
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# prompt tokens a request computed (the planner reads the spread of prefill work from them): a bucket per
+# quarter-power of two from 16 to 128k, so a quantile read back by interpolation is within ~10%
+PROMPT_TOKEN_BUCKETS = tuple(round(16 * 2 ** (i / 4)) for i in range(53))
 
 
 def new_registry() -> CollectorRegistry:
