@@ -48,7 +48,7 @@ from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import MetricsServer
 from kvmesh.telemetry.rpc import traced_rpc
 from kvmesh.transfer import Limits, Refusal, TransferClient, TransferRejected, TransferServer
-from kvmesh.transfer.header import Versions, parse_versions
+from kvmesh.transfer.header import Versions, negotiate, parse_versions
 from kvmesh.transfer.wire import parse_address
 from opentelemetry.trace import Span
 
@@ -276,6 +276,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                              "transfer endpoint granted for transfer_id (it refuses a push without one)")
         parse_address(request.transfer_address)  # ValueError saying what a transfer address looks like
         versions = parse_versions(request.transfer_versions)  # the reader's: ValueError saying what they look like
+        try:  # before anything is leased: a reader this cachesvc cannot write to is told so, not "refused"
+            negotiate(self.server.transfer_client.codec.speaks, versions)
+        except TransferRejected as e:
+            raise TransferRejected(f"cachesvc cannot push to {request.transfer_address}: {e.reason}",
+                                   e.kind) from None
         timeout = self.cfg.transfer_timeout_s
 
         def get() -> tuple[GetResult, memoryview | None]:  # on the storage thread: the copy too

@@ -141,3 +141,27 @@ def test_a_prefill_told_a_malformed_range_refuses_the_request_naming_the_field(m
         worker_pb2_grpc.PrefillStub(ch).Prefill(request, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "push_versions: transfer header versions '3-2' are not '<low>-<high>'" in e.value.details()
+
+
+def test_a_reader_cachesvc_cannot_write_to_is_told_so_before_anything_is_leased(nats_server) -> None:
+    """An instance that reads only a version cachesvc does not write: GetBlocks answers FAILED_PRECONDITION
+    naming both ranges and which end to upgrade, and holds no lease."""
+    import grpc
+    from kvmesh.proto.v1 import cache_pb2
+
+    async def body() -> None:
+        async with Mesh(nats_server.url) as fleet:
+            writer = await fleet.instance()
+            await writer.write_back(KEYS, block_bytes(pool_blocks(len(KEYS))))
+            request = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=KEYS, lease_s=30,
+                                                 transfer_address="tcp://127.0.0.1:1", transfer_id="t",
+                                                 transfer_token="x", transfer_versions=str(Only.speaks))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await fleet.stub.GetBlocks(request)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert (f"cachesvc cannot push to tcp://127.0.0.1:1: no transfer header version in common: this sender "
+                    f"speaks {SPOKEN}, the receiver {Only.speaks}; upgrade this sender") in e.value.details()
+            stats = await fleet.stats()
+            assert (stats.leases, stats.leased_blocks) == (0, 0)
+
+    run(body())
