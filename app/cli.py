@@ -119,7 +119,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
     opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, routers=args.routers,
-                        config=args.config, settings=settings.flag_overrides(args, prefixed=True), env=lora)
+                        cachesvc=args.cachesvc, config=args.config,
+                        settings=settings.flag_overrides(args, prefixed=True), env=lora)
     try:
         stack = Stack(directory, opts)
     except (ValueError, OSError) as e:  # a bad or unknown setting: named, before anything starts
@@ -138,7 +139,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                       for r in stack.routers) if opts.routers > 1 else \
         f"  OpenAI HTTP  {info.router_http}/v1\n  gRPC         {info.router_grpc}\n"
     print(f"kvmesh is up: {opts.prefill} prefill, {opts.decode} decode, {opts.both} both"
-          f"{f', {opts.routers} routers' if opts.routers > 1 else ''}\n{routers}"
+          f"{f', {opts.routers} routers' if opts.routers > 1 else ''}"
+          f"{f', {opts.cachesvc} cachesvc shards' if opts.cachesvc > 1 else ''}\n{routers}"
           f"  NATS         {info.nats_url}\n  logs         {directory / 'logs'}\n"
           "Try: kvmesh chat    (Ctrl-C here stops the stack)", flush=True)
     told: set[str] = set()
@@ -236,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--routers", type=int, default=1,
                    help="router replicas (router-0, router-1, ...: the router ports + 0, 1, ...; they share their "
                         "in-flight load over NATS); 1 = one router named router")
+    u.add_argument("--cachesvc", type=int, default=1, metavar="N",
+                   help="cachesvc shards (cachesvc-0 ... cachesvc-N-1: the index and the pool split by block key, "
+                        "each key indexed by --cachesvc-index-copies of them; the cachesvc ports + 0, 1, ...); "
+                        "1 = one cachesvc named cachesvc")
     u.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="a LoRA adapter (PEFT directory) every engine instance loads at start (repeatable; "
                         "sets engine.lora_adapters); requests pick it with model=NAME")

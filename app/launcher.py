@@ -60,7 +60,7 @@ POOLS_FILE = "pools.json"  # in the state directory: {"prefill": 2, "decode": 1}
 
 # what the launcher sets itself for each child: not flags of `kvmesh up`
 LAUNCHER_SET = ("shared.state_dir", "shared.ready_file", "instance.role", "instance.id", "instance.cachesvc_address",
-                "router.cachesvc_address", "router.id")
+                "router.cachesvc_address", "router.id", "cachesvc.shard", "cachesvc.shards")
 
 
 @dataclass
@@ -74,6 +74,7 @@ class StackOptions:
     decode: int = 1
     both: int = 0
     routers: int = 1
+    cachesvc: int = 1  # cachesvc shards: cachesvc-0, cachesvc-1, ... (1: one cachesvc named cachesvc)
     pool: bool = True  # engines write back to and fetch from cachesvc's pool (False: the router still asks it)
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     config: str | None = None
@@ -130,6 +131,8 @@ class Stack:
         self.ready_dir = state_dir / "ready"
         if opts.routers < 1:
             raise ValueError(f"--routers must be at least 1, not {opts.routers}")
+        if opts.cachesvc < 1:
+            raise ValueError(f"--cachesvc must be at least 1, not {opts.cachesvc}")
         self.cfg = opts.load(state_dir)  # a bad setting stops here, before anything starts
         self.child_env = _passed_on(self.cfg)
         shared = self.cfg.shared
@@ -151,6 +154,16 @@ class Stack:
     def routers(self) -> list[Service]:
         """The router replicas, in order (one: ``router``)."""
         return [s for s in self.services if s.name == "router" or s.name.startswith("router-")]
+
+    @property
+    def caches(self) -> list[Service]:
+        """The cachesvc shards, in shard order (one: ``cachesvc``)."""
+        return [s for s in self.services if s.name == "cachesvc" or s.name.startswith("cachesvc-")]
+
+    @property
+    def cachesvc_address(self) -> str:
+        """What the engines and the routers dial: cachesvc's gRPC address, or every shard's in shard order."""
+        return ",".join(s.grpc_address for s in self.caches)
 
     @property
     def router_grpc(self) -> str:
@@ -190,15 +203,16 @@ class Stack:
                 self.nats = NatsServer(self.state_dir / "nats", config=self._nats_config()).start()  # any free port
                 nats_url = self.nats.url
             self.child_env["KVMESH_NATS_URL"] = nats_url
-            cache = self._spawn("cachesvc", "services.cachesvc", {})
-            self._wait_ready([cache], deadline)  # the engines and the router need its actual address
-            pool = {"KVMESH_INSTANCE_CACHESVC_ADDRESS": cache.grpc_address if o.pool else ""}
+            caches = [self._spawn(name, "services.cachesvc", env)
+                      for name, env in _cache_shards(o.cachesvc, cfg.cachesvc)]
+            self._wait_ready(caches, deadline)  # the engines and the router need their actual addresses
+            pool = {"KVMESH_INSTANCE_CACHESVC_ADDRESS": self.cachesvc_address if o.pool else ""}
             for role, count in (("prefill", o.prefill), ("decode", o.decode), ("both", o.both)):
                 for i in range(count):
                     self._spawn(f"{role}-{i}", ENGINE_MODULES[role],
                                 {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": f"{role}-{i}", **pool,
                                  **o.instance_env.get(f"{role}-{i}", {})})
-            router = {"KVMESH_ROUTER_CACHESVC_ADDRESS": cache.grpc_address}
+            router = {"KVMESH_ROUTER_CACHESVC_ADDRESS": self.cachesvc_address}
             if cfg.sources["router"]["model"].kind == "default" and cfg.engine.model:
                 router["KVMESH_ROUTER_MODEL"] = cfg.engine.model  # the engines' model, unless told otherwise
             for name, ports in _router_replicas(o.routers, cfg.router.http_port, cfg.router.grpc_port):
@@ -289,10 +303,9 @@ class Stack:
         used = [int(s.name.rsplit("-", 1)[1]) for s in self.services if s.name.startswith(f"{role}-")]
         name = f"{role}-{max(used, default=-1) + 1}"
         self._admit_to_nats(Identity(MeshRole(role), name))
-        cache = self.service("cachesvc").grpc_address
         new = self._spawn(name, ENGINE_MODULES[role],
                           {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": name,
-                           "KVMESH_INSTANCE_CACHESVC_ADDRESS": cache if self.opts.pool else "",
+                           "KVMESH_INSTANCE_CACHESVC_ADDRESS": self.cachesvc_address if self.opts.pool else "",
                            **self.opts.instance_env.get(name, {})})
         self._wait_ready([new], deadline)
         self._wait_instances(deadline)
@@ -347,7 +360,8 @@ class Stack:
         if self.mesh is None:
             return None
         o = self.opts
-        names = ["cachesvc", *(f"{role}-{i}" for role, n in (("prefill", o.prefill), ("decode", o.decode),
+        names = [*(name for name, _ in _cache_shards(o.cachesvc, self.cfg.cachesvc)),
+                 *(f"{role}-{i}" for role, n in (("prefill", o.prefill), ("decode", o.decode),
                                                              ("both", o.both)) for i in range(n)),
                  *(name for name, _ in _router_replicas(o.routers, 0, 0))]
         self.mesh.issue(Identity(MeshRole.ADMIN, "operator"))  # what `kvmesh plan` reads heartbeats with
@@ -402,9 +416,8 @@ class Stack:
     def stop(self, timeout_s: float = 10.0) -> None:
         for name in list(self._frozen):
             self.thaw(name)
-        routers = [s.name for s in self.routers]
-        for group in (routers, [s.name for s in self.services if s.name not in (*routers, "cachesvc")],
-                      ["cachesvc"]):
+        routers, caches = [s.name for s in self.routers], [s.name for s in self.caches]
+        for group in (routers, [s.name for s in self.services if s.name not in (*routers, *caches)], caches):
             procs = [s.proc for s in self.services if s.name in group and s.proc.poll() is None]
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -453,11 +466,30 @@ def ask_pools(directory: Path, sizes: dict[str, int]) -> None:
 def _same_ports(service: Service) -> dict[str, str]:
     """The variables that bind a restarted cachesvc or router where it was."""
     port = {k: v.rsplit(":", 1)[1] for k, v in service.endpoints.items() if v}
-    if service.name == "cachesvc":
+    if service.name == "cachesvc" or service.name.startswith("cachesvc-"):
         return {"KVMESH_CACHESVC_PORT": port["grpc"], "KVMESH_CACHESVC_TRANSFER_PORT": port["transfer"]}
     if service.name == "router" or service.name.startswith("router-"):
         return {"KVMESH_ROUTER_GRPC_PORT": port["grpc"], "KVMESH_ROUTER_HTTP_PORT": port["http"]}
     return {}
+
+
+def _cache_shards(n: int, cfg: settings.CacheServiceSettings) -> list[tuple[str, dict[str, str]]]:
+    """Each cachesvc's name and what it gets of its own: one is ``cachesvc`` as configured; shard ``cachesvc-i``
+    of several gets its shard number, the configured ports + i (0 stays any free one) and a disk tier directory
+    of its own under the configured one."""
+    if n == 1:
+        return [("cachesvc", {})]
+    out = []
+    for i in range(n):
+        env = {"KVMESH_CACHESVC_SHARD": str(i), "KVMESH_CACHESVC_SHARDS": str(n)}
+        for name, value in (("port", cfg.port), ("transfer_port", cfg.transfer_port),
+                            ("metrics_port", cfg.metrics_port)):
+            if value:
+                env[f"KVMESH_CACHESVC_{name.upper()}"] = str(value + i)
+        if cfg.disk_dir:
+            env["KVMESH_CACHESVC_DISK_DIR"] = str(Path(cfg.disk_dir) / f"cachesvc-{i}")
+        out.append((f"cachesvc-{i}", env))
+    return out
 
 
 def _role_of(name: str) -> str:

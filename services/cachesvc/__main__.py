@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvmesh.telemetry import tracing
 
     tls.configure(cfg.shared)
-    tracing.setup("cachesvc", cfg.cachesvc.durable_name, cfg.telemetry)
+    c = cfg.cachesvc
+    tracing.setup("cachesvc", c.durable_name if c.shards == 1 else f"{c.durable_name}-{c.shard}", cfg.telemetry)
     try:
         asyncio.run(serve(cfg.cachesvc, cfg.shared))
     except PortInUse as e:  # a fixed port someone else holds: say which setting to change

@@ -21,6 +21,9 @@ from typing import NamedTuple
 import numpy as np
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.contracts.messages import KVEventBatch
+from kvmesh.contracts.shards import SLOTS, at
+
+SLOT_MASK = SLOTS - 1
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,9 @@ def _bits(mask: int) -> list[int]:
 
 
 class BlockIndex:
-    def __init__(self) -> None:
+    def __init__(self, slots: Sequence[bool] | None = None) -> None:
+        """``slots``: a shard's index keeps only the keys whose slot (``kvmesh.contracts.shards``) is true."""
+        self._slots = slots
         self._masks: dict[int, int] = {}               # block key -> holder bitmask
         self._ids: dict[Holder, int] = {}              # holder -> id
         self._holders: list[Holder | None] = []        # id -> holder (None: free)
@@ -147,6 +152,9 @@ class BlockIndex:
 
     def _store(self, hid: int, keys: Sequence[int]) -> None:
         bit, masks = 1 << hid, self._masks
+        if self._slots is not None:
+            slots = self._slots
+            keys = [k for k in keys if slots[k & SLOT_MASK]]
         for key in keys:
             masks[key] = masks.get(key, 0) | bit
 
@@ -210,3 +218,13 @@ class BlockIndex:
             holders = sorted(h for hid in _bits(group) if (h := self._holders[hid]) is not None)
             out += [_new_match((*holder, n)) for holder in holders]
         return out
+
+    def match_own(self, keys: Sequence[int], mine: Sequence[int]) -> list[PrefixMatch]:
+        """A shard's :meth:`match_prefix`: over its own positions ``mine`` of ``keys`` alone, every other key
+        counted as present, so each count is the position in ``keys`` where that holder's run breaks at one of
+        the shard's keys (``kvmesh.contracts.shards.combine`` takes the least over the shards)."""
+        if not mine:
+            return []
+        total = len(keys)
+        return [_new_match((m.instance_id, m.tier, at(mine, m.num_blocks, total)))
+                for m in self.match_prefix([keys[p] for p in mine])]

@@ -40,6 +40,7 @@ from kvmesh.contracts.events import BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVQuarantine, Message, SessionSignal
+from kvmesh.contracts.shards import ShardMap, at
 from kvmesh.identity import Identity
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
@@ -78,6 +79,10 @@ class ForeignAddress(ValueError):
     """GetBlocks named a transfer endpoint that is not the caller's own."""
 
 
+class WrongShard(ValueError):
+    """The caller addresses another shard, or another number of shards, than this cachesvc is."""
+
+
 def _holder(context: grpc.aio.ServicerContext) -> str:
     """Who calls, as leases and stored blocks record it: the mesh identity (\"\" on a plaintext server)."""
     who = caller(context)
@@ -99,6 +104,7 @@ CALL_ERRORS = {
     Shadowing: ("shadowing", grpc.StatusCode.PERMISSION_DENIED),
     TooManyLeases: ("too_many_leases", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ForeignAddress: ("foreign_address", grpc.StatusCode.PERMISSION_DENIED),
+    WrongShard: ("wrong_shard", grpc.StatusCode.FAILED_PRECONDITION),
     PoolFull: ("full", grpc.StatusCode.RESOURCE_EXHAUSTED),
     StoreUnavailable: ("unavailable", grpc.StatusCode.UNAVAILABLE),
     ValueError: ("invalid", grpc.StatusCode.INVALID_ARGUMENT),
@@ -173,16 +179,31 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     @_statuses
     async def MatchPrefix(self, request: cache_pb2.MatchPrefixRequest,
                           context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.MatchPrefixResponse:
+        self.server.check_view(request.view)
         keys = list(request.block_keys)
+        smap, shard = self.server.shard_map, self.cfg.shard
+        if smap.shards == 1:
+            matches = [cache_pb2.TierMatch(instance_id=m.instance_id, tier=m.tier, num_blocks=m.num_blocks)
+                       for m in self.server.index.match_prefix(keys)]
+            matches += [cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=tier, num_blocks=n)
+                        for tier, n in self.pool.leading(keys)]
+            return cache_pb2.MatchPrefixResponse(matches=matches)
+        # a shard: its own keys alone, each count where that holder's run breaks in the whole list (the keys it
+        # does not own count as present; the caller takes the least over the shards)
         matches = [cache_pb2.TierMatch(instance_id=m.instance_id, tier=m.tier, num_blocks=m.num_blocks)
-                   for m in self.server.index.match_prefix(keys)]
-        matches += [cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=tier, num_blocks=n)
-                    for tier, n in self.pool.leading(keys)]
-        return cache_pb2.MatchPrefixResponse(matches=matches)
+                   for m in self.server.index.match_own(keys, smap.index_positions(shard, keys))]
+        pooled = smap.pool_positions(shard, keys)
+        if pooled:
+            matches += [cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=tier,
+                                            num_blocks=at(pooled, n, len(keys)))
+                        for tier, n in self.pool.leading([keys[p] for p in pooled])]
+        return cache_pb2.MatchPrefixResponse(matches=matches, index_copies=smap.copies)
 
     @_statuses
     async def PutBlocks(self, request: cache_pb2.PutBlocksRequest,
                         context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.PutBlocksResponse:
+        self.server.check_view(request.view)
+        self.server.check_owned(request.block_keys)
         if request.priority_duration_s < 0:
             raise ValueError(f"priority_duration_s must be >= 0 (0 = the longest, max_retention_s), got "
                              f"{request.priority_duration_s}")
@@ -245,6 +266,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     @_statuses
     async def GetBlocks(self, request: cache_pb2.GetBlocksRequest,
                         context: grpc.aio.ServicerContext, _span: Span) -> bytes | cache_pb2.GetBlocksResponse:
+        self.server.check_view(request.view)
         layout = _request_layout(request)
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=False)
         holder = _holder(context)
@@ -324,6 +346,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     @_statuses
     async def GrantPut(self, request: cache_pb2.GrantPutRequest,
                        context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.GrantPutResponse:
+        self.server.check_view(request.view)
         if request.num_blocks == 0:
             raise ValueError("num_blocks must be > 0: the whole blocks the push will hold")
         transfer, timeout = self.server.transfer, self.cfg.transfer_timeout_s
@@ -336,6 +359,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     @_statuses
     async def LeaseBlocks(self, request: cache_pb2.LeaseBlocksRequest,
                           context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.LeaseBlocksResponse:
+        self.server.check_view(request.view)
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=True)
         lease_id, n = await self._storage(self.pool.lease, list(request.block_keys), lease_s, _holder(context))
         return cache_pb2.LeaseBlocksResponse(lease_id=lease_id, num_blocks=n)
@@ -363,7 +387,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             pool_bytes=dram.bytes, pool_capacity_bytes=dram.capacity_bytes, events_applied=index.events_applied,
             event_gaps=resync.gaps, tiers=tier_stats, leases=leases, leased_blocks=leased,
             snapshots_requested=resync.requested, snapshots_applied=resync.applied,
-            caught_up=self.server.caught_up, transfer_address=self.server.transfer.address)
+            caught_up=self.server.caught_up, transfer_address=self.server.transfer.address,
+            view=cache_pb2.ShardView(shard=self.cfg.shard, shards=self.cfg.shards))
 
 
 class CacheServer:
@@ -374,7 +399,10 @@ class CacheServer:
         self.cfg = cfg
         self.shared = shared or SharedSettings()
         self.subjects = Subjects(self.shared.cluster)
-        self.index = BlockIndex()
+        # one shard of several keeps the index entries and the pool blocks of the keys the shard map gives it
+        self.shard_map = ShardMap(cfg.shards, cfg.index_copies)
+        self.index = BlockIndex(self.shard_map.index_slots(cfg.shard) if cfg.shards > 1 else None)
+        self.durable = cfg.durable_name if cfg.shards == 1 else f"{cfg.durable_name}-{cfg.shard}"
         self.resync = Resync(self.index, self._fetch_snapshot)
         self.copies = CopyTracker(self.index, lambda key: self.pool is not None and any(
             t.has(key) for t in self.pool.tiers))
@@ -457,7 +485,7 @@ class CacheServer:
         log.info("gRPC on %s (NOT_SERVING until the events stream is replayed); transfer on %s; metrics on %s",
                  self.address, self.transfer.address, self.metrics_server.url)
 
-        self.bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.cfg.durable_name}",
+        self.bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.durable}",
                                     tls=tls.bus_tls(self.shared))
         await self.bus.ensure_events_stream(self.subjects)
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
@@ -466,20 +494,20 @@ class CacheServer:
         # The index lives in memory only, so a (re)started cachesvc replays the whole stream: reset the
         # durable's position first. It stays durable for the process's life (survives NATS reconnects).
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.bus.js.delete_consumer(self.subjects.events_stream, self.cfg.durable_name)
-        await self.bus.durable_events_consumer(self.subjects, self.cfg.durable_name, self._on_events)
+            await self.bus.js.delete_consumer(self.subjects.events_stream, self.durable)
+        await self.bus.durable_events_consumer(self.subjects, self.durable, self._on_events)
         self._reaper = asyncio.create_task(self._reap(), name="cachesvc-reaper")
         await self._replayed()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving cluster %r: stream %s, durable %r, %d blocks indexed", self.shared.cluster,
-                 self.subjects.events_stream, self.cfg.durable_name, len(self.index))
+                 self.subjects.events_stream, self.durable, len(self.index))
 
     async def _replayed(self) -> None:
         """Return once the consumer has handled (and acked) everything the stream held when it was created."""
         assert self.bus is not None
         while True:
-            info = await self.bus.js.consumer_info(self.subjects.events_stream, self.cfg.durable_name)
+            info = await self.bus.js.consumer_info(self.subjects.events_stream, self.durable)
             if not info.num_pending and not info.num_ack_pending:
                 self.caught_up = True
                 return
@@ -554,6 +582,30 @@ class CacheServer:
             self._last_seen[msg.instance_id] = time.monotonic()
             if msg.transfer_address:
                 self._transfer_addresses[msg.instance_id] = msg.transfer_address
+
+    def check_view(self, view: cache_pb2.ShardView) -> None:
+        """A sharded cachesvc answers only a caller that addresses this shard of this many; a lone one also an
+        unsharded caller (no view)."""
+        shard, shards = self.cfg.shard, self.cfg.shards
+        if view.shards == 0 and shards == 1 or (view.shard, view.shards) == (shard, shards):
+            return
+        if view.shards == 0:
+            raise WrongShard(f"this cachesvc is shard {shard} of {shards}: list all {shards} shards' addresses, "
+                             "in shard order, in cachesvc_address (comma-separated)")
+        raise WrongShard(f"this cachesvc is shard {shard} of {shards}, not shard {view.shard} of {view.shards}: "
+                         f"cachesvc_address must list the {shards} shards in shard order")
+
+    def check_owned(self, keys: Sequence[int]) -> None:
+        """A sharded pool stores only the keys whose pool it holds."""
+        if self.cfg.shards == 1:
+            return
+        smap, shard = self.shard_map, self.cfg.shard
+        other = [(k, smap.pool_owner(k)) for k in keys if smap.pool_owner(k) != shard]
+        if other:
+            key, owner = other[0]
+            raise WrongShard(f"{len(other)} of the {len(keys)} block keys belong to another shard's pool (key "
+                             f"{key:#x}: shard {owner}): put each block to the shard kvmesh.contracts.shards "
+                             "maps it to")
 
     def check_own_address(self, who: Identity | None, address: str) -> None:
         """A GetBlocks push goes only to the transfer endpoint the calling instance announced (its heartbeat):

@@ -34,6 +34,7 @@ from kvmesh.contracts.ids import (
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady, Message, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
+from kvmesh.contracts.shards import ShardMap, combine
 from kvmesh.contracts.slo import slo_to_proto
 from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
@@ -124,8 +125,11 @@ class Router:
         await self.bus.subscribe(self.subjects.pool_events, self.hits.on_events)  # the pool's evictions too
         await self.bus.subscribe(self.subjects.sessions, self.sessions.heard)
         await self.bus.subscribe(self.subjects.router_sessions, self.sessions.heard)
-        self.cache = (cache_pb2_grpc.CacheServiceStub(self._channel(self.cfg.cachesvc_address))
-                      if self.cfg.cachesvc_address else None)
+        # one stub per cachesvc shard, in shard order (one: an unsharded cachesvc)
+        shards = [a.strip() for a in self.cfg.cachesvc_address.split(",")] if self.cfg.cachesvc_address else []
+        self.cache = [cache_pb2_grpc.CacheServiceStub(self._channel(a)) for a in shards]
+        self._shard_maps: dict[int, ShardMap] = {}  # index copies -> the map (the shards say how many)
+        self._shards_down: set[int] = set()  # shards whose last MatchPrefix failed
         self._spawn(self._tend())
 
     async def stop(self) -> None:
@@ -188,27 +192,59 @@ class Router:
         return self._channels[address]
 
     # ---- routing ---------------------------------------------------------------------------------------------
+    def _shard_map(self, copies: int) -> ShardMap:
+        smap = self._shard_maps.get(copies)
+        if smap is None:
+            if self._shard_maps:
+                log.warning("the cachesvc shards index each key %d times now (was %s)", copies,
+                            ", ".join(map(str, self._shard_maps)))
+            smap = self._shard_maps[copies] = ShardMap(len(self.cache), max(copies, 1))
+        return smap
+
     async def matched_blocks(self, keys: Sequence[BlockKey], parent: Span | None = None,
                              attrs: dict | None = None) -> dict[str, int]:
         """Per instance, the longest run of leading blocks it holds in any tier. Traced as the client span
         ``cachesvc.match_prefix`` under ``parent``, whose context the call carries to cachesvc."""
-        if self.cache is None or not keys:
+        if not self.cache or not keys:
             return {}
         span = tracing.start("cachesvc.match_prefix", parent, SpanKind.CLIENT,
                              {**(attrs or {}), "kvmesh.blocks": len(keys)})
-        try:
-            resp = await self.cache.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=keys),
-                                                timeout=self.cfg.match_timeout_s,
-                                                metadata=tracing.grpc_metadata(span) + tracing.request_metadata(attrs))
-        except grpc.aio.AioRpcError as e:
-            log.warning("MatchPrefix failed (%s); routing by load only", e.code().name)
-            self.metrics.match_errors.inc()
-            span.set_status(StatusCode.ERROR, f"MatchPrefix failed: {e.code().name}; routing by load only")
+        metadata = tracing.grpc_metadata(span) + tracing.request_metadata(attrs)
+        sharded = len(self.cache) > 1
+
+        copies: set[int] = set()
+
+        async def ask(shard: int, stub: cache_pb2_grpc.CacheServiceStub) -> list[tuple[str, str, int]] | None:
+            view = cache_pb2.ShardView(shard=shard, shards=len(self.cache)) if sharded else None
+            try:
+                resp = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=keys, view=view),
+                                              timeout=self.cfg.match_timeout_s, metadata=metadata)
+            except grpc.aio.AioRpcError as e:
+                self.metrics.match_errors.inc()
+                if shard not in self._shards_down:  # once per outage, not per request
+                    self._shards_down.add(shard)
+                    where = f"cachesvc shard {shard}" if sharded else "cachesvc"
+                    log.warning("MatchPrefix on %s failed (%s: %s); routing without its keys until it answers",
+                                where, e.code().name, e.details())
+                return None
+            if shard in self._shards_down:
+                self._shards_down.discard(shard)
+                log.info("cachesvc%s answers MatchPrefix again", f" shard {shard}" if sharded else "")
+            copies.add(resp.index_copies)
+            return [(m.instance_id, m.tier, m.num_blocks) for m in resp.matches]
+
+        got = await asyncio.gather(*(ask(i, stub) for i, stub in enumerate(self.cache)))
+        answers = {i: a for i, a in enumerate(got) if a is not None}
+        if not answers:
+            span.set_status(StatusCode.ERROR, "MatchPrefix failed on every cachesvc shard; routing by load only")
             span.end()
             return {}
+        if len(answers) < len(self.cache):  # the keys no shard that answered owns are cut off
+            span.set_attribute("kvmesh.shards_missing", [i for i in range(len(self.cache)) if i not in answers])
+        matches = combine(self._shard_map(min(copies)), keys, answers) if sharded else answers[0]
         best: dict[str, int] = {}
-        for m in resp.matches:
-            best[m.instance_id] = max(best.get(m.instance_id, 0), m.num_blocks)
+        for instance, _tier, n in matches:
+            best[instance] = max(best.get(instance, 0), n)
         if span.is_recording():
             span.set_attribute("kvmesh.matched", [f"{k}={v}" for k, v in sorted(best.items())])
         span.end()

@@ -71,8 +71,9 @@ class Recorder(grpc.aio.UnaryUnaryClientInterceptor):
 def recorded(pool: PoolClient, address: str) -> Recorder:
     """Route ``pool``'s RPCs through a recording channel."""
     recorder = Recorder()
-    pool.channel = grpc.aio.insecure_channel(address, interceptors=[recorder])
-    pool.stub = cache_pb2_grpc.CacheServiceStub(pool.channel)
+    channel = grpc.aio.insecure_channel(address, interceptors=[recorder])
+    pool.channels = [channel]
+    pool.shards = [pool.shards[0]._replace(stub=cache_pb2_grpc.CacheServiceStub(channel))]
     return recorder
 
 

@@ -28,6 +28,7 @@ from kvmesh import tls
 from kvmesh.contracts.engine import SessionHint
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.shards import ShardMap, at
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.transfer import ClientTLS, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import block_checksums, parse_versions
@@ -52,12 +53,18 @@ class Fetched(NamedTuple):
     num_blocks: int
 
 
+class _Shard(NamedTuple):
+    stub: cache_pb2_grpc.CacheServiceStub
+    view: cache_pb2.ShardView | None  # None: a lone, unsharded cachesvc
+
+
 class PoolClient:
     def __init__(self, address: str, layout: KVLayout, receiver: TransferServer | None = None,
                  remember: int = 200_000, timeout_s: float = 30.0, transfer_tls: ClientTLS | None = None,
                  receive_at: str = "") -> None:
-        """``receive_at``: the address cachesvc sends fetched blocks to (the receiver's as others dial it;
-        "" = the address it bound)."""
+        """``address``: cachesvc's host:port, or every shard's in shard order, comma-separated (each block goes
+        to, and comes from, the shard ``kvmesh.contracts.shards`` maps its key to). ``receive_at``: the address
+        cachesvc sends fetched blocks to (the receiver's as others dial it; "" = the address it bound)."""
         self.layout = layout
         self.receive_at = receive_at
         self.proto_layout = layout.to_proto()
@@ -67,8 +74,13 @@ class PoolClient:
         self.transfer = TransferClient(reply_timeout=timeout_s, tls=transfer_tls) if receiver is not None else None
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = tls.aio_channel(address, opts)
-        self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
+        addresses = [a.strip() for a in address.split(",")]
+        self.channels = [tls.aio_channel(a, opts) for a in addresses]
+        n = len(addresses)
+        self.shards = [_Shard(cache_pb2_grpc.CacheServiceStub(ch),
+                              cache_pb2.ShardView(shard=i, shards=n) if n > 1 else None)
+                       for i, ch in enumerate(self.channels)]
+        self.shard_map = ShardMap(n)  # the pool's map: one copy of a block, on its key's first shard
         self._written: OrderedDict[int, float] = OrderedDict()  # keys this instance stored -> when
         self._remember = remember
 
@@ -86,18 +98,51 @@ class PoolClient:
         nobody's and could be the next call's victims), the last one ending the session when ``session.end``;
         one call without blocks says so when none is left to send."""
         now = time.monotonic()
-        known = set((context if context is not None else keys)[:held])
+        context = context if context is not None else keys
+        known = set(context[:held])
         todo = [i for i, k in enumerate(keys)
                 if k not in known and now - self._written.get(k, float("-inf")) >= WRITTEN_TRUST_S]
+        if len(self.shards) == 1:
+            await self._write_shard(self.shards[0], keys, todo, data, metadata, session, context)
+            sent = todo
+        else:  # each shard its own blocks and its own part of the session's context, all at once
+            by_shard = self.shard_map.split_pool([keys[i] for i in todo])
+            context_by_shard = self.shard_map.split_pool(context)
+            parts = {s: [todo[j] for j in by_shard.get(s, [])] for s in range(len(self.shards))
+                     if s in by_shard or (session and s in context_by_shard)}
+            results = await asyncio.gather(*(
+                self._write_shard(self.shards[s], keys, idx, data, metadata, session,
+                                  [context[p] for p in context_by_shard.get(s, [])]) for s, idx in parts.items()),
+                return_exceptions=True)
+            failed = {s: r for s, r in zip(parts, results) if isinstance(r, BaseException)}
+            if failed and len(failed) == len(parts):
+                first = next(iter(failed.values()))
+                raise first if isinstance(first, PoolError) else PoolError(str(first))
+            for s, e in failed.items():  # the other shards took theirs: this shard's blocks stay unpooled
+                log.warning("write-back of %d blocks to cachesvc shard %d skipped: %s", len(parts[s]), s, e)
+            sent = [i for s, idx in parts.items() if s not in failed for i in idx]
+        for i in sent:
+            self._written[keys[i]] = now
+            self._written.move_to_end(keys[i])
+        while self._written and (len(self._written) > self._remember
+                                 or now - next(iter(self._written.values())) >= WRITTEN_TRUST_S):
+            self._written.popitem(last=False)
+        return len(sent)
+
+    async def _write_shard(self, shard: _Shard, keys: list[BlockKey], todo: list[int], data: memoryview,
+                           metadata: Metadata, session: SessionHint | None, context: list[BlockKey]) -> None:
+        """Put blocks ``todo`` of ``keys`` (and the session's word on ``context``) to one shard, in calls of at
+        most half a message each."""
         per_call = max(1, MAX_MESSAGE_BYTES // 2 // self.block_nbytes)
         nb = self.block_nbytes
         starts = list(range(0, len(todo), per_call)) or ([0] if session is not None else [])
         for start in starts:
             idx = todo[start:start + per_call]
-            request = cache_pb2.PutBlocksRequest(layout=self.proto_layout, block_keys=[keys[i] for i in idx])
+            request = cache_pb2.PutBlocksRequest(layout=self.proto_layout, block_keys=[keys[i] for i in idx],
+                                                 view=shard.view)
             if session is not None:
                 request.session_key, request.session_end = session.key, session.end and start == starts[-1]
-                request.session_blocks.extend(context if context is not None else keys)
+                request.session_blocks.extend(context)
             if idx:  # else only the session's word
                 chunk = _gather(data, idx, nb)
                 sums = block_checksums(chunk, self.block_nbytes)
@@ -105,19 +150,42 @@ class PoolClient:
                 if self.transfer is None:
                     request.data = bytes(chunk)
                 else:
-                    request.transfer_id = await self._push(chunk, list(request.block_keys), sums, metadata)
-            await self._call(self.stub.PutBlocks, request, metadata)
-            for i in idx:
-                self._written[keys[i]] = now
-                self._written.move_to_end(keys[i])
-        while self._written and (len(self._written) > self._remember
-                                 or now - next(iter(self._written.values())) >= WRITTEN_TRUST_S):
-            self._written.popitem(last=False)
-        return len(todo)
+                    request.transfer_id = await self._push(shard, chunk, list(request.block_keys), sums, metadata)
+            await self._call(shard.stub.PutBlocks, request, metadata)
 
     async def fetch(self, keys: list[BlockKey], metadata: Metadata = ()) -> Fetched | None:
-        """The leading run of ``keys`` the pool holds in our layout, verified."""
-        request = cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys)
+        """The leading run of ``keys`` the pool holds in our layout, verified. Sharded: each shard is asked for
+        its own keys at once, and the run ends at the first key whose shard lacks it (or did not answer)."""
+        if len(self.shards) == 1:
+            got = await self._fetch_shard(self.shards[0], keys, metadata)
+            return Fetched(*got) if got is not None else None
+        by_shard = self.shard_map.split_pool(keys)
+        order = list(by_shard)
+        results = await asyncio.gather(*(self._fetch_shard(self.shards[s], [keys[p] for p in by_shard[s]],
+                                                           metadata) for s in order), return_exceptions=True)
+        n = len(keys)
+        for s, result in zip(order, results):
+            held = 0 if isinstance(result, BaseException) or result is None else result[1]
+            if isinstance(result, BaseException):
+                log.warning("pool fetch from cachesvc shard %d failed: %s", s, result)
+            n = min(n, at(by_shard[s], held, len(keys)))
+        if n == 0:
+            return None
+        nb = self.block_nbytes
+        out = memoryview(bytearray(n * nb))
+        for s, result in zip(order, results):
+            if isinstance(result, BaseException) or result is None:
+                continue
+            data = result[0].cast("B") if result[0].format != "B" else result[0]
+            for j, p in enumerate(by_shard[s]):
+                if p >= n:
+                    break
+                out[p * nb:(p + 1) * nb] = data[j * nb:(j + 1) * nb]
+        return Fetched(out, n)
+
+    async def _fetch_shard(self, shard: _Shard, keys: list[BlockKey],
+                           metadata: Metadata) -> tuple[memoryview, int] | None:
+        request = cache_pb2.GetBlocksRequest(layout=self.proto_layout, block_keys=keys, view=shard.view)
         receiver = self.receiver
         if receiver is not None:  # cachesvc may push the blocks asked for, under this id, for this call
             request.transfer_address = self.receive_at or receiver.address
@@ -125,7 +193,7 @@ class PoolClient:
             request.transfer_token = receiver.grant(request.transfer_id, 0, len(keys), self.timeout_s).token
             request.transfer_versions = str(receiver.versions)
         try:
-            resp = await self._call(self.stub.GetBlocks, request, metadata)
+            resp = await self._call(shard.stub.GetBlocks, request, metadata)
             n = len(resp.block_keys)
             if n == 0:
                 return None
@@ -146,12 +214,13 @@ class PoolClient:
         bad = [i for i, (got, stored) in enumerate(zip(sums, resp.checksums)) if got != stored]
         if bad:
             raise PoolError(f"pool blocks {bad} fail their checksums; not used")
-        return Fetched(data, n)
+        return data, n
 
     async def close(self) -> None:
         if self.transfer is not None:
             await self.transfer.close()
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     async def _call(self, method: Callable[..., Awaitable[R]], request: Message, metadata: Metadata) -> R:
         """``method`` (a stub's RPC) on ``request``; its gRPC errors as PoolError."""
@@ -160,12 +229,13 @@ class PoolClient:
         except grpc.aio.AioRpcError as e:
             raise PoolError(f"{type(request).__name__[:-7]}: {e.code().name}: {e.details()}") from None
 
-    async def _push(self, blocks: memoryview, keys: list[BlockKey], checksums: Sequence[int],
+    async def _push(self, shard: _Shard, blocks: memoryview, keys: list[BlockKey], checksums: Sequence[int],
                     metadata: Metadata) -> str:
         """Push ``blocks`` to cachesvc's transfer endpoint under the capability it granted; returns the transfer
         id PutBlocks names."""
         assert self.transfer is not None
-        grant = await self._call(self.stub.GrantPut, cache_pb2.GrantPutRequest(num_blocks=len(keys)), metadata)
+        grant = await self._call(shard.stub.GrantPut, cache_pb2.GrantPutRequest(num_blocks=len(keys), view=shard.view),
+                                 metadata)
         try:
             versions = parse_versions(grant.transfer_versions)
         except ValueError as e:

@@ -184,10 +184,12 @@ class Section(BaseSettings):
         return [Problem(n, f"{n} must be in [0, 65535] (0 = a free port), not {getattr(self, n)}")
                 for n in names if not 0 <= getattr(self, n) <= 65535]
 
-    def _address(self, name: str, none: str) -> list[Problem]:
+    def _address(self, name: str, none: str, shards: bool = False) -> list[Problem]:
         value = getattr(self, name)
-        if value and ":" not in value:
-            return [Problem(name, f"{name} must be host:port (\"\" = {none}), not {value!r}")]
+        parts = value.split(",") if shards and value else [value] if value else []
+        if any(":" not in part.strip() for part in parts):
+            more = ", or every cachesvc shard's host:port in shard order, comma-separated" if shards else ""
+            return [Problem(name, f"{name} must be host:port{more} (\"\" = {none}), not {value!r}")]
         return []
 
 
@@ -443,7 +445,8 @@ class InstanceSettings(Section):
     port: int = setting(0, "gRPC port (0 = a free one, reported in the ready line / file)")
     transfer_backend: TransferBackend = setting(TransferBackend.TCP, "KV transfer to decode")
     transfer_port: int = setting(0, "decode's transfer endpoint (0 = a free one)")
-    cachesvc_address: str = setting("", "cachesvc host:port for pool write-back and fetch (\"\" = none)")
+    cachesvc_address: str = setting("", "cachesvc host:port for pool write-back and fetch, or every shard's in "
+                                        "shard order, comma-separated (\"\" = none)")
     pool_fetch_min_blocks: int = setting(1, "fetch from the pool when it holds this many more leading blocks "
                                             "than the local cache")
     kv_timeout_s: float = setting(10.0, "decode waits this long for kv.ready, then recomputes the prompt itself")
@@ -482,7 +485,7 @@ class InstanceSettings(Section):
         except ValueError as e:
             out.append(Problem("id", str(e)))
         out += self._ports(("port", "transfer_port", "metrics_port"))
-        out += self._address("cachesvc_address", "none")
+        out += self._address("cachesvc_address", "none", shards=True)
         out += self._positive(("kv_timeout_s", "heartbeat_s"))
         out += self._min(("push_layer_groups",), 1)
         out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes",
@@ -504,7 +507,8 @@ class RouterSettings(Section):
     metrics_port: int = setting(0, "the internal port: Prometheus /metrics and /health with every instance's "
                                    "address (0 = a free one, named in the ready line / file); keep it off the "
                                    "clients' network")
-    cachesvc_address: str = setting("127.0.0.1:50060", "cachesvc for MatchPrefix (\"\" = route by load only)")
+    cachesvc_address: str = setting("127.0.0.1:50060", "cachesvc for MatchPrefix, or every shard's host:port in "
+                                                       "shard order, comma-separated (\"\" = route by load only)")
     block_size: int = setting(16, "must equal the engines' (instances with another are ignored)")
     instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
     match_timeout_s: float = setting(0.5, "MatchPrefix deadline; past it, route by load alone")
@@ -619,7 +623,7 @@ class RouterSettings(Section):
                                      f"not {self.id!r}"))
         out += self._min(("session_overload", "max_sessions"), 1)
         out += self._min(("session_move_margin_s",), 0)
-        out += self._address("cachesvc_address", "none")
+        out += self._address("cachesvc_address", "none", shards=True)
         for key, tenant in self.api_keys.items():
             out += [Problem("api_keys", m) for m in key_problems(key, tenant, "api_keys")]
         if self.admin_key and (not self.admin_key.isprintable() or " " in self.admin_key):
@@ -699,7 +703,13 @@ class CacheServiceSettings(Section):
     host: str = setting("127.0.0.1", "gRPC listen address")
     port: int = setting(50060, "gRPC port (0 = a free one)")
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the log)")
-    durable_name: str = setting("cachesvc", "its JetStream consumer; one per cachesvc replica")
+    durable_name: str = setting("cachesvc", "its JetStream consumer; one per cachesvc replica (a shard's is "
+                                            "<durable_name>-<shard>)")
+    shard: int = setting(0, "which shard of the index and pool this cachesvc is (0 .. shards - 1)")
+    shards: int = setting(1, "cachesvc shards in the cluster: each owns the keys kvmesh.contracts.shards maps to "
+                             "it; the routers and engines list them all, in shard order")
+    index_copies: int = setting(2, "shards that index each key (with shards > 1): while one is down another "
+                                   "answers for its keys")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
     pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier (session, "
                                                     "session_duel: the sessions' signals first)",
@@ -755,6 +765,10 @@ class CacheServiceSettings(Section):
             if self.mooncake_segment_mb < 0 or 0 < self.mooncake_segment_mb < 16:
                 out.append(Problem("mooncake_segment_mb", "mooncake_segment_mb must be 0 (lend none) or >= 16, "
                                                           f"not {self.mooncake_segment_mb}"))
+        out += self._min(("shards", "index_copies"), 1)
+        if not 0 <= self.shard < max(self.shards, 1):
+            out.append(Problem("shard", f"shard must be in [0, shards - 1] = [0, {self.shards - 1}], "
+                                        f"not {self.shard}"))
         if not self.durable_name or any(c in self.durable_name for c in ".*> \t"):
             out.append(Problem("durable_name", f"durable_name {self.durable_name!r} must be non-empty, "
                                                "without '.', '*', '>' or spaces"))

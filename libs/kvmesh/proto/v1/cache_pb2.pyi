@@ -7,11 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ShardView(_message.Message):
+    __slots__ = ("shard", "shards")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    shards: int
+    def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ...) -> None: ...
+
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("block_keys",)
+    __slots__ = ("block_keys", "view")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    view: ShardView
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class TierMatch(_message.Message):
     __slots__ = ("instance_id", "tier", "num_blocks")
@@ -24,13 +34,15 @@ class TierMatch(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., tier: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("matches",)
+    __slots__ = ("matches", "index_copies")
     MATCHES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_COPIES_FIELD_NUMBER: _ClassVar[int]
     matches: _containers.RepeatedCompositeFieldContainer[TierMatch]
-    def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ...) -> None: ...
+    index_copies: int
+    def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ..., index_copies: _Optional[int] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys", "checksums", "data", "priority", "priority_duration_s", "transfer_id", "session_key", "session_end", "session_blocks")
+    __slots__ = ("layout", "block_keys", "checksums", "data", "priority", "priority_duration_s", "transfer_id", "session_key", "session_end", "session_blocks", "view")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +53,7 @@ class PutBlocksRequest(_message.Message):
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_END_FIELD_NUMBER: _ClassVar[int]
     SESSION_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -51,7 +64,8 @@ class PutBlocksRequest(_message.Message):
     session_key: str
     session_end: bool
     session_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ..., priority_duration_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., session_key: _Optional[str] = ..., session_end: _Optional[bool] = ..., session_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    view: ShardView
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ..., priority_duration_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., session_key: _Optional[str] = ..., session_end: _Optional[bool] = ..., session_blocks: _Optional[_Iterable[int]] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("stored", "skipped")
@@ -62,7 +76,7 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys", "lease_s", "transfer_address", "transfer_id", "transfer_token", "transfer_versions")
+    __slots__ = ("layout", "block_keys", "lease_s", "transfer_address", "transfer_id", "transfer_token", "transfer_versions", "view")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +84,7 @@ class GetBlocksRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
@@ -77,7 +92,8 @@ class GetBlocksRequest(_message.Message):
     transfer_id: str
     transfer_token: str
     transfer_versions: str
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., transfer_versions: _Optional[str] = ...) -> None: ...
+    view: ShardView
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., transfer_versions: _Optional[str] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("block_keys", "checksums", "data", "tiers", "lease_id", "leased_blocks")
@@ -96,12 +112,14 @@ class GetBlocksResponse(_message.Message):
     def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., lease_id: _Optional[int] = ..., leased_blocks: _Optional[int] = ...) -> None: ...
 
 class LeaseBlocksRequest(_message.Message):
-    __slots__ = ("block_keys", "lease_s")
+    __slots__ = ("block_keys", "lease_s", "view")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
-    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    view: ShardView
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class LeaseBlocksResponse(_message.Message):
     __slots__ = ("lease_id", "num_blocks")
@@ -128,7 +146,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up", "transfer_address")
+    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up", "transfer_address", "view")
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +161,7 @@ class StatsResponse(_message.Message):
     SNAPSHOTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     indexed_blocks: int
     instances: int
     pool_blocks: int
@@ -157,13 +176,16 @@ class StatsResponse(_message.Message):
     snapshots_applied: int
     caught_up: bool
     transfer_address: str
-    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+    view: ShardView
+    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class GrantPutRequest(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "view")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    view: ShardView
+    def __init__(self, num_blocks: _Optional[int] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class GrantPutResponse(_message.Message):
     __slots__ = ("transfer_address", "transfer_id", "token", "expires_in_s", "transfer_versions")
