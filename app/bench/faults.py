@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import random
 import tempfile
 import time
 import urllib.request
@@ -39,10 +40,13 @@ from kvmesh.telemetry.spans import SpanRecord, read_spans, trace_file
 from app.bench.report import load_average, markdown_table, write_section
 from app.bench.stats import percentile
 from app.bench.workloads import SHORT_PROMPTS as PROMPTS
+from app.bench.workloads import prose
 from app.launcher import Stack, StackOptions
 
 SECTION = "Load under faults"
 SETTLE_S = 5.0  # a fault's recovery window ends this long after the service serves again
+SETTLED_S = 30.0  # a service down longer than this: its last stretch down is reported on its own
+CONTEXTS = 4  # --system-words: the long system prompts requests take in turn
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ class Outcome:
     rejected: int = 0       # 429s before it was admitted (the client backs off and sends it again)
     request_ids: set[str] = field(default_factory=set)  # the routers' ids (a stream resumed elsewhere has two)
     chunk_n: list[int] = field(default_factory=list)    # the tokens received by each chunk's arrival
+    prompt_tokens: int = 0  # from the last chunk's usage
+    cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -168,6 +174,9 @@ class FaultRun:
     moved: list[Moved]
     limits: Limits
     max_num_seqs: int   # the engines' cap on running sequences
+    prefill: int = 1
+    cachesvc: int = 1   # shards
+    system_words: int = 0
 
     def wrong(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.error and (o.tokens, o.text) != self.references[o.prompt]]
@@ -181,18 +190,32 @@ class FaultRun:
         return [m for m in self.moved if m.instance == w.fault.service and w.wall_s <= m.wall_s < until]
 
 
-async def _references(targets: list[str], max_tokens: int) -> dict[str, tuple[list[int], str]]:
+def contexts(system_words: int) -> list[str]:
+    """The system prompts the load's requests take in turn (none without ``system_words``): a few long ones, so
+    requests share prefixes the pool can serve to an instance that lacks them."""
+    if not system_words:
+        return [""]
+    rng = random.Random(0)
+    return [f"You are assistant {i} of a small town library. Rules and notes follow. " + prose(rng, system_words)
+            for i in range(CONTEXTS)]
+
+
+def messages(prompt: str, system: str) -> list[dict[str, str]]:
+    return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
+
+
+async def _references(targets: list[str], max_tokens: int, systems: list[str]) -> dict[str, tuple[list[int], str]]:
     async with AsyncKvmeshClient(targets, timeout_s=120) as client:
         out = {}
-        for p in PROMPTS:
-            done = await client.complete(messages=[{"role": "user", "content": p}], max_tokens=max_tokens,
+        for i, p in enumerate(PROMPTS):
+            done = await client.complete(messages=messages(p, systems[i % len(systems)]), max_tokens=max_tokens,
                                          temperature=0)
             out[p] = (done.token_ids, done.text)
         return out
 
 
 async def _clients(targets: list[str], clients: int, duration_s: float, max_tokens: int, t0: float,
-                   outcomes: list[Outcome]) -> None:
+                   outcomes: list[Outcome], systems: list[str]) -> None:
     """``clients`` closed-loop clients until ``duration_s`` (a request under way finishes); client i starts at
     router i mod n and fails over to the others."""
     counter = itertools.count()
@@ -201,14 +224,18 @@ async def _clients(targets: list[str], clients: int, duration_s: float, max_toke
         order = targets[i % len(targets):] + targets[:i % len(targets)]
         async with AsyncKvmeshClient(order, timeout_s=180, retries=8, backoff_s=0.2) as c:
             while time.monotonic() - t0 < duration_s:
-                prompt = PROMPTS[next(counter) % len(PROMPTS)]
+                n = next(counter) % len(PROMPTS)
+                prompt, system = PROMPTS[n], systems[n % len(systems)]
                 o = Outcome(prompt, time.monotonic() - t0)
                 outcomes.append(o)
                 while True:
                     try:
-                        async with c.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                        async with c.generate(messages=messages(prompt, system), max_tokens=max_tokens,
                                               temperature=0) as stream:
                             async for chunk in stream:
+                                if chunk.usage is not None:
+                                    o.prompt_tokens = chunk.usage.prompt_tokens
+                                    o.cached_tokens = chunk.usage.cached_tokens
                                 o.chunk_s.append(time.monotonic() - t0)
                                 o.tokens += chunk.token_ids
                                 o.chunk_n.append(len(o.tokens))
@@ -280,27 +307,30 @@ def _moved(spans: list[SpanRecord]) -> list[Moved]:
 
 def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_tokens: int = 16, decode: int = 2,
         routers: int = 2, restart_after_s: float = 8.0, state_dir: Path | None = None,
-        max_num_seqs: int | None = None) -> FaultRun:
+        max_num_seqs: int | None = None, prefill: int = 1, cachesvc: int = 1, system_words: int = 0) -> FaultRun:
     engine = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
+    systems = contexts(system_words)
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", decode=decode, routers=routers,
+        stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", prefill=prefill, decode=decode,
+                                                                 routers=routers, cachesvc=cachesvc,
                                                                  settings={"engine": engine}))
-        names = {"nats", "cachesvc", "prefill-0"} | {f"decode-{i}" for i in range(decode)} | \
-            ({f"router-{i}" for i in range(routers)} if routers > 1 else {"router"})
+        names = {"nats"} | {f"prefill-{i}" for i in range(prefill)} | {f"decode-{i}" for i in range(decode)} | \
+            ({f"router-{i}" for i in range(routers)} if routers > 1 else {"router"}) | \
+            ({f"cachesvc-{i}" for i in range(cachesvc)} if cachesvc > 1 else {"cachesvc"})
         unknown = [f.service for f in faults if f.service not in names]
         if unknown:
             raise ValueError(f"--faults: no service {', '.join(unknown)} in this stack ({', '.join(sorted(names))})")
         stack.start(timeout_s=300)
         try:
             targets = [r.endpoints["grpc"] for r in stack.routers]
-            refs = asyncio.run(_references(targets, max_tokens))
+            refs = asyncio.run(_references(targets, max_tokens, systems))
             load_before = load_average()
             outcomes: list[Outcome] = []
             windows: list[Window] = []
 
             async def both() -> float:
                 t0 = time.monotonic()
-                await asyncio.gather(_clients(targets, clients, duration_s, max_tokens, t0, outcomes),
+                await asyncio.gather(_clients(targets, clients, duration_s, max_tokens, t0, outcomes, systems),
                                      _schedule(stack, faults, restart_after_s, t0, windows))
                 return time.monotonic() - t0
 
@@ -314,7 +344,7 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
         return FaultRun(outcomes, windows, refs, migrations, took, load_before, load_after,
                         _moved(read_spans(trace_file(stack.state_dir))),
                         Limits(router.instance_timeout_s, router.inter_token_timeout_s),
-                        stack.cfg.engine.max_num_seqs)
+                        stack.cfg.engine.max_num_seqs, prefill, cachesvc, system_words)
 
 
 def _metric(url: str, name: str) -> float:
@@ -333,7 +363,13 @@ def _figures(outcomes: list[Outcome], inside: Callable[[float], bool]) -> dict[s
     ttft = [o.ttft_s for o in started if o.ttft_s is not None and not o.error]
     itl = [b - a for o in outcomes for a, b in itertools.pairwise(o.chunk_s) if inside(b)]
     return {"requests": len(started), "lost": sum(bool(o.error) for o in started),
-            "TTFT p99 ms": _p99(ttft), "ITL p99 ms": _p99(itl)}
+            "TTFT p99 ms": _p99(ttft), "ITL p99 ms": _p99(itl), "cached share": _cached(started)}
+
+
+def _cached(outcomes: list[Outcome]) -> str:
+    """The share of prompt tokens whose KV was reused, over the requests that finished."""
+    done = [o for o in outcomes if not o.error and o.prompt_tokens]
+    return f"{sum(o.cached_tokens for o in done) / sum(o.prompt_tokens for o in done):.1%}" if done else "-"
 
 
 def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after_s: float) -> str:
@@ -348,6 +384,12 @@ def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after
         rows.append({"window": f"{w.fault} at {w.hit_s:.0f} s, {back} at {w.back_s:.0f} s",
                      **fig, "TTFT p99 vs before": _ratio(fig["TTFT p99 ms"], before["TTFT p99 ms"]),
                      "ITL p99 vs before": _ratio(fig["ITL p99 ms"], before["ITL p99 ms"])})
+        if w.back_s - w.hit_s > SETTLED_S:  # still down 30 s on: what the fleet settled to without it
+            late = _figures(res.outcomes, lambda t, w=w: w.hit_s + SETTLED_S <= t < w.back_s)
+            rows.append({"window": f"{w.fault}: its last {w.back_s - w.hit_s - SETTLED_S:.0f} s down "
+                                   f"({SETTLED_S:g} s after the signal on)",
+                         **late, "TTFT p99 vs before": _ratio(late["TTFT p99 ms"], before["TTFT p99 ms"]),
+                         "ITL p99 vs before": _ratio(late["ITL p99 ms"], before["ITL p99 ms"])})
     done = [o for o in res.outcomes if not o.error]
     summary = [{"requests": len(res.outcomes), "completed": len(done), "lost": len(lost), "wrong outputs": len(wrong),
                 "migrations": f"{res.migrations:.0f}", "429s (retried)": sum(o.rejected for o in res.outcomes),
@@ -355,16 +397,18 @@ def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after
     victims = [_victim(res, w) for w in res.windows]
     lim = res.limits
     body = (f"{clients} closed-loop streaming clients (the SDK, every router's address; a client fails over and "
-            f"resumes a cut stream on another router) for {res.duration_s:.0f} s against 1 prefill + {decode} decode "
-            f"instances (max_num_seqs {res.max_num_seqs} each) and {routers} routers (the real model, 1 thread "
-            f"each); greedy, {len(PROMPTS)} short prompts, each answer compared with its reference taken alone "
+            f"resumes a cut stream on another router) for {res.duration_s:.0f} s against {res.prefill} prefill + "
+            f"{decode} decode instances (max_num_seqs {res.max_num_seqs} each), {routers} routers"
+            f"{f' and {res.cachesvc} cachesvc shards' if res.cachesvc > 1 else ''} (the real model, 1 thread "
+            f"each); greedy, {len(PROMPTS)} short prompts{_systems(res.system_words)}, each answer compared "
+            "with its reference taken alone "
             f"before the load (token ids and text). Each service of the schedule is "
             f"{_actions([w.fault for w in res.windows], restart_after_s)}; a fault's recovery "
             f"window runs from the signal until {SETTLE_S:g} s after the service serves again. Load average (1, 5, "
             f"15 min) {res.load_before} at the start, {res.load_after} at the end (the machine is shared).\n\n"
             + markdown_table(summary, list(summary[0])) + "\n\n"
             + markdown_table(rows, ["window", "requests", "lost", "TTFT p99 ms", "TTFT p99 vs before", "ITL p99 ms",
-                                    "ITL p99 vs before"]) + "\n\n"
+                                    "ITL p99 vs before", "cached share"]) + "\n\n"
             "Each fault's victim: what its engine held just before the signal (its /metrics), the streams the "
             "routers moved off it once it had sent them tokens (their `router.migrate` spans), how those ended, and "
             "how long after the signal each was dispatched again and its client got the first token past the seam "
@@ -374,6 +418,10 @@ def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after
             f"({lim.inter_token_timeout_s:g} s, the inter-token watchdog).\n\n"
             + markdown_table(victims, list(victims[0]) if victims else []))
     return body
+
+
+def _systems(words: int) -> str:
+    return f", each after one of {CONTEXTS} system prompts of {words} words" if words else ""
 
 
 def _actions(faults: list[Fault], restart_after_s: float) -> str:
@@ -435,7 +483,8 @@ def main(args) -> int:
               f"must fall within --duration ({args.duration:g} s)")
         return 2
     res = run(faults, args.clients, args.duration, args.max_tokens, args.decode, args.routers, args.restart_after,
-              Path(args.state_dir) if args.state_dir else None, args.max_num_seqs)
+              Path(args.state_dir) if args.state_dir else None, args.max_num_seqs, args.prefill, args.cachesvc,
+              args.system_words)
     body = report(res, args.clients, args.decode, args.routers, args.restart_after)
     print(body)
     for o in (res.lost() + res.wrong())[:10]:
@@ -447,6 +496,9 @@ def main(args) -> int:
                    f"--decode {args.decode} --routers {args.routers} --restart-after {args.restart_after:g} "
                    f"--max-tokens {args.max_tokens}"
                    + (f" --max-num-seqs {args.max_num_seqs}" if args.max_num_seqs else "")
+                   + (f" --prefill {args.prefill}" if args.prefill != 1 else "")
+                   + (f" --cachesvc {args.cachesvc}" if args.cachesvc != 1 else "")
+                   + (f" --system-words {args.system_words}" if args.system_words else "")
                    + (f" --section '{section}'" if args.section else ""))
         print(f"\nwritten to {write_section(section, command, body)}")
     return 0 if not res.lost() and not res.wrong() else 1

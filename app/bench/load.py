@@ -253,9 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                                        "the stack keeps its logs and span file (default: a temporary directory)")
     p.add_argument("--faults", metavar="SERVICE@SECONDS[:stopSECONDS],...",
                    help="kill -9 these services at these times into the load (decode-0, prefill-0, router-1, "
-                        "cachesvc, nats, ...), each started again --restart-after seconds later; with :stopN, "
-                        "SIGSTOP it instead and SIGCONT it N seconds later (decode-0@20:stop30)")
+                        "cachesvc or cachesvc-1, nats, ...), each started again --restart-after seconds later; with "
+                        ":stopN, SIGSTOP it instead and SIGCONT it N seconds later (decode-0@20:stop30)")
+    p.add_argument("--prefill", type=int, default=1, help="with --faults: prefill instances")
     p.add_argument("--decode", type=int, default=2, help="with --faults: decode instances")
+    p.add_argument("--cachesvc", type=int, default=1, help="with --faults: cachesvc shards (cachesvc-0, ...)")
+    p.add_argument("--system-words", type=int, default=0,
+                   help="with --faults: requests take one of a few system prompts this many words long in turn "
+                        "(prefixes the instances and the pool reuse)")
     p.add_argument("--routers", type=int, default=2, help="with --faults: router replicas")
     p.add_argument("--restart-after", type=float, default=8.0, help="with --faults: seconds until a killed "
                                                                         "service is started again")

@@ -89,3 +89,26 @@ def test_a_victims_row_says_what_it_held_and_how_soon_each_moved_stream_went_on(
             "| 3.8 / 4.0 | 4.5 / 5.0 |") in text
     assert "| SIGSTOP decode-0 for 30 s at 10 s, SIGCONT at 40 s |" in text
     assert "instance_timeout_s (3 s without a heartbeat)" in text and "inter_token_timeout_s (10 s" in text
+
+
+def test_a_service_down_past_30_s_gets_a_row_for_its_last_stretch_with_the_cached_share():
+    """A cachesvc shard down from 10 s to 55 s: the requests from 40 s on (30 s after the signal) get a row of their
+    own, and every row says what share of the prompt tokens was served from a cache."""
+    refs = {"a": ([1, 2], "xy")}
+
+    def cached(start: float, prompt: int, hit: int) -> Outcome:
+        o = outcome("a", start, 0.2, [1, 2], "xy")
+        o.prompt_tokens, o.cached_tokens = prompt, hit
+        return o
+
+    run = FaultRun(outcomes=[cached(1.0, 100, 80), cached(12.0, 100, 40), cached(45.0, 100, 78),
+                             cached(50.0, 100, 76)],
+                   windows=[Window(Fault("cachesvc-1", 10.0), 10.0, 55.0)], references=refs, migrations=0,
+                   duration_s=70.0, load_before="1.00 1.00 1.00", load_after="1.00 1.00 1.00", moved=[],
+                   limits=Limits(3.0, 10.0), max_num_seqs=64, cachesvc=3)
+    text = report(run, clients=4, decode=2, routers=2, restart_after_s=45)
+    assert "| before the first fault (0-10 s) | 1 | 0 | 200 | 1.00x | 100 | 1.00x | 80.0% |" in text
+    assert "| kill -9 cachesvc-1 at 10 s, back at 55 s | 3 | 0 |" in text and "| 64.7% |" in text
+    assert ("| kill -9 cachesvc-1: its last 15 s down (30 s after the signal on) | 2 | 0 | 200 | 1.00x | 100 | 1.00x "
+            "| 77.0% |") in text
+    assert "3 cachesvc shards" in text
