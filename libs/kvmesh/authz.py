@@ -34,7 +34,8 @@ EVERYONE = frozenset(MeshRole)
 # method prefix (a whole service ends with "/") -> the roles that may call it
 RULES: dict[str, frozenset[MeshRole]] = {
     "/kvmesh.v1.CacheService/MatchPrefix": frozenset({R, A}),
-    "/kvmesh.v1.CacheService/Stats": frozenset({R, A}),
+    # engines too: a sharded pool's view (its shard count and copies) comes from it
+    "/kvmesh.v1.CacheService/Stats": frozenset({R, A, *ENGINES}),
     "/kvmesh.v1.CacheService/PutBlocks": ENGINES,
     "/kvmesh.v1.CacheService/GetBlocks": ENGINES,
     "/kvmesh.v1.CacheService/GrantPut": ENGINES,

@@ -124,6 +124,21 @@ class Pool:
 
     # -- queries (any thread) --------------------------------------------------------------------------------
 
+    def held_bits(self, keys: Sequence[int], positions: Sequence[int]) -> list[tuple[str, int]]:
+        """Per tier: a bitmask over ``keys``' positions with bit ``p`` set when ``keys[p]`` (``p`` among
+        ``positions``) is held in this tier or a faster one (any layout; a quarantined key is not). Tiers
+        with no bit are left out. A shard's MatchPrefix: the caller ORs the shards' masks."""
+        masks = [0] * len(self.tiers)
+        for p in positions:
+            key = keys[p]
+            if key in self.quarantined:
+                continue
+            fastest = next((i for i, t in enumerate(self.tiers) if t.has(key)), None)
+            if fastest is not None:
+                for i in range(fastest, len(masks)):
+                    masks[i] |= 1 << p
+        return [(t.name, m) for t, m in zip(self.tiers, masks) if m]
+
     def leading(self, keys: Sequence[int]) -> list[tuple[str, int]]:
         """Per tier: the leading run of ``keys`` (any layout) that this tier together with the faster ones
         holds; so the last tier's count is what a get can return at best, and the first tier's what comes from

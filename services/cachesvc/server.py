@@ -40,7 +40,7 @@ from kvmesh.contracts.events import BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVQuarantine, Message, SessionSignal
-from kvmesh.contracts.shards import ShardMap, at
+from kvmesh.contracts.shards import ShardMap
 from kvmesh.identity import Identity
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
@@ -188,16 +188,17 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             matches += [cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=tier, num_blocks=n)
                         for tier, n in self.pool.leading(keys)]
             return cache_pb2.MatchPrefixResponse(matches=matches)
-        # a shard: its own keys alone, each count where that holder's run breaks in the whole list (the keys it
-        # does not own count as present; the caller takes the least over the shards)
+        # a shard: its own keys alone. The instances: each count where that holder's run breaks in the whole
+        # list (the keys it does not own count as present; the caller takes the least over the shards). Its
+        # pool: the positions it holds, per tier (the caller ORs the shards'). Not before the events stream is
+        # replayed: a half-built index would cut every answer short.
+        if not self.server.caught_up:
+            raise StoreUnavailable(f"shard {shard} is replaying the events stream; ask the other shards")
         matches = [cache_pb2.TierMatch(instance_id=m.instance_id, tier=m.tier, num_blocks=m.num_blocks)
                    for m in self.server.index.match_own(keys, smap.index_positions(shard, keys))]
-        pooled = smap.pool_positions(shard, keys)
-        if pooled:
-            matches += [cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=tier,
-                                            num_blocks=at(pooled, n, len(keys)))
-                        for tier, n in self.pool.leading([keys[p] for p in pooled])]
-        return cache_pb2.MatchPrefixResponse(matches=matches, index_copies=smap.copies)
+        held = [cache_pb2.PoolHeld(tier=tier, positions=mask.to_bytes((mask.bit_length() + 7) // 8, "little"))
+                for tier, mask in self.pool.held_bits(keys, smap.pool_positions(shard, keys))]
+        return cache_pb2.MatchPrefixResponse(matches=matches, index_copies=smap.copies, pool_held=held)
 
     @_statuses
     async def PutBlocks(self, request: cache_pb2.PutBlocksRequest,
@@ -388,7 +389,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             event_gaps=resync.gaps, tiers=tier_stats, leases=leases, leased_blocks=leased,
             snapshots_requested=resync.requested, snapshots_applied=resync.applied,
             caught_up=self.server.caught_up, transfer_address=self.server.transfer.address,
-            view=cache_pb2.ShardView(shard=self.cfg.shard, shards=self.cfg.shards))
+            view=cache_pb2.ShardView(shard=self.cfg.shard, shards=self.cfg.shards,
+                                     index_copies=self.server.shard_map.copies,
+                                     pool_copies=self.server.shard_map.pool_copies))
 
 
 class CacheServer:
@@ -400,7 +403,7 @@ class CacheServer:
         self.shared = shared or SharedSettings()
         self.subjects = Subjects(self.shared.cluster)
         # one shard of several keeps the index entries and the pool blocks of the keys the shard map gives it
-        self.shard_map = ShardMap(cfg.shards, cfg.index_copies)
+        self.shard_map = ShardMap(cfg.shards, cfg.index_copies, cfg.pool_copies)
         self.index = BlockIndex(self.shard_map.index_slots(cfg.shard) if cfg.shards > 1 else None)
         self.durable = cfg.durable_name if cfg.shards == 1 else f"{cfg.durable_name}-{cfg.shard}"
         self.resync = Resync(self.index, self._fetch_snapshot)
@@ -466,8 +469,10 @@ class CacheServer:
             if self.port == 0:
                 raise OSError(f"cannot bind gRPC to {cfg.host}:{cfg.port}")
         loop = asyncio.get_running_loop()
-        self.pool = await loop.run_in_executor(self.storage, Pool.from_config, cfg, time.monotonic,
-                                               self.shared.cluster)
+        # the external store names its manifest by the durable: one per shard
+        self.pool = await loop.run_in_executor(self.storage, Pool.from_config,
+                                               cfg.model_copy(update={"durable_name": self.durable}),
+                                               time.monotonic, self.shared.cluster)
         log.info("pool tiers: %s", ", ".join(f"{t.name} ({len(t)} blocks)" for t in self.pool.tiers) or "none")
         def pool_events(events: list[BlockStored | BlockRemoved]) -> None:  # the storage thread
             loop.call_soon_threadsafe(self._pool_events.extend, events)
@@ -600,12 +605,12 @@ class CacheServer:
         if self.cfg.shards == 1:
             return
         smap, shard = self.shard_map, self.cfg.shard
-        other = [(k, smap.pool_owner(k)) for k in keys if smap.pool_owner(k) != shard]
+        other = [(k, smap.pool_owners(k)) for k in keys if shard not in smap.pool_owners(k)]
         if other:
-            key, owner = other[0]
-            raise WrongShard(f"{len(other)} of the {len(keys)} block keys belong to another shard's pool (key "
-                             f"{key:#x}: shard {owner}): put each block to the shard kvmesh.contracts.shards "
-                             "maps it to")
+            key, owners = other[0]
+            raise WrongShard(f"{len(other)} of the {len(keys)} block keys belong to other shards' pools (key "
+                             f"{key:#x}: shards {', '.join(map(str, owners))}): put each block to the shards "
+                             "kvmesh.contracts.shards maps it to")
 
     def check_own_address(self, who: Identity | None, address: str) -> None:
         """A GetBlocks push goes only to the transfer endpoint the calling instance announced (its heartbeat):

@@ -214,6 +214,8 @@ class Router:
 
         copies: set[int] = set()
 
+        pools: dict[int, list[tuple[str, int]]] = {}
+
         async def ask(shard: int, stub: cache_pb2_grpc.CacheServiceStub) -> list[tuple[str, str, int]] | None:
             view = cache_pb2.ShardView(shard=shard, shards=len(self.cache)) if sharded else None
             try:
@@ -231,6 +233,7 @@ class Router:
                 self._shards_down.discard(shard)
                 log.info("cachesvc%s answers MatchPrefix again", f" shard {shard}" if sharded else "")
             copies.add(resp.index_copies)
+            pools[shard] = [(h.tier, int.from_bytes(h.positions, "little")) for h in resp.pool_held]
             return [(m.instance_id, m.tier, m.num_blocks) for m in resp.matches]
 
         got = await asyncio.gather(*(ask(i, stub) for i, stub in enumerate(self.cache)))
@@ -241,7 +244,7 @@ class Router:
             return {}
         if len(answers) < len(self.cache):  # the keys no shard that answered owns are cut off
             span.set_attribute("kvmesh.shards_missing", [i for i in range(len(self.cache)) if i not in answers])
-        matches = combine(self._shard_map(min(copies)), keys, answers) if sharded else answers[0]
+        matches = combine(self._shard_map(min(copies)), keys, answers, pools) if sharded else answers[0]
         best: dict[str, int] = {}
         for instance, _tier, n in matches:
             best[instance] = max(best.get(instance, 0), n)

@@ -1,7 +1,8 @@
-"""Three cachesvc shards (``kvmesh up --cachesvc 3``) on a real stack (the real model, real nats-server): the pool
-and the index split by block key; a prompt written back through one instance is fetched whole, from every shard,
-by another; one shard killed under load costs no request and changes no answer; restarted, it rebuilds its index
-from the events stream, not from the engines."""
+"""Three cachesvc shards (``kvmesh up --cachesvc 3``, two copies of each pooled block) on a real stack (the real
+model, real nats-server): the pool and the index split by block key; a prompt written back through one instance is
+fetched whole, from every shard, by another; one shard killed under load costs no request and changes no answer,
+and a prompt written back while it is down is still fetched whole from the other copies; restarted, it rebuilds
+its index from the events stream, not from the engines."""
 
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def pool_fetched(stack) -> float:
                       'kvmesh_worker_kv_transfer_bytes_total{direction="pool_fetch"}') for i in range(2))
 
 
+def pool_written(stack) -> float:
+    """Bytes the instances wrote back to the pool: counted once every shard's part of a write-back is done."""
+    return sum(metric(stack.service(f"both-{i}").endpoints["metrics"],
+                      'kvmesh_worker_kv_transfer_bytes_total{direction="pool_write"}') for i in range(2))
+
+
 def eventually(what: str, check, within_s: float = 60.0) -> None:
     deadline = time.monotonic() + within_s
     while not check():
@@ -63,20 +70,22 @@ def answer(stack, question: str, headers: dict | None = None) -> dict:
 
 
 def test_three_shards_split_the_pool_serve_fetches_and_lose_nothing_when_one_dies(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "shards", prefill=0, decode=0, both=2, cachesvc=SHARDS)
+    stack = start_stack(tmp_path_factory, "shards", prefill=0, decode=0, both=2, cachesvc=SHARDS,
+                        env={"KVMESH_CACHESVC_POOL_COPIES": "2"})
     try:
         names = [f"cachesvc-{i}" for i in range(SHARDS)]
         assert [s.name for s in stack.caches] == names
         assert all((stack.ready_dir / f"{n}.json").exists() for n in names)
         views = [stats(stack, n).view for n in names]
-        assert [(v.shard, v.shards) for v in views] == [(i, SHARDS) for i in range(SHARDS)]
+        assert [(v.shard, v.shards, v.index_copies, v.pool_copies) for v in views] == \
+            [(i, SHARDS, 2, 2) for i in range(SHARDS)]
 
         # the references: each question once, written back to the pool (each block to its shard)
         refs = {q: answer(stack, q)["choices"][0]["message"]["content"] for q in QUESTIONS}
         eventually("every shard's pool got blocks", lambda: all(stats(stack, n).pool_blocks > 0 for n in names))
         eventually("every shard indexed blocks", lambda: all(stats(stack, n).indexed_blocks > 0 for n in names))
         pools = [stats(stack, n).pool_blocks for n in names]
-        assert max(pools) < sum(pools)  # split, not copied: no shard holds them all
+        assert max(pools) < sum(pools) // 2 * 2  # two copies of each block split over three: none holds them all
 
         # the other instance has none of it: round robin sends it there, and it fetches from all shards
         fetched = pool_fetched(stack)
@@ -115,6 +124,17 @@ def test_three_shards_split_the_pool_serve_fetches_and_lose_nothing_when_one_die
         assert not errors, errors
         assert len(results) == 24
         assert all(text == refs[q] for q, text in results)
+
+        # still down: a new prompt is written back to the live copies, and the other instance fetches it whole
+        fresh = QUESTIONS[0].replace("Question 0", "Question 99")
+        written = pool_written(stack)
+        first = answer(stack, fresh, RR)
+        eventually("the fresh prompt is written back", lambda: pool_written(stack) > written)
+        fetched = pool_fetched(stack)
+        second = answer(stack, fresh, RR)
+        assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+        assert pool_fetched(stack) > fetched
 
         # restarted on its address: it replays the events stream and asks no engine for a snapshot
         stack.restart(victim)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from kvmesh.contracts.events import BlockRemoved, BlockStored
 from kvmesh.contracts.messages import KVEventBatch
-from kvmesh.contracts.shards import POOL, SLOTS, ShardMap, at, combine
+from kvmesh.contracts.shards import POOL, SLOTS, ShardMap, at, combine, leading_ones
 
 from services.cachesvc.index import BlockIndex
 
@@ -20,14 +20,14 @@ def test_slots_spread_evenly_and_each_key_has_distinct_index_owners():
     for slot in range(SLOTS):
         owners = smap.index_owners(slot)
         assert len(owners) == 2 and len(set(owners)) == 2
-        assert owners[0] == smap.pool_owner(slot)
+        assert smap.pool_owners(slot) == owners[:1]
     assert ShardMap(2, copies=5).copies == 2  # never more copies than shards
 
 
 def test_adding_a_shard_moves_about_one_in_n_plus_one_of_the_keys():
     before, after = ShardMap(4), ShardMap(5)
-    moved = [slot for slot in range(SLOTS) if before.pool_owner(slot) != after.pool_owner(slot)]
-    assert all(after.pool_owner(slot) == 4 for slot in moved)  # only to the new shard, never between old ones
+    moved = [slot for slot in range(SLOTS) if before.pool_owners(slot) != after.pool_owners(slot)]
+    assert all(after.pool_owners(slot) == (4,) for slot in moved)  # only to the new shard, never between old ones
     assert abs(len(moved) / SLOTS - 1 / 5) < 0.03
 
 
@@ -36,6 +36,8 @@ def test_bad_maps_are_refused():
         ShardMap(0)
     with pytest.raises(ValueError, match="at least one copy"):
         ShardMap(2, copies=0)
+    with pytest.raises(ValueError, match="at least one copy"):
+        ShardMap(2, pool_copies=0)
 
 
 def test_at_places_a_run_of_own_keys_in_the_whole_list():
@@ -44,19 +46,31 @@ def test_at_places_a_run_of_own_keys_in_the_whole_list():
     assert at([1, 4, 6], 3, 9) == 9
 
 
+def test_leading_ones():
+    assert [leading_ones(m) for m in (0, 1, 0b10, 0b111, 0b1011)] == [0, 1, 0, 3, 2]
+
+
+def test_pool_copies_put_each_block_on_distinct_shards():
+    smap = ShardMap(3, pool_copies=2)
+    parts = smap.split_pool(list(range(SLOTS)))
+    assert sum(len(p) for p in parts.values()) == 2 * SLOTS
+    assert all(len(set(smap.pool_owners(k))) == 2 for k in range(SLOTS))
+    assert {s: len(p) for s, p in smap.split_pool(list(range(SLOTS)), copy=1).items()}.keys() == {0, 1, 2}
+
+
 class World:
     """Random prompts (key chains sharing prefixes), instances holding leading runs of them in two tiers, and a
-    pool holding leading runs too; fed to one unsharded index and to each shard's."""
+    pool holding leading runs too (its copies on each shard, one copy now and then lost); fed to one unsharded
+    index and to each shard's."""
 
-    def __init__(self, seed: int, shards: int, copies: int = 2) -> None:
+    def __init__(self, seed: int, shards: int, copies: int = 2, pool_copies: int = 1) -> None:
         rng = random.Random(seed)
-        self.smap = ShardMap(shards, copies)
+        self.smap = ShardMap(shards, copies, pool_copies)
         trunks = [[rng.getrandbits(64) for _ in range(rng.randint(1, 12))] for _ in range(4)]
         self.prompts = [trunk + [rng.getrandbits(64) for _ in range(rng.randint(0, 30))]
                         for trunk in trunks for _ in range(3)]
         self.whole = BlockIndex()
         self.shard_index = [BlockIndex(self.smap.index_slots(s)) for s in range(shards)]
-        self.pool: set[int] = set()
         for i in range(6):
             events = []
             for prompt in rng.sample(self.prompts, 4):
@@ -68,58 +82,62 @@ class World:
             batch = KVEventBatch(f"i{i}", 1, 0.0, tuple(events))
             for index in (self.whole, *self.shard_index):
                 index.apply(batch)
+        self.pooled = [set() for _ in range(shards)]  # what each shard's pool holds
         for prompt in rng.sample(self.prompts, 5):
-            self.pool.update(prompt[:rng.randint(0, len(prompt))])
+            for key in prompt[:rng.randint(0, len(prompt))]:
+                owners = self.smap.pool_owners(key)
+                kept = [s for s in owners if rng.random() < 0.8] if len(owners) > 1 else list(owners)
+                for s in kept:
+                    self.pooled[s].add(key)
 
-    def truth(self, keys: list[int]) -> set[tuple[str, str, int]]:
+    def truth(self, keys: list[int], live: set[int] | None = None) -> set[tuple[str, str, int]]:
+        """One index and one pool (the pool: what the ``live`` shards hold)."""
+        live = set(range(self.smap.shards)) if live is None else live
         out = {tuple(m) for m in self.whole.match_prefix(keys)}
-        n = next((p for p, k in enumerate(keys) if k not in self.pool), len(keys))
+        n = next((p for p, k in enumerate(keys) if not any(k in self.pooled[s] for s in live)), len(keys))
         return out | ({(POOL, "dram", n)} if n else set())
 
-    def answer(self, shard: int, keys: list[int]) -> list[tuple[str, str, int]]:
+    def answer(self, shard: int, keys: list[int]) -> tuple[list[tuple[str, str, int]], list[tuple[str, int]]]:
         """What shard ``shard``'s MatchPrefix says (services/cachesvc/server.py does the same)."""
-        out = [tuple(m) for m in self.shard_index[shard].match_own(keys, self.smap.index_positions(shard, keys))]
-        pooled = self.smap.pool_positions(shard, keys)
-        run = next((j for j, p in enumerate(pooled) if keys[p] not in self.pool), len(pooled))
-        if pooled and run:
-            out.append((POOL, "dram", at(pooled, run, len(keys))))
-        return out
+        matches = [tuple(m) for m in self.shard_index[shard].match_own(keys, self.smap.index_positions(shard, keys))]
+        mask = sum(1 << p for p in self.smap.pool_positions(shard, keys) if keys[p] in self.pooled[shard])
+        return matches, ([("dram", mask)] if mask else [])
+
+    def combined(self, keys: list[int], live: set[int]) -> set[tuple[str, str, int]]:
+        answers = {s: self.answer(s, keys) for s in live}
+        return set(combine(self.smap, keys, {s: a[0] for s, a in answers.items()},
+                           {s: a[1] for s, a in answers.items()}))
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_three_shards_answer_what_one_index_answers(seed):
-    world = World(seed, shards=3)
+@pytest.mark.parametrize("pool_copies", [1, 2])
+@pytest.mark.parametrize("seed", range(12))
+def test_three_shards_answer_what_one_index_and_pool_answer(seed, pool_copies):
+    world = World(seed, shards=3, pool_copies=pool_copies)
     for prompt in world.prompts:
         keys = prompt + [random.Random(seed).getrandbits(64)]  # and a key nobody holds
-        answers = {s: world.answer(s, keys) for s in range(3)}
-        assert set(combine(world.smap, keys, answers)) == world.truth(keys)
+        assert world.combined(keys, {0, 1, 2}) == world.truth(keys)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_a_shard_down_loses_no_index_entry_and_cuts_the_pool_at_its_first_key(seed):
-    world = World(seed, shards=3)
-    dead = seed % 3
+@pytest.mark.parametrize("pool_copies", [1, 2])
+@pytest.mark.parametrize("seed", range(12))
+def test_a_shard_down_loses_no_index_entry_and_only_the_pool_blocks_it_alone_held(seed, pool_copies):
+    world = World(seed, shards=3, pool_copies=pool_copies)
+    live = {0, 1, 2} - {seed % 3}
     for keys in world.prompts:
-        answers = {s: world.answer(s, keys) for s in range(3) if s != dead}
-        got = {(inst, tier): n for inst, tier, n in combine(world.smap, keys, answers)}
-        cut = next((p for p, k in enumerate(keys) if world.smap.pool_owner(k) == dead), len(keys))
-        for inst, tier, n in world.truth(keys):
-            want = min(n, cut) if inst == POOL else n  # every key keeps an index owner; the pool loses 1/3
-            assert got.pop((inst, tier), 0) == want
-        assert not got
+        assert world.combined(keys, live) == world.truth(keys, live)
 
 
 def test_with_one_copy_a_shard_down_cuts_the_instances_runs_too():
     world = World(7, shards=3, copies=1)
     keys = max(world.prompts, key=len)
-    dead = world.smap.pool_owner(keys[len(keys) // 2])
-    cut = next(p for p, k in enumerate(keys) if world.smap.pool_owner(k) == dead)
-    answers = {s: world.answer(s, keys) for s in range(3) if s != dead}
-    for inst, tier, n in combine(world.smap, keys, answers):
-        assert n <= cut
-        assert (inst, tier) in {(i, t) for i, t, _ in world.truth(keys)}
+    dead = world.smap.pool_owners(keys[len(keys) // 2])[0]
+    cut = next(p for p, k in enumerate(keys) if world.smap.index_owners(k) == (dead,))
+    for inst, tier, n in world.combined(keys, {0, 1, 2} - {dead}):
+        if inst != POOL:
+            assert n <= cut
+            assert (inst, tier) in {(i, t) for i, t, _ in world.truth(keys)}
 
 
 def test_no_answer_no_match():
-    assert combine(ShardMap(3), [1, 2, 3], {}) == []
-    assert combine(ShardMap(3), [], {0: [("i0", "device", 1)]}) == []
+    assert combine(ShardMap(3), [1, 2, 3], {}, {}) == []
+    assert combine(ShardMap(3), [], {0: [("i0", "device", 1)]}, {}) == []

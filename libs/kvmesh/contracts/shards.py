@@ -6,15 +6,18 @@ shards by rendezvous hashing (highest random weight over ``(slot, shard)``), com
 N + 1 shards moves about 1/(N + 1) of the slots, and every process that knows N agrees on the map without
 talking.
 
-- The **pool** of a key lives on the slot's first shard (one copy: a dead shard's blocks become recomputes).
 - The **index** entries of a key live on the slot's first ``copies`` shards (default 2): each such shard
   indexes the key from the events stream, so while one of them is down another still answers for it.
+- The **pool** keeps a block on the slot's first ``pool_copies`` shards (default 1: a dead shard's blocks
+  become recomputes; 2: none is lost to one dead shard).
 
-A shard answers MatchPrefix for the keys it owns and counts every key it does not own as present: its count for
-``(instance, tier)`` is where that holder's run breaks at one of its own keys, and a holder it does not list
-breaks at its first own key. The whole answer is the least count over the shards that answered, cut where a key
-has no owner among them (:func:`combine`): exactly what one unsharded index would answer while every key has a
-live owner, and never more than it.
+A shard answers MatchPrefix for the keys it owns. For the instances it counts every key it does not own as
+present: its count for ``(instance, tier)`` is where that holder's run breaks at one of its own keys, and a
+holder it does not list breaks at its first own key; the index's copies hold the same entries (the same stream),
+so the whole answer is the least count over the shards that answered, cut where a key has no owner among them.
+For its pool it sends, per tier, a bitmask of the positions it holds (copies may differ: one was evicted, or
+written while the other was down), which the caller ORs (:func:`combine`). Exactly what one unsharded index and
+pool would answer while every key has a live owner, and never more than it.
 """
 
 from __future__ import annotations
@@ -36,31 +39,34 @@ def _rank(slot: int, shards: int) -> tuple[int, ...]:
 
 
 class ShardMap:
-    """The key -> shard map of ``shards`` shards, ``copies`` of each index entry (at most ``shards``)."""
+    """The key -> shard map of ``shards`` shards, ``copies`` of each index entry and ``pool_copies`` of each
+    pooled block (each at most ``shards``)."""
 
-    def __init__(self, shards: int, copies: int = 2) -> None:
+    def __init__(self, shards: int, copies: int = 2, pool_copies: int = 1) -> None:
         if shards < 1:
             raise ValueError(f"a shard map needs at least one shard, not {shards}")
-        if copies < 1:
-            raise ValueError(f"the index needs at least one copy of each entry, not {copies}")
+        if copies < 1 or pool_copies < 1:
+            raise ValueError(f"the index and the pool need at least one copy of each entry, not {copies} and "
+                             f"{pool_copies}")
         self.shards = shards
         self.copies = min(copies, shards)
+        self.pool_copies = min(pool_copies, shards)
         self._ranks = [_rank(slot, shards) for slot in range(SLOTS)] if shards > 1 else [(0,)] * SLOTS
 
     def rank(self, key: int) -> tuple[int, ...]:
         """Every shard, in the order ``key`` prefers them."""
         return self._ranks[key & (SLOTS - 1)]
 
-    def pool_owner(self, key: int) -> int:
-        return self._ranks[key & (SLOTS - 1)][0]
+    def pool_owners(self, key: int) -> tuple[int, ...]:
+        return self._ranks[key & (SLOTS - 1)][:self.pool_copies]
 
     def index_owners(self, key: int) -> tuple[int, ...]:
         return self._ranks[key & (SLOTS - 1)][:self.copies]
 
     def pool_positions(self, shard: int, keys: Sequence[int]) -> list[int]:
-        """The positions in ``keys`` whose pool ``shard`` holds."""
-        ranks, mask = self._ranks, SLOTS - 1
-        return [p for p, k in enumerate(keys) if ranks[k & mask][0] == shard]
+        """The positions in ``keys`` whose blocks ``shard``'s pool keeps."""
+        ranks, mask, copies = self._ranks, SLOTS - 1, self.pool_copies
+        return [p for p, k in enumerate(keys) if shard in ranks[k & mask][:copies]]
 
     def index_positions(self, shard: int, keys: Sequence[int]) -> list[int]:
         """The positions in ``keys`` whose index entries ``shard`` keeps."""
@@ -74,12 +80,16 @@ class ShardMap:
         """Per slot: whether ``shard`` indexes its keys (a key's slot is ``key & (SLOTS - 1)``)."""
         return [shard in r[:self.copies] for r in self._ranks]
 
-    def split_pool(self, keys: Sequence[int]) -> dict[int, list[int]]:
-        """Positions of ``keys`` by the shard whose pool holds them (shards without any left out)."""
+    def split_pool(self, keys: Sequence[int], copy: int | None = None) -> dict[int, list[int]]:
+        """Positions of ``keys`` by the shard whose pool keeps them: every copy's shard (a position under each),
+        or only the ``copy``-th (0: the first). Shards without any are left out."""
         out: dict[int, list[int]] = {}
         ranks, mask = self._ranks, SLOTS - 1
+        which = range(self.pool_copies) if copy is None else (copy,)
         for p, k in enumerate(keys):
-            out.setdefault(ranks[k & mask][0], []).append(p)
+            rank = ranks[k & mask]
+            for c in which:
+                out.setdefault(rank[c], []).append(p)
         return out
 
 
@@ -89,41 +99,35 @@ def at(positions: Sequence[int], run: int, total: int) -> int:
     return positions[run] if run < len(positions) else total
 
 
-def combine(smap: ShardMap, keys: Sequence[int], answers: Mapping[int, Iterable[tuple[str, str, int]]]
-            ) -> list[tuple[str, str, int]]:
-    """The whole MatchPrefix answer from the answers of the shards that gave one (``shard -> (instance, tier,
-    num_blocks)``, each counting the keys it does not own as present). Per holder: the least count over them,
-    a holder a shard does not list counting up to that shard's first own key; everything cut at the first key
-    none of them owns (its holders are unknown). The pool's tiers (instance ``pool``) follow the pool's map,
-    the instances' the index's. Holders at 0 are left out."""
+def leading_ones(mask: int) -> int:
+    """How many low bits of ``mask`` are set before the first clear one."""
+    return (mask ^ (mask + 1)).bit_length() - 1
+
+
+def combine(smap: ShardMap, keys: Sequence[int], answers: Mapping[int, Iterable[tuple[str, str, int]]],
+            pools: Mapping[int, Iterable[tuple[str, int]]]) -> list[tuple[str, str, int]]:
+    """The whole MatchPrefix answer from the answers of the shards that gave one: ``answers`` (shard ->
+    ``(instance, tier, num_blocks)``, each counting the keys it does not own as present) and ``pools`` (shard ->
+    ``(tier, mask)``, its pool's positions held per tier). Per instance holder: the least count over them, a
+    holder a shard does not list counting up to that shard's first own key; cut at the first key none of them
+    owns (its holders are unknown). Per pool tier (instance ``pool``): the leading run of the shards' masks
+    ORed. Holders at 0 are left out."""
     n = len(keys)
     if not n or not answers:
         return []
-    index_first = dict.fromkeys(answers, n)  # shard -> its first own key (index)
-    pool_first = dict.fromkeys(answers, n)
-    index_cut = pool_cut = n
+    first = dict.fromkeys(answers, n)  # shard -> its first own key (index)
+    cut = n
     ranks, mask, copies = smap._ranks, SLOTS - 1, smap.copies
-    open_index = set(answers)
-    open_pool = set(answers)
+    waiting = set(answers)
     for p, key in enumerate(keys):
-        rank = ranks[key & mask]
-        if pool_cut == n:
-            owner = rank[0]
-            if owner in open_pool:
-                pool_first[owner] = p
-                open_pool.discard(owner)
-            elif owner not in answers:
-                pool_cut = p
-        if index_cut == n:
-            owners = rank[:copies]
-            if not any(s in answers for s in owners):
-                index_cut = p
-            for s in owners:
-                if s in open_index:
-                    index_first[s] = p
-                    open_index.discard(s)
-        if index_cut < n and pool_cut < n:
+        owners = ranks[key & mask][:copies]
+        if not any(s in answers for s in owners):
+            cut = p
             break
+        for s in owners:
+            if s in waiting:
+                first[s] = p
+                waiting.discard(s)
     least: dict[Holder, int] = {}
     listed: dict[int, dict[Holder, int]] = {}
     for shard, matches in answers.items():
@@ -133,10 +137,15 @@ def combine(smap: ShardMap, keys: Sequence[int], answers: Mapping[int, Iterable[
             least.setdefault((instance, tier), n)
     out = []
     for holder in least:
-        pool = holder[0] == POOL
-        firsts = pool_first if pool else index_first
-        count = min(listed[s].get(holder, firsts[s]) for s in answers)
-        count = min(count, pool_cut if pool else index_cut)
+        count = min(cut, *(listed[s].get(holder, first[s]) for s in answers))
         if count > 0:
             out.append((holder[0], holder[1], count))
+    held: dict[str, int] = {}
+    for shard_pool in pools.values():
+        for tier, positions in shard_pool:
+            held[tier] = held.get(tier, 0) | positions
+    for tier, positions in held.items():
+        count = min(n, leading_ones(positions))
+        if count > 0:
+            out.append((POOL, tier, count))
     return out

@@ -80,7 +80,8 @@ class PoolClient:
         self.shards = [_Shard(cache_pb2_grpc.CacheServiceStub(ch),
                               cache_pb2.ShardView(shard=i, shards=n) if n > 1 else None)
                        for i, ch in enumerate(self.channels)]
-        self.shard_map = ShardMap(n)  # the pool's map: one copy of a block, on its key's first shard
+        self.shard_map = ShardMap(n)  # how many copies the pool keeps: the shards say (``_map``)
+        self._learned = n == 1
         self._written: OrderedDict[int, float] = OrderedDict()  # keys this instance stored -> when
         self._remember = remember
 
@@ -106,8 +107,9 @@ class PoolClient:
             await self._write_shard(self.shards[0], keys, todo, data, metadata, session, context)
             sent = todo
         else:  # each shard its own blocks and its own part of the session's context, all at once
-            by_shard = self.shard_map.split_pool([keys[i] for i in todo])
-            context_by_shard = self.shard_map.split_pool(context)
+            smap = await self._map(metadata)
+            by_shard = smap.split_pool([keys[i] for i in todo])
+            context_by_shard = smap.split_pool(context)
             parts = {s: [todo[j] for j in by_shard.get(s, [])] for s in range(len(self.shards))
                      if s in by_shard or (session and s in context_by_shard)}
             results = await asyncio.gather(*(
@@ -120,7 +122,7 @@ class PoolClient:
                 raise first if isinstance(first, PoolError) else PoolError(str(first))
             for s, e in failed.items():  # the other shards took theirs: this shard's blocks stay unpooled
                 log.warning("write-back of %d blocks to cachesvc shard %d skipped: %s", len(parts[s]), s, e)
-            sent = [i for s, idx in parts.items() if s not in failed for i in idx]
+            sent = sorted({i for s, idx in parts.items() if s not in failed for i in idx})
         for i in sent:
             self._written[keys[i]] = now
             self._written.move_to_end(keys[i])
@@ -159,29 +161,52 @@ class PoolClient:
         if len(self.shards) == 1:
             got = await self._fetch_shard(self.shards[0], keys, metadata)
             return Fetched(*got) if got is not None else None
-        by_shard = self.shard_map.split_pool(keys)
-        order = list(by_shard)
-        results = await asyncio.gather(*(self._fetch_shard(self.shards[s], [keys[p] for p in by_shard[s]],
-                                                           metadata) for s in order), return_exceptions=True)
-        n = len(keys)
-        for s, result in zip(order, results):
-            held = 0 if isinstance(result, BaseException) or result is None else result[1]
-            if isinstance(result, BaseException):
-                log.warning("pool fetch from cachesvc shard %d failed: %s", s, result)
-            n = min(n, at(by_shard[s], held, len(keys)))
+        smap = await self._map(metadata)
+        nb = self.block_nbytes
+        blocks: dict[int, memoryview] = {}  # position -> its block's bytes
+        n = 0
+        for copy in range(smap.pool_copies):  # the first copies' shards, then for what they lacked the next ones
+            rest = keys[n:]
+            by_shard = smap.split_pool(rest, copy)
+            order = list(by_shard)
+            results = await asyncio.gather(*(self._fetch_shard(self.shards[s], [rest[p] for p in by_shard[s]],
+                                                               metadata) for s in order), return_exceptions=True)
+            run = len(rest)
+            for s, result in zip(order, results):
+                if isinstance(result, BaseException):
+                    log.warning("pool fetch from cachesvc shard %d failed: %s", s, result)
+                held = 0 if isinstance(result, BaseException) or result is None else result[1]
+                run = min(run, at(by_shard[s], held, len(rest)))
+            for s, result in zip(order, results):
+                if isinstance(result, BaseException) or result is None:
+                    continue
+                data = result[0].cast("B") if result[0].format != "B" else result[0]
+                for j, p in enumerate(by_shard[s][:result[1]]):
+                    if p < run:
+                        blocks[n + p] = data[j * nb:(j + 1) * nb]
+            n += run
+            if n == len(keys):
+                break
         if n == 0:
             return None
-        nb = self.block_nbytes
         out = memoryview(bytearray(n * nb))
-        for s, result in zip(order, results):
-            if isinstance(result, BaseException) or result is None:
-                continue
-            data = result[0].cast("B") if result[0].format != "B" else result[0]
-            for j, p in enumerate(by_shard[s]):
-                if p >= n:
-                    break
-                out[p * nb:(p + 1) * nb] = data[j * nb:(j + 1) * nb]
+        for p in range(n):
+            out[p * nb:(p + 1) * nb] = blocks[p]
         return Fetched(out, n)
+
+    async def _map(self, metadata: Metadata) -> ShardMap:
+        """The pool's shard map, with the copies the shards keep (their Stats, asked once)."""
+        if self._learned:
+            return self.shard_map
+        for shard in self.shards:
+            try:
+                stats = await self._call(shard.stub.Stats, cache_pb2.StatsRequest(), metadata)
+            except PoolError:
+                continue
+            self.shard_map = ShardMap(len(self.shards), stats.view.index_copies or 2, stats.view.pool_copies or 1)
+            self._learned = True
+            break
+        return self.shard_map
 
     async def _fetch_shard(self, shard: _Shard, keys: list[BlockKey],
                            metadata: Metadata) -> tuple[memoryview, int] | None:

@@ -710,6 +710,8 @@ class CacheServiceSettings(Section):
                              "it; the routers and engines list them all, in shard order")
     index_copies: int = setting(2, "shards that index each key (with shards > 1): while one is down another "
                                    "answers for its keys")
+    pool_copies: int = setting(1, "shards whose pool keeps each block written back (with shards > 1; 2: a dead "
+                                  "shard costs no block, for twice the write-back traffic and memory)")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
     pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier (session, "
                                                     "session_duel: the sessions' signals first)",
@@ -765,7 +767,7 @@ class CacheServiceSettings(Section):
             if self.mooncake_segment_mb < 0 or 0 < self.mooncake_segment_mb < 16:
                 out.append(Problem("mooncake_segment_mb", "mooncake_segment_mb must be 0 (lend none) or >= 16, "
                                                           f"not {self.mooncake_segment_mb}"))
-        out += self._min(("shards", "index_copies"), 1)
+        out += self._min(("shards", "index_copies", "pool_copies"), 1)
         if not 0 <= self.shard < max(self.shards, 1):
             out.append(Problem("shard", f"shard must be in [0, shards - 1] = [0, {self.shards - 1}], "
                                         f"not {self.shard}"))

@@ -8,12 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardView(_message.Message):
-    __slots__ = ("shard", "shards")
+    __slots__ = ("shard", "shards", "index_copies", "pool_copies")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_COPIES_FIELD_NUMBER: _ClassVar[int]
+    POOL_COPIES_FIELD_NUMBER: _ClassVar[int]
     shard: int
     shards: int
-    def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ...) -> None: ...
+    index_copies: int
+    pool_copies: int
+    def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ..., index_copies: _Optional[int] = ..., pool_copies: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("block_keys", "view")
@@ -34,12 +38,22 @@ class TierMatch(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., tier: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("matches", "index_copies")
+    __slots__ = ("matches", "index_copies", "pool_held")
     MATCHES_FIELD_NUMBER: _ClassVar[int]
     INDEX_COPIES_FIELD_NUMBER: _ClassVar[int]
+    POOL_HELD_FIELD_NUMBER: _ClassVar[int]
     matches: _containers.RepeatedCompositeFieldContainer[TierMatch]
     index_copies: int
-    def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ..., index_copies: _Optional[int] = ...) -> None: ...
+    pool_held: _containers.RepeatedCompositeFieldContainer[PoolHeld]
+    def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ..., index_copies: _Optional[int] = ..., pool_held: _Optional[_Iterable[_Union[PoolHeld, _Mapping]]] = ...) -> None: ...
+
+class PoolHeld(_message.Message):
+    __slots__ = ("tier", "positions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    positions: bytes
+    def __init__(self, tier: _Optional[str] = ..., positions: _Optional[bytes] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
     __slots__ = ("layout", "block_keys", "checksums", "data", "priority", "priority_duration_s", "transfer_id", "session_key", "session_end", "session_blocks", "view")
