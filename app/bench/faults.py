@@ -177,6 +177,8 @@ class FaultRun:
     prefill: int = 1
     cachesvc: int = 1   # shards
     system_words: int = 0
+    pool_copies: int = 1
+    prefill_blocks: int = 0  # each prefill instance's KV blocks (0: the engine's default)
 
     def wrong(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.error and (o.tokens, o.text) != self.references[o.prompt]]
@@ -286,7 +288,7 @@ async def _schedule(stack: Stack, faults: list[Fault], restart_after_s: float, t
 
 def _held(stack: Stack, name: str) -> Held | None:
     """An engine's running and waiting sequences, from its /metrics (None for a service that is no engine)."""
-    if name == "nats" or not (url := stack.service(name).endpoints.get("metrics", "")):
+    if name == "nats" or name.startswith("cachesvc") or not (url := stack.service(name).endpoints.get("metrics", "")):
         return None
     depth = 'kvmesh_worker_queue_depth{state="%s"}'
     try:
@@ -307,13 +309,19 @@ def _moved(spans: list[SpanRecord]) -> list[Moved]:
 
 def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_tokens: int = 16, decode: int = 2,
         routers: int = 2, restart_after_s: float = 8.0, state_dir: Path | None = None,
-        max_num_seqs: int | None = None, prefill: int = 1, cachesvc: int = 1, system_words: int = 0) -> FaultRun:
+        max_num_seqs: int | None = None, prefill: int = 1, cachesvc: int = 1, system_words: int = 0,
+        pool_copies: int = 1, prefill_blocks: int = 0) -> FaultRun:
     engine = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     systems = contexts(system_words)
+    # small prefill caches: the prompts' prefixes are evicted and come back from the pool
+    small = {f"prefill-{i}": {"KVMESH_ENGINE_NUM_BLOCKS": str(prefill_blocks)} for i in range(prefill)} \
+        if prefill_blocks else {}
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", prefill=prefill, decode=decode,
                                                                  routers=routers, cachesvc=cachesvc,
-                                                                 settings={"engine": engine}))
+                                                                 settings={"engine": engine,
+                                                                           "cachesvc": {"pool_copies": pool_copies}},
+                                                                 instance_env=small))
         names = {"nats"} | {f"prefill-{i}" for i in range(prefill)} | {f"decode-{i}" for i in range(decode)} | \
             ({f"router-{i}" for i in range(routers)} if routers > 1 else {"router"}) | \
             ({f"cachesvc-{i}" for i in range(cachesvc)} if cachesvc > 1 else {"cachesvc"})
@@ -344,7 +352,8 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
         return FaultRun(outcomes, windows, refs, migrations, took, load_before, load_after,
                         _moved(read_spans(trace_file(stack.state_dir))),
                         Limits(router.instance_timeout_s, router.inter_token_timeout_s),
-                        stack.cfg.engine.max_num_seqs, prefill, cachesvc, system_words)
+                        stack.cfg.engine.max_num_seqs, prefill, cachesvc, system_words, pool_copies,
+                        prefill_blocks)
 
 
 def _metric(url: str, name: str) -> float:
@@ -399,7 +408,7 @@ def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after
     body = (f"{clients} closed-loop streaming clients (the SDK, every router's address; a client fails over and "
             f"resumes a cut stream on another router) for {res.duration_s:.0f} s against {res.prefill} prefill + "
             f"{decode} decode instances (max_num_seqs {res.max_num_seqs} each), {routers} routers"
-            f"{f' and {res.cachesvc} cachesvc shards' if res.cachesvc > 1 else ''} (the real model, 1 thread "
+            f"{_shards(res)} (the real model, 1 thread "
             f"each); greedy, {len(PROMPTS)} short prompts{_systems(res.system_words)}, each answer compared "
             "with its reference taken alone "
             f"before the load (token ids and text). Each service of the schedule is "
@@ -418,6 +427,14 @@ def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after
             f"({lim.inter_token_timeout_s:g} s, the inter-token watchdog).\n\n"
             + markdown_table(victims, list(victims[0]) if victims else []))
     return body
+
+
+def _shards(res: FaultRun) -> str:
+    if res.cachesvc == 1:
+        return ""
+    copies = f"{res.pool_copies} cop{'y' if res.pool_copies == 1 else 'ies'} of each pooled block"
+    small = f", {res.prefill_blocks} KV blocks a prefill instance" if res.prefill_blocks else ""
+    return f" and {res.cachesvc} cachesvc shards ({copies}{small})"
 
 
 def _systems(words: int) -> str:
@@ -484,7 +501,7 @@ def main(args) -> int:
         return 2
     res = run(faults, args.clients, args.duration, args.max_tokens, args.decode, args.routers, args.restart_after,
               Path(args.state_dir) if args.state_dir else None, args.max_num_seqs, args.prefill, args.cachesvc,
-              args.system_words)
+              args.system_words, args.pool_copies, args.prefill_blocks)
     body = report(res, args.clients, args.decode, args.routers, args.restart_after)
     print(body)
     for o in (res.lost() + res.wrong())[:10]:
@@ -499,6 +516,8 @@ def main(args) -> int:
                    + (f" --prefill {args.prefill}" if args.prefill != 1 else "")
                    + (f" --cachesvc {args.cachesvc}" if args.cachesvc != 1 else "")
                    + (f" --system-words {args.system_words}" if args.system_words else "")
+                   + (f" --pool-copies {args.pool_copies}" if args.pool_copies != 1 else "")
+                   + (f" --prefill-blocks {args.prefill_blocks}" if args.prefill_blocks else "")
                    + (f" --section '{section}'" if args.section else ""))
         print(f"\nwritten to {write_section(section, command, body)}")
     return 0 if not res.lost() and not res.wrong() else 1
