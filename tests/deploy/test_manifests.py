@@ -95,10 +95,13 @@ def containers(overlay: str) -> list[Container]:
             for w in workloads(overlay) for c in w["spec"]["template"]["spec"]["containers"]]
 
 
-def environment(container: Container, files: Path) -> dict[str, str]:
-    """The container's environment as the entrypoint sees it: secrets stand in, the downward API gives a pod's
-    address and name, ``$(VAR)`` expands, and paths under a read-only mount (a Secret's files: certificates) point
-    at files made under ``files``."""
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"  # a StatefulSet pod's ordinal (Kubernetes >= 1.28)
+
+
+def environment(container: Container, files: Path, ordinal: int = 0) -> dict[str, str]:
+    """The container's environment as the entrypoint sees it in the pod of ``ordinal``: secrets stand in, the
+    downward API gives a pod's address, name and ordinal, ``$(VAR)`` expands, and paths under a read-only mount (a
+    Secret's files: certificates) point at files made under ``files``."""
     mounts = [m["mountPath"] for m in container.spec.get("volumeMounts", []) if m.get("readOnly")]
     env: dict[str, str] = {}
     for var in container.spec.get("env", []):
@@ -106,8 +109,8 @@ def environment(container: Container, files: Path) -> dict[str, str]:
         if "secretKeyRef" in source:
             value = "s3cret"
         elif "fieldRef" in source:
-            value = {"status.podIP": "10.1.2.3", "metadata.name": f"{container.workload}-0"}[
-                source["fieldRef"]["fieldPath"]]
+            value = {"status.podIP": "10.1.2.3", "metadata.name": f"{container.workload}-{ordinal}",
+                     POD_INDEX: str(ordinal)}[source["fieldRef"]["fieldPath"]]
         else:
             value = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], var["value"])
         for mount in mounts:
@@ -119,8 +122,9 @@ def environment(container: Container, files: Path) -> dict[str, str]:
     return env
 
 
-def loaded(container: Container, files: Path) -> settings.Settings:
-    return settings.load_entry_point(container.service, container.spec["args"][3:], environment(container, files))
+def loaded(container: Container, files: Path, ordinal: int = 0) -> settings.Settings:
+    return settings.load_entry_point(container.service, container.spec["args"][3:],
+                                     environment(container, files, ordinal))
 
 
 def served_ports(container: Container, files: Path) -> dict[int, str]:
@@ -380,6 +384,127 @@ def test_engine_pools_are_headless_and_vllm_pools_ask_for_gpus_on_gpu_nodes(over
         assert spec["containers"][0]["resources"]["requests"], w["metadata"]["name"]
     backends = {w["metadata"]["labels"].get("kvmesh.io/backend") for w in workloads(overlay)} - {None}
     assert backends == ({"vllm"} if overlay == "gpu-vllm" else {"native"})
+
+
+# -- cachesvc shards (components/cachesvc-shards) -------------------------------------------------------------------
+
+
+def cachesvc_set(overlay: str) -> dict[str, Any]:
+    return next(w for w in workloads(overlay) if w["metadata"]["name"] == "cachesvc")
+
+
+def the_cachesvc(overlay: str) -> Container:
+    (cachesvc,) = [c for c in containers(overlay) if c.service == "cachesvc"]
+    return cachesvc
+
+
+def callers(overlay: str) -> list[Container]:
+    """The containers that dial cachesvc: routers (MatchPrefix) and engines (the pool)."""
+    return [c for c in containers(overlay) if c.service in ("router", "prefill", "decode")]
+
+
+def dialled(container: Container, files: Path) -> list[str]:
+    """The cachesvc addresses a router or an engine lists, in shard order."""
+    cfg = loaded(container, files)
+    value = cfg.router.cachesvc_address if container.service == "router" else cfg.instance.cachesvc_address
+    return [a.strip() for a in value.split(",")] if value else []
+
+
+def sharded_overlays() -> list[str]:
+    return [o for o in OVERLAYS if cachesvc_set(o)["spec"]["replicas"] > 1]
+
+
+def test_the_pd_overlay_runs_cachesvc_as_three_shards() -> None:
+    assert "pd" in sharded_overlays() and cachesvc_set("pd")["spec"]["replicas"] == 3
+
+
+def test_each_cachesvc_pod_is_the_shard_of_its_ordinal_among_as_many_as_replicas(overlay: str, tmp_path: Path) -> None:
+    replicas = cachesvc_set(overlay)["spec"]["replicas"]
+    durables = set()
+    for ordinal in range(replicas):
+        cfg = loaded(the_cachesvc(overlay), tmp_path, ordinal).cachesvc
+        assert (cfg.shard, cfg.shards) == (ordinal, replicas), f"cachesvc-{ordinal}"
+        durables.add(cfg.durable_name if cfg.shards == 1 else f"{cfg.durable_name}-{cfg.shard}")  # server.py's
+    assert len(durables) == replicas, f"shards share a JetStream consumer: {sorted(durables)}"
+
+
+def test_every_router_and_engine_dials_each_shard_in_order_at_cachesvcs_grpc_port(overlay: str, tmp_path: Path) -> None:
+    """One replica is dialled at the Service's name; shard i at its pod's, cachesvc-i.cachesvc (under the
+    headless Service, short or namespace-qualified)."""
+    sts = cachesvc_set(overlay)
+    replicas, service, namespace = sts["spec"]["replicas"], sts["spec"]["serviceName"], sts["metadata"]["namespace"]
+    port = loaded(the_cachesvc(overlay), tmp_path).cachesvc.port
+    for c in callers(overlay):
+        addresses = dialled(c, tmp_path)
+        assert len(addresses) == replicas, f"{c.workload}: {addresses} for {replicas} cachesvc replicas"
+        for ordinal, address in enumerate(addresses):
+            host, _, at = address.rpartition(":")
+            name = service if replicas == 1 else f"{sts['metadata']['name']}-{ordinal}.{service}"
+            assert host in (name, f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.cluster.local"), (
+                f"{c.workload}: shard {ordinal} at {address}, not {name}")
+            assert int(at) == port, f"{c.workload}: {address}, but cachesvc serves gRPC on {port}"
+
+
+def test_a_shards_name_resolves_only_while_it_is_ready(overlay: str) -> None:
+    """Callers skip a shard they cannot reach, per call: one that is still replaying the events stream (not ready)
+    must not be dialled, so its pod's DNS name is published only once it is ready."""
+    name = cachesvc_set(overlay)["spec"]["serviceName"]
+    (svc,) = [o for o in render(overlay) if o["kind"] == "Service" and o["metadata"]["name"] == name]
+    assert svc["spec"].get("clusterIP") == "None" and not svc["spec"].get("publishNotReadyAddresses")
+
+
+@pytest.mark.parametrize("overlay", sharded_overlays())
+def test_cachesvc_shards_go_down_one_at_a_time_and_every_key_keeps_an_index_owner(overlay: str,
+                                                                                   tmp_path: Path) -> None:
+    sts = cachesvc_set(overlay)
+    replicas, labels = sts["spec"]["replicas"], sts["spec"]["template"]["metadata"]["labels"]
+    [budget] = [o["spec"] for o in render(overlay)
+                if o["kind"] == "PodDisruptionBudget" and matches(o["spec"]["selector"], labels)]
+    down = budget["maxUnavailable"] if "maxUnavailable" in budget else replicas - budget["minAvailable"]
+    copies = loaded(the_cachesvc(overlay), tmp_path).cachesvc.index_copies
+    assert down == 1 < min(copies, replicas), f"{down} down of {replicas}, each key indexed {copies} times"
+
+
+@pytest.mark.parametrize("overlay", sharded_overlays())
+def test_network_policies_admit_the_callers_to_every_shard_pod(overlay: str) -> None:
+    policies, pods = mesh(overlay)
+    (template,) = [p for p in pods if p.component == "cachesvc"]
+    for ordinal in range(cachesvc_set(overlay)["spec"]["replicas"]):
+        shard = template._replace(labels={**template.labels, "apps.kubernetes.io/pod-index": str(ordinal),
+                                          "statefulset.kubernetes.io/pod-name": f"cachesvc-{ordinal}"})
+        for pod in pods:
+            if pod.component == "router":
+                assert allowed(policies, pod, shard, "grpc"), f"router -> cachesvc-{ordinal}"
+            if pod.component in ("prefill", "decode"):
+                for port in ("grpc", "transfer"):
+                    assert allowed(policies, pod, shard, port), f"{pod.component} -> cachesvc-{ordinal} {port}"
+                assert allowed(policies, shard, pod, "transfer"), f"cachesvc-{ordinal} -> {pod.component}"
+
+
+def covers(san: str, name: str) -> bool:
+    """Whether a certificate's DNS name verifies ``name`` as OpenSSL checks it (Python's ssl: the KV transfer's
+    TLS): equal, or a wildcard for the leftmost label of a name with two or more labels after the star
+    (``*.cachesvc.kvmesh.svc``; ``*.cachesvc`` covers nothing)."""
+    san, name = san.lower(), name.lower()
+    if not san.startswith("*."):
+        return san == name
+    first, _, rest = name.partition(".")
+    return "." in san[2:] and bool(first) and rest == san[2:]
+
+
+def test_cachesvcs_certificate_names_every_name_its_callers_dial_and_expect(overlay: str, tmp_path: Path) -> None:
+    """With TLS, callers expect KVMESH_TLS_SERVER_NAME (kvmesh.mesh); the certificate names too every host they
+    dial, so it verifies without that override."""
+    cachesvc = the_cachesvc(overlay)
+    if not env_of(cachesvc).get("KVMESH_TLS_CERT"):
+        return
+    secret = mounted(cachesvc, cachesvc_set(overlay), env_of(cachesvc)["KVMESH_TLS_CERT"])["secret"]["secretName"]
+    (certificate,) = [o["spec"] for o in render(overlay)
+                      if o["kind"] == "Certificate" and o["spec"]["secretName"] == secret]
+    names = {a.rpartition(":")[0] for c in callers(overlay) for a in dialled(c, tmp_path)}
+    names |= {env_of(c)["KVMESH_TLS_SERVER_NAME"] for c in callers(overlay) if env_of(c).get("KVMESH_TLS_SERVER_NAME")}
+    missed = sorted(n for n in names if not any(covers(san, n) for san in certificate["dnsNames"]))
+    assert not missed, f"{secret} names {certificate['dnsNames']}, not {missed}"
 
 
 # -- the planner (components/planner) -------------------------------------------------------------------------------
