@@ -178,7 +178,8 @@ class FaultRun:
     cachesvc: int = 1   # shards
     system_words: int = 0
     pool_copies: int = 1
-    prefill_blocks: int = 0  # each prefill instance's KV blocks (0: the engine's default)
+    prefill_blocks: int = 0  # each prefill (and both) instance's KV blocks (0: the engine's default)
+    both: int = 0
 
     def wrong(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.error and (o.tokens, o.text) != self.references[o.prompt]]
@@ -310,19 +311,19 @@ def _moved(spans: list[SpanRecord]) -> list[Moved]:
 def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_tokens: int = 16, decode: int = 2,
         routers: int = 2, restart_after_s: float = 8.0, state_dir: Path | None = None,
         max_num_seqs: int | None = None, prefill: int = 1, cachesvc: int = 1, system_words: int = 0,
-        pool_copies: int = 1, prefill_blocks: int = 0) -> FaultRun:
+        pool_copies: int = 1, prefill_blocks: int = 0, both: int = 0) -> FaultRun:
     engine = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     systems = contexts(system_words)
     # small prefill caches: the prompts' prefixes are evicted and come back from the pool
-    small = {f"prefill-{i}": {"KVMESH_ENGINE_NUM_BLOCKS": str(prefill_blocks)} for i in range(prefill)} \
-        if prefill_blocks else {}
+    computing = [f"prefill-{i}" for i in range(prefill)] + [f"both-{i}" for i in range(both)]
+    small = {name: {"KVMESH_ENGINE_NUM_BLOCKS": str(prefill_blocks)} for name in computing} if prefill_blocks else {}
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", prefill=prefill, decode=decode,
+        stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", prefill=prefill, decode=decode, both=both,
                                                                  routers=routers, cachesvc=cachesvc,
                                                                  settings={"engine": engine,
                                                                            "cachesvc": {"pool_copies": pool_copies}},
                                                                  instance_env=small))
-        names = {"nats"} | {f"prefill-{i}" for i in range(prefill)} | {f"decode-{i}" for i in range(decode)} | \
+        names = {"nats", *computing} | {f"decode-{i}" for i in range(decode)} | \
             ({f"router-{i}" for i in range(routers)} if routers > 1 else {"router"}) | \
             ({f"cachesvc-{i}" for i in range(cachesvc)} if cachesvc > 1 else {"cachesvc"})
         unknown = [f.service for f in faults if f.service not in names]
@@ -353,7 +354,7 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
                         _moved(read_spans(trace_file(stack.state_dir))),
                         Limits(router.instance_timeout_s, router.inter_token_timeout_s),
                         stack.cfg.engine.max_num_seqs, prefill, cachesvc, system_words, pool_copies,
-                        prefill_blocks)
+                        prefill_blocks, both)
 
 
 def _metric(url: str, name: str) -> float:
@@ -406,8 +407,8 @@ def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after
     victims = [_victim(res, w) for w in res.windows]
     lim = res.limits
     body = (f"{clients} closed-loop streaming clients (the SDK, every router's address; a client fails over and "
-            f"resumes a cut stream on another router) for {res.duration_s:.0f} s against {res.prefill} prefill + "
-            f"{decode} decode instances (max_num_seqs {res.max_num_seqs} each), {routers} routers"
+            f"resumes a cut stream on another router) for {res.duration_s:.0f} s against {_fleet(res, decode)} "
+            f"(max_num_seqs {res.max_num_seqs} each), {routers} routers"
             f"{_shards(res)} (the real model, 1 thread "
             f"each); greedy, {len(PROMPTS)} short prompts{_systems(res.system_words)}, each answer compared "
             "with its reference taken alone "
@@ -429,11 +430,16 @@ def report(res: FaultRun, clients: int, decode: int, routers: int, restart_after
     return body
 
 
+def _fleet(res: FaultRun, decode: int) -> str:
+    parts = [f"{n} {role}" for role, n in (("prefill", res.prefill), ("decode", decode), ("both", res.both)) if n]
+    return " + ".join(parts) + " instances"
+
+
 def _shards(res: FaultRun) -> str:
     if res.cachesvc == 1:
         return ""
     copies = f"{res.pool_copies} cop{'y' if res.pool_copies == 1 else 'ies'} of each pooled block"
-    small = f", {res.prefill_blocks} KV blocks a prefill instance" if res.prefill_blocks else ""
+    small = f", {res.prefill_blocks} KV blocks a computing instance" if res.prefill_blocks else ""
     return f" and {res.cachesvc} cachesvc shards ({copies}{small})"
 
 
@@ -501,7 +507,7 @@ def main(args) -> int:
         return 2
     res = run(faults, args.clients, args.duration, args.max_tokens, args.decode, args.routers, args.restart_after,
               Path(args.state_dir) if args.state_dir else None, args.max_num_seqs, args.prefill, args.cachesvc,
-              args.system_words, args.pool_copies, args.prefill_blocks)
+              args.system_words, args.pool_copies, args.prefill_blocks, args.both)
     body = report(res, args.clients, args.decode, args.routers, args.restart_after)
     print(body)
     for o in (res.lost() + res.wrong())[:10]:
@@ -514,6 +520,7 @@ def main(args) -> int:
                    f"--max-tokens {args.max_tokens}"
                    + (f" --max-num-seqs {args.max_num_seqs}" if args.max_num_seqs else "")
                    + (f" --prefill {args.prefill}" if args.prefill != 1 else "")
+                   + (f" --both {args.both}" if args.both else "")
                    + (f" --cachesvc {args.cachesvc}" if args.cachesvc != 1 else "")
                    + (f" --system-words {args.system_words}" if args.system_words else "")
                    + (f" --pool-copies {args.pool_copies}" if args.pool_copies != 1 else "")

@@ -260,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cachesvc", type=int, default=1, help="with --faults: cachesvc shards (cachesvc-0, ...)")
     p.add_argument("--pool-copies", type=int, default=1, help="with --faults and --cachesvc: copies of each pooled "
                                                                "block (cachesvc.pool_copies)")
-    p.add_argument("--prefill-blocks", type=int, default=0, help="with --faults: each prefill instance's KV blocks "
-                                                                  "(small: prefixes come back from the pool)")
+    p.add_argument("--prefill-blocks", type=int, default=0, help="with --faults: each prefill (and both) instance's "
+                                                                  "KV blocks (small: prefixes come back from the pool)")
+    p.add_argument("--both", type=int, default=0, help="with --faults: instances that prefill and decode")
     p.add_argument("--system-words", type=int, default=0,
                    help="with --faults: requests take one of a few system prompts this many words long in turn "
                         "(prefixes the instances and the pool reuse)")
