@@ -389,6 +389,69 @@ def parse_count(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+# -- 4. across shards ---------------------------------------------------------------------------------------------
+
+SHARD_SECTION = "Index across cachesvc shards"
+SHARD_COLUMNS = ["prompt", "matches", "shard MatchPrefix p50 / p99 (CPU p99)", "router combine p50 / p99 (CPU p99)"]
+
+
+def measure_shard(instances: int, blocks: int, shards: int, copies: int, calls: int) -> dict:
+    """One shard of ``shards`` (index ``copies``) filled from the events of a fleet holding ``blocks`` keys, in a
+    child process: what it holds and costs, its MatchPrefix (``BlockIndex.match_own`` over its own positions, as
+    the server answers) and the router's ``combine`` of ``shards`` answers of that shape."""
+    from kvmesh.contracts.shards import ShardMap, combine
+
+    from services.cachesvc.index import BlockIndex
+
+    smap = ShardMap(shards, copies)
+    fleet = Fleet(instances, blocks)
+    gc.collect()
+    before = rss_bytes()
+    index = BlockIndex(smap.index_slots(0))
+    t = time.perf_counter()
+    for batch in fleet.batches():
+        index.apply(batch)
+    fill_s = time.perf_counter() - t
+    gc.collect()
+    held = len(index)
+    samples = sum(sys.getsizeof(p) for p in fleet.held)
+    rss = rss_bytes() - before - samples
+
+    def answer(keys: list[int]) -> list[tuple[str, str, int]]:
+        return [tuple(m) for m in index.match_own(keys, smap.index_positions(0, keys))]  # type: ignore[misc]
+
+    rows = []
+    for kind, keys_list in query_sets(fleet, calls).items():
+        own = timed_cpu([functools.partial(answer, keys) for keys in keys_list])
+        # every shard's answer is of this shape (uniform keys): the router combines N of them
+        answers = [dict.fromkeys(range(shards), answer(keys)) for keys in keys_list]
+        merged = timed_cpu([functools.partial(combine, smap, keys, a, {}) for keys, a in zip(keys_list, answers)])
+        rows.append({"prompt": kind, "matches": len(combine(smap, keys_list[0], answers[0], {})),
+                     "shard MatchPrefix p50 / p99 (CPU p99)": _us(own),
+                     "router combine p50 / p99 (CPU p99)": _us(merged), "_own": own, "_combine": merged})
+    return {"instances": instances, "blocks": blocks, "shards": shards, "copies": copies, "held": held,
+            "fill_s": fill_s, "rss": rss, "rows": rows}
+
+
+def _us(t: tuple[float, float, float]) -> str:
+    return f"{t[0] * 1e6:.0f} / {t[1] * 1e6:.0f} ({t[2] * 1e6:.0f}) µs"
+
+
+def shard_report(r: dict, grpc_note: str) -> str:
+    worst = max(row["_own"][1] + row["_combine"][1] for row in r["rows"])
+    return (f"A fleet of {r['instances']:,} simulated instances holding {r['blocks']:,} distinct blocks (the events "
+            f"of part 1's `Fleet`), over {r['shards']} shards with {r['copies']} index copies: shard 0 was filled "
+            f"through `BlockIndex.apply` in a process of its own and kept {r['held']:,} keys "
+            f"({r['held'] / r['blocks']:.1%}; {r['copies']}/{r['shards']} = {r['copies'] / r['shards']:.1%} "
+            f"expected) in {r['rss'] / 2**30:.2f} GiB ({r['rss'] / max(r['held'], 1):.0f} B a key); the fill "
+            f"(every event of the fleet, the other shards' keys filtered out) took {r['fill_s']:.0f} s. "
+            "MatchPrefix on the shard is what its server runs (`match_own` over its own positions of the 256 keys); "
+            f"the router then combines {r['shards']} answers of that shape (`kvmesh.contracts.shards.combine`).\n\n"
+            f"{markdown_table(r['rows'], SHARD_COLUMNS)}\n\n"
+            f"The shards answer at once, so a sharded MatchPrefix costs one shard's answer plus the combine: at most "
+            f"{worst * 1e3:.2f} ms p99 here, in process (target: p99 <= 2 ms at 100M blocks). {grpc_note}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh bench index", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -399,12 +462,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc", default="", help="the size measured over gRPC too, INSTANCES:BLOCKS "
                                                    "(default: the most instances at the fewest blocks)")
     parser.add_argument("--quick", action="store_true", help="64,256 instances x 100k blocks, 300 calls")
+    parser.add_argument("--shards", type=int, default=0,
+                        help="only: one cachesvc shard of this many (index copies --copies) at the largest "
+                             "--instances and --blocks, and the router's combine of their answers")
+    parser.add_argument("--copies", type=int, default=2, help="with --shards: shards that index each key")
     parser.add_argument("--no-write", action="store_true", help="print, do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.instances, args.blocks, args.calls = "64,256", "100k", 300
     instances = [int(n) for n in args.instances.split(",")]
     blocks = [parse_count(b) for b in args.blocks.split(",")]
+    if args.shards:
+        print(f"one shard of {args.shards} at {max(instances)} instances x {max(blocks):,} blocks ...", flush=True)
+        r = in_child(measure_shard, max(instances), max(blocks), args.shards, args.copies, args.calls)
+        note = ("Over gRPC a MatchPrefix adds the call itself: see \"MatchPrefix over gRPC\" in "
+                "\"Index and router scale\".")
+        body = f"load average at start: {load_average()}.\n\n" + shard_report(r, note)
+        print(body)
+        if not args.no_write:
+            command = (f"kvmesh bench index --shards {args.shards} --copies {args.copies} --instances "
+                       f"{max(instances)} --blocks {args.blocks.split(',')[-1]} --calls {args.calls}")
+            print(f"wrote {write_section(SHARD_SECTION, command, body)}")
+        return 0
     sizes = [(n, b) for b in blocks for n in instances]
     grpc_size = tuple(parse_count(x) for x in args.grpc.split(":")) if args.grpc else (max(instances), min(blocks))
     load = f"load average at start: {load_average()}"

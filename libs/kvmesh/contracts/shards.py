@@ -52,6 +52,7 @@ class ShardMap:
         self.copies = min(copies, shards)
         self.pool_copies = min(pool_copies, shards)
         self._ranks = [_rank(slot, shards) for slot in range(SLOTS)] if shards > 1 else [(0,)] * SLOTS
+        self._index_owners = [r[:self.copies] for r in self._ranks]
 
     def rank(self, key: int) -> tuple[int, ...]:
         """Every shard, in the order ``key`` prefers them."""
@@ -117,17 +118,20 @@ def combine(smap: ShardMap, keys: Sequence[int], answers: Mapping[int, Iterable[
         return []
     first = dict.fromkeys(answers, n)  # shard -> its first own key (index)
     cut = n
-    ranks, mask, copies = smap._ranks, SLOTS - 1, smap.copies
+    owners_of, mask = smap._index_owners, SLOTS - 1
     waiting = set(answers)
+    missing = len(answers) < smap.shards  # else every key has an owner that answered: no cut to look for
     for p, key in enumerate(keys):
-        owners = ranks[key & mask][:copies]
-        if not any(s in answers for s in owners):
+        owners = owners_of[key & mask]
+        if missing and not any(s in answers for s in owners):
             cut = p
             break
         for s in owners:
             if s in waiting:
                 first[s] = p
                 waiting.discard(s)
+        if not waiting and not missing:
+            break
     least: dict[Holder, int] = {}
     listed: dict[int, dict[Holder, int]] = {}
     for shard, matches in answers.items():
