@@ -46,7 +46,7 @@ from app.launcher import Stack, StackOptions
 SECTION = "Load under faults"
 SETTLE_S = 5.0  # a fault's recovery window ends this long after the service serves again
 SETTLED_S = 30.0  # a service down longer than this: its last stretch down is reported on its own
-CONTEXTS = 4  # --system-words: the long system prompts requests take in turn
+CONTEXTS = 8  # --system-words: the long system prompts requests take in turn (one a prompt)
 
 
 @dataclass(frozen=True)

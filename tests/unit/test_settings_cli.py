@@ -161,3 +161,24 @@ def test_the_readme_points_to_the_generated_reference_for_every_knob():
     for name in set(re.findall(r"\bKVMESH_[A-Z0-9_]*[A-Z0-9]\b", text)):
         old = name in settings.RENAMED and f"{name} is no longer read" in text  # the example of the message
         assert name in known or name in settings.NOT_SETTINGS or old, f"README names {name}, which is no setting"
+
+
+def test_kvmesh_up_gives_each_cachesvc_shard_its_number_ports_and_disk_directory(tmp_path, capsys):
+    from kvmesh.settings import CacheServiceSettings
+
+    from app.launcher import _cache_shards
+
+    assert _cache_shards(1, CacheServiceSettings(port=50060)) == [("cachesvc", {})]
+    shards = _cache_shards(3, CacheServiceSettings(port=50060, transfer_port=0, metrics_port=9400,
+                                                   disk_dir=str(tmp_path / "disk")))
+    assert [name for name, _ in shards] == ["cachesvc-0", "cachesvc-1", "cachesvc-2"]
+    env = dict(shards)["cachesvc-2"]
+    assert env["KVMESH_CACHESVC_SHARD"] == "2" and env["KVMESH_CACHESVC_SHARDS"] == "3"
+    assert env["KVMESH_CACHESVC_PORT"] == "50062" and env["KVMESH_CACHESVC_METRICS_PORT"] == "9402"
+    assert "KVMESH_CACHESVC_TRANSFER_PORT" not in env  # 0 stays any free port
+    assert env["KVMESH_CACHESVC_DISK_DIR"] == str(tmp_path / "disk" / "cachesvc-2")
+    with pytest.raises(ValueError, match="--cachesvc must be at least 1"):
+        Stack(tmp_path, StackOptions.local("t", cachesvc=0))
+    with pytest.raises(SystemExit):
+        kvmesh_main(["up", "--help"])
+    assert "--cachesvc N" in capsys.readouterr().out
