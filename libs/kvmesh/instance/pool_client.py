@@ -28,7 +28,7 @@ from kvmesh import tls
 from kvmesh.contracts.engine import SessionHint
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.contracts.shards import ShardMap, at
+from kvmesh.contracts.shards import ShardMap
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.transfer import ClientTLS, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import block_checksums, parse_versions
@@ -163,35 +163,32 @@ class PoolClient:
             return Fetched(*got) if got is not None else None
         smap = await self._map(metadata)
         nb = self.block_nbytes
-        blocks: dict[int, memoryview] = {}  # position -> its block's bytes
-        n = 0
-        for copy in range(smap.pool_copies):  # the first copies' shards, then for what they lacked the next ones
-            rest = keys[n:]
-            by_shard = smap.split_pool(rest, copy)
+        got: dict[int, memoryview] = {}  # position -> its block's bytes
+        n = 0  # the leading run got so far
+        for copy in range(smap.pool_copies):  # each block from its first copy's shard; what is missing, the next
+            need = [p for p in range(n, len(keys)) if p not in got]
+            by_shard = smap.split_pool([keys[p] for p in need], copy)
             order = list(by_shard)
-            results = await asyncio.gather(*(self._fetch_shard(self.shards[s], [rest[p] for p in by_shard[s]],
+            results = await asyncio.gather(*(self._fetch_shard(self.shards[s], [keys[need[q]] for q in by_shard[s]],
                                                                metadata) for s in order), return_exceptions=True)
-            run = len(rest)
             for s, result in zip(order, results):
                 if isinstance(result, BaseException):
                     log.warning("pool fetch from cachesvc shard %d failed: %s", s, result)
-                held = 0 if isinstance(result, BaseException) or result is None else result[1]
-                run = min(run, at(by_shard[s], held, len(rest)))
-            for s, result in zip(order, results):
-                if isinstance(result, BaseException) or result is None:
+                    continue
+                if result is None:
                     continue
                 data = result[0].cast("B") if result[0].format != "B" else result[0]
-                for j, p in enumerate(by_shard[s][:result[1]]):
-                    if p < run:
-                        blocks[n + p] = data[j * nb:(j + 1) * nb]
-            n += run
+                for j, q in enumerate(by_shard[s][:result[1]]):  # a shard answers the leading run of its keys
+                    got[need[q]] = data[j * nb:(j + 1) * nb]
+            while n in got:
+                n += 1
             if n == len(keys):
                 break
         if n == 0:
             return None
         out = memoryview(bytearray(n * nb))
         for p in range(n):
-            out[p * nb:(p + 1) * nb] = blocks[p]
+            out[p * nb:(p + 1) * nb] = got[p]
         return Fetched(out, n)
 
     async def _map(self, metadata: Metadata) -> ShardMap:
