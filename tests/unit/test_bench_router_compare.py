@@ -69,7 +69,7 @@ def test_result_row_gives_rate_cpu_per_request_and_core_busy():
     assert row["decisions/s"] == "100"
     assert row["router CPU ms/request"] == "2.00"
     assert row["one core's capacity (1 / CPU)"] == "500/s"
-    assert row["core 0 busy"] == "20%"
+    assert row["router's share of core 0"] == "20%"
     assert row["ok / errors"] == "1000 / 2 (503: 2)"
     assert row["index CPU ms/request"] == "-"
 
