@@ -194,7 +194,7 @@ class Result:
     window: Window
     router_cpu_s: float
     index_cpu_s: float | None = None   # kvmesh: cachesvc's over the same window
-    note: str = ""
+    cpu_rounds: tuple[float, ...] = ()  # the router CPU ms/request of each of its rounds, this one's included
 
     @property
     def decisions_per_s(self) -> float:
@@ -214,7 +214,8 @@ def result_row(r: Result) -> dict:
                                                     if errors else ""),
             "p50 ms": f"{percentile(lat, 50):.1f}" if lat else "-",
             "p99 ms": f"{percentile(lat, 99):.1f}" if lat else "-",
-            "router CPU ms/request": f"{r.cpu_ms_per_request:.2f}",
+            "router CPU ms/request": f"{r.cpu_ms_per_request:.2f}" + (
+                f" ({min(r.cpu_rounds):.2f}-{max(r.cpu_rounds):.2f})" if len(r.cpu_rounds) > 1 else ""),
             "one core's capacity (1 / CPU)": f"{1e3 / r.cpu_ms_per_request:.0f}/s" if r.cpu_ms_per_request > 0
             else "-",
             "router's share of core 0": f"{r.router_cpu_s / w.wall_s:.0%}" if w.wall_s else "-",
@@ -459,14 +460,15 @@ def render(plan: Plan, results: dict[str, Result], prompts: list[Prompt], sample
         markdown_table([result_row(r) for r in results.values()], RESULT_COLUMNS),
         verdict(results),
         ("How to read it: `router CPU ms/request` is the router process's CPU (every thread) over the window divided "
-         "by the requests answered; `one core's capacity` is its inverse, the decisions/s the router would make "
-         "with its core to itself; a `router's share of core 0` well under 100% means something else set the pace: "
-         "the client's core (a router far under its capacity) or other work on this shared machine taking core 0 "
-         "(a router near it). `index CPU`: cachesvc's CPU for kvmesh's MatchPrefix calls (on core 1, not counted in "
-         "the router's). "
-         "`vllm-router kv_aware` with text asks a worker for the prompt's token ids (`/v1/completions/render`) "
-         "before it hashes and matches them: its tokenizing is the worker's CPU, not the router's (the stubs answer "
-         "it from a memo). The `token ids` rows: the same prompts sent as ids, nobody tokenizes."),
+         "by the requests answered (in brackets: its range over the rounds; the same work costs more CPU while "
+         "other work shares the machine's caches and cores); `one core's capacity` is its inverse, the decisions/s "
+         "the router would make with its core to itself; a `router's share of core 0` well under 100% means "
+         "something else set the pace: the client's core (a router far under its capacity) or other work on this "
+         "shared machine taking core 0 (a router near it). `index CPU`: cachesvc's CPU for kvmesh's MatchPrefix "
+         "calls (on core 1, not counted in the router's). `vllm-router kv_aware` with text asks a worker for the "
+         "prompt's token ids (`/v1/completions/render`) before it hashes and matches them: its tokenizing is the "
+         "worker's CPU, not the router's (the stubs answer it from a memo). The `token ids` rows: the same prompts "
+         "sent as ids, nobody tokenizes."),
     ]
     if samples:
         ours = results.get("kvmesh cache_aware")
@@ -509,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = workload(tokenizer, plan.tenants, plan.per_tenant, plan.tokens, plan.system_tokens)
     loads = [load_average()]
     results: dict[str, Result] = {}
+    cpu: dict[str, tuple[float, ...]] = {}  # router -> its CPU ms/request in each round
     failed: dict[str, str] = {}
     samples = None
     work = Path(a.workdir or tempfile.mkdtemp(prefix="kvmesh-bench-routers-"))
@@ -526,8 +529,11 @@ def main(argv: list[str] | None = None) -> int:
                     traceback.print_exc()
                     failed[c.label] = f"{type(e).__name__}: {e}"
                     continue
+                cpu[c.label] = (*cpu.get(c.label, ()), got.cpu_ms_per_request)
                 if c.label not in results or got.decisions_per_s > results[c.label].decisions_per_s:
                     results[c.label] = got
+        for label, r in results.items():
+            r.cpu_rounds = cpu[label]
         results = {c.label: results[c.label] for c in chosen if c.label in results}
         if not a.no_profile and any(c.kind == "kvmesh" for c in chosen):
             log("kvmesh router under py-spy ...")

@@ -68,6 +68,8 @@ def test_result_row_gives_rate_cpu_per_request_and_core_busy():
     row = result_row(r)
     assert row["decisions/s"] == "100"
     assert row["router CPU ms/request"] == "2.00"
+    r.cpu_rounds = (2.0, 2.5)
+    assert result_row(r)["router CPU ms/request"] == "2.00 (2.00-2.50)"
     assert row["one core's capacity (1 / CPU)"] == "500/s"
     assert row["router's share of core 0"] == "20%"
     assert row["ok / errors"] == "1000 / 2 (503: 2)"
