@@ -30,7 +30,8 @@ cachesvc) on core 1. A router that leaves core 0 idle was held back by the clien
 not its decisions/s, is then the figure to compare (the ``router's share of core 0`` column says which). Other
 work on a shared machine is not kept off core 0: the load average is reported.
 
-The kvmesh router's CPU per request broken down: a separate run of the same workload with ``py-spy`` sampling the
+The routers, pyzmq and py-spy come with the ``routers`` extra (``pip install -e '.[routers]'``). The kvmesh
+router's CPU per request broken down: a separate run of the same workload with ``py-spy`` sampling the
 router process (every thread, idle ones left out), each sample put in the first part its stack passes through
 (``PARTS``).
 """
