@@ -214,10 +214,10 @@ class VLLMServer:
 
 class Router:
     """A router binary in front of ``workers`` (base URLs): ``vllm-router`` or ``sglang-router``'s
-    ``launch_router``, given its flags."""
+    ``launch_router``, given its flags; ``wrap``: a command it runs under (e.g. ``taskset -c 0``)."""
 
     def __init__(self, name: str, workdir: Path, kind: str, workers: list[str], flags: list[str],
-                 env: dict[str, str] | None = None, timeout_s: float = 180.0) -> None:
+                 env: dict[str, str] | None = None, timeout_s: float = 180.0, wrap: list[str] | None = None) -> None:
         self.name, self.kind, self.flags = name, kind, flags
         if kind == "vllm-router":
             exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
@@ -233,7 +233,7 @@ class Router:
         def cmd(port: int) -> list[str]:
             metrics = free_port()
             self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-            return [*base, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+            return [*(wrap or []), *base, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
                     "--prometheus-port", str(metrics), *flags]
         self.proc, self.url = start_with_port(name, cmd, "/health", self.log, env, timeout_s)
 

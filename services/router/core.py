@@ -351,9 +351,9 @@ class Router:
         if routed is None:
             return
         att = self.hits.settle(routed, len(request.prompt), delivered)
-        # the blocks it leaves, its output's too: what the report's offline optimum replays
-        left = block_keys(tries.seed, list(request.prompt) + tries.streamed, self.cfg.block_size)
-        record(rt.root, att, left, self.cfg.block_size)
+        if rt.root.is_recording():  # the blocks it leaves, its output's too: what the report's optimum replays
+            left = block_keys(tries.seed, list(request.prompt) + tries.streamed, self.cfg.block_size)
+            record(rt.root, att, left, self.cfg.block_size)
         tenant = str(rt.attrs.get(tracing.TENANT, ""))
         self.metrics.hits(att, tenant)
 

@@ -13,6 +13,7 @@ Structured output (OpenAI and vLLM): ``response_format`` ``{"type": "json_object
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple, overload
 
@@ -36,7 +37,8 @@ def parse(raw: bytes) -> dict:
         raise invalid("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, not {_kind(body)}")
-    _check_strings(body)
+    if SURROGATE_ESCAPE.search(text):  # the only way a lone surrogate gets in (the text is valid UTF-8)
+        _check_strings(body)
     return body
 
 
@@ -217,7 +219,7 @@ def _prompt(prompt: Any) -> dict[str, Any]:
         return {"text": prompt}
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         return _prompt(prompt[0])
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) <= {int, bool}:  # no per-id Python loop
         return {"token_ids": tuple(prompt)}
     raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
 
@@ -271,6 +273,9 @@ def _kind(v: Any) -> str:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of U+D800-U+DFFF, paired or not
 
 
 def _check_strings(body: Any) -> None:

@@ -251,3 +251,52 @@ def test_the_router_counts_a_request_as_goodput_only_when_it_met_every_target():
     assert outcome(1.0, [*one_stall, 2.0], SLO(6.0, 0.15)) == ["missed", "missed_itl"]
     assert outcome(7.0, steady, SLO(6.0, 0.15)) == ["missed", "missed_ttft"]
     assert outcome(7.0, steady, SLO(itl_s=0.15)) == ["met"]
+
+
+# ---- the body and the prompt -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "\\ud800 lone"}', b'{"prompt": "a \\uDFFF"}', b'{"\\udbff": "key"}'])
+def test_a_lone_surrogate_escape_anywhere_in_the_body_is_refused(raw):
+    from services.router.openai_body import parse
+
+    with pytest.raises(RequestError, match="lone UTF-16 surrogate"):
+        parse(raw)
+
+
+def test_a_surrogate_pair_escape_and_plain_token_ids_are_accepted():
+    from services.router.openai_body import parse
+
+    assert parse(b'{"prompt": "\\ud83d\\ude00 \\u00e9"}') == {"prompt": "\U0001f600 é"}
+    assert parse(b'{"prompt": [1, 2, 3]}') == {"prompt": [1, 2, 3]}
+
+
+def _intake(vocab: int):
+    from types import SimpleNamespace
+
+    from services.router.intake import Intake
+
+    router = SimpleNamespace(cfg=RouterSettings(), tokenizer=None,
+                             source=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)))
+    return Intake(router)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ids", [(1, True, 3), (1, -1), (0, 100), (1, 2.0)])
+def test_token_ids_that_are_not_integers_in_the_vocabulary_are_refused(ids):
+    import asyncio
+
+    from kvmesh.contracts.sampling import SamplingParams
+
+    from services.router.intake import Draft
+
+    with pytest.raises(RequestError, match=r"integers in \[0, 100\)"):
+        asyncio.run(_intake(100).prompt_ids(Draft(SamplingParams(), token_ids=ids)))
+
+
+def test_token_ids_in_the_vocabulary_are_the_prompt():
+    import asyncio
+
+    from kvmesh.contracts.sampling import SamplingParams
+
+    from services.router.intake import Draft
+
+    assert asyncio.run(_intake(100).prompt_ids(Draft(SamplingParams(), token_ids=(0, 5, 99)))) == [0, 5, 99]

@@ -42,7 +42,7 @@ def test_encode_adds_bos_when_the_tokenizer_says_so(tok_dir: Path) -> None:
 
 
 def test_a_long_text_gets_the_ids_it_gets_with_the_gil_held(tok_dir: Path) -> None:
-    """Long texts go through encode_batch (the GIL released): the ids are the plain encode's, with and without
+    """Long texts go through encode_batch_fast (the GIL released): the ids are the plain encode's, with and without
     special tokens, a BOS post-processor and special-token text inside the prompt."""
     from kvmesh.model_source.tokenizer import RELEASE_GIL_CHARS
 

@@ -45,6 +45,8 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*([eos_id] if eos_id is not None else []),
                                                                     *extra_eos]))
         self._token_texts: dict[int, str] = {}
+        # without offsets (tokenizers 0.20 may lack it: then encode_batch, which computes them too)
+        self._encode_long = getattr(raw, "encode_batch_fast", raw.encode_batch)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -65,11 +67,13 @@ class Tokenizer:
         return self._ids(text, True)
 
     def _ids(self, text: str, special: bool) -> list[int]:
-        """The ids of ``text``. A long text goes through ``encode_batch``, which releases the GIL while it
+        """The ids of ``text``. A long text goes through ``encode_batch_fast``, which releases the GIL while it
         runs (``encode`` holds it throughout): other threads, and an event loop that handed the work to a
-        thread, keep running, and several prompts are tokenized on several cores. Same ids either way."""
+        thread, keep running, and several prompts are tokenized on several cores. It skips the character
+        offsets nothing here reads (a fifth less CPU on a 4k-token prompt, ``kvmesh bench routers``). Same ids
+        either way."""
         if len(text) >= RELEASE_GIL_CHARS:
-            return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
+            return self._encode_long([text], add_special_tokens=special)[0].ids
         return self._tok.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
