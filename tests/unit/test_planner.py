@@ -22,7 +22,7 @@ from kvmesh.planning import (
     plan,
     prefill_need,
 )
-from kvmesh.planning.capacity import erlang_c, streams_per_instance, ttft_miss
+from kvmesh.planning.capacity import burst_prefill_need, erlang_c, queue_need, streams_per_instance, ttft_miss
 
 # one instance: 1,000 prefill tok/s + 10 ms; a decode step 10 ms + 1 ms per stream; 100k tokens of KV
 SPEED = Speed(prefill_tok_per_s=1000.0, prefill_overhead_s=0.01, step_base_s=0.01, step_per_stream_s=0.001,
@@ -60,6 +60,41 @@ def test_a_backlog_the_model_did_not_expect_adds_prefill_instances() -> None:
     # at least; cleared within 10 s, six more
     assert prefill_need(traffic(1.0), SPEED, TARGETS, 0.6, backlog_tokens=60_000).instances >= calm + 1
     assert prefill_need(traffic(1.0), SPEED, TARGETS, 0.6, backlog_tokens=60_000, drain_s=10).instances >= calm + 6
+
+
+def test_a_fluid_queue_needs_the_instances_that_hold_its_growth_within_the_wait_budget() -> None:
+    # 4 instance-s/s of work for 15 s, a wait of 0.5 s allowed: (0 + 4 x 15) / (15 + 0.5) = 3.9 -> 4
+    assert queue_need(4.0, backlog_s=0.0, horizon_s=15.0, budget_s=0.5) == 4
+    # 30 instance-s queued on top: (30 + 60) / 15.5 = 5.8 -> 6
+    assert queue_need(4.0, backlog_s=30.0, horizon_s=15.0, budget_s=0.5) == 6
+
+
+def test_a_burst_whose_queue_fits_the_wait_budget_adds_no_prefill_instance() -> None:
+    h = CONFIG.headroom
+    calm = prefill_need(traffic(4.0), SPEED, TARGETS, h, miss=0.01).instances
+    # one window at twice the sustained rate: 4 instances serve 8 req/s x 0.51 s for 15 s with 0.1 s of queue each
+    assert burst_prefill_need(traffic(4.0), 8.0, SPEED, TARGETS, h, miss=0.01).instances == calm
+    # the steady state at the burst's rate would have asked for more
+    assert prefill_need(traffic(8.0), SPEED, TARGETS, h, miss=0.01).instances > calm
+
+
+def test_a_rise_that_lasts_the_start_up_time_sizes_prefill_for_its_rate() -> None:
+    config = dataclasses.replace(CONFIG, startup_s=60)  # four windows make a rate sustained
+
+    def prefill(history: list[float], now: float) -> int:
+        out = plan(Observation(0.0, pd_fleet(1, 1), traffic(now), TARGETS, rates=history), config, PlannerState())
+        return out.target(Role.PREFILL) or 0
+
+    calm, burst, sustained = prefill([4.0] * 4, 4.0), prefill([4.0] * 4, 8.0), prefill([8.0] * 4, 8.0)
+    assert calm < burst < sustained  # the burst lifts the four windows' level a quarter of the way
+    assert sustained == prefill_need(traffic(8.0), SPEED, TARGETS, config.headroom, miss=config.ttft_miss).instances
+
+
+def test_the_backlog_the_instances_report_adds_prefill_by_the_queue_it_leaves() -> None:
+    h = CONFIG.headroom
+    # 90,000 tokens queued = 90 instance-s: with 4 req/s x 0.51 s for 15 s, (90 + 30.6) / (15 + 0.39) -> 8
+    need = burst_prefill_need(traffic(4.0), 4.0, SPEED, TARGETS, h, backlog_tokens=90_000, miss=0.01)
+    assert need.instances == 8 and "backlog 90.0 instance-s" in need.reason
 
 
 def test_a_prompt_too_long_for_the_target_is_sized_to_keep_up_and_says_so() -> None:

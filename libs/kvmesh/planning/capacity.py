@@ -3,11 +3,16 @@ per-instance speed (the SLA arithmetic of Dynamo's planner, with llm-d's queuein
 
 Prefill: requests queue for n identical servers; a request's service time is its prefill of the tokens the
 caches do not hold. The mean wait is M/G/n's (Erlang C's M/M/n wait scaled by (1 + cs²)/2, the Lee-Longton
-approximation). A backlog the instances report now counts as extra arrivals that must be served within the time
-new instances take to start. A pool meets the TTFT target when the mean request's service plus that wait fits
-within ``headroom`` of it, and when the queue pushes at most a share ``miss`` of the requests past the target
-(``ttft_miss``: the wait's tail, Erlang C's probability of waiting times an exponential with M/G/n's mean wait,
-over the window's spread of prompt lengths) — the mean alone does not see the heavy-tailed prompts' tail.
+approximation). In ``prefill_need`` (and a ``both`` pool) a backlog the instances report counts as extra
+arrivals to serve within the time new instances take to start. A pool meets the TTFT target when the mean
+request's service plus that wait fits within ``headroom`` of it, and when the queue pushes at most a share
+``miss`` of the requests past the target (``ttft_miss``: the wait's tail, Erlang C's probability of waiting
+times an exponential with M/G/n's mean wait, over the window's spread of prompt lengths) — the mean alone does
+not see the heavy-tailed prompts' tail.
+The planner sizes that steady state at the rate sustained over an instance's start-up, and what a burst above it
+adds by a fluid queue (``burst_prefill_need``): the backlog the instances report plus the forecast rate for one
+window must leave each request's wait within the target, so a burst asks for the queue it builds, not for the
+steady state of its rate.
 
 Decode: a stream's tokens come one per step, a step of B streams costs ``step_base_s + B * step_per_stream_s``.
 One instance holds at most the B whose step fits ``headroom`` of the ITL target, and whose KV fits; Little's law
@@ -107,6 +112,40 @@ def with_backlog(traffic: Traffic, backlog_tokens: float, drain_s: float) -> Tra
         return dataclasses.replace(traffic, rate=traffic.rate + 1 / drain_s, prompt_tokens=backlog_tokens,
                                    hit_rate=0.0, prompt_sq_tokens=0.0)
     return dataclasses.replace(traffic, rate=traffic.rate + backlog_tokens / computed / drain_s)
+
+
+def queue_need(work_rate: float, backlog_s: float, horizon_s: float, budget_s: float) -> int:
+    """The least instances whose queue, taken as a fluid, leaves each queued request at most ``budget_s`` of wait
+    after ``horizon_s``: it starts at ``backlog_s`` instance-seconds of prefill queued and grows by ``work_rate``
+    instance-seconds a second less the n the instances serve, so B + (W - n) h <= n b (a queue that drains
+    meanwhile is not held to the budget now: no instance asked for now could help it sooner)."""
+    if budget_s <= 0:
+        return MAX_INSTANCES
+    n = (backlog_s + work_rate * horizon_s) / (horizon_s + budget_s)
+    return max(1, min(MAX_INSTANCES, math.ceil(n - 1e-9)))
+
+
+def burst_prefill_need(sustained: Traffic, rate_ahead: float, speed: Speed, targets: Targets, headroom: float,
+                       backlog_tokens: float = 0.0, window_s: float = 15.0, miss: float = 0.0,
+                       tail_s: float | None = None) -> Need:
+    """Prefill sized for a burst by how long it lasts: the steady-state queue (``prefill_need``) at the
+    ``sustained`` rate (the level over the time a new instance takes to start), and, for load above it, a fluid
+    queue (``queue_need``): the backlog the instances report plus ``rate_ahead`` for one window must leave each
+    request's wait within ``headroom`` x the TTFT target less its mean prefill. A burst shorter than the
+    sustained horizon so asks only for the queue it builds, not for the steady state of its rate; a rise that
+    lasts lifts the level, and the backlog it leaves meanwhile is still served."""
+    steady = prefill_need(sustained, speed, targets, headroom, miss=miss, tail_s=tail_s)
+    service = speed.prefill_s(sustained.prompt_tokens * (1 - sustained.hit_rate))
+    budget = headroom * targets.ttft_s - service
+    if not steady.feasible or budget <= 0 or (rate_ahead <= 0 and backlog_tokens <= 0):
+        return steady
+    backlog_s = backlog_tokens / speed.prefill_tok_per_s
+    fluid = queue_need(rate_ahead * service, backlog_s, window_s, budget)
+    if fluid <= steady.instances:
+        return steady
+    return Need(fluid, f"backlog {backlog_s:.1f} instance-s + {rate_ahead:.2f} req/s x {service:.2f}s of prefill "
+                       f"for {window_s:g}s leave each of {fluid} instance(s) a wait within {budget:.2f}s "
+                       f"({headroom:.0%} of {targets.ttft_s:g}s less the mean prefill); sustained: {steady.reason}")
 
 
 def prefill_need(traffic: Traffic, speed: Speed, targets: Targets, headroom: float,

@@ -2,7 +2,8 @@
 fleet (``Observation``) and the planner's own memory (``PlannerState``). A pure function: the caller owns the
 clock, the heartbeats and the actuator; the same inputs give the same plan.
 
-Scaling out is immediate, sized for the forecast rate over the time a new instance takes to start. Scaling in
+Scaling out is immediate, sized for the forecast rate over the time a new instance takes to start (prefill: its
+steady state at the rate sustained over that time, a burst by the queue it builds on the backlog now). Scaling in
 needs three things: fewer instances meet the targets with a tighter TTFT headroom (``down_headroom``, a band
 that keeps the two decisions apart; the TTFT tail is held to the target tightened in proportion), that has held for
 ``down_delay_s`` (sized for the most needed while it held), and the last change is ``cooldown_s`` old. So a
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.contracts.ids import Role
 from kvmesh.contracts.slo import ITL_HEADROOM
-from kvmesh.planning.capacity import Need, both_need, decode_need, prefill_need
+from kvmesh.planning.capacity import Need, both_need, burst_prefill_need, decode_need
 from kvmesh.planning.signals import InstanceLoad, Speed, Targets, Traffic, forecast
 
 POOL_ROLES = (Role.PREFILL, Role.DECODE, Role.BOTH)
@@ -51,6 +52,12 @@ class PlannerConfig:
     ttft_miss: float = 0.01
     min_instances: Mapping[Role, int] = field(default_factory=lambda: {r: 1 for r in POOL_ROLES})
     max_instances: Mapping[Role, int] = field(default_factory=lambda: {r: 64 for r in POOL_ROLES})
+
+    @property
+    def sustain_windows(self) -> int:
+        """How many windows a rate must last to count as sustained for prefill's steady state: those a new
+        instance takes to start (a burst that ends sooner is over before an instance asked for it would serve)."""
+        return max(2, round(self.startup_s / self.window_s))
 
     def clamp(self, role: Role, n: int) -> int:
         return max(self.min_instances.get(role, 1), min(self.max_instances.get(role, 64), n))
@@ -123,15 +130,18 @@ def pools_of(fleet: Sequence[InstanceLoad]) -> dict[Role, int]:
 
 def need(role: Role, obs: Observation, traffic: Traffic, speed: Speed, headroom: float,
          itl_headroom: float = ITL_HEADROOM, drain_s: float = 60.0, miss: float = 0.0,
-         tail_s: float | None = None) -> Need:
+         tail_s: float | None = None, sustained: float | None = None, window_s: float = 15.0) -> Need:
     """What ``role``'s pool needs for ``traffic`` (the forecast) at ``headroom`` of the TTFT target and
     ``itl_headroom`` of the ITL target, with at most ``miss`` of the requests queued past ``tail_s`` (default the
-    TTFT target), counting the streams its instances report now and their backlog, cleared within ``drain_s``."""
+    TTFT target), counting the streams its instances report now and their backlog, cleared within ``drain_s``
+    (a ``both`` pool). A prefill pool's steady state is sized at the ``sustained`` rate (default the forecast's)
+    and the rest by the queue the forecast builds over ``window_s`` on the backlog (``burst_prefill_need``)."""
     members = [i for i in obs.fleet if i.role is role]
     backlog = sum(i.waiting_tokens for i in members)
     running = sum(i.running for i in members)
     if role is Role.PREFILL:
-        return prefill_need(traffic, speed, obs.targets, headroom, backlog, drain_s, miss, tail_s)
+        steady = dataclasses.replace(traffic, rate=traffic.rate if sustained is None else sustained)
+        return burst_prefill_need(steady, traffic.rate, speed, obs.targets, headroom, backlog, window_s, miss, tail_s)
     if role is Role.DECODE:
         return decode_need(traffic, speed, obs.targets, itl_headroom, running)
     return both_need(traffic, speed, obs.targets, headroom, itl_headroom, backlog, running, drain_s, miss, tail_s)
@@ -167,14 +177,17 @@ def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
     current = dict(current) if current is not None else pools_of(obs.fleet)
     speed = config.speed.measured(obs.fleet)
     ahead = (config.startup_s + config.window_s) / config.window_s
-    rate = forecast([*obs.rates, obs.traffic.rate][-config.trend_windows:], ahead)
+    history = [*obs.rates, obs.traffic.rate][-config.trend_windows:]
+    rate = forecast(history, ahead)
+    sustained = forecast(history, ahead, config.sustain_windows)
     traffic = dataclasses.replace(obs.traffic, rate=rate)
     pools: list[PoolPlan] = []
     states: dict[Role, PoolState] = dict(state.pools)
     for role in (r for r in POOL_ROLES if r in current):
         cur, mem = current[role], state.of(role)
         drain = config.startup_s + config.window_s
-        up = need(role, obs, traffic, speed, config.headroom, drain_s=drain, miss=config.ttft_miss)
+        up = need(role, obs, traffic, speed, config.headroom, drain_s=drain, miss=config.ttft_miss,
+                  sustained=sustained, window_s=config.window_s)
         kv_floor, kv_note = _kv_floor(role, obs, cur, config.kv_high)
         ttft_floor, ttft_note = _ttft_floor(role, obs, cur, config.headroom)
         floor, kv_note = max(kv_floor, ttft_floor), kv_note + ttft_note
@@ -187,7 +200,7 @@ def plan(obs: Observation, config: PlannerConfig, state: PlannerState,
             states[role] = PoolState(last_change=obs.now)
             continue
         down = need(role, obs, traffic, speed, config.down_headroom, ITL_HEADROOM, drain, config.ttft_miss,
-                    obs.targets.ttft_s * config.down_headroom / config.headroom)
+                    obs.targets.ttft_s * config.down_headroom / config.headroom, sustained, config.window_s)
         fewer = config.clamp(role, max(down.instances, floor, want))
         if fewer >= cur:
             pools.append(PoolPlan(role, cur, cur, "hold", f"hold: {up.reason}{forecast_note}{kv_note}",

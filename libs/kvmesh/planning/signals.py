@@ -108,16 +108,16 @@ class Speed:
                      statistics.median(kv) if kv else self.kv_tokens)
 
 
-def forecast(rates: Sequence[float], ahead: float) -> float:
+def forecast(rates: Sequence[float], ahead: float, level_windows: int = 2) -> float:
     """The request rate ``ahead`` windows after the last of ``rates`` (one per window, oldest first): a
-    least-squares line through them, never below the level now (the mean of the last two windows: one window
-    is noisy) nor below 0 — a planner must not scale in on a trend, only on what it sees — and never above the
-    level plus the rise the windows show (level - their least): a rise is not extrapolated past what has been
-    seen to rise, so a trend fitted over a ramp does not run on past the ramp's end. Fewer than three windows:
-    the level."""
+    least-squares line through them, never below the level now (the mean of the last ``level_windows``, two by
+    default: one window is noisy) nor below 0 — a planner must not scale in on a trend, only on what it sees —
+    and never above the level plus the rise the windows show (level - their least): a rise is not extrapolated
+    past what has been seen to rise, so a trend fitted over a ramp does not run on past the ramp's end. Fewer
+    than three windows: the level."""
     if not rates:
         return 0.0
-    level = statistics.fmean(rates[-2:])
+    level = statistics.fmean(rates[-max(1, level_windows):])
     if len(rates) < 3:
         return level
     n = len(rates)
