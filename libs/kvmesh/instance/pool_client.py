@@ -156,11 +156,12 @@ class PoolClient:
             await self._call(shard.stub.PutBlocks, request, metadata)
 
     async def fetch(self, keys: list[BlockKey], metadata: Metadata = ()) -> Fetched | None:
-        """The leading run of ``keys`` the pool holds in our layout, verified. Sharded: each shard is asked for
-        its own keys at once, and the run ends at the first key whose shard lacks it (or did not answer)."""
+        """The leading run of ``keys`` the pool holds in our layout, verified. Sharded: each block is asked of
+        its first copy's shard, all shards at once; what they lacked (or did not answer for) of the next copy's;
+        the run ends at the first block no copy gave."""
         if len(self.shards) == 1:
-            got = await self._fetch_shard(self.shards[0], keys, metadata)
-            return Fetched(*got) if got is not None else None
+            one = await self._fetch_shard(self.shards[0], keys, metadata)
+            return Fetched(*one) if one is not None else None
         smap = await self._map(metadata)
         nb = self.block_nbytes
         got: dict[int, memoryview] = {}  # position -> its block's bytes
