@@ -167,3 +167,24 @@ def test_a_write_back_one_shard_refuses_stores_the_rest_and_all_refusing_is_an_e
 
     with pytest.raises(PoolError, match="UNAVAILABLE: failed to connect"):
         run(all_dead())
+
+
+def test_a_dead_shard_is_logged_once_per_outage_and_its_return_once(caplog):
+    keys, data = blocks(40, seed=5)
+
+    async def body():
+        pool, shards = client(3, 2)
+        await pool.write_back(keys, data)
+        shards[0].dead = True
+        for _ in range(3):
+            await pool.fetch(keys)
+            await pool.write_back(keys, data)
+        shards[0].dead = False
+        await pool.fetch(keys)
+
+    with caplog.at_level("INFO", logger="kvmesh.instance.pool_client"):
+        run(body())
+    failed = [r for r in caplog.records if "cachesvc shard 0 failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].levelname == "WARNING"
+    assert [r.getMessage() for r in caplog.records if r.getMessage().endswith("answers again")] == \
+        ["cachesvc shard 0 answers again"]

@@ -82,6 +82,7 @@ class PoolClient:
                        for i, ch in enumerate(self.channels)]
         self.shard_map = ShardMap(n)  # how many copies the pool keeps: the shards say (``_map``)
         self._learned = n == 1
+        self._down: set[int] = set()  # shards whose last call failed
         self._written: OrderedDict[int, float] = OrderedDict()  # keys this instance stored -> when
         self._remember = remember
 
@@ -120,8 +121,8 @@ class PoolClient:
             if failed and len(failed) == len(parts):
                 first = next(iter(failed.values()))
                 raise first if isinstance(first, PoolError) else PoolError(str(first))
-            for s, e in failed.items():  # the other shards took theirs: this shard's blocks stay unpooled
-                log.warning("write-back of %d blocks to cachesvc shard %d skipped: %s", len(parts[s]), s, e)
+            for s, idx in parts.items():  # the other shards took theirs: a failed shard's blocks stay unpooled
+                self._heard(s, failed.get(s), f"write-back of {len(idx)} blocks to")
             sent = sorted({i for s, idx in parts.items() if s not in failed for i in idx})
         for i in sent:
             self._written[keys[i]] = now
@@ -173,10 +174,8 @@ class PoolClient:
             results = await asyncio.gather(*(self._fetch_shard(self.shards[s], [keys[need[q]] for q in by_shard[s]],
                                                                metadata) for s in order), return_exceptions=True)
             for s, result in zip(order, results):
-                if isinstance(result, BaseException):
-                    log.warning("pool fetch from cachesvc shard %d failed: %s", s, result)
-                    continue
-                if result is None:
+                self._heard(s, result if isinstance(result, BaseException) else None, "pool fetch from")
+                if isinstance(result, BaseException) or result is None:
                     continue
                 data = result[0].cast("B") if result[0].format != "B" else result[0]
                 for j, q in enumerate(by_shard[s][:result[1]]):  # a shard answers the leading run of its keys
@@ -191,6 +190,16 @@ class PoolClient:
         for p in range(n):
             out[p * nb:(p + 1) * nb] = got[p]
         return Fetched(out, n)
+
+    def _heard(self, shard: int, error: BaseException | None, what: str) -> None:
+        """Log a shard's failure once per outage (while it is down every call fails the same way), and its return."""
+        if error is not None and shard not in self._down:
+            self._down.add(shard)
+            log.warning("%s cachesvc shard %d failed (its blocks are recomputed or stay unpooled until it is back): "
+                        "%s", what, shard, error)
+        elif error is None and shard in self._down:
+            self._down.discard(shard)
+            log.info("cachesvc shard %d answers again", shard)
 
     async def _map(self, metadata: Metadata) -> ShardMap:
         """The pool's shard map, with the copies the shards keep (their Stats, asked once)."""
