@@ -162,6 +162,10 @@ def test_a_restarted_durable_gets_only_new_batches(nats_server, subjects):
         await consumer.durable_events_consumer(subjects, "cachesvc", inbox)
         assert [m.seq for m in await inbox.take(3)] == [0, 1, 2]
         await consumer.close()  # the cachesvc process goes away
+        # its last fetch stays a pull request on the server until the server sees the connection gone: a batch
+        # published before then goes to that request's dead inbox and comes back only after ack_wait
+        while (await producer.js.consumer_info(subjects.events_stream, "cachesvc")).num_waiting:
+            await asyncio.sleep(0.05)
 
         for i in range(3, 5):
             await producer.publish_event(subjects.kv_events("p0"), batch(i))
