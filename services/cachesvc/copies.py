@@ -12,14 +12,14 @@ longer than it is, which costs a fetch, never a wrong token.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.contracts.events import BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.messages import KVCopies, KVEventBatch
 
-from services.cachesvc.index import BlockIndex
+from services.cachesvc.index import SLOT_MASK, BlockIndex
 
 
 @dataclass
@@ -35,10 +35,13 @@ class CopyChanges:
 
 
 class CopyTracker:
-    def __init__(self, index: BlockIndex, in_pool: Callable[[int], bool]) -> None:
-        """``in_pool``: whether the pool holds a key (any tier; safe from the event loop)."""
+    def __init__(self, index: BlockIndex, in_pool: Callable[[int], bool], slots: Sequence[bool] | None = None) -> None:
+        """``in_pool``: whether the pool holds a key (any tier; safe from the event loop). ``slots``: a shard speaks
+        only for the keys whose slot ranks it first (their first index copy and first pool copy), so two shards
+        indexing a key do not both tell, one of them without seeing the pool's copy."""
         self.index = index
         self.in_pool = in_pool
+        self.slots = slots
 
     def after_batch(self, batch: KVEventBatch) -> CopyChanges:
         """What changed with ``batch`` (already applied to the index)."""
@@ -60,8 +63,11 @@ class CopyTracker:
         shared: dict[str, list[int]] = defaultdict(list)
         sole: dict[str, list[int]] = defaultdict(list)
         out = CopyChanges()
+        slots = self.slots
         for keys, gained in ((stored, True), (removed, False)):
             for key in dict.fromkeys(keys):
+                if slots is not None and not slots[key & SLOT_MASK]:
+                    continue
                 holders = self.index.instances_holding(key)
                 pool = self.in_pool(key)
                 copies = len(holders) + pool

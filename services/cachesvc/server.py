@@ -408,7 +408,7 @@ class CacheServer:
         self.durable = cfg.durable_name if cfg.shards == 1 else f"{cfg.durable_name}-{cfg.shard}"
         self.resync = Resync(self.index, self._fetch_snapshot)
         self.copies = CopyTracker(self.index, lambda key: self.pool is not None and any(
-            t.has(key) for t in self.pool.tiers))
+            t.has(key) for t in self.pool.tiers), self.shard_map.first_slots(cfg.shard) if cfg.shards > 1 else None)
         self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
         self.pool: Pool | None = None
         self._pool_events: list[BlockStored | BlockRemoved] = []  # for pool.events, in order

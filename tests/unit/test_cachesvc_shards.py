@@ -141,3 +141,24 @@ def test_with_one_copy_a_shard_down_cuts_the_instances_runs_too():
 def test_no_answer_no_match():
     assert combine(ShardMap(3), [1, 2, 3], {}, {}) == []
     assert combine(ShardMap(3), [], {0: [("i0", "device", 1)]}, {}) == []
+
+
+def test_of_the_shards_indexing_a_key_only_its_first_tells_the_instances_about_its_copies():
+    """Two shards index every key; only the one ranked first (which also keeps its first pool copy) says which
+    blocks gained or lost another copy, so an instance never hears "sole" from a shard that cannot see the pool's
+    copy while the other says "shared"."""
+    from services.cachesvc.copies import CopyTracker
+
+    smap = ShardMap(3, copies=2)
+    keys = list(range(64))
+    both = KVEventBatch("a", 1, 0.0, (BlockStored(tuple(keys), None, 16, "device"),))
+    other = KVEventBatch("b", 1, 0.0, (BlockStored(tuple(keys), None, 16, "device"),))
+    told: dict[int, set[int]] = {}
+    for shard in range(3):
+        index = BlockIndex(smap.index_slots(shard))
+        tracker = CopyTracker(index, lambda key: False, smap.first_slots(shard))
+        index.apply(both)
+        index.apply(other)
+        told[shard] = set(tracker.after_batch(other).instances["a"].shared)
+    assert all(told[s] == {k for k in keys if smap.rank(k)[0] == s} for s in range(3))
+    assert set().union(*told.values()) == set(keys) and sum(map(len, told.values())) == len(keys)

@@ -74,12 +74,13 @@ class ShardMap:
         ranks, mask, copies = self._ranks, SLOTS - 1, self.copies
         return [p for p, k in enumerate(keys) if shard in ranks[k & mask][:copies]]
 
-    def indexes(self, shard: int, key: int) -> bool:
-        return shard in self._ranks[key & (SLOTS - 1)][:self.copies]
-
     def index_slots(self, shard: int) -> list[bool]:
         """Per slot: whether ``shard`` indexes its keys (a key's slot is ``key & (SLOTS - 1)``)."""
         return [shard in r[:self.copies] for r in self._ranks]
+
+    def first_slots(self, shard: int) -> list[bool]:
+        """Per slot: whether ``shard`` ranks first for its keys (their first index and pool copy)."""
+        return [r[0] == shard for r in self._ranks]
 
     def split_pool(self, keys: Sequence[int], copy: int | None = None) -> dict[int, list[int]]:
         """Positions of ``keys`` by the shard whose pool keeps them: every copy's shard (a position under each),
