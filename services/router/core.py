@@ -108,6 +108,11 @@ class Router:
         loop = asyncio.get_running_loop()
         self.source = await loop.run_in_executor(None, resolve_model, self.cfg.model)
         self.tokenizer = await loop.run_in_executor(None, Tokenizer.from_dir, self.source.hf_dir)
+        if self.cfg.tokenize_cache_mb > 0:
+            cache = await loop.run_in_executor(None, self.tokenizer.reuse_prefixes, self.cfg.tokenize_cache_mb << 20)
+            self.metrics.watch_tokenizing(cache)
+            if not cache.enabled:
+                log.warning("prompts are tokenized whole: %s", cache.why_off)
         self.max_model_len = self.source.config.max_position_embeddings
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)

@@ -28,6 +28,8 @@ from prometheus_client.registry import Collector
 from services.router.errors import ErrorKind
 
 if TYPE_CHECKING:
+    from kvmesh.model_source.prefix_tokens import PrefixTokens
+
     from services.router.registry import Registry
     from services.router.sessions import Sessions
 
@@ -89,6 +91,9 @@ class RouterMetrics:
     def watch_sessions(self, sessions: Sessions) -> None:
         self.registry.register(_SessionsCollector(sessions))
 
+    def watch_tokenizing(self, cache: PrefixTokens) -> None:
+        self.registry.register(_PrefixTokensCollector(cache))
+
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -125,6 +130,26 @@ class _SessionsCollector(Collector):
         for kind, n in (("resumed", s.resumed), ("moved", s.moved), ("forked", s.forked)):
             c.add_metric([kind], n)
         yield c
+
+
+class _PrefixTokensCollector(Collector):
+    """What the prefix token cache saved the router's tokenizing."""
+
+    def __init__(self, cache: PrefixTokens) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        c = self.cache
+        t = CounterMetricFamily(f"{P}_prompt_tokens_tokenized", "Prompt tokens of long texts by how the router "
+                                "got them: reused (a leading part seen before, from the prefix token cache) or "
+                                "encoded (tokenized now)", labels=["how"])
+        t.add_metric(["reused"], c.reused_tokens)
+        t.add_metric(["encoded"], c.encoded_tokens)
+        yield t
+        yield GaugeMetricFamily(f"{P}_prefix_token_cache_bytes", "Estimated memory the prefix token cache holds",
+                                value=c.bytes)
+        yield GaugeMetricFamily(f"{P}_prefix_token_cache_enabled", "1 while the prefix token cache is used (0: off "
+                                "by setting, or for this tokenizer: the router's log says why)", value=int(c.enabled))
 
 
 class RequestTrace:

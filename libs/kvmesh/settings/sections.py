@@ -517,6 +517,9 @@ class RouterSettings(Section):
     request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
     tokenize_threads: int = setting(0, "threads that tokenize long prompts off the event loop, several at once "
                                        "(0 = one per CPU core)")
+    tokenize_cache_mb: int = setting(64, "memory for the token ids of prompts' leading parts (a system prompt, "
+                                         "earlier turns), so a prompt that repeats one is tokenized only past it "
+                                         "(same ids; 0 = tokenize every prompt whole)")
     policy: RoutingPolicy = setting(RoutingPolicy.CACHE_AWARE, "routing policy (per request: header / "
                                     "metadata x-kvmesh-policy)", choices=sorted(RoutingPolicy))
     disaggregate: DisaggregationMode = setting(
@@ -616,6 +619,7 @@ class RouterSettings(Section):
                                                     f"slo_classes ({', '.join(self.slo_classes)})"))
         out += self._min(("migration_limit",), 0, {"migration_limit": "never"})
         out += self._min(("tokenize_threads",), 0, {"tokenize_threads": "one per CPU core"})
+        out += self._min(("tokenize_cache_mb",), 0, {"tokenize_cache_mb": "off"})
         out += self._min(("max_concurrent_migrations",), 1)
         out += self._min(("inter_token_timeout_s",), 0, {"inter_token_timeout_s": "off"})
         if self.id and not (self.id.isascii() and self.id.replace("-", "").replace("_", "").isalnum()):
