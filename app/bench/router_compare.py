@@ -482,7 +482,8 @@ def render(plan: Plan, results: dict[str, Result], prompts: list[Prompt], sample
                      f"share core 0). Cross-check: the router's `Tokenizer.encode` of one of these prompts, alone on "
                      f"this machine, takes {tokenize_ms:.1f} ms of CPU (median of 32).")
     if failed:
-        parts.append("Could not run: " + "; ".join(f"{k}: {v}" for k, v in failed.items()) + ".")
+        parts.append("Failed (a router's other rounds, if any, are in the table): "
+                     + "; ".join(f"{k}: {v}" for k, v in failed.items()) + ".")
     return "\n\n".join(parts)
 
 
@@ -528,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                     got = measure(c, plan, prompts, work, log)
                 except Exception as e:  # noqa: BLE001 - say what failed, keep the others' figures
                     traceback.print_exc()
-                    failed[c.label] = f"{type(e).__name__}: {e}"
+                    failed[c.label] = f"round {r + 1} of {plan.rounds}: {type(e).__name__}: {e}"
                     continue
                 cpu[c.label] = (*cpu.get(c.label, ()), got.cpu_ms_per_request)
                 if c.label not in results or got.decisions_per_s > results[c.label].decisions_per_s:
