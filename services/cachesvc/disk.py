@@ -104,6 +104,9 @@ class DiskTier:
     def has(self, key: int) -> bool:
         return key in self._records
 
+    def held_keys(self) -> Iterable[int]:
+        return self._records.keys()
+
     def layouts(self, key: int) -> Iterable[KVLayout]:
         return self._records.get(key, {}).keys()
 
@@ -253,7 +256,7 @@ class DiskTier:
 
     # -- reading ---------------------------------------------------------------------------------------------
 
-    def read(self, layout: KVLayout, keys: Sequence[int]) -> list[StoredBlock]:
+    def read(self, layout: KVLayout, keys: Sequence[int], touch: bool = True) -> list[StoredBlock]:
         """The leading run of ``keys`` held under ``layout``, verified; adjacent records are read at once."""
         run: list[tuple[int, _Record]] = []
         for key in keys:
@@ -274,7 +277,8 @@ class DiskTier:
                               key, self._segments[record.segment].path.name)
                     self._forget(key, layout)
                     return out
-                record.usage.hit(t)
+                if touch:
+                    record.usage.hit(t)
                 out.append(StoredBlock(key, record.checksum, data))
         return out
 

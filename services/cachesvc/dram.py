@@ -42,6 +42,9 @@ class DramTier:
     def has(self, key: int) -> bool:
         return key in self._blocks
 
+    def held_keys(self) -> Iterable[int]:
+        return self._blocks.keys()
+
     def layouts(self, key: int) -> Iterable[KVLayout]:
         return self._blocks.get(key, {}).keys()
 
@@ -65,15 +68,16 @@ class DramTier:
         self.used_bytes += need
         return evicted
 
-    def read(self, layout: KVLayout, keys: Sequence[int]) -> list[StoredBlock]:
+    def read(self, layout: KVLayout, keys: Sequence[int], touch: bool = True) -> list[StoredBlock]:
         t = self.clock()
         out = []
         for key in keys:
             entry = self._blocks.get(key, {}).get(layout)
             if entry is None:
                 break
-            entry.usage.hit(t)
-            self._victims.touch(key, layout, t)
+            if touch:
+                entry.usage.hit(t)
+                self._victims.touch(key, layout, t)
             out.append(entry.block)
         return out
 

@@ -139,6 +139,9 @@ class MooncakeTier:
     def has(self, key: int) -> bool:
         return key in self._meta
 
+    def held_keys(self) -> Iterable[int]:
+        return self._meta.keys()
+
     def layouts(self, key: int) -> Iterable[KVLayout]:
         return self._meta.get(key, {}).keys()
 
@@ -173,7 +176,7 @@ class MooncakeTier:
         self._dirty = True
         return []
 
-    def read(self, layout: KVLayout, keys: Sequence[int]) -> list[StoredBlock]:
+    def read(self, layout: KVLayout, keys: Sequence[int], touch: bool = True) -> list[StoredBlock]:
         run = []
         for key in keys:
             meta = self._meta.get(key, {}).get(layout)
@@ -193,7 +196,8 @@ class MooncakeTier:
                 self.lost += 1
                 break
             meta.checksum = checksum  # an earlier copy of the same block may have won the put: it is as good
-            meta.usage.hit(t)
+            if touch:
+                meta.usage.hit(t)
             out.append(StoredBlock(key, checksum, data))
         self._dirty = self._dirty or bool(out)
         return out

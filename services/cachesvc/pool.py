@@ -25,7 +25,7 @@ import logging
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -34,6 +34,7 @@ from kvmesh.contracts.events import BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.sessions import SessionEvent
+from kvmesh.contracts.shards import SLOTS
 from kvmesh.engine.eviction import make_policy
 from kvmesh.engine.eviction import now as monotonic
 from kvmesh.engine.sessions import SessionTable, owner_after
@@ -265,9 +266,10 @@ class Pool:
                     tier.rerank(key)
 
     def get(self, layout: KVLayout, keys: Sequence[int], max_bytes: int | None = None,
-            lease_s: float = 0.0, holder: str = "") -> GetResult:
+            lease_s: float = 0.0, holder: str = "", touch: bool = True) -> GetResult:
         """The leading run of ``keys`` held under ``layout``, cut to ``max_bytes``; with ``lease_s`` > 0 the
-        whole run is leased first. LayoutMismatch when the first key is held only under other layouts."""
+        whole run is leased first. LayoutMismatch when the first key is held only under other layouts.
+        ``touch=False``: a copy for another shard, not a use (no hit counted, nothing promoted)."""
         nbytes = check_layout(layout)
         run: list[tuple[int, int]] = []  # (key, index of the fastest tier holding it)
         for key in keys:
@@ -284,13 +286,29 @@ class Pool:
         names: list[str] = []
         for where, group in itertools.groupby(run[:limit], key=lambda item: item[1]):
             wanted = [k for k, _ in group]
-            got = self.tiers[where].read(layout, wanted)
+            got = self.tiers[where].read(layout, wanted, touch)
             blocks += got
             names += [self.tiers[where].name] * len(got)
             if len(got) < len(wanted):
                 break
-        self._promote(layout, [b for b, name in zip(blocks, names) if name != self.tiers[0].name])
+        if touch:
+            self._promote(layout, [b for b, name in zip(blocks, names) if name != self.tiers[0].name])
         return GetResult(blocks, names, lease_id, len(run) if lease_id else 0)
+
+    def listing(self, slots: Container[int]) -> dict[KVLayout, list[int]]:
+        """Every block held (any tier, not quarantined) whose key's slot is among ``slots``, by layout: what a
+        shard that lost its copies fetches from this one."""
+        out: dict[KVLayout, dict[int, None]] = {}
+        for tier in self.tiers:
+            for key in tier.held_keys():
+                if key & (SLOTS - 1) in slots and key not in self.quarantined:
+                    for layout in tier.layouts(key):
+                        out.setdefault(layout, {})[key] = None
+        return {layout: list(keys) for layout, keys in out.items()}
+
+    def lacking(self, layout: KVLayout, keys: Sequence[int]) -> list[int]:
+        """Those of ``keys`` no tier holds under ``layout`` (a quarantined key counts as held: never wanted)."""
+        return [k for k in keys if k not in self.quarantined and not any(t.holds(k, layout) for t in self.tiers)]
 
     def lease(self, keys: Sequence[int], lease_s: float, holder: str = "") -> tuple[int, int]:
         """Pin the leading run of ``keys`` the pool holds (any layout): ``(lease id, keys pinned)``; ``holder``

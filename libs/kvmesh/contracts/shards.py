@@ -9,7 +9,8 @@ talking.
 - The **index** entries of a key live on the slot's first ``copies`` shards (default 2): each such shard
   indexes the key from the events stream, so while one of them is down another still answers for it.
 - The **pool** keeps a block on the slot's first ``pool_copies`` shards (default 1: a dead shard's blocks
-  become recomputes; 2: none is lost to one dead shard).
+  become recomputes; 2: none is lost to one dead shard). A shard that (re)starts fetches what it lacks of its
+  slots from the other copies (``repair_sources``: each slot from one of them, the first live in rank order).
 
 A shard answers MatchPrefix for the keys it owns. For the instances it counts every key it does not own as
 present: its count for ``(instance, tier)`` is where that holder's run breaks at one of its own keys, and a
@@ -23,7 +24,7 @@ pool would answer while every key has a live owner, and never more than it.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import xxhash
 
@@ -81,6 +82,24 @@ class ShardMap:
     def first_slots(self, shard: int) -> list[bool]:
         """Per slot: whether ``shard`` ranks first for its keys (their first index and pool copy)."""
         return [r[0] == shard for r in self._ranks]
+
+    def pool_slots(self, shard: int) -> list[int]:
+        """The slots whose blocks ``shard``'s pool keeps."""
+        return [slot for slot, r in enumerate(self._ranks) if shard in r[:self.pool_copies]]
+
+    def repair_sources(self, shard: int, live: Collection[int], slots: Iterable[int]) -> dict[int, list[int]]:
+        """Where ``shard`` fetches the blocks of each of ``slots`` (its own) that it lacks: from the first of the
+        slot's other pool copies, in rank order, that is ``live``; so each slot comes from one shard, not from
+        every copy. Slots with no live other copy (or that are not ``shard``'s) are left out."""
+        out: dict[int, list[int]] = {}
+        for slot in slots:
+            owners = self._ranks[slot][:self.pool_copies]
+            if shard not in owners:
+                continue
+            source = next((s for s in owners if s != shard and s in live), None)
+            if source is not None:
+                out.setdefault(source, []).append(slot)
+        return out
 
     def split_pool(self, keys: Sequence[int], copy: int | None = None) -> dict[int, list[int]]:
         """Positions of ``keys`` by the shard whose pool keeps them: every copy's shard (a position under each),

@@ -90,7 +90,7 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_keys", "lease_s", "transfer_address", "transfer_id", "transfer_token", "transfer_versions", "view")
+    __slots__ = ("layout", "block_keys", "lease_s", "transfer_address", "transfer_id", "transfer_token", "transfer_versions", "copy", "view")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class GetBlocksRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     block_keys: _containers.RepeatedScalarFieldContainer[int]
@@ -106,8 +107,9 @@ class GetBlocksRequest(_message.Message):
     transfer_id: str
     transfer_token: str
     transfer_versions: str
+    copy: bool
     view: ShardView
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., transfer_versions: _Optional[str] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., transfer_versions: _Optional[str] = ..., copy: _Optional[bool] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("block_keys", "checksums", "data", "tiers", "lease_id", "leased_blocks")
@@ -160,7 +162,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up", "transfer_address", "view")
+    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up", "transfer_address", "view", "repaired_blocks", "repaired_bytes", "repair_pending_slots")
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +178,9 @@ class StatsResponse(_message.Message):
     CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_PENDING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     indexed_blocks: int
     instances: int
     pool_blocks: int
@@ -191,7 +196,32 @@ class StatsResponse(_message.Message):
     caught_up: bool
     transfer_address: str
     view: ShardView
-    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
+    repaired_blocks: int
+    repaired_bytes: int
+    repair_pending_slots: int
+    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ..., repaired_blocks: _Optional[int] = ..., repaired_bytes: _Optional[int] = ..., repair_pending_slots: _Optional[int] = ...) -> None: ...
+
+class ListBlocksRequest(_message.Message):
+    __slots__ = ("slots", "view")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    slots: bytes
+    view: ShardView
+    def __init__(self, slots: _Optional[bytes] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
+
+class ListBlocksResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[LayoutBlocks]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[LayoutBlocks, _Mapping]]] = ...) -> None: ...
+
+class LayoutBlocks(_message.Message):
+    __slots__ = ("layout", "block_keys")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    layout: _common_pb2.BlockLayout
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GrantPutRequest(_message.Message):
     __slots__ = ("num_blocks", "view")

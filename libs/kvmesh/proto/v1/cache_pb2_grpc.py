@@ -70,6 +70,11 @@ class CacheServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutResponse.FromString,
                 _registered_method=True)
+        self.ListBlocks = channel.unary_unary(
+                '/kvmesh.v1.CacheService/ListBlocks',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.ListBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.ListBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -125,6 +130,14 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListBlocks(self, request, context):
+        """Shard to shard (the cachesvc role only): the pooled blocks this shard holds in the slots asked for, by layout.
+        A restarted shard lists what its peers hold of its slots and fetches what it lacks (GetBlocks, copy set).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +175,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.GrantPut,
                     request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutResponse.SerializeToString,
+            ),
+            'ListBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBlocks,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.ListBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.ListBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +372,33 @@ class CacheService:
             '/kvmesh.v1.CacheService/GrantPut',
             kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutRequest.SerializeToString,
             kvmesh_dot_proto_dot_v1_dot_cache__pb2.GrantPutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.CacheService/ListBlocks',
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.ListBlocksRequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.ListBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
