@@ -5,6 +5,8 @@ The flows the design has, and no others (``RULES``; a method not listed is refus
 - the router asks cachesvc ``MatchPrefix`` and calls engines' ``Prefill`` / ``Decode``; it alone (with an admin
   tool's certificate) reaches an engine's ``Adapters``, from its admin path, which checks the admin key first;
 - engines put, get, grant and lease blocks on cachesvc;
+- a (re)started cachesvc shard lists and gets, from the other shards, the blocks it lost (``ListBlocks``, which
+  names every key a shard holds, is for shards alone);
 - an ``admin`` certificate (operators' tools) may also read ``Stats`` and use reflection; any mesh certificate may
   ask ``Health``.
 
@@ -27,7 +29,7 @@ from kvmesh.identity import Identity, MeshRole, of_peer
 
 log = logging.getLogger(__name__)
 
-R, A = MeshRole.ROUTER, MeshRole.ADMIN
+R, A, C = MeshRole.ROUTER, MeshRole.ADMIN, MeshRole.CACHESVC
 ENGINES = frozenset({MeshRole.PREFILL, MeshRole.DECODE, MeshRole.BOTH})
 EVERYONE = frozenset(MeshRole)
 
@@ -37,7 +39,8 @@ RULES: dict[str, frozenset[MeshRole]] = {
     # engines too: a sharded pool's view (its shard count and copies) comes from it
     "/kvmesh.v1.CacheService/Stats": frozenset({R, A, *ENGINES}),
     "/kvmesh.v1.CacheService/PutBlocks": ENGINES,
-    "/kvmesh.v1.CacheService/GetBlocks": ENGINES,
+    "/kvmesh.v1.CacheService/GetBlocks": frozenset({*ENGINES, C}),  # a shard: the copies it lost (repair)
+    "/kvmesh.v1.CacheService/ListBlocks": frozenset({C}),
     "/kvmesh.v1.CacheService/GrantPut": ENGINES,
     "/kvmesh.v1.CacheService/LeaseBlocks": ENGINES,
     "/kvmesh.v1.CacheService/ReleaseLease": ENGINES,

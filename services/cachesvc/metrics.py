@@ -61,6 +61,12 @@ class CacheMetrics:
                                  buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3))
         self.bytes = Counter(f"{P}_block_bytes", "Block bytes stored (put) and served (get)", ["direction"],
                              registry=self.registry)
+        self.repaired_blocks = Counter(f"{P}_repaired_blocks", "Blocks a (re)started shard fetched from the other "
+                                       "copies' shards, by the shard they came from", ["source"],
+                                       registry=self.registry)
+        self.repaired_bytes = Counter(f"{P}_repaired_bytes", "Block bytes a (re)started shard fetched from the "
+                                      "other copies' shards, by the shard they came from", ["source"],
+                                      registry=self.registry)
         self.registry.register(_StateCollector(server))
         if server.authorizer is not None:
             self.registry.register(CountsCollector(

@@ -57,6 +57,7 @@ from services.cachesvc.copies import CopyChanges, CopyTracker
 from services.cachesvc.index import BlockIndex
 from services.cachesvc.metrics import CacheMetrics
 from services.cachesvc.pool import GetResult, Pool
+from services.cachesvc.repair import Repair, mask_slots
 from services.cachesvc.resync import Resync
 from services.cachesvc.store import LayoutMismatch, PoolFull, Shadowing, StoredBlock, StoreUnavailable, TooManyLeases
 
@@ -276,7 +277,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             return await self._push_blocks(request, layout, lease_s, holder)
 
         def get() -> bytes:  # on the storage thread: the bytes are copied there too
-            got = self.pool.get(layout, request.block_keys, self.max_reply_bytes, lease_s, holder)
+            got = self.pool.get(layout, request.block_keys, self.max_reply_bytes, lease_s, holder,
+                                touch=not request.copy)
             head = cache_pb2.GetBlocksResponse(
                 block_keys=[b.key for b in got.blocks], checksums=[b.checksum for b in got.blocks],
                 tiers=got.tiers, lease_id=got.lease_id, leased_blocks=got.leased)
@@ -308,7 +310,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
         def get() -> tuple[GetResult, memoryview | None]:  # on the storage thread: the copy too
             got = self.pool.get(layout, request.block_keys, self.cfg.max_transfer_mb << 20,
-                                lease_s or 2 * timeout, holder if lease_s else "")
+                                lease_s or 2 * timeout, holder if lease_s else "", touch=not request.copy)
             return got, _joined(layout, got.blocks) if got.blocks else None
 
         got, blocks = await self._storage(get)
@@ -372,6 +374,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         return cache_pb2.ReleaseLeaseResponse(released=released)
 
     @_statuses
+    async def ListBlocks(self, request: cache_pb2.ListBlocksRequest,
+                         context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.ListBlocksResponse:
+        """Shard to shard: what the pool holds of the slots asked (a restarted shard's repair, ``repair.py``)."""
+        self.server.check_view(request.view)
+        listing = await self._storage(self.pool.listing, mask_slots(request.slots))
+        return cache_pb2.ListBlocksResponse(blocks=[
+            cache_pb2.LayoutBlocks(layout=layout.to_proto(), block_keys=keys) for layout, keys in listing.items()])
+
+    @_statuses
     async def Stats(self, request: cache_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.StatsResponse:
         def tiers() -> tuple[list[cache_pb2.TierStats], int, int]:
@@ -382,7 +393,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
         tier_stats, leases, leased = await self._storage(tiers)
         dram = next((t for t in tier_stats if t.tier == "dram"), cache_pb2.TierStats())
-        index, resync = self.server.index, self.server.resync
+        index, resync, repair = self.server.index, self.server.resync, self.server.repair
         return cache_pb2.StatsResponse(
             indexed_blocks=len(index), instances=len(index.instances()), pool_blocks=dram.blocks,
             pool_bytes=dram.bytes, pool_capacity_bytes=dram.capacity_bytes, events_applied=index.events_applied,
@@ -391,7 +402,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             caught_up=self.server.caught_up, transfer_address=self.server.transfer.address,
             view=cache_pb2.ShardView(shard=self.cfg.shard, shards=self.cfg.shards,
                                      index_copies=self.server.shard_map.copies,
-                                     pool_copies=self.server.shard_map.pool_copies))
+                                     pool_copies=self.server.shard_map.pool_copies),
+            repaired_blocks=repair.blocks if repair else 0, repaired_bytes=repair.bytes if repair else 0,
+            repair_pending_slots=repair.pending if repair else 0)
 
 
 class CacheServer:
@@ -430,6 +443,8 @@ class CacheServer:
         self._transfer_addresses: dict[str, str] = {}  # instance -> the transfer endpoint it announced
         self.bus_outage = False  # NATS was seen down and has not been seen back yet
         self._reaper: asyncio.Task[None] | None = None
+        self.repair: Repair | None = None  # a shard with peers that keeps copies: refills itself at start
+        self._repairing: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
         self.grpc = grpc.aio.server(interceptors=[self.authorizer] if self.authorizer else None,
                                     options=[("grpc.max_receive_message_length", max_message),
@@ -505,8 +520,31 @@ class CacheServer:
         await self._replayed()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._start_repair()
         log.info("serving cluster %r: stream %s, durable %r, %d blocks indexed", self.shared.cluster,
                  self.subjects.events_stream, self.durable, len(self.index))
+
+    def _start_repair(self) -> None:
+        """A shard whose blocks have other copies fetches what it lacks from them (``repair.py``), given
+        ``peers``."""
+        cfg, smap = self.cfg, self.shard_map
+        if smap.shards == 1 or smap.pool_copies == 1:
+            return
+        if not cfg.peers:
+            log.info("no peers set: what this shard's pool lost before this start is not fetched from the other "
+                     "copies (set peers to every shard's address, in shard order)")
+            return
+        assert self.pool is not None
+
+        async def storage(fn: Callable[..., R], *args: Any) -> R:
+            return await asyncio.get_running_loop().run_in_executor(self.storage, fn, *args)
+
+        def counted(source: int, blocks: int, nbytes: int) -> None:
+            self.metrics.repaired_blocks.labels(str(source)).inc(blocks)
+            self.metrics.repaired_bytes.labels(str(source)).inc(nbytes)
+
+        self.repair = Repair(cfg, self.shared, smap, self.pool, storage, counted)
+        self._repairing = asyncio.create_task(self.repair.run(), name="cachesvc-repair")
 
     async def _replayed(self) -> None:
         """Return once the consumer has handled (and acked) everything the stream held when it was created."""
@@ -520,10 +558,13 @@ class CacheServer:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._repairing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.repair is not None:
+            await self.repair.close()
         await self.grpc.stop(grace_s)
         await self.transfer_client.close()
         if self._transfer is not None:

@@ -716,6 +716,10 @@ class CacheServiceSettings(Section):
                                    "answers for its keys")
     pool_copies: int = setting(1, "shards whose pool keeps each block written back (with shards > 1; 2: a dead "
                                   "shard costs no block, for twice the write-back traffic and memory)")
+    peers: str = setting("", "every shard's host:port in shard order, comma-separated, this one's too (with "
+                             "shards > 1 and pool_copies > 1): a (re)started shard fetches what it lacks of its "
+                             "blocks from the other copies (\"\" = no repair; kvmesh up sets it)")
+    repair_mb_s: int = setting(64, "that repair's block bytes per second at most, so serving keeps its share")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
     pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier (session, "
                                                     "session_duel: the sessions' signals first)",
@@ -758,7 +762,7 @@ class CacheServiceSettings(Section):
         out += self._ports(("port", "metrics_port", "transfer_port"))
         out += self._min(("pool_capacity_mb",), 0, {"pool_capacity_mb": "no DRAM tier"})
         out += self._min(("disk_reserve_mb",), 0)
-        out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
+        out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb", "repair_mb_s"), 1)
         out += self._positive(("session_idle_s",))
         out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",
                                "transfer_timeout_s", "max_retention_s"))
@@ -775,6 +779,11 @@ class CacheServiceSettings(Section):
         if not 0 <= self.shard < max(self.shards, 1):
             out.append(Problem("shard", f"shard must be in [0, shards - 1] = [0, {self.shards - 1}], "
                                         f"not {self.shard}"))
+        out += self._address("peers", "no repair", shards=True)
+        peers = len(self.peers.split(",")) if self.peers else 0
+        if peers and peers != self.shards:
+            out.append(Problem("peers", f"peers lists {peers} addresses but shards is {self.shards}: list every "
+                                        "shard's host:port, in shard order, this one's too"))
         if not self.durable_name or any(c in self.durable_name for c in ".*> \t"):
             out.append(Problem("durable_name", f"durable_name {self.durable_name!r} must be non-empty, "
                                                "without '.', '*', '>' or spaces"))

@@ -1,0 +1,184 @@
+"""Re-replication: a (re)started shard fetches, from the other copies' shards, the pooled blocks of its slots
+that it lacks (a crash lost its DRAM tier), so a second failure does not find a block's last copy gone.
+
+It runs once per start, once the shard serves, with the shards listed in ``peers`` (``pool_copies`` > 1). Each
+of its slots comes from one other copy (``ShardMap.repair_sources``: the first live one in rank order): it lists
+what that shard holds of them (``ListBlocks``, a few hundred slots a call), keeps the keys its own pool lacks
+under each layout, and reads them with ``GetBlocks(copy=True)`` (inline; a copy is no use there: no hit, no
+promotion) in calls of ``BATCH_BYTES`` at most, paced to ``repair_mb_s``. A shard it cannot reach gives its
+slots to the next live copy; slots with none wait ``RETRY_S`` and are tried again, until every slot was
+repaired from somewhere once. Blocks written meanwhile come straight from the engines, as always.
+
+Pull, not push: the restarted shard is the one that knows it lost its blocks, and the only one that needs the
+other shards' addresses (``kvmesh up`` learns them once the shards are up, and gives them to a restarted one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from kvmesh import tls
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.shards import SLOTS, ShardMap
+from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
+from kvmesh.settings import CacheServiceSettings, SharedSettings
+
+from services.cachesvc.pool import Pool
+from services.cachesvc.store import PoolFull, StoreUnavailable
+
+log = logging.getLogger("cachesvc.repair")
+
+R = TypeVar("R")
+SLOTS_PER_LIST = 256  # slots one ListBlocks asks about (a 16th of the map: its answer stays small)
+BATCH_BYTES = 16 << 20  # block bytes one GetBlocks fetches at most (the storage thread stores them in one put)
+RETRY_S = 5.0  # slots whose other copies are all unreachable are tried again this often
+CALL_TIMEOUT_S = 30.0
+
+
+class PeerFailed(Exception):
+    """A shard did not answer a repair call; its slots go to the next live copy, or wait."""
+
+
+def slot_mask(slots: Sequence[int]) -> bytes:
+    """``slots`` as ListBlocks' bitmask: bit ``s`` of the little-endian bytes."""
+    mask = 0
+    for s in slots:
+        mask |= 1 << s
+    return mask.to_bytes(SLOTS // 8, "little")
+
+
+def mask_slots(mask: bytes) -> set[int]:
+    """The slots of a ListBlocks bitmask; ValueError (what to send) when it is longer than the map."""
+    if len(mask) > SLOTS // 8:
+        raise ValueError(f"slots has {len(mask)} bytes: a bitmask of the {SLOTS} slots takes at most {SLOTS // 8}")
+    bits = int.from_bytes(mask, "little")
+    return {s for s in range(bits.bit_length()) if bits >> s & 1}
+
+
+class Repair:
+    """One shard's repair from the others. ``storage`` runs a function on the pool's storage thread."""
+
+    def __init__(self, cfg: CacheServiceSettings, shared: SharedSettings, smap: ShardMap, pool: Pool,
+                 storage: Callable[..., Awaitable[Any]], repaired: Callable[[int, int, int], None]) -> None:
+        self.shard, self.smap, self.pool = cfg.shard, smap, pool
+        self.storage = storage
+        self.repaired = repaired  # (source shard, blocks, bytes): the metrics
+        self.rate = cfg.repair_mb_s << 20
+        self.max_bytes = min(BATCH_BYTES, (cfg.max_message_mb << 20) - (1 << 20))
+        opts = [("grpc.max_receive_message_length", cfg.max_message_mb << 20)]
+        addresses = [a.strip() for a in cfg.peers.split(",")]
+        self.channels = {s: tls.aio_channel(a, opts, shared) for s, a in enumerate(addresses) if s != cfg.shard}
+        self.stubs = {s: cache_pb2_grpc.CacheServiceStub(ch) for s, ch in self.channels.items()}
+        self.blocks = 0  # fetched and stored since start (Stats)
+        self.bytes = 0
+        self.pending = len(smap.pool_slots(cfg.shard))  # slots not repaired yet (Stats)
+        self._paced = (time.monotonic(), 0)  # (since, bytes fetched since): the rate cap
+
+    async def run(self) -> None:
+        pending = set(self.smap.pool_slots(self.shard))
+        started = time.monotonic()
+        log.info("repair: fetching what this shard lacks of its %d slots from the other copies' shards (%d MB/s "
+                 "at most)", len(pending), self.rate >> 20)
+        failing: set[int] = set()  # shards whose failure was logged, until they answer again
+        while pending:
+            down: set[int] = set()
+            while plan := self.smap.repair_sources(self.shard, set(self.stubs) - down, sorted(pending)):
+                for source, slots in plan.items():
+                    try:
+                        await self._from(source, slots)
+                    except PeerFailed as e:
+                        down.add(source)
+                        if source not in failing:
+                            failing.add(source)
+                            log.warning("repair: shard %d did not answer (its slots go to the next live copy, or "
+                                        "wait %gs): %s", source, RETRY_S, e)
+                        continue
+                    failing.discard(source)
+                    pending.difference_update(slots)
+                    self.pending = len(pending)
+            if pending:
+                await asyncio.sleep(RETRY_S)
+        log.info("repair done: %d blocks (%d MB) fetched in %.1fs", self.blocks, self.bytes >> 20,
+                 time.monotonic() - started)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+
+    async def _from(self, source: int, slots: list[int]) -> None:
+        """Fetch what this shard lacks of ``slots`` from ``source``."""
+        stub = self.stubs[source]
+        view = cache_pb2.ShardView(shard=source, shards=self.smap.shards)
+        for i in range(0, len(slots), SLOTS_PER_LIST):
+            listed = await self._call(stub.ListBlocks, cache_pb2.ListBlocksRequest(
+                slots=slot_mask(slots[i:i + SLOTS_PER_LIST]), view=view), source)
+            for held in listed.blocks:
+                layout = KVLayout.from_proto(held.layout)
+                want = await self.storage(self.pool.lacking, layout, list(held.block_keys))
+                if want:
+                    await self._fetch(stub, view, source, layout, want)
+
+    async def _fetch(self, stub: cache_pb2_grpc.CacheServiceStub, view: cache_pb2.ShardView, source: int,
+                     layout: KVLayout, keys: list[int]) -> None:
+        """Read ``keys`` from ``source`` and store them; a key it no longer holds (evicted since it listed it)
+        is skipped."""
+        per_call = max(1, self.max_bytes // layout.block_nbytes)
+        proto_layout = layout.to_proto()
+        i = 0
+        while i < len(keys):
+            batch = keys[i:i + per_call]
+            try:
+                got = await self._call(stub.GetBlocks, cache_pb2.GetBlocksRequest(
+                    layout=proto_layout, block_keys=batch, copy=True, view=view), source)
+            except _Refused:  # held there only under another layout since: skip it
+                i += 1
+                continue
+            n = len(got.block_keys)
+            if n == 0:
+                i += 1
+                continue
+            if list(got.block_keys) != batch[:n]:
+                raise PeerFailed(f"shard {source} answered with blocks that were not asked for")
+            put = functools.partial(self.pool.put, layout, batch[:n], list(got.checksums), got.data,
+                                    writer=f"cachesvc shard {source} (repair)")
+            try:
+                stored = await self.storage(put)
+            except (PoolFull, StoreUnavailable, ValueError) as e:  # ours is full, or a block arrived damaged
+                log.warning("repair: %d blocks from shard %d not stored: %s", n, source, e)
+            else:
+                self.blocks += stored.stored
+                self.bytes += stored.stored * layout.block_nbytes
+                self.repaired(source, stored.stored, stored.stored * layout.block_nbytes)
+            i += n
+            await self._pace(len(got.data))
+
+    async def _pace(self, nbytes: int) -> None:
+        """Sleep as long as keeps the fetch rate at ``repair_mb_s`` over the last few seconds."""
+        since, done = self._paced
+        now = time.monotonic()
+        if now - since > 5.0:  # a fresh window: an idle while earns no burst
+            since, done = now, 0
+        done += nbytes
+        self._paced = (since, done)
+        ahead = since + done / self.rate - now
+        if ahead > 0:
+            await asyncio.sleep(ahead)
+
+    async def _call(self, method: Callable[..., Awaitable[R]], request: Any, source: int) -> R:
+        try:
+            return await method(request, timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and isinstance(request, cache_pb2.GetBlocksRequest):
+                raise _Refused(e.details()) from None
+            raise PeerFailed(f"{type(request).__name__[:-7]} to shard {source}: {e.code().name}: {e.details()}") \
+                from None
+
+
+class _Refused(Exception):
+    """GetBlocks refused the first key (held only under another layout)."""
