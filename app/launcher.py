@@ -22,7 +22,8 @@ order: routers, engines, cachesvc, then NATS.
 With ``routers`` > 1 the router runs as replicas ``router-0``, ``router-1``, ... (one is ``router``), each with its
 own ports (the configured ones + its index; 0 stays any free one) and id, sharing their in-flight counts over
 NATS. ``kill`` and ``restart`` act on one service (the fault benchmark's schedule): a restarted cachesvc or NATS
-binds the address it had, which the other services keep dialling.
+binds the address it had, which the other services keep dialling; a restarted cachesvc shard is also given the
+others' addresses (``peers``), from whose copies it fetches the blocks it lost (services/cachesvc/README.md).
 
 A running stack also changes its engine pools' sizes: ``scale(role, n)`` starts instances (``<role>-<next index>``,
 as the first ones were started) or stops the newest ones with SIGTERM. A stopped instance loses no request: its
@@ -60,7 +61,7 @@ POOLS_FILE = "pools.json"  # in the state directory: {"prefill": 2, "decode": 1}
 
 # what the launcher sets itself for each child: not flags of `kvmesh up`
 LAUNCHER_SET = ("shared.state_dir", "shared.ready_file", "instance.role", "instance.id", "instance.cachesvc_address",
-                "router.cachesvc_address", "router.id", "cachesvc.shard", "cachesvc.shards")
+                "router.cachesvc_address", "router.id", "cachesvc.shard", "cachesvc.shards", "cachesvc.peers")
 
 
 @dataclass
@@ -265,8 +266,11 @@ class Stack:
             return
         old = self.service(name)
         deadline = time.monotonic() + timeout_s
+        given = {**old.given, **_same_ports(old)}
+        if name.startswith("cachesvc-"):  # a shard: the others' addresses, to fetch what it lost from its copies
+            given["KVMESH_CACHESVC_PEERS"] = self.cachesvc_address
         while True:  # the port a killed process held may take a moment to be free again
-            new = self._spawn(name, old.module, {**old.given, **_same_ports(old)})
+            new = self._spawn(name, old.module, given)
             self.services.remove(old)
             try:
                 self._wait_ready([new], deadline)
