@@ -1,0 +1,87 @@
+"""Re-replication's decisions: which shard a restarted shard fetches each of its slots from, what a shard lists
+for it, what it lacks, and that a copy read for it is no use of the block."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.shards import SLOTS, ShardMap
+
+from services.cachesvc.repair import mask_slots, slot_mask
+from tests.unit.test_cachesvc_pool import LAYOUT, blocks, make_pool
+
+OTHER = KVLayout("m", num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype="fp16")
+
+
+def test_each_slot_of_a_restarted_shard_comes_from_exactly_one_other_copy():
+    smap = ShardMap(3, pool_copies=2)
+    plan = smap.repair_sources(1, {0, 2}, range(SLOTS))
+    planned = [slot for slots in plan.values() for slot in slots]
+    assert sorted(planned) == smap.pool_slots(1)  # every slot of its own, once; none of the others'
+    for source, slots in plan.items():
+        assert all(set(smap.pool_owners(slot)) == {1, source} for slot in slots)
+
+
+def test_the_first_live_copy_in_rank_order_is_the_source():
+    smap = ShardMap(4, pool_copies=3)
+    mine = smap.pool_slots(3)
+    plan = smap.repair_sources(3, {0, 1, 2}, mine)
+    for source, slots in plan.items():
+        assert all([s for s in smap.pool_owners(slot) if s != 3][0] == source for slot in slots)
+    down = Counter(smap.pool_owners(slot)[0] for slot in mine if smap.pool_owners(slot)[0] != 3)
+    first_down = max(down, key=lambda s: down[s])  # a shard that is the first other copy of some slots
+    without = smap.repair_sources(3, {0, 1, 2} - {first_down}, mine)
+    assert first_down not in without
+    assert sorted(s for slots in without.values() for s in slots) == sorted(mine)  # the next copy has them
+
+
+def test_a_slot_with_no_live_other_copy_waits():
+    smap = ShardMap(3, pool_copies=2)
+    plan = smap.repair_sources(1, {2}, smap.pool_slots(1))
+    assert set(plan) == {2}
+    assert all(set(smap.pool_owners(slot)) == {1, 2} for slot in plan[2])
+    assert smap.repair_sources(1, set(), smap.pool_slots(1)) == {}
+
+
+def test_one_copy_or_one_shard_has_nothing_to_repair():
+    assert ShardMap(3, pool_copies=1).repair_sources(0, {1, 2}, range(SLOTS)) == {}
+    assert ShardMap(1, pool_copies=2).repair_sources(0, set(), range(SLOTS)) == {}
+
+
+def test_a_shard_lists_its_blocks_of_the_slots_asked_by_layout_without_the_quarantined():
+    pool = make_pool()
+    keys = [s + (i << 12) for s in (5, 6, 7) for i in range(1, 3)]  # two keys in each of slots 5, 6, 7
+    pool.put(LAYOUT, *blocks(*keys))
+    pool.put(OTHER, *blocks(keys[0], layout=OTHER))
+    pool.quarantine([keys[1]])
+    assert pool.listing({5, 7}) == {LAYOUT: [keys[0], keys[4], keys[5]], OTHER: [keys[0]]}
+    assert pool.listing({9}) == {}
+
+
+def test_a_block_held_only_under_another_layout_is_lacking(tmp_path):
+    pool = make_pool(dram_blocks=1, disk_blocks=4, disk=tmp_path)
+    pool.put(LAYOUT, *blocks(1, 2))  # wherever they went, both are held
+    pool.put(OTHER, *blocks(3, layout=OTHER))
+    pool.quarantine([4])
+    assert pool.lacking(LAYOUT, [1, 2, 3, 4, 5]) == [3, 5]
+
+
+def test_a_copy_read_for_another_shard_counts_no_hit_and_promotes_nothing(tmp_path):
+    pool = make_pool(dram_blocks=1, disk_blocks=4, disk=tmp_path)
+    pool.put(LAYOUT, *blocks(1))
+    pool.put(LAYOUT, *blocks(2))  # 1 goes to disk
+    got = pool.get(LAYOUT, [1], touch=False)
+    assert [b.key for b in got.blocks] == [1] and got.tiers == ["disk"]
+    assert not pool.tiers[0].has(1)  # not promoted: 2 stays in DRAM
+    assert [u.hit_count for u in pool.tiers[1].usages(1)] == [0]
+    pool.get(LAYOUT, [1])  # a reader's get: a use
+    assert pool.tiers[0].has(1)
+
+
+def test_slot_masks_round_trip_and_an_overlong_one_says_how_long_it_may_be():
+    assert mask_slots(slot_mask([0, 7, 4095])) == {0, 7, 4095}
+    assert len(slot_mask([1])) == SLOTS // 8
+    with pytest.raises(ValueError, match="at most 512"):
+        mask_slots(bytes(SLOTS // 8 + 1))
