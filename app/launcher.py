@@ -158,8 +158,9 @@ class Stack:
 
     @property
     def caches(self) -> list[Service]:
-        """The cachesvc shards, in shard order (one: ``cachesvc``)."""
-        return [s for s in self.services if s.name == "cachesvc" or s.name.startswith("cachesvc-")]
+        """The cachesvc shards, in shard order (one: ``cachesvc``), a restarted one in its place."""
+        caches = [s for s in self.services if s.name == "cachesvc" or s.name.startswith("cachesvc-")]
+        return sorted(caches, key=lambda s: int(s.name.rsplit("-", 1)[1]) if "-" in s.name else 0)
 
     @property
     def cachesvc_address(self) -> str:
