@@ -29,7 +29,7 @@ def test_the_first_live_copy_in_rank_order_is_the_source():
     mine = smap.pool_slots(3)
     plan = smap.repair_sources(3, {0, 1, 2}, mine)
     for source, slots in plan.items():
-        assert all([s for s in smap.pool_owners(slot) if s != 3][0] == source for slot in slots)
+        assert all(next(s for s in smap.pool_owners(slot) if s != 3) == source for slot in slots)
     down = Counter(smap.pool_owners(slot)[0] for slot in mine if smap.pool_owners(slot)[0] != 3)
     first_down = max(down, key=lambda s: down[s])  # a shard that is the first other copy of some slots
     without = smap.repair_sources(3, {0, 1, 2} - {first_down}, mine)
