@@ -17,7 +17,8 @@ from tests.security.conftest import auth, channel
 # (service in the stack, stub, method, an empty request) for every internal RPC
 RPCS = [
     *[("cachesvc", cache_pb2_grpc.CacheServiceStub, m, getattr(cache_pb2, f"{m}Request")())
-      for m in ("MatchPrefix", "PutBlocks", "GetBlocks", "LeaseBlocks", "ReleaseLease", "Stats", "GrantPut")],
+      for m in ("MatchPrefix", "PutBlocks", "GetBlocks", "LeaseBlocks", "ReleaseLease", "Stats", "GrantPut",
+                "ListBlocks")],
     ("prefill-0", worker_pb2_grpc.PrefillStub, "Prefill", worker_pb2.PrefillRequest()),
     ("decode-0", worker_pb2_grpc.DecodeStub, "Decode", worker_pb2.DecodeRequest()),
     *[(s, worker_pb2_grpc.AdaptersStub, m, getattr(worker_pb2, f"{m}Request")())
