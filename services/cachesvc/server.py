@@ -545,6 +545,7 @@ class CacheServer:
 
         self.repair = Repair(cfg, self.shared, smap, self.pool, storage, counted)
         self._repairing = asyncio.create_task(self.repair.run(), name="cachesvc-repair")
+        self._repairing.add_done_callback(_repair_ended)
 
     async def _replayed(self) -> None:
         """Return once the consumer has handled (and acked) everything the stream held when it was created."""
@@ -743,3 +744,10 @@ async def serve(cfg: CacheServiceSettings, shared: SharedSettings | None = None)
         log.info("signal received, shutting down")
     finally:
         await server.stop()
+
+
+def _repair_ended(task: asyncio.Task[None]) -> None:
+    """Say why a repair stopped early (its own errors are handled inside; this is a defect's trace)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("repair stopped: %s; blocks this shard lost stay missing until written again", task.exception(),
+                  exc_info=task.exception())
