@@ -180,6 +180,7 @@ class FaultRun:
     pool_copies: int = 1
     prefill_blocks: int = 0  # each prefill (and both) instance's KV blocks (0: the engine's default)
     both: int = 0
+    repair: bool = True  # a restarted cachesvc shard refills its pool from the other copies
 
     def wrong(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.error and (o.tokens, o.text) != self.references[o.prompt]]
@@ -311,7 +312,7 @@ def _moved(spans: list[SpanRecord]) -> list[Moved]:
 def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_tokens: int = 16, decode: int = 2,
         routers: int = 2, restart_after_s: float = 8.0, state_dir: Path | None = None,
         max_num_seqs: int | None = None, prefill: int = 1, cachesvc: int = 1, system_words: int = 0,
-        pool_copies: int = 1, prefill_blocks: int = 0, both: int = 0) -> FaultRun:
+        pool_copies: int = 1, prefill_blocks: int = 0, both: int = 0, repair: bool = True) -> FaultRun:
     engine = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     systems = contexts(system_words)
     # small prefill caches: the prompts' prefixes are evicted and come back from the pool
@@ -321,7 +322,9 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
         stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", prefill=prefill, decode=decode, both=both,
                                                                  routers=routers, cachesvc=cachesvc,
                                                                  settings={"engine": engine,
-                                                                           "cachesvc": {"pool_copies": pool_copies}},
+                                                                           "cachesvc": {"pool_copies": pool_copies,
+                                                                                        **({} if repair else
+                                                                                           {"repair_mb_s": 0})}},
                                                                  instance_env=small))
         names = {"nats", *computing} | {f"decode-{i}" for i in range(decode)} | \
             ({f"router-{i}" for i in range(routers)} if routers > 1 else {"router"}) | \
@@ -337,13 +340,13 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
             outcomes: list[Outcome] = []
             windows: list[Window] = []
 
-            async def both() -> float:
+            async def load_and_faults() -> float:
                 t0 = time.monotonic()
                 await asyncio.gather(_clients(targets, clients, duration_s, max_tokens, t0, outcomes, systems),
                                      _schedule(stack, faults, restart_after_s, t0, windows))
                 return time.monotonic() - t0
 
-            took = asyncio.run(both())
+            took = asyncio.run(load_and_faults())
             migrations = sum(_metric(r.endpoints["metrics"], 'kvmesh_router_migrations_total{outcome="migrated"}')
                              for r in stack.routers)
             load_after = load_average()
@@ -354,7 +357,7 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
                         _moved(read_spans(trace_file(stack.state_dir))),
                         Limits(router.instance_timeout_s, router.inter_token_timeout_s),
                         stack.cfg.engine.max_num_seqs, prefill, cachesvc, system_words, pool_copies,
-                        prefill_blocks, both)
+                        prefill_blocks, both, repair)
 
 
 def _metric(url: str, name: str) -> float:
@@ -439,6 +442,8 @@ def _shards(res: FaultRun) -> str:
     if res.cachesvc == 1:
         return ""
     copies = f"{res.pool_copies} cop{'y' if res.pool_copies == 1 else 'ies'} of each pooled block"
+    if res.pool_copies > 1:
+        copies += ", a restarted shard refilled from the others" if res.repair else ", no repair"
     small = f", {res.prefill_blocks} KV blocks a computing instance" if res.prefill_blocks else ""
     return f" and {res.cachesvc} cachesvc shards ({copies}{small})"
 
@@ -507,7 +512,7 @@ def main(args) -> int:
         return 2
     res = run(faults, args.clients, args.duration, args.max_tokens, args.decode, args.routers, args.restart_after,
               Path(args.state_dir) if args.state_dir else None, args.max_num_seqs, args.prefill, args.cachesvc,
-              args.system_words, args.pool_copies, args.prefill_blocks, args.both)
+              args.system_words, args.pool_copies, args.prefill_blocks, args.both, not args.no_repair)
     body = report(res, args.clients, args.decode, args.routers, args.restart_after)
     print(body)
     for o in (res.lost() + res.wrong())[:10]:
@@ -525,6 +530,7 @@ def main(args) -> int:
                    + (f" --system-words {args.system_words}" if args.system_words else "")
                    + (f" --pool-copies {args.pool_copies}" if args.pool_copies != 1 else "")
                    + (f" --prefill-blocks {args.prefill_blocks}" if args.prefill_blocks else "")
+                   + (" --no-repair" if args.no_repair else "")
                    + (f" --section '{section}'" if args.section else ""))
         print(f"\nwritten to {write_section(section, command, body)}")
     return 0 if not res.lost() and not res.wrong() else 1

@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                "block (cachesvc.pool_copies)")
     p.add_argument("--prefill-blocks", type=int, default=0, help="with --faults: each prefill (and both) instance's "
                                                                   "KV blocks (small: prefixes come back from the pool)")
+    p.add_argument("--no-repair", action="store_true", help="with --faults and --pool-copies > 1: a restarted "
+                   "cachesvc shard does not refill its pool from the other copies (cachesvc.repair_mb_s 0)")
     p.add_argument("--both", type=int, default=0, help="with --faults: instances that prefill and decode")
     p.add_argument("--system-words", type=int, default=0,
                    help="with --faults: requests take one of a few system prompts this many words long in turn "

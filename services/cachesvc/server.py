@@ -530,6 +530,10 @@ class CacheServer:
         cfg, smap = self.cfg, self.shard_map
         if smap.shards == 1 or smap.pool_copies == 1:
             return
+        if not cfg.repair_mb_s:
+            log.info("repair_mb_s is 0: what this shard's pool lost before this start is not fetched from the "
+                     "other copies")
+            return
         if not cfg.peers:
             log.info("no peers set: what this shard's pool lost before this start is not fetched from the other "
                      "copies (set peers to every shard's address, in shard order)")

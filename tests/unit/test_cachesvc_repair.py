@@ -85,3 +85,12 @@ def test_slot_masks_round_trip_and_an_overlong_one_says_how_long_it_may_be():
     assert len(slot_mask([1])) == SLOTS // 8
     with pytest.raises(ValueError, match="at most 512"):
         mask_slots(bytes(SLOTS // 8 + 1))
+
+
+def test_repair_mb_s_zero_turns_repair_off_and_a_negative_rate_is_refused():
+    from kvmesh import settings
+    from kvmesh.settings import SettingsError
+
+    assert settings.load(env={"KVMESH_CACHESVC_REPAIR_MB_S": "0"}).cachesvc.repair_mb_s == 0
+    with pytest.raises(SettingsError, match="repair_mb_s"):
+        settings.load(env={"KVMESH_CACHESVC_REPAIR_MB_S": "-1"})

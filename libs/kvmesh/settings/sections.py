@@ -719,7 +719,8 @@ class CacheServiceSettings(Section):
     peers: str = setting("", "every shard's host:port in shard order, comma-separated, this one's too (with "
                              "shards > 1 and pool_copies > 1): a (re)started shard fetches what it lacks of its "
                              "blocks from the other copies (\"\" = no repair; kvmesh up sets it)")
-    repair_mb_s: int = setting(64, "that repair's block bytes per second at most, so serving keeps its share")
+    repair_mb_s: int = setting(64, "that repair's block bytes per second at most, so serving keeps its share "
+                                   "(0 = no repair)")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
     pool_eviction: Eviction = setting(Eviction.LRU, "eviction strategy of every pool tier (session, "
                                                     "session_duel: the sessions' signals first)",
@@ -762,7 +763,8 @@ class CacheServiceSettings(Section):
         out += self._ports(("port", "metrics_port", "transfer_port"))
         out += self._min(("pool_capacity_mb",), 0, {"pool_capacity_mb": "no DRAM tier"})
         out += self._min(("disk_reserve_mb",), 0)
-        out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb", "repair_mb_s"), 1)
+        out += self._min(("max_message_mb", "transfer_buffer_mb", "max_transfer_mb"), 1)
+        out += self._min(("repair_mb_s",), 0, {"repair_mb_s": "no repair"})
         out += self._positive(("session_idle_s",))
         out += self._positive(("instance_timeout_s", "max_lease_s", "snapshot_timeout_s", "mooncake_manifest_s",
                                "transfer_timeout_s", "max_retention_s"))
