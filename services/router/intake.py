@@ -241,7 +241,7 @@ class Intake:
                 lora = self.model(draft.model)
                 self.check(prompt, draft.sampling)
                 self.check_resume(draft.resume, draft.sampling)
-                retention = self.retention(draft, len(prompt))
+                retention = await self.retention(draft, len(prompt))
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
                 if session is not None:
                     span.set_attribute("kvmesh.session", session.key)
@@ -276,6 +276,9 @@ class Intake:
                 raise invalid("the prompt is blank (empty or whitespace): give the model some text")
             return await self._tokenize(len(draft.text), tok.encode, draft.text)
         raise invalid("a prompt is required (text, token ids or messages)")
+
+    def _chat_upto(self, chat: list[dict[str, Any]]) -> list[int]:
+        return self.router.tokenizer.apply_chat_template(chat, add_generation_prompt=False)
 
     async def _tokenize(self, chars: int, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
         """``fn(arg)`` here when the text is short (a thread hop costs more than it saves), else on the tokenize
@@ -346,15 +349,18 @@ class Intake:
         return SessionHint(session_key(tenant, draft.session_id), draft.session_end, parent, draft.session_pause_s,
                            draft.session_retention)
 
-    def retention(self, draft: Draft, prompt_tokens: int) -> tuple[RetentionRange, ...]:
+    async def retention(self, draft: Draft, prompt_tokens: int) -> tuple[RetentionRange, ...]:
         """The retention hints as prompt token ranges: the request's covers the whole prompt, a message's the
-        prompt up to the end of that message."""
+        prompt up to the end of that message (the chat up to it rendered and tokenized: a long one on the
+        tokenize threads, like the prompt, and mostly from the prefix token cache, the prompt's own leading
+        part)."""
         hints = [(draft.cache_control, prompt_tokens)] if draft.cache_control is not None else []
         if draft.messages is not None and isinstance(draft.messages, list):
             chat = chat_messages(draft.messages)
             for i, m in enumerate(draft.messages):
                 if isinstance(m, dict) and m.get("cache_control") is not None:
-                    end = len(self.router.tokenizer.apply_chat_template(chat[:i + 1], add_generation_prompt=False))
+                    upto = chat[:i + 1]
+                    end = len(await self._tokenize(sum(len(c["content"]) for c in upto), self._chat_upto, upto))
                     hints.append((message_cache_control(m["cache_control"], f"messages[{i}].cache_control"),
                                   min(end, prompt_tokens)))
         out = []

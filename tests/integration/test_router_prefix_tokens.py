@@ -5,6 +5,7 @@ tokenizer: one id a byte), real nats-server."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .test_router_bad_input import TinyMesh
+from .test_sessions import eventually
 
 SYSTEM = "You answer questions about the mesh and its caches, briefly and without guessing. " * 30  # ~2,500 chars
 ASK = {"max_tokens": 2, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -73,3 +75,28 @@ def test_chats_with_one_system_prompt_reuse_it_and_route_the_templates_ids(mesh,
         assert status == 200, body
         assert body["prompt_token_ids"] == whole.apply_chat_template(chat)
     assert tokenized(mesh)["reused"] - before["reused"] >= len(SYSTEM) - 512
+
+
+def test_a_long_system_messages_cache_control_pins_exactly_its_blocks(mesh):
+    """A message's cache_control covers the chat up to the end of that message: rendered and tokenized on the
+    tokenize threads (the system message is long), and its blocks, not the question's, get the priority."""
+    system = f"{uuid.uuid4().hex} " + SYSTEM
+    chat = [{"role": "system", "content": system, "cache_control": {"ttl": 600, "priority": 70}},
+            {"role": "user", "content": "And what is the question after it? " * 8}]
+    status, body, _ = mesh.post("/v1/chat/completions", {"model": mesh.router.model_id, "messages": chat, **ASK})
+    assert status == 200, body
+    tok = mesh.router.tokenizer
+    plain = [{k: v for k, v in m.items() if k != "cache_control"} for m in chat]
+    upto = len(tok.apply_chat_template(plain[:1], add_generation_prompt=False))
+    prompt = tok.apply_chat_template(plain)
+    engine = mesh.workers[0].engine
+    bm = engine.engine.blocks  # type: ignore[attr-defined]
+    block = bm.block_size
+
+    def priorities() -> list[int]:
+        return [n.priority for n in bm.match(engine.namespace(""), prompt).nodes]
+
+    assert eventually(lambda: len(priorities()) == len(prompt) // block)
+    got = priorities()
+    assert set(got[:upto // block]) == {70}  # the system message's whole blocks
+    assert set(got[upto // block + 1:]) == {0}  # past the block it ends in: the question's

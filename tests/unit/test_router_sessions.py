@@ -96,7 +96,7 @@ def test_a_bad_session_is_a_400_naming_the_field(draft_fields, words):
 def test_a_bad_ttl_or_priority_is_a_400_naming_the_field(control, words):
     d = Draft(sampling=None, text="x", cache_control=control)  # type: ignore[arg-type]
     with pytest.raises(RequestError, match=words) as e:
-        intake().retention(d, 10)
+        asyncio.run(intake().retention(d, 10))
     assert e.value.kind.http == 400
 
 
@@ -104,12 +104,12 @@ def test_retention_covers_the_prompt_or_the_prompt_through_a_message():
     messages = [{"role": "system", "content": "abcd", "cache_control": {"ttl": 60, "priority": 80}},
                 {"role": "user", "content": "hello"}]
     d = Draft(sampling=None, messages=messages, cache_control=CacheControl(ttl_s=30))  # type: ignore[arg-type]
-    whole, system = intake().retention(d, 12)
+    whole, system = asyncio.run(intake().retention(d, 12))
     assert (whole.start, whole.end, whole.priority, whole.duration_s) == (0, 12, 50, 30.0)
     assert (system.end, system.priority, system.duration_s) == (5, 80, 60.0)  # 4 characters + 1
     bad = [{"role": "user", "content": "x", "cache_control": {"priority": 500}}]
     with pytest.raises(RequestError, match=r"messages\[0\].cache_control.priority"):
-        intake().retention(Draft(sampling=None, messages=bad), 3)  # type: ignore[arg-type]
+        asyncio.run(intake().retention(Draft(sampling=None, messages=bad), 3))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("text,reason,yes", [
