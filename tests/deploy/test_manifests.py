@@ -47,6 +47,9 @@ MESH_FLOWS = {
 }
 # the planner (components/planner), where an overlay has it: heartbeats, and every router's counters
 PLANNER_FLOWS = {("planner", "nats", "client"), ("planner", "router", "metrics")}
+# cachesvc shards (components/cachesvc-shards), where an overlay has them: a (re)started shard's repair
+# (ListBlocks, GetBlocks(copy=True): inline, no transfer port)
+SHARD_FLOWS = {("cachesvc", "cachesvc", "grpc")}
 CLIENT_FLOWS = {("router", "http"), ("router", "grpc")}  # from any namespace
 SCRAPES = CLIENT_FLOWS | {(role, "metrics") for role in ("router", "prefill", "decode", "cachesvc")}  # `monitoring`
 
@@ -329,6 +332,7 @@ def test_network_policies_admit_exactly_the_mesh_flows(overlay: str) -> None:
     admitted = {(s.component, d.component, port) for s in pods for d in pods for port in d.ports
                 if allowed(policies, s, d, port)}
     flows = MESH_FLOWS | (PLANNER_FLOWS if any(p.component == "planner" for p in pods) else set())
+    flows |= SHARD_FLOWS if overlay in sharded_overlays() else set()
     assert admitted == flows, (f"admitted but not a flow: {sorted(admitted - flows)}; "
                                f"a flow not admitted: {sorted(flows - admitted)}")
 
@@ -465,13 +469,19 @@ def test_cachesvc_shards_go_down_one_at_a_time_and_every_key_keeps_an_index_owne
     assert down == 1 < min(copies, replicas), f"{down} down of {replicas}, each key indexed {copies} times"
 
 
+def shard_pods(overlay: str) -> list[Pod]:
+    """cachesvc's pod template as each shard's pod, with the labels the StatefulSet controller adds."""
+    _, pods = mesh(overlay)
+    (template,) = [p for p in pods if p.component == "cachesvc"]
+    return [template._replace(labels={**template.labels, "apps.kubernetes.io/pod-index": str(ordinal),
+                                      "statefulset.kubernetes.io/pod-name": f"cachesvc-{ordinal}"})
+            for ordinal in range(cachesvc_set(overlay)["spec"]["replicas"])]
+
+
 @pytest.mark.parametrize("overlay", sharded_overlays())
 def test_network_policies_admit_the_callers_to_every_shard_pod(overlay: str) -> None:
     policies, pods = mesh(overlay)
-    (template,) = [p for p in pods if p.component == "cachesvc"]
-    for ordinal in range(cachesvc_set(overlay)["spec"]["replicas"]):
-        shard = template._replace(labels={**template.labels, "apps.kubernetes.io/pod-index": str(ordinal),
-                                          "statefulset.kubernetes.io/pod-name": f"cachesvc-{ordinal}"})
+    for ordinal, shard in enumerate(shard_pods(overlay)):
         for pod in pods:
             if pod.component == "router":
                 assert allowed(policies, pod, shard, "grpc"), f"router -> cachesvc-{ordinal}"
@@ -479,6 +489,53 @@ def test_network_policies_admit_the_callers_to_every_shard_pod(overlay: str) -> 
                 for port in ("grpc", "transfer"):
                     assert allowed(policies, pod, shard, port), f"{pod.component} -> cachesvc-{ordinal} {port}"
                 assert allowed(policies, shard, pod, "transfer"), f"cachesvc-{ordinal} -> {pod.component}"
+
+
+@pytest.mark.parametrize("overlay", sharded_overlays())
+def test_every_shard_repairs_from_the_shards_its_callers_dial_in_the_same_order(overlay: str, tmp_path: Path) -> None:
+    """Each shard's ``peers`` is the list the routers and engines dial (shard i at position i, its own too), and
+    its blocks have other copies to come from (``pool_copies`` > 1): a restarted pod refills its pool."""
+    replicas = cachesvc_set(overlay)["spec"]["replicas"]
+    lists = {tuple(dialled(c, tmp_path)) for c in callers(overlay)}
+    assert len(lists) == 1, f"routers and engines list the shards differently: {sorted(lists)}"
+    (expected,) = lists
+    for ordinal in range(replicas):
+        cfg = loaded(the_cachesvc(overlay), tmp_path, ordinal).cachesvc
+        peers = tuple(a.strip() for a in cfg.peers.split(",")) if cfg.peers else ()
+        assert peers == expected, f"cachesvc-{ordinal}: peers {peers}, but its callers dial {expected}"
+        assert cfg.pool_copies > 1, f"cachesvc-{ordinal}: pool_copies {cfg.pool_copies}, nothing to repair from"
+
+
+@pytest.mark.parametrize("overlay", sharded_overlays())
+def test_network_policies_let_every_shard_reach_the_others_grpc_for_repair_and_nothing_else(overlay: str) -> None:
+    policies, _ = mesh(overlay)
+    shards = shard_pods(overlay)
+    for i, src in enumerate(shards):
+        for j, dst in enumerate(shards):
+            if i != j:
+                assert allowed(policies, src, dst, "grpc"), f"cachesvc-{i} -> cachesvc-{j}"
+                others = [p for p in dst.ports if p != "grpc" and allowed(policies, src, dst, p)]
+                assert not others, f"cachesvc-{i} -> cachesvc-{j}: {others} too"
+
+
+@pytest.mark.parametrize("overlay", sharded_overlays())
+def test_a_sharded_cachesvcs_certificate_serves_and_dials_as_the_cachesvc_role(overlay: str) -> None:
+    """With TLS and shards, a shard is another shard's client: its certificate allows client auth as well as server
+    auth, and its URI SAN is the cachesvc role, which alone may call ListBlocks (and GetBlocks)."""
+    from kvmesh import authz
+    from kvmesh.identity import Identity, MeshRole
+
+    cachesvc = the_cachesvc(overlay)
+    if not env_of(cachesvc).get("KVMESH_TLS_CERT"):
+        return
+    secret = mounted(cachesvc, cachesvc_set(overlay), env_of(cachesvc)["KVMESH_TLS_CERT"])["secret"]["secretName"]
+    (certificate,) = [o["spec"] for o in render(overlay)
+                      if o["kind"] == "Certificate" and o["spec"]["secretName"] == secret]
+    assert {"server auth", "client auth"} <= set(certificate["usages"]), f"{secret}: {certificate['usages']}"
+    (uri,) = certificate["uris"]
+    assert Identity.parse(uri).role == MeshRole.CACHESVC, f"{secret}: {uri}"
+    for method in ("ListBlocks", "GetBlocks"):
+        assert MeshRole.CACHESVC in authz.allowed(f"/kvmesh.v1.CacheService/{method}"), method
 
 
 def covers(san: str, name: str) -> bool:
@@ -502,6 +559,8 @@ def test_cachesvcs_certificate_names_every_name_its_callers_dial_and_expect(over
     (certificate,) = [o["spec"] for o in render(overlay)
                       if o["kind"] == "Certificate" and o["spec"]["secretName"] == secret]
     names = {a.rpartition(":")[0] for c in callers(overlay) for a in dialled(c, tmp_path)}
+    peers = loaded(cachesvc, tmp_path).cachesvc.peers  # the shards dial each other too (repair)
+    names |= {a.strip().rpartition(":")[0] for a in peers.split(",")} if peers else set()
     names |= {env_of(c)["KVMESH_TLS_SERVER_NAME"] for c in callers(overlay) if env_of(c).get("KVMESH_TLS_SERVER_NAME")}
     missed = sorted(n for n in names if not any(covers(san, n) for san in certificate["dnsNames"]))
     assert not missed, f"{secret} names {certificate['dnsNames']}, not {missed}"
