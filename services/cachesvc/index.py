@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import secrets
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -69,6 +70,14 @@ def _bits(mask: int) -> list[int]:
     return ids
 
 
+def _id_array(mask: int) -> np.ndarray:
+    """The holder ids set in ``mask`` as a uint32 array."""
+    if mask.bit_count() <= _FEW_BITS:
+        return np.asarray(_bits(mask), np.uint32)
+    packed = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(packed, bitorder="little")).astype(np.uint32)
+
+
 class BlockIndex:
     def __init__(self, slots: Sequence[bool] | None = None) -> None:
         """``slots``: a shard's index keeps only the keys whose slot (``kvmesh.contracts.shards``) is true."""
@@ -77,6 +86,9 @@ class BlockIndex:
         self._ids: dict[Holder, int] = {}              # holder -> id
         self._holders: list[Holder | None] = []        # id -> holder (None: free)
         self._free: list[int] = []                     # released ids, reused lowest first
+        # numbers the id -> holder table (``holder_names``): bumped when an id is given or freed; the high bits
+        # are this process's, so a restarted cachesvc never repeats a number a caller kept from its predecessor
+        self.holders_epoch = secrets.randbits(31) << 32 | 1
         self._last_seq: dict[str, int] = {}            # instance -> seq of its last applied batch
         self.events_applied = 0                        # KV events (not batches) applied
         self.event_gaps = 0                            # batches that skipped seqs
@@ -148,6 +160,7 @@ class BlockIndex:
                 hid = len(self._holders)
                 self._holders.append(holder)
             self._ids[holder] = hid
+            self.holders_epoch += 1
         return hid
 
     def _store(self, hid: int, keys: Sequence[int]) -> None:
@@ -188,6 +201,7 @@ class BlockIndex:
             del self._ids[holder]
             self._holders[hid] = None
             self._free.append(hid)
+        self.holders_epoch += 1
         return removed
 
     # -- queries ---------------------------------------------------------------------------------------------
@@ -218,6 +232,39 @@ class BlockIndex:
             holders = sorted(h for hid in _bits(group) if (h := self._holders[hid]) is not None)
             out += [_new_match((*holder, n)) for holder in holders]
         return out
+
+    def holder_names(self) -> list[tuple[int, str, str]]:
+        """``(id, instance, tier)`` of every holder id in use: what the ids of :meth:`match_packed` name."""
+        return [(hid, h.instance_id, h.tier) for hid, h in enumerate(self._holders) if h is not None]
+
+    def match_packed(self, keys: Sequence[int], mine: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`match_prefix` (``mine`` given: :meth:`match_own`) as two uint32 arrays, holder ids and their
+        counts, in no particular order: no Python object per holder, which is most of an answer's cost when a
+        prompt's first block is held across a large fleet."""
+        own = [keys[p] for p in mine] if mine is not None else keys
+        masks = self._masks
+        mask = masks.get(own[0], 0) if own else 0
+        ids: list[np.ndarray] = []
+        counts: list[np.ndarray] = []
+        for position in range(1, len(own) if mask else 0):
+            still = mask & masks.get(own[position], 0)
+            if still != mask:
+                dropped = _id_array(mask ^ still)
+                ids.append(dropped)
+                counts.append(np.full(len(dropped), position, np.uint32))
+                mask = still
+                if not mask:
+                    break
+        if mask:
+            rest = _id_array(mask)
+            ids.append(rest)
+            counts.append(np.full(len(rest), len(own), np.uint32))
+        if not ids:
+            return np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+        out_ids, out_counts = np.concatenate(ids), np.concatenate(counts)
+        if mine is not None:  # a run over the own keys -> where it breaks in the whole list
+            out_counts = np.append(np.asarray(mine, np.uint32), np.uint32(len(keys)))[out_counts]
+        return out_ids, out_counts
 
     def match_own(self, keys: Sequence[int], mine: Sequence[int]) -> list[PrefixMatch]:
         """A shard's :meth:`match_prefix`: over its own positions ``mine`` of ``keys`` alone, every other key

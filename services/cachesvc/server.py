@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import grpc
 import nats.js.errors
+import numpy as np
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -182,24 +183,43 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                           context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.MatchPrefixResponse:
         self.server.check_view(request.view)
         keys = list(request.block_keys)
-        smap, shard = self.server.shard_map, self.cfg.shard
+        smap, shard, index = self.server.shard_map, self.cfg.shard, self.server.index
         if smap.shards == 1:
+            pool = [cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=tier, num_blocks=n)
+                    for tier, n in self.pool.leading(keys)]
+            if request.packed:
+                return self._packed(request, index.match_packed(keys), matches=pool)
             matches = [cache_pb2.TierMatch(instance_id=m.instance_id, tier=m.tier, num_blocks=m.num_blocks)
-                       for m in self.server.index.match_prefix(keys)]
-            matches += [cache_pb2.TierMatch(instance_id=POOL_INSTANCE, tier=tier, num_blocks=n)
-                        for tier, n in self.pool.leading(keys)]
-            return cache_pb2.MatchPrefixResponse(matches=matches)
+                       for m in index.match_prefix(keys)]
+            return cache_pb2.MatchPrefixResponse(matches=matches + pool)
         # a shard: its own keys alone. The instances: each count where that holder's run breaks in the whole
         # list (the keys it does not own count as present; the caller takes the least over the shards). Its
         # pool: the positions it holds, per tier (the caller ORs the shards'). Not before the events stream is
         # replayed: a half-built index would cut every answer short.
         if not self.server.caught_up:
             raise StoreUnavailable(f"shard {shard} is replaying the events stream; ask the other shards")
-        matches = [cache_pb2.TierMatch(instance_id=m.instance_id, tier=m.tier, num_blocks=m.num_blocks)
-                   for m in self.server.index.match_own(keys, smap.index_positions(shard, keys))]
         held = [cache_pb2.PoolHeld(tier=tier, positions=mask.to_bytes((mask.bit_length() + 7) // 8, "little"))
                 for tier, mask in self.pool.held_bits(keys, smap.pool_positions(shard, keys))]
+        mine = smap.index_positions(shard, keys)
+        if request.packed:
+            return self._packed(request, index.match_packed(keys, mine), index_copies=smap.copies, pool_held=held)
+        matches = [cache_pb2.TierMatch(instance_id=m.instance_id, tier=m.tier, num_blocks=m.num_blocks)
+                   for m in index.match_own(keys, mine)]
         return cache_pb2.MatchPrefixResponse(matches=matches, index_copies=smap.copies, pool_held=held)
+
+    def _packed(self, request: cache_pb2.MatchPrefixRequest, found: tuple[np.ndarray, np.ndarray],
+                **fields: Any) -> cache_pb2.MatchPrefixResponse:
+        """A packed MatchPrefix answer: the instances' holders as this index's ids and their counts (two arrays
+        of little-endian uint32), and the id -> name table when the caller's copy of it is not current."""
+        index = self.server.index
+        ids, counts = found
+        resp = cache_pb2.MatchPrefixResponse(packed=True, holder_ids=ids.astype("<u4").tobytes(),
+                                             holder_counts=counts.astype("<u4").tobytes(),
+                                             holders_epoch=index.holders_epoch, **fields)
+        if request.holders_epoch != index.holders_epoch:
+            resp.holders.extend(cache_pb2.HolderName(id=hid, instance_id=instance, tier=tier)
+                                for hid, instance, tier in index.holder_names())
+        return resp
 
     @_statuses
     async def PutBlocks(self, request: cache_pb2.PutBlocksRequest,

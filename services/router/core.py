@@ -34,7 +34,7 @@ from kvmesh.contracts.ids import (
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.messages import Heartbeat, KVReady, Message, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
-from kvmesh.contracts.shards import ShardMap, combine
+from kvmesh.contracts.shards import ShardMap, pool_entries
 from kvmesh.contracts.slo import slo_to_proto
 from kvmesh.model_source.resolve import resolve_model
 from kvmesh.model_source.tokenizer import Tokenizer
@@ -47,6 +47,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.hits import HitLedger, Routed, record
+from services.router.holders import HolderNames, combine_packed
 from services.router.intake import Admitted
 from services.router.loras import Adapters
 from services.router.migration import Migration, Migrations
@@ -135,6 +136,7 @@ class Router:
         self.cache = [cache_pb2_grpc.CacheServiceStub(self._channel(a)) for a in shards]
         self._shard_maps: dict[int, ShardMap] = {}  # index copies -> the map (the shards say how many)
         self._shards_down: set[int] = set()  # shards whose last MatchPrefix failed
+        self._holder_names = HolderNames(len(self.cache))  # what packed MatchPrefix answers' ids name
         self._spawn(self._tend())
 
     async def stop(self) -> None:
@@ -217,15 +219,16 @@ class Router:
         metadata = tracing.grpc_metadata(span) + tracing.request_metadata(attrs)
         sharded = len(self.cache) > 1
 
+        names = self._holder_names
+        names.maybe_reset()
         copies: set[int] = set()
 
-        pools: dict[int, list[tuple[str, int]]] = {}
-
-        async def ask(shard: int, stub: cache_pb2_grpc.CacheServiceStub) -> list[tuple[str, str, int]] | None:
+        async def ask(shard: int, known: int) -> cache_pb2.MatchPrefixResponse | None:
             view = cache_pb2.ShardView(shard=shard, shards=len(self.cache)) if sharded else None
             try:
-                resp = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=keys, view=view),
-                                              timeout=self.cfg.match_timeout_s, metadata=metadata)
+                resp = await self.cache[shard].MatchPrefix(
+                    cache_pb2.MatchPrefixRequest(block_keys=keys, view=view, packed=True, holders_epoch=known),
+                    timeout=self.cfg.match_timeout_s, metadata=metadata)
             except grpc.aio.AioRpcError as e:
                 self.metrics.match_errors.inc()
                 if shard not in self._shards_down:  # once per outage, not per request
@@ -238,21 +241,35 @@ class Router:
                 self._shards_down.discard(shard)
                 log.info("cachesvc%s answers MatchPrefix again", f" shard {shard}" if sharded else "")
             copies.add(resp.index_copies)
-            pools[shard] = [(h.tier, int.from_bytes(h.positions, "little")) for h in resp.pool_held]
-            return [(m.instance_id, m.tier, m.num_blocks) for m in resp.matches]
+            return resp
 
-        got = await asyncio.gather(*(ask(i, stub) for i, stub in enumerate(self.cache)))
-        answers = {i: a for i, a in enumerate(got) if a is not None}
+        got = await asyncio.gather(*(ask(i, names.epoch(i)) for i in range(len(self.cache))))
+        responses = {i: r for i, r in enumerate(got) if r is not None}
+        answers = {i: a for i, r in responses.items() if (a := names.read(i, r)) is not None}
+        if len(answers) < len(responses):  # a packed answer whose names this router no longer has: once more
+            again = [i for i in responses if i not in answers]
+            for i, r in zip(again, await asyncio.gather(*(ask(i, 0) for i in again))):
+                if r is not None:
+                    responses[i] = r
+            # read every answer again in one step: the numbering may have started again meanwhile
+            answers = {i: a for i, r in responses.items() if (a := names.read(i, r)) is not None}
         if not answers:
             span.set_status(StatusCode.ERROR, "MatchPrefix failed on every cachesvc shard; routing by load only")
             span.end()
             return {}
         if len(answers) < len(self.cache):  # the keys no shard that answered owns are cut off
             span.set_attribute("kvmesh.shards_missing", [i for i in range(len(self.cache)) if i not in answers])
-        matches = combine(self._shard_map(min(copies)), keys, answers, pools) if sharded else answers[0]
-        best: dict[str, int] = {}
-        for instance, _tier, n in matches:
-            best[instance] = max(best.get(instance, 0), n)
+        if sharded:
+            numbers, counts = combine_packed(self._shard_map(min(copies)), keys, answers, len(names))
+            pools = {i: [(h.tier, int.from_bytes(h.positions, "little")) for h in responses[i].pool_held]
+                     for i in answers}
+            pool = pool_entries(len(keys), pools)
+        else:
+            numbers, counts = answers[0]
+            pool = [(m.instance_id, m.tier, m.num_blocks) for m in responses[0].matches if m.instance_id == POOL]
+        best = names.best(numbers, counts)
+        if pool:
+            best[POOL] = max(n for _, _, n in pool)
         if span.is_recording():
             span.set_attribute("kvmesh.matched", [f"{k}={v}" for k, v in sorted(best.items())])
         span.end()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -198,6 +199,54 @@ def test_published_events_show_up_in_match_prefix(nats_server, cluster):
             stats = await stub.Stats(cache_pb2.StatsRequest())
             # KEYS[4] lost its only holder; x0's two blocks were cleared
             assert (stats.indexed_blocks, stats.events_applied, stats.event_gaps) == (5, 6, 0)
+
+    run(body())
+
+
+def test_packed_answers_name_their_holders_only_when_the_names_changed(nats_server, cluster):
+    """MatchPrefix packed: holder ids and counts as little-endian uint32, the id -> name table sent when the
+    caller's epoch is not the index's; decoded, the same matches as the unpacked answer, which a caller that
+    does not ask for packing still gets."""
+    def decode(reply: cache_pb2.MatchPrefixResponse, names: dict[int, tuple[str, str]]) -> set[tuple[str, str, int]]:
+        ids = np.frombuffer(reply.holder_ids, "<u4").tolist()
+        counts = np.frombuffer(reply.holder_counts, "<u4").tolist()
+        return {(*names[i], n) for i, n in zip(ids, counts)}
+
+    async def body() -> None:
+        async with InProcess(nats_server.url, cluster) as stub:
+            await publish_history(nats_server.url, Subjects(cluster))
+
+            async def indexed() -> bool:
+                return matches(await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))) == EXPECTED
+
+            await until(indexed)
+            first = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS, packed=True))
+            assert first.packed and not first.matches and first.holders_epoch
+            names = {h.id: (h.instance_id, h.tier) for h in first.holders}
+            assert set(names.values()) == {("p0", "device"), ("p0", "host"), ("d0", "device")}
+            assert decode(first, names) == EXPECTED
+            again = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(
+                block_keys=KEYS, packed=True, holders_epoch=first.holders_epoch))
+            assert (again.holders_epoch, list(again.holders)) == (first.holders_epoch, [])
+            assert decode(again, names) == EXPECTED
+            none = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(
+                block_keys=[7, 8], packed=True, holders_epoch=first.holders_epoch))
+            assert (none.holder_ids, none.holder_counts) == (b"", b"")
+            # a new holder: the epoch moves and the names come again
+            bus = await Bus.connect(nats_server.url, "producer")
+            await bus.publish_event(Subjects(cluster).kv_events("n0"), KVEventBatch("n0", 1, 0.0, (stored(KEYS[:1]),)))
+            await bus.close()
+
+            async def renamed() -> bool:
+                reply = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(
+                    block_keys=KEYS, packed=True, holders_epoch=first.holders_epoch))
+                if reply.holders_epoch == first.holders_epoch:
+                    return False
+                assert reply.holders
+                return decode(reply, {h.id: (h.instance_id, h.tier) for h in reply.holders}) == \
+                    EXPECTED | {("n0", "device", 1)}
+
+            await until(renamed)
 
     run(body())
 

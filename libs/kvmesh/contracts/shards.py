@@ -125,6 +125,45 @@ def leading_ones(mask: int) -> int:
     return (mask ^ (mask + 1)).bit_length() - 1
 
 
+def firsts_and_cut(smap: ShardMap, keys: Sequence[int], answered: Iterable[int]) -> tuple[dict[int, int], int]:
+    """Per answering shard, the position of its first own key (``len(keys)``: none); and where the whole answer
+    is cut: the first key none of them owns (``len(keys)``: none)."""
+    n = len(keys)
+    answered = set(answered)
+    first = dict.fromkeys(answered, n)
+    cut = n
+    owners_of, mask = smap._index_owners, SLOTS - 1
+    waiting = set(answered)
+    missing = len(answered) < smap.shards  # else every key has an owner that answered: no cut to look for
+    for p, key in enumerate(keys):
+        owners = owners_of[key & mask]
+        if missing and not any(s in answered for s in owners):
+            cut = p
+            break
+        for s in owners:
+            if s in waiting:
+                first[s] = p
+                waiting.discard(s)
+        if not waiting and not missing:
+            break
+    return first, cut
+
+
+def pool_entries(n: int, pools: Mapping[int, Iterable[tuple[str, int]]]) -> list[tuple[str, str, int]]:
+    """The pool's MatchPrefix entries for ``n`` keys from the shards' ``pools`` (shard -> ``(tier, mask)``): per
+    tier, the leading run of the shards' position masks ORed."""
+    held: dict[str, int] = {}
+    for shard_pool in pools.values():
+        for tier, positions in shard_pool:
+            held[tier] = held.get(tier, 0) | positions
+    out = []
+    for tier, positions in held.items():
+        count = min(n, leading_ones(positions))
+        if count > 0:
+            out.append((POOL, tier, count))
+    return out
+
+
 def combine(smap: ShardMap, keys: Sequence[int], answers: Mapping[int, Iterable[tuple[str, str, int]]],
             pools: Mapping[int, Iterable[tuple[str, int]]]) -> list[tuple[str, str, int]]:
     """The whole MatchPrefix answer from the answers of the shards that gave one: ``answers`` (shard ->
@@ -136,22 +175,7 @@ def combine(smap: ShardMap, keys: Sequence[int], answers: Mapping[int, Iterable[
     n = len(keys)
     if not n or not answers:
         return []
-    first = dict.fromkeys(answers, n)  # shard -> its first own key (index)
-    cut = n
-    owners_of, mask = smap._index_owners, SLOTS - 1
-    waiting = set(answers)
-    missing = len(answers) < smap.shards  # else every key has an owner that answered: no cut to look for
-    for p, key in enumerate(keys):
-        owners = owners_of[key & mask]
-        if missing and not any(s in answers for s in owners):
-            cut = p
-            break
-        for s in owners:
-            if s in waiting:
-                first[s] = p
-                waiting.discard(s)
-        if not waiting and not missing:
-            break
+    first, cut = firsts_and_cut(smap, keys, answers)
     # per holder, the least over the shards: most holders are listed by every shard (a shared prefix on a large
     # fleet: ~1,500 a shard), so that case runs as whole-list operations, not a Python step per (holder, shard)
     listed = [{(instance, tier): count for instance, tier, count in matches} for matches in answers.values()]
@@ -162,12 +186,5 @@ def combine(smap: ShardMap, keys: Sequence[int], answers: Mapping[int, Iterable[
     for holder in set().union(*listed) - everywhere:  # a shard that does not list it: its first own key
         least[holder] = min(own.get(holder, f) for own, f in zip(listed, firsts))
     out = [(holder[0], holder[1], c) for holder, count in least.items() if (c := min(count, cut)) > 0]
-    held: dict[str, int] = {}
-    for shard_pool in pools.values():
-        for tier, positions in shard_pool:
-            held[tier] = held.get(tier, 0) | positions
-    for tier, positions in held.items():
-        count = min(n, leading_ones(positions))
-        if count > 0:
-            out.append((POOL, tier, count))
-    return out
+    return out + pool_entries(n, pools)
+

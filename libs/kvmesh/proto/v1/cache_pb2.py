@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.proto.v1 import common_pb2 as kvmesh_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvmesh/proto/v1/cache.proto\x12\tkvmesh.v1\x1a\x1ckvmesh/proto/v1/common.proto\"U\n\tShardView\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0e\n\x06shards\x18\x02 \x01(\r\x12\x14\n\x0cindex_copies\x18\x03 \x01(\r\x12\x13\n\x0bpool_copies\x18\x04 \x01(\r\"L\n\x12MatchPrefixRequest\x12\x12\n\nblock_keys\x18\x01 \x03(\x04\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"B\n\tTierMatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"z\n\x13MatchPrefixResponse\x12%\n\x07matches\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.TierMatch\x12\x14\n\x0cindex_copies\x18\x02 \x01(\r\x12&\n\tpool_held\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.PoolHeld\"+\n\x08PoolHeld\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x01(\x0c\"\x99\x02\n\x10PutBlocksRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockLayout\x12\x12\n\nblock_keys\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x1b\n\x13priority_duration_s\x18\x06 \x01(\x01\x12\x13\n\x0btransfer_id\x18\x07 \x01(\t\x12\x13\n\x0bsession_key\x18\x1e \x01(\t\x12\x13\n\x0bsession_end\x18\x1f \x01(\x08\x12\x16\n\x0esession_blocks\x18  \x03(\x04\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"4\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07skipped\x18\x02 \x01(\r\"\xf3\x01\n\x10GetBlocksRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockLayout\x12\x12\n\nblock_keys\x18\x02 \x03(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\x16\n\x0etransfer_token\x18\x14 \x01(\t\x12\x19\n\x11transfer_versions\x18\x15 \x01(\t\x12\x0c\n\x04\x63opy\x18\x16 \x01(\x08\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"\x80\x01\n\x11GetBlocksResponse\x12\x12\n\nblock_keys\x18\x01 \x03(\x04\x12\x11\n\tchecksums\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05tiers\x18\x04 \x03(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\x04\x12\x15\n\rleased_blocks\x18\x06 \x01(\r\"]\n\x12LeaseBlocksRequest\x12\x12\n\nblock_keys\x18\x01 \x03(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\";\n\x13LeaseBlocksResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd0\x03\n\rStatsResponse\x12\x16\n\x0eindexed_blocks\x18\x01 \x01(\x04\x12\x11\n\tinstances\x18\x02 \x01(\r\x12\x13\n\x0bpool_blocks\x18\x03 \x01(\x04\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13pool_capacity_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x65vents_applied\x18\x06 \x01(\x04\x12\x12\n\nevent_gaps\x18\x07 \x01(\x04\x12#\n\x05tiers\x18\x08 \x03(\x0b\x32\x14.kvmesh.v1.TierStats\x12\x0e\n\x06leases\x18\t \x01(\r\x12\x15\n\rleased_blocks\x18\n \x01(\x04\x12\x1b\n\x13snapshots_requested\x18\x0b \x01(\x04\x12\x19\n\x11snapshots_applied\x18\x0c \x01(\x04\x12\x11\n\tcaught_up\x18\r \x01(\x08\x12\x18\n\x10transfer_address\x18\x0e \x01(\t\x12\"\n\x04view\x18\x0f \x01(\x0b\x32\x14.kvmesh.v1.ShardView\x12\x17\n\x0frepaired_blocks\x18\x10 \x01(\x04\x12\x16\n\x0erepaired_bytes\x18\x11 \x01(\x04\x12\x1c\n\x14repair_pending_slots\x18\x12 \x01(\r\"F\n\x11ListBlocksRequest\x12\r\n\x05slots\x18\x01 \x01(\x0c\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"=\n\x12ListBlocksResponse\x12\'\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.LayoutBlocks\"J\n\x0cLayoutBlocks\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockLayout\x12\x12\n\nblock_keys\x18\x02 \x03(\x04\"I\n\x0fGrantPutRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"\x81\x01\n\x10GrantPutResponse\x12\x18\n\x10transfer_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\x12\x14\n\x0c\x65xpires_in_s\x18\x04 \x01(\x01\x12\x19\n\x11transfer_versions\x18\x05 \x01(\t\"a\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x05 \x01(\x04\x32\xd7\x04\n\x0c\x43\x61\x63heService\x12L\n\x0bMatchPrefix\x12\x1d.kvmesh.v1.MatchPrefixRequest\x1a\x1e.kvmesh.v1.MatchPrefixResponse\x12\x46\n\tPutBlocks\x12\x1b.kvmesh.v1.PutBlocksRequest\x1a\x1c.kvmesh.v1.PutBlocksResponse\x12\x46\n\tGetBlocks\x12\x1b.kvmesh.v1.GetBlocksRequest\x1a\x1c.kvmesh.v1.GetBlocksResponse\x12L\n\x0bLeaseBlocks\x12\x1d.kvmesh.v1.LeaseBlocksRequest\x1a\x1e.kvmesh.v1.LeaseBlocksResponse\x12O\n\x0cReleaseLease\x12\x1e.kvmesh.v1.ReleaseLeaseRequest\x1a\x1f.kvmesh.v1.ReleaseLeaseResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponse\x12\x43\n\x08GrantPut\x12\x1a.kvmesh.v1.GrantPutRequest\x1a\x1b.kvmesh.v1.GrantPutResponse\x12I\n\nListBlocks\x12\x1c.kvmesh.v1.ListBlocksRequest\x1a\x1d.kvmesh.v1.ListBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvmesh/proto/v1/cache.proto\x12\tkvmesh.v1\x1a\x1ckvmesh/proto/v1/common.proto\"U\n\tShardView\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0e\n\x06shards\x18\x02 \x01(\r\x12\x14\n\x0cindex_copies\x18\x03 \x01(\r\x12\x13\n\x0bpool_copies\x18\x04 \x01(\r\"s\n\x12MatchPrefixRequest\x12\x12\n\nblock_keys\x18\x01 \x03(\x04\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\x12\x0e\n\x06packed\x18) \x01(\x08\x12\x15\n\rholders_epoch\x18* \x01(\x04\"B\n\tTierMatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\xf4\x01\n\x13MatchPrefixResponse\x12%\n\x07matches\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.TierMatch\x12\x14\n\x0cindex_copies\x18\x02 \x01(\r\x12&\n\tpool_held\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.PoolHeld\x12\x0e\n\x06packed\x18\x04 \x01(\x08\x12\x12\n\nholder_ids\x18\x05 \x01(\x0c\x12\x15\n\rholder_counts\x18\x06 \x01(\x0c\x12\x15\n\rholders_epoch\x18\x07 \x01(\x04\x12&\n\x07holders\x18\x08 \x03(\x0b\x32\x15.kvmesh.v1.HolderName\";\n\nHolderName\x12\n\n\x02id\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\"+\n\x08PoolHeld\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x01(\x0c\"\x99\x02\n\x10PutBlocksRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockLayout\x12\x12\n\nblock_keys\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x1b\n\x13priority_duration_s\x18\x06 \x01(\x01\x12\x13\n\x0btransfer_id\x18\x07 \x01(\t\x12\x13\n\x0bsession_key\x18\x1e \x01(\t\x12\x13\n\x0bsession_end\x18\x1f \x01(\x08\x12\x16\n\x0esession_blocks\x18  \x03(\x04\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"4\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07skipped\x18\x02 \x01(\r\"\xf3\x01\n\x10GetBlocksRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockLayout\x12\x12\n\nblock_keys\x18\x02 \x03(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\x16\n\x0etransfer_token\x18\x14 \x01(\t\x12\x19\n\x11transfer_versions\x18\x15 \x01(\t\x12\x0c\n\x04\x63opy\x18\x16 \x01(\x08\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"\x80\x01\n\x11GetBlocksResponse\x12\x12\n\nblock_keys\x18\x01 \x03(\x04\x12\x11\n\tchecksums\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05tiers\x18\x04 \x03(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\x04\x12\x15\n\rleased_blocks\x18\x06 \x01(\r\"]\n\x12LeaseBlocksRequest\x12\x12\n\nblock_keys\x18\x01 \x03(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\";\n\x13LeaseBlocksResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd0\x03\n\rStatsResponse\x12\x16\n\x0eindexed_blocks\x18\x01 \x01(\x04\x12\x11\n\tinstances\x18\x02 \x01(\r\x12\x13\n\x0bpool_blocks\x18\x03 \x01(\x04\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13pool_capacity_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x65vents_applied\x18\x06 \x01(\x04\x12\x12\n\nevent_gaps\x18\x07 \x01(\x04\x12#\n\x05tiers\x18\x08 \x03(\x0b\x32\x14.kvmesh.v1.TierStats\x12\x0e\n\x06leases\x18\t \x01(\r\x12\x15\n\rleased_blocks\x18\n \x01(\x04\x12\x1b\n\x13snapshots_requested\x18\x0b \x01(\x04\x12\x19\n\x11snapshots_applied\x18\x0c \x01(\x04\x12\x11\n\tcaught_up\x18\r \x01(\x08\x12\x18\n\x10transfer_address\x18\x0e \x01(\t\x12\"\n\x04view\x18\x0f \x01(\x0b\x32\x14.kvmesh.v1.ShardView\x12\x17\n\x0frepaired_blocks\x18\x10 \x01(\x04\x12\x16\n\x0erepaired_bytes\x18\x11 \x01(\x04\x12\x1c\n\x14repair_pending_slots\x18\x12 \x01(\r\"F\n\x11ListBlocksRequest\x12\r\n\x05slots\x18\x01 \x01(\x0c\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"=\n\x12ListBlocksResponse\x12\'\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.LayoutBlocks\"J\n\x0cLayoutBlocks\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockLayout\x12\x12\n\nblock_keys\x18\x02 \x03(\x04\"I\n\x0fGrantPutRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\"\n\x04view\x18( \x01(\x0b\x32\x14.kvmesh.v1.ShardView\"\x81\x01\n\x10GrantPutResponse\x12\x18\n\x10transfer_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\x12\x14\n\x0c\x65xpires_in_s\x18\x04 \x01(\x01\x12\x19\n\x11transfer_versions\x18\x05 \x01(\t\"a\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x05 \x01(\x04\x32\xd7\x04\n\x0c\x43\x61\x63heService\x12L\n\x0bMatchPrefix\x12\x1d.kvmesh.v1.MatchPrefixRequest\x1a\x1e.kvmesh.v1.MatchPrefixResponse\x12\x46\n\tPutBlocks\x12\x1b.kvmesh.v1.PutBlocksRequest\x1a\x1c.kvmesh.v1.PutBlocksResponse\x12\x46\n\tGetBlocks\x12\x1b.kvmesh.v1.GetBlocksRequest\x1a\x1c.kvmesh.v1.GetBlocksResponse\x12L\n\x0bLeaseBlocks\x12\x1d.kvmesh.v1.LeaseBlocksRequest\x1a\x1e.kvmesh.v1.LeaseBlocksResponse\x12O\n\x0cReleaseLease\x12\x1e.kvmesh.v1.ReleaseLeaseRequest\x1a\x1f.kvmesh.v1.ReleaseLeaseResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponse\x12\x43\n\x08GrantPut\x12\x1a.kvmesh.v1.GrantPutRequest\x1a\x1b.kvmesh.v1.GrantPutResponse\x12I\n\nListBlocks\x12\x1c.kvmesh.v1.ListBlocksRequest\x1a\x1d.kvmesh.v1.ListBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,45 +35,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDVIEW']._serialized_start=72
   _globals['_SHARDVIEW']._serialized_end=157
   _globals['_MATCHPREFIXREQUEST']._serialized_start=159
-  _globals['_MATCHPREFIXREQUEST']._serialized_end=235
-  _globals['_TIERMATCH']._serialized_start=237
-  _globals['_TIERMATCH']._serialized_end=303
-  _globals['_MATCHPREFIXRESPONSE']._serialized_start=305
-  _globals['_MATCHPREFIXRESPONSE']._serialized_end=427
-  _globals['_POOLHELD']._serialized_start=429
-  _globals['_POOLHELD']._serialized_end=472
-  _globals['_PUTBLOCKSREQUEST']._serialized_start=475
-  _globals['_PUTBLOCKSREQUEST']._serialized_end=756
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=758
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=810
-  _globals['_GETBLOCKSREQUEST']._serialized_start=813
-  _globals['_GETBLOCKSREQUEST']._serialized_end=1056
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=1059
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=1187
-  _globals['_LEASEBLOCKSREQUEST']._serialized_start=1189
-  _globals['_LEASEBLOCKSREQUEST']._serialized_end=1282
-  _globals['_LEASEBLOCKSRESPONSE']._serialized_start=1284
-  _globals['_LEASEBLOCKSRESPONSE']._serialized_end=1343
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1345
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1384
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1386
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1426
-  _globals['_STATSREQUEST']._serialized_start=1428
-  _globals['_STATSREQUEST']._serialized_end=1442
-  _globals['_STATSRESPONSE']._serialized_start=1445
-  _globals['_STATSRESPONSE']._serialized_end=1909
-  _globals['_LISTBLOCKSREQUEST']._serialized_start=1911
-  _globals['_LISTBLOCKSREQUEST']._serialized_end=1981
-  _globals['_LISTBLOCKSRESPONSE']._serialized_start=1983
-  _globals['_LISTBLOCKSRESPONSE']._serialized_end=2044
-  _globals['_LAYOUTBLOCKS']._serialized_start=2046
-  _globals['_LAYOUTBLOCKS']._serialized_end=2120
-  _globals['_GRANTPUTREQUEST']._serialized_start=2122
-  _globals['_GRANTPUTREQUEST']._serialized_end=2195
-  _globals['_GRANTPUTRESPONSE']._serialized_start=2198
-  _globals['_GRANTPUTRESPONSE']._serialized_end=2327
-  _globals['_TIERSTATS']._serialized_start=2329
-  _globals['_TIERSTATS']._serialized_end=2426
-  _globals['_CACHESERVICE']._serialized_start=2429
-  _globals['_CACHESERVICE']._serialized_end=3028
+  _globals['_MATCHPREFIXREQUEST']._serialized_end=274
+  _globals['_TIERMATCH']._serialized_start=276
+  _globals['_TIERMATCH']._serialized_end=342
+  _globals['_MATCHPREFIXRESPONSE']._serialized_start=345
+  _globals['_MATCHPREFIXRESPONSE']._serialized_end=589
+  _globals['_HOLDERNAME']._serialized_start=591
+  _globals['_HOLDERNAME']._serialized_end=650
+  _globals['_POOLHELD']._serialized_start=652
+  _globals['_POOLHELD']._serialized_end=695
+  _globals['_PUTBLOCKSREQUEST']._serialized_start=698
+  _globals['_PUTBLOCKSREQUEST']._serialized_end=979
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=981
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=1033
+  _globals['_GETBLOCKSREQUEST']._serialized_start=1036
+  _globals['_GETBLOCKSREQUEST']._serialized_end=1279
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=1282
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=1410
+  _globals['_LEASEBLOCKSREQUEST']._serialized_start=1412
+  _globals['_LEASEBLOCKSREQUEST']._serialized_end=1505
+  _globals['_LEASEBLOCKSRESPONSE']._serialized_start=1507
+  _globals['_LEASEBLOCKSRESPONSE']._serialized_end=1566
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1568
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1607
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1609
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1649
+  _globals['_STATSREQUEST']._serialized_start=1651
+  _globals['_STATSREQUEST']._serialized_end=1665
+  _globals['_STATSRESPONSE']._serialized_start=1668
+  _globals['_STATSRESPONSE']._serialized_end=2132
+  _globals['_LISTBLOCKSREQUEST']._serialized_start=2134
+  _globals['_LISTBLOCKSREQUEST']._serialized_end=2204
+  _globals['_LISTBLOCKSRESPONSE']._serialized_start=2206
+  _globals['_LISTBLOCKSRESPONSE']._serialized_end=2267
+  _globals['_LAYOUTBLOCKS']._serialized_start=2269
+  _globals['_LAYOUTBLOCKS']._serialized_end=2343
+  _globals['_GRANTPUTREQUEST']._serialized_start=2345
+  _globals['_GRANTPUTREQUEST']._serialized_end=2418
+  _globals['_GRANTPUTRESPONSE']._serialized_start=2421
+  _globals['_GRANTPUTRESPONSE']._serialized_end=2550
+  _globals['_TIERSTATS']._serialized_start=2552
+  _globals['_TIERSTATS']._serialized_end=2649
+  _globals['_CACHESERVICE']._serialized_start=2652
+  _globals['_CACHESERVICE']._serialized_end=3251
 # @@protoc_insertion_point(module_scope)

@@ -20,12 +20,16 @@ class ShardView(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ..., index_copies: _Optional[int] = ..., pool_copies: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("block_keys", "view")
+    __slots__ = ("block_keys", "view", "packed", "holders_epoch")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     view: ShardView
-    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
+    packed: bool
+    holders_epoch: int
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ..., packed: _Optional[bool] = ..., holders_epoch: _Optional[int] = ...) -> None: ...
 
 class TierMatch(_message.Message):
     __slots__ = ("instance_id", "tier", "num_blocks")
@@ -38,14 +42,34 @@ class TierMatch(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., tier: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("matches", "index_copies", "pool_held")
+    __slots__ = ("matches", "index_copies", "pool_held", "packed", "holder_ids", "holder_counts", "holders_epoch", "holders")
     MATCHES_FIELD_NUMBER: _ClassVar[int]
     INDEX_COPIES_FIELD_NUMBER: _ClassVar[int]
     POOL_HELD_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
     matches: _containers.RepeatedCompositeFieldContainer[TierMatch]
     index_copies: int
     pool_held: _containers.RepeatedCompositeFieldContainer[PoolHeld]
-    def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ..., index_copies: _Optional[int] = ..., pool_held: _Optional[_Iterable[_Union[PoolHeld, _Mapping]]] = ...) -> None: ...
+    packed: bool
+    holder_ids: bytes
+    holder_counts: bytes
+    holders_epoch: int
+    holders: _containers.RepeatedCompositeFieldContainer[HolderName]
+    def __init__(self, matches: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ..., index_copies: _Optional[int] = ..., pool_held: _Optional[_Iterable[_Union[PoolHeld, _Mapping]]] = ..., packed: _Optional[bool] = ..., holder_ids: _Optional[bytes] = ..., holder_counts: _Optional[bytes] = ..., holders_epoch: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[HolderName, _Mapping]]] = ...) -> None: ...
+
+class HolderName(_message.Message):
+    __slots__ = ("id", "instance_id", "tier")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    instance_id: str
+    tier: str
+    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class PoolHeld(_message.Message):
     __slots__ = ("tier", "positions")
