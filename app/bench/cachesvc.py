@@ -153,6 +153,13 @@ def grpc_latencies(address: str, queries: dict[str, list[list[int]]], num_blocks
             requests = [cache_pb2.MatchPrefixRequest(block_keys=keys) for keys in keys_list]
             rows.append(latency_row(f"MatchPrefix over gRPC, {name}",
                                     timed([functools.partial(stub.MatchPrefix, r, timeout=5) for r in requests])))
+        # packed, as the router asks: holder ids and counts, the names already known (they come when they change)
+        epoch = stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=[1], packed=True), timeout=5).holders_epoch
+        for name, keys_list in queries.items():
+            requests = [cache_pb2.MatchPrefixRequest(block_keys=keys, packed=True, holders_epoch=epoch)
+                        for keys in keys_list]
+            rows.append(latency_row(f"MatchPrefix over gRPC, packed, {name}",
+                                    timed([functools.partial(stub.MatchPrefix, r, timeout=5) for r in requests])))
     return rows
 
 
