@@ -718,7 +718,8 @@ class CacheServiceSettings(Section):
                                   "shard costs no block, for twice the write-back traffic and memory)")
     peers: str = setting("", "every shard's host:port in shard order, comma-separated, this one's too (with "
                              "shards > 1 and pool_copies > 1): a (re)started shard fetches what it lacks of its "
-                             "blocks from the other copies (\"\" = no repair; kvmesh up sets it)")
+                             "blocks from the other copies (\"\" = no repair; kvmesh up and the Kubernetes "
+                             "cachesvc-shards component set it)")
     repair_mb_s: int = setting(64, "that repair's block bytes per second at most, so serving keeps its share "
                                    "(0 = no repair)")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
