@@ -414,7 +414,7 @@ class Router:
         """Plan the request's route (``kvmesh.routing.plan``) and start it: the chosen instances' chunk stream,
         or None when no live instance (outside ``avoid``) can serve. ``session``: the request's, with its hints."""
         ask = RouteAsk(len(work.prompt_token_ids), policy or self.policies.default, ttft_left(work), work.slo.itl_s,
-                       disaggregate, session)
+                       disaggregate, session, explain=route.is_recording())
         planned = plan(ask, self._fleet(matched, avoid, work.lora_name, session), self.policies.get(policy))
         if planned is None:
             return None

@@ -67,6 +67,6 @@ class Policies:
         its ITL target."""
         views = [view(i, self.cost, i.id not in lora_missing) for i in instances]
         fleet = FleetView(tuple(views), {**matched, POOL: pool_blocks}, block_size, self.cost)
-        ask = RouteAsk(prompt_tokens, name or self.default)
+        ask = RouteAsk(prompt_tokens, name or self.default, explain=False)
         chosen, decision, _ = choose(self.get(name), "prefill", views, fleet, ask, ttft_s, itl_s)
         return next((i for i in instances if chosen and i.id == chosen.id), None), decision

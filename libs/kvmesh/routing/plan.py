@@ -32,9 +32,10 @@ from typing import Any
 from kvmesh.contracts.engine import SessionHint
 from kvmesh.contracts.layout import KVLayout, converter
 from kvmesh.routing.cost import CostModel, TTFTTarget, disaggregation, local_share
-from kvmesh.routing.policies import CacheAware, Candidate, Decision, Policy
+from kvmesh.routing.policies import CacheAware, Candidate, Decision, Policy, lowest
 
 POOL = "pool"  # the matched-blocks key of the cache service's own tiers
+LISTED = 16    # a span names at most this many candidates of a role (the chosen one among them)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class RouteAsk:
     itl_s: float = 0.0           # its ITL target (0: none)
     disaggregate: str = "auto"
     session: SessionHint | None = None
+    explain: bool = True         # the per-candidate span attributes (a span that records); the choice is the same
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,10 @@ def _pd_or_local(ask: RouteAsk, fleet: FleetView, policy: Policy, prefills: list
         reason = f"local: no decode takes {prefill.id}'s KV layout"
         return Local(decode.id, reason, {**attrs, "kvmesh.route.path": "local", "kvmesh.route.reason": reason},
                      decode.id, moved)
-    attrs.update(route_attributes("decode", decodes, {}, decode))
+    if ask.explain:
+        attrs.update(route_attributes("decode", _listed(decodes, decode, {}), {}, decode, len(decodes)))
+    else:
+        attrs["kvmesh.route.decode.choice"] = decode.id
     if why:
         attrs["kvmesh.route.session"] = why
     d = _path(ask, fleet, prefill, decode)
@@ -212,11 +217,28 @@ def choose(policy: Policy, role: str, instances: list[InstanceView], fleet: Flee
     decision = policy.choose(candidates(pool, fleet.matched, fleet.cost, missing, itl_s), ask.prompt_tokens,
                              fleet.block_size, fleet.matched.get(POOL, 0), ttft_s)
     chosen = next((i for i in pool if decision.chosen and i.id == decision.chosen.id), None)
-    attrs = {**route_attributes(role, instances, fleet.matched, chosen or instances[0]),
-             f"kvmesh.route.{role}.policy": ask.policy_name,
-             f"kvmesh.route.{role}.estimates": [f"{k}={v:.3f}" for k, v in decision.scores.items()],
-             f"kvmesh.route.{role}.reason": decision.reason}
+    attrs: dict[str, Any] = {f"kvmesh.route.{role}.choice": (chosen or instances[0]).id,
+                             f"kvmesh.route.{role}.policy": ask.policy_name,
+                             f"kvmesh.route.{role}.reason": decision.reason}
+    if ask.explain:
+        listed = _listed(instances, chosen, decision.scores)
+        attrs.update(route_attributes(role, listed, fleet.matched, chosen or instances[0], len(instances)))
+        ids = {i.id for i in listed}
+        attrs[f"kvmesh.route.{role}.estimates"] = [f"{k}={v:.3f}" for k, v in decision.scores.items() if k in ids]
     return chosen, decision, attrs
+
+
+def _listed(instances: list[InstanceView], chosen: InstanceView | None,
+            scores: Mapping[str, float]) -> list[InstanceView]:
+    """The candidates a span names: all of a fleet of up to ``LISTED``; of a larger one the chosen and those with
+    the lowest estimates (no estimates: the least queued), in the fleet's order."""
+    if len(instances) <= LISTED:
+        return instances
+    others = [i for i in instances if i is not chosen]
+    keep = {others[k].id for k in lowest([scores.get(i.id, i.queue_depth) for i in others], LISTED - 1)}
+    if chosen is not None:
+        keep.add(chosen.id)
+    return [i for i in instances if i.id in keep]
 
 
 def candidates(instances: Sequence[InstanceView], matched: Mapping[str, int], cost: CostModel | None = None,
@@ -227,9 +249,11 @@ def candidates(instances: Sequence[InstanceView], matched: Mapping[str, int], co
     def share(i: InstanceView) -> float:
         return local_share(i.decode_step_s, itl_s) if itl_s and i.decode_step_s and i.running else 1.0
 
-    return [Candidate(i.id, queued_tokens=int(i.waiting_tokens), running=int(i.queue_depth),
-                      local_blocks=matched.get(i.id, 0), free_blocks=i.free_blocks, cost=i.cost,
-                      lora_missing=i.id in lora_missing, share=share(i), pool=not i.kv_unconvertible)
+    get = matched.get
+    # positional, in Candidate's field order: a large fleet builds one per instance per request, and keywords
+    # cost twice as much
+    return [Candidate(i.id, int(i.waiting_tokens), int(i.queue_depth), get(i.id, 0), i.free_blocks, i.cost,
+                      i.id in lora_missing, share(i) if itl_s else 1.0, not i.kv_unconvertible)
             for i in instances]
 
 
@@ -287,13 +311,18 @@ def can_hand_off(a: InstanceView, b: InstanceView) -> bool:
 
 
 def route_attributes(role: str, instances: Sequence[InstanceView], matched: Mapping[str, int],
-                     chosen: InstanceView) -> dict[str, Any]:
+                     chosen: InstanceView, total: int = 0) -> dict[str, Any]:
     """``router.route`` attributes for one choice: the candidates, their scores (leading blocks cached there,
-    queue depth, waiting tokens) and the one chosen."""
-    return {f"kvmesh.route.{role}.candidates": [c.id for c in instances],
-            f"kvmesh.route.{role}.scores": [f"cached_blocks={matched.get(c.id, 0)} queue={c.queue_depth:g} "
-                                            f"waiting_tokens={c.waiting_tokens:g}" for c in instances],
-            f"kvmesh.route.{role}.choice": chosen.id}
+    queue depth, waiting tokens) and the one chosen; ``total``: the candidates there were, when ``instances``
+    lists only some."""
+    attrs: dict[str, Any] = {
+        f"kvmesh.route.{role}.candidates": [c.id for c in instances],
+        f"kvmesh.route.{role}.scores": [f"cached_blocks={matched.get(c.id, 0)} queue={c.queue_depth:g} "
+                                        f"waiting_tokens={c.waiting_tokens:g}" for c in instances],
+        f"kvmesh.route.{role}.choice": chosen.id}
+    if total > len(instances):
+        attrs[f"kvmesh.route.{role}.candidates_total"] = total
+    return attrs
 
 
 def _with_lora(instances: list[InstanceView]) -> list[InstanceView]:

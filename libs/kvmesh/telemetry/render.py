@@ -39,8 +39,10 @@ def detail(span: SpanRecord) -> str:
     if name == "router.tokenize":
         return f"{a.get('kvmesh.tokens.prompt', '?')} prompt tokens"
     if name == "router.route":
-        parts = [f"{role} → {a[f'kvmesh.route.{role}.choice']} "
-                 f"(of {len(a.get(f'kvmesh.route.{role}.candidates', []))})"
+        def among(role: str) -> Any:  # a span of a large fleet lists some candidates and says how many there were
+            return a.get(f"kvmesh.route.{role}.candidates_total", len(a.get(f"kvmesh.route.{role}.candidates", [])))
+
+        parts = [f"{role} → {a[f'kvmesh.route.{role}.choice']} (of {among(role)})"
                  for role in ("prefill", "decode", "both") if f"kvmesh.route.{role}.choice" in a]
         return ", ".join(parts)
     if name == "cachesvc.match_prefix":
