@@ -17,9 +17,10 @@
    JetStream and replayed by a real ``python -m services.cachesvc``; MatchPrefix from a sync client on this
    machine (``app.bench.cachesvc``'s harness), next to the in-process figure of the same index.
 3. **The router's per-request CPU** for a 4k-token text prompt, part by part: tokenize (the default model's
-   tokenizer), hash (``block_keys``), match (the in-process index, shared-prefix prompt), the matches read into
-   per-instance counts (as ``Router.matched_blocks`` does), and score (``kvmesh.routing.plan`` with the
-   cache-aware policy over every instance, role both); decisions/s of one core, and a cProfile of the whole.
+   tokenizer), hash (``block_keys``), match (the in-process index's packed answer, ``match_packed``,
+   shared-prefix prompt), that answer read into per-instance counts (``HolderNames``, as ``Router.matched_blocks``
+   does), and score (``kvmesh.routing.plan`` with the cache-aware policy over every instance, role both; beside
+   it, the same without a recorded span's attributes); decisions/s of one core, and a cProfile of the whole.
 """
 
 from __future__ import annotations
@@ -304,12 +305,15 @@ def load_tokenizer() -> tuple[object, str]:
         return Tokenizer.from_dir(directory), "a byte-level tokenizer (the default model is not on this machine)"
 
 
-def router_parts(index: object, instances: int, text: str, tokenizer: object,
-                 prompts: list[list[int]]) -> dict[str, Callable[[int], object]]:
-    """The router's per-request steps, each a call on request ``r``; ``prompts``: the block keys matched (the
-    text's own keys are nobody's: the index is simulated)."""
+def router_parts(index: object, instances: int, text: str, tokenizer: object, prompts: list[list[int]]
+                 ) -> tuple[dict[str, Callable[[int], object]], dict[str, Callable[[int], object]]]:
+    """The router's per-request steps, each a call on request ``r``, and the variants measured beside them (not
+    in the sum); ``prompts``: the block keys matched (the text's own keys are nobody's: the index is
+    simulated)."""
     from kvmesh.routing import CostModel, make_policy
     from kvmesh.routing.plan import FleetView, InstanceView, RouteAsk, plan
+
+    from services.router.holders import HolderNames
 
     cost = CostModel()
     policy = make_policy("cache_aware", cost)
@@ -317,27 +321,30 @@ def router_parts(index: object, instances: int, text: str, tokenizer: object,
     views = tuple(InstanceView(f"i{i}", "both", queue_depth=rng.randint(0, 8), waiting_tokens=rng.randint(0, 8192),
                                free_blocks=rng.randint(0, 4096)) for i in range(instances))
     tokens = tokenizer.encode(text)  # type: ignore[attr-defined]
-    matches = [index.match_prefix(keys) for keys in prompts]  # type: ignore[attr-defined]
-    matched = [best_per_instance(m) for m in matches]
-    ask = RouteAsk(len(tokens), "cache_aware")
+    # what cachesvc answers a packed MatchPrefix, and the router's reading of it (the names known)
+    names, epoch = HolderNames(1), index.holders_epoch  # type: ignore[attr-defined]
+    names.learn(0, epoch, index.holder_names())  # type: ignore[attr-defined]
+    answers = [index.match_packed(keys) for keys in prompts]  # type: ignore[attr-defined]
+
+    def read(r: int) -> dict[str, int]:
+        ids, counts = answers[r % len(answers)]
+        numbers = names.translate(0, epoch, ids.astype(np.int64))
+        assert numbers is not None
+        return names.best(numbers, counts.astype(np.int64))
+
+    matched = [read(r) for r in range(len(answers))]
+    ask, quiet = RouteAsk(len(tokens), "cache_aware"), RouteAsk(len(tokens), "cache_aware", explain=False)
 
     return {
         "tokenize (Tokenizer.encode)": lambda r: tokenizer.encode(text),  # type: ignore[attr-defined]
         "hash (block_keys, 256 blocks)": lambda r: block_keys(12345, tokens, BLOCK_SIZE),
-        "match (BlockIndex.match_prefix, in process)": lambda r: index.match_prefix(  # type: ignore[attr-defined]
+        "match (BlockIndex.match_packed, in process)": lambda r: index.match_packed(  # type: ignore[attr-defined]
             prompts[r % len(prompts)]),
-        "matches -> per-instance counts": lambda r: best_per_instance(matches[r % len(matches)]),
-        "score (plan, cache_aware, every instance)": lambda r: plan(
+        "the answer -> per-instance counts (HolderNames)": read,
+        "score (plan, cache_aware, every instance; a recorded span's attributes)": lambda r: plan(
             ask, FleetView(views, matched[r % len(matched)], BLOCK_SIZE, cost), policy),
-    }
-
-
-def best_per_instance(matches: list) -> dict[str, int]:
-    """``Router.matched_blocks``' reading of a MatchPrefix answer: per instance, its longest run in any tier."""
-    best: dict[str, int] = {}
-    for m in matches:
-        best[m.instance_id] = max(best.get(m.instance_id, 0), m.num_blocks)
-    return best
+    }, {"score, no span recorded (RouteAsk.explain off)": lambda r: plan(
+            quiet, FleetView(views, matched[r % len(matched)], BLOCK_SIZE, cost), policy)}
 
 
 def bench_router(instances: int, blocks: int, calls: int) -> dict:
@@ -345,16 +352,17 @@ def bench_router(instances: int, blocks: int, calls: int) -> dict:
     index, _ = fill(fleet)
     tokenizer, which = load_tokenizer()
     text = prompt_text(tokenizer, PROMPT_BLOCKS * BLOCK_SIZE)
-    parts = router_parts(index, instances, text, tokenizer, query_sets(fleet, calls)[QUERY_KINDS[1]])
+    parts, beside = router_parts(index, instances, text, tokenizer, query_sets(fleet, calls)[QUERY_KINDS[1]])
     rows, total = [], 0.0
     times = {}
-    for name, part in parts.items():
+    for name, part in {**parts, **beside}.items():
         part(0)
         times[name] = timed_cpu([functools.partial(part, r) for r in range(calls)])
-        total += times[name][0]
+        total += times[name][0] if name in parts else 0.0
     for name, (p50, p99, cpu99) in times.items():
         rows.append({"part": name, "p50": f"{p50 * 1e6:.0f} µs", "p99": f"{p99 * 1e6:.0f} µs",
-                     "CPU p99": f"{cpu99 * 1e6:.0f} µs", "share of p50": f"{p50 / total:.0%}"})
+                     "CPU p99": f"{cpu99 * 1e6:.0f} µs",
+                     "share of p50": f"{p50 / total:.0%}" if name in parts else "(not in the sum)"})
     t = time.perf_counter()
     for r in range(calls):
         for part in parts.values():
