@@ -453,7 +453,7 @@ class Router:
                          self.cfg.session_move_margin_s)
 
     def _instance(self, iid: str) -> Instance:
-        return next(i for i in self.registry.alive() if i.id == iid)
+        return self.registry.get(iid)
 
     def _to_compute(self, work: worker_pb2.WorkRequest, inst: Instance, matched: dict[str, int] | None) -> int:
         """The prompt tokens ``inst`` will compute for ``work``: what the match says it does not hold, which is

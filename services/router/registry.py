@@ -9,10 +9,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.contracts.ids import InstanceId, Role
 from kvmesh.contracts.messages import Heartbeat, InstanceLoad, RouterLoad
+from kvmesh.routing import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,19 @@ class Instance:
     peer_inflight: int = 0       # what the other router replicas last reported in flight there
     peer_tokens: int = 0
     progressed: float = 0.0      # when a heartbeat last showed its engine stepping (monotonic; joined: first beat)
+    # (its load, the configured model, what it measured over that model): priced once per heartbeat, not per request
+    _cost: tuple[InstanceLoad, CostModel, CostModel | None] | None = field(default=None, repr=False, compare=False)
+    # the planner's view of it and what that view was built from (``scheduling.view``): rebuilt only when one of them
+    # changed, as a large fleet is viewed whole on every request
+    view_of: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
+
+    def cost_model(self, default: CostModel) -> CostModel | None:
+        """What the instance measured, over ``default`` (``CostModel.from_load``; None: it reports nothing usable),
+        worked out once per heartbeat: a large fleet is priced on every request."""
+        cached = self._cost
+        if cached is None or cached[0] is not self.beat.load or cached[1] is not default:
+            cached = self._cost = (self.beat.load, default, CostModel.from_load(self.beat.load, default))
+        return cached[2]
 
     @property
     def id(self) -> InstanceId:
@@ -108,6 +123,10 @@ class Registry:
     def alive(self, *roles: str) -> list[Instance]:
         self.expire()
         return [i for i in self._instances.values() if not roles or i.beat.role in roles]
+
+    def get(self, iid: str) -> Instance:
+        """A live instance's record by id (one that ``alive`` just listed)."""
+        return self._instances[iid]
 
     def expire(self) -> None:
         """Drop the instances silent for ``timeout_s`` and tell their watchers; while the bus is down nothing is

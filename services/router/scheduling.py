@@ -16,10 +16,17 @@ from services.router.registry import Instance
 
 def view(i: Instance, cost: CostModel, has_lora: bool = True) -> InstanceView:
     """``i`` as the planner sees it; ``cost``: the configured model, which what ``i`` measured overrides."""
-    beat = i.beat
-    return InstanceView(i.id, str(beat.role), i.queue_depth, i.waiting_tokens, i.routed, i.running, i.free_blocks,
-                        i.decode_step_s, CostModel.from_load(beat.load, cost), beat.kv_layout, beat.kv_accepts,
-                        beat.kv_unconvertible, has_lora)
+    beat, c = i.beat, i.view_of
+    # a view depends on the heartbeat (replaced, never changed in place), the routers' in-flight counts, the
+    # configured model and the adapter: the same four, the same view
+    if (c is not None and c[0] is beat and c[1] == i.inflight and c[2] == i.inflight_tokens
+            and c[3] == i.peer_inflight and c[4] == i.peer_tokens and c[5] is cost and c[6] == has_lora):
+        return c[7]
+    made = InstanceView(i.id, str(beat.role), i.queue_depth, i.waiting_tokens, i.routed, i.running, i.free_blocks,
+                        i.decode_step_s, i.cost_model(cost), beat.kv_layout, beat.kv_accepts, beat.kv_unconvertible,
+                        has_lora)
+    i.view_of = (beat, i.inflight, i.inflight_tokens, i.peer_inflight, i.peer_tokens, cost, has_lora, made)
+    return made
 
 
 def to_candidates(instances: list[Instance], matched: dict[str, int],

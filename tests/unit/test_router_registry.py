@@ -185,3 +185,47 @@ def test_a_request_queues_its_prompt_until_its_first_token_and_counts_until_it_e
     done()
     done()
     assert inst.waiting_tokens == 0 and inst.inflight == 0
+
+
+def test_an_instances_measured_cost_is_worked_out_once_per_heartbeat():
+    import dataclasses
+
+    from kvmesh.contracts.engine import Speed
+
+    reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
+    configured = CostModel()
+    measured = dataclasses.replace(beat("p0", "prefill"), load=InstanceLoad(speed=Speed(prefill_tok_per_s=900.0)))
+    reg.observe(measured)
+    inst = reg.get("p0")
+    first = inst.cost_model(configured)
+    assert first is not None and first.prefill_tok_per_s == 900.0 and first.calibrated
+    assert inst.cost_model(configured) is first                     # the same heartbeat: not priced again
+    assert inst.cost_model(CostModel(fetch_gbps=5.0)).fetch_gbps == 5.0  # another configured model: priced again
+    reg.observe(dataclasses.replace(measured, load=InstanceLoad(speed=Speed(prefill_tok_per_s=300.0))))
+    assert reg.get("p0").cost_model(configured).prefill_tok_per_s == 300.0  # a new heartbeat: its own speed
+    reg.observe(beat("p1", "prefill"))
+    assert reg.get("p1").cost_model(configured) is None            # nothing measured: the configured model prices it
+
+
+def test_an_instances_view_is_rebuilt_when_what_it_shows_changed_and_only_then():
+    import dataclasses
+
+    from services.router.scheduling import view
+
+    reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
+    reg.observe(beat("b0", "both", waiting=3))
+    inst, cost = reg.get("b0"), CostModel()
+    first = view(inst, cost)
+    assert view(inst, cost) is first                    # nothing changed: the same view
+    done = reg.dispatched(inst, prompt_tokens=100)       # this router sends it a request
+    busy = view(inst, cost)
+    assert busy is not first and (busy.routed, busy.waiting_tokens) == (1, 100)
+    done()
+    assert view(inst, cost).routed == 0
+    assert view(inst, cost, has_lora=False).has_lora is False  # another adapter: another view
+    assert view(inst, CostModel(prefill_tok_per_s=1.0)) is not view(inst, cost)
+    reg.observe(dataclasses.replace(beat("b0", "both", waiting=7)))  # a new heartbeat
+    assert view(reg.get("b0"), cost).queue_depth == 7
+    # every field as a record with nothing cached would give it
+    kept = view(reg.get("b0"), cost)
+    assert view(dataclasses.replace(reg.get("b0"), view_of=None, _cost=None), cost) == kept
