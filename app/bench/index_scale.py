@@ -19,7 +19,9 @@
 3. **The router's per-request CPU** for a 4k-token text prompt, part by part: tokenize (the default model's
    tokenizer), hash (``block_keys``), match (the in-process index's packed answer, ``match_packed``,
    shared-prefix prompt), that answer read into per-instance counts (``HolderNames``, as ``Router.matched_blocks``
-   does), and score (``kvmesh.routing.plan`` with the cache-aware policy over every instance, role both; beside
+   does), the fleet view (the registry's records as the planner's views, as ``Router._fleet`` builds them, one
+   instance's in-flight count changed per request), and score (``kvmesh.routing.plan`` with the cache-aware
+   policy over every instance, role both; beside
    it, the same without a recorded span's attributes); decisions/s of one core, and a cProfile of the whole.
 """
 
@@ -310,16 +312,31 @@ def router_parts(index: object, instances: int, text: str, tokenizer: object, pr
     """The router's per-request steps, each a call on request ``r``, and the variants measured beside them (not
     in the sum); ``prompts``: the block keys matched (the text's own keys are nobody's: the index is
     simulated)."""
+    from kvmesh.contracts.messages import Heartbeat, InstanceLoad
     from kvmesh.routing import CostModel, make_policy
     from kvmesh.routing.plan import FleetView, InstanceView, RouteAsk, plan
 
     from services.router.holders import HolderNames
+    from services.router.registry import Registry
+    from services.router.scheduling import view
 
     cost = CostModel()
     policy = make_policy("cache_aware", cost)
     rng = random.Random(4)
     views = tuple(InstanceView(f"i{i}", "both", queue_depth=rng.randint(0, 8), waiting_tokens=rng.randint(0, 8192),
                                free_blocks=rng.randint(0, 4096)) for i in range(instances))
+    # the router's registry of the same fleet, viewed whole per request as Router._fleet does; each request
+    # changes one instance's in-flight count (its own dispatch), so one view is rebuilt
+    registry = Registry(timeout_s=3600, block_size=BLOCK_SIZE, fingerprint="bench")
+    for v in views:
+        registry.observe(Heartbeat(instance_id=v.id, role="both", grpc_address="", transfer_address="", ts=time.time(),
+                                   load=InstanceLoad(waiting=int(v.queue_depth), waiting_tokens=int(v.waiting_tokens),
+                                                     free_blocks=v.free_blocks), model="bench", block_size=BLOCK_SIZE))
+
+    def fleet_view(r: int) -> tuple[InstanceView, ...]:
+        registry.get(f"i{r % instances}").inflight ^= 1
+        return tuple(view(i, cost) for i in registry.alive())
+
     tokens = tokenizer.encode(text)  # type: ignore[attr-defined]
     # what cachesvc answers a packed MatchPrefix, and the router's reading of it (the names known)
     names, epoch = HolderNames(1), index.holders_epoch  # type: ignore[attr-defined]
@@ -341,6 +358,7 @@ def router_parts(index: object, instances: int, text: str, tokenizer: object, pr
         "match (BlockIndex.match_packed, in process)": lambda r: index.match_packed(  # type: ignore[attr-defined]
             prompts[r % len(prompts)]),
         "the answer -> per-instance counts (HolderNames)": read,
+        "fleet view (Router._fleet: the registry's records as the planner's views)": fleet_view,
         "score (plan, cache_aware, every instance; a recorded span's attributes)": lambda r: plan(
             ask, FleetView(views, matched[r % len(matched)], BLOCK_SIZE, cost), policy),
     }, {"score, no span recorded (RouteAsk.explain off)": lambda r: plan(
