@@ -17,8 +17,9 @@ present: its count for ``(instance, tier)`` is where that holder's run breaks at
 holder it does not list breaks at its first own key; the index's copies hold the same entries (the same stream),
 so the whole answer is the least count over the shards that answered, cut where a key has no owner among them.
 For its pool it sends, per tier, a bitmask of the positions it holds (copies may differ: one was evicted, or
-written while the other was down), which the caller ORs (:func:`combine`). Exactly what one unsharded index and
-pool would answer while every key has a live owner, and never more than it.
+written while the other was down), which the caller ORs (:func:`combine`; the router combines packed answers
+the same way, ``services/router/holders.py``). Exactly what one unsharded index and pool would answer while every
+key has a live owner, and never more than it.
 """
 
 from __future__ import annotations
