@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from kvmesh.bus import find_nats_server
-from kvmesh.ready import wait_ready
+from kvmesh.ready import terminate, wait_ready
 
 from app.netlab.hosts import Lab
 
@@ -94,14 +93,8 @@ class NetnsMesh:
     def stop(self) -> None:
         for name in ("router", "delay-proxy", "decode-0", "prefill-0", "cachesvc", "nats"):
             proc = self.procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            if proc is not None:
+                terminate(proc)
 
     # ---- requests, from the client host ---------------------------------------------------------------------
     def health(self) -> dict:
@@ -123,7 +116,7 @@ class NetnsMesh:
         store.mkdir(parents=True, exist_ok=True)
         self._spawn("nats", "control", [str(find_nats_server()), "-a", address, "-p", str(NATS_PORT), "-js", "-sd",
                                         str(store)], {})
-        self.lab.call("control", lambda: _wait_port(address, NATS_PORT, deadline))
+        self.lab.call("control", lambda: wait_port(address, NATS_PORT, deadline))
 
     def _delay_proxy(self, decode: str, deadline: float) -> None:
         wan = self.lab["wan"].address
@@ -131,7 +124,7 @@ class NetnsMesh:
         self._spawn("delay-proxy", "wan", [sys.executable, "-m", "app.netlab.delay_proxy", "--delay-ms",
                                            str(self.delay_ms), *routes], {})
         for port in (DECODE_PORT, DECODE_TRANSFER_PORT):
-            self.lab.call("wan", lambda p=port: _wait_port(wan, p, deadline))
+            self.lab.call("wan", lambda p=port: wait_port(wan, p, deadline))
 
     def _service(self, name: str, host: str, module: str, deadline: float, env: dict[str, str]) -> None:
         ready = self.state_dir / "ready" / f"{name}.json"
@@ -150,7 +143,7 @@ class NetnsMesh:
         return proc
 
 
-def _wait_port(host: str, port: int, deadline: float) -> None:
+def wait_port(host: str, port: int, deadline: float) -> None:
     while True:
         try:
             socket.create_connection((host, port), timeout=1.0).close()

@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -136,6 +137,18 @@ def poll_ready(path: str | Path, proc: subprocess.Popen, name: str, log_path: Pa
         raise ServiceFailed(f"{name} exited with code {proc.returncode} before it was ready"
                             + (f"; last log lines:\n{tail(log_path)}" if log_path else ""))
     return None
+
+
+def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop ``proc`` if it still runs: SIGTERM, then SIGKILL past ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def tail(path: Path, lines: int = 30) -> str:

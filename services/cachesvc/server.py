@@ -527,7 +527,7 @@ class CacheServer:
 
         self.bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.durable}",
                                     tls=tls.bus_tls(self.shared))
-        await self.bus.ensure_events_stream(self.subjects)
+        await self.bus.ensure_events_stream(self.subjects, replicas=self.shared.events_replicas)
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         await self.bus.subscribe(self.subjects.sessions, self._on_session)
         await self.bus.subscribe(self.subjects.kv_quarantine, self._on_quarantine)

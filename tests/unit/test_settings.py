@@ -154,6 +154,9 @@ def test_a_file_value_of_the_wrong_type_says_where_it_is(tmp_path):
     ({"KVMESH_INSTANCE_TRANSFER_BACKEND": "rdma"}, ("transfer_backend 'rdma' is not one of ['tcp', 'shm', "
                                                    "'mooncake'] (from KVMESH_INSTANCE_TRANSFER_BACKEND)")),
     ({"KVMESH_NATS_URL": "127.0.0.1:4222"}, "nats_url must look like nats://host:port"),
+    ({"KVMESH_NATS_URL": "nats://a:4222, b:4222"}, ("nats_url must look like nats://host:port (several: "
+                                                    "comma-separated), not 'b:4222'")),
+    ({"KVMESH_EVENTS_REPLICAS": "7"}, "events_replicas must be 1 to 5 (JetStream's range), not 7"),
     ({"KVMESH_TLS_CERT": "/nope.pem"}, "tls_cert and tls_key go together"),
     ({"KVMESH_ROUTER_POLICY": "fastest"}, "policy 'fastest' is not one of"),
     ({"KVMESH_ROUTER_DISAGGREGATE": "sometimes"}, ("disaggregate 'sometimes' is not one of ['auto', "
@@ -370,3 +373,8 @@ def test_only_the_given_environment_is_read(monkeypatch):
     assert settings.load(["engine"], env={}).engine.block_size == 16
     assert settings.EngineSettings().block_size == 16  # a section built directly: defaults and arguments only
     assert settings.load(["engine"]).engine.block_size == 64  # env=None: os.environ
+
+
+def test_a_nats_cluster_is_its_servers_comma_separated():
+    shared = settings.load(env={"KVMESH_NATS_URL": "nats://a:4222,nats://b:4222", "KVMESH_EVENTS_REPLICAS": "3"})
+    assert shared.shared.events_replicas == 3

@@ -153,6 +153,8 @@ class Bus:
         async def on_closed() -> None:
             log.info("nats %s: connection closed", name)
 
+        if isinstance(url, str):  # a NATS cluster's servers, comma-separated
+            url = [u.strip() for u in url.split(",") if u.strip()]
         nc = _Client()
         nc.require_tls = tls is not None and tls_required(url)
         secure: dict[str, object] = {}

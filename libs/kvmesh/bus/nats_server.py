@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-from kvmesh.ready import PortInUse
+from kvmesh.ready import PortInUse, terminate
 
 
 def find_nats_server() -> Path:
@@ -180,13 +180,8 @@ class NatsServer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            terminate(proc, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -201,8 +201,12 @@ class SharedSettings(Section):
 
     cluster: str = setting("local", "subjects kvmesh.<cluster>.* and the stream KVMESH_<cluster>_KV_EVENTS; "
                                     "letters, digits, '_', '-'")
-    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server; credentials go in it "
+    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server, or a NATS cluster's servers comma-separated "
+                            "(a client moves to another when one fails); credentials go in it "
                             "(nats://user:password@host:4222)", secret=True)
+    events_replicas: int = setting(1, "copies of the KV events stream a NATS cluster keeps (JetStream replicas: "
+                                      "3 on a three-server cluster, so the index's source survives a server's "
+                                      "loss; 1 on one server); the same in every process of the cluster")
     tls_cert: str = setting("", "PEM certificate (chain) this process presents; set, its gRPC servers use TLS")
     tls_key: str = setting("", "its PEM private key (goes with tls_cert)")
     tls_ca: str = setting("", "PEM CA bundle: clients verify servers with it, servers then require client "
@@ -235,8 +239,13 @@ class SharedSettings(Section):
             cluster_name(self.cluster)
         except ValueError as e:
             out.append(Problem("cluster", str(e)))
-        if urlparse(self.nats_url).scheme not in NATS_SCHEMES:
-            out.append(Problem("nats_url", f"nats_url must look like nats://host:port, not {self.nats_url!r}"))
+        for url in self.nats_url.split(","):
+            if urlparse(url.strip()).scheme not in NATS_SCHEMES:
+                out.append(Problem("nats_url", f"nats_url must look like nats://host:port (several: comma-separated), "
+                                               f"not {url.strip()!r}"))
+        if not 1 <= self.events_replicas <= 5:
+            out.append(Problem("events_replicas", f"events_replicas must be 1 to 5 (JetStream's range), "
+                                                  f"not {self.events_replicas}"))
         if bool(self.tls_cert) != bool(self.tls_key):
             out.append(Problem("tls_cert" if self.tls_cert else "tls_key",
                                "tls_cert and tls_key go together: set both (KVMESH_TLS_CERT, KVMESH_TLS_KEY) "
