@@ -31,7 +31,7 @@ from kvmesh.contracts.ids import (
     RequestId,
     TransferId,
 )
-from kvmesh.contracts.keys import Namespace, block_keys
+from kvmesh.contracts.keys import Namespace, block_keys, block_keys_and_plain
 from kvmesh.contracts.messages import Heartbeat, KVReady, Message, RouterLoad
 from kvmesh.contracts.sampling import sampling_to_proto
 from kvmesh.contracts.shards import ShardMap, pool_entries
@@ -306,12 +306,12 @@ class Router:
                                                 **({"kvmesh.migration": tries.migrations} if tries.migrations else {})})
         try:
             if tries.matched_for != len(prompt):
-                tries.keys = block_keys(tries.seed, prompt, self.cfg.block_size)
+                tries.keys, plain = block_keys_and_plain(tries.seed, prompt, self.cfg.block_size)
                 matched = await self.matched_blocks(tries.keys, route, rt.attrs)
                 recent = self.recent.matched(tries.keys, [i.id for i in self.registry.alive()])
                 tries.matched = merged(matched, recent)
                 tries.matched_for = len(prompt)
-                tries.routed = self.hits.routing(tries.seed, prompt, tries.keys)
+                tries.routed = self.hits.routing(tries.seed, prompt, tries.keys, plain)
                 tries.routed.indexed, tries.routed.recent = matched, recent
             route.set_attribute("kvmesh.pool_blocks", tries.matched.get(POOL, 0))
             stream = self._route(self._work(request, prompt, rt, tries), tries.matched, rt, request.policy, route,

@@ -57,11 +57,13 @@ class HitLedger:
             elif isinstance(e, AllBlocksCleared):
                 self.history.cleared(msg.instance_id, msg.ts)
 
-    def routing(self, seed: int, prompt: Sequence[int], keys: Sequence[int]) -> Routed:
-        """A dispatch of ``prompt`` (its ``keys`` under ``seed``) is being routed."""
-        plain = block_keys(0, prompt, self.block_size)
-        routed = Routed(list(keys), plain, seed, at=time.time())
-        return routed
+    def routing(self, seed: int, prompt: Sequence[int], keys: Sequence[int],
+                plain: Sequence[int] | None = None) -> Routed:
+        """A dispatch of ``prompt`` (its ``keys`` under ``seed``; ``plain``: under seed 0, when the caller has
+        them, ``kvmesh.contracts.keys.block_keys_and_plain``) is being routed."""
+        if plain is None:
+            plain = block_keys(0, prompt, self.block_size)
+        return Routed(list(keys), plain, seed, at=time.time())
 
     def settle(self, routed: Routed, prompt_tokens: int, delivered: int) -> Attribution:
         """The request ended having reused ``delivered`` of its ``prompt_tokens``: its attribution. Its tokens

@@ -1,4 +1,5 @@
-from kvmesh.contracts.keys import Namespace, block_keys, chain_key
+import pytest
+from kvmesh.contracts.keys import Namespace, block_keys, block_keys_and_plain, chain_key
 
 
 def test_keys_are_stable_across_processes():
@@ -32,3 +33,11 @@ def test_salt_lora_and_model_each_change_the_namespace():
     seeds = {base.seed, *(o.seed for o in others)}
     assert len(seeds) == 5
     assert block_keys(base.seed, [1, 2, 3, 4], 4) != block_keys(others[0].seed, [1, 2, 3, 4], 4)
+
+
+@pytest.mark.parametrize("n", [0, 15, 16, 17, 64, 1000])
+def test_keys_and_plain_keys_in_one_pass_are_each_chain_alone(n):
+    tokens = [(i * 7919) % 50000 for i in range(n)]
+    keys, plain = block_keys_and_plain(12345, tokens, 16)
+    assert keys == block_keys(12345, tokens, 16) and plain == block_keys(0, tokens, 16)
+    assert len(keys) == n // 16 and (not keys or keys != plain)

@@ -48,6 +48,23 @@ def chain_key(parent: int, tokens: Iterable[int]) -> BlockKey:
     return BlockKey(xxhash.xxh3_64_intdigest(_int32s(tokens).tobytes(), seed=parent))
 
 
+def block_keys_and_plain(seed: int, tokens: Iterable[int], block_size: int) -> tuple[list[BlockKey], list[BlockKey]]:
+    """:func:`block_keys` under ``seed`` and under seed 0 (the namespace-free chain of the same tokens), from one
+    conversion of ``tokens`` in one pass."""
+    data = memoryview(_int32s(tokens)).cast("B")
+    stride = 4 * block_size
+    keys: list[BlockKey] = []
+    plain: list[BlockKey] = []
+    parent, bare = seed, 0
+    digest = xxhash.xxh3_64_intdigest
+    for start in range(0, len(data) - stride + 1, stride):
+        block = data[start:start + stride]
+        parent, bare = digest(block, seed=parent), digest(block, seed=bare)
+        keys.append(BlockKey(parent))
+        plain.append(BlockKey(bare))
+    return keys, plain
+
+
 def block_keys(seed: int, tokens: Iterable[int], block_size: int) -> list[BlockKey]:
     """Keys of every *full* block of ``tokens``; a trailing partial block has no key."""
     data = memoryview(_int32s(tokens)).cast("B")

@@ -200,14 +200,19 @@ class Namespaces:
         self._seeds: OrderedDict[int, set[int]] = OrderedDict()
 
     def saw(self, plain_keys: Iterable[int], seed: int) -> None:
+        seeds_of, to_end = self._seeds, self._seeds.move_to_end
         for k in plain_keys:
-            seeds = self._seeds.setdefault(k, set())
-            seeds.add(seed)
-            self._seeds.move_to_end(k)
-            if len(seeds) > 8:
-                seeds.pop()
-        while len(self._seeds) > self.max_keys:
-            self._seeds.popitem(last=False)
+            seeds = seeds_of.get(k)
+            if seeds is None:
+                seeds_of[k] = {seed}  # a new key goes in last: nothing to move
+                continue
+            if seed not in seeds:
+                seeds.add(seed)
+                if len(seeds) > 8:
+                    seeds.pop()
+            to_end(k)
+        while len(seeds_of) > self.max_keys:
+            seeds_of.popitem(last=False)
 
     def others(self, plain_key: int, seed: int) -> int:
         """How many other namespaces these tokens were seen under."""
