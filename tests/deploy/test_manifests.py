@@ -50,6 +50,10 @@ PLANNER_FLOWS = {("planner", "nats", "client"), ("planner", "router", "metrics")
 # cachesvc shards (components/cachesvc-shards), where an overlay has them: a (re)started shard's repair
 # (ListBlocks, GetBlocks(copy=True): inline, no transfer port)
 SHARD_FLOWS = {("cachesvc", "cachesvc", "grpc")}
+# NATS as a cluster (components/nats-cluster), where an overlay has it: route connections between the nodes
+# (JetStream's meta group, the events stream's copies)
+NATS_CLUSTER_FLOWS = {("nats", "nats", "cluster")}
+NATS_NODES = {"pd": 3}  # the overlays that list components/nats-cluster, and its node count; the others run one
 CLIENT_FLOWS = {("router", "http"), ("router", "grpc")}  # from any namespace
 SCRAPES = CLIENT_FLOWS | {(role, "metrics") for role in ("router", "prefill", "decode", "cachesvc")}  # `monitoring`
 
@@ -143,6 +147,8 @@ def served_ports(container: Container, files: Path) -> dict[int, str]:
         ports = {int(listen.group(1)): "nats"}
         if "-m" in args:
             ports[int(args[args.index("-m") + 1])] = "http"
+        if "--cluster" in args:  # routes from the other nodes
+            ports[int(args[args.index("--cluster") + 1].rpartition(":")[2])] = "cluster"
         return ports
     cfg = loaded(container, files)
     if container.service == "router":
@@ -333,6 +339,7 @@ def test_network_policies_admit_exactly_the_mesh_flows(overlay: str) -> None:
                 if allowed(policies, s, d, port)}
     flows = MESH_FLOWS | (PLANNER_FLOWS if any(p.component == "planner" for p in pods) else set())
     flows |= SHARD_FLOWS if overlay in sharded_overlays() else set()
+    flows |= NATS_CLUSTER_FLOWS if overlay in nats_cluster_overlays() else set()
     assert admitted == flows, (f"admitted but not a flow: {sorted(admitted - flows)}; "
                                f"a flow not admitted: {sorted(flows - admitted)}")
 
@@ -693,3 +700,115 @@ def test_the_tls_components_nats_conf_is_what_its_command_writes(tmp_path: Path)
     permissions.main([str(tmp_path / "nats.conf"), *argv[1:]])
     assert (tmp_path / "nats.conf").read_text() == (TLS_COMPONENT / "nats.conf").read_text(), (
         "deploy/k8s/components/tls/nats.conf is stale: rerun the command in its kustomization.yaml")
+
+
+# -- NATS as a cluster (components/nats-cluster) --------------------------------------------------------------------
+
+
+def nats_set(overlay: str) -> dict[str, Any]:
+    return next(w for w in workloads(overlay) if w["metadata"]["name"] == "nats")
+
+
+def the_nats(overlay: str) -> Container:
+    (nats,) = [c for c in containers(overlay) if c.service == "nats"]
+    return nats
+
+
+def nats_cluster_overlays() -> list[str]:
+    return [o for o in OVERLAYS if NATS_NODES.get(o, 1) > 1]
+
+
+def nats_nodes(overlay: str) -> int:
+    """The StatefulSet's replicas, which must be the count this overlay is meant to run."""
+    replicas = nats_set(overlay)["spec"]["replicas"]
+    assert replicas == NATS_NODES.get(overlay, 1), f"{overlay}: {replicas} NATS nodes, not {NATS_NODES.get(overlay, 1)}"
+    return replicas
+
+
+def nats_args(container: Container, files: Path, ordinal: int) -> list[str]:
+    """The node's command line in the pod of ``ordinal``, ``$(VAR)`` expanded from its environment as the kubelet
+    does."""
+    env = environment(container, files, ordinal)
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a) for a in container.spec["args"]]
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_the_pd_overlay_runs_nats_as_three_nodes_started_together_and_drained_one_at_a_time() -> None:
+    assert "pd" in nats_cluster_overlays() and nats_nodes("pd") == 3
+    sts = nats_set("pd")
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    [budget] = [o["spec"] for o in render("pd")
+                if o["kind"] == "PodDisruptionBudget" and matches(o["spec"]["selector"], labels)]
+    assert budget == {"maxUnavailable": 1, "selector": sts["spec"]["selector"]}
+    [spread] = sts["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and matches(spread["labelSelector"], labels)
+
+
+def test_each_nats_node_names_itself_and_routes_to_every_node_through_the_headless_service(overlay: str,
+                                                                                           tmp_path: Path) -> None:
+    """One node runs as before (its config's name, no cluster); in a cluster node i is server nats-i of cluster
+    kvmesh, listens for routes on its cluster port, and routes to each node's stable name under the headless
+    Service (nats-j.nats-headless), itself too (nats-server skips it), with the -c config and -m 8222 kept."""
+    sts, nats = nats_set(overlay), the_nats(overlay)
+    replicas, service = nats_nodes(overlay), sts["spec"]["serviceName"]
+    names = set()
+    for ordinal in range(replicas):
+        args = nats_args(nats, tmp_path, ordinal)
+        assert args[:2] == ["nats-server", "-c"] and flag(args, "-m") == "8222", args
+        if replicas == 1:
+            assert not {"--cluster", "--routes", "--cluster_name", "--server_name"} & set(args), args
+            continue
+        names.add(flag(args, "--server_name"))
+        assert flag(args, "--server_name") == f"nats-{ordinal}" and flag(args, "--cluster_name") == "kvmesh", args
+        listen = flag(args, "--cluster")
+        assert listen == f"nats://0.0.0.0:{nats.ports['cluster']}", args
+        routes = (flag(args, "--routes") or "").split(",")
+        assert routes == [f"nats://{sts['metadata']['name']}-{j}.{service}:{nats.ports['cluster']}"
+                          for j in range(replicas)], routes
+    assert len(names) == replicas or replicas == 1
+
+
+def test_nats_nodes_resolve_each_other_before_they_are_ready(overlay: str) -> None:
+    """A node's readiness asks JetStream, which needs the cluster formed: its peers' names must resolve first."""
+    name = nats_set(overlay)["spec"]["serviceName"]
+    (svc,) = [o for o in render(overlay) if o["kind"] == "Service" and o["metadata"]["name"] == name]
+    ports = {p["targetPort"] for p in svc["spec"]["ports"]}
+    if nats_nodes(overlay) > 1:
+        assert svc["spec"].get("clusterIP") == "None" and svc["spec"].get("publishNotReadyAddresses") is True
+        assert "cluster" in ports, svc["spec"]["ports"]
+    else:
+        assert "cluster" not in ports and not svc["spec"].get("publishNotReadyAddresses")
+
+
+def test_every_service_keeps_as_many_copies_of_the_events_stream_as_there_are_nats_nodes(overlay: str,
+                                                                                          tmp_path: Path) -> None:
+    """KVMESH_EVENTS_REPLICAS is the same in every process (each re-declares the stream at start): 3 on a
+    three-node cluster, the default 1 on one node (where more copies cannot be placed)."""
+    replicas = nats_nodes(overlay)
+    members = [c for c in containers(overlay) if c.service not in ("nats", "planner")]
+    assert members
+    for c in members:
+        assert loaded(c, tmp_path).shared.events_replicas == replicas, c.workload
+        assert ("KVMESH_EVENTS_REPLICAS" in env_of(c)) == (replicas > 1), c.workload
+
+
+@pytest.mark.parametrize("overlay", nats_cluster_overlays())
+def test_network_policies_let_every_nats_node_route_to_the_others_and_nothing_else(overlay: str) -> None:
+    policies, pods = mesh(overlay)
+    (template,) = [p for p in pods if p.component == "nats"]
+    nodes = [template._replace(labels={**template.labels, "apps.kubernetes.io/pod-index": str(ordinal),
+                                       "statefulset.kubernetes.io/pod-name": f"nats-{ordinal}"})
+             for ordinal in range(nats_nodes(overlay))]
+    for i, src in enumerate(nodes):
+        for j, dst in enumerate(nodes):
+            if i != j:
+                assert allowed(policies, src, dst, "cluster"), f"nats-{i} -> nats-{j}"
+                others = [p for p in dst.ports if p != "cluster" and allowed(policies, src, dst, p)]
+                assert not others, f"nats-{i} -> nats-{j}: {others} too"
+        others = [(p.component, port) for p in pods if p.component != "nats" for port in p.ports
+                  if allowed(policies, src, p, port)]
+        assert not others, f"nats-{i} dials {others}"
