@@ -513,16 +513,21 @@ def test_every_shard_repairs_from_the_shards_its_callers_dial_in_the_same_order(
         assert cfg.pool_copies > 1, f"cachesvc-{ordinal}: pool_copies {cfg.pool_copies}, nothing to repair from"
 
 
+def peers_reach_each_other_on_only(policies, peers, port: str, name: str) -> None:
+    """Every one of ``peers`` (pods of one StatefulSet, in ordinal order) may open ``port`` on each other one, and
+    no other port."""
+    for i, src in enumerate(peers):
+        for j, dst in enumerate(peers):
+            if i != j:
+                assert allowed(policies, src, dst, port), f"{name}-{i} -> {name}-{j}"
+                others = [p for p in dst.ports if p != port and allowed(policies, src, dst, p)]
+                assert not others, f"{name}-{i} -> {name}-{j}: {others} too"
+
+
 @pytest.mark.parametrize("overlay", sharded_overlays())
 def test_network_policies_let_every_shard_reach_the_others_grpc_for_repair_and_nothing_else(overlay: str) -> None:
     policies, _ = mesh(overlay)
-    shards = shard_pods(overlay)
-    for i, src in enumerate(shards):
-        for j, dst in enumerate(shards):
-            if i != j:
-                assert allowed(policies, src, dst, "grpc"), f"cachesvc-{i} -> cachesvc-{j}"
-                others = [p for p in dst.ports if p != "grpc" and allowed(policies, src, dst, p)]
-                assert not others, f"cachesvc-{i} -> cachesvc-{j}: {others} too"
+    peers_reach_each_other_on_only(policies, shard_pods(overlay), "grpc", "cachesvc")
 
 
 @pytest.mark.parametrize("overlay", sharded_overlays())
@@ -803,12 +808,8 @@ def test_network_policies_let_every_nats_node_route_to_the_others_and_nothing_el
     nodes = [template._replace(labels={**template.labels, "apps.kubernetes.io/pod-index": str(ordinal),
                                        "statefulset.kubernetes.io/pod-name": f"nats-{ordinal}"})
              for ordinal in range(nats_nodes(overlay))]
+    peers_reach_each_other_on_only(policies, nodes, "cluster", "nats")
     for i, src in enumerate(nodes):
-        for j, dst in enumerate(nodes):
-            if i != j:
-                assert allowed(policies, src, dst, "cluster"), f"nats-{i} -> nats-{j}"
-                others = [p for p in dst.ports if p != "cluster" and allowed(policies, src, dst, p)]
-                assert not others, f"nats-{i} -> nats-{j}: {others} too"
         others = [(p.component, port) for p in pods if p.component != "nats" for port in p.ports
                   if allowed(policies, src, p, port)]
         assert not others, f"nats-{i} dials {others}"
