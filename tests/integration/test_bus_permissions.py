@@ -67,6 +67,9 @@ def test_each_identity_can_do_what_its_service_does(mesh, caplog):
         await decode.subscribe(SUBJECTS.kv_copies("decode-0"), lambda m, h: copies.put(m))
         await cachesvc.ensure_events_stream(SUBJECTS)
         await prefill.ensure_events_stream(SUBJECTS)  # finds it as it is: no update needed, none allowed
+        # an engine whose settings differ (another replica count, other limits) uses the stream as cachesvc made it
+        await prefill.ensure_events_stream(SUBJECTS, max_bytes=1 << 20, update=False)
+        assert (await cachesvc.js.stream_info(SUBJECTS.events_stream)).config.max_bytes == 1 << 30
         await cachesvc.durable_events_consumer(SUBJECTS, "cachesvc", lambda b, h: events.put(b))
         await answer_snapshots(prefill, SUBJECTS, "prefill-0", _snapshot)
 

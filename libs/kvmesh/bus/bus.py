@@ -221,10 +221,12 @@ class Bus:
     # -- JetStream: the KV events stream ------------------------------------------------------------------------
 
     async def ensure_events_stream(self, subjects: Subjects, max_age_s: float = 24 * 3600.0,
-                                   max_bytes: int = 1 << 30, replicas: int = 1) -> None:
-        """Create the stream that captures ``kv.events.>``, or update its limits where they differ (engines may
-        not change the stream on a mesh NATS server: ``kvmesh.bus.permissions``); safe to call from every
-        service at start. File storage; the oldest events go first when a limit is hit."""
+                                   max_bytes: int = 1 << 30, replicas: int = 1, update: bool = True) -> None:
+        """Create the stream that captures ``kv.events.>``, or update its limits and replicas where they differ;
+        safe to call from every service at start. ``update`` False (the engines, which may not change the stream
+        on a mesh NATS server: ``kvmesh.bus.permissions``): a stream that differs is used as it is, with a
+        warning (cachesvc, which may, brings it to its settings when it starts). File storage; the oldest events
+        go first when a limit is hit."""
         config = StreamConfig(name=subjects.events_stream, subjects=[subjects.kv_events_all],
                               retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                               discard=DiscardPolicy.OLD, max_age=max_age_s, max_bytes=max_bytes,
@@ -233,6 +235,12 @@ class Bus:
             have = (await self.js.stream_info(subjects.events_stream)).config
             if (have.subjects, have.max_age, have.max_bytes, have.num_replicas, have.discard) == (
                     config.subjects, config.max_age, config.max_bytes, config.num_replicas, config.discard):
+                return
+            if not update:
+                log.warning("the events stream %s has %s replica(s), max_age %ss, max_bytes %s; this process's "
+                            "settings say %d, %ss, %d: publishing into it as it is (cachesvc changes it when it "
+                            "starts with them)", subjects.events_stream, have.num_replicas or 1, have.max_age,
+                            have.max_bytes, replicas, max_age_s, max_bytes)
                 return
         except nats.js.errors.NotFoundError:
             try:
