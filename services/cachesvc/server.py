@@ -525,17 +525,22 @@ class CacheServer:
         log.info("gRPC on %s (NOT_SERVING until the events stream is replayed); transfer on %s; metrics on %s",
                  self.address, self.transfer.address, self.metrics_server.url)
 
-        self.bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.durable}",
-                                    tls=tls.bus_tls(self.shared))
-        await self.bus.ensure_events_stream(self.subjects, replicas=self.shared.events_replicas)
+        self.bus = bus = await Bus.connect(self.shared.nats_url, f"cachesvc-{self.durable}",
+                                          tls=tls.bus_tls(self.shared))
+        await bus.jetstream("the events stream's declaration", lambda: bus.ensure_events_stream(
+            self.subjects, replicas=self.shared.events_replicas))
         await self.bus.subscribe(self.subjects.heartbeats_all, self._on_heartbeat)
         await self.bus.subscribe(self.subjects.sessions, self._on_session)
         await self.bus.subscribe(self.subjects.kv_quarantine, self._on_quarantine)
         # The index lives in memory only, so a (re)started cachesvc replays the whole stream: reset the
         # durable's position first. It stays durable for the process's life (survives NATS reconnects).
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.bus.js.delete_consumer(self.subjects.events_stream, self.durable)
-        await self.bus.durable_events_consumer(self.subjects, self.durable, self._on_events)
+        async def reset() -> None:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await bus.js.delete_consumer(self.subjects.events_stream, self.durable)
+
+        await bus.jetstream("the durable's reset", reset)
+        await bus.jetstream("the durable's creation", lambda: bus.durable_events_consumer(
+            self.subjects, self.durable, self._on_events))
         self._reaper = asyncio.create_task(self._reap(), name="cachesvc-reaper")
         await self._replayed()
         for name in ("", SERVICE_NAME):

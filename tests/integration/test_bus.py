@@ -261,3 +261,37 @@ def test_the_bus_reconnects_and_the_stream_survives_a_server_restart(tmp_path, s
             await bus.close()
 
     run(body(), timeout_s=30.0)
+
+
+def test_a_jetstream_call_is_retried_while_jetstream_does_not_answer_and_only_then(nats_server):
+    import nats.errors
+    import nats.js.errors
+
+    async def body() -> None:
+        bus = await Bus.connect(nats_server.url, "test")
+        calls: list[str] = []
+
+        async def electing() -> str:  # a NATS cluster re-electing a stream's leader: two timeouts, then an answer
+            calls.append("electing")
+            if len(calls) < 3:
+                raise nats.errors.TimeoutError
+            return "answered"
+
+        assert await bus.jetstream("a step", electing, timeout_s=10) == "answered" and len(calls) == 3
+
+        async def never() -> None:
+            raise nats.js.errors.ServiceUnavailableError
+
+        with pytest.raises(nats.js.errors.ServiceUnavailableError):  # past its deadline: the last error
+            await bus.jetstream("a step", never, timeout_s=0.5)
+
+        async def refused() -> None:
+            calls.append("refused")
+            raise nats.js.errors.BadRequestError
+
+        with pytest.raises(nats.js.errors.BadRequestError):  # an answer, if a refusal: not retried
+            await bus.jetstream("a step", refused, timeout_s=10)
+        assert calls.count("refused") == 1
+        await bus.close()
+
+    run(body())

@@ -13,8 +13,10 @@ import inspect
 import logging
 import re
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -28,6 +30,8 @@ from kvmesh.bus.trace_headers import extract_trace_headers, inject_trace_headers
 from kvmesh.contracts.messages import CodecError, Heartbeat, KVEventBatch, Message, RouterLoad, decode
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+JETSTREAM_WAIT_S = 60.0  # how long a service waits for JetStream to answer a call at start
 _STREAM_NAME_IN_USE = 10058  # JetStream API error code
 
 Handler = Callable[[Message, dict[str, str]], Awaitable[None]]
@@ -219,6 +223,22 @@ class Bus:
                         type(msg).TYPE, subject)
 
     # -- JetStream: the KV events stream ------------------------------------------------------------------------
+
+    async def jetstream(self, what: str, step: Callable[[], Awaitable[T]], timeout_s: float = JETSTREAM_WAIT_S) -> T:
+        """``step`` (a JetStream API call), retried while JetStream does not answer or has no leader for it yet: a
+        NATS cluster re-elects the leaders a dead node held, which takes seconds, and a service starting then
+        should wait for it, not fail. Gives up (the last error) after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await step()
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.ServiceUnavailableError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("JetStream did not answer %s (%s); retrying (a NATS cluster electing leaders?)", what,
+                            e or type(e).__name__)
+                await asyncio.sleep(1.0)
 
     async def ensure_events_stream(self, subjects: Subjects, max_age_s: float = 24 * 3600.0,
                                    max_bytes: int = 1 << 30, replicas: int = 1, update: bool = True) -> None:

@@ -117,7 +117,8 @@ class EngineHost:
             self.instance_id = InstanceId(f"{self.cfg.role}-{self.grpc.port}")
         self.bus = await Bus.connect(self.shared.nats_url, name=self.instance_id, tls=tls.bus_tls(self.shared))
         # created if missing; cachesvc owns its limits and replicas (an engine may not change them on a mesh NATS)
-        await self.bus.ensure_events_stream(self.subjects, replicas=self.shared.events_replicas, update=False)
+        await self.bus.jetstream("the events stream's declaration", lambda: self.bus.ensure_events_stream(
+            self.subjects, replicas=self.shared.events_replicas, update=False))
         self._event_queue.put_nowait([AllBlocksCleared()])  # a fresh instance holds nothing, whatever it held
         await answer_snapshots(self.bus, self.subjects, self.instance_id, self._snapshot)
         self.transfer_server = None
