@@ -56,12 +56,17 @@ class Order(enum.Enum):
 _FEW_BITS = 16  # up to this many set bits, peeling them off one by one is faster than unpacking the mask
 
 
+def _unpacked(mask: int) -> np.ndarray:
+    """The positions of ``mask``'s set bits, lowest first, unpacked by numpy."""
+    packed = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(packed, bitorder="little"))
+
+
 def _bits(mask: int) -> list[int]:
     """Holder ids set in ``mask``, lowest first. A mask of many holders (a prefix shared across a large fleet)
     is unpacked by numpy: peeling ``k`` bits off a mask of ``n`` holders makes ``k`` big ints of ``n`` bits."""
     if mask.bit_count() > _FEW_BITS:
-        packed = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
-        return np.flatnonzero(np.unpackbits(packed, bitorder="little")).tolist()
+        return _unpacked(mask).tolist()
     ids = []
     while mask:
         low = mask & -mask
@@ -72,10 +77,7 @@ def _bits(mask: int) -> list[int]:
 
 def _id_array(mask: int) -> np.ndarray:
     """The holder ids set in ``mask`` as a uint32 array."""
-    if mask.bit_count() <= _FEW_BITS:
-        return np.asarray(_bits(mask), np.uint32)
-    packed = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
-    return np.flatnonzero(np.unpackbits(packed, bitorder="little")).astype(np.uint32)
+    return (np.asarray(_bits(mask)) if mask.bit_count() <= _FEW_BITS else _unpacked(mask)).astype(np.uint32)
 
 
 class BlockIndex:
@@ -210,14 +212,13 @@ class BlockIndex:
         """The instances that hold ``key`` in any tier."""
         return {h.instance_id for hid in _bits(self._masks.get(key, 0)) if (h := self._holders[hid]) is not None}
 
-    def match_prefix(self, keys: Sequence[int]) -> list[PrefixMatch]:
-        """For every holder of ``keys[0]``: how many leading keys it holds (its count stops at its first
-        missing key), most first, then by instance and tier. Walks ``keys`` once with the set of holders still
-        matching, noting where each group of them drops out; stops when none is left. The answer is as long as
-        the holders of ``keys[0]`` (on a large fleet, of a shared system prompt: most of it)."""
+    def _drops(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """Walks ``keys`` once with the set of holders of ``keys[0]`` still matching: ``(position, holders whose
+        run ends just before it)`` for each group that drops out, in walk order, the last at ``len(keys)`` (those
+        that hold them all); stops when none is left."""
         masks = self._masks
         mask = masks.get(keys[0], 0) if keys else 0
-        dropped: list[tuple[int, int]] = []  # (position, holders whose run ends just before it), in walk order
+        dropped: list[tuple[int, int]] = []
         for position in range(1, len(keys) if mask else 0):
             still = mask & masks.get(keys[position], 0)
             if still != mask:
@@ -227,8 +228,14 @@ class BlockIndex:
                     break
         if mask:
             dropped.append((len(keys), mask))
+        return dropped
+
+    def match_prefix(self, keys: Sequence[int]) -> list[PrefixMatch]:
+        """For every holder of ``keys[0]``: how many leading keys it holds (its count stops at its first
+        missing key), most first, then by instance and tier (:meth:`_drops`). The answer is as long as the holders
+        of ``keys[0]`` (on a large fleet, of a shared system prompt: most of it)."""
         out: list[PrefixMatch] = []
-        for n, group in reversed(dropped):
+        for n, group in reversed(self._drops(keys)):
             holders = sorted(h for hid in _bits(group) if (h := self._holders[hid]) is not None)
             out += [_new_match((*holder, n)) for holder in holders]
         return out
@@ -242,23 +249,12 @@ class BlockIndex:
         counts, in no particular order: no Python object per holder, which is most of an answer's cost when a
         prompt's first block is held across a large fleet."""
         own = [keys[p] for p in mine] if mine is not None else keys
-        masks = self._masks
-        mask = masks.get(own[0], 0) if own else 0
         ids: list[np.ndarray] = []
         counts: list[np.ndarray] = []
-        for position in range(1, len(own) if mask else 0):
-            still = mask & masks.get(own[position], 0)
-            if still != mask:
-                dropped = _id_array(mask ^ still)
-                ids.append(dropped)
-                counts.append(np.full(len(dropped), position, np.uint32))
-                mask = still
-                if not mask:
-                    break
-        if mask:
-            rest = _id_array(mask)
-            ids.append(rest)
-            counts.append(np.full(len(rest), len(own), np.uint32))
+        for position, group in self._drops(own):
+            dropped = _id_array(group)
+            ids.append(dropped)
+            counts.append(np.full(len(dropped), position, np.uint32))
         if not ids:
             return np.zeros(0, np.uint32), np.zeros(0, np.uint32)
         out_ids, out_counts = np.concatenate(ids), np.concatenate(counts)
