@@ -311,7 +311,7 @@ class Router:
                 recent = self.recent.matched(tries.keys, [i.id for i in self.registry.alive()])
                 tries.matched = merged(matched, recent)
                 tries.matched_for = len(prompt)
-                tries.routed = self.hits.routing(tries.seed, prompt, tries.keys, plain)
+                tries.routed = self.hits.routing(tries.seed, tries.keys, plain)
                 tries.routed.indexed, tries.routed.recent = matched, recent
             route.set_attribute("kvmesh.pool_blocks", tries.matched.get(POOL, 0))
             stream = self._route(self._work(request, prompt, rt, tries), tries.matched, rt, request.policy, route,

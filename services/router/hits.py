@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import KVEventBatch, Message
 from kvmesh.routing.hits import Attribution, BlockHistory, Explainer, Namespaces, RouteView, attribute
 from opentelemetry.trace import Span
@@ -57,12 +56,9 @@ class HitLedger:
             elif isinstance(e, AllBlocksCleared):
                 self.history.cleared(msg.instance_id, msg.ts)
 
-    def routing(self, seed: int, prompt: Sequence[int], keys: Sequence[int],
-                plain: Sequence[int] | None = None) -> Routed:
-        """A dispatch of ``prompt`` (its ``keys`` under ``seed``; ``plain``: under seed 0, when the caller has
-        them, ``kvmesh.contracts.keys.block_keys_and_plain``) is being routed."""
-        if plain is None:
-            plain = block_keys(0, prompt, self.block_size)
+    def routing(self, seed: int, keys: Sequence[int], plain: Sequence[int]) -> Routed:
+        """A dispatch of a prompt whose block keys are ``keys`` under ``seed`` and ``plain`` under seed 0
+        (``kvmesh.contracts.keys.block_keys_and_plain``) is being routed."""
         return Routed(list(keys), plain, seed, at=time.time())
 
     def settle(self, routed: Routed, prompt_tokens: int, delivered: int) -> Attribution:
