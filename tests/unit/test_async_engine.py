@@ -103,24 +103,23 @@ def test_the_chunk_cap_is_sized_against_the_batch_the_waiting_prompts_settle_at(
         engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=256, block_size=4, max_batched_tokens=4096),
                                        model_config=tiny_config), asyncio.get_running_loop())
         try:
-            gate = threading.Event()
             for n, seconds in [(64, 0.03 + 64 / 1500)] * 4 + [(128, 0.03 + 128 / 1500)] * 4:
                 engine.pacer.speed_fit.observe(n, seconds)
             for rows in [1, 2, 4, 8, 16, 1, 2, 4, 8]:
                 engine.pacer.decode_speed.observe(rows, 0.035 + rows / 500)
 
-            def setup(e: LLMEngine) -> None:
+            def setup(e: LLMEngine):
                 e.add_request(req("running", [1, 2, 3, 4, 5], SamplingParams(max_tokens=64, ignore_eos=True)))
                 e.step()  # its prompt: now a decode row
                 for i in range(15):
                     e.add_request(req(f"w{i}", [7 + i, 2, 3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True)))
-                engine.pacer._steps = 0  # the next sizing refits
-                engine.pacer.plan(e.scheduler)
-                gate.set()
+                pacer = engine.pacer
+                pacer._steps = 0  # the next sizing refits
+                pacer.plan(e.scheduler)
+                # read on the engine thread: once this returns, its loop steps the requests and plans again
+                return pacer.cap, pacer._fit, pacer._decode_fit
 
-            await engine.call(setup)
-            gate.wait(5)
-            return engine.pacer.cap, engine.pacer._fit, engine.pacer._decode_fit
+            return await engine.call(setup)
         finally:
             await engine.close()
 
@@ -151,17 +150,19 @@ def test_streams_with_an_itl_target_cap_the_mixed_step_within_it_by_the_measured
             for rows in [1, 2, 4, 8, 1, 2, 4, 8]:
                 engine.pacer.decode_speed.observe(rows, 0.02 + rows / 500)
 
-            def setup(e: LLMEngine) -> None:
+            def setup(e: LLMEngine):
                 e.add_request(req("stream", [1, 2, 3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True),
                                   slo=SLO(itl_s=0.15)))  # 199 gaps: one may run late
                 e.step()  # its prompt: now a decode row
                 e.add_request(req("prompt", [i % 250 + 1 for i in range(400)], SamplingParams(max_tokens=2)))
-                engine.pacer._steps = 0  # the next sizing refits
-                engine.pacer.plan(e.scheduler)
+                pacer = engine.pacer
+                pacer._steps = 0  # the next sizing refits
+                pacer.plan(e.scheduler)
+                # read on the engine thread: once this returns, its loop steps both requests, observes those
+                # steps and plans again
+                return pacer.cap, pacer._chunk_fit, pacer._decode_fit, pacer.context
 
-            await engine.call(setup)
-            pacer = engine.pacer
-            return pacer.cap, pacer._chunk_fit, pacer._decode_fit, pacer.context
+            return await engine.call(setup)
         finally:
             await engine.close()
 
