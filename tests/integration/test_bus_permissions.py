@@ -1,12 +1,21 @@
 """The nats-server configuration ``kvmesh up`` writes (``kvmesh.bus.permissions``) against a real nats-server:
-each service's certificate maps to its own user, which can do what that service does on the bus and no more."""
+each service's certificate maps to its own user, which can do what that service does on the bus and no more.
+
+Every test that takes the ``mesh`` fixture runs twice: with each identity listed as a user (``listed``: ``kvmesh
+up``, compose) and with none listed but the auth callout service's, a real ``python -m kvmesh.bus.auth_callout
+serve`` process that gives each certificate its own instance's permissions (``callout``: Kubernetes pools)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kvmesh import tls
@@ -27,22 +36,71 @@ IDENTITIES = [Identity(MeshRole.ROUTER, "router-0"), Identity(MeshRole.CACHESVC,
               Identity(MeshRole.DECODE, "decode-1"), Identity(MeshRole.ADMIN, "operator")]
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MeshCA, NatsServer]]:
-    d = tmp_path_factory.mktemp("nats-perm")
+@pytest.fixture(scope="module", params=["listed", "callout"])
+def mesh(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MeshCA, NatsServer]]:
+    d = tmp_path_factory.mktemp(f"nats-perm-{request.param}")
     ca = MeshCA.open(d / "tls")
     server = ca.issue(Identity(MeshRole.CLIENT, "nats"))
-    config = permissions.write_config(d / "nats.conf", IDENTITIES, SUBJECTS, str(server.cert), str(server.key),
-                                      str(server.ca))
-    with NatsServer(d / "nats", config=config) as nats:
+    if request.param == "listed":
+        config = permissions.write_config(d / "nats.conf", IDENTITIES, SUBJECTS, str(server.cert),
+                                          str(server.key), str(server.ca))
+        with NatsServer(d / "nats", config=config) as nats:
+            yield ca, nats
+        return
+    with callout_mesh(d, ca) as nats:
         yield ca, nats
 
 
-async def connect(mesh: tuple[MeshCA, NatsServer], role: MeshRole, instance: str) -> Bus:
+@contextlib.contextmanager
+def callout_mesh(d: Path, ca: MeshCA) -> Iterator[NatsServer]:
+    """A nats-server that lists no identity but the auth callout service's, and that service as a process of its
+    own, as ``deploy/k8s/components/nats-auth-callout`` runs them; yields once a member's connection is
+    authorised (the service is subscribed)."""
+    server = ca.issue(Identity(MeshRole.CLIENT, "nats"))
+    seed = d / "issuer.nk"
+    keygen = subprocess.run([sys.executable, "-m", "kvmesh.bus.auth_callout", "keygen", str(seed)],
+                            capture_output=True, text=True, check=True, env=child_env({}))
+    config = permissions.write_config(d / "nats.conf", [], SUBJECTS, str(server.cert), str(server.key),
+                                      str(server.ca), auth_callout=keygen.stdout.strip())
+    with NatsServer(d / "nats", config=config) as nats, open(d / "callout.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvmesh.bus.auth_callout", "serve", "--nats", nats.url,
+                                 "--issuer-seed", str(seed), "--cluster", SUBJECTS.cluster],
+                                env=child_env(ca.issue(permissions.CALLOUT_IDENTITY).env()), stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # a member is authorised once the service has subscribed
+                try:
+                    run(connect_and_close((ca, nats), MeshRole.PREFILL, "probe"))
+                    break
+                except ConnectionError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the auth callout service did not start: "
+                                           f"{(d / 'callout.log').read_text()[-2000:]}") from None
+            yield nats
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "libs"), str(root), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+async def connect_and_close(mesh: tuple[MeshCA, NatsServer], role: MeshRole, instance: str) -> None:
+    bus = await connect(mesh, role, instance, timeout_s=1.0)
+    await bus.close()
+
+
+async def connect(mesh: tuple[MeshCA, NatsServer], role: MeshRole, instance: str, timeout_s: float = 3.0) -> Bus:
     ca, nats = mesh
     files = ca.issue(Identity(role, instance))
     cfg = SharedSettings(**{k.removeprefix("KVMESH_").lower(): v for k, v in files.env().items()})
-    return await Bus.connect(nats.url, instance, tls=tls.bus_tls(cfg), connect_timeout_s=3.0)
+    return await Bus.connect(nats.url, instance, tls=tls.bus_tls(cfg), connect_timeout_s=timeout_s)
 
 
 def beat(role: str, instance: str) -> Heartbeat:
@@ -119,16 +177,56 @@ def test_an_engine_can_neither_beat_as_another_nor_read_anothers_kv_ready(mesh, 
     assert "permissions violation for subscription" in text
 
 
-@pytest.mark.parametrize("who", [None, Identity(MeshRole.DECODE, "decode-7")], ids=["no-certificate", "no-user"])
-def test_a_connection_without_a_known_identity_is_refused(mesh, who):
+@pytest.mark.parametrize("who", [None, Identity(MeshRole.DECODE, "decode-7"), Identity(MeshRole.CLIENT, "hc")],
+                         ids=["no-certificate", "no-user", "nothing-to-do"])
+def test_a_connection_without_a_known_identity_is_refused(mesh, who, request):
+    """No certificate; a certificate no user is listed for (the callout gives any mesh identity its own user:
+    it must connect there); a role with nothing to do on the bus (a health check's)."""
+    callout = request.node.callspec.params["mesh"] == "callout"
+
     async def body() -> None:
         if who is None:
             await Bus.connect(mesh[1].url, "anonymous", connect_timeout_s=2.0)
         else:
-            await connect(mesh, who.role, who.instance)
+            await connect_and_close(mesh, who.role, who.instance)
 
+    if callout and who == Identity(MeshRole.DECODE, "decode-7"):
+        run(body())
+        return
     with pytest.raises(ConnectionError):
         run(body())
+
+
+def test_the_callout_gives_an_instance_no_listed_user_its_own_subjects_only(tmp_path, caplog):
+    """Two decode instances that no configuration names (pods of a Deployment): each may beat and read kv.ready
+    as itself and as no one else; a certificate of another CA is refused at the handshake."""
+    ca = MeshCA.open(tmp_path / "tls")
+    with callout_mesh(tmp_path, ca) as nats:
+        async def body() -> None:
+            router = await connect((ca, nats), MeshRole.ROUTER, "router-a")
+            one = await connect((ca, nats), MeshRole.DECODE, "decode-5f7c9-x2k4q")
+            beats: asyncio.Queue = asyncio.Queue()
+            await router.subscribe(SUBJECTS.heartbeats_all, lambda m, h: beats.put(m))
+            await one.publish(SUBJECTS.heartbeat("decode", "decode-5f7c9-x2k4q"), beat("decode", "decode-5f7c9-x2k4q"))
+            assert (await asyncio.wait_for(beats.get(), 5)).instance_id == "decode-5f7c9-x2k4q"
+            await one.publish(SUBJECTS.heartbeat("decode", "decode-5f7c9-zz9"), beat("decode", "decode-5f7c9-zz9"))
+            await one.subscribe(SUBJECTS.kv_ready("decode-5f7c9-zz9"), lambda m, h: beats.put(m))
+            await router.publish(SUBJECTS.kv_ready("decode-5f7c9-zz9"), beat("decode", "x"))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(beats.get(), 0.5)
+            for bus in (router, one):
+                await bus.close()
+            other = MeshCA.open(tmp_path / "other-ca").issue(Identity(MeshRole.DECODE, "decode-5f7c9-zz9"))
+            env = {k.removeprefix("KVMESH_").lower(): v for k, v in other.env().items()}
+            cfg = SharedSettings(**{**env, "tls_ca": str(ca.ca_path)})  # it trusts the server, not vice versa
+            with pytest.raises(ConnectionError):
+                await Bus.connect(nats.url, "forger", tls=tls.bus_tls(cfg), connect_timeout_s=2.0)
+
+        with caplog.at_level(logging.WARNING, logger="kvmesh.bus.bus"):
+            run(body())
+    text = caplog.text.lower()
+    assert text.count("permissions violation for publish") == 1
+    assert "permissions violation for subscription" in text
 
 
 @pytest.mark.parametrize(("subject", "msg", "ok"), [

@@ -48,6 +48,7 @@ from kvmesh.contracts.ids import subject_token
 from kvmesh.identity import SPIFFE_PREFIX, Identity, MeshRole
 
 SNAPSHOT_CHUNKS = 10_000  # answers one snapshot request may take (a chunk fills the server's max payload)
+CALLOUT_IDENTITY = Identity(MeshRole.CLIENT, "nats-auth")  # the auth callout service's own (kvmesh.bus.auth_callout)
 
 
 @dataclass(frozen=True)
@@ -105,14 +106,34 @@ def user(identity: Identity, subjects: Subjects, any_instance: bool = False) -> 
     return {"user": identity.uri, "permissions": out}
 
 
+def callout_user(identity: Identity) -> dict[str, object]:
+    """The auth callout service's own user (``kvmesh.bus.auth_callout``): it may only answer the server's
+    authorization requests."""
+    return {"user": identity.uri,
+            "permissions": {"publish": {"deny": [">"]},
+                            "subscribe": {"allow": ["$SYS.REQ.USER.AUTH", f"{inbox_prefix(identity)}.>"]},
+                            "allow_responses": {"max": 1, "expires": "10s"}}}
+
+
 def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects, cert: str, key: str, ca: str,
-                 any_instance: bool = False, settings: str = "") -> Path:
+                 any_instance: bool = False, settings: str = "", auth_callout: str = "",
+                 callout_identity: Identity | None = None) -> Path:
     """A nats-server configuration: mutual TLS with the mesh CA, each certificate mapped to its user, one user per
     identity (``any_instance``: each speaks for every replica of its role). Without ``settings`` it is JSON (valid
     nats-server configuration) and listen address, JetStream and store come as flags; ``settings`` (configuration
-    text: listen, JetStream, max_payload, with no ``tls`` or ``authorization`` of its own) is written first."""
+    text: listen, JetStream, max_payload, with no ``tls`` or ``authorization`` of its own) is written first.
+
+    ``auth_callout`` (the issuer's public account nkey): every certificate not listed in ``identities`` is
+    authorised by the auth callout service holding ``callout_identity`` (``kvmesh.bus.auth_callout``), which gives
+    each identity its own instance's permissions; ``identities`` may then be empty."""
+    users = [user(who, subjects, any_instance) for who in identities]
+    authorization: dict[str, object] = {"users": users}
+    if auth_callout:
+        caller = callout_identity or CALLOUT_IDENTITY
+        users.append(callout_user(caller))
+        authorization["auth_callout"] = {"issuer": auth_callout, "auth_users": [caller.uri]}
     config = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
-              "authorization": {"users": [user(who, subjects, any_instance) for who in identities]}}
+              "authorization": authorization}
     if not settings:
         path.write_text(json.dumps(config, indent=2) + "\n")
         return path
@@ -123,21 +144,31 @@ def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects,
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m kvmesh.bus.permissions CONF --cert C --key K --ca CA ROLE/INSTANCE ...``: a nats-server
-    configuration with a user per mesh identity (compose's ``mesh-certs`` step; deploy/k8s/components/tls)."""
+    configuration with a user per mesh identity (compose's ``mesh-certs`` step; deploy/k8s/components/tls), and
+    with ``--auth-callout ISSUER`` the others authorised by ``kvmesh.bus.auth_callout``."""
     parser = argparse.ArgumentParser(prog="python -m kvmesh.bus.permissions", description=main.__doc__)
     parser.add_argument("conf", type=Path, help="the configuration to write")
-    parser.add_argument("identities", nargs="+", metavar="ROLE/INSTANCE", help="one NATS user each")
+    parser.add_argument("identities", nargs="*", metavar="ROLE/INSTANCE", help="one NATS user each")
     parser.add_argument("--cluster", default="default", help="the cluster whose subjects the users may use")
     for name, what in (("cert", "certificate"), ("key", "key"), ("ca", "the mesh CA")):
         parser.add_argument(f"--{name}", required=True, help=f"nats-server's {what}, as a path where it runs")
     parser.add_argument("--settings", type=Path, help="nats-server configuration to start from (listen, JetStream)")
     parser.add_argument("--any-instance", action="store_true",
                         help="every replica of a role holds its role's one certificate")
-    args = parser.parse_args(argv)
+    parser.add_argument("--auth-callout", metavar="ISSUER", default="",
+                        help="authorise every other certificate through the auth callout service "
+                             "(kvmesh.bus.auth_callout) whose issuer has this public account nkey")
+    parser.add_argument("--callout-identity", metavar="ROLE/INSTANCE", default=str(CALLOUT_IDENTITY),
+                        help="the auth callout service's certificate (with --auth-callout)")
+    args = parser.parse_intermixed_args(argv)  # identities may follow the options
+    if not args.identities and not args.auth_callout:
+        parser.error("name at least one ROLE/INSTANCE, or --auth-callout")
     who = [Identity.parse(f"{SPIFFE_PREFIX}{name}") for name in args.identities]
+    caller = Identity.parse(f"{SPIFFE_PREFIX}{args.callout_identity}")
     write_config(args.conf, who, Subjects(args.cluster), args.cert, args.key, args.ca, args.any_instance,
-                 args.settings.read_text() if args.settings else "")
-    print(f"{args.conf}: {len(who)} NATS users")
+                 args.settings.read_text() if args.settings else "", args.auth_callout, caller)
+    print(f"{args.conf}: {len(who)} NATS users" + (f", the others by auth callout as {caller.uri}"
+                                                     if args.auth_callout else ""))
 
 
 if __name__ == "__main__":
