@@ -29,7 +29,8 @@ CUSTOM = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"
           ("monitoring.coreos.com/v1", "ServiceMonitor")}
 WORKLOADS = ("Deployment", "StatefulSet")
 SERVICES = {"services.router": "router", "services.prefill": "prefill", "services.decode": "decode",
-            "services.cachesvc": "cachesvc", "app.plan": "planner"}
+            "services.cachesvc": "cachesvc", "app.plan": "planner",
+            "kvmesh.bus.auth_callout": "nats-auth"}  # components/nats-auth-callout: a sidecar of nats-server
 HEALTHCHECK = ["python", "/opt/kvmesh/docker/healthcheck.py"]
 ROUTER_HTTP_PATHS = {"/health"}  # services/router/http_api.py's GET routes the probes may use
 
@@ -54,6 +55,7 @@ SHARD_FLOWS = {("cachesvc", "cachesvc", "grpc")}
 # (JetStream's meta group, the events stream's copies)
 NATS_CLUSTER_FLOWS = {("nats", "nats", "cluster")}
 NATS_NODES = {"pd": 3}  # the overlays that list components/nats-cluster, and its node count; the others run one
+TLS_VARIABLES = {"KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA", "KVMESH_TLS_SERVER_NAME"}
 CLIENT_FLOWS = {("router", "http"), ("router", "grpc")}  # from any namespace
 SCRAPES = CLIENT_FLOWS | {(role, "metrics") for role in ("router", "prefill", "decode", "cachesvc")}  # `monitoring`
 
@@ -87,7 +89,7 @@ class Container(NamedTuple):
 
     @property
     def service(self) -> str:
-        """router, prefill, decode, cachesvc, planner or nats, from the command it runs."""
+        """router, prefill, decode, cachesvc, planner, nats or nats-auth, from the command it runs."""
         args = self.spec["args"]
         return "nats" if args[0] == "nats-server" else SERVICES[args[2]]
 
@@ -140,6 +142,8 @@ def served_ports(container: Container, files: Path) -> dict[int, str]:
     if container.service == "planner":  # its flags are its configuration (app/plan.py): /health only
         args = container.spec["args"]
         return {int(args[args.index("--health-port") + 1]): "http"}
+    if container.service == "nats-auth":  # a NATS client only
+        return {}
     if container.service == "nats":
         args = container.spec["args"]
         listen = re.search(r'^listen:\s*"[^"]*:(\d+)"', (ROOT / "docker" / "nats.conf").read_text(), re.MULTILINE)
@@ -191,6 +195,14 @@ def test_every_container_environment_loads_as_its_services_settings(overlay: str
             assert not [n for n in env if not n.startswith("KVMESH_TLS_")], "the planner has flags"
             settings.load([], env=environment(c, tmp_path))  # an unknown KVMESH_* variable or a bad value raises
             parse_planner(c.spec["args"])
+        elif c.service == "nats-auth":  # flags, its certificate and cluster from the environment
+            from kvmesh.bus import auth_callout
+
+            env = environment(c, tmp_path)
+            assert {n for n in env if n.startswith("KVMESH_")} <= {"KVMESH_CLUSTER", *TLS_VARIABLES}, c.workload
+            cfg = settings.load([], env=env)
+            args = auth_callout.parser().parse_args(c.spec["args"][3:])
+            assert args.command == "serve" and cfg.shared.tls_cert and cfg.shared.tls_ca, c.workload
         elif c.service != "nats":
             loaded(c, tmp_path)  # an unknown KVMESH_* variable or a bad value raises, naming it
 
@@ -233,6 +245,9 @@ def test_probes_ask_the_health_endpoints_the_service_serves(overlay: str, tmp_pa
                 assert served.get(port) == "http", f"{where}: {probe} (serves {served})"
                 allowed = {"/healthz"} if c.service == "nats" else ROUTER_HTTP_PATHS
                 assert path in allowed, f"{where}: {path} is not one of {allowed}"
+            elif c.service == "nats-auth":  # the ready file it writes once it answers
+                args = c.spec["args"]
+                assert probe["exec"]["command"] == ["cat", args[args.index("--ready-file") + 1]], f"{where}: {probe}"
             else:
                 assert probe.get("exec", {}).get("command") == HEALTHCHECK, f"{where}: {probe}"
                 assert "docker/healthcheck.py" in dockerfile and c.service != "nats", where
@@ -246,7 +261,7 @@ def env_of(container: Container) -> dict[str, str]:
 
 def test_services_target_ports_their_pods_declare(overlay: str) -> None:
     objs = render(overlay)
-    pods = containers(overlay)
+    pods = pod_templates(overlay)
     for svc in (o for o in objs if o["kind"] == "Service"):
         selected = [c for c in pods if svc["spec"]["selector"].items() <= c.labels.items()]
         assert selected, f"Service {svc['metadata']['name']} selects no pod"
@@ -271,6 +286,9 @@ def test_every_image_is_a_dockerfile_target_that_runs_the_same_service(overlay: 
         target = name.removeprefix("kvmesh/")
         assert target in stages, f"{c.workload}: no target {target!r} in docker/Dockerfile"
         cmd, args = stages[target], c.spec["args"]
+        if c.service == "nats-auth":  # the nats image has kvmesh installed (runtime-light)
+            assert target == "nats", f"{c.workload}: the auth callout sidecar runs in {target}, not the nats image"
+            continue
         assert cmd and (cmd[:1] == args[:1] == ["nats-server"] or cmd[2] == args[2]
                         or {cmd[2], args[2]} <= engines), f"{c.workload}: image {target} runs {cmd}, not {args}"
 
@@ -329,8 +347,21 @@ def allowed(policies: list[dict[str, Any]], src: Pod, dst: Pod, port: str) -> bo
 
 def mesh(overlay: str) -> tuple[list[dict[str, Any]], list[Pod]]:
     policies = [o for o in render(overlay) if o["kind"] == "NetworkPolicy"]
-    pods = [Pod(c.labels["app.kubernetes.io/component"], c.namespace, c.labels, c.ports) for c in containers(overlay)]
+    pods = [Pod(c.labels["app.kubernetes.io/component"], c.namespace, c.labels, c.ports)
+            for c in pod_templates(overlay)]
     return policies, pods
+
+
+def pod_templates(overlay: str) -> list[Container]:
+    """One entry per workload: its first container (the service) with the ports of all its containers (a
+    sidecar's, where one declares any)."""
+    pods: dict[str, Container] = {}
+    for c in containers(overlay):
+        if c.workload in pods:
+            pods[c.workload].spec.setdefault("ports", []).extend(c.spec.get("ports", []))
+        else:
+            pods[c.workload] = c._replace(spec={**c.spec, "ports": list(c.spec.get("ports", []))})
+    return list(pods.values())
 
 
 def test_network_policies_admit_exactly_the_mesh_flows(overlay: str) -> None:
@@ -642,7 +673,7 @@ def test_no_nats_url_carries_a_password_and_no_secret_holds_one(overlay: str) ->
     for c in containers(overlay):
         names = {v["name"] for v in c.spec.get("env", [])}
         assert not [n for n in names if n.startswith("NATS_")], f"{c.workload}: {sorted(names)}"
-        if c.service != "nats":
+        if c.service not in ("nats", "nats-auth"):
             assert "@" not in nats_url(c), f"{c.workload}: {nats_url(c)} (NATS authenticates by certificate)"
     refs = re.findall(r"secretKeyRef: \{[^}]*name: (\S+?),", yaml.safe_dump_all(render(overlay), width=1000,
                                                                                   default_flow_style=True))
@@ -660,51 +691,115 @@ def test_nats_requires_tls_and_maps_each_role_certificate_to_its_user(overlay: s
     """Where the services present certificates (components/tls), nats-server runs the ConfigMap's nats.conf:
     mutual TLS with the mesh CA, ``verify_and_map``, and a user named by each certificate's URI SAN
     (cert-manager's ``uris``) for every container that connects to NATS, under the cluster they all use; its own
-    certificate names kvmesh.mesh, the server name clients expect. Without TLS no service presents one."""
+    certificate names kvmesh.mesh, the server name clients expect. Without TLS no service presents one. With
+    components/nats-auth-callout the one listed user is the callout sidecar's, which answers for the others
+    (``test_engine_pods_hold_certificates_of_their_own_and_nats_asks_the_callout_about_them``)."""
     objects = render(overlay)
-    by_name = {(o["kind"], o["metadata"]["name"]): o for o in objects}
-    members = [c for c in containers(overlay) if c.service != "nats"]
+    members = [c for c in containers(overlay) if c.service not in ("nats", "nats-auth")]
     if not any(env_of(c).get("KVMESH_TLS_CERT") for c in members):
         assert not any("tls" in str(c.spec.get("volumeMounts")) for c in containers(overlay)), overlay
         return
     certificates = {o["spec"]["secretName"]: o["spec"] for o in objects if o["kind"] == "Certificate"}
     workload = {w["metadata"]["name"]: w for w in workloads(overlay)}
-    (nats,) = [c for c in containers(overlay) if c.service == "nats"]
-    conf_path = nats.spec["args"][nats.spec["args"].index("-c") + 1]
-    source = mounted(nats, workload[nats.workload], conf_path)["configMap"]["name"]
-    conf = by_name[("ConfigMap", source)]["data"][Path(conf_path).name]
+    nats = the_nats(overlay)
+    conf = nats_conf(overlay)
     tls = yaml.safe_load("{" + conf.split("tls: {", 1)[1].split("}", 1)[0] + "}")
     assert tls["verify_and_map"] is True, "nats-server must require and map client certificates"
     secret = mounted(nats, workload[nats.workload], tls["cert_file"])["secret"]["secretName"]
     assert "kvmesh.mesh" in certificates[secret]["dnsNames"]
     users = set(re.findall(r'"user": "(spiffe://kvmesh/[^"]+)"', conf))
-    clusters = set(re.findall(r'"kvmesh\.([^.]+)\.', conf))
+    callout = "auth_callout" in conf
+    clusters = {env_of(c)["KVMESH_CLUSTER"] for c in containers(overlay) if c.service == "nats-auth"} if callout \
+        else set(re.findall(r'"kvmesh\.([^.]+)\.', conf))
     for c in members:
         env = env_of(c)
         assert env.get("KVMESH_TLS_CERT"), f"{c.workload}: connects to NATS without a certificate"
-        secret = mounted(c, workload[c.workload], env["KVMESH_TLS_CERT"])["secret"]["secretName"]
-        uris = certificates[secret].get("uris", [])
-        assert uris and uris[0] in users, f"{c.workload}: {secret} names {uris}, no NATS user ({sorted(users)})"
+        volume = mounted(c, workload[c.workload], env["KVMESH_TLS_CERT"])
+        if "csi" in volume:  # a certificate of the pod's own: its user comes from the callout
+            assert callout, f"{c.workload}: a per-pod certificate, but nats.conf lists users only"
+        else:
+            uris = certificates[volume["secret"]["secretName"]].get("uris", [])
+            assert uris and (callout or uris[0] in users), f"{c.workload}: names {uris}, no NATS user ({users})"
         args = c.spec["args"]
         cluster = args[args.index("--cluster") + 1] if c.service == "planner" else env["KVMESH_CLUSTER"]
         assert clusters == {cluster}, f"{c.workload}: cluster {cluster}, nats.conf's users {clusters}"
 
 
+def nats_conf(overlay: str) -> str:
+    """The nats.conf nats-server runs (the ConfigMap mounted where its -c points)."""
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in render(overlay)}
+    nats = the_nats(overlay)
+    conf_path = nats.spec["args"][nats.spec["args"].index("-c") + 1]
+    workload = next(w for w in workloads(overlay) if w["metadata"]["name"] == nats.workload)
+    source = mounted(nats, workload, conf_path)["configMap"]["name"]
+    return by_name[("ConfigMap", source)]["data"][Path(conf_path).name]
+
+
+def callout_overlays() -> list[str]:
+    return [o for o in OVERLAYS if any(c.service == "nats-auth" for c in containers(o))]
+
+
+def test_the_pd_overlay_asks_an_auth_callout_for_the_engines_nats_users() -> None:
+    assert "pd" in callout_overlays()
+
+
+@pytest.mark.parametrize("overlay", callout_overlays())
+def test_engine_pods_hold_certificates_of_their_own_and_nats_asks_the_callout_about_them(overlay: str) -> None:
+    """components/nats-auth-callout: every engine pod's certificate comes from cert-manager's csi-driver and names
+    spiffe://kvmesh/<its role>/<its pod>, the instance id it runs as; nats.conf lists the sidecar's certificate
+    alone, as an auth user of auth_callout, whose issuer nats-server reads from the Secret the sidecar's seed is
+    in; every NATS node runs the sidecar, dialling its own node."""
+    objects = render(overlay)
+    issuers = {o["metadata"]["name"] for o in objects if o["kind"] == "Issuer"}
+    certificates = {o["spec"]["secretName"]: o["spec"] for o in objects if o["kind"] == "Certificate"}
+    workload = {w["metadata"]["name"]: w for w in workloads(overlay)}
+    engines = [c for c in containers(overlay) if c.service in ("prefill", "decode")]
+    assert engines
+    for c in engines:
+        env = {v["name"]: v for v in c.spec["env"]}
+        volume = mounted(c, workload[c.workload], env["KVMESH_TLS_CERT"]["value"])
+        attrs = volume["csi"]["volumeAttributes"]
+        assert volume["csi"]["driver"] == "csi.cert-manager.io" and attrs["csi.cert-manager.io/issuer-name"] in issuers
+        assert attrs["csi.cert-manager.io/uri-sans"] == f"spiffe://kvmesh/{c.service}/${{POD_NAME}}", c.workload
+        assert "kvmesh.mesh" in attrs["csi.cert-manager.io/dns-names"].split(","), c.workload
+        assert "client auth" in attrs["csi.cert-manager.io/key-usages"], c.workload
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", c.workload
+        assert env["KVMESH_INSTANCE_ID"]["value"] == "$(POD_NAME)", c.workload  # the instance its subjects name
+        pod = workload[c.workload]["spec"]["template"]["spec"]
+        assert not [v for v in pod["volumes"] if "secret" in v and v["secret"]["secretName"].startswith("kvmesh-tls")]
+    conf = nats_conf(overlay)
+    (sidecar,) = [c for c in containers(overlay) if c.service == "nats-auth"]
+    assert sidecar.workload == the_nats(overlay).workload, "the sidecar runs in every NATS pod"
+    args = sidecar.spec["args"]
+    assert args[args.index("--nats") + 1] == "nats://127.0.0.1:4222"
+    volume = mounted(sidecar, workload[sidecar.workload], env_of(sidecar)["KVMESH_TLS_CERT"])
+    (uri,) = certificates[volume["secret"]["secretName"]]["uris"]
+    assert set(re.findall(r'"user": "(spiffe://kvmesh/[^"]+)"', conf)) == {uri}
+    callout = yaml.safe_load("{" + conf.split('"auth_callout": {', 1)[1].split("}", 1)[0]
+                             .replace("$AUTH_CALLOUT_ISSUER", '"$AUTH_CALLOUT_ISSUER"') + "}")
+    assert callout == {"issuer": "$AUTH_CALLOUT_ISSUER", "auth_users": [uri]}
+    issuer = {v["name"]: v for v in the_nats(overlay).spec["env"]}["AUTH_CALLOUT_ISSUER"]["valueFrom"]["secretKeyRef"]
+    seed = mounted(sidecar, workload[sidecar.workload], args[args.index("--issuer-seed") + 1])["secret"]
+    assert issuer["name"] == seed["secretName"] and [i["key"] for i in seed["items"]] == ["seed"]
+
+
 def test_the_tls_components_nats_conf_is_what_its_command_writes(tmp_path: Path) -> None:
-    """components/tls/nats.conf is generated (python -m kvmesh.bus.permissions, the command in its
-    kustomization.yaml): run again, it writes the same, so it follows docker/nats.conf and the role permissions."""
+    """components/tls/nats.conf and components/nats-auth-callout/nats.conf are generated (python -m
+    kvmesh.bus.permissions, the command in each kustomization.yaml): run again, each writes the same, so they
+    follow docker/nats.conf and the role permissions."""
     import shlex
 
     from kvmesh.bus import permissions
 
-    text = (TLS_COMPONENT / "kustomization.yaml").read_text()
-    lines = text.split("#   python -m kvmesh.bus.permissions ", 1)[1].split("\napiVersion", 1)[0]
-    argv = shlex.split(lines.replace("\\\n#    ", " ").replace("\\\n#", " "))
-    assert argv[0] == "deploy/k8s/components/tls/nats.conf", argv
-    argv[argv.index("docker/nats.conf")] = str(ROOT / "docker" / "nats.conf")
-    permissions.main([str(tmp_path / "nats.conf"), *argv[1:]])
-    assert (tmp_path / "nats.conf").read_text() == (TLS_COMPONENT / "nats.conf").read_text(), (
-        "deploy/k8s/components/tls/nats.conf is stale: rerun the command in its kustomization.yaml")
+    for component in (TLS_COMPONENT, K8S / "components" / "nats-auth-callout"):
+        text = (component / "kustomization.yaml").read_text()
+        lines = text.split("#   python -m kvmesh.bus.permissions ", 1)[1].split("\n#\n", 1)[0].split("\napiVersion")[0]
+        argv = shlex.split(lines.replace("\\\n#    ", " ").replace("\\\n#", " "))
+        assert argv[0] == f"deploy/k8s/components/{component.name}/nats.conf", argv
+        argv[argv.index("docker/nats.conf")] = str(ROOT / "docker" / "nats.conf")
+        permissions.main([str(tmp_path / "nats.conf"), *argv[1:]])
+        assert (tmp_path / "nats.conf").read_text() == (component / "nats.conf").read_text(), (
+            f"deploy/k8s/components/{component.name}/nats.conf is stale: rerun the command in its kustomization.yaml")
 
 
 # -- NATS as a cluster (components/nats-cluster) --------------------------------------------------------------------
@@ -794,7 +889,7 @@ def test_every_service_keeps_as_many_copies_of_the_events_stream_as_there_are_na
     """KVMESH_EVENTS_REPLICAS is the same in every process (each re-declares the stream at start): 3 on a
     three-node cluster, the default 1 on one node (where more copies cannot be placed)."""
     replicas = nats_nodes(overlay)
-    members = [c for c in containers(overlay) if c.service not in ("nats", "planner")]
+    members = [c for c in containers(overlay) if c.service not in ("nats", "planner", "nats-auth")]
     assert members
     for c in members:
         assert loaded(c, tmp_path).shared.events_replicas == replicas, c.workload

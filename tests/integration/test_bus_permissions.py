@@ -61,27 +61,30 @@ def callout_mesh(d: Path, ca: MeshCA) -> Iterator[NatsServer]:
     seed = d / "issuer.nk"
     keygen = subprocess.run([sys.executable, "-m", "kvmesh.bus.auth_callout", "keygen", str(seed)],
                             capture_output=True, text=True, check=True, env=child_env({}))
+    # the issuer by reference, as components/nats-auth-callout's nats.conf has it
     config = permissions.write_config(d / "nats.conf", [], SUBJECTS, str(server.cert), str(server.key),
-                                      str(server.ca), auth_callout=keygen.stdout.strip())
-    with NatsServer(d / "nats", config=config) as nats, open(d / "callout.log", "wb") as out:
+                                      str(server.ca), auth_callout="$AUTH_CALLOUT_ISSUER")
+    with NatsServer(d / "nats", config=config, env={"AUTH_CALLOUT_ISSUER": keygen.stdout.strip()}) as nats, \
+            open(d / "callout.log", "wb") as out:
+        ready = d / "callout.ready"
         proc = subprocess.Popen([sys.executable, "-m", "kvmesh.bus.auth_callout", "serve", "--nats", nats.url,
-                                 "--issuer-seed", str(seed), "--cluster", SUBJECTS.cluster],
+                                 "--issuer-seed", str(seed), "--cluster", SUBJECTS.cluster, "--ready-file",
+                                 str(ready)],
                                 env=child_env(ca.issue(permissions.CALLOUT_IDENTITY).env()), stdout=out,
                                 stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
-            while True:  # a member is authorised once the service has subscribed
-                try:
-                    run(connect_and_close((ca, nats), MeshRole.PREFILL, "probe"))
-                    break
-                except ConnectionError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"the auth callout service did not start: "
-                                           f"{(d / 'callout.log').read_text()[-2000:]}") from None
+            while not ready.exists():  # written once it has subscribed
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the auth callout service did not start: "
+                                       f"{(d / 'callout.log').read_text()[-2000:]}")
+                time.sleep(0.05)
+            run(connect_and_close((ca, nats), MeshRole.PREFILL, "probe"))
             yield nats
         finally:
             proc.terminate()
             proc.wait(10)
+        assert not ready.exists(), "the ready file outlived the service"
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:

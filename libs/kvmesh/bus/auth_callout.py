@@ -219,9 +219,11 @@ def load_ca(path: str | Path) -> bytes:
 
 
 # ---- the service -----------------------------------------------------------------------------------------------
-async def serve(callout: Callout, nats_url: str, stop: asyncio.Event, connect_timeout_s: float = 10.0) -> None:
+async def serve(callout: Callout, nats_url: str, stop: asyncio.Event, connect_timeout_s: float = 10.0,
+                ready_file: Path | None = None) -> None:
     """Answer ``$SYS.REQ.USER.AUTH`` on ``nats_url`` as this process's mesh identity (``KVMESH_TLS_*``) until
-    ``stop`` is set."""
+    ``stop`` is set. ``ready_file`` exists while the service is subscribed (a probe's: until then nats-server can
+    authorise no member, so its pod should take no connection)."""
     from kvmesh import tls
     from kvmesh.bus.bus import Bus
 
@@ -238,14 +240,18 @@ async def serve(callout: Callout, nats_url: str, stop: asyncio.Event, connect_ti
     await bus.nc.subscribe(CALLOUT_SUBJECT, cb=on_request)
     await bus.nc.flush()
     log.info("answering NATS auth callouts on %s as issuer %s", nats_url, public_key(callout.issuer))
+    if ready_file:
+        ready_file.write_text(f"{os.getpid()}\n")
     try:
         await stop.wait()
     finally:
+        if ready_file:
+            ready_file.unlink(missing_ok=True)
         await bus.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m kvmesh.bus.auth_callout keygen SEED_FILE`` | ``serve``: see the module."""
+def parser() -> argparse.ArgumentParser:
+    """``python -m kvmesh.bus.auth_callout keygen SEED_FILE`` | ``serve ...``."""
     parser = argparse.ArgumentParser(prog="python -m kvmesh.bus.auth_callout", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     keygen = commands.add_parser("keygen", help="write a new issuer seed; print its public key")
@@ -253,11 +259,17 @@ def main(argv: list[str] | None = None) -> None:
     run = commands.add_parser("serve", help="answer nats-server's authorization requests")
     run.add_argument("--nats", default=os.environ.get("KVMESH_NATS_URL", "nats://127.0.0.1:4222"),
                      help="nats-server to answer (KVMESH_NATS_URL)")
-    run.add_argument("--issuer-seed", type=Path, default=os.environ.get("KVMESH_NATS_ISSUER_SEED_FILE"),
-                     help="the issuer's seed file (KVMESH_NATS_ISSUER_SEED_FILE)")
+    run.add_argument("--issuer-seed", type=Path, required=True, help="the issuer's seed file (`keygen` writes it)")
     run.add_argument("--cluster", default=os.environ.get("KVMESH_CLUSTER", "default"),
                      help="the kvmesh cluster whose subjects users get (KVMESH_CLUSTER)")
-    args = parser.parse_args(argv)
+    run.add_argument("--ready-file", type=Path, help="a file that exists while the service answers (for probes)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvmesh.bus.auth_callout keygen SEED_FILE`` | ``serve``: see the module."""
+    cli = parser()
+    args = cli.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "keygen":
         seed = new_issuer_seed()
@@ -268,9 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     from kvmesh import tls
 
     cfg = tls.settings()
-    if not (args.issuer_seed and cfg.tls_ca and cfg.tls_cert):
-        parser.error("serve needs --issuer-seed and this service's mesh certificate (KVMESH_TLS_CERT, "
-                     "KVMESH_TLS_KEY, KVMESH_TLS_CA)")
+    if not (cfg.tls_ca and cfg.tls_cert):
+        cli.error("serve needs this service's mesh certificate (KVMESH_TLS_CERT, KVMESH_TLS_KEY, KVMESH_TLS_CA)")
     callout = Callout(issuer_from_seed(args.issuer_seed.read_bytes()), Subjects(args.cluster), load_ca(cfg.tls_ca))
     stop = asyncio.Event()
 
@@ -278,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(callout, args.nats, stop)
+        await serve(callout, args.nats, stop, ready_file=args.ready_file)
 
     asyncio.run(run_until_signal())
 

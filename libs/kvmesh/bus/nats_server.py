@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import socket
@@ -60,9 +61,11 @@ class NatsServer:
     """
 
     def __init__(self, state_dir: str | Path, port: int | None = None, host: str = "127.0.0.1",
-                 start_timeout_s: float = 10.0, config: Path | None = None) -> None:
+                 start_timeout_s: float = 10.0, config: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.config = config  # a configuration file (kvmesh.bus.permissions: TLS and users); flags override it
+        self.env = env or {}  # added to the server's environment ($NAME references in the configuration)
         self.host = host
         self.port = port or 0  # 0 until the first start has bound one
         self._port_is_ours = False  # True once a start on port 0 bound self.port (restarts reuse it)
@@ -111,7 +114,8 @@ class NatsServer:
             cmd += ["--ports_file_dir", str(ports_dir)]
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server writes to it until stop()
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env={**os.environ, **self.env} if self.env else None)
         try:
             if not self.port:
                 self.port = self._read_ports_file(ports_dir)

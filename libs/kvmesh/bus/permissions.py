@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,11 +136,19 @@ def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects,
     config = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
               "authorization": authorization}
     if not settings:
-        path.write_text(json.dumps(config, indent=2) + "\n")
+        path.write_text(_variables(json.dumps(config, indent=2), auth_callout) + "\n")
         return path
     blocks = "".join(f"{name}: {json.dumps(value, indent=2)}\n" for name, value in config.items())
-    path.write_text(f"{settings.rstrip()}\n\n# written by kvmesh.bus.permissions\n{blocks}")
+    path.write_text(f"{settings.rstrip()}\n\n# written by kvmesh.bus.permissions\n{_variables(blocks, auth_callout)}")
     return path
+
+
+def _variables(text: str, issuer: str) -> str:
+    """An issuer given as ``$NAME`` is nats-server's reference to its environment variable: written unquoted (a
+    deployment whose issuer key is made at install time, not when this file is)."""
+    if re.fullmatch(r"\$[A-Za-z_][A-Za-z0-9_]*", issuer):
+        return text.replace(json.dumps(issuer), issuer)
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
