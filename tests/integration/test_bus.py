@@ -223,6 +223,19 @@ def test_ensure_events_stream_is_idempotent_and_applies_new_limits(nats_server, 
     run(body())
 
 
+def test_more_stream_copies_than_nats_servers_is_refused_naming_the_setting(nats_server, subjects):
+    async def body() -> None:
+        bus = await Bus.connect(nats_server.url, "test")
+        with pytest.raises(ValueError, match="KVMESH_EVENTS_REPLICAS"):
+            await bus.ensure_events_stream(subjects, replicas=3)  # a new stream
+        await bus.ensure_events_stream(subjects)
+        with pytest.raises(ValueError, match="may not exceed the number of servers"):
+            await bus.ensure_events_stream(subjects, replicas=3)  # an update
+        await bus.close()
+
+    run(body())
+
+
 def test_connect_gives_up_at_its_deadline():
     async def body(port: int) -> None:
         start = time.monotonic()

@@ -77,6 +77,16 @@ class BusTLS:
 POOL_EVENTS_SENDER = "pool"  # the instance id cachesvc's pool events carry (the index's name for the pool)
 
 
+def _replicas_hint(e: nats.js.errors.APIError, replicas: int) -> Exception:
+    """NATS's refusal of a stream with more copies than it has servers, as the setting to change; any other
+    refusal as it is."""
+    if replicas > 1 and "replicas" in (e.description or "").lower():
+        return ValueError(f"the KV events stream cannot keep {replicas} copies on this NATS ({e.description}): "
+                          f"KVMESH_EVENTS_REPLICAS ([shared] events_replicas) may not exceed the number of servers "
+                          f"in the NATS cluster (1 for a lone nats-server, as kvmesh up and compose run)")
+    return e
+
+
 def from_its_sender(subject: str, msg: Message) -> bool:
     """Whether a message on a subject that names its sender is that sender's: on ``kvmesh.<cluster>.heartbeat.
     <role>.<instance>`` a heartbeat of that role and instance, on ``...kv.events.<instance>`` a KV events batch of
@@ -268,8 +278,13 @@ class Bus:
                 return
             except nats.js.errors.BadRequestError as e:
                 if e.err_code != _STREAM_NAME_IN_USE:  # else another service created it meanwhile
-                    raise
-        await self.js.update_stream(config)
+                    raise _replicas_hint(e, replicas) from e
+            except nats.js.errors.APIError as e:
+                raise _replicas_hint(e, replicas) from e
+        try:
+            await self.js.update_stream(config)
+        except nats.js.errors.APIError as e:
+            raise _replicas_hint(e, replicas) from e
 
     async def publish_event(self, subject: str, batch: KVEventBatch, headers: dict[str, str] | None = None,
                             timeout_s: float = 5.0) -> int:
