@@ -75,6 +75,10 @@ def test_each_identity_gets_the_user_a_listed_identity_would_have(ca, callout, w
     assert response["iss"] == ac.public_key(callout.issuer) and "error" not in response["nats"]
     user = ac.decode_jwt(response["nats"]["jwt"])
     assert (user["sub"], user["aud"], user["name"], user["iss"]) == (USER, "$G", who.uri, response["iss"])
+    from cryptography import x509
+
+    leaf = x509.load_pem_x509_certificate(chain(ca, who)[0].encode())
+    assert user["exp"] == int(leaf.not_valid_after_utc.timestamp())  # the user ends with its certificate
     listed = permissions.user(who, SUBJECTS)["permissions"]
     assert user["nats"]["pub"] == listed["publish"] and user["nats"]["sub"] == listed["subscribe"]
     assert ("resp" in user["nats"]) == ("allow_responses" in listed)
@@ -96,7 +100,8 @@ def test_a_certificate_that_gives_nothing_on_the_bus_is_refused_with_the_reason(
         chain(other, Identity(MeshRole.DECODE, "d"))]})
     assert "nothing to do on the bus" in refusal(callout, {"verified_chains": [
         chain(ca, Identity(MeshRole.CLIENT, "healthcheck"))]})
-    assert callout.refused == before + 4
+    assert "does not parse" in refusal(callout, {"verified_chains": [["-----BEGIN CERTIFICATE-----\nxx\n"]]})
+    assert callout.refused == before + 5
 
 
 def test_a_message_that_is_not_a_servers_signed_request_gets_no_answer(ca, callout):

@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
 GLOBAL_ACCOUNT = "$G"  # nats-server's account for users of a configuration without accounts
 RESPONSES_TTL_NS = 60 * 10**9  # a granted reply subject stays open this long (as the listed users' "1m")
-USER_TTL_S = 0  # the user JWTs do not expire: nats-server keeps a connection's permissions while it lives
 _JWT_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 _DER = Encoding.DER
 
@@ -136,16 +135,19 @@ def decode_jwt(token: str) -> dict[str, Any]:
 
 
 # ---- the decision ----------------------------------------------------------------------------------------------
-def identity_of(client_tls: dict[str, Any], ca_der: bytes) -> Identity:
-    """The mesh identity in a verified client chain (``nats.client_tls`` of a request): its leaf's URI SAN. The
-    chain must end at the mesh CA (nats-server verified it against its ``ca_file``; a server that trusts more
-    CAs than the mesh's still gets no user for them)."""
+def identity_of(client_tls: dict[str, Any], ca_der: bytes) -> tuple[Identity, x509.Certificate]:
+    """The mesh identity in a verified client chain (``nats.client_tls`` of a request), its leaf's URI SAN, and
+    that leaf. The chain must end at the mesh CA (nats-server verified it against its ``ca_file``; a server that
+    trusts more CAs than the mesh's still gets no user for them)."""
     chains = client_tls.get("verified_chains") or []
     if not chains:
         raise Refused("no verified client certificate: nats-server must require one (tls { verify: true }) "
                       "signed by the mesh CA")
     for chain in chains:
-        certs = [x509.load_pem_x509_certificate(pem.encode()) for pem in chain]
+        try:
+            certs = [x509.load_pem_x509_certificate(str(pem).encode()) for pem in chain]
+        except ValueError as e:
+            raise Refused(f"a certificate of the client's chain does not parse: {e}") from None
         if not certs or certs[-1].public_bytes(_DER) != ca_der:
             continue
         try:
@@ -155,7 +157,7 @@ def identity_of(client_tls: dict[str, Any], ca_der: bytes) -> Identity:
             uris = []
         for uri in uris:
             try:
-                return Identity.parse(uri)
+                return Identity.parse(uri), certs[0]
             except ValueError:
                 continue
         raise Refused(f"the certificate {certs[0].subject.rfc4514_string()!r} names no mesh identity "
@@ -174,9 +176,9 @@ class Callout:
     granted: dict[str, int] = field(default_factory=dict)  # by role
     refused: int = 0
 
-    def user_claims(self, identity: Identity, user_nkey: str) -> dict[str, Any]:
-        """The user JWT's claims for ``identity``: its own permissions (``kvmesh.bus.permissions``); Refused when
-        its role may do nothing on the bus."""
+    def user_claims(self, identity: Identity, user_nkey: str, expires: int = 0) -> dict[str, Any]:
+        """The user JWT's claims for ``identity``: its own permissions (``kvmesh.bus.permissions``), until
+        ``expires`` (Unix seconds; 0 = while connected); Refused when its role may do nothing on the bus."""
         perms = permissions(identity, self.subjects)
         if not perms.publish and not perms.subscribe:
             raise Refused(f"{identity.uri}: role {identity.role} has nothing to do on the bus")
@@ -185,8 +187,8 @@ class Callout:
         if perms.responses:
             nats["resp"] = {"max": SNAPSHOT_CHUNKS, "ttl": RESPONSES_TTL_NS}
         claims: dict[str, Any] = {"sub": user_nkey, "aud": self.account, "name": identity.uri, "nats": nats}
-        if USER_TTL_S:
-            claims["exp"] = int(time.time()) + USER_TTL_S
+        if expires:
+            claims["exp"] = expires
         return claims
 
     def answer(self, request: bytes) -> bytes:
@@ -200,8 +202,11 @@ class Callout:
         response: dict[str, Any] = {"sub": user_nkey, "aud": server,
                                     "nats": {"type": "authorization_response", "version": 2}}
         try:
-            identity = identity_of(nats.get("client_tls") or {}, self.ca_der)
-            response["nats"]["jwt"] = encode_jwt(self.user_claims(identity, user_nkey), self.issuer)
+            identity, leaf = identity_of(nats.get("client_tls") or {}, self.ca_der)
+            # the user ends with its certificate: nats-server closes the connection then, and the member
+            # reconnects with the certificate that replaced it
+            expires = int(leaf.not_valid_after_utc.timestamp())
+            response["nats"]["jwt"] = encode_jwt(self.user_claims(identity, user_nkey, expires), self.issuer)
         except Refused as e:
             self.refused += 1
             client = nats.get("client_info") or {}
