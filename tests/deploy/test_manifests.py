@@ -897,6 +897,25 @@ def test_every_service_keeps_as_many_copies_of_the_events_stream_as_there_are_na
 
 
 @pytest.mark.parametrize("overlay", nats_cluster_overlays())
+def test_nats_routes_are_mutual_tls_to_names_the_nodes_certificate_holds(overlay: str, tmp_path: Path) -> None:
+    """Where NATS runs as a cluster with TLS, its nats.conf puts the routes under mutual TLS with the mesh CA
+    (tests/netns/test_nats_route_tls.py runs that configuration), and every route's host is a name the nodes'
+    certificate holds (the dialling node verifies it)."""
+    conf = nats_conf(overlay)
+    cluster = yaml.safe_load("{" + conf.split("cluster: {", 1)[1].split("}\n}", 1)[0] + "}}")
+    assert cluster["tls"]["verify"] is True and cluster["tls"]["ca_file"], cluster
+    nats = the_nats(overlay)
+    workload = next(w for w in workloads(overlay) if w["metadata"]["name"] == nats.workload)
+    secret = mounted(nats, workload, cluster["tls"]["cert_file"])["secret"]["secretName"]
+    (spec,) = [o["spec"] for o in render(overlay) if o["kind"] == "Certificate" and o["spec"]["secretName"] == secret]
+    args = nats_args(nats, tmp_path, 0)
+    hosts = {r.split("//", 1)[1].rpartition(":")[0] for r in args[args.index("--routes") + 1].split(",")}
+    for host in hosts:
+        assert any(n == host or (n.startswith("*.") and host.partition(".")[2] == n[2:]) for n in spec["dnsNames"]), (
+            f"{secret} names {spec['dnsNames']}, not the route host {host}")
+
+
+@pytest.mark.parametrize("overlay", nats_cluster_overlays())
 def test_network_policies_let_every_nats_node_route_to_the_others_and_nothing_else(overlay: str) -> None:
     policies, pods = mesh(overlay)
     (template,) = [p for p in pods if p.component == "nats"]

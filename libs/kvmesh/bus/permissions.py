@@ -118,7 +118,7 @@ def callout_user(identity: Identity) -> dict[str, object]:
 
 def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects, cert: str, key: str, ca: str,
                  any_instance: bool = False, settings: str = "", auth_callout: str = "",
-                 callout_identity: Identity | None = None) -> Path:
+                 callout_identity: Identity | None = None, route_tls: bool = False) -> Path:
     """A nats-server configuration: mutual TLS with the mesh CA, each certificate mapped to its user, one user per
     identity (``any_instance``: each speaks for every replica of its role). Without ``settings`` it is JSON (valid
     nats-server configuration) and listen address, JetStream and store come as flags; ``settings`` (configuration
@@ -126,15 +126,23 @@ def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects,
 
     ``auth_callout`` (the issuer's public account nkey): every certificate not listed in ``identities`` is
     authorised by the auth callout service holding ``callout_identity`` (``kvmesh.bus.auth_callout``), which gives
-    each identity its own instance's permissions; ``identities`` may then be empty."""
+    each identity its own instance's permissions; ``identities`` may then be empty.
+
+    ``route_tls``: the routes between the servers of a NATS cluster are mutual TLS with the mesh CA too (a server
+    without a certificate the mesh CA signed cannot join). Not by identity: nats-server 2.15 did not map a route's
+    certificate to its cluster user by URI or DNS SAN in our tries, so any mesh certificate passes the route
+    handshake, and a NetworkPolicy must keep non-NATS pods off the route port. Where and to whom a server routes
+    stays its flags' (``--cluster``, ``--routes``); a lone server ignores the block."""
     users = [user(who, subjects, any_instance) for who in identities]
     authorization: dict[str, object] = {"users": users}
     if auth_callout:
         caller = callout_identity or CALLOUT_IDENTITY
         users.append(callout_user(caller))
         authorization["auth_callout"] = {"issuer": auth_callout, "auth_users": [caller.uri]}
-    config = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
-              "authorization": authorization}
+    config: dict[str, object] = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
+                                 "authorization": authorization}
+    if route_tls:
+        config["cluster"] = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify": True}}
     if not settings:
         path.write_text(_variables(json.dumps(config, indent=2), auth_callout) + "\n")
         return path
@@ -169,13 +177,15 @@ def main(argv: list[str] | None = None) -> None:
                              "(kvmesh.bus.auth_callout) whose issuer has this public account nkey")
     parser.add_argument("--callout-identity", metavar="ROLE/INSTANCE", default=str(CALLOUT_IDENTITY),
                         help="the auth callout service's certificate (with --auth-callout)")
+    parser.add_argument("--route-tls", action="store_true",
+                        help="a NATS cluster's routes over mutual TLS with the mesh CA (the server's certificate)")
     args = parser.parse_intermixed_args(argv)  # identities may follow the options
     if not args.identities and not args.auth_callout:
         parser.error("name at least one ROLE/INSTANCE, or --auth-callout")
     who = [Identity.parse(f"{SPIFFE_PREFIX}{name}") for name in args.identities]
     caller = Identity.parse(f"{SPIFFE_PREFIX}{args.callout_identity}")
     write_config(args.conf, who, Subjects(args.cluster), args.cert, args.key, args.ca, args.any_instance,
-                 args.settings.read_text() if args.settings else "", args.auth_callout, caller)
+                 args.settings.read_text() if args.settings else "", args.auth_callout, caller, args.route_tls)
     print(f"{args.conf}: {len(who)} NATS users" + (f", the others by auth callout as {caller.uri}"
                                                      if args.auth_callout else ""))
 
