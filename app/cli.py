@@ -119,7 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
     opts = StackOptions(prefill=args.prefill, decode=args.decode, both=args.both, routers=args.routers,
-                        cachesvc=args.cachesvc, config=args.config,
+                        cachesvc=args.cachesvc, cachesvc_from_bus=args.cachesvc_from_bus, config=args.config,
                         settings=settings.flag_overrides(args, prefixed=True), env=lora)
     try:
         stack = Stack(directory, opts)
@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="cachesvc shards (cachesvc-0 ... cachesvc-N-1: the index and the pool split by block key, "
                         "each key indexed by --cachesvc-index-copies of them; the cachesvc ports + 0, 1, ...); "
                         "1 = one cachesvc named cachesvc")
+    u.add_argument("--cachesvc-from-bus", action="store_true",
+                   help="engines and routers find the cachesvc shards by the shards' beats on NATS "
+                        "(cachesvc_address \"nats\") instead of being given their addresses")
     u.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="a LoRA adapter (PEFT directory) every engine instance loads at start (repeatable; "
                         "sets engine.lora_adapters); requests pick it with model=NAME")

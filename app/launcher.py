@@ -77,6 +77,9 @@ class StackOptions:
     routers: int = 1
     cachesvc: int = 1  # cachesvc shards: cachesvc-0, cachesvc-1, ... (1: one cachesvc named cachesvc)
     pool: bool = True  # engines write back to and fetch from cachesvc's pool (False: the router still asks it)
+    # engines and routers find the cachesvc shards through their beats on the bus (cachesvc_address "nats") rather
+    # than being given the addresses
+    cachesvc_from_bus: bool = False
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     config: str | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -168,6 +171,12 @@ class Stack:
         return ",".join(s.grpc_address for s in self.caches)
 
     @property
+    def callers_cachesvc(self) -> str:
+        """The ``cachesvc_address`` engines and routers get: the shards' addresses, or "nats" (found through the
+        bus, ``StackOptions.cachesvc_from_bus``)."""
+        return "nats" if self.opts.cachesvc_from_bus else self.cachesvc_address
+
+    @property
     def router_grpc(self) -> str:
         """host:port the (first) router's gRPC API bound."""
         return self.routers[0].endpoints["grpc"]
@@ -208,13 +217,13 @@ class Stack:
             caches = [self._spawn(name, "services.cachesvc", env)
                       for name, env in _cache_shards(o.cachesvc, cfg.cachesvc)]
             self._wait_ready(caches, deadline)  # the engines and the router need their actual addresses
-            pool = {"KVMESH_INSTANCE_CACHESVC_ADDRESS": self.cachesvc_address if o.pool else ""}
+            pool = {"KVMESH_INSTANCE_CACHESVC_ADDRESS": self.callers_cachesvc if o.pool else ""}
             for role, count in (("prefill", o.prefill), ("decode", o.decode), ("both", o.both)):
                 for i in range(count):
                     self._spawn(f"{role}-{i}", ENGINE_MODULES[role],
                                 {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": f"{role}-{i}", **pool,
                                  **o.instance_env.get(f"{role}-{i}", {})})
-            router = {"KVMESH_ROUTER_CACHESVC_ADDRESS": self.cachesvc_address}
+            router = {"KVMESH_ROUTER_CACHESVC_ADDRESS": self.callers_cachesvc}
             if cfg.sources["router"]["model"].kind == "default" and cfg.engine.model:
                 router["KVMESH_ROUTER_MODEL"] = cfg.engine.model  # the engines' model, unless told otherwise
             for name, ports in _router_replicas(o.routers, cfg.router.http_port, cfg.router.grpc_port):
@@ -310,7 +319,7 @@ class Stack:
         self._admit_to_nats(Identity(MeshRole(role), name))
         new = self._spawn(name, ENGINE_MODULES[role],
                           {"KVMESH_INSTANCE_ROLE": role, "KVMESH_INSTANCE_ID": name,
-                           "KVMESH_INSTANCE_CACHESVC_ADDRESS": self.cachesvc_address if self.opts.pool else "",
+                           "KVMESH_INSTANCE_CACHESVC_ADDRESS": self.callers_cachesvc if self.opts.pool else "",
                            **self.opts.instance_env.get(name, {})})
         self._wait_ready([new], deadline)
         self._wait_instances(deadline)

@@ -40,7 +40,7 @@ from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.contracts.events import BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
-from kvmesh.contracts.messages import Heartbeat, KVEventBatch, KVQuarantine, Message, SessionSignal
+from kvmesh.contracts.messages import CacheShardBeat, Heartbeat, KVEventBatch, KVQuarantine, Message, SessionSignal
 from kvmesh.contracts.shards import ShardMap
 from kvmesh.identity import Identity
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
@@ -69,6 +69,7 @@ R = TypeVar("R")
 POOL_INSTANCE = POOL_EVENTS_SENDER  # the index's name for the pool; its events on pool.events carry it
 POOL_EVENTS_PER_MESSAGE = 4096  # block keys in one pool.events message (well under NATS's 1 MB payload)
 POOL_EVENTS_HELD = 200_000  # block keys kept for pool.events while NATS is down (the oldest go first)
+BEAT_S = 1.0  # its shard's beat (CacheShardBeat), for callers that find cachesvc through the bus
 _MESSAGE_OVERHEAD = 64 << 10  # room for keys and checksums next to the data of a GetBlocks reply
 
 
@@ -463,6 +464,7 @@ class CacheServer:
         self._transfer_addresses: dict[str, str] = {}  # instance -> the transfer endpoint it announced
         self.bus_outage = False  # NATS was seen down and has not been seen back yet
         self._reaper: asyncio.Task[None] | None = None
+        self._beater: asyncio.Task[None] | None = None
         self.repair: Repair | None = None  # a shard with peers that keeps copies: refills itself at start
         self._repairing: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
@@ -546,6 +548,7 @@ class CacheServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._start_repair()
+        self._beater = asyncio.create_task(self._beat(), name="cachesvc-beat")
         log.info("serving cluster %r: stream %s, durable %r, %d blocks indexed", self.shared.cluster,
                  self.subjects.events_stream, self.durable, len(self.index))
 
@@ -588,7 +591,7 @@ class CacheServer:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
-        for task in (self._reaper, self._repairing):
+        for task in (self._reaper, self._repairing, self._beater):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -724,6 +727,32 @@ class CacheServer:
             if self.pool is not None:
                 await loop.run_in_executor(self.storage, self.pool.maintain)
                 await self._publish_pool_events()
+
+    @property
+    def advertised(self) -> str:
+        """The gRPC address its beat tells callers to dial ("" when it binds a wildcard address and was given no
+        ``advertise_host``)."""
+        host = self.cfg.advertise_host or ("" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host)
+        return f"{host}:{self.port}" if host else ""
+
+    async def _beat(self) -> None:
+        """Its shard, the count and its address on ``cache.shard.<shard>`` every ``BEAT_S``, from the time it serves:
+        callers with ``cachesvc_address = "nats"`` find the shards so (``kvmesh.bus.shard_directory``)."""
+        assert self.bus is not None
+        smap, address = self.shard_map, self.advertised
+        if not address:
+            log.warning("cachesvc binds %s and has no advertise_host: its beat names no address, so callers that "
+                        "find cachesvc through the bus cannot use this shard (set KVMESH_CACHESVC_ADVERTISE_HOST)",
+                        self.cfg.host)
+        subject = self.subjects.cachesvc_shard(self.cfg.shard)
+        while True:
+            if self._bus_up():
+                beat = CacheShardBeat(self.cfg.shard, smap.shards, address, time.time(), smap.copies, smap.pool_copies)
+                try:
+                    await self.bus.publish(subject, beat)
+                except Exception as e:  # noqa: BLE001 - the next beat tries again
+                    log.debug("beat not published: %s", e)
+            await asyncio.sleep(BEAT_S)
 
     async def _publish_pool_events(self) -> None:
         """What the pool's tiers stored and removed since the last tick, on ``pool.events`` (the routers' hit

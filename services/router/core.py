@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
+from kvmesh.bus.shard_directory import DISCOVER, ShardDirectory
 from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
 from kvmesh.contracts.ids import (
     HELD_BLOCKS_METADATA,
@@ -85,6 +86,29 @@ ChunkStream = AsyncIterator[tuple[Chunk, CachedTokens]]  # one dispatch's chunks
 Metadata = tuple[tuple[str, str], ...]  # a gRPC call's metadata
 
 
+@dataclass
+class _Shards:
+    """The cachesvc shards a router asks, and what it keeps per shard list (a new list starts these afresh)."""
+
+    addresses: tuple[str, ...]
+    stubs: list[cache_pb2_grpc.CacheServiceStub]
+    maps: dict[int, ShardMap] = field(default_factory=dict)  # index copies -> the map (the shards say how many)
+    down: set[int] = field(default_factory=set)  # shards whose last MatchPrefix failed
+    names: HolderNames = field(init=False)  # what packed MatchPrefix answers' ids name
+
+    def __post_init__(self) -> None:
+        self.names = HolderNames(len(self.stubs))
+
+    def shard_map(self, copies: int) -> ShardMap:
+        smap = self.maps.get(copies)
+        if smap is None:
+            if self.maps:
+                log.warning("the cachesvc shards index each key %d times now (was %s)", copies,
+                            ", ".join(map(str, self.maps)))
+            smap = self.maps[copies] = ShardMap(len(self.stubs), max(copies, 1))
+        return smap
+
+
 class Router:
     def __init__(self, cfg: RouterSettings, shared: SharedSettings | None = None) -> None:
         self.cfg = cfg
@@ -92,6 +116,8 @@ class Router:
         self.id = cfg.id or f"router-{socket.gethostname()}-{os.getpid()}"
         self.subjects = Subjects(self.shared.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.shards = _Shards((), [])  # the cachesvc shards (start: configured, or found through the bus)
+        self.shard_directory: ShardDirectory | None = None
         self.metrics = RouterMetrics()
         self.policies = Policies(cfg.policy, CostModel(prefill_tok_per_s=cfg.prefill_tok_per_s), cfg.slo_ttft_s)
         self.loras = Adapters(lambda: self.registry, self._channel, cfg.lora_root)
@@ -131,12 +157,12 @@ class Router:
         await self.bus.subscribe(self.subjects.pool_events, self.hits.on_events)  # the pool's evictions too
         await self.bus.subscribe(self.subjects.sessions, self.sessions.heard)
         await self.bus.subscribe(self.subjects.router_sessions, self.sessions.heard)
-        # one stub per cachesvc shard, in shard order (one: an unsharded cachesvc)
-        shards = [a.strip() for a in self.cfg.cachesvc_address.split(",")] if self.cfg.cachesvc_address else []
-        self.cache = [cache_pb2_grpc.CacheServiceStub(self._channel(a)) for a in shards]
-        self._shard_maps: dict[int, ShardMap] = {}  # index copies -> the map (the shards say how many)
-        self._shards_down: set[int] = set()  # shards whose last MatchPrefix failed
-        self._holder_names = HolderNames(len(self.cache))  # what packed MatchPrefix answers' ids name
+        # the cachesvc shards, in shard order (one: an unsharded cachesvc): configured, or as their beats say
+        if self.cfg.cachesvc_address == DISCOVER:
+            self.shard_directory = ShardDirectory(on_change=self._use_shards)
+            await self.shard_directory.start(self.bus, self.subjects)
+        else:
+            self._use_shards(tuple(a.strip() for a in self.cfg.cachesvc_address.split(",") if a.strip()))
         self._spawn(self._tend())
 
     async def stop(self) -> None:
@@ -198,52 +224,56 @@ class Router:
             self._channels[address] = tls.aio_channel(address, [("grpc.max_receive_message_length", 64 * 2**20)])
         return self._channels[address]
 
+    def _use_shards(self, addresses: tuple[str, ...]) -> None:
+        """Route with these cachesvc shards from now on (a MatchPrefix under way finishes with the list it
+        started with)."""
+        self.shards = _Shards(addresses, [cache_pb2_grpc.CacheServiceStub(self._channel(a)) for a in addresses])
+
+    @property
+    def cache(self) -> list[cache_pb2_grpc.CacheServiceStub]:
+        """One stub per cachesvc shard, in shard order."""
+        return self.shards.stubs
+
     # ---- routing ---------------------------------------------------------------------------------------------
-    def _shard_map(self, copies: int) -> ShardMap:
-        smap = self._shard_maps.get(copies)
-        if smap is None:
-            if self._shard_maps:
-                log.warning("the cachesvc shards index each key %d times now (was %s)", copies,
-                            ", ".join(map(str, self._shard_maps)))
-            smap = self._shard_maps[copies] = ShardMap(len(self.cache), max(copies, 1))
-        return smap
 
     async def matched_blocks(self, keys: Sequence[BlockKey], parent: Span | None = None,
                              attrs: dict | None = None) -> dict[str, int]:
         """Per instance, the longest run of leading blocks it holds in any tier. Traced as the client span
         ``cachesvc.match_prefix`` under ``parent``, whose context the call carries to cachesvc."""
-        if not self.cache or not keys:
+        shards = self.shards
+        stubs = shards.stubs
+        if not stubs or not keys:
             return {}
         span = tracing.start("cachesvc.match_prefix", parent, SpanKind.CLIENT,
                              {**(attrs or {}), "kvmesh.blocks": len(keys)})
         metadata = tracing.grpc_metadata(span) + tracing.request_metadata(attrs)
-        sharded = len(self.cache) > 1
+        sharded = len(stubs) > 1
 
-        names = self._holder_names
+        names = shards.names
         names.maybe_reset()
         copies: set[int] = set()
 
         async def ask(shard: int, known: int) -> cache_pb2.MatchPrefixResponse | None:
-            view = cache_pb2.ShardView(shard=shard, shards=len(self.cache)) if sharded else None
+            view = cache_pb2.ShardView(shard=shard, shards=len(stubs)) if sharded else None
             try:
-                resp = await self.cache[shard].MatchPrefix(
+                resp = await stubs[shard].MatchPrefix(
                     cache_pb2.MatchPrefixRequest(block_keys=keys, view=view, packed=True, holders_epoch=known),
                     timeout=self.cfg.match_timeout_s, metadata=metadata)
             except grpc.aio.AioRpcError as e:
                 self.metrics.match_errors.inc()
-                if shard not in self._shards_down:  # once per outage, not per request
-                    self._shards_down.add(shard)
+                if shard not in shards.down:  # once per outage, not per request
+                    shards.down.add(shard)
                     where = f"cachesvc shard {shard}" if sharded else "cachesvc"
                     log.warning("MatchPrefix on %s failed (%s: %s); routing without its keys until it answers",
                                 where, e.code().name, e.details())
                 return None
-            if shard in self._shards_down:
-                self._shards_down.discard(shard)
+            if shard in shards.down:
+                shards.down.discard(shard)
                 log.info("cachesvc%s answers MatchPrefix again", f" shard {shard}" if sharded else "")
             copies.add(resp.index_copies)
             return resp
 
-        got = await asyncio.gather(*(ask(i, names.epoch(i)) for i in range(len(self.cache))))
+        got = await asyncio.gather(*(ask(i, names.epoch(i)) for i in range(len(stubs))))
         responses = {i: r for i, r in enumerate(got) if r is not None}
         answers = {i: a for i, r in responses.items() if (a := names.read(i, r)) is not None}
         if len(answers) < len(responses):  # a packed answer whose names this router no longer has: once more
@@ -257,10 +287,10 @@ class Router:
             span.set_status(StatusCode.ERROR, "MatchPrefix failed on every cachesvc shard; routing by load only")
             span.end()
             return {}
-        if len(answers) < len(self.cache):  # the keys no shard that answered owns are cut off
-            span.set_attribute("kvmesh.shards_missing", [i for i in range(len(self.cache)) if i not in answers])
+        if len(answers) < len(stubs):  # the keys no shard that answered owns are cut off
+            span.set_attribute("kvmesh.shards_missing", [i for i in range(len(stubs)) if i not in answers])
         if sharded:
-            numbers, counts = combine_packed(self._shard_map(min(copies)), keys, answers, len(names))
+            numbers, counts = combine_packed(shards.shard_map(min(copies)), keys, answers, len(names))
             pools = {i: [(h.tier, int.from_bytes(h.positions, "little")) for h in responses[i].pool_held]
                      for i in answers}
             pool = pool_entries(len(keys), pools)

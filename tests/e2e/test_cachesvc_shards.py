@@ -144,3 +144,28 @@ def test_three_shards_split_the_pool_serve_fetches_and_lose_nothing_when_one_die
         assert answer(stack, QUESTIONS[1])["choices"][0]["message"]["content"] == refs[QUESTIONS[1]]
     finally:
         stack.stop()
+
+
+def test_engines_and_the_router_find_the_shards_by_their_beats(tmp_path_factory):
+    """``kvmesh up --cachesvc 2 --cachesvc-from-bus``: no engine or router is given a cachesvc address; each learns
+    both shards from their beats on NATS, so the pool is written back and fetched across the two shards, and the
+    router asks both for MatchPrefix."""
+    stack = start_stack(tmp_path_factory, "shards-bus", prefill=0, decode=0, both=2, cachesvc=2,
+                        cachesvc_from_bus=True)
+    try:
+        shards = [stack.service(f"cachesvc-{i}").grpc_address for i in range(2)]
+        found = f"cachesvc shards from the bus: {shards[0]}, {shards[1]}"
+        for name in ("router", "both-0", "both-1"):
+            eventually(f"{name} found the shards", lambda n=name: found in stack.service(n).log_path.read_text())
+        q = QUESTIONS[0]
+        ref = answer(stack, q)["choices"][0]["message"]["content"]
+        names = ["cachesvc-0", "cachesvc-1"]
+        eventually("both shards' pools got blocks", lambda: all(stats(stack, n).pool_blocks > 0 for n in names))
+        eventually("both shards indexed blocks", lambda: all(stats(stack, n).indexed_blocks > 0 for n in names))
+        fetched = pool_fetched(stack)
+        again = answer(stack, q, RR), answer(stack, q, RR)
+        assert all(a["choices"][0]["message"]["content"] == ref for a in again)
+        assert max(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in again) >= 48
+        assert pool_fetched(stack) > fetched
+    finally:
+        stack.stop()

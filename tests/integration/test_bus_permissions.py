@@ -23,7 +23,15 @@ from kvmesh.bus import Bus, NatsServer, Subjects, permissions
 from kvmesh.bus.bus import from_its_sender
 from kvmesh.bus.snapshot import answer_snapshots, request_snapshot
 from kvmesh.contracts.events import AllBlocksCleared
-from kvmesh.contracts.messages import Heartbeat, InstanceLoad, KVCopies, KVEventBatch, KVReady, RouterLoad
+from kvmesh.contracts.messages import (
+    CacheShardBeat,
+    Heartbeat,
+    InstanceLoad,
+    KVCopies,
+    KVEventBatch,
+    KVReady,
+    RouterLoad,
+)
 from kvmesh.identity import Identity, MeshRole
 from kvmesh.mesh_ca import MeshCA
 from kvmesh.settings import SharedSettings
@@ -178,6 +186,28 @@ def test_an_engine_can_neither_beat_as_another_nor_read_anothers_kv_ready(mesh, 
     text = caplog.text.lower()
     assert text.count("permissions violation for publish") == 2
     assert "permissions violation for subscription" in text
+
+
+def test_only_cachesvc_beats_as_a_shard_and_routers_and_engines_hear_it(mesh, caplog):
+    async def body() -> None:
+        cachesvc = await connect(mesh, MeshRole.CACHESVC, "cachesvc")
+        router = await connect(mesh, MeshRole.ROUTER, "router-0")
+        decode = await connect(mesh, MeshRole.DECODE, "decode-0")
+        heard: asyncio.Queue = asyncio.Queue()
+        for bus in (router, decode):
+            await bus.subscribe(SUBJECTS.cachesvc_shards_all, lambda m, h: heard.put(m))
+        await cachesvc.publish(SUBJECTS.cachesvc_shard(1), CacheShardBeat(1, 2, "10.0.0.1:50060", time.time()))
+        got = [await asyncio.wait_for(heard.get(), 5) for _ in range(2)]
+        assert {(b.shard, b.address) for b in got} == {(1, "10.0.0.1:50060")}
+        await decode.publish(SUBJECTS.cachesvc_shard(0), CacheShardBeat(0, 2, "10.6.6.6:1", time.time()))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(heard.get(), 0.5)
+        for bus in (cachesvc, router, decode):
+            await bus.close()
+
+    with caplog.at_level(logging.WARNING, logger="kvmesh.bus.bus"):
+        run(body())
+    assert caplog.text.lower().count("permissions violation for publish") == 1
 
 
 @pytest.mark.parametrize("who", [None, Identity(MeshRole.DECODE, "decode-7"), Identity(MeshRole.CLIENT, "hc")],

@@ -27,7 +27,7 @@ from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageT
 
 from kvmesh.bus.subjects import Subjects
 from kvmesh.bus.trace_headers import extract_trace_headers, inject_trace_headers
-from kvmesh.contracts.messages import CodecError, Heartbeat, KVEventBatch, Message, RouterLoad, decode
+from kvmesh.contracts.messages import CacheShardBeat, CodecError, Heartbeat, KVEventBatch, Message, RouterLoad, decode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,6 +103,8 @@ def from_its_sender(subject: str, msg: Message) -> bool:
             return isinstance(msg, RouterLoad) and msg.router_id == router
         case ["pool", "events"]:
             return isinstance(msg, KVEventBatch) and msg.instance_id == POOL_EVENTS_SENDER
+        case ["cache", "shard", shard]:
+            return isinstance(msg, CacheShardBeat) and str(msg.shard) == shard
     return True
 
 

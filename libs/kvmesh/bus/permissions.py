@@ -9,7 +9,7 @@ What each role may do (``permissions``; ``<i>`` is the holder's own instance; su
 
 - prefill: publishes ``heartbeat.prefill.<i>``, ``kv.events.<i>``, ``kv.quarantine`` (the canary's divergences) and
   ``kv.ready.*`` (to any decode); subscribes
-  ``kv.snapshot.<i>``, ``kv.copies.<i>`` and ``sessions``;
+  ``kv.snapshot.<i>``, ``kv.copies.<i>``, ``sessions`` and ``cache.shard.*`` (the shards' beats);
 - decode: publishes ``heartbeat.decode.<i>``, ``kv.events.<i>`` and ``kv.quarantine``; subscribes what prefill does and
   ``kv.ready.<i>``, its own only;
 - both: what prefill and decode may;
@@ -17,9 +17,9 @@ What each role may do (``permissions``; ``<i>`` is the holder's own instance; su
   ``sessions``, ``router.sessions`` (where each session's request went, for the other replicas) and ``kv.ready.*``
   (a failed prefill: decode computes the prompt itself); subscribes ``heartbeat.>``, ``router.load.*``,
   ``kv.events.>`` and ``pool.events`` (hit attribution: where blocks went), ``sessions`` and ``router.sessions``
-  (the other replicas' pauses, ends and placements);
+  (the other replicas' pauses, ends and placements), ``cache.shard.*`` (the shards' beats);
 - cachesvc: publishes ``kv.snapshot.*`` (requests), ``kv.copies.*``, ``pool.events`` (what its tiers stored and
-  removed) and its durable consumer's API and acks;
+  removed), ``cache.shard.*`` (its beat, as its shard) and its durable consumer's API and acks;
   subscribes ``heartbeat.>``, ``sessions`` and ``kv.quarantine`` (it stops serving those blocks);
 - admin (an operator's tool): subscribes ``heartbeat.>`` and ``router.load.*``, publishes nothing;
 - client: nothing.
@@ -73,7 +73,8 @@ def permissions(identity: Identity, subjects: Subjects, any_instance: bool = Fal
     find_stream = (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}")
     if role.is_engine:
         publish = [f"{p}heartbeat.{role}.{i}", f"{p}kv.events.{i}", subjects.kv_quarantine, *find_stream]
-        subscribe = [f"{p}kv.snapshot.{i}", f"{p}kv.copies.{i}", subjects.sessions, inbox]
+        subscribe = [f"{p}kv.snapshot.{i}", f"{p}kv.copies.{i}", subjects.sessions, subjects.cachesvc_shards_all,
+                     inbox]
         if role in (MeshRole.PREFILL, MeshRole.BOTH):
             publish.append(f"{p}kv.ready.*")
         if role in (MeshRole.DECODE, MeshRole.BOTH):
@@ -84,10 +85,12 @@ def permissions(identity: Identity, subjects: Subjects, any_instance: bool = Fal
         # certificate's instance; receivers still match each load to the id its subject names
         return Permissions((subjects.router_load_all, subjects.sessions, subjects.router_sessions, f"{p}kv.ready.*"),
                            (subjects.heartbeats_all, subjects.router_load_all, subjects.kv_events_all,
-                            subjects.pool_events, subjects.sessions, subjects.router_sessions, inbox))
+                            subjects.pool_events, subjects.sessions, subjects.router_sessions,
+                            subjects.cachesvc_shards_all, inbox))
     if role == MeshRole.CACHESVC:
         consumer = "$JS.API.CONSUMER"  # CREATE / INFO / DELETE.<stream>.<durable>, DURABLE.CREATE / MSG.NEXT
-        return Permissions((f"{p}kv.snapshot.*", f"{p}kv.copies.*", subjects.pool_events, *find_stream,
+        return Permissions((f"{p}kv.snapshot.*", f"{p}kv.copies.*", subjects.pool_events,
+                            subjects.cachesvc_shards_all, *find_stream,
                             f"$JS.API.STREAM.UPDATE.{stream}",
                             f"{consumer}.*.{stream}", f"{consumer}.*.{stream}.>", f"{consumer}.*.*.{stream}.>",
                             f"$JS.ACK.{stream}.>"),

@@ -55,6 +55,14 @@ class Subjects:
         keeps a session where its KV is."""
         return f"{self.prefix}router.sessions"
 
+    def cachesvc_shard(self, shard: int) -> str:
+        """A cachesvc shard's beat (``CacheShardBeat``): where callers that find cachesvc through the bus learn it."""
+        return f"{self.prefix}cache.shard.{int(shard)}"
+
+    @property
+    def cachesvc_shards_all(self) -> str:
+        return f"{self.prefix}cache.shard.*"
+
     def kv_copies(self, instance: str) -> str:
         """cachesvc tells an instance which of its blocks have another copy in the cluster."""
         return f"{self.prefix}kv.copies.{token(instance, 'instance')}"

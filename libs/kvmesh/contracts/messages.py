@@ -469,9 +469,42 @@ class KVQuarantine:
                    block_keys=tuple(_keys(_get(d, "block_keys", list))), path=_get(d, "path", str))
 
 
-Message = KVEventBatch | KVReady | Heartbeat | RouterLoad | SessionSignal | KVCopies | KVQuarantine
+@dataclass(frozen=True)
+class CacheShardBeat:
+    """A cachesvc's beat (``cache.shard.<shard>``), every second: which shard of how many it is, the gRPC address its
+    callers dial, and the copies it keeps, so routers and instances configured to find cachesvc through the bus
+    (``cachesvc_address = "nats"``) learn the shard list without being told it. ``address`` "": it binds a
+    wildcard address and was given none to advertise (callers cannot use it)."""
+
+    TYPE: ClassVar[str] = "cache_shard"
+    shard: int
+    shards: int
+    address: str
+    ts: float
+    index_copies: int = 1
+    pool_copies: int = 1
+
+    def encode(self) -> bytes:
+        return _dump(self.TYPE, {"shard": self.shard, "shards": self.shards, "address": self.address, "ts": self.ts,
+                                 "index_copies": self.index_copies, "pool_copies": self.pool_copies})
+
+    @classmethod
+    def decode(cls, data: bytes) -> CacheShardBeat:
+        return _expect(cls, decode(data))
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> CacheShardBeat:
+        shard, shards = _get(d, "shard", int), _get(d, "shards", int)
+        if not 0 <= shard < shards:
+            raise CodecError(f"shard {shard} of {shards}: not a shard of that many")
+        return cls(shard=shard, shards=shards, address=_get(d, "address", str), ts=float(_get(d, "ts", int, float)),
+                   index_copies=int(d.get("index_copies", 1)), pool_copies=int(d.get("pool_copies", 1)))
+
+
+Message = KVEventBatch | KVReady | Heartbeat | RouterLoad | SessionSignal | KVCopies | KVQuarantine | CacheShardBeat
 _TYPES: dict[str, type[Message]] = {
-    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies, KVQuarantine)}
+    t.TYPE: t for t in (KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies, KVQuarantine,
+                        CacheShardBeat)}
 
 
 def decode(data: bytes) -> Message:
@@ -495,7 +528,7 @@ def decode(data: bytes) -> Message:
         raise CodecError(f"bad {kind} message: {e}") from e
 
 
-M = TypeVar("M", KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies, KVQuarantine)
+M = TypeVar("M", KVEventBatch, KVReady, Heartbeat, RouterLoad, SessionSignal, KVCopies, KVQuarantine, CacheShardBeat)
 
 
 def _expect(cls: type[M], msg: Message) -> M:

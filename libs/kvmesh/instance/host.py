@@ -20,6 +20,7 @@ from opentelemetry.trace import Span, StatusCode
 from kvmesh import tls
 from kvmesh.authz import Authorizer
 from kvmesh.bus import Bus, Subjects
+from kvmesh.bus.shard_directory import DISCOVER, ShardDirectory
 from kvmesh.bus.snapshot import answer_snapshots
 from kvmesh.contracts.engine import RequestTiming
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
@@ -135,12 +136,17 @@ class EngineHost:
         if self.transfer_server is not None:
             self.metrics.watch_transfers(self.transfer_server)
         self.pool = None
+        self.shard_directory: ShardDirectory | None = None
         if self.cfg.cachesvc_address and self.engine.kv_unconvertible:
             log.error("%s: the pool stays off: %s", self.cfg.role, self.engine.kv_unconvertible)
         elif self.cfg.cachesvc_address:
-            self.pool = PoolClient(self.cfg.cachesvc_address, self.layout, self.transfer_server,
+            discover = self.cfg.cachesvc_address == DISCOVER  # the shards their beats name, as they come
+            self.pool = PoolClient("" if discover else self.cfg.cachesvc_address, self.layout, self.transfer_server,
                                    transfer_tls=tls.transfer_client_tls(self.shared),
                                    receive_at=self.advertised(self.transfer_address))
+            if discover:
+                self.shard_directory = ShardDirectory(on_change=self.pool.use)
+                await self.shard_directory.start(self.bus, self.subjects)
         # what the cluster says about the cached blocks: sessions that ended or paused (routers), which blocks have
         # another copy elsewhere (cachesvc)
         await self.bus.subscribe(self.subjects.sessions, self._on_session)

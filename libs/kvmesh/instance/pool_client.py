@@ -63,8 +63,9 @@ class PoolClient:
                  remember: int = 200_000, timeout_s: float = 30.0, transfer_tls: ClientTLS | None = None,
                  receive_at: str = "") -> None:
         """``address``: cachesvc's host:port, or every shard's in shard order, comma-separated (each block goes
-        to, and comes from, the shard ``kvmesh.contracts.shards`` maps its key to). ``receive_at``: the address
-        cachesvc sends fetched blocks to (the receiver's as others dial it; "" = the address it bound)."""
+        to, and comes from, the shard ``kvmesh.contracts.shards`` maps its key to); "" = none yet (``use`` gives
+        the list: the shards found through the bus). ``receive_at``: the address cachesvc sends fetched blocks to
+        (the receiver's as others dial it; "" = the address it bound)."""
         self.layout = layout
         self.receive_at = receive_at
         self.proto_layout = layout.to_proto()
@@ -72,19 +73,35 @@ class PoolClient:
         self.receiver = receiver
         self.timeout_s = timeout_s
         self.transfer = TransferClient(reply_timeout=timeout_s, tls=transfer_tls) if receiver is not None else None
+        self._retired: list[grpc.aio.Channel] = []  # a former shard list's channels, closed a while later
+        self.channels: list[grpc.aio.Channel] = []
+        self.use([a.strip() for a in address.split(",") if a.strip()])
+        self._written: OrderedDict[int, float] = OrderedDict()  # keys this instance stored -> when
+        self._remember = remember
+
+    def use(self, addresses: Sequence[str]) -> None:
+        """Write back to and fetch from these shards, in shard order, from now on (a call under way finishes with
+        the list it started with; that list's channels close once such calls are over)."""
+        old = self.channels
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        addresses = [a.strip() for a in address.split(",")]
         self.channels = [tls.aio_channel(a, opts) for a in addresses]
         n = len(addresses)
         self.shards = [_Shard(cache_pb2_grpc.CacheServiceStub(ch),
                               cache_pb2.ShardView(shard=i, shards=n) if n > 1 else None)
                        for i, ch in enumerate(self.channels)]
-        self.shard_map = ShardMap(n)  # how many copies the pool keeps: the shards say (``_map``)
-        self._learned = n == 1
+        self.shard_map = ShardMap(max(n, 1))  # how many copies the pool keeps: the shards say (``_map``)
+        self._learned = n <= 1
         self._down: set[int] = set()  # shards whose last call failed
-        self._written: OrderedDict[int, float] = OrderedDict()  # keys this instance stored -> when
-        self._remember = remember
+        if old:
+            self._retired += old
+            asyncio.get_running_loop().call_later(2 * self.timeout_s, lambda: asyncio.ensure_future(self._close(old)))
+
+    async def _close(self, channels: list[grpc.aio.Channel]) -> None:
+        for channel in channels:
+            if channel in self._retired:
+                self._retired.remove(channel)
+                await channel.close()
 
     async def write_back(self, keys: list[BlockKey], data: memoryview, metadata: Metadata = (),
                          session: SessionHint | None = None, context: list[BlockKey] | None = None,
@@ -104,17 +121,20 @@ class PoolClient:
         known = set(context[:held])
         todo = [i for i, k in enumerate(keys)
                 if k not in known and now - self._written.get(k, float("-inf")) >= WRITTEN_TRUST_S]
-        if len(self.shards) == 1:
-            await self._write_shard(self.shards[0], keys, todo, data, metadata, session, context)
+        shards = self.shards
+        if not shards:  # none found yet
+            return 0
+        if len(shards) == 1:
+            await self._write_shard(shards[0], keys, todo, data, metadata, session, context)
             sent = todo
         else:  # each shard its own blocks and its own part of the session's context, all at once
-            smap = await self._map(metadata)
+            smap = await self._map(metadata, shards)
             by_shard = smap.split_pool([keys[i] for i in todo])
             context_by_shard = smap.split_pool(context)
-            parts = {s: [todo[j] for j in by_shard.get(s, [])] for s in range(len(self.shards))
+            parts = {s: [todo[j] for j in by_shard.get(s, [])] for s in range(len(shards))
                      if s in by_shard or (session and s in context_by_shard)}
             results = await asyncio.gather(*(
-                self._write_shard(self.shards[s], keys, idx, data, metadata, session,
+                self._write_shard(shards[s], keys, idx, data, metadata, session,
                                   [context[p] for p in context_by_shard.get(s, [])]) for s, idx in parts.items()),
                 return_exceptions=True)
             failed = {s: r for s, r in zip(parts, results) if isinstance(r, BaseException)}
@@ -160,10 +180,13 @@ class PoolClient:
         """The leading run of ``keys`` the pool holds in our layout, verified. Sharded: each block is asked of
         its first copy's shard, all shards at once; what they lacked (or did not answer for) of the next copy's;
         the run ends at the first block no copy gave."""
-        if len(self.shards) == 1:
-            one = await self._fetch_shard(self.shards[0], keys, metadata)
+        shards = self.shards
+        if not shards:  # none found yet
+            return None
+        if len(shards) == 1:
+            one = await self._fetch_shard(shards[0], keys, metadata)
             return Fetched(*one) if one is not None else None
-        smap = await self._map(metadata)
+        smap = await self._map(metadata, shards)
         nb = self.block_nbytes
         got: dict[int, memoryview] = {}  # position -> its block's bytes
         n = 0  # the leading run got so far
@@ -171,7 +194,7 @@ class PoolClient:
             need = [p for p in range(n, len(keys)) if p not in got]
             by_shard = smap.split_pool([keys[p] for p in need], copy)
             order = list(by_shard)
-            results = await asyncio.gather(*(self._fetch_shard(self.shards[s], [keys[need[q]] for q in by_shard[s]],
+            results = await asyncio.gather(*(self._fetch_shard(shards[s], [keys[need[q]] for q in by_shard[s]],
                                                                metadata) for s in order), return_exceptions=True)
             for s, result in zip(order, results):
                 self._heard(s, result if isinstance(result, BaseException) else None, "pool fetch from")
@@ -201,19 +224,22 @@ class PoolClient:
             self._down.discard(shard)
             log.info("cachesvc shard %d answers again", shard)
 
-    async def _map(self, metadata: Metadata) -> ShardMap:
-        """The pool's shard map, with the copies the shards keep (their Stats, asked once)."""
-        if self._learned:
+    async def _map(self, metadata: Metadata, shards: list[_Shard]) -> ShardMap:
+        """The pool's shard map over ``shards``, with the copies the shards keep (their Stats, asked once per
+        shard list)."""
+        if self._learned and self.shard_map.shards == len(shards):
             return self.shard_map
-        for shard in self.shards:
+        smap = ShardMap(len(shards))
+        for shard in shards:
             try:
                 stats = await self._call(shard.stub.Stats, cache_pb2.StatsRequest(), metadata)
             except PoolError:
                 continue
-            self.shard_map = ShardMap(len(self.shards), stats.view.index_copies or 2, stats.view.pool_copies or 1)
-            self._learned = True
+            smap = ShardMap(len(shards), stats.view.index_copies or 2, stats.view.pool_copies or 1)
+            if shards is self.shards:
+                self.shard_map, self._learned = smap, True
             break
-        return self.shard_map
+        return smap
 
     async def _fetch_shard(self, shard: _Shard, keys: list[BlockKey],
                            metadata: Metadata) -> tuple[memoryview, int] | None:
@@ -251,8 +277,9 @@ class PoolClient:
     async def close(self) -> None:
         if self.transfer is not None:
             await self.transfer.close()
-        for channel in self.channels:
+        for channel in self.channels + self._retired:
             await channel.close()
+        self._retired = []
 
     async def _call(self, method: Callable[..., Awaitable[R]], request: Message, metadata: Metadata) -> R:
         """``method`` (a stub's RPC) on ``request``; its gRPC errors as PoolError."""

@@ -186,9 +186,12 @@ class Section(BaseSettings):
 
     def _address(self, name: str, none: str, shards: bool = False) -> list[Problem]:
         value = getattr(self, name)
+        if shards and value == "nats":  # found through the bus (kvmesh.bus.shard_directory)
+            return []
         parts = value.split(",") if shards and value else [value] if value else []
         if any(":" not in part.strip() for part in parts):
-            more = ", or every cachesvc shard's host:port in shard order, comma-separated" if shards else ""
+            more = (", or every cachesvc shard's host:port in shard order, comma-separated, or \"nats\" (found "
+                    "through the bus)") if shards else ""
             return [Problem(name, f"{name} must be host:port{more} (\"\" = {none}), not {value!r}")]
         return []
 
@@ -455,7 +458,8 @@ class InstanceSettings(Section):
     transfer_backend: TransferBackend = setting(TransferBackend.TCP, "KV transfer to decode")
     transfer_port: int = setting(0, "decode's transfer endpoint (0 = a free one)")
     cachesvc_address: str = setting("", "cachesvc host:port for pool write-back and fetch, or every shard's in "
-                                        "shard order, comma-separated (\"\" = none)")
+                                        "shard order, comma-separated, or \"nats\": the shards their beats on the "
+                                        "bus name (\"\" = none)")
     pool_fetch_min_blocks: int = setting(1, "fetch from the pool when it holds this many more leading blocks "
                                             "than the local cache")
     kv_timeout_s: float = setting(10.0, "decode waits this long for kv.ready, then recomputes the prompt itself")
@@ -517,7 +521,8 @@ class RouterSettings(Section):
                                    "address (0 = a free one, named in the ready line / file); keep it off the "
                                    "clients' network")
     cachesvc_address: str = setting("127.0.0.1:50060", "cachesvc for MatchPrefix, or every shard's host:port in "
-                                                       "shard order, comma-separated (\"\" = route by load only)")
+                                                       "shard order, comma-separated, or \"nats\": the shards "
+                                                       "their beats on the bus name (\"\" = route by load only)")
     block_size: int = setting(16, "must equal the engines' (instances with another are ignored)")
     instance_timeout_s: float = setting(3.0, "an instance without a heartbeat for this long is dropped")
     match_timeout_s: float = setting(0.5, "MatchPrefix deadline; past it, route by load alone")
@@ -714,6 +719,9 @@ class CacheServiceSettings(Section):
     name: ClassVar[str] = "cachesvc"
 
     host: str = setting("127.0.0.1", "gRPC listen address")
+    advertise_host: str = setting("", "the address its callers dial, announced on the bus for those that find "
+                                      "cachesvc there (cachesvc_address \"nats\"); \"\" = host (none when host "
+                                      "is a wildcard)")
     port: int = setting(50060, "gRPC port (0 = a free one)")
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the log)")
     durable_name: str = setting("cachesvc", "its JetStream consumer; one per cachesvc replica (a shard's is "

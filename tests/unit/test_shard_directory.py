@@ -1,0 +1,55 @@
+"""``kvmesh.bus.shard_directory``: the shard list callers with ``cachesvc_address = "nats"`` use, from the shards'
+beats (the beats of real cachesvc processes: tests/integration/test_shard_discovery.py)."""
+
+from __future__ import annotations
+
+import pytest
+from kvmesh.bus.bus import from_its_sender
+from kvmesh.bus.shard_directory import ShardDirectory
+from kvmesh.bus.subjects import Subjects
+from kvmesh.contracts.messages import CacheShardBeat, CodecError, decode
+
+
+def beat(shard: int, shards: int, address: str | None = None) -> CacheShardBeat:
+    return CacheShardBeat(shard, shards, f"10.0.0.{shard}:50060" if address is None else address, 1.0, 2, 2)
+
+
+def test_a_beat_goes_over_the_wire_and_names_its_own_shard_only():
+    b = beat(1, 3)
+    assert decode(b.encode()) == b and CacheShardBeat.decode(b.encode()) == b
+    subjects = Subjects("u")
+    assert from_its_sender(subjects.cachesvc_shard(1), b)
+    assert not from_its_sender(subjects.cachesvc_shard(2), b)  # shard 1 beating as shard 2
+    with pytest.raises(CodecError, match="not a shard of that many"):
+        decode(CacheShardBeat(3, 3, "a:1", 1.0).encode())
+
+
+def test_the_view_is_a_whole_list_in_shard_order_and_changes_only_to_another_whole_list():
+    seen: list[tuple[str, ...]] = []
+    d = ShardDirectory(fresh_s=5.0, on_change=seen.append)
+    d.heard(beat(1, 2), now=0.0)
+    assert d.view == ()  # shard 0 not heard yet
+    d.heard(beat(0, 2), now=1.0)
+    assert d.view == ("10.0.0.0:50060", "10.0.0.1:50060") and seen == [d.view]
+    d.heard(beat(0, 2), now=2.0)
+    assert len(seen) == 1  # the same list again is no change
+    # shard 1 restarts at another address: the list follows once it beats again
+    d.heard(beat(1, 2, "10.0.0.9:50061"), now=3.0)
+    assert d.view == ("10.0.0.0:50060", "10.0.0.9:50061")
+    # resharding to 3, one shard at a time: the callers keep the list of 2 until all 3 beat with 3
+    d.heard(beat(0, 3), now=4.0)
+    d.heard(beat(2, 3), now=4.5)
+    assert d.view == ("10.0.0.0:50060", "10.0.0.9:50061")
+    d.heard(beat(1, 3), now=5.0)
+    assert d.view == ("10.0.0.0:50060", "10.0.0.1:50060", "10.0.0.2:50060") and len(seen) == 3
+
+
+def test_a_stale_beat_or_one_without_an_address_makes_no_list():
+    d = ShardDirectory(fresh_s=5.0)
+    d.heard(beat(0, 2), now=0.0)
+    d.heard(beat(1, 2), now=10.0)  # shard 0's beat is 10 s old: not evidence of a list of 2 now
+    assert d.view == ()
+    d.heard(beat(0, 2, ""), now=11.0)  # a wildcard-bound shard without advertise_host
+    assert d.view == ()
+    d.heard(beat(0, 2), now=12.0)
+    assert d.view == ("10.0.0.0:50060", "10.0.0.1:50060")
