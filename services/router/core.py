@@ -226,8 +226,18 @@ class Router:
 
     def _use_shards(self, addresses: tuple[str, ...]) -> None:
         """Route with these cachesvc shards from now on (a MatchPrefix under way finishes with the list it
-        started with)."""
+        started with; the channels of addresses the new list lacks close once such calls are over)."""
+        gone = set(self.shards.addresses) - set(addresses)
         self.shards = _Shards(addresses, [cache_pb2_grpc.CacheServiceStub(self._channel(a)) for a in addresses])
+        if gone:
+            asyncio.get_running_loop().call_later(max(10.0, 4 * self.cfg.match_timeout_s),
+                                                  lambda: self._spawn(self._retire(gone)))
+
+    async def _retire(self, addresses: set[str]) -> None:
+        for address in addresses - set(self.shards.addresses):  # unless a later list has it again
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                await channel.close()
 
     @property
     def cache(self) -> list[cache_pb2_grpc.CacheServiceStub]:

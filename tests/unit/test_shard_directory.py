@@ -53,3 +53,32 @@ def test_a_stale_beat_or_one_without_an_address_makes_no_list():
     assert d.view == ()
     d.heard(beat(0, 2), now=12.0)
     assert d.view == ("10.0.0.0:50060", "10.0.0.1:50060")
+
+
+def test_the_router_swaps_its_shard_list_whole_and_closes_only_channels_no_list_has():
+    import asyncio
+
+    from kvmesh.settings import RouterSettings
+
+    from services.router.core import Router
+
+    async def body() -> None:
+        router = Router(RouterSettings(cachesvc_address="nats"))
+        try:
+            router._use_shards(("127.0.0.1:1", "127.0.0.1:2"))
+            first = router.shards
+            first.down.add(1)
+            router._use_shards(("127.0.0.1:1", "127.0.0.1:3"))  # shard 1 restarted at another port
+            assert router.shards is not first and not router.shards.down and len(router.cache) == 2
+            assert router.shards.names is not first.names  # holder ids are per shard list
+            await router._retire({"127.0.0.1:2"})
+            assert set(router._channels) == {"127.0.0.1:1", "127.0.0.1:3"}
+            router._use_shards(("127.0.0.1:1", "127.0.0.1:2"))  # back before the old one's channel was retired
+            await router._retire({"127.0.0.1:3", "127.0.0.1:2"})
+            assert set(router._channels) == {"127.0.0.1:1", "127.0.0.1:2"}
+        finally:
+            router.tokenize_pool.shutdown()
+            for channel in router._channels.values():
+                await channel.close()
+
+    asyncio.run(body())
