@@ -214,7 +214,9 @@ class Stack:
                 self.nats = NatsServer(self.state_dir / "nats", config=self._nats_config()).start()  # any free port
                 nats_url = self.nats.url
             self.child_env["KVMESH_NATS_URL"] = nats_url
-            caches = [self._spawn(name, "services.cachesvc", env)
+            # shards found through the bus find each other there too (a restarted one's repair peers)
+            peers = {"KVMESH_CACHESVC_PEERS": "nats"} if o.cachesvc_from_bus and o.cachesvc > 1 else {}
+            caches = [self._spawn(name, "services.cachesvc", {**env, **peers})
                       for name, env in _cache_shards(o.cachesvc, cfg.cachesvc)]
             self._wait_ready(caches, deadline)  # the engines and the router need their actual addresses
             pool = {"KVMESH_INSTANCE_CACHESVC_ADDRESS": self.callers_cachesvc if o.pool else ""}
@@ -278,7 +280,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         given = {**old.given, **_same_ports(old)}
         if name.startswith("cachesvc-"):  # a shard: the others' addresses, to fetch what it lost from its copies
-            given["KVMESH_CACHESVC_PEERS"] = self.cachesvc_address
+            given["KVMESH_CACHESVC_PEERS"] = "nats" if self.opts.cachesvc_from_bus else self.cachesvc_address
         while True:  # the port a killed process held may take a moment to be free again
             new = self._spawn(name, old.module, given)
             self.services.remove(old)

@@ -65,14 +65,16 @@ class Repair:
     """One shard's repair from the others. ``storage`` runs a function on the pool's storage thread."""
 
     def __init__(self, cfg: CacheServiceSettings, shared: SharedSettings, smap: ShardMap, pool: Pool,
-                 storage: Callable[..., Awaitable[Any]], repaired: Callable[[int, int, int], None]) -> None:
+                 storage: Callable[..., Awaitable[Any]], repaired: Callable[[int, int, int], None],
+                 peers: Sequence[str] = ()) -> None:
+        """``peers``: every shard's address in shard order (default: ``cfg.peers``)."""
         self.shard, self.smap, self.pool = cfg.shard, smap, pool
         self.storage = storage
         self.repaired = repaired  # (source shard, blocks, bytes): the metrics
         self.rate = cfg.repair_mb_s << 20
         self.max_bytes = min(BATCH_BYTES, (cfg.max_message_mb << 20) - (1 << 20))
         opts = [("grpc.max_receive_message_length", cfg.max_message_mb << 20)]
-        addresses = [a.strip() for a in cfg.peers.split(",")]
+        addresses = list(peers) or [a.strip() for a in cfg.peers.split(",")]
         self.channels = {s: tls.aio_channel(a, opts, shared) for s, a in enumerate(addresses) if s != cfg.shard}
         self.stubs = {s: cache_pb2_grpc.CacheServiceStub(ch) for s, ch in self.channels.items()}
         self.blocks = 0  # fetched and stored since start (Stats)

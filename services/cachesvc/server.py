@@ -36,6 +36,7 @@ from kvmesh import tls
 from kvmesh.authz import Authorizer, caller
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.bus import POOL_EVENTS_SENDER
+from kvmesh.bus.shard_directory import DISCOVER, ShardDirectory
 from kvmesh.bus.snapshot import Snapshot, request_snapshot
 from kvmesh.contracts.events import BlockRemoved, BlockStored
 from kvmesh.contracts.ids import BlockKey, InstanceId
@@ -70,6 +71,7 @@ POOL_INSTANCE = POOL_EVENTS_SENDER  # the index's name for the pool; its events 
 POOL_EVENTS_PER_MESSAGE = 4096  # block keys in one pool.events message (well under NATS's 1 MB payload)
 POOL_EVENTS_HELD = 200_000  # block keys kept for pool.events while NATS is down (the oldest go first)
 BEAT_S = 1.0  # its shard's beat (CacheShardBeat), for callers that find cachesvc through the bus
+PEERS_WAIT_S = 10.0  # peers "nats": how long a repair waits between looks at the shards' beats
 _MESSAGE_OVERHEAD = 64 << 10  # room for keys and checksums next to the data of a GetBlocks reply
 
 
@@ -547,8 +549,8 @@ class CacheServer:
         await self._replayed()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._start_repair()
         self._beater = asyncio.create_task(self._beat(), name="cachesvc-beat")
+        self._start_repair()
         log.info("serving cluster %r: stream %s, durable %r, %d blocks indexed", self.shared.cluster,
                  self.subjects.events_stream, self.durable, len(self.index))
 
@@ -567,6 +569,7 @@ class CacheServer:
                      "copies (set peers to every shard's address, in shard order)")
             return
         assert self.pool is not None
+        pool = self.pool
 
         async def storage(fn: Callable[..., R], *args: Any) -> R:
             return await asyncio.get_running_loop().run_in_executor(self.storage, fn, *args)
@@ -575,8 +578,20 @@ class CacheServer:
             self.metrics.repaired_blocks.labels(str(source)).inc(blocks)
             self.metrics.repaired_bytes.labels(str(source)).inc(nbytes)
 
-        self.repair = Repair(cfg, self.shared, smap, self.pool, storage, counted)
-        self._repairing = asyncio.create_task(self.repair.run(), name="cachesvc-repair")
+        async def repair() -> None:
+            peers: tuple[str, ...] = ()
+            if cfg.peers == DISCOVER:  # the shards' beats (this one's own too) name them
+                assert self.bus is not None
+                directory = ShardDirectory()
+                await directory.start(self.bus, self.subjects)
+                while len(peers := await directory.wait(PEERS_WAIT_S, smap.shards)) != smap.shards:
+                    log.info("repair waits for the beats of all %d shards (heard a whole list of %d)", smap.shards,
+                             len(peers))
+                log.info("repair: the shards' beats name %s", ", ".join(peers))
+            self.repair = Repair(cfg, self.shared, smap, pool, storage, counted, peers)
+            await self.repair.run()
+
+        self._repairing = asyncio.create_task(repair(), name="cachesvc-repair")
         self._repairing.add_done_callback(_repair_ended)
 
     async def _replayed(self) -> None:

@@ -74,3 +74,52 @@ def test_a_pool_client_finds_the_shards_by_their_beats_and_follows_a_restart(nat
         for s in shards:
             if s.proc is not None and s.proc.poll() is None:
                 s.stop()
+
+
+def test_a_restarted_shard_finds_its_peers_by_their_beats_and_repairs_from_them(nats_server, tmp_path):
+    """``peers = "nats"``: two shards keeping two copies of every block; shard 1 is killed (its DRAM tier goes)
+    and started again on another port, learns the other shard's address from its beat, and fetches back every
+    block it lost."""
+    import signal
+
+    import grpc
+    from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
+
+    cluster = f"rep{uuid.uuid4().hex[:8]}"
+    shards = [Subprocess(nats_server.url, cluster, tmp_path / f"shard-{i}.log", shard=str(i), shards="2",
+                         durable_name=f"cachesvc-{i}", pool_copies="2", peers="nats") for i in range(2)]
+
+    def stats(s: Subprocess) -> cache_pb2.StatsResponse:
+        with grpc.insecure_channel(s.address) as channel:
+            return cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.StatsRequest(), timeout=10)
+
+    async def body() -> None:
+        bus = await Bus.connect(nats_server.url, "finder")
+        directory = ShardDirectory()
+        await directory.start(bus, Subjects(cluster))
+        pool = PoolClient("", LAYOUT)
+        directory.on_change = pool.use
+        try:
+            for s in shards:
+                await asyncio.to_thread(s.start)
+            await directory.wait(30, shards=2)
+            assert await pool.write_back(KEYS, block_bytes(make_blocks(len(KEYS), 3))) == len(KEYS)
+            assert [stats(s).pool_blocks for s in shards] == [len(KEYS)] * 2
+            await asyncio.to_thread(shards[1].stop, signal.SIGKILL)
+            await asyncio.to_thread(shards[1].start)
+            deadline = asyncio.get_running_loop().time() + 60
+            while (st := await asyncio.to_thread(stats, shards[1])).repaired_blocks < len(KEYS):
+                assert asyncio.get_running_loop().time() < deadline, st
+                await asyncio.sleep(0.2)
+            assert st.pool_blocks == len(KEYS) and st.repair_pending_slots == 0
+            assert "repair: the shards' beats name" in shards[1].log_path.read_text()
+        finally:
+            await pool.close()
+            await bus.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(body(), 120))
+    finally:
+        for s in shards:
+            if s.proc is not None and s.proc.poll() is None:
+                s.stop()

@@ -82,3 +82,16 @@ def test_the_router_swaps_its_shard_list_whole_and_closes_only_channels_no_list_
                 await channel.close()
 
     asyncio.run(body())
+
+
+def test_wait_returns_a_list_of_the_count_asked_for_or_what_there_is_at_its_deadline():
+    import asyncio
+
+    async def body() -> None:
+        d = ShardDirectory()
+        d.heard(beat(0, 1))
+        assert await d.wait(0.1, shards=2) == ("10.0.0.0:50060",)  # a list of 1 only, at the deadline
+        asyncio.get_running_loop().call_later(0.05, lambda: (d.heard(beat(0, 2)), d.heard(beat(1, 2))))
+        assert await d.wait(5, shards=2) == ("10.0.0.0:50060", "10.0.0.1:50060")
+
+    asyncio.run(asyncio.wait_for(body(), 10))

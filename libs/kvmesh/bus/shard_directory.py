@@ -67,11 +67,16 @@ class ShardDirectory:
             out.append(beat.address)
         return tuple(out)
 
-    async def wait(self, timeout_s: float) -> tuple[str, ...]:
-        """The view, once there is one (or ``()`` after ``timeout_s``)."""
-        if not self.view:
+    async def wait(self, timeout_s: float, shards: int = 0) -> tuple[str, ...]:
+        """The view, once there is one (of ``shards`` shards, when given), else what it is after ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.view or (shards and len(self.view) != shards):
+            self._changed.clear()
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
+                await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
-                pass
+                break
         return self.view

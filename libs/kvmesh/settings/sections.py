@@ -735,8 +735,8 @@ class CacheServiceSettings(Section):
                                   "shard costs no block, for twice the write-back traffic and memory)")
     peers: str = setting("", "every shard's host:port in shard order, comma-separated, this one's too (with "
                              "shards > 1 and pool_copies > 1): a (re)started shard fetches what it lacks of its "
-                             "blocks from the other copies (\"\" = no repair; kvmesh up and the Kubernetes "
-                             "cachesvc-shards component set it)")
+                             "blocks from the other copies (\"\" = no repair; \"nats\": the addresses the "
+                             "shards' beats name; kvmesh up and the Kubernetes cachesvc-shards component set it)")
     repair_mb_s: int = setting(64, "that repair's block bytes per second at most, so serving keeps its share "
                                    "(0 = no repair)")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
@@ -800,7 +800,7 @@ class CacheServiceSettings(Section):
             out.append(Problem("shard", f"shard must be in [0, shards - 1] = [0, {self.shards - 1}], "
                                         f"not {self.shard}"))
         out += self._address("peers", "no repair", shards=True)
-        peers = len(self.peers.split(",")) if self.peers else 0
+        peers = len(self.peers.split(",")) if self.peers and self.peers != "nats" else 0
         if peers and peers != self.shards:
             out.append(Problem("peers", f"peers lists {peers} addresses but shards is {self.shards}: list every "
                                         "shard's host:port, in shard order, this one's too"))
