@@ -5,7 +5,10 @@ their beats, writes back and fetches through them, and follows a shard that rest
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import torch
 from kvmesh.bus import Bus, Subjects
@@ -26,18 +29,38 @@ def make_blocks(n: int, seed: int) -> torch.Tensor:
                        generator=g)
 
 
+@contextlib.asynccontextmanager
+async def finder(nats_url: str, cluster: str) -> AsyncIterator[tuple[ShardDirectory, PoolClient]]:
+    """An instance's view of the pool with ``cachesvc_address = "nats"``: a pool client given no address, fed
+    the shard lists the beats make."""
+    bus = await Bus.connect(nats_url, "finder")
+    directory = ShardDirectory()
+    await directory.start(bus, Subjects(cluster))
+    pool = PoolClient("", LAYOUT)
+    directory.on_change = pool.use
+    try:
+        yield directory, pool
+    finally:
+        await pool.close()
+        await bus.close()
+
+
+def run_with(shards: list[Subprocess], body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    try:
+        asyncio.run(asyncio.wait_for(body(), 120))
+    finally:
+        for s in shards:
+            if s.proc is not None and s.proc.poll() is None:
+                s.stop()
+
+
 def test_a_pool_client_finds_the_shards_by_their_beats_and_follows_a_restart(nats_server, tmp_path):
     cluster = f"disc{uuid.uuid4().hex[:8]}"
     shards = [Subprocess(nats_server.url, cluster, tmp_path / f"shard-{i}.log", shard=str(i), shards="2",
                          durable_name=f"cachesvc-{i}", pool_copies="1") for i in range(2)]
 
     async def body() -> None:
-        bus = await Bus.connect(nats_server.url, "finder")
-        directory = ShardDirectory()
-        await directory.start(bus, Subjects(cluster))
-        pool = PoolClient("", LAYOUT)
-        directory.on_change = pool.use
-        try:
+        async with finder(nats_server.url, cluster) as (directory, pool):
             blocks = make_blocks(len(KEYS), 1)
             assert await pool.write_back(KEYS, block_bytes(blocks)) == 0  # no shard known yet: nothing sent
             assert await pool.fetch(KEYS) is None
@@ -64,16 +87,8 @@ def test_a_pool_client_finds_the_shards_by_their_beats_and_follows_a_restart(nat
             assert await pool.write_back(keys, block_bytes(again)) == len(keys)
             got = await pool.fetch(keys)
             assert got is not None and torch.equal(blocks_from_bytes(LAYOUT, got.data), again)
-        finally:
-            await pool.close()
-            await bus.close()
 
-    try:
-        asyncio.run(asyncio.wait_for(body(), 120))
-    finally:
-        for s in shards:
-            if s.proc is not None and s.proc.poll() is None:
-                s.stop()
+    run_with(shards, body)
 
 
 def test_a_restarted_shard_finds_its_peers_by_their_beats_and_repairs_from_them(nats_server, tmp_path):
@@ -94,12 +109,7 @@ def test_a_restarted_shard_finds_its_peers_by_their_beats_and_repairs_from_them(
             return cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.StatsRequest(), timeout=10)
 
     async def body() -> None:
-        bus = await Bus.connect(nats_server.url, "finder")
-        directory = ShardDirectory()
-        await directory.start(bus, Subjects(cluster))
-        pool = PoolClient("", LAYOUT)
-        directory.on_change = pool.use
-        try:
+        async with finder(nats_server.url, cluster) as (directory, pool):
             for s in shards:
                 await asyncio.to_thread(s.start)
             await directory.wait(30, shards=2)
@@ -113,13 +123,5 @@ def test_a_restarted_shard_finds_its_peers_by_their_beats_and_repairs_from_them(
                 await asyncio.sleep(0.2)
             assert st.pool_blocks == len(KEYS) and st.repair_pending_slots == 0
             assert "repair: the shards' beats name" in shards[1].log_path.read_text()
-        finally:
-            await pool.close()
-            await bus.close()
 
-    try:
-        asyncio.run(asyncio.wait_for(body(), 120))
-    finally:
-        for s in shards:
-            if s.proc is not None and s.proc.poll() is None:
-                s.stop()
+    run_with(shards, body)
