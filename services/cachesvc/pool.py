@@ -205,6 +205,17 @@ class Pool:
             self.session_request(session, list(session_blocks or keys), session_end)
         return PutResult(stored=len(new), skipped=len(keys) - len(new))
 
+    def retention(self, key: int) -> tuple[int, float]:
+        """The retention a copy of ``key`` should keep (a repair's): its highest priority still holding in any
+        tier, and for how many more seconds (0: for good; (0, 0) when none holds)."""
+        now = self.leases.clock()
+        held = [(u.priority, u.priority_until) for t in self.tiers for u in t.usages(key)
+                if u.priority and u.priority_until > now]
+        if not held:
+            return 0, 0.0
+        priority, until = max(held)
+        return priority, 0.0 if until == float("inf") else max(until - now, 1e-3)
+
     # -- sessions and copies (storage thread) ----------------------------------------------------------------
 
     def quarantine(self, keys: Sequence[int]) -> None:

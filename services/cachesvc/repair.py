@@ -61,6 +61,23 @@ def mask_slots(mask: bytes) -> set[int]:
     return {s for s in range(bits.bit_length()) if bits >> s & 1}
 
 
+def _retention_runs(got: cache_pb2.GetBlocksResponse, n: int) -> list[tuple[int, int, int, float]]:
+    """The answer's first ``n`` blocks as runs of one retention: (first, end, priority, seconds it holds). A shard
+    that sends none (an older build) gives one run without priority."""
+    if len(got.priorities) != n or len(got.priority_s) != n:
+        return [(0, n, 0, 0.0)]
+    runs: list[tuple[int, int, int, float]] = []
+    for i in range(n):
+        left = got.priority_s[i]
+        # whole seconds (a second's difference is not worth another put), never rounded down to 0 (= for good)
+        p, s = got.priorities[i], 0.0 if left <= 0 else float(max(1, round(left)))
+        if runs and runs[-1][2:] == (p, s):
+            runs[-1] = (runs[-1][0], i + 1, p, s)
+        else:
+            runs.append((i, i + 1, p, s))
+    return runs
+
+
 class Repair:
     """One shard's repair from the others. ``storage`` runs a function on the pool's storage thread."""
 
@@ -147,16 +164,19 @@ class Repair:
                 continue
             if list(got.block_keys) != batch[:n]:
                 raise PeerFailed(f"shard {source} answered with blocks that were not asked for")
-            put = functools.partial(self.pool.put, layout, batch[:n], list(got.checksums), got.data,
-                                    writer=f"cachesvc shard {source} (repair)")
-            try:
-                stored = await self.storage(put)
-            except (PoolFull, StoreUnavailable, ValueError) as e:  # ours is full, or a block arrived damaged
-                log.warning("repair: %d blocks from shard %d not stored: %s", n, source, e)
-            else:
-                self.blocks += stored.stored
-                self.bytes += stored.stored * layout.block_nbytes
-                self.repaired(source, stored.stored, stored.stored * layout.block_nbytes)
+            stored = 0
+            for first, last, priority, priority_s in _retention_runs(got, n):  # each run of one retention
+                nb = layout.block_nbytes
+                put = functools.partial(self.pool.put, layout, batch[first:last], list(got.checksums[first:last]),
+                                        memoryview(got.data)[first * nb:last * nb], priority=priority,
+                                        priority_s=priority_s, writer=f"cachesvc shard {source} (repair)")
+                try:
+                    stored += (await self.storage(put)).stored
+                except (PoolFull, StoreUnavailable, ValueError) as e:  # ours is full, or a block arrived damaged
+                    log.warning("repair: %d blocks from shard %d not stored: %s", last - first, source, e)
+            self.blocks += stored
+            self.bytes += stored * layout.block_nbytes
+            self.repaired(source, stored, stored * layout.block_nbytes)
             i += n
             await self._pace(len(got.data))
 

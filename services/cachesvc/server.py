@@ -305,6 +305,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             head = cache_pb2.GetBlocksResponse(
                 block_keys=[b.key for b in got.blocks], checksums=[b.checksum for b in got.blocks],
                 tiers=got.tiers, lease_id=got.lease_id, leased_blocks=got.leased)
+            if request.copy:  # a repair: each block's retention goes with its copy
+                kept = [self.pool.retention(b.key) for b in got.blocks]
+                head.priorities.extend(p for p, _ in kept)
+                head.priority_s.extend(s for _, s in kept)
             return encode_get_reply(head, [b.data for b in got.blocks])
 
         reply = await self._storage(get)

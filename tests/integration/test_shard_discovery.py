@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import torch
+import xxhash
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.shard_directory import ShardDirectory
 from kvmesh.contracts.layout import KVLayout
@@ -94,7 +95,7 @@ def test_a_pool_client_finds_the_shards_by_their_beats_and_follows_a_restart(nat
 def test_a_restarted_shard_finds_its_peers_by_their_beats_and_repairs_from_them(nats_server, tmp_path):
     """``peers = "nats"``: two shards keeping two copies of every block; shard 1 is killed (its DRAM tier goes)
     and started again on another port, learns the other shard's address from its beat, and fetches back every
-    block it lost."""
+    block it lost, the blocks a tenant pinned with their priority and what is left of its time."""
     import signal
 
     import grpc
@@ -108,20 +109,43 @@ def test_a_restarted_shard_finds_its_peers_by_their_beats_and_repairs_from_them(
         with grpc.insecure_channel(s.address) as channel:
             return cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.StatsRequest(), timeout=10)
 
+    pinned = [k + 3 for k in KEYS[:4]]
+    view = [cache_pb2.ShardView(shard=i, shards=2) for i in range(2)]
+
+    def pin(s: Subprocess, i: int) -> None:  # a tenant's retention: priority 80 for 10 minutes
+        data = block_bytes(make_blocks(len(pinned), 4))
+        nb = LAYOUT.block_nbytes
+        sums = [xxhash.xxh3_64_intdigest(data[j * nb:(j + 1) * nb]) for j in range(len(pinned))]
+        with grpc.insecure_channel(s.address) as channel:
+            cache_pb2_grpc.CacheServiceStub(channel).PutBlocks(cache_pb2.PutBlocksRequest(
+                layout=LAYOUT.to_proto(), block_keys=pinned, checksums=sums, data=bytes(data), priority=80,
+                priority_duration_s=600, view=view[i]), timeout=10)
+
+    def retention(s: Subprocess) -> list[tuple[int, float]]:
+        with grpc.insecure_channel(s.address) as channel:
+            got = cache_pb2_grpc.CacheServiceStub(channel).GetBlocks(cache_pb2.GetBlocksRequest(
+                layout=LAYOUT.to_proto(), block_keys=pinned, copy=True, view=view[1]), timeout=10)
+        return list(zip(got.priorities, got.priority_s))
+
     async def body() -> None:
         async with finder(nats_server.url, cluster) as (directory, pool):
             for s in shards:
                 await asyncio.to_thread(s.start)
             await directory.wait(30, shards=2)
             assert await pool.write_back(KEYS, block_bytes(make_blocks(len(KEYS), 3))) == len(KEYS)
-            assert [stats(s).pool_blocks for s in shards] == [len(KEYS)] * 2
+            for i, s in enumerate(shards):
+                await asyncio.to_thread(pin, s, i)
+            total = len(KEYS) + len(pinned)
+            assert [stats(s).pool_blocks for s in shards] == [total] * 2
             await asyncio.to_thread(shards[1].stop, signal.SIGKILL)
             await asyncio.to_thread(shards[1].start)
             deadline = asyncio.get_running_loop().time() + 60
-            while (st := await asyncio.to_thread(stats, shards[1])).repaired_blocks < len(KEYS):
+            while (st := await asyncio.to_thread(stats, shards[1])).repaired_blocks < total:
                 assert asyncio.get_running_loop().time() < deadline, st
                 await asyncio.sleep(0.2)
-            assert st.pool_blocks == len(KEYS) and st.repair_pending_slots == 0
+            assert st.pool_blocks == total and st.repair_pending_slots == 0
+            kept = await asyncio.to_thread(retention, shards[1])  # the copies kept the tenant's retention
+            assert len(kept) == len(pinned) and all(p == 80 and 500 < left <= 600 for p, left in kept), kept
             assert "repair: the shards' beats name" in shards[1].log_path.read_text()
 
     run_with(shards, body)

@@ -94,3 +94,25 @@ def test_repair_mb_s_zero_turns_repair_off_and_a_negative_rate_is_refused():
     assert settings.load(env={"KVMESH_CACHESVC_REPAIR_MB_S": "0"}).cachesvc.repair_mb_s == 0
     with pytest.raises(SettingsError, match="repair_mb_s"):
         settings.load(env={"KVMESH_CACHESVC_REPAIR_MB_S": "-1"})
+
+
+def test_a_copys_retention_is_the_blocks_and_goes_in_runs_of_one_retention(tmp_path):
+    """A repair copy keeps each block's priority and what is left of its time (the source's ``retention``, sent
+    with the copy), in as few puts as there are runs of one retention."""
+    from kvmesh.proto.v1 import cache_pb2
+
+    from services.cachesvc.repair import _retention_runs
+
+    pool = make_pool(dram_blocks=8)
+    pool.put(LAYOUT, *blocks(1), priority=90, priority_s=3600)
+    pool.put(LAYOUT, *blocks(2), priority=50)  # for good
+    pool.put(LAYOUT, *blocks(3))
+    pool.put(LAYOUT, *blocks(4), priority=70, priority_s=1e-6)  # over by now
+    left = pool.retention(1)
+    assert left[0] == 90 and 3590 < left[1] <= 3600
+    assert pool.retention(2) == (50, 0.0) and pool.retention(3) == (0, 0.0) and pool.retention(4) == (0, 0.0)
+
+    got = cache_pb2.GetBlocksResponse(block_keys=[1, 5, 2, 6, 7, 8], priorities=[90, 90, 50, 0, 0, 30],
+                                      priority_s=[3599.6, 3600.2, 0.0, 0.0, 0.0, 0.2])
+    assert _retention_runs(got, 6) == [(0, 2, 90, 3600.0), (2, 3, 50, 0.0), (3, 5, 0, 0.0), (5, 6, 30, 1.0)]
+    assert _retention_runs(cache_pb2.GetBlocksResponse(block_keys=[1, 2]), 2) == [(0, 2, 0, 0.0)]  # an older shard
