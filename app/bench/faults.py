@@ -181,6 +181,7 @@ class FaultRun:
     prefill_blocks: int = 0  # each prefill (and both) instance's KV blocks (0: the engine's default)
     both: int = 0
     repair: bool = True  # a restarted cachesvc shard refills its pool from the other copies
+    from_bus: bool = False  # engines and routers find the shards by their beats (cachesvc_address "nats")
 
     def wrong(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.error and (o.tokens, o.text) != self.references[o.prompt]]
@@ -312,7 +313,8 @@ def _moved(spans: list[SpanRecord]) -> list[Moved]:
 def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_tokens: int = 16, decode: int = 2,
         routers: int = 2, restart_after_s: float = 8.0, state_dir: Path | None = None,
         max_num_seqs: int | None = None, prefill: int = 1, cachesvc: int = 1, system_words: int = 0,
-        pool_copies: int = 1, prefill_blocks: int = 0, both: int = 0, repair: bool = True) -> FaultRun:
+        pool_copies: int = 1, prefill_blocks: int = 0, both: int = 0, repair: bool = True,
+        from_bus: bool = False) -> FaultRun:
     engine = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     systems = contexts(system_words)
     # small prefill caches: the prompts' prefixes are evicted and come back from the pool
@@ -321,6 +323,7 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(state_dir or Path(tmp), StackOptions.local("faults", prefill=prefill, decode=decode, both=both,
                                                                  routers=routers, cachesvc=cachesvc,
+                                                                 cachesvc_from_bus=from_bus,
                                                                  settings={"engine": engine,
                                                                            "cachesvc": {"pool_copies": pool_copies,
                                                                                         **({} if repair else
@@ -357,7 +360,7 @@ def run(faults: list[Fault], clients: int = 16, duration_s: float = 120.0, max_t
                         _moved(read_spans(trace_file(stack.state_dir))),
                         Limits(router.instance_timeout_s, router.inter_token_timeout_s),
                         stack.cfg.engine.max_num_seqs, prefill, cachesvc, system_words, pool_copies,
-                        prefill_blocks, both, repair)
+                        prefill_blocks, both, repair, from_bus)
 
 
 def _metric(url: str, name: str) -> float:
@@ -445,7 +448,8 @@ def _shards(res: FaultRun) -> str:
     if res.pool_copies > 1:
         copies += ", a restarted shard refilled from the others" if res.repair else ", no repair"
     small = f", {res.prefill_blocks} KV blocks a computing instance" if res.prefill_blocks else ""
-    return f" and {res.cachesvc} cachesvc shards ({copies}{small})"
+    found = ", found by the engines and routers through their beats on NATS" if res.from_bus else ""
+    return f" and {res.cachesvc} cachesvc shards ({copies}{small}{found})"
 
 
 def _systems(words: int) -> str:
@@ -512,7 +516,8 @@ def main(args) -> int:
         return 2
     res = run(faults, args.clients, args.duration, args.max_tokens, args.decode, args.routers, args.restart_after,
               Path(args.state_dir) if args.state_dir else None, args.max_num_seqs, args.prefill, args.cachesvc,
-              args.system_words, args.pool_copies, args.prefill_blocks, args.both, not args.no_repair)
+              args.system_words, args.pool_copies, args.prefill_blocks, args.both, not args.no_repair,
+              args.cachesvc_from_bus)
     body = report(res, args.clients, args.decode, args.routers, args.restart_after)
     print(body)
     for o in (res.lost() + res.wrong())[:10]:
@@ -531,6 +536,7 @@ def main(args) -> int:
                    + (f" --pool-copies {args.pool_copies}" if args.pool_copies != 1 else "")
                    + (f" --prefill-blocks {args.prefill_blocks}" if args.prefill_blocks else "")
                    + (" --no-repair" if args.no_repair else "")
+                   + (" --cachesvc-from-bus" if args.cachesvc_from_bus else "")
                    + (f" --section '{section}'" if args.section else ""))
         print(f"\nwritten to {write_section(section, command, body)}")
     return 0 if not res.lost() and not res.wrong() else 1

@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "KV blocks (small: prefixes come back from the pool)")
     p.add_argument("--no-repair", action="store_true", help="with --faults and --pool-copies > 1: a restarted "
                    "cachesvc shard does not refill its pool from the other copies (cachesvc.repair_mb_s 0)")
+    p.add_argument("--cachesvc-from-bus", action="store_true", help="with --faults and --cachesvc: engines and "
+                   "routers find the shards by their beats on NATS (kvmesh up --cachesvc-from-bus)")
     p.add_argument("--both", type=int, default=0, help="with --faults: instances that prefill and decode")
     p.add_argument("--system-words", type=int, default=0,
                    help="with --faults: requests take one of a few system prompts this many words long in turn "
