@@ -56,6 +56,8 @@ def test_a_jwt_decodes_to_its_claims_and_a_changed_byte_fails_its_signature():
         ac.decode_jwt(f"{head}.{forged}.{sig}")
     with pytest.raises(ValueError, match="not a JWT"):
         ac.decode_jwt("garbage")
+    with pytest.raises(ValueError, match="not a NATS JWT"):  # a header that is not an object
+        ac.decode_jwt(f"{ac._b64(b'[1]')}.{body}.{sig}")
 
 
 def test_only_an_account_seed_is_an_issuer():

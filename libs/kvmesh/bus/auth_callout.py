@@ -124,8 +124,9 @@ def decode_jwt(token: str) -> dict[str, Any]:
         signature = _unb64(sig)
     except (ValueError, binascii.Error) as e:
         raise ValueError(f"not a JWT: {e}") from None
-    if not isinstance(claims, dict) or header.get("alg") != _JWT_HEADER["alg"]:
-        raise ValueError(f"not a NATS JWT (alg {header.get('alg')!r})")
+    alg = header.get("alg") if isinstance(header, dict) else None
+    if not isinstance(claims, dict) or alg != _JWT_HEADER["alg"]:
+        raise ValueError(f"not a NATS JWT (alg {alg!r})")
     try:
         Ed25519PublicKey.from_public_bytes(_raw_public(str(claims.get("iss", "")))).verify(
             signature, f"{head}.{body}".encode())
