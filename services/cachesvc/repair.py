@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -66,15 +67,13 @@ def _retention_runs(got: cache_pb2.GetBlocksResponse, n: int) -> list[tuple[int,
     that sends none (an older build) gives one run without priority."""
     if len(got.priorities) != n or len(got.priority_s) != n:
         return [(0, n, 0, 0.0)]
-    runs: list[tuple[int, int, int, float]] = []
-    for i in range(n):
-        left = got.priority_s[i]
-        # whole seconds (a second's difference is not worth another put), never rounded down to 0 (= for good)
-        p, s = got.priorities[i], 0.0 if left <= 0 else float(max(1, round(left)))
-        if runs and runs[-1][2:] == (p, s):
-            runs[-1] = (runs[-1][0], i + 1, p, s)
-        else:
-            runs.append((i, i + 1, p, s))
+    # whole seconds (a second's difference is not worth another put), never rounded down to 0 (= for good)
+    kept = [(p, 0.0 if s <= 0 else float(max(1, round(s)))) for p, s in zip(got.priorities, got.priority_s)]
+    runs, first = [], 0
+    for (priority, seconds), group in itertools.groupby(kept):
+        end = first + len(list(group))
+        runs.append((first, end, priority, seconds))
+        first = end
     return runs
 
 

@@ -34,6 +34,7 @@ from kvmesh.contracts.messages import (
 )
 from kvmesh.identity import Identity, MeshRole
 from kvmesh.mesh_ca import MeshCA
+from kvmesh.ready import terminate
 from kvmesh.settings import SharedSettings
 
 from tests.docker.test_nats_permissions import _snapshot, run
@@ -90,8 +91,7 @@ def callout_mesh(d: Path, ca: MeshCA) -> Iterator[NatsServer]:
             run(connect_and_close((ca, nats), MeshRole.PREFILL, "probe"))
             yield nats
         finally:
-            proc.terminate()
-            proc.wait(10)
+            terminate(proc)
         assert not ready.exists(), "the ready file outlived the service"
 
 

@@ -48,7 +48,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from kvmesh.bus.permissions import SNAPSHOT_CHUNKS, permissions
+from kvmesh.bus.permissions import RESPONSES_S, SNAPSHOT_CHUNKS, permissions
 from kvmesh.bus.subjects import Subjects
 from kvmesh.identity import Identity
 
@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 
 CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
 GLOBAL_ACCOUNT = "$G"  # nats-server's account for users of a configuration without accounts
-RESPONSES_TTL_NS = 60 * 10**9  # a granted reply subject stays open this long (as the listed users' "1m")
 _JWT_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 _DER = Encoding.DER
 
@@ -186,7 +185,7 @@ class Callout:
         nats: dict[str, Any] = {"pub": {"allow": list(perms.publish)}, "sub": {"allow": list(perms.subscribe)},
                                 "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2}
         if perms.responses:
-            nats["resp"] = {"max": SNAPSHOT_CHUNKS, "ttl": RESPONSES_TTL_NS}
+            nats["resp"] = {"max": SNAPSHOT_CHUNKS, "ttl": RESPONSES_S * 10**9}  # nanoseconds
         claims: dict[str, Any] = {"sub": user_nkey, "aud": self.account, "name": identity.uri, "nats": nats}
         if expires:
             claims["exp"] = expires

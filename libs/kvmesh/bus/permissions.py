@@ -49,6 +49,7 @@ from kvmesh.contracts.ids import subject_token
 from kvmesh.identity import SPIFFE_PREFIX, Identity, MeshRole
 
 SNAPSHOT_CHUNKS = 10_000  # answers one snapshot request may take (a chunk fills the server's max payload)
+RESPONSES_S = 60  # how long a request's reply subject stays open to the one who received it
 CALLOUT_IDENTITY = Identity(MeshRole.CLIENT, "nats-auth")  # the auth callout service's own (kvmesh.bus.auth_callout)
 
 
@@ -106,7 +107,7 @@ def user(identity: Identity, subjects: Subjects, any_instance: bool = False) -> 
     out: dict[str, object] = {"publish": {"allow": list(perms.publish)},
                               "subscribe": {"allow": list(perms.subscribe)}}
     if perms.responses:
-        out["allow_responses"] = {"max": SNAPSHOT_CHUNKS, "expires": "1m"}
+        out["allow_responses"] = {"max": SNAPSHOT_CHUNKS, "expires": f"{RESPONSES_S}s"}
     return {"user": identity.uri, "permissions": out}
 
 
