@@ -10,8 +10,10 @@ of the given size, sent after the previous one was verified; the baseline does t
 
 ``--tls-compare``: each backend also with the mesh's mutual TLS, as ``kvmesh up`` runs it (``[shared] mesh_tls``,
 its default): certificates from a mesh CA of the run's own, the receiver a decode instance, the sender a prefill
-instance; TLS 1.3 on the connection (for ``tcp`` the payload too, for ``shm`` only the control connection),
-interleaved with the plain runs, and a table of each one's GB/s against its plain twin, round by round.
+instance; TLS 1.3 on the connection (``tcp``'s payload sealed outside the TLS records, :mod:`kvmesh.transfer.seal`;
+for ``shm`` only the control connection), interleaved with the plain runs, and a table of each one's GB/s against
+its plain twin, round by round. ``tcp + mTLS (v2)``: tcp under mTLS to a receiver that reads header version 2
+only (a fleet mid-upgrade), whose payload travels in TLS records.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvmesh.identity import Identity, MeshRole
 from kvmesh.mesh_ca import MESH_SERVER_NAME, CertFiles, MeshCA
 from kvmesh.settings import SharedSettings
 from kvmesh.transfer import TransferClient, TransferServer
+from kvmesh.transfer.header import UNSAID, Versions, parse_versions
 
 from app.bench.report import load_average, markdown_table, publish
 
@@ -45,6 +48,7 @@ SECTION_TLS = "Transfer, mTLS on vs off"
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 RAW = "raw socket"
 MTLS = " + mTLS"  # a backend's name with this suffix: the same backend under the mesh's mutual TLS
+V2 = " + mTLS (v2)"  # tcp under mTLS as a version-2 receiver takes it: the payload in TLS records, not sealed
 _LEN = struct.Struct("<Q")
 
 
@@ -74,7 +78,7 @@ def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: l
         for size, count in zip(sizes, counts, strict=True):
             async with await TransferServer.start(layout_for(size), backend=backend, tls=context) as server:
                 grant = server.grant("t", 0, 1, timeout_s=3600.0)  # every push t<i>: one block each
-                conn.send((server.address, grant.token))
+                conn.send((server.address, grant.token, str(server.versions)))
                 await server.take("t0", timeout=120)  # the warm-up push
                 cpu = time.process_time()
                 for i in range(1, count):
@@ -88,7 +92,7 @@ def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: l
 def _raw_receiver(conn: Connection, sizes: list[int], counts: list[int]) -> None:
     for size, count in zip(sizes, counts, strict=True):
         with socket.create_server(("127.0.0.1", 0)) as listener:
-            conn.send((f"raw://127.0.0.1:{listener.getsockname()[1]}", ""))
+            conn.send((f"raw://127.0.0.1:{listener.getsockname()[1]}", "", ""))
             peer, _ = listener.accept()
             buf = memoryview(bytearray(size))
             with peer:
@@ -114,16 +118,18 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 # -- senders (this process) ----------------------------------------------------------------------------------
 
-async def _push_all(address: str, token: str, size: int, count: int,
+async def _push_all(address: str, token: str, versions: Versions, size: int, count: int,
                     certs: CertFiles | None) -> tuple[float, float]:
     """(wall, CPU) seconds of pushes 1 .. count - 1, after a warm-up push that connects."""
     layout = layout_for(size)
     blocks = block_bytes(torch.randn((1, *layout.block_shape)))
     async with TransferClient(tls=tls.transfer_client_tls(mesh_settings(certs)) if certs else None) as client:
-        await client.push(address, "t0", layout, blocks, [1], layout.block_size, token=token)  # connect, warm up
+        await client.push(address, "t0", layout, blocks, [1], layout.block_size, token=token,
+                          versions=versions)  # connect, warm up
         started, cpu = time.perf_counter(), time.process_time()
         for i in range(1, count):
-            await client.push(address, f"t{i}", layout, blocks, [i], layout.block_size, token=token)
+            await client.push(address, f"t{i}", layout, blocks, [i], layout.block_size, token=token,
+                              versions=versions)
         return time.perf_counter() - started, time.process_time() - cpu
 
 
@@ -144,10 +150,11 @@ def _send_raw(address: str, size: int, count: int) -> tuple[float, float]:
 
 
 def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA | None = None) -> list[dict]:
-    """One round of ``name`` (a backend, ``RAW``, or a backend + ``MTLS`` with certificates from ``mesh``)."""
-    backend = name.removesuffix(MTLS)
+    """One round of ``name`` (a backend, ``RAW``, or a backend + ``MTLS`` / ``V2`` with certificates from
+    ``mesh``)."""
+    backend = _plain(name)
     receiver = sender = None
-    if name.endswith(MTLS):
+    if backend != name:
         assert mesh is not None, f"{name} needs a mesh CA"
         receiver = mesh.issue(Identity(MeshRole.DECODE, "decode-0"))
         sender = mesh.issue(Identity(MeshRole.PREFILL, "prefill-0"))
@@ -162,9 +169,10 @@ def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA 
     rows = []
     try:
         for size, count in zip(sizes, counts, strict=True):
-            address, token = _reply(parent, proc)
+            address, token, versions = _reply(parent, proc)
             seconds, cpu = _send_raw(address, size, count) if backend == RAW else asyncio.run(
-                _push_all(address, token, size, count, sender))
+                _push_all(address, token, UNSAID if name.endswith(V2) else parse_versions(versions), size, count,
+                          sender))
             cpu += _reply(parent, proc)  # the receiver's CPU seconds over the same pushes
             parent.send("done")
             gb = size * (count - 1) / 1e9
@@ -211,7 +219,7 @@ def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm
     usable = [RAW]
     for b in backends:
         if b != "mooncake" or _mooncake_loads():
-            usable += [b, b + MTLS] if tls_compare else [b]
+            usable += ([b, b + MTLS, *([b + V2] if b == "tcp" else [])] if tls_compare else [b])
     samples: dict[tuple[str, int], list[float]] = {}
     cpu: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -228,10 +236,15 @@ def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm
              "cpu_per_gb": statistics.median(cpu[b, size])}
             for b in usable for size, count in zip(sizes, counts, strict=True)]
     for r in rows:
-        if r["backend"].endswith(MTLS):
-            plain = samples[r["backend"].removesuffix(MTLS), r["size"]]
+        if _plain(r["backend"]) != r["backend"]:
+            plain = samples[_plain(r["backend"]), r["size"]]
             r["vs_plain"] = statistics.median(t / p for t, p in zip(samples[r["backend"], r["size"]], plain))
     return rows
+
+
+def _plain(name: str) -> str:
+    """The backend a row's name measures (without the ``MTLS`` / ``V2`` suffix)."""
+    return name.removesuffix(V2).removesuffix(MTLS)
 
 
 def _size_name(n: int) -> str:
@@ -255,7 +268,7 @@ def tls_table(rows: list[dict]) -> str:
     cells: dict[str, dict[str, str]] = {}
     for r in rows:
         if "vs_plain" in r:
-            base = plain[r["backend"].removesuffix(MTLS), r["size"]]
+            base = plain[_plain(r["backend"]), r["size"]]
             cells.setdefault(r["backend"], {"backend": f"{r['backend']} vs {base['backend']}"})[
                 _size_name(r["size"])] = (f"{r['vs_plain']:.2f}x (CPU {r['cpu_per_gb']:.2f} / "
                                           f"{base['cpu_per_gb']:.2f} s/GB)")
@@ -283,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         body += ("\n\n`+ mTLS`: the same backend with the mesh's mutual TLS as `kvmesh up` runs it (TLS 1.3, "
                  "certificates from a mesh CA of the run's own: the receiver a decode instance's, the sender a "
                  "prefill instance's; one connection, its handshake in the warm-up push). tcp's payload is "
-                 "encrypted, shm's travels in the shared-memory segment (only the header and reply are). Its GB/s "
+                 "sealed (AES-256-GCM under a key of its own, sent outside the TLS records: header version 3); "
+                 "`+ mTLS (v2)` is tcp as a version-2 receiver takes it, the payload in TLS records; shm's "
+                 "travels in the shared-memory segment (only the header and reply are encrypted). Its GB/s "
                  "over the plain backend's, the median of the rounds' ratios; in brackets the CPU seconds the "
                  "sender and the receiver spent per GB moved, with TLS / without (medians of the rounds: what a "
                  "shared machine's other jobs do not inflate as they do the wall time):\n\n" + tls_table(rows)

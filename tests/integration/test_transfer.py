@@ -361,7 +361,7 @@ def test_shm_leaves_no_segment_behind() -> None:
 
 def test_shm_push_that_breaks_midway_unlinks_its_segment() -> None:
     class BreakingClient(TransferClient):
-        async def _exchange(self, sock: socket.socket, header: TransferHeader, staged: Staged) -> Reply:
+        async def _exchange(self, *args: object) -> Reply:
             assert shm_segments() - before  # staged, then the connection breaks
             raise ConnectionResetError("simulated: connection reset mid-push")
 

@@ -10,10 +10,12 @@ backend decides only where the payload travels.
 | ``mooncake`` | registers its buffer with the Mooncake Transfer Engine | one-sided read from the sender |
 
 In place (a ``ScatterBackend``; see :mod:`kvmesh.transfer.landing`): ``tcp`` scatters the stream into the
-destination views with ``recvmsg_into`` (under TLS: decrypts into each view in turn), ``shm`` reads the segment
-into them with ``preadv`` (one copy either way); ``mooncake`` receives into a buffer of its own (its reads need
-registered memory). Under TLS only the control connection is encrypted for ``shm`` (the segment never leaves the
-host) and ``mooncake`` (its own data path is plain).
+destination views with ``recvmsg_into`` (under TLS: opens each sealed chunk, or decrypts TLS records, into a staging
+buffer and copies from there), ``shm`` reads the segment into them with ``preadv`` (one copy either way);
+``mooncake`` receives into a buffer of its own (its reads need registered memory). Under TLS a ``tcp`` payload is
+sealed (header version 3 and later, :mod:`kvmesh.transfer.seal`) or sent in TLS records (a version 2 peer); only
+the control connection is encrypted for ``shm`` (the segment never leaves the host) and ``mooncake`` (its own data
+path is plain).
 
 Payloads are plain byte buffers (memoryviews): the library never needs to know what the bytes hold, so
 cachesvc moves blocks without a model framework; the engine hands over zero-copy views of its tensors.
@@ -41,6 +43,8 @@ from kvmesh.transfer.conn import Conn
 from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import TransferHeader
 from kvmesh.transfer.wire import IOV_MAX
+
+Progress = Callable[[int], None]  # bytes of the payload in place so far
 
 
 def _nothing() -> None:
@@ -70,9 +74,12 @@ class Backend(ABC):
         """Sender side. ``payload`` is a flat byte view whose buffer stays alive until release."""
 
     @abstractmethod
-    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview,
+                    progress: Progress | None = None) -> None:
         """Receiver side: fill ``view`` (flat, writable, ``header.nbytes``). Raises TransferRejected when the
-        source cannot be read (the connection stays usable), ConnectionError or TimeoutError when it broke."""
+        source cannot be read (the connection stays usable), ConnectionError or TimeoutError when it broke.
+        ``progress``: told how many of the payload's first bytes are in place, whenever a backend that fills it
+        in steps completes one (the receiver verifies those blocks meanwhile)."""
 
     def close(self) -> None:
         """Free what the sender side keeps between pushes."""
@@ -83,7 +90,7 @@ class ScatterBackend(Backend):
 
     @abstractmethod
     async def fetch_landed(self, header: TransferHeader, conn: Conn, views: list[memoryview],
-                           still_open: Callable[[], bool]) -> bool:
+                           still_open: Callable[[], bool], progress: Progress | None = None) -> bool:
         """Receiver side, in place: fill ``views`` (the payload's destinations in wire order), asking
         ``still_open`` before every write with no ``await`` in between; False when it said no (nothing written
         after that, the payload consumed). Raises like :meth:`fetch`."""
@@ -96,12 +103,30 @@ class TcpBackend(ScatterBackend):
     def stage(self, payload: memoryview, local_host: str) -> Staged:
         return Staged(inline=payload)
 
-    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview) -> None:
-        await conn.recv_into(view)
+    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview,
+                    progress: Progress | None = None) -> None:
+        if header.seal is not None:
+            await conn.recv_sealed(view, header.seal, progress)
+            return
+        with conn.read_ahead():
+            await conn.recv_into(view)
 
     async def fetch_landed(self, header: TransferHeader, conn: Conn, views: list[memoryview],
-                           still_open: Callable[[], bool]) -> bool:
-        return await conn.recv_scatter(views, still_open)
+                           still_open: Callable[[], bool], progress: Progress | None = None) -> bool:
+        if header.seal is not None:
+            return await conn.recv_sealed_scatter(views, header.seal, still_open, progress)
+        with conn.read_ahead():
+            return await conn.recv_scatter(views, still_open)
+
+
+async def skip_inline(conn: Conn, header: TransferHeader) -> None:
+    """Read and drop the payload that follows ``header`` on ``conn`` (a refused ``tcp`` push), sealed or not, so the
+    connection stays in sync."""
+    if header.seal is not None:
+        await conn.drain_raw(header.seal.sealed_nbytes(header.nbytes))
+        return
+    with conn.read_ahead():
+        await conn.drain(header.nbytes)
 
 
 class ShmBackend(ScatterBackend):
@@ -131,7 +156,8 @@ class ShmBackend(ScatterBackend):
         return Staged(source={"segment": shm.name}, release=lambda: self._checkin(shm),
                       abandon=lambda: _unlink(shm))
 
-    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview,
+                    progress: Progress | None = None) -> None:
         with self._segment(header) as f:
             while view:  # a tmpfs read of the whole segment normally returns at once
                 if not (got := f.readinto(view)):
@@ -140,7 +166,7 @@ class ShmBackend(ScatterBackend):
                 view = view[got:]
 
     async def fetch_landed(self, header: TransferHeader, conn: Conn, views: list[memoryview],
-                           still_open: Callable[[], bool]) -> bool:
+                           still_open: Callable[[], bool], progress: Progress | None = None) -> bool:
         # no await from here to the end: every preadv runs in this one step of the event loop
         with self._segment(header) as f:
             at, fd = 0, f.fileno()

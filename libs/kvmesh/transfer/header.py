@@ -8,7 +8,8 @@ A payload holds whole blocks, or (``layers``) each block's slice of a range of l
 pushed layer group by layer group. Checksums are then over each block's slice. ``first_block`` places the
 payload in the sender's sequence of blocks (a hand-off's parts; 0 for anything else). ``token`` is the push
 capability the receiver issued for it (:mod:`kvmesh.transfer.grants`); version 2 of the header is the first
-that carries one.
+that carries one. ``seal`` (version 3): the key and chunk size of a ``tcp`` payload sent sealed outside TLS
+(:mod:`kvmesh.transfer.seal`); a sender writes it only on a TLS connection.
 
 Versions are negotiated, and this module is the one place that knows them. Each end speaks a range
 (:class:`Versions`, :class:`HeaderCodec.speaks`); a receiver advertises its range where it hands out the push's
@@ -29,6 +30,7 @@ import xxhash
 from kvmesh.contracts.ids import BlockKey, TransferId
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.transfer.errors import Refusal, TransferRejected
+from kvmesh.transfer.seal import Seal
 
 # A header's size is what its blocks add (each block's key and checksum: two quoted 16-digit hex strings and their
 # commas, 38 bytes) on top of the rest. The rest of the largest header a sender can write (a 1024-character
@@ -52,6 +54,7 @@ class TransferHeader:
     layers: tuple[int, int] | None = None  # (first, end): each block's slice of these layers; None: all
     first_block: int = 0  # where the payload's first block sits in the sender's sequence
     token: str = ""  # the push capability its receiver issued
+    seal: Seal | None = None  # the payload follows sealed (version 3, a TLS connection, tcp): kvmesh.transfer.seal
 
     @property
     def num_blocks(self) -> int:
@@ -80,7 +83,8 @@ class Versions(NamedTuple):
         return self.low <= version <= self.high
 
 
-SPOKEN = Versions(2, 2)  # this build's (2: the first that carries the push capability, ``token``)
+SPOKEN = Versions(2, 3)  # this build's (2: the first that carries the push capability, ``token``; 3: ``seal``)
+SEALED = 3  # the first version whose payload may be sealed
 UNSAID = Versions(2, 2)  # a receiver that advertises nothing: the builds before negotiation spoke 2 only
 
 
@@ -139,7 +143,7 @@ class HeaderCodec:
         return header
 
     def to_doc(self, header: TransferHeader, version: int) -> dict[str, Any]:
-        """The fields of ``version`` (2: every field there is today)."""
+        """The fields of ``version`` (2: all but ``seal``; 3: ``seal`` too, when the payload is sealed)."""
         doc = {
             "transfer_id": header.transfer_id,
             "backend": header.backend,
@@ -154,6 +158,10 @@ class HeaderCodec:
         }
         if header.layers is not None:
             doc["layers"] = list(header.layers)
+        if header.seal is not None:
+            if version < SEALED:
+                raise ValueError(f"a sealed payload needs header version {SEALED} or later, not {version}")
+            doc["seal"] = header.seal.to_doc()
         return doc
 
     def from_doc(self, doc: dict[str, Any], version: int) -> TransferHeader:
@@ -170,6 +178,7 @@ class HeaderCodec:
             layers=_layers(doc),
             first_block=_typed(doc, "first_block", int) if "first_block" in doc else 0,
             token=_typed(doc, "token", str),
+            seal=_seal(doc) if version >= SEALED else None,
         )
 
     def _unspoken(self, version: object, theirs: object) -> TransferRejected:
@@ -216,23 +225,49 @@ def block_checksums(payload: memoryview, stride: int) -> tuple[int, ...]:
 
 def corrupt_blocks(header: TransferHeader, payload: memoryview) -> list[int]:
     """Indices of the blocks whose bytes do not hash to the header's checksum (a flat payload)."""
-    stride = header.block_nbytes
-    return corrupt_landed_blocks(header, [payload[i * stride:(i + 1) * stride] for i in range(header.num_blocks)])
+    return Verifier.flat(header, payload).bad()
 
 
 def corrupt_landed_blocks(header: TransferHeader, views: list[memoryview]) -> list[int]:
     """Indices of the blocks whose bytes do not hash to the header's checksum, over a payload given as views
     (its bytes in wire order, the same number of views per block; e.g. landed scattered in place): each block's
     checksum is streamed over its views where they lie, no bytes gathered."""
-    per_block = len(views) // header.num_blocks
-    h, bad = xxhash.xxh3_64(), []
-    for i, expected in enumerate(header.checksums):
-        h.reset()
-        for view in views[i * per_block:(i + 1) * per_block]:
-            h.update(view)
-        if h.intdigest() != expected:
-            bad.append(i)
-    return bad
+    return Verifier(header, views).bad()
+
+
+class Verifier:
+    """Checks a payload's blocks against the header's checksums, block by block as its bytes arrive: a receiver
+    that gets the payload in steps calls :meth:`upto` after each (the blocks complete by then are hashed while the
+    next step is on its way), then :meth:`bad` for the rest and the answer. ``views``: the payload's bytes in wire
+    order, the same number of views per block."""
+
+    def __init__(self, header: TransferHeader, views: list[memoryview]) -> None:
+        self.checksums, self.block_nbytes = header.checksums, header.block_nbytes
+        self.views, self.per_block = views, len(views) // header.num_blocks
+        self.done = 0  # blocks hashed so far
+        self._bad: list[int] = []
+        self._h = xxhash.xxh3_64()
+
+    @classmethod
+    def flat(cls, header: TransferHeader, payload: memoryview) -> Verifier:
+        stride = header.block_nbytes
+        return cls(header, [payload[i * stride:(i + 1) * stride] for i in range(header.num_blocks)])
+
+    def upto(self, nbytes: int) -> None:
+        """Hash the blocks whose bytes all lie in the payload's first ``nbytes``."""
+        end, h = min(len(self.checksums), nbytes // self.block_nbytes), self._h
+        for i in range(self.done, end):
+            h.reset()
+            for view in self.views[i * self.per_block:(i + 1) * self.per_block]:
+                h.update(view)
+            if h.intdigest() != self.checksums[i]:
+                self._bad.append(i)
+        self.done = max(self.done, end)
+
+    def bad(self) -> list[int]:
+        """Indices of the blocks whose bytes do not hash to their checksum (every block hashed)."""
+        self.upto(len(self.checksums) * self.block_nbytes)
+        return self._bad
 
 
 def _check_counts(h: TransferHeader, nbytes: int) -> None:
@@ -260,6 +295,14 @@ def _layers(doc: dict[str, Any]) -> tuple[int, int] | None:
     if len(value) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         raise TypeError("field 'layers' must be [first, end], two integers")
     return value[0], value[1]
+
+
+def _seal(doc: dict[str, Any]) -> Seal | None:
+    if "seal" not in doc:
+        return None
+    if doc.get("backend") != "tcp":
+        raise ValueError(f"a sealed payload travels on the connection (backend 'tcp'), not {doc.get('backend')!r}")
+    return Seal.from_doc(doc["seal"])
 
 
 def _typed(doc: dict[str, Any], key: str, typ: type[T]) -> T:

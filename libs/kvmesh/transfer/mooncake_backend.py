@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.contracts.ids import TransferBackend
-from kvmesh.transfer.backends import Backend, Staged
+from kvmesh.transfer.backends import Backend, Progress, Staged
 from kvmesh.transfer.conn import Conn
 from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import TransferHeader
@@ -105,7 +105,8 @@ class MooncakeBackend(Backend):
 
         return Staged(source={"session": session, "addr": addr}, release=release, abandon=abandon)
 
-    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview) -> None:
+    async def fetch(self, header: TransferHeader, conn: Conn, view: memoryview,
+                    progress: Progress | None = None) -> None:
         session, addr = header.source.get("session"), header.source.get("addr")
         if not isinstance(session, str) or not isinstance(addr, int):
             raise TransferRejected(f"mooncake source needs 'session' and 'addr': {header.source!r}",

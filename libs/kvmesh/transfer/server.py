@@ -57,7 +57,7 @@ import numpy as np
 from kvmesh.contracts.ids import BlockKey, TransferBackend, TransferId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.settings import SharedSettings
-from kvmesh.transfer.backends import Backend, ScatterBackend, TcpBackend
+from kvmesh.transfer.backends import Backend, ScatterBackend, TcpBackend, skip_inline
 from kvmesh.transfer.conn import TLS_RECORD, Conn, TlsConn, first_byte
 from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.grants import Grant, Grants
@@ -66,9 +66,8 @@ from kvmesh.transfer.header import (
     MAX_HEADER_BYTES,
     HeaderCodec,
     TransferHeader,
+    Verifier,
     Versions,
-    corrupt_blocks,
-    corrupt_landed_blocks,
     header_limit,
 )
 from kvmesh.transfer.landing import Landing
@@ -415,6 +414,12 @@ class TransferServer:
                     self._count(conn, "?", e)
                     await conn.refuse_and_close(refusal_reply(e))
                     return
+                if header.seal is not None and not conn.tls:  # its key travelled in clear: never take it
+                    clear = TransferRejected("a sealed payload on a plain-text connection: a sender seals only "
+                                             "under TLS", Refusal.MALFORMED)
+                    self._count(conn, header.transfer_id, clear)
+                    await conn.refuse_and_close(refusal_reply(clear))
+                    return
                 await self._receive(conn, header)
         except (ConnectionError, TimeoutError, OSError) as e:  # ssl.SSLError included: a failed handshake
             log.warning("transfer connection from %s dropped: %s", conn.peer, e or type(e).__name__)
@@ -501,7 +506,7 @@ class TransferServer:
         if refused is not None:  # refused unread: drop an inline payload to keep the stream in sync
             if header.backend == TransferBackend.TCP:
                 async with asyncio.timeout(self.io_timeout):
-                    await conn.drain(header.nbytes)
+                    await skip_inline(conn, header)
         elif isinstance(backend, ScatterBackend) and landing is not None:
             refused = await self._land(conn, header, backend, landing)
         elif backend is not None:
@@ -558,12 +563,13 @@ class TransferServer:
         started = time.perf_counter()
         try:
             view = np.empty(nbytes, dtype=np.uint8).data  # not zeroed: every byte is about to be written
+            verifier = Verifier.flat(header, view)
             try:
                 async with asyncio.timeout(self.io_timeout):
-                    await backend.fetch(header, conn, view)
+                    await backend.fetch(header, conn, view, verifier.upto)
             except TransferRejected as e:
                 return e
-            if bad := corrupt_blocks(header, view):
+            if bad := verifier.bad():
                 return _mismatch(header, bad)
             if self._discarded_id(tid):  # given up on while it was being received
                 return _discarded(tid)
@@ -588,20 +594,21 @@ class TransferServer:
         except TransferRejected as e:
             if backend.inline:
                 async with asyncio.timeout(self.io_timeout):
-                    await conn.drain(header.nbytes)
+                    await skip_inline(conn, header)
             return e
         self._in_flight.add(tid)
         started = time.perf_counter()
+        verifier = Verifier(header, views)
         try:
             try:
                 async with asyncio.timeout(self.io_timeout):
-                    landed = await backend.fetch_landed(header, conn, views, lambda: landing.open)
+                    landed = await backend.fetch_landed(header, conn, views, lambda: landing.open, verifier.upto)
             except TransferRejected as e:
                 return e
             if not landed or not landing.open:
                 return TransferRejected(f"transfer {tid}: the blocks reserved for it were released while it was "
                                         "received", Refusal.DISCARDED)
-            if bad := corrupt_landed_blocks(header, views):
+            if bad := verifier.bad():
                 return _mismatch(header, bad)
             if self._discarded_id(tid):
                 return _discarded(tid)
