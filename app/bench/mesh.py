@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             body += ("`on`: the stack as `kvmesh up` runs it, mutual TLS on every internal hop (gRPC router → "
                      "prefill / decode / cachesvc, NATS, and the KV push prefill → decode, TLS 1.3 with the payload "
                      "sealed under a key of its own); `off`: `[shared] mesh_tls = false`, all of it plaintext. "
-                     "`pd always`: header `x-kvmesh-disaggregate: always`, every request through prefill, a push and decode. `cold "
+                     "`pd always`: header `x-kvmesh-disaggregate: always`, every request through prefill, a push "
+                     "and decode. `cold "
                      "hand-off GB/s`: the cold prompt's KV push (`kv.push`'s `kvmesh.bytes`) over its parts' own "
                      "push times (`kvmesh.push_ms`), while prefill computes the next layers; `push after compute`: "
                      "what of it was left on the TTFT path (`kvmesh.critical_ms`).\n\n" + pd.tls_report(res))
