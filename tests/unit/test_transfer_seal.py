@@ -1,5 +1,6 @@
 """The sealed-payload format (:mod:`kvmesh.transfer.seal`) and how a header carries it: chunk sizes chosen per
-payload, sizes on the wire, a key never printed, and every malformed seal refused saying which field is wrong."""
+payload, sizes on the wire, a key never printed, every malformed seal refused saying which field is wrong, and the
+chunks' buffers lent per push and kept within a bound."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.transfer.conn import BufferPool
 from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import SEALED, TransferHeader, decode_header, encode_header
 from kvmesh.transfer.seal import CHUNK, KEY_BYTES, SMALLEST, TAG, Seal
@@ -76,3 +78,17 @@ def test_a_version_2_header_naming_a_seal_is_read_without_it() -> None:
     """Version 2 has no seal: a receiver reads such a payload as TLS records, and a forged field changes nothing."""
     doc = json.loads(encode_header(header(Seal.new(1 << 20)), SEALED)) | {"v": 2}
     assert decode_header(json.dumps(doc).encode()).seal is None
+
+
+def test_sealed_chunks_buffers_are_lent_per_push_reused_and_bounded_when_idle() -> None:
+    pool = BufferPool(max_idle_bytes=3 * BufferPool.GRAIN)
+    with pool.lend((64 << 10) + TAG) as a:
+        assert len(a) == 2 * BufferPool.GRAIN  # rounded up to the grain
+        with pool.lend(100) as b:  # lent twice at once: two buffers
+            assert len(b) == BufferPool.GRAIN and b.obj is not a.obj
+    assert pool.idle_bytes == 3 * BufferPool.GRAIN
+    with pool.lend((64 << 10) + TAG) as again:
+        assert again.obj is a.obj  # written before: no page faults the second time
+    with pool.lend(BufferPool.GRAIN + 1) as c, pool.lend(BufferPool.GRAIN + 1) as d:
+        assert c.obj is a.obj and d.obj is not a.obj
+    assert pool.idle_bytes <= pool.max_idle_bytes  # the one over the bound was let go

@@ -25,6 +25,7 @@ import asyncio
 import socket
 import ssl
 import struct
+import threading
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
@@ -62,7 +63,6 @@ class Conn:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._scratch: dict[str, memoryview] = {}  # sealed payloads' buffers, reused push after push
 
     @property
     def peer(self) -> str:
@@ -151,18 +151,18 @@ class Conn:
 
     async def send_sealed(self, payload: memoryview, seal: Seal) -> None:
         """Send ``payload`` sealed (:mod:`kvmesh.transfer.seal`) on the socket itself, chunk by chunk, each
-        encrypted from ``payload`` straight into one reused buffer. (Encrypting the next chunk on a worker thread
-        while this one is sent measured 0.5-0.7x of this: the GIL handed between the two costs more than it
-        overlaps.)"""
+        encrypted from ``payload`` straight into one buffer lent for the push (:data:`BUFFERS`). (Encrypting the
+        next chunk on a worker thread while this one is sent measured 0.5-0.7x of this: the GIL handed between the
+        two costs more than it overlaps.)"""
         self._before_raw()
         aead, n, count = seal.aead(), len(payload), seal.chunks(len(payload))
-        out = self._buffer("sealed", min(n, seal.chunk) + TAG)
         loop = asyncio.get_running_loop()
-        for i in range(count):
-            lo, hi = i * seal.chunk, min(n, (i + 1) * seal.chunk)
-            sealed = out[:hi - lo + TAG]
-            aead.encrypt_into(seal.nonce(i), payload[lo:hi], seal.aad(i, i == count - 1), sealed)
-            await loop.sock_sendall(self.sock, sealed)
+        with BUFFERS.lend(min(n, seal.chunk) + TAG) as out:
+            for i in range(count):
+                lo, hi = i * seal.chunk, min(n, (i + 1) * seal.chunk)
+                sealed = out[:hi - lo + TAG]
+                aead.encrypt_into(seal.nonce(i), payload[lo:hi], seal.aad(i, i == count - 1), sealed)
+                await loop.sock_sendall(self.sock, sealed)
 
     async def recv_sealed(self, view: memoryview, seal: Seal, progress: Callable[[int], None] | None = None) -> None:
         """Fill ``view`` with a sealed payload, each chunk opened straight into its place. TransferRejected
@@ -179,16 +179,16 @@ class Conn:
         into the views after ``still_open`` said yes, with no ``await`` in between (nothing of a chunk that
         fails authentication is copied)."""
         left = sum(len(v) for v in views)
-        staging = self._buffer("opened", min(left, seal.chunk))
         i, offset = 0, 0  # the first view not yet full, and how much of it is
-        async with aclosing(self._opened(seal, left, staging=staging)) as chunks:
-            async for lo, hi, opened in chunks:
-                if not still_open():
-                    await self.drain_raw(seal.sealed_nbytes(left) - seal.sealed_nbytes(hi))
-                    return False
-                i, offset = scatter(opened[:hi - lo], views, i, offset)  # no await from the check to here
-                if progress is not None:
-                    progress(hi)
+        with BUFFERS.lend(min(left, seal.chunk)) as staging:
+            async with aclosing(self._opened(seal, left, staging=staging)) as chunks:
+                async for lo, hi, opened in chunks:
+                    if not still_open():
+                        await self.drain_raw(seal.sealed_nbytes(left) - seal.sealed_nbytes(hi))
+                        return False
+                    i, offset = scatter(opened[:hi - lo], views, i, offset)  # no await from the check to here
+                    if progress is not None:
+                        progress(hi)
         return True
 
     async def _opened(self, seal: Seal, n: int, dest: memoryview | None = None,
@@ -197,28 +197,20 @@ class Conn:
         the plaintext in ``dest[first:end]`` when ``dest`` is given, else at the start of ``staging``."""
         self._before_raw()
         aead, count = seal.aead(), seal.chunks(n)
-        sealed = self._buffer("sealed", min(n, seal.chunk) + TAG)
-        for i in range(count):
-            lo, hi = i * seal.chunk, min(n, (i + 1) * seal.chunk)
-            chunk = sealed[:hi - lo + TAG]
-            await self._recv_raw(chunk)
-            out = dest[lo:hi] if dest is not None else cast(memoryview, staging)[:hi - lo]
-            try:
-                aead.decrypt_into(seal.nonce(i), chunk, seal.aad(i, i == count - 1), out)
-            except InvalidTag:
-                await self.drain_raw(seal.sealed_nbytes(n) - seal.sealed_nbytes(hi))
-                raise TransferRejected(f"sealed payload: chunk {i} of {count} failed authentication (altered in "
-                                       "flight, or not sealed under the key its header carried)",
-                                       Refusal.CHECKSUM) from None
-            yield lo, hi, out
-
-    def _buffer(self, name: str, n: int) -> memoryview:
-        """A buffer of at least ``n`` bytes kept for this connection (fresh memory each push would cost its page
-        faults each time: as much as the copy into it)."""
-        buf = self._scratch.get(name)
-        if buf is None or len(buf) < n:
-            buf = self._scratch[name] = np.empty(n, dtype=np.uint8).data
-        return buf
+        with BUFFERS.lend(min(n, seal.chunk) + TAG) as sealed:
+            for i in range(count):
+                lo, hi = i * seal.chunk, min(n, (i + 1) * seal.chunk)
+                chunk = sealed[:hi - lo + TAG]
+                await self._recv_raw(chunk)
+                out = dest[lo:hi] if dest is not None else cast(memoryview, staging)[:hi - lo]
+                try:
+                    aead.decrypt_into(seal.nonce(i), chunk, seal.aad(i, i == count - 1), out)
+                except InvalidTag:
+                    await self.drain_raw(seal.sealed_nbytes(n) - seal.sealed_nbytes(hi))
+                    raise TransferRejected(f"sealed payload: chunk {i} of {count} failed authentication (altered "
+                                           "in flight, or not sealed under the key its header carried)",
+                                           Refusal.CHECKSUM) from None
+                yield lo, hi, out
 
     def _before_raw(self) -> None:
         """Checked before the socket itself is read or written past the connection's own framing."""
@@ -396,6 +388,43 @@ def scatter(data: memoryview, views: list[memoryview], i: int, offset: int) -> t
         if offset == len(view):
             i, offset = i + 1, 0
     return i, offset
+
+
+class BufferPool:
+    """Buffers for sealed chunks, lent for one push and taken back. Memory written before costs no page faults
+    (a fresh 1 MiB buffer per push measured as costly as the copy into it), and lending per push rather than per
+    connection bounds what a process holds to its pushes in flight plus ``max_idle_bytes`` (cachesvc keeps a
+    connection from every engine that writes back). Sizes round up to ``GRAIN``; thread-safe."""
+
+    GRAIN = 64 << 10
+
+    def __init__(self, max_idle_bytes: int = 64 << 20) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self.idle_bytes = 0
+        self._idle: dict[int, list[memoryview]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def lend(self, n: int) -> Iterator[memoryview]:
+        """A buffer of at least ``n`` bytes until the block ends (not zeroed)."""
+        size = -(-n // self.GRAIN) * self.GRAIN
+        with self._lock:
+            free = self._idle.get(size)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self.idle_bytes -= size
+        if buf is None:
+            buf = np.empty(size, dtype=np.uint8).data
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                if self.idle_bytes + size <= self.max_idle_bytes:
+                    self._idle.setdefault(size, []).append(buf)
+                    self.idle_bytes += size
+
+
+BUFFERS = BufferPool()
 
 
 async def readable(sock: socket.socket) -> None:
