@@ -2,7 +2,7 @@
 raw Python sockets measured in the same run.
 
     kvmesh bench transfer [--backends tcp,shm,mooncake] [--repeats N] [--rounds 3] [--tls-compare] [--quick]
-                          [--no-write]
+                          [--link-mbit R] [--no-write]
 
 Sender and receiver are separate processes (in one process they would share the GIL). Each push is one block
 of the given size, sent after the previous one was verified; the baseline does the same exchange with blocking
@@ -14,12 +14,19 @@ instance; TLS 1.3 on the connection (``tcp``'s payload sealed outside the TLS re
 for ``shm`` only the control connection), interleaved with the plain runs, and a table of each one's GB/s against
 its plain twin, round by round. ``tcp + mTLS (v2)``: tcp under mTLS to a receiver that reads header version 2
 only (a fleet mid-upgrade), whose payload travels in TLS records.
+
+``--link-mbit R``: the receiver on a host of its own (a network namespace, ``app/netlab``) behind a link capped at
+``R`` Mbit/s each way (tc tbf), the sender on another; tcp only (shm needs one host). Where both ends share this
+machine's cores on loopback, the sender's encryption and the kernel's copy are in series on one core; between hosts
+the link sets the pace. Needs root.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import multiprocessing as mp
 import socket
 import statistics
@@ -28,7 +35,7 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvmesh import tls
@@ -42,8 +49,14 @@ from kvmesh.transfer.header import UNSAID, Versions, parse_versions
 
 from app.bench.report import load_average, markdown_table, publish
 
+if TYPE_CHECKING:
+    from app.netlab.hosts import Lab
+
+Where = tuple[str, str]  # a receiver's network namespace and the address it binds there
+
 SECTION = "Transfer"
 SECTION_TLS = "Transfer, mTLS on vs off"
+SECTION_LINK = "Transfer over a capped link, mTLS on vs off"
 
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 RAW = "raw socket"
@@ -70,13 +83,14 @@ def mesh_settings(files: CertFiles) -> SharedSettings:
 # -- receivers (child processes) -----------------------------------------------------------------------------
 
 def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: list[int],
-                     certs: CertFiles | None) -> None:
+                     certs: CertFiles | None, where: Where | None = None) -> None:
+    host = _enter(where)
     torch.set_num_threads(1)
     context = tls.transfer_server_context(mesh_settings(certs)) if certs else None
 
     async def serve() -> None:
         for size, count in zip(sizes, counts, strict=True):
-            async with await TransferServer.start(layout_for(size), backend=backend, tls=context) as server:
+            async with await TransferServer.start(layout_for(size), host, backend=backend, tls=context) as server:
                 grant = server.grant("t", 0, 1, timeout_s=3600.0)  # every push t<i>: one block each
                 conn.send((server.address, grant.token, str(server.versions)))
                 await server.take("t0", timeout=120)  # the warm-up push
@@ -89,10 +103,11 @@ def _engine_receiver(conn: Connection, backend: str, sizes: list[int], counts: l
     asyncio.run(serve())
 
 
-def _raw_receiver(conn: Connection, sizes: list[int], counts: list[int]) -> None:
+def _raw_receiver(conn: Connection, sizes: list[int], counts: list[int], where: Where | None = None) -> None:
+    host = _enter(where)
     for size, count in zip(sizes, counts, strict=True):
-        with socket.create_server(("127.0.0.1", 0)) as listener:
-            conn.send((f"raw://127.0.0.1:{listener.getsockname()[1]}", "", ""))
+        with socket.create_server((host, 0)) as listener:
+            conn.send((f"raw://{host}:{listener.getsockname()[1]}", "", ""))
             peer, _ = listener.accept()
             buf = memoryview(bytearray(size))
             with peer:
@@ -149,9 +164,21 @@ def _send_raw(address: str, size: int, count: int) -> tuple[float, float]:
         return time.perf_counter() - started, time.process_time() - cpu
 
 
-def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA | None = None) -> list[dict]:
+def _enter(where: Where | None) -> str:
+    """In a receiver process: move into its host's namespace (``where``: namespace, address), if any; the address
+    to bind."""
+    if where is None:
+        return "127.0.0.1"
+    from app.netlab.hosts import enter
+
+    enter(where[0])
+    return where[1]
+
+
+def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA | None = None,
+             lab: Lab | None = None) -> list[dict]:
     """One round of ``name`` (a backend, ``RAW``, or a backend + ``MTLS`` / ``V2`` with certificates from
-    ``mesh``)."""
+    ``mesh``); with ``lab``, the receiver on its ``decode`` host, the sender on its ``prefill`` host."""
     backend = _plain(name)
     receiver = sender = None
     if backend != name:
@@ -160,19 +187,22 @@ def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA 
         sender = mesh.issue(Identity(MeshRole.PREFILL, "prefill-0"))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    where = (lab["decode"].ns, lab["decode"].address) if lab else None
     if backend == RAW:
-        proc = ctx.Process(target=_raw_receiver, args=(child, list(sizes), counts), daemon=True)
+        proc = ctx.Process(target=_raw_receiver, args=(child, list(sizes), counts, where), daemon=True)
     else:
-        proc = ctx.Process(target=_engine_receiver, args=(child, backend, list(sizes), counts, receiver),
+        proc = ctx.Process(target=_engine_receiver, args=(child, backend, list(sizes), counts, receiver, where),
                            daemon=True)
+    on_sender = (lambda fn: lab.call("prefill", fn)) if lab else (lambda fn: fn())
     proc.start()
     rows = []
     try:
         for size, count in zip(sizes, counts, strict=True):
             address, token, versions = _reply(parent, proc)
-            seconds, cpu = _send_raw(address, size, count) if backend == RAW else asyncio.run(
-                _push_all(address, token, UNSAID if name.endswith(V2) else parse_versions(versions), size, count,
-                          sender))
+            versions_ = UNSAID if name.endswith(V2) else parse_versions(versions) if versions else UNSAID
+            send = (functools.partial(_send_raw, address, size, count) if backend == RAW else
+                    functools.partial(asyncio.run, _push_all(address, token, versions_, size, count, sender)))
+            seconds, cpu = on_sender(send)
             cpu += _reply(parent, proc)  # the receiver's CPU seconds over the same pushes
             parent.send("done")
             gb = size * (count - 1) / 1e9
@@ -206,15 +236,19 @@ def _mooncake_loads() -> bool:
 
 
 def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm", "mooncake"),
-        repeats: int | None = None, rounds: int = 3, tls_compare: bool = False) -> list[dict]:
+        repeats: int | None = None, rounds: int = 3, tls_compare: bool = False,
+        link_mbit: float | None = None) -> list[dict]:
     """One row per (backend, size): ``backend, size, pushes, gbps, gbps_min, gbps_max, vs_raw, cpu_per_gb`` (the
     sender's and the receiver's CPU seconds per GB moved, median over rounds), the raw-socket baseline first; with
     ``tls_compare`` each backend is followed by itself under mutual TLS (``<backend> + mTLS``), whose rows also
     have ``vs_plain``: the median over rounds of its GB/s over the plain backend's in the same round. Each round
     measures every backend once (interleaved, so load drifts hit all alike); ``gbps`` is the median over rounds.
     ``repeats`` pushes per size and round (None: ~256 MiB worth, 8..400). Backends that cannot be imported here
-    (mooncake) are skipped."""
+    (mooncake) are skipped. ``link_mbit``: receivers on a host of their own behind a link capped at that rate
+    (tcp only; see the module)."""
     torch.set_num_threads(1)
+    if link_mbit is not None:
+        backends = tuple(b for b in backends if b == "tcp")
     counts = [1 + (repeats or auto_repeats(s)) for s in sizes]
     usable = [RAW]
     for b in backends:
@@ -222,11 +256,20 @@ def run(sizes: tuple[int, ...] = SIZES, backends: tuple[str, ...] = ("tcp", "shm
             usable += ([b, b + MTLS, *([b + V2] if b == "tcp" else [])] if tls_compare else [b])
     samples: dict[tuple[str, int], list[float]] = {}
     cpu: dict[tuple[str, int], list[float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         mesh = MeshCA.open(Path(tmp)) if tls_compare else None
+        lab = None
+        if link_mbit is not None:
+            from app.netlab.hosts import Lab, unavailable
+
+            if (why := unavailable()) is not None:
+                raise SystemExit(f"--link-mbit: {why}")
+            lab = stack.enter_context(Lab(["prefill", "decode"]))
+            # a bucket of two 4 ms kernel ticks at the rate: tbf needs burst >= rate / HZ to reach the rate
+            lab.cap("decode", link_mbit, burst_kb=max(256, int(link_mbit * 1e6 / 8 / 250 * 2 / 1024)))
         for _ in range(rounds):
             for name in usable:
-                for r in _measure(name, sizes, counts, mesh):
+                for r in _measure(name, sizes, counts, mesh, lab):
                     samples.setdefault((name, r["size"]), []).append(r["gbps"])
                     cpu.setdefault((name, r["size"]), []).append(r["cpu_per_gb"])
     raw = {size: statistics.median(samples[RAW, size]) for size in sizes}
@@ -284,13 +327,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-compare", action="store_true",
                    help="each backend also under the mesh's mutual TLS (kvmesh up's default), interleaved")
     p.add_argument("--quick", action="store_true", help="one round of 8 pushes per size (a smoke run)")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="sender and receiver on hosts of their own (network namespaces) behind a link capped at "
+                        "this many Mbit/s; tcp only; needs root")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = p.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     rows = run(backends=tuple(args.backends.split(",")), repeats=8 if args.quick else args.repeats,
-               rounds=rounds, tls_compare=args.tls_compare)
+               rounds=rounds, tls_compare=args.tls_compare, link_mbit=args.link_mbit)
+    where = ("on loopback" if args.link_mbit is None else
+             f"on two hosts (network namespaces on this machine) joined by a link capped at {args.link_mbit:g} "
+             f"Mbit/s each way ({args.link_mbit / 8000:.2f} GB/s; tc tbf)")
     body = ("GB/s of one verified push (one block per push, sequential, sender and receiver in separate "
-            f"processes on loopback), median of {rounds} interleaved rounds; in brackets the ratio to raw "
+            f"processes {where}), median of {rounds} interleaved rounds; in brackets the ratio to raw "
             "Python sockets in the same run.\n\n" + table(rows))
     if args.tls_compare:
         body += ("\n\n`+ mTLS`: the same backend with the mesh's mutual TLS as `kvmesh up` runs it (TLS 1.3, "
@@ -306,8 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["kvmesh bench transfer", *([f"--backends {args.backends}", "--tls-compare"]
                                                    if args.tls_compare else []),
                         *([f"--rounds {args.rounds}"] if args.rounds != 3 else []),
-                        *([f"--repeats {args.repeats}"] if args.repeats else [])])
-    publish(SECTION_TLS if args.tls_compare else SECTION, command, body, write=not args.no_write and not args.quick)
+                        *([f"--repeats {args.repeats}"] if args.repeats else []),
+                        *([f"--link-mbit {args.link_mbit:g}"] if args.link_mbit is not None else [])])
+    section = SECTION_LINK if args.link_mbit is not None else SECTION_TLS if args.tls_compare else SECTION
+    publish(section, command, body, write=not args.no_write and not args.quick)
     return 0
 
 

@@ -106,7 +106,7 @@ class Lab:
         grpc's, which its own threads open) are that host's."""
         if host not in self._threads:
             ns = self.hosts[host].ns
-            self._threads[host] = ThreadPoolExecutor(1, f"netns-{host}", initializer=_enter, initargs=(ns,))
+            self._threads[host] = ThreadPoolExecutor(1, f"netns-{host}", initializer=enter, initargs=(ns,))
         return self._threads[host].submit(fn).result()
 
     def _ip(self, *args: str) -> None:
@@ -128,8 +128,9 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _enter(ns: str) -> None:
-    """Move this thread into network namespace ``ns`` (setns applies to the calling thread only)."""
+def enter(ns: str) -> None:
+    """Move this thread into network namespace ``ns`` (setns applies to the calling thread only; a process's
+    main thread calling it first thing puts the sockets it opens there)."""
     fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
     try:
         if _libc.setns(fd, CLONE_NEWNET) != 0:
