@@ -4,11 +4,14 @@ chunks' buffers lent per push and kept within a bound."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import socket
 
 import pytest
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.transfer.conn import BufferPool
+from kvmesh.transfer.conn import BufferPool, Conn
 from kvmesh.transfer.errors import Refusal, TransferRejected
 from kvmesh.transfer.header import SEALED, TransferHeader, decode_header, encode_header
 from kvmesh.transfer.seal import CHUNK, KEY_BYTES, SMALLEST, TAG, Seal
@@ -92,3 +95,28 @@ def test_sealed_chunks_buffers_are_lent_per_push_reused_and_bounded_when_idle() 
     with pool.lend(BufferPool.GRAIN + 1) as c, pool.lend(BufferPool.GRAIN + 1) as d:
         assert c.obj is a.obj and d.obj is not a.obj
     assert pool.idle_bytes <= pool.max_idle_bytes  # the one over the bound was let go
+
+
+def test_a_sealed_send_cancelled_mid_payload_sends_nothing_more() -> None:
+    """A push given up on (its deadline, a cancelled request) stops sending: nothing more reaches the socket the
+    caller then closes (and whose number the next socket may take)."""
+    async def body() -> None:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        payload = memoryview(bytearray(64 << 20))
+        task = asyncio.create_task(Conn(a).send_sealed(payload, Seal.new(len(payload))))
+        await asyncio.sleep(0.2)  # nobody reads b: the send waits for room
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        a.close()
+        b.setblocking(False)
+        got = 0
+        with contextlib.suppress(BlockingIOError):
+            while chunk := b.recv(1 << 20):
+                got += len(chunk)
+        assert 0 < got < Seal.new(len(payload)).sealed_nbytes(len(payload))
+        b.close()
+
+    asyncio.run(body())
