@@ -79,8 +79,9 @@ class KVLayout:
     # -- the codec ---------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field by name: the JSON form in transfer headers, ``kv.ready`` messages and pool manifests."""
-        return asdict(self)
+        """Every field by name: the JSON form in transfer headers, ``kv.ready`` messages and pool manifests (a dict
+        of its own each call; the fields are read once per layout: ``asdict`` cost ~20 us of every push)."""
+        return dict(_items(self))
 
     def to_json(self) -> bytes:
         """Canonical JSON (sorted keys, no spaces): equal layouts give equal bytes, so it can name a layout."""
@@ -111,6 +112,11 @@ class KVLayout:
 
 
 _FIELD_TYPES: dict[str, type] = {f.name: int if f.type in ("int", int) else str for f in fields(KVLayout)}
+
+
+@lru_cache(maxsize=64)
+def _items(layout: KVLayout) -> tuple[tuple[str, Any], ...]:
+    return tuple(asdict(layout).items())
 
 
 @lru_cache(maxsize=64)
