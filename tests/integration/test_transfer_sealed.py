@@ -1,9 +1,9 @@
 """Sealed payloads (header version 3, :mod:`kvmesh.transfer.seal`) over real TLS connections on 127.0.0.1, with
 certificates from a CA of the test's own: a TLS push to a version-3 receiver is sealed and arrives bit-exact,
-buffered and landed in place, its last chunk short; a version-2 receiver gets it in TLS records; a chunk altered
-in flight is refused and nothing of it is taken, and the connection carries the next push; a refused sealed push
-is skipped whole; a landing revoked mid-payload gets no byte after; a sealed header on a plain-text connection is
-refused."""
+buffered and landed in place, in whole chunks and with a short last one; a version-2 receiver gets it in TLS
+records; a chunk altered in flight is refused and nothing of it is taken, and the connection carries the next push;
+a refused sealed push is skipped whole; a landing revoked mid-payload gets no byte after; a sealed header on a
+plain-text connection is refused."""
 
 from __future__ import annotations
 
@@ -83,15 +83,20 @@ async def exchange(conn: Conn, header: bytes, wire: bytes | bytearray) -> Reply:
     return await asyncio.wait_for(read_reply(conn), 10)
 
 
-def test_a_tls_push_to_a_version_3_receiver_is_sealed_and_arrives_bit_exact(member) -> None:
-    blocks, codec = make_blocks(LAYOUT), Recording()
+# 96 KiB a block: 3 blocks are 4.5 chunks of 64 KiB, the last one short
+SHORT_TAIL = KVLayout("tiny-model", num_layers=2, num_kv_heads=2, head_dim=64, block_size=48)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, SHORT_TAIL], ids=["whole-chunks", "short-last-chunk"])
+def test_a_tls_push_to_a_version_3_receiver_is_sealed_and_arrives_bit_exact(member, layout: KVLayout) -> None:
+    blocks, codec = make_blocks(layout), Recording()
 
     async def scenario() -> None:
-        async with await TransferServer.start(LAYOUT, tls=tls.transfer_server_context(member), codec=codec) as server, \
+        async with await TransferServer.start(layout, tls=tls.transfer_server_context(member), codec=codec) as server, \
                 TransferClient(tls=tls.transfer_client_tls(member)) as client:
             for i in range(2):  # the second on the pooled connection
                 token = server.grant(f"r{i}", 0, 3, timeout_s=30.0).token
-                await client.push(server.address, f"r{i}", LAYOUT, block_bytes(blocks), [], 3 * LAYOUT.block_size,
+                await client.push(server.address, f"r{i}", layout, block_bytes(blocks), [], 3 * layout.block_size,
                                   token=token, versions=server.versions)
                 assert same_bits(tensor(await server.take(f"r{i}", timeout=5)), blocks)
 
@@ -100,17 +105,18 @@ def test_a_tls_push_to_a_version_3_receiver_is_sealed_and_arrives_bit_exact(memb
     assert all(doc["seal"]["aead"] == "AES-256-GCM" and doc["seal"]["chunk"] == 64 << 10 for _, doc in codec.read)
 
 
-@pytest.mark.parametrize("n", [3, 1])  # six chunks; one block that is two chunks
-def test_sealed_parts_land_in_place_bit_exact(member, n: int) -> None:
-    pool, sent, reserved = DeviceKVPool(LAYOUT, 8), make_blocks(LAYOUT, n=n), [6, 1, 4][:n]
+@pytest.mark.parametrize(("layout", "n"), [(LAYOUT, 3), (LAYOUT, 1), (SHORT_TAIL, 3)],
+                         ids=["six-chunks", "one-block-two-chunks", "short-last-chunk"])
+def test_sealed_parts_land_in_place_bit_exact(member, layout: KVLayout, n: int) -> None:
+    pool, sent, reserved = DeviceKVPool(layout, 8), make_blocks(layout, n=n), [6, 1, 4][:n]
 
     async def scenario() -> None:
-        async with await TransferServer.start(LAYOUT, tls=tls.transfer_server_context(member)) as server, \
+        async with await TransferServer.start(layout, tls=tls.transfer_server_context(member)) as server, \
                 TransferClient(tls=tls.transfer_client_tls(member)) as client:
             token = server.grant("r@", 0, n, timeout_s=30.0).token
             k, v = pool.landing_arrays()
             server.land("r@", land := Landing(k, v, reserved, 0))
-            await client.push(server.address, "r@p#0", LAYOUT, block_bytes(sent), [], n * LAYOUT.block_size,
+            await client.push(server.address, "r@p#0", layout, block_bytes(sent), [], n * layout.block_size,
                               token=token, versions=server.versions)
             got = await server.take("r@p#0", timeout=5)
             assert got.landed and land.landed_bytes == sent.numel() * sent.element_size()
