@@ -122,7 +122,8 @@ def callout_user(identity: Identity) -> dict[str, object]:
 
 def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects, cert: str, key: str, ca: str,
                  any_instance: bool = False, settings: str = "", auth_callout: str = "",
-                 callout_identity: Identity | None = None, route_tls: bool = False) -> Path:
+                 callout_identity: Identity | None = None, route_tls: bool = False,
+                 route_identity: Identity | None = None, route_listen: str = "") -> Path:
     """A nats-server configuration: mutual TLS with the mesh CA, each certificate mapped to its user, one user per
     identity (``any_instance``: each speaks for every replica of its role). Without ``settings`` it is JSON (valid
     nats-server configuration) and listen address, JetStream and store come as flags; ``settings`` (configuration
@@ -133,10 +134,16 @@ def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects,
     each identity its own instance's permissions; ``identities`` may then be empty.
 
     ``route_tls``: the routes between the servers of a NATS cluster are mutual TLS with the mesh CA too (a server
-    without a certificate the mesh CA signed cannot join). Not by identity: nats-server 2.15 did not map a route's
-    certificate to its cluster user by URI or DNS SAN in our tries, so any mesh certificate passes the route
-    handshake, and a NetworkPolicy must keep non-NATS pods off the route port. Where and to whom a server routes
-    stays its flags' (``--cluster``, ``--routes``); a lone server ignores the block."""
+    without a certificate the mesh CA signed cannot join), by certificate only: any mesh certificate passes the
+    route handshake, so a NetworkPolicy must keep non-NATS pods off the route port. Where and to whom a server
+    routes stays its flags' (``--cluster``, ``--routes``); a lone server ignores the block.
+
+    ``route_identity`` (with ``route_listen``, the ``host:port`` routes are accepted on): routes by identity too,
+    every server's route certificate must name ``route_identity`` in its URI SAN (``verify_and_map`` against the
+    cluster's one user), so a certificate the mesh CA gave anything else is refused. The listen address is in the
+    file because nats-server's ``--cluster`` flag clears the cluster's user (its ``overrideCluster``: a flag URL
+    without a user and password resets both), which refuses every route: start such a server with ``--routes``
+    and without ``--cluster``."""
     users = [user(who, subjects, any_instance) for who in identities]
     authorization: dict[str, object] = {"users": users}
     if auth_callout:
@@ -145,7 +152,13 @@ def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects,
         authorization["auth_callout"] = {"issuer": auth_callout, "auth_users": [caller.uri]}
     config: dict[str, object] = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
                                  "authorization": authorization}
-    if route_tls:
+    if route_identity is not None:
+        if not route_listen:
+            raise ValueError("routes by identity need route_listen: nats-server's --cluster flag clears the user")
+        config["cluster"] = {"listen": route_listen,
+                             "tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
+                             "authorization": {"user": route_identity.uri}}
+    elif route_tls:
         config["cluster"] = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify": True}}
     if not settings:
         path.write_text(_variables(json.dumps(config, indent=2), auth_callout) + "\n")
@@ -183,13 +196,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="the auth callout service's certificate (with --auth-callout)")
     parser.add_argument("--route-tls", action="store_true",
                         help="a NATS cluster's routes over mutual TLS with the mesh CA (the server's certificate)")
+    parser.add_argument("--route-identity", metavar="ROLE/INSTANCE", default="",
+                        help="routes by identity too: only certificates naming this one (every server's) join; "
+                             "needs --route-listen, and the servers started without --cluster")
+    parser.add_argument("--route-listen", metavar="HOST:PORT", default="",
+                        help="where the server accepts routes (with --route-identity)")
     args = parser.parse_intermixed_args(argv)  # identities may follow the options
     if not args.identities and not args.auth_callout:
         parser.error("name at least one ROLE/INSTANCE, or --auth-callout")
     who = [Identity.parse(f"{SPIFFE_PREFIX}{name}") for name in args.identities]
     caller = Identity.parse(f"{SPIFFE_PREFIX}{args.callout_identity}")
+    if args.route_identity and not args.route_listen:
+        parser.error("--route-identity needs --route-listen (nats-server's --cluster flag clears the route user)")
+    route_identity = Identity.parse(f"{SPIFFE_PREFIX}{args.route_identity}") if args.route_identity else None
     write_config(args.conf, who, Subjects(args.cluster), args.cert, args.key, args.ca, args.any_instance,
-                 args.settings.read_text() if args.settings else "", args.auth_callout, caller, args.route_tls)
+                 args.settings.read_text() if args.settings else "", args.auth_callout, caller, args.route_tls,
+                 route_identity, args.route_listen)
     print(f"{args.conf}: {len(who)} NATS users" + (f", the others by auth callout as {caller.uri}"
                                                      if args.auth_callout else ""))
 
