@@ -199,7 +199,7 @@ def _measure(name: str, sizes: tuple[int, ...], counts: list[int], mesh: MeshCA 
     try:
         for size, count in zip(sizes, counts, strict=True):
             address, token, versions = _reply(parent, proc)
-            versions_ = UNSAID if name.endswith(V2) else parse_versions(versions) if versions else UNSAID
+            versions_ = UNSAID if name.endswith(V2) else parse_versions(versions)  # raw's "": UNSAID
             send = (functools.partial(_send_raw, address, size, count) if backend == RAW else
                     functools.partial(asyncio.run, _push_all(address, token, versions_, size, count, sender)))
             seconds, cpu = on_sender(send)

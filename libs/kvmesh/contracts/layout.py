@@ -102,7 +102,7 @@ class KVLayout:
         return cls.from_dict(json.loads(raw))
 
     def to_proto(self) -> common_pb2.BlockLayout:
-        return common_pb2.BlockLayout(**asdict(self))
+        return common_pb2.BlockLayout(**self.to_dict())
 
     @classmethod
     def from_proto(cls, msg: common_pb2.BlockLayout) -> KVLayout:

@@ -22,11 +22,12 @@ closes; a TLS client at a plain-text endpoint fails its handshake with a message
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import ssl
 import struct
 import threading
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import cast
@@ -116,11 +117,7 @@ class Conn:
 
     async def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` from the connection."""
-        while view:
-            n = await self.read_some(view)
-            if n == 0:
-                raise PeerClosed(f"peer closed the connection with {len(view)} bytes of the frame missing")
-            view = view[n:]
+        await _fill(self.read_some, view)
 
     async def recv_bytes(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -129,20 +126,12 @@ class Conn:
 
     async def drain(self, n: int) -> None:
         """Read and drop ``n`` bytes, so a refused inline payload leaves the connection usable."""
-        scratch = memoryview(bytearray(min(n, _DRAIN_CHUNK)))
-        while n > 0:
-            step = min(n, len(scratch))
-            await self.recv_into(scratch[:step])
-            n -= step
+        await _drop(self.recv_into, n)
 
     async def drain_raw(self, n: int) -> None:
         """Read and drop ``n`` bytes of the socket itself (under TLS: sealed bytes, outside the records)."""
         self._before_raw()
-        scratch = memoryview(bytearray(min(n, _DRAIN_CHUNK)))
-        while n > 0:
-            step = min(n, len(scratch))
-            await self._recv_raw(scratch[:step])
-            n -= step
+        await _drop(self._recv_raw, n)
 
     @contextmanager
     def read_ahead(self) -> Iterator[None]:
@@ -218,12 +207,7 @@ class Conn:
 
     async def _recv_raw(self, view: memoryview) -> None:
         """Fill ``view`` from the socket itself."""
-        loop = asyncio.get_running_loop()
-        while view:
-            n = await loop.sock_recv_into(self.sock, view)
-            if n == 0:
-                raise PeerClosed(f"peer closed the connection with {len(view)} bytes of the frame missing")
-            view = view[n:]
+        await _fill(functools.partial(asyncio.get_running_loop().sock_recv_into, self.sock), view)
 
     def reusable(self) -> bool:
         """An idle pooled connection is reusable when the peer has neither closed it nor sent anything."""
@@ -354,16 +338,16 @@ class TlsConn(Conn):
         await self._flush()  # anything the TLS layer owes the peer first (a handshake step, an alert)
         loop = asyncio.get_running_loop()
         if self.exact:
-            head = memoryview(bytearray(_RECORD_HEAD.size))
+            head = bytearray(_RECORD_HEAD.size)
             got = await loop.sock_recv_into(self.sock, head)
             if not got:
                 self._in.write_eof()
                 return False
-            await self._recv_raw(head[got:])
-            record = memoryview(bytearray(head.nbytes + _RECORD_HEAD.unpack(head)[2]))
-            record[:head.nbytes] = head
-            await self._recv_raw(record[head.nbytes:])
-            self._in.write(record)
+            await self._recv_raw(memoryview(head)[got:])
+            body = bytearray(_RECORD_HEAD.unpack(head)[2])
+            await self._recv_raw(memoryview(body))
+            self._in.write(head)
+            self._in.write(body)
             return True
         data = await loop.sock_recv(self.sock, _TLS_READ)
         if not data:
@@ -375,6 +359,24 @@ class TlsConn(Conn):
     async def _flush(self) -> None:
         if self._out.pending:
             await asyncio.get_running_loop().sock_sendall(self.sock, self._out.read())
+
+
+async def _fill(read: Callable[[memoryview], Awaitable[int]], view: memoryview) -> None:
+    """Fill ``view`` with ``read`` (what it read, at least a byte; 0 when the peer closed)."""
+    while view:
+        n = await read(view)
+        if n == 0:
+            raise PeerClosed(f"peer closed the connection with {len(view)} bytes of the frame missing")
+        view = view[n:]
+
+
+async def _drop(fill: Callable[[memoryview], Awaitable[None]], n: int) -> None:
+    """Read ``n`` bytes with ``fill`` and drop them."""
+    scratch = memoryview(bytearray(min(n, _DRAIN_CHUNK)))
+    while n > 0:
+        step = min(n, len(scratch))
+        await fill(scratch[:step])
+        n -= step
 
 
 def scatter(data: memoryview, views: list[memoryview], i: int, offset: int) -> tuple[int, int]:
