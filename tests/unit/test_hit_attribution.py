@@ -4,6 +4,7 @@ knew when it routed and the KV events it heard."""
 from __future__ import annotations
 
 import random
+from functools import partial
 
 from kvmesh.routing.hits import (
     POOL,
@@ -119,3 +120,106 @@ def test_beladys_cache_keeps_the_block_used_soonest():
     stream = [([1], 5), ([2], 5), ([1], 5), ([2], 5), ([1], 5)]
     assert belady_hits(stream, 4, 1) == [0, 0, 4, 0, 4]  # 1 is used again sooner than 2 each time
     assert belady_hits(stream, 4, 2) == infinite_cache_hits(stream, 4)
+
+
+# -- the per-block rule, written out plainly: the Explainer and attribute (which keep what is constant across a
+# prompt's blocks, and the open run in locals) must give its answers exactly ------------------------------------
+
+def _reference_cause(view: RouteView, history: BlockHistory, keys: list[int], i: int) -> tuple[Cause, str]:
+    at, key = view.compute, keys[i]
+    here_index, here_recent = view.indexed.get(at, 0) > i, view.recent.get(at, 0) > i
+    pool = view.indexed.get(POOL, 0) > i
+
+    def when(t: float) -> str:
+        d = view.at - t
+        return f"{d:.2f} s before the route" if d >= 0 else f"{-d:.2f} s after the route"
+
+    def run_on(inst: str) -> int:
+        n = 0
+        while n < len(keys) and any(h.instance == inst for h in history.holders(keys[n])):
+            n += 1
+        return n
+
+    if view.fallback and (here_index or here_recent or pool):
+        return Cause.FETCH_FAILED, f"the hand-off to decode failed ({view.fallback}); decode recomputed"
+    if here_index or here_recent:
+        gone = history.last_removal(key)
+        if gone is not None and gone.instance == at:
+            return Cause.EVICTED, f"from {at}'s {gone.tier_and_why()} {when(gone.at)}"
+        if not here_index:
+            return Cause.INDEX_LAG, f"an earlier request sent to {at} had not stored it yet"
+        return Cause.STALE_INDEX, f"the index listed it on {at}"
+    if pool:
+        if view.unconvertible:
+            return Cause.LAYOUT, f"in the pool; {at}: {view.unconvertible}"
+        if view.pool_outcome.startswith(("local cache suffices", "below pool_fetch_min_blocks")):
+            return Cause.FETCH_SKIPPED, f"in the pool; {at}: {view.pool_outcome}"
+        return Cause.FETCH_FAILED, f"in the pool; fetch: {view.pool_outcome or 'not attempted'}"
+    elsewhere = sorted(x for x in {*view.indexed, *view.recent}
+                       if x not in (at, POOL) and max(view.indexed.get(x, 0), view.recent.get(x, 0)) > i)
+    if elsewhere:
+        return Cause.ROUTED_ELSEWHERE, f"held on {', '.join(elsewhere)}; routed to {at}: {view.reason or 'plan'}"
+    holders = [h for h in history.holders(key) if h.instance != at or h.at < view.at]
+    lag = [h for h in holders if run_on(h.instance) > i]
+    if lag:
+        h = min(lag, key=lambda h: h.at)
+        return Cause.INDEX_LAG, f"stored on {h.instance} ({h.tier}) {when(h.at)}, not in the index then"
+    for h in holders:
+        gap = run_on(h.instance)
+        gone = history.last_removal(keys[gap])
+        if gone is not None and gone.instance == h.instance:
+            return Cause.EVICTED, (f"block {gap} of its prefix, from {h.instance}'s {gone.tier_and_why()} "
+                                   f"{when(gone.at)}")
+    gone = history.last_removal(key)
+    if gone is not None:
+        return Cause.EVICTED, f"from {gone.instance}'s {gone.tier_and_why()} {when(gone.at)}"
+    others = view.other_namespaces(i)
+    if others:
+        return Cause.NAMESPACE, f"the same tokens are cached under {others} other namespace(s)"
+    return Cause.NEVER_COMPUTED, ""
+
+
+def _reference_runs(prompt: int, bs: int, keys: list[int], delivered: int, cause_of) -> list[tuple]:
+    """Each missed token's (cause, words) in order, runs of equal ones merged: (cause, tokens, first, last, words)."""
+    delivered = max(0, min(delivered, prompt))
+    full = min(len(keys), prompt // bs)
+    partial_from = min(full * bs, prompt - 1) if prompt else 0
+    per_token = [(cause_of(t // bs), t // bs) if t < partial_from else ((Cause.PARTIAL_BLOCK, ""), full)
+                 for t in range(delivered, prompt)]
+    runs: list[list] = []
+    for (cause, words), block in per_token:
+        if runs and runs[-1][0] == cause and runs[-1][4] == words:
+            runs[-1][1] += 1
+            runs[-1][3] = block
+        else:
+            runs.append([cause, 1, block, block, words])
+    return [tuple(r) for r in runs]
+
+
+def test_attribution_equals_the_per_block_rule_on_random_fleets_and_histories():
+    rng = random.Random(7)
+    instances = ["a", "b", "c"]
+    for _ in range(2000):
+        bs = rng.choice([1, 4, 16])
+        keys = [rng.randrange(40) for _ in range(rng.randrange(0, 16))]
+        prompt = rng.randrange(0, (len(keys) + 1) * bs + 1)
+        history = BlockHistory(max_keys=rng.choice([6, 1000]))
+        for _ in range(rng.randrange(0, 30)):
+            inst, tier, t = rng.choice(instances), rng.choice(["device", "host"]), rng.uniform(0, 10)
+            ks = [rng.choice(keys) if keys and rng.random() < 0.7 else rng.randrange(80)
+                  for _ in range(rng.randint(1, 4))]
+            if rng.random() < 0.6:
+                history.stored(inst, tier, ks, t)
+            else:
+                history.removed(inst, tier, ks, t, rng.choice(["", "lru"]))
+        view = RouteView(
+            rng.choice(instances),
+            {x: rng.randrange(len(keys) + 2) for x in rng.sample([*instances, POOL], rng.randrange(5))},
+            {x: rng.randrange(len(keys) + 2) for x in rng.sample(instances, rng.randrange(4))},
+            rng.choice(["", "cheapest"]), rng.uniform(0, 10),
+            rng.choice(["", "adopted", "failed: refused", "local cache suffices"]), rng.choice(["", "", "reset"]),
+            rng.choice(["", "", "another layout"]), rng.choice([lambda i: 0, lambda i: i % 3]))
+        delivered = rng.randrange(-2, prompt + 3)
+        got = attribute(prompt, bs, keys, delivered, Explainer(view, history, keys))
+        want = _reference_runs(prompt, bs, keys, delivered, partial(_reference_cause, view, history, keys))
+        assert [(m.cause, m.tokens, m.first_block, m.last_block, m.detail) for m in got.misses] == want

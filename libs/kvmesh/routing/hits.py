@@ -104,22 +104,29 @@ def attribute(prompt_tokens: int, block_size: int, keys: Sequence[int], delivere
     # tokens [partial_from, prompt) are the partial block's, or the last token
     partial_from = min(full * block_size, prompt_tokens - 1) if prompt_tokens else 0
     runs: list[Miss] = []
-
-    def add(cause: Cause, tokens: int, block: int, detail: str) -> None:
-        if tokens <= 0:
-            return
-        last = runs[-1] if runs else None
-        if last is not None and last.cause == cause and last.detail == detail and last.last_block + 1 >= block:
-            runs[-1] = last._replace(tokens=last.tokens + tokens, last_block=block)
-        else:
-            runs.append(Miss(cause, tokens, block, block, detail))
-
+    # the open run (cause, detail, first block, last block, tokens) is kept in locals and closed into a Miss when
+    # the next block's cause or words differ: a prompt's blocks mostly share one (this runs per finished request)
+    cause: Cause | None = None
+    detail, first, last, tokens = "", 0, 0, 0
     for i in range(delivered // block_size, full):
         lo, hi = max(i * block_size, delivered), min((i + 1) * block_size, partial_from)
-        if hi > lo:
-            cause, detail = explain(i, keys[i])
-            add(cause, hi - lo, i, detail)
-    add(Cause.PARTIAL_BLOCK, prompt_tokens - max(partial_from, delivered), full, "")
+        if hi <= lo:
+            continue
+        c, d = explain(i, keys[i])
+        if c is cause and d == detail:
+            last, tokens = i, tokens + hi - lo
+            continue
+        if cause is not None:
+            runs.append(Miss(cause, tokens, first, last, detail))
+        cause, detail, first, last, tokens = c, d, i, i, hi - lo
+    if cause is not None:
+        runs.append(Miss(cause, tokens, first, last, detail))
+    tail = prompt_tokens - max(partial_from, delivered)
+    if tail > 0:
+        if runs and runs[-1].cause is Cause.PARTIAL_BLOCK and not runs[-1].detail and runs[-1].last_block + 1 >= full:
+            runs[-1] = runs[-1]._replace(tokens=runs[-1].tokens + tail, last_block=full)
+        else:
+            runs.append(Miss(Cause.PARTIAL_BLOCK, tail, full, full, ""))
     att = Attribution(prompt_tokens, min(predicted, max(0, prompt_tokens - 1)), delivered, tuple(runs), instance)
     assert sum(m.tokens for m in runs) == att.missed_tokens, (runs, prompt_tokens, delivered)
     return att
@@ -249,6 +256,18 @@ class Explainer:
     def __init__(self, view: RouteView, history: BlockHistory, keys: Sequence[int]) -> None:
         self.view, self.history, self.keys = view, history, keys
         self._runs: dict[str, int] = {}
+        # what does not change from block to block (this is called for every missed block of every request)
+        at = view.compute
+        self._here = max(view.indexed.get(at, 0), view.recent.get(at, 0))
+        self._here_index = view.indexed.get(at, 0)
+        self._pool = view.indexed.get(POOL, 0)
+        held = {x: max(view.indexed.get(x, 0), view.recent.get(x, 0)) for x in {*view.indexed, *view.recent}
+                if x not in (at, POOL)}
+        self._elsewhere_until = max(held.values(), default=0)  # no other instance holds block i >= this
+        self._held_elsewhere = held
+        self._lag = f"an earlier request sent to {at} had not stored it yet"
+        self._stale = f"the index listed it on {at}"
+        self._fallback = f"the hand-off to decode failed ({view.fallback}); decode recomputed"
 
     def run_on(self, instance: str) -> int:
         """The leading blocks of the prompt ``instance`` holds by the events heard (a block past a gap is no use
@@ -263,38 +282,37 @@ class Explainer:
     def __call__(self, i: int, key: int) -> tuple[Cause, str]:
         view, history = self.view, self.history
         at = view.compute
-        here_index, here_recent = view.indexed.get(at, 0) > i, view.recent.get(at, 0) > i
-        pool = view.indexed.get(POOL, 0) > i
-        if view.fallback and (here_index or here_recent or pool):
-            return Cause.FETCH_FAILED, f"the hand-off to decode failed ({view.fallback}); decode recomputed"
-        if here_index or here_recent:
-            gone = history.last_removal(key)
-            if gone is not None and gone.instance == at:
-                return Cause.EVICTED, f"from {at}'s {gone.tier_and_why()} {_when(gone.at, view.at)}"
-            if not here_index:
-                return Cause.INDEX_LAG, f"an earlier request sent to {at} had not stored it yet"
-            return Cause.STALE_INDEX, f"the index listed it on {at}"
-        if pool:
+        if i < self._here or i < self._pool:
+            if view.fallback:
+                return Cause.FETCH_FAILED, self._fallback
+            if i < self._here:
+                gone = history.last_removal(key)
+                if gone is not None and gone.instance == at:
+                    return Cause.EVICTED, f"from {at}'s {gone.tier_and_why()} {_when(gone.at, view.at)}"
+                if i >= self._here_index:
+                    return Cause.INDEX_LAG, self._lag
+                return Cause.STALE_INDEX, self._stale
             if view.unconvertible:
                 return Cause.LAYOUT, f"in the pool; {at}: {view.unconvertible}"
             if view.pool_outcome.startswith(SKIPPED):
                 return Cause.FETCH_SKIPPED, f"in the pool; {at}: {view.pool_outcome}"
             return Cause.FETCH_FAILED, f"in the pool; fetch: {view.pool_outcome or 'not attempted'}"
-        elsewhere = sorted(x for x in {*view.indexed, *view.recent}
-                           if x not in (at, POOL) and max(view.indexed.get(x, 0), view.recent.get(x, 0)) > i)
-        if elsewhere:
+        if i < self._elsewhere_until:
+            elsewhere = sorted(x for x, n in self._held_elsewhere.items() if n > i)
             return Cause.ROUTED_ELSEWHERE, f"held on {', '.join(elsewhere)}; routed to {at}: {view.reason or 'plan'}"
-        holders = [h for h in history.holders(key) if h.instance != at or h.at < view.at]
-        lag = [h for h in holders if self.run_on(h.instance) > i]
-        if lag:
-            h = min(lag, key=lambda h: h.at)
-            return Cause.INDEX_LAG, f"stored on {h.instance} ({h.tier}) {_when(h.at, view.at)}, not in the index then"
-        for h in holders:  # held, but an earlier block of its chain is gone there
-            gap = self.run_on(h.instance)
-            gone = history.last_removal(self.keys[gap])
-            if gone is not None and gone.instance == h.instance:
-                return Cause.EVICTED, (f"block {gap} of its prefix, from {h.instance}'s {gone.tier_and_why()} "
-                                       f"{_when(gone.at, view.at)}")
+        if history.seen(key):
+            holders = [h for h in history.holders(key) if h.instance != at or h.at < view.at]
+            lag = [h for h in holders if self.run_on(h.instance) > i]
+            if lag:
+                h = min(lag, key=lambda h: h.at)
+                return Cause.INDEX_LAG, (f"stored on {h.instance} ({h.tier}) {_when(h.at, view.at)}, "
+                                         "not in the index then")
+            for h in holders:  # held, but an earlier block of its chain is gone there
+                gap = self.run_on(h.instance)
+                gone = history.last_removal(self.keys[gap])
+                if gone is not None and gone.instance == h.instance:
+                    return Cause.EVICTED, (f"block {gap} of its prefix, from {h.instance}'s {gone.tier_and_why()} "
+                                           f"{_when(gone.at, view.at)}")
         gone = history.last_removal(key)
         if gone is not None:
             return Cause.EVICTED, f"from {gone.instance}'s {gone.tier_and_why()} {_when(gone.at, view.at)}"
