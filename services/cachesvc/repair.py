@@ -1,13 +1,23 @@
-"""Re-replication: a (re)started shard fetches, from the other copies' shards, the pooled blocks of its slots
-that it lacks (a crash lost its DRAM tier), so a second failure does not find a block's last copy gone.
+"""Re-replication and hand-over: a (re)started shard fetches, from the other copies' shards, the pooled blocks of
+its slots that it lacks (a crash lost its DRAM tier), so a second failure does not find a block's last copy gone;
+and, from every other shard, the blocks of its slots written there under another shard count (a resharding), so
+adding shards moves the pool's blocks to their new owners instead of losing them.
 
-It runs once per start, once the shard serves, with the shards listed in ``peers`` (``pool_copies`` > 1). Each
+It runs once per start, once the shard serves, with the shards listed in ``peers``. Copies (``pool_copies`` > 1): each
 of its slots comes from one other copy (``ShardMap.repair_sources``: the first live one in rank order): it lists
 what that shard holds of them (``ListBlocks``, a few hundred slots a call), keeps the keys its own pool lacks
 under each layout, and reads them with ``GetBlocks(copy=True)`` (inline; a copy is no use there: no hit, no
 promotion) in calls of ``BATCH_BYTES`` at most, paced to ``repair_mb_s``. A shard it cannot reach gives its
 slots to the next live copy; slots with none wait ``RETRY_S`` and are tried again, until every slot was
 repaired from somewhere once. Blocks written meanwhile come straight from the engines, as always.
+
+Hand-over (any ``pool_copies``): a resharding restarts every shard with the new count (a graceful stop spills the
+DRAM tier to the disk tier, which survives it), so a shard's pool may hold blocks of slots the new map gives to
+another shard. Each shard asks every other shard once what it holds of its slots, in the same calls, once that
+shard answers at this shard's count (``ListBlocks`` carries the count; a shard still at the old one refuses it, and
+is asked again every ``RETRY_S``): from then on callers cannot write to it under the old map, so one listing
+finds all it will ever hold of them. Under an unchanged map the listing finds only what the copies phase fetched.
+The old holder's copy stays until its eviction takes it: no caller asks a shard for blocks of slots it does not own.
 
 Pull, not push: the restarted shard is the one that knows it lost its blocks, and the only one that needs the
 other shards' addresses (``kvmesh up`` learns them once the shards are up, and gives them to a restarted one).
@@ -95,10 +105,16 @@ class Repair:
         self.stubs = {s: cache_pb2_grpc.CacheServiceStub(ch) for s, ch in self.channels.items()}
         self.blocks = 0  # fetched and stored since start (Stats)
         self.bytes = 0
-        self.pending = len(smap.pool_slots(cfg.shard))  # slots not repaired yet (Stats)
+        self.pending = len(smap.pool_slots(cfg.shard)) if smap.pool_copies > 1 else 0  # slots to repair (Stats)
+        self.handover_pending = len(self.stubs)  # shards not yet asked for blocks of this one's slots (Stats)
         self._paced = (time.monotonic(), 0)  # (since, bytes fetched since): the rate cap
 
     async def run(self) -> None:
+        if self.smap.pool_copies > 1:
+            await self._copies()
+        await self._handover()
+
+    async def _copies(self) -> None:
         pending = set(self.smap.pool_slots(self.shard))
         started = time.monotonic()
         log.info("repair: fetching what this shard lacks of its %d slots from the other copies' shards (%d MB/s "
@@ -108,22 +124,46 @@ class Repair:
             down: set[int] = set()
             while plan := self.smap.repair_sources(self.shard, set(self.stubs) - down, sorted(pending)):
                 for source, slots in plan.items():
-                    try:
-                        await self._from(source, slots)
-                    except PeerFailed as e:
+                    if not await self._asked(source, slots, failing, logging.WARNING, "repair: shard %d did not "
+                                             "answer (its slots go to the next live copy, or wait %gs): %s"):
                         down.add(source)
-                        if source not in failing:
-                            failing.add(source)
-                            log.warning("repair: shard %d did not answer (its slots go to the next live copy, or "
-                                        "wait %gs): %s", source, RETRY_S, e)
                         continue
-                    failing.discard(source)
                     pending.difference_update(slots)
                     self.pending = len(pending)
             if pending:
                 await asyncio.sleep(RETRY_S)
         log.info("repair done: %d blocks (%d MB) fetched in %.1fs", self.blocks, self.bytes >> 20,
                  time.monotonic() - started)
+
+    async def _handover(self) -> None:
+        """Ask every other shard, once it serves at this count, for the blocks of this shard's slots it holds."""
+        slots = self.smap.pool_slots(self.shard)
+        left, failing = set(self.stubs), set[int]()
+        before = self.blocks
+        started = time.monotonic()
+        while left:
+            for source in sorted(left):
+                if await self._asked(source, slots, failing, logging.INFO, "hand-over: shard %d not asked yet "
+                                     "(asked again every %gs until it serves at this count): %s"):
+                    left.discard(source)
+                    self.handover_pending = len(left)
+            if left:
+                await asyncio.sleep(RETRY_S)
+        log.info("hand-over done: every other shard asked for the blocks of this shard's %d slots; %d blocks "
+                 "fetched in %.1fs", len(slots), self.blocks - before, time.monotonic() - started)
+
+    async def _asked(self, source: int, slots: list[int], failing: set[int], level: int, why: str) -> bool:
+        """Fetch what this shard lacks of ``slots`` from ``source``: False when it did not answer (said at
+        ``level`` with ``why`` once, until it answers again: ``failing``)."""
+        try:
+            await self._from(source, slots)
+        except PeerFailed as e:
+            if source not in failing:
+                failing.add(source)
+                log.log(level, why, source, RETRY_S, e)
+            return False
+        failing.discard(source)
+        return True
 
     async def close(self) -> None:
         for channel in self.channels.values():

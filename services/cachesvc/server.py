@@ -431,7 +431,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                                      index_copies=self.server.shard_map.copies,
                                      pool_copies=self.server.shard_map.pool_copies),
             repaired_blocks=repair.blocks if repair else 0, repaired_bytes=repair.bytes if repair else 0,
-            repair_pending_slots=repair.pending if repair else 0)
+            repair_pending_slots=repair.pending if repair else 0,
+            handover_pending_shards=repair.handover_pending if repair else self.server.handover_waiting)
 
 
 class CacheServer:
@@ -471,7 +472,8 @@ class CacheServer:
         self.bus_outage = False  # NATS was seen down and has not been seen back yet
         self._reaper: asyncio.Task[None] | None = None
         self._beater: asyncio.Task[None] | None = None
-        self.repair: Repair | None = None  # a shard with peers that keeps copies: refills itself at start
+        self.repair: Repair | None = None  # a shard with peers: refills itself at start (copies, hand-over)
+        self.handover_waiting = 0  # the other shards its repair will ask, while it waits for their addresses
         self._repairing: asyncio.Task[None] | None = None
         max_message = cfg.max_message_mb << 20
         self.grpc = grpc.aio.server(interceptors=[self.authorizer] if self.authorizer else None,
@@ -559,18 +561,19 @@ class CacheServer:
                  self.subjects.events_stream, self.durable, len(self.index))
 
     def _start_repair(self) -> None:
-        """A shard whose blocks have other copies fetches what it lacks from them (``repair.py``), given
-        ``peers``."""
+        """A shard fetches, given ``peers``, what it lacks of its blocks from their other copies and the blocks of
+        its slots other shards hold from before a resharding (``repair.py``)."""
         cfg, smap = self.cfg, self.shard_map
-        if smap.shards == 1 or smap.pool_copies == 1:
+        if smap.shards == 1:
             return
         if not cfg.repair_mb_s:
-            log.info("repair_mb_s is 0: what this shard's pool lost before this start is not fetched from the "
-                     "other copies")
+            log.info("repair_mb_s is 0: what this shard's pool lost before this start, and blocks of its slots "
+                     "other shards hold from before a resharding, are not fetched")
             return
         if not cfg.peers:
-            log.info("no peers set: what this shard's pool lost before this start is not fetched from the other "
-                     "copies (set peers to every shard's address, in shard order)")
+            log.info("no peers set: what this shard's pool lost before this start, and blocks of its slots other "
+                     "shards hold from before a resharding, are not fetched (set peers to every shard's address, "
+                     "in shard order, or \"nats\")")
             return
         assert self.pool is not None
         pool = self.pool
@@ -595,6 +598,7 @@ class CacheServer:
             self.repair = Repair(cfg, self.shared, smap, pool, storage, counted, peers)
             await self.repair.run()
 
+        self.handover_waiting = smap.shards - 1
         self._repairing = asyncio.create_task(repair(), name="cachesvc-repair")
         self._repairing.add_done_callback(_repair_ended)
 

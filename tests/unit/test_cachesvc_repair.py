@@ -3,12 +3,17 @@ for it, what it lacks, and that a copy read for it is no use of the block."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
+import grpc
 import pytest
 from kvmesh.contracts.layout import KVLayout
 from kvmesh.contracts.shards import SLOTS, ShardMap
+from kvmesh.proto.v1 import cache_pb2
+from kvmesh.settings import CacheServiceSettings, SharedSettings
 
+from services.cachesvc import repair as repair_mod
 from services.cachesvc.repair import mask_slots, slot_mask
 from tests.unit.test_cachesvc_pool import LAYOUT, blocks, make_pool
 
@@ -116,3 +121,68 @@ def test_a_copys_retention_is_the_blocks_and_goes_in_runs_of_one_retention(tmp_p
                                       priority_s=[3599.6, 3600.2, 0.0, 0.0, 0.0, 0.2])
     assert _retention_runs(got, 6) == [(0, 2, 90, 3600.0), (2, 3, 50, 0.0), (3, 5, 0, 0.0), (5, 6, 30, 1.0)]
     assert _retention_runs(cache_pb2.GetBlocksResponse(block_keys=[1, 2]), 2) == [(0, 2, 0, 0.0)]  # an older shard
+
+
+class _Peer:
+    """A shard's gRPC as a repair sees it: refuses ``refusals`` listings (another shard count), then lists and
+    serves ``held`` (key -> (checksum, bytes)) under LAYOUT."""
+
+    def __init__(self, held: dict[int, tuple[int, bytes]], refusals: int = 0) -> None:
+        self.held, self.refusals, self.listings = held, refusals, 0
+
+    async def ListBlocks(self, request, timeout=None):
+        self.listings += 1
+        if self.refusals:
+            self.refusals -= 1
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "this cachesvc is shard 1 of 2, not shard 1 of 3")
+        slots = mask_slots(request.slots)
+        keys = [k for k in self.held if k & (SLOTS - 1) in slots]
+        return cache_pb2.ListBlocksResponse(blocks=[cache_pb2.LayoutBlocks(layout=LAYOUT.to_proto(),
+                                                                           block_keys=keys)] if keys else [])
+
+    async def GetBlocks(self, request, timeout=None):
+        keys = [k for k in request.block_keys if k in self.held]
+        return cache_pb2.GetBlocksResponse(block_keys=keys, checksums=[self.held[k][0] for k in keys],
+                                           data=b"".join(self.held[k][1] for k in keys))
+
+
+def test_after_a_resharding_a_shard_takes_its_slots_blocks_from_every_shard_once_it_serves_the_new_count(
+        monkeypatch):
+    """Shard 0 of 3 (one copy of each block): shard 1 still serves the old count and refuses twice before it
+    answers; shard 2 answers at once. Every block of shard 0's slots either holds comes over, none of the others'."""
+    monkeypatch.setattr(repair_mod, "RETRY_S", 0.01)
+    smap = ShardMap(3, pool_copies=1)
+    mine = [k for k in range(1, 400) if smap.pool_owners(k) == (0,)][:6]
+    theirs = [k for k in range(1, 400) if smap.pool_owners(k) != (0,)][:4]
+
+    def held(keys: list[int]) -> dict[int, tuple[int, bytes]]:
+        ks, sums, data = blocks(*keys)
+        nb = LAYOUT.block_nbytes
+        return {k: (c, data[i * nb:(i + 1) * nb]) for i, (k, c) in enumerate(zip(ks, sums, strict=True))}
+
+    peers = {1: _Peer(held(mine[:4] + theirs), refusals=2), 2: _Peer(held(mine[3:]))}
+    pool = make_pool()
+    seen_pending: list[int] = []
+
+    async def storage(fn, *args):
+        return fn(*args)
+
+    async def main() -> None:
+        cfg = CacheServiceSettings(shard=0, shards=3, pool_copies=1, peers="a:1,b:2,c:3")
+        r = repair_mod.Repair(cfg, SharedSettings(), smap, pool, storage, lambda *a: None)
+        r.stubs = peers  # type: ignore[assignment]
+        assert (r.pending, r.handover_pending) == (0, 2)  # one copy: nothing to repair, two shards to ask
+        task = asyncio.create_task(r.run())
+        while not task.done():
+            seen_pending.append(r.handover_pending)
+            await asyncio.sleep(0.001)
+        await task
+        await r.close()
+        assert r.blocks == len(mine)
+
+    asyncio.run(main())
+    assert pool.lacking(LAYOUT, mine) == [] and pool.lacking(LAYOUT, theirs) == theirs
+    calls = -(-len(smap.pool_slots(0)) // repair_mod.SLOTS_PER_LIST)  # ListBlocks calls one answer takes
+    assert (peers[1].listings, peers[2].listings) == (2 + calls, calls)
+    assert 1 in seen_pending  # shard 2 asked, shard 1 still refusing

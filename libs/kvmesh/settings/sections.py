@@ -734,9 +734,10 @@ class CacheServiceSettings(Section):
     pool_copies: int = setting(1, "shards whose pool keeps each block written back (with shards > 1; 2: a dead "
                                   "shard costs no block, for twice the write-back traffic and memory)")
     peers: str = setting("", "every shard's host:port in shard order, comma-separated, this one's too (with "
-                             "shards > 1 and pool_copies > 1): a (re)started shard fetches what it lacks of its "
-                             "blocks from the other copies (\"\" = no repair; \"nats\": the addresses the "
-                             "shards' beats name; kvmesh up and the Kubernetes cachesvc-shards component set it)")
+                             "shards > 1): a (re)started shard fetches what it lacks of its blocks from the other "
+                             "copies (pool_copies > 1), and the blocks of its slots other shards hold from before "
+                             "a resharding (\"\" = neither; \"nats\": the addresses the shards' beats name; "
+                             "kvmesh up and the Kubernetes cachesvc-shards component set it)")
     repair_mb_s: int = setting(64, "that repair's block bytes per second at most, so serving keeps its share "
                                    "(0 = no repair)")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")

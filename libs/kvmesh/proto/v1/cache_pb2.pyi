@@ -190,7 +190,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up", "transfer_address", "view", "repaired_blocks", "repaired_bytes", "repair_pending_slots")
+    __slots__ = ("indexed_blocks", "instances", "pool_blocks", "pool_bytes", "pool_capacity_bytes", "events_applied", "event_gaps", "tiers", "leases", "leased_blocks", "snapshots_requested", "snapshots_applied", "caught_up", "transfer_address", "view", "repaired_blocks", "repaired_bytes", "repair_pending_slots", "handover_pending_shards")
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class StatsResponse(_message.Message):
     REPAIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REPAIRED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPAIR_PENDING_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_PENDING_SHARDS_FIELD_NUMBER: _ClassVar[int]
     indexed_blocks: int
     instances: int
     pool_blocks: int
@@ -227,7 +228,8 @@ class StatsResponse(_message.Message):
     repaired_blocks: int
     repaired_bytes: int
     repair_pending_slots: int
-    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ..., repaired_blocks: _Optional[int] = ..., repaired_bytes: _Optional[int] = ..., repair_pending_slots: _Optional[int] = ...) -> None: ...
+    handover_pending_shards: int
+    def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ..., repaired_blocks: _Optional[int] = ..., repaired_bytes: _Optional[int] = ..., repair_pending_slots: _Optional[int] = ..., handover_pending_shards: _Optional[int] = ...) -> None: ...
 
 class ListBlocksRequest(_message.Message):
     __slots__ = ("slots", "view")
