@@ -1,16 +1,20 @@
 """The Kubernetes manifests (deploy/k8s), offline: every overlay renders with kubectl's kustomize, validates against
 the API schemas of Kubernetes 1.37 (kubernetes-validate, strict), and agrees with the code it deploys: the
 environment of each container is settings its service loads, its ports and probes are what the service serves,
-its image is a docker/Dockerfile target, and the NetworkPolicies admit exactly the mesh's flows. docs/deploy.md,
+its image is a docker/Dockerfile target, and the NetworkPolicies admit exactly the mesh's flows. So do the
+combinations no overlay lists (``COMBINATIONS``: a component rendered on top of an overlay). docs/deploy.md,
 "On Kubernetes", is the guide."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,6 +27,10 @@ from kvmesh import settings
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+# "<overlay>+<component>": the overlay with one more component listed last, where no overlay has that combination:
+# NATS as a cluster with components/tls alone (no auth callout), and the cluster's plaintext variant without TLS
+COMBINATIONS = ["gpu-vllm+nats-cluster", "cpu-demo+nats-cluster/plaintext"]
+RENDERS = [*OVERLAYS, *COMBINATIONS]
 KUBERNETES = "1.37.0"
 # Custom resources kubernetes-validate has no schema for: the components that use them say what they need.
 CUSTOM = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
@@ -54,7 +62,8 @@ SHARD_FLOWS = {("cachesvc", "cachesvc", "grpc")}
 # NATS as a cluster (components/nats-cluster), where an overlay has it: route connections between the nodes
 # (JetStream's meta group, the events stream's copies)
 NATS_CLUSTER_FLOWS = {("nats", "nats", "cluster")}
-NATS_NODES = {"pd": 3}  # the overlays that list components/nats-cluster, and its node count; the others run one
+# the renders with components/nats-cluster (or its plaintext variant), and its node count; the others run one
+NATS_NODES = {"pd": 3, "gpu-vllm+nats-cluster": 3, "cpu-demo+nats-cluster/plaintext": 3}
 TLS_VARIABLES = {"KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA", "KVMESH_TLS_SERVER_NAME"}
 CLIENT_FLOWS = {("router", "http"), ("router", "grpc")}  # from any namespace
 SCRAPES = CLIENT_FLOWS | {(role, "metrics") for role in ("router", "prefill", "decode", "cachesvc")}  # `monitoring`
@@ -69,10 +78,27 @@ def kubectl() -> str:
     return found
 
 
+def kustomize(name: str) -> subprocess.CompletedProcess[str]:
+    """``kubectl kustomize`` of an overlay, or of ``<overlay>+<component>``: a kustomization in a directory of its
+    own listing the overlay and then the component (kustomize takes no absolute path), in the overlay's
+    namespace."""
+    overlay, _, component = name.partition("+")
+    with tempfile.TemporaryDirectory() as tmp:
+        target = K8S / "overlays" / overlay
+        if component:
+            namespace = yaml.safe_load((target / "kustomization.yaml").read_text())["namespace"]
+            Path(tmp, "kustomization.yaml").write_text(yaml.safe_dump({
+                "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": namespace,
+                "resources": [os.path.relpath(target, tmp)],
+                "components": [os.path.relpath(K8S / "components" / component, tmp)]}))
+            target = Path(tmp)
+        return subprocess.run([kubectl(), "kustomize", str(target)], check=False, capture_output=True, text=True,
+                              timeout=120)
+
+
 @functools.cache
 def render(overlay: str) -> tuple[dict[str, Any], ...]:
-    out = subprocess.run([kubectl(), "kustomize", str(K8S / "overlays" / overlay)], check=False, capture_output=True,
-                         text=True, timeout=120)
+    out = kustomize(overlay)
     assert out.returncode == 0, f"kubectl kustomize {overlay}: {out.stderr}"
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
@@ -136,7 +162,7 @@ def loaded(container: Container, files: Path, ordinal: int = 0) -> settings.Sett
                                      environment(container, files, ordinal))
 
 
-def served_ports(container: Container, files: Path) -> dict[int, str]:
+def served_ports(container: Container, files: Path, overlay: str) -> dict[int, str]:
     """What the process binds, by port: ``grpc``, ``http``, ``transfer``, ``metrics`` (0 = a free port, which no
     manifest can name)."""
     if container.service == "planner":  # its flags are its configuration (app/plan.py): /health only
@@ -145,14 +171,15 @@ def served_ports(container: Container, files: Path) -> dict[int, str]:
     if container.service == "nats-auth":  # a NATS client only
         return {}
     if container.service == "nats":
-        args = container.spec["args"]
-        listen = re.search(r'^listen:\s*"[^"]*:(\d+)"', (ROOT / "docker" / "nats.conf").read_text(), re.MULTILINE)
-        assert listen, "docker/nats.conf names no listen port"
+        args, conf = container.spec["args"], nats_conf(overlay)
+        listen = re.search(r'^listen:\s*"[^"]*:(\d+)"', conf, re.MULTILINE)
+        assert listen, f"{overlay}: nats-server's configuration names no listen port"
         ports = {int(listen.group(1)): "nats"}
         if "-m" in args:
             ports[int(args[args.index("-m") + 1])] = "http"
-        if "--cluster" in args:  # routes from the other nodes
-            ports[int(args[args.index("--cluster") + 1].rpartition(":")[2])] = "cluster"
+        route_listen = flag(args, "--cluster") or nats_blocks(conf).get("cluster", {}).get("listen")
+        if route_listen:  # routes from the other nodes
+            ports[int(route_listen.rpartition(":")[2])] = "cluster"
         return ports
     cfg = loaded(container, files)
     if container.service == "router":
@@ -164,7 +191,7 @@ def served_ports(container: Container, files: Path) -> dict[int, str]:
     return ports
 
 
-@pytest.fixture(params=OVERLAYS)
+@pytest.fixture(params=RENDERS)
 def overlay(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -223,7 +250,7 @@ def test_every_kvmesh_variable_set_is_documented_in_configuration_md(overlay: st
 
 def test_container_ports_are_the_ports_each_service_binds(overlay: str, tmp_path: Path) -> None:
     for c in containers(overlay):
-        served = served_ports(c, tmp_path)
+        served = served_ports(c, tmp_path, overlay)
         assert 0 not in served, f"{c.workload}: a port left at 0 (a free one) cannot be named in a manifest"
         assert set(c.ports.values()) == set(served), f"{c.workload}: declares {c.ports}, binds {served}"
 
@@ -231,7 +258,7 @@ def test_container_ports_are_the_ports_each_service_binds(overlay: str, tmp_path
 def test_probes_ask_the_health_endpoints_the_service_serves(overlay: str, tmp_path: Path) -> None:
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     for c in containers(overlay):
-        served = served_ports(c, tmp_path)
+        served = served_ports(c, tmp_path, overlay)
         probes = {k: c.spec[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c.spec}
         assert {"readinessProbe", "livenessProbe"} <= set(probes), f"{c.workload}: {sorted(probes)}"
         for kind, probe in probes.items():
@@ -425,7 +452,7 @@ def test_engine_pools_are_headless_and_vllm_pools_ask_for_gpus_on_gpu_nodes(over
             assert spec["nodeSelector"] and spec["tolerations"], w["metadata"]["name"]
         assert spec["containers"][0]["resources"]["requests"], w["metadata"]["name"]
     backends = {w["metadata"]["labels"].get("kvmesh.io/backend") for w in workloads(overlay)} - {None}
-    assert backends == ({"vllm"} if overlay == "gpu-vllm" else {"native"})
+    assert backends == ({"vllm"} if overlay.partition("+")[0] == "gpu-vllm" else {"native"})
 
 
 # -- cachesvc shards (components/cachesvc-shards) -------------------------------------------------------------------
@@ -453,7 +480,7 @@ def dialled(container: Container, files: Path) -> list[str]:
 
 
 def sharded_overlays() -> list[str]:
-    return [o for o in OVERLAYS if cachesvc_set(o)["spec"]["replicas"] > 1]
+    return [o for o in RENDERS if cachesvc_set(o)["spec"]["replicas"] > 1]
 
 
 def test_the_pd_overlay_runs_cachesvc_as_three_shards() -> None:
@@ -613,7 +640,7 @@ def test_cachesvcs_certificate_names_every_name_its_callers_dial_and_expect(over
 
 
 def planner_overlays() -> list[str]:
-    return [o for o in OVERLAYS if any(c.service == "planner" for c in containers(o))]
+    return [o for o in RENDERS if any(c.service == "planner" for c in containers(o))]
 
 
 def test_the_pd_overlay_runs_one_planner() -> None:
@@ -707,8 +734,9 @@ def test_nats_requires_tls_and_maps_each_role_certificate_to_its_user(overlay: s
     assert tls["verify_and_map"] is True, "nats-server must require and map client certificates"
     secret = mounted(nats, workload[nats.workload], tls["cert_file"])["secret"]["secretName"]
     assert "kvmesh.mesh" in certificates[secret]["dnsNames"]
-    users = set(re.findall(r'"user": "(spiffe://kvmesh/[^"]+)"', conf))
-    callout = "auth_callout" in conf
+    authorization = nats_blocks(conf)["authorization"]
+    users = {u["user"] for u in authorization["users"]}
+    callout = "auth_callout" in authorization
     clusters = {env_of(c)["KVMESH_CLUSTER"] for c in containers(overlay) if c.service == "nats-auth"} if callout \
         else set(re.findall(r'"kvmesh\.([^.]+)\.', conf))
     for c in members:
@@ -725,18 +753,51 @@ def test_nats_requires_tls_and_maps_each_role_certificate_to_its_user(overlay: s
         assert clusters == {cluster}, f"{c.workload}: cluster {cluster}, nats.conf's users {clusters}"
 
 
-def nats_conf(overlay: str) -> str:
-    """The nats.conf nats-server runs (the ConfigMap mounted where its -c points)."""
-    by_name = {(o["kind"], o["metadata"]["name"]): o for o in render(overlay)}
+IMAGE_FILES = {"/etc/kvmesh/nats.conf": ROOT / "docker" / "nats.conf"}  # the nats image's (docker/Dockerfile)
+INCLUDE = re.compile(r'^include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def nats_file(overlay: str, path: str) -> str:
+    """The file nats-server reads at ``path``: from the ConfigMap mounted there, else the image's own."""
     nats = the_nats(overlay)
-    conf_path = nats.spec["args"][nats.spec["args"].index("-c") + 1]
-    workload = next(w for w in workloads(overlay) if w["metadata"]["name"] == nats.workload)
-    source = mounted(nats, workload, conf_path)["configMap"]["name"]
-    return by_name[("ConfigMap", source)]["data"][Path(conf_path).name]
+    if not [m for m in nats.spec.get("volumeMounts", []) if path.startswith(m["mountPath"] + "/")]:
+        assert f"COPY {IMAGE_FILES[path].relative_to(ROOT)} {path}" in (ROOT / "docker" / "Dockerfile").read_text()
+        return IMAGE_FILES[path].read_text()
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in render(overlay)}
+    source = mounted(nats, nats_set(overlay), path)["configMap"]["name"]
+    return by_name[("ConfigMap", source)]["data"][Path(path).name]
+
+
+def nats_includes(overlay: str) -> list[str]:
+    """The paths nats-server reads the -c file's ``include``s from (relative to that file's directory)."""
+    args = the_nats(overlay).spec["args"]
+    conf = flag(args, "-c")
+    assert conf, args
+    return [os.path.normpath(os.path.join(os.path.dirname(conf), m.group(1)))
+            for m in INCLUDE.finditer(nats_file(overlay, conf))]
+
+
+def nats_conf(overlay: str) -> str:
+    """The configuration nats-server runs: the file its -c names (the ConfigMap mounted there, or the image's), each
+    ``include`` replaced by the file it names."""
+    args = the_nats(overlay).spec["args"]
+    conf = flag(args, "-c")
+    assert conf, args
+    included = iter(nats_includes(overlay))
+    return INCLUDE.sub(lambda _: nats_file(overlay, next(included)), nats_file(overlay, conf))
+
+
+def nats_blocks(conf: str) -> dict[str, Any]:
+    """The blocks kvmesh.bus.permissions writes (``name: {JSON}`` from a line's start, a ``$VARIABLE`` unquoted), as
+    nats-server reads them: a later block replaces an earlier one of the same name."""
+    quoted = re.sub(r"(?<=: )(\$[A-Za-z_][A-Za-z0-9_]*)", r'"\1"', conf)
+    decoder = json.JSONDecoder()
+    return {m.group(1): decoder.raw_decode(quoted, m.end())[0]
+            for m in re.finditer(r"^([a-z_]+): (?=[{\[])", quoted, re.MULTILINE)}
 
 
 def callout_overlays() -> list[str]:
-    return [o for o in OVERLAYS if any(c.service == "nats-auth" for c in containers(o))]
+    return [o for o in RENDERS if any(c.service == "nats-auth" for c in containers(o))]
 
 
 def test_the_pd_overlay_asks_an_auth_callout_for_the_engines_nats_users() -> None:
@@ -774,32 +835,36 @@ def test_engine_pods_hold_certificates_of_their_own_and_nats_asks_the_callout_ab
     assert args[args.index("--nats") + 1] == "nats://127.0.0.1:4222"
     volume = mounted(sidecar, workload[sidecar.workload], env_of(sidecar)["KVMESH_TLS_CERT"])
     (uri,) = certificates[volume["secret"]["secretName"]]["uris"]
-    assert set(re.findall(r'"user": "(spiffe://kvmesh/[^"]+)"', conf)) == {uri}
-    callout = yaml.safe_load("{" + conf.split('"auth_callout": {', 1)[1].split("}", 1)[0]
-                             .replace("$AUTH_CALLOUT_ISSUER", '"$AUTH_CALLOUT_ISSUER"') + "}")
-    assert callout == {"issuer": "$AUTH_CALLOUT_ISSUER", "auth_users": [uri]}
+    authorization = nats_blocks(conf)["authorization"]
+    assert {u["user"] for u in authorization["users"]} == {uri}
+    assert authorization["auth_callout"] == {"issuer": "$AUTH_CALLOUT_ISSUER", "auth_users": [uri]}
     issuer = {v["name"]: v for v in the_nats(overlay).spec["env"]}["AUTH_CALLOUT_ISSUER"]["valueFrom"]["secretKeyRef"]
     seed = mounted(sidecar, workload[sidecar.workload], args[args.index("--issuer-seed") + 1])["secret"]
     assert issuer["name"] == seed["secretName"] and [i["key"] for i in seed["items"]] == ["seed"]
 
 
-def test_the_tls_components_nats_conf_is_what_its_command_writes(tmp_path: Path) -> None:
-    """components/tls/nats.conf and components/nats-auth-callout/nats.conf are generated (python -m
-    kvmesh.bus.permissions, the command in each kustomization.yaml): run again, each writes the same, so they
-    follow docker/nats.conf and the role permissions."""
+GENERATED = {"tls": "nats.conf", "nats-auth-callout": "nats.conf", "nats-cluster": "cluster.conf"}
+
+
+def test_the_nats_configurations_are_what_their_commands_write(tmp_path: Path) -> None:
+    """components/tls/nats.conf, components/nats-auth-callout/nats.conf and components/nats-cluster/cluster.conf
+    are generated (python -m kvmesh.bus.permissions, the command in each kustomization.yaml): run again, each writes
+    the same, so they follow docker/nats.conf, the role permissions and the cluster's nodes."""
     import shlex
 
     from kvmesh.bus import permissions
 
-    for component in (TLS_COMPONENT, K8S / "components" / "nats-auth-callout"):
+    for name, generated in GENERATED.items():
+        component = K8S / "components" / name
         text = (component / "kustomization.yaml").read_text()
         lines = text.split("#   python -m kvmesh.bus.permissions ", 1)[1].split("\n#\n", 1)[0].split("\napiVersion")[0]
         argv = shlex.split(lines.replace("\\\n#    ", " ").replace("\\\n#", " "))
-        assert argv[0] == f"deploy/k8s/components/{component.name}/nats.conf", argv
-        argv[argv.index("docker/nats.conf")] = str(ROOT / "docker" / "nats.conf")
-        permissions.main([str(tmp_path / "nats.conf"), *argv[1:]])
-        assert (tmp_path / "nats.conf").read_text() == (component / "nats.conf").read_text(), (
-            f"deploy/k8s/components/{component.name}/nats.conf is stale: rerun the command in its kustomization.yaml")
+        assert argv[0] == f"deploy/k8s/components/{name}/{generated}", argv
+        if "docker/nats.conf" in argv:
+            argv[argv.index("docker/nats.conf")] = str(ROOT / "docker" / "nats.conf")
+        permissions.main([str(tmp_path / generated), *argv[1:]])
+        assert (tmp_path / generated).read_text() == (component / generated).read_text(), (
+            f"deploy/k8s/components/{name}/{generated} is stale: rerun the command in its kustomization.yaml")
 
 
 # -- NATS as a cluster (components/nats-cluster) --------------------------------------------------------------------
@@ -815,7 +880,7 @@ def the_nats(overlay: str) -> Container:
 
 
 def nats_cluster_overlays() -> list[str]:
-    return [o for o in OVERLAYS if NATS_NODES.get(o, 1) > 1]
+    return [o for o in RENDERS if NATS_NODES.get(o, 1) > 1]
 
 
 def nats_nodes(overlay: str) -> int:
@@ -848,11 +913,26 @@ def test_the_pd_overlay_runs_nats_as_three_nodes_started_together_and_drained_on
     assert spread["topologyKey"] == "kubernetes.io/hostname" and matches(spread["labelSelector"], labels)
 
 
+ROUTE_FLAGS = {"--cluster", "--routes", "--cluster_name"}
+
+
+def cluster_of(overlay: str, args: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """A node's cluster name, route listen address and routes: its flags' (components/nats-cluster/plaintext), or
+    else its configuration's cluster block (components/nats-cluster)."""
+    if ROUTE_FLAGS & set(args):
+        listen = flag(args, "--cluster")
+        return (flag(args, "--cluster_name"), listen.removeprefix("nats://") if listen else None,
+                (flag(args, "--routes") or "").split(","))
+    cluster = nats_blocks(nats_conf(overlay)).get("cluster", {})
+    return cluster.get("name"), cluster.get("listen"), cluster.get("routes", [])
+
+
 def test_each_nats_node_names_itself_and_routes_to_every_node_through_the_headless_service(overlay: str,
                                                                                            tmp_path: Path) -> None:
     """One node runs as before (its config's name, no cluster); in a cluster node i is server nats-i of cluster
     kvmesh, listens for routes on its cluster port, and routes to each node's stable name under the headless
-    Service (nats-j.nats-headless), itself too (nats-server skips it), with the -c config and -m 8222 kept."""
+    Service (nats-j.nats-headless), itself too (nats-server skips it), with -m 8222 kept and -c naming the
+    one-node configuration or the cluster's, which includes it."""
     sts, nats = nats_set(overlay), the_nats(overlay)
     replicas, service = nats_nodes(overlay), sts["spec"]["serviceName"]
     names = set()
@@ -860,13 +940,13 @@ def test_each_nats_node_names_itself_and_routes_to_every_node_through_the_headle
         args = nats_args(nats, tmp_path, ordinal)
         assert args[:2] == ["nats-server", "-c"] and flag(args, "-m") == "8222", args
         if replicas == 1:
-            assert not {"--cluster", "--routes", "--cluster_name", "--server_name"} & set(args), args
+            assert not (ROUTE_FLAGS | {"--server_name"}) & set(args), args
+            assert "cluster" not in nats_blocks(nats_conf(overlay)), f"{overlay}: one node with a cluster block"
             continue
         names.add(flag(args, "--server_name"))
-        assert flag(args, "--server_name") == f"nats-{ordinal}" and flag(args, "--cluster_name") == "kvmesh", args
-        listen = flag(args, "--cluster")
-        assert listen == f"nats://0.0.0.0:{nats.ports['cluster']}", args
-        routes = (flag(args, "--routes") or "").split(",")
+        assert flag(args, "--server_name") == f"nats-{ordinal}", args
+        name, listen, routes = cluster_of(overlay, args)
+        assert name == "kvmesh" and listen == f"0.0.0.0:{nats.ports['cluster']}", (name, listen)
         assert routes == [f"nats://{sts['metadata']['name']}-{j}.{service}:{nats.ports['cluster']}"
                           for j in range(replicas)], routes
     assert len(names) == replicas or replicas == 1
@@ -896,20 +976,54 @@ def test_every_service_keeps_as_many_copies_of_the_events_stream_as_there_are_na
         assert ("KVMESH_EVENTS_REPLICAS" in env_of(c)) == (replicas > 1), c.workload
 
 
+def test_each_nats_cluster_variant_builds_only_with_the_nats_configuration_its_routes_need() -> None:
+    """components/nats-cluster (routes by identity) includes the nats.conf of components/tls or
+    nats-auth-callout, and its plaintext variant runs the image's open configuration: each fails the build where
+    the other belongs (or where listed before components/tls), rather than render a node whose routes are not
+    what its clients' TLS calls for."""
+    for name in ("cpu-demo+nats-cluster", "gpu-vllm+nats-cluster/plaintext"):
+        out = kustomize(name)
+        assert out.returncode != 0 and "test failed" in out.stderr, f"{name} renders: {out.stderr[-500:]}"
+
+
 @pytest.mark.parametrize("overlay", nats_cluster_overlays())
-def test_nats_routes_are_mutual_tls_to_names_the_nodes_certificate_holds(overlay: str, tmp_path: Path) -> None:
-    """Where NATS runs as a cluster with TLS, its nats.conf puts the routes under mutual TLS with the mesh CA
-    (tests/netns/test_nats_route_tls.py runs that configuration), and every route's host is a name the nodes'
-    certificate holds (the dialling node verifies it)."""
-    conf = nats_conf(overlay)
-    cluster = yaml.safe_load("{" + conf.split("cluster: {", 1)[1].split("}\n}", 1)[0] + "}}")
-    assert cluster["tls"]["verify"] is True and cluster["tls"]["ca_file"], cluster
+def test_nats_routes_with_tls_are_by_the_nodes_own_identity_and_all_in_its_configuration(overlay: str,
+                                                                                         tmp_path: Path) -> None:
+    """Where NATS runs as a cluster with TLS (components/tls or nats-auth-callout), a node takes no route flag
+    (nats-server's --cluster would clear the route user) and runs components/nats-cluster's cluster.conf, which
+    includes the one-node nats.conf mounted from that component and has the whole cluster: the route listen
+    address, the routes, mutual TLS with the mesh CA and ``verify_and_map`` to one user, the URI SAN of the nodes'
+    own certificate, which no other certificate in the render names; every route's host is a name that
+    certificate holds (the dialling node verifies it). tests/netns/test_nats_route_tls.py runs that file. Without
+    TLS the routes are plaintext flags and the configuration has no cluster block."""
+    from kvmesh.identity import Identity
+
     nats = the_nats(overlay)
-    workload = next(w for w in workloads(overlay) if w["metadata"]["name"] == nats.workload)
-    secret = mounted(nats, workload, cluster["tls"]["cert_file"])["secret"]["secretName"]
-    (spec,) = [o["spec"] for o in render(overlay) if o["kind"] == "Certificate" and o["spec"]["secretName"] == secret]
+    conf = nats_conf(overlay)
+    blocks = nats_blocks(conf)
     args = nats_args(nats, tmp_path, 0)
-    hosts = {r.split("//", 1)[1].rpartition(":")[0] for r in args[args.index("--routes") + 1].split(",")}
+    if "tls" not in blocks:
+        assert {"--cluster", "--routes"} <= set(args) and "cluster" not in blocks, (overlay, args)
+        return
+    assert not ROUTE_FLAGS & set(args), f"{overlay}: {args}"
+    (included,) = nats_includes(overlay)
+    assert Path(included).name == "nats.conf" and "configMap" in mounted(nats, nats_set(overlay), included), included
+    cluster = blocks["cluster"]
+    assert cluster["listen"] == f"0.0.0.0:{nats.ports['cluster']}", cluster
+    assert cluster["tls"]["verify_and_map"] is True and "verify" not in cluster["tls"], cluster
+    assert cluster["tls"]["ca_file"] == blocks["tls"]["ca_file"], "routes and clients verify against one mesh CA"
+    secret = mounted(nats, nats_set(overlay), cluster["tls"]["cert_file"])["secret"]["secretName"]
+    certificates = [o["spec"] for o in render(overlay) if o["kind"] == "Certificate"]
+    (spec,) = [c for c in certificates if c["secretName"] == secret]
+    route_user = cluster["authorization"]["user"]
+    assert spec.get("uris") == [route_user] and Identity.parse(route_user).uri == route_user, (spec, route_user)
+    others = [c["secretName"] for c in certificates if c["secretName"] != secret and route_user in c.get("uris", [])]
+    others += [w["metadata"]["name"] for w in workloads(overlay) for v in w["spec"]["template"]["spec"]["volumes"]
+               if v.get("csi", {}).get("volumeAttributes", {}).get("csi.cert-manager.io/uri-sans") == route_user]
+    assert not others, f"{others} may route as {route_user} too"
+    assert route_user not in {u["user"] for u in blocks["authorization"]["users"]}, f"{route_user}: a client's too"
+    hosts = {r.split("//", 1)[1].rpartition(":")[0] for r in cluster["routes"]}
+    assert len(hosts) == nats_nodes(overlay), hosts
     for host in hosts:
         assert any(n == host or (n.startswith("*.") and host.partition(".")[2] == n[2:]) for n in spec["dnsNames"]), (
             f"{secret} names {spec['dnsNames']}, not the route host {host}")

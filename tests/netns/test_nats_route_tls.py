@@ -3,12 +3,18 @@
 route ports are known in advance only where the lab alone has the addresses), form the cluster over TLS routes; a
 server whose certificate another CA signed and one without TLS try to route into it and are refused, and the
 cluster stays three. With routes by identity (``--route-identity``), a server holding a certificate the mesh CA
-gave another identity (a decode instance's) is refused too."""
+gave another identity (a decode instance's) is refused too, and so it is where every server runs the very files
+Kubernetes gives a node of ``deploy/k8s/components/nats-cluster`` (its ``cluster.conf``, which includes the
+one-node ``nats.conf`` of ``components/tls`` or ``components/nats-auth-callout``): the three form the cluster, its
+JetStream meta group and a stream with three copies."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -16,10 +22,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvmesh.bus import Subjects, find_nats_server, permissions
+from kvmesh import tls
+from kvmesh.bus import Bus, Subjects, auth_callout, find_nats_server, permissions
+from kvmesh.contracts.events import BlockStored
+from kvmesh.contracts.messages import KVEventBatch
 from kvmesh.identity import Identity, MeshRole
 from kvmesh.mesh_ca import CertFiles, MeshCA
 from kvmesh.ready import terminate
+from kvmesh.settings import SharedSettings
 
 from app.netlab.hosts import Lab
 from app.netlab.mesh import wait_port
@@ -28,13 +38,19 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 SERVERS = ["nats-a", "nats-b", "nats-c"]
 CLIENT_PORT, ROUTE_PORT, MONITOR_PORT = 4222, 6222, 8222
 SERVER_IDENTITY = Identity(MeshRole.CLIENT, "nats")
+COMPONENTS = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "components"
+POD = re.compile(r"\bnats-(\d+)\.nats-headless\b")  # node i's name in cluster.conf's routes
 
 
 def routed_to(lab: Lab, name: str) -> set[str]:
     """The servers ``name`` has a route with (``/routez``'s remote names), asked from the client host."""
-    url = f"http://{lab[name].address}:{MONITOR_PORT}/routez"
-    body = lab.call("client", lambda: urllib.request.urlopen(url, timeout=5).read())
-    return {r.get("remote_name", "") for r in json.loads(body).get("routes") or []}
+    return {r.get("remote_name", "") for r in monitor(lab, name, "routez").get("routes") or []}
+
+
+def monitor(lab: Lab, name: str, endpoint: str) -> dict:
+    """``name``'s monitoring endpoint, asked from the client host."""
+    url = f"http://{lab[name].address}:{MONITOR_PORT}/{endpoint}"
+    return json.loads(lab.call("client", lambda: urllib.request.urlopen(url, timeout=5).read()))
 
 
 def wait_for_the_cluster(lab: Lab) -> None:
@@ -130,15 +146,133 @@ def test_routes_by_identity_refuse_a_mesh_certificate_that_names_another_identit
             for host in SERVERS:
                 start(host, server)
             wait_for_the_cluster(lab)
-            intruder = start("intruder", decode)
+            refused_by_identity(lab, tmp_path, start("intruder", decode))
+        finally:
+            for proc in procs:
+                terminate(proc)
+
+
+def refused_by_identity(lab: Lab, tmp_path: Path, intruder_log: Path) -> None:
+    """Until a server's log has refused the intruder's route for its certificate (60 s at most); then the
+    cluster is still the three, and the intruder routes to none."""
+    deadline = time.monotonic() + 60
+    while not any(f"{lab['intruder'].address}:" in line and "authentication error" in line
+                  for h in SERVERS for line in (tmp_path / f"{h}.log").read_text().splitlines()):
+        assert time.monotonic() < deadline, intruder_log.read_text()[-1500:]
+        time.sleep(0.5)
+    for host in SERVERS:
+        assert routed_to(lab, host) == set(SERVERS) - {host}, host
+    assert routed_to(lab, "intruder") == set()
+
+
+def kubernetes_node(lab: Lab, host: str, tmp_path: Path, files: CertFiles, nats_conf: Path) -> Path:
+    """``host``'s copy of what a node of components/nats-cluster mounts, under ``tmp_path/host`` in place of
+    ``/``: the certificate Secret at etc/kvmesh/tls, ``nats_conf`` (the one-node file of components/tls or
+    nats-auth-callout) at etc/kvmesh/nats, components/nats-cluster/cluster.conf at etc/kvmesh/nats-cluster. In
+    each the absolute paths move under that root (JetStream's /data too) and the pod names the routes dial,
+    nats-<i>.nats-headless, become the lab addresses of SERVERS[i]; the include stays as it is. Its
+    cluster.conf's path."""
+    root = tmp_path / host
+    (root / "etc/kvmesh/tls").mkdir(parents=True)
+    for src, name in ((files.cert, "tls.crt"), (files.key, "tls.key"), (files.ca, "ca.crt")):
+        shutil.copy(src, root / "etc/kvmesh/tls" / name)
+    cluster = (COMPONENTS / "nats-cluster" / "cluster.conf").read_text()
+    assert sorted(int(i) for i in POD.findall(cluster)) == list(range(len(SERVERS))), cluster
+    for text, dst in ((nats_conf.read_text(), root / "etc/kvmesh/nats/nats.conf"),
+                      (cluster, root / "etc/kvmesh/nats-cluster/cluster.conf")):
+        text = text.replace('"/etc/kvmesh/', f'"{root}/etc/kvmesh/').replace('"/data/', f'"{root}/data/')
+        dst.parent.mkdir(parents=True)
+        dst.write_text(POD.sub(lambda m: lab[SERVERS[int(m.group(1))]].address, text))
+    return root / "etc/kvmesh/nats-cluster/cluster.conf"
+
+
+def wait_for_jetstream(lab: Lab) -> None:
+    """Until every server reports the JetStream meta group of the three with a leader (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while True:
+        metas = {h: monitor(lab, h, "jsz").get("meta_cluster") or {} for h in SERVERS}
+        if all(m.get("cluster_size") == len(SERVERS) and m.get("leader") in SERVERS for m in metas.values()):
+            return
+        assert time.monotonic() < deadline, metas
+        time.sleep(0.5)
+
+
+def three_copies(lab: Lab, ca: MeshCA) -> None:
+    """The KV events stream of cluster default created with 3 replicas (as cachesvc, whose user may create it) and
+    an event stored in it (as a prefill), from the client host; until its leader and both replicas are the three
+    servers, current, with the event (60 s at most: JetStream elects the stream's leader first)."""
+    subjects = Subjects("default")  # the cluster components/tls/nats.conf's users are for
+    urls = ",".join(f"nats://{lab[s].address}:{CLIENT_PORT}" for s in SERVERS)
+
+    async def connect(identity: Identity) -> Bus:
+        cfg = SharedSettings(**{k.removeprefix("KVMESH_").lower(): v for k, v in ca.issue(identity).env().items()})
+        return await Bus.connect(urls, identity.instance, tls=tls.bus_tls(cfg))
+
+    async def go() -> None:
+        cachesvc = await connect(Identity(MeshRole.CACHESVC, "cachesvc"))
+        prefill = await connect(Identity(MeshRole.PREFILL, "prefill"))
+        try:
             deadline = time.monotonic() + 60
-            while not any(f"{lab['intruder'].address}:" in line and "authentication error" in line
-                          for h in SERVERS for line in (tmp_path / f"{h}.log").read_text().splitlines()):
-                assert time.monotonic() < deadline, intruder.read_text()[-1500:]
-                time.sleep(0.5)
+            while True:
+                try:
+                    await cachesvc.ensure_events_stream(subjects, replicas=3)
+                    await prefill.publish_event(subjects.kv_events("prefill-0"), KVEventBatch(
+                        "prefill-0", 1, time.time(), (BlockStored((1, 2), None, 16, "device"),)))
+                    break
+                except Exception:  # no stream leader yet
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+            while True:
+                info = await cachesvc.js.stream_info(subjects.events_stream)
+                replicas = (info.cluster.replicas if info.cluster else None) or []
+                peers = {info.cluster.leader if info.cluster else None, *(r.name for r in replicas)}
+                if (info.config.num_replicas, info.state.messages, peers) == (3, 1, set(SERVERS)) and all(
+                        r.current for r in replicas):
+                    return
+                assert time.monotonic() < deadline, info
+                await asyncio.sleep(0.5)
+        finally:
+            await cachesvc.close()
+            await prefill.close()
+
+    lab.call("client", lambda: asyncio.run(go()))
+
+
+@pytest.mark.parametrize("one_node", ["tls", "nats-auth-callout"])
+def test_kubernetes_nats_cluster_nodes_route_by_identity_and_keep_three_copies(one_node: str, tmp_path: Path) -> None:
+    """Three servers, each started as Kubernetes starts a node of components/nats-cluster (``-c`` its
+    cluster.conf, ``-m 8222``, ``--server_name`` its pod's name; no route flag), over the one-node nats.conf of
+    ``one_node``, form the cluster and JetStream's meta group; with components/tls's users a member creates the
+    events stream with 3 copies, one on each server (the auth callout's members need its service: not run here).
+    A server holding the mesh CA's certificate of a decode instance, on the same files, is refused."""
+    with Lab([*SERVERS, "intruder", "client"]) as lab:
+        ca = MeshCA.open(tmp_path / "tls")
+        addresses = tuple(lab[h].address for h in [*SERVERS, "intruder"])
+        server = ca.issue(SERVER_IDENTITY, addresses)
+        decode = ca.issue(Identity(MeshRole.DECODE, "decode"), addresses)
+        issuer = auth_callout.public_key(auth_callout.issuer_from_seed(auth_callout.new_issuer_seed()))
+        procs: list[subprocess.Popen] = []
+
+        def start(host: str, files: CertFiles) -> Path:
+            config = kubernetes_node(lab, host, tmp_path, files, COMPONENTS / one_node / "nats.conf")
+            log = tmp_path / f"{host}.log"
+            with open(log, "ab") as out:
+                procs.append(lab.popen(host, [
+                    find_nats_server(), "-c", str(config), "-m", str(MONITOR_PORT), "--server_name", host],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                    env={**os.environ, "AUTH_CALLOUT_ISSUER": issuer}))  # nats-auth-callout's nats.conf reads it
+            lab.call("client", lambda: wait_port(lab[host].address, MONITOR_PORT, time.monotonic() + 30))
+            return log
+
+        try:
             for host in SERVERS:
-                assert routed_to(lab, host) == set(SERVERS) - {host}, host
-            assert routed_to(lab, "intruder") == set()
+                start(host, server)
+            wait_for_the_cluster(lab)
+            wait_for_jetstream(lab)
+            if one_node == "tls":
+                three_copies(lab, ca)
+            refused_by_identity(lab, tmp_path, start("intruder", decode))
         finally:
             for proc in procs:
                 terminate(proc)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,7 +123,8 @@ def callout_user(identity: Identity) -> dict[str, object]:
 def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects, cert: str, key: str, ca: str,
                  any_instance: bool = False, settings: str = "", auth_callout: str = "",
                  callout_identity: Identity | None = None, route_tls: bool = False,
-                 route_identity: Identity | None = None, route_listen: str = "") -> Path:
+                 route_identity: Identity | None = None, route_listen: str = "", routes: Sequence[str] = (),
+                 cluster_name: str = "") -> Path:
     """A nats-server configuration: mutual TLS with the mesh CA, each certificate mapped to its user, one user per
     identity (``any_instance``: each speaks for every replica of its role). Without ``settings`` it is JSON (valid
     nats-server configuration) and listen address, JetStream and store come as flags; ``settings`` (configuration
@@ -136,14 +137,17 @@ def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects,
     ``route_tls``: the routes between the servers of a NATS cluster are mutual TLS with the mesh CA too (a server
     without a certificate the mesh CA signed cannot join), by certificate only: any mesh certificate passes the
     route handshake, so a NetworkPolicy must keep non-NATS pods off the route port. Where and to whom a server
-    routes stays its flags' (``--cluster``, ``--routes``); a lone server ignores the block.
+    routes are then its flags (``--cluster``, ``--routes``) or ``routes`` below; a lone server ignores the block.
 
     ``route_identity`` (with ``route_listen``, the ``host:port`` routes are accepted on): routes by identity too,
     every server's route certificate must name ``route_identity`` in its URI SAN (``verify_and_map`` against the
     cluster's one user), so a certificate the mesh CA gave anything else is refused. The listen address is in the
     file because nats-server's ``--cluster`` flag clears the cluster's user (its ``overrideCluster``: a flag URL
-    without a user and password resets both), which refuses every route: start such a server with ``--routes``
-    and without ``--cluster``."""
+    without a user and password resets both), which refuses every route: start such a server without
+    ``--cluster``. ``routes`` (the servers' route URLs, ``nats://host:port``; its own may be among them: a server
+    skips itself) and ``cluster_name`` put the rest of the cluster in the file too, in place of ``--routes`` and
+    ``--cluster_name``. A lone server with a route listen address does not start JetStream ("JetStream cluster
+    requires configured routes"): keep one-node and cluster configurations apart (``write_cluster_config``)."""
     users = [user(who, subjects, any_instance) for who in identities]
     authorization: dict[str, object] = {"users": users}
     if auth_callout:
@@ -152,19 +156,51 @@ def write_config(path: Path, identities: Iterable[Identity], subjects: Subjects,
         authorization["auth_callout"] = {"issuer": auth_callout, "auth_users": [caller.uri]}
     config: dict[str, object] = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
                                  "authorization": authorization}
-    if route_identity is not None:
-        if not route_listen:
-            raise ValueError("routes by identity need route_listen: nats-server's --cluster flag clears the user")
-        config["cluster"] = {"listen": route_listen,
-                             "tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True},
-                             "authorization": {"user": route_identity.uri}}
-    elif route_tls:
-        config["cluster"] = {"tls": {"cert_file": cert, "key_file": key, "ca_file": ca, "verify": True}}
+    cluster = cluster_block(cert, key, ca, route_tls, route_identity, route_listen, routes, cluster_name)
+    if cluster:
+        config["cluster"] = cluster
     if not settings:
         path.write_text(_variables(json.dumps(config, indent=2), auth_callout) + "\n")
         return path
     blocks = "".join(f"{name}: {json.dumps(value, indent=2)}\n" for name, value in config.items())
     path.write_text(f"{settings.rstrip()}\n\n# written by kvmesh.bus.permissions\n{_variables(blocks, auth_callout)}")
+    return path
+
+
+def cluster_block(cert: str, key: str, ca: str, route_tls: bool = False, route_identity: Identity | None = None,
+                  route_listen: str = "", routes: Sequence[str] = (), cluster_name: str = "") -> dict[str, object]:
+    """nats-server's ``cluster`` block (``write_config``'s arguments of the same names), empty where there is none."""
+    block: dict[str, object] = {}
+    if cluster_name:
+        block["name"] = cluster_name
+    if route_identity is not None:
+        if not route_listen:
+            raise ValueError("routes by identity need route_listen: nats-server's --cluster flag clears the user")
+        block["listen"] = route_listen
+    if routes:
+        block["routes"] = list(routes)
+    if route_identity is not None:
+        block["tls"] = {"cert_file": cert, "key_file": key, "ca_file": ca, "verify_and_map": True}
+        block["authorization"] = {"user": route_identity.uri}
+    elif route_tls:
+        block["tls"] = {"cert_file": cert, "key_file": key, "ca_file": ca, "verify": True}
+    return block
+
+
+def write_cluster_config(path: Path, include: str, cert: str, key: str, ca: str, route_identity: Identity,
+                         route_listen: str, routes: Sequence[str] = (), cluster_name: str = "") -> Path:
+    """A NATS cluster node's configuration: the one-node configuration ``include`` (one ``write_config`` wrote:
+    listen, JetStream, client TLS and users; a path relative to this file's directory, as nats-server resolves
+    it), then the cluster, routes by identity (``write_config``'s ``route_identity``), with where the node accepts
+    routes, the routes it dials and the cluster's name. Its ``cluster`` block replaces any the included file has.
+    Start the node with this file and without ``--cluster``, ``--routes`` or ``--cluster_name``: the one-node file
+    stays as it is for a lone server (which a route listen address would keep from starting JetStream)."""
+    if not include or Path(include).is_absolute():
+        raise ValueError(f"include {include!r}: nats-server reads an include relative to the including file")
+    block = cluster_block(cert, key, ca, route_identity=route_identity, route_listen=route_listen, routes=routes,
+                          cluster_name=cluster_name)
+    path.write_text(f"# written by kvmesh.bus.permissions: a NATS cluster node's configuration, {include} then "
+                    f"routes by identity\ninclude {json.dumps(include)}\n\ncluster: {json.dumps(block, indent=2)}\n")
     return path
 
 
@@ -179,7 +215,8 @@ def _variables(text: str, issuer: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     """``python -m kvmesh.bus.permissions CONF --cert C --key K --ca CA ROLE/INSTANCE ...``: a nats-server
     configuration with a user per mesh identity (compose's ``mesh-certs`` step; deploy/k8s/components/tls), and
-    with ``--auth-callout ISSUER`` the others authorised by ``kvmesh.bus.auth_callout``."""
+    with ``--auth-callout ISSUER`` the others authorised by ``kvmesh.bus.auth_callout``. With ``--include FILE``
+    a NATS cluster node's: FILE, and routes by identity (deploy/k8s/components/nats-cluster)."""
     parser = argparse.ArgumentParser(prog="python -m kvmesh.bus.permissions", description=main.__doc__)
     parser.add_argument("conf", type=Path, help="the configuration to write")
     parser.add_argument("identities", nargs="*", metavar="ROLE/INSTANCE", help="one NATS user each")
@@ -201,17 +238,38 @@ def main(argv: list[str] | None = None) -> None:
                              "needs --route-listen, and the servers started without --cluster")
     parser.add_argument("--route-listen", metavar="HOST:PORT", default="",
                         help="where the server accepts routes (with --route-identity)")
+    parser.add_argument("--routes", metavar="URL,...", default="",
+                        help="the cluster's servers' route URLs (nats://host:port, its own may be one), in the file "
+                             "in place of nats-server's --routes")
+    parser.add_argument("--cluster-name", metavar="NAME", default="",
+                        help="the NATS cluster's name (nats-server's --cluster_name; not --cluster, the kvmesh "
+                             "cluster whose subjects the users may use)")
+    parser.add_argument("--include", metavar="FILE", default="",
+                        help="write a cluster node's file: FILE (a one-node configuration this command wrote, "
+                             "relative to CONF's directory where nats-server runs) and the cluster block, routes "
+                             "by identity; needs --route-identity, takes no users")
     args = parser.parse_intermixed_args(argv)  # identities may follow the options
+    if args.route_identity and not args.route_listen:
+        parser.error("--route-identity needs --route-listen (nats-server's --cluster flag clears the route user)")
+    route_identity = Identity.parse(f"{SPIFFE_PREFIX}{args.route_identity}") if args.route_identity else None
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if args.include:
+        if args.identities or args.auth_callout or args.settings or args.any_instance or args.route_tls:
+            parser.error("--include writes the cluster block only: users, client TLS and settings are the included "
+                         "file's")
+        if route_identity is None:
+            parser.error("--include needs --route-identity (a cluster node's file is for routes by identity)")
+        write_cluster_config(args.conf, args.include, args.cert, args.key, args.ca, route_identity,
+                             args.route_listen, routes, args.cluster_name)
+        print(f"{args.conf}: {args.include}, and routes by identity as {route_identity.uri}")
+        return
     if not args.identities and not args.auth_callout:
         parser.error("name at least one ROLE/INSTANCE, or --auth-callout")
     who = [Identity.parse(f"{SPIFFE_PREFIX}{name}") for name in args.identities]
     caller = Identity.parse(f"{SPIFFE_PREFIX}{args.callout_identity}")
-    if args.route_identity and not args.route_listen:
-        parser.error("--route-identity needs --route-listen (nats-server's --cluster flag clears the route user)")
-    route_identity = Identity.parse(f"{SPIFFE_PREFIX}{args.route_identity}") if args.route_identity else None
     write_config(args.conf, who, Subjects(args.cluster), args.cert, args.key, args.ca, args.any_instance,
                  args.settings.read_text() if args.settings else "", args.auth_callout, caller, args.route_tls,
-                 route_identity, args.route_listen)
+                 route_identity, args.route_listen, routes, args.cluster_name)
     print(f"{args.conf}: {len(who)} NATS users" + (f", the others by auth callout as {caller.uri}"
                                                      if args.auth_callout else ""))
 
