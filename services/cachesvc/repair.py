@@ -13,10 +13,13 @@ repaired from somewhere once. Blocks written meanwhile come straight from the en
 
 Hand-over (any ``pool_copies``): a resharding restarts every shard with the new count (a graceful stop spills the
 DRAM tier to the disk tier, which survives it), so a shard's pool may hold blocks of slots the new map gives to
-another shard. Each shard asks every other shard once what it holds of its slots, in the same calls, once that
-shard answers at this shard's count (``ListBlocks`` carries the count; a shard still at the old one refuses it, and
-is asked again every ``RETRY_S``): from then on callers cannot write to it under the old map, so one listing
-finds all it will ever hold of them. Under an unchanged map the listing finds only what the copies phase fetched.
+another shard. Each shard asks every other shard once what it holds of its slots, once that shard answers at this
+shard's count (``ListBlocks`` carries the count; a shard still at the old one refuses it, and is asked again every
+``RETRY_S``): from then on callers cannot write to it under the old map, so one listing finds all it will ever
+hold of them. With one copy a shard holds nothing of another's slots but what a resharding left, so the question
+is only that (``foreign_only``: one call, one pass over its pool, an empty answer under an unchanged map). With
+copies, a slot's new copies may be the old holder and a shard as new as this one, and the copies phase asks only
+the first, so the hand-over lists every block of this shard's slots the other holds, as the repair does.
 The old holder's copy stays until its eviction takes it: no caller asks a shard for blocks of slots it does not own.
 
 Pull, not push: the restarted shard is the one that knows it lost its blocks, and the only one that needs the
@@ -144,7 +147,8 @@ class Repair:
         while left:
             for source in sorted(left):
                 if await self._asked(source, slots, failing, logging.INFO, "hand-over: shard %d not asked yet "
-                                     "(asked again every %gs until it serves at this count): %s"):
+                                     "(asked again every %gs until it serves at this count): %s",
+                                     foreign_only=self.smap.pool_copies == 1):
                     left.discard(source)
                     self.handover_pending = len(left)
             if left:
@@ -152,11 +156,12 @@ class Repair:
         log.info("hand-over done: every other shard asked for the blocks of this shard's %d slots; %d blocks "
                  "fetched in %.1fs", len(slots), self.blocks - before, time.monotonic() - started)
 
-    async def _asked(self, source: int, slots: list[int], failing: set[int], level: int, why: str) -> bool:
-        """Fetch what this shard lacks of ``slots`` from ``source``: False when it did not answer (said at
-        ``level`` with ``why`` once, until it answers again: ``failing``)."""
+    async def _asked(self, source: int, slots: list[int], failing: set[int], level: int, why: str,
+                     foreign_only: bool = False) -> bool:
+        """Fetch what this shard lacks of ``slots`` from ``source`` (``_from``): False when it did not answer
+        (said at ``level`` with ``why`` once, until it answers again: ``failing``)."""
         try:
-            await self._from(source, slots)
+            await self._from(source, slots, foreign_only)
         except PeerFailed as e:
             if source not in failing:
                 failing.add(source)
@@ -169,13 +174,16 @@ class Repair:
         for channel in self.channels.values():
             await channel.close()
 
-    async def _from(self, source: int, slots: list[int]) -> None:
-        """Fetch what this shard lacks of ``slots`` from ``source``."""
+    async def _from(self, source: int, slots: list[int], foreign_only: bool = False) -> None:
+        """Fetch what this shard lacks of ``slots`` from ``source``; ``foreign_only``: of what it holds of them
+        outside its own slots (the hand-over), listed in one call (one pass over its pool, an empty answer
+        under an unchanged map)."""
         stub = self.stubs[source]
         view = cache_pb2.ShardView(shard=source, shards=self.smap.shards)
-        for i in range(0, len(slots), SLOTS_PER_LIST):
+        step = len(slots) if foreign_only else SLOTS_PER_LIST
+        for i in range(0, len(slots), max(1, step)):
             listed = await self._call(stub.ListBlocks, cache_pb2.ListBlocksRequest(
-                slots=slot_mask(slots[i:i + SLOTS_PER_LIST]), view=view), source)
+                slots=slot_mask(slots[i:i + step]), foreign_only=foreign_only, view=view), source)
             for held in listed.blocks:
                 layout = KVLayout.from_proto(held.layout)
                 want = await self.storage(self.pool.lacking, layout, list(held.block_keys))

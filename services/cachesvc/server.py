@@ -405,7 +405,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                          context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.ListBlocksResponse:
         """Shard to shard: what the pool holds of the slots asked (a restarted shard's repair, ``repair.py``)."""
         self.server.check_view(request.view)
-        listing = await self._storage(self.pool.listing, mask_slots(request.slots))
+        slots = mask_slots(request.slots)
+        if request.foreign_only:  # a hand-over: what this shard holds of slots it does not keep
+            slots -= set(self.server.shard_map.pool_slots(self.cfg.shard))
+        listing = await self._storage(self.pool.listing, slots)
         return cache_pb2.ListBlocksResponse(blocks=[
             cache_pb2.LayoutBlocks(layout=layout.to_proto(), block_keys=keys) for layout, keys in listing.items()])
 

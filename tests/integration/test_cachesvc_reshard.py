@@ -9,6 +9,7 @@ import asyncio
 import uuid
 
 import grpc
+import pytest
 import torch
 from kvmesh.contracts.shards import ShardMap
 from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes
@@ -25,18 +26,21 @@ def stats(s: Subprocess) -> cache_pb2.StatsResponse:
         return cache_pb2_grpc.CacheServiceStub(channel).Stats(cache_pb2.StatsRequest(), timeout=10)
 
 
-def test_adding_a_shard_hands_its_slots_blocks_over_instead_of_losing_them(nats_server, tmp_path):
+@pytest.mark.parametrize("copies", [1, 2])
+def test_adding_a_shard_hands_its_slots_blocks_over_instead_of_losing_them(nats_server, tmp_path, copies):
+    """One copy: the new shard's blocks come from the hand-over; two: from the copies (every block was on both
+    old shards)."""
     cluster = f"resh{uuid.uuid4().hex[:8]}"
 
     def shard(i: int, count: int) -> Subprocess:
         return Subprocess(nats_server.url, cluster, tmp_path / f"shard-{i}-of-{count}.log", shard=str(i),
-                          shards=str(count), durable_name=f"cachesvc-{i}", pool_copies="1", peers="nats",
+                          shards=str(count), durable_name=f"cachesvc-{i}", pool_copies=str(copies), peers="nats",
                           disk_dir=str(tmp_path / f"disk-{i}"), disk_capacity_mb="64", disk_segment_mb="8",
                           disk_reserve_mb="0")
 
     two = [shard(i, 2) for i in range(2)]
     three = [shard(i, 3) for i in range(3)]
-    moved = [k for k in KEYS if ShardMap(3, pool_copies=1).pool_owners(k) == (2,)]
+    moved = [k for k in KEYS if 2 in ShardMap(3, pool_copies=copies).pool_owners(k)]
     assert moved and len(moved) < len(KEYS)  # the new shard takes some slots, the rest stay where they were
     blocks = make_blocks(len(KEYS), 5)
 

@@ -127,8 +127,8 @@ class _Peer:
     """A shard's gRPC as a repair sees it: refuses ``refusals`` listings (another shard count), then lists and
     serves ``held`` (key -> (checksum, bytes)) under LAYOUT."""
 
-    def __init__(self, held: dict[int, tuple[int, bytes]], refusals: int = 0) -> None:
-        self.held, self.refusals, self.listings = held, refusals, 0
+    def __init__(self, held: dict[int, tuple[int, bytes]], own: list[int], refusals: int = 0) -> None:
+        self.held, self.own, self.refusals, self.listings = held, set(own), refusals, 0
 
     async def ListBlocks(self, request, timeout=None):
         self.listings += 1
@@ -136,7 +136,7 @@ class _Peer:
             self.refusals -= 1
             raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
                                        grpc.aio.Metadata(), "this cachesvc is shard 1 of 2, not shard 1 of 3")
-        slots = mask_slots(request.slots)
+        slots = mask_slots(request.slots) - (self.own if request.foreign_only else set())
         keys = [k for k in self.held if k & (SLOTS - 1) in slots]
         return cache_pb2.ListBlocksResponse(blocks=[cache_pb2.LayoutBlocks(layout=LAYOUT.to_proto(),
                                                                            block_keys=keys)] if keys else [])
@@ -161,7 +161,8 @@ def test_after_a_resharding_a_shard_takes_its_slots_blocks_from_every_shard_once
         nb = LAYOUT.block_nbytes
         return {k: (c, data[i * nb:(i + 1) * nb]) for i, (k, c) in enumerate(zip(ks, sums, strict=True))}
 
-    peers = {1: _Peer(held(mine[:4] + theirs), refusals=2), 2: _Peer(held(mine[3:]))}
+    peers = {1: _Peer(held(mine[:4] + theirs), smap.pool_slots(1), refusals=2),
+             2: _Peer(held(mine[3:]), smap.pool_slots(2))}
     pool = make_pool()
     seen_pending: list[int] = []
 
@@ -183,6 +184,5 @@ def test_after_a_resharding_a_shard_takes_its_slots_blocks_from_every_shard_once
 
     asyncio.run(main())
     assert pool.lacking(LAYOUT, mine) == [] and pool.lacking(LAYOUT, theirs) == theirs
-    calls = -(-len(smap.pool_slots(0)) // repair_mod.SLOTS_PER_LIST)  # ListBlocks calls one answer takes
-    assert (peers[1].listings, peers[2].listings) == (2 + calls, calls)
+    assert (peers[1].listings, peers[2].listings) == (3, 1)  # one copy: one listing of what is foreign there
     assert 1 in seen_pending  # shard 2 asked, shard 1 still refusing

@@ -232,12 +232,14 @@ class StatsResponse(_message.Message):
     def __init__(self, indexed_blocks: _Optional[int] = ..., instances: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., pool_capacity_bytes: _Optional[int] = ..., events_applied: _Optional[int] = ..., event_gaps: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., snapshots_requested: _Optional[int] = ..., snapshots_applied: _Optional[int] = ..., caught_up: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ..., repaired_blocks: _Optional[int] = ..., repaired_bytes: _Optional[int] = ..., repair_pending_slots: _Optional[int] = ..., handover_pending_shards: _Optional[int] = ...) -> None: ...
 
 class ListBlocksRequest(_message.Message):
-    __slots__ = ("slots", "view")
+    __slots__ = ("slots", "foreign_only", "view")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FOREIGN_ONLY_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     slots: bytes
+    foreign_only: bool
     view: ShardView
-    def __init__(self, slots: _Optional[bytes] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
+    def __init__(self, slots: _Optional[bytes] = ..., foreign_only: _Optional[bool] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class ListBlocksResponse(_message.Message):
     __slots__ = ("blocks",)
