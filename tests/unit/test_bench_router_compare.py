@@ -38,6 +38,8 @@ def test_breakdown_puts_a_sample_in_the_first_part_its_stack_passes_through():
              "Tokenizer.encode (kvmesh/model_source/tokenizer.py:65)", count=30),
         line(http, "Router._dispatch (services/router/core.py:248)", "block_keys (kvmesh/contracts/keys.py:58)",
              count=5),
+        line(http, "Router._dispatch (services/router/core.py:248)",
+             "block_keys_and_plain (kvmesh/contracts/keys.py:62)", "_int32s (kvmesh/contracts/keys.py:38)", count=2),
         line(http, "Router.matched_blocks (services/router/core.py:201)",
              "UnaryUnaryCall._invoke (grpc/aio/_call.py:595)", count=4),
         line(http, "Router._relay (services/router/core.py:314)", "Router._attribute (services/router/core.py:314)",
@@ -47,7 +49,7 @@ def test_breakdown_puts_a_sample_in_the_first_part_its_stack_passes_through():
              count=6),
         "",
     ])
-    assert breakdown(raw) == {"tokenize": 30, "hash (block_keys)": 5,
+    assert breakdown(raw) == {"tokenize": 30, "hash (block keys)": 7,
                               "match (MatchPrefix on cachesvc, recent prefixes)": 4,
                               "hit attribution (after the answer)": 2,
                               "HTTP and intake (parse, admit, answer)": 3, REST: 6}
