@@ -1,9 +1,13 @@
 """The global block index: which instance holds which block key in which tier, fed by KV event batches.
 
-Layout in memory: one dict ``block key -> holder bitmask``. A holder is an ``(instance_id, tier)`` pair
-interned to a small id; its bit is ``1 << id``. With up to 8 holders every mask is one of CPython's cached
-small ints, so a block costs little more than its dict slot and its key; with more, a mask is an int as wide as
-its highest holder id (1,024 instances, 2,048 holders: ~240 B a block against ~120 B at 64 instances).
+Layout in memory: one dict ``block key -> holder set``. A holder is an ``(instance_id, tier)`` pair interned to
+a small id; a set of holders is a bitmask, bit ``1 << id`` each. With up to 8 holders every mask is one of
+CPython's cached small ints, so a block costs little more than its dict slot and its key; with more, a mask is an
+int as wide as its highest holder id, 4 bytes every 30 bits. Most blocks have one or two holders (a conversation's
+blocks on its instance, and in its host tier or on one other instance), so a set of one or two holders whose mask
+would pass 240 bits is kept packed instead (``_pack``): the ids themselves in one small negative int (~32 B instead
+of ~130-180 B a block at 1,024 instances). Every read unpacks it (``_unpack``: a negative value is packed). A fleet
+of up to 120 instances (240 holders) never packs, and pays nothing for it.
 Removing a whole instance scans the dict once (rare: ``AllBlocksCleared`` or an instance that stopped beating)
 instead of keeping a reverse index per holder.
 
@@ -80,11 +84,38 @@ def _id_array(mask: int) -> np.ndarray:
     return (np.asarray(_bits(mask)) if mask.bit_count() <= _FEW_BITS else _unpacked(mask)).astype(np.uint32)
 
 
+_WIDE = 1 << 240  # a mask this wide (60 B and more) is kept packed when it has one or two holders
+_ID_BITS = 24     # a packed holder id's bits (ids past 2**24 - 2 stay masks)
+_ID_MASK = (1 << _ID_BITS) - 1
+
+
+def _pack(mask: int) -> int:
+    """``mask`` as the index keeps it: one or two holders of a wide mask as ``~(low | (high + 1) << 24)`` (a
+    negative int), anything else as the mask itself."""
+    if mask < _WIDE or mask.bit_count() > 2:
+        return mask
+    low = (mask & -mask).bit_length() - 1
+    rest = mask ^ (1 << low)
+    high = rest.bit_length() - 1 if rest else -1
+    if low > _ID_MASK or high + 1 > _ID_MASK:
+        return mask
+    return ~(low | (high + 1) << _ID_BITS)
+
+
+def _unpack(value: int) -> int:
+    """The holder mask of a value the index keeps (``_pack``)."""
+    if value >= 0:
+        return value
+    packed = ~value
+    high = packed >> _ID_BITS
+    return 1 << (packed & _ID_MASK) | (1 << (high - 1) if high else 0)
+
+
 class BlockIndex:
     def __init__(self, slots: Sequence[bool] | None = None) -> None:
         """``slots``: a shard's index keeps only the keys whose slot (``kvmesh.contracts.shards``) is true."""
         self._slots = slots
-        self._masks: dict[int, int] = {}               # block key -> holder bitmask
+        self._masks: dict[int, int] = {}               # block key -> holder mask, one or two wide ones packed
         self._ids: dict[Holder, int] = {}              # holder -> id
         self._holders: list[Holder | None] = []        # id -> holder (None: free)
         self._free: list[int] = []                     # released ids, reused lowest first
@@ -167,19 +198,28 @@ class BlockIndex:
 
     def _store(self, hid: int, keys: Sequence[int]) -> None:
         bit, masks = 1 << hid, self._masks
+        alone = _pack(bit)  # a key no one held: this holder alone
+        narrow = bit < _WIDE
         if self._slots is not None:
             slots = self._slots
             keys = [k for k in keys if slots[k & SLOT_MASK]]
         for key in keys:
-            masks[key] = masks.get(key, 0) | bit
+            value = masks.get(key)
+            if value is None:
+                masks[key] = alone
+            elif narrow and 0 <= value < _WIDE:  # a narrow mask stays one (every key of a small fleet)
+                masks[key] = value | bit
+            else:
+                masks[key] = _pack(_unpack(value) | bit)
 
     def _remove(self, hid: int, keys: Sequence[int]) -> None:
         keep, masks = ~(1 << hid), self._masks
         for key in keys:
-            mask = masks.get(key)
-            if mask is not None:
+            value = masks.get(key)
+            if value is not None:
+                mask = _unpack(value)
                 if mask & keep:
-                    masks[key] = mask & keep
+                    masks[key] = _pack(mask & keep)
                 else:
                     del masks[key]
 
@@ -190,13 +230,14 @@ class BlockIndex:
             return 0
         bits = sum(1 << hid for hid in hids)
         removed = 0
-        for key in [k for k, m in self._masks.items() if m & bits]:
-            mask = self._masks[key]
+        masks = self._masks
+        for key in [k for k, v in masks.items() if _unpack(v) & bits]:
+            mask = _unpack(masks[key])
             removed += (mask & bits).bit_count()
             if mask & ~bits:
-                self._masks[key] = mask & ~bits
+                masks[key] = _pack(mask & ~bits)
             else:
-                del self._masks[key]
+                del masks[key]
         for hid in hids:
             holder = self._holders[hid]
             assert holder is not None
@@ -210,17 +251,23 @@ class BlockIndex:
 
     def instances_holding(self, key: int) -> set[str]:
         """The instances that hold ``key`` in any tier."""
-        return {h.instance_id for hid in _bits(self._masks.get(key, 0)) if (h := self._holders[hid]) is not None}
+        return {h.instance_id for hid in _bits(_unpack(self._masks.get(key, 0)))
+                if (h := self._holders[hid]) is not None}
 
     def _drops(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """Walks ``keys`` once with the set of holders of ``keys[0]`` still matching: ``(position, holders whose
         run ends just before it)`` for each group that drops out, in walk order, the last at ``len(keys)`` (those
         that hold them all); stops when none is left."""
         masks = self._masks
-        mask = masks.get(keys[0], 0) if keys else 0
+        mask = _unpack(masks.get(keys[0], 0)) if keys else 0
         dropped: list[tuple[int, int]] = []
         for position in range(1, len(keys) if mask else 0):
-            still = mask & masks.get(keys[position], 0)
+            value = masks.get(keys[position], 0)
+            if value < 0:  # _unpack, inline: this loop is MatchPrefix
+                value = ~value
+                high = value >> _ID_BITS
+                value = 1 << (value & _ID_MASK) | (1 << (high - 1) if high else 0)
+            still = mask & value
             if still != mask:
                 dropped.append((position, mask ^ still))
                 mask = still

@@ -207,3 +207,83 @@ def test_match_on_a_large_fleet_is_every_holders_run_in_order():
             stores[Holder(f"i{i:03d}", tier)] = set(held)
     for keys in (chain, chain[:1], chain[:10] + [BlockKey(1)], chain[5:]):
         assert index.match_prefix(keys) == held_runs(stores, keys)
+
+
+def test_one_or_two_wide_holders_are_packed_and_unpack_to_the_same_mask():
+    from services.cachesvc.index import _pack, _unpack
+
+    top = (1 << 24) - 1  # the highest id a packed value holds alone; with another, one less
+    cases = [(0, False), (1, False), (0b1011, False), (1 << 239, False), (1 << 240, True), (1 << 2000, True),
+             (1 << 3 | 1 << 900, True), (1 << 241 | 1 << 242, True), (1 << 1 | 1 << 2 | 1 << 700, False),
+             (1 << top, True), (1 << 5 | 1 << top - 1, True), (1 << 5 | 1 << top, False), (1 << top + 1, False)]
+    for mask, packed in cases:
+        value = _pack(mask)
+        assert _unpack(value) == mask
+        assert (value < 0) == packed, mask.bit_length()
+
+
+def test_a_fleet_with_hundreds_of_holders_answers_as_the_sets_it_was_told(monkeypatch):
+    """Stores, removals, clears, drops and snapshots over 400 instances in two tiers (most keys with one or two
+    holders of high ids: packed), against a plain set per holder: every answer the same."""
+    rng = random.Random(11)
+    keys = [BlockKey(rng.getrandbits(64)) for _ in range(120)]
+    index, feed = BlockIndex(), None
+    feed = Feed(index)
+    stores: dict[Holder, set[int]] = {}
+    names = [f"i{i:03d}" for i in range(400)]
+
+    def forget(instance: str) -> None:
+        for holder in [h for h in stores if h.instance_id == instance]:
+            del stores[holder]
+
+    for step in range(3000):
+        instance, tier = rng.choice(names), rng.choice(("device", "host"))
+        op = rng.random()
+        start = rng.randrange(len(keys))
+        some = keys[start:start + rng.randint(1, 12)]
+        if op < 0.6:
+            feed(instance, stored(some, tier))
+            stores.setdefault(Holder(instance, tier), set()).update(some)
+        elif op < 0.9:
+            feed(instance, removed(some, tier))
+            stores.get(Holder(instance, tier), set()).difference_update(some)
+        elif op < 0.95:
+            feed(instance, AllBlocksCleared())
+            forget(instance)
+        elif op < 0.98:
+            index.drop_instance(instance)
+            feed.seq.pop(instance, None)
+            forget(instance)
+        else:
+            feed.seq[instance] = feed.seq.get(instance, 0) + 1
+            index.replace_instance(instance, feed.seq[instance], [("device", some)])
+            forget(instance)
+            stores[Holder(instance, "device")] = set(some)
+        if step % 100 == 99:
+            held = {k for s in stores.values() for k in s}
+            assert len(index) == len(held)
+            for k in rng.sample(keys, 10):
+                assert index.instances_holding(k) == {h.instance_id for h, s in stores.items() if k in s}
+            for _ in range(5):
+                first = rng.randrange(len(keys))
+                prompt = keys[first:first + rng.randint(1, 40)]
+                assert index.match_prefix(prompt) == held_runs(stores, prompt)
+    assert max(index._ids.values()) > 500  # the ids went wide
+
+
+def test_a_block_one_wide_holder_holds_costs_what_a_narrow_one_does():
+    """Holder 1,500's block in 20,000 keys: no 1,500-bit int per key."""
+    n = 20_000
+    index = BlockIndex()
+    for i in range(1500):  # give out ids 0 .. 1,499
+        index._intern(Holder(f"i{i}", "device"))
+    keys = [BlockKey((0x9E3779B97F4A7C15 * (i + 1)) % (1 << 64)) for i in range(n)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index.apply(KVEventBatch("i1499", 1, 0.0, (stored(keys),)))
+    index.apply(KVEventBatch("i1498", 1, 0.0, (stored(keys[: n // 2]),)))  # half of them two holders
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    per_block = (after - before) / n
+    assert index.match_prefix(keys[:3]) == [PrefixMatch("i1498", "device", 3), PrefixMatch("i1499", "device", 3)]
+    assert per_block < 100, per_block  # a packed value and the dict's slot; an unpacked mask alone is ~215 B
