@@ -50,6 +50,7 @@ log = logging.getLogger("cachesvc.repair")
 
 R = TypeVar("R")
 SLOTS_PER_LIST = 256  # slots one ListBlocks asks about (a 16th of the map: its answer stays small)
+SLOTS_PER_HANDOVER = 1024  # the hand-over's, with copies: each call is a pass over the answering shard's pool
 BATCH_BYTES = 16 << 20  # block bytes one GetBlocks fetches at most (the storage thread stores them in one put)
 RETRY_S = 5.0  # slots whose other copies are all unreachable are tried again this often
 CALL_TIMEOUT_S = 30.0
@@ -148,7 +149,7 @@ class Repair:
             for source in sorted(left):
                 if await self._asked(source, slots, failing, logging.INFO, "hand-over: shard %d not asked yet "
                                      "(asked again every %gs until it serves at this count): %s",
-                                     foreign_only=self.smap.pool_copies == 1):
+                                     foreign_only=self.smap.pool_copies == 1, handover=True):
                     left.discard(source)
                     self.handover_pending = len(left)
             if left:
@@ -157,11 +158,11 @@ class Repair:
                  "fetched in %.1fs", len(slots), self.blocks - before, time.monotonic() - started)
 
     async def _asked(self, source: int, slots: list[int], failing: set[int], level: int, why: str,
-                     foreign_only: bool = False) -> bool:
+                     foreign_only: bool = False, handover: bool = False) -> bool:
         """Fetch what this shard lacks of ``slots`` from ``source`` (``_from``): False when it did not answer
         (said at ``level`` with ``why`` once, until it answers again: ``failing``)."""
         try:
-            await self._from(source, slots, foreign_only)
+            await self._from(source, slots, foreign_only, handover)
         except PeerFailed as e:
             if source not in failing:
                 failing.add(source)
@@ -174,13 +175,13 @@ class Repair:
         for channel in self.channels.values():
             await channel.close()
 
-    async def _from(self, source: int, slots: list[int], foreign_only: bool = False) -> None:
+    async def _from(self, source: int, slots: list[int], foreign_only: bool = False, handover: bool = False) -> None:
         """Fetch what this shard lacks of ``slots`` from ``source``; ``foreign_only``: of what it holds of them
-        outside its own slots (the hand-over), listed in one call (one pass over its pool, an empty answer
-        under an unchanged map)."""
+        outside its own slots (the hand-over with one copy), listed in one call (one pass over its pool, an empty
+        answer under an unchanged map); ``handover`` (with copies): in calls of ``SLOTS_PER_HANDOVER`` slots."""
         stub = self.stubs[source]
         view = cache_pb2.ShardView(shard=source, shards=self.smap.shards)
-        step = len(slots) if foreign_only else SLOTS_PER_LIST
+        step = len(slots) if foreign_only else SLOTS_PER_HANDOVER if handover else SLOTS_PER_LIST
         for i in range(0, len(slots), max(1, step)):
             listed = await self._call(stub.ListBlocks, cache_pb2.ListBlocksRequest(
                 slots=slot_mask(slots[i:i + step]), foreign_only=foreign_only, view=view), source)
