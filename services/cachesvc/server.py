@@ -403,7 +403,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     @_statuses
     async def ListBlocks(self, request: cache_pb2.ListBlocksRequest,
                          context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.ListBlocksResponse:
-        """Shard to shard: what the pool holds of the slots asked (a restarted shard's repair, ``repair.py``)."""
+        """Shard to shard: what the pool holds of the slots asked (a restarted shard's repair and hand-over,
+        ``repair.py``)."""
         self.server.check_view(request.view)
         slots = mask_slots(request.slots)
         if request.foreign_only:  # a hand-over: what this shard holds of slots it does not keep
