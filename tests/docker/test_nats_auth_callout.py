@@ -66,13 +66,23 @@ MEMBER = textwrap.dedent("""
 """).replace("CLUSTER_NAME", CLUSTER)
 
 
-def _rendered() -> tuple[dict, dict, str]:
-    """The pd overlay's nats container, its nats-auth sidecar and the nats.conf it runs."""
+def _rendered() -> tuple[dict, dict, str, str]:
+    """The pd overlay's nats container, its nats-auth sidecar, the one-node nats.conf and where a node reads it:
+    a node of pd's three runs components/nats-cluster's cluster.conf, which includes that file (by a path relative
+    to its own) and adds the routes, whose peers resolve only in the cluster; one node runs the included file."""
     objects = render("pd")
     (nats_set,) = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "nats"]
     containers = {c["name"]: c for c in nats_set["spec"]["template"]["spec"]["containers"]}
     (conf,) = [o["data"]["nats.conf"] for o in objects if o["kind"] == "ConfigMap" and "nats.conf" in o.get("data", {})]
-    return containers["nats"], containers["nats-auth"], conf
+    args = containers["nats"]["args"]
+    path = args[args.index("-c") + 1]
+    clusters = [o["data"]["cluster.conf"] for o in objects
+                if o["kind"] == "ConfigMap" and "cluster.conf" in o.get("data", {})]
+    if clusters and path.endswith("/cluster.conf"):
+        (include,) = [line.split(None, 1)[1].strip().strip('"') for line in clusters[0].splitlines()
+                      if line.startswith("include ")]
+        path = os.path.normpath(os.path.join(os.path.dirname(path), include))
+    return containers["nats"], containers["nats-auth"], conf, path
 
 
 def _files(tmp: Path) -> dict[str, Path]:
@@ -106,7 +116,7 @@ def _files(tmp: Path) -> dict[str, Path]:
 
 
 def test_the_rendered_nats_pod_authorises_each_engine_pod_as_itself(engine, tmp_path):  # noqa: F811
-    nats, sidecar, conf = _rendered()
+    nats, sidecar, conf, conf_path = _rendered()
     assert sidecar["image"].startswith("kvmesh/nats:"), sidecar["image"]
     base = subprocess.run([str(ROOT / "docker/prepare.sh")], capture_output=True, text=True, timeout=900,
                           check=False)  # the base image the compose stage builds on (a local one offline)
@@ -116,14 +126,15 @@ def test_the_rendered_nats_pod_authorises_each_engine_pod_as_itself(engine, tmp_
                            cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
     assert built.returncode == 0, built.stderr[-3000:]
     files = _files(tmp_path)
-    conf_dir = Path(nats["args"][nats["args"].index("-c") + 1]).parent
-    (files["conf"] / "nats.conf").write_text(conf)
-    os.chown(files["conf"] / "nats.conf", USER, USER)
+    conf_dir = Path(conf_path).parent
+    (files["conf"] / Path(conf_path).name).write_text(conf)
+    os.chown(files["conf"] / Path(conf_path).name, USER, USER)
     seed_path = Path(sidecar["args"][sidecar["args"].index("--issuer-seed") + 1])
     mounts = {v["name"]: v["mountPath"] for v in sidecar["volumeMounts"]}
     env = {v["name"]: v["value"] for v in sidecar["env"] if "value" in v}
-    # one node: the pd overlay's cluster flags (its peers' names resolve only in the cluster) are left out
+    # one node: on the one-node file, without the node's name flag (its peers resolve only in the cluster)
     alone = nats["args"][:nats["args"].index("--server_name")] if "--server_name" in nats["args"] else nats["args"]
+    alone = [conf_path if a == nats["args"][nats["args"].index("-c") + 1] else a for a in alone]
     started = []
     try:
         pod = engine.containers.run(
