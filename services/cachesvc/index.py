@@ -231,8 +231,7 @@ class BlockIndex:
         bits = sum(1 << hid for hid in hids)
         removed = 0
         masks = self._masks
-        for key in [k for k, v in masks.items() if _unpack(v) & bits]:
-            mask = _unpack(masks[key])
+        for key, mask in [(k, m) for k, v in masks.items() if (m := v if v >= 0 else _unpack(v)) & bits]:
             removed += (mask & bits).bit_count()
             if mask & ~bits:
                 masks[key] = _pack(mask & ~bits)

@@ -149,7 +149,7 @@ class Repair:
             for source in sorted(left):
                 if await self._asked(source, slots, failing, logging.INFO, "hand-over: shard %d not asked yet "
                                      "(asked again every %gs until it serves at this count): %s",
-                                     foreign_only=self.smap.pool_copies == 1, handover=True):
+                                     foreign_only=self.smap.pool_copies == 1, step=SLOTS_PER_HANDOVER):
                     left.discard(source)
                     self.handover_pending = len(left)
             if left:
@@ -158,11 +158,11 @@ class Repair:
                  "fetched in %.1fs", len(slots), self.blocks - before, time.monotonic() - started)
 
     async def _asked(self, source: int, slots: list[int], failing: set[int], level: int, why: str,
-                     foreign_only: bool = False, handover: bool = False) -> bool:
+                     foreign_only: bool = False, step: int = SLOTS_PER_LIST) -> bool:
         """Fetch what this shard lacks of ``slots`` from ``source`` (``_from``): False when it did not answer
         (said at ``level`` with ``why`` once, until it answers again: ``failing``)."""
         try:
-            await self._from(source, slots, foreign_only, handover)
+            await self._from(source, slots, foreign_only, step)
         except PeerFailed as e:
             if source not in failing:
                 failing.add(source)
@@ -175,13 +175,14 @@ class Repair:
         for channel in self.channels.values():
             await channel.close()
 
-    async def _from(self, source: int, slots: list[int], foreign_only: bool = False, handover: bool = False) -> None:
-        """Fetch what this shard lacks of ``slots`` from ``source``; ``foreign_only``: of what it holds of them
-        outside its own slots (the hand-over with one copy), listed in one call (one pass over its pool, an empty
-        answer under an unchanged map); ``handover`` (with copies): in calls of ``SLOTS_PER_HANDOVER`` slots."""
+    async def _from(self, source: int, slots: list[int], foreign_only: bool = False,
+                    step: int = SLOTS_PER_LIST) -> None:
+        """Fetch what this shard lacks of ``slots`` from ``source``, listing ``step`` slots a call (each call a pass
+        over its pool); ``foreign_only``: of what it holds of them outside its own slots (the hand-over with one
+        copy), listed in one call (an empty answer under an unchanged map)."""
         stub = self.stubs[source]
         view = cache_pb2.ShardView(shard=source, shards=self.smap.shards)
-        step = len(slots) if foreign_only else SLOTS_PER_HANDOVER if handover else SLOTS_PER_LIST
+        step = len(slots) if foreign_only else step
         for i in range(0, len(slots), max(1, step)):
             listed = await self._call(stub.ListBlocks, cache_pb2.ListBlocksRequest(
                 slots=slot_mask(slots[i:i + step]), foreign_only=foreign_only, view=view), source)
