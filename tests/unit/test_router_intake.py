@@ -1,6 +1,6 @@
 """The router's error kinds: one enum, each kind with its HTTP status and gRPC code, whose table the README lists
 (generated, not copied). That no router module imports back into another is tests/unit/test_engine_seam.py's
-check over the whole tree."""
+check over the whole tree. And the ids intake gives requests that bring none: random, never repeated."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from services.router.errors import STATUS, ErrorKind, RequestError, table
+from services.router.intake import _RequestIds
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "services" / "router" / "README.md"
@@ -33,3 +34,11 @@ def test_the_readmes_error_examples_name_only_kinds_of_the_enum():
     named = {cell.strip("` ") for line in examples.splitlines() if line.startswith("| `")
              for cell in [line.split("|")[1]]}
     assert named and named <= {str(k) for k in ErrorKind}, named - {str(k) for k in ErrorKind}
+
+
+def test_request_ids_are_random_128_bit_hex_and_never_repeat_across_batches() -> None:
+    ids = _RequestIds()
+    got = [ids() for _ in range(3 * _RequestIds.BATCH + 7)]  # across three refills
+    assert len(set(got)) == len(got)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in got)
+    assert len({i[0] for i in got}) > 8  # no fixed digit, as a uuid4's version nibble would be
