@@ -21,6 +21,10 @@ is only that (``foreign_only``: one call, one pass over its pool, an empty answe
 copies, a slot's new copies may be the old holder and a shard as new as this one, and the copies phase asks only
 the first, so the hand-over lists every block of this shard's slots the other holds, as the repair does.
 The old holder's copy stays until its eviction takes it: no caller asks a shard for blocks of slots it does not own.
+Taking shards away is the same hand-over: the shards that stay restart with the smaller count, those that go restart
+as leaving (``CacheServiceSettings.leaving``: a number at or past the count; they own no slots and take no writes),
+and each shard that stays asks each leaving one too (``peers`` lists them after the shards, or their beats name
+them) for the blocks of its slots; a leaving shard is stopped once every shard that stays has asked it.
 
 Pull, not push: the restarted shard is the one that knows it lost its blocks, and the only one that needs the
 other shards' addresses (``kvmesh up`` learns them once the shards are up, and gives them to a restarted one).
@@ -33,7 +37,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -96,16 +100,18 @@ class Repair:
 
     def __init__(self, cfg: CacheServiceSettings, shared: SharedSettings, smap: ShardMap, pool: Pool,
                  storage: Callable[..., Awaitable[Any]], repaired: Callable[[int, int, int], None],
-                 peers: Sequence[str] = ()) -> None:
-        """``peers``: every shard's address in shard order (default: ``cfg.peers``)."""
+                 peers: Mapping[int, str] | Sequence[str] = ()) -> None:
+        """``peers``: every shard's address by shard number (a sequence: in shard order), then those of shards
+        leaving (default: ``cfg.peers``)."""
         self.shard, self.smap, self.pool = cfg.shard, smap, pool
         self.storage = storage
         self.repaired = repaired  # (source shard, blocks, bytes): the metrics
         self.rate = cfg.repair_mb_s << 20
         self.max_bytes = min(BATCH_BYTES, (cfg.max_message_mb << 20) - (1 << 20))
         opts = [("grpc.max_receive_message_length", cfg.max_message_mb << 20)]
-        addresses = list(peers) or [a.strip() for a in cfg.peers.split(",")]
-        self.channels = {s: tls.aio_channel(a, opts, shared) for s, a in enumerate(addresses) if s != cfg.shard}
+        addresses = dict(peers) if isinstance(peers, Mapping) else dict(enumerate(peers))
+        addresses = addresses or dict(enumerate(a.strip() for a in cfg.peers.split(",")))
+        self.channels = {s: tls.aio_channel(a, opts, shared) for s, a in addresses.items() if s != cfg.shard}
         self.stubs = {s: cache_pb2_grpc.CacheServiceStub(ch) for s, ch in self.channels.items()}
         self.blocks = 0  # fetched and stored since start (Stats)
         self.bytes = 0

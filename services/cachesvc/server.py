@@ -448,12 +448,14 @@ class CacheServer:
         self.shared = shared or SharedSettings()
         self.subjects = Subjects(self.shared.cluster)
         # one shard of several keeps the index entries and the pool blocks of the keys the shard map gives it
+        # a shard leaving the cluster (cfg.leaving) owns no slot of the map: it indexes nothing and takes no write
         self.shard_map = ShardMap(cfg.shards, cfg.index_copies, cfg.pool_copies)
-        self.index = BlockIndex(self.shard_map.index_slots(cfg.shard) if cfg.shards > 1 else None)
-        self.durable = cfg.durable_name if cfg.shards == 1 else f"{cfg.durable_name}-{cfg.shard}"
+        sharded = cfg.shards > 1 or cfg.leaving
+        self.index = BlockIndex(self.shard_map.index_slots(cfg.shard) if sharded else None)
+        self.durable = f"{cfg.durable_name}-{cfg.shard}" if sharded else cfg.durable_name
         self.resync = Resync(self.index, self._fetch_snapshot)
         self.copies = CopyTracker(self.index, lambda key: self.pool is not None and any(
-            t.has(key) for t in self.pool.tiers), self.shard_map.first_slots(cfg.shard) if cfg.shards > 1 else None)
+            t.has(key) for t in self.pool.tiers), self.shard_map.first_slots(cfg.shard) if sharded else None)
         self.storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachesvc-storage")
         self.pool: Pool | None = None
         self._pool_events: list[BlockStored | BlockRemoved] = []  # for pool.events, in order
@@ -568,8 +570,14 @@ class CacheServer:
         """A shard fetches, given ``peers``, what it lacks of its blocks from their other copies and the blocks of
         its slots other shards hold from before a resharding (``repair.py``)."""
         cfg, smap = self.cfg, self.shard_map
-        if smap.shards == 1:
+        if cfg.leaving:
+            log.warning("shard %d of %d: leaving the cluster; it owns no slots, takes no writes and serves its pool "
+                        "only to the other shards' hand-over: stop it once each of them reports "
+                        "handover_pending_shards 0", cfg.shard, smap.shards)
             return
+        listed = [a.strip() for a in cfg.peers.split(",")] if cfg.peers and cfg.peers != DISCOVER else []
+        if smap.shards == 1 and cfg.peers != DISCOVER and len(listed) <= 1:
+            return  # one shard, none leaving: nothing to fetch from anywhere
         if not cfg.repair_mb_s:
             log.info("repair_mb_s is 0: what this shard's pool lost before this start, and blocks of its slots "
                      "other shards hold from before a resharding, are not fetched")
@@ -590,19 +598,23 @@ class CacheServer:
             self.metrics.repaired_bytes.labels(str(source)).inc(nbytes)
 
         async def repair() -> None:
-            peers: tuple[str, ...] = ()
-            if cfg.peers == DISCOVER:  # the shards' beats (this one's own too) name them
+            peers: dict[int, str] = dict(enumerate(listed))
+            if cfg.peers == DISCOVER:  # the shards' beats (this one's own too) name them, and those leaving
                 assert self.bus is not None
                 directory = ShardDirectory()
                 await directory.start(self.bus, self.subjects)
-                while len(peers := await directory.wait(PEERS_WAIT_S, smap.shards)) != smap.shards:
+                while len(view := await directory.wait(PEERS_WAIT_S, smap.shards)) != smap.shards:
                     log.info("repair waits for the beats of all %d shards (heard a whole list of %d)", smap.shards,
-                             len(peers))
-                log.info("repair: the shards' beats name %s", ", ".join(peers))
+                             len(view))
+                await asyncio.sleep(2 * BEAT_S)  # a leaving shard beats as often as the others: hear it too
+                peers = dict(enumerate(view)) | directory.leaving(smap.shards)
+                log.info("repair: the shards' beats name %s", ", ".join(f"{i}: {a}" for i, a in peers.items()))
+            if len(peers) <= 1:
+                return
             self.repair = Repair(cfg, self.shared, smap, pool, storage, counted, peers)
             await self.repair.run()
 
-        self.handover_waiting = smap.shards - 1
+        self.handover_waiting = max(smap.shards, len(listed)) - 1
         self._repairing = asyncio.create_task(repair(), name="cachesvc-repair")
         self._repairing.add_done_callback(_repair_ended)
 
@@ -693,7 +705,7 @@ class CacheServer:
         """A sharded cachesvc answers only a caller that addresses this shard of this many; a lone one also an
         unsharded caller (no view)."""
         shard, shards = self.cfg.shard, self.cfg.shards
-        if view.shards == 0 and shards == 1 or (view.shard, view.shards) == (shard, shards):
+        if view.shards == 0 and shards == 1 and not self.cfg.leaving or (view.shard, view.shards) == (shard, shards):
             return
         if view.shards == 0:
             raise WrongShard(f"this cachesvc is shard {shard} of {shards}: list all {shards} shards' addresses, "
@@ -702,8 +714,8 @@ class CacheServer:
                          f"cachesvc_address must list the {shards} shards in shard order")
 
     def check_owned(self, keys: Sequence[int]) -> None:
-        """A sharded pool stores only the keys whose pool it holds."""
-        if self.cfg.shards == 1:
+        """A sharded pool stores only the keys whose pool it holds (a leaving shard, none)."""
+        if self.cfg.shards == 1 and not self.cfg.leaving:
             return
         smap, shard = self.shard_map, self.cfg.shard
         other = [(k, smap.pool_owners(k)) for k in keys if shard not in smap.pool_owners(k)]

@@ -45,6 +45,9 @@ def test_file_then_environment_then_flags(tmp_path):
     ({"transfer_backend": "rdma"}, "transfer_backend 'rdma' is not one of"),
     ({"transfer_port": 70000}, r"transfer_port must be in \[0, 65535\]"),
     ({"transfer_timeout_s": 0}, "transfer_timeout_s must be > 0"),
+    ({"shard": -1}, r"shard must be in \[0, shards - 1\] = \[0, 0\] \(or shards and more"),
+    ({"shard": 1, "shards": 3, "peers": "a:1,b:2"}, "peers lists 2 addresses but shards is 3: list every"),
+    ({"shard": 2, "shards": 2, "peers": "a:1,b:2"}, "peers lists 2 addresses but shards is 2 and this is shard 2"),
 ])
 def test_bad_settings_say_what_is_wrong(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -56,3 +59,9 @@ def test_mooncake_may_lend_no_memory_so_its_blocks_outlive_cachesvc():
                     "KVMESH_CACHESVC_MOONCAKE_MANIFEST_S": "2.5"}).cachesvc
     assert (cfg.mooncake_segment_mb, cfg.mooncake_manifest_s) == (0, 2.5)
     assert CacheServiceSettings().mooncake_manifest_s == 5.0
+
+
+def test_a_shard_at_or_past_the_count_is_leaving_and_peers_list_those_leaving_after_the_shards():
+    cfg = load(shard=2, shards=2, peers="a:1,b:2,c:3").cachesvc
+    assert cfg.leaving and not load(shard=1, shards=2).cachesvc.leaving
+    assert load(shard=0, shards=2, peers="a:1,b:2,c:3").cachesvc.peers == "a:1,b:2,c:3"  # shard 0 asks c too

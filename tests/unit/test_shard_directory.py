@@ -20,8 +20,22 @@ def test_a_beat_goes_over_the_wire_and_names_its_own_shard_only():
     subjects = Subjects("u")
     assert from_its_sender(subjects.cachesvc_shard(1), b)
     assert not from_its_sender(subjects.cachesvc_shard(2), b)  # shard 1 beating as shard 2
-    with pytest.raises(CodecError, match="not a shard of that many"):
-        decode(CacheShardBeat(3, 3, "a:1", 1.0).encode())
+    for bad in (CacheShardBeat(-1, 3, "a:1", 1.0), CacheShardBeat(0, 0, "a:1", 1.0)):
+        with pytest.raises(CodecError, match="not a shard of that many"):
+            decode(bad.encode())
+    leaving = CacheShardBeat(3, 3, "a:1", 1.0)  # a shard leaving a cluster of 3
+    assert decode(leaving.encode()) == leaving
+
+
+def test_a_leaving_shard_is_never_in_a_view_only_among_those_leaving():
+    d = ShardDirectory(fresh_s=5.0)
+    for shard in (0, 1, 2, 3):  # 2 and 3 leave a cluster of 2
+        d.heard(beat(shard, 2), now=1.0)
+    assert d.view == ("10.0.0.0:50060", "10.0.0.1:50060")
+    assert d.leaving(2, now=2.0) == {2: "10.0.0.2:50060", 3: "10.0.0.3:50060"}
+    assert d.leaving(2, now=7.0) == {}  # stale: stopped
+    d.heard(beat(2, 3), now=8.0)  # still beating the old count: not leaving (yet)
+    assert d.leaving(2, now=8.0) == {} and d.leaving(3, now=8.0) == {}
 
 
 def test_the_view_is_a_whole_list_in_shard_order_and_changes_only_to_another_whole_list():

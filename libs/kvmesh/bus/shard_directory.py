@@ -7,7 +7,9 @@ beats with a new count before its peers do (a resharding under way, one shard at
 list they have, calling that shard as down until it answers again, as a configured list would; once every shard
 of the new count beats, the callers move to it (``kvmesh.contracts.shards`` maps keys over it, so every caller
 that heard the same beats agrees without talking). A shard that is gone for good leaves the view only when the
-others beat with a count without it.
+others beat with a count without it. A shard leaving the cluster beats its own number, at or past the count it
+serves (``CacheServiceSettings.leaving``): never in a view, only in :meth:`ShardDirectory.leaving`, for the other
+shards' hand-over.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ class ShardDirectory:
             self._changed.set()
             if self.on_change is not None:
                 self.on_change(whole)
+
+    def leaving(self, shards: int, now: float | None = None) -> dict[int, str]:
+        """The shards leaving a cluster of ``shards`` (number past the count, beating it lately with an address):
+        their addresses by shard number."""
+        now = time.monotonic() if now is None else now
+        return {i: beat.address for i, (beat, at) in sorted(self._beats.items())
+                if i >= shards and beat.shards == shards and beat.address and now - at <= self.fresh_s}
 
     def _whole(self, shards: int, now: float) -> tuple[str, ...] | None:
         """The list of ``shards`` addresses if every shard of that count has beaten it lately with an address."""

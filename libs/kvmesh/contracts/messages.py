@@ -474,7 +474,8 @@ class CacheShardBeat:
     """A cachesvc's beat (``cache.shard.<shard>``), every second: which shard of how many it is, the gRPC address its
     callers dial, and the copies it keeps, so routers and instances configured to find cachesvc through the bus
     (``cachesvc_address = "nats"``) learn the shard list without being told it. ``address`` "": it binds a
-    wildcard address and was given none to advertise (callers cannot use it)."""
+    wildcard address and was given none to advertise (callers cannot use it). A ``shard`` at or past ``shards``: a
+    shard leaving the cluster, which only the other shards' hand-over calls (builds before that dropped its beat)."""
 
     TYPE: ClassVar[str] = "cache_shard"
     shard: int
@@ -495,7 +496,7 @@ class CacheShardBeat:
     @classmethod
     def _from_json(cls, d: dict[str, Any]) -> CacheShardBeat:
         shard, shards = _get(d, "shard", int), _get(d, "shards", int)
-        if not 0 <= shard < shards:
+        if shard < 0 or shards < 1:
             raise CodecError(f"shard {shard} of {shards}: not a shard of that many")
         return cls(shard=shard, shards=shards, address=_get(d, "address", str), ts=float(_get(d, "ts", int, float)),
                    index_copies=int(d.get("index_copies", 1)), pool_copies=int(d.get("pool_copies", 1)))

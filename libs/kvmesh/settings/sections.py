@@ -726,18 +726,21 @@ class CacheServiceSettings(Section):
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the log)")
     durable_name: str = setting("cachesvc", "its JetStream consumer; one per cachesvc replica (a shard's is "
                                             "<durable_name>-<shard>)")
-    shard: int = setting(0, "which shard of the index and pool this cachesvc is (0 .. shards - 1)")
+    shard: int = setting(0, "which shard of the index and pool this cachesvc is (0 .. shards - 1; shards or "
+                            "more: a shard leaving the cluster, which owns nothing and serves its pool only to "
+                            "the others' hand-over)")
     shards: int = setting(1, "cachesvc shards in the cluster: each owns the keys kvmesh.contracts.shards maps to "
                              "it; the routers and engines list them all, in shard order")
     index_copies: int = setting(2, "shards that index each key (with shards > 1): while one is down another "
                                    "answers for its keys")
     pool_copies: int = setting(1, "shards whose pool keeps each block written back (with shards > 1; 2: a dead "
                                   "shard costs no block, for twice the write-back traffic and memory)")
-    peers: str = setting("", "every shard's host:port in shard order, comma-separated, this one's too (with "
-                             "shards > 1): a (re)started shard fetches what it lacks of its blocks from the other "
-                             "copies (pool_copies > 1), and the blocks of its slots other shards hold from before "
-                             "a resharding (\"\" = neither; \"nats\": the addresses the shards' beats name; "
-                             "kvmesh up and the Kubernetes cachesvc-shards component set it)")
+    peers: str = setting("", "every shard's host:port in shard order, comma-separated, this one's too, then "
+                             "those of shards leaving (with shards > 1, or a shard leaving): a (re)started shard "
+                             "fetches what it lacks of its blocks from the other copies (pool_copies > 1), and the "
+                             "blocks of its slots other shards hold from before a resharding (\"\" = neither; "
+                             "\"nats\": the addresses the shards' beats name; kvmesh up and the Kubernetes "
+                             "cachesvc-shards component set it)")
     repair_mb_s: int = setting(64, "that repair's block bytes per second at most, so serving keeps its share "
                                    "(0 = no repair)")
     pool_capacity_mb: int = setting(256, "DRAM tier size (0 = no DRAM tier)")
@@ -777,6 +780,12 @@ class CacheServiceSettings(Section):
     transfer_buffer_mb: int = setting(1024, "pushed blocks held at once before their PutBlocks takes them")
     max_transfer_mb: int = setting(256, "the most one GetBlocks pushes (the rest is for the next call)")
 
+    @property
+    def leaving(self) -> bool:
+        """A shard leaving the cluster (``shard`` >= ``shards``): it owns no slots under the new count and serves
+        its pool only to the others' hand-over, until it is stopped."""
+        return self.shard >= self.shards
+
     def problems(self) -> list[Problem]:
         out = super().problems()
         out += self._ports(("port", "metrics_port", "transfer_port"))
@@ -797,14 +806,16 @@ class CacheServiceSettings(Section):
                 out.append(Problem("mooncake_segment_mb", "mooncake_segment_mb must be 0 (lend none) or >= 16, "
                                                           f"not {self.mooncake_segment_mb}"))
         out += self._min(("shards", "index_copies", "pool_copies"), 1)
-        if not 0 <= self.shard < max(self.shards, 1):
-            out.append(Problem("shard", f"shard must be in [0, shards - 1] = [0, {self.shards - 1}], "
-                                        f"not {self.shard}"))
+        if self.shard < 0:
+            out.append(Problem("shard", f"shard must be in [0, shards - 1] = [0, {self.shards - 1}] (or shards and "
+                                        f"more: a shard leaving the cluster), not {self.shard}"))
         out += self._address("peers", "no repair", shards=True)
         peers = len(self.peers.split(",")) if self.peers and self.peers != "nats" else 0
-        if peers and peers != self.shards:
-            out.append(Problem("peers", f"peers lists {peers} addresses but shards is {self.shards}: list every "
-                                        "shard's host:port, in shard order, this one's too"))
+        if peers and peers < max(self.shards, self.shard + 1):
+            out.append(Problem("peers", f"peers lists {peers} addresses but shards is {self.shards}"
+                                        + (f" and this is shard {self.shard}" if self.shard >= self.shards else "")
+                                        + ": list every shard's host:port, in shard order, this one's too, then "
+                                          "those of shards leaving"))
         if not self.durable_name or any(c in self.durable_name for c in ".*> \t"):
             out.append(Problem("durable_name", f"durable_name {self.durable_name!r} must be non-empty, "
                                                "without '.', '*', '>' or spaces"))
