@@ -6,7 +6,8 @@ cluster stays three. With routes by identity (``--route-identity``), a server ho
 gave another identity (a decode instance's) is refused too, and so it is where every server runs the very files
 Kubernetes gives a node of ``deploy/k8s/components/nats-cluster`` (its ``cluster.conf``, which includes the
 one-node ``nats.conf`` of ``components/tls`` or ``components/nats-auth-callout``): the three form the cluster, its
-JetStream meta group and a stream with three copies."""
+JetStream meta group and a stream with three copies (with the auth callout, its members authorised by the callout
+service, which answers all three servers)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 SERVERS = ["nats-a", "nats-b", "nats-c"]
 CLIENT_PORT, ROUTE_PORT, MONITOR_PORT = 4222, 6222, 8222
 SERVER_IDENTITY = Identity(MeshRole.CLIENT, "nats")
-COMPONENTS = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "components"
+ROOT = Path(__file__).resolve().parents[2]
+COMPONENTS = ROOT / "deploy" / "k8s" / "components"
 POD = re.compile(r"\bnats-(\d+)\.nats-headless\b")  # node i's name in cluster.conf's routes
 
 
@@ -197,10 +199,11 @@ def wait_for_jetstream(lab: Lab) -> None:
         time.sleep(0.5)
 
 
-def three_copies(lab: Lab, ca: MeshCA) -> None:
+def three_copies(lab: Lab, ca: MeshCA, prefill_id: str = "prefill") -> None:
     """The KV events stream of cluster default created with 3 replicas (as cachesvc, whose user may create it) and
-    an event stored in it (as a prefill), from the client host; until its leader and both replicas are the three
-    servers, current, with the event (60 s at most: JetStream elects the stream's leader first)."""
+    an event stored in it (as prefill ``prefill_id``: components/tls's users name one identity per role, the auth
+    callout each pod's own), from the client host; until its leader and both replicas are the three servers,
+    current, with the event (60 s at most: JetStream elects the stream's leader first)."""
     subjects = Subjects("default")  # the cluster components/tls/nats.conf's users are for
     urls = ",".join(f"nats://{lab[s].address}:{CLIENT_PORT}" for s in SERVERS)
 
@@ -210,14 +213,14 @@ def three_copies(lab: Lab, ca: MeshCA) -> None:
 
     async def go() -> None:
         cachesvc = await connect(Identity(MeshRole.CACHESVC, "cachesvc"))
-        prefill = await connect(Identity(MeshRole.PREFILL, "prefill"))
+        prefill = await connect(Identity(MeshRole.PREFILL, prefill_id))
         try:
             deadline = time.monotonic() + 60
             while True:
                 try:
                     await cachesvc.ensure_events_stream(subjects, replicas=3)
-                    await prefill.publish_event(subjects.kv_events("prefill-0"), KVEventBatch(
-                        "prefill-0", 1, time.time(), (BlockStored((1, 2), None, 16, "device"),)))
+                    await prefill.publish_event(subjects.kv_events(prefill_id), KVEventBatch(
+                        prefill_id, 1, time.time(), (BlockStored((1, 2), None, 16, "device"),)))
                     break
                 except Exception:  # no stream leader yet
                     if time.monotonic() > deadline:
@@ -239,19 +242,44 @@ def three_copies(lab: Lab, ca: MeshCA) -> None:
     lab.call("client", lambda: asyncio.run(go()))
 
 
+def callout_service(lab: Lab, ca: MeshCA, tmp_path: Path) -> subprocess.Popen:
+    """``python -m kvmesh.bus.auth_callout serve`` on the client host, as the nats-auth sidecar runs it (its
+    certificate names client/nats-auth, the callout's ``auth_users``; the issuer seed under ``tmp_path``), dialing
+    every server; returned once it answers (its ready file)."""
+    ready = tmp_path / "callout.ready"
+    urls = ",".join(f"nats://{lab[s].address}:{CLIENT_PORT}" for s in SERVERS)
+    env = {**os.environ, **ca.issue(Identity(MeshRole.CLIENT, "nats-auth")).env(), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "libs"), str(ROOT)])}
+    with open(tmp_path / "callout.log", "ab") as out:
+        proc = lab.popen("client", [sys.executable, "-m", "kvmesh.bus.auth_callout", "serve", "--nats", urls,
+                                    "--issuer-seed", str(tmp_path / "issuer.seed"), "--cluster", "default",
+                                    "--ready-file", str(ready)],
+                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                         env=env)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "callout.log").read_text()[-1500:]
+        time.sleep(0.2)
+    return proc
+
+
 @pytest.mark.parametrize("one_node", ["tls", "nats-auth-callout"])
 def test_kubernetes_nats_cluster_nodes_route_by_identity_and_keep_three_copies(one_node: str, tmp_path: Path) -> None:
     """Three servers, each started as Kubernetes starts a node of components/nats-cluster (``-c`` its
     cluster.conf, ``-m 8222``, ``--server_name`` its pod's name; no route flag), over the one-node nats.conf of
-    ``one_node``, form the cluster and JetStream's meta group; with components/tls's users a member creates the
-    events stream with 3 copies, one on each server (the auth callout's members need its service: not run here).
-    A server holding the mesh CA's certificate of a decode instance, on the same files, is refused."""
+    ``one_node``, form the cluster and JetStream's meta group; a member creates the events stream with 3 copies,
+    one on each server (with nats-auth-callout's file, the members as its service authorises them: the
+    ``kvmesh.bus.auth_callout`` service runs on the client host with the nats-auth certificate, as the sidecar
+    does, and answers the authorization requests of all three servers through the cluster). A server holding the
+    mesh CA's certificate of a decode instance, on the same files, is refused."""
     with Lab([*SERVERS, "intruder", "client"]) as lab:
         ca = MeshCA.open(tmp_path / "tls")
         addresses = tuple(lab[h].address for h in [*SERVERS, "intruder"])
         server = ca.issue(SERVER_IDENTITY, addresses)
         decode = ca.issue(Identity(MeshRole.DECODE, "decode"), addresses)
-        issuer = auth_callout.public_key(auth_callout.issuer_from_seed(auth_callout.new_issuer_seed()))
+        seed = auth_callout.new_issuer_seed()
+        (tmp_path / "issuer.seed").write_bytes(seed + b"\n")
+        issuer = auth_callout.public_key(auth_callout.issuer_from_seed(seed))
         procs: list[subprocess.Popen] = []
 
         def start(host: str, files: CertFiles) -> Path:
@@ -270,8 +298,9 @@ def test_kubernetes_nats_cluster_nodes_route_by_identity_and_keep_three_copies(o
                 start(host, server)
             wait_for_the_cluster(lab)
             wait_for_jetstream(lab)
-            if one_node == "tls":
-                three_copies(lab, ca)
+            if one_node == "nats-auth-callout":
+                procs.append(callout_service(lab, ca, tmp_path))
+            three_copies(lab, ca, "prefill" if one_node == "tls" else "prefill-7d9f-abcde")
             refused_by_identity(lab, tmp_path, start("intruder", decode))
         finally:
             for proc in procs:
