@@ -86,7 +86,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 engine_request = dataclasses.replace(engine_request, imported=intake.imported)
             chunks = self._stream(request, context, span, attrs, engine_request, intake, t0, t0_ns, pool_fetch)
             if w.cfg.fault_hang_after_tokens and not work.generated_tokens:  # a fault test's dying decode
-                chunks = hang_after_tokens(chunks, w.cfg.fault_hang_after_tokens, work.request_id)
+                chunks = hang_after_tokens(chunks, w.cfg.fault_hang_after_tokens, work.request_id,
+                                           w.drain_started if w.cfg.fault_resume_on_drain else None)
             async for chunk in chunks:
                 yield chunk
         finally:

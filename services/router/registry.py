@@ -99,9 +99,12 @@ class Registry:
                             self.block_size)
                 self._refused.add(beat.instance_id)
             return
-        if beat.instance_id not in self._instances:
-            log.info("instance %s (%s) joined at %s", beat.instance_id, beat.role, beat.grpc_address)
         old = self._instances.get(beat.instance_id)
+        if old is None:
+            log.info("instance %s (%s) joined at %s", beat.instance_id, beat.role, beat.grpc_address)
+        if beat.draining and (old is None or not old.beat.draining):
+            log.info("instance %s draining: no new requests go to it; the ones it runs finish there",
+                     beat.instance_id)
         loras_ts = old.loras_ts if old else 0.0
         if old is not None and beat.ts < loras_ts:  # built before our LoRA call's reply: its adapters are stale
             beat = dataclasses.replace(beat, loras=old.beat.loras)
@@ -121,8 +124,9 @@ class Registry:
                 inst.loras_ts = ts
 
     def alive(self, *roles: str) -> list[Instance]:
+        """The instances that take requests (of ``roles``): heard lately, and not draining."""
         self.expire()
-        return [i for i in self._instances.values() if not roles or i.beat.role in roles]
+        return [i for i in self._instances.values() if (not roles or i.beat.role in roles) and not i.beat.draining]
 
     def get(self, iid: str) -> Instance:
         """A live instance's record by id (one that ``alive`` just listed)."""

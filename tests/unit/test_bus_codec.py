@@ -254,3 +254,12 @@ def test_a_removal_says_why_and_an_older_peers_removal_reads_as_not_said():
     data = batch.encode()
     assert KVEventBatch.decode(data) == batch
     assert b'"reason"' in data and data.count(b'"reason"') == 1
+
+
+def test_a_draining_heartbeat_says_so_and_an_older_one_reads_as_not_draining():
+    import dataclasses
+
+    b = dataclasses.replace(make_heartbeat(), draining=True)
+    assert decode(b.encode()) == b and json.loads(b.encode())["draining"] is True
+    assert "draining" not in json.loads(make_heartbeat().encode())  # what an older engine sends: no field
+    assert decode(make_heartbeat().encode()).draining is False

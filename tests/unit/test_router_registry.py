@@ -229,3 +229,18 @@ def test_an_instances_view_is_rebuilt_when_what_it_shows_changed_and_only_then()
     # every field as a record with nothing cached would give it
     kept = view(reg.get("b0"), cost)
     assert view(dataclasses.replace(reg.get("b0"), view_of=None, _cost=None), cost) == kept
+
+
+def test_a_draining_instance_takes_no_new_request_but_stays_known_until_it_goes():
+    """Its beat says it is stopping: no routing choice lists it, its record stays for the streams it still runs,
+    and its beats stopping drop it as any other."""
+    import dataclasses
+
+    reg = Registry(timeout_s=0.05, block_size=16, fingerprint="fp")
+    reg.observe(beat("d0"))
+    reg.observe(beat("d1"))
+    reg.observe(dataclasses.replace(beat("d1"), draining=True))
+    assert [i.id for i in reg.alive("decode")] == ["d0"] and [i.id for i in reg.alive()] == ["d0"]
+    assert reg.get("d1").beat.draining
+    time.sleep(0.1)
+    assert reg.alive() == []

@@ -300,6 +300,9 @@ class Heartbeat:
     # why its engine's KV cannot be converted to kv_layout ("" when it can): it is never paired for a hand-off,
     # and the router does not count on the pool for it
     kv_unconvertible: str = ""
+    # it is stopping: the requests it runs finish there, no new one is sent to it (older routers ignore the field
+    # and learn it when its beats stop)
+    draining: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -314,7 +317,8 @@ class Heartbeat:
                                  "block_size": self.block_size, "loras": [list(a) for a in self.loras],
                                  **({"kv_layout": self.kv_layout.to_dict()} if self.kv_layout else {}),
                                  **({"kv_accepts": list(self.kv_accepts)} if self.kv_accepts else {}),
-                                 **({"kv_unconvertible": self.kv_unconvertible} if self.kv_unconvertible else {})})
+                                 **({"kv_unconvertible": self.kv_unconvertible} if self.kv_unconvertible else {}),
+                                 **({"draining": True} if self.draining else {})})
 
     @classmethod
     def decode(cls, data: bytes) -> Heartbeat:
@@ -329,7 +333,8 @@ class Heartbeat:
                    block_size=_get(d, "block_size", int), loras=_loras(d.get("loras", [])),
                    kv_layout=_layout(d["kv_layout"]) if d.get("kv_layout") else None,
                    kv_accepts=_strings(d.get("kv_accepts", []), "kv_accepts"),
-                   kv_unconvertible=_get(d, "kv_unconvertible", str) if "kv_unconvertible" in d else "")
+                   kv_unconvertible=_get(d, "kv_unconvertible", str) if "kv_unconvertible" in d else "",
+                   draining=_get(d, "draining", bool) if "draining" in d else False)
 
 
 def _strings(value: Any, name: str) -> tuple[str, ...]:

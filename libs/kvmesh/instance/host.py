@@ -8,6 +8,7 @@ library knows no service; ``services/prefill``, ``services/decode`` and ``app/bo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -98,6 +99,8 @@ class EngineHost:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.lora_load_s: float | None = None  # the last LoRA adapter load, measured (heartbeat: lora_load_s)
+        self.draining = False  # stopping: its beats say so, its gRPC server takes no new call (drain)
+        self.drain_started = asyncio.Event()
 
     async def start(self) -> None:
         self.engine = await start_engine(self.engine_cfg)
@@ -297,26 +300,49 @@ class EngineHost:
             except Exception:
                 log.exception("publishing KV events batch %d failed", self._event_seq)
 
+    def _beat(self) -> Heartbeat:
+        load = InstanceLoad.of(self.engine.load(), self.engine.speed(), kv_fallbacks=self.metrics_fallbacks,
+                               kv_block_bytes=self.layout.block_nbytes, lora_load_s=self.lora_load_s)
+        return Heartbeat(instance_id=self.instance_id, role=self.cfg.role,
+                         grpc_address=self.advertised(self.grpc_address),
+                         transfer_address=self.advertised(self.transfer_address), ts=time.time(), load=load,
+                         model=self.fingerprint, block_size=self.layout.block_size,
+                         loras=tuple((a.name, a.generation, a.path) for a in self.engine.adapters()),
+                         kv_layout=self.layout, kv_accepts=self.kv_accepts,
+                         kv_unconvertible=self.engine.kv_unconvertible, draining=self.draining)
+
+    async def _publish_beat(self) -> None:
+        try:
+            await self.bus.publish(self.subjects.heartbeat(self.cfg.role, self.instance_id), self._beat())
+        except Exception:
+            log.exception("heartbeat failed")
+
     async def _heartbeat(self) -> None:
-        subject = self.subjects.heartbeat(self.cfg.role, self.instance_id)
         while True:
-            load = InstanceLoad.of(self.engine.load(), self.engine.speed(), kv_fallbacks=self.metrics_fallbacks,
-                                   kv_block_bytes=self.layout.block_nbytes, lora_load_s=self.lora_load_s)
-            beat = Heartbeat(instance_id=self.instance_id, role=self.cfg.role,
-                             grpc_address=self.advertised(self.grpc_address),
-                             transfer_address=self.advertised(self.transfer_address), ts=time.time(), load=load,
-                             model=self.fingerprint, block_size=self.layout.block_size,
-                             loras=tuple((a.name, a.generation, a.path) for a in self.engine.adapters()),
-                             kv_layout=self.layout, kv_accepts=self.kv_accepts,
-                             kv_unconvertible=self.engine.kv_unconvertible)
-            try:
-                await self.bus.publish(subject, beat)
-            except Exception:
-                log.exception("heartbeat failed")
+            await self._publish_beat()
             await asyncio.sleep(self.cfg.heartbeat_s)
 
+    async def drain(self) -> None:
+        """Stop taking requests and let the running ones finish, for ``drain_s`` at most: a beat saying so goes
+        out at once (routers send new requests elsewhere from then on; older routers learn it when the beats stop),
+        the gRPC server refuses new calls, and the calls in flight (a stream's tokens, a prefill and its push) run
+        on, KV transfers too. What still runs after ``drain_s`` is cut: its routers migrate it, as from a dead
+        instance."""
+        self.draining = True
+        await self._publish_beat()
+        with contextlib.suppress(Exception):  # out now, not when the client's flusher gets to it
+            await self.bus.nc.flush(timeout=2)
+        self.drain_started.set()
+        load = self.engine.load()
+        log.info("%s draining: no new requests; the %d running and %d waiting may take %gs to finish",
+                 self.instance_id, load.running, load.waiting, self.cfg.drain_s)
+        started = time.monotonic()
+        await self.grpc.stop(self.cfg.drain_s)
+        log.info("%s drained in %.1fs", self.instance_id, time.monotonic() - started)
+
     async def stop(self) -> None:
-        await self.grpc.stop()
+        if not self.draining:
+            await self.drain()
         if self.metrics_server is not None:
             self.metrics_server.close()
         for t in self._tasks:

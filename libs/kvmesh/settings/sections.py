@@ -469,6 +469,10 @@ class InstanceSettings(Section):
                                            "request and receives the push straight into them (tcp, shm; CPU "
                                            "pool); off = into buffers, copied in at import")
     heartbeat_s: float = setting(1.0, "heartbeat period")
+    drain_s: float = setting(20.0, "on SIGTERM: how long the requests it runs may take to finish there (its beat "
+                                   "says it is draining, so routers send new ones elsewhere at once); what is still "
+                                   "running then is cut, and its routers migrate it (0 = cut at once; keep it under "
+                                   "the pod's terminationGracePeriodSeconds)")
     metrics_port: int = setting(0, "Prometheus /metrics (0 = a free one, named in the ready line / file)")
     fault_drop_kv_ready: bool = setting(False, "Fault injection: prefill pushes KV but never announces it",
                                         test_only=True)
@@ -483,6 +487,9 @@ class InstanceSettings(Section):
     fault_hang_after_tokens: int = setting(0, "Fault injection: decode's stream of each request that starts from "
                                               "its prompt (not a migrated one) stops after N tokens and hangs "
                                               "(0 = off)", test_only=True)
+    fault_resume_on_drain: bool = setting(False, "Fault injection: a stream hung by fault_hang_after_tokens goes "
+                                                 "on once the instance drains (one in flight at a graceful stop)",
+                                          test_only=True)
 
     @property
     def faults(self) -> Faults:
@@ -500,6 +507,8 @@ class InstanceSettings(Section):
         out += self._ports(("port", "transfer_port", "metrics_port"))
         out += self._address("cachesvc_address", "none", shards=True)
         out += self._positive(("kv_timeout_s", "heartbeat_s"))
+        if not self.drain_s >= 0:
+            out.append(Problem("drain_s", f"drain_s must be >= 0 (0 = no drain), not {self.drain_s}"))
         out += self._min(("push_layer_groups",), 1)
         out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes",
                           "fault_hang_after_parts", "fault_forge_tokens", "fault_hang_after_tokens"), 0)
