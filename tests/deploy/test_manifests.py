@@ -455,6 +455,20 @@ def test_engine_pools_are_headless_and_vllm_pools_ask_for_gpus_on_gpu_nodes(over
     assert backends == ({"vllm"} if overlay.partition("+")[0] == "gpu-vllm" else {"native"})
 
 
+def test_engine_pods_get_longer_than_their_drain_before_the_sigkill(overlay: str, tmp_path: Path) -> None:
+    """A pod's containers get SIGTERM, then SIGKILL after terminationGracePeriodSeconds (30 unless set): an engine
+    drains first (``[instance] drain_s``), so the grace must outlast it."""
+    for w in workloads(overlay):
+        spec = w["spec"]["template"]["spec"]
+        for c in spec["containers"]:
+            container = Container(w["metadata"]["name"], w["spec"]["template"]["metadata"]["labels"],
+                                  w["metadata"].get("namespace", "default"), c)
+            if c["args"][0] == "nats-server" or container.service not in ("prefill", "decode"):
+                continue
+            drain = loaded(container, tmp_path).instance.drain_s
+            assert spec.get("terminationGracePeriodSeconds", 30) > drain, w["metadata"]["name"]
+
+
 # -- cachesvc shards (components/cachesvc-shards) -------------------------------------------------------------------
 
 

@@ -312,6 +312,20 @@ def test_services_start_in_order_of_health(variant, services):
     assert "container_name" not in services["prefill"] and "container_name" not in services["decode"]
 
 
+@pytest.mark.parametrize("variant,services", variants(), ids=[v for v, _ in variants()])
+def test_engines_get_longer_than_their_drain_before_the_sigkill(variant, services):
+    """compose stops a container with SIGTERM, then SIGKILL after its stop_grace_period (10 s unless set): an
+    engine drains first (``[instance] drain_s``), so its grace must outlast that."""
+    from kvmesh.settings import InstanceSettings
+
+    for name, svc in kvmesh_services(services).items():
+        if svc["command"][2] not in ("services.prefill", "services.decode"):
+            continue
+        grace = re.fullmatch(r"(\d+)s", str(svc.get("stop_grace_period", "10s")))
+        drain = float(svc.get("environment", {}).get("KVMESH_INSTANCE_DRAIN_S", InstanceSettings().drain_s))
+        assert grace and int(grace.group(1)) > drain, f"{name}: stop_grace_period {svc.get('stop_grace_period')}"
+
+
 def test_prometheus_scrapes_every_kvmesh_service():
     scraped = {n for job in load("deploy/prometheus.yml")["scrape_configs"] for sd in job["dns_sd_configs"]
                for n in sd["names"]}
