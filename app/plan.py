@@ -167,9 +167,11 @@ async def heartbeats(nats_url: str, cluster: str, window_s: float, state_dir: Pa
     seen: dict[str, InstanceLoad] = {}
 
     async def on_beat(beat: object, headers: dict[str, str]) -> None:
-        if isinstance(beat, Heartbeat) and beat.role.is_engine and beat.draining:
-            seen.pop(beat.instance_id, None)  # stopping: no longer capacity
-        elif isinstance(beat, Heartbeat) and beat.role.is_engine:
+        if not (isinstance(beat, Heartbeat) and beat.role.is_engine):
+            return
+        if beat.draining:  # stopping: no longer capacity
+            seen.pop(beat.instance_id, None)
+        else:
             seen[beat.instance_id] = InstanceLoad.from_beat(beat.instance_id, beat.role, beat.load, beat.block_size)
 
     bus = await Bus.connect(nats_url, "kvmesh-plan", tls=tls.bus_tls(operator_settings(state_dir)))

@@ -100,17 +100,16 @@ class Repair:
 
     def __init__(self, cfg: CacheServiceSettings, shared: SharedSettings, smap: ShardMap, pool: Pool,
                  storage: Callable[..., Awaitable[Any]], repaired: Callable[[int, int, int], None],
-                 peers: Mapping[int, str] | Sequence[str] = ()) -> None:
-        """``peers``: every shard's address by shard number (a sequence: in shard order), then those of shards
-        leaving (default: ``cfg.peers``)."""
+                 peers: Mapping[int, str] | None = None) -> None:
+        """``peers``: every shard's address by shard number, then those of shards leaving (default:
+        ``cfg.peers``)."""
         self.shard, self.smap, self.pool = cfg.shard, smap, pool
         self.storage = storage
         self.repaired = repaired  # (source shard, blocks, bytes): the metrics
         self.rate = cfg.repair_mb_s << 20
         self.max_bytes = min(BATCH_BYTES, (cfg.max_message_mb << 20) - (1 << 20))
         opts = [("grpc.max_receive_message_length", cfg.max_message_mb << 20)]
-        addresses = dict(peers) if isinstance(peers, Mapping) else dict(enumerate(peers))
-        addresses = addresses or dict(enumerate(a.strip() for a in cfg.peers.split(",")))
+        addresses = dict(enumerate(cfg.peer_addresses)) if peers is None else peers
         self.channels = {s: tls.aio_channel(a, opts, shared) for s, a in addresses.items() if s != cfg.shard}
         self.stubs = {s: cache_pb2_grpc.CacheServiceStub(ch) for s, ch in self.channels.items()}
         self.blocks = 0  # fetched and stored since start (Stats)

@@ -575,7 +575,7 @@ class CacheServer:
                         "only to the other shards' hand-over: stop it once each of them reports "
                         "handover_pending_shards 0", cfg.shard, smap.shards)
             return
-        listed = [a.strip() for a in cfg.peers.split(",")] if cfg.peers and cfg.peers != DISCOVER else []
+        listed = cfg.peer_addresses
         if smap.shards == 1 and cfg.peers != DISCOVER and len(listed) <= 1:
             return  # one shard, none leaving: nothing to fetch from anywhere
         if not cfg.repair_mb_s:

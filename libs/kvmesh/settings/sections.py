@@ -790,6 +790,12 @@ class CacheServiceSettings(Section):
     max_transfer_mb: int = setting(256, "the most one GetBlocks pushes (the rest is for the next call)")
 
     @property
+    def peer_addresses(self) -> list[str]:
+        """``peers`` as a list in shard order (the leaving shards' after the shards'); empty for none or
+        ``"nats"`` (found through the bus)."""
+        return [a.strip() for a in self.peers.split(",")] if self.peers and self.peers != "nats" else []
+
+    @property
     def leaving(self) -> bool:
         """A shard leaving the cluster (``shard`` >= ``shards``): it owns no slots under the new count and serves
         its pool only to the others' hand-over, until it is stopped."""
@@ -819,7 +825,7 @@ class CacheServiceSettings(Section):
             out.append(Problem("shard", f"shard must be in [0, shards - 1] = [0, {self.shards - 1}] (or shards and "
                                         f"more: a shard leaving the cluster), not {self.shard}"))
         out += self._address("peers", "no repair", shards=True)
-        peers = len(self.peers.split(",")) if self.peers and self.peers != "nats" else 0
+        peers = len(self.peer_addresses)
         if peers and peers < max(self.shards, self.shard + 1):
             out.append(Problem("peers", f"peers lists {peers} addresses but shards is {self.shards}"
                                         + (f" and this is shard {self.shard}" if self.shard >= self.shards else "")
