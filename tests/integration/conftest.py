@@ -15,7 +15,13 @@ _server: list[NatsServer] = []  # the session's server, once a test asked for it
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     """One real nats-server (JetStream on) for the whole session; give each test its own cluster name
     (``kvmesh.bus.Subjects(<unique>)``) so subjects and streams do not collide."""
-    with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+    state = tmp_path_factory.mktemp("nats")
+    # Every events stream reserves its byte limit (1 GiB) of JetStream's storage, which defaults to 75% of the free
+    # disk: on a runner with little free disk a module's streams run out of reservations ("insufficient storage
+    # resources available") though they write kilobytes. The limit is accounting, not space: set it past need.
+    config = state / "nats.conf"
+    config.write_text("jetstream { max_file_store: 1T }\n")
+    with NatsServer(state, config=config) as server:
         _server.append(server)
         yield server
         _server.clear()
