@@ -1,7 +1,7 @@
 """``kvmesh bench agents``: multi-step agents with tool pauses and sub-agents on the stack, with the agent hints
 and without, and with one instance overloaded, sessions kept on it or moved.
 
-    kvmesh bench agents [--tasks 6] [--steps 5] [--seed 7] [--scenarios hints,overload] [--no-write]
+    kvmesh bench agents [--tasks 6] [--steps 5] [--seed 7] [--rounds 1] [--scenarios hints,overload] [--no-write]
 
 The stack: 2 role-both instances of the default model (1 thread each) whose device KV (``ENGINE``) is smaller
 than the agents' working set, a host tier and the pool behind them (``POOL``), session-aware eviction in both.
@@ -15,14 +15,17 @@ all are back, with their results in its context. Responses are forced tool calls
 step's a short answer; each response joins the context as its token ids (``return_token_ids``), before the
 tool's output.
 
-``hints``: the same workload on two fresh stacks at the same time (so the machine's load weighs on both alike).
+``hints``: the same workload on a fresh stack per run, the arms one after the other in the order A B B A
+(``--rounds`` times: a drift in the machine's load weighs on both alike), each arm's runs pooled. The arms do not
+run at the same time: two stacks side by side put four one-thread engines on this machine's two cores, and every
+resumed step's TTFT became queueing behind the other stack (16-18 s at p50), which no hint can remove.
 "without hints": requests carry no session fields (routing is cache-aware only, eviction ranks as its base
 strategies). "with hints": every request carries its ``session_id`` (sub-agents their ``parent_session_id``), the
 pause its tool will take as the harness knows it (``session_pause_s``: the tool kind's median),
 ``session_retention: demote`` before a long tool (a build; the device goes to the other agents meanwhile) and the
 last step's ``session_end``.
 
-``overload``: with hints, two stacks side by side again, while a hog streams long prompts straight into instance
+``overload``: with hints, the two arms in the same order, while a hog streams long prompts straight into instance
 both-0 (its Decode RPC, as a router would, so the router sees that instance's queue only through its heartbeats):
 "keep" leaves every session on its instance however loaded (``session_overload`` 1000 and no margin the cost model
 could beat), "move" lets it go to the other one (the defaults: sticky until saturated, by the queue or by the cost
@@ -301,25 +304,49 @@ def run(mode: str, systems: list[tuple[int, ...]], agents: list[Agent], hints: s
     return result
 
 
-def optimum(r: Run, capacity: int) -> tuple[float, float]:
-    """The resumed steps' cached share an offline optimum would have served on ``r``'s request stream, in the
-    order sent: Belady over ``capacity`` blocks, and an unbounded cache. Each request leaves its prompt's and
-    its response's blocks (the next step's prompt holds the response)."""
+def optimum(r: Run, capacity: int) -> tuple[int, int, int]:
+    """The resumed steps' prompt tokens an offline optimum would have served from cache on ``r``'s request
+    stream, in the order sent: Belady over ``capacity`` blocks, and an unbounded cache; and their prompt tokens.
+    Each request leaves its prompt's and its response's blocks (the next step's prompt holds the response)."""
     stream = [(block_keys(0, [*s.prompt, *s.record.token_ids], BLOCK), len(s.prompt)) for s in r.sent]
     resumed = [i for i, s in enumerate(r.sent) if s.resumed]
-    total = sum(len(r.sent[i].prompt) for i in resumed) or 1
     bel, inf = belady_hits(stream, BLOCK, capacity), infinite_cache_hits(stream, BLOCK)
-    return sum(bel[i] for i in resumed) / total, sum(inf[i] for i in resumed) / total
+    return (sum(bel[i] for i in resumed), sum(inf[i] for i in resumed),
+            sum(len(r.sent[i].prompt) for i in resumed))
 
 
-def row(r: Run) -> dict[str, Any]:
+def pooled(runs: list[Run]) -> Run:
+    """One arm's runs as one: their requests, counters and times together (each run's stream is its own, so
+    the optimum is taken per run, not over the concatenation: see ``row``)."""
+    out = Run(runs[0].mode, block_bytes=runs[0].block_bytes)
+    for r in runs:
+        out.sent += r.sent
+        out.errors += r.errors
+        out.wall_s += r.wall_s
+        for counts, add in ((out.prefetch, r.prefetch), (out.placements, r.placements)):
+            for k, v in add.items():
+                counts[k] = counts.get(k, 0) + v
+    return out
+
+
+def abba(arms: list[str], rounds: int) -> list[str]:
+    """The order the arms run in: A B B A, ``rounds`` times (a linear drift in the machine's load falls on both
+    alike)."""
+    a, b = arms
+    return [a, b, b, a] * rounds
+
+
+def row(runs: list[Run]) -> dict[str, Any]:
+    r = pooled(runs)
     recs = r.resumed
     ttfts = [x.ttft_s for x in recs if x.ttft_s is not None]
     prompt = sum(x.prompt_tokens or 0 for x in recs)
     cached = sum(x.cached_tokens or 0 for x in recs)
     mb = r.block_bytes / 2**20
-    belady, unbounded = optimum(r, 2 * ENGINE["num_blocks"])
-    return {"run": r.mode, "resumed steps": len(recs),
+    hits = [optimum(x, 2 * ENGINE["num_blocks"]) for x in runs]
+    total = sum(h[2] for h in hits) or 1
+    belady, unbounded = sum(h[0] for h in hits) / total, sum(h[1] for h in hits) / total
+    return {"run": r.mode, "runs": len(runs), "resumed steps": len(recs),
             "TTFT p50 s": f"{percentile(ttfts, 50):.2f}" if ttfts else "-",
             "TTFT p90 s": f"{percentile(ttfts, 90):.2f}" if ttfts else "-",
             "cached share": f"{cached / prompt:.1%}" if prompt else "-",
@@ -329,19 +356,19 @@ def row(r: Run) -> dict[str, Any]:
                                              f"{r.prefetch.get('wasted', 0) * mb:.1f})",
             "resumed / moved / forked": "{resumed} / {moved} / {forked}".format(**{
                 k: r.placements.get(k, 0) for k in ("resumed", "moved", "forked")}),
-            "wall s": f"{r.wall_s:.0f}", "errors": len(r.errors)}
+            "wall s": f"{r.wall_s / len(runs):.0f}", "errors": len(r.errors)}
 
 
-COLUMNS = ["run", "resumed steps", "TTFT p50 s", "TTFT p90 s", "cached share", "optimum (device / unbounded)",
+COLUMNS = ["run", "runs", "resumed steps", "TTFT p50 s", "TTFT p90 s", "cached share", "optimum (device / unbounded)",
            "prefetched MB (used / wasted)", "resumed / moved / forked", "wall s", "errors"]
 
 
-def _ratio(runs: list[Run], q: int) -> str:
-    a, b = ([x.ttft_s for x in r.resumed if x.ttft_s is not None] for r in runs)
+def _ratio(arms: list[list[Run]], q: int) -> str:
+    a, b = ([x.ttft_s for x in pooled(runs).resumed if x.ttft_s is not None] for runs in arms)
     return f"{percentile(b, q) / percentile(a, q):.2f}x" if a and b and percentile(a, q) else "-"
 
 
-def describe(tasks: int, steps: int, load0: str) -> str:
+def describe(tasks: int, steps: int, rounds: int, load0: str) -> str:
     tools = ", ".join(f"{k} ~{m:g} s ({w:.0%})" for k, (m, _, w) in TOOLS.items())
     return (f"{tasks} agent tasks of {steps} steps, started 2 s apart, two agent kinds (a 256-token system prompt "
             f"each), 96 tokens of instructions, then a step's response (its token ids) and 64 tokens of tool output "
@@ -350,56 +377,49 @@ def describe(tasks: int, steps: int, load0: str) -> str:
             f"role-both instances of the default model (1 thread each, {ENGINE['num_blocks']} device blocks = "
             f"{ENGINE['num_blocks'] * BLOCK} tokens each, {ENGINE['host_cache_mb']} MB host tier, a "
             f"{POOL['pool_capacity_mb']} MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}). "
-            f"The arms run at the same time, each on its own stack (the machine's load weighs on both alike). "
-            f"Resumed steps: every step after an agent's first. Optimum: the same stream through an offline cache "
-            f"(Belady over the fleet's {2 * ENGINE['num_blocks']} device blocks / unbounded). Load average {load0} "
-            f"at the start, {load_average()} at the end (the machine is shared: TTFTs move with it).")
+            f"A fresh stack per run; the arms one after the other in the order A B B A, {rounds} time(s), each "
+            f"arm's {2 * rounds} runs pooled. Resumed steps: every step after an agent's first. Optimum: each "
+            f"run's stream through an offline cache (Belady over the fleet's {2 * ENGINE['num_blocks']} device "
+            f"blocks / unbounded). Load average {load0} at the start, {load_average()} at the end (the machine is "
+            f"shared: TTFTs move with it).")
 
 
-def side_by_side(*arms: tuple[str, dict[str, Any]]) -> list[Run]:
-    """Each arm's ``run`` on its own stack, all at the same time: the shared machine weighs on every arm alike."""
-    out: dict[str, Run] = {}
-    failed: list[BaseException] = []
-
-    def one(mode: str, kw: dict[str, Any]) -> None:
-        try:
-            out[mode] = run(mode, **kw)
-        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-            failed.append(e)
-
-    threads = [threading.Thread(target=one, args=arm) for arm in arms]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failed:
-        raise failed[0]
+def in_turn(arms: list[tuple[str, dict[str, Any]]], rounds: int) -> list[list[Run]]:
+    """Each arm's ``run`` on a fresh stack, one at a time in the order ``abba``: every arm's runs, in ``arms``'
+    order."""
+    kw = dict(arms)
+    out: dict[str, list[Run]] = {mode: [] for mode, _ in arms}
+    for mode in abba([mode for mode, _ in arms], rounds):
+        out[mode].append(run(mode, **kw[mode]))
     return [out[mode] for mode, _ in arms]
 
 
-def bench_hints(tasks: int, steps: int, seed: int) -> str:
+def _errors(arms: list[list[Run]]) -> str:
+    errors = [e for runs in arms for r in runs for e in r.errors][:5]
+    return "\n\nErrors: " + "; ".join(errors) if errors else ""
+
+
+def bench_hints(tasks: int, steps: int, seed: int, rounds: int) -> str:
     systems, agents = workload(tasks, steps, seed)
     load0 = load_average()
-    runs = side_by_side(("without hints", {"systems": systems, "agents": agents, "hints": "none"}),
-                        ("with hints", {"systems": systems, "agents": agents, "hints": "full"}))
-    errors = [e for r in runs for e in r.errors][:5]
-    return (describe(tasks, steps, load0) + "\n\n" + markdown_table([row(r) for r in runs], COLUMNS)
-            + f"\n\nWith hints / without: resumed steps' TTFT p50 {_ratio(runs, 50)}, p90 {_ratio(runs, 90)}."
-            + ("\n\nErrors: " + "; ".join(errors) if errors else ""))
+    arms = in_turn([("without hints", {"systems": systems, "agents": agents, "hints": "none"}),
+                    ("with hints", {"systems": systems, "agents": agents, "hints": "full"})], rounds)
+    return (describe(tasks, steps, rounds, load0) + "\n\n" + markdown_table([row(r) for r in arms], COLUMNS)
+            + f"\n\nWith hints / without: resumed steps' TTFT p50 {_ratio(arms, 50)}, p90 {_ratio(arms, 90)}."
+            + _errors(arms))
 
 
-def bench_overload(tasks: int, steps: int, seed: int) -> str:
+def bench_overload(tasks: int, steps: int, seed: int, rounds: int) -> str:
     systems, agents = workload(tasks, steps, seed)
     load0 = load_average()
     common = {"systems": systems, "agents": agents, "hints": "full", "hog": True}
-    runs = side_by_side(("keep (session_overload 1000)", {**common, "overload": 1000}),
-                        ("move (session_overload 2)", {**common, "overload": 2}))
-    errors = [e for r in runs for e in r.errors][:5]
-    return (describe(tasks, steps, load0) + " With hints; a hog streams 3 prompts of 700 tokens at a time "
-            "(48 tokens out each) straight into both-0's Decode RPC for the whole run.\n\n"
-            + markdown_table([row(r) for r in runs], COLUMNS)
-            + f"\n\nMove / keep: resumed steps' TTFT p50 {_ratio(runs, 50)}, p90 {_ratio(runs, 90)}."
-            + ("\n\nErrors: " + "; ".join(errors) if errors else ""))
+    arms = in_turn([("keep (session_overload 1000)", {**common, "overload": 1000}),
+                    ("move (session_overload 2)", {**common, "overload": 2})], rounds)
+    return (describe(tasks, steps, rounds, load0) + " With hints; a hog streams 3 prompts of 700 tokens at a "
+            "time (48 tokens out each) straight into both-0's Decode RPC for the whole of each run.\n\n"
+            + markdown_table([row(r) for r in arms], COLUMNS)
+            + f"\n\nMove / keep: resumed steps' TTFT p50 {_ratio(arms, 50)}, p90 {_ratio(arms, 90)}."
+            + _errors(arms))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,18 +428,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--scenarios", default="hints,overload", help="comma-separated: hints, overload")
+    p.add_argument("--rounds", type=int, default=1, help="A B B A rounds: each arm runs 2x this many times")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md as it is")
     args = p.parse_args(argv)
     chosen = {s.strip() for s in args.scenarios.split(",") if s.strip()}
     if not chosen or chosen - {"hints", "overload"}:
         p.error("--scenarios: choose from hints, overload")
-    base = f"kvmesh bench agents --tasks {args.tasks} --steps {args.steps} --seed {args.seed}"
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
+    base = f"kvmesh bench agents --tasks {args.tasks} --steps {args.steps} --seed {args.seed} --rounds {args.rounds}"
     if "hints" in chosen:
-        publish(SECTION, f"{base} --scenarios hints", bench_hints(args.tasks, args.steps, args.seed),
+        publish(SECTION, f"{base} --scenarios hints", bench_hints(args.tasks, args.steps, args.seed, args.rounds),
                 write=not args.no_write)
     if "overload" in chosen:
-        publish(SECTION_OVERLOAD, f"{base} --scenarios overload", bench_overload(args.tasks, args.steps, args.seed),
-                write=not args.no_write)
+        publish(SECTION_OVERLOAD, f"{base} --scenarios overload",
+                bench_overload(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
     return 0
 
 
