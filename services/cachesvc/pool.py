@@ -246,11 +246,29 @@ class Pool:
         if self.sessions is None:
             return
         changed = self.sessions.request(session, blocks, self.leases.clock(), end, resume=False)
-        for key in blocks:
+        self._owned_by(session, blocks)
+        self._rerank(changed | set(blocks))
+
+    def holding(self, keys: Sequence[int]) -> list[tuple[str, ...]]:
+        """The sessions that hold each of ``keys`` here, in order (what a repair's copy carries)."""
+        return self.sessions.holding(keys) if self.sessions is not None else [() for _ in keys]
+
+    def hold_too(self, sessions: Sequence[str], keys: Sequence[int]) -> None:
+        """A copy's blocks (a repair's) are held by ``sessions`` here as they were at the shard they came from:
+        they rank as those sessions' until the sessions' own requests say otherwise."""
+        if self.sessions is None or not sessions:
+            return
+        changed: set[int] = set()
+        for session in sessions:
+            changed |= self.sessions.hold_too(session, keys, self.leases.clock())
+            self._owned_by(session, keys)
+        self._rerank(changed | set(keys))
+
+    def _owned_by(self, session: str, keys: Sequence[int]) -> None:
+        for key in keys:
             for tier in self.tiers:
                 for usage in tier.usages(key):
                     usage.session_owner = owner_after(usage.session_owner, session)
-        self._rerank(changed | set(blocks))
 
     def session_signal(self, session: str, event: SessionEvent, expected_s: float = 0.0) -> None:
         """``session`` paused, demoted, released or ended (``SessionTable.signal``; a pause of a session not

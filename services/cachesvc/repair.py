@@ -80,17 +80,21 @@ def mask_slots(mask: bytes) -> set[int]:
     return {s for s in range(bits.bit_length()) if bits >> s & 1}
 
 
-def _retention_runs(got: cache_pb2.GetBlocksResponse, n: int) -> list[tuple[int, int, int, float]]:
-    """The answer's first ``n`` blocks as runs of one retention: (first, end, priority, seconds it holds). A shard
-    that sends none (an older build) gives one run without priority."""
-    if len(got.priorities) != n or len(got.priority_s) != n:
-        return [(0, n, 0, 0.0)]
-    # whole seconds (a second's difference is not worth another put), never rounded down to 0 (= for good)
-    kept = [(p, 0.0 if s <= 0 else float(max(1, round(s)))) for p, s in zip(got.priorities, got.priority_s)]
+def _copy_runs(got: cache_pb2.GetBlocksResponse, n: int) -> list[tuple[int, int, int, float, tuple[str, ...]]]:
+    """The answer's first ``n`` blocks as runs of one retention and one set of sessions: (first, end, priority,
+    seconds it holds, the sessions that hold them). A shard that sends no retention or no sessions (an older
+    build) gives none of it."""
+    if len(got.priorities) == n and len(got.priority_s) == n:
+        # whole seconds (a second's difference is not worth another put), never rounded down to 0 (= for good)
+        kept = [(p, 0.0 if s <= 0 else float(max(1, round(s)))) for p, s in zip(got.priorities, got.priority_s)]
+    else:
+        kept = [(0, 0.0)] * n
+    held = [tuple(h.keys) for h in got.sessions] if len(got.sessions) == n else [()] * n
     runs, first = [], 0
-    for (priority, seconds), group in itertools.groupby(kept):
+    for (priority, seconds, sessions), group in itertools.groupby(
+            (p, s, h) for (p, s), h in zip(kept, held, strict=True)):
         end = first + len(list(group))
-        runs.append((first, end, priority, seconds))
+        runs.append((first, end, priority, seconds, sessions))
         first = end
     return runs
 
@@ -219,13 +223,13 @@ class Repair:
             if list(got.block_keys) != batch[:n]:
                 raise PeerFailed(f"shard {source} answered with blocks that were not asked for")
             stored = 0
-            for first, last, priority, priority_s in _retention_runs(got, n):  # each run of one retention
+            for first, last, priority, priority_s, sessions in _copy_runs(got, n):  # runs of one retention
                 nb = layout.block_nbytes
-                put = functools.partial(self.pool.put, layout, batch[first:last], list(got.checksums[first:last]),
-                                        memoryview(got.data)[first * nb:last * nb], priority=priority,
-                                        priority_s=priority_s, writer=f"cachesvc shard {source} (repair)")
+                put = functools.partial(self._put, layout, batch[first:last], list(got.checksums[first:last]),
+                                        memoryview(got.data)[first * nb:last * nb], priority, priority_s,
+                                        sessions, f"cachesvc shard {source} (repair)")
                 try:
-                    stored += (await self.storage(put)).stored
+                    stored += await self.storage(put)
                 except (PoolFull, StoreUnavailable, ValueError) as e:  # ours is full, or a block arrived damaged
                     log.warning("repair: %d blocks from shard %d not stored: %s", last - first, source, e)
             self.blocks += stored
@@ -233,6 +237,15 @@ class Repair:
             self.repaired(source, stored, stored * layout.block_nbytes)
             i += n
             await self._pace(len(got.data))
+
+    def _put(self, layout: KVLayout, keys: list[int], checksums: list[int], data: memoryview, priority: int,
+             priority_s: float, sessions: tuple[str, ...], writer: str) -> int:
+        """On the storage thread: store a run of copies with their retention, held by the sessions that held
+        them there; the blocks stored."""
+        stored = self.pool.put(layout, keys, checksums, data, priority=priority, priority_s=priority_s,
+                               writer=writer).stored
+        self.pool.hold_too(sessions, keys)
+        return stored
 
     async def _pace(self, nbytes: int) -> None:
         """Sleep as long as keeps the fetch rate at ``repair_mb_s`` over the last few seconds."""

@@ -43,7 +43,7 @@ from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.contracts.messages import CacheShardBeat, Heartbeat, KVEventBatch, KVQuarantine, Message, SessionSignal
 from kvmesh.contracts.shards import ShardMap
-from kvmesh.identity import Identity
+from kvmesh.identity import Identity, MeshRole
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.settings import CacheServiceSettings, SharedSettings
@@ -84,6 +84,11 @@ class ForeignAddress(ValueError):
     """GetBlocks named a transfer endpoint that is not the caller's own."""
 
 
+class CopyRefused(ValueError):
+    """GetBlocks asked for a copy (a repair's, with each block's retention and sessions) from a caller that is not
+    a cachesvc shard."""
+
+
 class WrongShard(ValueError):
     """The caller addresses another shard, or another number of shards, than this cachesvc is."""
 
@@ -109,6 +114,7 @@ CALL_ERRORS = {
     Shadowing: ("shadowing", grpc.StatusCode.PERMISSION_DENIED),
     TooManyLeases: ("too_many_leases", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ForeignAddress: ("foreign_address", grpc.StatusCode.PERMISSION_DENIED),
+    CopyRefused: ("copy_refused", grpc.StatusCode.PERMISSION_DENIED),
     WrongShard: ("wrong_shard", grpc.StatusCode.FAILED_PRECONDITION),
     PoolFull: ("full", grpc.StatusCode.RESOURCE_EXHAUSTED),
     StoreUnavailable: ("unavailable", grpc.StatusCode.UNAVAILABLE),
@@ -295,6 +301,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         layout = _request_layout(request)
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=False)
         holder = _holder(context)
+        if request.copy:
+            self.server.check_copy_caller(caller(context))
         if request.transfer_address or request.transfer_id:
             self.server.check_own_address(caller(context), request.transfer_address)
             return await self._push_blocks(request, layout, lease_s, holder)
@@ -309,6 +317,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 kept = [self.pool.retention(b.key) for b in got.blocks]
                 head.priorities.extend(p for p, _ in kept)
                 head.priority_s.extend(s for _, s in kept)
+                head.sessions.extend(cache_pb2.BlockSessions(keys=h)
+                                     for h in self.pool.holding([b.key for b in got.blocks]))
             return encode_get_reply(head, [b.data for b in got.blocks])
 
         reply = await self._storage(get)
@@ -724,6 +734,14 @@ class CacheServer:
             raise WrongShard(f"{len(other)} of the {len(keys)} block keys belong to other shards' pools (key "
                              f"{key:#x}: shards {', '.join(map(str, owners))}): put each block to the shards "
                              "kvmesh.contracts.shards maps it to")
+
+    @staticmethod
+    def check_copy_caller(who: Identity | None) -> None:
+        """A copy (a repair's) carries which sessions hold each block, and so names other tenants' sessions: it is
+        for another shard alone. No check on a plaintext server (who: None)."""
+        if who is not None and who.role is not MeshRole.CACHESVC:
+            raise CopyRefused(f"GetBlocks with copy is for cachesvc shards (a repair), not {who}: read the blocks "
+                              "without copy")
 
     def check_own_address(self, who: Identity | None, address: str) -> None:
         """A GetBlocks push goes only to the transfer endpoint the calling instance announced (its heartbeat):

@@ -301,6 +301,27 @@ def test_put_get_round_trip_with_checksums(nats_server, cluster):
     run(body())
 
 
+def test_a_copy_for_a_repair_names_the_sessions_that_hold_each_block(nats_server, cluster):
+    """What a shard's repair reads (``GetBlocks`` with ``copy``): with each block, the sessions whose write-backs
+    hold it in this pool, so the repaired copy ranks as theirs; a reader's get carries none."""
+    async def body() -> None:
+        async with InProcess(nats_server.url, cluster, pool_eviction="session") as stub:
+            keys, sums, data = blocks(3)
+            await stub.PutBlocks(cache_pb2.PutBlocksRequest(layout=LAYOUT, block_keys=keys[:2], checksums=sums[:2],
+                                                            data=data[:2 * BLOCK_BYTES], session_key="t/a"))
+            await stub.PutBlocks(cache_pb2.PutBlocksRequest(layout=LAYOUT, block_keys=keys[2:], checksums=sums[2:],
+                                                            data=data[2 * BLOCK_BYTES:]))
+            await stub.PutBlocks(cache_pb2.PutBlocksRequest(layout=LAYOUT, session_key="t/b",
+                                                            session_blocks=keys[1:2]))  # t/b's request read it too
+            got = await stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=LAYOUT, block_keys=keys, copy=True))
+            assert list(got.block_keys) == keys
+            assert [sorted(s.keys) for s in got.sessions] == [["t/a"], ["t/a", "t/b"], []]
+            plain = await stub.GetBlocks(cache_pb2.GetBlocksRequest(layout=LAYOUT, block_keys=keys))
+            assert list(plain.sessions) == [] and list(plain.priorities) == []
+
+    run(body())
+
+
 @pytest.mark.parametrize("mutate, code, message", [
     (lambda r: r.checksums.pop(), grpc.StatusCode.INVALID_ARGUMENT,
      "checksums has 2 entries for 3 block_keys"),

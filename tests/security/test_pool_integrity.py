@@ -68,3 +68,18 @@ def test_get_blocks_pushes_only_to_the_callers_own_transfer_endpoint(stack):
             transfer_token="t"), timeout=10)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert stack.service("decode-0").endpoints["transfer"] in e.value.details()
+
+
+def test_a_repairs_copy_with_the_sessions_of_each_block_is_for_cachesvc_shards_alone(stack):
+    """A copy names the sessions that hold each block (other tenants' too): an engine that asks for one is refused;
+    the shard-to-shard call it is made for goes on."""
+    key = KEY + 2
+    put(stack, MeshRole.DECODE, "writer", key, b"\x03" * LAYOUT.block_nbytes)
+    ask = cache_pb2.GetBlocksRequest(layout=LAYOUT.to_proto(), block_keys=[key], copy=True)
+    with channel(stack, stack.service("cachesvc").grpc_address, MeshRole.PREFILL, "curious") as ch, \
+            pytest.raises(grpc.RpcError) as e:
+        cache_pb2_grpc.CacheServiceStub(ch).GetBlocks(ask, timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "cachesvc shards" in e.value.details()
+    with channel(stack, stack.service("cachesvc").grpc_address, MeshRole.CACHESVC, "cachesvc-1") as ch:
+        reply = cache_pb2_grpc.CacheServiceStub(ch).GetBlocks(ask, timeout=10)
+    assert list(reply.block_keys) == [key] and len(reply.sessions) == 1

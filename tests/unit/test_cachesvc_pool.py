@@ -42,13 +42,13 @@ def make_pool(dram_blocks: int = 100, disk_blocks: int = 0, disk: Path | None = 
     clock = clock or Clock()
     leases = Leases(clock)
     tiers: list[Tier] = []
+    strategy = make_policy(policy)  # one object for every tier, as Pool.from_config makes it
     if dram_blocks:
-        tiers.append(DramTier(dram_blocks * NB, make_policy(policy), leases.pinned, clock))
+        tiers.append(DramTier(dram_blocks * NB, strategy, leases.pinned, clock))
     if disk_blocks:
         assert disk is not None
-        tiers.append(DiskTier(disk, disk_blocks * RECORD, segment_blocks * RECORD, make_policy(policy),
-                              leases.pinned, clock))
-    return Pool(tiers, leases)
+        tiers.append(DiskTier(disk, disk_blocks * RECORD, segment_blocks * RECORD, strategy, leases.pinned, clock))
+    return Pool(tiers, leases, getattr(strategy, "sessions", None))
 
 
 def held(pool: Pool, *keys: int, tier: str | None = None) -> list[int]:

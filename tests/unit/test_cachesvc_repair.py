@@ -9,6 +9,7 @@ from collections import Counter
 import grpc
 import pytest
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sessions import SessionEvent
 from kvmesh.contracts.shards import SLOTS, ShardMap
 from kvmesh.proto.v1 import cache_pb2
 from kvmesh.settings import CacheServiceSettings, SharedSettings
@@ -101,12 +102,12 @@ def test_repair_mb_s_zero_turns_repair_off_and_a_negative_rate_is_refused():
         settings.load(env={"KVMESH_CACHESVC_REPAIR_MB_S": "-1"})
 
 
-def test_a_copys_retention_is_the_blocks_and_goes_in_runs_of_one_retention(tmp_path):
+def test_a_copys_retention_and_sessions_are_the_blocks_and_go_in_runs_of_one_of_each(tmp_path):
     """A repair copy keeps each block's priority and what is left of its time (the source's ``retention``, sent
-    with the copy), in as few puts as there are runs of one retention."""
+    with the copy) and the sessions that hold it there, in as few puts as there are runs of one of each."""
     from kvmesh.proto.v1 import cache_pb2
 
-    from services.cachesvc.repair import _retention_runs
+    from services.cachesvc.repair import _copy_runs
 
     pool = make_pool(dram_blocks=8)
     pool.put(LAYOUT, *blocks(1), priority=90, priority_s=3600)
@@ -117,18 +118,48 @@ def test_a_copys_retention_is_the_blocks_and_goes_in_runs_of_one_retention(tmp_p
     assert left[0] == 90 and 3590 < left[1] <= 3600
     assert pool.retention(2) == (50, 0.0) and pool.retention(3) == (0, 0.0) and pool.retention(4) == (0, 0.0)
 
-    got = cache_pb2.GetBlocksResponse(block_keys=[1, 5, 2, 6, 7, 8], priorities=[90, 90, 50, 0, 0, 30],
-                                      priority_s=[3599.6, 3600.2, 0.0, 0.0, 0.0, 0.2])
-    assert _retention_runs(got, 6) == [(0, 2, 90, 3600.0), (2, 3, 50, 0.0), (3, 5, 0, 0.0), (5, 6, 30, 1.0)]
-    assert _retention_runs(cache_pb2.GetBlocksResponse(block_keys=[1, 2]), 2) == [(0, 2, 0, 0.0)]  # an older shard
+    a, ab = cache_pb2.BlockSessions(keys=["t/a"]), cache_pb2.BlockSessions(keys=["t/a", "t/b"])
+    none = cache_pb2.BlockSessions()
+    got = cache_pb2.GetBlocksResponse(block_keys=[1, 5, 2, 6, 7, 8, 9], priorities=[90, 90, 50, 0, 0, 0, 30],
+                                      priority_s=[3599.6, 3600.2, 0.0, 0.0, 0.0, 0.0, 0.2],
+                                      sessions=[a, a, a, none, ab, ab, none])
+    assert _copy_runs(got, 7) == [(0, 2, 90, 3600.0, ("t/a",)), (2, 3, 50, 0.0, ("t/a",)), (3, 4, 0, 0.0, ()),
+                                  (4, 6, 0, 0.0, ("t/a", "t/b")), (6, 7, 30, 1.0, ())]
+    # an older shard sends neither, or the retention alone
+    assert _copy_runs(cache_pb2.GetBlocksResponse(block_keys=[1, 2]), 2) == [(0, 2, 0, 0.0, ())]
+    assert _copy_runs(cache_pb2.GetBlocksResponse(block_keys=[1, 2], priorities=[5, 5], priority_s=[0, 0]), 2) \
+        == [(0, 2, 5, 0.0, ())]
+
+
+def test_a_repaired_block_ranks_as_the_sessions_that_held_it_there():
+    """Without the sessions a repaired block would be no session's (the first to go) until its session's next
+    write-back named it: with them it is held as it was, one session's or several's, a paused session's too."""
+    from kvmesh.engine.sessions import SHARED, Mark
+
+    pool = make_pool(policy="session")
+    assert pool.sessions is not None
+    pool.session_signal("t/a", SessionEvent.PAUSE, expected_s=60.0)  # heard on the bus before the copy came
+    pool.put(LAYOUT, *blocks(1, 2, 3))
+    pool.hold_too(("t/a",), [1, 2])
+    pool.hold_too(("t/a", "t/b"), [3])
+    pool.hold_too((), [4])  # no session: nothing to say
+    now = pool.leases.clock()
+    assert [pool.sessions.holders(k) for k in (1, 2, 3)] == [1, 1, 2]
+    assert [u.session_owner for k in (1, 2, 3) for u in pool.tiers[0].usages(k)] == ["t/a", "t/a", SHARED]
+    assert pool.sessions.mark(1, "t/a", now) is Mark.PAUSED
+    assert pool.holding([1, 3, 9]) == [("t/a",), ("t/a", "t/b"), ()]
+    pool.hold_too(("t/a",), [1])  # said again: held once
+    assert pool.sessions.holders(1) == 1 and pool.sessions.get("t/a").blocks == (1, 2, 3)
 
 
 class _Peer:
     """A shard's gRPC as a repair sees it: refuses ``refusals`` listings (another shard count), then lists and
     serves ``held`` (key -> (checksum, bytes)) under LAYOUT."""
 
-    def __init__(self, held: dict[int, tuple[int, bytes]], own: list[int], refusals: int = 0) -> None:
+    def __init__(self, held: dict[int, tuple[int, bytes]], own: list[int], refusals: int = 0,
+                 sessions: dict[int, tuple[str, ...]] | None = None) -> None:
         self.held, self.own, self.refusals, self.listings = held, set(own), refusals, 0
+        self.sessions = sessions or {}
 
     async def ListBlocks(self, request, timeout=None):
         self.listings += 1
@@ -144,7 +175,9 @@ class _Peer:
     async def GetBlocks(self, request, timeout=None):
         keys = [k for k in request.block_keys if k in self.held]
         return cache_pb2.GetBlocksResponse(block_keys=keys, checksums=[self.held[k][0] for k in keys],
-                                           data=b"".join(self.held[k][1] for k in keys))
+                                           data=b"".join(self.held[k][1] for k in keys),
+                                           sessions=[cache_pb2.BlockSessions(keys=self.sessions.get(k, ()))
+                                                     for k in keys])
 
 
 def test_after_a_resharding_a_shard_takes_its_slots_blocks_from_every_shard_once_it_serves_the_new_count(
@@ -162,8 +195,8 @@ def test_after_a_resharding_a_shard_takes_its_slots_blocks_from_every_shard_once
         return {k: (c, data[i * nb:(i + 1) * nb]) for i, (k, c) in enumerate(zip(ks, sums, strict=True))}
 
     peers = {1: _Peer(held(mine[:4] + theirs), smap.pool_slots(1), refusals=2),
-             2: _Peer(held(mine[3:]), smap.pool_slots(2))}
-    pool = make_pool()
+             2: _Peer(held(mine[3:]), smap.pool_slots(2), sessions={mine[4]: ("t/x",), mine[5]: ("t/x", "t/y")})}
+    pool = make_pool(policy="session")
     seen_pending: list[int] = []
 
     async def storage(fn, *args):
@@ -184,5 +217,6 @@ def test_after_a_resharding_a_shard_takes_its_slots_blocks_from_every_shard_once
 
     asyncio.run(main())
     assert pool.lacking(LAYOUT, mine) == [] and pool.lacking(LAYOUT, theirs) == theirs
+    assert pool.holding(mine) == [(), (), (), (), ("t/x",), ("t/x", "t/y")]  # as they were held there
     assert (peers[1].listings, peers[2].listings) == (3, 1)  # one copy: one listing of what is foreign there
     assert 1 in seen_pending  # shard 2 asked, shard 1 still refusing

@@ -132,6 +132,27 @@ class SessionTable:
     def holders(self, block: int) -> int:
         return self._held.get(block, 0)
 
+    def holding(self, blocks: Sequence[int]) -> list[tuple[str, ...]]:
+        """The sessions that hold each of ``blocks``, in order (none: ``()``): what a copy of them tells another
+        cache (a pool shard's repair). One pass over the sessions' blocks when any of ``blocks`` is held."""
+        wanted = {b for b in blocks if b in self._held}
+        found: dict[int, list[str]] = {}
+        if wanted:
+            for s in self._sessions.values():
+                for b in wanted.intersection(s.blocks):
+                    found.setdefault(b, []).append(s.key)
+        return [tuple(found.get(b, ())) for b in blocks]
+
+    def hold_too(self, key: str, blocks: Sequence[int], now: float) -> set[int]:
+        """Session ``key`` holds ``blocks`` as well as what it held: a copy of them from another cache says so (a
+        pool shard's repair). A session not known here is recorded as seen ``now``; a paused one stays paused and
+        its new blocks with it. The blocks whose holders changed."""
+        s = self._sessions.get(key)
+        if s is None:
+            s = self._sessions[key] = Session(key, now)
+        have = set(s.blocks)
+        return self._hold(s, s.blocks + tuple(dict.fromkeys(b for b in blocks if b not in have)))
+
     # ---- signals -------------------------------------------------------------------------------------------
     def request(self, key: str, blocks: Sequence[int], now: float, end: bool = False,
                 resume: bool = True) -> set[int]:

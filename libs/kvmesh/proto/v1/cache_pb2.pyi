@@ -136,7 +136,7 @@ class GetBlocksRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_keys: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., transfer_versions: _Optional[str] = ..., copy: _Optional[bool] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
-    __slots__ = ("block_keys", "checksums", "data", "tiers", "lease_id", "leased_blocks", "priorities", "priority_s")
+    __slots__ = ("block_keys", "checksums", "data", "tiers", "lease_id", "leased_blocks", "priorities", "priority_s", "sessions")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class GetBlocksResponse(_message.Message):
     LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_S_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
@@ -153,7 +154,14 @@ class GetBlocksResponse(_message.Message):
     leased_blocks: int
     priorities: _containers.RepeatedScalarFieldContainer[int]
     priority_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., lease_id: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., priorities: _Optional[_Iterable[int]] = ..., priority_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    sessions: _containers.RepeatedCompositeFieldContainer[BlockSessions]
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., lease_id: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., priorities: _Optional[_Iterable[int]] = ..., priority_s: _Optional[_Iterable[float]] = ..., sessions: _Optional[_Iterable[_Union[BlockSessions, _Mapping]]] = ...) -> None: ...
+
+class BlockSessions(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseBlocksRequest(_message.Message):
     __slots__ = ("block_keys", "lease_s", "view")
