@@ -5,6 +5,7 @@ from collections import Counter
 from app.bench.router_compare import (
     CONTENDERS,
     REST,
+    WAITING,
     Prompt,
     Result,
     Window,
@@ -47,21 +48,22 @@ def test_breakdown_puts_a_sample_in_the_first_part_its_stack_passes_through():
         line(http, "json_errors (services/router/http_api.py:55)", count=3),
         line("BaseEventLoop._run_once (asyncio/base_events.py:1922)", "EpollSelector.select (selectors.py:468)",
              count=6),
+        line("Thread._bootstrap (threading.py:1002)", "_worker (concurrent/futures/thread.py:81)", count=4),
         "",
     ])
-    assert breakdown(raw) == {"tokenize": 30, "hash (block keys)": 7,
+    assert breakdown(raw) == {"tokenize": 30, WAITING: 4, "hash (block keys)": 7,
                               "match (MatchPrefix on cachesvc, recent prefixes)": 4,
                               "hit attribution (after the answer)": 2,
                               "HTTP and intake (parse, admit, answer)": 3, REST: 6}
 
 
 def test_breakdown_rows_share_the_measured_cpu_by_samples():
-    rows = breakdown_rows({"tokenize": 60, REST: 40}, cpu_ms=10.0)
+    rows = breakdown_rows({"tokenize": 60, REST: 40, WAITING: 25}, cpu_ms=10.0)  # waiting: no share, no row
     tokenize = next(r for r in rows if r["part"] == "tokenize")
     rest = next(r for r in rows if r["part"] == REST)
     assert (tokenize["share"], tokenize["CPU ms/request"]) == ("60%", "6.00")
     assert (rest["share"], rest["CPU ms/request"]) == ("40%", "4.00")
-    assert rows[-1]["part"] == REST
+    assert rows[-1]["part"] == REST and WAITING not in {r["part"] for r in rows}
 
 
 def test_result_row_gives_rate_cpu_per_request_and_core_busy():
