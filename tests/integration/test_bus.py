@@ -236,6 +236,24 @@ def test_more_stream_copies_than_nats_servers_is_refused_naming_the_setting(nats
     run(body())
 
 
+def test_a_store_too_small_for_the_streams_limit_is_refused_saying_what_to_change(tmp_path, subjects):
+    """JetStream reserves a stream's whole byte limit in its store: a store smaller than that refuses the stream,
+    and the error says where the store's size comes from and how to change it."""
+    config = tmp_path / "nats.conf"
+    config.write_text("jetstream { max_file_store: 64MB }\n")
+
+    async def body(url: str) -> None:
+        bus = await Bus.connect(url, "test")
+        with pytest.raises(ValueError, match=r"no room to reserve the KV events stream's limit of 1024 MiB.*"
+                                             r"max_file_store"):
+            await bus.ensure_events_stream(subjects)
+        await bus.ensure_events_stream(subjects, max_bytes=16 << 20)  # a limit the store holds
+        await bus.close()
+
+    with NatsServer(tmp_path, config=config) as server:
+        run(body(server.url))
+
+
 def test_connect_gives_up_at_its_deadline():
     async def body(port: int) -> None:
         start = time.monotonic()

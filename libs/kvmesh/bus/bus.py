@@ -32,7 +32,8 @@ from kvmesh.contracts.messages import CacheShardBeat, CodecError, Heartbeat, KVE
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 JETSTREAM_WAIT_S = 60.0  # how long a service waits for JetStream to answer a call at start
-_STREAM_NAME_IN_USE = 10058  # JetStream API error code
+_STREAM_NAME_IN_USE = 10058  # JetStream API error codes
+_INSUFFICIENT_STORAGE = 10047
 
 Handler = Callable[[Message, dict[str, str]], Awaitable[None]]
 EventsHandler = Callable[[KVEventBatch, dict[str, str]], Awaitable[None]]
@@ -77,13 +78,20 @@ class BusTLS:
 POOL_EVENTS_SENDER = "pool"  # the instance id cachesvc's pool events carry (the index's name for the pool)
 
 
-def _replicas_hint(e: nats.js.errors.APIError, replicas: int) -> Exception:
-    """NATS's refusal of a stream with more copies than it has servers, as the setting to change; any other
-    refusal as it is."""
+def _stream_hint(e: nats.js.errors.APIError, replicas: int, max_bytes: int) -> Exception:
+    """NATS's refusal of the events stream as what to change: more copies than it has servers (the setting), or
+    no room in JetStream's store for the stream's byte limit (the server's store); any other refusal as it is."""
     if replicas > 1 and "replicas" in (e.description or "").lower():
         return ValueError(f"the KV events stream cannot keep {replicas} copies on this NATS ({e.description}): "
                           f"KVMESH_EVENTS_REPLICAS ([shared] events_replicas) may not exceed the number of servers "
                           f"in the NATS cluster (1 for a lone nats-server, as kvmesh up and compose run)")
+    if e.err_code == _INSUFFICIENT_STORAGE:
+        return ValueError(f"NATS JetStream has no room to reserve the KV events stream's limit of {max_bytes >> 20} "
+                          f"MiB ({e.description}): JetStream reserves a stream's whole limit in its store, whose "
+                          f"size is the server's max_file_store (by default 75% of the free disk where it keeps "
+                          f"the store, read at the server's start). Free disk there, or give nats-server a "
+                          f"configuration with jetstream {{ max_file_store: <size> }} that holds this stream "
+                          f"beside the others, then restart it")
     return e
 
 
@@ -280,13 +288,13 @@ class Bus:
                 return
             except nats.js.errors.BadRequestError as e:
                 if e.err_code != _STREAM_NAME_IN_USE:  # else another service created it meanwhile
-                    raise _replicas_hint(e, replicas) from e
+                    raise _stream_hint(e, replicas, max_bytes) from e
             except nats.js.errors.APIError as e:
-                raise _replicas_hint(e, replicas) from e
+                raise _stream_hint(e, replicas, max_bytes) from e
         try:
             await self.js.update_stream(config)
         except nats.js.errors.APIError as e:
-            raise _replicas_hint(e, replicas) from e
+            raise _stream_hint(e, replicas, max_bytes) from e
 
     async def publish_event(self, subject: str, batch: KVEventBatch, headers: dict[str, str] | None = None,
                             timeout_s: float = 5.0) -> int:
