@@ -300,11 +300,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.server.check_view(request.view)
         layout = _request_layout(request)
         lease_s = _lease_s(request.lease_s, self.cfg.max_lease_s, required=False)
-        holder = _holder(context)
+        holder, who = _holder(context), caller(context)
         if request.copy:
-            self.server.check_copy_caller(caller(context))
+            self.server.check_copy_caller(who)
         if request.transfer_address or request.transfer_id:
-            self.server.check_own_address(caller(context), request.transfer_address)
+            self.server.check_own_address(who, request.transfer_address)
             return await self._push_blocks(request, layout, lease_s, holder)
 
         def get() -> bytes:  # on the storage thread: the bytes are copied there too

@@ -29,8 +29,8 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
 
 @pytest.fixture(scope="module", autouse=True)
 def _drop_streams_after_module() -> Iterator[None]:
-    """Every events stream reserves its byte limit (1 GiB) of the server's JetStream storage, a share of the
-    free disk: delete a module's streams when it ends, so a long session does not run out of reservations."""
+    """Delete a module's streams when it ends: the session's server keeps what they stored on disk until then
+    (their reservations no longer run out: the server's store limit is set past need, above)."""
     yield
     if _server and _server[0].running:
         asyncio.run(_delete_streams(_server[0].url))
