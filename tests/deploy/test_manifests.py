@@ -670,9 +670,13 @@ def test_the_planner_may_only_get_and_patch_the_scale_of_the_pools_it_sizes(over
     objs = render(overlay)
     [planner] = [c for c in containers(overlay) if c.service == "planner"]
     args = plan.parser().parse_args(planner.spec["args"][3:])
-    pools = {entry.partition("=")[2] for entry in args.k8s_deployment}
+    by_role = dict(entry.partition("=")[::2] for entry in args.k8s_deployment)
+    pools = set(by_role.values())
+    assert set(by_role) == {"prefill", "decode"}
     deployments = {o["metadata"]["name"] for o in objs if o["kind"] == "Deployment"}
-    assert pools == {"prefill", "decode"} and pools <= deployments
+    assert pools <= deployments
+    for role, name in by_role.items():  # each flag names the Deployment that runs that role's engines
+        assert {c.service for c in containers(overlay) if c.workload == name} == {role}, (role, name)
     [pod] = [w for w in workloads(overlay) if w["metadata"]["name"] == planner.workload]
     account = pod["spec"]["template"]["spec"]["serviceAccountName"]
     bindings = [b for b in objs if b["kind"] == "RoleBinding"
