@@ -107,6 +107,38 @@ def test_a_response_that_ends_in_a_tool_call_pauses_the_session(mesh):
     assert eventually(lambda: not engine_sessions(mesh).get(f"alice/{s}").paused)
 
 
+def test_a_paused_sessions_context_comes_back_from_the_pool_before_its_next_request(mesh):
+    """Its blocks gone from the instance (evicted), the session's context comes back from the pool with no request
+    in sight: when the session's next request reached a router (``RESUME`` for this instance, on the bus) and when
+    the engine finds it due (an announced pause whose end is within ``session_prefetch_lead_s``)."""
+    from kvmesh.contracts.messages import SessionSignal
+    from kvmesh.contracts.sessions import SessionEvent
+
+    s, w = sid(), mesh.workers[0]
+    key = f"alice/{s}"
+    assert chat(mesh, "sk-alice", f"{s} the context an agent has built so far " * 8, session_id=s)[0] == 200
+    assert eventually(lambda: key in mesh.cache.pool.sessions and w.session_contexts.get(key) is not None)
+    ctx = w.session_contexts.get(key)
+    full = len(ctx.tokens) // mesh.engine_cfg.block_size
+
+    def local() -> int:
+        return mesh.call(w.engine.match_prefix(w.engine.namespace(ctx.cache_salt, ctx.lora), list(ctx.tokens),
+                                               len(ctx.tokens)))
+
+    def warmed(trigger: str) -> float:
+        return w.metrics.session_warm_blocks.labels(trigger)._value.get()
+
+    assert full > 4 and local() == full
+    for trigger, event, expected_s in (("resume", SessionEvent.RESUME, 0.0), ("due", SessionEvent.PAUSE, 0.5)):
+        mesh.call(w.engine.call(lambda e: e.blocks.evict(10**6)))  # every unreferenced block leaves the device
+        assert local() == 0
+        before = warmed(trigger)
+        mesh.call(w.bus.publish(w.subjects.sessions, SessionSignal(key, event, time.time(), w.instance_id,
+                                                                   expected_s)))
+        assert eventually(lambda t=trigger, b=before: warmed(t) >= b + full)
+        assert local() == full
+
+
 def test_a_retention_hint_pins_the_callers_blocks_only(mesh):
     prompt = f"{uuid.uuid4().hex} " + "a system prompt worth keeping " * 4
     assert chat(mesh, "sk-alice", prompt)[0] == 200

@@ -295,3 +295,33 @@ def test_a_resume_warms_the_sessions_demoted_blocks_back_at_once(tiny_config):
             await engine.close()
 
     asyncio.run(body())
+
+
+def test_a_pause_tells_the_host_when_the_session_is_due_without_a_host_tier(tiny_config):
+    """Through the seam: with a sink set (the host, to fetch from the pool), a pause gets its timer even without a
+    host tier, and the sink hears the session once it is due; a session back before then is not announced."""
+    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.settings import EngineSettings
+
+    async def body() -> None:
+        cfg = EngineSettings(num_blocks=16, block_size=4, eviction="session", session_prefetch_lead_s=0.1)
+        engine = AsyncEngine(LLMEngine(cfg, model_config=tiny_config), asyncio.get_running_loop())
+        due: list[str] = []
+        engine.on_session_due(due.append)
+        try:
+            await serve(engine, "a", AGENT, "t/agent")
+            await serve(engine, "b", AGENT[:9], "t/other")
+            engine.signal_session(SessionSignal("t/agent", SessionEvent.PAUSE, 0.0, expected_s=0.3))
+            engine.signal_session(SessionSignal("t/other", SessionEvent.PAUSE, 0.0, expected_s=0.3))
+            await serve(engine, "b2", AGENT[:13], "t/other")  # back before it was due: its timer finds it so
+            for _ in range(100):
+                if due:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            assert due == ["t/agent"]
+        finally:
+            await engine.close()
+
+    asyncio.run(body())

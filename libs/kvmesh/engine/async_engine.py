@@ -87,6 +87,7 @@ class AsyncEngine(EngineLoop, Engine):
                            break_even_context(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
                                               mc.intermediate_size))
         self.step_totals = StepTotals()  # fed on the engine thread, read by the metrics collector
+        self._session_due: Callable[[str], None] | None = None  # the host's warm-from-pool of a returning session
         self.start()
 
     # ---- called from the event loop: the engine's own commands ------------------------------------------------
@@ -188,9 +189,15 @@ class AsyncEngine(EngineLoop, Engine):
     def signal_session(self, signal: SessionSignal) -> None:
         """Queued on the engine thread; a pause also sets a timer that warms the session's demoted blocks back
         ``session_prefetch_lead_s`` before it is expected (the pause the client announced, else its own
-        cadence), if it is still paused then; ``RESUME`` (its next request reached the router) warms them at
-        once."""
+        cadence), if it is still paused then, and then tells ``on_session_due``'s sink; ``RESUME`` (its next
+        request reached the router) warms them at once."""
         self.queue(lambda: self._session_signal(signal))
+
+    def on_session_due(self, sink: Callable[[str], None]) -> None:
+        """``sink(session)`` on the event loop when a paused session is ``session_prefetch_lead_s`` from its
+        expected return (the timer above, after the host-tier warm-up): the host fetches what the pool holds of
+        its context then. Pauses get that timer with or without a host tier once a sink is set."""
+        self._session_due = sink
 
     def cluster_copies(self, shared: Sequence_[BlockKey], sole: Sequence_[BlockKey]) -> None:
         self.queue(lambda: self.engine.blocks.cluster_copies(shared, sole))
@@ -277,7 +284,8 @@ class AsyncEngine(EngineLoop, Engine):
                 log.debug("session %s is back: %d blocks warmed back from the host", key, loaded)
             return
         blocks.session_signal(key, event, signal.expected_s)
-        if event not in (SessionEvent.PAUSE, SessionEvent.DEMOTE) or not cfg.session_prefetch or blocks.host is None:
+        if event not in (SessionEvent.PAUSE, SessionEvent.DEMOTE) or not cfg.session_prefetch or \
+                (blocks.host is None and self._session_due is None):
             return
         expected = blocks.sessions.expected_return(key) if blocks.sessions is not None else None
         if expected is not None:
@@ -289,11 +297,15 @@ class AsyncEngine(EngineLoop, Engine):
         self.loop.call_later(delay, lambda: self.queue(lambda: self._prefetch(key, expected)))
 
     def _prefetch(self, key: str, expected: float) -> None:
-        """Still paused, the same pause (it was not back meanwhile): warm its demoted blocks back."""
+        """Still paused, the same pause (it was not back meanwhile): warm its demoted blocks back, then tell the
+        host (which warms what only the pool holds)."""
         blocks = self.engine.blocks
-        still = blocks.sessions is not None and blocks.sessions.expected_return(key) == expected
-        if still and (loaded := blocks.prefetch(key)):
+        if blocks.sessions is None or blocks.sessions.expected_return(key) != expected:
+            return
+        if blocks.host is not None and (loaded := blocks.prefetch(key)):
             log.debug("session %s: %d blocks warmed back before its expected return", key, loaded)
+        if self._session_due is not None:
+            self.loop.call_soon_threadsafe(self._session_due, key)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()

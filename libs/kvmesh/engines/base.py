@@ -147,6 +147,11 @@ class Engine(abc.ABC):
         before it is expected) while it waits on a tool. Queued, never waits; an engine that keeps no sessions
         ignores it."""
 
+    def on_session_due(self, sink: Callable[[str], None]) -> None:
+        """``sink(session)`` on the event loop when a paused session is about to return, by the engine's own
+        estimate (the pause the client announced, else the session's cadence): the host fetches what the pool
+        holds of its context then. An engine that keeps no sessions never calls it."""
+
     def cluster_copies(self, shared: Sequence[BlockKey], sole: Sequence[BlockKey]) -> None:
         """Of its blocks, ``shared`` have another copy in the cluster now and ``sole`` no longer do (cachesvc's
         word): it evicts the former first. Queued, never waits; an engine that cannot use it ignores it."""

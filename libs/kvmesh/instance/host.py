@@ -23,7 +23,7 @@ from kvmesh.authz import Authorizer
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.shard_directory import DISCOVER, ShardDirectory
 from kvmesh.bus.snapshot import answer_snapshots
-from kvmesh.contracts.engine import RequestTiming
+from kvmesh.contracts.engine import RequestTiming, SessionHint
 from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.keys import block_keys
@@ -42,6 +42,7 @@ from kvmesh.grpc_server import ServiceServer
 from kvmesh.instance import adapters
 from kvmesh.instance.metrics import WorkerMetrics
 from kvmesh.instance.pool_client import PoolClient, PoolError
+from kvmesh.instance.session_contexts import SessionContexts
 from kvmesh.model_source.resolve import model_name
 from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.ready import binding, report_ready
@@ -98,6 +99,9 @@ class EngineHost:
         self._event_queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        # sessions' contexts, to warm their KV from the pool before they return; the warms in flight, by session
+        self.session_contexts = SessionContexts(cfg.session_context_tokens)
+        self._session_warms: dict[str, asyncio.Task] = {}
         self.lora_load_s: float | None = None  # the last LoRA adapter load, measured (heartbeat: lora_load_s)
         self.draining = False  # stopping: its beats say so, its gRPC server takes no new call (drain)
         self.drain_started = asyncio.Event()
@@ -153,6 +157,8 @@ class EngineHost:
         # what the cluster says about the cached blocks: sessions that ended or paused (routers), which blocks have
         # another copy elsewhere (cachesvc)
         await self.bus.subscribe(self.subjects.sessions, self._on_session)
+        if self.pool is not None and self.session_contexts.budget:
+            self.engine.on_session_due(lambda key: self.warm_session(key, "due"))
         await self.bus.subscribe(self.subjects.kv_copies(self.instance_id), self._on_copies)
         self.engine.on_quarantine(self._quarantined)
         for role in self.roles:
@@ -192,16 +198,17 @@ class EngineHost:
 
     async def warm_from_pool(self, prompt: list[int], cache_salt: str, pool_blocks: int,
                              parent: Span | None = None, attrs: dict[str, Any] | None = None,
-                             lora: str = "") -> Warmed:
+                             lora: str = "", whole: bool = False) -> Warmed:
         """Before computing a prompt: when the pool holds a longer prefix than our cache (by at least
         ``pool_fetch_min_blocks``), fetch the difference into our cache. Returns the blocks fetched and the
-        outcome in words (what the router's hit attribution reads). Traced as ``prefill.fetch`` under ``parent``."""
+        outcome in words (what the router's hit attribution reads). Traced as ``prefill.fetch`` under ``parent``.
+        ``whole``: ``prompt`` is a context to warm, not a prompt to compute: its last full block is wanted too."""
         if self.pool is None or pool_blocks == 0:
             return Warmed(0, "")
         span = tracing.start("prefill.fetch", parent, attributes={**(attrs or {}), "kvmesh.tier": "pool",
                                                                  "kvmesh.pool_blocks": pool_blocks})
         try:
-            n = await self._warm_from_pool(self.pool, prompt, cache_salt, pool_blocks, span, attrs, lora)
+            n = await self._warm_from_pool(self.pool, prompt, cache_salt, pool_blocks, span, attrs, lora, whole)
         except BaseException as e:
             span.set_status(StatusCode.ERROR, str(e))
             raise
@@ -210,16 +217,18 @@ class EngineHost:
         return n
 
     async def _warm_from_pool(self, pool: PoolClient, prompt: list[int], cache_salt: str, pool_blocks: int,
-                              span: Span, attrs: dict[str, Any] | None = None, lora: str = "") -> Warmed:
+                              span: Span, attrs: dict[str, Any] | None = None, lora: str = "",
+                              whole: bool = False) -> Warmed:
         try:
             seed = self.engine.namespace(cache_salt, lora)
         except ValueError as e:  # an adapter this instance does not serve: the engine refuses the request
             span.set_attributes({"kvmesh.blocks": 0, "kvmesh.outcome": str(e)})
             return Warmed(0, f"failed: {e}")
         bs = self.layout.block_size
-        usable = min(pool_blocks, (len(prompt) - 1) // bs)  # the last token is always computed
+        computed = 0 if whole else 1  # a prompt's last token is always computed
+        usable = min(pool_blocks, (len(prompt) - computed) // bs)
         usable -= usable % self.engine.adopt_unit  # what the engine cannot load would be fetched for nothing
-        local = await self.engine.match_prefix(seed, prompt, len(prompt) - 1)
+        local = await self.engine.match_prefix(seed, prompt, len(prompt) - computed)
         span.set_attribute("kvmesh.local_blocks", local)
         if usable - local < self.cfg.pool_fetch_min_blocks:
             outcome = "local cache suffices" if usable <= local else "below pool_fetch_min_blocks"
@@ -260,11 +269,63 @@ class EngineHost:
 
     async def _on_session(self, msg: Message, headers: dict[str, str]) -> None:
         """A session signal for every cache; ``RESUME`` only for the instance it names (where the request
-        goes)."""
+        goes), which also fetches what the pool holds of the session's context."""
         if not isinstance(msg, SessionSignal):
             return
+        if msg.event in (SessionEvent.END, SessionEvent.RELEASE):
+            self.session_contexts.forget(msg.session)
         if msg.event is not SessionEvent.RESUME or msg.instance == self.instance_id:
             self.engine.signal_session(msg)
+        if msg.event is SessionEvent.RESUME and msg.instance == self.instance_id:
+            self.warm_session(msg.session, "resume")
+
+    # ---- sessions' KV from the pool, ahead of their next request ---------------------------------------------
+    def remember_session(self, session: SessionHint | None, cache_salt: str, lora: str,
+                         tokens: Sequence[int]) -> None:
+        """A request of ``session`` ended here with ``tokens`` of context (its prompt and output): what to warm
+        from the pool should the session return after its blocks have left this instance (its last request:
+        nothing to keep)."""
+        if session is None or self.pool is None:
+            return
+        if session.end:
+            self.session_contexts.forget(session.key)
+        else:
+            self.session_contexts.remember(session.key, cache_salt, lora, tokens)
+
+    def warm_session(self, key: str, trigger: str) -> None:
+        """Fetch what the pool holds of session ``key``'s context past our cache, in the background (``trigger``:
+        ``resume``, its next request reached a router; ``due``, it is about to return). Nothing when this
+        instance keeps no context of it, or a warm of it is in flight."""
+        ctx = self.session_contexts.get(key)
+        if ctx is None or self.pool is None or key in self._session_warms:
+            return
+        bs = self.layout.block_size
+
+        async def warm() -> None:
+            span = tracing.start("session.warm", None, attributes={"kvmesh.instance": self.instance_id,
+                                                                   "kvmesh.trigger": trigger})
+            try:
+                warmed = await self.warm_from_pool(list(ctx.tokens), ctx.cache_salt, len(ctx.tokens) // bs, span,
+                                                   lora=ctx.lora, whole=True)
+                self.metrics.session_warm_blocks.labels(trigger).inc(warmed.blocks)
+            except Exception as e:  # noqa: BLE001 - a warm-up is a bet: the request fetches or computes anyway
+                log.warning("warming session KV from the pool failed: %s", e)
+                span.set_status(StatusCode.ERROR, str(e))
+            finally:
+                span.end()
+                self._session_warms.pop(key, None)
+
+        task = asyncio.ensure_future(warm())
+        self._session_warms[key] = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def session_warmed(self, key: str) -> None:
+        """Wait for a warm of session ``key`` in flight (its request arrived while the pool's blocks were on
+        their way: fetching them again would only race it)."""
+        task = self._session_warms.get(key)
+        if task is not None:
+            await asyncio.wait([task])
 
     def _quarantined(self, keys: list[BlockKey], path: str) -> None:
         """The engine's KV canary quarantined ``keys``: the pool must not serve its copies either."""
@@ -345,7 +406,7 @@ class EngineHost:
             await self.drain()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._session_warms.values()]:  # a warm-up is a bet: not worth a stop's wait
             t.cancel()
         for attached in self.attached:
             await attached.close()

@@ -46,6 +46,12 @@ class WorkerMetrics:
                                   registry=r)
         self.fallbacks = Counter(f"{P}_kv_fallbacks", "Decode recomputed the prompt instead of using the "
                                  "pushed KV", ["reason"], registry=r)
+        self.session_warm_blocks = Counter(f"{P}_session_warm_blocks", "Blocks of paused sessions' contexts "
+                                           "fetched from the pool ahead of their next request: when it reached a "
+                                           "router (resume) or before it was expected (due)", ["trigger"],
+                                           registry=r)
+        for trigger in ("resume", "due"):
+            self.session_warm_blocks.labels(trigger)
         for direction in ("push", "receive", "receive_in_place", "pool_fetch", "pool_write"):
             self.transfer_bytes.labels(direction)  # exported from the start, at 0
         for reason in FALLBACK_REASONS:

@@ -326,7 +326,8 @@ class EngineSettings(Section):
                                            "pauses say otherwise")
     session_prefetch: bool = setting(True, "session-aware eviction: warm a paused session's blocks that were "
                                            "demoted to the host tier back onto the device before it is "
-                                           "expected back")
+                                           "expected back (and, with a pool, fetch what only the pool holds "
+                                           "of its context: instance session_context_tokens)")
     session_prefetch_lead_s: float = setting(1.0, "how long before a paused session is expected back its "
                                                   "blocks are warmed back")
     enable_prefix_caching: bool = setting(True, "radix-tree prefix reuse at any token boundary")
@@ -462,6 +463,11 @@ class InstanceSettings(Section):
                                         "bus name (\"\" = none)")
     pool_fetch_min_blocks: int = setting(1, "fetch from the pool when it holds this many more leading blocks "
                                             "than the local cache")
+    session_context_tokens: int = setting(1_048_576, "tokens of sessions' contexts (each session's last "
+                                                     "request here: prompt and output) kept to warm their KV "
+                                                     "from the pool before they return and when their next "
+                                                     "request reaches a router; the least recent go first "
+                                                     "(4 bytes a token; 0 = never)")
     kv_timeout_s: float = setting(10.0, "decode waits this long for kv.ready, then recomputes the prompt itself")
     push_layer_groups: int = setting(2, "prefill pushes each chunk's KV in this many layer groups, each as soon "
                                         "as the forward pass wrote it (1 = whole blocks after each chunk)")
@@ -510,8 +516,9 @@ class InstanceSettings(Section):
         if not self.drain_s >= 0:
             out.append(Problem("drain_s", f"drain_s must be >= 0 (0 = no drain), not {self.drain_s}"))
         out += self._min(("push_layer_groups",), 1)
-        out += self._min(("pool_fetch_min_blocks", "fault_corrupt_pushes", "fault_stall_pushes",
-                          "fault_hang_after_parts", "fault_forge_tokens", "fault_hang_after_tokens"), 0)
+        out += self._min(("pool_fetch_min_blocks", "session_context_tokens", "fault_corrupt_pushes",
+                          "fault_stall_pushes", "fault_hang_after_parts", "fault_forge_tokens",
+                          "fault_hang_after_tokens"), 0)
         return out
 
 
