@@ -137,7 +137,9 @@ class Sent:
 class Run:
     mode: str
     sent: list[Sent] = field(default_factory=list)
-    prefetch: dict[str, int] = field(default_factory=dict)    # loaded / used / wasted blocks, both instances
+    # loaded / used / wasted blocks warmed from the host tier, both instances; pool_ahead: blocks warmed from the
+    # pool before a request (RESUME, due), pool_bytes: every byte fetched from the pool (ahead and at requests)
+    prefetch: dict[str, int] = field(default_factory=dict)
     placements: dict[str, int] = field(default_factory=dict)  # the router's: resumed / moved / forked
     block_bytes: int = 0
     wall_s: float = 0.0
@@ -296,6 +298,11 @@ def run(mode: str, systems: list[tuple[int, ...]], agents: list[Agent], hints: s
                     result.prefetch[o] = result.prefetch.get(o, 0) + int(
                         _metric(text, "kvmesh_worker_kv_prefetch_blocks_total", f'{{outcome="{o}"}}'))
                 result.block_bytes = int(_metric(text, "kvmesh_worker_kv_block_bytes"))
+                ahead = sum(_metric(text, "kvmesh_worker_session_warm_blocks_total", f'{{trigger="{t}"}}')
+                            for t in ("resume", "due"))
+                fetched = _metric(text, "kvmesh_worker_kv_transfer_bytes_total", '{direction="pool_fetch"}')
+                result.prefetch["pool_ahead"] = result.prefetch.get("pool_ahead", 0) + int(ahead)
+                result.prefetch["pool_bytes"] = result.prefetch.get("pool_bytes", 0) + int(fetched)
             text = _scrape(stack.router_metrics)
             result.placements = {k: int(_metric(text, "kvmesh_router_session_placements_total", f'{{kind="{k}"}}'))
                                  for k in ("resumed", "moved", "forked")}
@@ -354,13 +361,17 @@ def row(runs: list[Run]) -> dict[str, Any]:
             "prefetched MB (used / wasted)": f"{r.prefetch.get('loaded', 0) * mb:.1f} "
                                              f"({r.prefetch.get('used', 0) * mb:.1f} / "
                                              f"{r.prefetch.get('wasted', 0) * mb:.1f})",
+            "from the pool MB (ahead / at the request)":
+                f"{r.prefetch.get('pool_ahead', 0) * mb:.1f} / "
+                f"{max(0.0, r.prefetch.get('pool_bytes', 0) / 2**20 - r.prefetch.get('pool_ahead', 0) * mb):.1f}",
             "resumed / moved / forked": "{resumed} / {moved} / {forked}".format(**{
                 k: r.placements.get(k, 0) for k in ("resumed", "moved", "forked")}),
             "wall s": f"{r.wall_s / len(runs):.0f}", "errors": len(r.errors)}
 
 
 COLUMNS = ["run", "runs", "resumed steps", "TTFT p50 s", "TTFT p90 s", "cached share", "optimum (device / unbounded)",
-           "prefetched MB (used / wasted)", "resumed / moved / forked", "wall s", "errors"]
+           "prefetched MB (used / wasted)", "from the pool MB (ahead / at the request)", "resumed / moved / forked",
+           "wall s", "errors"]
 
 
 def _ratio(arms: list[list[Run]], q: int) -> str:

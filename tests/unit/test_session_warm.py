@@ -120,6 +120,11 @@ def test_the_engines_due_call_warms_and_an_end_forgets_the_context():
         assert h.pool.asked == [2] and len(h.session_contexts) == 0
         h.remember_session(SessionHint("t/agent", end=True), "", "", list(range(2 * BS)))  # its last request
         assert len(h.session_contexts) == 0
+        h.remember_session(SessionHint("t/agent"), "", "", list(range(2 * BS)))
+        await h._on_session(signal(SessionEvent.PAUSE, "both-0"), {})  # paused after a request here: kept
+        assert len(h.session_contexts) == 1
+        await h._on_session(signal(SessionEvent.PAUSE, "both-1"), {})  # its last request ran elsewhere: stale
+        assert len(h.session_contexts) == 0
 
     asyncio.run(body())
 

@@ -272,7 +272,8 @@ class EngineHost:
         goes), which also fetches what the pool holds of the session's context."""
         if not isinstance(msg, SessionSignal):
             return
-        if msg.event in (SessionEvent.END, SessionEvent.RELEASE):
+        stale = msg.event in (SessionEvent.PAUSE, SessionEvent.DEMOTE) and msg.instance not in ("", self.instance_id)
+        if msg.event in (SessionEvent.END, SessionEvent.RELEASE) or stale:  # stale: its last request ran elsewhere
             self.session_contexts.forget(msg.session)
         if msg.event is not SessionEvent.RESUME or msg.instance == self.instance_id:
             self.engine.signal_session(msg)
