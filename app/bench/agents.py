@@ -31,9 +31,11 @@ both-0 (its Decode RPC, as a router would, so the router sees that instance's qu
 could beat), "move" lets it go to the other one (the defaults: sticky until saturated, by the queue or by the cost
 model's estimate; its KV follows through the pool).
 
-Reported for the resumed steps (every step after an agent's first): TTFT p50 / p90 at the client, the share of
-their prompt tokens served from cache, the blocks warmed back before a step returned (prefetched, then used or
-wasted), the router's session placements (resumed: a paused session's instance told to warm its KV at once;
+Reported for the resumed steps (every step after an agent's first): TTFT p50 / p90 at the client (the arms'
+ratio with a 95% interval from drawing each arm's runs again with replacement: a run, not a step, is what varies
+from sitting to sitting), the share of their prompt tokens served from cache, the blocks warmed back from the host
+tier before a step returned (prefetched, then used or wasted) and the MB fetched from the pool ahead of a request
+and by requests, the router's session placements (resumed: a paused session's instance told to warm its KV at once;
 moved; forked: a sub-agent started where its parent ran), and the eviction gap: the cached share an offline
 optimum would have served on the same request stream (Belady over the fleet's device blocks, and an unbounded
 cache), from the prompts as sent.
@@ -374,9 +376,34 @@ COLUMNS = ["run", "runs", "resumed steps", "TTFT p50 s", "TTFT p90 s", "cached s
            "wall s", "errors"]
 
 
+def _ttfts(runs: list[Run]) -> list[float]:
+    return [x.ttft_s for x in pooled(runs).resumed if x.ttft_s is not None]
+
+
+def ratio(arms: list[list[Run]], q: int) -> float | None:
+    """The second arm's resumed steps' TTFT ``q``-th percentile over the first's, each arm's runs pooled."""
+    a, b = (_ttfts(runs) for runs in arms)
+    return percentile(b, q) / percentile(a, q) if a and b and percentile(a, q) else None
+
+
+def interval(arms: list[list[Run]], q: int, draws: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """The 95% interval of :func:`ratio` when each arm's runs are drawn again with replacement (a bootstrap over
+    runs, not steps: the steps of one run share its placements and the machine's moment, so a run is the unit
+    that varies). None with one run an arm."""
+    if min(len(runs) for runs in arms) < 2:
+        return None
+    rng = random.Random(seed)
+    out = sorted(r for _ in range(draws)
+                 if (r := ratio([rng.choices(runs, k=len(runs)) for runs in arms], q)) is not None)
+    return (out[int(0.025 * len(out))], out[int(0.975 * len(out)) - 1]) if out else None
+
+
 def _ratio(arms: list[list[Run]], q: int) -> str:
-    a, b = ([x.ttft_s for x in pooled(runs).resumed if x.ttft_s is not None] for runs in arms)
-    return f"{percentile(b, q) / percentile(a, q):.2f}x" if a and b and percentile(a, q) else "-"
+    r = ratio(arms, q)
+    if r is None:
+        return "-"
+    span = interval(arms, q)
+    return f"{r:.2f}x" + (f" (95% interval over runs {span[0]:.2f}-{span[1]:.2f}x)" if span else "")
 
 
 def describe(tasks: int, steps: int, rounds: int, load0: str) -> str:

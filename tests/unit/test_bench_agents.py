@@ -1,6 +1,6 @@
 """``kvmesh bench agents``' bookkeeping: the arms' order and an arm's runs pooled (the stack runs are the bench)."""
 
-from app.bench.agents import Run, Sent, abba, optimum, pooled, row, workload
+from app.bench.agents import Run, Sent, _ratio, abba, interval, optimum, pooled, ratio, row, workload
 from app.bench.stats import RequestRecord
 
 
@@ -43,3 +43,18 @@ def test_an_arms_runs_are_pooled_and_each_runs_optimum_is_its_own():
 def test_the_workload_is_the_same_for_a_seed():
     assert workload(4, 3, seed=1) == workload(4, 3, seed=1)
     assert workload(4, 3, seed=1) != workload(4, 3, seed=2)
+
+
+def test_the_ratio_of_the_arms_comes_with_an_interval_over_their_runs():
+    # the second arm is twice as slow in every run: the interval is that ratio alone
+    slow = [[_run("a", [1.0, 1.0, 1.0], [0, 0, 0]) for _ in range(3)],
+            [_run("b", [2.0, 2.0, 2.0], [0, 0, 0]) for _ in range(3)]]
+    assert ratio(slow, 50) == 2.0 and interval(slow, 50) == (2.0, 2.0)
+    # runs that disagree widen it around the pooled ratio; one run an arm gives none
+    mixed = [[_run("a", [1.0, 1.0], [0, 0]), _run("a", [3.0, 3.0], [0, 0])],
+             [_run("b", [1.0, 1.0], [0, 0]), _run("b", [2.0, 2.0], [0, 0])]]
+    lo, hi = interval(mixed, 50)
+    assert lo < ratio(mixed, 50) < hi and lo <= 1 / 3 + 1e-9 and hi >= 2.0 - 1e-9
+    assert interval([slow[0][:1], slow[1][:1]], 50) is None
+    assert _ratio([slow[0][:1], slow[1][:1]], 50) == "2.00x"
+    assert _ratio(slow, 50) == "2.00x (95% interval over runs 2.00-2.00x)"
