@@ -36,13 +36,16 @@ def stream_chat(stack, question: str, max_tokens: int = 8, headers: dict | None 
     return ttft, got
 
 
-def spans_of(stack, request_id: str, timeout_s: float = 10.0):
-    """The request's root span and spans, once all of them (decode.generate ends last) reached the file."""
+def spans_of(stack, request_id: str, timeout_s: float = 10.0, names: frozenset[str] = frozenset()):
+    """The request's root span and spans, once all of them reached the file: decode.generate (it ends last),
+    the root, and ``names`` (each process exports its spans in its own batches: the router's and decode's may be
+    written before prefill's)."""
     deadline = time.monotonic() + timeout_s
+    wanted = {"decode.generate", "router.request", *names}
     while True:
         root, tree = find(read_spans(trace_file(stack.state_dir)), request_id) \
             if trace_file(stack.state_dir).exists() else (None, [])
-        if root is not None and {"decode.generate", "router.request"} <= {s.name for s in tree}:
+        if root is not None and wanted <= {s.name for s in tree}:
             return root, tree
         if time.monotonic() > deadline:
             pytest.fail(f"spans of {request_id} incomplete: {sorted(s.name for s in tree)}")
@@ -70,15 +73,17 @@ def test_one_request_is_one_trace_across_the_mesh_and_its_segments_add_up_to_the
     rid = f"trace-{uuid.uuid4().hex[:12]}"
     client_ttft, headers = stream_chat(mesh, "What is the capital of France?", headers={"x-request-id": rid})
     assert headers["x-request-id"] == rid
-    root, tree = spans_of(mesh, rid)
+    expected = frozenset({"router.tokenize", "router.route", "cachesvc.match_prefix", "router.dispatch",
+                          "prefill.request", "prefill.queue", "prefill.compute", "kv.push", "kv.ready",
+                          "decode.request", "decode.load", "decode.first_token", "decode.generate", "router.respond",
+                          "cachesvc.MatchPrefix"})
+    root, tree = spans_of(mesh, rid, names=expected)
     assert headers["traceparent"].split("-")[1] == root.trace_id
 
     assert {s.trace_id for s in tree} == {root.trace_id}
     assert {"router", "prefill", "decode"} <= {s.service for s in tree}
     names = {s.name for s in tree}
-    assert {"router.tokenize", "router.route", "cachesvc.match_prefix", "router.dispatch", "prefill.request",
-            "prefill.queue", "prefill.compute", "kv.push", "kv.ready", "decode.request", "decode.load",
-            "decode.first_token", "decode.generate", "router.respond"} <= names
+    assert expected <= names
     ids = {s.span_id for s in tree}
     assert root.parent_id is None and all(s.parent_id in ids for s in tree if s is not root)
     by_name = {s.name: s for s in tree}
@@ -186,7 +191,7 @@ def test_a_long_prompts_kv_is_pushed_chunk_by_chunk_while_prefill_computes(mesh)
                                           "x-kvmesh-disaggregate": "always"})
     with urllib.request.urlopen(req, timeout=120) as r:
         assert json.load(r)["choices"][0]["text"]
-    root, tree = spans_of(mesh, rid)
+    root, tree = spans_of(mesh, rid, names=frozenset({"kv.push", "prefill.compute", "decode.load"}))
     by_name = {s.name: s for s in tree}
     push, compute, load = by_name["kv.push"], by_name["prefill.compute"], by_name["decode.load"]
     a = push.attributes
