@@ -106,7 +106,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             self._fell_back(request.work.request_id, fallback, span, attrs, t0_ns)
         timing = RequestTiming()
         first, last, itls = True, 0.0, []
-        generated: list[int] = []  # its output so far: with the prompt, a session's context for the next turn
+        # a session's output so far (with the prompt, its context for the next turn); kept only where it is used
+        generated: list[int] | None = [] if engine_request.session is not None and w.pool is not None else None
         gen: Span | None = None
         # its TTFT target counts from its arrival at the router: that wait, and this call's so far
         engine_request = dataclasses.replace(engine_request,
@@ -116,13 +117,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids, text=out.text, finished=out.finished,
                                                finish_reason=out.finish_reason or "",
                                                logprobs=[logprobs_to_proto(lp) for lp in out.logprobs])
-                generated.extend(out.token_ids)
+                if generated is not None:
+                    generated.extend(out.token_ids)
                 if out.exported is not None:  # the conversation so far, for the next turn on any instance
                     self._in_background(write_back(w, out.exported, span, attrs, engine_request.session,
                                                    request.work.pool_blocks))
-                    context = [*engine_request.prompt, *generated][:out.exported.num_tokens]
-                    w.remember_session(engine_request.session, request.work.cache_salt, request.work.lora_name,
-                                       context)
+                    if generated is not None:
+                        context = [*engine_request.prompt, *generated][:out.exported.num_tokens]
+                        w.remember_session(engine_request.session, request.work.cache_salt,
+                                           request.work.lora_name, context)
                 now = time.monotonic()
                 if first:
                     chunk.cached_tokens = out.cached_tokens
