@@ -108,3 +108,35 @@ def test_a_prompt_ranked_ahead_by_its_deadline_is_admitted_before_earlier_arriva
     assert [(s.request_id, n) for s, n in sched.schedule()] == [("urgent", 16)]
     assert list(sched.waiting) == [first]
 
+
+
+def test_one_order_admits_a_waiting_prompt_ranked_ahead_before_a_running_prefills_chunk():
+    for one_order, first in ((False, "long"), (True, "short")):
+        sched = Scheduler(BlockManager(DeviceKVPool(LAYOUT, 256)), 16, max_num_seqs=32, one_order=one_order)
+        long = seq("long", 64)
+        sched.add(long)
+        run_step(sched)  # its first 16 tokens: a running prefill
+        short = seq("short", 8, first=500)
+        sched.add(short)
+        long.slo_rank, short.slo_rank = (1, 5.0), (1, 1.0)  # the short one ranked ahead (least_work's keys)
+        batch = run_step(sched)
+        assert batch[0].seq.request_id == first
+        assert sum(n for _, n in batch) == 16  # the budget is spent either way
+        if one_order:
+            assert {s.request_id: n for s, n in batch} == {"short": 8, "long": 8}
+
+
+def test_a_row_preempted_by_a_later_rows_room_is_not_scheduled():
+    # 5 blocks of 4. A long prompt running its prefill; a short one admitted after it (ranked ahead) and now
+    # decoding, so it is the newest running sequence: the long one's next chunk takes its blocks
+    sched = Scheduler(BlockManager(DeviceKVPool(LAYOUT, 5)), 8, max_num_seqs=32, one_order=True)
+    long, short = seq("long", 40), seq("short", 3, first=500)
+    sched.add(long)
+    run_step(sched)  # 8 tokens: 2 blocks
+    sched.add(short)
+    long.slo_rank, short.slo_rank = (1, 5.0), (1, 1.0)
+    run_step(sched)  # the short prompt (1 block) and 5 more of the long one's (4 blocks): all 5 held
+    assert short.num_uncomputed == 1 and long.num_computed_tokens == 13
+    batch = sched.schedule()  # the short one's decode row first, then the long one's chunk, which preempts it
+    assert [(s.request_id, n) for s, n in batch] == [("long", 7)]
+    assert short.status.value == "waiting" and short.num_preemptions == 1

@@ -35,6 +35,13 @@ class Eviction(enum.StrEnum):
         return tuple(sorted(e for e in cls if not e.needs_future))
 
 
+class PrefillOrder(enum.StrEnum):
+    """The order in which a native engine's prompts without a TTFT deadline take a step's prompt tokens."""
+
+    ARRIVAL = "arrival"        # first come, first served
+    LEAST_WORK = "least_work"  # earliest arrival + work first, the work past the cached prefix
+
+
 class RoutingPolicy(enum.StrEnum):
     """How the router picks the prefill instance (per request: header / metadata ``x-kvmesh-policy``)."""
 

@@ -85,7 +85,7 @@ class AsyncEngine(EngineLoop, Engine):
         mc = engine.model_config
         self.pacer = Pacer(engine.cfg.mixed_step_stall if stall is None else stall,
                            break_even_context(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                              mc.intermediate_size))
+                                              mc.intermediate_size), engine.cfg.prefill_order)
         self.step_totals = StepTotals()  # fed on the engine thread, read by the metrics collector
         self._session_due: Callable[[str], None] | None = None  # the host's warm-from-pool of a returning session
         self.start()

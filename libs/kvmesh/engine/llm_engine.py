@@ -27,6 +27,7 @@ from kvmesh.contracts.engine import EngineRequest, ImportedKV, TokenLogprobs
 from kvmesh.contracts.events import EventSink
 from kvmesh.contracts.keys import Namespace, block_keys
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.names import PrefillOrder
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.slo import SLO
 from kvmesh.engine.attention import ForwardBatch, SeqSlice, make_backend
@@ -177,7 +178,8 @@ class LLMEngine:
         num_blocks = cfg.num_blocks or max(8, cfg.kv_cache_mb * 2**20 // self.layout.block_nbytes)
         self.kv = DeviceKVPool(self.layout, num_blocks, dtype, cfg.device)
         self.blocks = _block_manager(cfg, self.kv, on_event)
-        self.scheduler = Scheduler(self.blocks, cfg.max_batched_tokens, cfg.max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batched_tokens, cfg.max_num_seqs,
+                                   one_order=cfg.prefill_order == PrefillOrder.LEAST_WORK)
         self.scheduler.max_loras = cfg.max_loras
         self.loras = LoRAManager(mc, cfg.max_loras, cfg.max_lora_rank, dtype, cfg.device)
         for name, path in cfg.lora_adapter_paths():

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvmesh.contracts.engine import Speed
-from kvmesh.engine.slo import StepCost, chunk_budget, leading_position, plan_step, prompt_work
+from kvmesh.contracts.names import PrefillOrder
+from kvmesh.engine.slo import ARRIVAL, StepCost, chunk_budget, leading_position, plan_step, prompt_work
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
 
 if TYPE_CHECKING:
@@ -34,16 +35,20 @@ log = logging.getLogger(__name__)
 PRIOR = SpeedFit(CostModel().prefill_overhead_s, CostModel().prefill_tok_per_s, 0)
 BETWEEN_MAX_S = 0.05  # a longer pause between two decoding steps is not the loop's own cost (a stall, a GC)
 REFIT_STEPS = 8  # the lines are refitted every this many steps
+REESTIMATE_STEPS = 8  # least_work: a waiting prompt's cached prefix is looked up again after this many steps
+REESTIMATES = 32  # ... and at most this many lookups a step (a long queue's others keep their last estimate)
 
 
 class Pacer:
     """The step lines, their corrections and the next step's cap. ``stall``: a mixed step may cost ``1 + stall``
     times a decode-only one (``slo.chunk_budget``); ``context``: the model's ``StepCost.context``
-    (``slo.break_even_context``)."""
+    (``slo.break_even_context``); ``order``: the order of the prompts without a TTFT deadline
+    (``engine.prefill_order``)."""
 
-    def __init__(self, stall: float, context: float) -> None:
+    def __init__(self, stall: float, context: float, order: PrefillOrder = ARRIVAL) -> None:
         self.stall = stall
         self.context = context
+        self.order = order
         # steps with prompt tokens (a prompt token's cost, which the router prices prefill with), and decode-only
         # steps over their rows (a batch's step as it grows)
         self.speed_fit, self.decode_speed = SpeedEstimator(), SpeedEstimator()
@@ -130,13 +135,27 @@ class Pacer:
         cost = self._step_cost(len(decoding))
         cost = cost._replace(decode_s=cost.decode_s * self._mixed_error + self._between_s,
                              token_s=cost.token_s * self._mixed_error)
+        if self.order != ARRIVAL:
+            self._estimate_cached(sched)
         plan = plan_step(time.monotonic(), decoding, prompts, cost, sched.max_batched_tokens,
-                         self._best_effort(sched))
+                         self._best_effort(sched), self.order)
         self.cap, self._burst = plan.tokens, plan.burst
         if log.isEnabledFor(logging.DEBUG) and prompts and decoding:
             log.debug("step plan: %d streams, %d prompts: %s (a step of it ~%.0f ms; between steps %.1f ms)",
                       len(decoding), len(prompts), plan.reason,
                       1e3 * cost.step_s(plan.tokens or 0, leading_position(prompts)), 1e3 * self._between_s)
+
+    def _estimate_cached(self, sched: Scheduler) -> None:
+        """Look up the cached prefix of the waiting prompts not looked up in ``REESTIMATE_STEPS`` steps (at most
+        ``REESTIMATES``, the longest unseen first): what ``slo.work_s`` prices their work past. A radix
+        walk of the prompt's full blocks, with no side effect; the prefix may grow meanwhile (another request
+        computes it, a pool fetch lands) or shrink (eviction), hence again every few steps."""
+        stale = [s for s in sched.waiting if self._steps - s.estimated_at >= REESTIMATE_STEPS or s.estimated_at < 0]
+        stale.sort(key=lambda s: s.estimated_at)
+        for seq in stale[:REESTIMATES]:
+            tokens = seq.all_token_ids
+            seq.cached_estimate = sched.blocks.match(seq.namespace_seed, tokens, len(tokens) - 1).num_tokens
+            seq.estimated_at = self._steps
 
     def _best_effort(self, sched: Scheduler) -> int:
         """The cap that holds streams without an ITL target back (``chunk_budget``), against the batch the

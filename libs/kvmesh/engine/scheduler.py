@@ -5,7 +5,8 @@ One rule covers prefill, chunked prefill, decode and recompute: a sequence compu
 first takes all running decode rows (one token each), then fills what is left of the token budget with prefill
 chunks: running prefills first, then waiting sequences admitted while the budget, the sequence cap and the KV pool
 allow, each group in ``Sequence.slo_rank`` order (the owner ranks prompts by their TTFT deadlines, ``engine/slo.py``;
-without deadlines all ranks are equal and the order is the arrival order). While decode rows run, the prefill part
+without deadlines, the arrival order, or with ``engine.prefill_order = least_work`` by arrival + the work left
+past the cached prefix). While decode rows run, the prefill part
 is further capped at the step's ``chunk_tokens`` (the pacer's cap, ``engine/pacer.py``, from the measured step cost
 and the streams' ITL targets), so a new prompt delays the running streams by a bounded amount instead of a whole
 prefill. When the pool runs dry the newest running sequence is preempted; its computed blocks stay in the prefix
@@ -27,10 +28,16 @@ class Scheduled(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_num_seqs: int) -> None:
+    """``one_order``: running prefills and waiting prompts take the prompt tokens in one ``slo_rank`` order, so a
+    waiting prompt ranked ahead of a running prefill is admitted before that prefill's next chunk
+    (``engine.prefill_order = least_work``); otherwise every running prefill's chunk comes first."""
+
+    def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_num_seqs: int,
+                 one_order: bool = False) -> None:
         self.blocks = blocks
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.one_order = one_order
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -71,9 +78,13 @@ class Scheduler:
         budget = self.max_batched_tokens - len(decode)
         if decode and chunk_tokens is not None:
             budget = min(budget, chunk_tokens)
-        chunks = self._prefill_chunks(prefilling, budget, adapters)
-        admitted = self._admit(budget - sum(n for _, n in chunks), adapters)
-        return decode + chunks + admitted
+        if self.one_order:
+            rows = decode + self._in_one_order(prefilling, budget, adapters)
+        else:
+            chunks = self._prefill_chunks(prefilling, budget, adapters)
+            rows = decode + chunks + self._admit(budget - sum(n for _, n in chunks), adapters)
+        # a row scheduled before a later row's room preempted it (the newest running sequence goes first)
+        return [r for r in rows if r.seq.status is Status.RUNNING]
 
     def _decode_rows(self, adapters: set[str]) -> list[Scheduled]:
         """One token for each running decode row, within the token budget and the adapter cap; the adapters whose
@@ -101,12 +112,42 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING or not self._adapter_fits(seq, adapters):
+            if (row := self._chunk(seq, budget, adapters)) is not None:
+                batch.append(row)
+                budget -= row.num_tokens
+        return batch
+
+    def _chunk(self, seq: Sequence, budget: int, adapters: set[str]) -> Scheduled | None:
+        """Running prefill ``seq``'s next chunk of at most ``budget`` tokens, its room made; None when it was
+        preempted (by an earlier row's room, or by its own) or its adapter cannot join the step."""
+        if seq.status is not Status.RUNNING or not self._adapter_fits(seq, adapters):
+            return None
+        n = min(seq.num_uncomputed, budget)
+        return Scheduled(seq, n) if self._reserve(seq, n) else None
+
+    def _in_one_order(self, prefilling: list[Sequence], budget: int, adapters: set[str]) -> list[Scheduled]:
+        """The running prefills' next chunks and the waiting prompts' first ones in one rank order (running
+        before waiting among equals), within ``budget`` tokens; admissions stop at the first waiting prompt that
+        does not fit, as in ``_admit``, and the running prefills behind it still get their chunks."""
+        batch: list[Scheduled] = []
+        admitting = True
+        ranked = sorted([(s, False) for s in prefilling] + [(s, True) for s in self.waiting],
+                        key=lambda sw: sw[0].slo_rank)
+        for seq, waiting in ranked:
+            if budget <= 0:
+                break
+            if waiting:
+                if not admitting or seq.status is not Status.WAITING:
+                    continue
+                if (row := self._admit_one(seq, budget, adapters)) is not None:
+                    batch.append(row)
+                    budget -= row.num_tokens
+                else:
+                    admitting = False
                 continue
-            n = min(seq.num_uncomputed, budget)
-            if self._reserve(seq, n):
-                batch.append(Scheduled(seq, n))
-                budget -= n
+            if (row := self._chunk(seq, budget, adapters)) is not None:
+                batch.append(row)
+                budget -= row.num_tokens
         return batch
 
     def _admit(self, budget: int, adapters: set[str]) -> list[Scheduled]:
@@ -114,27 +155,32 @@ class Scheduler:
         the adapter cap and the KV pool allow (the first that does not fit stops the admissions)."""
         batch: list[Scheduled] = []
         for seq in sorted(self.waiting, key=lambda s: s.slo_rank):  # stable: the queue's order among equals
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or (row := self._admit_one(seq, budget, adapters)) is None:
                 break
-            if not self._adapter_fits(seq, adapters):
-                break
-            first_admission = seq.num_preemptions == 0
-            cached = seq.num_cached_tokens
-            if not self.blocks.allocate_prefix(seq):
-                break
-            n = min(seq.num_uncomputed, budget)
-            if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
-                self.blocks.free(seq)
-                seq.num_computed_tokens = 0
-                break
-            if not first_admission:
-                seq.num_cached_tokens = cached
-            self.waiting.remove(seq)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            batch.append(Scheduled(seq, n))
-            budget -= n
+            batch.append(row)
+            budget -= row.num_tokens
         return batch
+
+    def _admit_one(self, seq: Sequence, budget: int, adapters: set[str]) -> Scheduled | None:
+        """Admit waiting ``seq`` with its first chunk of at most ``budget`` tokens; None (nothing held) when the
+        sequence cap, the adapter cap or the KV pool does not allow it."""
+        if len(self.running) >= self.max_num_seqs or not self._adapter_fits(seq, adapters):
+            return None
+        first_admission = seq.num_preemptions == 0
+        cached = seq.num_cached_tokens
+        if not self.blocks.allocate_prefix(seq):
+            return None
+        n = min(seq.num_uncomputed, budget)
+        if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
+            self.blocks.free(seq)
+            seq.num_computed_tokens = 0
+            return None
+        if not first_admission:
+            seq.num_cached_tokens = cached
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return Scheduled(seq, n)
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Make room for ``n`` more tokens of ``seq``, preempting newer sequences; False if ``seq`` itself

@@ -53,6 +53,9 @@ class Sequence:
     gaps: int = 0
     late_gaps: int = 0
     slo_rank: tuple[int, float] = (1, 0.0)  # its place in the prefill order, set each step (lower goes first)
+    # while waiting: the cached prefix last found for it, and the pacer's step it was looked up at (-1: never)
+    cached_estimate: int = 0
+    estimated_at: int = -1
 
     @property
     def lora_name(self) -> str:

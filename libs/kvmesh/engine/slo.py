@@ -6,7 +6,8 @@ The running streams' ITL targets cap a step: it is planned to end within ``HEADR
 best-effort rule instead, ``chunk_budget``). A prompt's tokens cost more the later they sit in it (their
 attention covers the ones before: ``StepCost.work``), so the cap is sized at the position the leading prompt has
 reached. The waiting prompts' TTFT targets order the prompts (earliest deadline first, among those that can still
-make it at full speed; the rest keep their arrival order behind them) and say whether steps at the cap, which
+make it at full speed; the rest behind them in arrival order, or with ``LEAST_WORK`` by arrival + the work left
+past a prompt's cached prefix: least work first, and none passed for ever) and say whether steps at the cap, which
 carries fewer tokens the further a prompt has got, finish them in time. When they would not, the streams may
 lend at once (before an ordinary slow step spends what they could lend): a step may run past their
 ITL targets only while every stream with a target has a late gap to lend within its p99 beyond ``RESERVE_GAPS``
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
+from kvmesh.contracts.names import PrefillOrder
 from kvmesh.contracts.slo import ITL_HEADROOM
 from kvmesh.engine.sequence import Sequence, Status
 
@@ -37,6 +39,7 @@ TTFT_HEADROOM = 0.9  # a prompt is planned to finish within this share of the ti
 RESERVE_GAPS = 1  # late gaps a stream keeps within its p99 for what no plan sees; it lends only those beyond
 SPAN = 128  # positions over which _late_at_cap holds the cap constant
 URGENT, IN_TURN = 0, 1  # Sequence.slo_rank's first field: a prompt that can still make its deadline, the others
+ARRIVAL, LEAST_WORK = PrefillOrder.ARRIVAL, PrefillOrder.LEAST_WORK  # the order of the prompts without a deadline
 
 
 def prompt_work(first: int, end: int, context: float) -> float:
@@ -133,13 +136,34 @@ def _late_at_cap(pending: list[Due], cost: StepCost, cap_at: Callable[[int], int
     return worst
 
 
-def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int) -> list[Due]:
+def work_s(p: Sequence, cost: StepCost, budget: int) -> float:
+    """Seconds of compute left to a prompt's first token at full speed (steps of ``budget`` tokens beside the
+    decode rows): past what it has computed, or for a waiting one past the cached prefix last found for it
+    (``Sequence.cached_estimate``); at least one step."""
+    first = p.num_computed_tokens if p.status is not Status.WAITING else max(p.num_computed_tokens,
+                                                                            p.cached_estimate)
+    first = min(first, p.num_tokens - 1)
+    steps = math.ceil((p.num_tokens - first) / max(1, budget))
+    return cost.work(first, p.num_tokens) * cost.token_s + steps * cost.decode_s
+
+
+def finish_alone(p: Sequence, cost: StepCost, budget: int) -> float:
+    """``LEAST_WORK``'s key: when the prompt would have had its first token had it been served alone from its
+    arrival (arrival + ``work_s``), earliest first. Among prompts that came together the least work goes first
+    (a mostly cached prompt, a session's next step, before a long cold one); a prompt is passed only by prompts
+    that arrived before its key, so however long it is, it is not passed for ever."""
+    return p.arrival + work_s(p, cost, budget)
+
+
+def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int,
+                 order: PrefillOrder = ARRIVAL) -> list[Due]:
     """Set each prompt's ``slo_rank`` (deadline first among those that can still make it at full speed, the
-    others in arrival order behind them) and return the urgent ones' ``Due`` s, with ``TTFT_HEADROOM`` of the time
-    to each deadline to plan with (one that makes it only without the headroom gets the largest steps the streams
-    can lend). Full speed: steps of ``budget`` tokens beside the decode rows."""
+    others behind them in ``order``: ``ARRIVAL``, or ``LEAST_WORK``, earliest ``finish_alone`` first) and
+    return the urgent ones' ``Due`` s, with ``TTFT_HEADROOM`` of the time to each deadline to plan with (one that
+    makes it only without the headroom gets the largest steps the streams can lend). Full speed: steps of
+    ``budget`` tokens beside the decode rows."""
     for p in prompts:
-        p.slo_rank = (IN_TURN, 0.0)
+        p.slo_rank = (IN_TURN, 0.0 if order == ARRIVAL else finish_alone(p, cost, budget))
     timed = sorted(((p.ttft_deadline, p) for p in prompts if p.ttft_deadline is not None), key=lambda dp: dp[0])
     pending: list[Due] = []
     tokens, work = 0, 0.0
@@ -156,11 +180,12 @@ def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int
 
 
 def plan_step(now: float, decoding: Seq[Sequence], prompts: Seq[Sequence], cost: StepCost, budget: int,
-              best_effort: int | None) -> Plan:
+              best_effort: int | None, order: PrefillOrder = ARRIVAL) -> Plan:
     """The next step's prompt tokens beside ``decoding`` (the running decode rows), ``prompts`` (waiting or
-    computing their prompt) ranked by their deadlines. ``budget``: the engine's token budget of a step;
-    ``best_effort``: the cap that holds streams without an ITL target back (``chunk_budget``)."""
-    pending = rank_prompts(now, prompts, cost, budget)
+    computing their prompt) ranked by their deadlines, then in ``order`` (``rank_prompts``). ``budget``: the
+    engine's token budget of a step; ``best_effort``: the cap that holds streams without an ITL target back
+    (``chunk_budget``)."""
+    pending = rank_prompts(now, prompts, cost, budget, order)
     if not decoding:
         return Plan(None, False, "no stream decoding: the whole budget")
     targets = [s.itl_target * (HEADROOM if s.late_allowance > 0 else SPENT_HEADROOM)

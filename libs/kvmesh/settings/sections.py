@@ -34,7 +34,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvmesh.contracts.ids import EngineBackend, Role, TransferBackend, cluster_name, subject_token
-from kvmesh.contracts.names import DisaggregationMode, Eviction, RoutingPolicy
+from kvmesh.contracts.names import DisaggregationMode, Eviction, PrefillOrder, RoutingPolicy
 
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
@@ -336,6 +336,13 @@ class EngineSettings(Section):
     mixed_step_stall: float = setting(0.5, "a step that mixes prompt tokens into running decode rows may cost "
                                            "(1 + this) x the decode-only step (higher: waiting prompts join "
                                            "sooner, running streams' ITL spikes higher)")
+    prefill_order: PrefillOrder = setting(PrefillOrder.ARRIVAL, "native engine: the order prompts without a TTFT "
+                                          "deadline take the step's prompt tokens in: arrival (first come, first "
+                                          "served) or least_work (earliest arrival + work first, the work what "
+                                          "is left past the prompt's cached prefix: a mostly cached prompt, such "
+                                          "as a session's next step, goes before a long cold one that came "
+                                          "shortly before it; a prompt is passed only by those that arrived "
+                                          "before it would have finished alone, so none starves)")
     slo_ttft_s: float = setting(0.0, "TTFT target of a request that sets none, seconds from its arrival at the mesh "
                                      "(0 = none): prompts near their deadline go first and may take a larger "
                                      "share of the steps")
@@ -375,6 +382,10 @@ class EngineSettings(Section):
             value = getattr(self, name)
             if not 0 <= value <= 3600:
                 out.append(Problem(name, f"{name} must be in [0, 3600] seconds (0 = no target), not {value}"))
+        if self.backend == EngineBackend.VLLM and self.prefill_order != PrefillOrder.ARRIVAL:
+            out.append(Problem("prefill_order", f"prefill_order {self.prefill_order} is the native engine's: vLLM "
+                                                f"orders its own queue (set prefill_order=arrival with backend "
+                                                f"vllm)"))
         if not self.mixed_step_stall > 0:
             out.append(Problem("mixed_step_stall", f"mixed_step_stall must be > 0 (a mixed step costs (1 + it) x a "
                                                    f"decode step), not {self.mixed_step_stall}"))
