@@ -89,7 +89,7 @@ BENCHES = {  # kvmesh bench NAME -> its module in app.bench
     "mesh": "mesh", "serve": "serve", "ablation": "ablation", "routing": "routing", "load": "load",
     "tracing": "tracing_cost", "lora": "lora", "link": "handoff_link", "vllm": "vllm_bench", "planner": "planner",
     "canary": "canary", "agents": "agents", "slo-class": "slo_class", "index": "index_scale",
-    "tokenize": "tokenize", "routers": "router_compare",
+    "tokenize": "tokenize", "routers": "router_compare", "prefill-order": "prefill_order",
 }
 
 

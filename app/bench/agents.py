@@ -1,7 +1,8 @@
 """``kvmesh bench agents``: multi-step agents with tool pauses and sub-agents on the stack, with the agent hints
 and without, and with one instance overloaded, sessions kept on it or moved.
 
-    kvmesh bench agents [--tasks 6] [--steps 5] [--seed 7] [--rounds 1] [--scenarios hints,overload] [--no-write]
+    kvmesh bench agents [--tasks 6] [--steps 5] [--seed 7] [--rounds 1] [--scenarios hints,overload]
+                        [--prefill-order arrival|least_work] [--no-write]
 
 The stack: 2 role-both instances of the default model (1 thread each) whose device KV (``ENGINE``) is smaller
 than the agents' working set, a host tier and the pool behind them (``POOL``), session-aware eviction in both.
@@ -57,6 +58,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from kvmesh.contracts.keys import block_keys
+from kvmesh.contracts.names import PrefillOrder
 from kvmesh.routing.hits import belady_hits, infinite_cache_hits
 
 from app.bench.report import load_average, markdown_table, publish
@@ -414,7 +416,8 @@ def describe(tasks: int, steps: int, rounds: int, load0: str) -> str:
             f"at {MAX_TOOL_S:g} s; every other task forks 2 sub-agents of 2 steps after its second step. Stack: 2 "
             f"role-both instances of the default model (1 thread each, {ENGINE['num_blocks']} device blocks = "
             f"{ENGINE['num_blocks'] * BLOCK} tokens each, {ENGINE['host_cache_mb']} MB host tier, a "
-            f"{POOL['pool_capacity_mb']} MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}). "
+            f"{POOL['pool_capacity_mb']} MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}; "
+            f"prefill order {ENGINE.get('prefill_order', PrefillOrder.ARRIVAL)}). "
             f"A fresh stack per run; the arms one after the other in the order A B B A, {rounds} time(s), each "
             f"arm's {2 * rounds} runs pooled. Resumed steps: every step after an agent's first. Optimum: each "
             f"run's stream through an offline cache (Belady over the fleet's {2 * ENGINE['num_blocks']} device "
@@ -467,19 +470,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--scenarios", default="hints,overload", help="comma-separated: hints, overload")
     p.add_argument("--rounds", type=int, default=1, help="A B B A rounds: each arm runs 2x this many times")
+    p.add_argument("--prefill-order", choices=[str(o) for o in PrefillOrder], default=str(PrefillOrder.ARRIVAL),
+                   help="the engines' engine.prefill_order in every arm (a run with least_work is written to "
+                        "sections of its own)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md as it is")
     args = p.parse_args(argv)
+    ENGINE["prefill_order"] = args.prefill_order
     chosen = {s.strip() for s in args.scenarios.split(",") if s.strip()}
     if not chosen or chosen - {"hints", "overload"}:
         p.error("--scenarios: choose from hints, overload")
     if args.rounds < 1:
         p.error("--rounds: at least 1")
     base = f"kvmesh bench agents --tasks {args.tasks} --steps {args.steps} --seed {args.seed} --rounds {args.rounds}"
+    suffix = ""
+    if args.prefill_order != PrefillOrder.ARRIVAL:
+        base += f" --prefill-order {args.prefill_order}"
+        suffix = f", prefill order {args.prefill_order}"
     if "hints" in chosen:
-        publish(SECTION, f"{base} --scenarios hints", bench_hints(args.tasks, args.steps, args.seed, args.rounds),
-                write=not args.no_write)
+        publish(SECTION + suffix, f"{base} --scenarios hints",
+                bench_hints(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
     if "overload" in chosen:
-        publish(SECTION_OVERLOAD, f"{base} --scenarios overload",
+        publish(SECTION_OVERLOAD + suffix, f"{base} --scenarios overload",
                 bench_overload(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
     return 0
 
