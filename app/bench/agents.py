@@ -1,7 +1,7 @@
 """``kvmesh bench agents``: multi-step agents with tool pauses and sub-agents on the stack, with the agent hints
 and without, and with one instance overloaded, sessions kept on it or moved.
 
-    kvmesh bench agents [--tasks 6] [--steps 5] [--seed 7] [--rounds 1] [--scenarios hints,overload]
+    kvmesh bench agents [--tasks 6] [--steps 5] [--seed 7] [--rounds 1] [--scenarios hints,overload,order]
                         [--prefill-order arrival|least_work] [--no-write]
 
 The stack: 2 role-both instances of the default model (1 thread each) whose device KV (``ENGINE``) is smaller
@@ -25,6 +25,9 @@ strategies). "with hints": every request carries its ``session_id`` (sub-agents 
 pause its tool will take as the harness knows it (``session_pause_s``: the tool kind's median),
 ``session_retention: demote`` before a long tool (a build; the device goes to the other agents meanwhile) and the
 last step's ``session_end``.
+
+``order``: with hints, the engines' ``prefill_order`` ``arrival`` against ``least_work`` (a prompt whose context
+is cached goes before a long cold one that came shortly before it), the arms in the same order.
 
 ``overload``: with hints, the two arms in the same order, while a hog streams long prompts straight into instance
 both-0 (its Decode RPC, as a router would, so the router sees that instance's queue only through its heartbeats):
@@ -66,10 +69,12 @@ from app.bench.stats import RequestRecord, percentile
 
 SECTION = "Agents on the stack"
 SECTION_OVERLOAD = "Agents on the stack, one instance overloaded"
+SECTION_ORDER = "Agents on the stack: least work first vs arrival"
 VOCAB = 49152  # SmolLM2's
 BLOCK = 16
 TOOL_CALL = '<tool_call>{"name": "run", "arguments": {}}</tool_call>'
-ENGINE = {"threads": 1, "num_blocks": 64, "host_cache_mb": 16, "eviction": "session_duel", "session_pause_s": 3.0}
+ENGINE: dict[str, Any] = {"threads": 1, "num_blocks": 64, "host_cache_mb": 16, "eviction": "session_duel",
+                          "session_pause_s": 3.0}
 POOL = {"pool_capacity_mb": 64, "pool_eviction": "session"}
 # a tool kind: its median seconds and the spread of log(duration); how often an agent calls it
 TOOLS = {"search": (1.5, 0.5, 0.5), "tests": (4.0, 0.4, 0.35), "build": (10.0, 0.3, 0.15)}
@@ -270,7 +275,7 @@ def _scrape(url: str) -> str:
 
 
 def run(mode: str, systems: list[tuple[int, ...]], agents: list[Agent], hints: str, overload: int | None = None,
-        hog: bool = False) -> Run:
+        hog: bool = False, engine: dict[str, Any] | None = None) -> Run:
     from app.launcher import Stack, StackOptions
 
     result = Run(mode)
@@ -278,7 +283,8 @@ def run(mode: str, systems: list[tuple[int, ...]], agents: list[Agent], hints: s
     router = {"session_overload": overload, "session_move_margin_s": 1e6 if overload >= 1000 else 0.25} \
         if overload is not None else {}
     opts = StackOptions.local(f"agents{abs(hash(mode)) % 10_000}", prefill=0, decode=0, both=2, pool=True,
-                              settings={"engine": dict(ENGINE), "cachesvc": dict(POOL), "router": router})
+                              settings={"engine": {**ENGINE, **(engine or {})}, "cachesvc": dict(POOL),
+                                        "router": router})
     with tempfile.TemporaryDirectory(prefix="kvmesh-agents-") as d:
         stack = Stack(Path(d), opts)
         stack.start()
@@ -408,7 +414,9 @@ def _ratio(arms: list[list[Run]], q: int) -> str:
     return f"{r:.2f}x" + (f" (95% interval over runs {span[0]:.2f}-{span[1]:.2f}x)" if span else "")
 
 
-def describe(tasks: int, steps: int, rounds: int, load0: str) -> str:
+def describe(tasks: int, steps: int, rounds: int, load0: str, order: str | None = "") -> str:
+    """The run's setup in words; ``order``: the engines' prefill order (\"\": ``ENGINE``'s; None: each arm's)."""
+    order = "each arm's" if order is None else order or ENGINE.get("prefill_order", PrefillOrder.ARRIVAL)
     tools = ", ".join(f"{k} ~{m:g} s ({w:.0%})" for k, (m, _, w) in TOOLS.items())
     return (f"{tasks} agent tasks of {steps} steps, started 2 s apart, two agent kinds (a 256-token system prompt "
             f"each), 96 tokens of instructions, then a step's response (its token ids) and 64 tokens of tool output "
@@ -417,7 +425,7 @@ def describe(tasks: int, steps: int, rounds: int, load0: str) -> str:
             f"role-both instances of the default model (1 thread each, {ENGINE['num_blocks']} device blocks = "
             f"{ENGINE['num_blocks'] * BLOCK} tokens each, {ENGINE['host_cache_mb']} MB host tier, a "
             f"{POOL['pool_capacity_mb']} MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}; "
-            f"prefill order {ENGINE.get('prefill_order', PrefillOrder.ARRIVAL)}). "
+            f"prefill order {order}). "
             f"A fresh stack per run; the arms one after the other in the order A B B A, {rounds} time(s), each "
             f"arm's {2 * rounds} runs pooled. Resumed steps: every step after an agent's first. Optimum: each "
             f"run's stream through an offline cache (Belady over the fleet's {2 * ENGINE['num_blocks']} device "
@@ -463,12 +471,25 @@ def bench_overload(tasks: int, steps: int, seed: int, rounds: int) -> str:
             + _errors(arms))
 
 
+def bench_order(tasks: int, steps: int, seed: int, rounds: int) -> str:
+    systems, agents = workload(tasks, steps, seed)
+    load0 = load_average()
+    common = {"systems": systems, "agents": agents, "hints": "full"}
+    arms = in_turn([(f"prefill order {o}", {**common, "engine": {"prefill_order": str(o)}}) for o in PrefillOrder],
+                   rounds)
+    return (describe(tasks, steps, rounds, load0, order=None) + " With hints.\n\n"
+            + markdown_table([row(r) for r in arms], COLUMNS)
+            + f"\n\nleast_work / arrival: resumed steps' TTFT p50 {_ratio(arms, 50)}, p90 {_ratio(arms, 90)}."
+            + _errors(arms))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh bench agents", description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=int, default=6)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--scenarios", default="hints,overload", help="comma-separated: hints, overload")
+    p.add_argument("--scenarios", default="hints,overload",
+                   help="comma-separated: hints, overload, order (with hints: prefill order arrival vs least_work)")
     p.add_argument("--rounds", type=int, default=1, help="A B B A rounds: each arm runs 2x this many times")
     p.add_argument("--prefill-order", choices=[str(o) for o in PrefillOrder], default=str(PrefillOrder.ARRIVAL),
                    help="the engines' engine.prefill_order in every arm (a run with least_work is written to "
@@ -477,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ENGINE["prefill_order"] = args.prefill_order
     chosen = {s.strip() for s in args.scenarios.split(",") if s.strip()}
-    if not chosen or chosen - {"hints", "overload"}:
-        p.error("--scenarios: choose from hints, overload")
+    if not chosen or chosen - {"hints", "overload", "order"}:
+        p.error("--scenarios: choose from hints, overload, order")
     if args.rounds < 1:
         p.error("--rounds: at least 1")
     base = f"kvmesh bench agents --tasks {args.tasks} --steps {args.steps} --seed {args.seed} --rounds {args.rounds}"
@@ -489,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     if "hints" in chosen:
         publish(SECTION + suffix, f"{base} --scenarios hints",
                 bench_hints(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
+    if "order" in chosen:  # its arms set the order themselves
+        publish(SECTION_ORDER, f"{base.split(' --prefill-order')[0]} --scenarios order",
+                bench_order(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
     if "overload" in chosen:
         publish(SECTION_OVERLOAD + suffix, f"{base} --scenarios overload",
                 bench_overload(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
