@@ -74,7 +74,7 @@ VOCAB = 49152  # SmolLM2's
 BLOCK = 16
 TOOL_CALL = '<tool_call>{"name": "run", "arguments": {}}</tool_call>'
 ENGINE: dict[str, Any] = {"threads": 1, "num_blocks": 64, "host_cache_mb": 16, "eviction": "session_duel",
-                          "session_pause_s": 3.0}
+                          "session_pause_s": 3.0, "prefill_order": str(PrefillOrder.ARRIVAL)}
 POOL = {"pool_capacity_mb": 64, "pool_eviction": "session"}
 # a tool kind: its median seconds and the spread of log(duration); how often an agent calls it
 TOOLS = {"search": (1.5, 0.5, 0.5), "tests": (4.0, 0.4, 0.35), "build": (10.0, 0.3, 0.15)}
@@ -414,9 +414,8 @@ def _ratio(arms: list[list[Run]], q: int) -> str:
     return f"{r:.2f}x" + (f" (95% interval over runs {span[0]:.2f}-{span[1]:.2f}x)" if span else "")
 
 
-def describe(tasks: int, steps: int, rounds: int, load0: str, order: str | None = "") -> str:
-    """The run's setup in words; ``order``: the engines' prefill order (\"\": ``ENGINE``'s; None: each arm's)."""
-    order = "each arm's" if order is None else order or ENGINE.get("prefill_order", PrefillOrder.ARRIVAL)
+def describe(tasks: int, steps: int, rounds: int, load0: str, order: str | None = None) -> str:
+    """The run's setup in words; ``order``: the engines' prefill order in words (None: ``ENGINE``'s)."""
     tools = ", ".join(f"{k} ~{m:g} s ({w:.0%})" for k, (m, _, w) in TOOLS.items())
     return (f"{tasks} agent tasks of {steps} steps, started 2 s apart, two agent kinds (a 256-token system prompt "
             f"each), 96 tokens of instructions, then a step's response (its token ids) and 64 tokens of tool output "
@@ -425,7 +424,7 @@ def describe(tasks: int, steps: int, rounds: int, load0: str, order: str | None 
             f"role-both instances of the default model (1 thread each, {ENGINE['num_blocks']} device blocks = "
             f"{ENGINE['num_blocks'] * BLOCK} tokens each, {ENGINE['host_cache_mb']} MB host tier, a "
             f"{POOL['pool_capacity_mb']} MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}; "
-            f"prefill order {order}). "
+            f"prefill order {order or ENGINE['prefill_order']}). "
             f"A fresh stack per run; the arms one after the other in the order A B B A, {rounds} time(s), each "
             f"arm's {2 * rounds} runs pooled. Resumed steps: every step after an agent's first. Optimum: each "
             f"run's stream through an offline cache (Belady over the fleet's {2 * ENGINE['num_blocks']} device "
@@ -477,7 +476,7 @@ def bench_order(tasks: int, steps: int, seed: int, rounds: int) -> str:
     common = {"systems": systems, "agents": agents, "hints": "full"}
     arms = in_turn([(f"prefill order {o}", {**common, "engine": {"prefill_order": str(o)}}) for o in PrefillOrder],
                    rounds)
-    return (describe(tasks, steps, rounds, load0, order=None) + " With hints.\n\n"
+    return (describe(tasks, steps, rounds, load0, order="each arm's") + " With hints.\n\n"
             + markdown_table([row(r) for r in arms], COLUMNS)
             + f"\n\nleast_work / arrival: resumed steps' TTFT p50 {_ratio(arms, 50)}, p90 {_ratio(arms, 90)}."
             + _errors(arms))
@@ -503,18 +502,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         p.error("--rounds: at least 1")
     base = f"kvmesh bench agents --tasks {args.tasks} --steps {args.steps} --seed {args.seed} --rounds {args.rounds}"
-    suffix = ""
+    ordered, suffix = base, ""  # the order scenario's arms set the order themselves
     if args.prefill_order != PrefillOrder.ARRIVAL:
-        base += f" --prefill-order {args.prefill_order}"
+        ordered += f" --prefill-order {args.prefill_order}"
         suffix = f", prefill order {args.prefill_order}"
     if "hints" in chosen:
-        publish(SECTION + suffix, f"{base} --scenarios hints",
+        publish(SECTION + suffix, f"{ordered} --scenarios hints",
                 bench_hints(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
-    if "order" in chosen:  # its arms set the order themselves
-        publish(SECTION_ORDER, f"{base.split(' --prefill-order')[0]} --scenarios order",
+    if "order" in chosen:
+        publish(SECTION_ORDER, f"{base} --scenarios order",
                 bench_order(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
     if "overload" in chosen:
-        publish(SECTION_OVERLOAD + suffix, f"{base} --scenarios overload",
+        publish(SECTION_OVERLOAD + suffix, f"{ordered} --scenarios overload",
                 bench_overload(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
     return 0
 
