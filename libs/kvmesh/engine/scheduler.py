@@ -69,20 +69,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, chunk_tokens: int | None = None) -> list[Scheduled]:
-        """The next step's rows: the running decode rows, then the running prefills' chunks, then waiting
-        sequences admitted; while decode rows run, the prefill part carries at most ``chunk_tokens`` (None: the
-        whole token budget)."""
+        """The next step's rows: the running decode rows, then the running prefills' chunks and waiting
+        sequences admitted (``_prompt_rows``); while decode rows run, the prefill part carries at most
+        ``chunk_tokens`` (None: the whole token budget)."""
         adapters: set[str] = set()
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
         decode = self._decode_rows(adapters)
         budget = self.max_batched_tokens - len(decode)
         if decode and chunk_tokens is not None:
             budget = min(budget, chunk_tokens)
-        if self.one_order:
-            rows = decode + self._in_one_order(prefilling, budget, adapters)
-        else:
-            chunks = self._prefill_chunks(prefilling, budget, adapters)
-            rows = decode + chunks + self._admit(budget - sum(n for _, n in chunks), adapters)
+        rows = decode + self._prompt_rows(prefilling, budget, adapters)
         # a row scheduled before a later row's room preempted it (the newest running sequence goes first)
         return [r for r in rows if r.seq.status is Status.RUNNING]
 
@@ -105,18 +101,6 @@ class Scheduler:
         self._starved = starved
         return batch
 
-    def _prefill_chunks(self, prefilling: list[Sequence], budget: int, adapters: set[str]) -> list[Scheduled]:
-        """The next chunk of each running prefill in rank order, within ``budget`` tokens."""
-        batch: list[Scheduled] = []
-        prefilling.sort(key=lambda s: s.slo_rank)  # stable: the running order among equals
-        for seq in prefilling:
-            if budget == 0:
-                break
-            if (row := self._chunk(seq, budget, adapters)) is not None:
-                batch.append(row)
-                budget -= row.num_tokens
-        return batch
-
     def _chunk(self, seq: Sequence, budget: int, adapters: set[str]) -> Scheduled | None:
         """Running prefill ``seq``'s next chunk of at most ``budget`` tokens, its room made; None when it was
         preempted (by an earlier row's room, or by its own) or its adapter cannot join the step."""
@@ -125,14 +109,16 @@ class Scheduler:
         n = min(seq.num_uncomputed, budget)
         return Scheduled(seq, n) if self._reserve(seq, n) else None
 
-    def _in_one_order(self, prefilling: list[Sequence], budget: int, adapters: set[str]) -> list[Scheduled]:
-        """The running prefills' next chunks and the waiting prompts' first ones in one rank order (running
-        before waiting among equals), within ``budget`` tokens; admissions stop at the first waiting prompt that
-        does not fit, as in ``_admit``, and the running prefills behind it still get their chunks."""
+    def _prompt_rows(self, prefilling: list[Sequence], budget: int, adapters: set[str]) -> list[Scheduled]:
+        """The running prefills' next chunks and the waiting prompts' first ones, within ``budget`` tokens, in
+        ``slo_rank`` order: every running prefill before any waiting prompt, or with ``one_order`` all of them in
+        one order (running before waiting among equals; stable: the running and the queue's order among equals).
+        Admissions stop at the first waiting prompt that does not fit; running prefills ranked behind it still
+        get their chunks. A sequence preempted earlier in the step is left for a later one."""
         batch: list[Scheduled] = []
         admitting = True
         ranked = sorted([(s, False) for s in prefilling] + [(s, True) for s in self.waiting],
-                        key=lambda sw: sw[0].slo_rank)
+                        key=lambda sw: (not self.one_order and sw[1], sw[0].slo_rank))
         for seq, waiting in ranked:
             if budget <= 0:
                 break
@@ -144,21 +130,9 @@ class Scheduler:
                     budget -= row.num_tokens
                 else:
                     admitting = False
-                continue
-            if (row := self._chunk(seq, budget, adapters)) is not None:
+            elif (row := self._chunk(seq, budget, adapters)) is not None:
                 batch.append(row)
                 budget -= row.num_tokens
-        return batch
-
-    def _admit(self, budget: int, adapters: set[str]) -> list[Scheduled]:
-        """Waiting sequences in rank order, each with its first chunk, while ``budget`` tokens, the sequence cap,
-        the adapter cap and the KV pool allow (the first that does not fit stops the admissions)."""
-        batch: list[Scheduled] = []
-        for seq in sorted(self.waiting, key=lambda s: s.slo_rank):  # stable: the queue's order among equals
-            if budget <= 0 or (row := self._admit_one(seq, budget, adapters)) is None:
-                break
-            batch.append(row)
-            budget -= row.num_tokens
         return batch
 
     def _admit_one(self, seq: Sequence, budget: int, adapters: set[str]) -> Scheduled | None:
