@@ -5,13 +5,12 @@ prompt near its deadline grows the budget as far as the streams can lend."""
 import math
 
 import pytest
+from kvmesh.contracts.names import PrefillOrder
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.slo import SLO, late_gaps_allowed, slo_from_proto, slo_to_proto
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.engine.slo import (
-    ARRIVAL,
     HEADROOM,
-    LEAST_WORK,
     MIN_CHUNK,
     RESERVE_GAPS,
     URGENT,
@@ -260,9 +259,9 @@ def test_least_work_puts_a_mostly_cached_prompt_before_a_long_cold_one_that_came
     cold, warm = prompt("cold", 1500, None), prompt("warm", 1500, None)
     cold.arrival = warm.arrival = 10.0
     warm.cached_estimate = 1480  # waiting, its cached prefix found: 20 tokens of work past it
-    plan_step(10.0, [stream()], [cold, warm], COST, 1024, None, LEAST_WORK)
+    plan_step(10.0, [stream()], [cold, warm], COST, 1024, None, PrefillOrder.LEAST_WORK)
     assert [p.request_id for p in sorted([cold, warm], key=lambda p: p.slo_rank)] == ["warm", "cold"]
-    plan_step(10.0, [stream()], [cold, warm], COST, 1024, None, ARRIVAL)
+    plan_step(10.0, [stream()], [cold, warm], COST, 1024, None, PrefillOrder.ARRIVAL)
     assert [p.request_id for p in sorted([cold, warm], key=lambda p: p.slo_rank)] == ["cold", "warm"]
 
 
@@ -270,12 +269,12 @@ def test_least_work_ages_a_long_prompt_so_it_is_not_starved():
     long, short = prompt("long", 1500, None), prompt("short", 100, None)
     long.arrival, short.arrival = 0.0, 20.0
     # the long one (~4 s of work) would have finished alone before the short one arrived: it is not passed
-    plan_step(20.0, [], [short, long], COST, 1024, None, LEAST_WORK)
+    plan_step(20.0, [], [short, long], COST, 1024, None, PrefillOrder.LEAST_WORK)
     assert finish_alone(long, COST, 1024) < 20.0 < finish_alone(short, COST, 1024)
     assert min([short, long], key=lambda p: p.slo_rank) is long
     # fresh, the short one goes first
     long.arrival = 20.0
-    plan_step(20.0, [], [short, long], COST, 1024, None, LEAST_WORK)
+    plan_step(20.0, [], [short, long], COST, 1024, None, PrefillOrder.LEAST_WORK)
     assert min([short, long], key=lambda p: p.slo_rank) is short
 
 
@@ -285,6 +284,6 @@ def test_least_work_prices_a_running_prompt_past_what_it_computed_and_deadlines_
     running.cached_estimate = 0  # a running prompt's estimate is not read: what it computed is
     for p in (running, fresh, due):
         p.arrival = 0.0
-    plan_step(0.0, [stream()], [fresh, due, running], COST, 1024, None, LEAST_WORK)
+    plan_step(0.0, [stream()], [fresh, due, running], COST, 1024, None, PrefillOrder.LEAST_WORK)
     assert [p.request_id for p in sorted([fresh, due, running], key=lambda p: p.slo_rank)] == \
         ["due", "running", "fresh"]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.contracts.engine import Speed
 from kvmesh.contracts.names import PrefillOrder
-from kvmesh.engine.slo import ARRIVAL, StepCost, chunk_budget, leading_position, plan_step, prompt_work
+from kvmesh.engine.slo import StepCost, chunk_budget, leading_position, plan_step, prompt_work
 from kvmesh.routing.cost import CostModel, SpeedEstimator, SpeedFit
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class Pacer:
     (``slo.break_even_context``); ``order``: the order of the prompts without a TTFT deadline
     (``engine.prefill_order``)."""
 
-    def __init__(self, stall: float, context: float, order: PrefillOrder = ARRIVAL) -> None:
+    def __init__(self, stall: float, context: float, order: PrefillOrder = PrefillOrder.ARRIVAL) -> None:
         self.stall = stall
         self.context = context
         self.order = order
@@ -135,7 +135,7 @@ class Pacer:
         cost = self._step_cost(len(decoding))
         cost = cost._replace(decode_s=cost.decode_s * self._mixed_error + self._between_s,
                              token_s=cost.token_s * self._mixed_error)
-        if self.order != ARRIVAL:
+        if self.order != PrefillOrder.ARRIVAL:
             self._estimate_cached(sched)
         plan = plan_step(time.monotonic(), decoding, prompts, cost, sched.max_batched_tokens,
                          self._best_effort(sched), self.order)

@@ -6,10 +6,10 @@ The running streams' ITL targets cap a step: it is planned to end within ``HEADR
 best-effort rule instead, ``chunk_budget``). A prompt's tokens cost more the later they sit in it (their
 attention covers the ones before: ``StepCost.work``), so the cap is sized at the position the leading prompt has
 reached. The waiting prompts' TTFT targets order the prompts (earliest deadline first, among those that can still
-make it at full speed; the rest behind them in arrival order, or with ``LEAST_WORK`` by arrival + the work left
-past a prompt's cached prefix: least work first, and none passed for ever) and say whether steps at the cap, which
-carries fewer tokens the further a prompt has got, finish them in time. When they would not, the streams may
-lend at once (before an ordinary slow step spends what they could lend): a step may run past their
+make it at full speed; the rest behind them in arrival order, or with ``PrefillOrder.LEAST_WORK`` by arrival +
+the work left past a prompt's cached prefix: least work first, and none passed for ever) and say whether steps at
+the cap, which carries fewer tokens the further a prompt has got, finish them in time. When they would not, the
+streams may lend at once (before an ordinary slow step spends what they could lend): a step may run past their
 ITL targets only while every stream with a target has a late gap to lend within its p99 beyond ``RESERVE_GAPS``
 kept for what no plan sees (a stolen core, a pause; ``Sequence.late_allowance``; a stream without a target
 always lends). Such a step (a burst) carries the whole step budget: the late gap is spent however long it runs,
@@ -39,7 +39,6 @@ TTFT_HEADROOM = 0.9  # a prompt is planned to finish within this share of the ti
 RESERVE_GAPS = 1  # late gaps a stream keeps within its p99 for what no plan sees; it lends only those beyond
 SPAN = 128  # positions over which _late_at_cap holds the cap constant
 URGENT, IN_TURN = 0, 1  # Sequence.slo_rank's first field: a prompt that can still make its deadline, the others
-ARRIVAL, LEAST_WORK = PrefillOrder.ARRIVAL, PrefillOrder.LEAST_WORK  # the order of the prompts without a deadline
 
 
 def prompt_work(first: int, end: int, context: float) -> float:
@@ -148,22 +147,22 @@ def work_s(p: Sequence, cost: StepCost, budget: int) -> float:
 
 
 def finish_alone(p: Sequence, cost: StepCost, budget: int) -> float:
-    """``LEAST_WORK``'s key: when the prompt would have had its first token had it been served alone from its
-    arrival (arrival + ``work_s``), earliest first. Among prompts that came together the least work goes first
+    """``PrefillOrder.LEAST_WORK``'s key: when the prompt would have had its first token had it been served alone
+    from its arrival (arrival + ``work_s``), earliest first. Among prompts that came together the least work goes first
     (a mostly cached prompt, a session's next step, before a long cold one); a prompt is passed only by prompts
     that arrived before its key, so however long it is, it is not passed for ever."""
     return p.arrival + work_s(p, cost, budget)
 
 
 def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int,
-                 order: PrefillOrder = ARRIVAL) -> list[Due]:
+                 order: PrefillOrder = PrefillOrder.ARRIVAL) -> list[Due]:
     """Set each prompt's ``slo_rank`` (deadline first among those that can still make it at full speed, the
-    others behind them in ``order``: ``ARRIVAL``, or ``LEAST_WORK``, earliest ``finish_alone`` first) and
-    return the urgent ones' ``Due`` s, with ``TTFT_HEADROOM`` of the time to each deadline to plan with (one that
-    makes it only without the headroom gets the largest steps the streams can lend). Full speed: steps of
-    ``budget`` tokens beside the decode rows."""
+    others behind them in ``order``: ``PrefillOrder.ARRIVAL``, or ``PrefillOrder.LEAST_WORK``, earliest
+    ``finish_alone`` first) and return the urgent ones' ``Due`` s, with ``TTFT_HEADROOM`` of the time to each
+    deadline to plan with (one that makes it only without the headroom gets the largest steps the streams can
+    lend). Full speed: steps of ``budget`` tokens beside the decode rows."""
     for p in prompts:
-        p.slo_rank = (IN_TURN, 0.0 if order == ARRIVAL else finish_alone(p, cost, budget))
+        p.slo_rank = (IN_TURN, 0.0 if order == PrefillOrder.ARRIVAL else finish_alone(p, cost, budget))
     timed = sorted(((p.ttft_deadline, p) for p in prompts if p.ttft_deadline is not None), key=lambda dp: dp[0])
     pending: list[Due] = []
     tokens, work = 0, 0.0
@@ -180,7 +179,7 @@ def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int
 
 
 def plan_step(now: float, decoding: Seq[Sequence], prompts: Seq[Sequence], cost: StepCost, budget: int,
-              best_effort: int | None, order: PrefillOrder = ARRIVAL) -> Plan:
+              best_effort: int | None, order: PrefillOrder = PrefillOrder.ARRIVAL) -> Plan:
     """The next step's prompt tokens beside ``decoding`` (the running decode rows), ``prompts`` (waiting or
     computing their prompt) ranked by their deadlines, then in ``order`` (``rank_prompts``). ``budget``: the
     engine's token budget of a step; ``best_effort``: the cap that holds streams without an ITL target back
