@@ -29,8 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.contracts.names import Eviction
+
 from app.bench.report import load_average, publish
-from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, dump_trace
+from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, dump_trace, with_every_end, with_sessions
 
 SECTION = "Session-aware eviction, session-structured traces of four shapes"
 DECODE_TOK_S = 40.0  # how fast a response is written: the time between a request and its session's tool call
@@ -245,6 +247,33 @@ def describe(trace: list[TraceRequest]) -> str:
             f"{live_working_set(trace):,} blocks")
 
 
+def unsaid_ends(trace: list[TraceRequest]) -> int:
+    """How many sessions end with nobody saying so (their last request pauses: a chat its user abandoned)."""
+    last: dict[str, TraceRequest] = {}
+    for r in trace:
+        if r.session_id:
+            last[r.session_id] = r
+    return sum(not r.session_end for r in last.values())
+
+
+def every_end_known(trace: list[TraceRequest], capacity: int, hits: dict[str, dict[str, float]], unsaid: int) -> str:
+    """A line under a capacity's table: the session-aware strategies with every session's end said, the
+    ``unsaid`` ones a client cannot know too (:func:`~app.bench.trace.with_every_end`): what that information
+    is worth, beside what ranking the signals that are given achieves."""
+    from app.bench.sessions import SESSION_AWARE, gap_closed
+    from app.sim import simulate
+
+    lru, opt = hits[Eviction.LRU]["*"], hits[Eviction.BELADY]["*"]
+    told = with_sessions(with_every_end(trace), 1.0)
+    cells = []
+    for name in SESSION_AWARE:
+        h = simulate(told, 1, "round_robin", capacity, 0, eviction=name)["hit_rate"]
+        gap = f", gap closed {gap_closed(h, lru, opt) * 100:.0f}%" if opt > lru else ""
+        cells.append(f"{name} {h * 100:.1f}%{gap}")
+    return (f"With every end said, the {unsaid:,} sessions nobody closes included (information no client has): "
+            + "; ".join(cells) + ".\n")
+
+
 def table(shapes: list[str], fractions: list[float], seed: int | None = None) -> str:
     from app.bench.sessions import capacity_table, measure
 
@@ -260,9 +289,13 @@ def table(shapes: list[str], fractions: list[float], seed: int | None = None) ->
         trace = SHAPES[shape](**({"seed": seed} if seed is not None else {}))
         lws = live_working_set(trace)
         parts.append(f"#### {shape}\n\n{describe(trace)}.\n")
+        unsaid = unsaid_ends(trace)
         for f in fractions:
             cap = max(1, round(f * lws))
-            parts.append(capacity_table(measure(trace, cap), f"{f:g}x live working set, {cap:,} blocks"))
+            hits = measure(trace, cap)
+            parts.append(capacity_table(hits, f"{f:g}x live working set, {cap:,} blocks"))
+            if unsaid:
+                parts.append(every_end_known(trace, cap, hits, unsaid))
     parts.append(f"Took {time.monotonic() - t0:.0f} s; load average {load0} at the start, {load_average()} at "
                  "the end (the figures do not depend on it).")
     return "\n".join(parts)

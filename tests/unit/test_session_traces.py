@@ -8,8 +8,19 @@ from itertools import pairwise
 
 import pytest
 
-from app.bench.session_traces import SHAPES, chat, coding, fanout, live_working_set, main, tenants
-from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, dump_trace, load_trace, with_sessions
+from app.bench.session_traces import (
+    SHAPES,
+    chat,
+    coding,
+    every_end_known,
+    fanout,
+    live_working_set,
+    main,
+    tenants,
+    unsaid_ends,
+)
+from app.bench.sessions import measure
+from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, dump_trace, load_trace, with_every_end, with_sessions
 
 SMALL = {"coding": 20, "fanout": 12, "chat": 150, "tenants": 60}
 
@@ -124,6 +135,28 @@ def test_a_sub_agents_parent_survives_dump_and_load_and_older_traces_still_load(
                                 "parent_session_id": 3}) + "\n")
     with pytest.raises(ValueError, match="parent_session_id must be a string"):
         load_trace(path)
+
+
+def test_every_end_known_closes_the_abandoned_conversations_and_changes_nothing_else():
+    trace = chat(200)
+    told = with_every_end(trace)
+    sessions, ends = by_session(trace), by_session(told)
+    abandoned = sum(not rs[-1].session_end for rs in sessions.values())
+    assert unsaid_ends(trace) == abandoned > 0 and unsaid_ends(told) == 0
+    for key, rs in ends.items():
+        assert rs[-1].session_end and not rs[-1].pause
+        assert rs[:-1] == sessions[key][:-1]
+        assert (rs[-1].arrival_s, rs[-1].hash_ids) == (sessions[key][-1].arrival_s, sessions[key][-1].hash_ids)
+    assert unsaid_ends(coding(10)) == 0  # every task ends itself
+
+
+def test_knowing_which_conversations_were_abandoned_is_worth_hits():
+    trace = chat(300)
+    cap = max(1, live_working_set(trace) // 2)
+    hits = measure(trace, cap)
+    line = every_end_known(trace, cap, hits, unsaid_ends(trace))
+    told = float(line.split("session_duel ")[1].split("%")[0])
+    assert told > hits["session_duel"]["1"] * 100  # the ends no client says are what the signals lack
 
 
 def test_an_anonymous_client_sends_no_parent_either():
