@@ -183,6 +183,7 @@ def test_a_requests_ttft_counts_from_its_arrival_at_the_mesh_and_defaults_fill_w
     e = engine(tiny_config, slo_ttft_s=9.0, slo_itl_s=0.5)
     own = e.add_request(req("own", [1, 2, 3], SamplingParams(max_tokens=2), slo=SLO(ttft_s=6.0), waited_s=1.5))
     assert own.ttft_deadline == pytest.approx(own.arrival + 4.5) and own.itl_target == 0.5
+    assert own.mesh_arrival == pytest.approx(own.arrival - 1.5)
     plain = e.add_request(req("plain", [1, 2, 3], SamplingParams(max_tokens=2)))
     assert plain.ttft_deadline == pytest.approx(plain.arrival + 9.0)
     assert engine(tiny_config).add_request(req("x", [1, 2], SamplingParams())).ttft_deadline is None
@@ -276,6 +277,20 @@ def test_least_work_ages_a_long_prompt_so_it_is_not_starved():
     long.arrival = 20.0
     plan_step(20.0, [], [short, long], COST, 1024, None, PrefillOrder.LEAST_WORK)
     assert min([short, long], key=lambda p: p.slo_rank) is short
+
+
+def test_least_work_counts_a_prompts_wait_before_the_engine_took_it():
+    """Two prompts of the same work: the one that reached the engine later but the mesh earlier (it waited at the
+    router, or for its hand-off) goes first; without that wait, the one the engine took first does."""
+    first, relayed = prompt("first", 600, None), prompt("relayed", 600, None)
+    first.arrival, relayed.arrival = 10.0, 11.0
+    relayed.waited = 3.0  # at the mesh since 8.0
+    assert relayed.mesh_arrival == 8.0 and first.mesh_arrival == 10.0
+    plan_step(11.0, [], [first, relayed], COST, 1024, None, PrefillOrder.LEAST_WORK)
+    assert min([first, relayed], key=lambda p: p.slo_rank) is relayed
+    relayed.waited = 0.0
+    plan_step(11.0, [], [first, relayed], COST, 1024, None, PrefillOrder.LEAST_WORK)
+    assert min([first, relayed], key=lambda p: p.slo_rank) is first
 
 
 def test_least_work_prices_a_running_prompt_past_what_it_computed_and_deadlines_still_lead():

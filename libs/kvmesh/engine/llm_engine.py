@@ -321,10 +321,11 @@ class LLMEngine:
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
         seq = Sequence(request.request_id, prompt, params,
                        self.namespace_seed(request.cache_salt, spec.lora_id if spec else ""), request.retention,
-                       lora=spec, earlier_outputs=generated, session=request.session)
+                       lora=spec, earlier_outputs=generated, session=request.session,
+                       waited=max(0.0, request.waited_s))
         targets = request.slo.or_else(self.default_slo)
         if targets.ttft_s and request.imported is None and not generated:  # a migrated request's first token is out
-            seq.ttft_deadline = seq.arrival + targets.ttft_s - max(0.0, request.waited_s)
+            seq.ttft_deadline = seq.mesh_arrival + targets.ttft_s
         seq.itl_target = targets.itl_s
         detok = None
         if self.tokenizer is not None:

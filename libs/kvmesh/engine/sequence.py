@@ -31,10 +31,11 @@ class Sequence:
     params: SamplingParams
     namespace_seed: int = 0
     retention: tuple[RetentionRange, ...] = ()
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=time.monotonic)  # when this engine took it
     lora: LoRASpec | None = None      # the adapter it runs under (kept even if the name is unloaded meanwhile)
     earlier_outputs: int = 0          # output tokens generated elsewhere before it came here: the prompt's tail
     session: SessionHint | None = None  # the session it belongs to
+    waited: float = 0.0               # how long it had waited before this engine took it (router, prefill, hand-off)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -56,6 +57,12 @@ class Sequence:
     # while waiting: the cached prefix last found for it, and the pacer's step it was looked up at (-1: never)
     cached_estimate: int = 0
     estimated_at: int = -1
+
+    @property
+    def mesh_arrival(self) -> float:
+        """When it reached the mesh (``arrival`` less what it waited before this engine took it), on this
+        engine's monotonic clock: what its TTFT counts from, and its place among prompts that arrived apart."""
+        return self.arrival - self.waited
 
     @property
     def lora_name(self) -> str:

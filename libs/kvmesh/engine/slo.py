@@ -148,10 +148,11 @@ def work_s(p: Sequence, cost: StepCost, budget: int) -> float:
 
 def finish_alone(p: Sequence, cost: StepCost, budget: int) -> float:
     """``PrefillOrder.LEAST_WORK``'s key: when the prompt would have had its first token had it been served alone
-    from its arrival (arrival + ``work_s``), earliest first. Among prompts that came together the least work goes first
-    (a mostly cached prompt, a session's next step, before a long cold one); a prompt is passed only by prompts
-    that arrived before its key, so however long it is, it is not passed for ever."""
-    return p.arrival + work_s(p, cost, budget)
+    from its arrival at the mesh (``Sequence.mesh_arrival`` + ``work_s``: a prompt that waited at the router or for
+    its hand-off before this engine took it counts that wait), earliest first. Among prompts that came together the
+    least work goes first (a mostly cached prompt, a session's next step, before a long cold one); a prompt is
+    passed only by prompts that arrived before its key, so however long it is, it is not passed for ever."""
+    return p.mesh_arrival + work_s(p, cost, budget)
 
 
 def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int,
