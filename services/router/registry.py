@@ -64,6 +64,17 @@ class Instance:
         return max(self.beat.load.waiting_tokens, self.inflight_tokens + self.peer_tokens)
 
     @property
+    def ahead_tokens(self) -> tuple[int, ...]:
+        """On a least-work engine, the queue a new prompt would wait for per edge of ``AHEAD_EDGES_S`` (what its
+        heartbeat says, plus what the routers sent since that it does not show yet, ranked as ahead); empty: the
+        whole queue (``waiting_tokens``)."""
+        load = self.beat.load
+        if not load.ahead_tokens:
+            return ()
+        unseen = max(0, self.inflight_tokens + self.peer_tokens - load.waiting_tokens)
+        return tuple(n + unseen for n in load.ahead_tokens)
+
+    @property
     def running(self) -> float:
         return self.beat.load.running
 

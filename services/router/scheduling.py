@@ -24,7 +24,7 @@ def view(i: Instance, cost: CostModel, has_lora: bool = True) -> InstanceView:
         return c[7]
     made = InstanceView(i.id, str(beat.role), i.queue_depth, i.waiting_tokens, i.routed, i.running, i.free_blocks,
                         i.decode_step_s, i.cost_model(cost), beat.kv_layout, beat.kv_accepts, beat.kv_unconvertible,
-                        has_lora)
+                        has_lora, i.ahead_tokens)
     i.view_of = (beat, i.inflight, i.inflight_tokens, i.peer_inflight, i.peer_tokens, cost, has_lora, made)
     return made
 

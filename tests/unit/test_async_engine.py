@@ -215,3 +215,28 @@ def test_a_step_reports_what_it_ran(tiny_config):
     assert not report.decode_only and report.seconds > 0
     capped = e.step(chunk_tokens=3).report
     assert (capped.decode_rows, capped.prompt_chunks) == (1, ((7, 3),))
+
+
+@pytest.mark.parametrize("order", ["arrival", "least_work"])
+def test_a_least_work_engine_tells_the_queue_a_new_prompt_would_wait_for(tiny_config, order):
+    """Its load carries, per edge of ``AHEAD_EDGES_S``, the queued prompt tokens a new prompt with that much compute
+    would not pass (all of them for prompts not ranked yet); an engine in arrival order says nothing."""
+    async def run() -> tuple[int, tuple[int, ...]]:
+        engine = AsyncEngine(LLMEngine(EngineSettings(num_blocks=64, block_size=4, prefill_order=order),
+                                       model_config=tiny_config), asyncio.get_running_loop())
+        try:
+            gate = threading.Event()
+            blocker = asyncio.ensure_future(engine.call(lambda e: gate.wait(10)))  # holds the engine thread
+            await asyncio.sleep(0.05)
+            for rid, n in (("a", 30), ("b", 20)):  # queued while the thread is held: nothing steps them
+                engine.engine.add_request(req(rid, list(range(1, n + 1)), SamplingParams(max_tokens=1)))
+            load = engine.load()
+            gate.set()
+            await blocker
+            return load.waiting_tokens, load.ahead_tokens
+        finally:
+            await engine.close()
+
+    waiting, ahead = asyncio.run(asyncio.wait_for(run(), 30))
+    assert waiting == 50
+    assert ahead == ((50, 50, 50, 50) if order == "least_work" else ())

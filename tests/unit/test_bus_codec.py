@@ -234,6 +234,16 @@ def test_a_heartbeats_load_travels_as_flat_numbers_and_comes_back_typed():
     assert InstanceLoad.from_dict(wire) == load
 
 
+def test_a_least_work_engines_queue_ahead_travels_one_key_an_edge_and_an_older_beat_has_none():
+    load = InstanceLoad(waiting_tokens=2000, ahead_tokens=(0, 50, 1050, 2000))
+    wire = load.to_dict()
+    assert wire["ahead_tokens_250ms"] == 0 and wire["ahead_tokens_16000ms"] == 2000
+    assert InstanceLoad.from_dict(wire) == load
+    del wire["ahead_tokens_4000ms"]  # edges this reader does not share: none read, the whole queue counts
+    assert InstanceLoad.from_dict(wire).ahead_tokens == ()
+    assert "ahead_tokens_250ms" not in InstanceLoad(waiting_tokens=9).to_dict()
+
+
 def test_a_load_from_another_version_keeps_what_it_can_read():
     """Unknown keys (a newer instance) are ignored; a known one that is not a finite number >= 0 stays at its
     default, so one bad field does not drop the instance from routing."""

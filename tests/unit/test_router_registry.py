@@ -72,6 +72,24 @@ def test_cache_aware_takes_the_longest_prefix_unless_its_queue_outweighs_it():
     assert policies().choose(None, reg.alive("prefill"), {"p0": 40}, 1000, 16, 0)[0].id == "p1"
 
 
+def test_a_least_work_engine_keeps_a_mostly_cached_prompt_its_queue_of_cold_ones_would_not_delay():
+    """5,000 cold tokens queued at p0, which holds 60 of the prompt's 63 blocks: in arrival order they are all
+    ahead (p1, idle and cold, is sooner); served least work first, p0 runs the prompt's last 16 tokens before them
+    (~0.02 s of compute, under the first edge), and its heartbeat says what is ahead of such a prompt."""
+    for ahead, home in (((), "p1"), ((0, 0, 2000, 5000), "p0")):
+        reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
+        busy = Heartbeat(instance_id="p0", role="prefill", grpc_address="127.0.0.1:1", transfer_address="",
+                         ts=time.time(), load=InstanceLoad(waiting=3, waiting_tokens=5000, ahead_tokens=ahead),
+                         model="fp", block_size=16)
+        reg.observe(busy)
+        reg.observe(beat("p1", role="prefill"))
+        chosen, decision = policies().choose(None, reg.alive("prefill"), {"p0": 60}, 1000, 16, 0)
+        assert chosen is not None and chosen.id == home, decision.reason
+    # what the routers sent since the beat, which it does not show, is ranked as ahead of the new prompt
+    reg.dispatched(reg.alive("prefill")[0], prompt_tokens=6000)
+    assert next(i for i in reg.alive("prefill") if i.id == "p0").ahead_tokens == (1000, 1000, 3000, 6000)
+
+
 def test_admission_control_rejects_when_the_slo_is_out_of_reach():
     reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
     reg.observe(beat("p0", role="prefill"))

@@ -17,6 +17,7 @@ from kvmesh.engine.slo import (
     StepCost,
     finish_alone,
     plan_step,
+    tokens_ahead,
 )
 
 from .helpers import req
@@ -291,6 +292,19 @@ def test_least_work_counts_a_prompts_wait_before_the_engine_took_it():
     relayed.waited = 0.0
     plan_step(11.0, [], [first, relayed], COST, 1024, None, PrefillOrder.LEAST_WORK)
     assert min([first, relayed], key=lambda p: p.slo_rank) is first
+
+
+def test_least_work_tells_the_queue_a_new_prompt_would_wait_for_by_how_much_compute_it_brings():
+    cold, turn, due = prompt("cold", 1500, None), prompt("turn", 1500, None), prompt("due", 300, 30.0)
+    for p in (cold, turn, due):
+        p.arrival = 10.0
+    turn.cached_estimate = 1450  # 50 tokens past its cached prefix
+    plan_step(10.0, [], [cold, turn, due], COST, 1024, None, PrefillOrder.LEAST_WORK)
+    # the deadline is ahead of any new prompt; the turn's key is ~0.2 s away, the cold prompt's ~4-5 s
+    assert tokens_ahead(10.0, [cold, turn, due], (0.01, 1.0, 16.0)) == (300, 350, 1850)
+    # a prompt not ranked yet (it arrived since the last step) counts as ahead of any
+    late = prompt("late", 100, None)
+    assert tokens_ahead(10.0, [late], (0.01,)) == (100,)
 
 
 def test_least_work_prices_a_running_prompt_past_what_it_computed_and_deadlines_still_lead():

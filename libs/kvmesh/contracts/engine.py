@@ -250,9 +250,16 @@ class RequestTiming:
     preemptions: int = 0       # times it was preempted before its first output
 
 
+AHEAD_EDGES_S = (0.25, 1.0, 4.0, 16.0)  # a new prompt's compute to its first token, at which ``ahead_tokens`` is told
+
+
 @dataclass(frozen=True)
 class EngineLoad:
-    """A snapshot of an engine's queues and KV, for heartbeats, routing and metrics."""
+    """A snapshot of an engine's queues and KV, for heartbeats, routing and metrics. ``ahead_tokens``: on an engine
+    that orders its prompts by least work (``PrefillOrder.LEAST_WORK``), per edge of ``AHEAD_EDGES_S``, the prompt
+    tokens still to compute that a new prompt with that many seconds of compute to its first token would wait for
+    (it passes the rest: ``slo.tokens_ahead``); empty where prompts go in arrival order and every waiting token is
+    ahead of a new one (``waiting_tokens``)."""
 
     running: int
     waiting: int
@@ -262,6 +269,7 @@ class EngineLoad:
     host_blocks: int
     waiting_tokens: int
     steps: int = 0  # forward steps run so far: an engine that stops stepping with streams in it has stalled
+    ahead_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from kvmesh.contracts.engine import UNMEASURED, EngineLoad, Speed, TokenLogprobs
+from kvmesh.contracts.engine import AHEAD_EDGES_S, UNMEASURED, EngineLoad, Speed, TokenLogprobs
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
@@ -229,6 +229,10 @@ class KVReady:
                    mac=_get(d, "mac", str) if "mac" in d else "")
 
 
+# ``InstanceLoad.ahead_tokens`` on the wire: one key per edge, named by it, so a reader whose edges differ reads none
+AHEAD_KEYS = tuple(f"ahead_tokens_{round(e * 1000)}ms" for e in AHEAD_EDGES_S)
+
+
 @dataclass(frozen=True)
 class InstanceLoad:
     """How loaded an instance is and what it measured of itself, as its heartbeat says. On the wire a flat JSON
@@ -248,6 +252,7 @@ class InstanceLoad:
     kv_block_bytes: int = 0            # one block as its engine stores it (0: not said)
     lora_load_s: float | None = None   # its measured time to load an adapter (None: not measured)
     speed: Speed = UNMEASURED
+    ahead_tokens: tuple[int, ...] = ()  # least work first: the queue a new prompt waits for (EngineLoad's)
 
     COUNTS: ClassVar[tuple[str, ...]] = ("running", "waiting", "free_blocks", "total_blocks", "cached_blocks",
                                          "host_blocks", "waiting_tokens", "steps", "kv_fallbacks",
@@ -266,15 +271,18 @@ class InstanceLoad:
         if self.lora_load_s is not None:
             out["lora_load_s"] = self.lora_load_s
         out.update({k: v for k, v in dataclasses.asdict(self.speed).items() if v is not None})
+        if len(self.ahead_tokens) == len(AHEAD_KEYS):
+            out.update(zip(AHEAD_KEYS, self.ahead_tokens, strict=True))
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> InstanceLoad:
         numbers = {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                    and math.isfinite(v) and v >= 0}
+        ahead = tuple(int(numbers[k]) for k in AHEAD_KEYS) if all(k in numbers for k in AHEAD_KEYS) else ()
         return cls(**{k: int(numbers[k]) for k in cls.COUNTS if k in numbers},
                    lora_load_s=numbers.get("lora_load_s"),
-                   speed=Speed(**{k: numbers[k] for k in cls.SPEEDS if k in numbers}))
+                   speed=Speed(**{k: numbers[k] for k in cls.SPEEDS if k in numbers}), ahead_tokens=ahead)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from collections.abc import Sequence as Sequence_
 from typing import Any
 
 from kvmesh.contracts.engine import (
+    AHEAD_EDGES_S,
     AdapterInfo,
     BlockStates,
     EngineLoad,
@@ -44,7 +45,7 @@ from kvmesh.engine.kv_cache import block_bytes, blocks_from_bytes
 from kvmesh.engine.llm_engine import LLMEngine, StepOutput
 from kvmesh.engine.pacer import Pacer
 from kvmesh.engine.sequence import Sequence, Status
-from kvmesh.engine.slo import break_even_context
+from kvmesh.engine.slo import break_even_context, tokens_ahead
 from kvmesh.engines.base import Engine, KVEventSink, Reserved
 from kvmesh.engines.loop import EngineLoop
 from kvmesh.settings import EngineSettings
@@ -223,10 +224,14 @@ class AsyncEngine(EngineLoop, Engine):
         e = self.engine
         sched = e.scheduler
         waiting = list(sched.waiting)
+        ahead: tuple[int, ...] = ()
+        if sched.one_order:  # least work first: a new prompt passes some of the queue
+            prompts = [s for s in list(sched.running) if s.in_prefill] + waiting
+            ahead = tokens_ahead(time.monotonic(), prompts, AHEAD_EDGES_S)
         return EngineLoad(len(sched.running), len(waiting), e.blocks.num_free_blocks, e.kv.num_blocks,
                           e.blocks.num_cached_blocks, e.blocks.num_host_blocks,
                           sum(s.num_tokens for s in waiting),
-                          self.step_totals.decode.steps + self.step_totals.prefill.steps)
+                          self.step_totals.decode.steps + self.step_totals.prefill.steps, ahead)
 
     def speed(self) -> Speed:
         """The prefill line and, once decode-only steps are measured, the decode-only step of the running batch

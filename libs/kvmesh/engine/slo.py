@@ -179,6 +179,21 @@ def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int
     return pending
 
 
+def tokens_ahead(now: float, prompts: Seq[Sequence], edges: Seq[float]) -> tuple[int, ...]:
+    """Under ``PrefillOrder.LEAST_WORK``, as last ranked (``rank_prompts``): for each of ``edges`` (seconds), the
+    prompt tokens still to compute of ``prompts`` that a prompt arriving ``now`` with that much compute to its
+    first token would not pass: those with a deadline they can make, and those whose ``finish_alone`` key is at
+    most ``now`` + the edge (a prompt not ranked yet counts as ahead of any). Cumulative: what a router prices a
+    new prompt's wait with (``EngineLoad.ahead_tokens``), where under arrival order the whole queue is ahead."""
+    left, offsets = [], []
+    for p in prompts:
+        first = p.num_computed_tokens if p.status is not Status.WAITING else max(p.num_computed_tokens,
+                                                                                p.cached_estimate)
+        left.append(max(0, p.num_tokens - first))
+        offsets.append(-math.inf if p.slo_rank[0] == URGENT else p.slo_rank[1] - now)
+    return tuple(sum(n for n, o in zip(left, offsets, strict=True) if o <= edge) for edge in edges)
+
+
 def plan_step(now: float, decoding: Seq[Sequence], prompts: Seq[Sequence], cost: StepCost, budget: int,
               best_effort: int | None, order: PrefillOrder = PrefillOrder.ARRIVAL) -> Plan:
     """The next step's prompt tokens beside ``decoding`` (the running decode rows), ``prompts`` (waiting or

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.contracts.engine import SessionHint
+from kvmesh.contracts.engine import AHEAD_EDGES_S, SessionHint
 from kvmesh.contracts.layout import KVLayout, converter
 from kvmesh.routing.cost import CostModel, TTFTTarget, disaggregation, local_share
 from kvmesh.routing.policies import CacheAware, Candidate, Decision, Policy, lowest
@@ -55,6 +55,18 @@ class InstanceView:
     kv_accepts: tuple[str, ...] = ()
     kv_unconvertible: str = ""
     has_lora: bool = True        # it holds the request's adapter (or the request names none)
+    # least work first: of ``waiting_tokens``, those a new prompt with each edge of ``AHEAD_EDGES_S`` seconds of
+    # compute would wait for (it passes the others); empty: arrival order, all of them
+    ahead: tuple[int, ...] = ()
+
+    def tokens_ahead(self, compute_s: float) -> float:
+        """The queued prompt tokens a new prompt with ``compute_s`` seconds of compute to its first token waits for
+        here: all of them in arrival order; with least work first, those of the first edge at or past it."""
+        if self.ahead:
+            for edge, tokens in zip(AHEAD_EDGES_S, self.ahead, strict=True):
+                if compute_s <= edge:
+                    return min(self.waiting_tokens, tokens)
+        return self.waiting_tokens
 
 
 @dataclass(frozen=True)
@@ -214,7 +226,8 @@ def choose(policy: Policy, role: str, instances: list[InstanceView], fleet: Flee
     pool = instances
     if missing and not isinstance(policy, CacheAware) and len(missing) < len(instances):
         pool = [i for i in instances if i.id not in missing]
-    decision = policy.choose(candidates(pool, fleet.matched, fleet.cost, missing, itl_s), ask.prompt_tokens,
+    decision = policy.choose(candidates(pool, fleet.matched, fleet.cost, missing, itl_s, ask.prompt_tokens,
+                                        fleet.block_size), ask.prompt_tokens,
                              fleet.block_size, fleet.matched.get(POOL, 0), ttft_s)
     chosen = next((i for i in pool if decision.chosen and i.id == decision.chosen.id), None)
     attrs: dict[str, Any] = {f"kvmesh.route.{role}.choice": (chosen or instances[0]).id,
@@ -242,17 +255,29 @@ def _listed(instances: list[InstanceView], chosen: InstanceView | None,
 
 
 def candidates(instances: Sequence[InstanceView], matched: Mapping[str, int], cost: CostModel | None = None,
-               lora_missing: frozenset[str] | set[str] = frozenset(), itl_s: float = 0.0) -> list[Candidate]:
+               lora_missing: frozenset[str] | set[str] = frozenset(), itl_s: float = 0.0, prompt_tokens: int = 0,
+               block_size: int = 0) -> list[Candidate]:
     """The instances as the policies see them. ``itl_s``: the request's ITL target: an instance that decodes
     streams and sizes its steps by their targets (it reports its decode step) computes a prompt only in what
-    each step has left beside them (``local_share``), so its prefill is priced that much slower."""
+    each step has left beside them (``local_share``), so its prefill is priced that much slower. With the
+    request's ``prompt_tokens`` and the ``block_size``, an instance that serves least work first is queued with
+    only what the request would wait for there (``InstanceView.tokens_ahead`` of its compute past the blocks the
+    instance holds); else with its whole queue."""
     def share(i: InstanceView) -> float:
         return local_share(i.decode_step_s, itl_s) if itl_s and i.decode_step_s and i.running else 1.0
 
     get = matched.get
+    default = cost or CostModel()
+
+    def queued(i: InstanceView) -> int:
+        if not i.ahead or not prompt_tokens:
+            return int(i.waiting_tokens)
+        own = prompt_tokens - min(get(i.id, 0) * block_size, prompt_tokens - 1)
+        return int(i.tokens_ahead((i.cost or default).prefill_s(own)))
+
     # positional, in Candidate's field order: a large fleet builds one per instance per request, and keywords
     # cost twice as much
-    return [Candidate(i.id, int(i.waiting_tokens), int(i.queue_depth), get(i.id, 0), i.free_blocks, i.cost,
+    return [Candidate(i.id, queued(i), int(i.queue_depth), get(i.id, 0), i.free_blocks, i.cost,
                       i.id in lora_missing, share(i) if itl_s else 1.0, not i.kv_unconvertible)
             for i in instances]
 
