@@ -301,10 +301,14 @@ def test_least_work_tells_the_queue_a_new_prompt_would_wait_for_by_how_much_comp
     turn.cached_estimate = 1450  # 50 tokens past its cached prefix
     plan_step(10.0, [], [cold, turn, due], COST, 1024, None, PrefillOrder.LEAST_WORK)
     # the deadline is ahead of any new prompt; the turn's key is ~0.2 s away, the cold prompt's ~4-5 s
-    assert tokens_ahead(10.0, [cold, turn, due], (0.01, 1.0, 16.0)) == (300, 350, 1850)
+    assert tokens_ahead(10.0, [cold, turn, due], (0.01, 1.0, 16.0), 256) == (300, 350, 1850)
+    # once the cold prompt computes, the chunk of the step it is in is ahead of any new prompt
+    cold.status, cold.num_computed_tokens = Status.RUNNING, 256
+    plan_step(10.0, [], [cold, turn, due], COST, 1024, None, PrefillOrder.LEAST_WORK)
+    assert tokens_ahead(10.0, [cold, turn, due], (0.01, 1.0, 16.0), 256) == (556, 606, 1594)
     # a prompt not ranked yet (it arrived since the last step) counts as ahead of any
     late = prompt("late", 100, None)
-    assert tokens_ahead(10.0, [late], (0.01,)) == (100,)
+    assert tokens_ahead(10.0, [late], (0.01,), 256) == (100,)
 
 
 def test_least_work_prices_a_running_prompt_past_what_it_computed_and_deadlines_still_lead():

@@ -227,7 +227,8 @@ class AsyncEngine(EngineLoop, Engine):
         ahead: tuple[int, ...] = ()
         if sched.one_order:  # least work first: a new prompt passes some of the queue
             prompts = [s for s in list(sched.running) if s.in_prefill] + waiting
-            ahead = tokens_ahead(time.monotonic(), prompts, AHEAD_EDGES_S)
+            step = self.pacer.cap or sched.max_batched_tokens
+            ahead = tokens_ahead(time.monotonic(), prompts, AHEAD_EDGES_S, step)
         return EngineLoad(len(sched.running), len(waiting), e.blocks.num_free_blocks, e.kv.num_blocks,
                           e.blocks.num_cached_blocks, e.blocks.num_host_blocks,
                           sum(s.num_tokens for s in waiting),

@@ -179,19 +179,22 @@ def rank_prompts(now: float, prompts: Seq[Sequence], cost: StepCost, budget: int
     return pending
 
 
-def tokens_ahead(now: float, prompts: Seq[Sequence], edges: Seq[float]) -> tuple[int, ...]:
+def tokens_ahead(now: float, prompts: Seq[Sequence], edges: Seq[float], step: int) -> tuple[int, ...]:
     """Under ``PrefillOrder.LEAST_WORK``, as last ranked (``rank_prompts``): for each of ``edges`` (seconds), the
     prompt tokens still to compute of ``prompts`` that a prompt arriving ``now`` with that much compute to its
-    first token would not pass: those with a deadline they can make, and those whose ``finish_alone`` key is at
-    most ``now`` + the edge (a prompt not ranked yet counts as ahead of any). Cumulative: what a router prices a
-    new prompt's wait with (``EngineLoad.ahead_tokens``), where under arrival order the whole queue is ahead."""
-    left, offsets = [], []
+    first token would not pass: those with a deadline they can make, those whose ``finish_alone`` key is at most
+    ``now`` + the edge (a prompt not ranked yet counts as ahead of any), and of the others already computing,
+    the chunk of a step (``step`` tokens) each is in: a step under way is not cut short. Cumulative: what a router
+    prices a new prompt's wait with (``EngineLoad.ahead_tokens``), where under arrival order the whole queue is
+    ahead."""
+    rows = []
     for p in prompts:
         first = p.num_computed_tokens if p.status is not Status.WAITING else max(p.num_computed_tokens,
                                                                                 p.cached_estimate)
-        left.append(max(0, p.num_tokens - first))
-        offsets.append(-math.inf if p.slo_rank[0] == URGENT else p.slo_rank[1] - now)
-    return tuple(sum(n for n, o in zip(left, offsets, strict=True) if o <= edge) for edge in edges)
+        left = max(0, p.num_tokens - first)
+        chunk = min(left, step) if p.status is not Status.WAITING else 0
+        rows.append((left, chunk, -math.inf if p.slo_rank[0] == URGENT else p.slo_rank[1] - now))
+    return tuple(sum(left if o <= edge else chunk for left, chunk, o in rows) for edge in edges)
 
 
 def plan_step(now: float, decoding: Seq[Sequence], prompts: Seq[Sequence], cost: StepCost, budget: int,
