@@ -32,7 +32,7 @@ from pathlib import Path
 from kvmesh.contracts.names import Eviction
 
 from app.bench.report import load_average, publish
-from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, dump_trace, with_every_end, with_sessions
+from app.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, dump_trace, last_requests, with_every_end, with_sessions
 
 SECTION = "Session-aware eviction, session-structured traces of four shapes"
 DECODE_TOK_S = 40.0  # how fast a response is written: the time between a request and its session's tool call
@@ -215,7 +215,7 @@ def live_working_set(trace: list[TraceRequest]) -> int:
     latest request from its first request to its last (a request without a session holds its own while it
     runs), and a block several of them hold counts once. The cache that holds this much keeps every session
     that is under way whole."""
-    last = {r.session_id: n for n, r in enumerate(trace) if r.session_id}
+    last = last_requests(trace)
     held: Counter[int] = Counter()
     context: dict[str, tuple[int, ...]] = {}
     peak = 0
@@ -249,11 +249,7 @@ def describe(trace: list[TraceRequest]) -> str:
 
 def unsaid_ends(trace: list[TraceRequest]) -> int:
     """How many sessions end with nobody saying so (their last request pauses: a chat its user abandoned)."""
-    last: dict[str, TraceRequest] = {}
-    for r in trace:
-        if r.session_id:
-            last[r.session_id] = r
-    return sum(not r.session_end for r in last.values())
+    return sum(not trace[n].session_end for n in last_requests(trace).values())
 
 
 def every_end_known(trace: list[TraceRequest], capacity: int, hits: dict[str, dict[str, float]], unsaid: int) -> str:

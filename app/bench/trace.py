@@ -134,11 +134,16 @@ def with_sessions(trace: list[TraceRequest], end_share: float = 1.0, unsignalled
     return out
 
 
+def last_requests(trace: list[TraceRequest]) -> dict[str, int]:
+    """Each session's last request: its index in ``trace``."""
+    return {r.session_id: n for n, r in enumerate(trace) if r.session_id}
+
+
 def with_every_end(trace: list[TraceRequest]) -> list[TraceRequest]:
     """The trace as a cache would hear it if every session's last request said so, an abandoned one's too: the
     information no client has (whether its user comes back), for measuring what that information is worth. A
     session's last request carries ``session_end`` and no pause; the other requests are unchanged."""
-    last = {r.session_id: n for n, r in enumerate(trace) if r.session_id}
+    last = last_requests(trace)
     return [dataclasses.replace(r, session_end=True, pause=False)
             if r.session_id and last[r.session_id] == n and not r.session_end else r for n, r in enumerate(trace)]
 

@@ -135,13 +135,16 @@ def _late_at_cap(pending: list[Due], cost: StepCost, cap_at: Callable[[int], int
     return worst
 
 
+def work_from(p: Sequence) -> int:
+    """Where a prompt's compute left starts: past what it has computed, or for a waiting one past the cached
+    prefix last found for it (``Sequence.cached_estimate``)."""
+    return p.num_computed_tokens if p.status is not Status.WAITING else max(p.num_computed_tokens, p.cached_estimate)
+
+
 def work_s(p: Sequence, cost: StepCost, budget: int) -> float:
     """Seconds of compute left to a prompt's first token at full speed (steps of ``budget`` tokens beside the
-    decode rows): past what it has computed, or for a waiting one past the cached prefix last found for it
-    (``Sequence.cached_estimate``); at least one step."""
-    first = p.num_computed_tokens if p.status is not Status.WAITING else max(p.num_computed_tokens,
-                                                                            p.cached_estimate)
-    first = min(first, p.num_tokens - 1)
+    decode rows) from ``work_from``; at least one step."""
+    first = min(work_from(p), p.num_tokens - 1)
     steps = math.ceil((p.num_tokens - first) / max(1, budget))
     return cost.work(first, p.num_tokens) * cost.token_s + steps * cost.decode_s
 
@@ -189,9 +192,7 @@ def tokens_ahead(now: float, prompts: Seq[Sequence], edges: Seq[float], step: in
     ahead."""
     rows = []
     for p in prompts:
-        first = p.num_computed_tokens if p.status is not Status.WAITING else max(p.num_computed_tokens,
-                                                                                p.cached_estimate)
-        left = max(0, p.num_tokens - first)
+        left = max(0, p.num_tokens - work_from(p))
         chunk = min(left, step) if p.status is not Status.WAITING else 0
         rows.append((left, chunk, -math.inf if p.slo_rank[0] == URGENT else p.slo_rank[1] - now))
     return tuple(sum(left if o <= edge else chunk for left, chunk, o in rows) for edge in edges)
