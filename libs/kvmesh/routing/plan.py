@@ -269,15 +269,14 @@ def candidates(instances: Sequence[InstanceView], matched: Mapping[str, int], co
     get = matched.get
     default = cost or CostModel()
 
-    def queued(i: InstanceView) -> int:
-        if not i.ahead or not prompt_tokens:
-            return int(i.waiting_tokens)
+    def ahead(i: InstanceView) -> int:  # least work first: what this request waits for there
         own = prompt_tokens - min(get(i.id, 0) * block_size, prompt_tokens - 1)
         return int(i.tokens_ahead((i.cost or default).prefill_s(own)))
 
     # positional, in Candidate's field order: a large fleet builds one per instance per request, and keywords
-    # cost twice as much
-    return [Candidate(i.id, queued(i), int(i.queue_depth), get(i.id, 0), i.free_blocks, i.cost,
+    # cost twice as much (and an arrival-order instance's queue is read inline, not through a call)
+    return [Candidate(i.id, ahead(i) if i.ahead and prompt_tokens else int(i.waiting_tokens), int(i.queue_depth),
+                      get(i.id, 0), i.free_blocks, i.cost,
                       i.id in lora_missing, share(i) if itl_s else 1.0, not i.kv_unconvertible)
             for i in instances]
 
