@@ -31,6 +31,7 @@ from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Call, Draft, Intake, new_request_id, valid_request_id
 from services.router.logprobs import chat_logprobs, completion_logprobs
 from services.router.telemetry import RequestTrace
+from services.router.tools import CallReader, Tools, finish_reason, whole_calls
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Answer(NamedTuple):
     model: str  # the LoRA adapter's name when one was asked for, else the base model's id
     logprobs: bool = False
     prompt: tuple[int, ...] | None = None
+    tools: Tools | None = None  # a chat's offered tools: its text is read for calls (``tools.py``)
 
 
 class Body:
@@ -95,11 +97,12 @@ class Body:
     def __init__(self, request: web.Request, chat: bool) -> None:
         self.request, self.chat = request, chat
         self.shape = openai_body.Shape(False, False, False)
+        self.tools: Tools | None = None
 
     async def draft(self) -> Draft:
         body = await read_body(self.request)
         draft = openai_body.draft(body, self.chat, self.request.headers)
-        self.shape = openai_body.shape(body)
+        self.shape, self.tools = openai_body.shape(body), draft.tools
         return draft
 
 
@@ -133,7 +136,8 @@ class OpenAIApi:
         try:
             async with self.intake.admit(call, rt, body.draft) as req:
                 answer = Answer(rid, "chat.completion" if chat else "text_completion", req.model,
-                                req.sampling.logprobs is not None, req.prompt if body.shape.token_ids else None)
+                                req.sampling.logprobs is not None, req.prompt if body.shape.token_ids else None,
+                                body.tools if body.tools is not None and body.tools.offered else None)
                 stream = self.router.generate(req, rt)
                 if body.shape.stream:
                     return await self._sse(request, answer, stream, body.shape.include_usage, rt)
@@ -186,10 +190,20 @@ class OpenAIApi:
             chunks.append(c)
         assert chunks
         last, content = chunks[-1], "".join(c.text for c in chunks)
+        reason = last.finish_reason or "stop"
         choice: dict = ({"index": 0, "message": {"role": "assistant", "content": content}}
                         if kind == "chat.completion" else {"index": 0, "text": content})
+        if answer.tools is not None:
+            reader = answer.tools.reader()
+            said, calls = reader.feed(content)
+            rest, more = reader.close()
+            if reader.called:
+                said = (said + rest).strip()
+                choice["message"] = {"role": "assistant", "content": said or None,
+                                     "tool_calls": whole_calls(calls + more)}
+                reason = finish_reason(reason, True)
         choice["logprobs"] = self._logprobs(answer, chunks)
-        choice["finish_reason"] = last.finish_reason or "stop"
+        choice["finish_reason"] = reason
         out = self._envelope(answer, kind, [choice], self._usage(last))
         if answer.prompt is not None:  # vLLM's places: a chat's prompt ids on the response, a completion's choice
             choice["token_ids"] = [t for c in chunks for t in c.token_ids]
@@ -219,12 +233,19 @@ class OpenAIApi:
             prompt = None
         c: Chunk | None = first
         sent = 0  # characters of text streamed so far: where the next chunk's tokens start
+        reader = answer.tools.reader() if answer.tools is not None else None
         try:
             while c is not None:
-                delta = ({"delta": {"content": c.text}} if chunk_kind == "chat.completion.chunk"
-                         else {"text": c.text})
+                delta: dict[str, Any]
+                if reader is not None:
+                    delta = {"delta": streamed_delta(reader, c.text, c.finished)}
+                elif chunk_kind == "chat.completion.chunk":
+                    delta = {"delta": {"content": c.text}}
+                else:
+                    delta = {"text": c.text}
+                reason = c.finish_reason or None
                 choice: dict[str, Any] = {"index": 0, **delta, "logprobs": self._logprobs(answer, [c], sent),
-                          "finish_reason": c.finish_reason or None}
+                          "finish_reason": finish_reason(reason, reader.called) if reader and reason else reason}
                 if answer.prompt is not None:
                     choice |= (prompt or {}) | {"token_ids": list(c.token_ids)}
                     prompt = None
@@ -343,3 +364,15 @@ class InternalApi:
             {"instance_id": i.id, "role": i.beat.role, "grpc_address": i.beat.grpc_address,
              "age_s": round(now - i.last_seen, 3), "load": i.beat.load.to_dict()} for i in alive]},
             status=200 if ok else 503)
+
+
+def streamed_delta(reader: CallReader, text: str, last: bool) -> dict[str, Any]:
+    """A chat chunk's ``delta`` when its request offered tools: the content ``reader`` lets through and the
+    calls it completed (``last``: the response's end, where whatever it held back goes out)."""
+    said, calls = reader.feed(text)
+    if last:
+        rest, more = reader.close()
+        said, calls = said + rest, calls + more
+    if not calls:
+        return {"content": said}
+    return ({"content": said} if said else {}) | {"tool_calls": [d.wire() for d in calls]}

@@ -11,7 +11,7 @@ calling, the id they gave) and a ``Draft`` (the request's fields), and enter ``I
 3. the in-flight caps (``access.Admission``): over one, refused at once, never queued;
 4. the fields (``Draft``: an HTTP body is read and parsed here), inside the ``router.tokenize`` span;
 5. the structured-output constraint (``structured.check_structured``);
-6. the prompt → token ids (the model's chat template and tokenizer);
+6. the prompt → token ids (the model's chat template, with the tools a chat offers, and tokenizer);
 7. the model: the base model or a LoRA adapter some instance serves;
 8. what the engines can serve: context length, vocabulary, seed, stop ids and strings; a resumed stream's
    tokens (``resume_token_ids``: ids, fewer than ``max_tokens``);
@@ -28,6 +28,8 @@ The admitted request holds an admission slot until the ``async with`` block ends
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -46,6 +48,7 @@ from services.router.access import Admission, Tenants, TenantTerms, cache_salt, 
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.structured import check_structured
 from services.router.telemetry import RequestTrace
+from services.router.tools import Tools, for_template, message_calls
 
 if TYPE_CHECKING:
     from services.router.core import Router
@@ -90,6 +93,7 @@ class Draft:
     session_retention: str = ""   # what the caches do with the session's KV through that pause ("" = default)
     cache_control: CacheControl | None = None  # the whole prompt's retention hint
     slo: tuple[float, float] = (0.0, 0.0)  # TTFT and ITL targets in seconds as given (0 = none)
+    tools: Tools | None = None  # the functions a chat offers the model (``tools``), and its tool_choice
 
 
 @dataclass(frozen=True)
@@ -283,8 +287,7 @@ class Intake:
         prompts are tokenized on several cores (``Tokenizer`` releases the GIL for them)."""
         tok = self.router.tokenizer
         if draft.messages is not None:
-            chat = chat_messages(draft.messages)
-            return await self._tokenize(sum(len(m["content"]) for m in chat), tok.apply_chat_template, chat)
+            return await self._rendered(chat_messages(draft.messages), draft.tools, True)
         if draft.token_ids is not None:
             vocab = self.router.source.config.vocab_size
             ids = draft.token_ids  # checked whole (4k ids: a Python loop over them cost the router ~1 ms)
@@ -297,8 +300,14 @@ class Intake:
             return await self._tokenize(len(draft.text), tok.encode, draft.text)
         raise invalid("a prompt is required (text, token ids or messages)")
 
-    def _chat_upto(self, chat: list[dict[str, Any]]) -> list[int]:
-        return self.router.tokenizer.apply_chat_template(chat, add_generation_prompt=False)
+    async def _rendered(self, chat: list[dict[str, Any]], tools: Tools | None, generation: bool) -> list[int]:
+        """``chat`` (with the ``tools`` offered) rendered by the chat template and tokenized; ``generation``:
+        the assistant's turn opened after it (the prompt), or not (a part of the prompt)."""
+        chat, offered = for_template(chat, tools, self.router.tokenizer)
+        render = functools.partial(self.router.tokenizer.apply_chat_template, add_generation_prompt=generation,
+                                   tools=offered)
+        chars = sum(len(m["content"]) for m in chat) + len(json.dumps(offered) if offered else "")
+        return await self._tokenize(chars, render, chat)
 
     async def _tokenize(self, chars: int, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
         """``fn(arg)`` here when the text is short (a thread hop costs more than it saves), else on the tokenize
@@ -367,7 +376,7 @@ class Intake:
             raise invalid(str(e)) from None
         parent = session_key(tenant, draft.parent_session_id) if draft.parent_session_id else ""
         return SessionHint(session_key(tenant, draft.session_id), draft.session_end, parent, draft.session_pause_s,
-                           draft.session_retention)
+                           draft.session_retention, draft.tools is not None and draft.tools.forces_call)
 
     async def retention(self, draft: Draft, prompt_tokens: int) -> tuple[RetentionRange, ...]:
         """The retention hints as prompt token ranges: the request's covers the whole prompt, a message's the
@@ -379,8 +388,7 @@ class Intake:
             chat = chat_messages(draft.messages)
             for i, m in enumerate(draft.messages):
                 if isinstance(m, dict) and m.get("cache_control") is not None:
-                    upto = chat[:i + 1]
-                    end = len(await self._tokenize(sum(len(c["content"]) for c in upto), self._chat_upto, upto))
+                    end = len(await self._rendered(chat[:i + 1], draft.tools, False))
                     hints.append((message_cache_control(m["cache_control"], f"messages[{i}].cache_control"),
                                   min(end, prompt_tokens)))
         out = []
@@ -444,9 +452,10 @@ def check_constraint(draft: Draft) -> None:
         check_structured(draft.sampling.structured, draft.structured_field)
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """``[{role, content}]`` for the chat template: a role each, a string content each (OpenAI's text parts
-    joined), not every one blank."""
+    joined; an assistant's that calls tools may be null), not every one blank; an assistant's ``tool_calls``
+    (``tools.message_calls``) and a tool result's ``tool_call_id`` kept."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list of {role, content} objects")
     chat = []
@@ -454,13 +463,21 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise invalid(f"messages[{i}] needs a role: system, user, assistant or tool")
         content = m.get("content")
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
             content = "".join(p["text"] for p in content)  # OpenAI's text content parts
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise invalid(f"messages[{i}].content must be a string (or a list of {{type: text, text}} parts)")
-        chat.append({"role": m["role"], "content": content})
-    if not any(m["content"].strip() for m in chat):
+        message: dict[str, Any] = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = message_calls(calls, f"messages[{i}].tool_calls")
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        chat.append(message)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in chat):
         raise invalid(f"messages[{len(chat) - 1}].content is blank: every message is empty or whitespace; give "
                       "the model some text")
     return chat

@@ -7,7 +7,8 @@ is checked here; what the values may be is the intake's business.
 Structured output (OpenAI and vLLM): ``response_format`` ``{"type": "json_object"}`` or ``{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}``; vLLM's ``guided_json``, ``guided_regex``,
 ``guided_choice``, ``guided_grammar`` and ``structured_outputs: {"json" | "regex" | "choice" | "grammar" |
-"json_object"}``; at most one of them.
+"json_object"}``; at most one of them. Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, chat
+only): ``services/router/tools.py``; a ``tool_choice`` that constrains the output is that one constraint.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple, overload
 
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
 from services.router.intake import Draft, message_cache_control, session_fields, slo_from_headers
+from services.router.tools import CONSTRAINT_FIELD, tools_from_body
 
 
 def parse(raw: bytes) -> dict:
@@ -52,11 +55,20 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     (``{"ttft_s": 6, "itl_s": 0.15}``) or the headers ``x-kvmesh-slo-ttft-s`` / ``x-kvmesh-slo-itl-s`` (which
     win)."""
     sampling, structured_field = sampling_from_body(body, chat)
+    tools = None
     if chat:
         if "messages" not in body:
             raise invalid("messages is required: a list of {role, content} objects")
         prompt = {"messages": body["messages"]}
+        tools = tools_from_body(body)
+        if tools is not None and (constraint := tools.constraint()) is not None:
+            if sampling.structured is not None:
+                raise invalid(f"tool_choice {tools.choice.value} constrains the output to tool calls; it cannot "
+                              f"take {structured_field} too: drop one")
+            sampling, structured_field = replace(sampling, structured=constraint), CONSTRAINT_FIELD
     else:
+        if body.get("tools"):
+            raise invalid("tools are for /v1/chat/completions; /v1/completions takes a prompt alone")
         prompt = _prompt(body.get("prompt"))
     sessions = session_fields({"session_id": str_field(body, "session_id"),
                                "session_end": bool_field(body, "session_end"),
@@ -69,7 +81,7 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
                  policy=headers.get("x-kvmesh-policy") or str_field(body, "kvmesh_policy") or None,
                  disaggregate=headers.get("x-kvmesh-disaggregate") or None, **sessions,
                  cache_control=None if control is None else message_cache_control(control, "cache_control"),
-                 slo=slo_from_headers(headers, _slo(body)))
+                 slo=slo_from_headers(headers, _slo(body)), tools=tools)
 
 
 def _slo(body: dict) -> tuple[float, float]:

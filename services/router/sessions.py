@@ -14,10 +14,11 @@ every router hears the pauses and ends the others signal, so a session whose req
 replicas keeps its instance, and is known paused wherever it comes back.
 
 Pause and resume. A response that ends in a tool call (its text ends with a ``</tool_call>`` block, opens one a
-stop string cut short, or is a JSON object naming a function and its arguments), or a request that announced a
-pause (``session_pause_s``), means the session is back once the tool ran: the caches keep its blocks (``PAUSE``;
-with ``session_retention: demote``, ``DEMOTE``: they may move down the tiers meanwhile, and come back before the
-expected return), and the engine warms back what it demoted before then. When the session's next request reaches
+stop string cut short, or is a JSON object naming a function and its arguments; a request whose ``tool_choice``
+forces a call always does), or a request that announced a pause (``session_pause_s``), means the session is
+back once the tool ran: the caches keep its blocks (``PAUSE``; with ``session_retention: demote``, ``DEMOTE``:
+they may move down the tiers meanwhile, and come back before the expected return), and the engine warms back
+what it demoted before then. When the session's next request reaches
 a router, before it is tokenized and routed, its home instance hears ``RESUME`` and warms the session's KV back
 onto the device at once, overlapped with the routing and the queue.
 """
@@ -144,7 +145,8 @@ class Sessions:
         Returns what is said (None: nothing)."""
         if session is None:
             return None
-        pauses = session.pause_s > 0 or session.retention == Retention.DEMOTE or ends_in_tool_call(text, finish_reason)
+        pauses = (session.pause_s > 0 or session.retention == Retention.DEMOTE or session.calls_tool
+                  or ends_in_tool_call(text, finish_reason))
         if session.end:
             event: SessionEvent | None = SessionEvent.END
         elif session.retention == Retention.RELEASE:

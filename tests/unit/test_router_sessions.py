@@ -51,7 +51,9 @@ def test_cache_control_takes_seconds_or_durations():
 class FakeTokenizer:
     """A chat template of one token per character of each message, plus one per message."""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    takes_tools = takes_tool_calls = False
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
         return [1] * sum(len(m["content"]) + 1 for m in messages) + ([2] if add_generation_prompt else [])
 
 
@@ -165,12 +167,26 @@ def test_signals_are_published_for_ends_pauses_and_closes():
         assert s.finished(SessionHint("t/a"), "<tool_call>{}</tool_call>", "stop") is SessionEvent.PAUSE
         assert s.finished(SessionHint("t/b", end=True), "bye", "stop") is SessionEvent.END
         assert s.finished(None, "<tool_call>{}</tool_call>", "stop") is None
+        assert s.finished(SessionHint("t/d", calls_tool=True), '{"city": "Oslo"}', "stop") is SessionEvent.PAUSE
         await asyncio.sleep(0)  # the signals go out in the background
         await s.close("t/c")
 
     asyncio.run(body())
     assert [(m.session, m.event) for m in sent] == [("t/a", SessionEvent.PAUSE), ("t/b", SessionEvent.END),
-                                                    ("t/c", SessionEvent.END)]
+                                                    ("t/d", SessionEvent.PAUSE), ("t/c", SessionEvent.END)]
+
+
+def test_a_forced_tool_call_pauses_the_session():
+    """``tool_choice`` required or a named function: the answer is a call whatever its text says (a named
+    function's is only its arguments), so the session it belongs to pauses."""
+    from services.router import openai_body
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "session_id": "s1", "tools": [tool]}
+    for choice, forced in (("auto", False), ("none", False), ("required", True),
+                           ({"type": "function", "function": {"name": "f"}}, True)):
+        draft = openai_body.draft({**body, "tool_choice": choice}, True, {})
+        assert Intake.session(draft, "t").calls_tool is forced
 
 
 def test_the_agent_hints_come_from_the_body_or_kvmesh_or_dynamo_headers():

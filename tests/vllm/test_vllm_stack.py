@@ -148,6 +148,21 @@ def test_structured_output_goes_to_vllms_guided_decoding(stack):
     assert set(json.loads(body["choices"][0]["message"]["content"])) == {"city"}
 
 
+def test_tool_calls_on_vllm_instances(stack):
+    """The router renders the tools and reads the calls; a vLLM instance enforces ``required``'s constraint."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+    status, body = post(stack, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 40,
+        "temperature": 0, "tools": [tool], "tool_choice": "required"})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    calls = choice["message"]["tool_calls"]
+    assert calls and all(c["function"]["name"] == "get_weather" for c in calls)
+    assert all(set(json.loads(c["function"]["arguments"])) == {"city"} for c in calls)
+
+
 @pytest.mark.parametrize("body,field", [
     ({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": -1}, "temperature"),
     ({"prompt": [1, 2, 999999], "max_tokens": 4}, "[0, 49152)"),

@@ -160,13 +160,15 @@ class SessionHint:
     key of the session this one was forked from (a sub-agent: it starts where its parent's prefix is);
     ``pause_s``, the pause the client announces after this request (a tool call of about that long; 0: none
     announced); ``retention``, what the caches do with its KV through that pause (``contracts.sessions.Retention``
-    value, "" = the default)."""
+    value, "" = the default); ``calls_tool``, the response is a tool call whatever its text (the request's
+    ``tool_choice`` forces one), so the session pauses when it ends."""
 
     key: str
     end: bool = False
     parent: str = ""
     pause_s: float = 0.0
     retention: str = ""
+    calls_tool: bool = False
 
     @classmethod
     def of(cls, key: str, end: bool = False) -> SessionHint | None:

@@ -6,13 +6,14 @@ whose tokenizer classes import torch: the router tokenizes every request and mus
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
 
@@ -112,15 +113,29 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The model's chat template rendered and tokenized (the template writes its own special tokens)."""
+        """The model's chat template rendered and tokenized (the template writes its own special tokens).
+        ``tools``: the functions offered (``{"type": "function", "function": {...}}``), for a template that reads
+        them (``takes_tools``)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json chat_template or "
                              "chat_template.jinja): send a plain prompt instead of messages")
         text = _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens,
+            **({"tools": tools} if tools else {}))
         return self._ids(text, False)
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list (Qwen's, Llama 3.1's, Hermes' do)."""
+        return self.chat_template is not None and "tools" in _variables(self.chat_template)
+
+    @property
+    def takes_tool_calls(self) -> bool:
+        """Whether the chat template renders an assistant message's ``tool_calls``."""
+        return self.chat_template is not None and "tool_calls" in self.chat_template
 
 
 def _specials_around(raw: RawTokenizer) -> tuple[list[int], list[int]] | None:
@@ -183,6 +198,12 @@ def _compile(template: str) -> Any:
     if template not in _TEMPLATES:
         _TEMPLATES[template] = _ENV.from_string(template)
     return _TEMPLATES[template]
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(template: str) -> frozenset[str]:
+    """The names a template reads from its context."""
+    return frozenset(meta.find_undeclared_variables(_ENV.parse(template)))
 
 
 def _clean_up_tokenization(text: str) -> str:
