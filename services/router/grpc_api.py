@@ -9,6 +9,7 @@ answered INVALID_ARGUMENT with a message, not grpc's generic INTERNAL."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -25,6 +26,7 @@ from services.router.core import Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import CacheControl, Call, Draft, Intake, session_fields, slo_from_headers
 from services.router.telemetry import RequestTrace
+from services.router.tools import MODES, Tools, constrained, read_whole, tools_from_body
 
 
 class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
@@ -96,8 +98,15 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             raise
         finally:
             rt.finish()
-        resp = api_pb2.ChatResponse(request_id=rt.request_id, text="".join(text), token_ids=ids,
-                                    finish_reason=reason, logprobs=[logprobs_to_proto(lp) for lp in logprobs])
+        content, calls = "".join(text), []
+        if not isinstance(request, RequestError) and (tools := _tools(request)) is not None and tools.offered:
+            read = read_whole(tools, content, reason)
+            content, calls, reason = read.content or "", read.calls, read.finish_reason
+        resp = api_pb2.ChatResponse(request_id=rt.request_id, text=content, token_ids=ids,
+                                    finish_reason=reason, logprobs=[logprobs_to_proto(lp) for lp in logprobs],
+                                    tool_calls=[common_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
+                                                                    arguments=c["function"]["arguments"])
+                                                for c in calls])
         if usage:
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))
         return resp
@@ -206,8 +215,10 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: list[dict[str, Any]] | None = None
+    tools = None
     if isinstance(request, api_pb2.ChatRequest):
         messages = _messages(request.messages)
+        tools = _tools(request)
     else:
         which = request.WhichOneof("prompt")
         if which == "text":
@@ -217,13 +228,14 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
         elif which == "messages":
             messages = _messages(request.messages.messages)
     structured = sampling.structured
+    sampling, structured_field = constrained(sampling, f"sampling.{structured.kind}" if structured else "", tools)
     resume = tuple(request.resume_token_ids) if isinstance(request, api_pb2.GenerateRequest) else ()
     sessions = session_fields({"session_id": request.session_id, "session_end": request.session_end,
                                "parent_session_id": request.parent_session_id,
                                "session_pause_s": request.session_pause_s,
                                "session_retention": request.session_retention}, call.headers)
     return Draft(sampling, text, token_ids, messages, model=request.model, cache_salt=request.cache_salt,
-                 structured_field=f"sampling.{structured.kind}" if structured else "",
+                 structured_field=structured_field, tools=tools,
                  policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"),
                  **sessions,
                  cache_control=_cache_control(request, "cache_control"), resume=resume,
@@ -243,7 +255,36 @@ def _messages(messages: Iterable[common_pb2.ChatMessage]) -> list[dict[str, Any]
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                               "arguments": c.arguments}}
+                                 for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
         if (cc := _cache_control(m, f"messages[{i}].cache_control")) is not None:
             msg["cache_control"] = cc
         out.append(msg)
     return out
+
+
+def _tools(request: api_pb2.ChatRequest) -> Tools | None:
+    """A ``Chat``'s tools read as OpenAI's body has them (``tools.tools_from_body``, whose errors name the
+    fields OpenAI's way: ``tools[1].function.name``); ``tool_choice`` is a mode or the one function's name."""
+    given = []
+    for i, t in enumerate(request.tools):
+        fn: dict[str, Any] = {"name": t.name}
+        if t.description:
+            fn["description"] = t.description
+        if t.parameters:
+            try:
+                fn["parameters"] = json.loads(t.parameters)
+            except ValueError as e:
+                raise invalid(f"tools[{i}].parameters is not valid JSON: {e}") from None
+        given.append({"type": "function", "function": fn})
+    choice: Any = request.tool_choice or None
+    if choice is not None and choice not in MODES:
+        choice = {"type": "function", "function": {"name": choice}}
+    body: dict[str, Any] = {"tools": given, "tool_choice": choice}
+    if request.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = request.parallel_tool_calls
+    return tools_from_body(body)

@@ -31,7 +31,7 @@ from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Call, Draft, Intake, new_request_id, valid_request_id
 from services.router.logprobs import chat_logprobs, completion_logprobs
 from services.router.telemetry import RequestTrace
-from services.router.tools import CallReader, Tools, finish_reason, whole_calls
+from services.router.tools import CallReader, Tools, finish_reason, read_whole
 
 log = logging.getLogger(__name__)
 
@@ -194,14 +194,10 @@ class OpenAIApi:
         choice: dict = ({"index": 0, "message": {"role": "assistant", "content": content}}
                         if kind == "chat.completion" else {"index": 0, "text": content})
         if answer.tools is not None:
-            reader = answer.tools.reader()
-            said, calls = reader.feed(content)
-            rest, more = reader.close()
-            if reader.called:
-                said = (said + rest).strip()
-                choice["message"] = {"role": "assistant", "content": said or None,
-                                     "tool_calls": whole_calls(calls + more)}
-                reason = finish_reason(reason, True)
+            read = read_whole(answer.tools, content, reason)
+            if read.calls:
+                choice["message"] = {"role": "assistant", "content": read.content, "tool_calls": read.calls}
+            reason = read.finish_reason
         choice["logprobs"] = self._logprobs(answer, chunks)
         choice["finish_reason"] = reason
         out = self._envelope(answer, kind, [choice], self._usage(last))

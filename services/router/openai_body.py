@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any, NamedTuple, overload
 
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
 from services.router.intake import Draft, message_cache_control, session_fields, slo_from_headers
-from services.router.tools import CONSTRAINT_FIELD, tools_from_body
+from services.router.tools import constrained, tools_from_body
 
 
 def parse(raw: bytes) -> dict:
@@ -61,11 +60,7 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
             raise invalid("messages is required: a list of {role, content} objects")
         prompt = {"messages": body["messages"]}
         tools = tools_from_body(body)
-        if tools is not None and (constraint := tools.constraint()) is not None:
-            if sampling.structured is not None:
-                raise invalid(f"tool_choice {tools.choice.value} constrains the output to tool calls; it cannot "
-                              f"take {structured_field} too: drop one")
-            sampling, structured_field = replace(sampling, structured=constraint), CONSTRAINT_FIELD
+        sampling, structured_field = constrained(sampling, structured_field, tools)
     else:
         if body.get("tools"):
             raise invalid("tools are for /v1/chat/completions; /v1/completions takes a prompt alone")

@@ -37,11 +37,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from kvmesh.contracts.sampling import StructuredOutput
+from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
 from services.router.structured import check_schema
@@ -57,6 +57,9 @@ class Choice(StrEnum):
     AUTO = "auto"
     REQUIRED = "required"
     NAMED = "named"  # {"type": "function", "function": {"name": ...}}
+
+
+MODES = (Choice.NONE, Choice.AUTO, Choice.REQUIRED)  # the tool_choice strings
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,7 @@ def _choice(choice: Any, names: list[str]) -> tuple[Choice, str]:
     if choice is None:
         return Choice.AUTO, ""
     if isinstance(choice, str):
-        if choice not in (Choice.NONE, Choice.AUTO, Choice.REQUIRED):
+        if choice not in MODES:
             raise invalid(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
                           f'{{"name": ...}}}}, not {choice!r}')
         return Choice(choice), ""
@@ -421,6 +424,37 @@ class NamedCall:
             return "", []
         self.called = True  # nothing was generated: a call with empty arguments all the same
         return "", [CallDelta(0, call_id(), self.name, "")]
+
+
+def constrained(sampling: SamplingParams, field: str, tools: Tools | None) -> tuple[SamplingParams, str]:
+    """The request's sampling with ``tools``' constraint (``required``, a named function) as its one
+    structured-output constraint, and the field that constraint's errors name; a request that also has one of
+    its own (from ``field``) is refused."""
+    constraint = tools.constraint() if tools is not None else None
+    if tools is None or constraint is None:
+        return sampling, field
+    if sampling.structured is not None:
+        raise invalid(f"tool_choice {tools.choice.value} constrains the output to tool calls; it cannot take "
+                      f"{field} too: drop one")
+    return replace(sampling, structured=constraint), CONSTRAINT_FIELD
+
+
+class Read(NamedTuple):
+    """A whole response as its tools read it: the content (None: only calls), the calls, the finish reason."""
+
+    content: str | None
+    calls: list[dict[str, Any]]
+    finish_reason: str
+
+
+def read_whole(tools: Tools, text: str, reason: str) -> Read:
+    """A whole response's text read for calls; without any, the text unchanged."""
+    reader = tools.reader()
+    said, calls = reader.feed(text)
+    rest, more = reader.close()
+    if not reader.called:
+        return Read(text, [], reason)
+    return Read((said + rest).strip() or None, whole_calls(calls + more), finish_reason(reason, True))
 
 
 def whole_calls(deltas: list[CallDelta]) -> list[dict[str, Any]]:

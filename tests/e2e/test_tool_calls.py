@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import pytest
 
@@ -85,3 +86,34 @@ def test_a_bad_tool_is_a_400_naming_it(mesh):
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
     assert ok.choices[0].message.content
+
+
+def test_the_grpc_sdk_calls_tools_and_goes_on_after_them(mesh):
+    from kvmesh.client import InvalidRequest, KvmeshClient
+
+    with KvmeshClient(f"127.0.0.1:{mesh.grpc_port}") as client:
+        first = client.chat(ASK, tools=TOOLS, tool_choice="get_weather", max_tokens=48, temperature=0)
+        assert first.finish_reason == "tool_calls" and first.text == ""
+        (call,) = first.tool_calls
+        assert call.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), CITY)
+        turn = [*ASK, first.message(), {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+        after = client.chat(turn, tools=TOOLS, max_tokens=12, temperature=0)
+        assert after.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result joined the prompt
+        assert after.usage.cached_tokens >= first.usage.prompt_tokens - 32, after.usage
+        required = client.chat(ASK, tools=TOOLS, tool_choice="required", max_tokens=64, temperature=0)
+        assert required.tool_calls and {c.name for c in required.tool_calls} <= set(SCHEMAS)
+        with pytest.raises(InvalidRequest, match="names the function 'nope'"):
+            client.chat(ASK, tools=TOOLS, tool_choice="nope", max_tokens=4)
+        with pytest.raises(grpc.RpcError) as e:
+            client._stub.Chat(_bad_parameters())
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tools[0].parameters is not valid JSON" in e.value.details()
+
+
+def _bad_parameters():
+    from kvmesh.client.requests import chat_request
+
+    req = chat_request(ASK, tools=TOOLS[:1], max_tokens=4)
+    req.tools[0].parameters = "{not json"
+    return req

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -115,6 +116,41 @@ def test_chat_request_carries_messages_and_sampling():
     req = chat_request([{"role": "user", "content": "Hi"}], max_tokens=5, cache_salt="s")
     assert [m.content for m in req.messages] == ["Hi"]
     assert req.sampling.max_tokens == 5 and req.cache_salt == "s"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "now", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_chat_request_carries_tools_and_the_conversations_calls():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    req = chat_request([{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "3 C"}],
+                       tools=[WEATHER, {"name": "get_time"}], tool_choice={"type": "function",
+                                                                           "function": {"name": "get_time"}},
+                       parallel_tool_calls=False)
+    assert [(t.name, t.description) for t in req.tools] == [("get_weather", "now"), ("get_time", "")]
+    assert json.loads(req.tools[0].parameters) == WEATHER["function"]["parameters"] and req.tools[1].parameters == ""
+    assert req.tool_choice == "get_time" and req.HasField("parallel_tool_calls") and not req.parallel_tool_calls
+    assert [(c.id, c.name, c.arguments) for c in req.messages[1].tool_calls] == [
+        ("call_1", "get_weather", '{"city": "Oslo"}')]
+    assert req.messages[2].tool_call_id == "call_1"
+    plain = chat_request([{"role": "user", "content": "Hi"}])
+    assert not plain.tools and plain.tool_choice == "" and not plain.HasField("parallel_tool_calls")
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+        chat_request([{"role": "user", "content": "Hi"}], tools=[{"type": "function"}])
+
+
+def test_a_chat_answers_calls_it_can_send_back():
+    from kvmesh.proto.v1 import api_pb2, common_pb2
+
+    r = api_pb2.ChatResponse(request_id="r", finish_reason="tool_calls", tool_calls=[
+        common_pb2.ToolCall(id="call_9", name="get_weather", arguments='{"city": "Rome"}')])
+    c = completion_from_chat(r, {}, 0.1)
+    assert c.tool_calls[0].name == "get_weather" and c.finish_reason == "tool_calls"
+    assert c.message() == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}
 
 
 # --- error mapping ------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from kvmesh.client.errors import (
                                   Unauthenticated,
                                   Unavailable,
 )
-from kvmesh.client.requests import Message, RequestOptions
+from kvmesh.client.requests import ChatOptions, Message, RequestOptions
 from kvmesh.client.sync import GenerateStream, KvmeshClient
 from kvmesh.client.types import (
                                   Completion,
@@ -26,13 +26,14 @@ from kvmesh.client.types import (
                                   HealthInfo,
                                   InstanceInfo,
                                   ModelInfo,
+                                  ToolCall,
                                   Usage,
 )
 from kvmesh.contracts.engine import TokenLogprobs
 
 __all__ = [
-    "AsyncGenerateStream", "AsyncKvmeshClient", "Cancelled", "Completion", "CompletionBuilder",
+    "AsyncGenerateStream", "AsyncKvmeshClient", "Cancelled", "ChatOptions", "Completion", "CompletionBuilder",
     "DeadlineExceeded", "GenerateChunk", "GenerateStream", "HealthInfo", "InstanceInfo", "InvalidRequest",
     "KvmeshClient", "KvmeshError", "Message", "ModelInfo", "Overloaded", "RequestOptions", "TokenLogprobs",
-    "Unauthenticated", "Unavailable", "Usage",
+    "ToolCall", "Unauthenticated", "Unavailable", "Usage",
 ]

@@ -12,7 +12,7 @@ import grpc.aio
 
 from kvmesh import tls
 from kvmesh.client.base import ClientBase, resumed
-from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
+from kvmesh.client.requests import ChatOptions, Message, RequestOptions, chat_request, generate_request
 from kvmesh.client.retry_policy import CallPolicy, StartGenerate
 from kvmesh.client.types import (
     Completion,
@@ -125,7 +125,7 @@ class AsyncKvmeshClient(ClientBase):
         return builder.build(stream.trailing_metadata)
 
     async def chat(self, messages: Sequence[Message], *, timeout_s: float | None = None,
-                   **options: Unpack[RequestOptions]) -> Completion:
+                   **options: Unpack[ChatOptions]) -> Completion:
         policy = self._policy(timeout_s)
         request = chat_request(messages, **options)
         start = time.perf_counter()

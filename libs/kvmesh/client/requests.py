@@ -50,6 +50,14 @@ class RequestOptions(SamplingOptions, total=False):
     itl_s: float
 
 
+class ChatOptions(RequestOptions, total=False):
+    """``chat``'s keyword arguments: ``RequestOptions`` and tool calling, as OpenAI's chat API has it."""
+
+    tools: Sequence[Mapping[str, Any]]  # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    tool_choice: str | Mapping[str, Any]  # "auto" (default), "none", "required", a function's name or OpenAI's dict
+    parallel_tool_calls: bool | None      # None: the server's default (more than one call allowed)
+
+
 def cache_control(value: Mapping[str, Any] | None, field: str = "cache_control") -> common_pb2.CacheControl | None:
     """``{"ttl": seconds, "priority": 0-100}`` (both optional) as the protocol's ``CacheControl``."""
     if value is None:
@@ -162,11 +170,15 @@ def chat_messages(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
         raise ValueError("messages must hold at least one message")
     out = []
     for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
+        role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls") or ()
+        if content is None and calls:
+            content = ""
         if not isinstance(role, str) or not isinstance(content, str):
             raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
                 f"messages[{i}] must have string 'role' and 'content', got {dict(m)!r}")
-        msg = common_pb2.ChatMessage(role=role, content=content)
+        msg = common_pb2.ChatMessage(role=role, content=content, tool_call_id=str(m.get("tool_call_id") or ""),
+                                     tool_calls=[_tool_call(c, f"messages[{i}].tool_calls[{j}]")
+                                                 for j, c in enumerate(calls)])
         if (cc := cache_control(m.get("cache_control"), f"messages[{i}].cache_control")) is not None:
             msg.cache_control.CopyFrom(cc)
         out.append(msg)
@@ -201,9 +213,47 @@ def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequen
 def chat_request(messages: Sequence[Message], *, cache_salt: str = "", request_id: str = "", model: str = "",
                  session_id: str = "", session_end: bool = False, cache_control: Mapping[str, Any] | None = None,
                  ttft_s: float = 0.0, itl_s: float = 0.0, parent_session_id: str = "", session_pause_s: float = 0.0,
-                 session_retention: str = "", **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
+                 session_retention: str = "", tools: Sequence[Mapping[str, Any]] = (),
+                 tool_choice: str | Mapping[str, Any] = "", parallel_tool_calls: bool | None = None,
+                 **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
     req = api_pb2.ChatRequest(request_id=request_id, model=model, messages=chat_messages(messages),
-                              cache_salt=cache_salt, sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s))
+                              cache_salt=cache_salt, sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s),
+                              tools=[_tool(t, f"tools[{i}]") for i, t in enumerate(tools)],
+                              tool_choice=_tool_choice(tool_choice), parallel_tool_calls=parallel_tool_calls)
     _session(req, session_id, session_end, cache_control, AgentHints(
         parent_session_id=parent_session_id, session_pause_s=session_pause_s, session_retention=session_retention))
     return req
+
+
+def _tool(t: Mapping[str, Any], where: str) -> api_pb2.Tool:
+    """An OpenAI tool (``{"type": "function", "function": {...}}``, or the function's dict alone) as the protocol's."""
+    fn = t.get("function", t) if isinstance(t, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
+            f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}')
+    parameters = fn.get("parameters")
+    return api_pb2.Tool(name=fn["name"], description=str(fn.get("description") or ""),
+                        parameters=json.dumps(parameters) if parameters is not None else "")
+
+
+def _tool_choice(choice: str | Mapping[str, Any]) -> str:
+    """``tool_choice`` as the protocol has it: a mode, or the name of the one function to call."""
+    if isinstance(choice, Mapping):
+        fn = choice.get("function")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
+                'tool_choice must be "auto", "none", "required", a function\'s name or {"type": "function", '
+                '"function": {"name": ...}}')
+        return str(fn["name"])
+    return choice
+
+
+def _tool_call(c: Mapping[str, Any], where: str) -> common_pb2.ToolCall:
+    """An assistant message's call (OpenAI's ``{"id", "type", "function": {"name", "arguments"}}``)."""
+    fn = c.get("function") if isinstance(c, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
+            f"{where} must be {{id, type: function, function: {{name, arguments}}}}")
+    args = fn.get("arguments", "{}")
+    return common_pb2.ToolCall(id=str(c.get("id") or ""), name=fn["name"],
+                               arguments=args if isinstance(args, str) else json.dumps(args))

@@ -10,7 +10,7 @@ import grpc
 
 from kvmesh import tls
 from kvmesh.client.base import ClientBase, resumed
-from kvmesh.client.requests import Message, RequestOptions, chat_request, generate_request
+from kvmesh.client.requests import ChatOptions, Message, RequestOptions, chat_request, generate_request
 from kvmesh.client.retry_policy import CallPolicy, StartGenerate
 from kvmesh.client.types import (
     Completion,
@@ -120,7 +120,7 @@ class KvmeshClient(ClientBase):
         return builder.build(stream.trailing_metadata)
 
     def chat(self, messages: Sequence[Message], *, timeout_s: float | None = None,
-             **options: Unpack[RequestOptions]) -> Completion:
+             **options: Unpack[ChatOptions]) -> Completion:
         """One chat completion through the unary ``Chat`` RPC."""
         policy = self._policy(timeout_s)
         request = chat_request(messages, **options)

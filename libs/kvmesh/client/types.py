@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.contracts.engine import TokenLogprobs, logprobs_from_proto
 from kvmesh.proto.v1 import api_pb2, common_pb2
@@ -39,6 +40,19 @@ class GenerateChunk:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: ``arguments`` is a JSON object as text (OpenAI's form)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def wire(self) -> dict[str, Any]:
+        """The call as an assistant message's ``tool_calls`` entry (OpenAI's shape)."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
 class Completion:
     """A whole answer. ``ttft_s`` / ``itl_s`` are measured by the client: from the start of the call to the
     first chunk with tokens, and between later chunks with tokens (None / empty for the unary ``chat``, which
@@ -55,6 +69,14 @@ class Completion:
     latency_s: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked for
+    tool_calls: list[ToolCall] = field(default_factory=list)     # the calls, when the chat offered tools
+
+    def message(self) -> dict[str, Any]:
+        """The answer as the assistant's message, to send back in the conversation's next request."""
+        out: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.wire() for c in self.tool_calls]
+        return out
 
 
 class CompletionBuilder:
@@ -101,7 +123,8 @@ def completion_from_chat(r: api_pb2.ChatResponse, trailing: Mapping[str, str],
     return Completion(r.text, list(r.token_ids), r.finish_reason, usage,
                       r.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
                       latency_s=latency_s, metadata=dict(trailing),
-                      logprobs=[logprobs_from_proto(lp) for lp in r.logprobs])
+                      logprobs=[logprobs_from_proto(lp) for lp in r.logprobs],
+                      tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls])
 
 
 @dataclass(frozen=True)
