@@ -355,7 +355,8 @@ class Router:
                 tries.routed.indexed, tries.routed.recent = matched, recent
             route.set_attribute("kvmesh.pool_blocks", tries.matched.get(POOL, 0))
             stream = self._route(self._work(request, prompt, rt, tries), tries.matched, rt, request.policy, route,
-                                 tries.avoid, request.disaggregate or self.cfg.disaggregate, tries.keys,
+                                 tries.avoid | self._lacking(request.sampling.features),
+                                 request.disaggregate or self.cfg.disaggregate, tries.keys,
                                  tries.routed, request.session)
             if stream is None:
                 if tries.failure is not None:  # nowhere else to go: the error of the last attempt stands
@@ -494,6 +495,19 @@ class Router:
 
     def _instance(self, iid: str) -> Instance:
         return self.registry.get(iid)
+
+    def _lacking(self, needs: tuple[str, ...]) -> set[str]:
+        """The live instances that do not apply all of ``needs`` (``SamplingParams.features``: an engine of an
+        older build ignores what it does not know); when that is every one, the request is UNAVAILABLE."""
+        if not needs:
+            return set()
+        alive = self.registry.alive()
+        lacking: set[str] = {i.id for i in alive if not set(needs) <= set(i.beat.features)}
+        if alive and len(lacking) == len(alive):
+            raise RequestError(ErrorKind.UNAVAILABLE, "no instance applies the presence, frequency or repetition "
+                               "penalty, min_p, min_tokens or logit_bias this request sets: the engines run a build "
+                               "from before them (upgrade the engines, or send the request without them)")
+        return lacking
 
     def _to_compute(self, work: worker_pb2.WorkRequest, inst: Instance, matched: dict[str, int] | None) -> int:
         """The prompt tokens ``inst`` will compute for ``work``: what the match says it does not hold, which is

@@ -349,6 +349,8 @@ class Intake:
             raise invalid(f"stop_token_ids must be token ids in [0, {vocab})")
         if any(not s for s in params.stop):
             raise invalid("stop strings must not be empty")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise invalid(f"logit_bias names token {max(params.logit_bias)[0]}; token ids are in [0, {vocab})")
 
     def check_resume(self, resume: tuple[int, ...], params: SamplingParams) -> None:
         """The tokens a resumed stream delivered: token ids, fewer than ``max_tokens``."""

@@ -1,7 +1,9 @@
 """An OpenAI request body as the intake's ``Draft``: the JSON itself, each field's type, the sampling fields
-(with vLLM's extensions: ``top_k``, ``seed``, ``ignore_eos``, ``stop_token_ids``), the log-probabilities asked
-for (completions: ``logprobs: N``; chat: ``logprobs: true`` with ``top_logprobs: N``; N in [0, 20], checked here
-because the field to name differs by endpoint) and the structured-output fields. Otherwise only the wire's shape
+(OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``; vLLM's extensions: ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``seed``, ``ignore_eos``, ``stop_token_ids``; a field kvmesh does not serve,
+``best_of``, ``echo``, ``suffix`` or the legacy ``functions``, refused unless it says "off"), the log-probabilities
+asked for (completions: ``logprobs: N``; chat: ``logprobs: true`` with ``top_logprobs: N``; N in [0, 20], checked
+here because the field to name differs by endpoint) and the structured-output fields. Otherwise only the wire's shape
 is checked here; what the values may be is the intake's business.
 
 Structured output (OpenAI and vLLM): ``response_format`` ``{"type": "json_object"}`` or ``{"type":
@@ -111,6 +113,9 @@ def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, 
     its structured-output constraint came from ("" = none); the error names the field that is wrong and how."""
     if _int(body, "n", 1) != 1:
         raise invalid("only n=1 is supported")
+    for name, off, why in UNSERVED:
+        if body.get(name) not in off:
+            raise invalid(f"{name} is not supported: {why}")
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
@@ -131,9 +136,37 @@ def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, 
                               top_k=max(0, top_k), top_p=_num(body, "top_p", 1.0),
                               seed=_int(body, "seed", None), stop=tuple(stop), stop_token_ids=tuple(stop_ids),
                               ignore_eos=bool_field(body, "ignore_eos"), structured=structured,
-                              logprobs=logprobs), field
+                              logprobs=logprobs, presence_penalty=_num(body, "presence_penalty", 0.0),
+                              frequency_penalty=_num(body, "frequency_penalty", 0.0),
+                              repetition_penalty=_num(body, "repetition_penalty", 1.0),
+                              min_p=_num(body, "min_p", 0.0), min_tokens=_int(body, "min_tokens", 0),
+                              logit_bias=_logit_bias(body.get("logit_bias"))), field
     except ValueError as e:
         raise invalid(str(e)) from None
+
+
+# what a body may say only as "off" (any value in the tuple), and why anything else is refused
+UNSERVED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
+    ("best_of", (None, 1), "one sample is drawn per request (send the request again for another)"),
+    ("echo", (None, False), "the answer does not repeat the prompt (return_token_ids gives its token ids)"),
+    ("suffix", (None, ""), "there is no insertion mode; send the text before the gap as the prompt"),
+    ("functions", (None, []), "use tools (the legacy functions field is not read)"),
+    ("function_call", (None, "none"), "use tool_choice (the legacy function_call field is not read)"),
+)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: ``{"<token id>": bias}`` (ids as strings, as JSON keys are), ids ascending."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid('logit_bias must be an object of token ids to biases, like {"50256": -100}')
+    out = []
+    for k, v in value.items():
+        if not k.isdigit() or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise invalid(f"logit_bias: {k!r}: {v!r} must be a token id (digits) and a number in [-100, 100]")
+        out.append((int(k), float(v)))
+    return tuple(sorted(out))
 
 
 def logprobs_from_body(body: dict, chat: bool) -> int | None:

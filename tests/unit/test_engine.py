@@ -6,21 +6,10 @@ import pytest
 import torch
 from kvmesh.contracts.engine import ExportPieces, ExportPlan
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.model_source.hf_config import ModelConfig
 
-from .helpers import BACKENDS, engine_from_hf, hf_greedy, hf_tiny, prompt_logits, pushed, req
+from .helpers import BACKENDS, engine_from_hf, hf_greedy, prompt_logits, pushed, req
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return ModelConfig.tiny()
-
-
-@pytest.fixture(scope="module")
-def hf(cfg):
-    return hf_tiny(cfg)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -131,10 +131,10 @@ def test_sampling_that_raises_for_one_row_fails_that_request_alone(make, monkeyp
     real = llm_engine.sample
     hostile = SamplingParams(max_tokens=8, temperature=0.5, seed=424242, ignore_eos=True)
 
-    def exploding(logits, params, generators, mask=None):
+    def exploding(logits, params, generators, mask=None, histories=None):
         if any(p is hostile for p in params):
             raise RuntimeError("sampler exploded")
-        return real(logits, params, generators, mask)
+        return real(logits, params, generators, mask, histories)
 
     monkeypatch.setattr(llm_engine, "sample", exploding)
     engine = make()

@@ -18,16 +18,6 @@ PROMPTS = [[11, 42, 7, 7, 130, 66, 201], [5, 17, 33, 2, 99, 180, 7, 64, 12], [20
 
 
 @pytest.fixture(scope="module")
-def cfg():
-    return ModelConfig.tiny()
-
-
-@pytest.fixture(scope="module")
-def hf(cfg):
-    return hf_tiny(cfg)
-
-
-@pytest.fixture(scope="module")
 def adapters(hf, tmp_path_factory):
     """name -> (path, PEFT reference): attention-only, MLP-only, and all seven modules (rsLoRA, rank 8)."""
     root = tmp_path_factory.mktemp("loras")

@@ -1,7 +1,18 @@
+import re
+
 import pytest
 import torch
 from kvmesh.contracts.sampling import SamplingParams
-from kvmesh.engine.sampling import argmax_rows, filter_logits, make_generator, sample
+from kvmesh.engine.sampling import (
+    History,
+    RowFault,
+    Tally,
+    adjust_rows,
+    argmax_rows,
+    filter_logits,
+    make_generator,
+    sample,
+)
 
 
 def test_greedy_takes_the_argmax():
@@ -159,3 +170,95 @@ def test_argmax_rows_is_torchs_argmax_first_index_on_ties_included():
     assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
     assert argmax_rows(logits)[1] == 7
     assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(dim=-1).tolist()  # a strided view
+
+
+# ---- logit adjustments: bias, min_tokens, penalties, min_p -------------------------------------------------
+
+def hist(output=(), prompt=(), ends=(9,), vocab=10):
+    return History(Tally(vocab, tuple(prompt) + tuple(output), tuple(output)), tuple(ends))
+
+
+def test_penalties_follow_vllms_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    h = hist(output=[3, 3, 1], prompt=[0])
+    out = adjust_rows(logits, [p], [h])[0]
+    # repetition on prompt and output tokens (positive / r, negative * r), then frequency x count + presence
+    assert out[0].item() == pytest.approx(1.0)
+    assert out[1].item() == pytest.approx(-2.0 - 0.25 - 0.5)
+    assert out[3].item() == pytest.approx(1.5 - 0.5 - 0.5)
+    assert out[2].item() == pytest.approx(0.5) and out[4].item() == 0.0  # never seen: unchanged
+    assert torch.equal(logits[0], torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]))  # a copy
+
+
+def test_logit_bias_and_min_tokens_move_a_greedy_choice():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])
+    biased = SamplingParams(logit_bias=((2, 10.0), (50_000, 3.0)))  # an id past the vocabulary is left out
+    assert sample(logits, [biased], [None], histories=[hist()]) == [2]
+    early = SamplingParams(min_tokens=2)
+    assert sample(logits, [early], [None], histories=[hist(output=[1])]) == [1]  # EOS (9) banned before 2
+    assert sample(logits, [early], [None], histories=[hist(output=[1, 1])]) == [9]
+    assert sample(logits, [SamplingParams(min_tokens=1, ignore_eos=True)], [None], histories=[hist(ends=())]) == [9]
+
+
+def test_rows_without_adjustments_are_untouched_and_batches_equal_rows_alone():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 64, generator=g)
+    params = [SamplingParams(), SamplingParams(presence_penalty=2.0), SamplingParams(logit_bias=((5, -100.0),)),
+              SamplingParams(repetition_penalty=1.5, frequency_penalty=-1.0)]
+    histories = [None, hist(output=[int(logits[1].argmax())], vocab=64), hist(vocab=64),
+                 hist(output=[7, 7, 8], prompt=[1, 2], vocab=64)]
+    out = adjust_rows(logits, params, histories)
+    assert torch.equal(out[0], logits[0])
+    for i in range(1, 4):
+        assert torch.equal(out[i], adjust_rows(logits[i:i + 1], [params[i]], [histories[i]])[0])
+    assert sample(logits, params, [None] * 4, histories=histories)[1] != int(logits[1].argmax())
+
+
+def test_min_p_drops_tokens_less_likely_than_its_share_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]]))
+    kept = filter_logits(logits[0], SamplingParams(temperature=1.0, min_p=0.25)) > float("-inf")
+    assert kept.tolist() == [True, True, False, False]  # 0.12 < 0.25 x 0.5
+    everything = filter_logits(logits[0], SamplingParams(temperature=1.0, min_p=0.0)) > float("-inf")
+    assert everything.all() and (filter_logits(logits[0], SamplingParams(temperature=1.0, min_p=1.0))
+                                 > float("-inf")).tolist() == [True, False, False, False]
+
+
+def test_a_min_tokens_ban_that_leaves_nothing_fails_that_row_only():
+    logits = torch.tensor([[0.0, 2.0], [1.0, 0.0]])
+    p = SamplingParams(min_tokens=3)  # EOS (0) and a stop token (1): the whole vocabulary
+    out = sample(logits, [p, SamplingParams()], [None, None], histories=[hist(ends=[0, 1], vocab=2), None])
+    assert isinstance(out[0], RowFault) and out[0].client_fault and "min_tokens" in out[0].message
+    assert out[1] == 0
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+    ("frequency_penalty", float("nan"), "frequency_penalty must be in [-2, 2]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
+    ("min_p", 1.5, "min_p must be in [0, 1]"),
+    ("min_tokens", 65, "min_tokens must be in [0, max_tokens = 64]"),
+    ("logit_bias", ((3, 101.0),), "bias must be in [-100, 100]"),
+])
+def test_bad_adjustments_are_refused(field, value, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SamplingParams(**{field: value})
+
+
+def test_adjustments_cross_the_wire_and_say_what_they_need():
+    from kvmesh.contracts.sampling import sampling_from_proto, sampling_to_proto
+
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.25, min_p=0.125,
+                       min_tokens=3, logit_bias=((2, -100.0), (7, 2.5)))
+    assert sampling_from_proto(sampling_to_proto(p)) == p and p.features == ("logits",)
+    assert SamplingParams().features == () and SamplingParams(min_p=0.1).features == ("logits",)
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).repetition_penalty == 1.0
+
+
+def test_a_tally_kept_token_by_token_equals_one_built_from_the_tokens():
+    kept = Tally(10, [1, 2], [])
+    for t in (3, 3, 12, 1):  # 12: past the vocabulary, counted as generated only
+        kept.add(t)
+    built = Tally(10, [1, 2, 3, 3, 12, 1], [3, 3, 12, 1])
+    assert torch.equal(kept.seen, built.seen) and torch.equal(kept.counts, built.counts)
+    assert kept.generated == built.generated == 4 and kept.counts[3] == 2

@@ -148,6 +148,19 @@ def test_structured_output_goes_to_vllms_guided_decoding(stack):
     assert set(json.loads(body["choices"][0]["message"]["content"])) == {"city"}
 
 
+def test_logit_adjustments_reach_vllm(stack):
+    """The penalties, min_p, min_tokens and logit_bias go to vLLM's own sampling parameters (its heartbeat says
+    it applies them, so the router sends them)."""
+    status, plain = post(stack, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                                     "return_token_ids": True})
+    assert status == 200, plain
+    status, forced = post(stack, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                                      "return_token_ids": True, "logit_bias": {"1000": 100},
+                                                      "presence_penalty": 0.5, "min_p": 0.05, "min_tokens": 2})
+    assert status == 200, forced
+    assert forced["choices"][0]["token_ids"][0] == 1000 != plain["choices"][0]["token_ids"][0]
+
+
 def test_tool_calls_on_vllm_instances(stack):
     """The router renders the tools and reads the calls; a vLLM instance enforces ``required``'s constraint."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {

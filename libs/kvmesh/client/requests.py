@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
+from kvmesh.contracts.sampling import SamplingParams, logits_to_proto
 from kvmesh.contracts.sessions import check_pause, check_retention_hint
 from kvmesh.proto.v1 import api_pb2, common_pb2
 
@@ -24,6 +25,12 @@ class SamplingOptions(TypedDict, total=False):
     stop_token_ids: Sequence[int]
     ignore_eos: bool
     logprobs: int | None  # each generated token's logprob and this many most likely tokens (0-20); None: off
+    presence_penalty: float    # [-2, 2]: subtracted from a token's logit once it was generated
+    frequency_penalty: float   # [-2, 2]: ... times the number of times it was generated
+    repetition_penalty: float  # (0, 10], 1 = off: a prompt or output token's logit / r if > 0, else * r
+    min_p: float               # [0, 1]: drop tokens less likely than min_p x the most likely one
+    min_tokens: int            # no EOS, stop token or stop string before this many tokens
+    logit_bias: Mapping[int, float] | None  # token id -> bias in [-100, 100] added to its logit
     # structured output, at most one (the router refuses a bad one with INVALID_ARGUMENT naming it)
     response_format: Mapping[str, Any] | None  # OpenAI's: {"type": "json_object"} or {"type": "json_schema", ...}
     json_schema: Mapping[str, Any] | str | None
@@ -109,7 +116,9 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
                     ignore_eos: bool = False, logprobs: int | None = None,
                     response_format: Mapping[str, Any] | None = None,
                     json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
-                    choice: Sequence[str] | None = None, grammar: str | None = None) -> common_pb2.SamplingParams:
+                    choice: Sequence[str] | None = None, grammar: str | None = None, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
+                    min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None) -> common_pb2.SamplingParams:
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if temperature < 0:
@@ -131,6 +140,10 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
                                     seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                     ignore_eos=ignore_eos, logprobs=logprobs)
     structured(msg, response_format, json_schema, regex, choice, grammar)
+    adjust = SamplingParams(max_tokens=max_tokens, presence_penalty=presence_penalty,  # its checks, its messages
+                            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                            min_p=min_p, min_tokens=min_tokens, logit_bias=tuple(sorted((logit_bias or {}).items())))
+    logits_to_proto(adjust, msg)
     return msg
 
 

@@ -285,6 +285,10 @@ class InstanceLoad:
                    speed=Speed(**{k: numbers[k] for k in cls.SPEEDS if k in numbers}), ahead_tokens=ahead)
 
 
+LOGITS = "logits"  # a feature: presence / frequency / repetition penalties, min_p, min_tokens, logit_bias
+FEATURES = (LOGITS,)  # what this build's engines apply beyond the base set (``Heartbeat.features``)
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """An instance is alive, where to reach it, how loaded it is and how fast it measured itself (``load``)."""
@@ -311,6 +315,9 @@ class Heartbeat:
     # it is stopping: the requests it runs finish there, no new one is sent to it (older routers ignore the field
     # and learn it when its beats stop)
     draining: bool = False
+    # what it applies of a request beyond what every build does (``FEATURES``); an older instance says nothing,
+    # and the router sends it no request that needs what it does not say
+    features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -326,7 +333,8 @@ class Heartbeat:
                                  **({"kv_layout": self.kv_layout.to_dict()} if self.kv_layout else {}),
                                  **({"kv_accepts": list(self.kv_accepts)} if self.kv_accepts else {}),
                                  **({"kv_unconvertible": self.kv_unconvertible} if self.kv_unconvertible else {}),
-                                 **({"draining": True} if self.draining else {})})
+                                 **({"draining": True} if self.draining else {}),
+                                 **({"features": list(self.features)} if self.features else {})})
 
     @classmethod
     def decode(cls, data: bytes) -> Heartbeat:
@@ -342,7 +350,8 @@ class Heartbeat:
                    kv_layout=_layout(d["kv_layout"]) if d.get("kv_layout") else None,
                    kv_accepts=_strings(d.get("kv_accepts", []), "kv_accepts"),
                    kv_unconvertible=_get(d, "kv_unconvertible", str) if "kv_unconvertible" in d else "",
-                   draining=_get(d, "draining", bool) if "draining" in d else False)
+                   draining=_get(d, "draining", bool) if "draining" in d else False,
+                   features=_strings(d.get("features", []), "features"))
 
 
 def _strings(value: Any, name: str) -> tuple[str, ...]:

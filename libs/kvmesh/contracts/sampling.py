@@ -14,6 +14,8 @@ F32_TINY = 1.401298464324817e-45
 
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each sampled one (OpenAI's top_logprobs cap)
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_REPETITION_PENALTY = 10.0
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -66,6 +68,13 @@ class SamplingParams:
     ignore_eos: bool = False
     structured: StructuredOutput | None = None  # the output must match this grammar (JSON schema, regex, ...)
     logprobs: int | None = None       # None: off; N: each generated token's logprob and the N most likely (<= 20)
+    # what the logits go through before sampling (OpenAI's and vLLM's meanings; defaults: nothing)
+    presence_penalty: float = 0.0     # subtracted from a token's logit once it was generated at all
+    frequency_penalty: float = 0.0    # ... times the number of times it was generated
+    repetition_penalty: float = 1.0   # a token of the prompt or the output: its logit / r if > 0, else * r
+    min_p: float = 0.0                # tokens less likely than min_p x the most likely one are dropped
+    min_tokens: int = 0               # no EOS, stop token or stop string before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids ascending
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -78,10 +87,37 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # also nan
+                raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), not "
+                             f"{self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], not {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, not {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: token {token}'s bias must be in [-100, 100] for a token id >= 0, "
+                                 f"not {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """What an engine must apply beyond the base set to serve these (``messages.FEATURES``'s names)."""
+        return ("logits",) if self.penalized or self.min_p else ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (the penalties, ``min_tokens``) or are biased."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
 
 def structured_from_proto(p: common_pb2.SamplingParams) -> StructuredOutput | None:
@@ -117,6 +153,12 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         structured=structured_from_proto(p),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        min_p=p.min_p,
+        min_tokens=p.min_tokens,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
     )
 
 
@@ -130,4 +172,14 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         structured_to_proto(s.structured, msg)
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    logits_to_proto(s, msg)
     return msg
+
+
+def logits_to_proto(s: SamplingParams, msg: common_pb2.SamplingParams) -> None:
+    """``s``'s logit adjustments (penalties, min_p, min_tokens, logit_bias) into ``msg``."""
+    msg.presence_penalty, msg.frequency_penalty, msg.min_p = s.presence_penalty, s.frequency_penalty, s.min_p
+    msg.min_tokens = s.min_tokens
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
+    msg.logit_bias.update(dict(s.logit_bias))

@@ -39,7 +39,7 @@ from kvmesh.engine.export import Export, KVReadout, LayerExport, make_export
 from kvmesh.engine.kv_cache import DeviceKVPool, HostKVPool, KVPiece, Landed, received_blocks
 from kvmesh.engine.lora import LoRABatch, LoRAManager, LoRASpec
 from kvmesh.engine.model import LlamaModel
-from kvmesh.engine.sampling import RowFault, make_generator, sample, token_logprobs
+from kvmesh.engine.sampling import History, RowFault, Tally, make_generator, sample, token_logprobs
 from kvmesh.engine.scheduler import Scheduled, Scheduler
 from kvmesh.engine.sequence import Sequence, Status
 from kvmesh.model_source.hf_config import ModelConfig
@@ -116,7 +116,8 @@ class Step(NamedTuple):
 
 
 class _Tracked:
-    """Per-request state owned by the engine: incremental detokenizer, stop-string matching, grammar, export."""
+    """Per-request state owned by the engine: incremental detokenizer, stop-string matching, grammar, export,
+    the penalties' tally."""
 
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer | None, export: Export | None = None) -> None:
         self.seq = seq
@@ -126,6 +127,7 @@ class _Tracked:
         self.error: SequenceError | None = None
         self.grammar: GrammarState | None = None  # a structured-output request's matcher
         self.logprobs: list[TokenLogprobs] = []  # of the tokens so far, when the request asked
+        self.tally: Tally | None = None  # a penalized request's tokens over the vocabulary (made when first needed)
 
     def resume(self, earlier: list[int]) -> None:
         """Start where another instance stopped: the grammar and the detokenizer take the request's earlier
@@ -527,24 +529,38 @@ class LLMEngine:
         fault fails, and the others get the tokens they get alone (fresh generators: same draws)."""
         states = [self._requests[s.request_id].grammar for s in samplers]
         params = [s.params for s in samplers]
+        histories = [self._history(s) if s.params.penalized else None for s in samplers]
+        adjusted = histories if any(h is not None for h in histories) else None
 
         def generators(rows: list[Sequence]) -> list[torch.Generator | None]:
             return [make_generator(s.params, s.earlier_outputs + len(s.output_token_ids)) for s in rows]
 
         try:
             mask = self._grammars.mask(states) if self._grammars is not None else None
-            return sample(logits, params, generators(samplers), mask)
+            return sample(logits, params, generators(samplers), mask, adjusted)
         except Exception:
             log.exception("sampling %d rows failed; sampling each alone", len(samplers))
         out: list[int | RowFault] = []
         for i, seq in enumerate(samplers):
             try:
                 mask = self._grammars.mask([states[i]]) if self._grammars is not None else None
-                out.append(sample(logits[i:i + 1], [params[i]], generators([seq]), mask)[0])
+                out.append(sample(logits[i:i + 1], [params[i]], generators([seq]), mask,
+                                  [histories[i]] if adjusted else None)[0])
             except Exception as e:
                 log.exception("request %s: sampling failed", seq.request_id)
                 out.append(RowFault(f"sampling failed: {type(e).__name__}: {e}", client_fault=False))
         return out
+
+    def _history(self, seq: Sequence) -> History:
+        """What ``seq``'s penalties, ``min_tokens`` and bias read (``sampling.History``); its ``Tally`` is made
+        at its first sampled token and kept up to date by ``_append``."""
+        tracked = self._requests[seq.request_id]
+        if tracked.tally is None:
+            earlier = seq.prompt_token_ids[len(seq.prompt_token_ids) - seq.earlier_outputs:]
+            tracked.tally = Tally(self.model_config.vocab_size, seq.prompt_token_ids + seq.output_token_ids,
+                                  (earlier if seq.earlier_outputs else []) + seq.output_token_ids)
+        p = seq.params
+        return History(tracked.tally, tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids)))
 
     def _logprobs(self, samplers: list[Sequence], logits: torch.Tensor,
                   tokens: list[int | RowFault]) -> list[TokenLogprobs | RowFault | None]:
@@ -601,6 +617,8 @@ class LLMEngine:
             seq.first_token_time = now
         seq.record_token(now)
         seq.output_token_ids.append(token)
+        if tracked.tally is not None:
+            tracked.tally.add(token)
         if logprobs is not None:
             tracked.logprobs.append(logprobs)
         if tracked.grammar is not None:
@@ -609,7 +627,7 @@ class LLMEngine:
         reason = self._finish_reason(seq, token)
         if tracked.grammar is not None and tracked.grammar.terminated:
             reason = "stop"  # the object (string, choice) is complete
-        if seq.params.stop and delta:
+        if seq.params.stop and delta and seq.earlier_outputs + len(seq.output_token_ids) > seq.params.min_tokens:
             text = tracked.text + delta
             window = len(delta) + max(len(s) for s in seq.params.stop)
             hits = [i for s in seq.params.stop if (i := text.find(s, max(0, len(text) - window))) >= 0]

@@ -28,6 +28,7 @@ from kvmesh.contracts.events import AllBlocksCleared, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId
 from kvmesh.contracts.keys import block_keys
 from kvmesh.contracts.messages import (
+    FEATURES,
     Heartbeat,
     InstanceLoad,
     KVCopies,
@@ -371,7 +372,8 @@ class EngineHost:
                          model=self.fingerprint, block_size=self.layout.block_size,
                          loras=tuple((a.name, a.generation, a.path) for a in self.engine.adapters()),
                          kv_layout=self.layout, kv_accepts=self.kv_accepts,
-                         kv_unconvertible=self.engine.kv_unconvertible, draining=self.draining)
+                         kv_unconvertible=self.engine.kv_unconvertible, draining=self.draining,
+                         features=FEATURES)
 
     async def _publish_beat(self) -> None:
         try:

@@ -47,6 +47,9 @@ def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None) -
         return VSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids),
                                ignore_eos=p.ignore_eos, logprobs=p.logprobs, structured_outputs=structured,
+                               presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                               repetition_penalty=p.repetition_penalty, min_p=p.min_p, min_tokens=p.min_tokens,
+                               logit_bias=dict(p.logit_bias) or None,
                                output_kind=RequestOutputKind.DELTA,
                                extra_args={"kv_transfer_params": transfer} if transfer else None)
     except Exception as e:  # noqa: BLE001 - VLLMValidationError and plain ValueErrors: the request is at fault
