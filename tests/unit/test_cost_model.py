@@ -153,8 +153,24 @@ def test_an_instance_decoding_streams_under_an_itl_target_is_priced_at_its_promp
     reg.observe(beat("vllm", running=4, prefill_tok_per_s=400.0))  # no decode step reported: no ITL cap there
     assert {c.id: c.share for c in to_candidates(reg.alive(), {}, CONFIGURED, itl_s=0.15)}["vllm"] == 1.0
     scores = CacheAware(CONFIGURED).choose(list(cands.values()), prompt_tokens=1500, block_size=16).scores
-    assert scores["busy"] == pytest.approx(1500 / 400 / share) and scores["idle"] == pytest.approx(1500 / 400)
+    # (and, running streams, after the rest of the decode step it is in: half a step on average)
+    assert scores["busy"] == pytest.approx(1500 / 400 / share + 0.03 / 2)
+    assert scores["idle"] == pytest.approx(1500 / 400)
     # admission by the TTFT target uses the same estimate: 3.75 s fits 4.5 s idle, not beside the streams
     only_busy = [c for c in to_candidates(reg.alive(), {}, CONFIGURED, itl_s=0.15) if c.id == "busy"]
     assert CacheAware(CONFIGURED).choose(only_busy, 1500, 16, ttft_s=4.5).chosen is None
     assert CacheAware(CONFIGURED).choose([cands["idle"]], 1500, 16, ttft_s=4.5).chosen is not None
+
+
+def test_a_prompt_waits_for_the_rest_of_the_decode_step_an_instance_is_in():
+    """Two instances alike but for the streams one decodes (a 60 ms step): a new prompt starts there only after
+    the step in progress (30 ms on average), so it goes to the idle one; unless the busy one holds enough of the
+    prompt to save more than that."""
+    reg = Registry(timeout_s=5, block_size=16, fingerprint="fp")
+    reg.observe(beat("a-busy", running=3, decode_step_s=0.06, prefill_tok_per_s=1000.0, prefill_overhead_s=0.0))
+    reg.observe(beat("b-idle", decode_step_s=0.06, prefill_tok_per_s=1000.0, prefill_overhead_s=0.0))
+    cands = to_candidates(reg.alive(), {}, CONFIGURED)
+    assert {c.id: c.step_left_s for c in cands} == {"a-busy": 0.03, "b-idle": 0.0}
+    assert CacheAware(CONFIGURED).choose(cands, prompt_tokens=200, block_size=16).chosen.id == "b-idle"
+    held = to_candidates(reg.alive(), {"a-busy": 4}, CONFIGURED)  # 64 tokens held: 64 ms of prefill saved
+    assert CacheAware(CONFIGURED).choose(held, prompt_tokens=200, block_size=16).chosen.id == "a-busy"

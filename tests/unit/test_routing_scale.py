@@ -23,7 +23,7 @@ def fleet_of(n: int, seed: int) -> list[Candidate]:
         out.append(Candidate(f"i{i:04d}", queued_tokens=rng.choice([0, 0, rng.randint(0, 20000)]),
                              running=rng.randint(0, 8), local_blocks=rng.choice([0, rng.randint(0, 300)]),
                              cost=cost, lora_missing=rng.random() < 0.1, share=rng.choice([1.0, rng.uniform(0.1, 1)]),
-                             pool=rng.random() < 0.8))
+                             pool=rng.random() < 0.8, step_left_s=rng.choice([0.0, rng.uniform(0, 0.1)])))
     return out
 
 

@@ -262,7 +262,8 @@ def candidates(instances: Sequence[InstanceView], matched: Mapping[str, int], co
     each step has left beside them (``local_share``), so its prefill is priced that much slower. With the
     request's ``prompt_tokens`` and the ``block_size``, an instance that serves least work first is queued with
     only what the request would wait for there (``InstanceView.tokens_ahead`` of its compute past the blocks the
-    instance holds); else with its whole queue."""
+    instance holds); else with its whole queue. An instance with streams running is in the middle of a decode
+    step when the request arrives: half its measured step (the mean of what is left of it) comes first."""
     def share(i: InstanceView) -> float:
         return local_share(i.decode_step_s, itl_s) if itl_s and i.decode_step_s and i.running else 1.0
 
@@ -277,7 +278,8 @@ def candidates(instances: Sequence[InstanceView], matched: Mapping[str, int], co
     # cost twice as much (and an arrival-order instance's queue is read inline, not through a call)
     return [Candidate(i.id, ahead(i) if i.ahead and prompt_tokens else int(i.waiting_tokens), int(i.queue_depth),
                       get(i.id, 0), i.free_blocks, i.cost,
-                      i.id in lora_missing, share(i) if itl_s else 1.0, not i.kv_unconvertible)
+                      i.id in lora_missing, share(i) if itl_s else 1.0, not i.kv_unconvertible,
+                      i.decode_step_s / 2 if i.running else 0.0)
             for i in instances]
 
 

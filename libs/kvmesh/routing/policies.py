@@ -37,6 +37,7 @@ class Candidate:
     lora_missing: bool = False   # it lacks the request's LoRA adapter: it would load it before prefilling
     share: float = 1.0           # of each step, what prompts get beside the streams it decodes (cost.local_share)
     pool: bool = True            # it can load blocks from the pool (False: its engine's KV cannot be converted)
+    step_left_s: float = 0.0     # what is left of the decode step it is in: a prompt sent now starts after it
 
     @property
     def load(self) -> int:
@@ -109,7 +110,7 @@ class CacheAware:
         fetched = max(0, pool_blocks - c.local_blocks) if self.use_pool and c.pool else 0
         hit = min(prompt_tokens - 1, local + fetched * block_size)
         return ((cost.prefill_s(c.queued_tokens) + cost.prefill_s(prompt_tokens - hit)) / c.share
-                + cost.fetch_s(fetched) + (cost.lora_load_s if c.lora_missing else 0.0))
+                + cost.fetch_s(fetched) + (cost.lora_load_s if c.lora_missing else 0.0) + c.step_left_s)
 
     def estimates(self, candidates: Sequence[Candidate], prompt_tokens: int, block_size: int,
                   pool_blocks: int) -> list[float]:
@@ -138,7 +139,8 @@ class CacheAware:
         queued = of((c.queued_tokens for c in candidates), np.int64)
         fetch_s = fetched * of((k.block_bytes for k in costs), np.int64) / (of(k.fetch_gbps for k in costs) * 1e9)
         lora_s = np.where(of((c.lora_missing for c in candidates), np.bool_), of(k.lora_load_s for k in costs), 0.0)
-        est = (prefill_s(queued) + prefill_s(prompt_tokens - hit)) / of(c.share for c in candidates) + fetch_s + lora_s
+        est = ((prefill_s(queued) + prefill_s(prompt_tokens - hit)) / of(c.share for c in candidates) + fetch_s + lora_s
+               + of(c.step_left_s for c in candidates))
         out: list[float] = est.tolist()
         return out
 
