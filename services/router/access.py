@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from kvmesh.contracts.slo import SLO
 from kvmesh.settings import RouterSettings, parse_api_keys, slo_targets
 
 from services.router.errors import ErrorKind, RequestError, invalid
+from services.router.ids import nonce
 
 RETRY_AFTER_S = 1
 
@@ -129,7 +129,7 @@ def dispatch_id(tenant: str, request_id: str) -> str:
     same instance (its reservation, push capability, ``kv.ready``); with the tenant and a fresh nonce no two
     requests share one. The client still sees and traces its own id."""
     tag = hashlib.blake2b(tenant.encode(), digest_size=4).hexdigest()
-    return f"{tag}.{request_id}.{secrets.token_hex(8)}"
+    return f"{tag}.{request_id}.{nonce()}"
 
 
 class TenantTerms:

@@ -30,8 +30,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -46,6 +44,7 @@ from kvmesh.routing.cost import DISAGGREGATE_MODES
 
 from services.router.access import Admission, Tenants, TenantTerms, cache_salt, dispatch_id
 from services.router.errors import ErrorKind, RequestError, invalid
+from services.router.ids import new_request_id
 from services.router.structured import check_structured
 from services.router.telemetry import RequestTrace
 from services.router.tools import Tools, for_template, message_calls
@@ -202,27 +201,6 @@ class Admitted:
     dispatch_id: str = ""
 
 
-class _RequestIds:
-    """Request ids: 128 random bits as 32 hex digits, drawn from ``os.urandom`` 256 ids at a time. One system
-    call per id released the GIL once a request, and with the tokenizer threads busy the event loop then waited
-    up to the interpreter's switch interval (5 ms) to get it back."""
-
-    BATCH = 256
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._hex, self._at = "", 0
-
-    def __call__(self) -> str:
-        with self._lock:
-            if self._at >= len(self._hex):
-                self._hex, self._at = os.urandom(16 * self.BATCH).hex(), 0
-            at = self._at
-            self._at += 32
-            return self._hex[at:at + 32]
-
-
-new_request_id = _RequestIds()
 
 
 def valid_request_id(rid: str) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from services.router.errors import STATUS, ErrorKind, RequestError, table
-from services.router.intake import _RequestIds
+from services.router.ids import RandomHex, nonce
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "services" / "router" / "README.md"
@@ -37,8 +37,9 @@ def test_the_readmes_error_examples_name_only_kinds_of_the_enum():
 
 
 def test_request_ids_are_random_128_bit_hex_and_never_repeat_across_batches() -> None:
-    ids = _RequestIds()
-    got = [ids() for _ in range(3 * _RequestIds.BATCH + 7)]  # across three refills
+    ids = RandomHex()
+    got = [ids(32 if n % 3 else 16) for n in range(3 * RandomHex.BATCH // 8 + 7)]  # across refills, two sizes
     assert len(set(got)) == len(got)
-    assert all(len(i) == 32 and int(i, 16) >= 0 for i in got)
+    assert all(len(i) in (16, 32) and int(i, 16) >= 0 for i in got)
     assert len({i[0] for i in got}) > 8  # no fixed digit, as a uuid4's version nibble would be
+    assert len(nonce()) == 16 and nonce() != nonce()
