@@ -414,7 +414,8 @@ class Router:
         if routed is None:
             return
         att = self.hits.settle(routed, len(request.prompt), delivered)
-        if rt.root.is_recording():  # the blocks it leaves, its output's too: what the report's optimum replays
+        if rt.root.is_recording() and not rt.sibling:  # the blocks it leaves, its output's too: what the
+            # report's optimum replays (a later choice's, n > 1, are the first one's prompt again)
             left = block_keys(tries.seed, list(request.prompt) + tries.streamed, self.cfg.block_size)
             record(rt.root, att, left, self.cfg.block_size)
         tenant = str(rt.attrs.get(tracing.TENANT, ""))

@@ -26,6 +26,7 @@ from kvmesh.contracts.sessions import check_session_id, session_key
 
 from services.router import openai_body
 from services.router.access import RETRY_AFTER_S, AdminKey
+from services.router.choices import fan_out
 from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Call, Draft, Intake, new_request_id, valid_request_id
@@ -138,10 +139,11 @@ class OpenAIApi:
                 answer = Answer(rid, "chat.completion" if chat else "text_completion", req.model,
                                 req.sampling.logprobs is not None, req.prompt if body.shape.token_ids else None,
                                 body.tools if body.tools is not None and body.tools.offered else None)
-                stream = self.router.generate(req, rt)
+                n = body.shape.n
+                stream = fan_out(self.router, req, rt, n)
                 if body.shape.stream:
-                    return await self._sse(request, answer, stream, body.shape.include_usage, rt)
-                return await self._whole(answer, stream, rt)
+                    return await self._sse(request, answer, stream, body.shape.include_usage, rt, n)
+                return await self._whole(answer, stream, rt, n)
         except RequestError as e:
             rt.finish(e.kind, e.message)
             return error_response(e, rt.headers())
@@ -165,12 +167,14 @@ class OpenAIApi:
         return out
 
     @staticmethod
-    def _usage(c: Chunk) -> dict:
-        u = c.usage
-        assert u is not None
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    def _usage(finished: list[Chunk]) -> dict:
+        """The request's usage from its choices' last chunks: the prompt once (and what of it the first choice
+        found cached), the completions' tokens together."""
+        usages = [c.usage for c in finished if c.usage is not None]
+        assert usages
+        prompt, completion = usages[0].prompt_tokens, sum(u.completion_tokens for u in usages)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens}}
 
     def _logprobs(self, answer: Answer, chunks: list[Chunk], offset: int = 0) -> dict | None:
         """The choice's (or a streamed chunk's) ``logprobs`` in the endpoint's shape; None when not asked for.
@@ -182,17 +186,27 @@ class OpenAIApi:
             return chat_logprobs([lp for c in chunks for lp in c.logprobs], text)
         return completion_logprobs([(c.logprobs, c.text) for c in chunks], text, offset)
 
-    async def _whole(self, answer: Answer, stream: AsyncIterator[Chunk], rt: RequestTrace) -> web.Response:
+    async def _whole(self, answer: Answer, stream: AsyncIterator[tuple[int, Chunk]], rt: RequestTrace,
+                     n: int = 1) -> web.Response:
         kind = answer.kind
-        chunks: list[Chunk] = []
-        async for c in stream:
+        chunks: list[list[Chunk]] = [[] for _ in range(n)]
+        async for i, c in stream:
             rt.first_token_sent()  # not streaming: TTFT ends when the first token is in hand
-            chunks.append(c)
+            chunks[i].append(c)
+        choices = [self._choice(answer, i, cs) for i, cs in enumerate(chunks)]
+        out = self._envelope(answer, kind, choices, self._usage([cs[-1] for cs in chunks]))
+        if answer.prompt is not None:  # vLLM's places: a chat's prompt ids on the response, a completion's choice
+            for choice, cs in zip(choices, chunks, strict=True):
+                choice["token_ids"] = [t for c in cs for t in c.token_ids]
+                (out if kind == "chat.completion" else choice)["prompt_token_ids"] = list(answer.prompt)
+        return web.json_response(out, headers=rt.headers())
+
+    def _choice(self, answer: Answer, index: int, chunks: list[Chunk]) -> dict[str, Any]:
+        """One whole choice from its chunks (the last finished it)."""
         assert chunks
-        last, content = chunks[-1], "".join(c.text for c in chunks)
-        reason = last.finish_reason or "stop"
-        choice: dict = ({"index": 0, "message": {"role": "assistant", "content": content}}
-                        if kind == "chat.completion" else {"index": 0, "text": content})
+        content, reason = "".join(c.text for c in chunks), chunks[-1].finish_reason or "stop"
+        choice: dict[str, Any] = ({"index": index, "message": {"role": "assistant", "content": content}}
+                                  if answer.kind == "chat.completion" else {"index": index, "text": content})
         if answer.tools is not None:
             read = read_whole(answer.tools, content, reason)
             if read.calls:
@@ -200,14 +214,10 @@ class OpenAIApi:
             reason = read.finish_reason
         choice["logprobs"] = self._logprobs(answer, chunks)
         choice["finish_reason"] = reason
-        out = self._envelope(answer, kind, [choice], self._usage(last))
-        if answer.prompt is not None:  # vLLM's places: a chat's prompt ids on the response, a completion's choice
-            choice["token_ids"] = [t for c in chunks for t in c.token_ids]
-            (out if kind == "chat.completion" else choice)["prompt_token_ids"] = list(answer.prompt)
-        return web.json_response(out, headers=rt.headers())
+        return choice
 
-    async def _sse(self, request: web.Request, answer: Answer, stream: AsyncIterator[Chunk], include_usage: bool,
-                   rt: RequestTrace) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, answer: Answer, stream: AsyncIterator[tuple[int, Chunk]],
+                   include_usage: bool, rt: RequestTrace, n: int = 1) -> web.StreamResponse:
         rid, kind = answer.rid, answer.kind
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         # pull the first chunk before answering, so an error still becomes a proper HTTP status
@@ -224,15 +234,19 @@ class OpenAIApi:
         # completion's on its choice), and each chunk's own token ids on its choice
         prompt = None if answer.prompt is None else {"prompt_token_ids": list(answer.prompt)}
         if chunk_kind == "chat.completion.chunk":
-            await send(self._envelope(answer, chunk_kind, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}]) | (prompt or {}))
+            await send(self._envelope(answer, chunk_kind, [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(n)]) | (prompt or {}))
             prompt = None
-        c: Chunk | None = first
-        sent = 0  # characters of text streamed so far: where the next chunk's tokens start
-        reader = answer.tools.reader() if answer.tools is not None else None
+        item: tuple[int, Chunk] | None = first
+        sent = [0] * n  # characters of each choice's text streamed so far: where its next chunk's tokens start
+        readers = [answer.tools.reader() for _ in range(n)] if answer.tools is not None else None
+        last: dict[int, Chunk] = {}
         try:
-            while c is not None:
+            while item is not None:
+                i, c = item
                 delta: dict[str, Any]
+                reader = readers[i] if readers is not None else None
                 if reader is not None:
                     delta = {"delta": streamed_delta(reader, c.text, c.finished)}
                 elif chunk_kind == "chat.completion.chunk":
@@ -240,19 +254,19 @@ class OpenAIApi:
                 else:
                     delta = {"text": c.text}
                 reason = c.finish_reason or None
-                choice: dict[str, Any] = {"index": 0, **delta, "logprobs": self._logprobs(answer, [c], sent),
+                choice: dict[str, Any] = {"index": i, **delta, "logprobs": self._logprobs(answer, [c], sent[i]),
                           "finish_reason": finish_reason(reason, reader.called) if reader and reason else reason}
                 if answer.prompt is not None:
                     choice |= (prompt or {}) | {"token_ids": list(c.token_ids)}
                     prompt = None
                 await send(self._envelope(answer, chunk_kind, [choice]))
-                sent += len(c.text)
+                sent[i] += len(c.text)
                 rt.first_token_sent()
                 if c.finished:
-                    if include_usage:
-                        await send(self._envelope(answer, chunk_kind, [], self._usage(c)))
-                    break
-                c = await it.__anext__()
+                    last[i] = c
+                item = await anext(it, None)
+            if include_usage:
+                await send(self._envelope(answer, chunk_kind, [], self._usage([last[i] for i in sorted(last)])))
         except RequestError as e:
             rt.finish(e.kind, e.message)
             await send({"error": {"message": e.message, "type": e.kind.error_type, "code": e.kind.http}})

@@ -93,26 +93,33 @@ def _slo(body: dict) -> tuple[float, float]:
 
 
 class Shape(NamedTuple):
-    """What a body asks of its answer's shape: ``stream``, ``stream_options.include_usage``, and vLLM's
-    ``return_token_ids`` (the prompt's and the completion's token ids beside the text)."""
+    """What a body asks of its answer's shape: ``stream``, ``stream_options.include_usage``, vLLM's
+    ``return_token_ids`` (the prompt's and the completion's token ids beside the text), and ``n``, how many
+    choices (``choices.py``)."""
 
     stream: bool
     include_usage: bool
     token_ids: bool
+    n: int = 1
+
+
+MAX_CHOICES = 16  # the most choices one request may ask for
 
 
 def shape(body: dict) -> Shape:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise invalid("stream_options must be an object like {\"include_usage\": true}")
-    return Shape(bool_field(body, "stream"), bool_field(options, "include_usage"), bool_field(body, "return_token_ids"))
+    n = _int(body, "n", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise invalid(f"n must be an integer in [1, {MAX_CHOICES}] (the choices to generate), not {n}")
+    return Shape(bool_field(body, "stream"), bool_field(options, "include_usage"), bool_field(body, "return_token_ids"),
+                 n)
 
 
 def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, str]:
     """The request's sampling parameters (``chat``: a chat body's, whose logprobs fields differ), and the field
     its structured-output constraint came from ("" = none); the error names the field that is wrong and how."""
-    if _int(body, "n", 1) != 1:
-        raise invalid("only n=1 is supported")
     for name, off, why in UNSERVED:
         if body.get(name) not in off:
             raise invalid(f"{name} is not supported: {why}")

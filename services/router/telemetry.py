@@ -171,8 +171,21 @@ class RequestTrace:
         self.gaps = self.late_gaps = 0  # its gaps between chunks, and those over its ITL target
         self._respond: Span | None = None
         self._done = False
+        self.sibling = False  # a later choice's trace (``choice``)
         if metrics is not None:
             metrics.in_flight.inc()
+
+    def choice(self, index: int) -> RequestTrace:
+        """The trace of this request's choice ``index`` past the first (``n`` > 1): its spans go under this
+        request's root, tagged ``kvmesh.choice``; it has no root to end, no TTFT or ITLs (its chunks interleave
+        with the other choices'), no metrics and no root attributes of its own: the request counts once."""
+        sibling = RequestTrace.__new__(RequestTrace)
+        sibling.metrics, sibling.api, sibling.request_id, sibling.t0 = None, self.api, self.request_id, self.t0
+        sibling.attrs = {**self.attrs, "kvmesh.choice": index}
+        sibling.root, sibling.slo, sibling.sibling = self.root, self.slo, True
+        sibling.ttft_s, sibling._last, sibling.gaps, sibling.late_gaps = 0.0, 0.0, 0, 0
+        sibling._respond, sibling._done = None, True
+        return sibling
 
     @property
     def traceparent(self) -> str:
@@ -210,6 +223,8 @@ class RequestTrace:
 
     def chunk_arrived(self) -> None:
         """A chunk came from the engine instance: the first opens ``router.respond``; the rest are ITLs."""
+        if self.sibling:
+            return
         now = time.monotonic()
         if self._respond is None and self.ttft_s is None:
             self._respond = self.child("router.respond")
@@ -246,6 +261,8 @@ class RequestTrace:
             self.metrics.retries.labels(role).inc()
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        if self.sibling:
+            return
         self.root.set_attributes({"kvmesh.tokens.completion": completion_tokens,
                                   "kvmesh.tokens.cached": cached_tokens})
         if self.metrics is not None:

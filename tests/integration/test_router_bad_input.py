@@ -229,7 +229,7 @@ LONG = "word " * (CONTEXT + 20)
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [-1]}, ["stop_token_ids"]),
     (COMPLETIONS, {"prompt": "Hi", "stop": [""]}, ["stop strings must not be empty"]),
     (COMPLETIONS, {"prompt": "Hi", "stop": [1]}, ["stop must be"]),
-    (COMPLETIONS, {"prompt": "Hi", "n": 2}, ["n=1"]),
+    (COMPLETIONS, {"prompt": "Hi", "n": 17}, ["n must be an integer in [1, 16]"]),
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": "5"}, ["max_tokens must be an integer, not a string"]),
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2.5}, ["max_tokens must be an integer"]),
     (COMPLETIONS, {"prompt": "Hi", "temperature": "hot"}, ["temperature must be a number"]),

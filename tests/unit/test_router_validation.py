@@ -193,12 +193,22 @@ def test_max_completion_tokens_wins_over_max_tokens():
     ({"stop_token_ids": [True]}, "stop_token_ids must be a list of integers"),
     ({"stop": {"a": 1}}, "stop must be a string or a list of strings"),
     ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
-    ({"n": 3}, "only n=1"),
 ])
 def test_bad_sampling_field_is_named(body, words):
     with pytest.raises(RequestError) as e:
         sampling_from_body(body)
     assert e.value.kind == ErrorKind.INVALID and words in e.value.message
+
+
+@pytest.mark.parametrize("n,words", [(0, "n must be an integer in [1, 16]"), (17, "not 17"),
+                                     ("2", "n must be an integer")])
+def test_a_bad_n_is_named(n, words):
+    from services.router.openai_body import shape
+
+    with pytest.raises(RequestError) as e:
+        shape({"n": n})
+    assert words in e.value.message
+    assert shape({}).n == 1 and shape({"n": 16}).n == 16
 
 
 # ---- latency targets ---------------------------------------------------------------------------------------

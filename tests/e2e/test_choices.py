@@ -1,0 +1,59 @@
+"""``n`` > 1 through the real stack (1 prefill + 1 decode, the default model): n answers of one request, seeded
+ones the same every time, whole and streamed with OpenAI's client; the later choices reuse the first one's prompt
+KV (the router's delivered-hit counter grows by their prompts), so the prompt is computed once."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from .test_mesh import openai_client, post
+
+pytestmark = pytest.mark.slow
+PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle, a storm that "
+          "lasts three days, and a ship that arrives too late. Begin:")
+
+
+def delivered_hits(stack) -> float:
+    """The router's count of prompt tokens the engines reported reused, every instance and tenant."""
+    with urllib.request.urlopen(stack.router_metrics, timeout=10) as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                   if line.startswith("kvmesh_router_delivered_hit_tokens_total"))
+
+
+def test_n_choices_seeded_the_same_every_time_and_the_prompt_computed_once(mesh):
+    # long enough (~450 tokens, over a second of prefill here) that choices sent at once would all compute it
+    body = {"prompt": " ".join([PROMPT] * 12) + " #choices", "max_tokens": 12, "temperature": 1.0, "seed": 11,
+            "n": 3}
+    before = delivered_hits(mesh)
+    status, out, _ = post(mesh, "/v1/completions", body)
+    assert status == 200, out
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and all(c["finish_reason"] == "length" for c in choices)
+    assert len({c["text"] for c in choices}) > 1  # seed + i: different samples
+    usage = out["usage"]
+    assert usage["completion_tokens"] == 36 and usage["total_tokens"] == usage["prompt_tokens"] + 36
+    # choices 1 and 2 found the prompt's KV (all but its last, partial block) where choice 0 put it
+    reused = delivered_hits(mesh) - before
+    assert reused >= 2 * (usage["prompt_tokens"] - 16), (reused, usage)
+    status, again, _ = post(mesh, "/v1/completions", body)
+    assert status == 200 and [c["text"] for c in again["choices"]] == [c["text"] for c in choices]
+
+
+def test_n_choices_stream_each_under_its_index(mesh):
+    client = openai_client(mesh)
+    msgs = [{"role": "user", "content": "Name a color."}]
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=8, n=2,
+                                           temperature=0.9, seed=5)
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=8, n=2,
+                                                 temperature=0.9, seed=5, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finished = [ch.index for c in chunks for ch in c.choices if ch.finish_reason]
+    assert sorted(finished) == [0, 1]
