@@ -414,8 +414,8 @@ def _ratio(arms: list[list[Run]], q: int) -> str:
     return f"{r:.2f}x" + (f" (95% interval over runs {span[0]:.2f}-{span[1]:.2f}x)" if span else "")
 
 
-def describe(tasks: int, steps: int, rounds: int, load0: str, order: str | None = None) -> str:
-    """The run's setup in words; ``order``: the engines' prefill order in words (None: ``ENGINE``'s)."""
+def describe(tasks: int, steps: int, rounds: int, load0: str, order: str) -> str:
+    """The run's setup in words; ``order``: the engines' prefill order in words."""
     tools = ", ".join(f"{k} ~{m:g} s ({w:.0%})" for k, (m, _, w) in TOOLS.items())
     return (f"{tasks} agent tasks of {steps} steps, started 2 s apart, two agent kinds (a 256-token system prompt "
             f"each), 96 tokens of instructions, then a step's response (its token ids) and 64 tokens of tool output "
@@ -424,7 +424,7 @@ def describe(tasks: int, steps: int, rounds: int, load0: str, order: str | None 
             f"role-both instances of the default model (1 thread each, {ENGINE['num_blocks']} device blocks = "
             f"{ENGINE['num_blocks'] * BLOCK} tokens each, {ENGINE['host_cache_mb']} MB host tier, a "
             f"{POOL['pool_capacity_mb']} MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}; "
-            f"prefill order {order or ENGINE['prefill_order']}). "
+            f"prefill order {order}). "
             f"A fresh stack per run; the arms one after the other in the order A B B A, {rounds} time(s), each "
             f"arm's {2 * rounds} runs pooled. Resumed steps: every step after an agent's first. Optimum: each "
             f"run's stream through an offline cache (Belady over the fleet's {2 * ENGINE['num_blocks']} device "
@@ -447,23 +447,25 @@ def _errors(arms: list[list[Run]]) -> str:
     return "\n\nErrors: " + "; ".join(errors) if errors else ""
 
 
-def bench_hints(tasks: int, steps: int, seed: int, rounds: int) -> str:
+def bench_hints(tasks: int, steps: int, seed: int, rounds: int, order: str = str(PrefillOrder.ARRIVAL)) -> str:
     systems, agents = workload(tasks, steps, seed)
     load0 = load_average()
-    arms = in_turn([("without hints", {"systems": systems, "agents": agents, "hints": "none"}),
-                    ("with hints", {"systems": systems, "agents": agents, "hints": "full"})], rounds)
-    return (describe(tasks, steps, rounds, load0) + "\n\n" + markdown_table([row(r) for r in arms], COLUMNS)
+    common = {"systems": systems, "agents": agents, "engine": {"prefill_order": order}}
+    arms = in_turn([("without hints", {**common, "hints": "none"}), ("with hints", {**common, "hints": "full"})],
+                   rounds)
+    return (describe(tasks, steps, rounds, load0, order) + "\n\n" + markdown_table([row(r) for r in arms], COLUMNS)
             + f"\n\nWith hints / without: resumed steps' TTFT p50 {_ratio(arms, 50)}, p90 {_ratio(arms, 90)}."
             + _errors(arms))
 
 
-def bench_overload(tasks: int, steps: int, seed: int, rounds: int) -> str:
+def bench_overload(tasks: int, steps: int, seed: int, rounds: int, order: str = str(PrefillOrder.ARRIVAL)) -> str:
     systems, agents = workload(tasks, steps, seed)
     load0 = load_average()
-    common = {"systems": systems, "agents": agents, "hints": "full", "hog": True}
+    common = {"systems": systems, "agents": agents, "hints": "full", "hog": True,
+              "engine": {"prefill_order": order}}
     arms = in_turn([("keep (session_overload 1000)", {**common, "overload": 1000}),
                     ("move (session_overload 2)", {**common, "overload": 2})], rounds)
-    return (describe(tasks, steps, rounds, load0) + " With hints; a hog streams 3 prompts of 700 tokens at a "
+    return (describe(tasks, steps, rounds, load0, order) + " With hints; a hog streams 3 prompts of 700 tokens at a "
             "time (48 tokens out each) straight into both-0's Decode RPC for the whole of each run.\n\n"
             + markdown_table([row(r) for r in arms], COLUMNS)
             + f"\n\nMove / keep: resumed steps' TTFT p50 {_ratio(arms, 50)}, p90 {_ratio(arms, 90)}."
@@ -495,7 +497,6 @@ def main(argv: list[str] | None = None) -> int:
                         "sections of its own)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md as it is")
     args = p.parse_args(argv)
-    ENGINE["prefill_order"] = args.prefill_order
     chosen = {s.strip() for s in args.scenarios.split(",") if s.strip()}
     if not chosen or chosen - {"hints", "overload", "order"}:
         p.error("--scenarios: choose from hints, overload, order")
@@ -508,13 +509,15 @@ def main(argv: list[str] | None = None) -> int:
         suffix = f", prefill order {args.prefill_order}"
     if "hints" in chosen:
         publish(SECTION + suffix, f"{ordered} --scenarios hints",
-                bench_hints(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
+                bench_hints(args.tasks, args.steps, args.seed, args.rounds, args.prefill_order),
+                write=not args.no_write)
     if "order" in chosen:
         publish(SECTION_ORDER, f"{base} --scenarios order",
                 bench_order(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
     if "overload" in chosen:
         publish(SECTION_OVERLOAD + suffix, f"{ordered} --scenarios overload",
-                bench_overload(args.tasks, args.steps, args.seed, args.rounds), write=not args.no_write)
+                bench_overload(args.tasks, args.steps, args.seed, args.rounds, args.prefill_order),
+                write=not args.no_write)
     return 0
 
 
