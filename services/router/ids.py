@@ -30,6 +30,11 @@ class RandomHex:
 _random_hex = RandomHex()
 
 
+def random_hex(digits: int) -> str:
+    """``digits`` random hex digits (4 bits each)."""
+    return _random_hex(digits)
+
+
 def new_request_id() -> str:
     """128 random bits as 32 hex digits."""
     return _random_hex(32)

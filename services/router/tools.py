@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, NamedTuple, Protocol
@@ -44,6 +43,7 @@ from typing import Any, NamedTuple, Protocol
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
+from services.router.ids import random_hex
 from services.router.structured import check_schema
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -310,7 +310,7 @@ class CallReader(Protocol):
 
 
 def call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
+    return f"call_{random_hex(24)}"
 
 
 def _call(raw: str, names: frozenset[str]) -> tuple[str, str] | None:

@@ -529,7 +529,7 @@ class LLMEngine:
         fault fails, and the others get the tokens they get alone (fresh generators: same draws)."""
         states = [self._requests[s.request_id].grammar for s in samplers]
         params = [s.params for s in samplers]
-        histories = [self._history(s) if s.params.penalized else None for s in samplers]
+        histories = [self._history(s, logits) if s.params.penalized else None for s in samplers]
         adjusted = histories if any(h is not None for h in histories) else None
 
         def generators(rows: list[Sequence]) -> list[torch.Generator | None]:
@@ -551,14 +551,14 @@ class LLMEngine:
                 out.append(RowFault(f"sampling failed: {type(e).__name__}: {e}", client_fault=False))
         return out
 
-    def _history(self, seq: Sequence) -> History:
-        """What ``seq``'s penalties, ``min_tokens`` and bias read (``sampling.History``); its ``Tally`` is made
-        at its first sampled token and kept up to date by ``_append``."""
+    def _history(self, seq: Sequence, logits: torch.Tensor) -> History:
+        """What ``seq``'s penalties, ``min_tokens`` and bias read (``sampling.History``) over ``logits``' vocabulary,
+        on their device; its ``Tally`` is made at its first sampled token and kept up to date by ``_append``."""
         tracked = self._requests[seq.request_id]
         if tracked.tally is None:
             earlier = seq.prompt_token_ids[len(seq.prompt_token_ids) - seq.earlier_outputs:]
-            tracked.tally = Tally(self.model_config.vocab_size, seq.prompt_token_ids + seq.output_token_ids,
-                                  (earlier if seq.earlier_outputs else []) + seq.output_token_ids)
+            tracked.tally = Tally(logits.shape[-1], seq.prompt_token_ids + seq.output_token_ids,
+                                  (earlier if seq.earlier_outputs else []) + seq.output_token_ids, logits.device)
         p = seq.params
         return History(tracked.tally, tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids)))
 
