@@ -64,6 +64,26 @@ def test_a_batch_on_cuda_gives_each_prompt_its_solo_tokens(engine):
     assert [c.token_ids for c in LLMEngine(EngineSettings(device=CUDA)).generate(ps, GREEDY_24)] == solo
 
 
+def test_penalties_on_cuda_give_the_reference_loops_tokens(engine, hf_model):
+    """The penalized rows' tallies live on the logits' device: greedy tokens with the penalties equal a loop
+    applying vLLM's formulas to transformers' logits on the same GPU (as fp32 greedy equals it without them)."""
+    from kvmesh.contracts.sampling import SamplingParams
+
+    p = SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.5,
+                       repetition_penalty=1.3)
+    prompt = prompts(engine)[0]
+    out: list[int] = []
+    for _ in range(16):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + out], device=CUDA)).logits[0, -1].float().cpu()
+        for t in set(prompt + out):
+            logits[t] = logits[t] / 1.3 if logits[t] > 0 else logits[t] * 1.3
+        for t in set(out):
+            logits[t] -= 0.5 * out.count(t) + 1.0
+        out.append(int(logits.argmax()))
+    assert engine.generate([prompt], p)[0].token_ids == out
+
+
 @pytest.mark.parametrize("attention", ["torch", FLASHINFER])
 def test_bf16_on_cuda_tracks_transformers_in_bf16(engine, hf_model, attention):
     """bf16 rounds differently in every kernel, so not token for token: most leading tokens agree."""
