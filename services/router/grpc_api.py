@@ -83,8 +83,9 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
         reason, usage = "", None
+        drafted: list[Draft] = []  # the request as read: its tools read the answer
         try:
-            async with self.intake.admit(call, rt, _reader(request, call)) as req:
+            async with self.intake.admit(call, rt, _reader(request, call, drafted)) as req:
                 async for c in self.router.generate(req, rt):
                     rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                     text.append(c.text)
@@ -99,7 +100,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         finally:
             rt.finish()
         content, calls = "".join(text), []
-        if not isinstance(request, RequestError) and (tools := _tools(request)) is not None and tools.offered:
+        if drafted and (tools := drafted[0].tools) is not None and tools.offered:
             read = read_whole(tools, content, reason)
             content, calls, reason = read.content or "", read.calls, read.finish_reason
         resp = api_pb2.ChatResponse(request_id=rt.request_id, text=content, token_ids=ids,
@@ -193,13 +194,16 @@ def _parser(message: type[Message], max_bytes: int) -> Callable[[bytes], Message
 
 
 def _reader(request: api_pb2.GenerateRequest | api_pb2.ChatRequest | RequestError,
-            call: Call) -> Callable[[], Awaitable[Draft]]:
-    """What the intake reads once the caller holds a slot. A request the deserializer refused is never read:
-    ``Intake.admit`` raises ``call.refused`` (this same error) first."""
+            call: Call, drafted: list[Draft] | None = None) -> Callable[[], Awaitable[Draft]]:
+    """What the intake reads once the caller holds a slot (kept in ``drafted`` too, when given). A request the
+    deserializer refused is never read: ``Intake.admit`` raises ``call.refused`` (this same error) first."""
     async def read() -> Draft:
         if isinstance(request, RequestError):
             raise request
-        return await _draft(request, call)
+        draft = await _draft(request, call)
+        if drafted is not None:
+            drafted.append(draft)
+        return draft
 
     return read
 

@@ -9,6 +9,7 @@ context on every call) are the segments that make it up.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -179,12 +180,10 @@ class RequestTrace:
         """The trace of this request's choice ``index`` past the first (``n`` > 1): its spans go under this
         request's root, tagged ``kvmesh.choice``; it has no root to end, no TTFT or ITLs (its chunks interleave
         with the other choices'), no metrics and no root attributes of its own: the request counts once."""
-        sibling = RequestTrace.__new__(RequestTrace)
-        sibling.metrics, sibling.api, sibling.request_id, sibling.t0 = None, self.api, self.request_id, self.t0
+        sibling = copy.copy(self)  # the root, the targets, the id, the clock: this request's
+        sibling.metrics, sibling.sibling, sibling._done = None, True, True
         sibling.attrs = {**self.attrs, "kvmesh.choice": index}
-        sibling.root, sibling.slo, sibling.sibling = self.root, self.slo, True
-        sibling.ttft_s, sibling._last, sibling.gaps, sibling.late_gaps = 0.0, 0.0, 0, 0
-        sibling._respond, sibling._done = None, True
+        sibling.ttft_s, sibling._last, sibling.gaps, sibling.late_gaps, sibling._respond = 0.0, 0.0, 0, 0, None
         return sibling
 
     @property

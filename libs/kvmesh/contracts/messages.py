@@ -21,6 +21,7 @@ from kvmesh.contracts.engine import AHEAD_EDGES_S, UNMEASURED, EngineLoad, Speed
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
+from kvmesh.contracts.sampling import LOGITS
 from kvmesh.contracts.sessions import SessionEvent
 
 VERSION = 1
@@ -285,7 +286,6 @@ class InstanceLoad:
                    speed=Speed(**{k: numbers[k] for k in cls.SPEEDS if k in numbers}), ahead_tokens=ahead)
 
 
-LOGITS = "logits"  # a feature: presence / frequency / repetition penalties, min_p, min_tokens, logit_bias
 FEATURES = (LOGITS,)  # what this build's engines apply beyond the base set (``Heartbeat.features``)
 
 

@@ -15,6 +15,7 @@ F32_TINY = 1.401298464324817e-45
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each sampled one (OpenAI's top_logprobs cap)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+LOGITS = "logits"  # an engine feature: the penalties, min_p, min_tokens and logit_bias (``messages.FEATURES``)
 MAX_REPETITION_PENALTY = 10.0
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -111,7 +112,7 @@ class SamplingParams:
     @property
     def features(self) -> tuple[str, ...]:
         """What an engine must apply beyond the base set to serve these (``messages.FEATURES``'s names)."""
-        return ("logits",) if self.penalized or self.min_p else ()
+        return (LOGITS,) if self.penalized or self.min_p else ()
 
     @property
     def penalized(self) -> bool:
