@@ -58,6 +58,7 @@ from services.router.scheduling import Policies, view
 from services.router.sessions import Sessions
 from services.router.stalls import StallWatch
 from services.router.telemetry import RequestTrace, RouterMetrics
+from services.router.tool_formats import pick
 
 log = logging.getLogger(__name__)
 RETRIES = 2    # re-dispatches of a request whose instance was unreachable before it streamed a token
@@ -140,6 +141,8 @@ class Router:
             self.metrics.watch_tokenizing(cache)
             if not cache.enabled:
                 log.warning("prompts are tokenized whole: %s", cache.why_off)
+        self.tool_format = pick(self.cfg.tool_call_parser, self.tokenizer.chat_template)
+        self.sessions.call_format = self.tool_format
         self.max_model_len = self.source.config.max_position_embeddings
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)

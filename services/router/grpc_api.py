@@ -101,7 +101,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             rt.finish()
         content, calls = "".join(text), []
         if drafted and (tools := drafted[0].tools) is not None and tools.offered:
-            read = read_whole(tools, content, reason)
+            read = read_whole(tools, content, reason, self.router.tool_format)
             content, calls, reason = read.content or "", read.calls, read.finish_reason
         resp = api_pb2.ChatResponse(request_id=rt.request_id, text=content, token_ids=ids,
                                     finish_reason=reason, logprobs=[logprobs_to_proto(lp) for lp in logprobs],

@@ -208,7 +208,7 @@ class OpenAIApi:
         choice: dict[str, Any] = ({"index": index, "message": {"role": "assistant", "content": content}}
                                   if answer.kind == "chat.completion" else {"index": index, "text": content})
         if answer.tools is not None:
-            read = read_whole(answer.tools, content, reason)
+            read = read_whole(answer.tools, content, reason, self.router.tool_format)
             if read.calls:
                 choice["message"] = {"role": "assistant", "content": read.content, "tool_calls": read.calls}
             reason = read.finish_reason
@@ -240,7 +240,7 @@ class OpenAIApi:
             prompt = None
         item: tuple[int, Chunk] | None = first
         sent = [0] * n  # characters of each choice's text streamed so far: where its next chunk's tokens start
-        readers = [answer.tools.reader() for _ in range(n)] if answer.tools is not None else None
+        readers = [answer.tools.reader(self.router.tool_format) for _ in range(n)] if answer.tools is not None else None
         last: dict[int, Chunk] = {}
         try:
             while item is not None:

@@ -281,7 +281,7 @@ class Intake:
     async def _rendered(self, chat: list[dict[str, Any]], tools: Tools | None, generation: bool) -> list[int]:
         """``chat`` (with the ``tools`` offered) rendered by the chat template and tokenized; ``generation``:
         the assistant's turn opened after it (the prompt), or not (a part of the prompt)."""
-        chat, offered = for_template(chat, tools, self.router.tokenizer)
+        chat, offered = for_template(chat, tools, self.router.tokenizer, self.router.tool_format)
         render = functools.partial(self.router.tokenizer.apply_chat_template, add_generation_prompt=generation,
                                    tools=offered)
         chars = sum(len(m["content"]) for m in chat) + len(json.dumps(offered) if offered else "")

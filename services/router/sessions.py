@@ -26,7 +26,6 @@ onto the device at once, overlapped with the routing and the queue.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -41,27 +40,24 @@ from kvmesh.routing.plan import place_session
 
 from services.router.registry import Instance
 from services.router.scheduling import view
+from services.router.tool_formats import CLOSE, FORMATS, OPEN, CallFormat
 
 log = logging.getLogger(__name__)
 
 Publish = Callable[[SessionSignal], Awaitable[None]]
 
 
-def ends_in_tool_call(text: str, finish_reason: str = "") -> bool:
-    """Whether a response's text ends in a tool call (Hermes / Qwen ``<tool_call>`` blocks, or a JSON call)."""
+def ends_in_tool_call(text: str, finish_reason: str = "", fmt: CallFormat | None = None) -> bool:
+    """Whether a response's text ends in a tool call: Hermes / Qwen ``<tool_call>`` blocks, a JSON call, or a call
+    in ``fmt`` (the router's ``tool_call_parser``), whether or not the request listed its tools."""
     t = text.strip()
-    if t.endswith("</tool_call>"):
+    if t.endswith(CLOSE):
         return True
-    if finish_reason == "stop" and t.rfind("<tool_call>") > t.rfind("</tool_call>"):
+    if finish_reason == "stop" and t.rfind(OPEN) > t.rfind(CLOSE):
         return True  # a stop string ("</tool_call>") ended it inside the block
-    if t.startswith("{") and t.endswith("}"):
-        try:
-            call = json.loads(t)
-        except ValueError:
-            return False
-        return isinstance(call, dict) and isinstance(call.get("name"), str) and (
-            "arguments" in call or "parameters" in call)
-    return False
+    if t.startswith("{") and FORMATS["llama3_json"].looks_like_call(t):
+        return True
+    return fmt is not None and fmt.looks_like_call(t)
 
 
 class Sessions:
@@ -72,6 +68,7 @@ class Sessions:
                  max_sessions: int = 100_000, share: Publish | None = None) -> None:
         self.publish = publish
         self.share = share
+        self.call_format: CallFormat | None = None  # the model's form of a tool call (the router sets it)
         self.affinity = affinity
         self.overload = overload
         self.max_sessions = max_sessions
@@ -146,7 +143,7 @@ class Sessions:
         if session is None:
             return None
         pauses = (session.pause_s > 0 or session.retention == Retention.DEMOTE or session.calls_tool
-                  or ends_in_tool_call(text, finish_reason))
+                  or ends_in_tool_call(text, finish_reason, self.call_format))
         if session.end:
             event: SessionEvent | None = SessionEvent.END
         elif session.retention == Retention.RELEASE:

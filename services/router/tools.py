@@ -12,24 +12,27 @@ JSON object as a string, OpenAI's form) and their results as ``tool`` messages.
 The prompt (``for_template``): a chat template that reads ``tools`` (Qwen's, Llama's, Hermes') gets them as they
 came and the messages' calls with their arguments as objects, which is what such templates expect. One that does
 not (SmolLM2's) gets the offered tools described at the end of the system message, and earlier calls written into
-the assistant's text, both in the Hermes form below, so the model sees what it is asked for. ``tool_choice:
-"none"`` offers no tool (a model cannot call what it is not shown).
+the assistant's text, both in the router's call format (``tool_formats.py``: hermes unless
+``router.tool_call_parser`` says otherwise), so the model sees what it is asked for. ``tool_choice: "none"``
+offers no tool (a model cannot call what it is not shown).
 
 The output, by ``tool_choice``:
 
-- ``auto``: the model decides. Every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block in its text
-  (the Hermes form: Qwen's, NousResearch's and many fine-tunes' native one) that parses and names an offered tool
-  becomes a call; the text around the blocks is the message's content; a block that does not parse, or names no
-  offered tool, stays in the content as the model wrote it.
+- ``auto``: the model decides. Its text is read in the router's call format (``tool_formats.py``: picked from the
+  chat template, or set by ``router.tool_call_parser``): hermes ``<tool_call>`` blocks, Llama 3's JSON, Mistral's
+  ``[TOOL_CALLS]``, or a pythonic list. A call that parses and names an offered tool becomes a call; the text
+  around hermes blocks is the message's content; what does not parse, or names no offered tool, stays in the
+  content as the model wrote it.
 - ``required``: the output is constrained to a JSON list of one or more ``{"name", "arguments"}`` calls, each
   ``name`` an offered tool's and its ``arguments`` valid under that tool's schema (one call with
   ``parallel_tool_calls: false``).
 - a named function: the output is constrained to that function's arguments (its schema).
 
 A response with calls finishes with ``finish_reason: "tool_calls"`` (where the model stopped by itself; a cut
-by ``max_tokens`` stays ``length``). Streamed, content goes out as it comes, except a possible ``<tool_call>`` tag
-held back until it is one or not; an ``auto`` or ``required`` call goes out whole in one ``tool_calls`` delta
-once its text is complete, a named function's arguments as they are generated.
+by ``max_tokens`` stays ``length``). Streamed, content goes out as it comes, except what could still be a call's
+start (a ``<tool_call>`` tag; the first characters of a whole-output format) held back until it is one or not; an
+``auto`` or ``required`` call goes out whole in one ``tool_calls`` delta once its text is complete, a named
+function's arguments as they are generated.
 """
 
 from __future__ import annotations
@@ -43,11 +46,11 @@ from typing import Any, NamedTuple, Protocol
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
-from services.router.ids import random_hex
 from services.router.structured import check_schema
+from services.router.tool_formats import FORMATS, CallDelta, CallFormat, CallReader, call_id, json_call
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HERMES = FORMATS["hermes"]
 CONSTRAINT_FIELD = "tool_choice"  # what a constraint's errors name
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -110,13 +113,14 @@ class Tools:
             schema["$defs"] = defs
         return StructuredOutput("json_schema", json.dumps(schema))
 
-    def reader(self) -> CallReader:
-        """A reader of this request's output, chunk by chunk."""
+    def reader(self, fmt: CallFormat = HERMES) -> CallReader:
+        """A reader of this request's output, chunk by chunk; ``fmt``: the model's form of a call, which
+        ``auto`` reads."""
         if self.choice == Choice.NAMED:
             return NamedCall(self.named)
         if self.choice == Choice.REQUIRED:
             return CallList(self.names)
-        return TaggedCalls(self.names, self.parallel)
+        return fmt.reader(self.names, self.parallel)
 
     def _tool(self, name: str) -> Tool:
         return next(t for t in self.tools if t.name == name)
@@ -224,39 +228,31 @@ class Template(Protocol):
     def takes_tool_calls(self) -> bool: ...
 
 
-def for_template(chat: list[dict[str, Any]], tools: Tools | None,
-                 template: Template) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and the ``tools`` argument to render ``chat`` with (see the module's docstring)."""
+def for_template(chat: list[dict[str, Any]], tools: Tools | None, template: Template,
+                 fmt: CallFormat = HERMES) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and the ``tools`` argument to render ``chat`` with (see the module's docstring); ``fmt``:
+    the form calls are described and written in where the template does not render them."""
     offered = [t.spec for t in tools.offered] if tools is not None else []
     if not template.takes_tool_calls:
-        chat = [_written(m) for m in chat]
+        chat = [_written(m, fmt) for m in chat]
     if not offered:
         return chat, None
     if template.takes_tools:
         return chat, offered
-    described = describe(offered)
+    described = fmt.describe(offered)
     if chat and chat[0]["role"] == "system":
         return [{**chat[0], "content": f"{chat[0]['content']}\n\n{described}"}, *chat[1:]], None
     return [{"role": "system", "content": described}, *chat], None
 
 
-def describe(offered: list[dict[str, Any]]) -> str:
-    """The offered tools and the form of a call, for a template that does not render tools."""
-    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in offered)
-    return ("# Tools\n\nYou can call the functions described (as JSON schemas) in <tools></tools>, when one helps to "
-            f"answer:\n<tools>\n{listed}\n</tools>\n\nTo call one, write a JSON object with the function's name "
-            f"and its arguments between {OPEN} and {CLOSE}, one call a block:\n{OPEN}\n"
-            '{"name": "<function name>", "arguments": {<the arguments>}}\n' + CLOSE)
-
-
-def _written(m: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's calls as Hermes blocks in its text (for a template that does not render calls)."""
+def _written(m: dict[str, Any], fmt: CallFormat) -> dict[str, Any]:
+    """An assistant message's calls written into its text in ``fmt`` (for a template that does not render
+    calls)."""
     calls = m.get("tool_calls")
     if not calls:
         return m
-    blocks = [f"{OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}\n"
-              f"{CLOSE}" for c in calls]
-    text = "\n".join([m["content"], *blocks] if m["content"] else blocks)
+    written = fmt.written(calls)
+    text = f"{m['content']}\n{written}" if m["content"] else written
     return {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
 
 
@@ -285,105 +281,6 @@ def message_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 # ---- the output ----------------------------------------------------------------------------------------------
 
-@dataclass
-class CallDelta:
-    """A piece of one call as a streamed ``tool_calls`` entry: the first piece has its id and name."""
-
-    index: int
-    id: str = ""
-    name: str = ""
-    arguments: str = ""
-
-    def wire(self) -> dict[str, Any]:
-        fn = ({"name": self.name} if self.name else {}) | {"arguments": self.arguments}
-        return {"index": self.index, **({"id": self.id, "type": "function"} if self.id else {}), "function": fn}
-
-
-class CallReader(Protocol):
-    """Reads one response's text as it is generated: what of it is content, and the calls."""
-
-    @property
-    def called(self) -> bool: ...  # whether the text held a call so far
-
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]: ...
-    def close(self) -> tuple[str, list[CallDelta]]: ...
-
-
-def call_id() -> str:
-    return f"call_{random_hex(24)}"
-
-
-def _call(raw: str, names: frozenset[str]) -> tuple[str, str] | None:
-    """A Hermes block's ``(name, arguments as JSON text)``, or None when it is not a call of an offered tool."""
-    try:
-        obj = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-class TaggedCalls:
-    """``auto``: Hermes blocks out of the text, the rest is content."""
-
-    def __init__(self, names: frozenset[str], parallel: bool = True) -> None:
-        self.names, self.parallel = names, parallel
-        self.buf, self.inside, self.count = "", False, 0
-
-    @property
-    def called(self) -> bool:
-        return self.count > 0
-
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        self.buf += text
-        content: list[str] = []
-        calls: list[CallDelta] = []
-        while True:
-            if not self.inside:
-                i = self.buf.find(OPEN)
-                if i < 0:
-                    cut = len(self.buf) - _held(self.buf, OPEN)
-                    content.append(self.buf[:cut])
-                    self.buf = self.buf[cut:]
-                    break
-                content.append(self.buf[:i])
-                self.buf, self.inside = self.buf[i + len(OPEN):], True
-            else:
-                j = self.buf.find(CLOSE)
-                if j < 0:
-                    break
-                raw, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE):], False
-                call = _call(raw, self.names) if self.parallel or not self.count else None
-                if call is None:  # not a call: the block stays text, as the model wrote it
-                    content.append(OPEN + raw + CLOSE)
-                else:
-                    calls.append(CallDelta(self.count, call_id(), *call))
-                    self.count += 1
-        return "".join(content), calls
-
-    def close(self) -> tuple[str, list[CallDelta]]:
-        rest = (OPEN if self.inside else "") + self.buf  # an unfinished block is text
-        self.buf, self.inside = "", False
-        return rest, []
-
-
 class CallList:
     """``required``: the whole output is a JSON list of calls (the constraint makes it one, unless cut)."""
 
@@ -399,8 +296,7 @@ class CallList:
             items = json.loads(self.text)
         except ValueError:
             items = None
-        calls = [_call(json.dumps(c), self.names) if isinstance(c, dict) else None
-                 for c in (items if isinstance(items, list) else [None])]
+        calls = [json_call(c, self.names) for c in (items if isinstance(items, list) else [None])]
         if not calls or None in calls:  # cut short by max_tokens: the text as it came
             return self.text, []
         self.called = True
@@ -447,9 +343,9 @@ class Read(NamedTuple):
     finish_reason: str
 
 
-def read_whole(tools: Tools, text: str, reason: str) -> Read:
-    """A whole response's text read for calls; without any, the text unchanged."""
-    reader = tools.reader()
+def read_whole(tools: Tools, text: str, reason: str, fmt: CallFormat = HERMES) -> Read:
+    """A whole response's text read for calls (``auto`` in ``fmt``); without any, the text unchanged."""
+    reader = tools.reader(fmt)
     said, calls = reader.feed(text)
     rest, more = reader.close()
     if not reader.called:

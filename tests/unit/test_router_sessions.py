@@ -17,6 +17,7 @@ from services.router.intake import CacheControl, Draft, Intake, message_cache_co
 from services.router.openai_body import draft
 from services.router.registry import Instance
 from services.router.sessions import Sessions, ends_in_tool_call
+from services.router.tool_formats import FORMATS
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -59,6 +60,7 @@ class FakeTokenizer:
 
 class FakeRouter:
     tokenizer = FakeTokenizer()
+    tool_format = FORMATS["hermes"]
 
 
 def intake() -> Intake:

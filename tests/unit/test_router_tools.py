@@ -14,14 +14,11 @@ from kvmesh.contracts.sampling import StructuredOutput
 from services.router import openai_body
 from services.router.errors import RequestError
 from services.router.intake import chat_messages
+from services.router.tool_formats import CLOSE, OPEN, CallDelta, TaggedCalls
 from services.router.tools import (
-    CLOSE,
-    OPEN,
-    CallDelta,
     CallList,
     Choice,
     NamedCall,
-    TaggedCalls,
     Tools,
     finish_reason,
     for_template,

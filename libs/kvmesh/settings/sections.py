@@ -622,6 +622,10 @@ class RouterSettings(Section):
                                                  "(its KV at home counted; the margin covers the fetch the "
                                                  "estimate leaves out)")
     max_sessions: int = setting(100_000, "sessions whose instance the router remembers (least recent forgotten)")
+    tool_call_parser: str = setting("auto", "the form the model writes a tool call in, read from its text under "
+                                            "tool_choice auto and used to describe tools to a template that does "
+                                            "not render them (auto = from the chat template; vLLM's names)",
+                                    choices=["auto", "hermes", "llama3_json", "mistral", "pythonic"])
 
     @field_validator("api_keys", mode="before")
     @classmethod

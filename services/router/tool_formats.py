@@ -1,0 +1,413 @@
+"""How a model writes a tool call, per model family: reading calls out of its text (``tool_choice: "auto"``), and,
+for a chat template that does not render tools itself, describing the tools and writing earlier calls into the
+prompt in that same form. ``tools.py`` holds the request's side; ``required`` and a named function do not depend
+on a format (their output is constrained JSON).
+
+The formats (the names are vLLM's ``--tool-call-parser`` values for the same forms):
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere in the text, the text
+  around them the content (Qwen 2.5 / 3, NousResearch Hermes, many fine-tunes).
+- ``llama3_json``: the whole output is a call, ``{"name": ..., "parameters": {...}}`` (``arguments`` read too),
+  several separated by ``;``, after an optional ``<|python_tag|>`` (Llama 3.1 / 3.2).
+- ``mistral``: ``[TOOL_CALLS]`` and a JSON list of ``{"name", "arguments"}`` (tokenizers up to v7), or one
+  ``name{arguments}`` / ``name[ARGS]{arguments}`` a call (v11 on). ``[TOOL_CALLS]`` is a special token that
+  detokenizing drops, so the list or the ``name{`` at the start of the output is what is read.
+- ``pythonic``: the whole output is a Python list of calls, ``[get_weather(city="Paris"), ...]``, arguments as
+  literals (Llama 3.2's and Llama 4's pythonic templates, several small tool models).
+
+``auto`` (the router's default, ``router.tool_call_parser``) picks by the chat template: one that writes
+``<tool_call>`` is hermes, ``[TOOL_CALLS]`` mistral, ``<|python_tag|>`` or Llama's ``"parameters": dictionary``
+instruction llama3_json; any other template (SmolLM2's renders no tools) gets hermes, which the router then
+describes to the model in the system message.
+
+A whole-output format is decided by the output's first characters: while they could still start a call, the
+reader holds them; once they cannot, the text streams as content. A call-shaped output is read when the output
+ends; one that does not parse, or calls a tool that was not offered, is returned as the text the model wrote.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from services.router.ids import random_hex
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+MISTRAL_NAME = re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*")  # v11's call head
+
+
+@dataclass
+class CallDelta:
+    """A piece of one call as a streamed ``tool_calls`` entry: the first piece has its id and name."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+    def wire(self) -> dict[str, Any]:
+        fn = ({"name": self.name} if self.name else {}) | {"arguments": self.arguments}
+        return {"index": self.index, **({"id": self.id, "type": "function"} if self.id else {}), "function": fn}
+
+
+class CallReader(Protocol):
+    """Reads one response's text as it is generated: what of it is content, and the calls."""
+
+    @property
+    def called(self) -> bool: ...  # whether the text held a call so far
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]: ...
+    def close(self) -> tuple[str, list[CallDelta]]: ...
+
+
+def call_id() -> str:
+    return f"call_{random_hex(24)}"
+
+
+Call = tuple[str, str]  # a call's name and its arguments as JSON text
+
+
+def checked(name: Any, args: Any, names: frozenset[str]) -> Call | None:
+    """``(name, arguments as JSON text)`` when ``name`` is an offered tool's and ``args`` an object (or JSON text
+    of one), else None."""
+    if name not in names:
+        return None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def json_call(obj: Any, names: frozenset[str]) -> Call | None:
+    """A ``{"name", "arguments"}`` (or ``"parameters"``) object as a call, or None."""
+    if not isinstance(obj, dict):
+        return None
+    return checked(obj.get("name"), obj.get("arguments", obj.get("parameters", {})), names)
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _calls_text(calls: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """An assistant message's calls (OpenAI's form, arguments an object or its JSON text) as (name, arguments)."""
+    out = []
+    for c in calls:
+        args = c["function"]["arguments"]
+        out.append((c["function"]["name"], json.loads(args) if isinstance(args, str) else args))
+    return out
+
+
+def _listed(offered: list[dict[str, Any]]) -> str:
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in offered)
+
+
+# ---- hermes: tagged blocks within the text ------------------------------------------------------------------
+
+class TaggedCalls:
+    """``<tool_call>`` blocks out of the text, the rest is content."""
+
+    def __init__(self, names: frozenset[str], parallel: bool = True) -> None:
+        self.names, self.parallel = names, parallel
+        self.buf, self.inside, self.count = "", False, 0
+
+    @property
+    def called(self) -> bool:
+        return self.count > 0
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self.buf += text
+        content: list[str] = []
+        calls: list[CallDelta] = []
+        while True:
+            if not self.inside:
+                i = self.buf.find(OPEN)
+                if i < 0:
+                    cut = len(self.buf) - _held(self.buf, OPEN)
+                    content.append(self.buf[:cut])
+                    self.buf = self.buf[cut:]
+                    break
+                content.append(self.buf[:i])
+                self.buf, self.inside = self.buf[i + len(OPEN):], True
+            else:
+                j = self.buf.find(CLOSE)
+                if j < 0:
+                    break
+                raw, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE):], False
+                call = self._call(raw) if self.parallel or not self.count else None
+                if call is None:  # not a call: the block stays text, as the model wrote it
+                    content.append(OPEN + raw + CLOSE)
+                else:
+                    calls.append(CallDelta(self.count, call_id(), *call))
+                    self.count += 1
+        return "".join(content), calls
+
+    def _call(self, raw: str) -> Call | None:
+        try:
+            return json_call(json.loads(raw), self.names)
+        except ValueError:
+            return None
+
+    def close(self) -> tuple[str, list[CallDelta]]:
+        rest = (OPEN if self.inside else "") + self.buf  # an unfinished block is text
+        self.buf, self.inside = "", False
+        return rest, []
+
+
+class Hermes:
+    name = "hermes"
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
+        return TaggedCalls(names, parallel)
+
+    def describe(self, offered: list[dict[str, Any]]) -> str:
+        return ("# Tools\n\nYou can call the functions described (as JSON schemas) in <tools></tools>, when one helps "
+                f"to answer:\n<tools>\n{_listed(offered)}\n</tools>\n\nTo call one, write a JSON object with the "
+                f"function's name and its arguments between {OPEN} and {CLOSE}, one call a block:\n{OPEN}\n"
+                '{"name": "<function name>", "arguments": {<the arguments>}}\n' + CLOSE)
+
+    def written(self, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{OPEN}\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n{CLOSE}"
+                         for n, a in _calls_text(calls))
+
+    def looks_like_call(self, text: str) -> bool:
+        t = text.strip()
+        return t.endswith(CLOSE) or t.rfind(OPEN) > t.rfind(CLOSE)
+
+
+# ---- the whole output is the calls: llama3_json, mistral, pythonic ------------------------------------------
+
+Parse = Callable[[str, frozenset[str]], list[Call] | None]
+
+
+class LeadingCalls:
+    """A format whose calls are the whole output: held while its start could still be a call (``starts``), then
+    content as it comes, or read whole at the end."""
+
+    def __init__(self, names: frozenset[str], parallel: bool, starts: tuple[str, ...], parse: Parse) -> None:
+        self.names, self.parallel, self.starts, self.parse = names, parallel, starts, parse
+        self.buf, self.state, self.called = "", "", False  # state: "" undecided, "text", "calls"
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        if self.state == "text":
+            return text, []
+        self.buf += text
+        if self.state == "":
+            compact = re.sub(r"\s+", "", self.buf[:256])
+            if any(compact.startswith(s) for s in self.starts):
+                self.state = "calls"
+            elif not compact or any(s.startswith(compact) for s in self.starts):
+                return "", []  # could still be a call's start
+            else:
+                self.state, out, self.buf = "text", self.buf, ""
+                return out, []
+        return "", []
+
+    def close(self) -> tuple[str, list[CallDelta]]:
+        text, self.buf = self.buf, ""
+        calls = self.parse(text, self.names) if self.state == "calls" else None
+        if not calls:  # not a call after all (or cut short): the text as the model wrote it
+            return text, []
+        self.called = True
+        if not self.parallel and len(calls) > 1:
+            calls = calls[:1]
+        return "", [CallDelta(i, call_id(), *c) for i, c in enumerate(calls)]
+
+
+def _json_values(text: str, separators: str) -> list[Any] | None:
+    """The JSON values ``text`` is made of, one after the other with ``separators`` or white space between
+    them; None when something else is in it."""
+    decoder, i = json.JSONDecoder(), 0
+    out: list[Any] = []
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] in separators):
+            i += 1
+        if i == len(text):
+            return out
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        out.append(value)
+
+
+def _all(calls: list[Call | None]) -> list[Call] | None:
+    return [c for c in calls if c is not None] if calls and None not in calls else None
+
+
+def parse_llama3_json(text: str, names: frozenset[str]) -> list[Call] | None:
+    values = _json_values(text.strip().removeprefix(PYTHON_TAG), ";")
+    return None if values is None else _all([json_call(v, names) for v in values])
+
+
+def parse_mistral(text: str, names: frozenset[str]) -> list[Call] | None:
+    body = text.strip().removeprefix(MISTRAL_CALLS).strip()
+    if body.startswith("["):  # the JSON list form
+        values = _json_values(body, "")
+        if values is None or len(values) != 1 or not isinstance(values[0], list):
+            return None
+        return _all([json_call(v, names) for v in values[0]])
+    calls: list[Call | None] = []  # name{args} / name[ARGS]{args}, maybe [TOOL_CALLS] again between calls
+    decoder, i = json.JSONDecoder(), 0
+    while i < len(body):
+        m = MISTRAL_NAME.match(body, i)
+        if m is None or m.end() == len(body):
+            return None
+        try:
+            args, i = decoder.raw_decode(body, m.end())
+        except ValueError:
+            return None
+        calls.append(checked(m.group(1), args, names))
+        while i < len(body) and body[i].isspace():
+            i += 1
+    return _all(calls)
+
+
+def parse_pythonic(text: str, names: frozenset[str]) -> list[Call] | None:
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List):
+        return None
+    calls: list[Call | None] = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+        if len(args) != len(node.keywords):
+            return None  # **kwargs
+        try:
+            calls.append(checked(ast.unparse(node.func), args, names))
+        except (TypeError, ValueError):  # a literal JSON cannot write (a set, bytes, a complex number)
+            return None
+    return _all(calls)
+
+
+def _pythonic_value(v: Any) -> str:
+    return repr(v) if not isinstance(v, (dict, list)) else (
+        "{" + ", ".join(f"{k!r}: {_pythonic_value(x)}" for k, x in v.items()) + "}" if isinstance(v, dict)
+        else "[" + ", ".join(_pythonic_value(x) for x in v) + "]")
+
+
+class Llama3Json:
+    name = "llama3_json"
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
+        return LeadingCalls(names, parallel, ("{", PYTHON_TAG), parse_llama3_json)
+
+    def describe(self, offered: list[dict[str, Any]]) -> str:
+        return ("# Tools\n\nYou can call these functions (JSON schemas), when one helps to answer:\n"
+                f"{_listed(offered)}\n\nTo call one, respond with only a JSON object in the format "
+                '{"name": function name, "parameters": dictionary of argument name and its value}; '
+                "several calls are separated by ';'. Do not use variables.")
+
+    def written(self, calls: list[dict[str, Any]]) -> str:
+        return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in _calls_text(calls))
+
+    def looks_like_call(self, text: str) -> bool:
+        return _looks(parse_llama3_json, text)
+
+
+class Mistral:
+    name = "mistral"
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
+        starts = (MISTRAL_CALLS, "[{", *(f"{n}{{" for n in names), *(f"{n}{MISTRAL_ARGS}" for n in names))
+        return LeadingCalls(names, parallel, starts, parse_mistral)
+
+    def describe(self, offered: list[dict[str, Any]]) -> str:
+        return ("# Tools\n\nYou can call these functions (JSON schemas), when one helps to answer:\n"
+                f"[AVAILABLE_TOOLS]{json.dumps(offered, ensure_ascii=False)}[/AVAILABLE_TOOLS]\n\nTo call, respond "
+                f'with only {MISTRAL_CALLS} and a JSON list of calls: {MISTRAL_CALLS}[{{"name": "<function name>", '
+                '"arguments": {<the arguments>}}]')
+
+    def written(self, calls: list[dict[str, Any]]) -> str:
+        return MISTRAL_CALLS + json.dumps([{"name": n, "arguments": a} for n, a in _calls_text(calls)],
+                                          ensure_ascii=False)
+
+    def looks_like_call(self, text: str) -> bool:
+        return _looks(parse_mistral, text)
+
+
+class Pythonic:
+    name = "pythonic"
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
+        return LeadingCalls(names, parallel, (*(f"[{n}(" for n in names), *(f"{PYTHON_TAG}[{n}(" for n in names)),
+                            parse_pythonic)
+
+    def describe(self, offered: list[dict[str, Any]]) -> str:
+        return ("# Tools\n\nYou can call these functions (JSON schemas), when one helps to answer:\n"
+                f"{_listed(offered)}\n\nTo call, respond with only a Python list of calls with keyword arguments, "
+                "like [func_name1(param_name1=value1, param_name2=value2), func_name2(param=value)].")
+
+    def written(self, calls: list[dict[str, Any]]) -> str:
+        return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={_pythonic_value(v)}" for k, v in a.items()) + ")"
+                               for n, a in _calls_text(calls)) + "]"
+
+    def looks_like_call(self, text: str) -> bool:
+        return _looks(parse_pythonic, text)
+
+
+class AnyName(frozenset[str]):
+    """Every name: what a session's end is read with when the request listed no tools (a harness that renders
+    tools itself)."""
+
+    def __contains__(self, item: object) -> bool:
+        return isinstance(item, str) and bool(item)
+
+
+def _looks(parse: Parse, text: str) -> bool:
+    return bool(parse(text, AnyName()))
+
+
+class CallFormat(Protocol):
+    name: str
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader: ...
+    def describe(self, offered: list[dict[str, Any]]) -> str: ...
+    def written(self, calls: list[dict[str, Any]]) -> str: ...
+    def looks_like_call(self, text: str) -> bool: ...
+
+
+FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Pythonic())}
+PARSERS = ("auto", *FORMATS)  # router.tool_call_parser's values
+
+
+def detect(template: str | None) -> CallFormat:
+    """The format a chat template's model writes calls in (hermes when the template says nothing of one)."""
+    t = template or ""
+    if OPEN in t:
+        return FORMATS["hermes"]
+    if MISTRAL_CALLS in t:
+        return FORMATS["mistral"]
+    if PYTHON_TAG in t or '"parameters": dictionary of argument name' in t:
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+def pick(parser: str, template: str | None) -> CallFormat:
+    """``router.tool_call_parser``'s format: ``auto`` detects it from the chat template."""
+    if parser == "auto":
+        return detect(template)
+    if parser not in FORMATS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, not {parser!r}")
+    return FORMATS[parser]

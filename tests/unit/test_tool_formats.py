@@ -1,0 +1,172 @@
+"""The forms models write tool calls in (``services/router/tool_formats.py``): each read whole and chunk by chunk
+the same, what is not a call returned as the model wrote it, each format's own written form read back as the same
+calls, and the format picked from a chat template."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from kvmesh.settings.sections import RouterSettings
+
+from services.router.intake import chat_messages
+from services.router.sessions import ends_in_tool_call
+from services.router.tool_formats import FORMATS, PARSERS, CallReader, detect, pick
+from services.router.tools import Tools, for_template, read_whole, tools_from_body
+
+NAMES = frozenset({"get_weather", "route"})
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+ROUTE = {"type": "function", "function": {"name": "route", "parameters": {"type": "object"}}}
+PARIS = ("get_weather", '{"city": "Paris"}')
+LEG = ("route", '{"a": {"x": 1}, "b": [1, 2.5, null, true]}')
+
+# (format, output, the calls it holds); [] = none: the output is content, as written
+CASES = [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', [PARIS]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}', [PARIS]),
+    ("llama3_json", (' {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "route", "parameters": '
+                    '{"a": {"x": 1}, "b": [1, 2.5, null, true]}}'), [PARIS, LEG]),
+    ("llama3_json", '{"name": "get_weather", "parameters": "{\\"city\\": \\"Paris\\"}"}', [PARIS]),
+    ("llama3_json", "It is sunny in Paris today.", []),
+    ("llama3_json", '{"name": "nope", "parameters": {}}', []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', []),  # cut short
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}} and some words', []),
+    ("mistral", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]', [PARIS]),
+    ("mistral", ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "route", '
+                '"arguments": {"a": {"x": 1}, "b": [1, 2.5, null, true]}}]'), [PARIS, LEG]),
+    ("mistral", 'get_weather{"city": "Paris"}', [PARIS]),
+    ("mistral", ('get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]route[ARGS]{"a": {"x": 1}, "b": [1, 2.5, null, '
+                'true]}'), [PARIS, LEG]),
+    ("mistral", "[1] is the first reference.", []),
+    ("mistral", "get_weather is a function I know.", []),
+    ("pythonic", '[get_weather(city="Paris")]', [PARIS]),
+    ("pythonic", "[get_weather(city='Paris'), route(a={'x': 1}, b=[1, 2.5, None, True])]", [PARIS, LEG]),
+    ("pythonic", '<|python_tag|>[get_weather(city="Paris")]', [PARIS]),
+    ("pythonic", '[get_weather("Paris")]', []),        # positional: no argument name to give it
+    ("pythonic", "[get_weather(city=open('x'))]", []),  # not a literal: never evaluated
+    ("pythonic", "[1, 2, 3] are numbers.", []),
+    ("pythonic", "Paris is sunny.", []),
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', [PARIS]),
+]
+
+
+def read(reader: CallReader, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    text, deltas = "", []
+    for p in pieces:
+        said, calls = reader.feed(p)
+        text, deltas = text + said, deltas + calls
+    said, calls = reader.close()
+    text, deltas = text + said, deltas + calls
+    assert all(d.id.startswith("call_") for d in deltas)
+    return text, [(d.name, d.arguments) for d in deltas]
+
+
+@pytest.mark.parametrize(("fmt", "output", "calls"), CASES)
+def test_each_format_reads_its_calls_and_leaves_the_rest_as_written(fmt, output, calls):
+    text, got = read(FORMATS[fmt].reader(NAMES, True), [output])
+    assert [(n, json.loads(a)) for n, a in got] == [(n, json.loads(a)) for n, a in calls]
+    if calls:
+        assert text.strip() in ("", "Sure.")
+    else:
+        assert text == output  # nothing lost, nothing rewritten
+
+
+@pytest.mark.parametrize(("fmt", "output", "calls"), CASES)
+def test_every_cut_of_the_stream_reads_the_same(fmt, output, calls):
+    whole = read(FORMATS[fmt].reader(NAMES, True), [output])
+    rng = random.Random(7)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(output)), min(4, len(output) - 1)))
+        pieces = [output[i:j] for i, j in zip([0, *cuts], [*cuts, len(output)], strict=True)]
+        got = read(FORMATS[fmt].reader(NAMES, True), pieces)
+        assert got[0] == whole[0] and [n for n, _ in got[1]] == [n for n, _ in whole[1]]
+    assert read(FORMATS[fmt].reader(NAMES, True), list(output))[1] == whole[1]  # a character at a time
+
+
+def test_content_streams_once_it_cannot_start_a_call():
+    reader = FORMATS["llama3_json"].reader(NAMES, True)
+    assert reader.feed("  ") == ("", [])                 # white space: undecided
+    assert reader.feed("It") == ("  It", [])             # not a call's start: out at once
+    assert reader.feed(" rains.") == (" rains.", [])
+    reader = FORMATS["mistral"].reader(NAMES, True)
+    assert reader.feed("get_wea") == ("", [])            # could be get_weather{...}
+    assert reader.feed("ther is") == ("get_weather is", [])
+    reader = FORMATS["pythonic"].reader(NAMES, True)
+    assert reader.feed("[rou") == ("", [])
+    assert reader.feed("nd") == ("[round", [])
+
+
+def test_one_call_when_parallel_calls_are_off():
+    for fmt, output, calls in CASES:
+        if len(calls) > 1 and fmt != "hermes":
+            assert read(FORMATS[fmt].reader(NAMES, False), [output])[1] == [calls[0]], fmt
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_format_reads_back_the_calls_it_writes(fmt):
+    """What the prompt shows of earlier calls is the form the reader takes: a model that copies it is read."""
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+             {"id": "call_2", "type": "function", "function": {"name": "route", "arguments": '{"a": {"x": [1, "y"]}}'}}]
+    written = FORMATS[fmt].written(calls)
+    _, got = read(FORMATS[fmt].reader(NAMES, True), [written])
+    assert [(n, json.loads(a)) for n, a in got] == [("get_weather", {"city": "Oslo"}),
+                                                    ("route", {"a": {"x": [1, "y"]}})]
+    assert FORMATS[fmt].looks_like_call(written)
+
+
+class Template:
+    def __init__(self, tools: bool, calls: bool) -> None:
+        self.takes_tools, self.takes_tool_calls = tools, calls
+
+
+def test_a_template_without_tools_gets_them_described_in_the_configured_form():
+    body = {"tools": [WEATHER, ROUTE]}
+    tools = tools_from_body(body)
+    called = [{"role": "user", "content": "Weather?"},
+              {"role": "assistant", "content": "", "tool_calls": [
+                  {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                    "arguments": '{"city": "Oslo"}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    chat, offered = for_template(chat_messages(called), tools, Template(False, False), FORMATS["pythonic"])
+    assert offered is None and "Python list of calls" in chat[0]["content"] and '"get_weather"' in chat[0]["content"]
+    assert chat[2]["content"] == "[get_weather(city='Oslo')]"
+    chat, _ = for_template(chat_messages(called), tools, Template(False, False), FORMATS["llama3_json"])
+    assert '"parameters": dictionary of argument name' in chat[0]["content"]
+    assert json.loads(chat[2]["content"]) == {"name": "get_weather", "parameters": {"city": "Oslo"}}
+
+
+def test_read_whole_uses_the_format_under_auto_only():
+    tools = tools_from_body({"tools": [WEATHER]})
+    assert isinstance(tools, Tools)
+    out = read_whole(tools, '[get_weather(city="Paris")]', "stop", FORMATS["pythonic"])
+    assert out.content is None and out.finish_reason == "tool_calls"
+    assert out.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert read_whole(tools, '[get_weather(city="Paris")]', "stop").calls == []  # hermes reads no such call
+    required = tools_from_body({"tools": [WEATHER], "tool_choice": "required"})
+    assert required is not None
+    listed = '[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    assert read_whole(required, listed, "stop", FORMATS["pythonic"]).calls[0]["function"]["name"] == "get_weather"
+
+
+def test_the_format_is_picked_from_the_chat_template():
+    assert detect(None).name == "hermes" and detect("{{ messages }}").name == "hermes"
+    assert detect("{% if tools %}<tool_call>{% endif %}").name == "hermes"
+    assert detect("{{ '[TOOL_CALLS]' + tool_calls | tojson }}").name == "mistral"
+    assert detect("{{- '<|python_tag|>' + tool_call.name }}").name == "llama3_json"
+    assert detect('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+                  'its value}.').name == "llama3_json"
+    assert pick("pythonic", "<tool_call>").name == "pythonic"  # configured wins
+    assert pick("auto", "[TOOL_CALLS]").name == "mistral"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of auto, hermes"):
+        pick("qwen", None)
+    assert RouterSettings.choices_of("tool_call_parser") == PARSERS
+
+
+def test_a_session_pauses_on_a_call_in_the_routers_form():
+    assert ends_in_tool_call('[get_weather(city="Paris")]', "stop", FORMATS["pythonic"])
+    assert not ends_in_tool_call('[get_weather(city="Paris")]', "stop")
+    assert ends_in_tool_call('{"name": "x", "parameters": {}}', "stop")  # a JSON call, whatever the form
+    assert ends_in_tool_call('[{"name": "x", "arguments": {}}]', "stop", FORMATS["mistral"])
+    assert not ends_in_tool_call("[1, 2] are numbers", "stop", FORMATS["pythonic"])
