@@ -179,18 +179,20 @@ class Admission:
     def from_config(cls, cfg: RouterSettings) -> Admission:
         return cls(cfg.max_concurrent_requests, cfg.max_requests_per_tenant)
 
-    def enter(self, tenant: str) -> Callable[[], None]:
-        """Count one request in; returns the (idempotent) call that counts it out."""
-        if self.total >= self.max_total:
+    def enter(self, tenant: str, count: int = 1) -> Callable[[], None]:
+        """Count ``count`` requests in (a request's ``n`` choices are that many engine requests); returns the
+        (idempotent) call that counts them out."""
+        also = f" (n={count} counts as {count} requests)" if count > 1 else ""
+        if self.total + count > self.max_total:
             raise RequestError(ErrorKind.OVERLOADED, f"the router is at its limit of {self.max_total} requests "
-                                                     f"in flight; retry after {RETRY_AFTER_S} s")
+                                                     f"in flight{also}; retry after {RETRY_AFTER_S} s")
         held = self.per_tenant.get(tenant, 0)
-        if tenant and self.max_per_tenant and held >= self.max_per_tenant:
+        if tenant and self.max_per_tenant and held + count > self.max_per_tenant:
             raise RequestError(ErrorKind.OVERLOADED, f"tenant {tenant} is at its quota of {self.max_per_tenant} "
-                                                     f"requests in flight (max_requests_per_tenant); retry after "
-                                                     f"{RETRY_AFTER_S} s, or send fewer at once")
-        self.total += 1
-        self.per_tenant[tenant] = held + 1
+                                                     f"requests in flight (max_requests_per_tenant){also}; retry "
+                                                     f"after {RETRY_AFTER_S} s, or send fewer at once")
+        self.total += count
+        self.per_tenant[tenant] = held + count
         done = False
 
         def leave() -> None:
@@ -198,8 +200,8 @@ class Admission:
             if done:
                 return
             done = True
-            self.total -= 1
-            self.per_tenant[tenant] -= 1
+            self.total -= count
+            self.per_tenant[tenant] -= count
             if not self.per_tenant[tenant]:
                 del self.per_tenant[tenant]
 

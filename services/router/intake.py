@@ -93,6 +93,7 @@ class Draft:
     cache_control: CacheControl | None = None  # the whole prompt's retention hint
     slo: tuple[float, float] = (0.0, 0.0)  # TTFT and ITL targets in seconds as given (0 = none)
     tools: Tools | None = None  # the functions a chat offers the model (``tools``), and its tool_choice
+    choices: int = 1  # answers asked for (``n``): as many requests at the engines
 
 
 @dataclass(frozen=True)
@@ -233,9 +234,12 @@ class Intake:
         if call.request_id and not valid_request_id(call.request_id):
             raise invalid(f"request_id must be printable ASCII of at most {MAX_REQUEST_ID} characters")
         leave = self.admission.enter(tenant)
+        more: Callable[[], None] | None = None
         try:
             with rt.segment("router.tokenize") as span:
                 draft = await read()
+                if draft.choices > 1:  # each choice is a request at an engine: the caps count them all
+                    more = self.admission.enter(tenant, draft.choices - 1)
                 check_constraint(draft)
                 session = self.session(draft, tenant)
                 self.router.sessions.arrived(session)  # a paused session's instance warms its KV meanwhile
@@ -257,6 +261,8 @@ class Intake:
             yield request
         finally:
             leave()
+            if more is not None:
+                more()
 
     # ---- the steps ---------------------------------------------------------------------------------------
     async def prompt_ids(self, draft: Draft) -> list[int]:

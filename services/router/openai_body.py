@@ -78,7 +78,7 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
                  policy=headers.get("x-kvmesh-policy") or str_field(body, "kvmesh_policy") or None,
                  disaggregate=headers.get("x-kvmesh-disaggregate") or None, **sessions,
                  cache_control=None if control is None else message_cache_control(control, "cache_control"),
-                 slo=slo_from_headers(headers, _slo(body)), tools=tools)
+                 slo=slo_from_headers(headers, _slo(body)), tools=tools, choices=shape(body).n)
 
 
 def _slo(body: dict) -> tuple[float, float]:

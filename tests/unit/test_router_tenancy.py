@@ -8,6 +8,7 @@ from kvmesh import settings
 from kvmesh.contracts.slo import NO_SLO, SLO
 from kvmesh.settings import RouterSettings
 
+from services.router import openai_body
 from services.router.access import Admission, TenantTerms, dispatch_id
 from services.router.errors import ErrorKind, RequestError
 
@@ -38,6 +39,22 @@ def test_by_default_a_tenant_has_64_slots_and_an_hour_of_retention_at_priority_9
         gate.enter("alice")
     assert e.value.kind == ErrorKind.OVERLOADED  # 429 / RESOURCE_EXHAUSTED with a retry hint
     gate.enter("bob")  # another tenant still gets in
+
+
+def test_n_choices_take_n_slots_and_give_them_all_back():
+    gate = Admission(max_total=10, max_per_tenant=4)
+    first = gate.enter("alice", 3)  # n=3: three requests at the engines
+    with pytest.raises(RequestError, match=r"quota of 4 .*\(n=2 counts as 2 requests\)"):
+        gate.enter("alice", 2)
+    assert gate.per_tenant == {"alice": 3} and gate.total == 3  # a refusal takes nothing
+    gate.enter("alice")
+    with pytest.raises(RequestError, match=r"limit of 10 requests in flight \(n=8 counts as 8"):
+        gate.enter("bob", 8)
+    first()
+    first()  # idempotent
+    assert gate.per_tenant == {"alice": 1} and gate.total == 1
+    assert openai_body.draft({"prompt": "x", "n": 3}, False, {}).choices == 3
+    assert openai_body.draft({"prompt": "x"}, False, {}).choices == 1
 
 
 def test_the_tenant_less_caller_has_the_global_cap_alone():
