@@ -5,11 +5,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
-from kvmesh import settings, tls
+from kvmesh import aio, settings, tls
 from kvmesh.ready import EXIT_BIND, PortInUse, report_failure
 
 from services.cachesvc.server import serve
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     c = cfg.cachesvc
     tracing.setup("cachesvc", c.durable_name if c.shards == 1 else f"{c.durable_name}-{c.shard}", cfg.telemetry)
     try:
-        asyncio.run(serve(cfg.cachesvc, cfg.shared))
+        aio.run(serve(cfg.cachesvc, cfg.shared), cfg.shared.event_loop)
     except PortInUse as e:  # a fixed port someone else holds: say which setting to change
         report_failure("cachesvc", str(e), cfg.shared.ready_file)
         return EXIT_BIND

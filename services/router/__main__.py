@@ -12,7 +12,7 @@ import socket
 import sys
 
 from aiohttp import web
-from kvmesh import settings, tls
+from kvmesh import aio, settings, tls
 from kvmesh.grpc_server import ServiceServer
 from kvmesh.ready import EXIT_BIND, PortInUse, binding, report_failure, report_ready
 from kvmesh.settings import RouterSettings, SharedSettings, TelemetrySettings
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         p.exit(2, f"{p.prog}: {e}\n")
     tls.configure(cfg.shared)
     try:
-        asyncio.run(serve(cfg.router, cfg.telemetry, cfg.shared))
+        aio.run(serve(cfg.router, cfg.telemetry, cfg.shared), cfg.shared.event_loop)
     except PortInUse as e:  # a fixed port someone else holds: say which setting to change, no traceback
         report_failure("router", str(e), cfg.shared.ready_file)
         sys.exit(EXIT_BIND)

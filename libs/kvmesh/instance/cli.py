@@ -5,12 +5,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
 
-from kvmesh import settings, tls
+from kvmesh import aio, settings, tls
 from kvmesh.instance.host import RolePlugin, serve
 from kvmesh.ready import EXIT_BIND, PortInUse, report_failure
 
@@ -31,7 +30,7 @@ def main(role: str, roles: Sequence[RolePlugin], argv: list[str] | None = None) 
     logging.basicConfig(level=cfg.shared.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tls.configure(cfg.shared)
     try:
-        asyncio.run(serve(cfg.instance, cfg.engine, roles, cfg.telemetry, cfg.shared))
+        aio.run(serve(cfg.instance, cfg.engine, roles, cfg.telemetry, cfg.shared), cfg.shared.event_loop)
     except PortInUse as e:  # a fixed port someone else holds: say which setting to change, no traceback
         report_failure(cfg.instance.id or role, str(e), cfg.shared.ready_file)
         sys.exit(EXIT_BIND)
