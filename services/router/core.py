@@ -52,6 +52,7 @@ from services.router.holders import HolderNames, combine_packed
 from services.router.intake import Admitted
 from services.router.loras import Adapters
 from services.router.migration import Migration, Migrations
+from services.router.reasoning import enabled as reasoning_enabled
 from services.router.recent import RecentPrefixes, merged
 from services.router.registry import Instance, Registry
 from services.router.scheduling import Policies, view
@@ -143,6 +144,7 @@ class Router:
                 log.warning("prompts are tokenized whole: %s", cache.why_off)
         self.tool_format = pick(self.cfg.tool_call_parser, self.tokenizer.chat_template)
         self.sessions.call_format = self.tool_format
+        self.reasoning = reasoning_enabled(self.cfg.reasoning_parser, self.tokenizer.chat_template)
         self.max_model_len = self.source.config.max_position_embeddings
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)

@@ -25,6 +25,7 @@ from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.core import Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import CacheControl, Call, Draft, Intake, session_fields, slo_from_headers
+from services.router.reasoning import THINK_TAIL, begins_inside, split_whole
 from services.router.telemetry import RequestTrace
 from services.router.tools import MODES, Tools, constrained, read_whole, tools_from_body
 
@@ -84,8 +85,12 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         logprobs: list[TokenLogprobs] = []
         reason, usage = "", None
         drafted: list[Draft] = []  # the request as read: its tools read the answer
+        think: bool | None = None  # the reasoning split out: whether the prompt opened it
         try:
             async with self.intake.admit(call, rt, _reader(request, call, drafted)) as req:
+                if self.router.reasoning:
+                    think = begins_inside(self.router.tokenizer.decode(list(req.prompt[-THINK_TAIL:]),
+                                                                       skip_special_tokens=False))
                 async for c in self.router.generate(req, rt):
                     rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                     text.append(c.text)
@@ -100,6 +105,9 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         finally:
             rt.finish()
         content, calls = "".join(text), []
+        reasoning = None
+        if think is not None:
+            reasoning, content = split_whole(content, think)
         if drafted and (tools := drafted[0].tools) is not None and tools.offered:
             read = read_whole(tools, content, reason, self.router.tool_format)
             content, calls, reason = read.content or "", read.calls, read.finish_reason
@@ -107,7 +115,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
                                     finish_reason=reason, logprobs=[logprobs_to_proto(lp) for lp in logprobs],
                                     tool_calls=[common_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
                                                                     arguments=c["function"]["arguments"])
-                                                for c in calls])
+                                                for c in calls], reasoning=reasoning or "")
         if usage:
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))
         return resp
@@ -265,6 +273,8 @@ def _messages(messages: Iterable[common_pb2.ChatMessage]) -> list[dict[str, Any]
                                  for c in m.tool_calls]
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning:
+            msg["reasoning"] = m.reasoning
         if (cc := _cache_control(m, f"messages[{i}].cache_control")) is not None:
             msg["cache_control"] = cc
         out.append(msg)

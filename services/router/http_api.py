@@ -31,6 +31,7 @@ from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Call, Draft, Intake, new_request_id, valid_request_id
 from services.router.logprobs import chat_logprobs, completion_logprobs
+from services.router.reasoning import THINK_TAIL, ThinkSplitter, begins_inside, split_whole
 from services.router.telemetry import RequestTrace
 from services.router.tools import CallReader, Tools, finish_reason, read_whole
 
@@ -89,6 +90,8 @@ class Answer(NamedTuple):
     logprobs: bool = False
     prompt: tuple[int, ...] | None = None
     tools: Tools | None = None  # a chat's offered tools: its text is read for calls (``tools.py``)
+    think: bool | None = None   # a chat's reasoning split out (``reasoning.py``): whether it begins inside it
+    show_reasoning: bool = True  # include_reasoning
 
 
 class Body:
@@ -138,7 +141,9 @@ class OpenAIApi:
             async with self.intake.admit(call, rt, body.draft) as req:
                 answer = Answer(rid, "chat.completion" if chat else "text_completion", req.model,
                                 req.sampling.logprobs is not None, req.prompt if body.shape.token_ids else None,
-                                body.tools if body.tools is not None and body.tools.offered else None)
+                                body.tools if body.tools is not None and body.tools.offered else None,
+                                self._think(req.prompt) if chat and self.router.reasoning else None,
+                                body.shape.include_reasoning)
                 n = body.shape.n
                 stream = fan_out(self.router, req, rt, n)
                 if body.shape.stream:
@@ -157,6 +162,10 @@ class OpenAIApi:
                                                                    f"{rid}"), rt.headers())
         finally:
             rt.finish()
+
+    def _think(self, prompt: tuple[int, ...]) -> bool:
+        """Whether the prompt leaves a ``<think>`` open (its template opened the reasoning for the model)."""
+        return begins_inside(self.router.tokenizer.decode(list(prompt[-THINK_TAIL:]), skip_special_tokens=False))
 
     @staticmethod
     def _envelope(answer: Answer, kind: str, choices: list[dict], usage: dict | None = None) -> dict:
@@ -207,11 +216,17 @@ class OpenAIApi:
         content, reason = "".join(c.text for c in chunks), chunks[-1].finish_reason or "stop"
         choice: dict[str, Any] = ({"index": index, "message": {"role": "assistant", "content": content}}
                                   if answer.kind == "chat.completion" else {"index": index, "text": content})
+        reasoning = None
+        if answer.think is not None:
+            reasoning, content = split_whole(content, answer.think)
+            choice["message"]["content"] = content
         if answer.tools is not None:
             read = read_whole(answer.tools, content, reason, self.router.tool_format)
             if read.calls:
                 choice["message"] = {"role": "assistant", "content": read.content, "tool_calls": read.calls}
             reason = read.finish_reason
+        if reasoning is not None and answer.show_reasoning:
+            choice["message"]["reasoning"] = reasoning
         choice["logprobs"] = self._logprobs(answer, chunks)
         choice["finish_reason"] = reason
         return choice
@@ -241,13 +256,16 @@ class OpenAIApi:
         item: tuple[int, Chunk] | None = first
         sent = [0] * n  # characters of each choice's text streamed so far: where its next chunk's tokens start
         readers = [answer.tools.reader(self.router.tool_format) for _ in range(n)] if answer.tools is not None else None
+        thinking = [ThinkSplitter(answer.think) for _ in range(n)] if answer.think is not None else None
         last: dict[int, Chunk] = {}
         try:
             while item is not None:
                 i, c = item
                 delta: dict[str, Any]
                 reader = readers[i] if readers is not None else None
-                if reader is not None:
+                if thinking is not None:
+                    delta = {"delta": thought_delta(thinking[i], reader, c.text, c.finished, answer.show_reasoning)}
+                elif reader is not None:
                     delta = {"delta": streamed_delta(reader, c.text, c.finished)}
                 elif chunk_kind == "chat.completion.chunk":
                     delta = {"delta": {"content": c.text}}
@@ -374,6 +392,18 @@ class InternalApi:
             {"instance_id": i.id, "role": i.beat.role, "grpc_address": i.beat.grpc_address,
              "age_s": round(now - i.last_seen, 3), "load": i.beat.load.to_dict()} for i in alive]},
             status=200 if ok else 503)
+
+
+def thought_delta(splitter: ThinkSplitter, reader: CallReader | None, text: str, last: bool,
+                  show: bool) -> dict[str, Any]:
+    """A chat chunk's ``delta`` when reasoning is split out: the reasoning ``splitter`` found (left out when the
+    request said ``include_reasoning: false``), and the content after it, read for calls by ``reader``."""
+    thought, said = splitter.feed(text)
+    if last:
+        more, rest = splitter.close()
+        thought, said = thought + more, said + rest
+    delta = streamed_delta(reader, said, last) if reader is not None else {"content": said}
+    return ({"reasoning": thought} if thought and show else {}) | delta
 
 
 def streamed_delta(reader: CallReader, text: str, last: bool) -> dict[str, Any]:

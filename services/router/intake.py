@@ -441,7 +441,8 @@ def check_constraint(draft: Draft) -> None:
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """``[{role, content}]`` for the chat template: a role each, a string content each (OpenAI's text parts
     joined; an assistant's that calls tools may be null), not every one blank; an assistant's ``tool_calls``
-    (``tools.message_calls``) and a tool result's ``tool_call_id`` kept."""
+    (``tools.message_calls``) and its ``reasoning`` (or ``reasoning_content``, as ``reasoning_content``: what
+    Qwen3's and DeepSeek's templates read), and a tool result's ``tool_call_id`` kept."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list of {role, content} objects")
     chat = []
@@ -462,6 +463,9 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
             message["tool_calls"] = message_calls(calls, f"messages[{i}].tool_calls")
         if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
             message["tool_call_id"] = m["tool_call_id"]
+        thought = m.get("reasoning", m.get("reasoning_content")) if m["role"] == "assistant" else None
+        if isinstance(thought, str) and thought:  # a reasoning model's earlier thinking, for a template that reads it
+            message["reasoning_content"] = thought
         chat.append(message)
     if not any(m["content"].strip() or m.get("tool_calls") for m in chat):
         raise invalid(f"messages[{len(chat) - 1}].content is blank: every message is empty or whitespace; give "

@@ -101,6 +101,7 @@ class Shape(NamedTuple):
     include_usage: bool
     token_ids: bool
     n: int = 1
+    include_reasoning: bool = True  # a reasoning model's thinking in the answer (``reasoning.py``; vLLM's field)
 
 
 MAX_CHOICES = 16  # the most choices one request may ask for
@@ -113,8 +114,11 @@ def shape(body: dict) -> Shape:
     n = _int(body, "n", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise invalid(f"n must be an integer in [1, {MAX_CHOICES}] (the choices to generate), not {n}")
+    reasoning = body.get("include_reasoning", True)
+    if not isinstance(reasoning, bool):
+        raise invalid("include_reasoning must be true or false")
     return Shape(bool_field(body, "stream"), bool_field(options, "include_usage"), bool_field(body, "return_token_ids"),
-                 n)
+                 n, reasoning)
 
 
 def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, str]:

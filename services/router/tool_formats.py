@@ -94,7 +94,7 @@ def json_call(obj: Any, names: frozenset[str]) -> Call | None:
     return checked(obj.get("name"), obj.get("arguments", obj.get("parameters", {})), names)
 
 
-def _held(text: str, tag: str) -> int:
+def held_back(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -136,7 +136,7 @@ class TaggedCalls:
             if not self.inside:
                 i = self.buf.find(OPEN)
                 if i < 0:
-                    cut = len(self.buf) - _held(self.buf, OPEN)
+                    cut = len(self.buf) - held_back(self.buf, OPEN)
                     content.append(self.buf[:cut])
                     self.buf = self.buf[cut:]
                     break

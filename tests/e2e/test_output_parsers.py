@@ -1,8 +1,10 @@
-"""A router set to read another model family's tool calls (``router.tool_call_parser = "llama3_json"``), through a
-real stack (one role-both instance, the default model): the tools are described to the model in Llama's form
-(SmolLM2's template renders none), an output in that form comes back as ``tool_calls`` whole and streamed, and an
-output that is no call comes back as content, unchanged. The model's output is steered with a structured-output
-constraint so the test does not depend on what a 135M model chooses to say."""
+"""A router set to read another model family's tool calls (``router.tool_call_parser = "llama3_json"``) and a
+reasoning model's thinking (``router.reasoning_parser = "qwen3"``), through a real stack (one role-both instance,
+the default model): the tools are described to the model in Llama's form (SmolLM2's template renders none), an
+output in that form comes back as ``tool_calls`` whole and streamed, an output that is no call comes back as
+content, unchanged; ``<think>`` text comes back as ``reasoning`` (HTTP whole and streamed, gRPC), apart from the
+content and the calls. The model's output is steered with a structured-output constraint so the test does not
+depend on what a 135M model chooses to say."""
 
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ LLAMA_CALL = {"type": "object", "properties": {"name": {"const": "get_weather"},
 
 @pytest.fixture(scope="module")
 def llama_router(tmp_path_factory):
-    stack = start_stack(tmp_path_factory, "toolfmt", prefill=0, decode=0, both=1,
-                        settings={"router": {"tool_call_parser": "llama3_json"}})
+    stack = start_stack(tmp_path_factory, "parsers", prefill=0, decode=0, both=1,
+                        settings={"router": {"tool_call_parser": "llama3_json", "reasoning_parser": "qwen3"}})
     yield stack
     stack.stop()
 
@@ -68,3 +70,48 @@ def test_an_answer_that_is_no_call_is_content_as_written(llama_router):
                                                  temperature=0, stream=True, extra_body=steer))
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert "".join(pieces) == text and len(pieces) > 1  # content streams once it cannot start a call
+
+
+THINK = {"guided_regex": "<think>[a-z ]{4,40}</think>(Yes|No)\\."}
+
+
+def test_thinking_comes_back_as_reasoning_apart_from_the_content(llama_router):
+    client = openai_client(llama_router)
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, extra_body=THINK)
+    message = whole.choices[0].message
+    reasoning = message.model_extra["reasoning"]
+    assert message.content in ("Yes.", "No.") and reasoning and "<think>" not in reasoning + message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+                                                 stream=True, extra_body=THINK))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == message.content
+    hidden = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+                                            extra_body={**THINK, "include_reasoning": False})
+    assert hidden.choices[0].message.content == message.content
+    assert "reasoning" not in (hidden.choices[0].message.model_extra or {})
+    # the turn goes back with its reasoning (the template is given it as reasoning_content) and is served
+    again = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        *ASK, {"role": "assistant", "content": message.content, "reasoning": reasoning},
+        {"role": "user", "content": "And tomorrow?"}])
+    assert again.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_call_after_thinking_is_read_from_the_content(llama_router):
+    client = openai_client(llama_router)
+    steer = {"guided_regex": '<think>[a-z ]{4,30}</think>\\{"name": "get_weather", "parameters": '
+                             '\\{"city": "[A-Z][a-z]{2,8}"\\}\\}'}
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=64, temperature=0,
+                                         extra_body=steer)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and message.model_extra["reasoning"]
+    assert message.tool_calls[0].function.name == "get_weather" and not message.content
+
+
+def test_the_grpc_sdk_gets_the_reasoning_apart(llama_router):
+    from kvmesh.client import KvmeshClient
+
+    with KvmeshClient(f"127.0.0.1:{llama_router.grpc_port}") as client:
+        done = client.chat(ASK, max_tokens=40, temperature=0, regex=THINK["guided_regex"])
+    assert done.text in ("Yes.", "No.") and done.reasoning and "<think>" not in done.reasoning
+    assert done.message()["reasoning"] == done.reasoning

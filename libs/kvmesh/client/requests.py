@@ -189,7 +189,11 @@ def chat_messages(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
         if not isinstance(role, str) or not isinstance(content, str):
             raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
                 f"messages[{i}] must have string 'role' and 'content', got {dict(m)!r}")
+        thought = m.get("reasoning") or m.get("reasoning_content") or ""
+        if not isinstance(thought, str):
+            raise ValueError(f"messages[{i}].reasoning must be a string")  # noqa: TRY004 - ValueError, as above
         msg = common_pb2.ChatMessage(role=role, content=content, tool_call_id=str(m.get("tool_call_id") or ""),
+                                     reasoning=thought,
                                      tool_calls=[_tool_call(c, f"messages[{i}].tool_calls[{j}]")
                                                  for j, c in enumerate(calls)])
         if (cc := cache_control(m.get("cache_control"), f"messages[{i}].cache_control")) is not None:

@@ -70,12 +70,15 @@ class Completion:
     metadata: dict[str, str] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked for
     tool_calls: list[ToolCall] = field(default_factory=list)     # the calls, when the chat offered tools
+    reasoning: str = ""  # a reasoning model's thinking, when the router splits it out (reasoning_parser)
 
     def message(self) -> dict[str, Any]:
         """The answer as the assistant's message, to send back in the conversation's next request."""
         out: dict[str, Any] = {"role": "assistant", "content": self.text}
         if self.tool_calls:
             out["tool_calls"] = [c.wire() for c in self.tool_calls]
+        if self.reasoning:
+            out["reasoning"] = self.reasoning
         return out
 
 
@@ -124,7 +127,7 @@ def completion_from_chat(r: api_pb2.ChatResponse, trailing: Mapping[str, str],
                       r.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
                       latency_s=latency_s, metadata=dict(trailing),
                       logprobs=[logprobs_from_proto(lp) for lp in r.logprobs],
-                      tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls])
+                      tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls], reasoning=r.reasoning)
 
 
 @dataclass(frozen=True)
