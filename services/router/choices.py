@@ -7,6 +7,10 @@ last, partial block. They differ as separate requests do: each its own dispatch 
 seed, seed + i (a request with a seed still answers the same n choices every time). A later choice belongs to no
 session (the first one speaks for the turn) and traces under the request's root, tagged with its index
 (``RequestTrace.choice``). A choice that fails fails the request: the others are cancelled.
+
+A completions batch (``prompt`` a list of several) is one request of several prompts, each admitted and routed
+as a request of its own (its own slot, dispatch id and route) and each with its ``n`` choices, in the order of
+the prompts (vLLM's: prompt j's choice i is choice ``j * n + i``).
 """
 
 from __future__ import annotations
@@ -30,33 +34,37 @@ def sibling(request: Admitted, index: int) -> Admitted:
                                dispatch_id=dispatch_id(request.tenant, request.request_id))
 
 
-async def fan_out(router: Router, request: Admitted, rt: RequestTrace, n: int) -> AsyncIterator[tuple[int, Chunk]]:
-    """The chunks of ``request``'s ``n`` choices as ``(index, chunk)``, as they come."""
-    if n == 1:
+async def fan_out(router: Router, requests: list[tuple[Admitted, RequestTrace]],
+                  n: int) -> AsyncIterator[tuple[int, Chunk]]:
+    """The chunks of ``n`` choices of each of ``requests`` (a completions batch holds several prompts; each
+    with its trace) as ``(index, chunk)``, as they come: prompt j's choice i is index ``j * n + i``. Every
+    prompt's first choice goes out at once; its others once that one sent a chunk."""
+    if len(requests) == 1 and n == 1:
+        request, rt = requests[0]
         async for c in router.generate(request, rt):
             yield 0, c
         return
     queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
-    first = asyncio.Event()  # choice 0 sent a chunk: its prompt's KV is in place
+    firsts = [asyncio.Event() for _ in requests]  # prompt j's first choice sent a chunk: its KV is in place
 
     async def run(index: int, req: Admitted, trace: RequestTrace) -> None:
         try:
             async for c in router.generate(req, trace):
-                first.set()
+                firsts[index // n].set()
                 await queue.put((index, c))
             await queue.put((index, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put((index, e))
 
-    async def later() -> None:
-        await first.wait()
+    async def later(j: int, request: Admitted, rt: RequestTrace) -> None:
+        await firsts[j].wait()
         for i in range(1, n):
-            tasks.append(asyncio.create_task(run(i, sibling(request, i), rt.choice(i))))
+            tasks.append(asyncio.create_task(run(j * n + i, sibling(request, i), rt.choice(j * n + i))))
 
-    tasks = [asyncio.create_task(run(0, request, rt))]
-    starter = asyncio.create_task(later())
+    tasks = [asyncio.create_task(run(j * n, request, rt)) for j, (request, rt) in enumerate(requests)]
+    starters = [asyncio.create_task(later(j, request, rt)) for j, (request, rt) in enumerate(requests) if n > 1]
     try:
-        left = n
+        left = n * len(requests)
         while left:
             index, item = await queue.get()
             if item is None:
@@ -66,6 +74,5 @@ async def fan_out(router: Router, request: Admitted, rt: RequestTrace, n: int) -
             else:
                 yield index, item
     finally:
-        starter.cancel()
-        for t in tasks:
+        for t in starters + tasks:
             t.cancel()

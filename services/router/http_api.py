@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AsyncExitStack
 from typing import Any, NamedTuple
 
 from aiohttp import web
@@ -29,7 +30,7 @@ from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.choices import fan_out
 from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
-from services.router.intake import Call, Draft, Intake, new_request_id, valid_request_id
+from services.router.intake import Admitted, Call, Draft, Intake, new_request_id, valid_request_id
 from services.router.logprobs import chat_logprobs, completion_logprobs
 from services.router.reasoning import THINK_TAIL, ThinkSplitter, begins_inside, split_whole
 from services.router.telemetry import RequestTrace
@@ -81,14 +82,15 @@ async def read_body(request: web.Request) -> dict:
 
 class Answer(NamedTuple):
     """What every chunk of one response repeats: the request id, the object kind and the model it names; and
-    whether its choices carry logprobs. ``prompt``: the prompt's token ids when the body asked for them
-    (``return_token_ids``: then every choice carries its ``token_ids`` too), else None."""
+    whether its choices carry logprobs. ``prompts``: each prompt's token ids (a batch has several; choice i is
+    prompt ``i // n``'s) when the body asked for them (``return_token_ids``: then every choice carries its
+    ``token_ids`` too), else None."""
 
     rid: str
     kind: str
     model: str  # the LoRA adapter's name when one was asked for, else the base model's id
     logprobs: bool = False
-    prompt: tuple[int, ...] | None = None
+    prompts: tuple[tuple[int, ...], ...] | None = None
     tools: Tools | None = None  # a chat's offered tools: its text is read for calls (``tools.py``)
     think: bool | None = None   # a chat's reasoning split out (``reasoning.py``): whether it begins inside it
     show_reasoning: bool = True  # include_reasoning
@@ -102,12 +104,17 @@ class Body:
         self.request, self.chat = request, chat
         self.shape = openai_body.Shape(False, False, False)
         self.tools: Tools | None = None
+        self.drafted: Draft | None = None
 
     async def draft(self) -> Draft:
         body = await read_body(self.request)
         draft = openai_body.draft(body, self.chat, self.request.headers)
-        self.shape, self.tools = openai_body.shape(body), draft.tools
+        self.shape, self.tools, self.drafted = openai_body.shape(body), draft.tools, draft
         return draft
+
+    @property
+    def batched(self) -> bool:
+        return self.drafted is not None and bool(self.drafted.more)
 
 
 class OpenAIApi:
@@ -138,17 +145,19 @@ class OpenAIApi:
         rid = rt.request_id
         body = Body(request, chat)
         try:
-            async with self.intake.admit(call, rt, body.draft) as req:
+            async with AsyncExitStack() as held:
+                requests = await self._admit(call, rt, body, held)
+                req, n = requests[0][0], body.shape.n
                 answer = Answer(rid, "chat.completion" if chat else "text_completion", req.model,
-                                req.sampling.logprobs is not None, req.prompt if body.shape.token_ids else None,
+                                req.sampling.logprobs is not None,
+                                tuple(r.prompt for r, _ in requests) if body.shape.token_ids else None,
                                 body.tools if body.tools is not None and body.tools.offered else None,
                                 self._think(req.prompt) if chat and self.router.reasoning else None,
                                 body.shape.include_reasoning)
-                n = body.shape.n
-                stream = fan_out(self.router, req, rt, n)
+                stream = fan_out(self.router, requests, n)
                 if body.shape.stream:
-                    return await self._sse(request, answer, stream, body.shape.include_usage, rt, n)
-                return await self._whole(answer, stream, rt, n)
+                    return await self._sse(request, answer, stream, body.shape.include_usage, rt, n, len(requests))
+                return await self._whole(answer, stream, rt, n, len(requests))
         except RequestError as e:
             rt.finish(e.kind, e.message)
             return error_response(e, rt.headers())
@@ -163,6 +172,26 @@ class OpenAIApi:
         finally:
             rt.finish()
 
+    async def _admit(self, call: Call, rt: RequestTrace, body: Body,
+                     held: AsyncExitStack) -> list[tuple[Admitted, RequestTrace]]:
+        """The request's prompts admitted, each with its trace (a batch's further prompts trace as choices of
+        this request); every slot held until ``held`` closes. All or none: a prompt refused refuses the request,
+        naming it (``prompt[2]: ...``)."""
+        try:
+            first = await held.enter_async_context(self.intake.admit(call, rt, body.draft))
+        except RequestError as e:
+            raise _of_prompt(e, 0) if body.batched else e from None
+        out = [(first, rt)]
+        if body.drafted is not None and body.drafted.more:
+            for j, draft in enumerate(body.drafted.batch()[1:], 1):
+                trace = rt.choice(j * body.shape.n, prompt=True)
+                try:
+                    out.append((await held.enter_async_context(self.intake.admit(call, trace, _ready(draft))),
+                                trace))
+                except RequestError as e:
+                    raise _of_prompt(e, j) from None
+        return out
+
     def _think(self, prompt: tuple[int, ...]) -> bool:
         """Whether the prompt leaves a ``<think>`` open (its template opened the reasoning for the model)."""
         return begins_inside(self.router.tokenizer.decode(list(prompt[-THINK_TAIL:]), skip_special_tokens=False))
@@ -176,14 +205,15 @@ class OpenAIApi:
         return out
 
     @staticmethod
-    def _usage(finished: list[Chunk]) -> dict:
-        """The request's usage from its choices' last chunks: the prompt once (and what of it the first choice
-        found cached), the completions' tokens together."""
-        usages = [c.usage for c in finished if c.usage is not None]
-        assert usages
-        prompt, completion = usages[0].prompt_tokens, sum(u.completion_tokens for u in usages)
+    def _usage(finished: list[Chunk], n: int = 1) -> dict:
+        """The request's usage from its choices' last chunks (``n`` a prompt): each prompt once (and what of it
+        its first choice found cached), the completions' tokens together."""
+        usages = [c.usage for c in finished]
+        assert usages and all(u is not None for u in usages)
+        firsts = [u for u in usages[::n] if u is not None]
+        prompt, completion = sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in usages if u)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)}}
 
     def _logprobs(self, answer: Answer, chunks: list[Chunk], offset: int = 0) -> dict | None:
         """The choice's (or a streamed chunk's) ``logprobs`` in the endpoint's shape; None when not asked for.
@@ -196,18 +226,18 @@ class OpenAIApi:
         return completion_logprobs([(c.logprobs, c.text) for c in chunks], text, offset)
 
     async def _whole(self, answer: Answer, stream: AsyncIterator[tuple[int, Chunk]], rt: RequestTrace,
-                     n: int = 1) -> web.Response:
+                     n: int = 1, prompts: int = 1) -> web.Response:
         kind = answer.kind
-        chunks: list[list[Chunk]] = [[] for _ in range(n)]
+        chunks: list[list[Chunk]] = [[] for _ in range(n * prompts)]
         async for i, c in stream:
             rt.first_token_sent()  # not streaming: TTFT ends when the first token is in hand
             chunks[i].append(c)
         choices = [self._choice(answer, i, cs) for i, cs in enumerate(chunks)]
-        out = self._envelope(answer, kind, choices, self._usage([cs[-1] for cs in chunks]))
-        if answer.prompt is not None:  # vLLM's places: a chat's prompt ids on the response, a completion's choice
-            for choice, cs in zip(choices, chunks, strict=True):
+        out = self._envelope(answer, kind, choices, self._usage([cs[-1] for cs in chunks], n))
+        if answer.prompts is not None:  # vLLM's places: a chat's prompt ids on the response, a completion's choice
+            for i, (choice, cs) in enumerate(zip(choices, chunks, strict=True)):
                 choice["token_ids"] = [t for c in cs for t in c.token_ids]
-                (out if kind == "chat.completion" else choice)["prompt_token_ids"] = list(answer.prompt)
+                (out if kind == "chat.completion" else choice)["prompt_token_ids"] = list(answer.prompts[i // n])
         return web.json_response(out, headers=rt.headers())
 
     def _choice(self, answer: Answer, index: int, chunks: list[Chunk]) -> dict[str, Any]:
@@ -232,7 +262,7 @@ class OpenAIApi:
         return choice
 
     async def _sse(self, request: web.Request, answer: Answer, stream: AsyncIterator[tuple[int, Chunk]],
-                   include_usage: bool, rt: RequestTrace, n: int = 1) -> web.StreamResponse:
+                   include_usage: bool, rt: RequestTrace, n: int = 1, prompts: int = 1) -> web.StreamResponse:
         rid, kind = answer.rid, answer.kind
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         # pull the first chunk before answering, so an error still becomes a proper HTTP status
@@ -247,16 +277,18 @@ class OpenAIApi:
 
         # return_token_ids (vLLM's shape): the prompt's ids once, in the first chunk (a chat's on the chunk, a
         # completion's on its choice), and each chunk's own token ids on its choice
-        prompt = None if answer.prompt is None else {"prompt_token_ids": list(answer.prompt)}
+        # (a batch: each prompt's ids on the first chunk of its choices)
+        due = {} if answer.prompts is None else {j: {"prompt_token_ids": list(p)} for j, p in enumerate(answer.prompts)}
         if chunk_kind == "chat.completion.chunk":
             await send(self._envelope(answer, chunk_kind, [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(n)]) | (prompt or {}))
-            prompt = None
+                for i in range(n)]) | due.pop(0, {}))
         item: tuple[int, Chunk] | None = first
-        sent = [0] * n  # characters of each choice's text streamed so far: where its next chunk's tokens start
-        readers = [answer.tools.reader(self.router.tool_format) for _ in range(n)] if answer.tools is not None else None
-        thinking = [ThinkSplitter(answer.think) for _ in range(n)] if answer.think is not None else None
+        total = n * prompts
+        sent = [0] * total  # characters of each choice's text streamed so far: where its next chunk's tokens start
+        readers = ([answer.tools.reader(self.router.tool_format) for _ in range(total)] if answer.tools is not None
+                   else None)
+        thinking = [ThinkSplitter(answer.think) for _ in range(total)] if answer.think is not None else None
         last: dict[int, Chunk] = {}
         try:
             while item is not None:
@@ -274,9 +306,8 @@ class OpenAIApi:
                 reason = c.finish_reason or None
                 choice: dict[str, Any] = {"index": i, **delta, "logprobs": self._logprobs(answer, [c], sent[i]),
                           "finish_reason": finish_reason(reason, reader.called) if reader and reason else reason}
-                if answer.prompt is not None:
-                    choice |= (prompt or {}) | {"token_ids": list(c.token_ids)}
-                    prompt = None
+                if answer.prompts is not None:
+                    choice |= due.pop(i // n, {}) | {"token_ids": list(c.token_ids)}
                 await send(self._envelope(answer, chunk_kind, [choice]))
                 sent[i] += len(c.text)
                 rt.first_token_sent()
@@ -284,7 +315,7 @@ class OpenAIApi:
                     last[i] = c
                 item = await anext(it, None)
             if include_usage:
-                await send(self._envelope(answer, chunk_kind, [], self._usage([last[i] for i in sorted(last)])))
+                await send(self._envelope(answer, chunk_kind, [], self._usage([last[i] for i in sorted(last)], n)))
         except RequestError as e:
             rt.finish(e.kind, e.message)
             await send({"error": {"message": e.message, "type": e.kind.error_type, "code": e.kind.http}})
@@ -392,6 +423,18 @@ class InternalApi:
             {"instance_id": i.id, "role": i.beat.role, "grpc_address": i.beat.grpc_address,
              "age_s": round(now - i.last_seen, 3), "load": i.beat.load.to_dict()} for i in alive]},
             status=200 if ok else 503)
+
+
+def _ready(draft: Draft) -> Callable[[], Awaitable[Draft]]:
+    """The intake's ``read`` of a draft already read (a batch's further prompt)."""
+    async def read() -> Draft:
+        return draft
+    return read
+
+
+def _of_prompt(e: RequestError, j: int) -> RequestError:
+    """A batch's prompt ``j``'s refusal, naming it."""
+    return RequestError(e.kind, f"prompt[{j}]: {e.message}", e.instance, e.retryable)
 
 
 def thought_delta(splitter: ThinkSplitter, reader: CallReader | None, text: str, last: bool,

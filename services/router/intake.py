@@ -32,7 +32,7 @@ import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.contracts.engine import RetentionRange, SessionHint
@@ -94,6 +94,11 @@ class Draft:
     slo: tuple[float, float] = (0.0, 0.0)  # TTFT and ITL targets in seconds as given (0 = none)
     tools: Tools | None = None  # the functions a chat offers the model (``tools``), and its tool_choice
     choices: int = 1  # answers asked for (``n``): as many requests at the engines
+    more: tuple[dict[str, Any], ...] = ()  # a completions batch's further prompts ({"text"} / {"token_ids"})
+
+    def batch(self) -> list[Draft]:
+        """One draft per prompt of a batch (this one first): each a request of its own, the fields alike."""
+        return [self, *(replace(self, **({"text": None, "token_ids": None} | p), more=()) for p in self.more)]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, overload
 
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
-from services.router.errors import invalid
+from services.router.errors import RequestError, invalid
 from services.router.intake import Draft, message_cache_control, session_fields, slo_from_headers
 from services.router.tools import constrained, tools_from_body
 
@@ -57,6 +57,7 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     win)."""
     sampling, structured_field = sampling_from_body(body, chat)
     tools = None
+    more: list[dict[str, Any]] = []  # a batch's prompts past the first
     if chat:
         if "messages" not in body:
             raise invalid("messages is required: a list of {role, content} objects")
@@ -66,19 +67,22 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     else:
         if body.get("tools"):
             raise invalid("tools are for /v1/chat/completions; /v1/completions takes a prompt alone")
-        prompt = _prompt(body.get("prompt"))
+        prompt, *more = _prompts(body.get("prompt"))
     sessions = session_fields({"session_id": str_field(body, "session_id"),
                                "session_end": bool_field(body, "session_end"),
                                "parent_session_id": str_field(body, "parent_session_id"),
                                "session_pause_s": _num(body, "session_pause_s", 0.0),
                                "session_retention": str_field(body, "session_retention")}, headers)
     control = body.get("cache_control")
+    if more and sessions.get("session_id"):
+        raise invalid("a session's request is one turn: send one prompt with session_id, not a batch")
     return Draft(sampling, **prompt, model=str_field(body, "model"),
                  cache_salt=str_field(body, "cache_salt") or str_field(body, "user"), structured_field=structured_field,
                  policy=headers.get("x-kvmesh-policy") or str_field(body, "kvmesh_policy") or None,
                  disaggregate=headers.get("x-kvmesh-disaggregate") or None, **sessions,
                  cache_control=None if control is None else message_cache_control(control, "cache_control"),
-                 slo=slo_from_headers(headers, _slo(body)), tools=tools, choices=shape(body).n)
+                 slo=slo_from_headers(headers, _slo(body)), tools=tools, choices=shape(body).n,
+                 more=tuple(more))
 
 
 def _slo(body: dict) -> tuple[float, float]:
@@ -264,15 +268,31 @@ def _json_schema(value: Any, field: str) -> StructuredOutput:
     return StructuredOutput("json_schema", json.dumps(value))
 
 
+MAX_PROMPTS = 256  # the most prompts one completions request may batch
+
+
+def _prompts(prompt: Any) -> list[dict[str, Any]]:
+    """A completions ``prompt``: text, token ids, or a list of several of either (a batch: one answer each)."""
+    if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid(f"prompt holds {len(prompt)} prompts; a request may batch at most {MAX_PROMPTS}")
+        out = []
+        for i, p in enumerate(prompt):
+            try:
+                out.append(_prompt(p))
+            except RequestError:
+                raise invalid(f"prompt[{i}] must be a string or a list of token ids (a batch holds prompts)") from None
+        return out
+    return [_prompt(prompt)]
+
+
 def _prompt(prompt: Any) -> dict[str, Any]:
-    """A completions ``prompt``: text, token ids, or a list holding one of them."""
+    """One completions prompt: text or token ids."""
     if isinstance(prompt, str):
         return {"text": prompt}
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return _prompt(prompt[0])
     if isinstance(prompt, list) and prompt and set(map(type, prompt)) <= {int, bool}:  # no per-id Python loop
         return {"token_ids": tuple(prompt)}
-    raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
+    raise invalid("prompt must be a string, a list of token ids, or a list of several of either (a batch)")
 
 
 # ---- one field of a type -------------------------------------------------------------------------------------

@@ -173,14 +173,18 @@ class RequestTrace:
         self._respond: Span | None = None
         self._done = False
         self.sibling = False  # a later choice's trace (``choice``)
+        self.prompt_metrics: RouterMetrics | None = None  # a batch's further prompt's: its prefix metrics
         if metrics is not None:
             metrics.in_flight.inc()
 
-    def choice(self, index: int) -> RequestTrace:
-        """The trace of this request's choice ``index`` past the first (``n`` > 1): its spans go under this
-        request's root, tagged ``kvmesh.choice``; it has no root to end, no TTFT or ITLs (its chunks interleave
-        with the other choices'), no metrics and no root attributes of its own: the request counts once."""
+    def choice(self, index: int, prompt: bool = False) -> RequestTrace:
+        """The trace of this request's choice ``index`` past the first (``n`` > 1, or a batch's further prompt):
+        its spans go under this request's root, tagged ``kvmesh.choice``; it has no root to end, no TTFT or ITLs
+        (its chunks interleave with the other choices'), no metrics and no root attributes of its own: the
+        request counts once. ``prompt``: the first choice of a batch's further prompt, whose prompt tokens and
+        cached share count in the prefix metrics as every prompt's do."""
         sibling = copy.copy(self)  # the root, the targets, the id, the clock: this request's
+        sibling.prompt_metrics = self.metrics if prompt else None
         sibling.metrics, sibling.sibling, sibling._done = None, True, True
         sibling.attrs = {**self.attrs, "kvmesh.choice": index}
         sibling.ttft_s, sibling._last, sibling.gaps, sibling.late_gaps, sibling._respond = 0.0, 0.0, 0, 0, None
@@ -201,6 +205,8 @@ class RequestTrace:
 
     def describe(self, model: str, tenant: str, prompt_tokens: int) -> None:
         self.attrs.update({tracing.MODEL: model, tracing.TENANT: tenant})
+        if self.sibling:
+            return
         self.root.set_attributes({tracing.MODEL: model, tracing.TENANT: tenant,
                                   "kvmesh.tokens.prompt": prompt_tokens})
 
@@ -261,6 +267,9 @@ class RequestTrace:
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         if self.sibling:
+            if self.prompt_metrics is not None:
+                self.prompt_metrics.prefix.observe(prompt_tokens, cached_tokens)
+                self.prompt_metrics.computed_prompt.observe(max(0, prompt_tokens - cached_tokens))
             return
         self.root.set_attributes({"kvmesh.tokens.completion": completion_tokens,
                                   "kvmesh.tokens.cached": cached_tokens})

@@ -1,6 +1,8 @@
 """``n`` > 1 through the real stack (1 prefill + 1 decode, the default model): n answers of one request, seeded
 ones the same every time, whole and streamed with OpenAI's client; the later choices reuse the first one's prompt
-KV (the router's delivered-hit counter grows by their prompts), so the prompt is computed once."""
+KV (the router's delivered-hit counter grows by their prompts), so the prompt is computed once. A completions
+batch (``prompt`` a list): each prompt's answers as its own request would give them, in prompt order, with
+their prompt ids and usage; a bad prompt in it refuses the whole request, naming it."""
 
 from __future__ import annotations
 
@@ -57,3 +59,44 @@ def test_n_choices_stream_each_under_its_index(mesh):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     finished = [ch.index for c in chunks for ch in c.choices if ch.finish_reason]
     assert sorted(finished) == [0, 1]
+
+
+BATCH = ["The capital of France is", "Two plus two equals", "The color of the sky is"]
+
+
+def test_a_batch_of_prompts_answers_each_as_its_own_request_would(mesh):
+    alone = []
+    for p in BATCH:
+        status, out, _ = post(mesh, "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0,
+                                                        "return_token_ids": True})
+        assert status == 200, out
+        alone.append(out)
+    status, out, _ = post(mesh, "/v1/completions", {"prompt": BATCH, "max_tokens": 6, "temperature": 0, "n": 2,
+                                                    "return_token_ids": True})
+    assert status == 200, out
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for i, c in enumerate(choices):  # prompt j's choice k is choice 2j + k; greedy: both the same as alone
+        one = alone[i // 2]["choices"][0]
+        assert (c["text"], c["prompt_token_ids"], c["token_ids"]) == (one["text"], one["prompt_token_ids"],
+                                                                      one["token_ids"])
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert usage["completion_tokens"] == 2 * sum(a["usage"]["completion_tokens"] for a in alone)
+
+    client = openai_client(mesh)
+    texts = {}
+    for chunk in client.completions.create(model="SmolLM2-135M-Instruct", prompt=BATCH, max_tokens=6, temperature=0,
+                                           stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == [a["choices"][0]["text"] for a in alone]
+
+
+def test_a_bad_prompt_in_a_batch_refuses_the_request_naming_it(mesh):
+    status, out, _ = post(mesh, "/v1/completions", {"prompt": ["fine", "x " * 9000], "max_tokens": 2})
+    assert status == 400 and out["error"]["message"].startswith("prompt[1]: "), out
+    status, out, _ = post(mesh, "/v1/completions", {"prompt": ["fine", 7], "max_tokens": 2})
+    assert status == 400 and "prompt[1]" in out["error"]["message"], out
+    status, out, _ = post(mesh, "/v1/completions", {"prompt": ["fine", "also fine"], "max_tokens": 2})
+    assert status == 200 and len(out["choices"]) == 2  # the service goes on

@@ -50,7 +50,7 @@ class FakeRouter:
 def collect(router: FakeRouter, n: int) -> list[tuple[int, str]]:
     async def body() -> list[tuple[int, str]]:
         rt = RequestTrace(None, "r1", "test")
-        return [(i, c.text) async for i, c in fan_out(router, REQUEST, rt, n)]  # type: ignore[arg-type]
+        return [(i, c.text) async for i, c in fan_out(router, [(REQUEST, rt)], n)]  # type: ignore[arg-type]
 
     return asyncio.run(body())
 
@@ -83,3 +83,24 @@ def test_a_failing_choice_fails_the_request_and_cancels_the_others():
 def test_an_unseeded_request_stays_unseeded():
     unseeded = Admitted("r", (1,), SamplingParams(temperature=1.0), "t", "t\x00", "m", dispatch_id="x.r.1")
     assert sibling(unseeded, 2).sampling.seed is None and sibling(unseeded, 2).dispatch_id != "x.r.1"
+
+
+def test_a_batch_of_prompts_fans_out_each_with_its_n_choices_in_prompt_order():
+    router = FakeRouter()
+    other = Admitted("r1", (4, 5), REQUEST.sampling, "t", "t\x00", "m", dispatch_id="cd.r1.0022")
+
+    async def body() -> list[tuple[int, str]]:
+        rt = RequestTrace(None, "r1", "test")
+        batch = [(REQUEST, rt), (other, rt.choice(2, prompt=True))]
+        return [(i, c.text) async for i, c in fan_out(router, batch, 2)]  # type: ignore[arg-type]
+
+    got = asyncio.run(body())
+    assert sorted(got) == [(i, t) for i in range(4) for t in "ab"]
+    firsts = {REQUEST.dispatch_id, other.dispatch_id}
+    starts = [e for e in router.log if e.startswith("start")]
+    assert {e.split()[1] for e in starts[:2]} == firsts  # every prompt's first choice at once
+    prompts = [r.prompt for r in router.requests]
+    assert sorted(prompts) == sorted([(1, 2, 3), (1, 2, 3), (4, 5), (4, 5)])
+    for r in router.requests[2:]:  # each later choice after its own prompt's first chunk
+        first = REQUEST.dispatch_id if r.prompt == REQUEST.prompt else other.dispatch_id
+        assert router.log.index(f"chunk {first}") < router.log.index(f"start {r.dispatch_id}")

@@ -310,3 +310,20 @@ def test_token_ids_in_the_vocabulary_are_the_prompt():
     from services.router.intake import Draft
 
     assert asyncio.run(_intake(100).prompt_ids(Draft(SamplingParams(), token_ids=(0, 5, 99)))) == [0, 5, 99]
+
+
+def test_a_completions_batch_is_one_draft_per_prompt_and_a_bad_prompt_is_named():
+    from services.router import openai_body
+
+    d = openai_body.draft({"prompt": ["one", [1, 2, 3], "three"], "max_tokens": 2}, False, {})
+    batch = d.batch()
+    assert [(b.text, b.token_ids) for b in batch] == [("one", None), (None, (1, 2, 3)), ("three", None)]
+    assert all(b.sampling == d.sampling and not b.more for b in batch[1:])
+    assert openai_body.draft({"prompt": ["only"]}, False, {}).batch() == [openai_body.draft({"prompt": "only"},
+                                                                                           False, {})]
+    with pytest.raises(RequestError, match=r"prompt\[1\] must be a string or a list of token ids"):
+        openai_body.draft({"prompt": ["ok", []]}, False, {})
+    with pytest.raises(RequestError, match="a request may batch at most 256"):
+        openai_body.draft({"prompt": ["x"] * 257}, False, {})
+    with pytest.raises(RequestError, match="send one prompt with session_id, not a batch"):
+        openai_body.draft({"prompt": ["a", "b"], "session_id": "s1"}, False, {})
