@@ -62,6 +62,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
             raise
         message = (f"no route for {request.method} {request.path}; this API serves "
                    "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
+                   "POST /tokenize, POST /detokenize, "
                    "POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, DELETE /v1/sessions/{session_id} "
                    "(Prometheus /metrics is on the router's internal metrics_port)"
                    if e.status in (404, 405) else e.text or e.reason)
@@ -127,6 +128,7 @@ class OpenAIApi:
         self.app = web.Application(client_max_size=router.cfg.max_body_bytes, middlewares=[json_errors])
         self.app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
+                             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                              web.post("/v1/load_lora_adapter", self.load_lora),
                              web.post("/v1/unload_lora_adapter", self.unload_lora),
                              web.delete("/v1/sessions/{session_id}", self.close_session)])
@@ -330,6 +332,43 @@ class OpenAIApi:
         await send("[DONE]")
         await resp.write_eof()
         return resp
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: a completions ``prompt`` (text) or a chat's ``messages`` (with ``tools``,
+        ``add_generation_prompt``) as the token ids a request would send: ``{count, max_model_len, tokens}``, and
+        ``token_strs`` with ``return_token_strs``. A text's special tokens as the tokenizer adds them unless
+        ``add_special_tokens`` is false."""
+        rid = new_request_id()
+        try:
+            self.intake.tenants.authenticate(request.headers)
+            body = await read_body(request)
+            chat = "messages" in body
+            if not chat and not isinstance(body.get("prompt"), str):
+                raise invalid("tokenize takes a prompt (a string) or messages (a chat)")
+            draft = openai_body.draft(body, chat, request.headers)
+            ids = await self.intake.token_ids(draft, openai_body.bool_field(body, "add_generation_prompt", True),
+                                              openai_body.bool_field(body, "add_special_tokens", not chat))
+            strs = openai_body.bool_field(body, "return_token_strs")
+        except RequestError as e:
+            return error_response(e, {"x-request-id": rid})
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.router.max_model_len, "tokens": ids}
+        if strs:
+            out["token_strs"] = [self.router.tokenizer.token_text(t) for t in ids]
+        return web.json_response(out, headers={"x-request-id": rid})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: ``{"tokens": [...]}`` as text, ``{"prompt": ...}``."""
+        rid = new_request_id()
+        try:
+            self.intake.tenants.authenticate(request.headers)
+            tokens = (await read_body(request)).get("tokens")
+            vocab = self.router.source.config.vocab_size
+            if (not isinstance(tokens, list) or set(map(type, tokens)) - {int}
+                    or tokens and (min(tokens) < 0 or max(tokens) >= vocab)):
+                raise invalid(f"tokens must be a list of token ids, integers in [0, {vocab})")
+        except RequestError as e:
+            return error_response(e, {"x-request-id": rid})
+        return web.json_response({"prompt": self.router.tokenizer.decode(tokens)}, headers={"x-request-id": rid})
 
     async def models(self, request: web.Request) -> web.Response:
         try:

@@ -289,6 +289,15 @@ class Intake:
             return await self._tokenize(len(draft.text), tok.encode, draft.text)
         raise invalid("a prompt is required (text, token ids or messages)")
 
+    async def token_ids(self, draft: Draft, generation: bool = True, special: bool = True) -> list[int]:
+        """``/tokenize``: the ids a request with this prompt would send (``generation``: a chat's assistant turn
+        opened after it; ``special``: a text's special tokens, as the tokenizer adds them)."""
+        if draft.messages is not None:
+            return await self._rendered(chat_messages(draft.messages), draft.tools, generation)
+        if draft.text is not None and not special:
+            return await self._tokenize(len(draft.text), lambda t: self.router.tokenizer.encode(t, False), draft.text)
+        return await self.prompt_ids(draft)
+
     async def _rendered(self, chat: list[dict[str, Any]], tools: Tools | None, generation: bool) -> list[int]:
         """``chat`` (with the ``tools`` offered) rendered by the chat template and tokenized; ``generation``:
         the assistant's turn opened after it (the prompt), or not (a part of the prompt)."""

@@ -322,11 +322,11 @@ def _num(body: dict, name: str, default: float, prefix: str = "") -> float:
         raise invalid(f"{prefix}{name} is out of range") from None
 
 
-def bool_field(body: dict, name: str) -> bool:
-    v = body.get(name, False)
+def bool_field(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
     if v is not None and not isinstance(v, bool):
         raise invalid(f"{name} must be true or false, not {_kind(v)}")
-    return bool(v)
+    return default if v is None else v
 
 
 def str_field(body: dict, name: str) -> str:

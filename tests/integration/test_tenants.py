@@ -64,6 +64,8 @@ def test_http_without_a_valid_key_is_401(mesh, headers):
     assert status == 401 and body["error"]["type"] == "authentication_error"
     assert "Bearer <key>" in body["error"]["message"]
     assert mesh.http("GET", "/v1/models", headers=headers)[0] == 401
+    assert mesh.post("/tokenize", {"prompt": "Hi"}, headers)[0] == 401
+    assert mesh.post("/detokenize", {"tokens": [1]}, headers)[0] == 401
     assert mesh.http("GET", "/health")[0] == 200  # probes need no key
 
 

@@ -79,9 +79,10 @@ class Tokenizer:
         """Number of token ids, added (special) tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens (e.g. BOS) only where the model's tokenizer adds them."""
-        return self._ids(text, True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens (e.g. BOS) only where the model's tokenizer adds them (none with
+        ``add_special_tokens`` false)."""
+        return self._ids(text, add_special_tokens)
 
     def _ids(self, text: str, special: bool) -> list[int]:
         """The ids of ``text``. A long text goes through ``encode_batch_fast``, which releases the GIL while it

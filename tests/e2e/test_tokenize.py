@@ -1,0 +1,45 @@
+"""vLLM's ``/tokenize`` and ``/detokenize`` on the real stack (the default model): the ids a completions or chat
+request would send (the same ``prompt_token_ids`` the request itself returns), the text back from ids, and bad
+input as a 400 that names what to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from .test_mesh import post
+
+pytestmark = pytest.mark.slow
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a prime number?"}]
+
+
+def test_tokenize_gives_the_ids_a_request_sends_and_detokenize_gives_the_text_back(mesh):
+    status, done, _ = post(mesh, "/v1/completions", {"prompt": "Hello there, general", "max_tokens": 1,
+                                                     "return_token_ids": True})
+    assert status == 200, done
+    status, out, _ = post(mesh, "/tokenize", {"prompt": "Hello there, general", "return_token_strs": True})
+    assert status == 200, out
+    assert out["tokens"] == done["choices"][0]["prompt_token_ids"] and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] > 0 and "".join(out["token_strs"]).replace("Ġ", " ").endswith("general")
+    status, back, _ = post(mesh, "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and back["prompt"] == "Hello there, general"
+
+    status, chat, _ = post(mesh, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                          "return_token_ids": True})
+    assert status == 200, chat
+    status, out, _ = post(mesh, "/tokenize", {"messages": CHAT})
+    assert status == 200 and out["tokens"] == chat["prompt_token_ids"]
+    status, bare, _ = post(mesh, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert status == 200 and out["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < out["count"]
+
+
+@pytest.mark.parametrize(("path", "body", "says"), [
+    ("/tokenize", {}, "tokenize takes a prompt (a string) or messages"),
+    ("/tokenize", {"prompt": [1, 2]}, "tokenize takes a prompt (a string) or messages"),
+    ("/tokenize", {"messages": []}, "messages must be a non-empty list"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens must be true or false"),
+    ("/detokenize", {"tokens": [1, "2"]}, "tokens must be a list of token ids"),
+    ("/detokenize", {"tokens": [10**9]}, "integers in [0, "),
+])
+def test_bad_input_is_a_400_naming_it(mesh, path, body, says):
+    status, out, _ = post(mesh, path, body)
+    assert status == 400 and says in out["error"]["message"], out
