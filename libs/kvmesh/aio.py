@@ -1,7 +1,9 @@
 """The services' event loop: uvloop where it is installed (a dependency on Linux), asyncio's own otherwise.
 
-Measured on the router (``kvmesh bench routers --only "kvmesh cache_aware"``, interleaved runs on one machine):
-uvloop 421 and 421 decisions/s against asyncio's 406 and 398, 2.37 against 2.46-2.51 ms of router CPU a request.
+Measured on the router (``kvmesh bench routers --only "kvmesh cache_aware" --rounds 1 --seconds 15``, runs
+interleaved on one machine): uvloop 421 and 421 decisions/s against asyncio's 406 and 398 in one sitting, 337 and
+335 against 357 and 330 in a busier one: +1.5% over the four pairs, within a sitting's spread. It is kept as the
+default for what it does not cost (vLLM's and SGLang's servers run on it too).
 ``shared.event_loop`` picks: ``auto`` (uvloop when importable), ``uvloop`` (an error without it), ``asyncio``.
 """
 

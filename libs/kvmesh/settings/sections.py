@@ -222,8 +222,8 @@ class SharedSettings(Section):
     cache_dir: str = setting("", "converted model weights and compiled kernels (\"\" = ~/.cache/kvmesh)")
     ready_file: str = setting("", "write the bound endpoints here as JSON once serving (\"\" = none)")
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS)
-    event_loop: str = setting("auto", "the services' asyncio event loop: uvloop (faster: the router's CPU a request "
-                                      "-4%), asyncio's own, or auto (uvloop when installed)",
+    event_loop: str = setting("auto", "the services' asyncio event loop: uvloop, asyncio's own, or auto (uvloop "
+                                      "when installed)",
                               choices=["auto", "uvloop", "asyncio"])
     transfer_idle_timeout_s: float = setting(60.0, "a transfer endpoint closes a connection that sends no frame "
                                                    "for this long (>= 30: senders reuse an idle connection for up "
