@@ -24,10 +24,11 @@ from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.core import Router
 from services.router.errors import ErrorKind, RequestError, invalid
-from services.router.intake import CacheControl, Call, Draft, Intake, session_fields, slo_from_headers
-from services.router.reasoning import THINK_TAIL, begins_inside, split_whole
+from services.router.intake import Admitted, CacheControl, Call, Draft, Intake, session_fields, slo_from_headers
+from services.router.reasoning import THINK_TAIL, ThinkSplitter, begins_inside, split_whole
 from services.router.telemetry import RequestTrace
-from services.router.tools import MODES, Tools, constrained, read_whole, tools_from_body
+from services.router.tool_formats import CallDelta, CallReader
+from services.router.tools import MODES, Tools, constrained, finish_reason, read_whole, tools_from_body
 
 
 class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
@@ -57,12 +58,16 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         call = self._call(request, context, "grpc.generate")
         rt = self.intake.trace(call)
         context.set_trailing_metadata(tuple(rt.headers().items()))
+        drafted: list[Draft] = []
         try:
-            async with self.intake.admit(call, rt, _reader(request, call)) as req:
+            async with self.intake.admit(call, rt, _reader(request, call, drafted)) as req:
+                out = self._reading(drafted[0], req)
                 async for c in self.router.generate(req, rt):
                     msg = api_pb2.GenerateChunk(request_id=req.request_id, token_ids=c.token_ids, text=c.text,
                                                 finished=c.finished, finish_reason=c.finish_reason,
                                                 logprobs=[logprobs_to_proto(lp) for lp in c.logprobs])
+                    if out is not None:
+                        out.read(msg, c.finished)
                     if c.usage:
                         msg.usage.CopyFrom(common_pb2.Usage(**vars(c.usage)))
                     yield msg
@@ -74,6 +79,22 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             raise
         finally:
             rt.finish()
+
+    def _reading(self, draft: Draft, req: Admitted) -> StreamReader | None:
+        """What reads a ``Generate`` of messages as it streams (offered tools, the reasoning split out); None
+        for a plain prompt, or when there is nothing to read."""
+        if draft.messages is None:
+            return None
+        tools = draft.tools if draft.tools is not None and draft.tools.offered else None
+        think = (begins_inside(self.router.tokenizer.decode(list(req.prompt[-THINK_TAIL:]), skip_special_tokens=False))
+                 if self.router.reasoning else None)
+        if tools is None and think is None:
+            return None
+        out = StreamReader(tools.reader(self.router.tool_format) if tools else None,
+                           ThinkSplitter(think) if think is not None else None)
+        if req.resume:  # a resumed stream: what was delivered before the cut is read first, its output dropped
+            out.skip(self.router.tokenizer.decode(list(req.resume)))
+        return out
 
     async def Chat(self, request: api_pb2.ChatRequest | RequestError,
                    context: grpc.aio.ServicerContext) -> api_pb2.ChatResponse:
@@ -216,6 +237,41 @@ def _reader(request: api_pb2.GenerateRequest | api_pb2.ChatRequest | RequestErro
     return read
 
 
+class StreamReader:
+    """A ``Generate`` of messages read as it streams: each chunk's text becomes its content, with the reasoning
+    and the calls apart (``http_api.thought_delta``'s reading, on the gRPC chunk). A call's first piece has its
+    id and name; a later piece (a named function's arguments, as generated) its arguments alone, to be joined to
+    the call before it (the SDK does)."""
+
+    def __init__(self, calls: CallReader | None, thinking: ThinkSplitter | None) -> None:
+        self.calls, self.thinking = calls, thinking
+
+    def read(self, msg: api_pb2.GenerateChunk, last: bool) -> None:
+        thought, said, deltas = self._split(msg.text, last)
+        msg.text, msg.reasoning = said, thought
+        msg.tool_calls.extend(common_pb2.ToolCall(id=d.id, name=d.name, arguments=d.arguments) for d in deltas)
+        if self.calls is not None and self.calls.called and msg.finish_reason:
+            msg.finish_reason = finish_reason(msg.finish_reason, True)
+
+    def skip(self, text: str) -> None:
+        self._split(text, False)
+
+    def _split(self, text: str, last: bool) -> tuple[str, str, list[CallDelta]]:
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text)
+            if last:
+                more, rest = self.thinking.close()
+                thought, text = thought + more, text + rest
+        if self.calls is None:
+            return thought, text, []
+        said, deltas = self.calls.feed(text)
+        if last:
+            rest, more_calls = self.calls.close()
+            said, deltas = said + rest, deltas + more_calls
+        return thought, said, deltas
+
+
 async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: Call) -> Draft:
     """A ``Generate`` (text, token ids or messages) or ``Chat`` request as the intake's input; the routing
     overrides come from the metadata keys ``x-kvmesh-policy`` and ``x-kvmesh-disaggregate``, the latency targets
@@ -239,6 +295,9 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
             token_ids = tuple(request.token_ids.ids)
         elif which == "messages":
             messages = _messages(request.messages.messages)
+            tools = _tools(request)
+        if which != "messages" and (request.tools or request.tool_choice):
+            raise invalid("tools need messages (a chat): a text or token-id prompt renders no tools")
     structured = sampling.structured
     sampling, structured_field = constrained(sampling, f"sampling.{structured.kind}" if structured else "", tools)
     resume = tuple(request.resume_token_ids) if isinstance(request, api_pb2.GenerateRequest) else ()
@@ -281,7 +340,7 @@ def _messages(messages: Iterable[common_pb2.ChatMessage]) -> list[dict[str, Any]
     return out
 
 
-def _tools(request: api_pb2.ChatRequest) -> Tools | None:
+def _tools(request: api_pb2.ChatRequest | api_pb2.GenerateRequest) -> Tools | None:
     """A ``Chat``'s tools read as OpenAI's body has them (``tools.tools_from_body``, whose errors name the
     fields OpenAI's way: ``tools[1].function.name``); ``tool_choice`` is a mode or the one function's name."""
     given = []

@@ -115,3 +115,17 @@ def test_the_grpc_sdk_gets_the_reasoning_apart(llama_router):
         done = client.chat(ASK, max_tokens=40, temperature=0, regex=THINK["guided_regex"])
     assert done.text in ("Yes.", "No.") and done.reasoning and "<think>" not in done.reasoning
     assert done.message()["reasoning"] == done.reasoning
+
+
+def test_the_streaming_generate_rpc_splits_reasoning_and_reads_calls(llama_router):
+    from kvmesh.client import KvmeshClient
+
+    steer = '<think>[a-z ]{4,30}</think>\\{"name": "get_weather", "parameters": \\{"city": "[A-Z][a-z]{2,8}"\\}\\}'
+    with KvmeshClient(f"127.0.0.1:{llama_router.grpc_port}") as client:
+        chunks = list(client.generate(messages=ASK, tools=TOOLS, max_tokens=64, temperature=0, regex=steer))
+        done = client.complete(messages=ASK, tools=TOOLS, max_tokens=64, temperature=0, regex=steer)
+    assert "".join(c.reasoning for c in chunks) == done.reasoning and done.reasoning
+    assert not "".join(c.text for c in chunks) and done.text == ""
+    (call,) = done.tool_calls
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    assert done.finish_reason == "tool_calls" and chunks[-1].finish_reason == "tool_calls"

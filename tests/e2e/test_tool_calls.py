@@ -111,6 +111,39 @@ def test_the_grpc_sdk_calls_tools_and_goes_on_after_them(mesh):
         assert "tools[0].parameters is not valid JSON" in e.value.details()
 
 
+def test_the_streaming_generate_rpc_calls_tools_as_chat_does(mesh):
+    from kvmesh.client import KvmeshClient
+
+    with KvmeshClient(f"127.0.0.1:{mesh.grpc_port}") as client:
+        whole = client.chat(ASK, tools=TOOLS, tool_choice="get_time", max_tokens=48, temperature=0)
+        chunks = list(client.generate(messages=ASK, tools=TOOLS, tool_choice="get_time", max_tokens=48,
+                                      temperature=0))
+        pieces = [c for chunk in chunks for c in chunk.tool_calls]
+        assert len(pieces) > 1 and pieces[0].id and not pieces[1].id  # the arguments stream as generated
+        assert not "".join(c.text for c in chunks) and chunks[-1].finish_reason == "tool_calls"
+        streamed = client.complete(messages=ASK, tools=TOOLS, tool_choice="get_time", max_tokens=48, temperature=0)
+        (call,) = streamed.tool_calls  # the SDK joins the pieces into the call
+        assert (call.name, call.arguments) == (whole.tool_calls[0].name, whole.tool_calls[0].arguments)
+        assert streamed.finish_reason == "tool_calls" and streamed.text == ""
+        required = client.complete(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=64, temperature=0)
+        assert required.tool_calls and {c.name for c in required.tool_calls} <= set(SCHEMAS)
+        for c in required.tool_calls:
+            jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+        with pytest.raises(grpc.RpcError) as e:
+            next(client._stub.Generate(_tools_on_text()))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools need messages" in e.value.details()
+        with pytest.raises(ValueError, match="tools need messages"):
+            client.complete("plain text", tools=TOOLS)
+
+
+def _tools_on_text():
+    from kvmesh.client.requests import generate_request
+
+    req = generate_request("plain text", max_tokens=4)
+    req.tools.extend(_bad_parameters().tools)
+    return req
+
+
 def _bad_parameters():
     from kvmesh.client.requests import chat_request
 

@@ -170,3 +170,19 @@ def test_a_session_pauses_on_a_call_in_the_routers_form():
     assert ends_in_tool_call('{"name": "x", "parameters": {}}', "stop")  # a JSON call, whatever the form
     assert ends_in_tool_call('[{"name": "x", "arguments": {}}]', "stop", FORMATS["mistral"])
     assert not ends_in_tool_call("[1, 2] are numbers", "stop", FORMATS["pythonic"])
+
+
+def test_a_resumed_generate_stream_reads_a_call_that_crosses_the_cut():
+    from kvmesh.proto.v1 import api_pb2
+
+    from services.router.grpc_api import StreamReader
+    from services.router.reasoning import ThinkSplitter
+
+    text = '<think>plan</think>Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    cut = text.index('"arguments"')
+    reader = StreamReader(FORMATS["hermes"].reader(NAMES, True), ThinkSplitter(False))
+    reader.skip(text[:cut])  # what the stream delivered before its router died
+    msg = api_pb2.GenerateChunk(text=text[cut:], finished=True, finish_reason="stop")
+    reader.read(msg, True)
+    assert msg.text == "" and msg.reasoning == "" and msg.finish_reason == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == [("get_weather", {"city": "Oslo"})]

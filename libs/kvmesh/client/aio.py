@@ -12,7 +12,7 @@ import grpc.aio
 
 from kvmesh import tls
 from kvmesh.client.base import ClientBase, resumed
-from kvmesh.client.requests import ChatOptions, Message, RequestOptions, chat_request, generate_request
+from kvmesh.client.requests import ChatOptions, Message, chat_request, generate_request
 from kvmesh.client.retry_policy import CallPolicy, StartGenerate
 from kvmesh.client.types import (
     Completion,
@@ -109,7 +109,7 @@ class AsyncKvmeshClient(ClientBase):
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
                  messages: Sequence[Message] | None = None, timeout_s: float | None = None,
-                 **options: Unpack[RequestOptions]) -> AsyncGenerateStream:
+                 **options: Unpack[ChatOptions]) -> AsyncGenerateStream:
         """Stream one completion of ``prompt`` (text or token ids) or of chat ``messages``: ``async for``."""
         request = generate_request(prompt, messages, **options)
         return AsyncGenerateStream(lambda req, timeout, md: self._stub.Generate(req, timeout=timeout, metadata=md),
@@ -117,7 +117,7 @@ class AsyncKvmeshClient(ClientBase):
 
     async def complete(self, prompt: str | Sequence[int] | None = None, *,
                        messages: Sequence[Message] | None = None, timeout_s: float | None = None,
-                       **options: Unpack[RequestOptions]) -> Completion:
+                       **options: Unpack[ChatOptions]) -> Completion:
         builder = CompletionBuilder()
         async with self.generate(prompt, messages=messages, timeout_s=timeout_s, **options) as stream:
             async for chunk in stream:

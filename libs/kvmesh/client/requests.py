@@ -206,12 +206,19 @@ def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequen
                      cache_salt: str = "", request_id: str = "", model: str = "", session_id: str = "",
                      session_end: bool = False, cache_control: Mapping[str, Any] | None = None, ttft_s: float = 0.0,
                      itl_s: float = 0.0, parent_session_id: str = "", session_pause_s: float = 0.0,
-                     session_retention: str = "", **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
-    """A ``GenerateRequest`` for exactly one of ``prompt`` (text or token ids) and ``messages`` (chat)."""
+                     session_retention: str = "", tools: Sequence[Mapping[str, Any]] = (),
+                     tool_choice: str | Mapping[str, Any] = "", parallel_tool_calls: bool | None = None,
+                     **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
+    """A ``GenerateRequest`` for exactly one of ``prompt`` (text or token ids) and ``messages`` (chat; then
+    ``tools`` too)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
+    if messages is None and (tools or tool_choice):
+        raise ValueError("tools need messages (a chat), not a prompt")
     req = api_pb2.GenerateRequest(request_id=request_id, model=model, cache_salt=cache_salt,
-                                  sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s))
+                                  sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s),
+                                  tools=[_tool(t, f"tools[{i}]") for i, t in enumerate(tools)],
+                                  tool_choice=_tool_choice(tool_choice), parallel_tool_calls=parallel_tool_calls)
     _session(req, session_id, session_end, cache_control, AgentHints(
         parent_session_id=parent_session_id, session_pause_s=session_pause_s, session_retention=session_retention))
     if messages is not None:

@@ -10,7 +10,7 @@ import grpc
 
 from kvmesh import tls
 from kvmesh.client.base import ClientBase, resumed
-from kvmesh.client.requests import ChatOptions, Message, RequestOptions, chat_request, generate_request
+from kvmesh.client.requests import ChatOptions, Message, chat_request, generate_request
 from kvmesh.client.retry_policy import CallPolicy, StartGenerate
 from kvmesh.client.types import (
     Completion,
@@ -103,7 +103,7 @@ class KvmeshClient(ClientBase):
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
                  messages: Sequence[Message] | None = None, timeout_s: float | None = None,
-                 **options: Unpack[RequestOptions]) -> GenerateStream:
+                 **options: Unpack[ChatOptions]) -> GenerateStream:
         """Stream one completion of ``prompt`` (text or token ids) or of chat ``messages``."""
         request = generate_request(prompt, messages, **options)
         return GenerateStream(lambda req, timeout, md: self._stub.Generate(req, timeout=timeout, metadata=md),
@@ -111,7 +111,7 @@ class KvmeshClient(ClientBase):
 
     def complete(self, prompt: str | Sequence[int] | None = None, *,
                  messages: Sequence[Message] | None = None, timeout_s: float | None = None,
-                 **options: Unpack[RequestOptions]) -> Completion:
+                 **options: Unpack[ChatOptions]) -> Completion:
         """``generate``, collected into one ``Completion`` with client-side TTFT and ITLs."""
         builder = CompletionBuilder()
         with self.generate(prompt, messages=messages, timeout_s=timeout_s, **options) as stream:

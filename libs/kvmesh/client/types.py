@@ -23,23 +23,6 @@ class Usage:
 
 
 @dataclass(frozen=True)
-class GenerateChunk:
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    finished: bool
-    finish_reason: str              # stop | length | abort; "" until finished
-    usage: Usage | None             # on the last chunk
-    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for logprobs
-
-    @classmethod
-    def from_pb(cls, c: api_pb2.GenerateChunk) -> GenerateChunk:
-        return cls(c.request_id, tuple(c.token_ids), c.text, c.finished, c.finish_reason,
-                   Usage.from_pb(c.usage) if c.HasField("usage") else None,
-                   tuple(logprobs_from_proto(lp) for lp in c.logprobs))
-
-
-@dataclass(frozen=True)
 class ToolCall:
     """A function call the model made: ``arguments`` is a JSON object as text (OpenAI's form)."""
 
@@ -50,6 +33,28 @@ class ToolCall:
     def wire(self) -> dict[str, Any]:
         """The call as an assistant message's ``tool_calls`` entry (OpenAI's shape)."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str              # stop | length | abort; "" until finished
+    usage: Usage | None             # on the last chunk
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for logprobs
+    # with messages: pieces of calls (a call's first has its id and name; a piece without an id continues the
+    # call before it), and the thinking apart from ``text`` (the router's reasoning_parser)
+    tool_calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""
+
+    @classmethod
+    def from_pb(cls, c: api_pb2.GenerateChunk) -> GenerateChunk:
+        return cls(c.request_id, tuple(c.token_ids), c.text, c.finished, c.finish_reason,
+                   Usage.from_pb(c.usage) if c.HasField("usage") else None,
+                   tuple(logprobs_from_proto(lp) for lp in c.logprobs),
+                   tuple(ToolCall(t.id, t.name, t.arguments) for t in c.tool_calls), c.reasoning)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,8 @@ class CompletionBuilder:
         self.request_id = ""
         self.finish_reason = ""
         self.usage: Usage | None = None
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
 
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.token_ids:
@@ -107,6 +114,13 @@ class CompletionBuilder:
                 self.itl_s.append(now - self._last)
             self._last = now
         self.text.append(chunk.text)
+        self.reasoning.append(chunk.reasoning)
+        for c in chunk.tool_calls:
+            if c.id or not self.calls:
+                self.calls.append(c)
+            else:  # more of the call before it (a named function's arguments)
+                last = self.calls[-1]
+                self.calls[-1] = ToolCall(last.id, last.name, last.arguments + c.arguments)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         self.request_id = self.request_id or chunk.request_id
@@ -117,7 +131,7 @@ class CompletionBuilder:
         return Completion("".join(self.text), self.token_ids, self.finish_reason, self.usage,
                           self.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
                           self.ttft_s, self.itl_s, time.perf_counter() - self._start, dict(trailing),
-                          self.logprobs)
+                          self.logprobs, self.calls, "".join(self.reasoning))
 
 
 def completion_from_chat(r: api_pb2.ChatResponse, trailing: Mapping[str, str],
