@@ -24,7 +24,17 @@ from kvmesh.proto.v1 import api_pb2, api_pb2_grpc, common_pb2
 from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.core import Router
 from services.router.errors import ErrorKind, RequestError, invalid
-from services.router.intake import Admitted, CacheControl, Call, Draft, Intake, session_fields, slo_from_headers
+from services.router.intake import (
+    Admitted,
+    CacheControl,
+    Call,
+    Draft,
+    Intake,
+    TemplateArgs,
+    session_fields,
+    slo_from_headers,
+)
+from services.router.openai_body import template_args
 from services.router.reasoning import THINK_TAIL, ThinkSplitter, begins_inside, split_whole
 from services.router.telemetry import RequestTrace
 from services.router.tool_formats import CallDelta, CallReader
@@ -284,9 +294,11 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
     token_ids: tuple[int, ...] | None = None
     messages: list[dict[str, Any]] | None = None
     tools = None
+    template = None
     if isinstance(request, api_pb2.ChatRequest):
         messages = _messages(request.messages)
         tools = _tools(request)
+        template = _template(request, messages)
     else:
         which = request.WhichOneof("prompt")
         if which == "text":
@@ -296,6 +308,7 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
         elif which == "messages":
             messages = _messages(request.messages.messages)
             tools = _tools(request)
+            template = _template(request, messages)
         if which != "messages" and (request.tools or request.tool_choice):
             raise invalid("tools need messages (a chat): a text or token-id prompt renders no tools")
     structured = sampling.structured
@@ -306,7 +319,7 @@ async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: C
                                "session_pause_s": request.session_pause_s,
                                "session_retention": request.session_retention}, call.headers)
     return Draft(sampling, text, token_ids, messages, model=request.model, cache_salt=request.cache_salt,
-                 structured_field=structured_field, tools=tools,
+                 structured_field=structured_field, tools=tools, template=template,
                  policy=call.headers.get("x-kvmesh-policy"), disaggregate=call.headers.get("x-kvmesh-disaggregate"),
                  **sessions,
                  cache_control=_cache_control(request, "cache_control"), resume=resume,
@@ -338,6 +351,20 @@ def _messages(messages: Iterable[common_pb2.ChatMessage]) -> list[dict[str, Any]
             msg["cache_control"] = cc
         out.append(msg)
     return out
+
+
+def _template(request: api_pb2.ChatRequest | api_pb2.GenerateRequest,
+              messages: list[dict[str, Any]]) -> TemplateArgs | None:
+    """The request's rendering fields as OpenAI's body has them (``openai_body.template_args``)."""
+    body: dict[str, Any] = {"continue_final_message": request.continue_final_message}
+    if request.chat_template_kwargs:
+        try:
+            body["chat_template_kwargs"] = json.loads(request.chat_template_kwargs)
+        except ValueError as e:
+            raise invalid(f"chat_template_kwargs is not valid JSON: {e}") from None
+    if request.HasField("add_generation_prompt"):
+        body["add_generation_prompt"] = request.add_generation_prompt
+    return template_args(body, messages)
 
 
 def _tools(request: api_pb2.ChatRequest | api_pb2.GenerateRequest) -> Tools | None:

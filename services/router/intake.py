@@ -35,6 +35,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
 from kvmesh.contracts.engine import RetentionRange, SessionHint
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.sessions import check_pause, check_retention, check_retention_hint, check_session_id, session_key
@@ -94,11 +95,24 @@ class Draft:
     slo: tuple[float, float] = (0.0, 0.0)  # TTFT and ITL targets in seconds as given (0 = none)
     tools: Tools | None = None  # the functions a chat offers the model (``tools``), and its tool_choice
     choices: int = 1  # answers asked for (``n``): as many requests at the engines
+    template: TemplateArgs | None = None  # how a chat is rendered, beyond the messages (None: the defaults)
     more: tuple[dict[str, Any], ...] = ()  # a completions batch's further prompts ({"text"} / {"token_ids"})
 
     def batch(self) -> list[Draft]:
         """One draft per prompt of a batch (this one first): each a request of its own, the fields alike."""
         return [self, *(replace(self, **({"text": None, "token_ids": None} | p), more=()) for p in self.more)]
+
+
+@dataclass(frozen=True)
+class TemplateArgs:
+    """A chat's rendering as the request asks for it (vLLM's fields): ``add_generation_prompt`` (open the
+    assistant's turn after the messages), ``continue_final_message`` (end the prompt inside the last message,
+    an assistant's, for the model to go on with it) and ``chat_template_kwargs`` (more variables for the
+    template, e.g. ``{"enable_thinking": false}``)."""
+
+    generation: bool = True
+    continue_final: bool = False
+    kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -276,7 +290,7 @@ class Intake:
         prompts are tokenized on several cores (``Tokenizer`` releases the GIL for them)."""
         tok = self.router.tokenizer
         if draft.messages is not None:
-            return await self._rendered(chat_messages(draft.messages), draft.tools, True)
+            return await self._rendered(chat_messages(draft.messages), draft.tools, True, draft.template)
         if draft.token_ids is not None:
             vocab = self.router.source.config.vocab_size
             ids = draft.token_ids  # checked whole (4k ids: a Python loop over them cost the router ~1 ms)
@@ -293,19 +307,27 @@ class Intake:
         """``/tokenize``: the ids a request with this prompt would send (``generation``: a chat's assistant turn
         opened after it; ``special``: a text's special tokens, as the tokenizer adds them)."""
         if draft.messages is not None:
-            return await self._rendered(chat_messages(draft.messages), draft.tools, generation)
+            template = draft.template or TemplateArgs()
+            return await self._rendered(chat_messages(draft.messages), draft.tools, True,
+                                        replace(template, generation=template.generation and generation))
         if draft.text is not None and not special:
             return await self._tokenize(len(draft.text), lambda t: self.router.tokenizer.encode(t, False), draft.text)
         return await self.prompt_ids(draft)
 
-    async def _rendered(self, chat: list[dict[str, Any]], tools: Tools | None, generation: bool) -> list[int]:
+    async def _rendered(self, chat: list[dict[str, Any]], tools: Tools | None, generation: bool,
+                        template: TemplateArgs | None = None) -> list[int]:
         """``chat`` (with the ``tools`` offered) rendered by the chat template and tokenized; ``generation``:
-        the assistant's turn opened after it (the prompt), or not (a part of the prompt)."""
+        the whole prompt (rendered as ``template`` asks), or not (a part of it: no turn opened, never cut)."""
+        t = template or TemplateArgs()
         chat, offered = for_template(chat, tools, self.router.tokenizer, self.router.tool_format)
-        render = functools.partial(self.router.tokenizer.apply_chat_template, add_generation_prompt=generation,
-                                   tools=offered)
+        render = functools.partial(self.router.tokenizer.apply_chat_template,
+                                   add_generation_prompt=generation and t.generation, tools=offered,
+                                   continue_final_message=generation and t.continue_final, extra=dict(t.kwargs))
         chars = sum(len(m["content"]) for m in chat) + len(json.dumps(offered) if offered else "")
-        return await self._tokenize(chars, render, chat)
+        try:
+            return await self._tokenize(chars, render, chat)
+        except (ValueError, TemplateError) as e:
+            raise invalid(f"the chat template cannot render these messages: {e}") from None
 
     async def _tokenize(self, chars: int, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
         """``fn(arg)`` here when the text is short (a thread hop costs more than it saves), else on the tokenize
@@ -388,7 +410,7 @@ class Intake:
             chat = chat_messages(draft.messages)
             for i, m in enumerate(draft.messages):
                 if isinstance(m, dict) and m.get("cache_control") is not None:
-                    end = len(await self._rendered(chat[:i + 1], draft.tools, False))
+                    end = len(await self._rendered(chat[:i + 1], draft.tools, False, draft.template))
                     hints.append((message_cache_control(m["cache_control"], f"messages[{i}].cache_control"),
                                   min(end, prompt_tokens)))
         out = []

@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, overload
 
 from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams, StructuredOutput
+from kvmesh.model_source.tokenizer import RESERVED_TEMPLATE_NAMES
 
 from services.router.errors import RequestError, invalid
-from services.router.intake import Draft, message_cache_control, session_fields, slo_from_headers
+from services.router.intake import Draft, TemplateArgs, message_cache_control, session_fields, slo_from_headers
 from services.router.tools import constrained, tools_from_body
 
 
@@ -57,12 +58,14 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     win)."""
     sampling, structured_field = sampling_from_body(body, chat)
     tools = None
+    template = None
     more: list[dict[str, Any]] = []  # a batch's prompts past the first
     if chat:
         if "messages" not in body:
             raise invalid("messages is required: a list of {role, content} objects")
         prompt = {"messages": body["messages"]}
         tools = tools_from_body(body)
+        template = template_args(body, body["messages"])
         sampling, structured_field = constrained(sampling, structured_field, tools)
     else:
         if body.get("tools"):
@@ -82,7 +85,34 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
                  disaggregate=headers.get("x-kvmesh-disaggregate") or None, **sessions,
                  cache_control=None if control is None else message_cache_control(control, "cache_control"),
                  slo=slo_from_headers(headers, _slo(body)), tools=tools, choices=shape(body).n,
-                 more=tuple(more))
+                 more=tuple(more), template=template)
+
+
+def template_args(body: dict, messages: Any) -> TemplateArgs | None:
+    """A chat's ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (vLLM's
+    fields; None: all defaults). ``continue_final_message`` needs the last message to be an assistant's, and
+    leaves the turn unopened unless ``add_generation_prompt`` is also set, which is refused."""
+    given = body.get("add_generation_prompt")
+    cont = bool_field(body, "continue_final_message")
+    generation = bool_field(body, "add_generation_prompt", not cont)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise invalid('chat_template_kwargs must be an object of template variables, like {"enable_thinking": false}')
+    for k in kwargs:
+        if not k.isidentifier() or k in RESERVED_TEMPLATE_NAMES:
+            raise invalid(f"chat_template_kwargs: {k!r} cannot be set: a variable name, and not one the router sets "
+                          f"({', '.join(sorted(RESERVED_TEMPLATE_NAMES))})")
+    if cont:
+        if given is True:
+            raise invalid("continue_final_message and add_generation_prompt cannot both be true: continue the last "
+                          "message, or open a new turn")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if not isinstance(last, dict) or last.get("role") != "assistant" or not str(last.get("content") or "").strip():
+            raise invalid("continue_final_message needs the last message to be an assistant's, with the text to "
+                          "continue")
+    if generation and not cont and not kwargs:
+        return None
+    return TemplateArgs(generation, cont, tuple(sorted(kwargs.items())))
 
 
 def _slo(body: dict) -> tuple[float, float]:

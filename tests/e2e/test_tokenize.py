@@ -43,3 +43,29 @@ def test_tokenize_gives_the_ids_a_request_sends_and_detokenize_gives_the_text_ba
 def test_bad_input_is_a_400_naming_it(mesh, path, body, says):
     status, out, _ = post(mesh, path, body)
     assert status == 400 and says in out["error"]["message"], out
+
+
+PARTIAL = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite fruit is the"}]
+
+
+def test_a_final_assistant_message_is_continued_and_template_variables_are_checked(mesh):
+    from kvmesh.client import KvmeshClient
+
+    status, cont, _ = post(mesh, "/tokenize", {"messages": PARTIAL, "continue_final_message": True,
+                                               "add_generation_prompt": False})
+    assert status == 200, cont
+    status, closed, _ = post(mesh, "/tokenize", {"messages": PARTIAL, "add_generation_prompt": False})
+    assert closed["tokens"][:cont["count"]] == cont["tokens"] and closed["count"] > cont["count"]
+    status, text, _ = post(mesh, "/detokenize", {"tokens": cont["tokens"]})
+    assert text["prompt"].endswith("My favourite fruit is the")
+    body = {"messages": PARTIAL, "continue_final_message": True, "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True, "chat_template_kwargs": {"enable_thinking": False}}
+    status, out, _ = post(mesh, "/v1/chat/completions", body)
+    assert status == 200 and out["prompt_token_ids"] == cont["tokens"], out
+    with KvmeshClient(f"127.0.0.1:{mesh.grpc_port}") as client:
+        done = client.chat(PARTIAL, continue_final_message=True, max_tokens=6, temperature=0)
+    assert done.text == out["choices"][0]["message"]["content"]  # the same continuation over gRPC
+    status, out, _ = post(mesh, "/v1/chat/completions", {**body, "chat_template_kwargs": {"messages": []}})
+    assert status == 400 and "'messages' cannot be set" in out["error"]["message"]
+    status, out, _ = post(mesh, "/v1/chat/completions", {**body, "messages": PARTIAL[:1]})
+    assert status == 400 and "last message to be an assistant's" in out["error"]["message"]

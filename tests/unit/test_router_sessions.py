@@ -54,7 +54,8 @@ class FakeTokenizer:
 
     takes_tools = takes_tool_calls = False
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, continue_final_message=False,
+                            extra=None):
         return [1] * sum(len(m["content"]) + 1 for m in messages) + ([2] if add_generation_prompt else [])
 
 

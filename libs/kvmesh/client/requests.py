@@ -63,6 +63,9 @@ class ChatOptions(RequestOptions, total=False):
     tools: Sequence[Mapping[str, Any]]  # [{"type": "function", "function": {"name", "description", "parameters"}}]
     tool_choice: str | Mapping[str, Any]  # "auto" (default), "none", "required", a function's name or OpenAI's dict
     parallel_tool_calls: bool | None      # None: the server's default (more than one call allowed)
+    chat_template_kwargs: Mapping[str, Any] | None  # more template variables, e.g. {"enable_thinking": False}
+    continue_final_message: bool          # the prompt ends inside the last (assistant's) message: the model goes on
+    add_generation_prompt: bool | None    # open the assistant's turn after the messages (None: yes unless continuing)
 
 
 def cache_control(value: Mapping[str, Any] | None, field: str = "cache_control") -> common_pb2.CacheControl | None:
@@ -208,17 +211,23 @@ def generate_request(prompt: str | Sequence[int] | None = None, messages: Sequen
                      itl_s: float = 0.0, parent_session_id: str = "", session_pause_s: float = 0.0,
                      session_retention: str = "", tools: Sequence[Mapping[str, Any]] = (),
                      tool_choice: str | Mapping[str, Any] = "", parallel_tool_calls: bool | None = None,
+                     chat_template_kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False,
+                     add_generation_prompt: bool | None = None,
                      **sampling: Unpack[SamplingOptions]) -> api_pb2.GenerateRequest:
     """A ``GenerateRequest`` for exactly one of ``prompt`` (text or token ids) and ``messages`` (chat; then
     ``tools`` too)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
-    if messages is None and (tools or tool_choice):
-        raise ValueError("tools need messages (a chat), not a prompt")
+    if messages is None and (tools or tool_choice or chat_template_kwargs or continue_final_message
+                             or add_generation_prompt is not None):
+        raise ValueError("tools and the chat template's options need messages (a chat), not a prompt")
     req = api_pb2.GenerateRequest(request_id=request_id, model=model, cache_salt=cache_salt,
                                   sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s),
                                   tools=[_tool(t, f"tools[{i}]") for i, t in enumerate(tools)],
-                                  tool_choice=_tool_choice(tool_choice), parallel_tool_calls=parallel_tool_calls)
+                                  tool_choice=_tool_choice(tool_choice), parallel_tool_calls=parallel_tool_calls,
+                                  chat_template_kwargs=_kwargs(chat_template_kwargs),
+                                  continue_final_message=continue_final_message,
+                                  add_generation_prompt=add_generation_prompt)
     _session(req, session_id, session_end, cache_control, AgentHints(
         parent_session_id=parent_session_id, session_pause_s=session_pause_s, session_retention=session_retention))
     if messages is not None:
@@ -239,14 +248,28 @@ def chat_request(messages: Sequence[Message], *, cache_salt: str = "", request_i
                  ttft_s: float = 0.0, itl_s: float = 0.0, parent_session_id: str = "", session_pause_s: float = 0.0,
                  session_retention: str = "", tools: Sequence[Mapping[str, Any]] = (),
                  tool_choice: str | Mapping[str, Any] = "", parallel_tool_calls: bool | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False,
+                 add_generation_prompt: bool | None = None,
                  **sampling: Unpack[SamplingOptions]) -> api_pb2.ChatRequest:
     req = api_pb2.ChatRequest(request_id=request_id, model=model, messages=chat_messages(messages),
                               cache_salt=cache_salt, sampling=sampling_params(**sampling), slo=slo(ttft_s, itl_s),
                               tools=[_tool(t, f"tools[{i}]") for i, t in enumerate(tools)],
-                              tool_choice=_tool_choice(tool_choice), parallel_tool_calls=parallel_tool_calls)
+                              tool_choice=_tool_choice(tool_choice), parallel_tool_calls=parallel_tool_calls,
+                              chat_template_kwargs=_kwargs(chat_template_kwargs),
+                              continue_final_message=continue_final_message,
+                              add_generation_prompt=add_generation_prompt)
     _session(req, session_id, session_end, cache_control, AgentHints(
         parent_session_id=parent_session_id, session_pause_s=session_pause_s, session_retention=session_retention))
     return req
+
+
+def _kwargs(kwargs: Mapping[str, Any] | None) -> str:
+    """``chat_template_kwargs`` as the protocol carries it: JSON text ("" = none)."""
+    if not kwargs:
+        return ""
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"chat_template_kwargs must be a mapping, not {kwargs!r}")  # noqa: TRY004 - as above
+    return json.dumps(dict(kwargs))
 
 
 def _tool(t: Mapping[str, Any], where: str) -> api_pb2.Tool:

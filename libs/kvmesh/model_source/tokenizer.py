@@ -26,6 +26,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "tools", *SPECIAL_TOKEN_NAMES})
 RELEASE_GIL_CHARS = 2048  # texts this long are encoded with the GIL released (``Tokenizer._ids``): ~500 tokens
 
 
@@ -115,17 +116,31 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> list[int]:
         """The model's chat template rendered and tokenized (the template writes its own special tokens).
         ``tools``: the functions offered (``{"type": "function", "function": {...}}``), for a template that reads
-        them (``takes_tools``)."""
+        them (``takes_tools``). ``continue_final_message``: the text ends where the last message's content does
+        (no end of turn after it: the model goes on with it), as transformers cuts it. ``extra``: more variables
+        for the template (a request's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``); none may be
+        one of those above (``RESERVED_TEMPLATE_NAMES``)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json chat_template or "
                              "chat_template.jinja): send a plain prompt instead of messages")
+        clash = set(extra or ()) & RESERVED_TEMPLATE_NAMES
+        if clash:
+            raise ValueError(f"template variables {sorted(clash)} are set by the renderer, not the request")
         text = _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens,
-            **({"tools": tools} if tools else {}))
+            messages=messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            **self.special_tokens, **({"tools": tools} if tools else {}), **(extra or {}))
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "").strip()
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise ValueError("the chat template does not write the last message's content as given, so it "
+                                 "cannot be continued")
+            text = text[:end + len(final)]
         return self._ids(text, False)
 
     @property
