@@ -95,6 +95,7 @@ class Answer(NamedTuple):
     tools: Tools | None = None  # a chat's offered tools: its text is read for calls (``tools.py``)
     think: bool | None = None   # a chat's reasoning split out (``reasoning.py``): whether it begins inside it
     show_reasoning: bool = True  # include_reasoning
+    ids_as_tokens: bool = False  # return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
 
 
 class Body:
@@ -155,7 +156,7 @@ class OpenAIApi:
                                 tuple(r.prompt for r, _ in requests) if body.shape.token_ids else None,
                                 body.tools if body.tools is not None and body.tools.offered else None,
                                 self._think(req.prompt) if chat and self.router.reasoning else None,
-                                body.shape.include_reasoning)
+                                body.shape.include_reasoning, body.shape.ids_as_tokens)
                 stream = fan_out(self.router, requests, n)
                 if body.shape.stream:
                     return await self._sse(request, answer, stream, body.shape.include_usage, rt, n, len(requests))
@@ -222,7 +223,7 @@ class OpenAIApi:
         ``offset``: where ``chunks``' text starts in the completion."""
         if not answer.logprobs:
             return None
-        text = self.router.tokenizer.token_text
+        text = token_id_text if answer.ids_as_tokens else self.router.tokenizer.token_text
         if answer.kind == "chat.completion":
             return chat_logprobs([lp for c in chunks for lp in c.logprobs], text)
         return completion_logprobs([(c.logprobs, c.text) for c in chunks], text, offset)
@@ -462,6 +463,11 @@ class InternalApi:
             {"instance_id": i.id, "role": i.beat.role, "grpc_address": i.beat.grpc_address,
              "age_s": round(now - i.last_seen, 3), "load": i.beat.load.to_dict()} for i in alive]},
             status=200 if ok else 503)
+
+
+def token_id_text(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids`` name of a token, unambiguous where its text is not."""
+    return f"token_id:{token_id}"
 
 
 def _ready(draft: Draft) -> Callable[[], Awaitable[Draft]]:

@@ -96,6 +96,7 @@ class Draft:
     tools: Tools | None = None  # the functions a chat offers the model (``tools``), and its tool_choice
     choices: int = 1  # answers asked for (``n``): as many requests at the engines
     template: TemplateArgs | None = None  # how a chat is rendered, beyond the messages (None: the defaults)
+    truncate: int = 0  # keep the prompt's last N tokens (> 0), its first -N (< 0), or all of it (0)
     more: tuple[dict[str, Any], ...] = ()  # a completions batch's further prompts ({"text"} / {"token_ids"})
 
     def batch(self) -> list[Draft]:
@@ -262,11 +263,13 @@ class Intake:
                 check_constraint(draft)
                 session = self.session(draft, tenant)
                 self.router.sessions.arrived(session)  # a paused session's instance warms its KV meanwhile
-                prompt = await self.prompt_ids(draft)
+                whole = await self.prompt_ids(draft)
+                prompt = truncated(whole, draft.truncate, self.router.max_model_len)
+                dropped = len(whole) - len(prompt) if draft.truncate > 0 else 0  # cut off the front
                 lora = self.model(draft.model)
                 self.check(prompt, draft.sampling)
                 self.check_resume(draft.resume, draft.sampling)
-                retention = await self.retention(draft, len(prompt))
+                retention = await self.retention(draft, len(prompt), dropped)
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
                 if session is not None:
                     span.set_attribute("kvmesh.session", session.key)
@@ -400,11 +403,11 @@ class Intake:
         return SessionHint(session_key(tenant, draft.session_id), draft.session_end, parent, draft.session_pause_s,
                            draft.session_retention, draft.tools is not None and draft.tools.forces_call)
 
-    async def retention(self, draft: Draft, prompt_tokens: int) -> tuple[RetentionRange, ...]:
+    async def retention(self, draft: Draft, prompt_tokens: int, dropped: int = 0) -> tuple[RetentionRange, ...]:
         """The retention hints as prompt token ranges: the request's covers the whole prompt, a message's the
         prompt up to the end of that message (the chat up to it rendered and tokenized: a long one on the
         tokenize threads, like the prompt, and mostly from the prefix token cache, the prompt's own leading
-        part)."""
+        part); ``dropped``: the tokens truncation cut off the prompt's front, which every range loses."""
         hints = [(draft.cache_control, prompt_tokens)] if draft.cache_control is not None else []
         if draft.messages is not None and isinstance(draft.messages, list):
             chat = chat_messages(draft.messages)
@@ -412,7 +415,7 @@ class Intake:
                 if isinstance(m, dict) and m.get("cache_control") is not None:
                     end = len(await self._rendered(chat[:i + 1], draft.tools, False, draft.template))
                     hints.append((message_cache_control(m["cache_control"], f"messages[{i}].cache_control"),
-                                  min(end, prompt_tokens)))
+                                  min(end - dropped, prompt_tokens)))
         out = []
         for hint, end in hints:
             try:
@@ -472,6 +475,15 @@ def check_constraint(draft: Draft) -> None:
     """The structured-output constraint, if any, can be served (the error names the field it came from)."""
     if draft.sampling.structured is not None:
         check_structured(draft.sampling.structured, draft.structured_field)
+
+
+def truncated(prompt: list[int], keep: int, context: int) -> list[int]:
+    """``prompt`` cut as ``Draft.truncate`` says: its last ``keep`` tokens (> 0) or first ``-keep`` (< 0), at most
+    the context less one (room for a token)."""
+    if not keep:
+        return prompt
+    n = min(abs(keep), context - 1)
+    return prompt[-n:] if keep > 0 else prompt[:n]
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

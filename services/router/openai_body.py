@@ -85,7 +85,25 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
                  disaggregate=headers.get("x-kvmesh-disaggregate") or None, **sessions,
                  cache_control=None if control is None else message_cache_control(control, "cache_control"),
                  slo=slo_from_headers(headers, _slo(body)), tools=tools, choices=shape(body).n,
-                 more=tuple(more), template=template)
+                 more=tuple(more), template=template, truncate=_truncation(body))
+
+
+def _truncation(body: dict) -> int:
+    """vLLM's ``truncate_prompt_tokens`` (-1: the model's context) and ``truncation_side`` as one number: keep
+    the prompt's last N tokens (> 0), its first N (< 0: ``truncation_side: "right"``), or all of it (0)."""
+    n = _int(body, "truncate_prompt_tokens", None)
+    side = body.get("truncation_side") or "left"
+    if side not in ("left", "right"):
+        raise invalid(f'truncation_side must be "left" (keep the last tokens) or "right" (the first), not {side!r}')
+    if n is None:
+        return 0
+    if n < -1 or n == 0:
+        raise invalid(f"truncate_prompt_tokens must be a number of tokens >= 1 (or -1: the model's context), not {n}")
+    n = MAX_TRUNCATION if n == -1 else n
+    return n if side == "left" else -n
+
+
+MAX_TRUNCATION = 2**62  # -1: as many as the context holds (the intake caps it)
 
 
 def template_args(body: dict, messages: Any) -> TemplateArgs | None:
@@ -98,6 +116,11 @@ def template_args(body: dict, messages: Any) -> TemplateArgs | None:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise invalid('chat_template_kwargs must be an object of template variables, like {"enable_thinking": false}')
+    documents = body.get("documents")
+    if documents is not None:  # vLLM's: a RAG template's documents, as the template variable ``documents``
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise invalid('documents must be a list of objects, like [{"title": ..., "text": ...}]')
+        kwargs = {**kwargs, "documents": documents}
     for k in kwargs:
         if not k.isidentifier() or k in RESERVED_TEMPLATE_NAMES:
             raise invalid(f"chat_template_kwargs: {k!r} cannot be set: a variable name, and not one the router sets "
@@ -136,6 +159,7 @@ class Shape(NamedTuple):
     token_ids: bool
     n: int = 1
     include_reasoning: bool = True  # a reasoning model's thinking in the answer (``reasoning.py``; vLLM's field)
+    ids_as_tokens: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
 
 MAX_CHOICES = 16  # the most choices one request may ask for
@@ -152,7 +176,7 @@ def shape(body: dict) -> Shape:
     if not isinstance(reasoning, bool):
         raise invalid("include_reasoning must be true or false")
     return Shape(bool_field(body, "stream"), bool_field(options, "include_usage"), bool_field(body, "return_token_ids"),
-                 n, reasoning)
+                 n, reasoning, bool_field(body, "return_tokens_as_token_ids"))
 
 
 def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, str]:
@@ -197,6 +221,34 @@ UNSERVED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("suffix", (None, ""), "there is no insertion mode; send the text before the gap as the prompt"),
     ("functions", (None, []), "use tools (the legacy functions field is not read)"),
     ("function_call", (None, "none"), "use tool_choice (the legacy function_call field is not read)"),
+    # vLLM's extensions the engines do not serve: refused rather than ignored, so no answer silently differs
+    ("prompt_logprobs", (None,), ("the prompt's logprobs are not computed (the prompt's KV is reused, not "
+                                 "recomputed); logprobs gives the generated tokens'")),
+    ("logprob_token_ids", (None, []), "logprobs reports the N most likely tokens (top_logprobs), not chosen ones"),
+    ("allowed_token_ids", (None, []), "restrict the output with a structured-output choice, regex or grammar"),
+    ("bad_words", (None, []), "use logit_bias against the words' tokens, or a structured-output constraint"),
+    ("use_beam_search", (None, False), "sampling only (beam search is not served)"),
+    ("length_penalty", (None, 1, 1.0), "it applies to beam search, which is not served"),
+    ("include_stop_str_in_output", (None, False), "the engines cut a stop string off the output"),
+    ("skip_special_tokens", (None, True), ("the output text leaves special tokens out (return_token_ids gives "
+                                          "every token's id)")),
+    ("spaces_between_special_tokens", (None, True), "the output text leaves special tokens out"),
+    ("chat_template", (None, ""), ("the router renders chats with the model's own template (a template is code: "
+                                  "the operator's to choose); chat_template_kwargs sets its variables")),
+    ("thinking_token_budget", (None,), "the reasoning is not capped apart from max_tokens"),
+    ("priority", (None, 0), ("requests are scheduled by their latency targets: kvmesh_slo, or the tenant's SLO "
+                            "class")),
+    ("kv_transfer_params", (None, {}), "kvmesh moves the KV itself (the router picks where it goes)"),
+    ("ec_transfer_params", (None, {}), "kvmesh serves text models"),
+    ("vllm_xargs", (None, {}), "the engines take no engine-specific arguments from a request"),
+    ("repetition_detection", (None, False, {}), "use repetition_penalty or frequency_penalty"),
+    ("prompt_embeds", (None, "", []), "send the prompt as text or token ids"),
+    ("mm_processor_kwargs", (None, {}), "kvmesh serves text models"),
+    ("media_io_kwargs", (None, {}), "kvmesh serves text models"),
+    ("return_token_offsets", (None, False), "logprobs' text_offset (completions) gives where each token starts"),
+    ("return_prompt_text", (None, False), "the prompt is the request's; /tokenize renders a chat's"),
+    ("routed_experts_prompt_start", (None,), "kvmesh serves dense models"),
+    ("watermarking", (None, False, {}), "no watermark is applied"),
 )
 
 

@@ -69,3 +69,19 @@ def test_a_final_assistant_message_is_continued_and_template_variables_are_check
     assert status == 400 and "'messages' cannot be set" in out["error"]["message"]
     status, out, _ = post(mesh, "/v1/chat/completions", {**body, "messages": PARTIAL[:1]})
     assert status == 400 and "last message to be an assistant's" in out["error"]["message"]
+
+
+def test_a_truncated_prompt_keeps_its_last_tokens_and_logprobs_can_name_ids(mesh):
+    status, full, _ = post(mesh, "/tokenize", {"prompt": "One two three four five six seven eight"})
+    assert status == 200
+    body = {"prompt": "One two three four five six seven eight", "max_tokens": 3, "temperature": 0,
+            "truncate_prompt_tokens": 4, "return_token_ids": True, "logprobs": 1, "return_tokens_as_token_ids": True}
+    status, out, _ = post(mesh, "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["prompt_token_ids"] == full["tokens"][-4:] and out["usage"]["prompt_tokens"] == 4
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    status, out, _ = post(mesh, "/v1/completions", {**body, "truncation_side": "right"})
+    assert status == 200 and out["choices"][0]["prompt_token_ids"] == full["tokens"][:4]
+    status, out, _ = post(mesh, "/v1/completions", {**body, "include_stop_str_in_output": True})
+    assert status == 400 and "include_stop_str_in_output is not supported" in out["error"]["message"]

@@ -60,3 +60,34 @@ def test_the_body_fields_are_read_and_checked():
             args(body, messages)
     draft = openai_body.draft({"messages": CHAT, "continue_final_message": True}, True, {})
     assert draft.template == TemplateArgs(False, True, ())
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in openai_body.UNSERVED])
+def test_a_field_the_engines_do_not_serve_is_refused_not_ignored(name):
+    with pytest.raises(RequestError, match=f"^{name} is not supported: "):
+        openai_body.draft({"prompt": "x", name: {"x": 1}}, False, {})
+    openai_body.draft({"prompt": "x", name: None}, False, {})  # unset, or its default, is fine
+
+
+def test_truncation_keeps_the_side_asked_for():
+    from services.router.intake import truncated
+
+    cut = openai_body._truncation
+    assert cut({}) == 0 and cut({"truncate_prompt_tokens": 3}) == 3
+    assert cut({"truncate_prompt_tokens": 3, "truncation_side": "right"}) == -3
+    assert cut({"truncate_prompt_tokens": -1}) == openai_body.MAX_TRUNCATION
+    for bad, says in (({"truncate_prompt_tokens": 0}, "must be a number of tokens >= 1"),
+                      ({"truncate_prompt_tokens": -2}, "must be a number of tokens >= 1"),
+                      ({"truncate_prompt_tokens": 2, "truncation_side": "middle"}, 'truncation_side must be "left"')):
+        with pytest.raises(RequestError, match=says):
+            cut(bad)
+    ids = list(range(10))
+    assert truncated(ids, 3, 100) == [7, 8, 9] and truncated(ids, -3, 100) == [0, 1, 2]
+    assert truncated(ids, 0, 100) == ids and truncated(ids, openai_body.MAX_TRUNCATION, 6) == [5, 6, 7, 8, 9]
+
+
+def test_documents_reach_the_template_as_a_variable():
+    docs = [{"title": "a", "text": "b"}]
+    assert openai_body.template_args({"documents": docs}, CHAT) == TemplateArgs(True, False, (("documents", docs),))
+    with pytest.raises(RequestError, match="documents must be a list of objects"):
+        openai_body.template_args({"documents": "b"}, CHAT)
