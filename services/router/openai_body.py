@@ -106,10 +106,14 @@ def _truncation(body: dict) -> int:
 MAX_TRUNCATION = 2**62  # -1: as many as the context holds (the intake caps it)
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 def template_args(body: dict, messages: Any) -> TemplateArgs | None:
     """A chat's ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (vLLM's
-    fields; None: all defaults). ``continue_final_message`` needs the last message to be an assistant's, and
-    leaves the turn unopened unless ``add_generation_prompt`` is also set, which is refused."""
+    fields, with ``documents`` and ``reasoning_effort`` as template variables; None: all defaults).
+    ``continue_final_message`` needs the last message to be an assistant's, and leaves the turn unopened unless
+    ``add_generation_prompt`` is also set, which is refused."""
     given = body.get("add_generation_prompt")
     cont = bool_field(body, "continue_final_message")
     generation = bool_field(body, "add_generation_prompt", not cont)
@@ -121,6 +125,11 @@ def template_args(body: dict, messages: Any) -> TemplateArgs | None:
         if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
             raise invalid('documents must be a list of objects, like [{"title": ..., "text": ...}]')
         kwargs = {**kwargs, "documents": documents}
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # OpenAI's, read as vLLM reads it: a template variable, and thinking on unless "none"
+        if effort not in REASONING_EFFORTS:
+            raise invalid(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, not {effort!r}")
+        kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
     for k in kwargs:
         if not k.isidentifier() or k in RESERVED_TEMPLATE_NAMES:
             raise invalid(f"chat_template_kwargs: {k!r} cannot be set: a variable name, and not one the router sets "

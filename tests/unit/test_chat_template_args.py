@@ -86,6 +86,18 @@ def test_truncation_keeps_the_side_asked_for():
     assert truncated(ids, 0, 100) == ids and truncated(ids, openai_body.MAX_TRUNCATION, 6) == [5, 6, 7, 8, 9]
 
 
+def test_reasoning_effort_reaches_the_template_and_turns_thinking_on_or_off():
+    args = openai_body.template_args
+    assert dict(args({"reasoning_effort": "none"}, CHAT).kwargs) == {"enable_thinking": False,
+                                                                     "reasoning_effort": "none"}
+    assert dict(args({"reasoning_effort": "high"}, CHAT).kwargs) == {"enable_thinking": True,
+                                                                     "reasoning_effort": "high"}
+    given = {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}
+    assert dict(args(given, CHAT).kwargs)["enable_thinking"] is False  # the request's own variable wins
+    with pytest.raises(RequestError, match="reasoning_effort must be one of none, minimal"):
+        args({"reasoning_effort": "extreme"}, CHAT)
+
+
 def test_documents_reach_the_template_as_a_variable():
     docs = [{"title": "a", "text": "b"}]
     assert openai_body.template_args({"documents": docs}, CHAT) == TemplateArgs(True, False, (("documents", docs),))
