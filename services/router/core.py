@@ -52,6 +52,7 @@ from services.router.holders import HolderNames, combine_packed
 from services.router.intake import Admitted
 from services.router.loras import Adapters
 from services.router.migration import Migration, Migrations
+from services.router.reasoning import THINK_TAIL, begins_inside
 from services.router.reasoning import enabled as reasoning_enabled
 from services.router.recent import RecentPrefixes, merged
 from services.router.registry import Instance, Registry
@@ -132,6 +133,13 @@ class Router:
         self.sessions = Sessions(lambda msg: self.bus.publish(self.subjects.sessions, msg), cfg.session_affinity,
                                  cfg.session_overload, cfg.max_sessions,
                                  share=lambda msg: self.bus.publish(self.subjects.router_sessions, msg))
+
+    def thinking(self, prompt: Sequence[int]) -> bool | None:
+        """Whether a chat's output begins inside its reasoning (the prompt's tail leaves a ``<think>`` open: its
+        template opened it for the model); None when the router splits no reasoning out (``reasoning_parser``)."""
+        if not self.reasoning:
+            return None
+        return begins_inside(self.tokenizer.decode(list(prompt[-THINK_TAIL:]), skip_special_tokens=False))
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

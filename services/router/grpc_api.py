@@ -35,7 +35,7 @@ from services.router.intake import (
     slo_from_headers,
 )
 from services.router.openai_body import template_args
-from services.router.reasoning import THINK_TAIL, ThinkSplitter, begins_inside, split_whole
+from services.router.reasoning import ThinkSplitter, split_whole
 from services.router.telemetry import RequestTrace
 from services.router.tool_formats import CallDelta, CallReader
 from services.router.tools import MODES, Tools, constrained, finish_reason, read_whole, tools_from_body
@@ -96,8 +96,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         if draft.messages is None:
             return None
         tools = draft.tools if draft.tools is not None and draft.tools.offered else None
-        think = (begins_inside(self.router.tokenizer.decode(list(req.prompt[-THINK_TAIL:]), skip_special_tokens=False))
-                 if self.router.reasoning else None)
+        think = self.router.thinking(req.prompt)
         if tools is None and think is None:
             return None
         out = StreamReader(tools.reader(self.router.tool_format) if tools else None,
@@ -119,9 +118,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         think: bool | None = None  # the reasoning split out: whether the prompt opened it
         try:
             async with self.intake.admit(call, rt, _reader(request, call, drafted)) as req:
-                if self.router.reasoning:
-                    think = begins_inside(self.router.tokenizer.decode(list(req.prompt[-THINK_TAIL:]),
-                                                                       skip_special_tokens=False))
+                think = self.router.thinking(req.prompt)
                 async for c in self.router.generate(req, rt):
                     rt.first_token_sent()  # unary: TTFT ends when the first token is in hand
                     text.append(c.text)

@@ -32,7 +32,7 @@ from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Admitted, Call, Draft, Intake, new_request_id, valid_request_id
 from services.router.logprobs import chat_logprobs, completion_logprobs
-from services.router.reasoning import THINK_TAIL, ThinkSplitter, begins_inside, split_whole
+from services.router.reasoning import ThinkSplitter, split_whole
 from services.router.telemetry import RequestTrace
 from services.router.tools import CallReader, Tools, finish_reason, read_whole
 
@@ -155,7 +155,7 @@ class OpenAIApi:
                                 req.sampling.logprobs is not None,
                                 tuple(r.prompt for r, _ in requests) if body.shape.token_ids else None,
                                 body.tools if body.tools is not None and body.tools.offered else None,
-                                self._think(req.prompt) if chat and self.router.reasoning else None,
+                                self.router.thinking(req.prompt) if chat else None,
                                 body.shape.include_reasoning, body.shape.ids_as_tokens)
                 stream = fan_out(self.router, requests, n)
                 if body.shape.stream:
@@ -195,10 +195,6 @@ class OpenAIApi:
                     raise _of_prompt(e, j) from None
         return out
 
-    def _think(self, prompt: tuple[int, ...]) -> bool:
-        """Whether the prompt leaves a ``<think>`` open (its template opened the reasoning for the model)."""
-        return begins_inside(self.router.tokenizer.decode(list(prompt[-THINK_TAIL:]), skip_special_tokens=False))
-
     @staticmethod
     def _envelope(answer: Answer, kind: str, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{answer.rid}", "object": kind,
@@ -212,7 +208,7 @@ class OpenAIApi:
         """The request's usage from its choices' last chunks (``n`` a prompt): each prompt once (and what of it
         its first choice found cached), the completions' tokens together."""
         usages = [c.usage for c in finished]
-        assert usages and all(u is not None for u in usages)
+        assert any(u is not None for u in usages)
         firsts = [u for u in usages[::n] if u is not None]
         prompt, completion = sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in usages if u)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,

@@ -364,7 +364,10 @@ MAX_PROMPTS = 256  # the most prompts one completions request may batch
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
     """A completions ``prompt``: text, token ids, or a list of several of either (a batch: one answer each)."""
-    if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+    if isinstance(prompt, list) and prompt:
+        # one list of ids is the common case: its types read once, in C (a Python loop over 4k ids cost ~0.3 ms)
+        if set(map(type, prompt)) <= {int, bool}:
+            return [{"token_ids": tuple(prompt)}]
         if len(prompt) > MAX_PROMPTS:
             raise invalid(f"prompt holds {len(prompt)} prompts; a request may batch at most {MAX_PROMPTS}")
         out = []
