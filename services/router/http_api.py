@@ -159,7 +159,9 @@ class OpenAIApi:
                                 body.shape.include_reasoning, body.shape.ids_as_tokens)
                 stream = fan_out(self.router, requests, n)
                 if body.shape.stream:
-                    return await self._sse(request, answer, stream, body.shape.include_usage, rt, n, len(requests))
+                    lens = tuple(len(r.prompt) for r, _ in requests) if body.shape.continuous_usage else None
+                    return await self._sse(request, answer, stream, body.shape.include_usage, rt, n, len(requests),
+                                           lens)
                 return await self._whole(answer, stream, rt, n, len(requests))
         except RequestError as e:
             rt.finish(e.kind, e.message)
@@ -261,7 +263,10 @@ class OpenAIApi:
         return choice
 
     async def _sse(self, request: web.Request, answer: Answer, stream: AsyncIterator[tuple[int, Chunk]],
-                   include_usage: bool, rt: RequestTrace, n: int = 1, prompts: int = 1) -> web.StreamResponse:
+                   include_usage: bool, rt: RequestTrace, n: int = 1, prompts: int = 1,
+                   continuous: tuple[int, ...] | None = None) -> web.StreamResponse:
+        """``continuous``: each prompt's length, when every chunk carries its choice's usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``)."""
         rid, kind = answer.rid, answer.kind
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         # pull the first chunk before answering, so an error still becomes a proper HTTP status
@@ -278,10 +283,18 @@ class OpenAIApi:
         # completion's on its choice), and each chunk's own token ids on its choice
         # (a batch: each prompt's ids on the first chunk of its choices)
         due = {} if answer.prompts is None else {j: {"prompt_token_ids": list(p)} for j, p in enumerate(answer.prompts)}
+        generated = [0] * (n * prompts)  # each choice's tokens so far (continuous usage)
+
+        def usage(i: int) -> dict[str, Any] | None:
+            if continuous is None:
+                return None
+            p = continuous[i // n]
+            return {"prompt_tokens": p, "completion_tokens": generated[i], "total_tokens": p + generated[i]}
+
         if chunk_kind == "chat.completion.chunk":
             await send(self._envelope(answer, chunk_kind, [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(n)]) | due.pop(0, {}))
+                for i in range(n)], usage(0)) | due.pop(0, {}))
         item: tuple[int, Chunk] | None = first
         total = n * prompts
         sent = [0] * total  # characters of each choice's text streamed so far: where its next chunk's tokens start
@@ -307,7 +320,8 @@ class OpenAIApi:
                           "finish_reason": finish_reason(reason, reader.called) if reader and reason else reason}
                 if answer.prompts is not None:
                     choice |= due.pop(i // n, {}) | {"token_ids": list(c.token_ids)}
-                await send(self._envelope(answer, chunk_kind, [choice]))
+                generated[i] += len(c.token_ids)
+                await send(self._envelope(answer, chunk_kind, [choice], usage(i)))
                 sent[i] += len(c.text)
                 rt.first_token_sent()
                 if c.finished:

@@ -169,6 +169,7 @@ class Shape(NamedTuple):
     n: int = 1
     include_reasoning: bool = True  # a reasoning model's thinking in the answer (``reasoning.py``; vLLM's field)
     ids_as_tokens: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries its choice's usage
 
 
 MAX_CHOICES = 16  # the most choices one request may ask for
@@ -185,7 +186,8 @@ def shape(body: dict) -> Shape:
     if not isinstance(reasoning, bool):
         raise invalid("include_reasoning must be true or false")
     return Shape(bool_field(body, "stream"), bool_field(options, "include_usage"), bool_field(body, "return_token_ids"),
-                 n, reasoning, bool_field(body, "return_tokens_as_token_ids"))
+                 n, reasoning, bool_field(body, "return_tokens_as_token_ids"),
+                 bool_field(options, "include_usage") and bool_field(options, "continuous_usage_stats"))
 
 
 def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, str]:

@@ -100,3 +100,21 @@ def test_a_bad_prompt_in_a_batch_refuses_the_request_naming_it(mesh):
     assert status == 400 and "prompt[1]" in out["error"]["message"], out
     status, out, _ = post(mesh, "/v1/completions", {"prompt": ["fine", "also fine"], "max_tokens": 2})
     assert status == 200 and len(out["choices"]) == 2  # the service goes on
+
+
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(mesh):
+    client = openai_client(mesh)
+    chunks = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=BATCH[:2], max_tokens=5,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    alone = [post(mesh, "/v1/completions", {"prompt": p, "max_tokens": 5, "temperature": 0})[1]["usage"]
+             for p in BATCH[:2]]
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        assert c.usage.prompt_tokens == alone[choice.index]["prompt_tokens"]
+        seen[choice.index].append(c.usage.completion_tokens)
+    for i in (0, 1):  # counts grow to the choice's whole completion
+        assert seen[i] == sorted(seen[i]) and seen[i][-1] == alone[i]["completion_tokens"]
+    final = chunks[-1]
+    assert not final.choices and final.usage.completion_tokens == sum(u["completion_tokens"] for u in alone)
