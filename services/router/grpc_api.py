@@ -35,10 +35,10 @@ from services.router.intake import (
     slo_from_headers,
 )
 from services.router.openai_body import template_args
-from services.router.reasoning import ThinkSplitter, split_whole
+from services.router.reasoning import ThinkSplitter
 from services.router.telemetry import RequestTrace
-from services.router.tool_formats import CallDelta, CallReader
-from services.router.tools import MODES, Tools, constrained, finish_reason, read_whole, tools_from_body
+from services.router.tool_formats import CallReader
+from services.router.tools import MODES, ChatOutput, Tools, constrained, finish_reason, read_chat, tools_from_body
 
 
 class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
@@ -132,18 +132,14 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
             raise
         finally:
             rt.finish()
-        content, calls = "".join(text), []
-        reasoning = None
-        if think is not None:
-            reasoning, content = split_whole(content, think)
-        if drafted and (tools := drafted[0].tools) is not None and tools.offered:
-            read = read_whole(tools, content, reason, self.router.tool_format)
-            content, calls, reason = read.content or "", read.calls, read.finish_reason
-        resp = api_pb2.ChatResponse(request_id=rt.request_id, text=content, token_ids=ids,
-                                    finish_reason=reason, logprobs=[logprobs_to_proto(lp) for lp in logprobs],
+        tools = drafted[0].tools if drafted and drafted[0].tools is not None and drafted[0].tools.offered else None
+        read = read_chat("".join(text), reason, tools, self.router.tool_format, think)
+        resp = api_pb2.ChatResponse(request_id=rt.request_id, text=read.content or "", token_ids=ids,
+                                    finish_reason=read.finish_reason,
+                                    logprobs=[logprobs_to_proto(lp) for lp in logprobs],
                                     tool_calls=[common_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
                                                                     arguments=c["function"]["arguments"])
-                                                for c in calls], reasoning=reasoning or "")
+                                                for c in read.calls], reasoning=read.reasoning or "")
         if usage:
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))
         return resp
@@ -245,38 +241,22 @@ def _reader(request: api_pb2.GenerateRequest | api_pb2.ChatRequest | RequestErro
 
 
 class StreamReader:
-    """A ``Generate`` of messages read as it streams: each chunk's text becomes its content, with the reasoning
-    and the calls apart (``http_api.thought_delta``'s reading, on the gRPC chunk). A call's first piece has its
-    id and name; a later piece (a named function's arguments, as generated) its arguments alone, to be joined to
-    the call before it (the SDK does)."""
+    """A ``Generate`` of messages read as it streams (``tools.ChatOutput``, on the gRPC chunk): each chunk's text
+    becomes its content, with the reasoning and the calls apart. A call's first piece has its id and name; a later
+    piece (a named function's arguments, as generated) its arguments alone, to be joined to the call before it
+    (the SDK does)."""
 
     def __init__(self, calls: CallReader | None, thinking: ThinkSplitter | None) -> None:
-        self.calls, self.thinking = calls, thinking
+        self.output = ChatOutput(calls, thinking)
 
     def read(self, msg: api_pb2.GenerateChunk, last: bool) -> None:
-        thought, said, deltas = self._split(msg.text, last)
-        msg.text, msg.reasoning = said, thought
+        msg.reasoning, msg.text, deltas = self.output.feed(msg.text, last)
         msg.tool_calls.extend(common_pb2.ToolCall(id=d.id, name=d.name, arguments=d.arguments) for d in deltas)
-        if self.calls is not None and self.calls.called and msg.finish_reason:
+        if self.output.called and msg.finish_reason:
             msg.finish_reason = finish_reason(msg.finish_reason, True)
 
     def skip(self, text: str) -> None:
-        self._split(text, False)
-
-    def _split(self, text: str, last: bool) -> tuple[str, str, list[CallDelta]]:
-        thought = ""
-        if self.thinking is not None:
-            thought, text = self.thinking.feed(text)
-            if last:
-                more, rest = self.thinking.close()
-                thought, text = thought + more, text + rest
-        if self.calls is None:
-            return thought, text, []
-        said, deltas = self.calls.feed(text)
-        if last:
-            rest, more_calls = self.calls.close()
-            said, deltas = said + rest, deltas + more_calls
-        return thought, said, deltas
+        self.output.feed(text)
 
 
 async def _draft(request: api_pb2.GenerateRequest | api_pb2.ChatRequest, call: Call) -> Draft:

@@ -32,9 +32,9 @@ from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Admitted, Call, Draft, Intake, new_request_id, valid_request_id
 from services.router.logprobs import chat_logprobs, completion_logprobs
-from services.router.reasoning import ThinkSplitter, split_whole
+from services.router.reasoning import ThinkSplitter
 from services.router.telemetry import RequestTrace
-from services.router.tools import CallReader, Tools, finish_reason, read_whole
+from services.router.tools import ChatOutput, Tools, finish_reason, read_chat
 
 log = logging.getLogger(__name__)
 
@@ -247,17 +247,14 @@ class OpenAIApi:
         content, reason = "".join(c.text for c in chunks), chunks[-1].finish_reason or "stop"
         choice: dict[str, Any] = ({"index": index, "message": {"role": "assistant", "content": content}}
                                   if answer.kind == "chat.completion" else {"index": index, "text": content})
-        reasoning = None
-        if answer.think is not None:
-            reasoning, content = split_whole(content, answer.think)
-            choice["message"]["content"] = content
-        if answer.tools is not None:
-            read = read_whole(answer.tools, content, reason, self.router.tool_format)
+        if answer.tools is not None or answer.think is not None:
+            read = read_chat(content, reason, answer.tools, self.router.tool_format, answer.think)
+            message: dict[str, Any] = {"role": "assistant", "content": read.content}
             if read.calls:
-                choice["message"] = {"role": "assistant", "content": read.content, "tool_calls": read.calls}
-            reason = read.finish_reason
-        if reasoning is not None and answer.show_reasoning:
-            choice["message"]["reasoning"] = reasoning
+                message["tool_calls"] = read.calls
+            if read.reasoning is not None and answer.show_reasoning:
+                message["reasoning"] = read.reasoning
+            choice["message"], reason = message, read.finish_reason
         choice["logprobs"] = self._logprobs(answer, chunks)
         choice["finish_reason"] = reason
         return choice
@@ -298,26 +295,25 @@ class OpenAIApi:
         item: tuple[int, Chunk] | None = first
         total = n * prompts
         sent = [0] * total  # characters of each choice's text streamed so far: where its next chunk's tokens start
-        readers = ([answer.tools.reader(self.router.tool_format) for _ in range(total)] if answer.tools is not None
-                   else None)
-        thinking = [ThinkSplitter(answer.think) for _ in range(total)] if answer.think is not None else None
+        read = answer.tools is not None or answer.think is not None  # a chat's text read: reasoning, calls
+        outputs = [ChatOutput(answer.tools.reader(self.router.tool_format) if answer.tools is not None else None,
+                              ThinkSplitter(answer.think) if answer.think is not None else None)
+                   for _ in range(total)] if read else None
         last: dict[int, Chunk] = {}
         try:
             while item is not None:
                 i, c = item
                 delta: dict[str, Any]
-                reader = readers[i] if readers is not None else None
-                if thinking is not None:
-                    delta = {"delta": thought_delta(thinking[i], reader, c.text, c.finished, answer.show_reasoning)}
-                elif reader is not None:
-                    delta = {"delta": streamed_delta(reader, c.text, c.finished)}
+                out = outputs[i] if outputs is not None else None
+                if out is not None:
+                    delta = {"delta": chat_delta(out, c.text, c.finished, answer.show_reasoning)}
                 elif chunk_kind == "chat.completion.chunk":
                     delta = {"delta": {"content": c.text}}
                 else:
                     delta = {"text": c.text}
                 reason = c.finish_reason or None
                 choice: dict[str, Any] = {"index": i, **delta, "logprobs": self._logprobs(answer, [c], sent[i]),
-                          "finish_reason": finish_reason(reason, reader.called) if reader and reason else reason}
+                          "finish_reason": finish_reason(reason, out.called) if out and reason else reason}
                 if answer.prompts is not None:
                     choice |= due.pop(i // n, {}) | {"token_ids": list(c.token_ids)}
                 generated[i] += len(c.token_ids)
@@ -492,25 +488,13 @@ def _of_prompt(e: RequestError, j: int) -> RequestError:
     return RequestError(e.kind, f"prompt[{j}]: {e.message}", e.instance, e.retryable)
 
 
-def thought_delta(splitter: ThinkSplitter, reader: CallReader | None, text: str, last: bool,
-                  show: bool) -> dict[str, Any]:
-    """A chat chunk's ``delta`` when reasoning is split out: the reasoning ``splitter`` found (left out when the
-    request said ``include_reasoning: false``), and the content after it, read for calls by ``reader``."""
-    thought, said = splitter.feed(text)
-    if last:
-        more, rest = splitter.close()
-        thought, said = thought + more, said + rest
-    delta = streamed_delta(reader, said, last) if reader is not None else {"content": said}
-    return ({"reasoning": thought} if thought and show else {}) | delta
-
-
-def streamed_delta(reader: CallReader, text: str, last: bool) -> dict[str, Any]:
-    """A chat chunk's ``delta`` when its request offered tools: the content ``reader`` lets through and the
-    calls it completed (``last``: the response's end, where whatever it held back goes out)."""
-    said, calls = reader.feed(text)
-    if last:
-        rest, more = reader.close()
-        said, calls = said + rest, calls + more
-    if not calls:
-        return {"content": said}
-    return ({"content": said} if said else {}) | {"tool_calls": [d.wire() for d in calls]}
+def chat_delta(out: ChatOutput, text: str, last: bool, show: bool) -> dict[str, Any]:
+    """A chat chunk's ``delta`` when its text is read (reasoning split out, tools offered): the reasoning (left
+    out when the request said ``include_reasoning: false``), the content let through, the calls completed."""
+    thought, said, calls = out.feed(text, last)
+    delta: dict[str, Any] = {"reasoning": thought} if thought and show else {}
+    if said or not calls:
+        delta["content"] = said
+    if calls:
+        delta["tool_calls"] = [d.wire() for d in calls]
+    return delta

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple, Protocol
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 
 from services.router.errors import invalid
+from services.router.reasoning import ThinkSplitter, split_whole
 from services.router.structured import check_schema
 from services.router.tool_formats import FORMATS, CallDelta, CallFormat, CallReader, call_id, json_call
 
@@ -351,6 +352,55 @@ def read_whole(tools: Tools, text: str, reason: str, fmt: CallFormat = HERMES) -
     if not reader.called:
         return Read(text, [], reason)
     return Read((said + rest).strip() or None, whole_calls(calls + more), finish_reason(reason, True))
+
+
+class ChatRead(NamedTuple):
+    """A whole chat response read: the reasoning split out (None: none, or not split), the content (None: only
+    calls), the calls, the finish reason."""
+
+    reasoning: str | None
+    content: str | None
+    calls: list[dict[str, Any]]
+    finish_reason: str
+
+
+def read_chat(text: str, reason: str, tools: Tools | None, fmt: CallFormat, think: bool | None) -> ChatRead:
+    """A whole chat response as HTTP and gRPC answer it: a reasoning model's thinking split out first (``think``:
+    whether the output begins inside it; None: not split), the rest read for ``tools``' calls."""
+    reasoning, content = split_whole(text, think) if think is not None else (None, text)
+    if tools is None:
+        return ChatRead(reasoning, content, [], reason)
+    read = read_whole(tools, content, reason, fmt)
+    return ChatRead(reasoning, read.content, read.calls, read.finish_reason)
+
+
+class ChatOutput:
+    """One chat response's text read as it streams, the same for HTTP's chunks and gRPC's: a reasoning model's
+    thinking split out first (``thinking``), the rest read for calls (``calls``); either may be None."""
+
+    def __init__(self, calls: CallReader | None, thinking: ThinkSplitter | None) -> None:
+        self.calls, self.thinking = calls, thinking
+
+    @property
+    def called(self) -> bool:
+        return self.calls is not None and self.calls.called
+
+    def feed(self, text: str, last: bool = False) -> tuple[str, str, list[CallDelta]]:
+        """``text``'s (reasoning, content, call pieces); ``last``: the response's end, where whatever was held
+        back goes out."""
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text)
+            if last:
+                more, rest = self.thinking.close()
+                thought, text = thought + more, text + rest
+        if self.calls is None:
+            return thought, text, []
+        said, deltas = self.calls.feed(text)
+        if last:
+            rest, more_calls = self.calls.close()
+            said, deltas = said + rest, deltas + more_calls
+        return thought, said, deltas
 
 
 def whole_calls(deltas: list[CallDelta]) -> list[dict[str, Any]]:
