@@ -110,8 +110,9 @@ class Body:
 
     async def draft(self) -> Draft:
         body = await read_body(self.request)
-        draft = openai_body.draft(body, self.chat, self.request.headers)
-        self.shape, self.tools, self.drafted = openai_body.shape(body), draft.tools, draft
+        self.shape = openai_body.shape(body)
+        draft = openai_body.draft(body, self.chat, self.request.headers, self.shape)
+        self.tools, self.drafted = draft.tools, draft
         return draft
 
     @property

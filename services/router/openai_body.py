@@ -47,7 +47,7 @@ def parse(raw: bytes) -> dict:
     return body
 
 
-def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
+def draft(body: dict, chat: bool, headers: Mapping[str, str], answer: Shape | None = None) -> Draft:
     """A chat (``messages``) or completions (``prompt``: text or token ids) body as the intake's input. The
     routing overrides come from the headers ``x-kvmesh-policy`` (or the body's ``kvmesh_policy``) and
     ``x-kvmesh-disaggregate``; the session and its agent hints from the body's ``session_id``,
@@ -55,7 +55,7 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
     (``intake.SESSION_HEADERS``; a header and a field must agree), and ``cache_control``; the latency targets
     from the body's ``kvmesh_slo``
     (``{"ttft_s": 6, "itl_s": 0.15}``) or the headers ``x-kvmesh-slo-ttft-s`` / ``x-kvmesh-slo-itl-s`` (which
-    win)."""
+    win). ``answer``: the body's ``shape`` when the caller read it already (else it is read here, for ``n``)."""
     sampling, structured_field = sampling_from_body(body, chat)
     tools = None
     template = None
@@ -84,7 +84,7 @@ def draft(body: dict, chat: bool, headers: Mapping[str, str]) -> Draft:
                  policy=headers.get("x-kvmesh-policy") or str_field(body, "kvmesh_policy") or None,
                  disaggregate=headers.get("x-kvmesh-disaggregate") or None, **sessions,
                  cache_control=None if control is None else message_cache_control(control, "cache_control"),
-                 slo=slo_from_headers(headers, _slo(body)), tools=tools, choices=shape(body).n,
+                 slo=slo_from_headers(headers, _slo(body)), tools=tools, choices=(answer or shape(body)).n,
                  more=tuple(more), template=template, truncate=_truncation(body))
 
 
