@@ -71,6 +71,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         await refuse_continuation(context, w.engine, work)
+        if engine_request.params.prompt_logprobs is not None and not request.prefill_locally:
+            w.metrics.rejections.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.prompt_logprobs needs prefill_locally: a "
+                                "prompt's logprobs come from computing all of it here, not from pushed KV")
         handoff = None if request.prefill_locally else Handoff(w, self.kv_ready, request, engine_request, context,
                                                                span)
         pool_fetch = ""  # a local prefill's fetch from the pool: its outcome (EngineHost.warm_from_pool)
@@ -80,8 +84,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     span.set_attribute("kvmesh.route.reason", request.route_reason)
                 if engine_request.session is not None:  # a warm of its context on the way: let it land first
                     await w.session_warmed(engine_request.session.key)
-                warmed = await w.warm_from_pool(list(engine_request.prompt), work.cache_salt, work.pool_blocks, span,
-                                                attrs, work.lora_name)
+                scores = engine_request.params.prompt_logprobs is not None  # computes all of its prompt anyway
+                warmed = await w.warm_from_pool(list(engine_request.prompt), work.cache_salt,
+                                                0 if scores else work.pool_blocks, span, attrs, work.lora_name)
                 intake, pool_fetch = Intake(), warmed.outcome
             else:
                 intake = await handoff.receive()
@@ -116,7 +121,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             async for out in w.engine.generate(engine_request, timing):
                 chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids, text=out.text, finished=out.finished,
                                                finish_reason=out.finish_reason or "",
-                                               logprobs=[logprobs_to_proto(lp) for lp in out.logprobs])
+                                               logprobs=[logprobs_to_proto(lp) for lp in out.logprobs],
+                                               prompt_logprobs=[logprobs_to_proto(lp) for lp in out.prompt_logprobs])
                 if generated is not None:
                     generated.extend(out.token_ids)
                 if out.exported is not None:  # the conversation so far, for the next turn on any instance

@@ -72,6 +72,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             w.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"work: {e}")
         await refuse_continuation(context, w.engine, work)
+        if engine_request.params.prompt_logprobs is not None:
+            w.metrics.rejections.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.prompt_logprobs is served where the "
+                                "request decodes (prefill_locally): decode would get the KV but not the logprobs")
         prompt = list(engine_request.prompt)
         # decode holds (and pinned) the leading blocks the router saw there: push only the rest. At most the
         # blocks before the last token's, so at least one block moves and decode computes nothing

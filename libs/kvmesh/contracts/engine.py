@@ -114,16 +114,18 @@ class KVPart:
 class TokenLogprobs:
     """A generated token's log-probability and the ``SamplingParams.logprobs`` most likely tokens at its position
     (``top``: ``(token id, logprob)``, most likely first), from the distribution it was sampled from: the model's,
-    before temperature and the other sampling filters (as vLLM reports by default)."""
+    before temperature and the other sampling filters (as vLLM reports by default). A prompt token's
+    (``SamplingParams.prompt_logprobs``) also has its ``rank`` there (1 = the most likely; 0 = not given)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
-    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                                    top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                                    top_logprobs=[v for _, v in lp.top], rank=lp.rank)
 
 
 def logprobs_from_proto(m: common_pb2.TokenLogprobs) -> TokenLogprobs:
@@ -131,7 +133,7 @@ def logprobs_from_proto(m: common_pb2.TokenLogprobs) -> TokenLogprobs:
     if len(m.top_token_ids) != len(m.top_logprobs):
         raise ValueError(f"token logprobs: {len(m.top_token_ids)} top token ids but {len(m.top_logprobs)} "
                          "logprobs")
-    return TokenLogprobs(m.token_id, m.logprob, tuple(zip(m.top_token_ids, m.top_logprobs, strict=True)))
+    return TokenLogprobs(m.token_id, m.logprob, tuple(zip(m.top_token_ids, m.top_logprobs, strict=True)), m.rank)
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,9 @@ class EngineRequest:
         if self.generated < 0 or (self.generated and self.generated >= len(self.prompt)):
             raise ValueError(f"generated ({self.generated}) must be in [0, {len(self.prompt)}): the tokens already "
                              "generated follow at least one prompt token")
+        if self.generated and self.params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is for a request's first run: a continued request's prompt logprobs "
+                             "were given where it started")
 
 
 def engine_request_from_proto(work: worker_pb2.WorkRequest, export: ExportPlan | None = None) -> EngineRequest:
@@ -235,6 +240,8 @@ class EngineOutput:
     cached_tokens: int = 0
     exported: ExportedKV | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token of ``token_ids`` when the request asked for them
+    # on the first output, when the request set ``prompt_logprobs``: one per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass

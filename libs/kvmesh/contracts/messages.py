@@ -21,7 +21,7 @@ from kvmesh.contracts.engine import AHEAD_EDGES_S, UNMEASURED, EngineLoad, Speed
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.contracts.sampling import LOGITS
+from kvmesh.contracts.sampling import LOGITS, PROMPT_LOGPROBS
 from kvmesh.contracts.sessions import SessionEvent
 
 VERSION = 1
@@ -286,7 +286,7 @@ class InstanceLoad:
                    speed=Speed(**{k: numbers[k] for k in cls.SPEEDS if k in numbers}), ahead_tokens=ahead)
 
 
-FEATURES = (LOGITS,)  # what this build's engines apply beyond the base set (``Heartbeat.features``)
+FEATURES = (LOGITS, PROMPT_LOGPROBS)  # what this build's engines apply beyond the base set (``Heartbeat.features``)
 
 
 @dataclass(frozen=True)

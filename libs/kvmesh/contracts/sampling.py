@@ -16,6 +16,7 @@ F32_TINY = 1.401298464324817e-45
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each sampled one (OpenAI's top_logprobs cap)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 LOGITS = "logits"  # an engine feature: the penalties, min_p, min_tokens and logit_bias (``messages.FEATURES``)
+PROMPT_LOGPROBS = "prompt_logprobs"  # an engine feature: ``SamplingParams.prompt_logprobs``
 MAX_REPETITION_PENALTY = 10.0
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -69,6 +70,9 @@ class SamplingParams:
     ignore_eos: bool = False
     structured: StructuredOutput | None = None  # the output must match this grammar (JSON schema, regex, ...)
     logprobs: int | None = None       # None: off; N: each generated token's logprob and the N most likely (<= 20)
+    # None: off; N: each prompt token's logprob after the first, its rank and the N most likely there (<= 20),
+    # computed from the whole prompt (no reused KV: a reused prefix has no logits)
+    prompt_logprobs: int | None = None
     # what the logits go through before sampling (OpenAI's and vLLM's meanings; defaults: nothing)
     presence_penalty: float = 0.0     # subtracted from a token's logit once it was generated at all
     frequency_penalty: float = 0.0    # ... times the number of times it was generated
@@ -88,6 +92,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:  # also nan
                 raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
@@ -112,7 +118,8 @@ class SamplingParams:
     @property
     def features(self) -> tuple[str, ...]:
         """What an engine must apply beyond the base set to serve these (``messages.FEATURES``'s names)."""
-        return (LOGITS,) if self.penalized or self.min_p else ()
+        return (((LOGITS,) if self.penalized or self.min_p else ())
+                + ((PROMPT_LOGPROBS,) if self.prompt_logprobs is not None else ()))
 
     @property
     def penalized(self) -> bool:
@@ -154,6 +161,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         structured=structured_from_proto(p),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
@@ -173,6 +181,8 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         structured_to_proto(s.structured, msg)
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     logits_to_proto(s, msg)
     return msg
 

@@ -411,7 +411,8 @@ class AsyncEngine(EngineLoop, Engine):
             block_bytes(readout.blocks), int(readout.blocks.shape[0]), readout.first_block, readout.num_tokens,
             tuple(readout.block_keys), readout.final, readout.layers)
         return EngineOutput(step.request_id, tuple(step.new_token_ids), step.text_delta, step.finished,
-                            step.finish_reason, step.cached_tokens, exported, tuple(step.logprobs))
+                            step.finish_reason, step.cached_tokens, exported, tuple(step.logprobs),
+                            tuple(step.prompt_logprobs))
 
 
 class StepTotals:

@@ -37,6 +37,10 @@ class ForwardBatch:
     slots: torch.Tensor       # [T] flat KV slot of each token
     seqs: list[SeqSlice]
     sample_idx: torch.Tensor  # [S] flat indices whose logits are wanted
+    # [H] flat indices whose final (normed) hidden states the pass keeps in ``hidden`` (prompt logprobs: their
+    # logits are taken a slice at a time, ``Model.logits``, so a long prompt's [H, vocab] never exists at once)
+    hidden_idx: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @classmethod
     def build(cls, seqs: list[SeqSlice], token_ids: list[list[int]], block_size: int,

@@ -136,13 +136,14 @@ class BlockManager:
     def allocate_prefix(self, seq: Sequence) -> bool:
         """Attach the longest cached prefix to a new sequence (loading host blocks, copying a partial block).
 
-        Leaves at least one token to compute so the sequence gets logits. False when blocks are short. When the
+        Leaves at least one token to compute so the sequence gets logits; none for a sequence that scores its prompt
+        (it needs every position's logits). False when blocks are short. When the
         prefix's host blocks cannot all come back (the device can make no room for them while they are held:
         its other blocks' children fill the host tier), the part on the device is attached and the rest is
         computed again, rather than waiting for room that never comes.
         """
         tokens = seq.all_token_ids
-        m = self.match(seq.namespace_seed, tokens, max_tokens=len(tokens) - 1)
+        m = self.match(seq.namespace_seed, tokens, max_tokens=0 if seq.scores_prompt else len(tokens) - 1)
         if self._attach(seq, m):
             return True
         on_device = list(itertools.takewhile(lambda n: n.block_id is not None, m.nodes))

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _GRAMMARS_LOCK = threading.Lock()
+PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits exist at once (each [vocab] float32: ~50 MB for a 49k vocab)
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -65,6 +66,8 @@ class StepOutput:
     exported: KVReadout | None = None
     error: SequenceError | None = None  # the request failed (finished, finish_reason "error"); others did not
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token, when the request asked
+    # with the first token, when the request set ``prompt_logprobs``: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Completion:
     decode_tokens_per_s: float
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when the request asked
     error: SequenceError | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when the request set prompt_logprobs
 
 
 # Called on the engine thread right after each forward pass with the request ids of the rows about to be sampled
@@ -127,6 +131,8 @@ class _Tracked:
         self.error: SequenceError | None = None
         self.grammar: GrammarState | None = None  # a structured-output request's matcher
         self.logprobs: list[TokenLogprobs] = []  # of the tokens so far, when the request asked
+        # its prompt's, by the position of the token they score (1 ..), as its prefill chunks compute them
+        self.prompt_logprobs: dict[int, TokenLogprobs] = {}
         self.tally: Tally | None = None  # a penalized request's tokens over the vocabulary (made when first needed)
 
     def resume(self, earlier: list[int]) -> None:
@@ -345,7 +351,7 @@ class LLMEngine:
         pool has no room for it, or the request asks for logprobs the push did not bring (prefill computed them
         from logits decode never sees): it is then recomputed, and the blocks it landed in go back."""
         seq.output_token_ids.append(kv.first_token)
-        usable = seq.params.logprobs is None or kv.first_logprobs is not None
+        usable = (seq.params.logprobs is None or kv.first_logprobs is not None) and seq.params.prompt_logprobs is None
         if usable and self.scheduler.has_room() and self.blocks.import_prefix(seq, blocks, kv.num_tokens,
                                                                               kv.first_block):
             seq.num_cached_tokens = kv.num_tokens
@@ -394,9 +400,12 @@ class LLMEngine:
     def _forward(self, scheduled: list[Scheduled]) -> list[StepOutput]:
         """The forward pass over ``scheduled`` and what comes of it: KV read out, tokens sampled. A failed pass
         fails those sequences."""
-        slices, tokens, sample_idx, samplers, groups = _inputs(scheduled)
+        slices, tokens, sample_idx, samplers, groups, scored = _inputs(scheduled)
         try:
             batch = ForwardBatch.build(slices, tokens, self.cfg.block_size, sample_idx, self.cfg.device)
+            if scored:
+                batch.hidden_idx = torch.tensor([i for span in scored for i in span.rows], dtype=torch.long,
+                                                device=self.cfg.device)
             lora = (LoRABatch([(self.loras.weights(spec), slice(a, b)) for spec, a, b in groups])
                     if groups else None)
             exports = self._during_pass(scheduled)
@@ -410,6 +419,9 @@ class LLMEngine:
         pending = self._take_pieces()
         if exports and (failed := self._exports_done(exports)):  # those are not sampled
             pending += failed
+        if scored and (failed := self._score_prompts(scored, batch.hidden)):
+            pending += failed
+        if len(samplers) and any(s.status is Status.FINISHED for s in samplers):  # their export or scoring failed
             keep = [i for i, s in enumerate(samplers) if s.status is not Status.FINISHED]
             samplers, logits = [samplers[i] for i in keep], logits[keep]
         if self.logits_hook is not None:
@@ -590,6 +602,32 @@ class LLMEngine:
                 out[i] = RowFault(f"computing logprobs failed: {type(e).__name__}: {e}", client_fault=False)
         return out
 
+    def _score_prompts(self, scored: list[_Scored], hidden: torch.Tensor | None) -> list[StepOutput]:
+        """Each scored prompt chunk's logprobs (``SamplingParams.prompt_logprobs``) from the final hidden states
+        the pass kept, ``PROMPT_LOGPROB_ROWS`` rows of logits at a time; a request whose scoring fails fails
+        alone (its failure returned)."""
+        failed, at = [], 0
+        for span in scored:
+            rows, at = slice(at, at + len(span.rows)), at + len(span.rows)
+            seq = span.seq
+            try:
+                if hidden is None:
+                    raise RuntimeError("the forward pass kept no hidden states")
+                top = seq.params.prompt_logprobs or 0
+                targets = seq.prompt_token_ids[span.first + 1:span.first + 1 + len(span.rows)]
+                tracked = self._requests[seq.request_id].prompt_logprobs
+                h = hidden[rows]
+                for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                    part = targets[a:a + PROMPT_LOGPROB_ROWS]
+                    lps = token_logprobs(self.model.logits(h[a:a + len(part)]), part, [top] * len(part), ranked=True)
+                    for i, lp in enumerate(lps):
+                        tracked[span.first + 1 + a + i] = lp
+            except Exception as e:
+                log.exception("request %s: computing its prompt's logprobs failed", seq.request_id)
+                failed.append(self._fail(seq, SequenceError(
+                    seq.request_id, f"computing the prompt's logprobs failed: {type(e).__name__}: {e}")))
+        return failed
+
     def _emit(self, seq: Sequence, token: int, now: float, logprobs: TokenLogprobs | None = None) -> StepOutput:
         """``_append``, with a failure (stop check, detokenizer, KV export) aborting this sequence only."""
         try:
@@ -645,8 +683,20 @@ class LLMEngine:
                                          seq.num_computed_tokens)
             self.scheduler.finish(seq, reason)
             self._count_slo(seq)
+        prompt = self._prompt_logprobs(seq, tracked) if len(seq.output_token_ids) == 1 else []
         return StepOutput(seq.request_id, [token], delta, reason is not None, reason, seq.num_cached_tokens,
-                          exported, logprobs=[logprobs] if logprobs is not None else [])
+                          exported, logprobs=[logprobs] if logprobs is not None else [], prompt_logprobs=prompt)
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, tracked: _Tracked) -> list[TokenLogprobs]:
+        """The prompt's logprobs in order, for its first output (none when the request did not ask)."""
+        if seq.params.prompt_logprobs is None:
+            return []
+        scored = tracked.prompt_logprobs
+        missing = [i for i in range(1, len(seq.prompt_token_ids)) if i not in scored]
+        if missing:  # every prompt position is computed here (no reused prefix): a gap is the engine's bug
+            raise RuntimeError(f"the prompt's logprobs miss positions {missing[:8]}")
+        return [scored[i] for i in range(1, len(seq.prompt_token_ids))]
 
     def _count_slo(self, seq: Sequence) -> None:
         """A request with a target finished: did it meet them (``slo_outcomes``, the engine's goodput)?"""
@@ -744,7 +794,8 @@ class LLMEngine:
         n = len(seq.output_token_ids)
         return Completion(request_id, seq.prompt_token_ids, list(seq.output_token_ids), tracked.text,
                           seq.finish_reason, seq.num_cached_tokens, ttft,
-                          (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, tracked.logprobs, tracked.error)
+                          (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, tracked.logprobs, tracked.error,
+                          self._prompt_logprobs(seq, tracked) if n else [])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  cache_salt: str = "", lora: str | list[str] = "") -> list[Completion]:
@@ -802,11 +853,21 @@ def _work(scheduled: list[Scheduled]) -> tuple[int, tuple[tuple[int, int], ...]]
     return decode_rows, tuple(chunks)
 
 
+class _Scored(NamedTuple):
+    """A prompt chunk whose logprobs are wanted: the flat rows of the batch at its positions ``first ..``, each
+    scoring the prompt token after it."""
+
+    seq: Sequence
+    first: int
+    rows: range
+
+
 def _inputs(scheduled: list[Scheduled]) -> tuple[list[SeqSlice], list[list[int]], list[int], list[Sequence],
-                                                 list[tuple[LoRASpec, int, int]]]:
+                                                 list[tuple[LoRASpec, int, int]], list[_Scored]]:
     """The forward pass's inputs for ``scheduled``: each row's slice of the batch and its tokens, the positions
-    whose logits are sampled and their sequences, and each adapter's rows as one ``(adapter, start, end)``."""
-    slices, tokens, sample_idx, samplers = [], [], [], []
+    whose logits are sampled and their sequences, each adapter's rows as one ``(adapter, start, end)``, and the
+    prompt chunks whose logprobs are wanted (every prompt position but the last, which is sampled)."""
+    slices, tokens, sample_idx, samplers, scored = [], [], [], [], []
     groups: list[tuple[LoRASpec, int, int]] = []
     start = 0
     for seq, n in scheduled:
@@ -818,11 +879,13 @@ def _inputs(scheduled: list[Scheduled]) -> tuple[list[SeqSlice], list[list[int]]
         begin = seq.num_computed_tokens
         slices.append(SeqSlice(start, n, begin + n, seq.block_table))
         tokens.append(seq.all_token_ids[begin:begin + n])
+        if seq.scores_prompt and begin < (last := len(seq.prompt_token_ids) - 1):
+            scored.append(_Scored(seq, begin, range(start, start + min(n, last - begin))))
         start += n
         if begin + n == seq.num_tokens:
             sample_idx.append(start - 1)
             samplers.append(seq)
-    return slices, tokens, sample_idx, samplers, groups
+    return slices, tokens, sample_idx, samplers, groups, scored
 
 
 def hash_config(cfg: ModelConfig) -> str:

@@ -205,7 +205,8 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv: DeviceKVPool, attn: AttentionBackend,
                 lora: LoRABatch | None = None,
                 kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Logits ``[len(batch.sample_idx), vocab]`` (float32). ``lora``: each adapter's low-rank term, added
+        """Logits ``[len(batch.sample_idx), vocab]`` (float32); ``batch.hidden`` set to the final hidden states of
+        ``batch.hidden_idx``'s rows when it names any. ``lora``: each adapter's low-rank term, added
         to its rows' projections next to the base matmul. ``kv_written(n)``: called on this thread as soon as
         layers ``0 .. n-1`` have written this batch's K/V into ``kv`` (right after layer n-1's attention), so
         a caller can read a layer group out while the later layers compute."""
@@ -246,5 +247,12 @@ class LlamaModel(nn.Module):
                 down = layer.down(act)
                 lora.add(down, act, i, "down")
                 h = h + down
+        if batch.hidden_idx is not None:
+            batch.hidden = self._rms(h.index_select(0, batch.hidden_idx), self.norm)
         h = self._rms(h.index_select(0, batch.sample_idx), self.norm)
         return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` (float32) of final hidden states a pass kept (``ForwardBatch.hidden``)."""
+        return self.lm_head(hidden).float()

@@ -230,18 +230,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return out
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int],
+                   ranked: bool = False) -> list[TokenLogprobs]:
     """For rows of logits ``[R, vocab]``: the log-probability of the row's sampled ``tokens[i]`` and its
     ``tops[i]`` most likely tokens (most likely first), from the model's own distribution (fp32 log-softmax of the
     logits, before temperature and the sampling filters: what vLLM reports by default). One batched op for all
-    rows; values are finite (a log-probability below float32's range reads as its lowest value)."""
+    rows; values are finite (a log-probability below float32's range reads as its lowest value). ``ranked``: each
+    token's rank too (1 + the tokens strictly more likely; a prompt's tokens, which were not sampled)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].clamp_min(F32_LOWEST).tolist()
+    chosen_t = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])
+    ranks = torch.gt(lp, chosen_t).sum(-1, dtype=torch.int32).add_(1).tolist() if ranked else [0] * len(tokens)
+    chosen = chosen_t[:, 0].clamp_min(F32_LOWEST).tolist()
     k = max(tops)
     top_lp: list[list[float]] = [[] for _ in tokens]
     top_ids: list[list[int]] = [[] for _ in tokens]
     if k:
         values, ids = lp.topk(k, dim=-1)  # sorted: most likely first
         top_lp, top_ids = values.clamp_min(F32_LOWEST).tolist(), ids.tolist()
-    return [TokenLogprobs(tok, chosen[i], tuple(zip(top_ids[i][:n], top_lp[i][:n], strict=True)))
+    return [TokenLogprobs(tok, chosen[i], tuple(zip(top_ids[i][:n], top_lp[i][:n], strict=True)), ranks[i])
             for i, (tok, n) in enumerate(zip(tokens, tops, strict=True))]

@@ -81,6 +81,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are still owed (``SamplingParams.prompt_logprobs``, before its first token): every
+        prompt position is computed, none reused from a cache."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_uncomputed > 1 or not self.output_token_ids
 

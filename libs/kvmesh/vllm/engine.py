@@ -529,7 +529,7 @@ class VLLMEngine(EngineLoop, Engine):
                 if self.canary.running is not None and out.request_id == self.canary.running.request_id:
                     self._reference_output(out)
                 continue
-            result = output(out, entry.first, entry.request.params.logprobs)
+            result = output(out, entry.first, entry.request.params.logprobs, entry.request.params.prompt_logprobs)
             if entry.slo is not None and result.token_ids:
                 entry.slo.token(now)
             if entry.first:  # its timings before the output: the caller reads them as soon as it has it

@@ -46,7 +46,8 @@ def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None) -
     try:
         return VSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids),
-                               ignore_eos=p.ignore_eos, logprobs=p.logprobs, structured_outputs=structured,
+                               ignore_eos=p.ignore_eos, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+                               structured_outputs=structured,
                                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                repetition_penalty=p.repetition_penalty, min_p=p.min_p, min_tokens=p.min_tokens,
                                logit_bias=dict(p.logit_bias) or None,
@@ -63,22 +64,27 @@ def client_fault(e: BaseException) -> bool:
     return isinstance(e, VLLMClientError | ValueError | TypeError)
 
 
-def output(out: Any, first: bool, top_n: int | None) -> EngineOutput:
+def output(out: Any, first: bool, top_n: int | None, prompt_n: int | None = None) -> EngineOutput:
     """One ``RequestOutput`` (delta mode) as the seam's output; ``first``: its first, which says what was cached;
-    ``top_n``: the logprobs the request asked for."""
+    ``top_n`` / ``prompt_n``: the logprobs / prompt logprobs the request asked for (vLLM hands the prompt's over
+    whole with the first token, their first entry None: the first prompt token has none)."""
     c = out.outputs[0]
+    prompt: tuple[TokenLogprobs, ...] = ()
+    if prompt_n is not None and out.prompt_logprobs:
+        prompt = logprobs(out.prompt_token_ids[1:], out.prompt_logprobs[1:], prompt_n, ranked=True)
     return EngineOutput(out.request_id, tuple(c.token_ids), c.text or "", bool(out.finished),
                         c.finish_reason if out.finished else None,
                         (out.num_cached_tokens or 0) if first else 0, None,
-                        logprobs(c.token_ids, c.logprobs, top_n or 0) if top_n is not None else ())
+                        logprobs(c.token_ids, c.logprobs, top_n or 0) if top_n is not None else (), prompt)
 
 
-def logprobs(token_ids: Any, per_token: Any, top_n: int) -> tuple[TokenLogprobs, ...]:
-    """vLLM's per-token ``{token id: Logprob}`` (the ``top_n`` most likely by rank, and the sampled one) as
-    kvmesh's."""
+def logprobs(token_ids: Any, per_token: Any, top_n: int, ranked: bool = False) -> tuple[TokenLogprobs, ...]:
+    """vLLM's per-token ``{token id: Logprob}`` (the ``top_n`` most likely by rank, and the sampled or prompt
+    token) as kvmesh's; ``ranked``: with the token's rank (a prompt's)."""
     out = []
     for tok, entries in zip(token_ids, per_token or ()):
-        ranked = sorted((e.rank, tid, e.logprob) for tid, e in entries.items() if e.rank is not None)
-        top = tuple((int(tid), float(lp)) for rank, tid, lp in ranked if rank <= top_n)
-        out.append(TokenLogprobs(int(tok), float(entries[tok].logprob), top))
+        order = sorted((e.rank, tid, e.logprob) for tid, e in entries.items() if e.rank is not None)
+        top = tuple((int(tid), float(lp)) for rank, tid, lp in order if rank <= top_n)
+        own = entries[tok]
+        out.append(TokenLogprobs(int(tok), float(own.logprob), top, int(own.rank or 0) if ranked else 0))
     return tuple(out)

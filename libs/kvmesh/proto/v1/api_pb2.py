@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.proto.v1 import common_pb2 as kvmesh_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/v1/api.proto\x12\tkvmesh.v1\x1a\x1ckvmesh/proto/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\xb0\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x05 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\nsession_id\x18\x1e \x01(\t\x12\x13\n\x0bsession_end\x18\x1f \x01(\x08\x12.\n\rcache_control\x18  \x01(\x0b\x32\x17.kvmesh.v1.CacheControl\x12\x19\n\x11parent_session_id\x18! \x01(\t\x12\x17\n\x0fsession_pause_s\x18\" \x01(\x01\x12\x19\n\x11session_retention\x18# \x01(\t\x12\x18\n\x10resume_token_ids\x18\x32 \x03(\r\x12\x1b\n\x03slo\x18( \x01(\x0b\x32\x0e.kvmesh.v1.SLO\x12\x1e\n\x05tools\x18< \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12\x13\n\x0btool_choice\x18= \x01(\t\x12 \n\x13parallel_tool_calls\x18> \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18? \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18@ \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x41 \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"\xf6\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x11\n\treasoning\x18\t \x01(\t\"\xcb\x04\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x1e \x01(\t\x12\x13\n\x0bsession_end\x18\x1f \x01(\x08\x12.\n\rcache_control\x18  \x01(\x0b\x32\x17.kvmesh.v1.CacheControl\x12\x19\n\x11parent_session_id\x18! \x01(\t\x12\x17\n\x0fsession_pause_s\x18\" \x01(\x01\x12\x19\n\x11session_retention\x18# \x01(\t\x12\x1b\n\x03slo\x18( \x01(\x0b\x32\x0e.kvmesh.v1.SLO\x12\x1e\n\x05tools\x18\x32 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12\x13\n\x0btool_choice\x18\x33 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x34 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x35 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x36 \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x37 \x01(\x08H\x01\x88\x01\x01\x42\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xe3\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\'\n\ntool_calls\x18\x07 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x11\n\treasoning\x18\x08 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x43loseSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"O\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x0e\n\x06parent\x18\x04 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.kvmesh.v1.Model\"\x0f\n\rHealthRequest\"\xac\x01\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12+\n\x04load\x18\x05 \x03(\x0b\x32\x1d.kvmesh.v1.Instance.LoadEntry\x1a+\n\tLoadEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"D\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12&\n\tinstances\x18\x02 \x03(\x0b\x32\x13.kvmesh.v1.Instance2\xe0\x02\n\x06Kvmesh\x12\x42\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.GenerateChunk0\x01\x12\x37\n\x04\x43hat\x12\x16.kvmesh.v1.ChatRequest\x1a\x17.kvmesh.v1.ChatResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12=\n\x06Health\x12\x18.kvmesh.v1.HealthRequest\x1a\x19.kvmesh.v1.HealthResponse\x12O\n\x0c\x43loseSession\x12\x1e.kvmesh.v1.CloseSessionRequest\x1a\x1f.kvmesh.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/v1/api.proto\x12\tkvmesh.v1\x1a\x1ckvmesh/proto/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\xb0\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x05 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\nsession_id\x18\x1e \x01(\t\x12\x13\n\x0bsession_end\x18\x1f \x01(\x08\x12.\n\rcache_control\x18  \x01(\x0b\x32\x17.kvmesh.v1.CacheControl\x12\x19\n\x11parent_session_id\x18! \x01(\t\x12\x17\n\x0fsession_pause_s\x18\" \x01(\x01\x12\x19\n\x11session_retention\x18# \x01(\t\x12\x18\n\x10resume_token_ids\x18\x32 \x03(\r\x12\x1b\n\x03slo\x18( \x01(\x0b\x32\x0e.kvmesh.v1.SLO\x12\x1e\n\x05tools\x18< \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12\x13\n\x0btool_choice\x18= \x01(\t\x12 \n\x13parallel_tool_calls\x18> \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18? \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18@ \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x41 \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"\xa9\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x11\n\treasoning\x18\t \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\"\xcb\x04\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x1e \x01(\t\x12\x13\n\x0bsession_end\x18\x1f \x01(\x08\x12.\n\rcache_control\x18  \x01(\x0b\x32\x17.kvmesh.v1.CacheControl\x12\x19\n\x11parent_session_id\x18! \x01(\t\x12\x17\n\x0fsession_pause_s\x18\" \x01(\x01\x12\x19\n\x11session_retention\x18# \x01(\t\x12\x1b\n\x03slo\x18( \x01(\x0b\x32\x0e.kvmesh.v1.SLO\x12\x1e\n\x05tools\x18\x32 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12\x13\n\x0btool_choice\x18\x33 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x34 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x35 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x36 \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x37 \x01(\x08H\x01\x88\x01\x01\x42\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\x96\x02\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\'\n\ntool_calls\x18\x07 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x11\n\treasoning\x18\x08 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x43loseSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"O\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x0e\n\x06parent\x18\x04 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.kvmesh.v1.Model\"\x0f\n\rHealthRequest\"\xac\x01\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12+\n\x04load\x18\x05 \x03(\x0b\x32\x1d.kvmesh.v1.Instance.LoadEntry\x1a+\n\tLoadEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"D\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12&\n\tinstances\x18\x02 \x03(\x0b\x32\x13.kvmesh.v1.Instance2\xe0\x02\n\x06Kvmesh\x12\x42\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.GenerateChunk0\x01\x12\x37\n\x04\x43hat\x12\x16.kvmesh.v1.ChatRequest\x1a\x17.kvmesh.v1.ChatResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12=\n\x06Health\x12\x18.kvmesh.v1.HealthRequest\x1a\x19.kvmesh.v1.HealthResponse\x12O\n\x0c\x43loseSession\x12\x1e.kvmesh.v1.CloseSessionRequest\x1a\x1f.kvmesh.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,31 +41,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=154
   _globals['_GENERATEREQUEST']._serialized_end=842
   _globals['_GENERATECHUNK']._serialized_start=845
-  _globals['_GENERATECHUNK']._serialized_end=1091
-  _globals['_CHATREQUEST']._serialized_start=1094
-  _globals['_CHATREQUEST']._serialized_end=1681
-  _globals['_TOOL']._serialized_start=1683
-  _globals['_TOOL']._serialized_end=1744
-  _globals['_CHATRESPONSE']._serialized_start=1747
-  _globals['_CHATRESPONSE']._serialized_end=1974
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1976
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=2017
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2019
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2061
-  _globals['_LISTMODELSREQUEST']._serialized_start=2063
-  _globals['_LISTMODELSREQUEST']._serialized_end=2082
-  _globals['_MODEL']._serialized_start=2084
-  _globals['_MODEL']._serialized_end=2163
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2165
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2219
-  _globals['_HEALTHREQUEST']._serialized_start=2221
-  _globals['_HEALTHREQUEST']._serialized_end=2236
-  _globals['_INSTANCE']._serialized_start=2239
-  _globals['_INSTANCE']._serialized_end=2411
-  _globals['_INSTANCE_LOADENTRY']._serialized_start=2368
-  _globals['_INSTANCE_LOADENTRY']._serialized_end=2411
-  _globals['_HEALTHRESPONSE']._serialized_start=2413
-  _globals['_HEALTHRESPONSE']._serialized_end=2481
-  _globals['_KVMESH']._serialized_start=2484
-  _globals['_KVMESH']._serialized_end=2836
+  _globals['_GENERATECHUNK']._serialized_end=1142
+  _globals['_CHATREQUEST']._serialized_start=1145
+  _globals['_CHATREQUEST']._serialized_end=1732
+  _globals['_TOOL']._serialized_start=1734
+  _globals['_TOOL']._serialized_end=1795
+  _globals['_CHATRESPONSE']._serialized_start=1798
+  _globals['_CHATRESPONSE']._serialized_end=2076
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2078
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2119
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2121
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2163
+  _globals['_LISTMODELSREQUEST']._serialized_start=2165
+  _globals['_LISTMODELSREQUEST']._serialized_end=2184
+  _globals['_MODEL']._serialized_start=2186
+  _globals['_MODEL']._serialized_end=2265
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2267
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2321
+  _globals['_HEALTHREQUEST']._serialized_start=2323
+  _globals['_HEALTHREQUEST']._serialized_end=2338
+  _globals['_INSTANCE']._serialized_start=2341
+  _globals['_INSTANCE']._serialized_end=2513
+  _globals['_INSTANCE_LOADENTRY']._serialized_start=2470
+  _globals['_INSTANCE_LOADENTRY']._serialized_end=2513
+  _globals['_HEALTHRESPONSE']._serialized_start=2515
+  _globals['_HEALTHRESPONSE']._serialized_end=2583
+  _globals['_KVMESH']._serialized_start=2586
+  _globals['_KVMESH']._serialized_end=2938
 # @@protoc_insertion_point(module_scope)

@@ -128,7 +128,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, work: _Optional[_Union[WorkRequest, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., kv_timeout_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ..., route_reason: _Optional[str] = ..., expected_prefill_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finished", "finish_reason", "cached_tokens", "kv_fallback", "fallback_reason", "logprobs", "pool_fetch")
+    __slots__ = ("token_ids", "text", "finished", "finish_reason", "cached_tokens", "kv_fallback", "fallback_reason", "logprobs", "pool_fetch", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class DecodeChunk(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOL_FETCH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
@@ -147,4 +148,5 @@ class DecodeChunk(_message.Message):
     fallback_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     pool_fetch: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., pool_fetch: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., pool_fetch: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
