@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -34,7 +34,7 @@ from kvmesh.contracts.ids import (
 )
 from kvmesh.contracts.keys import Namespace, block_keys, block_keys_and_plain
 from kvmesh.contracts.messages import Heartbeat, KVReady, Message, RouterLoad
-from kvmesh.contracts.sampling import sampling_to_proto
+from kvmesh.contracts.sampling import LOGITS, PROMPT_LOGPROBS, SamplingParams, sampling_to_proto
 from kvmesh.contracts.shards import ShardMap, pool_entries
 from kvmesh.contracts.slo import slo_to_proto
 from kvmesh.model_source.resolve import resolve_model
@@ -67,6 +67,11 @@ RETRIES = 2    # re-dispatches of a request whose instance was unreachable befor
 LOAD_REFRESH_S = 1.0  # this router's in-flight counts go to its replicas on every change, and at least this often
 
 
+# what a request sets that needs each engine feature (``SamplingParams.features``), for the refusal's words
+FEATURE_FIELDS = {LOGITS: "presence, frequency or repetition penalty, min_p, min_tokens or logit_bias",
+                  PROMPT_LOGPROBS: "prompt_logprobs (echo with logprobs)"}
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
@@ -82,6 +87,8 @@ class Chunk:
     finish_reason: str = ""
     usage: Usage | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
+    # the first chunk's, when the request set prompt_logprobs: one per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 CachedTokens = Callable[[], Awaitable[int]]  # a dispatch's prompt tokens reused, once it can tell
@@ -366,10 +373,16 @@ class Router:
                 tries.matched_for = len(prompt)
                 tries.routed = self.hits.routing(tries.seed, tries.keys, plain)
                 tries.routed.indexed, tries.routed.recent = matched, recent
-            route.set_attribute("kvmesh.pool_blocks", tries.matched.get(POOL, 0))
-            stream = self._route(self._work(request, prompt, rt, tries), tries.matched, rt, request.policy, route,
-                                 tries.avoid | self._lacking(request.sampling.features),
-                                 request.disaggregate or self.cfg.disaggregate, tries.keys,
+            # a prompt scored (prompt_logprobs) is computed whole where it decodes: no cache, pool or push serves it
+            # (a continued one has them: they went out with its first token)
+            sampling, scores = request.sampling, request.sampling.prompt_logprobs is not None
+            if scores and tries.streamed:
+                sampling, scores = replace(sampling, prompt_logprobs=None), False
+            matched = {} if scores else tries.matched
+            route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
+            stream = self._route(self._work(request, sampling, prompt, rt, tries, matched), matched, rt,
+                                 request.policy, route, tries.avoid | self._lacking(sampling.features),
+                                 "never" if scores else request.disaggregate or self.cfg.disaggregate, tries.keys,
                                  tries.routed, request.session)
             if stream is None:
                 if tries.failure is not None:  # nowhere else to go: the error of the last attempt stands
@@ -385,13 +398,13 @@ class Router:
         finally:
             route.end()
 
-    def _work(self, request: Admitted, prompt: tuple[int, ...], rt: RequestTrace,
-              tries: _Attempts) -> worker_pb2.WorkRequest:
+    def _work(self, request: Admitted, sampling: SamplingParams, prompt: tuple[int, ...], rt: RequestTrace,
+              tries: _Attempts, matched: dict[str, int]) -> worker_pb2.WorkRequest:
         """The wire form of one attempt: the prompt with the tokens streamed so far, its own dispatch id."""
         return worker_pb2.WorkRequest(
             request_id=_dispatch_id(request, tries.retries, tries.migrations), prompt_token_ids=prompt,
-            sampling=sampling_to_proto(request.sampling), cache_salt=request.cache_salt,
-            pool_blocks=tries.matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(tries.streamed),
+            sampling=sampling_to_proto(sampling), cache_salt=request.cache_salt,
+            pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(tries.streamed),
             session_key=request.session.key if request.session else "",
             session_end=bool(request.session and request.session.end),
             retention=retention_to_proto(request.retention), slo=slo_to_proto(request.slo),
@@ -518,9 +531,10 @@ class Router:
         alive = self.registry.alive()
         lacking: set[str] = {i.id for i in alive if not set(needs) <= set(i.beat.features)}
         if alive and len(lacking) == len(alive):
-            raise RequestError(ErrorKind.UNAVAILABLE, "no instance applies the presence, frequency or repetition "
-                               "penalty, min_p, min_tokens or logit_bias this request sets: the engines run a build "
-                               "from before them (upgrade the engines, or send the request without them)")
+            what = " or ".join(FEATURE_FIELDS.get(n, n) for n in needs)
+            raise RequestError(ErrorKind.UNAVAILABLE, f"no instance applies the {what} this request sets: the "
+                               "engines run a build from before them (upgrade the engines, or send the request "
+                               "without them)")
         return lacking
 
     def _to_compute(self, work: worker_pb2.WorkRequest, inst: Instance, matched: dict[str, int] | None) -> int:
@@ -816,7 +830,8 @@ async def _cached_or_zero(cached: CachedTokens) -> int:
 
 def _chunk(msg: worker_pb2.DecodeChunk) -> Chunk:
     return Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason,
-                 logprobs=tuple(logprobs_from_proto(lp) for lp in msg.logprobs))
+                 logprobs=tuple(logprobs_from_proto(lp) for lp in msg.logprobs),
+                 prompt_logprobs=tuple(logprobs_from_proto(lp) for lp in msg.prompt_logprobs))
 
 
 def _model_name(source: str | None, hf_dir: Path) -> str:

@@ -75,7 +75,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
                 async for c in self.router.generate(req, rt):
                     msg = api_pb2.GenerateChunk(request_id=req.request_id, token_ids=c.token_ids, text=c.text,
                                                 finished=c.finished, finish_reason=c.finish_reason,
-                                                logprobs=[logprobs_to_proto(lp) for lp in c.logprobs])
+                                                logprobs=[logprobs_to_proto(lp) for lp in c.logprobs],
+                                                prompt_logprobs=[logprobs_to_proto(lp) for lp in c.prompt_logprobs])
                     if out is not None:
                         out.read(msg, c.finished)
                     if c.usage:
@@ -113,6 +114,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
+        prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         reason, usage = "", None
         drafted: list[Draft] = []  # the request as read: its tools read the answer
         think: bool | None = None  # the reasoning split out: whether the prompt opened it
@@ -124,6 +126,7 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
                     text.append(c.text)
                     ids += c.token_ids
                     logprobs += c.logprobs
+                    prompt_logprobs = prompt_logprobs or c.prompt_logprobs
                     reason, usage = c.finish_reason or reason, c.usage or usage
         except RequestError as e:
             await self._abort(context, rt, e)
@@ -139,7 +142,8 @@ class KvmeshServicer(api_pb2_grpc.KvmeshServicer):
                                     logprobs=[logprobs_to_proto(lp) for lp in logprobs],
                                     tool_calls=[common_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
                                                                     arguments=c["function"]["arguments"])
-                                                for c in read.calls], reasoning=read.reasoning or "")
+                                                for c in read.calls], reasoning=read.reasoning or "",
+                                    prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs])
         if usage:
             resp.usage.CopyFrom(common_pb2.Usage(**vars(usage)))
         return resp

@@ -31,7 +31,13 @@ from services.router.choices import fan_out
 from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.intake import Admitted, Call, Draft, Intake, new_request_id, valid_request_id
-from services.router.logprobs import chat_logprobs, completion_logprobs
+from services.router.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    joined,
+    prompt_logprobs_json,
+)
 from services.router.reasoning import ThinkSplitter
 from services.router.telemetry import RequestTrace
 from services.router.tools import ChatOutput, Tools, finish_reason, read_chat
@@ -96,6 +102,17 @@ class Answer(NamedTuple):
     think: bool | None = None   # a chat's reasoning split out (``reasoning.py``): whether it begins inside it
     show_reasoning: bool = True  # include_reasoning
     ids_as_tokens: bool = False  # return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
+    echo: Echo | None = None  # a completion's prompts, before each choice's text (and logprobs)
+    prompt_logprobs: bool = False  # each choice (a chat: the response) carries vLLM's prompt_logprobs field
+
+
+class Echo(NamedTuple):
+    """What a completion with ``echo`` repeats of its prompts: each one's text (as sent; its tokens' when it came
+    as token ids or was truncated) and token ids; ``only``: the prompt alone (``max_tokens`` 0)."""
+
+    texts: tuple[str, ...]
+    ids: tuple[tuple[int, ...], ...]
+    only: bool = False
 
 
 class Body:
@@ -157,7 +174,9 @@ class OpenAIApi:
                                 tuple(r.prompt for r, _ in requests) if body.shape.token_ids else None,
                                 body.tools if body.tools is not None and body.tools.offered else None,
                                 self.router.thinking(req.prompt) if chat else None,
-                                body.shape.include_reasoning, body.shape.ids_as_tokens)
+                                body.shape.include_reasoning, body.shape.ids_as_tokens,
+                                self._echo(body, [r for r, _ in requests]) if body.shape.echo else None,
+                                body.shape.prompt_logprobs)
                 stream = fan_out(self.router, requests, n)
                 if body.shape.stream:
                     lens = tuple(len(r.prompt) for r, _ in requests) if body.shape.continuous_usage else None
@@ -198,6 +217,13 @@ class OpenAIApi:
                     raise _of_prompt(e, j) from None
         return out
 
+    def _echo(self, body: Body, requests: list[Admitted]) -> Echo:
+        """A completion's prompts as its echo repeats them."""
+        drafts = body.drafted.batch() if body.drafted is not None else []
+        texts = tuple(d.text if d.text is not None and not d.truncate else self.router.tokenizer.decode(list(r.prompt))
+                      for d, r in zip(drafts, requests, strict=True))
+        return Echo(texts, tuple(r.prompt for r in requests), body.shape.echo_only)
+
     @staticmethod
     def _envelope(answer: Answer, kind: str, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{answer.rid}", "object": kind,
@@ -217,15 +243,32 @@ class OpenAIApi:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)}}
 
-    def _logprobs(self, answer: Answer, chunks: list[Chunk], offset: int = 0) -> dict | None:
+    def _logprobs(self, answer: Answer, chunks: list[Chunk], offset: int = 0,
+                  prompt: int | None = None) -> dict | None:
         """The choice's (or a streamed chunk's) ``logprobs`` in the endpoint's shape; None when not asked for.
-        ``offset``: where ``chunks``' text starts in the completion."""
+        ``offset``: where ``chunks``' text starts in the completion; ``prompt``: the echoed prompt whose tokens'
+        come first (``chunks`` are then the choice's first: the first of them carries the prompt's)."""
         if not answer.logprobs:
             return None
-        text = token_id_text if answer.ids_as_tokens else self.router.tokenizer.token_text
+        text = self._token_text(answer)
         if answer.kind == "chat.completion":
             return chat_logprobs([lp for c in chunks for lp in c.logprobs], text)
-        return completion_logprobs([(c.logprobs, c.text) for c in chunks], text, offset)
+        if answer.echo is None or prompt is None:
+            return completion_logprobs([(c.logprobs, c.text) for c in chunks], text, offset)
+        head = echoed_logprobs(answer.echo.ids[prompt], chunks[0].prompt_logprobs if chunks else (), text)
+        if answer.echo.only:
+            return head
+        return joined(head, completion_logprobs([(c.logprobs, c.text) for c in chunks], text,
+                                                len(answer.echo.texts[prompt])))
+
+    def _token_text(self, answer: Answer) -> Callable[[int], str]:
+        return token_id_text if answer.ids_as_tokens else self.router.tokenizer.token_text
+
+    def _echoed(self, answer: Answer, prompt: int, text: str) -> str:
+        """A completion choice's text as the client gets it: its prompt's first when echoed (alone, ``echo.only``)."""
+        if answer.echo is None:
+            return text
+        return answer.echo.texts[prompt] + ("" if answer.echo.only else text)
 
     async def _whole(self, answer: Answer, stream: AsyncIterator[tuple[int, Chunk]], rt: RequestTrace,
                      n: int = 1, prompts: int = 1) -> web.Response:
@@ -234,20 +277,23 @@ class OpenAIApi:
         async for i, c in stream:
             rt.first_token_sent()  # not streaming: TTFT ends when the first token is in hand
             chunks[i].append(c)
-        choices = [self._choice(answer, i, cs) for i, cs in enumerate(chunks)]
+        choices = [self._choice(answer, i, cs, i // n) for i, cs in enumerate(chunks)]
         out = self._envelope(answer, kind, choices, self._usage([cs[-1] for cs in chunks], n))
+        if answer.prompt_logprobs and kind == "chat.completion":  # vLLM's place: the response's (one prompt)
+            out["prompt_logprobs"] = prompt_logprobs_json(chunks[0][0].prompt_logprobs, self._token_text(answer))
         if answer.prompts is not None:  # vLLM's places: a chat's prompt ids on the response, a completion's choice
             for i, (choice, cs) in enumerate(zip(choices, chunks, strict=True)):
                 choice["token_ids"] = [t for c in cs for t in c.token_ids]
                 (out if kind == "chat.completion" else choice)["prompt_token_ids"] = list(answer.prompts[i // n])
         return web.json_response(out, headers=rt.headers())
 
-    def _choice(self, answer: Answer, index: int, chunks: list[Chunk]) -> dict[str, Any]:
-        """One whole choice from its chunks (the last finished it)."""
+    def _choice(self, answer: Answer, index: int, chunks: list[Chunk], prompt: int = 0) -> dict[str, Any]:
+        """One whole choice from its chunks (the last finished it), of prompt ``prompt`` (a batch's)."""
         assert chunks
         content, reason = "".join(c.text for c in chunks), chunks[-1].finish_reason or "stop"
         choice: dict[str, Any] = ({"index": index, "message": {"role": "assistant", "content": content}}
-                                  if answer.kind == "chat.completion" else {"index": index, "text": content})
+                                  if answer.kind == "chat.completion"
+                                  else {"index": index, "text": self._echoed(answer, prompt, content)})
         if answer.tools is not None or answer.think is not None:
             read = read_chat(content, reason, answer.tools, self.router.tool_format, answer.think)
             message: dict[str, Any] = {"role": "assistant", "content": read.content}
@@ -256,8 +302,10 @@ class OpenAIApi:
             if read.reasoning is not None and answer.show_reasoning:
                 message["reasoning"] = read.reasoning
             choice["message"], reason = message, read.finish_reason
-        choice["logprobs"] = self._logprobs(answer, chunks)
+        choice["logprobs"] = self._logprobs(answer, chunks, prompt=prompt)
         choice["finish_reason"] = reason
+        if answer.prompt_logprobs and answer.kind != "chat.completion":  # vLLM's place: each completion choice's
+            choice["prompt_logprobs"] = prompt_logprobs_json(chunks[0].prompt_logprobs, self._token_text(answer))
         return choice
 
     async def _sse(self, request: web.Request, answer: Answer, stream: AsyncIterator[tuple[int, Chunk]],
@@ -301,6 +349,7 @@ class OpenAIApi:
                               ThinkSplitter(answer.think) if answer.think is not None else None)
                    for _ in range(total)] if read else None
         last: dict[int, Chunk] = {}
+        opened: set[int] = set()  # choices whose echoed prompt went out
         try:
             while item is not None:
                 i, c = item
@@ -312,8 +361,15 @@ class OpenAIApi:
                     delta = {"delta": {"content": c.text}}
                 else:
                     delta = {"text": c.text}
+                if answer.echo is not None and i not in opened:  # the echoed prompt first, with its logprobs
+                    opened.add(i)
+                    delta = {"text": self._echoed(answer, i // n, c.text)}
+                    logprobs = self._logprobs(answer, [c], prompt=i // n)
+                    sent[i] = len(answer.echo.texts[i // n])  # where the completion's text starts
+                else:
+                    logprobs = self._logprobs(answer, [c], sent[i])
                 reason = c.finish_reason or None
-                choice: dict[str, Any] = {"index": i, **delta, "logprobs": self._logprobs(answer, [c], sent[i]),
+                choice: dict[str, Any] = {"index": i, **delta, "logprobs": logprobs,
                           "finish_reason": finish_reason(reason, out.called) if out and reason else reason}
                 if answer.prompts is not None:
                     choice |= due.pop(i // n, {}) | {"token_ids": list(c.token_ids)}

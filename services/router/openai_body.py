@@ -1,10 +1,11 @@
 """An OpenAI request body as the intake's ``Draft``: the JSON itself, each field's type, the sampling fields
 (OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``; vLLM's extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``seed``, ``ignore_eos``, ``stop_token_ids``; a field kvmesh does not serve,
-``best_of``, ``echo``, ``suffix`` or the legacy ``functions``, refused unless it says "off"), the log-probabilities
+``best_of``, ``suffix`` or the legacy ``functions``, refused unless it says "off"), the log-probabilities
 asked for (completions: ``logprobs: N``; chat: ``logprobs: true`` with ``top_logprobs: N``; N in [0, 20], checked
-here because the field to name differs by endpoint) and the structured-output fields. Otherwise only the wire's shape
-is checked here; what the values may be is the intake's business.
+here because the field to name differs by endpoint), the prompt's (vLLM's ``prompt_logprobs: N``; a completion's
+``echo`` with ``logprobs``, whose text and logprobs begin with its prompt's) and the structured-output fields.
+Otherwise only the wire's shape is checked here; what the values may be is the intake's business.
 
 Structured output (OpenAI and vLLM): ``response_format`` ``{"type": "json_object"}`` or ``{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}``; vLLM's ``guided_json``, ``guided_regex``,
@@ -170,6 +171,9 @@ class Shape(NamedTuple):
     include_reasoning: bool = True  # a reasoning model's thinking in the answer (``reasoning.py``; vLLM's field)
     ids_as_tokens: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries its choice's usage
+    echo: bool = False  # a completion's text (and logprobs) begin with its prompt's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine generates one token, not shown)
+    prompt_logprobs: bool = False  # the body set prompt_logprobs: the answer carries vLLM's prompt_logprobs field
 
 
 MAX_CHOICES = 16  # the most choices one request may ask for
@@ -185,9 +189,11 @@ def shape(body: dict) -> Shape:
     reasoning = body.get("include_reasoning", True)
     if not isinstance(reasoning, bool):
         raise invalid("include_reasoning must be true or false")
+    echo = bool_field(body, "echo")
     return Shape(bool_field(body, "stream"), bool_field(options, "include_usage"), bool_field(body, "return_token_ids"),
                  n, reasoning, bool_field(body, "return_tokens_as_token_ids"),
-                 bool_field(options, "include_usage") and bool_field(options, "continuous_usage_stats"))
+                 bool_field(options, "include_usage") and bool_field(options, "continuous_usage_stats"),
+                 echo, echo and body.get("max_tokens") == 0, body.get("prompt_logprobs") is not None)
 
 
 def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, str]:
@@ -206,17 +212,25 @@ def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, 
     max_tokens = _int(body, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    echo = bool_field(body, "echo")
+    if echo and chat:
+        raise invalid("echo is for /v1/completions (the prompt before the completion); a chat continues its last "
+                      "message with continue_final_message")
+    if echo and max_tokens == 0:  # the prompt alone: one token is generated and not shown (vLLM's rule)
+        max_tokens = 1
     top_k = _int(body, "top_k", 0) or 0
     if top_k < -1:
         raise invalid(f"top_k must be >= 0 (-1 or 0 turn it off), not {top_k}")
     field, structured = structured_from_body(body) or ("", None)
     logprobs = logprobs_from_body(body, chat)
+    prompt_logprobs = prompt_logprobs_from_body(body, logprobs if echo else None)
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
                               top_k=max(0, top_k), top_p=_num(body, "top_p", 1.0),
                               seed=_int(body, "seed", None), stop=tuple(stop), stop_token_ids=tuple(stop_ids),
                               ignore_eos=bool_field(body, "ignore_eos"), structured=structured,
-                              logprobs=logprobs, presence_penalty=_num(body, "presence_penalty", 0.0),
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              presence_penalty=_num(body, "presence_penalty", 0.0),
                               frequency_penalty=_num(body, "frequency_penalty", 0.0),
                               repetition_penalty=_num(body, "repetition_penalty", 1.0),
                               min_p=_num(body, "min_p", 0.0), min_tokens=_int(body, "min_tokens", 0),
@@ -228,13 +242,10 @@ def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, 
 # what a body may say only as "off" (any value in the tuple), and why anything else is refused
 UNSERVED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("best_of", (None, 1), "one sample is drawn per request (send the request again for another)"),
-    ("echo", (None, False), "the answer does not repeat the prompt (return_token_ids gives its token ids)"),
     ("suffix", (None, ""), "there is no insertion mode; send the text before the gap as the prompt"),
     ("functions", (None, []), "use tools (the legacy functions field is not read)"),
     ("function_call", (None, "none"), "use tool_choice (the legacy function_call field is not read)"),
     # vLLM's extensions the engines do not serve: refused rather than ignored, so no answer silently differs
-    ("prompt_logprobs", (None,), ("the prompt's logprobs are not computed (the prompt's KV is reused, not "
-                                 "recomputed); logprobs gives the generated tokens'")),
     ("logprob_token_ids", (None, []), "logprobs reports the N most likely tokens (top_logprobs), not chosen ones"),
     ("allowed_token_ids", (None, []), "restrict the output with a structured-output choice, regex or grammar"),
     ("bad_words", (None, []), "use logit_bias against the words' tokens, or a structured-output constraint"),
@@ -293,6 +304,24 @@ def logprobs_from_body(body: dict, chat: bool) -> int | None:
                           "each token's logprob)")
         return None
     return n or 0
+
+
+def prompt_logprobs_from_body(body: dict, echoed: int | None) -> int | None:
+    """How many most likely tokens to report beside each prompt token's logprob (None: none): vLLM's
+    ``prompt_logprobs: N``, or a completion's ``logprobs`` when it echoes its prompt (``echoed``). Returned whole:
+    refused with ``stream``, as vLLM does (an echoed prompt's stream with its first chunk)."""
+    n = _int(body, "prompt_logprobs", None)
+    if n is None:
+        return echoed
+    if n == -1:
+        raise invalid(f"prompt_logprobs -1 (the whole vocabulary at every prompt token) is not served: ask for at "
+                      f"most {MAX_LOGPROBS}")
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise invalid(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], not {n}")
+    if bool_field(body, "stream"):
+        raise invalid("prompt_logprobs come with a whole answer, not a stream: send stream false (a completion "
+                      "with echo and logprobs streams its prompt's logprobs first)")
+    return n
 
 
 def structured_from_body(body: dict) -> tuple[str, StructuredOutput] | None:

@@ -51,14 +51,15 @@ def hung_decode(stack, request_id: str, within_s: float = 120.0):
         time.sleep(0.1)
 
 
-def stream_until_killed(stack, request_id: str, max_tokens: int, after: int, retries: int = 3) -> tuple[list, str]:
+def stream_until_killed(stack, request_id: str, max_tokens: int, after: int, retries: int = 3,
+                        **options) -> tuple[list, str]:
     """Stream ``PROMPT`` through the SDK; once ``after`` tokens arrived (the decode serving it then hangs: the
     fault), SIGKILL that decode. Every chunk's tokens, and the name of the decode killed. ``retries`` 0: the SDK
-    does not resume a cut stream itself, so what the router does shows."""
+    does not resume a cut stream itself, so what the router does shows. ``options``: more of the request's."""
     chunks, killed = [], ""
     with KvmeshClient(stack.router_grpc, timeout_s=240, retries=retries) as client:
         for chunk in client.generate(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                     request_id=request_id):
+                                     request_id=request_id, **options):
             chunks.append(chunk)
             if not killed and sum(len(c.token_ids) for c in chunks) == after:
                 victim = hung_decode(stack, request_id)
@@ -94,6 +95,23 @@ def test_a_decode_killed_at_token_10_of_40_costs_no_token(tmp_path_factory):
         assert migrate.attributes["kvmesh.migration.from"] == killed
         assert migrate.attributes["kvmesh.migration.tokens"] == 10
         assert killed in migrate.attributes["kvmesh.reason"]
+        assert router_metric(stack, 'kvmesh_router_migrations_total{outcome="migrated"}') == 1
+    finally:
+        stack.stop()
+
+
+def test_a_scored_prompts_stream_migrates_without_scoring_it_again(tmp_path_factory):
+    """A request with ``prompt_logprobs`` runs undisaggregated on a decode; its prompt's logprobs come with the
+    first chunk. Killed at token 10, it moves to the other decode, which continues it (a continuation asks for
+    no prompt logprobs: they went out already) and the client gets the uninterrupted run's 30 tokens."""
+    stack = start_stack(tmp_path_factory, "migrate-scored", decode=2,
+                        env={"KVMESH_INSTANCE_FAULT_HANG_AFTER_TOKENS": "10"})
+    try:
+        chunks, killed = stream_until_killed(stack, "score-me", 30, after=10, prompt_logprobs=1)
+        assert killed
+        assert [t for c in chunks for t in c.token_ids] == greedy_reference(PROMPT, 30)[0]
+        scored = [c.prompt_logprobs for c in chunks if c.prompt_logprobs]
+        assert len(scored) == 1 and [lp.token_id for lp in scored[0]] == PROMPT[1:]
         assert router_metric(stack, 'kvmesh_router_migrations_total{outcome="migrated"}') == 1
     finally:
         stack.stop()

@@ -38,7 +38,7 @@ def test_the_fields_are_read():
     ({"logit_bias": {"abc": 1}}, "must be a token id (digits)"),
     ({"logit_bias": {"5": 250}}, "bias must be in [-100, 100]"),
     ({"best_of": 3}, "best_of is not supported"),
-    ({"echo": True}, "echo is not supported"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs -1"),
     ({"suffix": "end"}, "suffix is not supported"),
     ({"functions": [{"name": "f"}]}, "use tools"),
 ])

@@ -176,6 +176,30 @@ def test_tool_calls_on_vllm_instances(stack):
     assert all(set(json.loads(c["function"]["arguments"])) == {"city"} for c in calls)
 
 
+def test_an_echoed_prompts_logprobs_come_from_vllm_computing_it_whole(stack):
+    """vLLM's own prompt logprobs (its prefix cache and kvmesh's connector skip a scored prompt): each equals what
+    vLLM gave the token when it generated it, the second time too, when the prompt is cached there."""
+    prompt = long_prompt(8, 40)
+    status, first = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                                     "ignore_eos": True, "logprobs": 2, "return_token_ids": True})
+    assert status == 200, first
+    gen = first["choices"][0]
+    continued = prompt + gen["token_ids"]
+    for _ in range(2):
+        status, out = post(stack, "/v1/completions", {"prompt": continued, "max_tokens": 1, "temperature": 0,
+                                                       "echo": True, "logprobs": 2, "prompt_logprobs": 2})
+        assert status == 200, out
+        choice = out["choices"][0]
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(continued) + 1
+        assert lp["token_logprobs"][len(prompt):len(continued)] == pytest.approx(gen["logprobs"]["token_logprobs"],
+                                                                                   abs=2e-3)
+        field = choice["prompt_logprobs"]
+        assert len(field) == len(continued) and field[0] is None
+        assert all(entry[str(t)]["rank"] >= 1 for t, entry in zip(continued[1:], field[1:], strict=True))
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 @pytest.mark.parametrize("body,field", [
     ({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": -1}, "temperature"),
     ({"prompt": [1, 2, 999999], "max_tokens": 4}, "[0, 49152)"),

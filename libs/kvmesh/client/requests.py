@@ -25,6 +25,9 @@ class SamplingOptions(TypedDict, total=False):
     stop_token_ids: Sequence[int]
     ignore_eos: bool
     logprobs: int | None  # each generated token's logprob and this many most likely tokens (0-20); None: off
+    # each prompt token's logprob after the first, its rank and this many most likely there (0-20); None: off.
+    # The whole prompt is computed (no cached prefix is reused for it)
+    prompt_logprobs: int | None
     presence_penalty: float    # [-2, 2]: subtracted from a token's logit once it was generated
     frequency_penalty: float   # [-2, 2]: ... times the number of times it was generated
     repetition_penalty: float  # (0, 10], 1 = off: a prompt or output token's logit / r if > 0, else * r
@@ -116,7 +119,7 @@ def slo(ttft_s: float = 0.0, itl_s: float = 0.0) -> common_pb2.SLO:
 
 def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False, logprobs: int | None = None,
+                    ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
                     response_format: Mapping[str, Any] | None = None,
                     json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
                     choice: Sequence[str] | None = None, grammar: str | None = None, presence_penalty: float = 0.0,
@@ -135,13 +138,16 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise ValueError(f"logprobs must be in [0, 20] (the most likely tokens reported beside each one), got "
                          f"{logprobs}")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
+        raise ValueError(f"prompt_logprobs must be in [0, 20] (the most likely tokens reported beside each prompt "
+                         f"token), got {prompt_logprobs}")
     if isinstance(stop, str):
         raise ValueError(  # noqa: TRY004 - the SDK answers every bad argument with ValueError
             "stop must be a sequence of strings, e.g. stop=[\"\\n\"], not a single string")
     top_p = max(top_p, 1.401298464324817e-45)  # a float32 on the wire: a tiny top_p must not become 0 ("off")
     msg = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                    ignore_eos=ignore_eos, logprobs=logprobs)
+                                    ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     structured(msg, response_format, json_schema, regex, choice, grammar)
     adjust = SamplingParams(max_tokens=max_tokens, presence_penalty=presence_penalty,  # its checks, its messages
                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,

@@ -48,13 +48,16 @@ class GenerateChunk:
     # call before it), and the thinking apart from ``text`` (the router's reasoning_parser)
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning: str = ""
+    # on the first chunk, when the request set prompt_logprobs: one per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @classmethod
     def from_pb(cls, c: api_pb2.GenerateChunk) -> GenerateChunk:
         return cls(c.request_id, tuple(c.token_ids), c.text, c.finished, c.finish_reason,
                    Usage.from_pb(c.usage) if c.HasField("usage") else None,
                    tuple(logprobs_from_proto(lp) for lp in c.logprobs),
-                   tuple(ToolCall(t.id, t.name, t.arguments) for t in c.tool_calls), c.reasoning)
+                   tuple(ToolCall(t.id, t.name, t.arguments) for t in c.tool_calls), c.reasoning,
+                   tuple(logprobs_from_proto(lp) for lp in c.prompt_logprobs))
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class Completion:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked for
     tool_calls: list[ToolCall] = field(default_factory=list)     # the calls, when the chat offered tools
     reasoning: str = ""  # a reasoning model's thinking, when the router splits it out (reasoning_parser)
+    # one per prompt token after the first (its logprob, rank and the most likely there), when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def message(self) -> dict[str, Any]:
         """The answer as the assistant's message, to send back in the conversation's next request."""
@@ -104,6 +109,7 @@ class CompletionBuilder:
         self.usage: Usage | None = None
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.token_ids:
@@ -123,6 +129,7 @@ class CompletionBuilder:
                 self.calls[-1] = ToolCall(last.id, last.name, last.arguments + c.arguments)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs = self.prompt_logprobs or list(chunk.prompt_logprobs)
         self.request_id = self.request_id or chunk.request_id
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
@@ -131,7 +138,7 @@ class CompletionBuilder:
         return Completion("".join(self.text), self.token_ids, self.finish_reason, self.usage,
                           self.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
                           self.ttft_s, self.itl_s, time.perf_counter() - self._start, dict(trailing),
-                          self.logprobs, self.calls, "".join(self.reasoning))
+                          self.logprobs, self.calls, "".join(self.reasoning), self.prompt_logprobs)
 
 
 def completion_from_chat(r: api_pb2.ChatResponse, trailing: Mapping[str, str],
@@ -141,7 +148,8 @@ def completion_from_chat(r: api_pb2.ChatResponse, trailing: Mapping[str, str],
                       r.request_id or trailing.get("x-request-id", ""), trace_id(trailing),
                       latency_s=latency_s, metadata=dict(trailing),
                       logprobs=[logprobs_from_proto(lp) for lp in r.logprobs],
-                      tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls], reasoning=r.reasoning)
+                      tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls], reasoning=r.reasoning,
+                      prompt_logprobs=[logprobs_from_proto(lp) for lp in r.prompt_logprobs])
 
 
 @dataclass(frozen=True)
