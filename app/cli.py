@@ -90,6 +90,7 @@ BENCHES = {  # kvmesh bench NAME -> its module in app.bench
     "tracing": "tracing_cost", "lora": "lora", "link": "handoff_link", "vllm": "vllm_bench", "planner": "planner",
     "canary": "canary", "agents": "agents", "slo-class": "slo_class", "index": "index_scale",
     "tokenize": "tokenize", "routers": "router_compare", "prefill-order": "prefill_order",
+    "prompt-logprobs": "prompt_logprobs",
 }
 
 
