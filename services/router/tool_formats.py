@@ -12,13 +12,18 @@ The formats (the names are vLLM's ``--tool-call-parser`` values for the same for
 - ``mistral``: ``[TOOL_CALLS]`` and a JSON list of ``{"name", "arguments"}`` (tokenizers up to v7), or one
   ``name{arguments}`` / ``name[ARGS]{arguments}`` a call (v11 on). ``[TOOL_CALLS]`` is a special token that
   detokenizing drops, so the list or the ``name{`` at the start of the output is what is read.
+- ``qwen3_coder``: ``<tool_call>`` blocks as hermes's, each holding ``<function=NAME>`` and its
+  ``<parameter=KEY>value</parameter>`` elements (Qwen3-Coder, Qwen3.5 / 3.6). A value is text: it is read by the
+  tool's schema for that parameter (a number, boolean, null, object or array where the schema says so and the text
+  is one; a string otherwise), and without a schema as JSON when it is an object or array. A block holding JSON is
+  read as hermes's.
 - ``pythonic``: the whole output is a Python list of calls, ``[get_weather(city="Paris"), ...]``, arguments as
   literals (Llama 3.2's and Llama 4's pythonic templates, several small tool models).
 
 ``auto`` (the router's default, ``router.tool_call_parser``) picks by the chat template: one that writes
-``<tool_call>`` is hermes, ``[TOOL_CALLS]`` mistral, ``<|python_tag|>`` or Llama's ``"parameters": dictionary``
-instruction llama3_json; any other template (SmolLM2's renders no tools) gets hermes, which the router then
-describes to the model in the system message.
+``<function=`` and ``<parameter=`` is qwen3_coder, ``<tool_call>`` hermes, ``[TOOL_CALLS]`` mistral,
+``<|python_tag|>`` or Llama's ``"parameters": dictionary`` instruction llama3_json; any other template (SmolLM2's
+renders no tools) gets hermes, which the router then describes to the model in the system message.
 
 A whole-output format is decided by the output's first characters: while they could still start a call, the
 reader holds them; once they cannot, the text streams as content. A call-shaped output is read when the output
@@ -32,7 +37,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from services.router.ids import random_hex
 
@@ -117,11 +122,71 @@ def _listed(offered: list[dict[str, Any]]) -> str:
 
 # ---- hermes: tagged blocks within the text ------------------------------------------------------------------
 
-class TaggedCalls:
-    """``<tool_call>`` blocks out of the text, the rest is content."""
+class Offered(frozenset[str]):
+    """The offered tools' names, with each one's parameters' schemas (``properties``): what a form that writes
+    arguments as text (qwen3_coder) reads each value by."""
 
-    def __init__(self, names: frozenset[str], parallel: bool = True) -> None:
+    properties: dict[str, dict[str, Any]]
+
+    def __new__(cls, properties: dict[str, dict[str, Any]]) -> Self:
+        out = super().__new__(cls, properties)
+        out.properties = properties
+        return out
+
+
+def _schema_types(schema: Any) -> set[str]:
+    """The JSON types a (sub)schema allows: its ``type`` (one or a list), and its ``anyOf`` / ``oneOf``'s."""
+    if not isinstance(schema, dict):
+        return set()
+    t = schema.get("type")
+    out = {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            out |= _schema_types(sub)
+    if "enum" in schema and not out:
+        out |= {"string" if isinstance(v, str) else "any" for v in schema["enum"]}
+    return out
+
+
+def typed(value: str, schema: Any) -> Any:
+    """A parameter written as text, read as its schema says: a string where the schema allows one (or says
+    nothing of its type), else the JSON value the text is when it is one the schema allows; a JSON object or
+    array when there is no schema at all; the text itself when nothing fits."""
+    types = _schema_types(schema)
+    if not types:
+        if schema is None and value.lstrip()[:1] in ("{", "["):
+            try:
+                return json.loads(value)
+            except ValueError:
+                return value
+        return value
+    if "string" in types:
+        return value
+    t = value.strip()
+    if "boolean" in types and t.lower() in ("true", "false"):
+        return t.lower() == "true"
+    if "null" in types and t.lower() in ("null", "none"):
+        return None
+    try:
+        parsed = json.loads(t)
+    except ValueError:
+        return value
+    kinds = {bool: "boolean", int: "integer", float: "number", dict: "object", list: "array", type(None): "null"}
+    kind = kinds.get(type(parsed), "")
+    if kind in types or "any" in types or (kind == "integer" and "number" in types):
+        return parsed
+    if kind == "number" and "integer" in types and float(parsed).is_integer():
+        return int(parsed)
+    return value
+
+
+class TaggedCalls:
+    """``<tool_call>`` blocks out of the text, the rest is content; ``body`` reads a block's inside as a call."""
+
+    def __init__(self, names: frozenset[str], parallel: bool = True,
+                 body: Callable[[str, frozenset[str]], Call | None] | None = None) -> None:
         self.names, self.parallel = names, parallel
+        self.body = body or _json_block
         self.buf, self.inside, self.count = "", False, 0
 
     @property
@@ -156,15 +221,54 @@ class TaggedCalls:
         return "".join(content), calls
 
     def _call(self, raw: str) -> Call | None:
-        try:
-            return json_call(json.loads(raw), self.names)
-        except ValueError:
-            return None
+        return self.body(raw, self.names)
 
     def close(self) -> tuple[str, list[CallDelta]]:
         rest = (OPEN if self.inside else "") + self.buf  # an unfinished block is text
         self.buf, self.inside = "", False
         return rest, []
+
+
+def _json_block(raw: str, names: frozenset[str]) -> Call | None:
+    """A hermes block's inside: ``{"name", "arguments"}``."""
+    try:
+        return json_call(json.loads(raw), names)
+    except ValueError:
+        return None
+
+
+XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.DOTALL)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _xml_block(raw: str, names: frozenset[str]) -> Call | None:
+    """A qwen3_coder block's inside: ``<function=NAME>`` with its ``<parameter=KEY>value</parameter>`` elements
+    (nothing but white space between them), each value's one leading and one trailing newline the template's; a
+    JSON inside is read as hermes's."""
+    m = XML_FUNCTION.match(raw)
+    if m is None:
+        return _json_block(raw, names)
+    name, inner = m.group(1).strip(), m.group(2)
+    schemas = getattr(names, "properties", {}).get(name)
+    args: dict[str, Any] = {}
+    at = 0
+    for p in XML_PARAMETER.finditer(inner):
+        if inner[at:p.start()].strip():
+            return None
+        value = p.group(2).removeprefix("\n").removesuffix("\n")
+        key = p.group(1).strip()
+        args[key] = typed(value, schemas.get(key) if isinstance(schemas, dict) else None)
+        at = p.end()
+    if inner[at:].strip():
+        return None
+    try:
+        return checked(name, args, names)
+    except (TypeError, ValueError):
+        return None
+
+
+def _xml_value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
 
 class Hermes:
@@ -186,6 +290,24 @@ class Hermes:
     def looks_like_call(self, text: str) -> bool:
         t = text.strip()
         return t.endswith(CLOSE) or t.rfind(OPEN) > t.rfind(CLOSE)
+
+
+class Qwen3Coder(Hermes):
+    name = "qwen3_coder"
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
+        return TaggedCalls(names, parallel, _xml_block)
+
+    def describe(self, offered: list[dict[str, Any]]) -> str:
+        return ("# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
+                f"{_listed(offered)}\n</tools>\n\nIf you choose to call a function, reply in the following format:"
+                f"\n\n{OPEN}\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+                f"</parameter>\n</function>\n{CLOSE}")
+
+    def written(self, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{OPEN}\n<function={n}>\n"
+                         + "".join(f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in a.items())
+                         + f"</function>\n{CLOSE}" for n, a in _calls_text(calls))
 
 
 # ---- the whole output is the calls: llama3_json, mistral, pythonic ------------------------------------------
@@ -388,13 +510,15 @@ class CallFormat(Protocol):
     def looks_like_call(self, text: str) -> bool: ...
 
 
-FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Pythonic())}
+FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Qwen3Coder(), Llama3Json(), Mistral(), Pythonic())}
 PARSERS = ("auto", *FORMATS)  # router.tool_call_parser's values
 
 
 def detect(template: str | None) -> CallFormat:
     """The format a chat template's model writes calls in (hermes when the template says nothing of one)."""
     t = template or ""
+    if "<function=" in t and "<parameter=" in t:
+        return FORMATS["qwen3_coder"]
     if OPEN in t:
         return FORMATS["hermes"]
     if MISTRAL_CALLS in t:

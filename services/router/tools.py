@@ -48,7 +48,7 @@ from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 from services.router.errors import invalid
 from services.router.reasoning import ThinkSplitter, split_whole
 from services.router.structured import check_schema
-from services.router.tool_formats import FORMATS, CallDelta, CallFormat, CallReader, call_id, json_call
+from services.router.tool_formats import FORMATS, CallDelta, CallFormat, CallReader, Offered, call_id, json_call
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 HERMES = FORMATS["hermes"]
@@ -93,8 +93,9 @@ class Tools:
         return self.choice in (Choice.REQUIRED, Choice.NAMED)
 
     @property
-    def names(self) -> frozenset[str]:
-        return frozenset(t.name for t in self.offered)
+    def names(self) -> Offered:
+        """The offered tools' names, with their parameters' schemas (what a text-valued call form reads by)."""
+        return Offered({t.name: dict(t.parameters.get("properties") or {}) for t in self.offered})
 
     def constraint(self) -> StructuredOutput | None:
         """What the engine's output must be: a named function's arguments, ``required``'s list of calls."""

@@ -49,6 +49,16 @@ CASES = [
     ("pythonic", "[1, 2, 3] are numbers.", []),
     ("pythonic", "Paris is sunny.", []),
     ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', [PARIS]),
+    ("qwen3_coder", ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                     "</tool_call>"), [PARIS]),
+    ("qwen3_coder", ('Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+                     '</function>\n</tool_call>\n<tool_call>\n<function=route>\n<parameter=a>\n{"x": 1}\n'
+                     '</parameter>\n<parameter=b>\n[1, 2.5, null, true]\n</parameter>\n</function>\n</tool_call>'),
+     [PARIS, LEG]),
+    ("qwen3_coder", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', [PARIS]),
+    ("qwen3_coder", "<tool_call>\n<function=nope>\n</function>\n</tool_call>", []),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\nParis\n</function>\n</tool_call>", []),  # no parameter
+    ("qwen3_coder", "<function=get_weather> is how I would call it.", []),
 ]
 
 
@@ -83,6 +93,24 @@ def test_every_cut_of_the_stream_reads_the_same(fmt, output, calls):
         got = read(FORMATS[fmt].reader(NAMES, True), pieces)
         assert got[0] == whole[0] and [n for n, _ in got[1]] == [n for n, _ in whole[1]]
     assert read(FORMATS[fmt].reader(NAMES, True), list(output))[1] == whole[1]  # a character at a time
+
+
+def test_qwen3_coders_text_values_are_read_by_the_tools_schema():
+    tools = tools_from_body({"tools": [{"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "price": {"type": "number"},
+                                         "ok": {"type": "boolean"}, "zip": {"type": "string"},
+                                         "tags": {"type": "array"}, "when": {"anyOf": [{"type": "null"},
+                                                                                       {"type": "integer"}]}}}}}]})
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in (
+        ("n", "3"), ("price", "2.5"), ("ok", "True"), ("zip", "01234"), ("tags", '["a", 1]'), ("when", "null"),
+        ("extra", "7")))
+    _, got = read(FORMATS["qwen3_coder"].reader(tools.names, True),
+                  [f"<tool_call>\n<function=book>\n{params}</function>\n</tool_call>"])
+    assert [(n, json.loads(a)) for n, a in got] == [("book", {"n": 3, "price": 2.5, "ok": True, "zip": "01234",
+                                                               "tags": ["a", 1], "when": None, "extra": "7"})]
+    _, bad = read(FORMATS["qwen3_coder"].reader(tools.names, True),
+                  ["<tool_call>\n<function=book>\n<parameter=n>\nthree\n</parameter>\n</function>\n</tool_call>"])
+    assert json.loads(bad[0][1]) == {"n": "three"}  # not an integer: the text as written, for the tool to refuse
 
 
 def test_content_streams_once_it_cannot_start_a_call():
@@ -153,6 +181,7 @@ def test_read_whole_uses_the_format_under_auto_only():
 def test_the_format_is_picked_from_the_chat_template():
     assert detect(None).name == "hermes" and detect("{{ messages }}").name == "hermes"
     assert detect("{% if tools %}<tool_call>{% endif %}").name == "hermes"
+    assert detect("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>").name == "qwen3_coder"
     assert detect("{{ '[TOOL_CALLS]' + tool_calls | tojson }}").name == "mistral"
     assert detect("{{- '<|python_tag|>' + tool_call.name }}").name == "llama3_json"
     assert detect('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
