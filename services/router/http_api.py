@@ -30,7 +30,7 @@ from services.router.access import RETRY_AFTER_S, AdminKey
 from services.router.choices import fan_out
 from services.router.core import Chunk, Router
 from services.router.errors import ErrorKind, RequestError, invalid
-from services.router.intake import Admitted, Call, Draft, Intake, new_request_id, valid_request_id
+from services.router.intake import Admitted, Call, Draft, Intake, chat_messages, new_request_id, valid_request_id
 from services.router.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -102,7 +102,8 @@ class Answer(NamedTuple):
     think: bool | None = None   # a chat's reasoning split out (``reasoning.py``): whether it begins inside it
     show_reasoning: bool = True  # include_reasoning
     ids_as_tokens: bool = False  # return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
-    echo: Echo | None = None  # a completion's prompts, before each choice's text (and logprobs)
+    echo: Echo | None = None  # a completion's prompts, before each choice's text (and logprobs); a chat's last
+    # message (the assistant's), before each choice's content
     prompt_logprobs: bool = False  # each choice (a chat: the response) carries vLLM's prompt_logprobs field
 
 
@@ -175,7 +176,7 @@ class OpenAIApi:
                                 body.tools if body.tools is not None and body.tools.offered else None,
                                 self.router.thinking(req.prompt) if chat else None,
                                 body.shape.include_reasoning, body.shape.ids_as_tokens,
-                                self._echo(body, [r for r, _ in requests]) if body.shape.echo else None,
+                                self._echo(body, [r for r, _ in requests], chat) if body.shape.echo else None,
                                 body.shape.prompt_logprobs)
                 stream = fan_out(self.router, requests, n)
                 if body.shape.stream:
@@ -217,8 +218,12 @@ class OpenAIApi:
                     raise _of_prompt(e, j) from None
         return out
 
-    def _echo(self, body: Body, requests: list[Admitted]) -> Echo:
-        """A completion's prompts as its echo repeats them."""
+    def _echo(self, body: Body, requests: list[Admitted], chat: bool) -> Echo | None:
+        """A completion's prompts as its echo repeats them; a chat's last message when it is the assistant's (the
+        turn the answer continues: vLLM's rule), else nothing to echo."""
+        if chat:
+            last = chat_messages(body.drafted.messages)[-1] if body.drafted is not None else {}
+            return Echo((last["content"],), ()) if last.get("role") == "assistant" and last["content"] else None
         drafts = body.drafted.batch() if body.drafted is not None else []
         texts = tuple(d.text if d.text is not None and not d.truncate else self.router.tokenizer.decode(list(r.prompt))
                       for d, r in zip(drafts, requests, strict=True))
@@ -302,6 +307,8 @@ class OpenAIApi:
             if read.reasoning is not None and answer.show_reasoning:
                 message["reasoning"] = read.reasoning
             choice["message"], reason = message, read.finish_reason
+        if answer.echo is not None and answer.kind == "chat.completion":  # the continued message, whole
+            choice["message"]["content"] = answer.echo.texts[0] + (choice["message"]["content"] or "")
         choice["logprobs"] = self._logprobs(answer, chunks, prompt=prompt)
         choice["finish_reason"] = reason
         if answer.prompt_logprobs and answer.kind != "chat.completion":  # vLLM's place: each completion choice's
@@ -341,6 +348,10 @@ class OpenAIApi:
             await send(self._envelope(answer, chunk_kind, [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(n)], usage(0)) | due.pop(0, {}))
+            if answer.echo is not None:  # the message the answer continues, first (vLLM's chunk)
+                await send(self._envelope(answer, chunk_kind, [
+                    {"index": i, "delta": {"content": answer.echo.texts[0]}, "logprobs": None, "finish_reason": None}
+                    for i in range(n)]))
         item: tuple[int, Chunk] | None = first
         total = n * prompts
         sent = [0] * total  # characters of each choice's text streamed so far: where its next chunk's tokens start
@@ -361,7 +372,8 @@ class OpenAIApi:
                     delta = {"delta": {"content": c.text}}
                 else:
                     delta = {"text": c.text}
-                if answer.echo is not None and i not in opened:  # the echoed prompt first, with its logprobs
+                if answer.echo is not None and answer.kind != "chat.completion" and i not in opened:
+                    # the echoed prompt first, with its logprobs
                     opened.add(i)
                     delta = {"text": self._echoed(answer, i // n, c.text)}
                     logprobs = self._logprobs(answer, [c], prompt=i // n)

@@ -171,7 +171,8 @@ class Shape(NamedTuple):
     include_reasoning: bool = True  # a reasoning model's thinking in the answer (``reasoning.py``; vLLM's field)
     ids_as_tokens: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries its choice's usage
-    echo: bool = False  # a completion's text (and logprobs) begin with its prompt's
+    echo: bool = False  # a completion's text (and logprobs) begin with its prompt's; a chat's message with the last
+    # message's content when that is the assistant's (vLLM's rule: continue_final_message's answer, whole)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine generates one token, not shown)
     prompt_logprobs: bool = False  # the body set prompt_logprobs: the answer carries vLLM's prompt_logprobs field
 
@@ -212,10 +213,7 @@ def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, 
     max_tokens = _int(body, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS)
-    echo = bool_field(body, "echo")
-    if echo and chat:
-        raise invalid("echo is for /v1/completions (the prompt before the completion); a chat continues its last "
-                      "message with continue_final_message")
+    echo = bool_field(body, "echo") and not chat  # a chat's echo repeats its last message, scoring nothing
     if echo and max_tokens == 0:  # the prompt alone: one token is generated and not shown (vLLM's rule)
         max_tokens = 1
     top_k = _int(body, "top_k", 0) or 0

@@ -114,6 +114,31 @@ def test_vllms_prompt_logprobs_field_on_both_endpoints(mesh):
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 
+PARTIAL = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite fruit is the"}]
+
+
+def test_a_chats_echo_answers_the_message_it_continues_whole(mesh):
+    """vLLM's chat ``echo``: the last message, when it is the assistant's, before the answer's content."""
+    body = {"messages": PARTIAL, "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 4,
+            "temperature": 0}
+    status, plain, _ = post(mesh, "/v1/chat/completions", body)
+    status, echoed, _ = post(mesh, "/v1/chat/completions", {**body, "echo": True})
+    assert status == 200, echoed
+    continued = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == PARTIAL[1]["content"] + continued
+    req = urllib.request.Request(f"http://127.0.0.1:{mesh.http_port}/v1/chat/completions",
+                                 data=json.dumps({**body, "echo": True, "stream": True}).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert streamed == echoed["choices"][0]["message"]["content"]
+    status, user_last, _ = post(mesh, "/v1/chat/completions", {"messages": PARTIAL[:1], "max_tokens": 4,
+                                                                "temperature": 0, "echo": True})
+    assert status == 200 and not user_last["choices"][0]["message"]["content"].startswith("Name a fruit.")
+
+
 def test_the_grpc_sdk_returns_them(mesh):
     from kvmesh.client import KvmeshClient
 
@@ -133,7 +158,6 @@ def test_the_grpc_sdk_returns_them(mesh):
 @pytest.mark.parametrize(("path", "body", "says"), [
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True}, "not a stream"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1}, "the whole vocabulary"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True}, "echo is for"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens must be >= 1"),
 ])
 def test_bad_input_is_a_400_naming_it(mesh, path, body, says):

@@ -58,9 +58,10 @@ def test_bad_prompt_logprobs_are_400s_naming_the_field(body, words):
     refused(words, **body)
 
 
-def test_a_chat_does_not_echo():
-    refused("echo is for /v1/completions", True, echo=True)
-    assert sampling(True, echo=False).prompt_logprobs is None
+def test_a_chats_echo_scores_nothing():
+    """A chat's echo repeats its last message in the answer (vLLM's rule); it asks the engines for nothing."""
+    assert sampling(True, echo=True, logprobs=True, top_logprobs=2).prompt_logprobs is None
+    refused("max_tokens must be >= 1", True, echo=True, max_tokens=0)
 
 
 def test_the_shape_says_whether_the_answer_carries_the_field():
