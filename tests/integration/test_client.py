@@ -18,6 +18,7 @@ from kvmesh.client import (
     Overloaded,
     Unavailable,
 )
+from kvmesh.proto.v1 import api_pb2
 
 from .test_client_fake import TRACE_ID, FakeKvmesh, serve
 
@@ -51,6 +52,14 @@ def wait_for(predicate, timeout_s: float = 3.0) -> bool:
 
 
 # --- sync client --------------------------------------------------------------------------------------------
+
+def test_an_answer_larger_than_grpcs_default_4_mib_arrives(client, fake):
+    """A long prompt's logprobs (prompt_logprobs 20: ~160 bytes a token) outgrow gRPC's default receive limit."""
+    fake.prompt_scores = 40_000
+    assert api_pb2.ChatResponse(prompt_logprobs=fake._scores()).ByteSize() > 5 * 2**20
+    assert len(client.chat(USER_HI).prompt_logprobs) == 40_000
+    assert len(client.complete("Hi").prompt_logprobs) == 40_000
+
 
 def test_generate_streams_one_chunk_per_token_then_usage(client):
     chunks = list(client.generate("The capital of France is", max_tokens=8))

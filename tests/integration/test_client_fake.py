@@ -44,6 +44,7 @@ class FakeKvmesh(api_pb2_grpc.KvmeshServicer):
     delay_s: float = 0.0                                  # wait before the first chunk
     chunk_delay_s: float = 0.001                          # wait after each chunk
     detail: str = "scripted failure"
+    prompt_scores: int = 0                                # prompt logprobs (20 alternatives each) on the answer
     requests: list[api_pb2.GenerateRequest | api_pb2.ChatRequest] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     cancelled: int = 0                                    # Generate calls cancelled by the client
@@ -70,7 +71,8 @@ class FakeKvmesh(api_pb2_grpc.KvmeshServicer):
             for i, word in enumerate(words):
                 if i < len(request.resume_token_ids):  # a resumed stream: these went out before the cut
                     continue
-                yield api_pb2.GenerateChunk(request_id=rid, token_ids=[100 + i], text=word if i == 0 else " " + word)
+                yield api_pb2.GenerateChunk(request_id=rid, token_ids=[100 + i], text=word if i == 0 else " " + word,
+                                            prompt_logprobs=self._scores() if i == 0 else ())
                 if self.fail_after_first is not None:
                     await context.abort(self.fail_after_first, self.detail)
                 if cut:
@@ -94,7 +96,12 @@ class FakeKvmesh(api_pb2_grpc.KvmeshServicer):
                                  cached_tokens=cached)
         return api_pb2.ChatResponse(request_id=request.request_id or "chat-1", text=self.reply,
                                     token_ids=[100 + i for i in range(len(words))], finish_reason="stop",
-                                    usage=usage)
+                                    usage=usage, prompt_logprobs=self._scores())
+
+    def _scores(self) -> list[common_pb2.TokenLogprobs]:
+        return [common_pb2.TokenLogprobs(token_id=40000 + i % 9000, logprob=-1.5, top_token_ids=range(40000, 40020),
+                                         top_logprobs=[-0.1 * k for k in range(20)], rank=7)
+                for i in range(self.prompt_scores)]
 
     async def ListModels(self, request, context) -> api_pb2.ListModelsResponse:
         model = api_pb2.Model(id="tiny", fingerprint="f00d", max_model_len=2048)

@@ -10,6 +10,8 @@ from kvmesh import state
 from kvmesh.client.retry_policy import CallPolicy
 from kvmesh.proto.v1 import api_pb2
 
+MAX_ANSWER_BYTES = 64 * 2**20  # the largest answer message the SDK takes (the router's own limit from engines)
+
 
 class ClientBase:
     """Settings of a client: ``target`` (host:port of the router's gRPC API, or a list of router replicas'),
@@ -50,7 +52,10 @@ class ClientBase:
         # Reconnect as fast as we retry: grpc's default first reconnect backoff (1 s) would fail our early
         # retries at once while the channel still waits to reconnect.
         ms = max(int(self.backoff_s * 1000), 50)
-        return [("grpc.initial_reconnect_backoff_ms", ms), ("grpc.max_reconnect_backoff_ms", max(ms, 5000))]
+        return [("grpc.initial_reconnect_backoff_ms", ms), ("grpc.max_reconnect_backoff_ms", max(ms, 5000)),
+                # gRPC's default 4 MiB would refuse an answer carrying a long prompt's logprobs (prompt_logprobs
+                # 20: ~160 bytes a token, 4 MiB at ~26k tokens); the router takes as much from its engines
+                ("grpc.max_receive_message_length", MAX_ANSWER_BYTES)]
 
     def _policy(self, timeout_s: float | None) -> CallPolicy:
         return CallPolicy(self.timeout_s if timeout_s is None else timeout_s, self.retries, self.backoff_s,
