@@ -16,7 +16,8 @@ from .helpers import req, run
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 
 
-def first_tokens(tiny_config, order: PrefillOrder) -> tuple[list[str], dict[str, int]]:
+def first_tokens(tiny_config, order: PrefillOrder,
+                 warm_params: SamplingParams = ONE) -> tuple[list[str], dict[str, int]]:
     """A 64-token prefix cached, then a cold 64-token prompt and the cached prefix + 2 tokens, queued in that
     order on an engine whose steps carry 16 prompt tokens: the order their first tokens come in, and each
     waiting prompt's cached prefix as the pacer found it."""
@@ -28,7 +29,7 @@ def first_tokens(tiny_config, order: PrefillOrder) -> tuple[list[str], dict[str,
         pacer.speed_fit.observe(n, 0.01 + n / 1500)
         pacer.chunk_speed.observe(n, 0.01 + n / 1500)
     e.add_request(req("cold", list(range(100, 164)), ONE))
-    e.add_request(req("warm", [*shared, 6, 7], ONE))
+    e.add_request(req("warm", [*shared, 6, 7], warm_params))
     seqs = {s.request_id: s for s in e.scheduler.waiting}
     firsts: list[str] = []
     estimates: dict[str, int] = {}
@@ -45,6 +46,13 @@ def test_least_work_serves_the_cached_prompt_before_the_cold_one_that_came_first
     firsts, estimates = first_tokens(tiny_config, PrefillOrder.LEAST_WORK)
     assert firsts == ["warm", "cold"]
     assert estimates == {"cold": 0, "warm": 64}  # 16 full blocks of 4 found for it, none for the cold one
+
+
+def test_a_prompt_that_scores_itself_is_priced_as_the_whole_prompt_it_computes(tiny_config):
+    """``prompt_logprobs`` reuses no cached prefix: its 66 tokens are more work than the cold 64."""
+    scored = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    firsts, estimates = first_tokens(tiny_config, PrefillOrder.LEAST_WORK, scored)
+    assert firsts == ["cold", "warm"] and estimates == {"cold": 0, "warm": 0}
 
 
 def test_arrival_serves_them_in_the_order_they_came(tiny_config):

@@ -154,7 +154,8 @@ class Pacer:
         stale.sort(key=lambda s: s.estimated_at)
         for seq in stale[:REESTIMATES]:
             tokens = seq.all_token_ids
-            seq.cached_estimate = sched.blocks.match(seq.namespace_seed, tokens, len(tokens) - 1).num_tokens
+            reusable = 0 if seq.scores_prompt else len(tokens) - 1  # a scored prompt reuses nothing
+            seq.cached_estimate = sched.blocks.match(seq.namespace_seed, tokens, reusable).num_tokens
             seq.estimated_at = self._steps
 
     def _best_effort(self, sched: Scheduler) -> int:
