@@ -17,11 +17,16 @@ The formats (the names are vLLM's ``--tool-call-parser`` values for the same for
   tool's schema for that parameter (a number, boolean, null, object or array where the schema says so and the text
   is one; a string otherwise), and without a schema as JSON when it is an object or array. A block holding JSON is
   read as hermes's.
+- ``deepseek_v3`` / ``deepseek_v31``: a section ``<｜tool▁calls▁begin｜>`` .. ``<｜tool▁calls▁end｜>`` of calls
+  ``<｜tool▁call▁begin｜>`` .. ``<｜tool▁call▁end｜>``, each ``function<｜tool▁sep｜>NAME`` and its arguments in a
+  fenced JSON block (DeepSeek V3, R1-0528) or ``NAME<｜tool▁sep｜>{arguments}`` (V3.1, V3.2); either reader takes
+  both, the name says which form the prompt shows. The text before the section is the content.
 - ``pythonic``: the whole output is a Python list of calls, ``[get_weather(city="Paris"), ...]``, arguments as
   literals (Llama 3.2's and Llama 4's pythonic templates, several small tool models).
 
 ``auto`` (the router's default, ``router.tool_call_parser``) picks by the chat template: one that writes
-``<function=`` and ``<parameter=`` is qwen3_coder, ``<tool_call>`` hermes, ``[TOOL_CALLS]`` mistral,
+``<｜tool▁call▁begin｜>`` is deepseek_v3 (with a fenced ```` ```json ```` block) or deepseek_v31,
+``<function=`` and ``<parameter=`` qwen3_coder, ``<tool_call>`` hermes, ``[TOOL_CALLS]`` mistral,
 ``<|python_tag|>`` or Llama's ``"parameters": dictionary`` instruction llama3_json; any other template (SmolLM2's
 renders no tools) gets hermes, which the router then describes to the model in the system message.
 
@@ -180,13 +185,19 @@ def typed(value: str, schema: Any) -> Any:
     return value
 
 
-class TaggedCalls:
-    """``<tool_call>`` blocks out of the text, the rest is content; ``body`` reads a block's inside as a call."""
+Body = Callable[[str, frozenset[str]], list[Call] | None]  # a block's inside as its calls (None: not calls)
 
-    def __init__(self, names: frozenset[str], parallel: bool = True,
-                 body: Callable[[str, frozenset[str]], Call | None] | None = None) -> None:
+
+class TaggedCalls:
+    """Blocks between ``open`` and ``close`` (hermes's ``<tool_call>``) out of the text, the rest is content;
+    ``body`` reads a block's inside as its calls. A block the output ends inside (the model stopped before the
+    closing tag) is read as one too; what does not read stays text, as written."""
+
+    def __init__(self, names: frozenset[str], parallel: bool = True, body: Body | None = None,
+                 tags: tuple[str, str] = (OPEN, CLOSE)) -> None:
         self.names, self.parallel = names, parallel
         self.body = body or _json_block
+        self.open, self.close_tag = tags
         self.buf, self.inside, self.count = "", False, 0
 
     @property
@@ -199,49 +210,55 @@ class TaggedCalls:
         calls: list[CallDelta] = []
         while True:
             if not self.inside:
-                i = self.buf.find(OPEN)
+                i = self.buf.find(self.open)
                 if i < 0:
-                    cut = len(self.buf) - held_back(self.buf, OPEN)
+                    cut = len(self.buf) - held_back(self.buf, self.open)
                     content.append(self.buf[:cut])
                     self.buf = self.buf[cut:]
                     break
                 content.append(self.buf[:i])
-                self.buf, self.inside = self.buf[i + len(OPEN):], True
+                self.buf, self.inside = self.buf[i + len(self.open):], True
             else:
-                j = self.buf.find(CLOSE)
+                j = self.buf.find(self.close_tag)
                 if j < 0:
                     break
-                raw, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE):], False
-                call = self._call(raw) if self.parallel or not self.count else None
-                if call is None:  # not a call: the block stays text, as the model wrote it
-                    content.append(OPEN + raw + CLOSE)
-                else:
-                    calls.append(CallDelta(self.count, call_id(), *call))
-                    self.count += 1
+                raw, self.buf, self.inside = self.buf[:j], self.buf[j + len(self.close_tag):], False
+                said, found = self._block(raw, self.close_tag)
+                content.append(said)
+                calls += found
         return "".join(content), calls
 
-    def _call(self, raw: str) -> Call | None:
-        return self.body(raw, self.names)
+    def _block(self, raw: str, closing: str) -> tuple[str, list[CallDelta]]:
+        """One block's calls, or the block as written (not calls, or a call past the first with parallel off)."""
+        found = self.body(raw, self.names) if self.parallel or not self.count else None
+        if not found:
+            return self.open + raw + closing, []
+        if not self.parallel:
+            found = found[:1]
+        out = [CallDelta(self.count + i, call_id(), *c) for i, c in enumerate(found)]
+        self.count += len(out)
+        return "", out
 
     def close(self) -> tuple[str, list[CallDelta]]:
-        rest = (OPEN if self.inside else "") + self.buf  # an unfinished block is text
+        raw, inside = self.buf, self.inside
         self.buf, self.inside = "", False
-        return rest, []
+        return self._block(raw, "") if inside else (raw, [])
 
 
-def _json_block(raw: str, names: frozenset[str]) -> Call | None:
+def _json_block(raw: str, names: frozenset[str]) -> list[Call] | None:
     """A hermes block's inside: ``{"name", "arguments"}``."""
     try:
-        return json_call(json.loads(raw), names)
+        call = json_call(json.loads(raw), names)
     except ValueError:
         return None
+    return [call] if call is not None else None
 
 
 XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.DOTALL)
 XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
-def _xml_block(raw: str, names: frozenset[str]) -> Call | None:
+def _xml_block(raw: str, names: frozenset[str]) -> list[Call] | None:
     """A qwen3_coder block's inside: ``<function=NAME>`` with its ``<parameter=KEY>value</parameter>`` elements
     (nothing but white space between them), each value's one leading and one trailing newline the template's; a
     JSON inside is read as hermes's."""
@@ -262,9 +279,10 @@ def _xml_block(raw: str, names: frozenset[str]) -> Call | None:
     if inner[at:].strip():
         return None
     try:
-        return checked(name, args, names)
+        call = checked(name, args, names)
     except (TypeError, ValueError):
         return None
+    return [call] if call is not None else None
 
 
 def _xml_value(v: Any) -> str:
@@ -308,6 +326,64 @@ class Qwen3Coder(Hermes):
         return "\n".join(f"{OPEN}\n<function={n}>\n"
                          + "".join(f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in a.items())
                          + f"</function>\n{CLOSE}" for n, a in _calls_text(calls))
+
+
+# ---- deepseek: a section of calls, each between its own tags ----------------------------------------------
+
+DS_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_CALL = re.compile(re.escape(DS_CALL_BEGIN) + r"(.*?)" + re.escape(DS_SEP) + r"(.*?)(?:" + re.escape(DS_CALL_END)
+                     + r"|\Z)", re.DOTALL)
+DS_FENCED = re.compile(r"\s*([^\n]+?)\s*\n```(?:json)?\s*\n(.*?)\n?```\s*\Z", re.DOTALL)
+
+
+def _deepseek_section(raw: str, names: frozenset[str]) -> list[Call] | None:
+    """A DeepSeek calls section's inside: its calls one after the other (white space between), each V3's
+    ``function<｜tool▁sep｜>NAME`` + a fenced JSON block or V3.1's ``NAME<｜tool▁sep｜>{arguments}``; the last may
+    lack its end tag (the output ended there)."""
+    calls: list[Call | None] = []
+    at = 0
+    for m in DS_CALL.finditer(raw):
+        if raw[at:m.start()].strip():
+            return None
+        head, rest = m.group(1).strip(), m.group(2)
+        fenced = DS_FENCED.match(rest) if head == "function" else None
+        name, args = (fenced.group(1), fenced.group(2)) if fenced else (head, rest)
+        calls.append(checked(name, args, names))
+        at = m.end()
+    if raw[at:].strip():
+        return None
+    return _all(calls)
+
+
+class DeepSeekV3(Hermes):
+    name = "deepseek_v3"
+    fenced = True
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
+        return TaggedCalls(names, parallel, _deepseek_section, DS_CALLS)
+
+    def describe(self, offered: list[dict[str, Any]]) -> str:
+        example = self.written([{"function": {"name": "<function name>", "arguments": {"<argument>": "<value>"}}}])
+        return ("# Tools\n\nYou can call these functions (JSON schemas), when one helps to answer:\n"
+                f"{_listed(offered)}\n\nTo call, write the calls in this form, one or more in the section:\n"
+                f"{example}")
+
+    def written(self, calls: list[dict[str, Any]]) -> str:
+        def one(n: str, a: dict[str, Any]) -> str:
+            args = json.dumps(a, ensure_ascii=False)
+            body = f"function{DS_SEP}{n}\n```json\n{args}\n```" if self.fenced else f"{n}{DS_SEP}{args}"
+            return DS_CALL_BEGIN + body + DS_CALL_END
+        return DS_CALLS[0] + "".join(one(n, a) for n, a in _calls_text(calls)) + DS_CALLS[1]
+
+    def looks_like_call(self, text: str) -> bool:
+        t = text.strip()
+        return t.endswith(DS_CALLS[1]) or t.rfind(DS_CALLS[0]) > t.rfind(DS_CALLS[1])
+
+
+class DeepSeekV31(DeepSeekV3):
+    name = "deepseek_v31"
+    fenced = False
 
 
 # ---- the whole output is the calls: llama3_json, mistral, pythonic ------------------------------------------
@@ -510,13 +586,16 @@ class CallFormat(Protocol):
     def looks_like_call(self, text: str) -> bool: ...
 
 
-FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Qwen3Coder(), Llama3Json(), Mistral(), Pythonic())}
+FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Qwen3Coder(), DeepSeekV3(), DeepSeekV31(), Llama3Json(),
+                                                      Mistral(), Pythonic())}
 PARSERS = ("auto", *FORMATS)  # router.tool_call_parser's values
 
 
 def detect(template: str | None) -> CallFormat:
     """The format a chat template's model writes calls in (hermes when the template says nothing of one)."""
     t = template or ""
+    if DS_CALL_BEGIN in t:
+        return FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
     if "<function=" in t and "<parameter=" in t:
         return FORMATS["qwen3_coder"]
     if OPEN in t:

@@ -59,6 +59,22 @@ CASES = [
     ("qwen3_coder", "<tool_call>\n<function=nope>\n</function>\n</tool_call>", []),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\nParis\n</function>\n</tool_call>", []),  # no parameter
     ("qwen3_coder", "<function=get_weather> is how I would call it.", []),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', [PARIS]),  # stopped before
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"ci', []),  # cut short: text
+    ("deepseek_v3", ("Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                     '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'), [PARIS]),
+    ("deepseek_v3", ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                     '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>route\n'
+                     '```json\n{"a": {"x": 1}, "b": [1, 2.5, null, true]}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+     [PARIS, LEG]),
+    ("deepseek_v31", ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), [PARIS]),
+    ("deepseek_v31", ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                      '<｜tool▁call▁end｜><｜tool▁call▁begin｜>route<｜tool▁sep｜>{"a": {"x": 1}, "b": [1, 2.5, null, '
+                      "true]}<｜tool▁call▁end｜>"), [PARIS, LEG]),  # the section's end tag never came
+    ("deepseek_v31", ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>nope<｜tool▁sep｜>{}<｜tool▁call▁end｜>'
+                      "<｜tool▁calls▁end｜>"), []),
+    ("deepseek_v31", "Paris is sunny.", []),
 ]
 
 
@@ -182,6 +198,9 @@ def test_the_format_is_picked_from_the_chat_template():
     assert detect(None).name == "hermes" and detect("{{ messages }}").name == "hermes"
     assert detect("{% if tools %}<tool_call>{% endif %}").name == "hermes"
     assert detect("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>").name == "qwen3_coder"
+    v3 = "'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json'"
+    assert detect(v3).name == "deepseek_v3"
+    assert detect("'<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'").name == "deepseek_v31"
     assert detect("{{ '[TOOL_CALLS]' + tool_calls | tojson }}").name == "mistral"
     assert detect("{{- '<|python_tag|>' + tool_call.name }}").name == "llama3_json"
     assert detect('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
