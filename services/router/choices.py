@@ -6,7 +6,9 @@ router routes each of them like a request of that prompt, to where it is cached:
 last, partial block. They differ as separate requests do: each its own dispatch id, and, when the request has a
 seed, seed + i (a request with a seed still answers the same n choices every time). A later choice belongs to no
 session (the first one speaks for the turn) and traces under the request's root, tagged with its index
-(``RequestTrace.choice``). A choice that fails fails the request: the others are cancelled.
+(``RequestTrace.choice``). The prompt's logprobs (``prompt_logprobs``), the same for every choice, are computed by
+the first alone (a scored prompt reuses no cache); the others reuse its KV and carry its logprobs. A choice that
+fails fails the request: the others are cancelled.
 
 A completions batch (``prompt`` a list of several) is one request of several prompts, each admitted and routed
 as a request of its own (its own slot, dispatch id and route) and each with its ``n`` choices, in the order of
@@ -26,10 +28,10 @@ from services.router.telemetry import RequestTrace
 
 
 def sibling(request: Admitted, index: int) -> Admitted:
-    """Choice ``index``'s request: its own dispatch id, seed + index, no session."""
+    """Choice ``index``'s request: its own dispatch id, seed + index, no session, the prompt not scored again."""
     seed = request.sampling.seed
-    sampling = (request.sampling if seed is None
-                else dataclasses.replace(request.sampling, seed=(seed + index) % 2**64))
+    sampling = dataclasses.replace(request.sampling, prompt_logprobs=None,
+                                   seed=None if seed is None else (seed + index) % 2**64)
     return dataclasses.replace(request, sampling=sampling, session=None,
                                dispatch_id=dispatch_id(request.tenant, request.request_id))
 
@@ -46,11 +48,19 @@ async def fan_out(router: Router, requests: list[tuple[Admitted, RequestTrace]],
         return
     queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
     firsts = [asyncio.Event() for _ in requests]  # prompt j's first choice sent a chunk: its KV is in place
+    scored: list[tuple] = [() for _ in requests]  # prompt j's logprobs, from its first choice's first chunk
 
     async def run(index: int, req: Admitted, trace: RequestTrace) -> None:
         try:
+            opening = True
             async for c in router.generate(req, trace):
-                firsts[index // n].set()
+                j = index // n
+                if index % n == 0 and c.prompt_logprobs:
+                    scored[j] = c.prompt_logprobs
+                elif opening and scored[j]:
+                    c = dataclasses.replace(c, prompt_logprobs=scored[j])
+                opening = False
+                firsts[j].set()
                 await queue.put((index, c))
             await queue.put((index, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it

@@ -106,6 +106,12 @@ def test_vllms_prompt_logprobs_field_on_both_endpoints(mesh):
         assert own["rank"] >= 1 and own["logprob"] <= 0 and isinstance(own["decoded_token"], str)
         assert len(entry) <= 3 and sorted(e["rank"] for e in entry.values())[:1] == [1]
     assert out["choices"][0]["logprobs"] is None and "prompt_logprobs" in out["choices"][0]
+    status, two, _ = post(mesh, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2, "n": 2,
+                                                    "temperature": 1.0, "seed": 5})
+    assert status == 200, two
+    # the first choice scored the prompt; the second reused its KV and carries the same logprobs
+    assert two["choices"][0]["prompt_logprobs"] == two["choices"][1]["prompt_logprobs"]
+    assert [e and sorted(e) for e in two["choices"][0]["prompt_logprobs"]] == [e and sorted(e) for e in field]
     status, chat, _ = post(mesh, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                           "max_tokens": 2, "prompt_logprobs": 0,
                                                           "return_token_ids": True})

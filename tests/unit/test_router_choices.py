@@ -5,9 +5,10 @@ chunks come back tagged with their choice; a choice that fails fails the request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
-from kvmesh.contracts.engine import SessionHint
+from kvmesh.contracts.engine import SessionHint, TokenLogprobs
 from kvmesh.contracts.sampling import SamplingParams
 
 from services.router.choices import fan_out, sibling
@@ -37,7 +38,8 @@ class FakeRouter:
         try:
             await asyncio.sleep(0.01)
             self.log.append(f"chunk {name}")
-            yield Chunk([7], "a")
+            scored = request.sampling.prompt_logprobs is not None
+            yield Chunk([7], "a", prompt_logprobs=(TokenLogprobs(2, -1.0, (), 3),) if scored else ())
             if request.sampling.seed == self.fail:
                 raise RequestError(ErrorKind.UNAVAILABLE, "instance gone")
             await asyncio.sleep(0.01)
@@ -78,6 +80,21 @@ def test_a_failing_choice_fails_the_request_and_cancels_the_others():
     with pytest.raises(RequestError, match="instance gone"):
         collect(router, 3)
     assert router.cancelled >= 1
+
+
+def test_the_prompt_is_scored_by_the_first_choice_alone_and_every_choice_carries_its_logprobs():
+    """A scored prompt reuses no cache: the later choices, sent to where its KV now is, do not score it again."""
+    scored = dataclasses.replace(REQUEST, sampling=dataclasses.replace(REQUEST.sampling, prompt_logprobs=0))
+    router = FakeRouter()
+
+    async def body() -> list[tuple[int, Chunk]]:
+        return [(i, c) async for i, c in fan_out(router, [(scored, RequestTrace(None, "r1", "test"))], 3)]  # type: ignore[arg-type]
+
+    got = asyncio.run(body())
+    assert [r.sampling.prompt_logprobs for r in router.requests] == [0, None, None]
+    for i in range(3):
+        first, second = [c for j, c in got if j == i]
+        assert first.prompt_logprobs == (TokenLogprobs(2, -1.0, (), 3),) and second.prompt_logprobs == ()
 
 
 def test_an_unseeded_request_stays_unseeded():
