@@ -17,6 +17,8 @@ The formats (the names are vLLM's ``--tool-call-parser`` values for the same for
   tool's schema for that parameter (a number, boolean, null, object or array where the schema says so and the text
   is one; a string otherwise), and without a schema as JSON when it is an object or array. A block holding JSON is
   read as hermes's.
+- ``glm45``: ``<tool_call>NAME`` then ``<arg_key>KEY</arg_key><arg_value>value</arg_value>`` pairs and
+  ``</tool_call>`` (GLM-4.5, 4.6, 4.7), each value text read by the tool's schema as qwen3_coder's.
 - ``deepseek_v3`` / ``deepseek_v31``: a section ``<｜tool▁calls▁begin｜>`` .. ``<｜tool▁calls▁end｜>`` of calls
   ``<｜tool▁call▁begin｜>`` .. ``<｜tool▁call▁end｜>``, each ``function<｜tool▁sep｜>NAME`` and its arguments in a
   fenced JSON block (DeepSeek V3, R1-0528) or ``NAME<｜tool▁sep｜>{arguments}`` (V3.1, V3.2); either reader takes
@@ -26,7 +28,7 @@ The formats (the names are vLLM's ``--tool-call-parser`` values for the same for
 
 ``auto`` (the router's default, ``router.tool_call_parser``) picks by the chat template: one that writes
 ``<｜tool▁call▁begin｜>`` is deepseek_v3 (with a fenced ```` ```json ```` block) or deepseek_v31,
-``<function=`` and ``<parameter=`` qwen3_coder, ``<tool_call>`` hermes, ``[TOOL_CALLS]`` mistral,
+``<function=`` and ``<parameter=`` qwen3_coder, ``<arg_key>`` glm45, ``<tool_call>`` hermes, ``[TOOL_CALLS]`` mistral,
 ``<|python_tag|>`` or Llama's ``"parameters": dictionary`` instruction llama3_json; any other template (SmolLM2's
 renders no tools) gets hermes, which the router then describes to the model in the system message.
 
@@ -258,31 +260,51 @@ XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", 
 XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
-def _xml_block(raw: str, names: frozenset[str]) -> list[Call] | None:
-    """A qwen3_coder block's inside: ``<function=NAME>`` with its ``<parameter=KEY>value</parameter>`` elements
-    (nothing but white space between them), each value's one leading and one trailing newline the template's; a
-    JSON inside is read as hermes's."""
-    m = XML_FUNCTION.match(raw)
-    if m is None:
-        return _json_block(raw, names)
-    name, inner = m.group(1).strip(), m.group(2)
+def _text_args(name: str, pairs: str, element: re.Pattern[str], names: frozenset[str],
+               trim: bool = False) -> list[Call] | None:
+    """``name``'s call from ``pairs``: ``element``'s (key, value) matches one after the other, nothing but white
+    space between them, each value read by the tool's schema for its key (``trim``: without one leading and one
+    trailing newline, the template's)."""
     schemas = getattr(names, "properties", {}).get(name)
     args: dict[str, Any] = {}
     at = 0
-    for p in XML_PARAMETER.finditer(inner):
-        if inner[at:p.start()].strip():
+    for m in element.finditer(pairs):
+        if pairs[at:m.start()].strip():
             return None
-        value = p.group(2).removeprefix("\n").removesuffix("\n")
-        key = p.group(1).strip()
+        key, value = m.group(1).strip(), m.group(2)
+        if trim:
+            value = value.removeprefix("\n").removesuffix("\n")
         args[key] = typed(value, schemas.get(key) if isinstance(schemas, dict) else None)
-        at = p.end()
-    if inner[at:].strip():
+        at = m.end()
+    if pairs[at:].strip():
         return None
     try:
         call = checked(name, args, names)
     except (TypeError, ValueError):
         return None
     return [call] if call is not None else None
+
+
+def _xml_block(raw: str, names: frozenset[str]) -> list[Call] | None:
+    """A qwen3_coder block's inside: ``<function=NAME>`` with its ``<parameter=KEY>value</parameter>`` elements;
+    a JSON inside is read as hermes's."""
+    m = XML_FUNCTION.match(raw)
+    if m is None:
+        return _json_block(raw, names)
+    return _text_args(m.group(1).strip(), m.group(2), XML_PARAMETER, names, trim=True)
+
+
+GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_block(raw: str, names: frozenset[str]) -> list[Call] | None:
+    """A glm45 block's inside: the function's name, then its ``<arg_key>`` / ``<arg_value>`` pairs."""
+    i = raw.find("<arg_key>")
+    name, pairs = (raw, "") if i < 0 else (raw[:i], raw[i:])
+    name = name.strip()
+    if not name or "<" in name:
+        return None
+    return _text_args(name, pairs, GLM_ARG, names)
 
 
 def _xml_value(v: Any) -> str:
@@ -310,22 +332,45 @@ class Hermes:
         return t.endswith(CLOSE) or t.rfind(OPEN) > t.rfind(CLOSE)
 
 
-class Qwen3Coder(Hermes):
-    name = "qwen3_coder"
+class _TextArgs(Hermes):
+    """A tagged form whose arguments are text elements, each read by the tool's schema (``body``); ``call``
+    writes one call, which ``describe`` shows the model as the form to follow."""
+
+    body: Body
+
+    def call(self, name: str, args: dict[str, Any]) -> str:
+        raise NotImplementedError
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
-        return TaggedCalls(names, parallel, _xml_block)
+        return TaggedCalls(names, parallel, type(self).body)
 
     def describe(self, offered: list[dict[str, Any]]) -> str:
         return ("# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
                 f"{_listed(offered)}\n</tools>\n\nIf you choose to call a function, reply in the following format:"
-                f"\n\n{OPEN}\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
-                f"</parameter>\n</function>\n{CLOSE}")
+                f"\n\n{self.call('example_function_name', {'example_parameter_1': 'value_1'})}")
 
     def written(self, calls: list[dict[str, Any]]) -> str:
-        return "\n".join(f"{OPEN}\n<function={n}>\n"
-                         + "".join(f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in a.items())
-                         + f"</function>\n{CLOSE}" for n, a in _calls_text(calls))
+        return "\n".join(self.call(n, a) for n, a in _calls_text(calls))
+
+
+class Qwen3Coder(_TextArgs):
+    name = "qwen3_coder"
+    body = staticmethod(_xml_block)
+
+    def call(self, name: str, args: dict[str, Any]) -> str:
+        return (f"{OPEN}\n<function={name}>\n"
+                + "".join(f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in args.items())
+                + f"</function>\n{CLOSE}")
+
+
+class Glm45(_TextArgs):
+    name = "glm45"
+    body = staticmethod(_glm_block)
+
+    def call(self, name: str, args: dict[str, Any]) -> str:
+        return (f"{OPEN}{name}\n"
+                + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_xml_value(v)}</arg_value>\n" for k, v in args.items())
+                + CLOSE)
 
 
 # ---- deepseek: a section of calls, each between its own tags ----------------------------------------------
@@ -586,8 +631,8 @@ class CallFormat(Protocol):
     def looks_like_call(self, text: str) -> bool: ...
 
 
-FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Qwen3Coder(), DeepSeekV3(), DeepSeekV31(), Llama3Json(),
-                                                      Mistral(), Pythonic())}
+FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Qwen3Coder(), Glm45(), DeepSeekV3(), DeepSeekV31(),
+                                                      Llama3Json(), Mistral(), Pythonic())}
 PARSERS = ("auto", *FORMATS)  # router.tool_call_parser's values
 
 
@@ -598,6 +643,8 @@ def detect(template: str | None) -> CallFormat:
         return FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
     if "<function=" in t and "<parameter=" in t:
         return FORMATS["qwen3_coder"]
+    if "<arg_key>" in t:
+        return FORMATS["glm45"]
     if OPEN in t:
         return FORMATS["hermes"]
     if MISTRAL_CALLS in t:

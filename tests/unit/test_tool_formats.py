@@ -75,6 +75,14 @@ CASES = [
     ("deepseek_v31", ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>nope<｜tool▁sep｜>{}<｜tool▁call▁end｜>'
                       "<｜tool▁calls▁end｜>"), []),
     ("deepseek_v31", "Paris is sunny.", []),
+    ("glm45", "Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+     [PARIS]),
+    ("glm45", ('<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>\n<tool_call>'
+               'route\n<arg_key>a</arg_key>\n<arg_value>{"x": 1}</arg_value>\n<arg_key>b</arg_key>\n'
+               "<arg_value>[1, 2.5, null, true]</arg_value>\n</tool_call>"), [PARIS, LEG]),
+    ("glm45", "<tool_call>route</tool_call>", [("route", "{}")]),  # no arguments
+    ("glm45", "<tool_call>nope\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</tool_call>", []),
+    ("glm45", "<tool_call>get_weather\nParis\n</tool_call>", []),  # text where the pairs go
 ]
 
 
@@ -111,7 +119,7 @@ def test_every_cut_of_the_stream_reads_the_same(fmt, output, calls):
     assert read(FORMATS[fmt].reader(NAMES, True), list(output))[1] == whole[1]  # a character at a time
 
 
-def test_qwen3_coders_text_values_are_read_by_the_tools_schema():
+def test_text_values_are_read_by_the_tools_schema():
     tools = tools_from_body({"tools": [{"type": "function", "function": {"name": "book", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer"}, "price": {"type": "number"},
                                          "ok": {"type": "boolean"}, "zip": {"type": "string"},
@@ -127,6 +135,10 @@ def test_qwen3_coders_text_values_are_read_by_the_tools_schema():
     _, bad = read(FORMATS["qwen3_coder"].reader(tools.names, True),
                   ["<tool_call>\n<function=book>\n<parameter=n>\nthree\n</parameter>\n</function>\n</tool_call>"])
     assert json.loads(bad[0][1]) == {"n": "three"}  # not an integer: the text as written, for the tool to refuse
+    _, glm = read(FORMATS["glm45"].reader(tools.names, True),
+                  [("<tool_call>book\n<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n<arg_key>zip</arg_key>\n"
+                    "<arg_value>01234</arg_value>\n</tool_call>")])
+    assert [(n, json.loads(a)) for n, a in glm] == [("book", {"n": 3, "zip": "01234"})]  # glm45's values alike
 
 
 def test_content_streams_once_it_cannot_start_a_call():
@@ -198,6 +210,7 @@ def test_the_format_is_picked_from_the_chat_template():
     assert detect(None).name == "hermes" and detect("{{ messages }}").name == "hermes"
     assert detect("{% if tools %}<tool_call>{% endif %}").name == "hermes"
     assert detect("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>").name == "qwen3_coder"
+    assert detect("<tool_call>{{ name }}\n<arg_key>{{ k }}</arg_key>").name == "glm45"
     v3 = "'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json'"
     assert detect(v3).name == "deepseek_v3"
     assert detect("'<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'").name == "deepseek_v31"
