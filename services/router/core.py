@@ -379,6 +379,8 @@ class Router:
             if scores and tries.streamed:
                 sampling, scores = replace(sampling, prompt_logprobs=None), False
             matched = {} if scores else tries.matched
+            if tries.routed is not None:
+                tries.routed.scored = scores  # its misses are by design, not the cache's
             route.set_attribute("kvmesh.pool_blocks", matched.get(POOL, 0))
             stream = self._route(self._work(request, sampling, prompt, rt, tries, matched), matched, rt,
                                  request.policy, route, tries.avoid | self._lacking(sampling.features),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.contracts.messages import KVEventBatch, Message
-from kvmesh.routing.hits import Attribution, BlockHistory, Explainer, Namespaces, RouteView, attribute
+from kvmesh.routing.hits import Attribution, BlockHistory, Cause, Explainer, Namespaces, RouteView, attribute
 from opentelemetry.trace import Span
 
 MAX_KEYS_ATTRIBUTE = 4096  # block keys recorded on a span (what ``kvmesh report hits`` replays for its optimum)
@@ -37,6 +37,7 @@ class Routed:
     unconvertible: str = ""
     pool_fetch: str = ""
     fallback: str = ""
+    scored: bool = False  # the request scored its prompt (prompt_logprobs): nothing of it could be reused
 
 
 class HitLedger:
@@ -69,10 +70,16 @@ class HitLedger:
                          lambda i: self.namespaces.others(routed.plain[i], routed.seed) if i < len(routed.plain)
                          else 0)
         keys = routed.keys[:prompt_tokens // self.block_size]
-        att = attribute(prompt_tokens, self.block_size, keys, delivered, Explainer(view, self.history, keys),
-                        view.predicted_blocks() * self.block_size, routed.compute)
+        explain = _scored if routed.scored else Explainer(view, self.history, keys)
+        att = attribute(prompt_tokens, self.block_size, keys, delivered, explain,
+                        0 if routed.scored else view.predicted_blocks() * self.block_size, routed.compute)
         self.namespaces.saw(routed.plain[:len(keys)], routed.seed)
         return att
+
+
+def _scored(i: int, key: int) -> tuple[Cause, str]:
+    """Every full block of a prompt that scored itself: computed whole, by design."""
+    return Cause.SCORED, ""
 
 
 def record(span: Span, att: Attribution, keys: Sequence[int], block_size: int) -> None:

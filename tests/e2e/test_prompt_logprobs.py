@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 
+from .test_faults import router_metric
 from .test_mesh import openai_client, post
 
 pytestmark = pytest.mark.slow
@@ -48,6 +49,8 @@ def test_an_echoed_prompts_logprobs_are_those_the_model_gave_it_as_it_generated_
     # the cache still serves what comes after (its blocks were written as usual)
     status, again, _ = post(mesh, "/v1/completions", {"prompt": continued, "max_tokens": 1, "temperature": 0})
     assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again
+    # the scored prompts' misses are counted as theirs, not as the cache's
+    assert router_metric(mesh, 'kvmesh_router_missed_prefill_tokens_total{cause="scored"') >= len(continued)
 
 
 def test_lm_evals_loglikelihood_request_through_the_openai_client(mesh):

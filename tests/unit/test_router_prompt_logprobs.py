@@ -115,3 +115,19 @@ def test_a_scoring_request_skips_instances_that_do_not_compute_prompt_logprobs()
     with pytest.raises(RequestError) as e:
         Router._lacking(router, (PROMPT_LOGPROBS,))  # type: ignore[arg-type]
     assert e.value.kind == ErrorKind.UNAVAILABLE and "prompt_logprobs" in e.value.message
+
+
+def test_a_scored_prompts_misses_are_its_own_not_the_caches():
+    """The chosen instance held the whole prompt (the index said so) and computed it anyway, because the request
+    scored it: the misses are ``scored``, not a stale index that would send operators looking for a cache fault."""
+    from services.router.hits import HitLedger, Routed
+
+    keys = list(range(100, 116))
+    ledger = HitLedger(block_size=4)
+
+    def causes(scored: bool) -> dict[str, int]:
+        routed = Routed(keys, keys, seed=7, compute="a", indexed={"a": 16}, scored=scored)
+        return ledger.settle(routed, 66, 0).by_cause()
+
+    assert causes(True) == {"scored": 64, "partial_block": 2}
+    assert "scored" not in causes(False)

@@ -38,6 +38,7 @@ class Cause(enum.StrEnum):
     FETCH_FAILED = "fetch_failed"          # the pool (or a PD hand-off) had it; the transfer failed or was refused
     FETCH_SKIPPED = "fetch_skipped"        # the pool had it; fetching it was judged slower than recomputing
     LAYOUT = "layout"                      # held where its KV layout does not convert to the chosen instance's
+    SCORED = "scored"                      # the request scored its prompt (prompt_logprobs): computed whole
 
 
 WORDS = {
@@ -51,6 +52,7 @@ WORDS = {
     Cause.FETCH_FAILED: "pool fetch or PD hand-off failed",
     Cause.FETCH_SKIPPED: "pool fetch judged slower than recompute",
     Cause.LAYOUT: "KV layout could not convert",
+    Cause.SCORED: "the request asked for its prompt's logprobs (computed whole, by design)",
 }
 
 
