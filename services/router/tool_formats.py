@@ -332,17 +332,20 @@ class Hermes:
         return t.endswith(CLOSE) or t.rfind(OPEN) > t.rfind(CLOSE)
 
 
-class _TextArgs(Hermes):
-    """A tagged form whose arguments are text elements, each read by the tool's schema (``body``); ``call``
-    writes one call, which ``describe`` shows the model as the form to follow."""
+class TextArgs(Hermes):
+    """A tagged form whose arguments are text elements, each read by the tool's schema (``body``). A call is
+    written as ``head``, one ``element`` per argument and ``tail`` between the tags (``str.format`` templates of
+    ``name``, and of ``key`` and ``value``), which ``describe`` shows the model as the form to follow."""
 
-    body: Body
+    def __init__(self, name: str, body: Body, head: str, element: str, tail: str) -> None:
+        self.name, self.body, self.head, self.element, self.tail = name, body, head, element, tail
 
     def call(self, name: str, args: dict[str, Any]) -> str:
-        raise NotImplementedError
+        elements = "".join(self.element.format(key=k, value=_xml_value(v)) for k, v in args.items())
+        return OPEN + self.head.format(name=name) + elements + self.tail + CLOSE
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
-        return TaggedCalls(names, parallel, type(self).body)
+        return TaggedCalls(names, parallel, self.body)
 
     def describe(self, offered: list[dict[str, Any]]) -> str:
         return ("# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
@@ -353,24 +356,9 @@ class _TextArgs(Hermes):
         return "\n".join(self.call(n, a) for n, a in _calls_text(calls))
 
 
-class Qwen3Coder(_TextArgs):
-    name = "qwen3_coder"
-    body = staticmethod(_xml_block)
-
-    def call(self, name: str, args: dict[str, Any]) -> str:
-        return (f"{OPEN}\n<function={name}>\n"
-                + "".join(f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in args.items())
-                + f"</function>\n{CLOSE}")
-
-
-class Glm45(_TextArgs):
-    name = "glm45"
-    body = staticmethod(_glm_block)
-
-    def call(self, name: str, args: dict[str, Any]) -> str:
-        return (f"{OPEN}{name}\n"
-                + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_xml_value(v)}</arg_value>\n" for k, v in args.items())
-                + CLOSE)
+QWEN3_CODER = TextArgs("qwen3_coder", _xml_block, "\n<function={name}>\n",
+                       "<parameter={key}>\n{value}\n</parameter>\n", "</function>\n")
+GLM45 = TextArgs("glm45", _glm_block, "{name}\n", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n", "")
 
 
 # ---- deepseek: a section of calls, each between its own tags ----------------------------------------------
@@ -631,7 +619,7 @@ class CallFormat(Protocol):
     def looks_like_call(self, text: str) -> bool: ...
 
 
-FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Qwen3Coder(), Glm45(), DeepSeekV3(), DeepSeekV31(),
+FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), QWEN3_CODER, GLM45, DeepSeekV3(), DeepSeekV31(),
                                                       Llama3Json(), Mistral(), Pythonic())}
 PARSERS = ("auto", *FORMATS)  # router.tool_call_parser's values
 
