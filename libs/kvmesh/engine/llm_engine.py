@@ -417,11 +417,11 @@ class LLMEngine:
             return self._take_pieces() + [self._fail(seq, SequenceError(
                 seq.request_id, f"the forward pass failed: {type(e).__name__}: {e}")) for seq, _ in scheduled]
         pending = self._take_pieces()
-        if exports and (failed := self._exports_done(exports)):  # those are not sampled
+        failed = self._exports_done(exports) if exports else []
+        if scored:
+            failed += self._score_prompts(scored, batch.hidden)
+        if failed:  # their export or scoring failed: those are not sampled
             pending += failed
-        if scored and (failed := self._score_prompts(scored, batch.hidden)):
-            pending += failed
-        if len(samplers) and any(s.status is Status.FINISHED for s in samplers):  # their export or scoring failed
             keep = [i for i, s in enumerate(samplers) if s.status is not Status.FINISHED]
             samplers, logits = [samplers[i] for i in keep], logits[keep]
         if self.logits_hook is not None:
