@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 AEAD = "AES-256-GCM"
 KEY_BYTES = 32
 TAG = 16                 # bytes after each sealed chunk
-CHUNK = 256 << 10        # what this build seals per chunk at most (its sealed copy stays in the core's L2 for the send) ...
+CHUNK = 256 << 10        # what this build seals per chunk at most ...
 SPLIT = 4                # ... and at least in this many chunks, down to
 SMALLEST = 64 << 10      # this size (a payload's first chunk is sealed before a byte is sent, its last opened
                          # after every byte arrived: small chunks overlap sender and receiver on one payload)
