@@ -244,7 +244,7 @@ def verdict(results: dict[str, Result], ours: str = "kvmesh cache_aware", theirs
 
 PARTS = (  # (part, marks): a sample goes to the first part one of whose marks is in a frame of its stack
     ("tokenize", ("(kvmesh/model_source/tokenizer.py",)),
-    ("hash (block keys)", ("(kvmesh/contracts/keys.py",)),  # block_keys_and_plain, _int32s
+    ("hash (block keys)", ("(kvmesh/contracts/keys.py",)),  # block_keys_and_plain, int32s
     ("match (MatchPrefix on cachesvc, recent prefixes)", ("Router.matched_blocks (", "RecentPrefixes.matched (",
                                                            "HitLedger.routing (")),
     ("score (plan over the fleet)", ("Router._route (", "(kvmesh/routing/plan.py", "(kvmesh/routing/policies")),

@@ -133,7 +133,7 @@ async def serve_http(count: int, zmq_too: bool) -> tuple[list[str], list[str], l
 async def serve_kvmesh(count: int, nats_url: str, cluster: str) -> tuple[list[str], list[object]]:
     import grpc.aio
     from kvmesh.bus import Bus, Subjects
-    from kvmesh.contracts.messages import Heartbeat, InstanceLoad
+    from kvmesh.contracts.messages import FEATURES, Heartbeat, InstanceLoad
     from kvmesh.engine.loader import resolve_model
     from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
     from kvmesh.settings import RouterSettings
@@ -157,7 +157,7 @@ async def serve_kvmesh(count: int, nats_url: str, cluster: str) -> tuple[list[st
         addresses.append(address)
         beats.append(Heartbeat(instance_id=f"stub-{i}", role="both", grpc_address=address, transfer_address="",
                                ts=0.0, load=InstanceLoad(free_blocks=1 << 16, total_blocks=1 << 16),
-                               model=fingerprint, block_size=block_size))
+                               model=fingerprint, block_size=block_size, features=FEATURES))
 
     async def beat(hb: Heartbeat) -> None:
         while True:

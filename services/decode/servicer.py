@@ -30,6 +30,7 @@ from kvmesh.contracts.engine import (
     RequestTiming,
     engine_request_from_proto,
     logprobs_to_proto,
+    prompt_length,
 )
 from kvmesh.engines import SequenceError
 from kvmesh.instance.errors import abort_failed, refuse_continuation
@@ -59,7 +60,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 attributes=lambda self, request, context: {
                     **self.w.span_attributes(request.work, context),
                     tracing.SEGMENT: False, "kvmesh.prefill_locally": request.prefill_locally,
-                    "kvmesh.tokens.prompt": len(request.work.prompt_token_ids)})
+                    "kvmesh.tokens.prompt": prompt_length(request.work)})
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
                      span: Span) -> AsyncIterator[worker_pb2.DecodeChunk]:
         work, w = request.work, self.w

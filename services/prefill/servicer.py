@@ -22,6 +22,7 @@ from kvmesh.contracts.engine import (
     RequestTiming,
     engine_request_from_proto,
     logprobs_to_proto,
+    prompt_length,
 )
 from kvmesh.contracts.ids import InstanceId, RequestId, handoff_transfer_id
 from kvmesh.contracts.messages import KVReady
@@ -50,7 +51,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 attributes=lambda self, request, context: {
                     **self.w.span_attributes(request.work, context),
                     "kvmesh.decode_instance": request.decode_instance,
-                    "kvmesh.tokens.prompt": len(request.work.prompt_token_ids)})
+                    "kvmesh.tokens.prompt": prompt_length(request.work)})
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
                       span: Span) -> worker_pb2.PrefillResponse:
         work, w = request.work, self.w

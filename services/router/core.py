@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,14 @@ import grpc
 from kvmesh import tls
 from kvmesh.bus import Bus, Subjects
 from kvmesh.bus.shard_directory import DISCOVER, ShardDirectory
-from kvmesh.contracts.engine import SessionHint, TokenLogprobs, logprobs_from_proto, retention_to_proto
+from kvmesh.contracts.engine import (
+    SessionHint,
+    TokenLogprobs,
+    logprobs_from_proto,
+    prompt_length,
+    retention_to_proto,
+    unpacked,
+)
 from kvmesh.contracts.ids import (
     HELD_BLOCKS_METADATA,
     PUSH_TOKEN_METADATA,
@@ -32,8 +40,8 @@ from kvmesh.contracts.ids import (
     RequestId,
     TransferId,
 )
-from kvmesh.contracts.keys import Namespace, block_keys, block_keys_and_plain
-from kvmesh.contracts.messages import Heartbeat, KVReady, Message, RouterLoad
+from kvmesh.contracts.keys import Namespace, block_keys, block_keys_and_plain, int32s
+from kvmesh.contracts.messages import PACKED_PROMPT, Heartbeat, KVReady, Message, RouterLoad
 from kvmesh.contracts.sampling import LOGITS, PROMPT_LOGPROBS, SamplingParams, sampling_to_proto
 from kvmesh.contracts.shards import ShardMap, pool_entries
 from kvmesh.contracts.slo import slo_to_proto
@@ -361,7 +369,7 @@ class Router:
     async def _dispatch(self, request: Admitted, rt: RequestTrace, tries: _Attempts) -> ChunkStream:
         """One attempt's route, planned and started (its chunk stream); the prompt's match is asked again only
         when the prompt grew (a migration carries the tokens streamed so far)."""
-        prompt = request.prompt + tuple(tries.streamed)
+        prompt = int32s(request.prompt + tuple(tries.streamed))  # for the keys and the wire alike
         route = rt.child("router.route", attrs={**({"kvmesh.retry": tries.retries} if tries.retries else {}),
                                                 **({"kvmesh.migration": tries.migrations} if tries.migrations else {})})
         try:
@@ -400,11 +408,12 @@ class Router:
         finally:
             route.end()
 
-    def _work(self, request: Admitted, sampling: SamplingParams, prompt: tuple[int, ...], rt: RequestTrace,
+    def _work(self, request: Admitted, sampling: SamplingParams, prompt: array, rt: RequestTrace,
               tries: _Attempts, matched: dict[str, int]) -> worker_pb2.WorkRequest:
-        """The wire form of one attempt: the prompt with the tokens streamed so far, its own dispatch id."""
+        """The wire form of one attempt: the prompt with the tokens streamed so far (packed: an instance of an
+        older build gets it as ``_for`` gives it), its own dispatch id."""
         return worker_pb2.WorkRequest(
-            request_id=_dispatch_id(request, tries.retries, tries.migrations), prompt_token_ids=prompt,
+            request_id=_dispatch_id(request, tries.retries, tries.migrations), prompt_packed=prompt.tobytes(),
             sampling=sampling_to_proto(sampling), cache_salt=request.cache_salt,
             pool_blocks=matched.get(POOL, 0), lora_name=request.lora, generated_tokens=len(tries.streamed),
             session_key=request.session.key if request.session else "",
@@ -483,7 +492,7 @@ class Router:
                session: SessionHint | None = None) -> ChunkStream | None:
         """Plan the request's route (``kvmesh.routing.plan``) and start it: the chosen instances' chunk stream,
         or None when no live instance (outside ``avoid``) can serve. ``session``: the request's, with its hints."""
-        ask = RouteAsk(len(work.prompt_token_ids), policy or self.policies.default, ttft_left(work), work.slo.itl_s,
+        ask = RouteAsk(prompt_length(work), policy or self.policies.default, ttft_left(work), work.slo.itl_s,
                        disaggregate, session, explain=route.is_recording())
         planned = plan(ask, self._fleet(matched, avoid, work.lora_name, session), self.policies.get(policy))
         if planned is None:
@@ -542,7 +551,7 @@ class Router:
     def _to_compute(self, work: worker_pb2.WorkRequest, inst: Instance, matched: dict[str, int] | None) -> int:
         """The prompt tokens ``inst`` will compute for ``work``: what the match says it does not hold, which is
         what its prefill queue grows by (a prompt it holds costs it next to nothing)."""
-        prompt = len(work.prompt_token_ids)
+        prompt = prompt_length(work)
         held = (matched or {}).get(inst.id, 0) * self.cfg.block_size
         return max(1, prompt - min(held, prompt - 1))
 
@@ -564,7 +573,7 @@ class Router:
         dispatch = rt.child("router.dispatch", SpanKind.CLIENT, {"kvmesh.decode_instance": inst.id,
                                                                  tracing.DISPATCH_ID: work.request_id})
         call = worker_pb2_grpc.DecodeStub(self._channel(inst.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, prefill_locally=True, route_reason=reason),
+            worker_pb2.DecodeRequest(work=_for(inst, work), prefill_locally=True, route_reason=reason),
             metadata=_metadata(dispatch, rt), timeout=self.cfg.request_timeout_s)
         cached = 0
 
@@ -595,7 +604,8 @@ class Router:
         held = self._decode_holds(work, decode, matched)  # decode pins them; prefill pushes only the rest
         dispatch.set_attribute("kvmesh.decode_cached_blocks", held)
         call = worker_pb2_grpc.DecodeStub(self._channel(decode.beat.grpc_address)).Decode(
-            worker_pb2.DecodeRequest(work=work, expected_prefill_s=expected_prefill_s, cached_blocks=held),
+            worker_pb2.DecodeRequest(work=_for(decode, work), expected_prefill_s=expected_prefill_s,
+                                     cached_blocks=held),
             metadata=md, timeout=self.cfg.request_timeout_s)
 
         async def prefill_once_granted() -> worker_pb2.PrefillResponse:
@@ -688,7 +698,7 @@ class Router:
     def _decode_holds(self, work: worker_pb2.WorkRequest, decode: Instance, matched: dict[str, int]) -> int:
         """The leading full blocks of the prompt the decode instance holds (MatchPrefix), at most the blocks
         before the one holding the last prompt token (so a push always carries at least one block)."""
-        return min(matched.get(decode.id, 0), (len(work.prompt_token_ids) - 1) // self.cfg.block_size)
+        return min(matched.get(decode.id, 0), (prompt_length(work) - 1) // self.cfg.block_size)
 
     async def _prefill(self, work: worker_pb2.WorkRequest, prefill: Instance, decode: Instance, md: Metadata,
                        rt: RequestTrace, policy: str | None, matched: dict[str, int], held: int,
@@ -705,7 +715,7 @@ class Router:
             done = self.registry.dispatched(prefill, self._to_compute(work, prefill, matched))
             try:
                 return await worker_pb2_grpc.PrefillStub(self._channel(prefill.beat.grpc_address)).Prefill(
-                    worker_pb2.PrefillRequest(work=work, decode_instance=decode.id,
+                    worker_pb2.PrefillRequest(work=_for(prefill, work), decode_instance=decode.id,
                                               decode_transfer_address=decode.beat.transfer_address,
                                               decode_cached_blocks=held, push_token=grant.token,
                                               push_versions=grant.versions),
@@ -731,7 +741,7 @@ class Router:
         if not others:
             return None
         missing: set[str] = {i.id for i in others if not self.loras.holds(i, work.lora_name)}
-        inst, _ = self.policies.choose(policy, others, matched, len(work.prompt_token_ids), self.cfg.block_size,
+        inst, _ = self.policies.choose(policy, others, matched, prompt_length(work), self.cfg.block_size,
                                        matched.get(POOL, 0), missing)
         return inst or min(others, key=lambda i: (i.queue_depth, i.id))  # an SLO miss beats a recompute
 
@@ -810,6 +820,12 @@ def _metadata(dispatch: Span, rt: RequestTrace) -> tuple[tuple[str, str], ...]:
     """A dispatch's call metadata: its trace context and the client's request id (the instances label their
     spans with it, so ``kvmesh trace <client id>`` finds them; the work's id is the dispatch id)."""
     return tracing.grpc_metadata(dispatch) + tracing.request_metadata({tracing.REQUEST_ID: rt.request_id})
+
+
+def _for(inst: Instance, work: worker_pb2.WorkRequest) -> worker_pb2.WorkRequest:
+    """``work`` as ``inst`` reads it: packed, unless its build is from before ``prompt_packed`` (a fleet in a
+    rolling upgrade)."""
+    return work if PACKED_PROMPT in inst.beat.features else unpacked(work)
 
 
 def _dispatch_id(request: Admitted, retries: int, migrations: int) -> str:

@@ -126,6 +126,64 @@ def test_the_pool_fetches_and_takes_write_backs_between_builds_intact(nats_serve
     assert versions_read(theirs) == versions_read(ours) == versions_expected(instance, pool)
 
 
+# -- the prompt on the wire: packed where the instance reads it --------------------------------------------
+
+def wire_forms(monkeypatch) -> list[tuple[str, str]]:
+    """Record how each work request reaches the engine services from now on: (service, "packed" / "repeated")."""
+    import services.decode.servicer as decode_servicer
+    import services.prefill.servicer as prefill_servicer_module
+
+    seen: list[tuple[str, str]] = []
+    for name, module in (("decode", decode_servicer), ("prefill", prefill_servicer_module)):
+        convert = module.engine_request_from_proto
+
+        def recording(work, *args, _name=name, _convert=convert):
+            seen.append((_name, "packed" if work.prompt_packed and not work.prompt_token_ids else
+                         "repeated" if work.prompt_token_ids and not work.prompt_packed else "both"))
+            return _convert(work, *args)
+
+        monkeypatch.setattr(module, "engine_request_from_proto", recording)
+    return seen
+
+
+def builds_before_packing(mesh, monkeypatch, which: tuple[int, ...]) -> None:  # noqa: F811
+    """Workers ``which`` beat as a build from before ``prompt_packed`` (their features without it); wait until
+    the router has heard them."""
+    import dataclasses
+    import time
+
+    from kvmesh.contracts.messages import PACKED_PROMPT
+
+    for i in which:
+        worker = mesh.workers[i]
+        beat = worker._beat
+        monkeypatch.setattr(worker, "_beat", lambda b=beat: dataclasses.replace(
+            b(), features=tuple(f for f in b().features if f != PACKED_PROMPT)))
+        mesh.call(worker._publish_beat())
+    deadline = time.monotonic() + 30
+    while any((PACKED_PROMPT in mesh.router.registry.get(mesh.workers[i].instance_id).beat.features) ==
+              (i in which) for i in range(len(mesh.workers))):
+        assert time.monotonic() < deadline, "the router never heard the workers' heartbeats"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("older", "seed"), [((), 5), ((0,), 6), ((1,), 7), ((0, 1), 8)])
+def test_the_router_packs_the_prompt_only_for_instances_that_read_it(mesh, monkeypatch, older, seed) -> None:  # noqa: F811
+    """A fleet mid-upgrade: an instance whose heartbeat lists ``packed_prompt`` gets the prompt as packed uint32
+    bytes, one of the build before as repeated ids; the same tokens come back either way, handed off or not."""
+    expected = generate(mesh, prompt(seed), "never", cache_salt=f"fresh-{seed}")
+    try:
+        builds_before_packing(mesh, monkeypatch, older)
+        seen = wire_forms(monkeypatch)
+        assert generate(mesh, prompt(seed), "always", cache_salt=f"pd-{seed}") == expected
+        assert generate(mesh, prompt(seed), "never", cache_salt=f"local-{seed}") == expected
+    finally:
+        monkeypatch.undo()
+        builds_before_packing(mesh, monkeypatch, ())  # this build's beats again, for the next test
+    form = {0: "repeated" if 0 in older else "packed", 1: "repeated" if 1 in older else "packed"}
+    assert sorted(seen) == [("decode", form[1]), ("decode", form[1]), ("prefill", form[0])], seen
+
+
 # -- a range that is no range -------------------------------------------------------------------------------
 
 def test_a_prefill_told_a_malformed_range_refuses_the_request_naming_the_field(mesh) -> None:  # noqa: F811
@@ -141,6 +199,20 @@ def test_a_prefill_told_a_malformed_range_refuses_the_request_naming_the_field(m
         worker_pb2_grpc.PrefillStub(ch).Prefill(request, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "push_versions: transfer header versions '3-2' are not '<low>-<high>'" in e.value.details()
+
+
+def test_a_packed_prompt_cut_mid_id_is_refused_naming_the_field_and_the_instance_serves_on(mesh) -> None:  # noqa: F811
+    import grpc
+    from kvmesh.proto.v1 import worker_pb2, worker_pb2_grpc
+
+    decode = mesh.workers[1]
+    request = worker_pb2.DecodeRequest(work=worker_pb2.WorkRequest(request_id="bad-packing", prompt_packed=b"\x01" * 7),
+                                       prefill_locally=True)
+    with grpc.insecure_channel(decode.grpc_address) as ch, pytest.raises(grpc.RpcError) as e:
+        list(worker_pb2_grpc.DecodeStub(ch).Decode(request, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_packed is 7 bytes: not a whole number of 4-byte token ids" in e.value.details()
+    assert generate(mesh, prompt(9), "never") == generate(mesh, prompt(9), "never", cache_salt="again")
 
 
 def test_a_reader_cachesvc_cannot_write_to_is_told_so_before_anything_is_leased(nats_server) -> None:

@@ -10,7 +10,11 @@ from kvmesh.contracts.engine import (
     RetentionRange,
     SessionHint,
     engine_request_from_proto,
+    prompt_ids,
+    prompt_length,
+    unpacked,
 )
+from kvmesh.contracts.keys import block_keys, int32s
 from kvmesh.contracts.sampling import SamplingParams
 from kvmesh.contracts.slo import SLO
 from kvmesh.proto.v1 import common_pb2, worker_pb2
@@ -46,4 +50,40 @@ def test_a_work_request_without_the_optional_fields_is_a_plain_request():
 ])
 def test_a_bad_field_is_refused_naming_it(fields, names):
     with pytest.raises(ValueError, match=names):
+        engine_request_from_proto(work(**fields))
+
+
+def packed(ids: list[int]) -> bytes:
+    return b"".join(i.to_bytes(4, "little") for i in ids)
+
+
+def test_a_packed_prompt_reaches_the_engine_as_the_repeated_one_does():
+    ids = [0, 5, 49151, 2**31 - 1, 7]
+    wire = work(prompt_token_ids=[], prompt_packed=packed(ids))
+    assert prompt_ids(wire) == tuple(ids) and prompt_length(wire) == 5
+    assert engine_request_from_proto(wire) == engine_request_from_proto(work(prompt_token_ids=ids))
+    assert prompt_length(work()) == 4 and prompt_ids(work()) == (5, 6, 7, 8)
+
+
+def test_the_router_s_int32_ids_are_the_packed_bytes_and_key_the_same_blocks():
+    ids = [(i * 7919) % 49152 for i in range(100)]
+    data = int32s(ids)
+    assert data.tobytes() == packed(ids) and int32s(data) is data  # converted once, for the keys and the wire
+    assert block_keys(1, data, 16) == block_keys(1, ids, 16)
+
+
+def test_an_instance_of_the_build_before_gets_the_ids_repeated():
+    wire = work(prompt_token_ids=[], prompt_packed=packed([9, 8, 7]), cache_salt="s")
+    old = unpacked(wire)
+    assert list(old.prompt_token_ids) == [9, 8, 7] and old.prompt_packed == b"" and old.cache_salt == "s"
+    assert wire.prompt_packed == packed([9, 8, 7])  # the router's own copy is untouched
+    assert unpacked(work()) == work()
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"prompt_packed": packed([1, 2])}, "both set"),
+    ({"prompt_token_ids": [], "prompt_packed": packed([1, 2])[:-1]}, "7 bytes: not a whole number"),
+])
+def test_a_prompt_sent_twice_or_cut_mid_id_is_refused_naming_it(fields, words):
+    with pytest.raises(ValueError, match=words):
         engine_request_from_proto(work(**fields))

@@ -9,6 +9,8 @@ computed it; the engine turns its own memory into these bytes and back (``kvmesh
 from __future__ import annotations
 
 import enum
+import sys
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -215,12 +217,46 @@ class EngineRequest:
                              "were given where it started")
 
 
+def prompt_length(work: worker_pb2.WorkRequest) -> int:
+    """How many tokens ``work``'s prompt has, however it was sent."""
+    return len(work.prompt_packed) // 4 if work.prompt_packed else len(work.prompt_token_ids)
+
+
+def prompt_ids(work: worker_pb2.WorkRequest) -> tuple[int, ...]:
+    """``work``'s prompt token ids, sent repeated or packed (``prompt_packed``: little-endian uint32). ValueError
+    for both at once, or packed bytes that are not a whole number of ids."""
+    packed = work.prompt_packed
+    if not packed:
+        return tuple(work.prompt_token_ids)
+    if work.prompt_token_ids:
+        raise ValueError("prompt_token_ids and prompt_packed are both set: send the prompt once, in one of them")
+    if len(packed) % 4:
+        raise ValueError(f"prompt_packed is {len(packed)} bytes: not a whole number of 4-byte token ids")
+    ids = array("I")
+    ids.frombytes(packed)
+    if sys.byteorder == "big":  # pragma: no cover
+        ids.byteswap()
+    return tuple(ids)
+
+
+def unpacked(work: worker_pb2.WorkRequest) -> worker_pb2.WorkRequest:
+    """``work`` with its prompt in ``prompt_token_ids``, as an instance of a build from before ``prompt_packed``
+    reads it (``work`` itself when it is there already)."""
+    if not work.prompt_packed:
+        return work
+    out = worker_pb2.WorkRequest()
+    out.CopyFrom(work)
+    out.ClearField("prompt_packed")
+    out.prompt_token_ids.extend(prompt_ids(work))
+    return out
+
+
 def engine_request_from_proto(work: worker_pb2.WorkRequest, export: ExportPlan | None = None) -> EngineRequest:
     """A work request as an engine takes it, its KV read out as ``export`` says (the service's choice, not the
     wire's). ``waited_s`` is the wire's, its wait before the service took it: the service adds its own. ValueError
     naming what is wrong: its sampling parameters, a retention range, its latency targets, or the tokens it says
-    were generated already."""
-    return EngineRequest(work.request_id, tuple(work.prompt_token_ids), sampling_from_proto(work.sampling),
+    were generated already, or a prompt sent twice or cut mid-id."""
+    return EngineRequest(work.request_id, prompt_ids(work), sampling_from_proto(work.sampling),
                          cache_salt=work.cache_salt, lora=work.lora_name,
                          retention=retention_from_proto(work.retention), export=export,
                          generated=work.generated_tokens, session=SessionHint.of(work.session_key, work.session_end),

@@ -33,8 +33,11 @@ class Namespace:
         return NamespaceSeed(xxhash.xxh3_64_intdigest("\x1f".join(parts).encode()))
 
 
-def _int32s(tokens: Iterable[int]) -> array:
-    """Token ids as little-endian int32 (OverflowError for an id that does not fit); numpy arrays work too."""
+def int32s(tokens: Iterable[int] | array) -> array:
+    """Token ids as little-endian int32 (OverflowError for an id that does not fit); numpy arrays work too. An
+    ``array`` this returned is taken as it is (one conversion serves the keys and the wire's packed prompt)."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens
     data = array("i", tokens)
     if data.itemsize != 4:  # pragma: no cover - C int is 32 bits on every platform kvmesh runs on
         raise RuntimeError(f"C int is {data.itemsize} bytes here; block keys hash int32 tokens")
@@ -45,13 +48,13 @@ def _int32s(tokens: Iterable[int]) -> array:
 
 def chain_key(parent: int, tokens: Iterable[int]) -> BlockKey:
     """The key of one block whose prefix has key ``parent`` (or the namespace seed for block 0)."""
-    return BlockKey(xxhash.xxh3_64_intdigest(_int32s(tokens).tobytes(), seed=parent))
+    return BlockKey(xxhash.xxh3_64_intdigest(int32s(tokens).tobytes(), seed=parent))
 
 
 def block_keys_and_plain(seed: int, tokens: Iterable[int], block_size: int) -> tuple[list[BlockKey], list[BlockKey]]:
     """:func:`block_keys` under ``seed`` and under seed 0 (the namespace-free chain of the same tokens), from one
     conversion of ``tokens`` in one pass."""
-    data = memoryview(_int32s(tokens)).cast("B")
+    data = memoryview(int32s(tokens)).cast("B")
     stride = 4 * block_size
     keys: list[BlockKey] = []
     plain: list[BlockKey] = []
@@ -67,7 +70,7 @@ def block_keys_and_plain(seed: int, tokens: Iterable[int], block_size: int) -> t
 
 def block_keys(seed: int, tokens: Iterable[int], block_size: int) -> list[BlockKey]:
     """Keys of every *full* block of ``tokens``; a trailing partial block has no key."""
-    data = memoryview(_int32s(tokens)).cast("B")
+    data = memoryview(int32s(tokens)).cast("B")
     stride = 4 * block_size
     keys: list[BlockKey] = []
     parent = seed

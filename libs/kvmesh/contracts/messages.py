@@ -286,7 +286,10 @@ class InstanceLoad:
                    speed=Speed(**{k: numbers[k] for k in cls.SPEEDS if k in numbers}), ahead_tokens=ahead)
 
 
-FEATURES = (LOGITS, PROMPT_LOGPROBS)  # what this build's engines apply beyond the base set (``Heartbeat.features``)
+PACKED_PROMPT = "packed_prompt"  # an instance reads ``WorkRequest.prompt_packed``
+# what this build's instances do beyond what every build does (``Heartbeat.features``): the requests' fields they
+# apply (``SamplingParams.features``) and the wire forms they read
+FEATURES = (LOGITS, PROMPT_LOGPROBS, PACKED_PROMPT)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.proto.v1 import common_pb2 as kvmesh_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/proto/v1/worker.proto\x12\tkvmesh.v1\x1a\x1ckvmesh/proto/v1/common.proto\"\xc0\x02\n\x0bWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x13\n\x0bpool_blocks\x18\x05 \x01(\r\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x13\n\x0bsession_key\x18\x1e \x01(\t\x12\x13\n\x0bsession_end\x18\x1f \x01(\x08\x12\'\n\tretention\x18  \x03(\x0b\x32\x14.kvmesh.v1.Retention\x12\x18\n\x10generated_tokens\x18\x32 \x01(\r\x12\x1b\n\x03slo\x18( \x01(\x0b\x32\x0e.kvmesh.v1.SLO\x12\x10\n\x08waited_s\x18) \x01(\x01\"7\n\x0fLoadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"&\n\x11UnloadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x11\n\x0fListLoRARequest\"K\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\"D\n\x0cLoRAAdapters\x12(\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.LoRAAdapter\x12\n\n\x02ts\x18\x02 \x01(\x01\"\xb9\x01\n\x0ePrefillRequest\x12$\n\x04work\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.WorkRequest\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x02 \x01(\t\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x03 \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x04 \x01(\r\x12\x12\n\npush_token\x18\x14 \x01(\t\x12\x15\n\rpush_versions\x18\x15 \x01(\t\"\xeb\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x12\n\npool_fetch\x18\t \x01(\t\"\xad\x01\n\rDecodeRequest\x12$\n\x04work\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.WorkRequest\x12\x17\n\x0fprefill_locally\x18\x02 \x01(\x08\x12\x14\n\x0ckv_timeout_s\x18\x03 \x01(\x01\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12\x14\n\x0croute_reason\x18\x05 \x01(\t\x12\x1a\n\x12\x65xpected_prefill_s\x18\x06 \x01(\x01\"\x8f\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x13\n\x0bkv_fallback\x18\x06 \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x07 \x01(\t\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x12\n\npool_fetch\x18\t \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs2\xd1\x01\n\x08\x41\x64\x61pters\x12?\n\x08LoadLoRA\x12\x1a.kvmesh.v1.LoadLoRARequest\x1a\x17.kvmesh.v1.LoRAAdapters\x12\x43\n\nUnloadLoRA\x12\x1c.kvmesh.v1.UnloadLoRARequest\x1a\x17.kvmesh.v1.LoRAAdapters\x12?\n\x08ListLoRA\x12\x1a.kvmesh.v1.ListLoRARequest\x1a\x17.kvmesh.v1.LoRAAdapters2K\n\x07Prefill\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse2F\n\x06\x44\x65\x63ode\x12<\n\x06\x44\x65\x63ode\x12\x18.kvmesh.v1.DecodeRequest\x1a\x16.kvmesh.v1.DecodeChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/proto/v1/worker.proto\x12\tkvmesh.v1\x1a\x1ckvmesh/proto/v1/common.proto\"\xd7\x02\n\x0bWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x15\n\rprompt_packed\x18\x07 \x01(\x0c\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x13\n\x0bpool_blocks\x18\x05 \x01(\r\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x13\n\x0bsession_key\x18\x1e \x01(\t\x12\x13\n\x0bsession_end\x18\x1f \x01(\x08\x12\'\n\tretention\x18  \x03(\x0b\x32\x14.kvmesh.v1.Retention\x12\x18\n\x10generated_tokens\x18\x32 \x01(\r\x12\x1b\n\x03slo\x18( \x01(\x0b\x32\x0e.kvmesh.v1.SLO\x12\x10\n\x08waited_s\x18) \x01(\x01\"7\n\x0fLoadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"&\n\x11UnloadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x11\n\x0fListLoRARequest\"K\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\"D\n\x0cLoRAAdapters\x12(\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.LoRAAdapter\x12\n\n\x02ts\x18\x02 \x01(\x01\"\xb9\x01\n\x0ePrefillRequest\x12$\n\x04work\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.WorkRequest\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x02 \x01(\t\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x03 \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x04 \x01(\r\x12\x12\n\npush_token\x18\x14 \x01(\t\x12\x15\n\rpush_versions\x18\x15 \x01(\t\"\xeb\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x12\n\npool_fetch\x18\t \x01(\t\"\xad\x01\n\rDecodeRequest\x12$\n\x04work\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.WorkRequest\x12\x17\n\x0fprefill_locally\x18\x02 \x01(\x08\x12\x14\n\x0ckv_timeout_s\x18\x03 \x01(\x01\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12\x14\n\x0croute_reason\x18\x05 \x01(\t\x12\x1a\n\x12\x65xpected_prefill_s\x18\x06 \x01(\x01\"\x8f\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x13\n\x0bkv_fallback\x18\x06 \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x07 \x01(\t\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x12\n\npool_fetch\x18\t \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs2\xd1\x01\n\x08\x41\x64\x61pters\x12?\n\x08LoadLoRA\x12\x1a.kvmesh.v1.LoadLoRARequest\x1a\x17.kvmesh.v1.LoRAAdapters\x12\x43\n\nUnloadLoRA\x12\x1c.kvmesh.v1.UnloadLoRARequest\x1a\x17.kvmesh.v1.LoRAAdapters\x12?\n\x08ListLoRA\x12\x1a.kvmesh.v1.ListLoRARequest\x1a\x17.kvmesh.v1.LoRAAdapters2K\n\x07Prefill\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse2F\n\x06\x44\x65\x63ode\x12<\n\x06\x44\x65\x63ode\x12\x18.kvmesh.v1.DecodeRequest\x1a\x16.kvmesh.v1.DecodeChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.proto.v1.worker_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKREQUEST']._serialized_start=74
-  _globals['_WORKREQUEST']._serialized_end=394
-  _globals['_LOADLORAREQUEST']._serialized_start=396
-  _globals['_LOADLORAREQUEST']._serialized_end=451
-  _globals['_UNLOADLORAREQUEST']._serialized_start=453
-  _globals['_UNLOADLORAREQUEST']._serialized_end=491
-  _globals['_LISTLORAREQUEST']._serialized_start=493
-  _globals['_LISTLORAREQUEST']._serialized_end=510
-  _globals['_LORAADAPTER']._serialized_start=512
-  _globals['_LORAADAPTER']._serialized_end=587
-  _globals['_LORAADAPTERS']._serialized_start=589
-  _globals['_LORAADAPTERS']._serialized_end=657
-  _globals['_PREFILLREQUEST']._serialized_start=660
-  _globals['_PREFILLREQUEST']._serialized_end=845
-  _globals['_PREFILLRESPONSE']._serialized_start=848
-  _globals['_PREFILLRESPONSE']._serialized_end=1083
-  _globals['_DECODEREQUEST']._serialized_start=1086
-  _globals['_DECODEREQUEST']._serialized_end=1259
-  _globals['_DECODECHUNK']._serialized_start=1262
-  _globals['_DECODECHUNK']._serialized_end=1533
-  _globals['_ADAPTERS']._serialized_start=1536
-  _globals['_ADAPTERS']._serialized_end=1745
-  _globals['_PREFILL']._serialized_start=1747
-  _globals['_PREFILL']._serialized_end=1822
-  _globals['_DECODE']._serialized_start=1824
-  _globals['_DECODE']._serialized_end=1894
+  _globals['_WORKREQUEST']._serialized_end=417
+  _globals['_LOADLORAREQUEST']._serialized_start=419
+  _globals['_LOADLORAREQUEST']._serialized_end=474
+  _globals['_UNLOADLORAREQUEST']._serialized_start=476
+  _globals['_UNLOADLORAREQUEST']._serialized_end=514
+  _globals['_LISTLORAREQUEST']._serialized_start=516
+  _globals['_LISTLORAREQUEST']._serialized_end=533
+  _globals['_LORAADAPTER']._serialized_start=535
+  _globals['_LORAADAPTER']._serialized_end=610
+  _globals['_LORAADAPTERS']._serialized_start=612
+  _globals['_LORAADAPTERS']._serialized_end=680
+  _globals['_PREFILLREQUEST']._serialized_start=683
+  _globals['_PREFILLREQUEST']._serialized_end=868
+  _globals['_PREFILLRESPONSE']._serialized_start=871
+  _globals['_PREFILLRESPONSE']._serialized_end=1106
+  _globals['_DECODEREQUEST']._serialized_start=1109
+  _globals['_DECODEREQUEST']._serialized_end=1282
+  _globals['_DECODECHUNK']._serialized_start=1285
+  _globals['_DECODECHUNK']._serialized_end=1556
+  _globals['_ADAPTERS']._serialized_start=1559
+  _globals['_ADAPTERS']._serialized_end=1768
+  _globals['_PREFILL']._serialized_start=1770
+  _globals['_PREFILL']._serialized_end=1845
+  _globals['_DECODE']._serialized_start=1847
+  _globals['_DECODE']._serialized_end=1917
 # @@protoc_insertion_point(module_scope)

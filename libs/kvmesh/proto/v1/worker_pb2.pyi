@@ -8,9 +8,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pool_blocks", "lora_name", "session_key", "session_end", "retention", "generated_tokens", "slo", "waited_s")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_packed", "sampling", "cache_salt", "pool_blocks", "lora_name", "session_key", "session_end", "retention", "generated_tokens", "slo", "waited_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_PACKED_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +24,7 @@ class WorkRequest(_message.Message):
     WAITED_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_packed: bytes
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     pool_blocks: int
@@ -33,7 +35,7 @@ class WorkRequest(_message.Message):
     generated_tokens: int
     slo: _common_pb2.SLO
     waited_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., session_key: _Optional[str] = ..., session_end: _Optional[bool] = ..., retention: _Optional[_Iterable[_Union[_common_pb2.Retention, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ..., waited_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_packed: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., session_key: _Optional[str] = ..., session_end: _Optional[bool] = ..., retention: _Optional[_Iterable[_Union[_common_pb2.Retention, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.SLO, _Mapping]] = ..., waited_s: _Optional[float] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
