@@ -4,6 +4,7 @@ knew when it routed and the KV events it heard."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from functools import partial
 
 from kvmesh.routing.hits import (
@@ -11,6 +12,7 @@ from kvmesh.routing.hits import (
     BlockHistory,
     Cause,
     Explainer,
+    Namespaces,
     RouteView,
     attribute,
     belady_hits,
@@ -219,7 +221,22 @@ def test_attribution_equals_the_per_block_rule_on_random_fleets_and_histories():
             rng.choice(["", "cheapest"]), rng.uniform(0, 10),
             rng.choice(["", "adopted", "failed: refused", "local cache suffices"]), rng.choice(["", "", "reset"]),
             rng.choice(["", "", "another layout"]), rng.choice([lambda i: 0, lambda i: i % 3]))
+        if rng.random() < 0.5:  # the bulk form of the same namespaces (the router's), or block by block
+            view = replace(view, namespaced=lambda lo, hi, f=view.other_namespaces: {
+                i: f(i) for i in range(lo, hi) if f(i)})
         delivered = rng.randrange(-2, prompt + 3)
         got = attribute(prompt, bs, keys, delivered, Explainer(view, history, keys))
         want = _reference_runs(prompt, bs, keys, delivered, partial(_reference_cause, view, history, keys))
         assert [(m.cause, m.tokens, m.first_block, m.last_block, m.detail) for m in got.misses] == want
+
+
+def test_namespaces_shared_over_a_range_is_others_block_by_block():
+    rng = random.Random(3)
+    ns = Namespaces(max_keys=50)
+    plain = [rng.randrange(30) for _ in range(40)]
+    for _ in range(60):
+        ns.saw(rng.sample(plain, 5), rng.randrange(4))
+    for seed in range(5):
+        for lo, hi in [(0, 40), (7, 19), (35, 60), (10, 10)]:
+            want = {i: ns.others(plain[i], seed) for i in range(lo, min(hi, len(plain))) if ns.others(plain[i], seed)}
+            assert ns.shared(plain, seed, lo, hi) == want

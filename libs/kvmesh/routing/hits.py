@@ -110,7 +110,11 @@ def attribute(prompt_tokens: int, block_size: int, keys: Sequence[int], delivere
     # the next block's cause or words differ: a prompt's blocks mostly share one (this runs per finished request)
     cause: Cause | None = None
     detail, first, last, tokens = "", 0, 0, 0
-    for i in range(delivered // block_size, full):
+    # from block ``quiet`` on, no run of the route reaches and nothing was heard of any block: each one's cause is
+    # read from its tokens' other namespaces alone, over the range at once (most of a new prompt's misses)
+    explainer = explain if isinstance(explain, Explainer) else None
+    quiet = explainer.quiet_from() if explainer is not None else full
+    for i in range(delivered // block_size, min(full, quiet)):
         lo, hi = max(i * block_size, delivered), min((i + 1) * block_size, partial_from)
         if hi <= lo:
             continue
@@ -121,6 +125,31 @@ def attribute(prompt_tokens: int, block_size: int, keys: Sequence[int], delivere
         if cause is not None:
             runs.append(Miss(cause, tokens, first, last, detail))
         cause, detail, first, last, tokens = c, d, i, i, hi - lo
+
+    def add(c: Cause, d: str, a: int, b: int) -> None:
+        """Blocks ``a`` .. ``b`` missed for one cause: the open run goes on, or closes and a new one opens."""
+        nonlocal cause, detail, first, last, tokens
+        n = min((b + 1) * block_size, partial_from) - max(a * block_size, delivered)
+        if n <= 0:
+            return
+        b = min(b, (partial_from - 1) // block_size)  # a block left only its last token, which is the tail's
+        if c is cause and d == detail:
+            last, tokens = b, tokens + n
+            return
+        if cause is not None:
+            runs.append(Miss(cause, tokens, first, last, detail))
+        cause, detail, first, last, tokens = c, d, a, b, n
+
+    if explainer is not None and quiet < full:
+        at = max(quiet, delivered // block_size)
+        shared = explainer.namespaced(at, full)
+        for i in sorted(shared):
+            if i > at:
+                add(Cause.NEVER_COMPUTED, "", at, i - 1)
+            add(Cause.NAMESPACE, namespace_words(shared[i]), i, i)
+            at = i + 1
+        if at < full:
+            add(Cause.NEVER_COMPUTED, "", at, full - 1)
     if cause is not None:
         runs.append(Miss(cause, tokens, first, last, detail))
     tail = prompt_tokens - max(partial_from, delivered)
@@ -183,6 +212,11 @@ class BlockHistory:
     def seen(self, key: int) -> bool:
         return key in self._held
 
+    def heard_of(self, keys: Iterable[int]) -> set[int]:
+        """Those of ``keys`` held or removed anywhere (one pass in C: ``seen`` or ``last_removal`` of each)."""
+        ks = set(keys)
+        return (ks & self._held.keys()) | (ks & self._removed.keys())
+
     def holders(self, key: int) -> list[Held]:
         return [Held(i, tier, t) for (i, tier), t in self._held.get(key, {}).items()]
 
@@ -223,9 +257,18 @@ class Namespaces:
         while len(seeds_of) > self.max_keys:
             seeds_of.popitem(last=False)
 
+    def shared(self, plain_keys: Sequence[int], seed: int, lo: int, hi: int) -> dict[int, int]:
+        """{i: ``others(plain_keys[i], seed)``} for the i in [lo, hi) where that is not 0."""
+        out = {}
+        for i, seeds in enumerate(map(self._seeds.get, plain_keys[lo:hi]), lo):
+            if seeds and (n := len(seeds) - (seed in seeds)):
+                out[i] = n
+        return out
+
     def others(self, plain_key: int, seed: int) -> int:
         """How many other namespaces these tokens were seen under."""
-        return len(self._seeds.get(plain_key, set()) - {seed})
+        seeds = self._seeds.get(plain_key)
+        return len(seeds) - (seed in seeds) if seeds else 0
 
 
 @dataclass(frozen=True)
@@ -241,6 +284,9 @@ class RouteView:
     fallback: str = ""                 # a PD hand-off that failed (decode recomputed): why
     unconvertible: str = ""            # the compute instance's KV cannot take pool blocks: why
     other_namespaces: Callable[[int], int] = lambda i: 0  # block index -> namespaces its tokens were seen under
+    # the same for the blocks [lo, hi) at once, only those seen under others: {block index: namespaces} (None: read
+    # from other_namespaces block by block)
+    namespaced: Callable[[int, int], dict[int, int]] | None = None
 
     def predicted_blocks(self) -> int:
         here = max(self.indexed.get(self.compute, 0), self.recent.get(self.compute, 0))
@@ -267,9 +313,28 @@ class Explainer:
                 if x not in (at, POOL)}
         self._elsewhere_until = max(held.values(), default=0)  # no other instance holds block i >= this
         self._held_elsewhere = held
+        self._heard = history.heard_of(keys)  # a block of none of these has no history to read
         self._lag = f"an earlier request sent to {at} had not stored it yet"
         self._stale = f"the index listed it on {at}"
         self._fallback = f"the hand-off to decode failed ({view.fallback}); decode recomputed"
+
+    def quiet_from(self) -> int:
+        """The first block from which every block's cause is ``NAMESPACE`` or ``NEVER_COMPUTED`` by its tokens'
+        other namespaces alone: no run of the route reaches it, and nothing was heard of it or any block after it."""
+        start = max(self._here, self._pool, self._elsewhere_until)
+        heard, keys = self._heard, self.keys
+        if heard:
+            for i in range(len(keys) - 1, start - 1, -1):
+                if keys[i] in heard:
+                    return i + 1
+        return start
+
+    def namespaced(self, lo: int, hi: int) -> dict[int, int]:
+        """{block: other namespaces its tokens were seen under} for the blocks [lo, hi) seen under any."""
+        view = self.view
+        if view.namespaced is not None:
+            return view.namespaced(lo, hi)
+        return {i: n for i in range(lo, hi) if (n := view.other_namespaces(i))}
 
     def run_on(self, instance: str) -> int:
         """The leading blocks of the prompt ``instance`` holds by the events heard (a block past a gap is no use
@@ -320,8 +385,12 @@ class Explainer:
             return Cause.EVICTED, f"from {gone.instance}'s {gone.tier_and_why()} {_when(gone.at, view.at)}"
         others = view.other_namespaces(i)
         if others:
-            return Cause.NAMESPACE, f"the same tokens are cached under {others} other namespace(s)"
+            return Cause.NAMESPACE, namespace_words(others)
         return Cause.NEVER_COMPUTED, ""
+
+
+def namespace_words(others: int) -> str:
+    return f"the same tokens are cached under {others} other namespace(s)"
 
 
 def _when(t: float, route: float) -> str:
