@@ -30,11 +30,14 @@ class RecentPrefixes:
         return len(self._keys)
 
     def dispatched(self, instance_id: str, keys: Sequence[int]) -> None:
-        """``instance_id`` was sent a prompt whose full blocks have ``keys``."""
+        """``instance_id`` was sent a prompt whose full blocks have ``keys``. Last block first, so that a prompt's
+        earlier blocks are always the newer entries: every dispatch that renews a block renews the ones before it
+        (chained keys), so the oldest entries, which go first, are the ends of prompts, and what an instance still
+        has in the table is a leading run of each prompt (``matched`` bisects it)."""
         if self.ttl_s <= 0:
             return
         expiry = self._clock() + self.ttl_s
-        for key in keys:
+        for key in reversed(keys):
             item = (instance_id, key)
             self._keys[item] = expiry
             self._keys.move_to_end(item)
@@ -43,21 +46,25 @@ class RecentPrefixes:
 
     def matched(self, keys: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
         """Per instance of ``instance_ids``, the leading run of ``keys`` dispatched to it and still counting
-        (instances with none are left out)."""
+        (instances with none are left out). Found by bisection: what an instance has of a chain is a leading run
+        (``dispatched``)."""
         if self.ttl_s <= 0 or not self._keys:
             return {}
         now = self._clock()
         self._expire(now)
+        get = self._keys.get
         out: dict[str, int] = {}
         for inst in instance_ids:
-            n = 0
-            for key in keys:
-                expiry = self._keys.get((inst, key))
-                if expiry is None or expiry <= now:
-                    break
-                n += 1
-            if n:
-                out[inst] = n
+            lo, hi = 0, len(keys)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                expiry = get((inst, keys[mid]))
+                if expiry is not None and expiry > now:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo:
+                out[inst] = lo
         return out
 
     def forget(self, instance_id: str) -> None:
