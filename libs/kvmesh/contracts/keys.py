@@ -8,6 +8,7 @@ processes and machines (xxh3 over little-endian int32 token bytes, never Python'
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 from collections.abc import Iterable
@@ -38,6 +39,13 @@ def int32s(tokens: Iterable[int] | array) -> array:
     ``array`` this returned is taken as it is (one conversion serves the keys and the wire's packed prompt)."""
     if isinstance(tokens, array) and tokens.typecode == "i":
         return tokens
+    if isinstance(tokens, (tuple, list)):  # a 4k-id prompt: ~2x faster packed by struct than read by array
+        data = array("i")
+        try:
+            data.frombytes(struct.pack(f"<{len(tokens)}i", *tokens))
+        except struct.error as e:
+            raise OverflowError(f"token ids must be int32: {e}") from None
+        return data
     data = array("i", tokens)
     if data.itemsize != 4:  # pragma: no cover - C int is 32 bits on every platform kvmesh runs on
         raise RuntimeError(f"C int is {data.itemsize} bytes here; block keys hash int32 tokens")
