@@ -18,8 +18,9 @@ import heapq
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import NamedTuple
 
 POOL = "pool"  # the cache service's own tiers, as the index names them
@@ -110,21 +111,6 @@ def attribute(prompt_tokens: int, block_size: int, keys: Sequence[int], delivere
     # the next block's cause or words differ: a prompt's blocks mostly share one (this runs per finished request)
     cause: Cause | None = None
     detail, first, last, tokens = "", 0, 0, 0
-    # from block ``quiet`` on, no run of the route reaches and nothing was heard of any block: each one's cause is
-    # read from its tokens' other namespaces alone, over the range at once (most of a new prompt's misses)
-    explainer = explain if isinstance(explain, Explainer) else None
-    quiet = explainer.quiet_from() if explainer is not None else full
-    for i in range(delivered // block_size, min(full, quiet)):
-        lo, hi = max(i * block_size, delivered), min((i + 1) * block_size, partial_from)
-        if hi <= lo:
-            continue
-        c, d = explain(i, keys[i])
-        if c is cause and d == detail:
-            last, tokens = i, tokens + hi - lo
-            continue
-        if cause is not None:
-            runs.append(Miss(cause, tokens, first, last, detail))
-        cause, detail, first, last, tokens = c, d, i, i, hi - lo
 
     def add(c: Cause, d: str, a: int, b: int) -> None:
         """Blocks ``a`` .. ``b`` missed for one cause: the open run goes on, or closes and a new one opens."""
@@ -140,16 +126,12 @@ def attribute(prompt_tokens: int, block_size: int, keys: Sequence[int], delivere
             runs.append(Miss(cause, tokens, first, last, detail))
         cause, detail, first, last, tokens = c, d, a, b, n
 
-    if explainer is not None and quiet < full:
-        at = max(quiet, delivered // block_size)
-        shared = explainer.namespaced(at, full)
-        for i in sorted(shared):
-            if i > at:
-                add(Cause.NEVER_COMPUTED, "", at, i - 1)
-            add(Cause.NAMESPACE, namespace_words(shared[i]), i, i)
-            at = i + 1
-        if at < full:
-            add(Cause.NEVER_COMPUTED, "", at, full - 1)
+    if isinstance(explain, Explainer):  # a range of blocks at a time (``Explainer.spans``)
+        for a, b, c, d in explain.spans(delivered // block_size, full):
+            add(c, d, a, b)
+    else:
+        for i in range(delivered // block_size, full):
+            add(*explain(i, keys[i]), i, i)
     if cause is not None:
         runs.append(Miss(cause, tokens, first, last, detail))
     tail = prompt_tokens - max(partial_from, delivered)
@@ -295,6 +277,7 @@ class RouteView:
 
 
 SKIPPED = ("local cache suffices", "below pool_fetch_min_blocks")
+UNNAMED = -1  # a key no KV event names (block keys are unsigned): what a block's zone says of every such block
 
 
 class Explainer:
@@ -318,23 +301,47 @@ class Explainer:
         self._stale = f"the index listed it on {at}"
         self._fallback = f"the hand-off to decode failed ({view.fallback}); decode recomputed"
 
-    def quiet_from(self) -> int:
-        """The first block from which every block's cause is ``NAMESPACE`` or ``NEVER_COMPUTED`` by its tokens'
-        other namespaces alone: no run of the route reaches it, and nothing was heard of it or any block after it."""
-        start = max(self._here, self._pool, self._elsewhere_until)
-        heard, keys = self._heard, self.keys
-        if heard:
-            for i in range(len(keys) - 1, start - 1, -1):
-                if keys[i] in heard:
-                    return i + 1
-        return start
+    def spans(self, lo: int, hi: int) -> Iterator[tuple[int, int, Cause, str]]:
+        """What ``self(i, keys[i])`` says of each block i in [lo, hi), as (first, last, cause, words) in order, a
+        range of blocks at a time: the answer depends on the block's zone (the route's instance or the pool held
+        it, another instance did, none did) and within a zone on the block itself only where the KV events named
+        its key (or, in the last zone, its tokens' other namespaces); every other block shares its zone's."""
+        if lo >= hi:
+            return
+        keys, heard = self.keys, self._heard
+        here, pool, elsewhere = self._here, self._pool, self._elsewhere_until
+        last_zone = max(here, pool, elsewhere)
+        cuts = {here, pool, elsewhere, self._here_index, *self._held_elsewhere.values()}
+        ends = sorted({lo, hi} | {c for c in cuts if lo < c < hi})
+        for a, b in pairwise(ends):  # within [a, b) every block not named shares one answer
+            if a >= last_zone:
+                yield from self._unheld(a, b)
+                continue
+            # only the route's own instance's zone reads the key (an eviction from it)
+            named = [i for i in range(a, b) if keys[i] in heard] if heard and a < here else []
+            for i in named:
+                if i > a:
+                    yield (a, i - 1, *self(a, UNNAMED))
+                yield (i, i, *self(i, keys[i]))
+                a = i + 1
+            if a < b:
+                yield (a, b - 1, *self(a, UNNAMED))
 
-    def namespaced(self, lo: int, hi: int) -> dict[int, int]:
-        """{block: other namespaces its tokens were seen under} for the blocks [lo, hi) seen under any."""
-        view = self.view
-        if view.namespaced is not None:
-            return view.namespaced(lo, hi)
-        return {i: n for i in range(lo, hi) if (n := view.other_namespaces(i))}
+    def _unheld(self, lo: int, hi: int) -> Iterator[tuple[int, int, Cause, str]]:
+        """The last zone: a block the events named is explained alone, the rest by their tokens' other
+        namespaces (read for the range at once)."""
+        keys, heard, view = self.keys, self._heard, self.view
+        shared = view.namespaced(lo, hi) if view.namespaced is not None else \
+            {i: n for i in range(lo, hi) if (n := view.other_namespaces(i))}
+        own = {i for i in range(lo, hi) if keys[i] in heard} if heard else set()
+        at = lo
+        for i in sorted(own | shared.keys()):
+            if i > at:
+                yield at, i - 1, Cause.NEVER_COMPUTED, ""
+            yield (i, i, *(self(i, keys[i]) if i in own else (Cause.NAMESPACE, namespace_words(shared[i]))))
+            at = i + 1
+        if at < hi:
+            yield at, hi - 1, Cause.NEVER_COMPUTED, ""
 
     def run_on(self, instance: str) -> int:
         """The leading blocks of the prompt ``instance`` holds by the events heard (a block past a gap is no use
