@@ -28,10 +28,12 @@ What maps to what
   engine) are made here first. A failed step fails the requests in flight (``SequenceError``); an engine vLLM
   declares dead fails every later one too, naming the restart it needs.
 - Migration: a request another instance started (``EngineRequest.generated``: its prompt ends with the tokens
-  already streamed) is vLLM's prompt whole, with what is left of ``max_tokens``; vLLM detokenizes the new tokens
-  with the prompt as context, so the text goes on where it stopped. Greedy streams continue with the tokens an
-  uninterrupted run gives; a seeded one restarts vLLM's generator (other tokens than uninterrupted), and a stop
-  string that spans the cut is not seen. A constrained one (structured output) is refused
+  already streamed) is vLLM's prompt whole, with what is left of ``max_tokens`` and ``min_tokens``; vLLM
+  detokenizes the new tokens with the prompt as context, so the text goes on where it stopped, and its presence
+  and frequency penalties count the tokens streamed before as output (``penalties.py``, a logits processor every
+  engine here runs; vLLM alone would count them only in the repetition penalty, as prompt). Greedy streams
+  continue with the tokens an uninterrupted run gives; a seeded one restarts vLLM's generator (other tokens than
+  uninterrupted), and a stop string that spans the cut is not seen. A constrained one (structured output) is refused
   (``continuation_refused``): vLLM's grammar would start over mid-response.
 - KV canary: ``canary.py`` (a sampled reuse's first-token logprobs against a recompute that reads no cached KV).
 """
@@ -81,6 +83,7 @@ from kvmesh.vllm.canary import REFERENCE_PRIORITY, TOP, Check, VLLMCanary, top_l
 from kvmesh.vllm.events import Subscriber, Translator, endpoints
 from kvmesh.vllm.requests import client_fault, kv_hints, output, sampling_params
 
+PENALTIES = "kvmesh.vllm.penalties:EarlierOutputs"  # the logits processor every engine runs (penalties.py)
 log = logging.getLogger(__name__)
 DTYPES: dict[str, Literal["float32", "bfloat16", "float16"]] = {"fp32": "float32", "bf16": "bfloat16",
                                                                  "fp16": "float16"}
@@ -225,6 +228,8 @@ class VLLMEngine(EngineLoop, Engine):
             seed=0, disable_log_stats=True, distributed_executor_backend="uni",
             # requests are served earliest deadline first: each one's priority is when it is due (SloTrack.due)
             scheduling_policy="priority",
+            # a continued stream's earlier output in the presence and frequency penalties (penalties.py)
+            logits_processors=[PENALTIES],
             gpu_memory_utilization=(cfg.vllm_gpu_memory_utilization if cfg.vllm_gpu_memory_utilization > 0
                                     else EngineArgs.gpu_memory_utilization),  # 0: vLLM's default
             enable_lora=self.lora_on, max_loras=max(1, cfg.max_loras),
@@ -441,7 +446,8 @@ class VLLMEngine(EngineLoop, Engine):
             if p.max_tokens <= request.generated:  # it had streamed all of it: only the end was lost
                 self.deliver(rid, EngineOutput(rid, (), "", True, "length"))
                 return
-            p = dataclasses.replace(p, max_tokens=p.max_tokens - request.generated)
+            p = dataclasses.replace(p, max_tokens=p.max_tokens - request.generated,
+                                    min_tokens=max(0, p.min_tokens - request.generated))
         adapter = self._adapter(request.lora)
         tokens = TokensPrompt(prompt_token_ids=prompt)
         if request.cache_salt:
@@ -451,7 +457,8 @@ class VLLMEngine(EngineLoop, Engine):
                        continued=request.generated > 0)
         sampled = self.canary.wants()
         try:
-            vparams = sampling_params(p, self._transfer(request))
+            vparams = sampling_params(p, self._transfer(request), prompt[len(prompt) - request.generated:]
+                                      if request.generated else ())
             if sampled:  # the first token's top logprobs, for the canary (the client gets what it asked for)
                 vparams.logprobs = max(vparams.logprobs or 0, TOP)
             # the session reaches vLLM as its own session id (in its KV events) and as an orchestrator's KV hint

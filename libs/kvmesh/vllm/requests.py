@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.contracts.engine import EngineOutput, SessionHint, TokenLogprobs
@@ -23,12 +24,15 @@ def kv_hints(request_id: str, session: SessionHint | None) -> Any:
                            actions=[KvHintAction(f"{request_id}/session", SESSION_ACTION, "1", payload)])
 
 
-def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None) -> Any:
+def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None, earlier: Sequence[int] = ()) -> Any:
     """vLLM's ``SamplingParams`` for kvmesh's: one output per request, streamed as deltas; ``transfer``: what the
-    KV connector reads of the request (``kv_transfer_params``). ValueError naming the field when vLLM refuses a
+    KV connector reads of the request (``kv_transfer_params``); ``earlier``: a continued stream's output before
+    this instance, which the penalties count (``penalties.py``). ValueError naming the field when vLLM refuses a
     value."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    from kvmesh.vllm.penalties import EARLIER
 
     structured = None
     if p.structured is not None:
@@ -52,7 +56,8 @@ def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None) -
                                repetition_penalty=p.repetition_penalty, min_p=p.min_p, min_tokens=p.min_tokens,
                                logit_bias=dict(p.logit_bias) or None,
                                output_kind=RequestOutputKind.DELTA,
-                               extra_args={"kv_transfer_params": transfer} if transfer else None)
+                               extra_args={**({"kv_transfer_params": transfer} if transfer else {}),
+                                           **({EARLIER: list(earlier)} if earlier else {})} or None)
     except Exception as e:  # noqa: BLE001 - VLLMValidationError and plain ValueErrors: the request is at fault
         raise ValueError(f"sampling: {e}") from None
 
