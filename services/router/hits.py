@@ -67,8 +67,7 @@ class HitLedger:
         count as seen under its namespace from now on."""
         view = RouteView(routed.compute, routed.indexed, routed.recent, routed.reason, routed.at,
                          routed.pool_fetch, routed.fallback, routed.unconvertible,
-                         lambda i: self.namespaces.others(routed.plain[i], routed.seed) if i < len(routed.plain)
-                         else 0, lambda lo, hi: self.namespaces.shared(routed.plain, routed.seed, lo, hi))
+                         lambda lo, hi: self.namespaces.shared(routed.plain, routed.seed, lo, hi))
         keys = routed.keys[:prompt_tokens // self.block_size]
         explain = _scored if routed.scored else Explainer(view, self.history, keys)
         att = attribute(prompt_tokens, self.block_size, keys, delivered, explain,

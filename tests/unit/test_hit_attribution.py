@@ -4,7 +4,6 @@ knew when it routed and the KV events it heard."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from functools import partial
 
 from kvmesh.routing.hits import (
@@ -81,7 +80,7 @@ def test_the_chosen_instances_own_stores_after_the_route_are_not_lag():
 
 
 def test_tokens_seen_under_another_namespace_are_the_namespace_cause():
-    att = _why(RouteView("a", {}, other_namespaces=lambda i: 1))
+    att = _why(RouteView("a", {}, other_namespaces=lambda lo, hi: dict.fromkeys(range(lo, hi), 1)))
     assert att.by_cause()["namespace"] == 16
 
 
@@ -175,7 +174,7 @@ def _reference_cause(view: RouteView, history: BlockHistory, keys: list[int], i:
     gone = history.last_removal(key)
     if gone is not None:
         return Cause.EVICTED, f"from {gone.instance}'s {gone.tier_and_why()} {when(gone.at)}"
-    others = view.other_namespaces(i)
+    others = view.other_namespaces(i, i + 1).get(i, 0)
     if others:
         return Cause.NAMESPACE, f"the same tokens are cached under {others} other namespace(s)"
     return Cause.NEVER_COMPUTED, ""
@@ -220,17 +219,15 @@ def test_attribution_equals_the_per_block_rule_on_random_fleets_and_histories():
             {x: rng.randrange(len(keys) + 2) for x in rng.sample(instances, rng.randrange(4))},
             rng.choice(["", "cheapest"]), rng.uniform(0, 10),
             rng.choice(["", "adopted", "failed: refused", "local cache suffices"]), rng.choice(["", "", "reset"]),
-            rng.choice(["", "", "another layout"]), rng.choice([lambda i: 0, lambda i: i % 3]))
-        if rng.random() < 0.5:  # the bulk form of the same namespaces (the router's), or block by block
-            view = replace(view, namespaced=lambda lo, hi, f=view.other_namespaces: {
-                i: f(i) for i in range(lo, hi) if f(i)})
+            rng.choice(["", "", "another layout"]),
+            rng.choice([lambda lo, hi: {}, lambda lo, hi: {i: i % 3 for i in range(lo, hi) if i % 3}]))
         delivered = rng.randrange(-2, prompt + 3)
         got = attribute(prompt, bs, keys, delivered, Explainer(view, history, keys))
         want = _reference_runs(prompt, bs, keys, delivered, partial(_reference_cause, view, history, keys))
         assert [(m.cause, m.tokens, m.first_block, m.last_block, m.detail) for m in got.misses] == want
 
 
-def test_namespaces_shared_over_a_range_is_others_block_by_block():
+def test_namespaces_shared_over_a_range_counts_each_blocks_other_namespaces():
     rng = random.Random(3)
     ns = Namespaces(max_keys=50)
     plain = [rng.randrange(30) for _ in range(40)]
@@ -238,5 +235,6 @@ def test_namespaces_shared_over_a_range_is_others_block_by_block():
         ns.saw(rng.sample(plain, 5), rng.randrange(4))
     for seed in range(5):
         for lo, hi in [(0, 40), (7, 19), (35, 60), (10, 10)]:
-            want = {i: ns.others(plain[i], seed) for i in range(lo, min(hi, len(plain))) if ns.others(plain[i], seed)}
+            others = {i: len(ns._seeds.get(plain[i], set()) - {seed}) for i in range(lo, min(hi, len(plain)))}
+            want = {i: n for i, n in others.items() if n}
             assert ns.shared(plain, seed, lo, hi) == want

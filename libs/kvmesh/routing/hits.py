@@ -240,17 +240,13 @@ class Namespaces:
             seeds_of.popitem(last=False)
 
     def shared(self, plain_keys: Sequence[int], seed: int, lo: int, hi: int) -> dict[int, int]:
-        """{i: ``others(plain_keys[i], seed)``} for the i in [lo, hi) where that is not 0."""
+        """{i: how many other namespaces than ``seed`` block i's tokens were seen under} for the i in [lo, hi)
+        where that is not 0."""
         out = {}
         for i, seeds in enumerate(map(self._seeds.get, plain_keys[lo:hi]), lo):
             if seeds and (n := len(seeds) - (seed in seeds)):
                 out[i] = n
         return out
-
-    def others(self, plain_key: int, seed: int) -> int:
-        """How many other namespaces these tokens were seen under."""
-        seeds = self._seeds.get(plain_key)
-        return len(seeds) - (seed in seeds) if seeds else 0
 
 
 @dataclass(frozen=True)
@@ -265,10 +261,9 @@ class RouteView:
     pool_outcome: str = ""             # the engine's pool fetch: "" none tried, "adopted", "failed: ...", ...
     fallback: str = ""                 # a PD hand-off that failed (decode recomputed): why
     unconvertible: str = ""            # the compute instance's KV cannot take pool blocks: why
-    other_namespaces: Callable[[int], int] = lambda i: 0  # block index -> namespaces its tokens were seen under
-    # the same for the blocks [lo, hi) at once, only those seen under others: {block index: namespaces} (None: read
-    # from other_namespaces block by block)
-    namespaced: Callable[[int, int], dict[int, int]] | None = None
+    # (lo, hi) -> {block index: other namespaces its tokens were seen under}, for the blocks in [lo, hi) seen under
+    # any (read for a range of blocks at once)
+    other_namespaces: Callable[[int, int], dict[int, int]] = lambda lo, hi: {}
 
     def predicted_blocks(self) -> int:
         here = max(self.indexed.get(self.compute, 0), self.recent.get(self.compute, 0))
@@ -330,9 +325,8 @@ class Explainer:
     def _unheld(self, lo: int, hi: int) -> Iterator[tuple[int, int, Cause, str]]:
         """The last zone: a block the events named is explained alone, the rest by their tokens' other
         namespaces (read for the range at once)."""
-        keys, heard, view = self.keys, self._heard, self.view
-        shared = view.namespaced(lo, hi) if view.namespaced is not None else \
-            {i: n for i in range(lo, hi) if (n := view.other_namespaces(i))}
+        keys, heard = self.keys, self._heard
+        shared = self.view.other_namespaces(lo, hi)
         own = {i for i in range(lo, hi) if keys[i] in heard} if heard else set()
         at = lo
         for i in sorted(own | shared.keys()):
@@ -390,7 +384,7 @@ class Explainer:
         gone = history.last_removal(key)
         if gone is not None:
             return Cause.EVICTED, f"from {gone.instance}'s {gone.tier_and_why()} {_when(gone.at, view.at)}"
-        others = view.other_namespaces(i)
+        others = view.other_namespaces(i, i + 1).get(i, 0)
         if others:
             return Cause.NAMESPACE, namespace_words(others)
         return Cause.NEVER_COMPUTED, ""
