@@ -63,11 +63,13 @@ class Earlier:
             if t >= 0:  # -1: a placeholder of a token not sampled yet (async scheduling)
                 self._own.add(t)
         self._read = len(output_ids)
-        ids = self.ids if self.ids.device == logits.device else self.ids.to(logits.device)
+        if self.ids.device != logits.device:  # once: the request's rows stay on one device
+            self.ids, self.frequency = self.ids.to(logits.device), self.frequency.to(logits.device)
+        ids = self.ids
         x = logits[ids].float()
         r = self.repetition
         y = torch.where(x > 0, x / r, x * r) if r != 1.0 else x
-        y = y - self.frequency.to(y.device)
+        y = y - self.frequency
         if self.presence:
             unseen = torch.tensor([t not in self._own for t in self.tokens], dtype=torch.bool, device=y.device)
             y = y - self.presence * unseen
