@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     c = cfg.cachesvc
     tracing.setup("cachesvc", c.durable_name if c.shards == 1 else f"{c.durable_name}-{c.shard}", cfg.telemetry)
     try:
-        aio.run(serve(cfg.cachesvc, cfg.shared), cfg.shared.event_loop)
+        aio.run(serve(cfg.cachesvc, cfg.shared), cfg.shared.event_loop, cfg.shared.gc_threshold)
     except PortInUse as e:  # a fixed port someone else holds: say which setting to change
         report_failure("cachesvc", str(e), cfg.shared.ready_file)
         return EXIT_BIND

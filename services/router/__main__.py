@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         p.exit(2, f"{p.prog}: {e}\n")
     tls.configure(cfg.shared)
     try:
-        aio.run(serve(cfg.router, cfg.telemetry, cfg.shared), cfg.shared.event_loop)
+        aio.run(serve(cfg.router, cfg.telemetry, cfg.shared), cfg.shared.event_loop, cfg.shared.gc_threshold)
     except PortInUse as e:  # a fixed port someone else holds: say which setting to change, no traceback
         report_failure("router", str(e), cfg.shared.ready_file)
         sys.exit(EXIT_BIND)

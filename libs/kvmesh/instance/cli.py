@@ -30,7 +30,8 @@ def main(role: str, roles: Sequence[RolePlugin], argv: list[str] | None = None) 
     logging.basicConfig(level=cfg.shared.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tls.configure(cfg.shared)
     try:
-        aio.run(serve(cfg.instance, cfg.engine, roles, cfg.telemetry, cfg.shared), cfg.shared.event_loop)
+        aio.run(serve(cfg.instance, cfg.engine, roles, cfg.telemetry, cfg.shared), cfg.shared.event_loop,
+                cfg.shared.gc_threshold)
     except PortInUse as e:  # a fixed port someone else holds: say which setting to change, no traceback
         report_failure(cfg.instance.id or role, str(e), cfg.shared.ready_file)
         sys.exit(EXIT_BIND)

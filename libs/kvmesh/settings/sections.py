@@ -225,6 +225,9 @@ class SharedSettings(Section):
     event_loop: str = setting("auto", "the services' asyncio event loop: uvloop, asyncio's own, or auto (uvloop "
                                       "when installed)",
                               choices=["auto", "uvloop", "asyncio"])
+    gc_threshold: int = setting(10_000, "tracked objects a service allocates (net of those freed) before Python's "
+                                        "cyclic collector scans its youngest generation (Python's own default: "
+                                        "700); reference counting frees the rest as before")
     transfer_idle_timeout_s: float = setting(60.0, "a transfer endpoint closes a connection that sends no frame "
                                                    "for this long (>= 30: senders reuse an idle connection for up "
                                                    "to 20 s)")
@@ -261,6 +264,7 @@ class SharedSettings(Section):
             if path and not Path(path).is_file():
                 out.append(Problem(name, f"{name} {path!r} is not a readable file"))
         out += self._min(("transfer_idle_timeout_s",), 30)
+        out += self._min(("gc_threshold",), 100)
         out += self._min(("transfer_max_connections", "transfer_max_connections_per_peer"), 1)
         return out
 
