@@ -42,7 +42,7 @@ from kvmesh.contracts.ids import (
 )
 from kvmesh.contracts.keys import Namespace, block_keys, block_keys_and_plain, int32s
 from kvmesh.contracts.messages import PACKED_PROMPT, Heartbeat, KVReady, Message, RouterLoad
-from kvmesh.contracts.sampling import LOGITS, PROMPT_LOGPROBS, SamplingParams, sampling_to_proto
+from kvmesh.contracts.sampling import LOGITS, PROMPT_LOGPROBS, SPECIAL_TOKENS, SamplingParams, sampling_to_proto
 from kvmesh.contracts.shards import ShardMap, pool_entries
 from kvmesh.contracts.slo import slo_to_proto
 from kvmesh.model_source.resolve import resolve_model
@@ -77,7 +77,8 @@ LOAD_REFRESH_S = 1.0  # this router's in-flight counts go to its replicas on eve
 
 # what a request sets that needs each engine feature (``SamplingParams.features``), for the refusal's words
 FEATURE_FIELDS = {LOGITS: "presence, frequency or repetition penalty, min_p, min_tokens or logit_bias",
-                  PROMPT_LOGPROBS: "prompt_logprobs (echo with logprobs)"}
+                  PROMPT_LOGPROBS: "prompt_logprobs (echo with logprobs)",
+                  SPECIAL_TOKENS: "skip_special_tokens false (or tools in a form written in special tokens)"}
 
 
 @dataclass

@@ -48,7 +48,7 @@ from services.router.errors import ErrorKind, RequestError, invalid
 from services.router.ids import new_request_id
 from services.router.structured import check_structured
 from services.router.telemetry import RequestTrace
-from services.router.tools import Tools, for_template, message_calls
+from services.router.tools import Choice, Tools, for_template, message_calls
 
 if TYPE_CHECKING:
     from services.router.core import Router
@@ -267,13 +267,14 @@ class Intake:
                 prompt = truncated(whole, draft.truncate, self.router.max_model_len)
                 dropped = len(whole) - len(prompt) if draft.truncate > 0 else 0  # cut off the front
                 lora = self.model(draft.model)
-                self.check(prompt, draft.sampling)
-                self.check_resume(draft.resume, draft.sampling)
+                sampling = self.sampling(draft)
+                self.check(prompt, sampling)
+                self.check_resume(draft.resume, sampling)
                 retention = await self.retention(draft, len(prompt), dropped)
                 span.set_attribute("kvmesh.tokens.prompt", len(prompt))
                 if session is not None:
                     span.set_attribute("kvmesh.session", session.key)
-            request = Admitted(rt.request_id, tuple(prompt), draft.sampling, tenant,
+            request = Admitted(rt.request_id, tuple(prompt), sampling, tenant,
                                cache_salt(tenant, draft.cache_salt), lora or self.router.model_id, lora,
                                self.policy(draft.policy), self.disaggregate(draft.disaggregate), draft.resume,
                                session, retention, self.terms.slo(tenant, self.slo(draft.slo)),
@@ -316,6 +317,16 @@ class Intake:
         if draft.text is not None and not special:
             return await self._tokenize(len(draft.text), lambda t: self.router.tokenizer.encode(t, False), draft.text)
         return await self.prompt_ids(draft)
+
+    def sampling(self, draft: Draft) -> SamplingParams:
+        """The draft's sampling, asking the engine to keep special tokens in the text when the model writes its
+        calls in them (``CallFormat.special_tokens``: kimi_k2) and the request lets it call (tools offered,
+        ``tool_choice`` auto)."""
+        tools = draft.tools
+        if (tools is not None and tools.choice == Choice.AUTO and tools.offered
+                and self.router.tool_format.special_tokens):
+            return replace(draft.sampling, skip_special_tokens=False)
+        return draft.sampling
 
     async def _rendered(self, chat: list[dict[str, Any]], tools: Tools | None, generation: bool,
                         template: TemplateArgs | None = None) -> list[int]:

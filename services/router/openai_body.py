@@ -1,7 +1,8 @@
 """An OpenAI request body as the intake's ``Draft``: the JSON itself, each field's type, the sampling fields
 (OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``; vLLM's extensions: ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``seed``, ``ignore_eos``, ``stop_token_ids``; a field kvmesh does not serve,
-``best_of``, ``suffix`` or the legacy ``functions``, refused unless it says "off"), the log-probabilities
+``repetition_penalty``, ``min_tokens``, ``seed``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``; a
+field kvmesh does not serve, ``best_of``, ``suffix`` or the legacy ``functions``, refused unless it says "off"),
+the log-probabilities
 asked for (completions: ``logprobs: N``; chat: ``logprobs: true`` with ``top_logprobs: N``; N in [0, 20], checked
 here because the field to name differs by endpoint), the prompt's (vLLM's ``prompt_logprobs: N``; a completion's
 ``echo`` with ``logprobs``, whose text and logprobs begin with its prompt's) and the structured-output fields.
@@ -232,7 +233,8 @@ def sampling_from_body(body: dict, chat: bool = False) -> tuple[SamplingParams, 
                               frequency_penalty=_num(body, "frequency_penalty", 0.0),
                               repetition_penalty=_num(body, "repetition_penalty", 1.0),
                               min_p=_num(body, "min_p", 0.0), min_tokens=_int(body, "min_tokens", 0),
-                              logit_bias=_logit_bias(body.get("logit_bias"))), field
+                              logit_bias=_logit_bias(body.get("logit_bias")),
+                              skip_special_tokens=bool_field(body, "skip_special_tokens", True)), field
     except ValueError as e:
         raise invalid(str(e)) from None
 
@@ -250,9 +252,8 @@ UNSERVED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("use_beam_search", (None, False), "sampling only (beam search is not served)"),
     ("length_penalty", (None, 1, 1.0), "it applies to beam search, which is not served"),
     ("include_stop_str_in_output", (None, False), "the engines cut a stop string off the output"),
-    ("skip_special_tokens", (None, True), ("the output text leaves special tokens out (return_token_ids gives "
-                                          "every token's id)")),
-    ("spaces_between_special_tokens", (None, True), "the output text leaves special tokens out"),
+    ("spaces_between_special_tokens", (None, True), ("special tokens kept in the text (skip_special_tokens: false) "
+                                                    "are joined as the tokenizer decodes them")),
     ("chat_template", (None, ""), ("the router renders chats with the model's own template (a template is code: "
                                   "the operator's to choose); chat_template_kwargs sets its variables")),
     ("thinking_token_budget", (None,), "the reasoning is not capped apart from max_tokens"),

@@ -23,14 +23,21 @@ The formats (the names are vLLM's ``--tool-call-parser`` values for the same for
   ``<｜tool▁call▁begin｜>`` .. ``<｜tool▁call▁end｜>``, each ``function<｜tool▁sep｜>NAME`` and its arguments in a
   fenced JSON block (DeepSeek V3, R1-0528) or ``NAME<｜tool▁sep｜>{arguments}`` (V3.1, V3.2); either reader takes
   both, the name says which form the prompt shows. The text before the section is the content.
+- ``kimi_k2``: a section ``<|tool_calls_section_begin|>`` .. ``<|tool_calls_section_end|>`` of calls
+  ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{arguments}<|tool_call_end|>`` (Kimi K2,
+  K2 Thinking); ``functions.NAME:INDEX`` is the call's id, kept as the call's id (Kimi's template writes it back
+  into the next prompt). The markers are special tokens, which the output text leaves out unless asked: with this
+  format the router asks the engine to keep them (``skip_special_tokens`` false) when the request offers tools
+  and lets the model choose (vLLM's kimi_k2 parser does the same).
 - ``pythonic``: the whole output is a Python list of calls, ``[get_weather(city="Paris"), ...]``, arguments as
   literals (Llama 3.2's and Llama 4's pythonic templates, several small tool models).
 
 ``auto`` (the router's default, ``router.tool_call_parser``) picks by the chat template: one that writes
-``<｜tool▁call▁begin｜>`` is deepseek_v3 (with a fenced ```` ```json ```` block) or deepseek_v31,
-``<function=`` and ``<parameter=`` qwen3_coder, ``<arg_key>`` glm45, ``<tool_call>`` hermes, ``[TOOL_CALLS]`` mistral,
-``<|python_tag|>`` or Llama's ``"parameters": dictionary`` instruction llama3_json; any other template (SmolLM2's
-renders no tools) gets hermes, which the router then describes to the model in the system message.
+``<|tool_calls_section_begin|>`` is kimi_k2, ``<｜tool▁call▁begin｜>`` deepseek_v3 (with a fenced ```` ```json ````
+block) or deepseek_v31, ``<function=`` and ``<parameter=`` qwen3_coder, ``<arg_key>`` glm45, ``<tool_call>`` hermes,
+``[TOOL_CALLS]`` mistral, ``<|python_tag|>`` or Llama's ``"parameters": dictionary`` instruction llama3_json; any
+other template (SmolLM2's renders no tools) gets hermes, which the router then describes to the model in the system
+message.
 
 A whole-output format is decided by the output's first characters: while they could still start a call, the
 reader holds them; once they cannot, the text streams as content. A call-shaped output is read when the output
@@ -232,14 +239,19 @@ class TaggedCalls:
 
     def _block(self, raw: str, closing: str) -> tuple[str, list[CallDelta]]:
         """One block's calls, or the block as written (not calls, or a call past the first with parallel off)."""
-        found = self.body(raw, self.names) if self.parallel or not self.count else None
+        found = self._calls(raw) if self.parallel or not self.count else None
         if not found:
             return self.open + raw + closing, []
         if not self.parallel:
             found = found[:1]
-        out = [CallDelta(self.count + i, call_id(), *c) for i, c in enumerate(found)]
+        out = [CallDelta(self.count + i, cid, *c) for i, (cid, c) in enumerate(found)]
         self.count += len(out)
         return "", out
+
+    def _calls(self, raw: str) -> list[tuple[str, Call]] | None:
+        """A block's calls, each with its id (a new one: these forms write none)."""
+        found = self.body(raw, self.names)
+        return [(call_id(), c) for c in found] if found else None
 
     def close(self) -> tuple[str, list[CallDelta]]:
         raw, inside = self.buf, self.inside
@@ -313,6 +325,7 @@ def _xml_value(v: Any) -> str:
 
 class Hermes:
     name = "hermes"
+    special_tokens = False  # whether the calls are written in special tokens (the output text must keep them)
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         return TaggedCalls(names, parallel)
@@ -389,18 +402,29 @@ def _deepseek_section(raw: str, names: frozenset[str]) -> list[Call] | None:
     return _all(calls)
 
 
-class DeepSeekV3(Hermes):
-    name = "deepseek_v3"
-    fenced = True
+class Sectioned(Hermes):
+    """A form whose calls come in one section between two markers (``section``)."""
 
-    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
-        return TaggedCalls(names, parallel, _deepseek_section, DS_CALLS)
+    section: tuple[str, str]
 
     def describe(self, offered: list[dict[str, Any]]) -> str:
         example = self.written([{"function": {"name": "<function name>", "arguments": {"<argument>": "<value>"}}}])
         return ("# Tools\n\nYou can call these functions (JSON schemas), when one helps to answer:\n"
                 f"{_listed(offered)}\n\nTo call, write the calls in this form, one or more in the section:\n"
                 f"{example}")
+
+    def looks_like_call(self, text: str) -> bool:
+        t = text.strip()
+        return t.endswith(self.section[1]) or t.rfind(self.section[0]) > t.rfind(self.section[1])
+
+
+class DeepSeekV3(Sectioned):
+    name = "deepseek_v3"
+    section = DS_CALLS
+    fenced = True
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
+        return TaggedCalls(names, parallel, _deepseek_section, DS_CALLS)
 
     def written(self, calls: list[dict[str, Any]]) -> str:
         def one(n: str, a: dict[str, Any]) -> str:
@@ -409,14 +433,71 @@ class DeepSeekV3(Hermes):
             return DS_CALL_BEGIN + body + DS_CALL_END
         return DS_CALLS[0] + "".join(one(n, a) for n, a in _calls_text(calls)) + DS_CALLS[1]
 
-    def looks_like_call(self, text: str) -> bool:
-        t = text.strip()
-        return t.endswith(DS_CALLS[1]) or t.rfind(DS_CALLS[0]) > t.rfind(DS_CALLS[1])
 
 
 class DeepSeekV31(DeepSeekV3):
     name = "deepseek_v31"
     fenced = False
+
+
+# ---- kimi_k2: a section of calls in special tokens, each named by its id ------------------------------------
+
+KIMI_CALLS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+KIMI_BEGIN, KIMI_ARGS, KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+KIMI_CALL = re.compile(re.escape(KIMI_BEGIN) + r"(.*?)" + re.escape(KIMI_ARGS) + r"(.*?)(?:" + re.escape(KIMI_END)
+                       + r"|\Z)", re.DOTALL)
+KIMI_ID = re.compile(r"(?:functions\.)?([^:]+):\d+")  # functions.NAME:INDEX, the call's id
+
+
+def _kimi_section(raw: str, names: frozenset[str]) -> list[tuple[str, Call]] | None:
+    """A Kimi calls section's inside: ``<|tool_call_begin|>ID<|tool_call_argument_begin|>{arguments}
+    <|tool_call_end|>`` one after the other (white space between; the last may lack its end, the output ended
+    there), each call's id ``functions.NAME:INDEX`` kept as the call's id (the template writes it back)."""
+    calls: list[tuple[str, Call] | None] = []
+    at = 0
+    for m in KIMI_CALL.finditer(raw):
+        if raw[at:m.start()].strip():
+            return None
+        cid = m.group(1).strip()
+        named = KIMI_ID.fullmatch(cid)
+        call = checked(named.group(1), m.group(2), names) if named else None
+        calls.append((cid, call) if call is not None else None)
+        at = m.end()
+    if raw[at:].strip() or not calls or None in calls:
+        return None
+    return [c for c in calls if c is not None]
+
+
+class KimiCalls(TaggedCalls):
+    """Kimi K2's section: the calls keep the ids the model wrote."""
+
+    def __init__(self, names: frozenset[str], parallel: bool) -> None:
+        super().__init__(names, parallel, tags=KIMI_CALLS)
+
+    def _calls(self, raw: str) -> list[tuple[str, Call]] | None:
+        return _kimi_section(raw, self.names)
+
+
+class KimiK2(Sectioned):
+    """Kimi K2 (and K2 Thinking): its markers are special tokens, which the output text keeps only when asked
+    (``special_tokens``: the router asks, as vLLM's kimi_k2 parser does, when the request offers tools)."""
+
+    name = "kimi_k2"
+    section = KIMI_CALLS
+    special_tokens = True
+
+    def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
+        return KimiCalls(names, parallel)
+
+    def written(self, calls: list[dict[str, Any]]) -> str:
+        def one(i: int, c: dict[str, Any]) -> str:
+            name, args = _calls_text([c])[0]
+            cid = c.get("id") or ""
+            if not KIMI_ID.fullmatch(cid):
+                cid = f"functions.{name}:{i}"
+            return f"{KIMI_BEGIN}{cid}{KIMI_ARGS}{json.dumps(args, ensure_ascii=False)}{KIMI_END}"
+        return KIMI_CALLS[0] + "".join(one(i, c) for i, c in enumerate(calls)) + KIMI_CALLS[1]
+
 
 
 # ---- the whole output is the calls: llama3_json, mistral, pythonic ------------------------------------------
@@ -540,6 +621,7 @@ def _pythonic_value(v: Any) -> str:
 
 class Llama3Json:
     name = "llama3_json"
+    special_tokens = False
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         return LeadingCalls(names, parallel, ("{", PYTHON_TAG), parse_llama3_json)
@@ -559,6 +641,7 @@ class Llama3Json:
 
 class Mistral:
     name = "mistral"
+    special_tokens = False
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         starts = (MISTRAL_CALLS, "[{", *(f"{n}{{" for n in names), *(f"{n}{MISTRAL_ARGS}" for n in names))
@@ -580,6 +663,7 @@ class Mistral:
 
 class Pythonic:
     name = "pythonic"
+    special_tokens = False
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         return LeadingCalls(names, parallel, (*(f"[{n}(" for n in names), *(f"{PYTHON_TAG}[{n}(" for n in names)),
@@ -612,6 +696,7 @@ def _looks(parse: Parse, text: str) -> bool:
 
 class CallFormat(Protocol):
     name: str
+    special_tokens: bool
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader: ...
     def describe(self, offered: list[dict[str, Any]]) -> str: ...
@@ -620,13 +705,15 @@ class CallFormat(Protocol):
 
 
 FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), QWEN3_CODER, GLM45, DeepSeekV3(), DeepSeekV31(),
-                                                      Llama3Json(), Mistral(), Pythonic())}
+                                                      KimiK2(), Llama3Json(), Mistral(), Pythonic())}
 PARSERS = ("auto", *FORMATS)  # router.tool_call_parser's values
 
 
 def detect(template: str | None) -> CallFormat:
     """The format a chat template's model writes calls in (hermes when the template says nothing of one)."""
     t = template or ""
+    if KIMI_CALLS[0] in t:
+        return FORMATS["kimi_k2"]
     if DS_CALL_BEGIN in t:
         return FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
     if "<function=" in t and "<parameter=" in t:

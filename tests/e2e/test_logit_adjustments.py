@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from .test_mesh import post
+from .test_mesh import openai_client, post
 
 pytestmark = pytest.mark.slow
 PROMPT = "List the days of the week, then list them again, and again:"
@@ -60,3 +60,28 @@ def test_the_sdk_sends_them_and_bad_values_are_400s(mesh):
                          ({"min_p": -1}, "min_p must be in [0, 1]"), ({"best_of": 2}, "best_of is not supported")):
         status, out, _ = post(mesh, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **extra})
         assert status == 400 and words in out["error"]["message"], out
+
+
+def test_special_tokens_stay_in_the_text_when_asked(mesh):
+    """``skip_special_tokens: false`` through PD (prefill's first token, decode's rest), HTTP whole and
+    streamed and the SDK: the same tokens, their text kept; the EOS that stops the answer never shows."""
+    from kvmesh.client import KvmeshClient
+
+    forced = {"max_tokens": 3, "logit_bias": {"1": 100}}  # <|im_start|>, a special token
+    plain = complete(mesh, **forced)
+    kept = complete(mesh, skip_special_tokens=False, **forced)
+    assert plain["token_ids"] == kept["token_ids"] == [1, 1, 1]
+    assert plain["text"] == "" and kept["text"] == "<|im_start|>" * 3
+    chunks = openai_client(mesh).completions.create(model=kept_model(mesh), prompt=PROMPT, max_tokens=3,
+                                                    temperature=0, stream=True, logit_bias={"1": 100},
+                                                    extra_body={"skip_special_tokens": False})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == kept["text"]
+    with KvmeshClient(f"127.0.0.1:{mesh.grpc_port}") as client:
+        c = client.complete(PROMPT, max_tokens=3, temperature=0, logit_bias={1: 100.0}, skip_special_tokens=False)
+    assert c.text == kept["text"]
+    eos = complete(mesh, max_tokens=3, logit_bias={"2": 100}, skip_special_tokens=False)  # <|im_end|>, the EOS
+    assert eos["token_ids"] == [2] and eos["text"] == "" and eos["finish_reason"] == "stop"
+
+
+def kept_model(mesh) -> str:
+    return openai_client(mesh).models.list().data[0].id

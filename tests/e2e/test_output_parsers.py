@@ -129,3 +129,37 @@ def test_the_streaming_generate_rpc_splits_reasoning_and_reads_calls(llama_route
     (call,) = done.tool_calls
     assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
     assert done.finish_reason == "tool_calls" and chunks[-1].finish_reason == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def kimi_router(tmp_path_factory):
+    stack = start_stack(tmp_path_factory, "kimi", prefill=0, decode=0, both=1,
+                        settings={"router": {"tool_call_parser": "kimi_k2"}})
+    yield stack
+    stack.stop()
+
+
+def test_calls_in_kimis_form_keep_the_models_ids(kimi_router):
+    """Kimi K2's section, read through a real stack (the markers are plain text in SmolLM2's vocabulary: the
+    regex steers the output into them); the call's id is the one the model wrote, whole and streamed, and the
+    call goes back into the next prompt under it (Kimi's template writes it back)."""
+    client = openai_client(kimi_router)
+    steer = {"guided_regex": ('Sure\\.<\\|tool_calls_section_begin\\|><\\|tool_call_begin\\|>functions\\.get_weather:0'
+                              '<\\|tool_call_argument_begin\\|>\\{"city": "[A-Z][a-z]{2,8}"\\}<\\|tool_call_end\\|>'
+                              '<\\|tool_calls_section_end\\|>')}
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=96, temperature=0,
+                                         extra_body=steer)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure.", choice
+    (call,) = choice.message.tool_calls
+    assert call.id == "functions.get_weather:0" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=96,
+                                                 temperature=0, stream=True, extra_body=steer))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.id, d.function.name) for d in deltas if d.id] == [(call.id, "get_weather")]
+    again = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=TOOLS, messages=[
+        *ASK, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}], extra_body={"return_token_ids": True})
+    prompt = Tokenizer.from_dir(resolve_model(None).hf_dir).decode(again.model_extra["prompt_token_ids"])
+    assert "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>" in prompt

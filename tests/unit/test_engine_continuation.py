@@ -12,8 +12,6 @@ import pytest
 from kvmesh.contracts.engine import ExportPlan
 from kvmesh.contracts.sampling import SamplingParams, StructuredOutput
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
-from kvmesh.settings import EngineSettings
 
 from .helpers import pushed, req
 
@@ -23,19 +21,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "n"]}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return Tokenizer.from_dir(save_byte_tokenizer(tmp_path_factory.mktemp("bytetok")))
-
-
 @pytest.fixture
-def make(tiny_config, tokenizer):
-    def build() -> LLMEngine:
-        e = LLMEngine(EngineSettings(num_blocks=128, block_size=4, max_batched_tokens=256, attention="torch"),
-                      model_config=tiny_config)
-        e.tokenizer, e.eos_token_ids = tokenizer, set(tokenizer.eos_token_ids)
-        return e
-    return build
+def make(byte_engine):
+    return byte_engine
 
 
 def stream(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw) -> tuple[list, str, str]:

@@ -131,3 +131,19 @@ def test_a_scored_prompts_misses_are_its_own_not_the_caches():
 
     assert causes(True) == {"scored": 64, "partial_block": 2}
     assert "scored" not in causes(False)
+
+
+def test_kept_special_tokens_skip_instances_that_would_drop_them():
+    """An engine of a build before ``keep_special_tokens`` would leave the special tokens out of the text (the
+    field unknown to it): such a request goes only where the heartbeat says ``special_tokens``."""
+    from kvmesh.contracts.sampling import SPECIAL_TOKENS, SamplingParams
+
+    router = types.SimpleNamespace(registry=types.SimpleNamespace(alive=lambda: fleet))
+    fleet = [inst("new", FEATURES), inst("old", ("logits", "prompt_logprobs"))]
+    needs = SamplingParams(skip_special_tokens=False).features
+    assert needs == (SPECIAL_TOKENS,) and SPECIAL_TOKENS in FEATURES
+    assert Router._lacking(router, needs) == {"old"}  # type: ignore[arg-type]
+    fleet = [inst("old", ("logits",))]
+    with pytest.raises(RequestError) as e:
+        Router._lacking(router, needs)  # type: ignore[arg-type]
+    assert "skip_special_tokens false" in e.value.message

@@ -126,6 +126,27 @@ def test_a_tool_choice_constraint_is_the_requests_one_constraint():
         openai_body.draft({"prompt": "hi", "tools": [WEATHER]}, False, {})
 
 
+@pytest.mark.parametrize(("fmt", "choice", "kept"), [
+    ("kimi_k2", "auto", True), ("kimi_k2", None, True), ("kimi_k2", "none", False), ("kimi_k2", "required", False),
+    ("hermes", "auto", False), ("deepseek_v31", "auto", False)])
+def test_a_form_in_special_tokens_keeps_them_in_the_text_while_the_model_may_call(fmt, choice, kept):
+    """Kimi's calls are special tokens: the engine keeps them in the text when the model may write a call
+    (``auto``); ``required`` and a named function are constrained JSON, ``none`` offers no tool."""
+    from types import SimpleNamespace
+
+    from services.router.intake import Intake
+    from services.router.tool_formats import FORMATS
+
+    intake = Intake.__new__(Intake)
+    intake.router = SimpleNamespace(tool_format=FORMATS[fmt])
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    if choice is not None:
+        body["tool_choice"] = choice
+    assert intake.sampling(openai_body.draft(body, True, {})).skip_special_tokens is not kept
+    without = openai_body.draft({"messages": body["messages"]}, True, {})
+    assert intake.sampling(without).skip_special_tokens  # no tools: the client's choice (default skip)
+
+
 # ---- the prompt ----------------------------------------------------------------------------------------------
 
 class Template:

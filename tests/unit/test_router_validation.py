@@ -169,6 +169,7 @@ def test_sampling_defaults_and_vllm_extensions():
     p, _ = sampling_from_body({"top_k": -1, "seed": 7, "stop": "\n", "stop_token_ids": [2], "ignore_eos": True})
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (64, 1.0, 0, 1.0, 7)
     assert p.stop == ("\n",) and p.stop_token_ids == (2,) and p.ignore_eos
+    assert p.skip_special_tokens and not sampling_from_body({"skip_special_tokens": False})[0].skip_special_tokens
 
 
 def test_null_fields_mean_their_defaults():
@@ -193,6 +194,8 @@ def test_max_completion_tokens_wins_over_max_tokens():
     ({"stop_token_ids": [True]}, "stop_token_ids must be a list of integers"),
     ({"stop": {"a": 1}}, "stop must be a string or a list of strings"),
     ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens must be true or false"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens is not supported"),
 ])
 def test_bad_sampling_field_is_named(body, words):
     with pytest.raises(RequestError) as e:

@@ -12,7 +12,7 @@ from kvmesh.settings.sections import RouterSettings
 
 from services.router.intake import chat_messages
 from services.router.sessions import ends_in_tool_call
-from services.router.tool_formats import FORMATS, PARSERS, CallReader, detect, pick
+from services.router.tool_formats import FORMATS, KIMI_ID, PARSERS, CallReader, detect, pick
 from services.router.tools import Tools, for_template, read_whole, tools_from_body
 
 NAMES = frozenset({"get_weather", "route"})
@@ -83,6 +83,17 @@ CASES = [
     ("glm45", "<tool_call>route</tool_call>", [("route", "{}")]),  # no arguments
     ("glm45", "<tool_call>nope\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</tool_call>", []),
     ("glm45", "<tool_call>get_weather\nParis\n</tool_call>", []),  # text where the pairs go
+    ("kimi_k2", ("Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                 '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'), [PARIS]),
+    ("kimi_k2", ("<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0\n"
+                 '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>\n<|tool_call_begin|>route:1'
+                 '<|tool_call_argument_begin|>{"a": {"x": 1}, "b": [1, 2.5, null, true]}<|tool_call_end|>'),
+     [PARIS, LEG]),  # the second id without "functions.", and the section's end tag never came
+    ("kimi_k2", ("<|tool_calls_section_begin|><|tool_call_begin|>functions.nope:0<|tool_call_argument_begin|>{}"
+                 "<|tool_call_end|><|tool_calls_section_end|>"), []),  # not offered
+    ("kimi_k2", ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather<|tool_call_argument_begin|>"
+                 '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'), []),  # an id without its index
+    ("kimi_k2", "Paris is sunny.", []),
 ]
 
 
@@ -93,7 +104,7 @@ def read(reader: CallReader, pieces: list[str]) -> tuple[str, list[tuple[str, st
         text, deltas = text + said, deltas + calls
     said, calls = reader.close()
     text, deltas = text + said, deltas + calls
-    assert all(d.id.startswith("call_") for d in deltas)
+    assert all(d.id.startswith("call_") or KIMI_ID.fullmatch(d.id) for d in deltas if d.name)  # kimi_k2: its own
     return text, [(d.name, d.arguments) for d in deltas]
 
 
@@ -215,6 +226,8 @@ def test_the_format_is_picked_from_the_chat_template():
     assert detect(v3).name == "deepseek_v3"
     assert detect("'<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'").name == "deepseek_v31"
     assert detect("{{ '[TOOL_CALLS]' + tool_calls | tojson }}").name == "mistral"
+    assert detect("{%- if message['tool_calls'] -%}<|tool_calls_section_begin|>{%- for tool_call in "
+                  "message['tool_calls'] -%}<|tool_call_begin|>{{ tool_call['id'] }}").name == "kimi_k2"
     assert detect("{{- '<|python_tag|>' + tool_call.name }}").name == "llama3_json"
     assert detect('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
                   'its value}.').name == "llama3_json"
@@ -247,3 +260,20 @@ def test_a_resumed_generate_stream_reads_a_call_that_crosses_the_cut():
     reader.read(msg, True)
     assert msg.text == "" and msg.reasoning == "" and msg.finish_reason == "tool_calls"
     assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_kimi_calls_keep_the_ids_the_model_wrote_and_ask_for_special_tokens():
+    out = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3<|tool_call_argument_begin|>"
+           '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>route:4<|tool_call_argument_begin|>{}'
+           "<|tool_call_end|><|tool_calls_section_end|>")
+    reader = FORMATS["kimi_k2"].reader(NAMES, True)
+    said, calls = reader.feed(out)
+    assert said == "" and [(c.index, c.id, c.name) for c in calls] == [(0, "functions.get_weather:3", "get_weather"),
+                                                                       (1, "route:4", "route")]
+    # written back into a prompt: an id of Kimi's form kept, any other replaced by one
+    written = FORMATS["kimi_k2"].written([
+        {"id": "functions.get_weather:3", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_abc", "function": {"name": "route", "arguments": {}}}])
+    assert "<|tool_call_begin|>functions.get_weather:3<|tool_call_argument_begin|>" in written
+    assert "<|tool_call_begin|>functions.route:1<|tool_call_argument_begin|>" in written
+    assert [f for f in FORMATS if FORMATS[f].special_tokens] == ["kimi_k2"]

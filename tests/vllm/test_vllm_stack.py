@@ -161,6 +161,24 @@ def test_logit_adjustments_reach_vllm(stack):
     assert forced["choices"][0]["token_ids"][0] == 1000 != plain["choices"][0]["token_ids"][0]
 
 
+def test_special_tokens_kept_on_vllm_when_asked(stack):
+    """``skip_special_tokens: false`` goes to vLLM's own field: the same tokens, their text kept; the EOS that
+    stops the answer never shows (vLLM's rule, the native engines' too)."""
+    texts = []
+    for keep in (False, True):
+        status, out = post(stack, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0,
+                                                       "return_token_ids": True, "logit_bias": {"1": 100},
+                                                       "skip_special_tokens": not keep})
+        assert status == 200, out
+        assert out["choices"][0]["token_ids"] == [1, 1, 1]  # <|im_start|>
+        texts.append(out["choices"][0]["text"])
+    assert texts == ["", "<|im_start|>" * 3]
+    status, eos = post(stack, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0,
+                                                   "return_token_ids": True, "logit_bias": {"2": 100},
+                                                   "skip_special_tokens": False})
+    assert status == 200 and eos["choices"][0]["token_ids"] == [2] and eos["choices"][0]["text"] == "", eos
+
+
 def test_tool_calls_on_vllm_instances(stack):
     """The router renders the tools and reads the calls; a vLLM instance enforces ``required``'s constraint."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {

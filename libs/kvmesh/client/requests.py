@@ -34,6 +34,7 @@ class SamplingOptions(TypedDict, total=False):
     min_p: float               # [0, 1]: drop tokens less likely than min_p x the most likely one
     min_tokens: int            # no EOS, stop token or stop string before this many tokens
     logit_bias: Mapping[int, float] | None  # token id -> bias in [-100, 100] added to its logit
+    skip_special_tokens: bool  # False: the text keeps special tokens (the one that stops the output never shows)
     # structured output, at most one (the router refuses a bad one with INVALID_ARGUMENT naming it)
     response_format: Mapping[str, Any] | None  # OpenAI's: {"type": "json_object"} or {"type": "json_schema", ...}
     json_schema: Mapping[str, Any] | str | None
@@ -124,7 +125,8 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
                     json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
                     choice: Sequence[str] | None = None, grammar: str | None = None, presence_penalty: float = 0.0,
                     frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
-                    min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None) -> common_pb2.SamplingParams:
+                    min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
+                    skip_special_tokens: bool = True) -> common_pb2.SamplingParams:
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if temperature < 0:
@@ -147,7 +149,8 @@ def sampling_params(max_tokens: int = 64, temperature: float = 0.0, top_k: int =
     top_p = max(top_p, 1.401298464324817e-45)  # a float32 on the wire: a tiny top_p must not become 0 ("off")
     msg = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                    ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                    ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                    keep_special_tokens=not skip_special_tokens)
     structured(msg, response_format, json_schema, regex, choice, grammar)
     adjust = SamplingParams(max_tokens=max_tokens, presence_penalty=presence_penalty,  # its checks, its messages
                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,

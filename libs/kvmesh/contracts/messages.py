@@ -21,7 +21,7 @@ from kvmesh.contracts.engine import AHEAD_EDGES_S, UNMEASURED, EngineLoad, Speed
 from kvmesh.contracts.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.contracts.ids import BlockKey, InstanceId, RequestId, Role, TransferId, choices, part_transfer_id
 from kvmesh.contracts.layout import KVLayout
-from kvmesh.contracts.sampling import LOGITS, PROMPT_LOGPROBS
+from kvmesh.contracts.sampling import LOGITS, PROMPT_LOGPROBS, SPECIAL_TOKENS
 from kvmesh.contracts.sessions import SessionEvent
 
 VERSION = 1
@@ -289,7 +289,7 @@ class InstanceLoad:
 PACKED_PROMPT = "packed_prompt"  # an instance reads ``WorkRequest.prompt_packed``
 # what this build's instances do beyond what every build does (``Heartbeat.features``): the requests' fields they
 # apply (``SamplingParams.features``) and the wire forms they read
-FEATURES = (LOGITS, PROMPT_LOGPROBS, PACKED_PROMPT)
+FEATURES = (LOGITS, PROMPT_LOGPROBS, PACKED_PROMPT, SPECIAL_TOKENS)
 
 
 @dataclass(frozen=True)

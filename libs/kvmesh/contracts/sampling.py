@@ -17,6 +17,7 @@ MAX_LOGPROBS = 20  # most likely tokens a request may ask for beside each sample
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 LOGITS = "logits"  # an engine feature: the penalties, min_p, min_tokens and logit_bias (``messages.FEATURES``)
 PROMPT_LOGPROBS = "prompt_logprobs"  # an engine feature: ``SamplingParams.prompt_logprobs``
+SPECIAL_TOKENS = "special_tokens"  # an engine feature: ``SamplingParams.skip_special_tokens`` False
 MAX_REPETITION_PENALTY = 10.0
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -80,6 +81,9 @@ class SamplingParams:
     min_p: float = 0.0                # tokens less likely than min_p x the most likely one are dropped
     min_tokens: int = 0               # no EOS, stop token or stop string before this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids ascending
+    # the output text leaves special tokens out (vLLM's default); False keeps them (a tool-call form written in
+    # special tokens). The token that stops the output (EOS, a stop token) adds no text either way.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -119,7 +123,8 @@ class SamplingParams:
     def features(self) -> tuple[str, ...]:
         """What an engine must apply beyond the base set to serve these (``messages.FEATURES``'s names)."""
         return (((LOGITS,) if self.penalized or self.min_p else ())
-                + ((PROMPT_LOGPROBS,) if self.prompt_logprobs is not None else ()))
+                + ((PROMPT_LOGPROBS,) if self.prompt_logprobs is not None else ())
+                + ((SPECIAL_TOKENS,) if not self.skip_special_tokens else ()))
 
     @property
     def penalized(self) -> bool:
@@ -168,13 +173,15 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         min_p=p.min_p,
         min_tokens=p.min_tokens,
         logit_bias=tuple(sorted(p.logit_bias.items())),
+        skip_special_tokens=not p.keep_special_tokens,
     )
 
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
                                     top_p=max(s.top_p, F32_TINY), stop_token_ids=list(s.stop_token_ids),
-                                    stop=list(s.stop), ignore_eos=s.ignore_eos)
+                                    stop=list(s.stop), ignore_eos=s.ignore_eos,
+                                    keep_special_tokens=not s.skip_special_tokens)
     if s.seed is not None:
         msg.seed = s.seed
     if s.structured is not None:

@@ -339,7 +339,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             from kvmesh.model_source.tokenizer import IncrementalDetokenizer
 
-            detok = IncrementalDetokenizer(self.tokenizer)
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         tracked = _Tracked(seq, detok, make_export(request.export))
         tracked.grammar = grammar
         if generated:
@@ -661,8 +661,9 @@ class LLMEngine:
             tracked.logprobs.append(logprobs)
         if tracked.grammar is not None:
             tracked.grammar.accept(token)
-        delta = tracked.detok.push(token) if tracked.detok is not None else ""
         reason = self._finish_reason(seq, token)
+        stopped = reason == "stop"  # by EOS or a stop token: that token adds no text (vLLM's rule)
+        delta = tracked.detok.push(token) if tracked.detok is not None and not stopped else ""
         if tracked.grammar is not None and tracked.grammar.terminated:
             reason = "stop"  # the object (string, choice) is complete
         if seq.params.stop and delta and seq.earlier_outputs + len(seq.output_token_ids) > seq.params.min_tokens:

@@ -633,7 +633,7 @@ class RouterSettings(Section):
                                             "tool_choice auto and used to describe tools to a template that does "
                                             "not render them (auto = from the chat template; vLLM's names)",
                                     choices=["auto", "hermes", "qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31",
-                                             "llama3_json", "mistral", "pythonic"])
+                                             "kimi_k2", "llama3_json", "mistral", "pythonic"])
     reasoning_parser: str = setting("", "a reasoning model's <think> text answered apart, as message.reasoning "
                                         "(deepseek_r1 and qwen3: the same think-tag parser; auto: when the chat "
                                         "template writes </think>; \"\" = off, the tags stay in the content)",

@@ -54,7 +54,7 @@ def sampling_params(p: SamplingParams, transfer: dict[str, Any] | None = None, e
                                structured_outputs=structured,
                                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                repetition_penalty=p.repetition_penalty, min_p=p.min_p, min_tokens=p.min_tokens,
-                               logit_bias=dict(p.logit_bias) or None,
+                               logit_bias=dict(p.logit_bias) or None, skip_special_tokens=p.skip_special_tokens,
                                output_kind=RequestOutputKind.DELTA,
                                extra_args={**({"kv_transfer_params": transfer} if transfer else {}),
                                            **({EARLIER: list(earlier)} if earlier else {})} or None)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/proto/v1/common.proto\x12\tkvmesh.v1\"\x89\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x0bjson_schema\x18\t \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\n \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x0b \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x0c \x01(\x0b\x32\x12.kvmesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\r \x01(\tH\x00\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xae\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x11\n\treasoning\x18\x05 \x01(\t\x12.\n\rcache_control\x18\x1e \x01(\x0b\x32\x17.kvmesh.v1.CacheControl\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"A\n\x0c\x43\x61\x63heControl\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\x12\x15\n\x08priority\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_priority\"H\n\tRetention\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x01\n\x0b\x42lockLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\"$\n\x03SLO\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05itl_s\x18\x02 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/proto/v1/common.proto\x12\tkvmesh.v1\"\xa6\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x0bjson_schema\x18\t \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\n \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x0b \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x0c \x01(\x0b\x32\x12.kvmesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\r \x01(\tH\x00\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x13keep_special_tokens\x18\x16 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xae\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x11\n\treasoning\x18\x05 \x01(\t\x12.\n\rcache_control\x18\x1e \x01(\x0b\x32\x17.kvmesh.v1.CacheControl\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"A\n\x0c\x43\x61\x63heControl\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\x12\x15\n\x08priority\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_priority\"H\n\tRetention\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x01\n\x0b\x42lockLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\"$\n\x03SLO\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05itl_s\x18\x02 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=693
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=566
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=614
-  _globals['_TOKENLOGPROBS']._serialized_start=695
-  _globals['_TOKENLOGPROBS']._serialized_end=804
-  _globals['_CHOICES']._serialized_start=806
-  _globals['_CHOICES']._serialized_end=832
-  _globals['_CHATMESSAGE']._serialized_start=835
-  _globals['_CHATMESSAGE']._serialized_end=1009
-  _globals['_TOOLCALL']._serialized_start=1011
-  _globals['_TOOLCALL']._serialized_end=1066
-  _globals['_CACHECONTROL']._serialized_start=1068
-  _globals['_CACHECONTROL']._serialized_end=1133
-  _globals['_RETENTION']._serialized_start=1135
-  _globals['_RETENTION']._serialized_end=1207
-  _globals['_USAGE']._serialized_start=1209
-  _globals['_USAGE']._serialized_end=1289
-  _globals['_BLOCKLAYOUT']._serialized_start=1292
-  _globals['_BLOCKLAYOUT']._serialized_end=1477
-  _globals['_SLO']._serialized_start=1479
-  _globals['_SLO']._serialized_end=1515
+  _globals['_SAMPLINGPARAMS']._serialized_end=722
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=595
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=643
+  _globals['_TOKENLOGPROBS']._serialized_start=724
+  _globals['_TOKENLOGPROBS']._serialized_end=833
+  _globals['_CHOICES']._serialized_start=835
+  _globals['_CHOICES']._serialized_end=861
+  _globals['_CHATMESSAGE']._serialized_start=864
+  _globals['_CHATMESSAGE']._serialized_end=1038
+  _globals['_TOOLCALL']._serialized_start=1040
+  _globals['_TOOLCALL']._serialized_end=1095
+  _globals['_CACHECONTROL']._serialized_start=1097
+  _globals['_CACHECONTROL']._serialized_end=1162
+  _globals['_RETENTION']._serialized_start=1164
+  _globals['_RETENTION']._serialized_end=1236
+  _globals['_USAGE']._serialized_start=1238
+  _globals['_USAGE']._serialized_end=1318
+  _globals['_BLOCKLAYOUT']._serialized_start=1321
+  _globals['_BLOCKLAYOUT']._serialized_end=1506
+  _globals['_SLO']._serialized_start=1508
+  _globals['_SLO']._serialized_end=1544
 # @@protoc_insertion_point(module_scope)
