@@ -83,7 +83,10 @@ class HolderNames:
 
     def translate(self, shard: int, epoch: int, ids: np.ndarray) -> np.ndarray | None:
         """``shard``'s holder ids of ``epoch`` in the router's numbers; None when that table is not here (ask
-        again with epoch 0) or names no such id."""
+        again with epoch 0) or names no such id. No ids need no table: an index that holds nothing has no names to
+        send, and its empty answer is read as it is, not asked again."""
+        if not len(ids):
+            return ids
         table = self._tables[shard].get(epoch)
         if table is None:
             return None

@@ -127,3 +127,15 @@ def test_read_takes_packed_and_old_answers_alike():
     assert names.read(1, packed) is None      # an epoch never named: ask again
     packed.holders_epoch, packed.holder_counts = 77, b"\0\0\0"
     assert names.read(1, packed) is None      # malformed: left out, not misread
+
+
+def test_an_answer_naming_no_holder_needs_no_table():
+    """An index with no holders sends no names (it has none) and no ids: that answer is read as empty, not asked
+    again as one whose names are missing (which doubled every MatchPrefix while the index was empty)."""
+    names = HolderNames(1)
+    empty = cache_pb2.MatchPrefixResponse(packed=True, holders_epoch=5)
+    numbers, counts = names.read(0, empty)
+    assert len(numbers) == len(counts) == 0 and names.best(numbers, counts) == {}
+    assert names.epoch(0) == 0  # nothing learned: the next answer with names brings its table
+    empty.holder_ids, empty.holder_counts = np.array([1], "<u4").tobytes(), np.array([2], "<u4").tobytes()
+    assert names.read(0, empty) is None  # an id, and no table to name it: ask again
