@@ -157,6 +157,25 @@ def test_a_difference_seen_in_use_turns_the_cache_off_and_the_caller_gets_the_wh
     assert cache.ids(second) == odd([second])[0]
 
 
+def test_the_checks_back_off_after_clean_ones_to_a_floor(bpe):
+    """Checked at the ``check_every``-th text served from the cache, then at twice the interval after each clean
+    check, never rarer than one in ``CHECK_BACKOFF`` x ``check_every``."""
+    whole = []
+
+    def counting(texts: list[str]) -> list[list[int]]:
+        if len(texts) == 1 and len(texts[0]) > 2000:
+            whole.append(cache.served)  # a whole long text encoded: a check (every text here is served)
+        return encoder(bpe)(texts)
+
+    cache = PrefixTokens(counting, ADDED, capacity_bytes=64 << 20, chunk_chars=512, check_every=2, probe=False)
+    doc = "alpha beta gamma delta " * 200
+    cache.ids(doc)  # the first text: nothing of it known, nothing served
+    for n in range(200):
+        cache.ids(doc + f" question {n} words")
+    assert whole == [2, 6, 14, 30, 62, 94, 126, 158, 190]  # intervals 2, 4, 8, 16, 32, then 32 (16 x 2)
+    assert cache.checked == len(whole) and cache.enabled
+
+
 def test_the_tokenizer_adds_its_special_tokens_around_the_cached_ids(bpe, tmp_path):
     path = tmp_path / "tok"
     path.mkdir()
