@@ -400,6 +400,21 @@ class Plan:
     rounds: int = 2
 
 
+def picked(only: str) -> list[Contender]:
+    """The contenders ``only`` names, comma-separated, in its order; a label that holds a comma ("kvmesh
+    cache_aware, token ids") is read whole. ValueError naming a label no contender has."""
+    labels = {c.label: c for c in CONTENDERS}
+    pieces = [s.strip() for s in only.split(",")]
+    out, i = [], 0
+    while i < len(pieces):
+        j = next((j for j in range(len(pieces), i, -1) if ", ".join(pieces[i:j]) in labels), None)
+        if j is None:
+            raise ValueError(f"--only: no router is called {pieces[i]!r}; the labels: {'; '.join(labels)}")
+        out.append(labels[", ".join(pieces[i:j])])
+        i = j
+    return out
+
+
 def bodies_for(c: Contender, prompts: list[Prompt], model: str) -> list[dict]:
     return [{"model": model, "prompt": list(p.ids) if c.token_ids else p.text, "max_tokens": 1, "temperature": 0}
             for p in prompts]
@@ -512,7 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="keep the routers' and stubs' logs here")
     a = p.parse_args(argv)
     plan = Plan(a.tenants, a.per_tenant, a.tokens, a.system_tokens, a.concurrency, a.seconds, a.workers, a.rounds)
-    chosen = [c for c in CONTENDERS if not a.only or c.label in a.only.split(",")]
+    try:
+        chosen = picked(a.only) if a.only else list(CONTENDERS)
+    except ValueError as e:
+        p.error(str(e))
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {OTHER_CORE})  # the client and what it starts; routers are started on core 0
     from kvmesh.engine.loader import resolve_model

@@ -2,6 +2,8 @@
 
 from collections import Counter
 
+import pytest
+
 from app.bench.router_compare import (
     CONTENDERS,
     REST,
@@ -12,6 +14,7 @@ from app.bench.router_compare import (
     bodies_for,
     breakdown,
     breakdown_rows,
+    picked,
     result_row,
     stat_cpu_ticks,
     verdict,
@@ -100,3 +103,12 @@ def test_token_id_contenders_send_ids_and_the_others_text():
     ids = next(c for c in CONTENDERS if c.token_ids)
     assert bodies_for(text, prompts, "m")[0]["prompt"] == "hello world"
     assert bodies_for(ids, prompts, "m")[0] == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
+
+
+def test_only_names_labels_that_hold_a_comma_whole():
+    labels = [c.label for c in picked("kvmesh cache_aware, token ids")]
+    assert labels == ["kvmesh cache_aware, token ids"]
+    both = picked("vllm-router kv_aware,kvmesh cache_aware, token ids,kvmesh cache_aware")
+    assert [c.label for c in both] == ["vllm-router kv_aware", "kvmesh cache_aware, token ids", "kvmesh cache_aware"]
+    with pytest.raises(ValueError, match="no router is called 'nope'"):
+        picked("kvmesh cache_aware,nope")
