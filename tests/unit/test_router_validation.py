@@ -283,6 +283,26 @@ def test_a_surrogate_pair_escape_and_plain_token_ids_are_accepted():
     assert parse(b'{"prompt": [1, 2, 3]}') == {"prompt": [1, 2, 3]}
 
 
+def test_the_fast_parse_reads_what_json_reads():
+    """Bodies go through orjson, and what it refuses or reads otherwise (an integer past 64 bits is a float to
+    it) through json: the same objects, the same types, the same refusals."""
+    import json
+
+    from services.router.openai_body import parse
+
+    bodies = [b'{"prompt": [1, 2, 3], "max_tokens": 18446744073709551615}',
+              b'{"prompt": "\\u00e9 \\ud83d\\ude00 \xc3\xa9", "temperature": 0.7, "top_p": 1e-7, "x": -0.0}',
+              b'{"max_tokens": 123456789012345678901234567890, "a": {"b": [1.5, true, null, "s"]}}',
+              b'{"dup": 1, "dup": 2}']
+    for raw in bodies:
+        got, want = parse(raw), json.loads(raw)
+        assert got == want and [type(v) for v in got.values()] == [type(v) for v in want.values()]
+    for raw, words in ((b'{"temperature": NaN}', "NaN is not a JSON number"), (b"[1]", "must be a JSON object"),
+                       (b'{"a": 1,}', "the request body must be JSON")):
+        with pytest.raises(RequestError, match=words):
+            parse(raw)
+
+
 def _intake(vocab: int):
     from types import SimpleNamespace
 
