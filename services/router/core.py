@@ -68,7 +68,7 @@ from services.router.scheduling import Policies, view
 from services.router.sessions import Sessions
 from services.router.stalls import StallWatch
 from services.router.telemetry import RequestTrace, RouterMetrics
-from services.router.tool_formats import pick
+from services.router.tool_formats import keeps_special_tokens, pick
 
 log = logging.getLogger(__name__)
 RETRIES = 2    # re-dispatches of a request whose instance was unreachable before it streamed a token
@@ -168,6 +168,11 @@ class Router:
                 log.warning("prompts are tokenized whole: %s", cache.why_off)
         self.tool_format = pick(self.cfg.tool_call_parser, self.tokenizer.chat_template)
         self.sessions.call_format = self.tool_format
+        # the markers its calls are found by are special tokens here: requests with tools keep them in the text
+        self.tool_keeps_special = keeps_special_tokens(self.tool_format, self.tokenizer.special_texts)
+        if self.tool_keeps_special:
+            log.info("tool calls in the %s form: its markers are special tokens of this tokenizer, so requests "
+                     "offering tools keep special tokens in their text", self.tool_format.name)
         self.reasoning = reasoning_enabled(self.cfg.reasoning_parser, self.tokenizer.chat_template)
         self.max_model_len = self.source.config.max_position_embeddings
         self.model_id = self.cfg.model_name or _model_name(self.cfg.model, self.source.hf_dir)

@@ -319,12 +319,11 @@ class Intake:
         return await self.prompt_ids(draft)
 
     def sampling(self, draft: Draft) -> SamplingParams:
-        """The draft's sampling, asking the engine to keep special tokens in the text when the model writes its
-        calls in them (``CallFormat.special_tokens``: kimi_k2) and the request lets it call (tools offered,
-        ``tool_choice`` auto)."""
+        """The draft's sampling, asking the engine to keep special tokens in the text when the markers of the
+        model's calls are special tokens (``Router.tool_keeps_special``) and the request lets it call (tools
+        offered, ``tool_choice`` auto)."""
         tools = draft.tools
-        if (tools is not None and tools.choice == Choice.AUTO and tools.offered
-                and self.router.tool_format.special_tokens):
+        if tools is not None and tools.choice == Choice.AUTO and tools.offered and self.router.tool_keeps_special:
             return replace(draft.sampling, skip_special_tokens=False)
         return draft.sampling
 

@@ -26,11 +26,15 @@ The formats (the names are vLLM's ``--tool-call-parser`` values for the same for
 - ``kimi_k2``: a section ``<|tool_calls_section_begin|>`` .. ``<|tool_calls_section_end|>`` of calls
   ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{arguments}<|tool_call_end|>`` (Kimi K2,
   K2 Thinking); ``functions.NAME:INDEX`` is the call's id, kept as the call's id (Kimi's template writes it back
-  into the next prompt). The markers are special tokens, which the output text leaves out unless asked: with this
-  format the router asks the engine to keep them (``skip_special_tokens`` false) when the request offers tools
-  and lets the model choose (vLLM's kimi_k2 parser does the same).
+  into the next prompt). The markers are special tokens in Kimi's tokenizer.
 - ``pythonic``: the whole output is a Python list of calls, ``[get_weather(city="Paris"), ...]``, arguments as
   literals (Llama 3.2's and Llama 4's pythonic templates, several small tool models).
+
+A tagged form's markers may be special tokens of the model's tokenizer (Kimi K2's are; some fine-tunes mark
+hermes's ``<tool_call>`` special), which the output text leaves out: then a request that offers tools and lets the
+model choose (``tool_choice`` auto) asks the engine to keep special tokens in its text (``skip_special_tokens``
+false; ``keeps_special_tokens``, decided once from the tokenizer; vLLM's hermes and kimi_k2 parsers ask for it
+whenever tools are offered).
 
 ``auto`` (the router's default, ``router.tool_call_parser``) picks by the chat template: one that writes
 ``<|tool_calls_section_begin|>`` is kimi_k2, ``<｜tool▁call▁begin｜>`` deepseek_v3 (with a fenced ```` ```json ````
@@ -325,7 +329,7 @@ def _xml_value(v: Any) -> str:
 
 class Hermes:
     name = "hermes"
-    special_tokens = False  # whether the calls are written in special tokens (the output text must keep them)
+    markers: tuple[str, ...] = (OPEN, CLOSE)  # what the reader must see in the text to find a call
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         return TaggedCalls(names, parallel)
@@ -421,6 +425,7 @@ class Sectioned(Hermes):
 class DeepSeekV3(Sectioned):
     name = "deepseek_v3"
     section = DS_CALLS
+    markers = (*DS_CALLS, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
     fenced = True
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
@@ -479,12 +484,11 @@ class KimiCalls(TaggedCalls):
 
 
 class KimiK2(Sectioned):
-    """Kimi K2 (and K2 Thinking): its markers are special tokens, which the output text keeps only when asked
-    (``special_tokens``: the router asks, as vLLM's kimi_k2 parser does, when the request offers tools)."""
+    """Kimi K2 (and K2 Thinking): its markers are special tokens in Kimi's tokenizer."""
 
     name = "kimi_k2"
     section = KIMI_CALLS
-    special_tokens = True
+    markers = (*KIMI_CALLS, KIMI_BEGIN, KIMI_ARGS, KIMI_END)
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         return KimiCalls(names, parallel)
@@ -621,7 +625,7 @@ def _pythonic_value(v: Any) -> str:
 
 class Llama3Json:
     name = "llama3_json"
-    special_tokens = False
+    markers: tuple[str, ...] = ()  # a whole-output form: read without its tags
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         return LeadingCalls(names, parallel, ("{", PYTHON_TAG), parse_llama3_json)
@@ -641,7 +645,7 @@ class Llama3Json:
 
 class Mistral:
     name = "mistral"
-    special_tokens = False
+    markers: tuple[str, ...] = ()  # a whole-output form: read without its tags
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         starts = (MISTRAL_CALLS, "[{", *(f"{n}{{" for n in names), *(f"{n}{MISTRAL_ARGS}" for n in names))
@@ -663,7 +667,7 @@ class Mistral:
 
 class Pythonic:
     name = "pythonic"
-    special_tokens = False
+    markers: tuple[str, ...] = ()  # a whole-output form: read without its tags
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         return LeadingCalls(names, parallel, (*(f"[{n}(" for n in names), *(f"{PYTHON_TAG}[{n}(" for n in names)),
@@ -696,7 +700,7 @@ def _looks(parse: Parse, text: str) -> bool:
 
 class CallFormat(Protocol):
     name: str
-    special_tokens: bool
+    markers: tuple[str, ...]
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader: ...
     def describe(self, offered: list[dict[str, Any]]) -> str: ...
@@ -727,6 +731,12 @@ def detect(template: str | None) -> CallFormat:
     if PYTHON_TAG in t or '"parameters": dictionary of argument name' in t:
         return FORMATS["llama3_json"]
     return FORMATS["hermes"]
+
+
+def keeps_special_tokens(fmt: CallFormat, special: frozenset[str]) -> bool:
+    """Whether ``fmt``'s reader needs special tokens kept in the text: some of the markers it finds calls by are
+    special tokens of the model's tokenizer (``special``), which the text would otherwise leave out."""
+    return not special.isdisjoint(fmt.markers)
 
 
 def pick(parser: str, template: str | None) -> CallFormat:

@@ -126,19 +126,18 @@ def test_a_tool_choice_constraint_is_the_requests_one_constraint():
         openai_body.draft({"prompt": "hi", "tools": [WEATHER]}, False, {})
 
 
-@pytest.mark.parametrize(("fmt", "choice", "kept"), [
-    ("kimi_k2", "auto", True), ("kimi_k2", None, True), ("kimi_k2", "none", False), ("kimi_k2", "required", False),
-    ("hermes", "auto", False), ("deepseek_v31", "auto", False)])
-def test_a_form_in_special_tokens_keeps_them_in_the_text_while_the_model_may_call(fmt, choice, kept):
-    """Kimi's calls are special tokens: the engine keeps them in the text when the model may write a call
-    (``auto``); ``required`` and a named function are constrained JSON, ``none`` offers no tool."""
+@pytest.mark.parametrize(("keeps", "choice", "kept"), [
+    (True, "auto", True), (True, None, True), (True, "none", False), (True, "required", False), (False, "auto", False)])
+def test_special_tokens_stay_in_the_text_while_the_model_may_write_a_call_in_them(keeps, choice, kept):
+    """When the markers of the model's calls are special tokens (``Router.tool_keeps_special``), a request that
+    lets the model call (``auto``) keeps them in its text; ``required`` and a named function are constrained
+    JSON, ``none`` offers no tool."""
     from types import SimpleNamespace
 
     from services.router.intake import Intake
-    from services.router.tool_formats import FORMATS
 
     intake = Intake.__new__(Intake)
-    intake.router = SimpleNamespace(tool_format=FORMATS[fmt])
+    intake.router = SimpleNamespace(tool_keeps_special=keeps)
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
     if choice is not None:
         body["tool_choice"] = choice

@@ -12,7 +12,7 @@ from kvmesh.settings.sections import RouterSettings
 
 from services.router.intake import chat_messages
 from services.router.sessions import ends_in_tool_call
-from services.router.tool_formats import FORMATS, KIMI_ID, PARSERS, CallReader, detect, pick
+from services.router.tool_formats import FORMATS, KIMI_ID, PARSERS, CallReader, detect, keeps_special_tokens, pick
 from services.router.tools import Tools, for_template, read_whole, tools_from_body
 
 NAMES = frozenset({"get_weather", "route"})
@@ -276,4 +276,24 @@ def test_kimi_calls_keep_the_ids_the_model_wrote_and_ask_for_special_tokens():
         {"id": "call_abc", "function": {"name": "route", "arguments": {}}}])
     assert "<|tool_call_begin|>functions.get_weather:3<|tool_call_argument_begin|>" in written
     assert "<|tool_call_begin|>functions.route:1<|tool_call_argument_begin|>" in written
-    assert [f for f in FORMATS if FORMATS[f].special_tokens] == ["kimi_k2"]
+
+
+def test_special_tokens_are_kept_where_a_readers_markers_are_special_in_the_tokenizer(tmp_path):
+    """Decided from the model's tokenizer: Kimi's markers are special in Kimi's; hermes's ``<tool_call>`` is
+    special in some fine-tunes' (then the text must keep it) and plain in others'; a whole-output form is read
+    without its tags, whatever they are."""
+    from kvmesh.model_source.tokenizer import Tokenizer
+    from tokenizers import AddedToken, models
+    from tokenizers import Tokenizer as RawTokenizer
+
+    kimi = frozenset({"<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|im_end|>"})
+    assert keeps_special_tokens(FORMATS["kimi_k2"], kimi)
+    assert not keeps_special_tokens(FORMATS["hermes"], kimi)
+    assert keeps_special_tokens(FORMATS["hermes"], frozenset({"<tool_call>", "</tool_call>"}))
+    assert keeps_special_tokens(FORMATS["qwen3_coder"], frozenset({"<tool_call>"}))  # the same tags
+    assert not keeps_special_tokens(FORMATS["mistral"], frozenset({"[TOOL_CALLS]"}))
+    assert not keeps_special_tokens(FORMATS["llama3_json"], frozenset({"<|python_tag|>"}))
+    raw = RawTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    raw.add_special_tokens(["<|im_end|>", "<tool_call>"])
+    raw.add_tokens([AddedToken("</tool_call>", special=False)])
+    assert Tokenizer(raw, "fp").special_texts == {"<|im_end|>", "<tool_call>"}

@@ -54,6 +54,11 @@ class Tokenizer:
         self.prefix_tokens: PrefixTokens | None = None
         self._specials: tuple[list[int], list[int]] | None = None  # what ``encode`` adds around a text's ids
 
+    @property
+    def special_texts(self) -> frozenset[str]:
+        """The contents of the added tokens marked special: what a decode that skips special tokens leaves out."""
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
     def reuse_prefixes(self, capacity_bytes: int) -> PrefixTokens:
         """Tokenize long texts through a :class:`PrefixTokens` of ``capacity_bytes``: only what a text adds to a
         leading part seen before is tokenized (same ids; the table checks this tokenizer first and stays off
