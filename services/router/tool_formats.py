@@ -439,7 +439,6 @@ class DeepSeekV3(Sectioned):
         return DS_CALLS[0] + "".join(one(n, a) for n, a in _calls_text(calls)) + DS_CALLS[1]
 
 
-
 class DeepSeekV31(DeepSeekV3):
     name = "deepseek_v31"
     fenced = False
@@ -501,7 +500,6 @@ class KimiK2(Sectioned):
                 cid = f"functions.{name}:{i}"
             return f"{KIMI_BEGIN}{cid}{KIMI_ARGS}{json.dumps(args, ensure_ascii=False)}{KIMI_END}"
         return KIMI_CALLS[0] + "".join(one(i, c) for i, c in enumerate(calls)) + KIMI_CALLS[1]
-
 
 
 # ---- the whole output is the calls: llama3_json, mistral, pythonic ------------------------------------------
