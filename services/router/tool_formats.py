@@ -329,7 +329,8 @@ def _xml_value(v: Any) -> str:
 
 class Hermes:
     name = "hermes"
-    markers: tuple[str, ...] = (OPEN, CLOSE)  # what the reader must see in the text to find a call
+    tags: tuple[str, str] = (OPEN, CLOSE)  # what a block (a section) of calls opens and closes with
+    markers: tuple[str, ...] = tags  # what the reader must see in the text to find a call
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
         return TaggedCalls(names, parallel)
@@ -345,8 +346,8 @@ class Hermes:
                          for n, a in _calls_text(calls))
 
     def looks_like_call(self, text: str) -> bool:
-        t = text.strip()
-        return t.endswith(CLOSE) or t.rfind(OPEN) > t.rfind(CLOSE)
+        t, (opening, closing) = text.strip(), self.tags
+        return t.endswith(closing) or t.rfind(opening) > t.rfind(closing)
 
 
 class TextArgs(Hermes):
@@ -407,9 +408,7 @@ def _deepseek_section(raw: str, names: frozenset[str]) -> list[Call] | None:
 
 
 class Sectioned(Hermes):
-    """A form whose calls come in one section between two markers (``section``)."""
-
-    section: tuple[str, str]
+    """A form whose calls come in one section (between its ``tags``), described to the model as such."""
 
     def describe(self, offered: list[dict[str, Any]]) -> str:
         example = self.written([{"function": {"name": "<function name>", "arguments": {"<argument>": "<value>"}}}])
@@ -417,19 +416,15 @@ class Sectioned(Hermes):
                 f"{_listed(offered)}\n\nTo call, write the calls in this form, one or more in the section:\n"
                 f"{example}")
 
-    def looks_like_call(self, text: str) -> bool:
-        t = text.strip()
-        return t.endswith(self.section[1]) or t.rfind(self.section[0]) > t.rfind(self.section[1])
-
 
 class DeepSeekV3(Sectioned):
     name = "deepseek_v3"
-    section = DS_CALLS
+    tags = DS_CALLS
     markers = (*DS_CALLS, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
     fenced = True
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
-        return TaggedCalls(names, parallel, _deepseek_section, DS_CALLS)
+        return TaggedCalls(names, parallel, _deepseek_section, self.tags)
 
     def written(self, calls: list[dict[str, Any]]) -> str:
         def one(n: str, a: dict[str, Any]) -> str:
@@ -486,7 +481,7 @@ class KimiK2(Sectioned):
     """Kimi K2 (and K2 Thinking): its markers are special tokens in Kimi's tokenizer."""
 
     name = "kimi_k2"
-    section = KIMI_CALLS
+    tags = KIMI_CALLS
     markers = (*KIMI_CALLS, KIMI_BEGIN, KIMI_ARGS, KIMI_END)
 
     def reader(self, names: frozenset[str], parallel: bool) -> CallReader:
