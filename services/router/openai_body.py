@@ -37,12 +37,9 @@ def parse(raw: bytes) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise invalid(f"the request body is not valid UTF-8 (byte {e.start}): send UTF-8 JSON") from None
-    try:  # the fast path (a 4k-token id list: 66 against 191 us with json) ...
-        body = orjson.loads(text)
-        if isinstance(body, dict) and any(type(v) is float and abs(v) >= 2.0 ** 64 for v in body.values()):
-            raise orjson.JSONDecodeError("an integer past 64 bits, read as a float", text, 0)
-    except orjson.JSONDecodeError:  # ... and what it refuses (no JSON, NaN, depth past 1024) or reads as json
-        try:  # does not (a field's integer past 64 bits: a float): read as json reads it, for the same answers
+    body = _fast_json(text)  # orjson: a 4k-token id list in 66 against json's 191 us ...
+    if body is None:  # ... what it refuses, or reads as json does not, read as json reads it: the same answers
+        try:
             body = json.loads(text, parse_constant=_reject_constant)
         except ValueError as e:
             raise invalid(f"the request body must be JSON: {e}") from None
@@ -470,6 +467,19 @@ def str_field(body: dict, name: str) -> str:
 def _kind(v: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number"}.get(type(v), type(v).__name__)
+
+
+def _fast_json(text: str) -> dict | None:
+    """``text`` as orjson reads it, when that is a JSON object as json would read it; None otherwise: orjson
+    refused it (no JSON, NaN, nesting past 1,024), it is no object, or a field's integer past 64 bits became a
+    float."""
+    try:
+        body = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict) or any(type(v) is float and abs(v) >= 2.0 ** 64 for v in body.values()):
+        return None
+    return body
 
 
 def _reject_constant(name: str) -> Any:
