@@ -2,8 +2,9 @@
 
 The flows the design has, and no others (``RULES``; a method not listed is refused):
 
-- the router asks cachesvc ``MatchPrefix`` and calls engines' ``Prefill`` / ``Decode``; it alone (with an admin
-  tool's certificate) reaches an engine's ``Adapters``, from its admin path, which checks the admin key first;
+- the router asks cachesvc ``MatchPrefix`` (or ``MatchPrefixBatch``) and calls engines' ``Prefill`` /
+  ``Decode``; it alone (with an admin tool's certificate) reaches an engine's ``Adapters``, from its admin path,
+  which checks the admin key first;
 - engines put, get, grant and lease blocks on cachesvc;
 - a (re)started cachesvc shard lists and gets, from the other shards, the blocks it lost (``ListBlocks``, which
   names every key a shard holds, is for shards alone);
@@ -36,6 +37,7 @@ EVERYONE = frozenset(MeshRole)
 # method prefix (a whole service ends with "/") -> the roles that may call it
 RULES: dict[str, frozenset[MeshRole]] = {
     "/kvmesh.v1.CacheService/MatchPrefix": frozenset({R, A}),
+    "/kvmesh.v1.CacheService/MatchPrefixBatch": frozenset({R, A}),
     # engines too: a sharded pool's view (its shard count and copies) comes from it
     "/kvmesh.v1.CacheService/Stats": frozenset({R, A, *ENGINES}),
     "/kvmesh.v1.CacheService/PutBlocks": ENGINES,

@@ -57,6 +57,8 @@ class CacheMetrics:
         self.registry = new_registry()
         self.requests = Counter(f"{P}_requests", "RPCs by method and outcome", ["rpc", "outcome"],
                                 registry=self.registry)
+        self.matches = Counter(f"{P}_matches", "Prompts MatchPrefix answered, each call's one and each of a "
+                               "MatchPrefixBatch's", registry=self.registry)
         self.latency = Histogram(f"{P}_rpc_seconds", "RPC handling time", ["rpc"], registry=self.registry,
                                  buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3))
         self.bytes = Counter(f"{P}_block_bytes", "Block bytes stored (put) and served (get)", ["direction"],

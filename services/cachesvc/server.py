@@ -44,6 +44,7 @@ from kvmesh.contracts.layout import KVLayout, layout_mismatch
 from kvmesh.contracts.messages import CacheShardBeat, Heartbeat, KVEventBatch, KVQuarantine, Message, SessionSignal
 from kvmesh.contracts.shards import ShardMap
 from kvmesh.identity import Identity, MeshRole
+from kvmesh.proto.raw import delimited_head
 from kvmesh.proto.v1 import cache_pb2, cache_pb2_grpc
 from kvmesh.ready import binding, report_ready
 from kvmesh.settings import CacheServiceSettings, SharedSettings
@@ -53,7 +54,7 @@ from kvmesh.telemetry.rpc import traced_rpc
 from kvmesh.transfer import Limits, Refusal, TransferClient, TransferRejected, TransferServer
 from kvmesh.transfer.header import Versions, negotiate, parse_versions
 from kvmesh.transfer.wire import parse_address
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, SpanKind
 
 from services.cachesvc.copies import CopyChanges, CopyTracker
 from services.cachesvc.index import BlockIndex
@@ -73,6 +74,7 @@ POOL_EVENTS_HELD = 200_000  # block keys kept for pool.events while NATS is down
 BEAT_S = 1.0  # its shard's beat (CacheShardBeat), for callers that find cachesvc through the bus
 PEERS_WAIT_S = 10.0  # peers "nats": how long a repair waits between looks at the shards' beats
 _MESSAGE_OVERHEAD = 64 << 10  # room for keys and checksums next to the data of a GetBlocks reply
+MAX_BATCH = 256  # prompts in one MatchPrefixBatch
 
 
 
@@ -126,21 +128,12 @@ _statuses = traced_rpc(lambda rpc: f"cachesvc.{rpc}", metrics=lambda self: self.
                        errors=CALL_ERRORS)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def encode_get_reply(head: cache_pb2.GetBlocksResponse, data: Sequence[bytes | memoryview]) -> bytes:
     """A serialized GetBlocksResponse: ``head`` (every field but ``data``) followed by field 3, written straight
     from the blocks' buffers. One copy of the bytes instead of three (join, message, serialize); protobuf
     readers accept fields in any order."""
     size = sum(len(d) for d in data)
-    return b"".join([head.SerializeToString(), b"\x1a", _varint(size), *data])
+    return b"".join([head.SerializeToString(), delimited_head(3, size), *data])
 
 
 def _serialize(reply: Any) -> bytes:
@@ -190,6 +183,31 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     @_statuses
     async def MatchPrefix(self, request: cache_pb2.MatchPrefixRequest,
                           context: grpc.aio.ServicerContext, _span: Span) -> cache_pb2.MatchPrefixResponse:
+        self.server.metrics.matches.inc()
+        return self._match(request)
+
+    @_statuses
+    async def MatchPrefixBatch(self, request: cache_pb2.MatchPrefixBatchRequest,
+                               context: grpc.aio.ServicerContext, span: Span) -> cache_pb2.MatchPrefixBatchResponse:
+        """Each question answered as ``MatchPrefix`` answers it, in order, each traced as its own
+        ``cachesvc.MatchPrefix`` span under the trace its entry names. Every entry names this shard's view, so one
+        that is wrong fails the call (as it would fail each call alone)."""
+        asked = request.requests
+        if len(asked) > MAX_BATCH:
+            raise ValueError(f"MatchPrefixBatch holds {len(asked)} requests; send at most {MAX_BATCH} a call")
+        span.set_attribute("kvmesh.batch", len(asked))
+        answers = []
+        for item in asked:
+            t0 = time.time_ns()
+            answers.append(self._match(item))
+            if (parent := tracing.extract(item.metadata)) is not None:
+                tracing.record("cachesvc.MatchPrefix", parent, t0, time.time_ns(),
+                               {**tracing.attributes_of(item.metadata), "kvmesh.batch": len(asked)},
+                               SpanKind.SERVER)
+        self.server.metrics.matches.inc(len(asked))
+        return cache_pb2.MatchPrefixBatchResponse(responses=answers)
+
+    def _match(self, request: cache_pb2.MatchPrefixRequest) -> cache_pb2.MatchPrefixResponse:
         self.server.check_view(request.view)
         keys = list(request.block_keys)
         smap, shard, index = self.server.shard_map, self.cfg.shard, self.server.index

@@ -59,6 +59,7 @@ from services.router.hits import HitLedger, Routed, record
 from services.router.holders import HolderNames, combine_packed
 from services.router.intake import Admitted
 from services.router.loras import Adapters
+from services.router.match_batch import MatchBatcher
 from services.router.migration import Migration, Migrations
 from services.router.reasoning import THINK_TAIL, begins_inside
 from services.router.reasoning import enabled as reasoning_enabled
@@ -110,13 +111,19 @@ class _Shards:
     """The cachesvc shards a router asks, and what it keeps per shard list (a new list starts these afresh)."""
 
     addresses: tuple[str, ...]
-    stubs: list[cache_pb2_grpc.CacheServiceStub]
+    channels: list[grpc.aio.Channel]
     maps: dict[int, ShardMap] = field(default_factory=dict)  # index copies -> the map (the shards say how many)
     down: set[int] = field(default_factory=set)  # shards whose last MatchPrefix failed
+    timeout_s: float = 0.5  # MatchPrefix's deadline
+    stubs: list[cache_pb2_grpc.CacheServiceStub] = field(init=False)
     names: HolderNames = field(init=False)  # what packed MatchPrefix answers' ids name
+    batchers: list[MatchBatcher] = field(init=False)  # each shard's questions, a call per turn of the event loop
 
     def __post_init__(self) -> None:
+        self.stubs = [cache_pb2_grpc.CacheServiceStub(channel) for channel in self.channels]
         self.names = HolderNames(len(self.stubs))
+        self.batchers = [MatchBatcher(channel, self.timeout_s, f"cachesvc shard {i}" if len(self.stubs) > 1
+                                      else "cachesvc") for i, channel in enumerate(self.channels)]
 
     def shard_map(self, copies: int) -> ShardMap:
         smap = self.maps.get(copies)
@@ -262,7 +269,7 @@ class Router:
         """Route with these cachesvc shards from now on (a MatchPrefix under way finishes with the list it
         started with; the channels of addresses the new list lacks close once such calls are over)."""
         gone = set(self.shards.addresses) - set(addresses)
-        self.shards = _Shards(addresses, [cache_pb2_grpc.CacheServiceStub(self._channel(a)) for a in addresses])
+        self.shards = _Shards(addresses, [self._channel(a) for a in addresses], timeout_s=self.cfg.match_timeout_s)
         if gone:
             asyncio.get_running_loop().call_later(max(10.0, 4 * self.cfg.match_timeout_s),
                                                   lambda: self._spawn(self._retire(gone)))
@@ -300,9 +307,9 @@ class Router:
         async def ask(shard: int, known: int) -> cache_pb2.MatchPrefixResponse | None:
             view = cache_pb2.ShardView(shard=shard, shards=len(stubs)) if sharded else None
             try:
-                resp = await stubs[shard].MatchPrefix(
+                resp = await shards.batchers[shard].ask(
                     cache_pb2.MatchPrefixRequest(block_keys=keys, view=view, packed=True, holders_epoch=known),
-                    timeout=self.cfg.match_timeout_s, metadata=metadata)
+                    metadata)
             except grpc.aio.AioRpcError as e:
                 self.metrics.match_errors.inc()
                 if shard not in shards.down:  # once per outage, not per request

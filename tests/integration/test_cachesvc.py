@@ -85,6 +85,16 @@ async def publish_history(nats_url: str, subjects: Subjects) -> None:
 EXPECTED = {("p0", "device", 4), ("p0", "host", 3), ("d0", "device", 4)}
 
 
+async def history_indexed(stub: cache_pb2_grpc.CacheServiceStub, nats_url: str, cluster: str) -> None:
+    """``publish_history``, then until MatchPrefix answers ``EXPECTED``."""
+    await publish_history(nats_url, Subjects(cluster))
+
+    async def indexed() -> bool:
+        return matches(await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))) == EXPECTED
+
+    await until(indexed)
+
+
 class InProcess:
     """A CacheServer on a free port in this event loop, and a client stub to it."""
 
@@ -203,6 +213,31 @@ def test_published_events_show_up_in_match_prefix(nats_server, cluster):
     run(body())
 
 
+def test_a_batch_answers_each_prompt_as_its_own_call_would(nats_server, cluster):
+    """MatchPrefixBatch: one answer per question, in order, each the answer MatchPrefix gives that question alone
+    (packed or not, held or not); more questions than a batch may hold are refused with what to do."""
+    async def body() -> None:
+        async with InProcess(nats_server.url, cluster) as stub:
+            await history_indexed(stub, nats_server.url, cluster)
+            epoch = (await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(packed=True))).holders_epoch
+            asked = [cache_pb2.MatchPrefixRequest(block_keys=KEYS), cache_pb2.MatchPrefixRequest(block_keys=KEYS[:2]),
+                     cache_pb2.MatchPrefixRequest(block_keys=[7, 8], packed=True),
+                     cache_pb2.MatchPrefixRequest(block_keys=KEYS[1:], packed=True, holders_epoch=epoch),
+                     cache_pb2.MatchPrefixRequest(block_keys=KEYS, packed=True, holders_epoch=epoch + 1)]
+            alone = [await stub.MatchPrefix(q) for q in asked]
+            batch = await stub.MatchPrefixBatch(cache_pb2.MatchPrefixBatchRequest(requests=asked))
+            assert list(batch.responses) == alone
+            assert matches(batch.responses[1]) == {("p0", "device", 2), ("p0", "host", 2), ("d0", "device", 2)}
+            assert batch.responses[4].holders and not batch.responses[3].holders  # names only to who lacks them
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.MatchPrefixBatch(cache_pb2.MatchPrefixBatchRequest(requests=[asked[0]] * 257))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "send at most 256 a call" in e.value.details()
+            assert (await stub.MatchPrefixBatch(cache_pb2.MatchPrefixBatchRequest())).responses == []
+
+    run(body())
+
+
 def test_packed_answers_name_their_holders_only_when_the_names_changed(nats_server, cluster):
     """MatchPrefix packed: holder ids and counts as little-endian uint32, the id -> name table sent when the
     caller's epoch is not the index's; decoded, the same matches as the unpacked answer, which a caller that
@@ -214,12 +249,7 @@ def test_packed_answers_name_their_holders_only_when_the_names_changed(nats_serv
 
     async def body() -> None:
         async with InProcess(nats_server.url, cluster) as stub:
-            await publish_history(nats_server.url, Subjects(cluster))
-
-            async def indexed() -> bool:
-                return matches(await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS))) == EXPECTED
-
-            await until(indexed)
+            await history_indexed(stub, nats_server.url, cluster)
             first = await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(block_keys=KEYS, packed=True))
             assert first.packed and not first.matches and first.holders_epoch
             names = {h.id: (h.instance_id, h.tier) for h in first.holders}

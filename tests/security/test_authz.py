@@ -17,8 +17,8 @@ from tests.security.conftest import auth, channel
 # (service in the stack, stub, method, an empty request) for every internal RPC
 RPCS = [
     *[("cachesvc", cache_pb2_grpc.CacheServiceStub, m, getattr(cache_pb2, f"{m}Request")())
-      for m in ("MatchPrefix", "PutBlocks", "GetBlocks", "LeaseBlocks", "ReleaseLease", "Stats", "GrantPut",
-                "ListBlocks")],
+      for m in ("MatchPrefix", "MatchPrefixBatch", "PutBlocks", "GetBlocks", "LeaseBlocks", "ReleaseLease", "Stats",
+                "GrantPut", "ListBlocks")],
     ("prefill-0", worker_pb2_grpc.PrefillStub, "Prefill", worker_pb2.PrefillRequest()),
     ("decode-0", worker_pb2_grpc.DecodeStub, "Decode", worker_pb2.DecodeRequest()),
     *[(s, worker_pb2_grpc.AdaptersStub, m, getattr(worker_pb2, f"{m}Request")())
@@ -70,6 +70,8 @@ def test_the_flows_the_design_has_get_through(stack):
     with channel(stack, stack.service("cachesvc").grpc_address, MeshRole.ROUTER, "router") as ch:
         assert cache_pb2_grpc.CacheServiceStub(ch).MatchPrefix(cache_pb2.MatchPrefixRequest(), timeout=10) \
             is not None
+        batch = cache_pb2.MatchPrefixBatchRequest(requests=[cache_pb2.MatchPrefixRequest()] * 2)
+        assert len(cache_pb2_grpc.CacheServiceStub(ch).MatchPrefixBatch(batch, timeout=10).responses) == 2
     with channel(stack, stack.service("cachesvc").grpc_address, MeshRole.DECODE, "decode-9") as ch:
         grant = cache_pb2_grpc.CacheServiceStub(ch).GrantPut(cache_pb2.GrantPutRequest(num_blocks=1), timeout=10)
         assert grant.token

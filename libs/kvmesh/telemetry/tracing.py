@@ -186,8 +186,12 @@ def request_metadata(attrs: Mapping[str, Any] | None) -> tuple[tuple[str, str], 
 
 def request_attributes(context: Any) -> dict[str, str]:
     """The inverse of ``request_metadata`` on the serving side (a ``grpc.aio.ServicerContext``)."""
-    md = dict(context.invocation_metadata() or ())
-    return {name: unquote(md[key]) for name, key in REQUEST_METADATA.items() if key in md}
+    return attributes_of(dict(context.invocation_metadata() or ()))
+
+
+def attributes_of(metadata: Mapping[str, str]) -> dict[str, str]:
+    """``request_attributes`` of metadata carried some other way (a batched call's entry)."""
+    return {name: unquote(metadata[key]) for name, key in REQUEST_METADATA.items() if key in metadata}
 
 
 def from_grpc(context: Any) -> Context | None:

@@ -20,16 +20,37 @@ class ShardView(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ..., index_copies: _Optional[int] = ..., pool_copies: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("block_keys", "view", "packed", "holders_epoch")
+    __slots__ = ("block_keys", "view", "packed", "holders_epoch", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     view: ShardView
     packed: bool
     holders_epoch: int
-    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ..., packed: _Optional[bool] = ..., holders_epoch: _Optional[int] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., view: _Optional[_Union[ShardView, _Mapping]] = ..., packed: _Optional[bool] = ..., holders_epoch: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class MatchPrefixBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[MatchPrefixRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[MatchPrefixRequest, _Mapping]]] = ...) -> None: ...
+
+class MatchPrefixBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[MatchPrefixResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[MatchPrefixResponse, _Mapping]]] = ...) -> None: ...
 
 class TierMatch(_message.Message):
     __slots__ = ("instance_id", "tier", "num_blocks")

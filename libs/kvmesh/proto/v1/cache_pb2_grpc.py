@@ -40,6 +40,11 @@ class CacheServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixResponse.FromString,
                 _registered_method=True)
+        self.MatchPrefixBatch = channel.unary_unary(
+                '/kvmesh.v1.CacheService/MatchPrefixBatch',
+                request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixBatchRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixBatchResponse.FromString,
+                _registered_method=True)
         self.PutBlocks = channel.unary_unary(
                 '/kvmesh.v1.CacheService/PutBlocks',
                 request_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.PutBlocksRequest.SerializeToString,
@@ -83,6 +88,15 @@ class CacheServiceServicer:
 
     def MatchPrefix(self, request, context):
         """For every (instance, tier) and the pool: how many leading blocks of block_keys are present.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MatchPrefixBatch(self, request, context):
+        """Several prompts' MatchPrefix in one call (a router gathers those of one turn of its event loop): the answers
+        in the questions' order, each as MatchPrefix gives it. A cachesvc that predates it answers UNIMPLEMENTED,
+        and the router asks it one prompt at a time from then on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,6 +159,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.MatchPrefix,
                     request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixResponse.SerializeToString,
+            ),
+            'MatchPrefixBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefixBatch,
+                    request_deserializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixBatchRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixBatchResponse.SerializeToString,
             ),
             'PutBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.PutBlocks,
@@ -210,6 +229,33 @@ class CacheService:
             '/kvmesh.v1.CacheService/MatchPrefix',
             kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixRequest.SerializeToString,
             kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefixBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.CacheService/MatchPrefixBatch',
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixBatchRequest.SerializeToString,
+            kvmesh_dot_proto_dot_v1_dot_cache__pb2.MatchPrefixBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
