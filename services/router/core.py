@@ -391,7 +391,8 @@ class Router:
     async def _dispatch(self, request: Admitted, rt: RequestTrace, tries: _Attempts) -> ChunkStream:
         """One attempt's route, planned and started (its chunk stream); the prompt's match is asked again only
         when the prompt grew (a migration carries the tokens streamed so far)."""
-        prompt = int32s(request.prompt + tuple(tries.streamed))  # for the keys and the wire alike
+        prompt = (request.packed if request.packed is not None and not tries.streamed  # for the keys and the
+                  else int32s(request.prompt + tuple(tries.streamed)))  # wire alike
         route = rt.child("router.route", attrs={**({"kvmesh.retry": tries.retries} if tries.retries else {}),
                                                 **({"kvmesh.migration": tries.migrations} if tries.migrations else {})})
         try:

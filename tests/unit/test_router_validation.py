@@ -313,7 +313,7 @@ def _intake(vocab: int):
     return Intake(router)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("ids", [(1, True, 3), (1, -1), (0, 100), (1, 2.0)])
+@pytest.mark.parametrize("ids", [(1, -1), (0, 100), (1, 2.0), (5, 2**31), (5, -2**40)])
 def test_token_ids_that_are_not_integers_in_the_vocabulary_are_refused(ids):
     import asyncio
 
@@ -325,14 +325,33 @@ def test_token_ids_that_are_not_integers_in_the_vocabulary_are_refused(ids):
         asyncio.run(_intake(100).prompt_ids(Draft(SamplingParams(), token_ids=ids)))
 
 
-def test_token_ids_in_the_vocabulary_are_the_prompt():
+def test_token_ids_in_the_vocabulary_are_the_prompt_and_come_packed_for_the_wire():
     import asyncio
+    from array import array
 
+    from kvmesh.contracts.keys import int32s
     from kvmesh.contracts.sampling import SamplingParams
 
-    from services.router.intake import Draft
+    from services.router.intake import Draft, truncated
 
-    assert asyncio.run(_intake(100).prompt_ids(Draft(SamplingParams(), token_ids=(0, 5, 99)))) == [0, 5, 99]
+    draft = Draft(SamplingParams(), token_ids=(0, 5, 99))
+    assert asyncio.run(_intake(100).prompt_ids(draft)) == [0, 5, 99]
+    ids, packed = asyncio.run(_intake(100)._prompt(draft))
+    assert ids == [0, 5, 99] and packed == array("i", [0, 5, 99]) and int32s(packed) is packed
+    assert truncated(packed, 2, 100) == int32s(truncated(ids, 2, 100)) == array("i", [5, 99])
+    assert truncated(packed, -1, 100) == array("i", [0])
+
+
+@pytest.mark.parametrize(("prompt", "words"), [([1, True, 3], "token ids must be integers, not true or false"),
+                                               ([False], "token ids must be integers, not true or false"),
+                                               ([[1, True], "x"], "prompt[0] must be a string or a list of token ids")])
+def test_true_and_false_are_not_token_ids(prompt, words):
+    """JSON's true and false are refused where the body is read: the intake packs and range-checks integers."""
+    from services.router import openai_body
+
+    with pytest.raises(RequestError) as e:
+        openai_body.draft({"prompt": prompt}, False, {})
+    assert words in e.value.message
 
 
 def test_a_completions_batch_is_one_draft_per_prompt_and_a_bad_prompt_is_named():
