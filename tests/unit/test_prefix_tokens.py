@@ -87,6 +87,11 @@ def test_a_repeated_system_prompt_is_tokenized_only_past_it(bpe):
     assert cache.ids(second) == encode([second])[0]
     assert sum(calls) < 600  # the last chunk and the question, not 8,000 characters
     assert cache.reused_tokens > 0.9 * len(encode([system])[0])
+    # the reused ids are the table's own int objects, one per id value: no new int per id and call
+    again = cache.ids(second)
+    reused = cache.ids(first)[:len(encode([system])[0]) // 2]
+    assert all(a is b for a, b in zip(reused, again))
+    assert len({id(x) for x in reused}) == len(set(reused))
 
 
 def test_the_table_stays_within_its_memory_and_stays_exact_when_it_forgets(bpe):

@@ -102,7 +102,8 @@ class Tokenizer:
                 ids = cache.ids(text)
                 if special and self._specials is not None:
                     head, tail = self._specials
-                    ids = head + ids + tail
+                    if head or tail:  # most tokenizers add nothing around a text: no copy of its ids then
+                        ids = head + ids + tail
                 return ids
             return self._encode_long([text], add_special_tokens=special)[0].ids
         return self._tok.encode(text, add_special_tokens=special).ids
