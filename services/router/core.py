@@ -391,8 +391,9 @@ class Router:
     async def _dispatch(self, request: Admitted, rt: RequestTrace, tries: _Attempts) -> ChunkStream:
         """One attempt's route, planned and started (its chunk stream); the prompt's match is asked again only
         when the prompt grew (a migration carries the tokens streamed so far)."""
-        prompt = (request.packed if request.packed is not None and not tries.streamed  # for the keys and the
-                  else int32s(request.prompt + tuple(tries.streamed)))  # wire alike
+        # the prompt as int32, for the keys and the wire alike (the intake's packing serves one that did not grow)
+        packed = request.packed if not tries.streamed else None
+        prompt = packed if packed is not None else int32s(request.prompt + tuple(tries.streamed))
         route = rt.child("router.route", attrs={**({"kvmesh.retry": tries.retries} if tries.retries else {}),
                                                 **({"kvmesh.migration": tries.migrations} if tries.migrations else {})})
         try:

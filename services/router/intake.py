@@ -321,15 +321,12 @@ class Intake:
         (an id past it fails), then the least and the largest read off the packed array (4k ids: min and max of
         the tuple cost 0.1 ms, a Python loop ~1 ms)."""
         vocab = self.router.source.config.vocab_size
-        wrong = invalid(f"prompt token ids must be integers in [0, {vocab})")
         try:
-            packed = int32s(ids)
+            packed: array | None = int32s(ids)
         except OverflowError:
-            raise wrong from None
-        if packed:
-            least, largest = _bounds(packed)
-            if least < 0 or largest >= vocab:
-                raise wrong
+            packed = None
+        if packed is None or not _within(packed, vocab):
+            raise invalid(f"prompt token ids must be integers in [0, {vocab})")
         return packed
 
     async def token_ids(self, draft: Draft, generation: bool = True, special: bool = True) -> list[int]:
@@ -521,10 +518,10 @@ def truncated(prompt: P, keep: int, context: int) -> P:
     return prompt[-n:] if keep > 0 else prompt[:n]
 
 
-def _bounds(packed: array) -> tuple[int, int]:
-    """The least and the largest of int32 ids (not empty)."""
+def _within(packed: array, vocab: int) -> bool:
+    """Whether every one of the int32 ids is in ``[0, vocab)``."""
     ids = np.frombuffer(packed, dtype=np.int32)
-    return int(ids.min()), int(ids.max())
+    return not ids.size or bool(ids.min() >= 0 and ids.max() < vocab)
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
