@@ -40,7 +40,7 @@ from kvmesh.contracts.ids import (
     RequestId,
     TransferId,
 )
-from kvmesh.contracts.keys import Namespace, block_keys, block_keys_and_plain, int32s
+from kvmesh.contracts.keys import Namespace, block_keys, int32s
 from kvmesh.contracts.messages import PACKED_PROMPT, Heartbeat, KVReady, Message, RouterLoad
 from kvmesh.contracts.sampling import LOGITS, PROMPT_LOGPROBS, SPECIAL_TOKENS, SamplingParams, sampling_to_proto
 from kvmesh.contracts.shards import ShardMap, pool_entries
@@ -61,6 +61,7 @@ from services.router.intake import Admitted
 from services.router.loras import Adapters
 from services.router.match_batch import MatchBatcher
 from services.router.migration import Migration, Migrations
+from services.router.prompt_keys import PromptKeys
 from services.router.reasoning import THINK_TAIL, begins_inside
 from services.router.reasoning import enabled as reasoning_enabled
 from services.router.recent import RecentPrefixes, merged
@@ -188,6 +189,7 @@ class Router:
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
         self.recent = RecentPrefixes(self.cfg.recent_prefix_ttl_s)  # prompts sent, until the index has them
         self.hits = HitLedger(self.cfg.block_size)  # what it heard of each block: why a request missed
+        self.prompt_keys = PromptKeys(self.cfg.block_size)  # hashes only what a prompt adds to its namespace's last
         self.registry.on_drop = self._dropped
         self.metrics.watch(self.registry)
         self.metrics.watch_sessions(self.sessions)
@@ -398,7 +400,7 @@ class Router:
                                                 **({"kvmesh.migration": tries.migrations} if tries.migrations else {})})
         try:
             if tries.matched_for != len(prompt):
-                tries.keys, plain = block_keys_and_plain(tries.seed, prompt, self.cfg.block_size)
+                tries.keys, plain = self.prompt_keys(tries.seed, prompt)
                 matched = await self.matched_blocks(tries.keys, route, rt.attrs)
                 recent = self.recent.matched(tries.keys, [i.id for i in self.registry.alive()])
                 tries.matched = merged(matched, recent)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -63,18 +63,25 @@ def chain_key(parent: int, tokens: Iterable[int]) -> BlockKey:
 def block_keys_and_plain(seed: int, tokens: Iterable[int], block_size: int) -> tuple[list[BlockKey], list[BlockKey]]:
     """:func:`block_keys` under ``seed`` and under seed 0 (the namespace-free chain of the same tokens), from one
     conversion of ``tokens`` in one pass."""
-    data = memoryview(int32s(tokens)).cast("B")
+    keys: list[BlockKey] = []
+    plain: list[BlockKey] = []
+    chain_on(keys, plain, seed, int32s(tokens), block_size)
+    return keys, plain
+
+
+def chain_on(keys: list[BlockKey], plain: list[BlockKey], seed: int, data: array, block_size: int) -> None:
+    """Extend ``keys`` (under ``seed``) and ``plain`` (under 0), the chains of ``data``'s first ``len(keys)``
+    blocks, with the keys of its remaining full blocks (:func:`block_keys_and_plain` of all of ``data``)."""
+    view = memoryview(data).cast("B")
     stride = 4 * block_size
-    keys: list[int] = []
-    plain: list[int] = []
-    parent, bare = seed, 0
-    digest, key, bare_key = xxhash.xxh3_64_intdigest, keys.append, plain.append
-    for start in range(0, len(data) - stride + 1, stride):  # a 4k-token prompt: 256 blocks twice, per request
-        block = data[start:start + stride]
+    parent, bare = (keys[-1], plain[-1]) if keys else (seed, 0)
+    digest = cast(Callable[..., BlockKey], xxhash.xxh3_64_intdigest)  # BlockKey(k) is k: not called per block
+    key, bare_key = keys.append, plain.append
+    for start in range(len(keys) * stride, len(view) - stride + 1, stride):  # a 4k-token prompt: 256 blocks twice
+        block = view[start:start + stride]
         parent, bare = digest(block, seed=parent), digest(block, seed=bare)
         key(parent)
         bare_key(bare)
-    return cast(list[BlockKey], keys), cast(list[BlockKey], plain)  # BlockKey(k) is k: not called per block
 
 
 def block_keys(seed: int, tokens: Iterable[int], block_size: int) -> list[BlockKey]:
