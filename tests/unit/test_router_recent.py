@@ -38,10 +38,26 @@ def test_the_table_is_bounded_and_forgets_an_instance():
     r = RecentPrefixes(ttl_s=10.0, max_keys=4, clock=Clock())
     r.dispatched("a", [1, 2, 3])
     r.dispatched("b", [1, 2, 3])
-    # the oldest entries went first: the end of a's prompt, so a keeps its leading block
-    assert len(r) == 4 and r.matched([1, 2, 3], ["a", "b"]) == {"a": 1, "b": 3}
+    # the oldest dispatch went first, whole
+    assert len(r) == 3 and r.matched([1, 2, 3], ["a", "b"]) == {"b": 3}
+    r.dispatched("a", [1])
     r.forget("b")
-    assert r.matched([1, 2, 3], ["a", "b"]) == {"a": 1}
+    assert len(r) == 1 and r.matched([1, 2, 3], ["a", "b"]) == {"a": 1}
+
+
+def test_generations_go_whole_once_their_last_key_expired():
+    clock = Clock()
+    r = RecentPrefixes(ttl_s=8.0, clock=clock)
+    for t in range(8):  # one dispatch a second: a generation each 2 s
+        r.dispatched("a", [t, t + 100])
+        clock.now += 1.0
+    assert len(r._gens) == 4 and len(r) == 16
+    clock.now += 1.5  # the first two dispatches (one generation) stopped counting
+    assert r.matched([0], ["a"]) == {} and r.matched([2, 102], ["a"]) == {"a": 2}
+    assert len(r._gens) == 3 and len(r) == 12
+    r.dispatched("a", [2])  # renewed in the newest generation: counts when its old one goes
+    clock.now += 1.0
+    assert r.matched([2, 102], ["a"]) == {"a": 1} and r.expiry("a", 1) == 0.0 and r.expiry("a", 2) == 117.5
 
 
 def test_off_with_no_ttl_and_the_longer_match_wins():
@@ -80,7 +96,7 @@ def test_bisection_finds_what_a_block_by_block_scan_finds_on_chained_prompts():
             want = {}
             for inst in "ab":
                 n = 0
-                while n < len(keys) and (r._keys.get((inst, keys[n])) or 0) > clock.now:
+                while n < len(keys) and r.expiry(inst, keys[n]) > clock.now:
                     n += 1
                 if n:
                     want[inst] = n
