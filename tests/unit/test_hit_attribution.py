@@ -235,6 +235,17 @@ def test_namespaces_shared_over_a_range_counts_each_blocks_other_namespaces():
         ns.saw(rng.sample(plain, 5), rng.randrange(4))
     for seed in range(5):
         for lo, hi in [(0, 40), (7, 19), (35, 60), (10, 10)]:
-            others = {i: len(ns._seeds.get(plain[i], set()) - {seed}) for i in range(lo, min(hi, len(plain)))}
+            others = {i: len(ns.seeds(plain[i]) - {seed}) for i in range(lo, min(hi, len(plain)))}
             want = {i: n for i, n in others.items() if n}
             assert ns.shared(plain, seed, lo, hi) == want
+
+
+def test_namespaces_keep_what_was_seen_lately_within_their_bound():
+    ns = Namespaces(max_keys=10)
+    ns.saw(range(5), 1)  # the newer generation full: it becomes the older one
+    ns.saw([0], 2)  # seen again: back in the newer one, with both seeds
+    ns.saw(range(100, 104), 1)  # full again: 1-4 go, 0 stays
+    assert len(ns) <= 10 and ns.seeds(0) == {1, 2} and ns.seeds(1) == set() and ns.seeds(103) == {1}
+    for k in range(50):
+        ns.saw([k, 1000 + k], k % 3)
+        assert len(ns) <= 10 + 1  # the bound, and a prompt's keys more at most
