@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "user", "assistant", "tool")
 P = TypeVar("P", list[int], array)  # a prompt's ids as a list, or packed
+T = TypeVar("T")
 MAX_REQUEST_ID = 128
 
 
@@ -210,7 +211,8 @@ class Admitted:
     ``slo_ttft_s`` admits it, the engine's defaults schedule it). ``dispatch_id``: the id the instances know it
     by (``access.dispatch_id``: unique per request, whatever id the client chose; "" = ``request_id``).
     ``packed``: the prompt as int32 (``kvmesh.contracts.keys.int32s``), which the block keys and the wire take,
-    where the intake packed it checking token ids (a prompt given as text is packed where it is routed)."""
+    where the intake has it so: token ids as checking them packed them, a text as the tokenizer gave it (a chat's
+    prompt is packed where it is routed)."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -226,7 +228,7 @@ class Admitted:
     retention: tuple[RetentionRange, ...] = ()
     slo: SLO = NO_SLO
     dispatch_id: str = ""
-    packed: array | None = None  # ``prompt`` as int32 where the intake had it so (token ids); None: not yet
+    packed: array | None = None  # ``prompt`` as int32 where the intake had it so (token ids, text); None: not yet
 
 
 
@@ -304,7 +306,8 @@ class Intake:
         return (await self._prompt(draft))[0]
 
     async def _prompt(self, draft: Draft) -> tuple[list[int], array | None]:
-        """``prompt_ids``, and for token ids the same packed as int32, as checking them made it."""
+        """``prompt_ids``, and for token ids and text the same packed as int32 (as checking them, or the tokenizer,
+        made it)."""
         tok = self.router.tokenizer
         if draft.messages is not None:
             return await self._rendered(chat_messages(draft.messages), draft.tools, True, draft.template), None
@@ -313,7 +316,7 @@ class Intake:
         if draft.text is not None:
             if not draft.text.strip():
                 raise invalid("the prompt is blank (empty or whitespace): give the model some text")
-            return await self._tokenize(len(draft.text), tok.encode, draft.text), None
+            return await self._tokenize(len(draft.text), tok.encode_packed, draft.text)
         raise invalid("a prompt is required (text, token ids or messages)")
 
     def _packed(self, ids: tuple[int, ...]) -> array:
@@ -364,7 +367,7 @@ class Intake:
         except (ValueError, TemplateError) as e:
             raise invalid(f"the chat template cannot render these messages: {e}") from None
 
-    async def _tokenize(self, chars: int, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
+    async def _tokenize(self, chars: int, fn: Callable[[Any], T], arg: Any) -> T:
         """``fn(arg)`` here when the text is short (a thread hop costs more than it saves), else on the tokenize
         threads."""
         if chars < RELEASE_GIL_CHARS:

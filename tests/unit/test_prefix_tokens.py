@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from kvmesh.contracts.keys import int32s
 from kvmesh.model_source.prefix_tokens import PrefixTokens
 from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
 from tokenizers import Tokenizer as RawTokenizer
@@ -67,6 +68,8 @@ def test_every_text_gets_the_whole_texts_ids_whether_its_prefix_was_known_or_not
     for seed in range(3):
         for text in texts(seed):
             assert cache.ids(text) == encode([text])[0]
+            ids, packed = cache.ids_packed(text)  # the packed form joined from the table's packed parts
+            assert ids == encode([text])[0] and packed == int32s(ids).tobytes()
     assert cache.served > 50 and cache.reused_tokens > cache.encoded_tokens  # most of it from the table
 
 
@@ -156,7 +159,7 @@ def test_a_difference_seen_in_use_turns_the_cache_off_and_the_caller_gets_the_wh
     doc = "alpha beta gamma delta " * 300
     cache.ids(doc)
     second = doc + " more words"
-    assert cache.ids(second) == odd([second])[0]
+    assert cache.ids_packed(second) == (odd([second])[0], None)  # the parts' packed ids are not the whole's
     assert not cache.enabled and "differed from the whole" in cache.why_off
     assert "prefix token cache off" in caplog.text
     assert cache.ids(second) == odd([second])[0]
@@ -191,7 +194,11 @@ def test_the_tokenizer_adds_its_special_tokens_around_the_cached_ids(bpe, tmp_pa
     for text in texts(5)[:30]:
         assert fast.encode(text) == plain.encode(text)
         assert fast.encode(text)[0] == bpe.token_to_id("<|im_start|>")
+        for special in (True, False):
+            ids, packed = fast.encode_packed(text, special)
+            assert ids == plain.encode(text, special) and packed == int32s(ids)
     assert cache.served > 0
+    assert plain.encode_packed("a short one") == (plain.encode("a short one"), int32s(plain.encode("a short one")))
 
 
 def test_chat_prompts_through_the_byte_tokenizer_reuse_the_system_prompt(tmp_path):

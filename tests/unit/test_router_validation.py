@@ -342,6 +342,26 @@ def test_token_ids_in_the_vocabulary_are_the_prompt_and_come_packed_for_the_wire
     assert truncated(packed, -1, 100) == array("i", [0])
 
 
+def test_a_text_prompt_comes_packed_for_the_wire_as_the_tokenizer_gave_it(tmp_path):
+    import asyncio
+
+    from kvmesh.contracts.keys import int32s
+    from kvmesh.contracts.sampling import SamplingParams
+    from kvmesh.model_source.tokenizer import Tokenizer, save_byte_tokenizer
+
+    from services.router.intake import Draft
+
+    intake = _intake(300)
+    tok = intake.router.tokenizer = Tokenizer.from_dir(save_byte_tokenizer(tmp_path))
+    intake.router.tokenize_pool = None  # the loop's default executor
+    tok.reuse_prefixes(1 << 20)
+    system = "a system prompt of words " * 200
+    for text in ("short words", system + "first question", system + "second question"):
+        ids, packed = asyncio.run(intake._prompt(Draft(SamplingParams(), text=text)))
+        assert ids == tok.encode(text) and packed == int32s(ids)
+    assert tok.prefix_tokens is not None and tok.prefix_tokens.served >= 1
+
+
 @pytest.mark.parametrize(("prompt", "words"), [([1, True, 3], "token ids must be integers, not true or false"),
                                                ([False], "token ids must be integers, not true or false"),
                                                ([[1, True], "x"], "prompt[0] must be a string or a list of token ids")])

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvmesh.contracts.keys import int32s
+
 log = logging.getLogger(__name__)
 
 Encode = Callable[[list[str]], list[list[int]]]  # texts -> their ids, without special tokens, in order
@@ -61,11 +63,12 @@ _PROBES = (
 @dataclass(frozen=True)
 class _Node:
     """The ids of a text up to ``cut`` (characters): its parent's, then ``ids`` (the segment from the parent's
-    cut to this one, the table's own int objects: see ``PrefixTokens._interned``)."""
+    cut to this one, the table's own int objects: see ``PrefixTokens._interned``), also packed as int32."""
     cut: int
     parent: _Node | None
     ids: tuple[int, ...]
     tokens: int  # ids up to ``cut``
+    packed: bytes = b""  # ``ids`` as little-endian int32
 
     def all_ids(self) -> list[int]:
         """The ids up to ``cut``: the nodes' tuples joined, each id a reference to an int that exists already
@@ -80,8 +83,17 @@ class _Node:
             out += part
         return out
 
+    def all_packed(self) -> bytes:
+        """The ids up to ``cut`` packed as int32: the nodes' bytes joined (packing 3.5k ids costs ~25 us)."""
+        parts = []
+        node: _Node | None = self
+        while node is not None:
+            parts.append(node.packed)
+            node = node.parent
+        return b"".join(reversed(parts))
 
-_NODE_BYTES = 160  # a node's own objects, its dict entry and its key, beside 8 bytes an id (a reference)
+
+_NODE_BYTES = 200  # a node's own objects, its dict entry and its key, beside 12 bytes an id (a reference, int32)
 CHECK_BACKOFF = 16  # the checks' interval doubles after each clean one, up to this many times check_every
 
 
@@ -118,8 +130,13 @@ class PrefixTokens:
 
     def ids(self, text: str) -> list[int]:
         """The ids of ``text`` without special tokens, as ``encode`` gives them whole."""
+        return self.ids_packed(text)[0]
+
+    def ids_packed(self, text: str) -> tuple[list[int], bytes | None]:
+        """``ids``, and the same packed as little-endian int32 where the table served the text (None where it
+        did not: a short text, the table off)."""
         if not self.enabled or len(text) < 2 * self.chunk_chars:
-            return self._encode([text])[0]
+            return self._encode([text])[0], None
         keys = self._keys(text)
         depth, base = 0, None
         with self._lock:
@@ -133,10 +150,12 @@ class PrefixTokens:
             cuts.append(self._cut(text, (i + 1) * self.chunk_chars, cuts[-1]))
         starts = sorted(set(cuts))
         encoded = self._encode([text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])])
+        packs = [int32s(seg).tobytes() for seg in encoded]
         ids = base.all_ids() if base is not None else []
         for seg in encoded:
             ids.extend(seg)
-        self._remember(keys, depth, base, cuts, dict(zip(starts, encoded)))
+        packed = b"".join([base.all_packed() if base is not None else b"", *packs])
+        self._remember(keys, depth, base, cuts, dict(zip(starts, zip(encoded, packs))))
         if base is not None and base.tokens:
             self.served += 1
             self.reused_tokens += base.tokens
@@ -144,8 +163,9 @@ class PrefixTokens:
             if self.check_every and self.served >= self._next_check:
                 self._interval = min(2 * self._interval, CHECK_BACKOFF * self.check_every)
                 self._next_check = self.served + self._interval
-                return self._check(text, ids)
-        return ids
+                whole = self._check(text, ids)
+                return whole, packed if self.enabled else None
+        return ids, packed
 
     def clear(self) -> None:
         with self._lock:
@@ -181,7 +201,7 @@ class PrefixTokens:
     # -- the table ------------------------------------------------------------------------------------------------
 
     def _remember(self, keys: list[int], depth: int, base: _Node | None, cuts: list[int],
-                  encoded: dict[int, list[int]]) -> None:
+                  encoded: dict[int, tuple[list[int], bytes]]) -> None:
         """Key every chunk boundary past ``depth`` to the node of its cut point. The table's order puts a
         text's deeper boundaries before its shallower ones, so the least recently used entry to go is a
         leaf, never a prefix that deeper entries are reached through."""
@@ -191,9 +211,10 @@ class PrefixTokens:
             cut = cuts[i - depth + 1]
             cost = _NODE_BYTES
             if cut != node.cut:  # a new cut: the segment before it is the one encoded from the last cut
-                seg = self._interned(encoded[node.cut])
-                node = _Node(cut, node, seg, node.tokens + len(seg))
-                cost += _NODE_BYTES + 8 * len(seg)
+                ids, packed = encoded[node.cut]
+                seg = self._interned(ids)
+                node = _Node(cut, node, seg, node.tokens + len(seg), packed)
+                cost += _NODE_BYTES + 12 * len(seg)
             fresh.append((keys[i], node, cost))
         with self._lock:
             for key, n, cost in reversed(fresh):
@@ -208,7 +229,8 @@ class PrefixTokens:
 
     def _interned(self, ids: list[int]) -> tuple[int, ...]:
         """``ids`` as references to one int object per id value (``_ints``, grown to the largest id seen: 36 bytes
-        an id value, 7 MB for a 200k vocabulary), so a segment costs 8 bytes an id and not an int object each."""
+        an id value, 7 MB for a 200k vocabulary), so a segment costs 8 bytes an id (and 4 packed) and not an int
+        object each."""
         ints = self._ints
         if ids and (top := max(ids)) >= len(ints):
             with self._lock:
