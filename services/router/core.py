@@ -155,7 +155,7 @@ class Router:
         self._load_pending = False
         self._load_sent = 0.0  # time.monotonic() of the last load report
         # long prompts are tokenized here, off the event loop and several at once (the tokenizer releases the GIL)
-        self.tokenize_pool = ThreadPoolExecutor(cfg.tokenize_threads or os.cpu_count() or 1, "tokenize")
+        self.tokenize_pool = ThreadPoolExecutor(cfg.tokenize_threads or usable_cores(), "tokenize")
         self.sessions = Sessions(lambda msg: self.bus.publish(self.subjects.sessions, msg), cfg.session_affinity,
                                  cfg.session_overload, cfg.max_sessions,
                                  share=lambda msg: self.bus.publish(self.subjects.router_sessions, msg))
@@ -883,3 +883,11 @@ def _model_name(source: str | None, hf_dir: Path) -> str:
         return "SmolLM2-135M-Instruct"
     return Path(source).stem if Path(source).is_file() else Path(source).name
 
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, a container's cpuset), not the machine's
+    count (a router pinned to one core of two ran two tokenize threads, contending for one core)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1

@@ -43,3 +43,17 @@ def test_request_ids_are_random_128_bit_hex_and_never_repeat_across_batches() ->
     assert all(len(i) in (16, 32) and int(i, 16) >= 0 for i in got)
     assert len({i[0] for i in got}) > 8  # no fixed digit, as a uuid4's version nibble would be
     assert len(nonce()) == 16 and nonce() != nonce()
+
+
+def test_the_tokenize_threads_default_to_the_cores_the_router_may_run_on():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from services.router.core import usable_cores; print(usable_cores())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    assert out.stdout.strip() == "1"
+    from services.router.core import usable_cores
+    assert usable_cores() == len(os.sched_getaffinity(0))

@@ -564,7 +564,7 @@ class RouterSettings(Section):
                                                "until its KV events reach the index (0 = the index alone)")
     request_timeout_s: float = setting(600.0, "deadline of one request's Prefill and Decode calls")
     tokenize_threads: int = setting(0, "threads that tokenize long prompts off the event loop, several at once "
-                                       "(0 = one per CPU core)")
+                                       "(0 = one per CPU core this process may run on)")
     tokenize_cache_mb: int = setting(64, "memory for the token ids of prompts' leading parts (a system prompt, "
                                          "earlier turns), so a prompt that repeats one is tokenized only past it "
                                          "(same ids; 0 = tokenize every prompt whole)")
