@@ -14,7 +14,6 @@ path, body too large), is OpenAI's JSON error shape.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -290,7 +289,7 @@ class OpenAIApi:
             for i, (choice, cs) in enumerate(zip(choices, chunks, strict=True)):
                 choice["token_ids"] = [t for c in cs for t in c.token_ids]
                 (out if kind == "chat.completion" else choice)["prompt_token_ids"] = list(answer.prompts[i // n])
-        return web.json_response(out, headers=rt.headers())
+        return web.Response(body=openai_body.json_bytes(out), content_type="application/json", headers=rt.headers())
 
     def _choice(self, answer: Answer, index: int, chunks: list[Chunk], prompt: int = 0) -> dict[str, Any]:
         """One whole choice from its chunks (the last finished it), of prompt ``prompt`` (a batch's)."""
@@ -330,7 +329,8 @@ class OpenAIApi:
         await resp.prepare(request)
 
         async def send(obj: dict | str) -> None:
-            await resp.write(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
+            await resp.write(b"".join((b"data: ", obj.encode() if isinstance(obj, str) else openai_body.json_bytes(obj),
+                                       b"\n\n")))
 
         # return_token_ids (vLLM's shape): the prompt's ids once, in the first chunk (a chat's on the chunk, a
         # completion's on its choice), and each chunk's own token ids on its choice

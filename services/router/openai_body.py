@@ -480,6 +480,16 @@ def _kind(v: Any) -> str:
             float: "a number"}.get(type(v), type(v).__name__)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """``obj`` written as JSON: by orjson (a response's 4k prompt ids in ~10 us against json's ~100), or by json
+    where orjson refuses (an integer past 64 bits, a type it does not know). orjson writes no spaces, and NaN as
+    null where json writes NaN, which is no JSON."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        return json.dumps(obj).encode()
+
+
 def _fast_json(text: str) -> dict | None:
     """``text`` as orjson reads it, when that is a JSON object as json would read it; None otherwise: orjson
     refused it (no JSON, NaN, nesting past 1,024), it is no object, or a field's integer past 64 bits became a

@@ -389,3 +389,16 @@ def test_a_completions_batch_is_one_draft_per_prompt_and_a_bad_prompt_is_named()
         openai_body.draft({"prompt": ["x"] * 257}, False, {})
     with pytest.raises(RequestError, match="send one prompt with session_id, not a batch"):
         openai_body.draft({"prompt": ["a", "b"], "session_id": "s1"}, False, {})
+
+
+def test_responses_are_written_by_orjson_and_what_it_refuses_by_json():
+    import json
+
+    from services.router.openai_body import json_bytes
+
+    answer = {"id": "cmpl-1", "choices": [{"index": 0, "text": "héllo \u2028 \"q\"", "logprobs": None,
+                                           "prompt_token_ids": list(range(4096)), "top": {1: -0.5, "a": -9999.0}}],
+              "usage": {"prompt_tokens": 4096, "completion_tokens": 1}}
+    assert json.loads(json_bytes(answer)) == json.loads(json.dumps(answer))  # int keys become strings, as json's
+    huge = {"seed": 2**70, "ids": (1, 2)}
+    assert json_bytes(huge) == json.dumps(huge).encode()  # past 64 bits: json writes it
