@@ -189,7 +189,7 @@ class Router:
         self.registry = Registry(self.cfg.instance_timeout_s, self.cfg.block_size, self.source.fingerprint)
         self.recent = RecentPrefixes(self.cfg.recent_prefix_ttl_s)  # prompts sent, until the index has them
         self.hits = HitLedger(self.cfg.block_size)  # what it heard of each block: why a request missed
-        self.prompt_keys = PromptKeys(self.cfg.block_size)  # hashes only what a prompt adds to its namespace's last
+        self.prompt_keys = PromptKeys(self.cfg.block_size)  # hashes what a prompt adds to the last that began alike
         self.registry.on_drop = self._dropped
         self.metrics.watch(self.registry)
         self.metrics.watch_sessions(self.sessions)

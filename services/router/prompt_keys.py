@@ -8,7 +8,7 @@ prompt, a conversation's earlier turns, an agent's transcript. Block keys are ch
 n keys: :class:`PromptKeys` keeps the last prompt's tokens and keys per first block key (a namespace's prompts that
 start alike: one system prompt's, one conversation's), finds where the new prompt's tokens first differ from that
 one's (one numpy comparison), takes the keys before that block and hashes the rest. Same keys as
-``block_keys_and_plain`` (checked by the tests); at most ``capacity_bytes`` kept, the least recently used namespace
+``block_keys_and_plain`` (checked by the tests); at most ``capacity_bytes`` kept, the least recently used prompt
 first out.
 """
 
@@ -29,6 +29,7 @@ _ENTRY_BYTES = 400  # an entry's own objects and its table slot
 
 @dataclass(frozen=True)
 class _Last:
+    seed: int
     tokens: np.ndarray  # int32, a copy of the prompt
     keys: list[BlockKey]
     plain: list[BlockKey]
@@ -60,6 +61,8 @@ class PromptKeys:
         last = self._last.pop(first, None)
         if last is not None:
             self.bytes -= last.cost
+            if last.seed != seed:  # another namespace's first key equal to this one's: nothing of it is this one's
+                last = None
         shared = _shared_blocks(last.tokens, tokens, self.block_size) if last is not None else 0
         keys = last.keys[:shared] if last is not None else []
         plain = last.plain[:shared] if last is not None else []
@@ -67,7 +70,7 @@ class PromptKeys:
         self.reused_blocks += shared
         self.hashed_blocks += len(keys) - shared
         if self.capacity_bytes > 0:
-            entry = _Last(tokens.copy(), list(keys), list(plain))  # the caller's lists are the caller's
+            entry = _Last(seed, tokens.copy(), list(keys), list(plain))  # the caller's lists are the caller's
             if entry.cost <= self.capacity_bytes:
                 self._last[first] = entry
                 self.bytes += entry.cost

@@ -1,5 +1,6 @@
 """The router's prompt key memo: every answer equal to hashing the prompt whole."""
 
+import dataclasses
 import random
 
 import pytest
@@ -80,3 +81,13 @@ def test_prompts_of_several_system_prompts_in_one_namespace_interleaved_each_reu
         for system in systems:
             _check(memo, 9, system + [turn] * 20)
     assert memo.hashed_blocks == 3 * 9 + 15 * 1 and memo.reused_blocks == 15 * 8 and len(memo) == 3
+
+
+def test_an_entry_under_another_seed_is_never_reused_even_at_the_same_first_key():
+    memo = PromptKeys(4)
+    tokens = list(range(40))
+    memo(1, int32s(tokens))
+    first = next(iter(memo._last))
+    memo._last[first] = dataclasses.replace(memo._last[first], seed=2)  # as if seed 2's first key were seed 1's
+    _check(memo, 1, tokens)  # keyed alike, but its keys are another namespace's: hashed again
+    assert memo.reused_blocks == 0
