@@ -211,8 +211,8 @@ class Admitted:
     ``slo_ttft_s`` admits it, the engine's defaults schedule it). ``dispatch_id``: the id the instances know it
     by (``access.dispatch_id``: unique per request, whatever id the client chose; "" = ``request_id``).
     ``packed``: the prompt as int32 (``kvmesh.contracts.keys.int32s``), which the block keys and the wire take,
-    where the intake has it so: token ids as checking them packed them, a text as the tokenizer gave it (a chat's
-    prompt is packed where it is routed)."""
+    where the intake has it so: token ids as checking them packed them, a text or a chat as the tokenizer gave it
+    (a prompt that grew, in a migration or a resume, is packed where it is routed)."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -228,7 +228,7 @@ class Admitted:
     retention: tuple[RetentionRange, ...] = ()
     slo: SLO = NO_SLO
     dispatch_id: str = ""
-    packed: array | None = None  # ``prompt`` as int32 where the intake had it so (token ids, text); None: not yet
+    packed: array | None = None  # ``prompt`` as int32 where the intake had it so; None: not yet
 
 
 
@@ -306,11 +306,10 @@ class Intake:
         return (await self._prompt(draft))[0]
 
     async def _prompt(self, draft: Draft) -> tuple[list[int], array | None]:
-        """``prompt_ids``, and for token ids and text the same packed as int32 (as checking them, or the tokenizer,
-        made it)."""
+        """``prompt_ids``, and the same packed as int32 (as checking token ids, or the tokenizer, made it)."""
         tok = self.router.tokenizer
         if draft.messages is not None:
-            return await self._rendered(chat_messages(draft.messages), draft.tools, True, draft.template), None
+            return await self._rendered_packed(chat_messages(draft.messages), draft.tools, draft.template)
         if draft.token_ids is not None:
             return list(draft.token_ids), self._packed(draft.token_ids)
         if draft.text is not None:
@@ -356,14 +355,25 @@ class Intake:
                         template: TemplateArgs | None = None) -> list[int]:
         """``chat`` (with the ``tools`` offered) rendered by the chat template and tokenized; ``generation``:
         the whole prompt (rendered as ``template`` asks), or not (a part of it: no turn opened, never cut)."""
+        tok = self.router.tokenizer
+        return await self._chat(chat, tools, generation, template, lambda text: tok.encode(text, False))
+
+    async def _rendered_packed(self, chat: list[dict[str, Any]], tools: Tools | None,
+                               template: TemplateArgs | None) -> tuple[list[int], array]:
+        """A chat's whole prompt (``_rendered``), and the same packed as int32 as the tokenizer gave it."""
+        tok = self.router.tokenizer
+        return await self._chat(chat, tools, True, template, lambda text: tok.encode_packed(text, False))
+
+    async def _chat(self, chat: list[dict[str, Any]], tools: Tools | None, generation: bool,
+                    template: TemplateArgs | None, encode: Callable[[str], T]) -> T:
         t = template or TemplateArgs()
         chat, offered = for_template(chat, tools, self.router.tokenizer, self.router.tool_format)
-        render = functools.partial(self.router.tokenizer.apply_chat_template,
+        render = functools.partial(self.router.tokenizer.render_chat,
                                    add_generation_prompt=generation and t.generation, tools=offered,
                                    continue_final_message=generation and t.continue_final, extra=dict(t.kwargs))
         chars = sum(len(m["content"]) for m in chat) + len(json.dumps(offered) if offered else "")
         try:
-            return await self._tokenize(chars, render, chat)
+            return await self._tokenize(chars, lambda c: encode(render(c)), chat)
         except (ValueError, TemplateError) as e:
             raise invalid(f"the chat template cannot render these messages: {e}") from None
 

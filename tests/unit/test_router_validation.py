@@ -342,7 +342,7 @@ def test_token_ids_in_the_vocabulary_are_the_prompt_and_come_packed_for_the_wire
     assert truncated(packed, -1, 100) == array("i", [0])
 
 
-def test_a_text_prompt_comes_packed_for_the_wire_as_the_tokenizer_gave_it(tmp_path):
+def test_a_text_or_chat_prompt_comes_packed_for_the_wire_as_the_tokenizer_gave_it(tmp_path):
     import asyncio
 
     from kvmesh.contracts.keys import int32s
@@ -359,7 +359,14 @@ def test_a_text_prompt_comes_packed_for_the_wire_as_the_tokenizer_gave_it(tmp_pa
     for text in ("short words", system + "first question", system + "second question"):
         ids, packed = asyncio.run(intake._prompt(Draft(SamplingParams(), text=text)))
         assert ids == tok.encode(text) and packed == int32s(ids)
-    assert tok.prefix_tokens is not None and tok.prefix_tokens.served >= 1
+    served = tok.prefix_tokens.served if tok.prefix_tokens is not None else 0
+    assert served >= 1
+    intake.router.tool_format = None
+    for question in ("first question", "second question"):  # a chat: rendered, then tokenized and packed alike
+        chat = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        ids, packed = asyncio.run(intake._prompt(Draft(SamplingParams(), messages=chat)))
+        assert ids == tok.apply_chat_template(chat) and packed == int32s(ids)
+    assert tok.prefix_tokens.served > served
 
 
 @pytest.mark.parametrize(("prompt", "words"), [([1, True, 3], "token ids must be integers, not true or false"),

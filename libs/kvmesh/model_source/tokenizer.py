@@ -139,7 +139,16 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
         extra: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The model's chat template rendered and tokenized (the template writes its own special tokens).
+        """The model's chat template rendered (``render_chat``) and tokenized."""
+        return self._ids(self.render_chat(messages, add_generation_prompt, tools, continue_final_message, extra),
+                         False)[0]
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """The model's chat template rendered, to be tokenized without special tokens (the template writes its own).
         ``tools``: the functions offered (``{"type": "function", "function": {...}}``), for a template that reads
         them (``takes_tools``). ``continue_final_message``: the text ends where the last message's content does
         (no end of turn after it: the model goes on with it), as transformers cuts it. ``extra``: more variables
@@ -161,7 +170,7 @@ class Tokenizer:
                 raise ValueError("the chat template does not write the last message's content as given, so it "
                                  "cannot be continued")
             text = text[:end + len(final)]
-        return self._ids(text, False)[0]
+        return text
 
     @property
     def takes_tools(self) -> bool:
