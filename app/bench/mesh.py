@@ -25,6 +25,7 @@ from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.settings import EngineSettings
 
 from app.bench.report import markdown_table, publish
+from app.bench.serve import sse_text
 from app.bench.stats import percentile, quantiles
 from app.launcher import Stack, StackOptions
 
@@ -51,8 +52,8 @@ def stream_ttft(port: int, question: str, max_tokens: int) -> tuple[float, float
     ttft = None
     with urllib.request.urlopen(req, timeout=120) as r:
         for line in r:
-            if line.startswith(b"data: ") and b'"content": "' in line and b'"content": ""' not in line:
-                ttft = ttft or time.perf_counter() - t0
+            if ttft is None and sse_text(line):
+                ttft = time.perf_counter() - t0
     return (ttft or time.perf_counter() - t0), time.perf_counter() - t0
 
 

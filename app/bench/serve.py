@@ -92,6 +92,15 @@ def request_body(model: str, messages: list[dict] | None, turn: wl.Turn, opts: R
     return body
 
 
+def sse_text(line: bytes) -> str:
+    """The text one line of an OpenAI event stream carries: its first choice's delta (a chat) or text (a
+    completion); "" for any other line (``[DONE]``, a role-only or usage chunk, a blank line)."""
+    if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
+        return ""
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return _chunk_text(choices[0])
+
+
 def _chunk_text(choice: dict) -> str:
     delta = choice.get("delta")
     if isinstance(delta, dict):

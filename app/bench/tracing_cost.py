@@ -30,6 +30,7 @@ from pathlib import Path
 from kvmesh.telemetry.spans import read_spans, roots, trace_file
 
 from app.bench.report import markdown_table, publish
+from app.bench.serve import sse_text
 from app.bench.stats import percentile
 from app.launcher import Stack, StackOptions
 
@@ -61,8 +62,7 @@ def stream_ttft(port: int, q: str, max_tokens: int, sampled: bool = True) -> flo
     ttft = None
     with urllib.request.urlopen(req, timeout=120) as r:
         for line in r:
-            if ttft is None and line.startswith(b"data: ") and b'"content": "' in line \
-                    and b'"content": ""' not in line:
+            if ttft is None and sse_text(line):
                 ttft = time.perf_counter() - t0
     return ttft or time.perf_counter() - t0
 

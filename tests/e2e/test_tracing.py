@@ -14,6 +14,8 @@ import pytest
 from kvmesh.telemetry.spans import find, read_spans, trace_file
 from kvmesh.telemetry.waterfall import waterfall
 
+from app.bench.serve import sse_text
+
 pytestmark = pytest.mark.slow
 
 CALLER_TRACE, CALLER_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
@@ -30,7 +32,7 @@ def stream_chat(stack, question: str, max_tokens: int = 8, headers: dict | None 
     with urllib.request.urlopen(req, timeout=120) as r:
         got = dict(r.headers)
         for line in r:
-            if ttft is None and b'"content": "' in line and b'"content": ""' not in line:
+            if ttft is None and sse_text(line):
                 ttft = time.perf_counter() - t0
     assert ttft is not None
     return ttft, got

@@ -212,3 +212,15 @@ def test_progress_is_silent_when_quiet_or_stderr_is_not_a_terminal(monkeypatch, 
         bar.update(rec)
     bar.close()
     assert out.getvalue() == ""
+
+
+def test_an_event_streams_text_is_read_from_its_json_however_it_is_spaced():
+    from app.bench.serve import sse_text
+
+    for line in (b'data: {"choices":[{"index":0,"delta":{"content":"Par"}}]}\n',
+                 b'data: {"choices": [{"index": 0, "delta": {"content": "Par"}}]}\n'):
+        assert sse_text(line) == "Par"
+    assert sse_text(b'data: {"choices":[{"text":" x","index":0}]}') == " x"  # a completion's
+    for line in (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n', b"data: [DONE]\n", b"\n",
+                 b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n', b": keep-alive\n"):
+        assert sse_text(line) == ""
