@@ -54,9 +54,16 @@ class FakeTokenizer:
 
     takes_tools = takes_tool_calls = False
 
+    def render_chat(self, messages, add_generation_prompt=True, tools=None, continue_final_message=False,
+                    extra=None):
+        return "a" * sum(len(m["content"]) + 1 for m in messages) + ("b" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens=True):
+        return [1 if c == "a" else 2 for c in text]
+
     def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, continue_final_message=False,
                             extra=None):
-        return [1] * sum(len(m["content"]) + 1 for m in messages) + ([2] if add_generation_prompt else [])
+        return self.encode(self.render_chat(messages, add_generation_prompt), False)
 
 
 class FakeRouter:
