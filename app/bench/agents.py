@@ -16,13 +16,16 @@ all are back, with their results in its context. Responses are forced tool calls
 step's a short answer; each response joins the context as its token ids (``return_token_ids``), before the
 tool's output.
 
-``hints``: the same workload on a fresh stack per run, the arms one after the other in the order A B B A
-(``--rounds`` times: a drift in the machine's load weighs on both alike), each arm's runs pooled. The arms do not
+``hints``: the same workload on a fresh stack per run, the arms one after the other in the order A B C C B A
+(``--rounds`` times: a drift in the machine's load weighs on every arm alike), each arm's runs pooled. The arms do not
 run at the same time: two stacks side by side put four one-thread engines on this machine's two cores, and every
 resumed step's TTFT became queueing behind the other stack (16-18 s at p50), which no hint can remove.
 "without hints": requests carry no session fields (routing is cache-aware only, eviction ranks as its base
-strategies). "with hints": every request carries its ``session_id`` (sub-agents their ``parent_session_id``), the
-pause its tool will take as the harness knows it (``session_pause_s``: the tool kind's median),
+strategies: ``duel`` on the engines, LRU in the pool). "without hints, default eviction": the same on the eviction
+an install runs unless told otherwise (LRU on the engines' tiers and in the pool), what a client that sends no
+hints meets on a stack set up without them. "with hints": every request carries its ``session_id`` (sub-agents
+their ``parent_session_id``), the pause its tool will take as the harness knows it (``session_pause_s``: the tool
+kind's median),
 ``session_retention: demote`` before a long tool (a build; the device goes to the other agents meanwhile) and the
 last step's ``session_end``.
 
@@ -61,7 +64,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from kvmesh.contracts.keys import block_keys
-from kvmesh.contracts.names import PrefillOrder
+from kvmesh.contracts.names import Eviction, PrefillOrder
 from kvmesh.routing.hits import belady_hits, infinite_cache_hits
 
 from app.bench.report import load_average, markdown_table, publish
@@ -70,6 +73,7 @@ from app.bench.stats import RequestRecord, percentile
 SECTION = "Agents on the stack"
 SECTION_OVERLOAD = "Agents on the stack, one instance overloaded"
 SECTION_ORDER = "Agents on the stack: least work first vs arrival"
+DEFAULTS_ARM = "without hints, default eviction (lru)"
 VOCAB = 49152  # SmolLM2's
 BLOCK = 16
 TOOL_CALL = '<tool_call>{"name": "run", "arguments": {}}</tool_call>'
@@ -275,7 +279,7 @@ def _scrape(url: str) -> str:
 
 
 def run(mode: str, systems: list[tuple[int, ...]], agents: list[Agent], hints: str, overload: int | None = None,
-        hog: bool = False, engine: dict[str, Any] | None = None) -> Run:
+        hog: bool = False, engine: dict[str, Any] | None = None, pool: dict[str, Any] | None = None) -> Run:
     from app.launcher import Stack, StackOptions
 
     result = Run(mode)
@@ -283,7 +287,7 @@ def run(mode: str, systems: list[tuple[int, ...]], agents: list[Agent], hints: s
     router = {"session_overload": overload, "session_move_margin_s": 1e6 if overload >= 1000 else 0.25} \
         if overload is not None else {}
     opts = StackOptions.local(f"agents{abs(hash(mode)) % 10_000}", prefill=0, decode=0, both=2, pool=True,
-                              settings={"engine": {**ENGINE, **(engine or {})}, "cachesvc": dict(POOL),
+                              settings={"engine": {**ENGINE, **(engine or {})}, "cachesvc": {**POOL, **(pool or {})},
                                         "router": router})
     with tempfile.TemporaryDirectory(prefix="kvmesh-agents-") as d:
         stack = Stack(Path(d), opts)
@@ -347,10 +351,9 @@ def pooled(runs: list[Run]) -> Run:
 
 
 def abba(arms: list[str], rounds: int) -> list[str]:
-    """The order the arms run in: A B B A, ``rounds`` times (a linear drift in the machine's load falls on both
-    alike)."""
-    a, b = arms
-    return [a, b, b, a] * rounds
+    """The order the arms run in: A B B A (three arms: A B C C B A), ``rounds`` times (a linear drift in the
+    machine's load falls on every arm alike)."""
+    return [*arms, *reversed(arms)] * rounds
 
 
 def row(runs: list[Run]) -> dict[str, Any]:
@@ -414,8 +417,8 @@ def _ratio(arms: list[list[Run]], q: int) -> str:
     return f"{r:.2f}x" + (f" (95% interval over runs {span[0]:.2f}-{span[1]:.2f}x)" if span else "")
 
 
-def describe(tasks: int, steps: int, rounds: int, load0: str, order: str) -> str:
-    """The run's setup in words; ``order``: the engines' prefill order in words."""
+def describe(tasks: int, steps: int, rounds: int, load0: str, order: str, arms: int = 2) -> str:
+    """The run's setup in words; ``order``: the engines' prefill order in words; ``arms``: how many take turns."""
     tools = ", ".join(f"{k} ~{m:g} s ({w:.0%})" for k, (m, _, w) in TOOLS.items())
     return (f"{tasks} agent tasks of {steps} steps, started 2 s apart, two agent kinds (a 256-token system prompt "
             f"each), 96 tokens of instructions, then a step's response (its token ids) and 64 tokens of tool output "
@@ -423,10 +426,11 @@ def describe(tasks: int, steps: int, rounds: int, load0: str, order: str) -> str
             f"at {MAX_TOOL_S:g} s; every other task forks 2 sub-agents of 2 steps after its second step. Stack: 2 "
             f"role-both instances of the default model (1 thread each, {ENGINE['num_blocks']} device blocks = "
             f"{ENGINE['num_blocks'] * BLOCK} tokens each, {ENGINE['host_cache_mb']} MB host tier, a "
-            f"{POOL['pool_capacity_mb']} MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}; "
-            f"prefill order {order}). "
-            f"A fresh stack per run; the arms one after the other in the order A B B A, {rounds} time(s), each "
-            f"arm's {2 * rounds} runs pooled. Resumed steps: every step after an agent's first. Optimum: each "
+            f"{POOL['pool_capacity_mb']} MB pool; eviction {ENGINE['eviction']} / pool {POOL['pool_eviction']}"
+            + (f", in the default-eviction arm {Eviction.LRU} / {Eviction.LRU}" if arms > 2 else "")
+            + f"; prefill order {order}). A fresh stack per run; the arms one after the other in the order "
+            f"{' '.join(abba(list('ABC'[:arms]), 1))}, {rounds} time(s), each arm's {2 * rounds} runs pooled. "
+            f"Resumed steps: every step after an agent's first. Optimum: each "
             f"run's stream through an offline cache (Belady over the fleet's {2 * ENGINE['num_blocks']} device "
             f"blocks / unbounded). Load average {load0} at the start, {load_average()} at the end (the machine is "
             f"shared: TTFTs move with it).")
@@ -451,11 +455,17 @@ def bench_hints(tasks: int, steps: int, seed: int, rounds: int, order: str = str
     systems, agents = workload(tasks, steps, seed)
     load0 = load_average()
     common = {"systems": systems, "agents": agents, "engine": {"prefill_order": order}}
-    arms = in_turn([("without hints", {**common, "hints": "none"}), ("with hints", {**common, "hints": "full"})],
-                   rounds)
-    return (describe(tasks, steps, rounds, load0, order) + "\n\n" + markdown_table([row(r) for r in arms], COLUMNS)
-            + f"\n\nWith hints / without: resumed steps' TTFT p50 {_ratio(arms, 50)}, p90 {_ratio(arms, 90)}."
-            + _errors(arms))
+    defaults = {**common, "hints": "none", "engine": {"prefill_order": order, "eviction": str(Eviction.LRU)},
+                "pool": {"pool_eviction": str(Eviction.LRU)}}
+    without, lru, hinted = in_turn([("without hints", {**common, "hints": "none"}),
+                                    (DEFAULTS_ARM, defaults),
+                                    ("with hints", {**common, "hints": "full"})], rounds)
+    return (describe(tasks, steps, rounds, load0, order, arms=3) + "\n\n"
+            + markdown_table([row(r) for r in (without, lru, hinted)], COLUMNS)
+            + f"\n\nWith hints / without: resumed steps' TTFT p50 {_ratio([without, hinted], 50)}, p90 "
+            f"{_ratio([without, hinted], 90)}. With hints / without hints on the default eviction: p50 "
+            f"{_ratio([lru, hinted], 50)}, p90 {_ratio([lru, hinted], 90)}."
+            + _errors([without, lru, hinted]))
 
 
 def bench_overload(tasks: int, steps: int, seed: int, rounds: int, order: str = str(PrefillOrder.ARRIVAL)) -> str:

@@ -4,12 +4,16 @@ from app.bench.agents import Run, Sent, _ratio, abba, interval, optimum, pooled,
 from app.bench.stats import RequestRecord
 
 
-def test_the_arms_run_one_after_the_other_a_b_b_a():
+def test_the_arms_run_one_after_the_other_a_b_b_a_and_back():
     assert abba(["none", "full"], 1) == ["none", "full", "full", "none"]
     order = abba(["none", "full"], 2)
     assert order.count("none") == order.count("full") == 4
     # a load that drifts linearly through the runs weighs on both arms alike: their mean positions are equal
     assert sum(i for i, m in enumerate(order) if m == "none") == sum(i for i, m in enumerate(order) if m == "full")
+    # three arms (the hints scenario's defaults arm): A B C C B A, each arm's mean position the same
+    three = abba(["none", "lru", "full"], 2)
+    assert three[:6] == ["none", "lru", "full", "full", "lru", "none"]
+    assert len({sum(i for i, m in enumerate(three) if m == arm) for arm in ("none", "lru", "full")}) == 1
 
 
 def _run(mode, ttfts, cached, prompt=64, prefetch=1):
