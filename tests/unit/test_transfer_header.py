@@ -18,7 +18,7 @@ from kvmesh.transfer.header import (
     negotiate,
     parse_versions,
 )
-from kvmesh.transfer.wire import Address, flat_bytes, parse_address
+from kvmesh.transfer.wire import REPLY_PREFIX, Address, Reply, decode_reply, encode_reply, flat_bytes, parse_address
 
 from tests.wire_next import NEXT, NextCodec, Recording
 
@@ -268,3 +268,11 @@ def test_checksums_of_a_layer_group_part_cover_each_blocks_slice() -> None:
     assert corrupt_blocks(h, memoryview(payload)) == []
     payload[stride + 3] ^= 1
     assert corrupt_blocks(h, memoryview(payload)) == [1]
+
+
+@pytest.mark.parametrize(("kind", "read"), [("checksum", Refusal.CHECKSUM), ("idle", Refusal.IDLE),
+                                            ("from-a-newer-peer", Refusal.OTHER), (None, Refusal.OTHER),
+                                            (7, Refusal.OTHER)])
+def test_a_reply_reads_its_refusal_kind_and_one_it_does_not_know_as_other(kind, read) -> None:
+    assert decode_reply(json.dumps({"ok": False, "reason": "r", "kind": kind}).encode()) == Reply(False, "r", read)
+    assert decode_reply(encode_reply(Reply(True))[REPLY_PREFIX.size:]) == Reply(True)
